@@ -1,0 +1,1 @@
+//! legion-cluster: the `legion-rs` command-line tool.

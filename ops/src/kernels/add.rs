@@ -1,0 +1,1 @@
+//! add kernels (being written).

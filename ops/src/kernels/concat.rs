@@ -1,0 +1,1 @@
+//! concat kernels (being written).

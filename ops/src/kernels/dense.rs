@@ -1,0 +1,1 @@
+//! dense kernels (being written).

@@ -1,0 +1,1 @@
+//! dropout kernels (being written).

@@ -1,0 +1,1 @@
+//! gemm kernels (being written).

@@ -1,0 +1,1 @@
+//! pool2d kernels (being written).

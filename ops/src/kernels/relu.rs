@@ -1,0 +1,1 @@
+//! relu kernels (being written).

@@ -1,0 +1,1 @@
+//! softmax_ce kernels (being written).

@@ -1,0 +1,81 @@
+use super::{Activation, Flops, Init, OpSpec, ParamSpec, expect_rank};
+use crate::shape::{Dim, Rect, Shape};
+use serde::{Deserialize, Serialize};
+
+/// Fully connected layer over `(N, in_features)`. Weight is `(out_features, in_features)` as in PyTorch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dense {
+    pub out_features: usize,
+    #[serde(default = "yes")]
+    pub bias: bool,
+    #[serde(default)]
+    pub activation: Activation,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Dense {
+    pub fn new(out_features: usize) -> Dense {
+        Dense {
+            out_features,
+            bias: true,
+            activation: Activation::None,
+        }
+    }
+
+    pub fn relu(mut self) -> Self {
+        self.activation = Activation::Relu;
+        self
+    }
+
+    pub fn no_bias(mut self) -> Self {
+        self.bias = false;
+        self
+    }
+}
+
+impl OpSpec for Dense {
+    fn infer_shape(&self, inputs: &[Shape]) -> Result<Shape, String> {
+        let x = expect_rank(inputs, 2, "N,C; add a flatten before a dense layer")?;
+        if self.out_features == 0 {
+            return Err("out_features must be positive".into());
+        }
+        Ok(Shape::nc(x.dim(0), self.out_features))
+    }
+
+    fn params(&self, inputs: &[Shape]) -> Vec<ParamSpec> {
+        let fan_in = inputs[0].dim(1);
+        let mut p = vec![ParamSpec::trainable(
+            "weight",
+            Shape::nc(self.out_features, fan_in),
+            Init::HeUniform { fan_in },
+        )];
+        if self.bias {
+            p.push(ParamSpec::trainable(
+                "bias",
+                Shape::new(&[self.out_features]),
+                Init::BiasUniform { fan_in },
+            ));
+        }
+        p
+    }
+
+    fn flops(&self, inputs: &[Shape], output: &Shape) -> Flops {
+        let macs = output.numel() as u64 * inputs[0].dim(1) as u64;
+        Flops {
+            forward: 2 * macs + output.numel() as u64,
+            backward: 4 * macs + 2 * output.numel() as u64,
+        }
+    }
+
+    fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {
+        &[Dim::N, Dim::C]
+    }
+
+    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+        vec![Rect::new(&[out.lo[0], 0], &[out.hi[0], inputs[0].dim(1)])]
+    }
+}

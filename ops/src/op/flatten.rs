@@ -1,0 +1,33 @@
+use super::{Flops, OpSpec};
+use crate::shape::{Dim, Rect, Shape};
+use serde::{Deserialize, Serialize};
+
+/// `(N, C, H, W)` → `(N, C·H·W)`. Only the sample dim can be split: a feature range of the output is
+/// not a box of the input.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Flatten {}
+
+impl OpSpec for Flatten {
+    fn infer_shape(&self, inputs: &[Shape]) -> Result<Shape, String> {
+        let x = inputs[0];
+        if x.ndim() < 2 {
+            return Err(format!("input has {} dims, expected at least 2", x.ndim()));
+        }
+        Ok(Shape::nc(x.dim(0), x.numel() / x.dim(0)))
+    }
+
+    fn flops(&self, _inputs: &[Shape], _output: &Shape) -> Flops {
+        Flops::default()
+    }
+
+    fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {
+        &[Dim::N]
+    }
+
+    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+        let x = inputs[0];
+        let full = x.full_rect();
+        vec![full.with_axis(0, out.lo[0], out.hi[0])]
+    }
+}

@@ -1,0 +1,235 @@
+//! The op catalogue: one file per op with its attributes, shape inference, parameters, FLOPs,
+//! parallelizable dims and projection. Kernels live in `crate::kernels`.
+//!
+//! The projection (output tile → input rects) is the single source of truth for both the planner's
+//! transfer costs and the runtime's copies, so it is defined here, next to the op, and nowhere else.
+
+mod add;
+mod batch_norm;
+mod concat;
+mod conv2d;
+mod dense;
+mod dropout;
+mod flatten;
+mod input;
+mod pool2d;
+mod relu;
+mod softmax_ce;
+
+pub use add::Add;
+pub use batch_norm::BatchNorm;
+pub use concat::Concat;
+pub use conv2d::Conv2d;
+pub use dense::Dense;
+pub use dropout::Dropout;
+pub use flatten::Flatten;
+pub use input::Input;
+pub use pool2d::{Pool2d, PoolKind};
+pub use relu::Relu;
+pub use softmax_ce::SoftmaxCrossEntropy;
+
+use crate::shape::{Dim, Rect, Shape};
+use serde::{Deserialize, Serialize};
+
+/// Activation fused into a conv or dense layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    #[default]
+    None,
+    Relu,
+}
+
+/// How a parameter is initialised from the seeded generator.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Uniform in ±sqrt(6 / fan_in) (He/Kaiming uniform, suited to ReLU networks).
+    HeUniform {
+        fan_in: usize,
+    },
+    /// Uniform in ±1/sqrt(fan_in) (PyTorch's default for biases).
+    BiasUniform {
+        fan_in: usize,
+    },
+    Zeros,
+    Ones,
+}
+
+/// A parameter (trainable) or buffer (state such as batch-norm running statistics) of a layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    /// Suffix of the tensor name: `weight`, `bias`, `running_mean` ... (full name is `layer.suffix`).
+    pub suffix: &'static str,
+    pub shape: Shape,
+    pub init: Init,
+    pub trainable: bool,
+}
+
+impl ParamSpec {
+    pub fn trainable(suffix: &'static str, shape: Shape, init: Init) -> ParamSpec {
+        ParamSpec {
+            suffix,
+            shape,
+            init,
+            trainable: true,
+        }
+    }
+
+    pub fn buffer(suffix: &'static str, shape: Shape, init: Init) -> ParamSpec {
+        ParamSpec {
+            suffix,
+            shape,
+            init,
+            trainable: false,
+        }
+    }
+}
+
+/// Floating-point operations of one layer over the whole batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flops {
+    pub forward: u64,
+    pub backward: u64,
+}
+
+/// What every op declares. `inputs` are the shapes of the layer's inputs, in order.
+pub trait OpSpec {
+    /// Output shape, or what is wrong with the inputs (the caller adds the layer's name).
+    fn infer_shape(&self, inputs: &[Shape]) -> Result<Shape, String>;
+
+    /// Parameters and buffers, in a stable order.
+    fn params(&self, _inputs: &[Shape]) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+
+    fn flops(&self, inputs: &[Shape], output: &Shape) -> Flops;
+
+    /// Dims of the output this op may be partitioned along (OptCNN Table 1).
+    fn parallel_dims(&self, output: &Shape) -> &'static [Dim];
+
+    /// The rect of each input that the output tile `out` reads, clipped to the input's bounds.
+    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect>;
+
+    /// The slice of parameter `index` (as ordered by `params`) that computing tile `out` needs.
+    fn param_rect(&self, inputs: &[Shape], index: usize, out: &Rect) -> Rect {
+        self.params(inputs)[index]
+            .shape
+            .full_rect()
+            .with_channels_of(out)
+    }
+}
+
+/// The parallelizable dims of an element-wise op over a tensor of this rank.
+pub(crate) fn elementwise_dims(shape: &Shape) -> &'static [Dim] {
+    match shape.ndim() {
+        4 => &[Dim::N, Dim::C, Dim::H, Dim::W],
+        2 => &[Dim::N, Dim::C],
+        _ => &[Dim::N],
+    }
+}
+
+impl Rect {
+    /// A per-output-channel parameter's slice for an output tile: rows `out.c` along axis 0.
+    pub(crate) fn with_channels_of(&self, out: &Rect) -> Rect {
+        self.with_axis(0, out.lo[1], out.hi[1])
+    }
+}
+
+/// Every op, as stored in a graph and in model JSON files (`"op": "conv2d"` plus its attributes).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Op {
+    Input(Input),
+    Conv2d(Conv2d),
+    Pool2d(Pool2d),
+    Dense(Dense),
+    Relu(Relu),
+    Flatten(Flatten),
+    Concat(Concat),
+    Add(Add),
+    BatchNorm(BatchNorm),
+    Dropout(Dropout),
+    SoftmaxCrossEntropy(SoftmaxCrossEntropy),
+}
+
+impl Op {
+    /// The op's name as written in JSON and error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::Input(_) => "input",
+            Op::Conv2d(_) => "conv2d",
+            Op::Pool2d(_) => "pool2d",
+            Op::Dense(_) => "dense",
+            Op::Relu(_) => "relu",
+            Op::Flatten(_) => "flatten",
+            Op::Concat(_) => "concat",
+            Op::Add(_) => "add",
+            Op::BatchNorm(_) => "batch_norm",
+            Op::Dropout(_) => "dropout",
+            Op::SoftmaxCrossEntropy(_) => "softmax_cross_entropy",
+        }
+    }
+
+    pub fn spec(&self) -> &dyn OpSpec {
+        match self {
+            Op::Input(o) => o,
+            Op::Conv2d(o) => o,
+            Op::Pool2d(o) => o,
+            Op::Dense(o) => o,
+            Op::Relu(o) => o,
+            Op::Flatten(o) => o,
+            Op::Concat(o) => o,
+            Op::Add(o) => o,
+            Op::BatchNorm(o) => o,
+            Op::Dropout(o) => o,
+            Op::SoftmaxCrossEntropy(o) => o,
+        }
+    }
+
+    /// How many inputs the op takes (`None`: two or more).
+    pub fn arity(&self) -> Option<usize> {
+        match self {
+            Op::Input(_) => Some(0),
+            Op::Concat(_) => None,
+            Op::Add(_) => Some(2),
+            _ => Some(1),
+        }
+    }
+}
+
+/// Output extent of a sliding window, or `None` if the window does not fit.
+pub(crate) fn window_out(size: usize, kernel: usize, stride: usize, pad: usize) -> Option<usize> {
+    let padded = size + 2 * pad;
+    if kernel == 0 || stride == 0 || padded < kernel {
+        return None;
+    }
+    Some((padded - kernel) / stride + 1)
+}
+
+/// Input rows `[lo, hi)` read by output rows `[o0, o1)` of a sliding window, clipped to `[0, size)`.
+pub(crate) fn window_in(
+    o0: usize,
+    o1: usize,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    size: usize,
+) -> (usize, usize) {
+    if o1 <= o0 {
+        return (0, 0);
+    }
+    let lo = (o0 * stride).saturating_sub(pad);
+    let hi = ((o1 - 1) * stride + kernel).saturating_sub(pad).min(size);
+    (lo.min(hi), hi)
+}
+
+pub(crate) fn expect_rank(inputs: &[Shape], rank: usize, what: &str) -> Result<Shape, String> {
+    let s = inputs[0];
+    if s.ndim() != rank {
+        return Err(format!(
+            "input has {} dims, expected {rank} ({what})",
+            s.ndim()
+        ));
+    }
+    Ok(s)
+}

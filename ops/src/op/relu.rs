@@ -1,0 +1,29 @@
+use super::{Flops, OpSpec, elementwise_dims};
+use crate::shape::{Dim, Rect, Shape};
+use serde::{Deserialize, Serialize};
+
+/// Element-wise max(x, 0).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Relu {}
+
+impl OpSpec for Relu {
+    fn infer_shape(&self, inputs: &[Shape]) -> Result<Shape, String> {
+        Ok(inputs[0])
+    }
+
+    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Flops {
+        Flops {
+            forward: output.numel() as u64,
+            backward: output.numel() as u64,
+        }
+    }
+
+    fn parallel_dims(&self, output: &Shape) -> &'static [Dim] {
+        elementwise_dims(output)
+    }
+
+    fn project(&self, _inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+        vec![*out]
+    }
+}

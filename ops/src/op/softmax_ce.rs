@@ -1,0 +1,32 @@
+use super::{Flops, OpSpec, expect_rank};
+use crate::shape::{Dim, Rect, Shape};
+use serde::{Deserialize, Serialize};
+
+/// Softmax over classes followed by cross-entropy against the batch's labels, averaged over the
+/// global batch. Output is the per-sample loss `(N, 1)`; its mean is the training loss.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SoftmaxCrossEntropy {}
+
+impl OpSpec for SoftmaxCrossEntropy {
+    fn infer_shape(&self, inputs: &[Shape]) -> Result<Shape, String> {
+        let x = expect_rank(inputs, 2, "N,classes")?;
+        Ok(Shape::nc(x.dim(0), 1))
+    }
+
+    fn flops(&self, inputs: &[Shape], _output: &Shape) -> Flops {
+        let n = inputs[0].numel() as u64;
+        Flops {
+            forward: 4 * n,
+            backward: 2 * n,
+        }
+    }
+
+    fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {
+        &[Dim::N]
+    }
+
+    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+        vec![Rect::new(&[out.lo[0], 0], &[out.hi[0], inputs[0].dim(1)])]
+    }
+}

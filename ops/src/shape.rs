@@ -1,0 +1,354 @@
+//! N-d extents and half-open boxes. Images are NCHW, dense activations NC.
+//!
+//! Both types are `Copy` and stack-allocated (at most [`MAX_DIMS`] dims) because the planner evaluates
+//! millions of tile overlaps during a search.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+pub const MAX_DIMS: usize = 4;
+
+/// Named dimensions a layer can be split along (OptCNN Table 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dim {
+    /// Sample (batch) dimension.
+    N,
+    /// Channel dimension (output channels for conv, output features for dense).
+    C,
+    /// Height.
+    H,
+    /// Width.
+    W,
+}
+
+impl Dim {
+    pub const ALL: [Dim; 4] = [Dim::N, Dim::C, Dim::H, Dim::W];
+
+    /// Axis of this dim in an NCHW (or NC) tensor.
+    pub fn axis(self) -> usize {
+        self as usize
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dim::N => "n",
+            Dim::C => "c",
+            Dim::H => "h",
+            Dim::W => "w",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Dim> {
+        match s {
+            "n" => Some(Dim::N),
+            "c" => Some(Dim::C),
+            "h" => Some(Dim::H),
+            "w" => Some(Dim::W),
+            _ => None,
+        }
+    }
+}
+
+/// Extents of a tensor: `ndim` used entries of `dims`, the rest are 1.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Shape {
+    dims: [usize; MAX_DIMS],
+    ndim: usize,
+}
+
+impl Shape {
+    pub fn new(dims: &[usize]) -> Shape {
+        assert!(
+            dims.len() <= MAX_DIMS,
+            "shape {dims:?} has more than {MAX_DIMS} dims"
+        );
+        let mut d = [1; MAX_DIMS];
+        d[..dims.len()].copy_from_slice(dims);
+        Shape {
+            dims: d,
+            ndim: dims.len(),
+        }
+    }
+
+    pub fn nchw(n: usize, c: usize, h: usize, w: usize) -> Shape {
+        Shape::new(&[n, c, h, w])
+    }
+
+    pub fn nc(n: usize, c: usize) -> Shape {
+        Shape::new(&[n, c])
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.ndim
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.dims[..self.ndim]
+    }
+
+    pub fn dim(&self, axis: usize) -> usize {
+        self.dims[axis]
+    }
+
+    pub fn numel(&self) -> usize {
+        self.dims().iter().product()
+    }
+
+    /// Row-major strides.
+    pub fn strides(&self) -> [usize; MAX_DIMS] {
+        let mut s = [0; MAX_DIMS];
+        let mut acc = 1;
+        for i in (0..self.ndim).rev() {
+            s[i] = acc;
+            acc *= self.dims[i];
+        }
+        s
+    }
+
+    /// The whole tensor as a rect.
+    pub fn full_rect(&self) -> Rect {
+        Rect::new(&vec![0; self.ndim], self.dims())
+    }
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "(")?;
+        for (i, d) in self.dims().iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+impl Serialize for Shape {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.dims().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Shape {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Shape, D::Error> {
+        let v = Vec::<usize>::deserialize(d)?;
+        if v.is_empty() || v.len() > MAX_DIMS {
+            return Err(serde::de::Error::custom(format!(
+                "a shape has 1 to {MAX_DIMS} dims, got {}",
+                v.len()
+            )));
+        }
+        if v.contains(&0) {
+            return Err(serde::de::Error::custom(format!(
+                "shape {v:?} has a zero extent"
+            )));
+        }
+        Ok(Shape::new(&v))
+    }
+}
+
+/// A half-open box `[lo, hi)` per axis.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Rect {
+    pub lo: [usize; MAX_DIMS],
+    pub hi: [usize; MAX_DIMS],
+    ndim: usize,
+}
+
+impl Rect {
+    pub fn new(lo: &[usize], hi: &[usize]) -> Rect {
+        assert_eq!(lo.len(), hi.len(), "rect bounds of different rank");
+        assert!(lo.len() <= MAX_DIMS);
+        let mut l = [0; MAX_DIMS];
+        let mut h = [1; MAX_DIMS];
+        l[..lo.len()].copy_from_slice(lo);
+        h[..hi.len()].copy_from_slice(hi);
+        Rect {
+            lo: l,
+            hi: h,
+            ndim: lo.len(),
+        }
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.ndim
+    }
+
+    pub fn extent(&self, axis: usize) -> usize {
+        self.hi[axis].saturating_sub(self.lo[axis])
+    }
+
+    /// Extents as a shape (empty axes give 0 volume).
+    pub fn shape(&self) -> Shape {
+        let mut d = [1; MAX_DIMS];
+        for (i, e) in d.iter_mut().enumerate().take(self.ndim) {
+            *e = self.extent(i);
+        }
+        Shape {
+            dims: d,
+            ndim: self.ndim,
+        }
+    }
+
+    pub fn volume(&self) -> usize {
+        (0..self.ndim).map(|i| self.extent(i)).product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.volume() == 0
+    }
+
+    pub fn intersect(&self, other: &Rect) -> Rect {
+        debug_assert_eq!(self.ndim, other.ndim);
+        let mut r = *self;
+        for i in 0..self.ndim {
+            r.lo[i] = self.lo[i].max(other.lo[i]);
+            r.hi[i] = self.hi[i].min(other.hi[i]).max(r.lo[i]);
+        }
+        r
+    }
+
+    pub fn overlaps(&self, other: &Rect) -> bool {
+        !self.intersect(other).is_empty()
+    }
+
+    pub fn contains(&self, other: &Rect) -> bool {
+        other.is_empty()
+            || (0..self.ndim).all(|i| self.lo[i] <= other.lo[i] && other.hi[i] <= self.hi[i])
+    }
+
+    /// This rect with axis `axis` replaced by `[lo, hi)`.
+    pub fn with_axis(&self, axis: usize, lo: usize, hi: usize) -> Rect {
+        let mut r = *self;
+        r.lo[axis] = lo;
+        r.hi[axis] = hi;
+        r
+    }
+
+    /// Row-major offset of global point `p` inside a buffer laid out over this rect.
+    pub fn offset_of(&self, p: &[usize; MAX_DIMS]) -> usize {
+        let mut off = 0;
+        for i in 0..self.ndim {
+            off = off * self.extent(i) + (p[i] - self.lo[i]);
+        }
+        off
+    }
+}
+
+impl fmt::Debug for Rect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl fmt::Display for Rect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[")?;
+        for i in 0..self.ndim {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{}..{}", self.lo[i], self.hi[i])?;
+        }
+        write!(f, "]")
+    }
+}
+
+/// Copies the part of `src` (laid out over `src_rect`) that lies in `region` into `dst` (laid out over
+/// `dst_rect`). `region` must be inside both rects. Rows along the last axis are copied as slices.
+pub fn copy_rect(src: &[f32], src_rect: &Rect, dst: &mut [f32], dst_rect: &Rect, region: &Rect) {
+    for_each_row(region, |start, len| {
+        let s = src_rect.offset_of(&start);
+        let d = dst_rect.offset_of(&start);
+        dst[d..d + len].copy_from_slice(&src[s..s + len]);
+    });
+}
+
+/// Adds the part of `src` that lies in `region` into `dst` (both laid out over their rects).
+pub fn add_rect(src: &[f32], src_rect: &Rect, dst: &mut [f32], dst_rect: &Rect, region: &Rect) {
+    for_each_row(region, |start, len| {
+        let s = src_rect.offset_of(&start);
+        let d = dst_rect.offset_of(&start);
+        for (o, i) in dst[d..d + len].iter_mut().zip(&src[s..s + len]) {
+            *o += *i;
+        }
+    });
+}
+
+/// Calls `f(start_point, row_len)` for every contiguous row (last axis) of `region`, in row-major order.
+pub fn for_each_row(region: &Rect, mut f: impl FnMut([usize; MAX_DIMS], usize)) {
+    if region.is_empty() {
+        return;
+    }
+    let nd = region.ndim();
+    let last = nd - 1;
+    let len = region.extent(last);
+    let mut p = region.lo;
+    loop {
+        f(p, len);
+        // Advance the odometer over all axes but the last.
+        let mut axis = last;
+        loop {
+            if axis == 0 {
+                return;
+            }
+            axis -= 1;
+            p[axis] += 1;
+            if p[axis] < region.hi[axis] {
+                break;
+            }
+            p[axis] = region.lo[axis];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intersect_and_contains() {
+        let a = Rect::new(&[0, 0], &[4, 4]);
+        let b = Rect::new(&[2, 3], &[6, 8]);
+        assert_eq!(a.intersect(&b), Rect::new(&[2, 3], &[4, 4]));
+        assert!(a.overlaps(&b));
+        let c = Rect::new(&[4, 0], &[5, 4]);
+        assert!(!a.overlaps(&c));
+        assert!(a.contains(&Rect::new(&[1, 1], &[3, 4])));
+        assert!(!a.contains(&b));
+    }
+
+    #[test]
+    fn copy_rect_moves_exactly_the_region() {
+        let src_rect = Rect::new(&[0, 0], &[3, 4]);
+        let src: Vec<f32> = (0..12).map(|x| x as f32).collect();
+        let dst_rect = Rect::new(&[1, 1], &[3, 3]);
+        let mut dst = vec![0.0; 4];
+        copy_rect(&src, &src_rect, &mut dst, &dst_rect, &dst_rect);
+        assert_eq!(dst, vec![5.0, 6.0, 9.0, 10.0]);
+        add_rect(
+            &src,
+            &src_rect,
+            &mut dst,
+            &dst_rect,
+            &Rect::new(&[2, 2], &[3, 3]),
+        );
+        assert_eq!(dst, vec![5.0, 6.0, 9.0, 20.0]);
+    }
+
+    #[test]
+    fn shape_json_rejects_zero_and_rank() {
+        assert!(serde_json::from_str::<Shape>("[1,0]").is_err());
+        assert!(serde_json::from_str::<Shape>("[1,2,3,4,5]").is_err());
+        let s: Shape = serde_json::from_str("[8,3,32,32]").unwrap();
+        assert_eq!(s.numel(), 8 * 3 * 32 * 32);
+    }
+}
