@@ -12,6 +12,7 @@ pub mod data;
 pub mod graph;
 pub mod kernels;
 pub mod op;
+pub mod rng;
 pub mod shape;
 pub mod train;
 pub mod zoo;

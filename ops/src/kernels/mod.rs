@@ -13,6 +13,9 @@
 //!   gradient w.r.t. it, and masks internally.
 //! - Kernels parallelise on the global rayon pool (sized to the cores) and never allocate per element.
 
+#[cfg(test)]
+pub(crate) mod check;
+
 pub mod add;
 pub mod batch_norm;
 pub mod concat;
