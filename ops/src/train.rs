@@ -1,1 +1,559 @@
-//! (being written)
+//! Single-device reference training: whole-tensor forward and backward through the CPU kernels, then
+//! SGD with momentum and weight decay.
+//!
+//! This is deliberately independent of the distributed runtime: it is the reference every strategy is
+//! checked against (same weights after N steps), so it shares only the kernels and the initialisation.
+
+use crate::checkpoint::{self, NamedTensor};
+use crate::graph::{Graph, GraphParam, LayerId};
+use crate::kernels::{self, View, ViewMut};
+use crate::op::{Init, Op};
+use crate::rng::{self, Rng};
+use crate::shape::Shape;
+use std::collections::BTreeMap;
+
+/// Stochastic gradient descent with PyTorch's momentum and (coupled) weight decay:
+/// `d = g + wd·w; v = μ·v + d; w -= lr·v`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgd {
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for Sgd {
+    fn default() -> Self {
+        Sgd {
+            lr: 0.01,
+            momentum: 0.9,
+            weight_decay: 5e-4,
+        }
+    }
+}
+
+impl Sgd {
+    /// Applies one update to `w` given its gradient and momentum buffer.
+    pub fn update(&self, w: &mut [f32], grad: &[f32], velocity: &mut [f32]) {
+        for ((w, &g), v) in w.iter_mut().zip(grad).zip(velocity.iter_mut()) {
+            let d = g + self.weight_decay * *w;
+            *v = self.momentum * *v + d;
+            *w -= self.lr * *v;
+        }
+    }
+}
+
+/// The values of every parameter and buffer of a graph, in `Graph::params` order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamStore {
+    pub params: Vec<GraphParam>,
+    pub values: Vec<Vec<f32>>,
+    /// Index of each layer's first parameter in `params`.
+    first: Vec<usize>,
+}
+
+impl ParamStore {
+    /// Seeded initialisation: parameter `i` draws from its own stream, a pure function of
+    /// (seed, i), so a model's initial weights never depend on how it will be partitioned.
+    pub fn init(graph: &Graph, seed: u64) -> ParamStore {
+        let params = graph.params();
+        let values = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let n = p.spec.shape.numel();
+                let mut r = Rng::new(rng::hash(&[seed, i as u64]));
+                match p.spec.init {
+                    Init::HeUniform { fan_in } => {
+                        let b = (6.0 / fan_in as f32).sqrt();
+                        (0..n).map(|_| r.uniform(-b, b)).collect()
+                    }
+                    Init::BiasUniform { fan_in } => {
+                        let b = 1.0 / (fan_in as f32).sqrt();
+                        (0..n).map(|_| r.uniform(-b, b)).collect()
+                    }
+                    Init::Zeros => vec![0.0; n],
+                    Init::Ones => vec![1.0; n],
+                }
+            })
+            .collect();
+        ParamStore::from_parts(graph, params, values)
+    }
+
+    fn from_parts(graph: &Graph, params: Vec<GraphParam>, values: Vec<Vec<f32>>) -> ParamStore {
+        let mut first = vec![0; graph.layers().len() + 1];
+        for (i, p) in params.iter().enumerate().rev() {
+            first[p.layer.0] = i;
+        }
+        // Layers without parameters point at the next layer's first parameter; only `first[layer] +
+        // index` for indices the layer really has is ever read.
+        let mut next = params.len();
+        for l in (0..graph.layers().len()).rev() {
+            if !params.iter().any(|p| p.layer.0 == l) {
+                first[l] = next;
+            } else {
+                next = first[l];
+            }
+        }
+        ParamStore {
+            params,
+            values,
+            first,
+        }
+    }
+
+    /// Values from a checkpoint, which must hold exactly the graph's parameters and buffers.
+    pub fn from_checkpoint(
+        graph: &Graph,
+        ckpt: checkpoint::Checkpoint,
+    ) -> Result<ParamStore, checkpoint::CheckpointError> {
+        let params = graph.params();
+        let expected: Vec<(String, Shape)> = params
+            .iter()
+            .map(|p| (p.name.clone(), p.spec.shape))
+            .collect();
+        ckpt.check_against(&expected)?;
+        let mut by_name: BTreeMap<String, Vec<f32>> = ckpt
+            .tensors
+            .into_iter()
+            .map(|t| (t.name, t.data))
+            .collect();
+        let values = params
+            .iter()
+            .map(|p| by_name.remove(&p.name).expect("checked above"))
+            .collect();
+        Ok(ParamStore::from_parts(graph, params, values))
+    }
+
+    pub fn slot(&self, layer: LayerId, index: usize) -> usize {
+        self.first[layer.0] + index
+    }
+
+    pub fn get(&self, layer: LayerId, index: usize) -> &[f32] {
+        &self.values[self.slot(layer, index)]
+    }
+
+    pub fn named_tensors(&self) -> Vec<NamedTensor<'_>> {
+        self.params
+            .iter()
+            .zip(&self.values)
+            .map(|(p, v)| NamedTensor {
+                name: p.name.clone(),
+                shape: p.spec.shape,
+                data: std::borrow::Cow::Borrowed(v.as_slice()),
+            })
+            .collect()
+    }
+}
+
+/// What one training step measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    /// Mean softmax cross-entropy over the batch.
+    pub loss: f32,
+    /// Samples whose arg-max logit is the label.
+    pub correct: usize,
+}
+
+/// Trains a graph on one device.
+pub struct Trainer {
+    graph: Graph,
+    params: ParamStore,
+    velocity: Vec<Vec<f32>>,
+    sgd: Sgd,
+    seed: u64,
+    step: u64,
+}
+
+impl Trainer {
+    pub fn new(graph: Graph, params: ParamStore, sgd: Sgd, seed: u64) -> Trainer {
+        let velocity = params.values.iter().map(|v| vec![0.0; v.len()]).collect();
+        Trainer {
+            graph,
+            params,
+            velocity,
+            sgd,
+            seed,
+            step: 0,
+        }
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// One forward, backward and update on a batch of `graph.batch()` samples.
+    pub fn step(&mut self, images: &[f32], labels: &[u32]) -> StepStats {
+        let pass = Pass::new(&self.graph, &self.params, self.seed, self.step);
+        let (acts, stats, saved) = pass.forward(images, labels);
+        let grads = pass.backward(&acts, &saved, labels);
+        let Grads { params: param_grads } = grads;
+        for (slot, g) in param_grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                self.sgd
+                    .update(&mut self.params.values[slot], &g, &mut self.velocity[slot]);
+            }
+        }
+        for (slot, value) in saved.buffer_updates {
+            self.params.values[slot] = value;
+        }
+        self.step += 1;
+        stats
+    }
+}
+
+/// Per-layer state the backward pass needs from the forward pass.
+#[derive(Default)]
+struct Saved {
+    /// Batch-norm statistics per layer (mean, biased variance).
+    bn: BTreeMap<usize, (Vec<f32>, Vec<f32>)>,
+    /// New values of buffers (running statistics) by parameter slot.
+    buffer_updates: Vec<(usize, Vec<f32>)>,
+}
+
+struct Grads {
+    params: Vec<Option<Vec<f32>>>,
+}
+
+/// One forward/backward pass over the whole batch.
+struct Pass<'a> {
+    graph: &'a Graph,
+    params: &'a ParamStore,
+    seed: u64,
+    step: u64,
+}
+
+impl<'a> Pass<'a> {
+    fn new(graph: &'a Graph, params: &'a ParamStore, seed: u64, step: u64) -> Pass<'a> {
+        Pass {
+            graph,
+            params,
+            seed,
+            step,
+        }
+    }
+
+    fn view(&self, layer: LayerId, data: &'a [f32]) -> View<'a> {
+        View::new(self.graph.layer(layer).shape.full_rect(), data)
+    }
+
+    fn param_view(&self, layer: LayerId, index: usize) -> View<'a> {
+        let slot = self.params.slot(layer, index);
+        View::new(
+            self.params.params[slot].spec.shape.full_rect(),
+            &self.params.values[slot],
+        )
+    }
+
+    fn forward(&self, images: &[f32], labels: &[u32]) -> (Vec<Vec<f32>>, StepStats, Saved) {
+        let g = self.graph;
+        let mut acts: Vec<Vec<f32>> = Vec::with_capacity(g.layers().len());
+        let mut saved = Saved::default();
+        let mut stats = StepStats {
+            loss: 0.0,
+            correct: 0,
+        };
+        for id in g.ids() {
+            let layer = g.layer(id);
+            let out_rect = layer.shape.full_rect();
+            let mut y = vec![0.0; layer.shape.numel()];
+            let input = |k: usize| -> View<'_> {
+                let src = layer.inputs[k];
+                View::new(g.layer(src).shape.full_rect(), &acts[src.0])
+            };
+            let in_shape = |k: usize| g.layer(layer.inputs[k]).shape;
+            match &layer.op {
+                Op::Input(_) => {
+                    assert_eq!(images.len(), y.len(), "batch images do not match the input shape");
+                    y.copy_from_slice(images);
+                }
+                Op::Conv2d(op) => {
+                    let b = op.bias.then(|| self.param_view(id, 1));
+                    kernels::conv2d::conv2d_forward(
+                        op,
+                        in_shape(0),
+                        input(0),
+                        self.param_view(id, 0),
+                        b,
+                        ViewMut::new(out_rect, &mut y),
+                    );
+                }
+                Op::Pool2d(op) => kernels::pool2d::pool2d_forward(
+                    op,
+                    in_shape(0),
+                    input(0),
+                    ViewMut::new(out_rect, &mut y),
+                ),
+                Op::Dense(op) => {
+                    let b = op.bias.then(|| self.param_view(id, 1));
+                    kernels::dense::dense_forward(
+                        op,
+                        input(0),
+                        self.param_view(id, 0),
+                        b,
+                        ViewMut::new(out_rect, &mut y),
+                    );
+                }
+                Op::Relu(_) => {
+                    kernels::relu::relu_forward(input(0), ViewMut::new(out_rect, &mut y))
+                }
+                Op::Flatten(_) => y.copy_from_slice(input(0).data),
+                Op::Concat(_) => {
+                    let ins: Vec<View> = (0..layer.inputs.len()).map(input).collect();
+                    kernels::concat::concat_forward(&ins, ViewMut::new(out_rect, &mut y));
+                }
+                Op::Add(_) => {
+                    kernels::add::add_forward(input(0), input(1), ViewMut::new(out_rect, &mut y))
+                }
+                Op::BatchNorm(op) => {
+                    let (mean, var) = kernels::batch_norm::batch_norm_forward(
+                        op,
+                        input(0),
+                        self.param_view(id, 0).data,
+                        self.param_view(id, 1).data,
+                        ViewMut::new(out_rect, &mut y),
+                    );
+                    let count = layer.shape.numel() / layer.shape.dim(1);
+                    for (index, stat, batch_stat) in [(2, 0, &mean), (3, 1, &var)] {
+                        let slot = self.params.slot(id, index);
+                        let mut running = self.params.values[slot].clone();
+                        kernels::batch_norm::update_running(
+                            &mut running,
+                            batch_stat,
+                            op.momentum,
+                            stat == 1,
+                            count,
+                        );
+                        saved.buffer_updates.push((slot, running));
+                    }
+                    saved.bn.insert(id.0, (mean, var));
+                }
+                Op::Dropout(op) => kernels::dropout::dropout_forward(
+                    op.rate,
+                    self.dropout_key(id),
+                    layer.shape,
+                    input(0),
+                    ViewMut::new(out_rect, &mut y),
+                ),
+                Op::SoftmaxCrossEntropy(_) => {
+                    let logits = input(0);
+                    kernels::softmax_ce::softmax_ce_forward(
+                        logits,
+                        labels,
+                        ViewMut::new(out_rect, &mut y),
+                    );
+                    stats.loss = (y.iter().map(|&l| l as f64).sum::<f64>() / y.len() as f64) as f32;
+                    stats.correct = count_correct(logits, labels);
+                }
+            }
+            acts.push(y);
+        }
+        (acts, stats, saved)
+    }
+
+    fn dropout_key(&self, layer: LayerId) -> kernels::dropout::MaskKey {
+        kernels::dropout::MaskKey {
+            seed: self.seed,
+            step: self.step,
+            salt: layer.0 as u64,
+        }
+    }
+
+    fn backward(&self, acts: &[Vec<f32>], saved: &Saved, labels: &[u32]) -> Grads {
+        let g = self.graph;
+        let n_layers = g.layers().len();
+        // Gradient w.r.t. each layer's output, summed over its consumers.
+        let mut dout: Vec<Option<Vec<f32>>> = vec![None; n_layers];
+        let mut param_grads: Vec<Option<Vec<f32>>> = vec![None; self.params.params.len()];
+        let accumulate = |slot: &mut Option<Vec<f32>>, g: Vec<f32>| match slot {
+            Some(acc) => acc.iter_mut().zip(&g).for_each(|(a, b)| *a += *b),
+            None => *slot = Some(g),
+        };
+        for id in g.ids().rev() {
+            let layer = g.layer(id);
+            let out_rect = layer.shape.full_rect();
+            let y = self.view(id, &acts[id.0]);
+            let dy_buf = match &layer.op {
+                Op::SoftmaxCrossEntropy(_) => None,
+                _ => match dout[id.0].take() {
+                    Some(d) => Some(d),
+                    // Nothing downstream depends on this layer (or it is the input).
+                    None => continue,
+                },
+            };
+            let dy = dy_buf.as_deref().map(|d| View::new(out_rect, d));
+            let input = |k: usize| -> View<'_> {
+                let src = layer.inputs[k];
+                View::new(g.layer(src).shape.full_rect(), &acts[src.0])
+            };
+            let in_shape = |k: usize| g.layer(layer.inputs[k]).shape;
+            // The first input of a layer fed by the data needs no gradient.
+            let needs_dx = |k: usize| !matches!(g.layer(layer.inputs[k]).op, Op::Input(_));
+            let zeros_like = |k: usize| vec![0.0; in_shape(k).numel()];
+            let mut dxs: Vec<Option<Vec<f32>>> = Vec::new();
+            match &layer.op {
+                Op::Input(_) => {}
+                Op::Conv2d(op) => {
+                    let w = self.param_view(id, 0);
+                    let mut dw = vec![0.0; w.data.len()];
+                    let mut db = op.bias.then(|| vec![0.0; op.out_channels]);
+                    let mut dx = needs_dx(0).then(|| zeros_like(0));
+                    let x = input(0);
+                    kernels::conv2d::conv2d_backward(
+                        op,
+                        in_shape(0),
+                        x,
+                        w,
+                        y,
+                        dy.unwrap(),
+                        dx.as_deref_mut().map(|d| ViewMut::new(x.rect, d)),
+                        ViewMut::new(w.rect, &mut dw),
+                        db.as_deref_mut()
+                            .map(|d| ViewMut::new(Shape::new(&[op.out_channels]).full_rect(), d)),
+                    );
+                    accumulate(&mut param_grads[self.params.slot(id, 0)], dw);
+                    if let Some(db) = db {
+                        accumulate(&mut param_grads[self.params.slot(id, 1)], db);
+                    }
+                    dxs.push(dx);
+                }
+                Op::Pool2d(op) => {
+                    let x = input(0);
+                    let mut dx = zeros_like(0);
+                    kernels::pool2d::pool2d_backward(
+                        op,
+                        in_shape(0),
+                        x,
+                        dy.unwrap(),
+                        ViewMut::new(x.rect, &mut dx),
+                    );
+                    dxs.push(Some(dx));
+                }
+                Op::Dense(op) => {
+                    let w = self.param_view(id, 0);
+                    let mut dw = vec![0.0; w.data.len()];
+                    let mut db = op.bias.then(|| vec![0.0; op.out_features]);
+                    let mut dx = needs_dx(0).then(|| zeros_like(0));
+                    let x = input(0);
+                    kernels::dense::dense_backward(
+                        op,
+                        x,
+                        w,
+                        y,
+                        dy.unwrap(),
+                        dx.as_deref_mut().map(|d| ViewMut::new(x.rect, d)),
+                        ViewMut::new(w.rect, &mut dw),
+                        db.as_deref_mut()
+                            .map(|d| ViewMut::new(Shape::new(&[op.out_features]).full_rect(), d)),
+                    );
+                    accumulate(&mut param_grads[self.params.slot(id, 0)], dw);
+                    if let Some(db) = db {
+                        accumulate(&mut param_grads[self.params.slot(id, 1)], db);
+                    }
+                    dxs.push(dx);
+                }
+                Op::Relu(_) => {
+                    let mut dx = zeros_like(0);
+                    kernels::relu::relu_backward(y, dy.unwrap(), ViewMut::new(out_rect, &mut dx));
+                    dxs.push(Some(dx));
+                }
+                Op::Flatten(_) => dxs.push(dy_buf.clone()),
+                Op::Concat(_) => {
+                    let mut bufs: Vec<Vec<f32>> =
+                        (0..layer.inputs.len()).map(zeros_like).collect();
+                    {
+                        let mut views: Vec<ViewMut> = bufs
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(k, b)| ViewMut::new(in_shape(k).full_rect(), b))
+                            .collect();
+                        kernels::concat::concat_backward(dy.unwrap(), &mut views);
+                    }
+                    dxs.extend(bufs.into_iter().map(Some));
+                }
+                Op::Add(_) => {
+                    dxs.push(dy_buf.clone());
+                    dxs.push(dy_buf.clone());
+                }
+                Op::BatchNorm(op) => {
+                    let (mean, var) = &saved.bn[&id.0];
+                    let x = input(0);
+                    let mut dx = zeros_like(0);
+                    let channels = layer.shape.dim(1);
+                    let mut dgamma = vec![0.0; channels];
+                    let mut dbeta = vec![0.0; channels];
+                    kernels::batch_norm::batch_norm_backward(
+                        op,
+                        x,
+                        y,
+                        dy.unwrap(),
+                        self.param_view(id, 0).data,
+                        mean,
+                        var,
+                        ViewMut::new(x.rect, &mut dx),
+                        &mut dgamma,
+                        &mut dbeta,
+                    );
+                    accumulate(&mut param_grads[self.params.slot(id, 0)], dgamma);
+                    accumulate(&mut param_grads[self.params.slot(id, 1)], dbeta);
+                    dxs.push(Some(dx));
+                }
+                Op::Dropout(op) => {
+                    let mut dx = zeros_like(0);
+                    kernels::dropout::dropout_backward(
+                        op.rate,
+                        self.dropout_key(id),
+                        layer.shape,
+                        dy.unwrap(),
+                        ViewMut::new(out_rect, &mut dx),
+                    );
+                    dxs.push(Some(dx));
+                }
+                Op::SoftmaxCrossEntropy(_) => {
+                    let logits = input(0);
+                    let mut dx = zeros_like(0);
+                    kernels::softmax_ce::softmax_ce_backward(
+                        logits,
+                        labels,
+                        1.0 / g.batch() as f32,
+                        ViewMut::new(logits.rect, &mut dx),
+                    );
+                    dxs.push(Some(dx));
+                }
+            }
+            for (k, dx) in dxs.into_iter().enumerate() {
+                if let Some(dx) = dx {
+                    accumulate(&mut dout[layer.inputs[k].0], dx);
+                }
+            }
+        }
+        Grads {
+            params: param_grads,
+        }
+    }
+}
+
+/// Samples whose largest logit is at the label (first maximum wins ties).
+fn count_correct(logits: View, labels: &[u32]) -> usize {
+    let classes = logits.rect.extent(1);
+    logits
+        .data
+        .chunks_exact(classes)
+        .zip(labels)
+        .filter(|(row, &label)| {
+            let best = row
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+            best.0 == label as usize
+        })
+        .count()
+}

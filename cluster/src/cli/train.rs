@@ -1,0 +1,70 @@
+use crate::job::{self, TrainOptions};
+use clap::Args;
+use legion_ops::train::Sgd;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// A zoo model name (see `legion-rs models`) or a JSON model file.
+    #[arg(long)]
+    model: String,
+    /// Number of devices to train on.
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+    /// Training steps (batches).
+    #[arg(long, default_value_t = 100)]
+    steps: u64,
+    /// Global batch size.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Input height and width for zoo models (default: the model's own).
+    #[arg(long)]
+    image_size: Option<usize>,
+    /// Number of classes for zoo models (default: the model's own).
+    #[arg(long)]
+    classes: Option<usize>,
+    /// Training data: `synthetic`, `synthetic:N`, `cifar10:DIR_OR_FILE`, `folder:DIR`.
+    #[arg(long, default_value = "synthetic")]
+    data: String,
+    /// Initial weights from a safetensors checkpoint instead of the seeded initialisation.
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Write the trained weights to this safetensors file.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    #[arg(long, default_value_t = Sgd::default().lr)]
+    lr: f32,
+    #[arg(long, default_value_t = Sgd::default().momentum)]
+    momentum: f32,
+    #[arg(long, default_value_t = Sgd::default().weight_decay)]
+    weight_decay: f32,
+    /// Seed of the initialisation, data order and dropout masks.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// One JSON object per step (`step`, `loss`, ...) and a final summary object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: TrainArgs) -> anyhow::Result<()> {
+    if a.batch == 0 {
+        anyhow::bail!("--batch must be at least 1");
+    }
+    let graph = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
+    let opts = TrainOptions {
+        devices: a.devices,
+        steps: a.steps,
+        data: a.data,
+        init: a.init,
+        save: a.save,
+        sgd: Sgd {
+            lr: a.lr,
+            momentum: a.momentum,
+            weight_decay: a.weight_decay,
+        },
+        seed: a.seed,
+        json: a.json,
+    };
+    job::train(graph, &opts)?;
+    Ok(())
+}

@@ -1,0 +1,158 @@
+//! End-to-end tests of the `legion-rs` binary: real processes, real files.
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn legion(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+        .args(args)
+        .output()
+        .expect("legion-rs runs")
+}
+
+fn stdout_json_lines(out: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
+        .collect()
+}
+
+/// The command failed cleanly: non-zero exit, an `error:` line naming `needle`, and no panic.
+fn assert_clean_failure(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, stderr: {err}");
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert!(err.contains("error:") && err.contains(needle), "stderr lacks '{needle}': {err}");
+}
+
+#[test]
+fn models_json_lists_exact_parameter_counts() {
+    let out = legion(&["models", "--json"]);
+    assert!(out.status.success());
+    let counts: Vec<(String, u64)> = stdout_json_lines(&out)
+        .iter()
+        .map(|m| (m["name"].as_str().unwrap().to_string(), m["params"].as_u64().unwrap()))
+        .collect();
+    for (name, params) in [
+        ("alexnet", 61_100_840),
+        ("vgg16", 138_357_544),
+        ("resnet50", 25_557_032),
+        ("inception_v3", 23_834_568),
+    ] {
+        assert!(
+            counts.contains(&(name.to_string(), params)),
+            "{name} should have {params} params: {counts:?}"
+        );
+    }
+}
+
+#[test]
+fn lenet5_learns_the_synthetic_task() {
+    let out = legion(&["train", "--model", "lenet5", "--devices", "1", "--steps", "60", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines = stdout_json_lines(&out);
+    let losses: Vec<f64> = lines
+        .iter()
+        .filter(|l| l.get("step").is_some())
+        .map(|l| l["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), 60);
+    let first: f64 = losses[..10].iter().sum::<f64>() / 10.0;
+    let last: f64 = losses[50..].iter().sum::<f64>() / 10.0;
+    assert!(last < 0.7 * first, "loss {first} -> {last}: not learning");
+    assert_eq!(lines.last().unwrap()["summary"], true);
+}
+
+#[test]
+fn checkpoint_round_trip_is_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.safetensors");
+    let b = dir.path().join("b.safetensors");
+    let common = ["train", "--model", "lenet5", "--batch", "8", "--json"];
+    let out = legion(&[&common[..], &["--steps", "3", "--save", a.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = legion(
+        &[
+            &common[..],
+            &["--steps", "0", "--init", a.to_str().unwrap(), "--save", b.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ta = legion_ops::checkpoint::load(&a).unwrap();
+    let tb = legion_ops::checkpoint::load(&b).unwrap();
+    assert_eq!(ta.tensors.len(), tb.tensors.len());
+    for (x, y) in ta.tensors.iter().zip(&tb.tensors) {
+        assert_eq!(x.name, y.name);
+        assert_eq!(x.shape, y.shape);
+        let bits = |d: &[f32]| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&x.data), bits(&y.data), "{} differs", x.name);
+    }
+}
+
+#[test]
+fn corrupt_inputs_fail_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+
+    // A valid checkpoint, then truncated and garbled copies of it.
+    let good = path("good.safetensors");
+    let out = legion(&["train", "--model", "lenet5", "--batch", "4", "--steps", "0", "--save", &s(&good)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&good).unwrap();
+    let truncated = path("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let out = legion(&["train", "--model", "lenet5", "--steps", "0", "--init", &s(&truncated)]);
+    assert_clean_failure(&out, "truncated.safetensors");
+    let garbage = path("garbage.safetensors");
+    std::fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
+    let out = legion(&["train", "--model", "lenet5", "--steps", "0", "--init", &s(&garbage)]);
+    assert_clean_failure(&out, "garbage.safetensors");
+    // A checkpoint of another model.
+    let out = legion(&[
+        "train", "--model", "lenet5", "--classes", "7", "--steps", "0", "--init", &s(&good),
+    ]);
+    assert_clean_failure(&out, "fc5.weight");
+
+    // A CIFAR-10 file whose length is not a whole number of records.
+    let cifar = path("data_batch_1.bin");
+    std::fs::write(&cifar, vec![1u8; 3073 * 2 + 100]).unwrap();
+    let out = legion(&[
+        "train", "--model", "lenet5", "--image-size", "32", "--steps", "1",
+        "--data", &format!("cifar10:{}", s(&cifar)),
+    ]);
+    assert_clean_failure(&out, "data_batch_1.bin");
+
+    // Model JSON: broken syntax, unknown op, bad shape, dangling input.
+    let cases = [
+        ("syntax.json", "{\"name\": \"m\", \"layers\": [", "line 1"),
+        (
+            "unknown_op.json",
+            r#"{"name":"m","layers":[{"name":"data","op":"input","shape":[2,3,8,8]},
+               {"name":"x","op":"conv3d","inputs":["data"]}]}"#,
+            "layers[1] ('x')",
+        ),
+        (
+            "bad_shape.json",
+            r#"{"name":"m","layers":[{"name":"data","op":"input","shape":[2,3,8,8]},
+               {"name":"fc","op":"dense","inputs":["data"],"out_features":4}]}"#,
+            "dense 'fc': input has 4 dims, expected 2",
+        ),
+        (
+            "dangling.json",
+            r#"{"name":"m","layers":[{"name":"data","op":"input","shape":[2,3,8,8]},
+               {"name":"r","op":"relu","inputs":["missing"]}]}"#,
+            "input 'missing'",
+        ),
+    ];
+    for (name, text, needle) in cases {
+        let p = path(name);
+        std::fs::write(&p, text).unwrap();
+        let out = legion(&["train", "--model", &s(&p), "--steps", "1"]);
+        assert_clean_failure(&out, needle);
+        assert_clean_failure(&out, name);
+    }
+}
