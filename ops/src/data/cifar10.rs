@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 const SIDE: usize = 32;
 const PLANE: usize = SIDE * SIDE;
 /// One label byte and three colour planes.
-pub const RECORD_LEN: usize = 1 + 3 * PLANE;
-pub const CLASSES: usize = 10;
+const RECORD_LEN: usize = 1 + 3 * PLANE;
+const CLASSES: usize = 10;
 const TRAIN_FILES: [&str; 5] = [
     "data_batch_1.bin",
     "data_batch_2.bin",
