@@ -1,1 +1,952 @@
-//! (being written)
+//! Datasets and a prefetching batch loader.
+//!
+//! A [`Dataset`] produces one normalised CHW f32 image and its label at a time, at the image size the
+//! model asks for. [`Loader`] turns a dataset into batches in a seeded per-epoch order, assembling each
+//! batch in parallel on a background thread a few batches ahead of the training loop.
+//!
+//! Everything is deterministic: sample `i` of a dataset is a pure function of its source (and seed), and
+//! batch `b` of epoch `e` is a pure function of `(seed, e, b)`, however many threads decode it.
+
+mod cifar10;
+mod folder;
+mod synthetic;
+
+pub use cifar10::Cifar10;
+pub use folder::ImageFolder;
+pub use synthetic::Synthetic;
+
+use crate::rng::{Rng, hash};
+use crate::shape::Shape;
+use crossbeam_channel::{Receiver, Sender};
+use rayon::prelude::*;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+/// `[channels, height, width]` of one image.
+pub type ImageShape = [usize; 3];
+
+/// Samples in a bare `synthetic` spec: a few hundred batches per epoch at typical batch sizes.
+pub const DEFAULT_SYNTHETIC_SAMPLES: usize = 8192;
+
+/// The CLI spec forms [`open`] accepts, for error messages and help text.
+pub const SPEC_FORMS: &str = "synthetic, synthetic:N, cifar10:DIR_OR_FILE, folder:DIR";
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "{path}: {len} bytes is not a whole number of {record_len}-byte CIFAR-10 records \
+         (1 label byte + 3072 pixel bytes); the last {trailing} bytes from offset {offset} are a partial record"
+    )]
+    CifarFileSize {
+        path: PathBuf,
+        len: u64,
+        record_len: usize,
+        trailing: u64,
+        offset: u64,
+    },
+    #[error(
+        "{path}: record {record} (byte offset {offset}) has label {label}; CIFAR-10 labels are 0..=9"
+    )]
+    CifarLabel {
+        path: PathBuf,
+        record: usize,
+        offset: u64,
+        label: u8,
+    },
+    #[error(
+        "{dir}: no CIFAR-10 training files (data_batch_1.bin .. data_batch_5.bin); pass a .bin file to use another split"
+    )]
+    NoCifarFiles { dir: PathBuf },
+    #[error("{path}: cannot decode image: {source}")]
+    Decode {
+        path: PathBuf,
+        #[source]
+        source: image::ImageError,
+    },
+    #[error("{root}: no class subfolders (expected one folder of JPEG/PNG images per class)")]
+    NoClasses { root: PathBuf },
+    #[error("{dir}: class folder has no JPEG or PNG images")]
+    EmptyClass { dir: PathBuf },
+    #[error("unknown dataset spec `{spec}`; valid forms: {SPEC_FORMS}")]
+    UnknownSpec { spec: String },
+    #[error("invalid dataset spec `{spec}`: {reason}")]
+    InvalidSpec { spec: String, reason: String },
+    #[error(
+        "{dataset} has {dataset_classes} classes but the model has only {model_classes} outputs"
+    )]
+    TooManyClasses {
+        dataset: String,
+        dataset_classes: usize,
+        model_classes: usize,
+    },
+    #[error("{dataset} provides 1 (grey) or 3 (RGB) channels, not {channels}")]
+    UnsupportedChannels { dataset: String, channels: usize },
+    #[error("invalid image shape {shape:?}: every extent must be positive")]
+    InvalidImageShape { shape: ImageShape },
+    #[error("sample index {index} is out of range for a dataset of {len} samples")]
+    IndexOutOfRange { index: usize, len: usize },
+    #[error("batch {batch} is out of range for an epoch of {batches} batches")]
+    BatchOutOfRange { batch: usize, batches: usize },
+    #[error("sample buffer holds {actual} values but one image is {expected}")]
+    BufferSize { expected: usize, actual: usize },
+    #[error("invalid data configuration: {0}")]
+    Config(String),
+    #[error("the data loader thread panicked")]
+    LoaderPanicked,
+}
+
+/// A source of labelled images, all of one shape.
+pub trait Dataset: Send + Sync {
+    fn num_samples(&self) -> usize;
+
+    /// `[C, H, W]` of every sample, as requested when the dataset was opened.
+    fn image_shape(&self) -> ImageShape;
+
+    /// Labels are in `0..num_classes()`.
+    fn num_classes(&self) -> usize;
+
+    /// Writes sample `index` as a CHW image (normalised to roughly zero mean, unit scale) into `out`,
+    /// which must hold exactly `C·H·W` values, and returns its label.
+    fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError>;
+
+    /// A one-line description for logs, e.g. `cifar10 data/cifar (50000 samples)`.
+    fn describe(&self) -> String;
+
+    /// Values in one sample: `C·H·W`.
+    fn sample_len(&self) -> usize {
+        self.image_shape().iter().product()
+    }
+}
+
+/// Opens a dataset from a CLI spec (see [`SPEC_FORMS`]) producing images of shape `image` for a model
+/// with `classes` outputs. `seed` drives the synthetic data.
+pub fn open(
+    spec: &str,
+    image: ImageShape,
+    classes: usize,
+    seed: u64,
+) -> Result<Box<dyn Dataset>, DataError> {
+    let (kind, arg) = match spec.split_once(':') {
+        Some((kind, arg)) => (kind, Some(arg)),
+        None => (spec, None),
+    };
+    let invalid = |reason: &str| DataError::InvalidSpec {
+        spec: spec.to_string(),
+        reason: reason.to_string(),
+    };
+    let dataset: Box<dyn Dataset> = match (kind, arg) {
+        ("synthetic", None) => Box::new(Synthetic::new(
+            seed,
+            DEFAULT_SYNTHETIC_SAMPLES,
+            classes,
+            image,
+        )?),
+        ("synthetic", Some(n)) => {
+            let n = n
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| invalid("N must be a positive sample count"))?;
+            Box::new(Synthetic::new(seed, n, classes, image)?)
+        }
+        ("cifar10", Some(path)) if !path.is_empty() => {
+            Box::new(Cifar10::open(Path::new(path), image)?)
+        }
+        ("folder", Some(dir)) if !dir.is_empty() => {
+            Box::new(ImageFolder::open(Path::new(dir), image)?)
+        }
+        ("cifar10" | "folder", _) => return Err(invalid("a path is required after the colon")),
+        _ => {
+            return Err(DataError::UnknownSpec {
+                spec: spec.to_string(),
+            });
+        }
+    };
+    if dataset.num_classes() > classes {
+        return Err(DataError::TooManyClasses {
+            dataset: dataset.describe(),
+            dataset_classes: dataset.num_classes(),
+            model_classes: classes,
+        });
+    }
+    Ok(dataset)
+}
+
+/// A batch of consecutive samples in an epoch's order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// `N·C·H·W` values, sample-major (NCHW).
+    pub images: Vec<f32>,
+    pub labels: Vec<u32>,
+    /// The dataset index of each sample.
+    pub indices: Vec<usize>,
+    pub epoch: u64,
+    /// Position of this batch within its epoch.
+    pub batch: usize,
+    pub image: ImageShape,
+}
+
+impl Batch {
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// NCHW shape of [`Batch::images`].
+    pub fn shape(&self) -> Shape {
+        let [c, h, w] = self.image;
+        Shape::nchw(self.len(), c, h, w)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct LoaderConfig {
+    pub batch_size: usize,
+    /// Seeded reshuffle every epoch; otherwise dataset order.
+    pub shuffle: bool,
+    /// Drop the final partial batch, so every batch has `batch_size` samples (what a fixed parallel
+    /// strategy needs); otherwise it is yielded shorter.
+    pub drop_last: bool,
+    pub seed: u64,
+    /// Batches assembled ahead of the consumer.
+    pub prefetch: usize,
+}
+
+impl LoaderConfig {
+    /// Shuffled, full batches only, seed 0, two batches of prefetch.
+    pub fn new(batch_size: usize) -> LoaderConfig {
+        LoaderConfig {
+            batch_size,
+            shuffle: true,
+            drop_last: true,
+            seed: 0,
+            prefetch: 2,
+        }
+    }
+}
+
+/// Cuts a dataset into batches; [`Loader::epoch`] and [`Loader::steps`] prefetch them on a background
+/// thread, [`Loader::batch`] builds one synchronously (identical contents).
+#[derive(Clone)]
+pub struct Loader {
+    dataset: Arc<dyn Dataset>,
+    config: LoaderConfig,
+}
+
+impl Loader {
+    pub fn new(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Loader, DataError> {
+        if config.batch_size == 0 {
+            return Err(DataError::Config("batch size must be positive".into()));
+        }
+        if config.prefetch == 0 {
+            return Err(DataError::Config("prefetch depth must be positive".into()));
+        }
+        if dataset.sample_len() == 0 {
+            return Err(DataError::InvalidImageShape {
+                shape: dataset.image_shape(),
+            });
+        }
+        let loader = Loader { dataset, config };
+        if loader.batches_per_epoch() == 0 {
+            return Err(DataError::Config(format!(
+                "{} is smaller than one batch of {}",
+                loader.dataset.describe(),
+                loader.config.batch_size
+            )));
+        }
+        Ok(loader)
+    }
+
+    pub fn dataset(&self) -> &Arc<dyn Dataset> {
+        &self.dataset
+    }
+
+    pub fn config(&self) -> &LoaderConfig {
+        &self.config
+    }
+
+    pub fn batches_per_epoch(&self) -> usize {
+        let n = self.dataset.num_samples();
+        let full = n / self.config.batch_size;
+        if self.config.drop_last || n.is_multiple_of(self.config.batch_size) {
+            full
+        } else {
+            full + 1
+        }
+    }
+
+    /// Batch `batch` of epoch `epoch`, built on the calling thread.
+    pub fn batch(&self, epoch: u64, batch: usize) -> Result<Batch, DataError> {
+        let batches = self.batches_per_epoch();
+        if batch >= batches {
+            return Err(DataError::BatchOutOfRange { batch, batches });
+        }
+        let order = self.epoch_order(epoch);
+        assemble_batch(
+            self.dataset.as_ref(),
+            &order,
+            self.config.batch_size,
+            epoch,
+            batch,
+            &AtomicBool::new(false),
+        )
+    }
+
+    /// The batches of one epoch, prefetched.
+    pub fn epoch(&self, epoch: u64) -> Batches {
+        let per_epoch = self.batches_per_epoch() as u64;
+        let first = epoch * per_epoch;
+        self.spawn(first, Some(first + per_epoch))
+    }
+
+    /// An endless stream of batches starting at global step `first_step` (step `s` is batch
+    /// `s % batches_per_epoch()` of epoch `s / batches_per_epoch()`), prefetched. Resuming a run at
+    /// step `s` continues the exact sequence the interrupted run would have seen.
+    pub fn steps(&self, first_step: u64) -> Batches {
+        self.spawn(first_step, None)
+    }
+
+    /// The order of dataset indices in `epoch`.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let n = self.dataset.num_samples();
+        let mut order: Vec<usize> = (0..n).collect();
+        if self.config.shuffle {
+            // Fisher–Yates from a generator keyed by (seed, epoch) only, so any epoch can be rebuilt
+            // without replaying the earlier ones.
+            let mut rng = Rng::new(hash(&[self.config.seed, epoch]));
+            for i in (1..n).rev() {
+                order.swap(i, rng.below(i + 1));
+            }
+        }
+        order
+    }
+
+    fn spawn(&self, first_step: u64, end_step: Option<u64>) -> Batches {
+        let (sender, receiver) = crossbeam_channel::bounded(self.config.prefetch);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let producer = Producer {
+            loader: self.clone(),
+            sender,
+            cancel: Arc::clone(&cancel),
+        };
+        let handle = std::thread::Builder::new()
+            .name("legion-data-loader".into())
+            .spawn(move || producer.run(first_step, end_step))
+            .expect("failed to spawn the data loader thread");
+        Batches {
+            receiver: Some(receiver),
+            handle: Some(handle),
+            cancel,
+        }
+    }
+}
+
+/// The background half of [`Batches`].
+struct Producer {
+    loader: Loader,
+    sender: Sender<Result<Batch, DataError>>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Producer {
+    fn run(self, first_step: u64, end_step: Option<u64>) {
+        let per_epoch = self.loader.batches_per_epoch() as u64;
+        let mut order = Vec::new();
+        let mut order_epoch = None;
+        let mut step = first_step;
+        while end_step.is_none_or(|end| step < end) {
+            let epoch = step / per_epoch;
+            if order_epoch != Some(epoch) {
+                order = self.loader.epoch_order(epoch);
+                order_epoch = Some(epoch);
+            }
+            let result = assemble_batch(
+                self.loader.dataset.as_ref(),
+                &order,
+                self.loader.config.batch_size,
+                epoch,
+                (step % per_epoch) as usize,
+                &self.cancel,
+            );
+            if self.cancel.load(Ordering::Relaxed) {
+                return;
+            }
+            let failed = result.is_err();
+            // A send error means the consumer is gone: stop quietly.
+            if self.sender.send(result).is_err() || failed {
+                return;
+            }
+            step += 1;
+        }
+    }
+}
+
+/// Builds one batch, decoding its samples in parallel. On failure, reports the error of the earliest
+/// failing sample, so the error does not depend on thread timing.
+fn assemble_batch(
+    dataset: &dyn Dataset,
+    order: &[usize],
+    batch_size: usize,
+    epoch: u64,
+    batch: usize,
+    cancel: &AtomicBool,
+) -> Result<Batch, DataError> {
+    let start = batch * batch_size;
+    let end = (start + batch_size).min(order.len());
+    let indices = order[start..end].to_vec();
+    let sample_len = dataset.sample_len();
+    let mut images = vec![0.0f32; indices.len() * sample_len];
+    let mut labels = vec![0u32; indices.len()];
+    let first_error = images
+        .par_chunks_mut(sample_len)
+        .zip(labels.par_iter_mut())
+        .zip(indices.par_iter())
+        .filter_map(|((image, label), &index)| {
+            if cancel.load(Ordering::Relaxed) {
+                return None;
+            }
+            match dataset.sample(index, image) {
+                Ok(l) => {
+                    *label = l;
+                    None
+                }
+                Err(e) => Some(e),
+            }
+        })
+        .find_first(|_| true);
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    Ok(Batch {
+        images,
+        labels,
+        indices,
+        epoch,
+        batch,
+        image: dataset.image_shape(),
+    })
+}
+
+/// Prefetched batches. Dropping it stops and joins the background thread (waiting at most for the
+/// samples already being decoded).
+pub struct Batches {
+    receiver: Option<Receiver<Result<Batch, DataError>>>,
+    handle: Option<JoinHandle<()>>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Iterator for Batches {
+    type Item = Result<Batch, DataError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let receiver = self.receiver.as_ref()?;
+        match receiver.recv() {
+            Ok(item) => Some(item),
+            // The producer finished (or died): surface a panic once as an error, then end.
+            Err(_) => {
+                self.receiver = None;
+                let panicked = self.handle.take().is_some_and(|h| h.join().is_err());
+                panicked.then_some(Err(DataError::LoaderPanicked))
+            }
+        }
+    }
+}
+
+impl Drop for Batches {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+        // Dropping the receiver unblocks a producer waiting on a full channel.
+        self.receiver = None;
+        if let Some(handle) = self.handle.take() {
+            // A panic in the producer was already reported through `next` or is irrelevant now;
+            // re-raising it in a destructor would abort.
+            let _ = handle.join();
+        }
+    }
+}
+
+fn check_image_shape(image: ImageShape) -> Result<(), DataError> {
+    if image.contains(&0) {
+        return Err(DataError::InvalidImageShape { shape: image });
+    }
+    Ok(())
+}
+
+/// Checks a requested image shape for a dataset of photographs, which can be read as grey or RGB.
+fn check_photo_shape(dataset: &str, image: ImageShape) -> Result<(), DataError> {
+    check_image_shape(image)?;
+    if image[0] != 1 && image[0] != 3 {
+        return Err(DataError::UnsupportedChannels {
+            dataset: dataset.to_string(),
+            channels: image[0],
+        });
+    }
+    Ok(())
+}
+
+fn check_sample_args(dataset: &dyn Dataset, index: usize, out: &[f32]) -> Result<(), DataError> {
+    let len = dataset.num_samples();
+    if index >= len {
+        return Err(DataError::IndexOutOfRange { index, len });
+    }
+    let expected = dataset.sample_len();
+    if out.len() != expected {
+        return Err(DataError::BufferSize {
+            expected,
+            actual: out.len(),
+        });
+    }
+    Ok(())
+}
+
+/// ITU-R BT.601 luma weights, for datasets asked for one channel from RGB sources.
+const LUMA_WEIGHTS: [f32; 3] = [0.299, 0.587, 0.114];
+
+/// Per-channel affine map from raw 0..=255 pixel values to normalised ones: `(v / 255 - mean) / std`.
+#[derive(Clone, Copy, Debug)]
+struct Normalization {
+    scale: [f32; 3],
+    offset: [f32; 3],
+}
+
+impl Normalization {
+    fn new(mean: [f32; 3], std: [f32; 3]) -> Normalization {
+        let mut scale = [0.0; 3];
+        let mut offset = [0.0; 3];
+        for c in 0..3 {
+            scale[c] = 1.0 / (255.0 * std[c]);
+            offset[c] = -mean[c] / std[c];
+        }
+        Normalization { scale, offset }
+    }
+
+    fn apply(&self, channel: usize, raw: f32) -> f32 {
+        raw * self.scale[channel] + self.offset[channel]
+    }
+}
+
+/// One output coordinate of a bilinear resample: the two source coordinates it blends and the weight
+/// of the second.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Tap {
+    lo: usize,
+    hi: usize,
+    frac: f32,
+}
+
+/// Bilinear taps along one axis with half-pixel centres (output pixel centres map onto the source
+/// image's extent), clamped at the borders. Equal sizes give the identity.
+fn bilinear_taps(src: usize, dst: usize) -> Vec<Tap> {
+    let scale = src as f32 / dst as f32;
+    (0..dst)
+        .map(|i| {
+            let x = ((i as f32 + 0.5) * scale - 0.5).clamp(0.0, (src - 1) as f32);
+            let lo = x.floor() as usize;
+            Tap {
+                lo,
+                hi: (lo + 1).min(src - 1),
+                frac: x - lo as f32,
+            }
+        })
+        .collect()
+}
+
+/// Resamples one `src_width`-wide plane through precomputed row and column taps into `out`
+/// (`rows.len() × cols.len()`), passing each interpolated value through `map`.
+fn resample_plane<T: Copy + Into<f32>>(
+    src: &[T],
+    src_width: usize,
+    rows: &[Tap],
+    cols: &[Tap],
+    out: &mut [f32],
+    map: impl Fn(f32) -> f32,
+) {
+    for (row_tap, out_row) in rows.iter().zip(out.chunks_exact_mut(cols.len())) {
+        let upper = &src[row_tap.lo * src_width..][..src_width];
+        let lower = &src[row_tap.hi * src_width..][..src_width];
+        for (col_tap, o) in cols.iter().zip(out_row) {
+            let top = lerp(
+                upper[col_tap.lo].into(),
+                upper[col_tap.hi].into(),
+                col_tap.frac,
+            );
+            let bottom = lerp(
+                lower[col_tap.lo].into(),
+                lower[col_tap.hi].into(),
+                col_tap.frac,
+            );
+            *o = map(lerp(top, bottom, row_tap.frac));
+        }
+    }
+}
+
+fn lerp(a: f32, b: f32, t: f32) -> f32 {
+    a + (b - a) * t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::time::{Duration, Instant};
+
+    /// Sample `i` is the constant image `i` with label `i % 3`; optionally slow or failing.
+    struct Counting {
+        len: usize,
+        delay: Duration,
+        fail_at: Option<usize>,
+        calls: AtomicUsize,
+    }
+
+    impl Counting {
+        fn new(len: usize) -> Counting {
+            Counting {
+                len,
+                delay: Duration::ZERO,
+                fail_at: None,
+                calls: AtomicUsize::new(0),
+            }
+        }
+    }
+
+    impl Dataset for Counting {
+        fn num_samples(&self) -> usize {
+            self.len
+        }
+        fn image_shape(&self) -> ImageShape {
+            [1, 2, 2]
+        }
+        fn num_classes(&self) -> usize {
+            3
+        }
+        fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError> {
+            check_sample_args(self, index, out)?;
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(self.delay);
+            if self.fail_at == Some(index) {
+                return Err(DataError::Io {
+                    path: PathBuf::from(format!("sample-{index}")),
+                    source: std::io::Error::other("unreadable"),
+                });
+            }
+            out.fill(index as f32);
+            Ok((index % 3) as u32)
+        }
+        fn describe(&self) -> String {
+            format!("counting ({} samples)", self.len)
+        }
+    }
+
+    fn loader(dataset: Counting, config: LoaderConfig) -> Loader {
+        Loader::new(Arc::new(dataset), config).unwrap()
+    }
+
+    #[test]
+    fn bilinear_taps_identity_and_half_pixel_centres() {
+        for t in bilinear_taps(5, 5).iter().enumerate() {
+            assert_eq!(
+                *t.1,
+                Tap {
+                    lo: t.0,
+                    hi: (t.0 + 1).min(4),
+                    frac: 0.0
+                }
+            );
+        }
+        // 4 → 2: each output sits halfway between a pair of source pixels.
+        let down = bilinear_taps(4, 2);
+        assert_eq!(
+            down[0],
+            Tap {
+                lo: 0,
+                hi: 1,
+                frac: 0.5
+            }
+        );
+        assert_eq!(
+            down[1],
+            Tap {
+                lo: 2,
+                hi: 3,
+                frac: 0.5
+            }
+        );
+        // 2 → 4: borders clamp, the middle interpolates at quarter positions.
+        let up = bilinear_taps(2, 4);
+        assert_eq!(
+            up[0],
+            Tap {
+                lo: 0,
+                hi: 1,
+                frac: 0.0
+            }
+        );
+        assert_eq!(
+            up[1],
+            Tap {
+                lo: 0,
+                hi: 1,
+                frac: 0.25
+            }
+        );
+        assert_eq!(
+            up[2],
+            Tap {
+                lo: 0,
+                hi: 1,
+                frac: 0.75
+            }
+        );
+        assert_eq!(
+            up[3],
+            Tap {
+                lo: 1,
+                hi: 1,
+                frac: 0.0
+            }
+        );
+    }
+
+    #[test]
+    fn resample_plane_reproduces_constants_and_ramps() {
+        let src: Vec<u8> = (0..4u8).flat_map(|_| [10, 20, 30, 40]).collect();
+        let mut out = vec![0.0; 2 * 2];
+        resample_plane(
+            &src,
+            4,
+            &bilinear_taps(4, 2),
+            &bilinear_taps(4, 2),
+            &mut out,
+            |v| v,
+        );
+        assert_eq!(out, [15.0, 35.0, 15.0, 35.0]);
+
+        let constant = [7u8; 9];
+        let mut big = vec![0.0; 8 * 5];
+        resample_plane(
+            &constant,
+            3,
+            &bilinear_taps(3, 8),
+            &bilinear_taps(3, 5),
+            &mut big,
+            |v| v * 2.0,
+        );
+        assert!(big.iter().all(|&v| v == 14.0));
+
+        let same: Vec<f32> = (0..6).map(|v| v as f32).collect();
+        let mut copy = vec![0.0; 6];
+        resample_plane(
+            &same,
+            3,
+            &bilinear_taps(2, 2),
+            &bilinear_taps(3, 3),
+            &mut copy,
+            |v| v,
+        );
+        assert_eq!(copy, same);
+    }
+
+    #[test]
+    fn epochs_are_seeded_permutations() {
+        let mut config = LoaderConfig::new(4);
+        config.seed = 11;
+        let l = loader(Counting::new(10), config.clone());
+        let e0 = l.epoch_order(0);
+        let mut sorted = e0.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
+        assert_ne!(e0, l.epoch_order(1));
+        assert_eq!(e0, loader(Counting::new(10), config.clone()).epoch_order(0));
+        config.seed = 12;
+        assert_ne!(e0, loader(Counting::new(10), config).epoch_order(0));
+    }
+
+    #[test]
+    fn prefetched_batches_match_synchronous_ones() {
+        let mut config = LoaderConfig::new(3);
+        config.seed = 5;
+        let l = loader(Counting::new(10), config);
+        assert_eq!(l.batches_per_epoch(), 3);
+        let batches: Vec<Batch> = l.epoch(2).map(Result::unwrap).collect();
+        assert_eq!(batches.len(), 3);
+        for (b, batch) in batches.iter().enumerate() {
+            assert_eq!(*batch, l.batch(2, b).unwrap());
+            assert_eq!(batch.epoch, 2);
+            assert_eq!(batch.shape(), Shape::nchw(3, 1, 2, 2));
+            for (k, &index) in batch.indices.iter().enumerate() {
+                assert_eq!(batch.labels[k], (index % 3) as u32);
+                assert!(
+                    batch.images[k * 4..][..4]
+                        .iter()
+                        .all(|&v| v == index as f32)
+                );
+            }
+        }
+        // A second loader with the same config yields the same stream.
+        let again: Vec<Batch> = loader(Counting::new(10), l.config().clone())
+            .epoch(2)
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(again, batches);
+    }
+
+    #[test]
+    fn steps_cross_epoch_boundaries_and_resume_exactly() {
+        let l = loader(Counting::new(8), LoaderConfig::new(3));
+        assert_eq!(l.batches_per_epoch(), 2);
+        let run: Vec<Batch> = l.steps(0).take(7).map(Result::unwrap).collect();
+        let positions: Vec<(u64, usize)> = run.iter().map(|b| (b.epoch, b.batch)).collect();
+        assert_eq!(
+            positions,
+            [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0)]
+        );
+        let resumed: Vec<Batch> = l.steps(3).take(4).map(Result::unwrap).collect();
+        assert_eq!(resumed, run[3..]);
+    }
+
+    #[test]
+    fn sequential_order_keeps_the_short_last_batch_when_asked() {
+        let mut config = LoaderConfig::new(4);
+        config.shuffle = false;
+        config.drop_last = false;
+        let l = loader(Counting::new(10), config);
+        let indices: Vec<Vec<usize>> = l.epoch(0).map(|b| b.unwrap().indices).collect();
+        assert_eq!(indices, [vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8, 9]]);
+        assert!(matches!(
+            l.batch(0, 3),
+            Err(DataError::BatchOutOfRange {
+                batch: 3,
+                batches: 3
+            })
+        ));
+    }
+
+    #[test]
+    fn dataset_errors_surface_from_the_iterator() {
+        let mut dataset = Counting::new(12);
+        dataset.fail_at = Some(5);
+        let mut config = LoaderConfig::new(4);
+        config.shuffle = false;
+        let mut batches = loader(dataset, config).epoch(0);
+        assert!(batches.next().unwrap().is_ok());
+        let err = batches.next().unwrap().unwrap_err();
+        assert!(err.to_string().contains("sample-5"), "{err}");
+        assert!(batches.next().is_none());
+    }
+
+    #[test]
+    fn dropping_stops_the_producer_promptly() {
+        let mut dataset = Counting::new(1000);
+        dataset.delay = Duration::from_millis(2);
+        let dataset = Arc::new(dataset);
+        let l = Loader::new(dataset.clone(), LoaderConfig::new(8)).unwrap();
+        let mut stream = l.steps(0);
+        stream.next().unwrap().unwrap();
+        // Let the producer fill the channel and block on it.
+        std::thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        drop(stream);
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let calls = dataset.calls.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            dataset.calls.load(Ordering::SeqCst),
+            calls,
+            "producer still running"
+        );
+        assert!(calls < 1000);
+    }
+
+    #[test]
+    fn a_panicking_dataset_becomes_an_error() {
+        struct Panics;
+        impl Dataset for Panics {
+            fn num_samples(&self) -> usize {
+                4
+            }
+            fn image_shape(&self) -> ImageShape {
+                [1, 1, 1]
+            }
+            fn num_classes(&self) -> usize {
+                1
+            }
+            fn sample(&self, _: usize, _: &mut [f32]) -> Result<u32, DataError> {
+                panic!("decoder bug");
+            }
+            fn describe(&self) -> String {
+                "panics".into()
+            }
+        }
+        let l = Loader::new(Arc::new(Panics), LoaderConfig::new(2)).unwrap();
+        let results: Vec<_> = l.epoch(0).collect();
+        assert_eq!(results.len(), 1);
+        assert!(matches!(results[0], Err(DataError::LoaderPanicked)));
+    }
+
+    #[test]
+    fn loader_rejects_degenerate_configs() {
+        let ds: Arc<dyn Dataset> = Arc::new(Counting::new(3));
+        assert!(Loader::new(ds.clone(), LoaderConfig::new(0)).is_err());
+        assert!(Loader::new(ds.clone(), LoaderConfig::new(4)).is_err());
+        let mut config = LoaderConfig::new(4);
+        config.drop_last = false;
+        assert_eq!(Loader::new(ds, config).unwrap().batches_per_epoch(), 1);
+    }
+
+    #[test]
+    fn open_parses_specs() {
+        let ds = open("synthetic", [3, 8, 8], 10, 1).unwrap();
+        assert_eq!(ds.num_samples(), DEFAULT_SYNTHETIC_SAMPLES);
+        assert_eq!(ds.image_shape(), [3, 8, 8]);
+        assert_eq!(ds.num_classes(), 10);
+        assert_eq!(
+            open("synthetic:64", [1, 4, 4], 3, 1).unwrap().num_samples(),
+            64
+        );
+
+        let err = open("imagenet:/data", [3, 8, 8], 10, 1).err().unwrap();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("imagenet:/data") && msg.contains(SPEC_FORMS),
+            "{msg}"
+        );
+        for bad in [
+            "synthetic:0",
+            "synthetic:x",
+            "synthetic:-3",
+            "cifar10",
+            "folder:",
+        ] {
+            assert!(
+                matches!(
+                    open(bad, [3, 8, 8], 10, 1),
+                    Err(DataError::InvalidSpec { .. })
+                ),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            open("cifar10:/nonexistent", [2, 8, 8], 10, 1),
+            Err(DataError::UnsupportedChannels { .. })
+        ));
+        assert_eq!(
+            open("synthetic", [2, 8, 8], 10, 1).unwrap().image_shape(),
+            [2, 8, 8]
+        );
+        assert!(matches!(
+            open("synthetic", [3, 0, 8], 10, 1),
+            Err(DataError::InvalidImageShape { .. })
+        ));
+    }
+}
