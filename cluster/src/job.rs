@@ -5,7 +5,7 @@ use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use legion_ops::Graph;
 use legion_ops::checkpoint;
-use legion_ops::data::{self, Loader};
+use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::train::{ParamStore, Sgd, Trainer};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -90,7 +90,14 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     )?;
     let model_name = graph.name.clone();
     let mut trainer = Trainer::new(graph, params, opts.sgd, opts.seed);
-    let mut loader = Loader::new(dataset, batch, opts.seed, true);
+    let loader = Loader::new(
+        dataset.into(),
+        LoaderConfig {
+            seed: opts.seed,
+            ..LoaderConfig::new(batch)
+        },
+    )?;
+    let mut batches = loader.steps(0);
 
     let progress = (!opts.json && std::io::stderr().is_terminal()).then(|| {
         let bar = ProgressBar::new(opts.steps);
@@ -103,7 +110,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     let started = Instant::now();
     let mut losses = Vec::with_capacity(opts.steps as usize);
     for step in 1..=opts.steps {
-        let batch_data = loader
+        let batch_data = batches
             .next()
             .context("the data loader stopped early")?
             .context("loading a batch")?;
@@ -141,7 +148,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         let mut meta = BTreeMap::new();
         meta.insert("model".to_string(), model_name.clone());
         meta.insert("step".to_string(), trainer.steps().to_string());
-        checkpoint::save(path, &trainer.params().named_tensors(), &meta)?;
+        checkpoint::save(path, &trainer.params().tensors(), &meta)?;
     }
 
     let window = losses.len().min(10);

@@ -4,7 +4,7 @@
 //! `cargo bench -p legion-ops --bench train_step`
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use legion_ops::data::{self, Loader};
+use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::train::{ParamStore, Sgd, Trainer};
 use legion_ops::zoo;
 use std::time::Duration;
@@ -15,9 +15,9 @@ fn alexnet_step(c: &mut Criterion) {
     let graph = model.build(&cfg).expect("alexnet builds");
     let flops = graph.flops();
     let dataset = data::open("synthetic", [3, 224, 224], cfg.classes, 1).expect("synthetic data");
-    let batch = Loader::new(dataset, cfg.batch, 1, true)
-        .next()
-        .expect("a batch")
+    let batch = Loader::new(dataset.into(), LoaderConfig::new(cfg.batch))
+        .expect("a loader")
+        .batch(0, 0)
         .expect("synthetic data loads");
     let params = ParamStore::init(&graph, 1);
     let mut trainer = Trainer::new(graph, params, Sgd::default(), 1);

@@ -235,11 +235,7 @@ impl Rect {
 
     /// Row-major offset of global point `p` inside a buffer laid out over this rect.
     pub fn offset_of(&self, p: &[usize; MAX_DIMS]) -> usize {
-        let mut off = 0;
-        for i in 0..self.ndim {
-            off = off * self.extent(i) + (p[i] - self.lo[i]);
-        }
-        off
+        (0..self.ndim).fold(0, |off, i| off * self.extent(i) + (p[i] - self.lo[i]))
     }
 }
 

@@ -4,7 +4,7 @@
 //! This is deliberately independent of the distributed runtime: it is the reference every strategy is
 //! checked against (same weights after N steps), so it shares only the kernels and the initialisation.
 
-use crate::checkpoint::{self, NamedTensor};
+use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
 use crate::kernels::{self, View, ViewMut};
 use crate::op::{Init, Op};
@@ -132,14 +132,15 @@ impl ParamStore {
         &self.values[self.slot(layer, index)]
     }
 
-    pub fn named_tensors(&self) -> Vec<NamedTensor<'_>> {
+    /// Borrowed views of every parameter and buffer, for `checkpoint::save`.
+    pub fn tensors(&self) -> Vec<TensorRef<'_>> {
         self.params
             .iter()
             .zip(&self.values)
-            .map(|(p, v)| NamedTensor {
-                name: p.name.clone(),
+            .map(|(p, v)| TensorRef {
+                name: &p.name,
                 shape: p.spec.shape,
-                data: std::borrow::Cow::Borrowed(v.as_slice()),
+                data: v,
             })
             .collect()
     }

@@ -105,7 +105,7 @@ impl OpSpec for Conv2d {
         if self.out_channels == 0 || g == 0 {
             return Err("out_channels and groups must be positive".into());
         }
-        if x.dim(1) % g != 0 || self.out_channels % g != 0 {
+        if !x.dim(1).is_multiple_of(g) || !self.out_channels.is_multiple_of(g) {
             return Err(format!(
                 "groups={g} must divide input channels {} and out_channels {}",
                 x.dim(1),
