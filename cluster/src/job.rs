@@ -69,7 +69,10 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         );
     }
     let logits = graph.logits().with_context(|| {
-        format!("model '{}' has no softmax_cross_entropy loss layer", graph.name)
+        format!(
+            "model '{}' has no softmax_cross_entropy loss layer",
+            graph.name
+        )
     })?;
     let classes = graph.layer(logits).shape.dim(1);
 
@@ -115,11 +118,14 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
             .context("the data loader stopped early")?
             .context("loading a batch")?;
         let t = Instant::now();
-        let stats = trainer.step(&batch_data.images, &batch_data.labels);
+        let stats = trainer.step(&batch_data.images, &batch_data.labels)?;
         let secs = t.elapsed().as_secs_f64();
         let images_per_sec = batch as f64 / secs;
         if !stats.loss.is_finite() {
-            bail!("step {step}: the loss is {} (try a smaller --lr)", stats.loss);
+            bail!(
+                "step {step}: the loss is {} (try a smaller --lr)",
+                stats.loss
+            );
         }
         losses.push(stats.loss);
         let accuracy = stats.correct as f64 / batch as f64;

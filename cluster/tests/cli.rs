@@ -24,7 +24,10 @@ fn assert_clean_failure(out: &Output, needle: &str) {
     assert!(!out.status.success(), "expected failure, stderr: {err}");
     assert_eq!(out.status.code(), Some(1), "stderr: {err}");
     assert!(!err.contains("panicked"), "panicked: {err}");
-    assert!(err.contains("error:") && err.contains(needle), "stderr lacks '{needle}': {err}");
+    assert!(
+        err.contains("error:") && err.contains(needle),
+        "stderr lacks '{needle}': {err}"
+    );
 }
 
 #[test]
@@ -33,7 +36,12 @@ fn models_json_lists_exact_parameter_counts() {
     assert!(out.status.success());
     let counts: Vec<(String, u64)> = stdout_json_lines(&out)
         .iter()
-        .map(|m| (m["name"].as_str().unwrap().to_string(), m["params"].as_u64().unwrap()))
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap().to_string(),
+                m["params"].as_u64().unwrap(),
+            )
+        })
         .collect();
     for (name, params) in [
         ("alexnet", 61_100_840),
@@ -50,8 +58,21 @@ fn models_json_lists_exact_parameter_counts() {
 
 #[test]
 fn lenet5_learns_the_synthetic_task() {
-    let out = legion(&["train", "--model", "lenet5", "--devices", "1", "--steps", "60", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--devices",
+        "1",
+        "--steps",
+        "60",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let lines = stdout_json_lines(&out);
     let losses: Vec<f64> = lines
         .iter()
@@ -71,16 +92,37 @@ fn checkpoint_round_trip_is_bit_identical() {
     let a = dir.path().join("a.safetensors");
     let b = dir.path().join("b.safetensors");
     let common = ["train", "--model", "lenet5", "--batch", "8", "--json"];
-    let out = legion(&[&common[..], &["--steps", "3", "--save", a.to_str().unwrap()]].concat());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = legion(
         &[
             &common[..],
-            &["--steps", "0", "--init", a.to_str().unwrap(), "--save", b.to_str().unwrap()],
+            &["--steps", "3", "--save", a.to_str().unwrap()],
         ]
         .concat(),
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = legion(
+        &[
+            &common[..],
+            &[
+                "--steps",
+                "0",
+                "--init",
+                a.to_str().unwrap(),
+                "--save",
+                b.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let ta = legion_ops::checkpoint::load(&a).unwrap();
     let tb = legion_ops::checkpoint::load(&b).unwrap();
     assert_eq!(ta.tensors.len(), tb.tensors.len());
@@ -100,20 +142,58 @@ fn corrupt_inputs_fail_cleanly() {
 
     // A valid checkpoint, then truncated and garbled copies of it.
     let good = path("good.safetensors");
-    let out = legion(&["train", "--model", "lenet5", "--batch", "4", "--steps", "0", "--save", &s(&good)]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--batch",
+        "4",
+        "--steps",
+        "0",
+        "--save",
+        &s(&good),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let bytes = std::fs::read(&good).unwrap();
     let truncated = path("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-    let out = legion(&["train", "--model", "lenet5", "--steps", "0", "--init", &s(&truncated)]);
+    let out = legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--steps",
+        "0",
+        "--init",
+        &s(&truncated),
+    ]);
     assert_clean_failure(&out, "truncated.safetensors");
     let garbage = path("garbage.safetensors");
     std::fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
-    let out = legion(&["train", "--model", "lenet5", "--steps", "0", "--init", &s(&garbage)]);
+    let out = legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--steps",
+        "0",
+        "--init",
+        &s(&garbage),
+    ]);
     assert_clean_failure(&out, "garbage.safetensors");
     // A checkpoint of another model.
     let out = legion(&[
-        "train", "--model", "lenet5", "--classes", "7", "--steps", "0", "--init", &s(&good),
+        "train",
+        "--model",
+        "lenet5",
+        "--classes",
+        "7",
+        "--steps",
+        "0",
+        "--init",
+        &s(&good),
     ]);
     assert_clean_failure(&out, "fc5.weight");
 
@@ -121,8 +201,15 @@ fn corrupt_inputs_fail_cleanly() {
     let cifar = path("data_batch_1.bin");
     std::fs::write(&cifar, vec![1u8; 3073 * 2 + 100]).unwrap();
     let out = legion(&[
-        "train", "--model", "lenet5", "--image-size", "32", "--steps", "1",
-        "--data", &format!("cifar10:{}", s(&cifar)),
+        "train",
+        "--model",
+        "lenet5",
+        "--image-size",
+        "32",
+        "--steps",
+        "1",
+        "--data",
+        &format!("cifar10:{}", s(&cifar)),
     ]);
     assert_clean_failure(&out, "data_batch_1.bin");
 

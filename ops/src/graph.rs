@@ -66,7 +66,7 @@ impl Graph {
         &self.layers[id.0]
     }
 
-    pub fn ids(&self) -> impl Iterator<Item = LayerId> + '_ {
+    pub fn ids(&self) -> impl DoubleEndedIterator<Item = LayerId> + '_ {
         (0..self.layers.len()).map(LayerId)
     }
 

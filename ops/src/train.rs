@@ -6,6 +6,7 @@
 
 use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
+use crate::kernels::softmax_ce::LabelOutOfRange;
 use crate::kernels::{self, View, ViewMut};
 use crate::op::{Init, Op};
 use crate::rng::{self, Rng};
@@ -112,11 +113,8 @@ impl ParamStore {
             .map(|p| (p.name.clone(), p.spec.shape))
             .collect();
         ckpt.check_against(&expected)?;
-        let mut by_name: BTreeMap<String, Vec<f32>> = ckpt
-            .tensors
-            .into_iter()
-            .map(|t| (t.name, t.data))
-            .collect();
+        let mut by_name: BTreeMap<String, Vec<f32>> =
+            ckpt.tensors.into_iter().map(|t| (t.name, t.data)).collect();
         let values = params
             .iter()
             .map(|p| by_name.remove(&p.name).expect("checked above"))
@@ -192,11 +190,13 @@ impl Trainer {
     }
 
     /// One forward, backward and update on a batch of `graph.batch()` samples.
-    pub fn step(&mut self, images: &[f32], labels: &[u32]) -> StepStats {
+    pub fn step(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, LabelOutOfRange> {
         let pass = Pass::new(&self.graph, &self.params, self.seed, self.step);
-        let (acts, stats, saved) = pass.forward(images, labels);
-        let grads = pass.backward(&acts, &saved, labels);
-        let Grads { params: param_grads } = grads;
+        let (acts, stats, saved) = pass.forward(images, labels)?;
+        let grads = pass.backward(&acts, &saved, labels)?;
+        let Grads {
+            params: param_grads,
+        } = grads;
         for (slot, g) in param_grads.into_iter().enumerate() {
             if let Some(g) = g {
                 self.sgd
@@ -207,15 +207,15 @@ impl Trainer {
             self.params.values[slot] = value;
         }
         self.step += 1;
-        stats
+        Ok(stats)
     }
 }
 
 /// Per-layer state the backward pass needs from the forward pass.
 #[derive(Default)]
 struct Saved {
-    /// Batch-norm statistics per layer (mean, biased variance).
-    bn: BTreeMap<usize, (Vec<f32>, Vec<f32>)>,
+    /// Batch statistics of each batch-norm layer, by layer index.
+    bn: BTreeMap<usize, kernels::batch_norm::BatchStats>,
     /// New values of buffers (running statistics) by parameter slot.
     buffer_updates: Vec<(usize, Vec<f32>)>,
 }
@@ -254,7 +254,11 @@ impl<'a> Pass<'a> {
         )
     }
 
-    fn forward(&self, images: &[f32], labels: &[u32]) -> (Vec<Vec<f32>>, StepStats, Saved) {
+    fn forward(
+        &self,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<(Vec<Vec<f32>>, StepStats, Saved), LabelOutOfRange> {
         let g = self.graph;
         let mut acts: Vec<Vec<f32>> = Vec::with_capacity(g.layers().len());
         let mut saved = Saved::default();
@@ -273,7 +277,11 @@ impl<'a> Pass<'a> {
             let in_shape = |k: usize| g.layer(layer.inputs[k]).shape;
             match &layer.op {
                 Op::Input(_) => {
-                    assert_eq!(images.len(), y.len(), "batch images do not match the input shape");
+                    assert_eq!(
+                        images.len(),
+                        y.len(),
+                        "batch images do not match the input shape"
+                    );
                     y.copy_from_slice(images);
                 }
                 Op::Conv2d(op) => {
@@ -309,66 +317,74 @@ impl<'a> Pass<'a> {
                 Op::Flatten(_) => y.copy_from_slice(input(0).data),
                 Op::Concat(_) => {
                     let ins: Vec<View> = (0..layer.inputs.len()).map(input).collect();
-                    kernels::concat::concat_forward(&ins, ViewMut::new(out_rect, &mut y));
+                    kernels::concat::concat_forward(
+                        &g.input_shapes(id),
+                        &ins,
+                        ViewMut::new(out_rect, &mut y),
+                    );
                 }
                 Op::Add(_) => {
                     kernels::add::add_forward(input(0), input(1), ViewMut::new(out_rect, &mut y))
                 }
                 Op::BatchNorm(op) => {
-                    let (mean, var) = kernels::batch_norm::batch_norm_forward(
+                    let channels = Shape::new(&[layer.shape.dim(1)]).full_rect();
+                    let mut running_mean = self.param_view(id, 2).data.to_vec();
+                    let mut running_var = self.param_view(id, 3).data.to_vec();
+                    let stats = kernels::batch_norm::batch_norm_forward(
                         op,
                         input(0),
-                        self.param_view(id, 0).data,
-                        self.param_view(id, 1).data,
+                        self.param_view(id, 0),
+                        self.param_view(id, 1),
+                        ViewMut::new(channels, &mut running_mean),
+                        ViewMut::new(channels, &mut running_var),
                         ViewMut::new(out_rect, &mut y),
                     );
-                    let count = layer.shape.numel() / layer.shape.dim(1);
-                    for (index, stat, batch_stat) in [(2, 0, &mean), (3, 1, &var)] {
-                        let slot = self.params.slot(id, index);
-                        let mut running = self.params.values[slot].clone();
-                        kernels::batch_norm::update_running(
-                            &mut running,
-                            batch_stat,
-                            op.momentum,
-                            stat == 1,
-                            count,
-                        );
-                        saved.buffer_updates.push((slot, running));
-                    }
-                    saved.bn.insert(id.0, (mean, var));
+                    saved
+                        .buffer_updates
+                        .push((self.params.slot(id, 2), running_mean));
+                    saved
+                        .buffer_updates
+                        .push((self.params.slot(id, 3), running_var));
+                    saved.bn.insert(id.0, stats);
                 }
                 Op::Dropout(op) => kernels::dropout::dropout_forward(
-                    op.rate,
-                    self.dropout_key(id),
-                    layer.shape,
+                    &self.dropout_mask(id, op.rate),
                     input(0),
                     ViewMut::new(out_rect, &mut y),
                 ),
                 Op::SoftmaxCrossEntropy(_) => {
                     let logits = input(0);
-                    kernels::softmax_ce::softmax_ce_forward(
+                    let total = kernels::softmax_ce::softmax_ce_forward(
                         logits,
                         labels,
                         ViewMut::new(out_rect, &mut y),
-                    );
-                    stats.loss = (y.iter().map(|&l| l as f64).sum::<f64>() / y.len() as f64) as f32;
+                    )?;
+                    stats.loss = (total / y.len() as f64) as f32;
                     stats.correct = count_correct(logits, labels);
                 }
             }
             acts.push(y);
         }
-        (acts, stats, saved)
+        Ok((acts, stats, saved))
     }
 
-    fn dropout_key(&self, layer: LayerId) -> kernels::dropout::MaskKey {
-        kernels::dropout::MaskKey {
+    /// Dropout layers are salted with their layer index, which every partition of the graph shares.
+    fn dropout_mask(&self, layer: LayerId, rate: f32) -> kernels::dropout::DropoutMask {
+        kernels::dropout::DropoutMask {
+            rate,
             seed: self.seed,
             step: self.step,
-            salt: layer.0 as u64,
+            layer_salt: layer.0 as u64,
+            shape: self.graph.layer(layer).shape,
         }
     }
 
-    fn backward(&self, acts: &[Vec<f32>], saved: &Saved, labels: &[u32]) -> Grads {
+    fn backward(
+        &self,
+        acts: &[Vec<f32>],
+        saved: &Saved,
+        labels: &[u32],
+    ) -> Result<Grads, LabelOutOfRange> {
         let g = self.graph;
         let n_layers = g.layers().len();
         // Gradient w.r.t. each layer's output, summed over its consumers.
@@ -468,15 +484,18 @@ impl<'a> Pass<'a> {
                 }
                 Op::Flatten(_) => dxs.push(dy_buf.clone()),
                 Op::Concat(_) => {
-                    let mut bufs: Vec<Vec<f32>> =
-                        (0..layer.inputs.len()).map(zeros_like).collect();
+                    let mut bufs: Vec<Vec<f32>> = (0..layer.inputs.len()).map(zeros_like).collect();
                     {
                         let mut views: Vec<ViewMut> = bufs
                             .iter_mut()
                             .enumerate()
                             .map(|(k, b)| ViewMut::new(in_shape(k).full_rect(), b))
                             .collect();
-                        kernels::concat::concat_backward(dy.unwrap(), &mut views);
+                        kernels::concat::concat_backward(
+                            &g.input_shapes(id),
+                            dy.unwrap(),
+                            &mut views,
+                        );
                     }
                     dxs.extend(bufs.into_iter().map(Some));
                 }
@@ -485,23 +504,21 @@ impl<'a> Pass<'a> {
                     dxs.push(dy_buf.clone());
                 }
                 Op::BatchNorm(op) => {
-                    let (mean, var) = &saved.bn[&id.0];
                     let x = input(0);
                     let mut dx = zeros_like(0);
-                    let channels = layer.shape.dim(1);
-                    let mut dgamma = vec![0.0; channels];
-                    let mut dbeta = vec![0.0; channels];
+                    let channels = Shape::new(&[layer.shape.dim(1)]).full_rect();
+                    let mut dgamma = vec![0.0; channels.volume()];
+                    let mut dbeta = vec![0.0; channels.volume()];
                     kernels::batch_norm::batch_norm_backward(
                         op,
                         x,
                         y,
                         dy.unwrap(),
-                        self.param_view(id, 0).data,
-                        mean,
-                        var,
+                        &saved.bn[&id.0],
+                        self.param_view(id, 0),
                         ViewMut::new(x.rect, &mut dx),
-                        &mut dgamma,
-                        &mut dbeta,
+                        ViewMut::new(channels, &mut dgamma),
+                        ViewMut::new(channels, &mut dbeta),
                     );
                     accumulate(&mut param_grads[self.params.slot(id, 0)], dgamma);
                     accumulate(&mut param_grads[self.params.slot(id, 1)], dbeta);
@@ -510,9 +527,7 @@ impl<'a> Pass<'a> {
                 Op::Dropout(op) => {
                     let mut dx = zeros_like(0);
                     kernels::dropout::dropout_backward(
-                        op.rate,
-                        self.dropout_key(id),
-                        layer.shape,
+                        &self.dropout_mask(id, op.rate),
                         dy.unwrap(),
                         ViewMut::new(out_rect, &mut dx),
                     );
@@ -526,7 +541,7 @@ impl<'a> Pass<'a> {
                         labels,
                         1.0 / g.batch() as f32,
                         ViewMut::new(logits.rect, &mut dx),
-                    );
+                    )?;
                     dxs.push(Some(dx));
                 }
             }
@@ -536,9 +551,9 @@ impl<'a> Pass<'a> {
                 }
             }
         }
-        Grads {
+        Ok(Grads {
             params: param_grads,
-        }
+        })
     }
 }
 
@@ -549,11 +564,14 @@ fn count_correct(logits: View, labels: &[u32]) -> usize {
         .data
         .chunks_exact(classes)
         .zip(labels)
-        .filter(|(row, &label)| {
+        .filter(|&(row, &label)| {
             let best = row
                 .iter()
                 .enumerate()
-                .fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                );
             best.0 == label as usize
         })
         .count()

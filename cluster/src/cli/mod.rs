@@ -6,7 +6,11 @@ mod train;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "legion-rs", version, about = "Layer-wise parallel CNN training")]
+#[command(
+    name = "legion-rs",
+    version,
+    about = "Layer-wise parallel CNN training"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -53,7 +57,9 @@ pub fn load_model(
         );
     }
     if image_size.is_some() || classes.is_some() {
-        anyhow::bail!("--image-size and --classes apply to zoo models; a JSON model fixes its own shapes");
+        anyhow::bail!(
+            "--image-size and --classes apply to zoo models; a JSON model fixes its own shapes"
+        );
     }
     let g = legion_ops::Graph::load_json(path)?;
     g.with_batch(batch)

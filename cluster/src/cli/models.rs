@@ -50,21 +50,31 @@ pub fn run(args: ModelsArgs) -> anyhow::Result<()> {
     }
     println!(
         "{:<14} {:>7} {:>7} {:>15} {:>12} {:>12}",
-        "model", "input", "layers", "params", "fwd GFLOP", "train GFLOP"
+        "model", "input", "layers", "params", "fwd FLOPs", "train FLOPs"
     );
     for i in &infos {
         println!(
-            "{:<14} {:>7} {:>7} {:>15} {:>12.2} {:>12.2}",
+            "{:<14} {:>7} {:>7} {:>15} {:>12} {:>12}",
             i.name,
             format!("{}x{}", i.image_size, i.image_size),
             i.layers,
             group_thousands(i.params),
-            i.forward_flops as f64 / 1e9,
-            i.train_flops as f64 / 1e9
+            si(i.forward_flops),
+            si(i.train_flops)
         );
     }
     println!("(FLOPs per sample at the default input size)");
     Ok(())
+}
+
+/// `1.43 G`, `846.3 M`: FLOP counts span six orders of magnitude across the zoo.
+fn si(n: u64) -> String {
+    let x = n as f64;
+    match x {
+        x if x >= 1e9 => format!("{:.2} G", x / 1e9),
+        x if x >= 1e6 => format!("{:.1} M", x / 1e6),
+        x => format!("{:.1} k", x / 1e3),
+    }
 }
 
 fn group_thousands(n: u64) -> String {

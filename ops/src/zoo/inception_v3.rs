@@ -48,14 +48,24 @@ impl Blocks<'_> {
         conv_bn(self.m, name, x, conv, BatchNorm::default().eps(1e-3).relu())
     }
 
-    fn branch(&mut self, block: &str, x: LayerId, convs: &[(&str, Conv2d)]) -> Result<LayerId, ModelError> {
-        convs
-            .iter()
-            .try_fold(x, |x, (name, conv)| self.basic(&format!("{block}.{name}"), x, conv.clone()))
+    fn branch(
+        &mut self,
+        block: &str,
+        x: LayerId,
+        convs: &[(&str, Conv2d)],
+    ) -> Result<LayerId, ModelError> {
+        convs.iter().try_fold(x, |x, (name, conv)| {
+            self.basic(&format!("{block}.{name}"), x, conv.clone())
+        })
     }
 
     /// 3×3 average pool (stride 1, padding 1) then a 1×1 BasicConv2d.
-    fn pool_branch(&mut self, block: &str, x: LayerId, channels: usize) -> Result<LayerId, ModelError> {
+    fn pool_branch(
+        &mut self,
+        block: &str,
+        x: LayerId,
+        channels: usize,
+    ) -> Result<LayerId, ModelError> {
         let p = self.m.pool2d(
             &format!("{block}.branch_pool.avg"),
             x,
@@ -68,7 +78,12 @@ impl Blocks<'_> {
         self.m.concat(&format!("{block}.concat"), xs)
     }
 
-    fn inception_a(&mut self, n: &str, x: LayerId, pool_features: usize) -> Result<LayerId, ModelError> {
+    fn inception_a(
+        &mut self,
+        n: &str,
+        x: LayerId,
+        pool_features: usize,
+    ) -> Result<LayerId, ModelError> {
         let b1 = self.branch(n, x, &[("branch1x1", Conv2d::new(64, 1))])?;
         let b5 = self.branch(
             n,
@@ -102,7 +117,9 @@ impl Blocks<'_> {
                 ("branch3x3dbl_3", Conv2d::new(96, 3).stride(2)),
             ],
         )?;
-        let bp = self.m.pool2d(&format!("{n}.branch_pool"), x, Pool2d::max(3).stride(2))?;
+        let bp = self
+            .m
+            .pool2d(&format!("{n}.branch_pool"), x, Pool2d::max(3).stride(2))?;
         self.concat(n, &[b3, bd, bp])
     }
 
@@ -153,7 +170,9 @@ impl Blocks<'_> {
                 ("branch7x7x3_4", Conv2d::new(192, 3).stride(2)),
             ],
         )?;
-        let bp = self.m.pool2d(&format!("{n}.branch_pool"), x, Pool2d::max(3).stride(2))?;
+        let bp = self
+            .m
+            .pool2d(&format!("{n}.branch_pool"), x, Pool2d::max(3).stride(2))?;
         self.concat(n, &[b3, b7, bp])
     }
 
@@ -176,8 +195,16 @@ impl Blocks<'_> {
 
     /// Inception-E's fork: parallel 1×3 and 3×1 convs of `x`, concatenated.
     fn split_1x3_3x1(&mut self, n: &str, stem: &str, x: LayerId) -> Result<LayerId, ModelError> {
-        let a = self.basic(&format!("{n}.{stem}a"), x, Conv2d::rect(384, 1, 3).padding_hw(0, 1))?;
-        let b = self.basic(&format!("{n}.{stem}b"), x, Conv2d::rect(384, 3, 1).padding_hw(1, 0))?;
+        let a = self.basic(
+            &format!("{n}.{stem}a"),
+            x,
+            Conv2d::rect(384, 1, 3).padding_hw(0, 1),
+        )?;
+        let b = self.basic(
+            &format!("{n}.{stem}b"),
+            x,
+            Conv2d::rect(384, 3, 1).padding_hw(1, 0),
+        )?;
         self.m.concat(&format!("{n}.{stem}.concat"), &[a, b])
     }
 }

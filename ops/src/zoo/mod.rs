@@ -139,7 +139,9 @@ mod tests {
                 image_size: size,
                 ..m.default_config(8)
             };
-            let g = m.build(&cfg).unwrap_or_else(|e| panic!("{name} at {size}: {e}"));
+            let g = m
+                .build(&cfg)
+                .unwrap_or_else(|e| panic!("{name} at {size}: {e}"));
             assert_eq!(g.batch(), 8);
             let logits = g.logits().unwrap();
             assert_eq!(g.layer(logits).shape.dims(), &[8, m.default_classes]);

@@ -44,7 +44,13 @@ fn bottleneck(
 ) -> Result<LayerId, ModelError> {
     let bn = BatchNorm::default;
     let out_channels = width * 4;
-    let y = conv_bn(m, &format!("{name}.1"), x, Conv2d::new(width, 1), bn().relu())?;
+    let y = conv_bn(
+        m,
+        &format!("{name}.1"),
+        x,
+        Conv2d::new(width, 1),
+        bn().relu(),
+    )?;
     let y = conv_bn(
         m,
         &format!("{name}.2"),
@@ -52,7 +58,13 @@ fn bottleneck(
         Conv2d::new(width, 3).stride(stride).padding(1),
         bn().relu(),
     )?;
-    let y = conv_bn(m, &format!("{name}.3"), y, Conv2d::new(out_channels, 1), bn())?;
+    let y = conv_bn(
+        m,
+        &format!("{name}.3"),
+        y,
+        Conv2d::new(out_channels, 1),
+        bn(),
+    )?;
     let shortcut = if stride != 1 || in_channels != out_channels {
         conv_bn(
             m,
