@@ -576,3 +576,104 @@ fn count_correct(logits: View, labels: &[u32]) -> usize {
         })
         .count()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GraphBuilder;
+    use crate::kernels::check;
+    use crate::op::{BatchNorm, Conv2d, Dense, Pool2d};
+
+    /// Branches, a concat, a residual add, batch norm and pooling: every way gradients meet.
+    fn branchy(batch: usize) -> Graph {
+        let mut m = GraphBuilder::new("branchy");
+        let x = m.input("data", Shape::nchw(batch, 2, 8, 8)).unwrap();
+        let a = m.conv2d("a", x, Conv2d::new(4, 3).padding(1)).unwrap();
+        let a = m.batch_norm("a_bn", a, BatchNorm::default()).unwrap();
+        let b = m.conv2d("b", x, Conv2d::new(2, 1).no_bias()).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(2, 3).padding(1)).unwrap();
+        let bc = m.concat("bc", &[b, c]).unwrap();
+        let s = m.add("sum", a, bc).unwrap();
+        let p = m.pool2d("pool", s, Pool2d::avg(2)).unwrap();
+        let f = m.flatten("flat", p).unwrap();
+        let d = m.dense("fc", f, Dense::new(3)).unwrap();
+        m.softmax_cross_entropy("loss", d).unwrap();
+        m.finish()
+    }
+
+    #[test]
+    fn parameter_gradients_match_finite_differences() {
+        let graph = branchy(4);
+        let params = ParamStore::init(&graph, 3);
+        let images = check::random(graph.layer(graph.input()).shape.numel(), 11);
+        let labels = [0, 1, 2, 1];
+        let pass = Pass::new(&graph, &params, 5, 0);
+        let (acts, _, saved) = pass.forward(&images, &labels).unwrap();
+        let grads = pass.backward(&acts, &saved, &labels).unwrap();
+        for (slot, p) in params.params.iter().enumerate() {
+            if !p.spec.trainable {
+                continue;
+            }
+            let analytic = grads.params[slot]
+                .as_ref()
+                .expect("every parameter gets a gradient");
+            check::assert_grad(&p.name, &params.values[slot], analytic, 12, |w| {
+                let mut probe = params.clone();
+                probe.values[slot] = w.to_vec();
+                let (_, stats, _) = Pass::new(&graph, &probe, 5, 0)
+                    .forward(&images, &labels)
+                    .unwrap();
+                stats.loss as f64
+            });
+        }
+    }
+
+    #[test]
+    fn init_is_seeded_and_checkpoints_restore_it() {
+        let graph = branchy(2);
+        let a = ParamStore::init(&graph, 9);
+        assert_eq!(a, ParamStore::init(&graph, 9));
+        assert_ne!(a.values, ParamStore::init(&graph, 10).values);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        checkpoint::save(&path, &a.tensors(), &BTreeMap::new()).unwrap();
+        let back = ParamStore::from_checkpoint(&graph, checkpoint::load(&path).unwrap()).unwrap();
+        assert_eq!(a, back);
+    }
+
+    #[test]
+    fn sgd_matches_pytorch_momentum_and_weight_decay() {
+        let sgd = Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.01,
+        };
+        let mut w = [1.0f32];
+        let mut v = [0.0f32];
+        sgd.update(&mut w, &[0.5], &mut v);
+        // d = 0.5 + 0.01·1 = 0.51; v = 0.51; w = 1 − 0.051
+        assert!((w[0] - 0.949).abs() < 1e-6 && (v[0] - 0.51).abs() < 1e-6);
+        sgd.update(&mut w, &[0.5], &mut v);
+        // d = 0.5 + 0.00949 = 0.50949; v = 0.9·0.51 + 0.50949 = 0.96849; w = 0.949 − 0.096849
+        assert!((w[0] - 0.852151).abs() < 1e-5, "{}", w[0]);
+    }
+
+    #[test]
+    fn training_reduces_the_loss_and_updates_running_stats() {
+        let graph = branchy(8);
+        let params = ParamStore::init(&graph, 1);
+        let before = params.clone();
+        let mut t = Trainer::new(graph.clone(), params, Sgd::default(), 1);
+        let images = check::random(graph.layer(graph.input()).shape.numel(), 2);
+        let labels = [0, 1, 2, 0, 1, 2, 0, 1];
+        let first = t.step(&images, &labels).unwrap().loss;
+        let mut last = first;
+        for _ in 0..30 {
+            last = t.step(&images, &labels).unwrap().loss;
+        }
+        assert!(last < 0.5 * first, "{first} -> {last}");
+        let rm = t.params().slot(graph.find("a_bn").unwrap(), 2);
+        assert_ne!(t.params().values[rm], before.values[rm]);
+        assert_eq!(t.steps(), 31);
+    }
+}
