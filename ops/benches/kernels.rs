@@ -1,0 +1,230 @@
+//! Throughput of the compute-heavy CPU kernels at AlexNet sizes (batch 32, 224×224 images).
+//!
+//! Throughput is reported as elements/s where one element is one floating-point operation, so
+//! `Gelem/s` reads as GFLOP/s. FLOPs come from each op's `OpSpec::flops`. Run single-threaded with
+//! `RAYON_NUM_THREADS=1` to compare against one core's FMA peak.
+//!
+//! `cargo bench -p legion-ops --bench kernels`
+
+use criterion::measurement::WallTime;
+use criterion::{
+    BenchmarkGroup, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
+};
+use legion_ops::kernels::conv2d::{conv2d_backward, conv2d_forward};
+use legion_ops::kernels::dense::{dense_backward, dense_forward};
+use legion_ops::kernels::gemm::{Mat, MatMut, Threads, matmul};
+use legion_ops::kernels::pool2d::{pool2d_backward, pool2d_forward};
+use legion_ops::kernels::{View, ViewMut};
+use legion_ops::op::{Conv2d, Dense, OpSpec, Pool2d};
+use legion_ops::rng::Rng;
+use legion_ops::shape::{Rect, Shape};
+use std::hint::black_box;
+use std::time::Duration;
+
+const BATCH: usize = 32;
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()
+}
+
+fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut g = c.benchmark_group(name);
+    // Each iteration takes tens to hundreds of milliseconds: a few flat samples are enough.
+    g.sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    g
+}
+
+fn bench_gemm(c: &mut Criterion) {
+    let mut g = group(c, "gemm");
+    // (m, n, k): a square product and conv2's forward over the whole batch (Cout × N·OH·OW × Cin·k²).
+    for (name, m, n, k) in [
+        ("1024^3", 1024, 1024, 1024),
+        ("192x23328x1600", 192, BATCH * 27 * 27, 1600),
+    ] {
+        let a = random(m * k, 1);
+        let b = random(k * n, 2);
+        let mut dst = vec![0.0; m * n];
+        g.throughput(Throughput::Elements(2 * (m * n * k) as u64));
+        g.bench_function(name, |bench| {
+            bench.iter(|| {
+                matmul(
+                    MatMut::packed(&mut dst, m, n),
+                    Mat::packed(&a, m, k),
+                    Mat::packed(&b, k, n),
+                    false,
+                    Threads::Pool,
+                );
+                black_box(&dst);
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_conv(c: &mut Criterion) {
+    let mut g = group(c, "conv2d");
+    let layers = [
+        (
+            "conv1",
+            Conv2d::new(64, 11).stride(4).padding(2).relu(),
+            Shape::nchw(BATCH, 3, 224, 224),
+        ),
+        (
+            "conv2",
+            Conv2d::new(192, 5).padding(2).relu(),
+            Shape::nchw(BATCH, 64, 27, 27),
+        ),
+        (
+            "conv3",
+            Conv2d::new(384, 3).padding(1).relu(),
+            Shape::nchw(BATCH, 192, 13, 13),
+        ),
+    ];
+    for (name, op, input) in layers {
+        let output = op.infer_shape(&[input]).unwrap();
+        let flops = op.flops(&[input], &output);
+        let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
+        let w_rect = op.params(&[input])[0].shape.full_rect();
+        let b_rect = Rect::new(&[0], &[op.out_channels]);
+        let x = random(input.numel(), 3);
+        let w = random(w_rect.volume(), 4);
+        let b = random(op.out_channels, 5);
+        let dy = random(output.numel(), 6);
+        let mut y = vec![0.0; output.numel()];
+
+        g.throughput(Throughput::Elements(flops.forward));
+        g.bench_function(format!("{name}/forward"), |bench| {
+            bench.iter(|| {
+                conv2d_forward(
+                    &op,
+                    input,
+                    View::new(x_rect, &x),
+                    View::new(w_rect, &w),
+                    Some(View::new(b_rect, &b)),
+                    ViewMut::new(y_rect, &mut y),
+                );
+                black_box(&y);
+            })
+        });
+
+        // `flops.backward` counts both the input and the weight gradient, so both are computed.
+        let mut dx = vec![0.0; input.numel()];
+        let mut dw = vec![0.0; w.len()];
+        let mut db = vec![0.0; b.len()];
+        g.throughput(Throughput::Elements(flops.backward));
+        g.bench_function(format!("{name}/backward"), |bench| {
+            bench.iter(|| {
+                conv2d_backward(
+                    &op,
+                    input,
+                    View::new(x_rect, &x),
+                    View::new(w_rect, &w),
+                    View::new(y_rect, &y),
+                    View::new(y_rect, &dy),
+                    Some(ViewMut::new(x_rect, &mut dx)),
+                    ViewMut::new(w_rect, &mut dw),
+                    Some(ViewMut::new(b_rect, &mut db)),
+                );
+                black_box((&dx, &dw, &db));
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_dense(c: &mut Criterion) {
+    let mut g = group(c, "dense");
+    let op = Dense::new(4096).relu();
+    let input = Shape::nc(BATCH, 9216);
+    let output = op.infer_shape(&[input]).unwrap();
+    let flops = op.flops(&[input], &output);
+    let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
+    let w_rect = Shape::nc(4096, 9216).full_rect();
+    let b_rect = Rect::new(&[0], &[4096]);
+    let x = random(input.numel(), 7);
+    let w = random(w_rect.volume(), 8);
+    let b = random(4096, 9);
+    let dy = random(output.numel(), 10);
+    let mut y = vec![0.0; output.numel()];
+
+    g.throughput(Throughput::Elements(flops.forward));
+    g.bench_function("9216x4096/forward", |bench| {
+        bench.iter(|| {
+            dense_forward(
+                &op,
+                View::new(x_rect, &x),
+                View::new(w_rect, &w),
+                Some(View::new(b_rect, &b)),
+                ViewMut::new(y_rect, &mut y),
+            );
+            black_box(&y);
+        })
+    });
+    let mut dx = vec![0.0; x.len()];
+    let mut dw = vec![0.0; w.len()];
+    let mut db = vec![0.0; b.len()];
+    g.throughput(Throughput::Elements(flops.backward));
+    g.bench_function("9216x4096/backward", |bench| {
+        bench.iter(|| {
+            dense_backward(
+                &op,
+                View::new(x_rect, &x),
+                View::new(w_rect, &w),
+                View::new(y_rect, &y),
+                View::new(y_rect, &dy),
+                Some(ViewMut::new(x_rect, &mut dx)),
+                ViewMut::new(w_rect, &mut dw),
+                Some(ViewMut::new(b_rect, &mut db)),
+            );
+            black_box((&dx, &dw, &db));
+        })
+    });
+    g.finish();
+}
+
+fn bench_pool(c: &mut Criterion) {
+    let mut g = group(c, "pool2d");
+    let op = Pool2d::max(3).stride(2);
+    let input = Shape::nchw(BATCH, 64, 55, 55);
+    let output = op.infer_shape(&[input]).unwrap();
+    let flops = op.flops(&[input], &output);
+    let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
+    let x = random(input.numel(), 11);
+    let dy = random(output.numel(), 12);
+    let mut y = vec![0.0; output.numel()];
+    let mut dx = vec![0.0; x.len()];
+
+    g.throughput(Throughput::Elements(flops.forward));
+    g.bench_function("max3s2/forward", |bench| {
+        bench.iter(|| {
+            pool2d_forward(
+                &op,
+                input,
+                View::new(x_rect, &x),
+                ViewMut::new(y_rect, &mut y),
+            );
+            black_box(&y);
+        })
+    });
+    g.throughput(Throughput::Elements(flops.backward));
+    g.bench_function("max3s2/backward", |bench| {
+        bench.iter(|| {
+            pool2d_backward(
+                &op,
+                input,
+                View::new(x_rect, &x),
+                View::new(y_rect, &dy),
+                ViewMut::new(x_rect, &mut dx),
+            );
+            black_box(&dx);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_gemm, bench_conv, bench_dense, bench_pool);
+criterion_main!(benches);
