@@ -1,1 +1,168 @@
-//! (being written)
+//! The model zoo. Architectures follow torchvision's (AlexNet without LRN, Inception-v3 without the
+//! auxiliary head, ResNet v1.5 with the stride on the 3×3 conv), so at 1000 classes and the default
+//! image size the parameter counts equal torchvision's exactly. Every model takes a batch size, image
+//! size and class count; small images work as long as every window still fits.
+
+mod alexnet;
+mod inception_v3;
+mod lenet5;
+mod resnet50;
+mod vgg16;
+
+use crate::graph::{Graph, GraphBuilder, LayerId, ModelError};
+use crate::op::{BatchNorm, Conv2d};
+
+/// How to instantiate a zoo model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZooConfig {
+    pub batch: usize,
+    pub image_size: usize,
+    pub channels: usize,
+    pub classes: usize,
+}
+
+/// A model of the zoo and its defaults.
+pub struct ZooModel {
+    pub name: &'static str,
+    pub default_image_size: usize,
+    pub default_channels: usize,
+    pub default_classes: usize,
+    build: fn(&ZooConfig) -> Result<Graph, ModelError>,
+}
+
+impl ZooModel {
+    /// The model's defaults at batch size `batch`.
+    pub fn default_config(&self, batch: usize) -> ZooConfig {
+        ZooConfig {
+            batch,
+            image_size: self.default_image_size,
+            channels: self.default_channels,
+            classes: self.default_classes,
+        }
+    }
+
+    pub fn build(&self, cfg: &ZooConfig) -> Result<Graph, ModelError> {
+        (self.build)(cfg)
+    }
+}
+
+pub const MODELS: &[ZooModel] = &[
+    ZooModel {
+        name: "lenet5",
+        default_image_size: 28,
+        default_channels: 1,
+        default_classes: 10,
+        build: lenet5::build,
+    },
+    ZooModel {
+        name: "alexnet",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: alexnet::build,
+    },
+    ZooModel {
+        name: "vgg16",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: vgg16::build,
+    },
+    ZooModel {
+        name: "inception_v3",
+        default_image_size: 299,
+        default_channels: 3,
+        default_classes: 1000,
+        build: inception_v3::build,
+    },
+    ZooModel {
+        name: "resnet50",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: resnet50::build,
+    },
+];
+
+pub fn find(name: &str) -> Option<&'static ZooModel> {
+    MODELS.iter().find(|m| m.name == name)
+}
+
+/// Names of the zoo's models, for error messages and listings.
+pub fn names() -> Vec<&'static str> {
+    MODELS.iter().map(|m| m.name).collect()
+}
+
+/// conv (no bias) → batch norm with fused ReLU: torchvision's `BasicConv2d` / ResNet's conv-bn-relu.
+/// Layers are named `{name}.conv` and `{name}.bn` so tensor names match torchvision's state dicts.
+pub(crate) fn conv_bn(
+    m: &mut GraphBuilder,
+    name: &str,
+    x: LayerId,
+    conv: Conv2d,
+    bn: BatchNorm,
+) -> Result<LayerId, ModelError> {
+    let c = m.conv2d(&format!("{name}.conv"), x, conv.no_bias())?;
+    m.batch_norm(&format!("{name}.bn"), c, bn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(name: &str) -> u64 {
+        let m = find(name).unwrap();
+        m.build(&m.default_config(1)).unwrap().param_count()
+    }
+
+    #[test]
+    fn parameter_counts_match_torchvision() {
+        assert_eq!(count("alexnet"), 61_100_840);
+        assert_eq!(count("vgg16"), 138_357_544);
+        assert_eq!(count("resnet50"), 25_557_032);
+        assert_eq!(count("inception_v3"), 23_834_568);
+        assert_eq!(count("lenet5"), 61_706);
+    }
+
+    #[test]
+    fn small_sizes_build() {
+        for (name, size) in [
+            ("alexnet", 64),
+            ("inception_v3", 75),
+            ("vgg16", 32),
+            ("resnet50", 32),
+            ("lenet5", 28),
+        ] {
+            let m = find(name).unwrap();
+            let cfg = ZooConfig {
+                batch: 8,
+                image_size: size,
+                ..m.default_config(8)
+            };
+            let g = m.build(&cfg).unwrap_or_else(|e| panic!("{name} at {size}: {e}"));
+            assert_eq!(g.batch(), 8);
+            let logits = g.logits().unwrap();
+            assert_eq!(g.layer(logits).shape.dims(), &[8, m.default_classes]);
+        }
+    }
+
+    #[test]
+    fn too_small_images_fail_with_the_layer_named() {
+        let m = find("alexnet").unwrap();
+        let cfg = ZooConfig {
+            image_size: 16,
+            ..m.default_config(1)
+        };
+        let e = m.build(&cfg).unwrap_err().to_string();
+        assert!(e.starts_with("pool2d 'pool"), "{e}");
+    }
+
+    #[test]
+    fn zoo_models_round_trip_through_json() {
+        for m in MODELS {
+            let g = m.build(&m.default_config(2)).unwrap();
+            let back = Graph::from_json(&g.to_json(), m.name).unwrap();
+            assert_eq!(g, back, "{}", m.name);
+        }
+    }
+}
