@@ -291,10 +291,9 @@ impl ConfigSpace {
     pub fn index_of(&self, config: &ParallelConfig) -> Option<usize> {
         let layout = self
             .layouts
-            .binary_search_by_key(
-                &(config.total(), config.degrees()),
-                |l| (l.iter().product::<usize>(), *l),
-            )
+            .binary_search_by_key(&(config.total(), config.degrees()), |l| {
+                (l.iter().product::<usize>(), *l)
+            })
             .ok()?;
         let range = self.layout_configs(layout);
         let offset = config.first_device() / config.total();
@@ -385,9 +384,11 @@ mod tests {
         assert_eq!(s.len(), 163);
         // a degree never exceeds its extent
         let s = ConfigSpace::enumerate(&Shape::nchw(2, 3, 1, 1), &Dim::ALL, 8);
-        assert!(s.configs().iter().all(|c| c.degree(Dim::N) <= 2
-            && c.degree(Dim::C) <= 2
-            && c.degree(Dim::H) == 1));
+        assert!(
+            s.configs()
+                .iter()
+                .all(|c| c.degree(Dim::N) <= 2 && c.degree(Dim::C) <= 2 && c.degree(Dim::H) == 1)
+        );
         for (i, c) in s.configs().iter().enumerate() {
             assert_eq!(s.index_of(c), Some(i));
             c.validate(&Shape::nchw(2, 3, 1, 1), &Dim::ALL, 8).unwrap();

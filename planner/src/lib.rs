@@ -22,6 +22,7 @@ pub mod search;
 pub mod sync;
 pub mod tables;
 pub mod transfer;
+mod transfer_table;
 
 pub use config::{ConfigSpace, ParallelConfig, block_range, tile_rect};
 pub use cost::{CostBreakdown, CostModel};

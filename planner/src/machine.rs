@@ -220,7 +220,9 @@ impl MachineModel {
         }
         let n = node_of.len();
         if n > u16::MAX as usize {
-            return Err(invalid(format!("{n} devices is more than the planner supports")));
+            return Err(invalid(format!(
+                "{n} devices is more than the planner supports"
+            )));
         }
         let mut links = Vec::with_capacity(n * n);
         for a in 0..n {

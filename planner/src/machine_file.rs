@@ -45,9 +45,10 @@ pub fn load_machine(path: &Path) -> Result<MachineModel, MachineError> {
         path: path.display().to_string(),
         message: e.to_string(),
     })?;
-    let default_name = path
-        .file_stem()
-        .map_or_else(|| "machine".to_string(), |s| s.to_string_lossy().into_owned());
+    let default_name = path.file_stem().map_or_else(
+        || "machine".to_string(),
+        |s| s.to_string_lossy().into_owned(),
+    );
     parse_machine(&text, &path.display().to_string(), &default_name)
 }
 
@@ -72,13 +73,11 @@ pub fn parse_machine(
         }
     };
     let doc: MachineDoc = toml::from_str(text).map_err(|e| {
-        let field = e
-            .span()
-            .map(|s| key_at(text, s.start))
-            .unwrap_or_default();
+        let field = e.span().map(|s| key_at(text, s.start)).unwrap_or_default();
         located(e.span(), &field, e.message().trim().to_string())
     })?;
-    let at = |v: &dyn HasSpan, field: &str, message: String| located(Some(v.span()), field, message);
+    let at =
+        |v: &dyn HasSpan, field: &str, message: String| located(Some(v.span()), field, message);
 
     let default_device = doc
         .device
@@ -91,13 +90,21 @@ pub fn parse_machine(
     match (&doc.node, &doc.nodes, &doc.devices_per_node) {
         (Some(list), None, None) => {
             if list.is_empty() {
-                return Err(located(None, "node", "at least one [[node]] is needed".into()));
+                return Err(located(
+                    None,
+                    "node",
+                    "at least one [[node]] is needed".into(),
+                ));
             }
             for (i, node) in list.iter().enumerate() {
                 let n = node.get_ref();
                 let field = format!("node[{i}].devices");
                 if *n.devices.get_ref() == 0 {
-                    return Err(at(&n.devices, &field, "a node needs at least 1 device".into()));
+                    return Err(at(
+                        &n.devices,
+                        &field,
+                        "a node needs at least 1 device".into(),
+                    ));
                 }
                 let device = match (&n.device, &default_device) {
                     (Some(d), _) => d
@@ -124,10 +131,18 @@ pub fn parse_machine(
                 return Err(at(count, "nodes", "must be at least 1".into()));
             }
             if *per_node.get_ref() == 0 {
-                return Err(at(per_node, "devices_per_node", "must be at least 1".into()));
+                return Err(at(
+                    per_node,
+                    "devices_per_node",
+                    "must be at least 1".into(),
+                ));
             }
             let device = default_device.ok_or_else(|| {
-                located(None, "device", "missing [device] table (the devices' spec)".into())
+                located(
+                    None,
+                    "device",
+                    "missing [device] table (the devices' spec)".into(),
+                )
             })?;
             for _ in 0..*count.get_ref() {
                 nodes.push(NodeSpec {
@@ -222,7 +237,10 @@ pub fn parse_machine(
 fn line_column(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
-    let column = before.rfind('\n').map_or(before.len(), |nl| before.len() - nl - 1) + 1;
+    let column = before
+        .rfind('\n')
+        .map_or(before.len(), |nl| before.len() - nl - 1)
+        + 1;
     (line, column)
 }
 
@@ -304,7 +322,11 @@ struct DeviceDoc {
 impl DeviceDoc {
     fn to_spec(&self, path: &str) -> Result<DeviceSpec, FieldError> {
         if self.kind.get_ref().is_empty() {
-            return Err((self.kind.span(), format!("{path}.kind"), "must not be empty".into()));
+            return Err((
+                self.kind.span(),
+                format!("{path}.kind"),
+                "must not be empty".into(),
+            ));
         }
         let positive = |v: &Spanned<Number>, field: &str| {
             let x = v.get_ref().0;
@@ -460,7 +482,10 @@ gbit_per_s = 100
         let e = err("nodes = 2\ndevices_per_node = \"four\"\n");
         assert!(e.starts_with("m.toml:2:20: devices_per_node: "), "{e}");
         let e = err(&TWO_BOXES.replace("peak_gflops = 9300", "peak_glops = 9300"));
-        assert!(e.starts_with("m.toml:8:1: peak_glops: ") && e.contains("unknown field"), "{e}");
+        assert!(
+            e.starts_with("m.toml:8:1: peak_glops: ") && e.contains("unknown field"),
+            "{e}"
+        );
         let e = err("nodes = [\n");
         assert!(e.starts_with("m.toml:"), "{e}");
     }
@@ -478,13 +503,22 @@ gbit_per_s = 100
             "{e}"
         );
         let e = err(&TWO_BOXES.replace("memory_gb_per_s = 732.0", "memory_gb_per_s = -1"));
-        assert!(e.contains(":9:19: device.memory_gb_per_s: must be a positive"), "{e}");
+        assert!(
+            e.contains(":9:19: device.memory_gb_per_s: must be a positive"),
+            "{e}"
+        );
         let e = err(&TWO_BOXES.replace("devices_per_node = 4", "devices_per_node = 0"));
-        assert!(e.starts_with("m.toml:4:20: devices_per_node: must be at least 1"), "{e}");
+        assert!(
+            e.starts_with("m.toml:4:20: devices_per_node: must be at least 1"),
+            "{e}"
+        );
         let e = err(&TWO_BOXES.replace("[inter_node]", "[unused]"));
         assert!(e.contains("unknown field `unused`"), "{e}");
         let e = err("nodes = 2\n[intra_node]\ngbit_per_s = 1\n");
-        assert!(e.contains("devices_per_node: `nodes` needs `devices_per_node`"), "{e}");
+        assert!(
+            e.contains("devices_per_node: `nodes` needs `devices_per_node`"),
+            "{e}"
+        );
     }
 
     #[test]

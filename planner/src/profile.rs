@@ -264,7 +264,10 @@ impl ProfileDb {
             }
             let bad_shape = |s: &Vec<usize>| s.is_empty() || s.len() > 4 || s.contains(&0);
             if bad_shape(&e.tile) {
-                return Err(bad("tile", format!("{:?} is not a shape of 1 to 4 positive extents", e.tile)));
+                return Err(bad(
+                    "tile",
+                    format!("{:?} is not a shape of 1 to 4 positive extents", e.tile),
+                ));
             }
             if let Some(s) = e.inputs.iter().find(|s| s.len() > 4) {
                 return Err(bad("inputs", format!("{s:?} has more than 4 dims")));
@@ -374,7 +377,8 @@ mod tests {
     fn conv_graph() -> legion_ops::Graph {
         let mut m = GraphBuilder::new("t");
         let x = m.input("x", Shape::nchw(8, 3, 32, 32)).unwrap();
-        m.conv2d("c", x, Conv2d::new(16, 3).padding(1).relu()).unwrap();
+        m.conv2d("c", x, Conv2d::new(16, 3).padding(1).relu())
+            .unwrap();
         m.finish()
     }
 
@@ -439,17 +443,31 @@ mod tests {
             .to_string();
         assert!(e.starts_with("p.json: line 1 column"), "{e}");
         let entry = r#"{"op":"relu","attrs":{},"inputs":[[2,2]],"tile":[2,2],"device_kind":"cpu","forward_s":-1,"backward_s":0}"#;
-        let e = ProfileDb::from_json(&format!("{{\"version\":1,\"entries\":[{entry}]}}"), "p.json")
-            .unwrap_err()
-            .to_string();
-        assert_eq!(e, "p.json: entries[0].forward_s: must be a time in seconds, got -1");
+        let e = ProfileDb::from_json(
+            &format!("{{\"version\":1,\"entries\":[{entry}]}}"),
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "p.json: entries[0].forward_s: must be a time in seconds, got -1"
+        );
         let e = ProfileDb::from_json("{\"version\":2,\"entries\":[]}", "p.json")
             .unwrap_err()
             .to_string();
         assert!(e.contains("version 2 is not supported"), "{e}");
-        let e = ProfileDb::from_json(&format!("{{\"version\":1,\"entries\":[{}]}}", entry.replace("[2,2]}", "[2,0]}").replace("\"tile\":[2,2]", "\"tile\":[2,0]")), "p.json")
-            .unwrap_err()
-            .to_string();
+        let e = ProfileDb::from_json(
+            &format!(
+                "{{\"version\":1,\"entries\":[{}]}}",
+                entry
+                    .replace("[2,2]}", "[2,0]}")
+                    .replace("\"tile\":[2,2]", "\"tile\":[2,0]")
+            ),
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("entries[0].tile"), "{e}");
     }
 }

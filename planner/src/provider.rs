@@ -26,8 +26,13 @@ impl PhaseTimes {
 pub trait CostProvider {
     /// Forward + backward seconds of the tile `tile_out` of `layer` (whose inputs have `inputs`
     /// shapes) on `device`.
-    fn compute_time(&self, layer: &Layer, inputs: &[Shape], tile_out: &Rect, device: DeviceId)
-    -> f64;
+    fn compute_time(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> f64;
 
     /// The same time split into forward and backward (the simulator schedules them apart). By
     /// default the split follows the layer's forward/backward FLOPs.
@@ -158,13 +163,19 @@ mod tests {
         let whole = cost.compute_time(layer, &inputs, &layer.shape.full_rect(), 0);
         let flops = 3.0 * 2.0 * 512.0 * 4096.0 * 4096.0 + 3.0 * 512.0 * 4096.0;
         let expected = flops / (9.3e12 * 0.7) + 2.0 * 10e-6;
-        assert!((whole - expected).abs() / expected < 1e-9, "{whole} vs {expected}");
+        assert!(
+            (whole - expected).abs() / expected < 1e-9,
+            "{whole} vs {expected}"
+        );
         let quarter = Rect::new(&[0, 0], &[128, 4096]);
         let t = cost.compute_time(layer, &inputs, &quarter, 1);
         assert!(t < whole / 3.0 && t > whole / 5.0, "{t}");
         // backward does twice the forward's FLOPs; each phase pays the task overhead once
         let p = cost.phase_times(layer, &inputs, &quarter, 1);
-        assert!((p.backward + 10e-6 - 2.0 * p.forward).abs() < 1e-12, "{p:?}");
+        assert!(
+            (p.backward + 10e-6 - 2.0 * p.forward).abs() < 1e-12,
+            "{p:?}"
+        );
     }
 
     #[test]
@@ -176,10 +187,7 @@ mod tests {
         let machine = MachineModel::preset("paper:1").unwrap();
         let cost = RooflineCost::new(&machine);
         let full = |id| g.layer(id).shape.full_rect();
-        assert_eq!(
-            cost.compute_time(g.layer(x), &[], &full(x), 0),
-            0.0
-        );
+        assert_eq!(cost.compute_time(g.layer(x), &[], &full(x), 0), 0.0);
         let t = cost.compute_time(g.layer(c), &g.input_shapes(c), &full(c), 0);
         assert!((20e-6..21e-6).contains(&t), "{t}");
     }

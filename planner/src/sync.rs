@@ -189,7 +189,11 @@ mod tests {
         let (g, fc) = dense();
         let plan = SyncPlan::for_layer(&g, fc, &ParallelConfig::split(Dim::N, 4, 4));
         assert_eq!(plan.groups.len(), 2, "weight and bias");
-        assert!(plan.groups.iter().all(|gr| gr.owner == 4 && gr.replicas == [5, 6, 7]));
+        assert!(
+            plan.groups
+                .iter()
+                .all(|gr| gr.owner == 4 && gr.replicas == [5, 6, 7])
+        );
         let bytes = (64 * 100 + 64) * 4;
         assert_eq!(plan.bytes(), 2 * 3 * bytes);
         // devices 4..8 are one node of paper:8: two messages (weight, bias) per link and direction
@@ -222,9 +226,17 @@ mod tests {
             .collect();
         assert_eq!(
             owners,
-            vec![(0, 0, vec![2]), (0, 1, vec![3]), (1, 0, vec![2]), (1, 1, vec![3])]
+            vec![
+                (0, 0, vec![2]),
+                (0, 1, vec![3]),
+                (1, 0, vec![2]),
+                (1, 1, vec![3])
+            ]
         );
-        assert_eq!(plan.groups[0].slice, Rect::new(&[0, 0, 0, 0], &[4, 3, 3, 3]));
+        assert_eq!(
+            plan.groups[0].slice,
+            Rect::new(&[0, 0, 0, 0], &[4, 3, 3, 3])
+        );
         // across nodes the inter-node link dominates
         let machine = MachineModel::preset("paper:16").unwrap();
         let plan = SyncPlan::for_layer(&g, c, &ParallelConfig::split(Dim::N, 8, 0));

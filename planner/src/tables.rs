@@ -1,22 +1,16 @@
 //! Eq. 1 as tables for the searches: t_c + t_s per (layer, config) and t_x per (edge, config pair),
 //! each computed once. The numbers are the same as [`CostModel`]'s (tested), computed faster:
 //!
-//! - Geometry depends only on the degree vectors ("layouts"), not on the device block, so overlaps are
-//!   computed once per pair of layouts. The overlap of a producer tile with a consumer tile's needed
-//!   rect is a product of 1-D interval overlaps; the producer tiles that meet a needed rect are a box
-//!   of block indices found by division ([`block_of`]), so no non-overlapping pair is visited.
-//! - With aligned contiguous blocks, each (producer tile, consumer tile) pair is its own device pair,
-//!   so t_x of a block pair is a max over messages. Block pairs whose device pairs have the same
-//!   links ("pair classes", e.g. "two different nodes") share one evaluation; when every device pair
-//!   of a class uses the same link, only the largest message matters.
+//! - t_c is priced once per (tile, device spec) and t_s once per layout, then spread over the device
+//!   blocks.
+//! - t_x tables come from [`crate::transfer_table`].
 //! - Layers and edges with identical op, shapes and parallel dims share their tables.
 
-use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rect};
+use crate::config::{ConfigSpace, ParallelConfig, tile_rect};
 use crate::cost::CostModel;
-use crate::machine::{Link, MachineModel};
 use crate::sync::{LinkLoad, SyncPlan, sync_time_shifted};
 use crate::transfer::Edge;
-use legion_ops::shape::MAX_DIMS;
+use crate::transfer_table::TransferTables;
 use legion_ops::{LayerId, Rect};
 use std::collections::HashMap;
 
@@ -27,7 +21,7 @@ pub struct CostTables<'m> {
     compute: Vec<Vec<f64>>,
     sync: Vec<Vec<f64>>,
     node: Vec<Vec<f64>>,
-    pairs: DevicePairs,
+    transfers: TransferTables,
     edge_class: Vec<usize>,
 }
 
@@ -94,7 +88,7 @@ impl<'m> CostTables<'m> {
             compute,
             sync,
             node,
-            pairs: DevicePairs::new(machine),
+            transfers: TransferTables::new(machine),
             edge_class,
         }
     }
@@ -147,106 +141,14 @@ impl<'m> CostTables<'m> {
 
     /// t_x of edge `edge` for every config pair: row-major, `[src config][dst config]`.
     pub fn edge_table(&self, edge: usize) -> Vec<f64> {
-        let graph = self.model.graph();
         let e = self.model.edges()[edge];
-        let src_space = &self.spaces[e.src.0];
-        let dst_space = &self.spaces[e.dst.0];
-        let producer = graph.layer(e.src).shape;
-        let consumer = graph.layer(e.dst);
-        let inputs = self.model.input_shapes(e.dst);
-        let nd = producer.ndim();
-        let extents: Vec<usize> = producer.dims().to_vec();
-        let columns = dst_space.len();
-        let mut table = vec![0.0; src_space.len() * columns];
-
-        // What each consumer tile reads, per consumer layout (independent of the device block).
-        let needs: Vec<Vec<Rect>> = dst_space
-            .layouts()
-            .iter()
-            .map(|h| {
-                let cfg = ParallelConfig::new(*h, 0);
-                (0..cfg.total())
-                    .map(|t| {
-                        let out = tile_rect(&consumer.shape, &cfg, t);
-                        consumer.op.spec().project(inputs, &out)[e.input]
-                    })
-                    .collect()
-            })
-            .collect();
-
-        let mut messages: Vec<Message> = Vec::new();
-        let mut values: Vec<f64> = Vec::new();
-        for (gi, g) in src_space.layouts().iter().enumerate() {
-            let src_total: usize = g.iter().product();
-            for (hi, h) in dst_space.layouts().iter().enumerate() {
-                let dst_total: usize = h.iter().product();
-                messages.clear();
-                let mut largest = 0.0f64;
-                for (dst_tile, need) in needs[hi].iter().enumerate() {
-                    if need.is_empty() {
-                        continue;
-                    }
-                    let mut first = [0; MAX_DIMS];
-                    let mut last = [0; MAX_DIMS];
-                    for a in 0..nd {
-                        first[a] = block_of(extents[a], g[a], need.lo[a]);
-                        last[a] = block_of(extents[a], g[a], need.hi[a] - 1);
-                    }
-                    let mut idx = first;
-                    loop {
-                        let mut volume = 1;
-                        let mut src_tile = 0;
-                        for a in 0..nd {
-                            let (lo, hi) = block_range(extents[a], g[a], idx[a]);
-                            volume *= hi.min(need.hi[a]) - lo.max(need.lo[a]);
-                            src_tile = src_tile * g[a] + idx[a];
-                        }
-                        let bytes = (4 * volume) as f64;
-                        largest = largest.max(bytes);
-                        messages.push(Message {
-                            src_tile,
-                            dst_tile,
-                            bytes,
-                        });
-                        // advance the odometer over the box first..=last
-                        let mut a = nd;
-                        loop {
-                            if a == 0 {
-                                break;
-                            }
-                            a -= 1;
-                            if idx[a] < last[a] {
-                                idx[a] += 1;
-                                break;
-                            }
-                            idx[a] = first[a];
-                        }
-                        if idx == first {
-                            break;
-                        }
-                    }
-                }
-                let classes = self.pairs.classes(src_total, dst_total);
-                values.clear();
-                values.extend(
-                    classes
-                        .classes
-                        .iter()
-                        .map(|c| self.pairs.class_time(c, &messages, largest)),
-                );
-                let src_configs = src_space.layout_configs(gi);
-                let dst_configs = dst_space.layout_configs(hi);
-                let per_row = dst_configs.len();
-                for (si, row) in src_configs.enumerate() {
-                    let out = &mut table[row * columns + dst_configs.start..][..per_row];
-                    let class_row = &classes.class_of[si * classes.dst_blocks..][..per_row];
-                    for (o, &c) in out.iter_mut().zip(class_row) {
-                        *o = values[c as usize];
-                    }
-                }
-            }
-        }
-        table
+        self.transfers.edge_table(
+            self.model.graph(),
+            self.model.input_shapes(e.dst),
+            &e,
+            &self.spaces[e.src.0],
+            &self.spaces[e.dst.0],
+        )
     }
 }
 
@@ -276,8 +178,8 @@ fn node_costs(model: &CostModel, id: LayerId, space: &ConfigSpace) -> (Vec<f64>,
             for (t, rect) in rects.iter().enumerate() {
                 let device = config.device_of_tile(t);
                 let slot = &mut priced[t * specs + machine.spec_index(device)];
-                let time = *slot
-                    .get_or_insert_with(|| provider.compute_time(layer, inputs, rect, device));
+                let time =
+                    *slot.get_or_insert_with(|| provider.compute_time(layer, inputs, rect, device));
                 worst = worst.max(time);
             }
             compute[ci] = worst;
@@ -285,159 +187,4 @@ fn node_costs(model: &CostModel, id: LayerId, space: &ConfigSpace) -> (Vec<f64>,
         }
     }
     (compute, sync)
-}
-
-/// One producer-tile → consumer-tile message of a layout pair.
-#[derive(Clone, Copy, Debug)]
-struct Message {
-    src_tile: usize,
-    dst_tile: usize,
-    bytes: f64,
-}
-
-/// Device pairs grouped by their links, for the t_x tables.
-struct DevicePairs {
-    devices: usize,
-    /// Per ordered device pair, the index of its (forward, backward) links; 0 for a device and itself.
-    kind: Vec<u16>,
-    forward: Vec<Link>,
-    backward: Vec<Link>,
-    /// By `log2(src blocks' size) * levels + log2(dst blocks' size)`.
-    classes: Vec<PairClasses>,
-    levels: usize,
-}
-
-/// The block pairs of one (producer total, consumer total) that are alike.
-struct PairClasses {
-    dst_blocks: usize,
-    /// Class of block pair (src block i, dst block j) at `i * dst_blocks + j`.
-    class_of: Vec<u32>,
-    classes: Vec<PairClass>,
-}
-
-enum PairClass {
-    /// Every device pair uses link kind `k` (0: every tile pair shares a device).
-    Uniform(u16),
-    /// Mixed links: evaluated message by message at this representative block pair.
-    Mixed { src_first: usize, dst_first: usize },
-}
-
-impl DevicePairs {
-    fn new(machine: &MachineModel) -> DevicePairs {
-        let n = machine.num_devices();
-        let mut kind = vec![0u16; n * n];
-        let mut forward = vec![Link {
-            bytes_per_s: f64::INFINITY,
-            latency_s: 0.0,
-        }];
-        let mut backward = forward.clone();
-        let mut ids: HashMap<[u64; 4], u16> = HashMap::new();
-        for a in 0..n {
-            for b in 0..n {
-                let (Some(f), Some(r)) = (machine.link(a, b), machine.link(b, a)) else {
-                    continue;
-                };
-                let key = [
-                    f.bytes_per_s.to_bits(),
-                    f.latency_s.to_bits(),
-                    r.bytes_per_s.to_bits(),
-                    r.latency_s.to_bits(),
-                ];
-                kind[a * n + b] = *ids.entry(key).or_insert_with(|| {
-                    forward.push(f);
-                    backward.push(r);
-                    (forward.len() - 1) as u16
-                });
-            }
-        }
-        let sizes: Vec<usize> = (0..)
-            .map(|k| 1usize << k)
-            .take_while(|&s| s <= n)
-            .collect();
-        let mut pairs = DevicePairs {
-            devices: n,
-            kind,
-            forward,
-            backward,
-            classes: Vec::new(),
-            levels: sizes.len(),
-        };
-        for &src in &sizes {
-            for &dst in &sizes {
-                let c = pairs.group(src, dst);
-                pairs.classes.push(c);
-            }
-        }
-        pairs
-    }
-
-    fn group(&self, src_total: usize, dst_total: usize) -> PairClasses {
-        let n = self.devices;
-        let src_blocks = n / src_total;
-        let dst_blocks = n / dst_total;
-        let mut seen: HashMap<Vec<u16>, u32> = HashMap::new();
-        let mut class_of = Vec::with_capacity(src_blocks * dst_blocks);
-        let mut classes = Vec::new();
-        let mut matrix = Vec::with_capacity(src_total * dst_total);
-        for i in 0..src_blocks {
-            for j in 0..dst_blocks {
-                let (s, d) = (i * src_total, j * dst_total);
-                matrix.clear();
-                for a in s..s + src_total {
-                    matrix.extend_from_slice(&self.kind[a * n + d..a * n + d + dst_total]);
-                }
-                let next = classes.len() as u32;
-                let id = *seen.entry(matrix.clone()).or_insert(next);
-                if id == next {
-                    let first = matrix[0];
-                    classes.push(if matrix.iter().all(|&k| k == first) {
-                        PairClass::Uniform(first)
-                    } else {
-                        PairClass::Mixed {
-                            src_first: s,
-                            dst_first: d,
-                        }
-                    });
-                }
-                class_of.push(id);
-            }
-        }
-        PairClasses {
-            dst_blocks,
-            class_of,
-            classes,
-        }
-    }
-
-    fn classes(&self, src_total: usize, dst_total: usize) -> &PairClasses {
-        let level = |t: usize| t.trailing_zeros() as usize;
-        &self.classes[level(src_total) * self.levels + level(dst_total)]
-    }
-
-    /// t_x (forward + backward) of `messages` at a block pair of class `class`.
-    fn class_time(&self, class: &PairClass, messages: &[Message], largest: f64) -> f64 {
-        match *class {
-            PairClass::Uniform(0) => 0.0,
-            PairClass::Uniform(_) if messages.is_empty() => 0.0,
-            PairClass::Uniform(k) => {
-                let k = k as usize;
-                self.forward[k].message_time(largest) + self.backward[k].message_time(largest)
-            }
-            PairClass::Mixed {
-                src_first,
-                dst_first,
-            } => {
-                let n = self.devices;
-                let (mut forward, mut backward) = (0.0f64, 0.0f64);
-                for m in messages {
-                    let k = self.kind[(src_first + m.src_tile) * n + dst_first + m.dst_tile] as usize;
-                    if k != 0 {
-                        forward = forward.max(self.forward[k].message_time(m.bytes));
-                        backward = backward.max(self.backward[k].message_time(m.bytes));
-                    }
-                }
-                forward + backward
-            }
-        }
-    }
 }

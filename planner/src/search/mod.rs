@@ -3,6 +3,7 @@
 
 mod data;
 mod exhaustive;
+mod min_plus;
 mod model;
 mod optcnn;
 mod owt;

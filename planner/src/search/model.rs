@@ -12,7 +12,10 @@ pub fn model_parallel(graph: &Graph, machine: &MachineModel) -> Vec<ParallelConf
     graph
         .layers()
         .iter()
-        .map(|l| channel_split(l, machine.num_devices()).unwrap_or_else(|| sample_split(&l.shape, machine.num_devices())))
+        .map(|l| {
+            channel_split(l, machine.num_devices())
+                .unwrap_or_else(|| sample_split(&l.shape, machine.num_devices()))
+        })
         .collect()
 }
 

@@ -14,6 +14,7 @@
 
 use super::SearchError;
 use super::exhaustive::enumerate;
+use super::min_plus::{column_groups, min_plus};
 use crate::tables::CostTables;
 use legion_ops::LayerId;
 use std::collections::HashMap;
@@ -42,7 +43,8 @@ pub fn optcnn(tables: &CostTables) -> Result<OptCnnResult, SearchError> {
     let (mut indices, cost) = g.solve_residual()?;
     let residual_nodes = g.alive.iter().filter(|&&a| a).count();
     for step in g.undo.iter().rev() {
-        indices[step.node] = step.argmin[indices[step.src] * step.dst_configs + indices[step.dst]] as usize;
+        indices[step.node] =
+            step.argmin[indices[step.src] * step.dst_configs + indices[step.dst]] as usize;
     }
     Ok(OptCnnResult {
         indices,
@@ -120,7 +122,10 @@ impl<'t, 'm> Reduction<'t, 'm> {
                     Some(t) => t.clone(),
                     None => Rc::new(self.tables.edge_table(edge)),
                 };
-                let left = self.waiting.get_mut(&class).expect("every model edge is counted");
+                let left = self
+                    .waiting
+                    .get_mut(&class)
+                    .expect("every model edge is counted");
                 *left -= 1;
                 if *left == 0 {
                     self.computed.remove(&class);
@@ -192,7 +197,8 @@ impl<'t, 'm> Reduction<'t, 'm> {
         let b = self.take_table(second.table);
         let (ci, cj, ck) = (self.sizes[i], self.sizes[j], self.sizes[k]);
         let mid = self.tables.node_cost(LayerId(j));
-        let (table, argmin) = min_plus(&a, mid, &b, ci, cj, ck);
+        let groups = column_groups(self.tables.space(LayerId(k)));
+        let (table, argmin) = min_plus(&a, mid, &b, ci, cj, ck, &groups);
         self.alive[j] = false;
         self.undo.push(Eliminated {
             node: j,
@@ -215,7 +221,9 @@ impl<'t, 'm> Reduction<'t, 'm> {
         // in-edges of each residual node from earlier residual nodes (all of them: ids are
         // topological and eliminations keep edges pointing forward)
         let mut incoming: Vec<Vec<(usize, Rc<Vec<f64>>)>> = vec![Vec::new(); nodes.len()];
-        let live: Vec<usize> = (0..self.edges.len()).filter(|&e| self.edges[e].is_some()).collect();
+        let live: Vec<usize> = (0..self.edges.len())
+            .filter(|&e| self.edges[e].is_some())
+            .collect();
         for e in live {
             let w = self.edges[e].take().expect("live");
             let t = self.take_table(w.table);
@@ -232,59 +240,5 @@ impl<'t, 'm> Reduction<'t, 'm> {
             indices[j] = choice[p];
         }
         Ok((indices, best))
-    }
-}
-
-/// Eq. 2 for all (c_i, c_k): `out[i][k] = min_j a[i][j] + mid[j] + b[j][k]` with the minimising `j`
-/// (the lowest on ties). `a` is `ci × cj`, `b` is `cj × ck`, all row-major.
-pub(crate) fn min_plus(
-    a: &[f64],
-    mid: &[f64],
-    b: &[f64],
-    ci: usize,
-    cj: usize,
-    ck: usize,
-) -> (Vec<f64>, Vec<u32>) {
-    let mut out = vec![f64::INFINITY; ci * ck];
-    let mut arg = vec![0u32; ci * ck];
-    for i in 0..ci {
-        let out_row = &mut out[i * ck..(i + 1) * ck];
-        let arg_row = &mut arg[i * ck..(i + 1) * ck];
-        let a_row = &a[i * cj..(i + 1) * cj];
-        for j in 0..cj {
-            let base = a_row[j] + mid[j];
-            let b_row = &b[j * ck..(j + 1) * ck];
-            for ((o, g), &x) in out_row.iter_mut().zip(arg_row.iter_mut()).zip(b_row) {
-                let v = base + x;
-                if v < *o {
-                    *o = v;
-                    *g = j as u32;
-                }
-            }
-        }
-    }
-    (out, arg)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn min_plus_matches_the_definition() {
-        let (ci, cj, ck) = (3, 4, 5);
-        let a: Vec<f64> = (0..ci * cj).map(|x| ((x * 7) % 11) as f64).collect();
-        let mid: Vec<f64> = (0..cj).map(|x| ((x * 3) % 5) as f64).collect();
-        let b: Vec<f64> = (0..cj * ck).map(|x| ((x * 5) % 13) as f64).collect();
-        let (out, arg) = min_plus(&a, &mid, &b, ci, cj, ck);
-        for i in 0..ci {
-            for k in 0..ck {
-                let (best, j) = (0..cj)
-                    .map(|j| (a[i * cj + j] + mid[j] + b[j * ck + k], j))
-                    .fold((f64::INFINITY, 0), |m, x| if x.0 < m.0 { x } else { m });
-                assert_eq!(out[i * ck + k], best);
-                assert_eq!(arg[i * ck + k] as usize, j);
-            }
-        }
     }
 }

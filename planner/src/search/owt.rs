@@ -13,7 +13,9 @@ pub fn one_weird_trick(graph: &Graph, machine: &MachineModel) -> Vec<ParallelCon
         .layers()
         .iter()
         .map(|l| match l.op {
-            Op::Dense(_) => channel_split(l, devices).unwrap_or_else(|| sample_split(&l.shape, devices)),
+            Op::Dense(_) => {
+                channel_split(l, devices).unwrap_or_else(|| sample_split(&l.shape, devices))
+            }
             _ => sample_split(&l.shape, devices),
         })
         .collect()
