@@ -10,17 +10,22 @@
 //! - [`cost`]: Eq. 1 for any strategy; [`tables`]: the same as per-config tables for the searches.
 //! - [`search`]: OptCNN (Algorithm 1), exhaustive, data / model / OWT baselines.
 //! - [`simulate`], [`trace`]: a list-scheduled task graph of one iteration and its Chrome trace.
-//! - [`strategy`]: strategy files; [`report`]: tables and JSON for `legion-rs plan`.
+//! - [`strategy`]: strategy files; [`plan`], [`report`]: what `legion-rs plan` runs and prints.
 
 pub mod config;
 pub mod cost;
 pub mod machine;
 pub mod machine_file;
+pub mod plan;
 pub mod profile;
 pub mod provider;
+pub mod report;
 pub mod search;
+pub mod simulate;
+pub mod strategy;
 pub mod sync;
 pub mod tables;
+pub mod trace;
 pub mod transfer;
 mod transfer_table;
 
@@ -29,5 +34,6 @@ pub use cost::{CostBreakdown, CostModel};
 pub use machine::{DeviceId, DeviceSpec, Link, MachineModel};
 pub use profile::{ProfileDb, ProfiledCost};
 pub use provider::{CostProvider, PhaseTimes, RooflineCost};
-pub use search::{SearchKind, SearchOutcome};
+pub use search::SearchKind;
+pub use strategy::Strategy;
 pub use tables::CostTables;

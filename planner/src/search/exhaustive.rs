@@ -47,8 +47,8 @@ pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, 
 }
 
 /// Exact minimum over all assignments of a small DAG: node costs, and per node its in-edges as
-/// (earlier node, table `[c_src][c_node]`). Depth-first with the bound "remaining nodes cost at least
-/// their cheapest config"; `budget` caps the partial assignments tried.
+/// (earlier node, table `[c_src][c_node]`). Depth-first, configs cheapest first, pruned by a lower
+/// bound on the nodes still to assign; `budget` caps the partial assignments tried.
 pub(crate) fn enumerate(
     costs: &[&[f64]],
     sizes: &[usize],
@@ -80,9 +80,25 @@ impl<'a> Dfs<'a> {
         budget: u64,
     ) -> Dfs<'a> {
         let n = costs.len();
+        // A node costs at least, over its configs, its own cost plus each in-edge's cheapest entry
+        // into that config; the nodes still to assign cost at least the sum of those.
         let mut rest = vec![0.0; n + 1];
         for p in (0..n).rev() {
-            rest[p] = rest[p + 1] + costs[p].iter().copied().fold(f64::INFINITY, f64::min);
+            let size = sizes[p];
+            let cheapest = (0..size)
+                .map(|c| {
+                    let into: f64 = incoming[p]
+                        .iter()
+                        .map(|(src, table)| {
+                            (0..sizes[*src])
+                                .map(|s| table[s * size + c])
+                                .fold(f64::INFINITY, f64::min)
+                        })
+                        .sum();
+                    costs[p][c] + into
+                })
+                .fold(f64::INFINITY, f64::min);
+            rest[p] = rest[p + 1] + cheapest;
         }
         Dfs {
             costs,

@@ -67,14 +67,11 @@ pub enum SearchError {
     BudgetExceeded { budget: u64 },
 }
 
-/// A search's strategy, priced with Eq. 1.
+/// What a search chose.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SearchOutcome {
-    pub kind: SearchKind,
+pub struct Found {
     /// By layer id.
     pub configs: Vec<ParallelConfig>,
-    /// Eq. 1, term by term ([`crate::CostModel::evaluate`]).
-    pub cost: CostBreakdown,
     /// Layers left after Algorithm 1's eliminations (OptCNN only).
     pub residual_nodes: Option<usize>,
     /// Partial strategies tried (exhaustive only).
@@ -82,35 +79,39 @@ pub struct SearchOutcome {
 }
 
 /// Runs one search. `budget` caps the exhaustive search.
-pub fn run(
-    kind: SearchKind,
-    tables: &CostTables,
-    budget: u64,
-) -> Result<SearchOutcome, SearchError> {
+pub fn find(kind: SearchKind, tables: &CostTables, budget: u64) -> Result<Found, SearchError> {
     let model = tables.model();
     let (graph, machine) = (model.graph(), model.machine());
-    let mut residual_nodes = None;
-    let mut tried = None;
-    let configs = match kind {
+    let mut found = Found {
+        configs: Vec::new(),
+        residual_nodes: None,
+        tried: None,
+    };
+    found.configs = match kind {
         SearchKind::OptCnn => {
             let r = optcnn(tables)?;
-            residual_nodes = Some(r.residual_nodes);
+            found.residual_nodes = Some(r.residual_nodes);
             tables.configs(&r.indices)
         }
         SearchKind::Exhaustive => {
             let r = exhaustive(tables, budget)?;
-            tried = Some(r.tried);
+            found.tried = Some(r.tried);
             tables.configs(&r.indices)
         }
         SearchKind::Data => data_parallel(graph, machine),
         SearchKind::Model => model_parallel(graph, machine),
         SearchKind::Owt => one_weird_trick(graph, machine),
     };
-    Ok(SearchOutcome {
-        kind,
-        cost: model.evaluate(&configs),
-        configs,
-        residual_nodes,
-        tried,
-    })
+    Ok(found)
+}
+
+/// Runs one search and prices its strategy with Eq. 1, term by term.
+pub fn run(
+    kind: SearchKind,
+    tables: &CostTables,
+    budget: u64,
+) -> Result<(Found, CostBreakdown), SearchError> {
+    let found = find(kind, tables, budget)?;
+    let cost = tables.model().evaluate(&found.configs);
+    Ok((found, cost))
 }
