@@ -1,1 +1,3 @@
 //! legion-cluster: the `legion-rs` command-line tool.
+
+pub mod cli;

@@ -131,7 +131,7 @@ impl ParallelConfig {
             return Err(ConfigError::TooManyTiles { total, num_devices });
         }
         let first = self.first_device();
-        if first % total != 0 || first + total > num_devices {
+        if !first.is_multiple_of(total) || first + total > num_devices {
             return Err(ConfigError::BadDeviceBlock {
                 first,
                 total,
@@ -297,7 +297,7 @@ impl ConfigSpace {
             .ok()?;
         let range = self.layout_configs(layout);
         let offset = config.first_device() / config.total();
-        (config.first_device() % config.total() == 0 && offset < range.len())
+        (config.first_device().is_multiple_of(config.total()) && offset < range.len())
             .then_some(range.start + offset)
     }
 }

@@ -33,11 +33,27 @@
 //!
 //! Every error names the file, the line and column, and the field.
 
-use crate::machine::{DeviceSpec, Link, MachineError, MachineModel, NodeSpec};
+use crate::machine::{DeviceSpec, Link, MachineError, MachineModel, NodeSpec, PRESETS};
 use serde::Deserialize;
 use std::ops::Range;
 use std::path::Path;
 use toml::Spanned;
+
+/// A machine from a `--machine` argument: a preset name ([`crate::machine::PRESETS`]) or the path of
+/// a machine file.
+pub fn resolve_machine(spec: &str) -> Result<MachineModel, MachineError> {
+    let path = Path::new(spec);
+    if PRESETS.contains(&spec) || spec.starts_with("paper:") || !path.exists() {
+        return MachineModel::preset(spec).map_err(|e| match e {
+            MachineError::UnknownPreset { name, known } => MachineError::UnknownPreset {
+                name,
+                known: format!("{known}; nor is it an existing machine file"),
+            },
+            other => other,
+        });
+    }
+    load_machine(path)
+}
 
 /// Reads and parses a machine file.
 pub fn load_machine(path: &Path) -> Result<MachineModel, MachineError> {
@@ -518,6 +534,25 @@ gbit_per_s = 100
         assert!(
             e.contains("devices_per_node: `nodes` needs `devices_per_node`"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn presets_and_files_resolve() {
+        assert_eq!(resolve_machine("paper:8").unwrap().num_devices(), 8);
+        let e = resolve_machine("papr").unwrap_err().to_string();
+        assert!(
+            e.contains("unknown machine preset 'papr'") && e.contains("machine file"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.toml");
+        std::fs::write(&path, TWO_BOXES).unwrap();
+        assert_eq!(
+            resolve_machine(path.to_str().unwrap())
+                .unwrap()
+                .num_devices(),
+            8
         );
     }
 

@@ -108,11 +108,14 @@ struct AxisPair {
     by_producer: Vec<Stats>,
 }
 
+/// A half-open interval of one axis.
+type Interval = (usize, usize);
+
 /// The needed interval of every consumer block along each producer axis, by consumer degree.
 struct AxisNeeds {
     extents: [usize; MAX_DIMS],
     /// `[axis]` → consumer degree → interval per consumer block index.
-    needs: Vec<HashMap<usize, Vec<(usize, usize)>>>,
+    needs: Vec<HashMap<usize, Vec<Interval>>>,
 }
 
 impl AxisNeeds {
@@ -122,7 +125,7 @@ impl AxisNeeds {
         let nd = producer.ndim();
         let mut extents = [1; MAX_DIMS];
         extents[..nd].copy_from_slice(producer.dims());
-        let mut per_axis: Vec<HashMap<usize, Vec<Option<(usize, usize)>>>> =
+        let mut per_axis: Vec<HashMap<usize, Vec<Option<Interval>>>> =
             vec![HashMap::new(); MAX_DIMS];
         for (h, rects) in dst_space.layouts().iter().zip(needs) {
             let cfg = ParallelConfig::new(*h, 0);
@@ -247,7 +250,7 @@ impl Regular {
     fn detect(machine: &MachineModel) -> Option<Regular> {
         let devices = machine.num_devices();
         let nodes = machine.num_nodes();
-        if !machine.link_overrides().is_empty() || devices % nodes != 0 {
+        if !machine.link_overrides().is_empty() || !devices.is_multiple_of(nodes) {
             return None;
         }
         let node_size = devices / nodes;

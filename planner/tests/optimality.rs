@@ -13,7 +13,11 @@ use proptest::prelude::*;
 /// tiny tensors all matter: the optimum is neither trivially serial nor trivially parallel.
 /// `link_speed` scales both link classes (inter-node links are 4× slower than intra-node ones).
 fn machine(devices: usize, two_nodes: bool, link_speed: f64) -> MachineModel {
-    let nodes = if two_nodes && devices % 2 == 0 { 2 } else { 1 };
+    let nodes = if two_nodes && devices.is_multiple_of(2) {
+        2
+    } else {
+        1
+    };
     let device = DeviceSpec {
         kind: "toy".into(),
         peak_gflops: 1e-4,

@@ -19,6 +19,9 @@ pub struct ExhaustiveResult {
     pub tried: u64,
 }
 
+/// An edge into a node: (source node, its table `[c_src][c_node]`).
+pub(crate) type InEdge = (usize, Rc<Vec<f64>>);
+
 /// Default cap on the partial strategies the exhaustive search tries.
 pub const DEFAULT_BUDGET: u64 = 50_000_000;
 
@@ -27,7 +30,7 @@ pub const DEFAULT_BUDGET: u64 = 50_000_000;
 pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, SearchError> {
     let n = tables.num_layers();
     let mut by_class: HashMap<usize, Rc<Vec<f64>>> = HashMap::new();
-    let mut incoming: Vec<Vec<(usize, Rc<Vec<f64>>)>> = vec![Vec::new(); n];
+    let mut incoming: Vec<Vec<InEdge>> = vec![Vec::new(); n];
     for (i, e) in tables.edges().iter().enumerate() {
         let table = by_class
             .entry(tables.edge_class(i))
@@ -52,7 +55,7 @@ pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, 
 pub(crate) fn enumerate(
     costs: &[&[f64]],
     sizes: &[usize],
-    incoming: &[Vec<(usize, Rc<Vec<f64>>)>],
+    incoming: &[Vec<InEdge>],
     budget: u64,
 ) -> Result<(Vec<usize>, f64), SearchError> {
     let mut search = Dfs::new(costs, sizes, incoming, budget);
@@ -63,7 +66,7 @@ pub(crate) fn enumerate(
 struct Dfs<'a> {
     costs: &'a [&'a [f64]],
     sizes: &'a [usize],
-    incoming: &'a [Vec<(usize, Rc<Vec<f64>>)>],
+    incoming: &'a [Vec<InEdge>],
     rest: Vec<f64>,
     choice: Vec<usize>,
     best_choice: Vec<usize>,
@@ -76,7 +79,7 @@ impl<'a> Dfs<'a> {
     fn new(
         costs: &'a [&'a [f64]],
         sizes: &'a [usize],
-        incoming: &'a [Vec<(usize, Rc<Vec<f64>>)>],
+        incoming: &'a [Vec<InEdge>],
         budget: u64,
     ) -> Dfs<'a> {
         let n = costs.len();

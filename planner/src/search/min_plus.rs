@@ -132,8 +132,12 @@ mod tests {
             let (a, mid, b) = (draw(ci * cj), draw(cj), draw(cj * ck));
             let expected = reference(&a, &mid, &b, ci, cj, ck);
             let split = (1 + rng.below(ck)).min(ck);
-            for groups in [vec![0..ck], vec![0..split, split..ck]] {
-                let groups: Vec<_> = groups.into_iter().filter(|g| !g.is_empty()).collect();
+            let whole = std::iter::once(0..ck).collect::<Vec<_>>();
+            let halves = [0..split, split..ck]
+                .into_iter()
+                .filter(|g| !g.is_empty())
+                .collect();
+            for groups in [whole, halves] {
                 let (out, arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups);
                 assert_eq!(out, expected);
                 for i in 0..ci {

@@ -13,7 +13,7 @@
 //! (`|C_i|·|C_j|·|C_k|`) goes first, which keeps the large config spaces out of most products.
 
 use super::SearchError;
-use super::exhaustive::enumerate;
+use super::exhaustive::{InEdge, enumerate};
 use super::min_plus::{column_groups, min_plus};
 use crate::tables::CostTables;
 use legion_ops::LayerId;
@@ -220,7 +220,7 @@ impl<'t, 'm> Reduction<'t, 'm> {
         }
         // in-edges of each residual node from earlier residual nodes (all of them: ids are
         // topological and eliminations keep edges pointing forward)
-        let mut incoming: Vec<Vec<(usize, Rc<Vec<f64>>)>> = vec![Vec::new(); nodes.len()];
+        let mut incoming: Vec<Vec<InEdge>> = vec![Vec::new(); nodes.len()];
         let live: Vec<usize> = (0..self.edges.len())
             .filter(|&e| self.edges[e].is_some())
             .collect();

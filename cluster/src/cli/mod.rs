@@ -1,0 +1,64 @@
+//! Placeholder of the real `cli/mod.rs` (on main), just enough to build and test `plan.rs` in this
+//! worktree: the integrator wires `plan` into the real one.
+
+mod plan;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "legion-rs",
+    version,
+    about = "Layer-wise parallel CNN training"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Find (or evaluate) a parallelization strategy for a model on a machine.
+    Plan(plan::PlanArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Plan(a) => plan::run(a),
+    }
+}
+
+/// Resolves `--model` (a zoo name or a JSON file) at the given batch / image size / classes.
+pub fn load_model(
+    model: &str,
+    batch: usize,
+    image_size: Option<usize>,
+    classes: Option<usize>,
+) -> anyhow::Result<legion_ops::Graph> {
+    use anyhow::Context;
+    if let Some(z) = legion_ops::zoo::find(model) {
+        let mut cfg = z.default_config(batch);
+        if let Some(s) = image_size {
+            cfg.image_size = s;
+        }
+        if let Some(c) = classes {
+            cfg.classes = c;
+        }
+        return Ok(z.build(&cfg)?);
+    }
+    let path = std::path::Path::new(model);
+    if !path.exists() {
+        anyhow::bail!(
+            "--model '{model}' is neither a zoo model ({}) nor an existing JSON file",
+            legion_ops::zoo::names().join(", ")
+        );
+    }
+    if image_size.is_some() || classes.is_some() {
+        anyhow::bail!(
+            "--image-size and --classes apply to zoo models; a JSON model fixes its own shapes"
+        );
+    }
+    let g = legion_ops::Graph::load_json(path)?;
+    g.with_batch(batch)
+        .with_context(|| format!("{model}: re-inferring shapes at batch {batch}"))
+}
