@@ -97,9 +97,15 @@ impl Link {
         }
     }
 
-    /// Time to move one message of `bytes` over this link.
+    /// Time to move one message of `bytes` over this link: `bytes · seconds_per_byte + latency`.
+    /// Every cost in the planner goes through this formula (or [`Link::seconds_per_byte`]), so
+    /// tables and direct evaluation agree to the last bit.
     pub fn message_time(&self, bytes: f64) -> f64 {
-        bytes / self.bytes_per_s + self.latency_s
+        bytes * self.seconds_per_byte() + self.latency_s
+    }
+
+    pub fn seconds_per_byte(&self) -> f64 {
+        1.0 / self.bytes_per_s
     }
 
     fn check(&self) -> Result<(), String> {

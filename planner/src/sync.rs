@@ -152,7 +152,7 @@ pub fn sync_time(loads: &[LinkLoad], machine: &MachineModel) -> f64 {
 pub(crate) fn sync_time_shifted(loads: &[LinkLoad], machine: &MachineModel, offset: usize) -> f64 {
     let on_link = |from: DeviceId, to: DeviceId, l: &LinkLoad| {
         machine.link(from, to).map_or(0.0, |link| {
-            l.bytes as f64 / link.bytes_per_s + f64::from(l.messages) * link.latency_s
+            l.bytes as f64 * link.seconds_per_byte() + f64::from(l.messages) * link.latency_s
         })
     };
     let mut worst = 0.0f64;

@@ -160,6 +160,7 @@ impl AxisNeeds {
         Some(AxisNeeds { extents, needs })
     }
 
+    #[inline(never)]
     fn axis_pair(&self, axis: usize, g: usize, h: usize) -> AxisPair {
         let extent = self.extents[axis];
         let needs = &self.needs[axis][&h];
@@ -201,6 +202,27 @@ fn pyramid(values: &[u64]) -> Vec<Stats> {
 /// Position of range `range` of level `level` in the pyramid of `n` values.
 fn pyramid_index(n: usize, level: usize, range: usize) -> usize {
     2 * n - 2 * (n >> level) + range
+}
+
+impl Stats {
+    /// The stats of an empty product.
+    const ONE: Stats = Stats {
+        best: 1,
+        arg: 0,
+        second: 0,
+    };
+
+    /// Stats of the product of two independent factors (axes): the best is the product of the
+    /// bests; anything but that maximum differs from it in at least one factor, where it takes that
+    /// factor's second. `shift` places the factor's index in the tile number.
+    #[inline]
+    fn times(&self, axis: &Stats, shift: u32) -> Stats {
+        Stats {
+            best: self.best * axis.best,
+            arg: self.arg | (axis.arg << shift),
+            second: (self.second * axis.best).max(self.best * axis.second),
+        }
+    }
 }
 
 fn range_stats(values: &[u64], offset: usize) -> Stats {
@@ -373,6 +395,7 @@ impl Regular {
         table
     }
 
+    #[inline(never)]
     /// t_x of one layout pair for every relation of two blocks, into `out.values` (by
     /// [`Relation::id`]).
     fn layout_pair(
@@ -409,54 +432,98 @@ impl Regular {
             }
         });
         let pyramid_len: [usize; MAX_DIMS] = std::array::from_fn(|a| 2 * big[a] - 1);
-        // Per group, per axis: where its range of big-block indices sits in the pyramids.
+        // A node group of the larger block covers, along each axis, an aligned range of block
+        // indices: the trailing axes entirely ("free" axes, alike for every group), then one axis in
+        // part, the leading axes at one index ("group" axes).
+        let mut levels = [0; MAX_DIMS];
+        let mut free_bits = group_bits as usize;
+        for a in (0..MAX_DIMS).rev() {
+            levels[a] = (big[a].trailing_zeros() as usize).min(free_bits);
+            free_bits -= levels[a];
+        }
+        let mut free_axes = [0; MAX_DIMS];
+        let mut group_axes = [0; MAX_DIMS];
+        let (mut n_free, mut n_group) = (0, 0);
+        for a in 0..MAX_DIMS {
+            if levels[a] == big[a].trailing_zeros() as usize {
+                free_axes[n_free] = a;
+                n_free += 1;
+            } else {
+                group_axes[n_group] = a;
+                n_group += 1;
+            }
+        }
+        let (free_axes, group_axes) = (&free_axes[..n_free], &group_axes[..n_group]);
         out.ranges.clear();
         for group in 0..groups {
             let start = group * group_size;
-            let mut free = group_bits as usize;
-            let mut r = [0; MAX_DIMS];
-            for a in (0..MAX_DIMS).rev() {
+            let r: [usize; MAX_DIMS] = std::array::from_fn(|a| {
                 let digit = (start >> big_shift[a]) & (big[a] - 1);
-                let level = (big[a].trailing_zeros() as usize).min(free);
-                r[a] = pyramid_index(big[a], level, digit >> level);
-                free -= level;
-            }
+                pyramid_index(big[a], levels[a], digit >> levels[a])
+            });
             out.ranges.push(r);
         }
-        out.stats.clear();
-        out.top.clear();
-        for x in 0..small_total {
-            let base: [usize; MAX_DIMS] =
-                std::array::from_fn(|a| ((x >> small_shift[a]) & (small[a] - 1)) * pyramid_len[a]);
+        let whole: [usize; MAX_DIMS] =
+            std::array::from_fn(|a| pyramid_index(big[a], levels[a], 0));
+        // The group axes' stats depend on a small tile only through its digits on those axes: per
+        // such digit combination and group, their stats, and per combination the two groups with
+        // the largest message.
+        let combos: usize = group_axes.iter().map(|&a| small[a]).product();
+        out.group_stats.clear();
+        out.group_top.clear();
+        for combo in 0..combos {
+            let mut rest = combo;
+            let mut row = [0; MAX_DIMS];
+            for &a in group_axes.iter().rev() {
+                row[a] = (rest & (small[a] - 1)) * pyramid_len[a];
+                rest >>= small[a].trailing_zeros();
+            }
             let (mut first, mut first_group, mut second) = (0u64, 0usize, 0u64);
             for (group, r) in out.ranges.iter().enumerate() {
-                let s: [Stats; MAX_DIMS] = std::array::from_fn(|a| pyramids[a][base[a] + r[a]]);
-                let combined = combine(&s, &big_shift);
-                if combined.best > first {
-                    second = first;
-                    (first, first_group) = (combined.best, group);
-                } else if combined.best > second {
-                    second = combined.best;
+                let mut s = Stats::ONE;
+                for &a in group_axes {
+                    s = s.times(&pyramids[a][row[a] + r[a]], big_shift[a]);
                 }
-                out.stats.push(combined);
+                if s.best > first {
+                    second = first;
+                    (first, first_group) = (s.best, group);
+                } else if s.best > second {
+                    second = s.best;
+                }
+                out.group_stats.push(s);
             }
-            out.top.push((first, first_group, second));
+            out.group_top.push((first, first_group, second));
         }
+        // Per small tile: the free axes' stats and its digit combination on the group axes.
+        out.free.clear();
+        for x in 0..small_total {
+            let mut free = Stats::ONE;
+            for &a in free_axes {
+                let row = ((x >> small_shift[a]) & (small[a] - 1)) * pyramid_len[a];
+                free = free.times(&pyramids[a][row + whole[a]], big_shift[a]);
+            }
+            let mut combo = 0;
+            for &a in group_axes {
+                combo = (combo << small[a].trailing_zeros()) | ((x >> small_shift[a]) & (small[a] - 1));
+            }
+            out.free.push((free, combo));
+        }
+        let mut last = (u64::MAX, u64::MAX, 0.0);
         for offset in (0..big_total).step_by(small_total) {
             let (mut intra, mut inter) = (0u64, 0u64);
-            for x in 0..small_total {
+            for (x, (free, combo)) in out.free.iter().enumerate() {
                 let own_tile = offset + x;
                 let own_group = own_tile >> group_bits;
-                let s = out.stats[x * groups + own_group];
+                let s = free.times(&out.group_stats[combo * groups + own_group], 0);
                 intra = intra.max(if s.arg == own_tile { s.second } else { s.best });
-                let (first, first_group, second) = out.top[x];
-                inter = inter.max(if first_group == own_group {
-                    second
-                } else {
-                    first
-                });
+                let (first, first_group, second) = out.group_top[*combo];
+                let other = if first_group == own_group { second } else { first };
+                inter = inter.max(free.best * other);
             }
-            out.values.push(self.time(intra, inter));
+            if (intra, inter) != (last.0, last.1) {
+                last = (intra, inter, self.time(intra, inter));
+            }
+            out.values.push(last.2);
         }
     }
 }
@@ -468,10 +535,13 @@ struct Scratch {
     values: Vec<f64>,
     /// Per node group of the larger block, per axis: its index range's position in the pyramids.
     ranges: Vec<[usize; MAX_DIMS]>,
-    /// `[small tile][group]`.
-    stats: Vec<Stats>,
-    /// Per small tile: (largest over groups, its group, largest over the other groups).
-    top: Vec<(u64, usize, u64)>,
+    /// Per small tile: stats over the axes every group covers whole, and its digit combination on
+    /// the other axes.
+    free: Vec<(Stats, usize)>,
+    /// `[combination][group]`: stats over the group axes.
+    group_stats: Vec<Stats>,
+    /// Per combination: (largest over groups, its group, largest over the other groups).
+    group_top: Vec<(u64, usize, u64)>,
 }
 
 /// Bit position of each axis's block index in a row-major tile number (degrees are powers of two).
@@ -481,25 +551,6 @@ fn digit_shifts(degrees: &[usize; MAX_DIMS]) -> [u32; MAX_DIMS] {
         s[a] = s[a + 1] + degrees[a + 1].trailing_zeros();
     }
     s
-}
-
-/// Stats of a product over axes: the best is the product of the bests; the best without it differs
-/// from it in at least one axis, where it takes that axis's second.
-fn combine(s: &[Stats; MAX_DIMS], shifts: &[u32; MAX_DIMS]) -> Stats {
-    let [a, b, c, d] = s;
-    let (ab, cd) = (a.best * b.best, c.best * d.best);
-    let second = (a.second * b.best * cd)
-        .max(a.best * b.second * cd)
-        .max(ab * c.second * d.best)
-        .max(ab * c.best * d.second);
-    Stats {
-        best: ab * cd,
-        arg: (a.arg << shifts[0])
-            | (b.arg << shifts[1])
-            | (c.arg << shifts[2])
-            | (d.arg << shifts[3]),
-        second,
-    }
 }
 
 /// One producer-tile → consumer-tile message of a layout pair.
