@@ -367,17 +367,27 @@ impl Regular {
         let columns = dst_space.len();
         let mut table = vec![0.0; src_space.len() * columns];
         let mut scratch = Scratch::default();
-        for (gi, g) in src_space.layouts().iter().enumerate() {
-            let g: [usize; MAX_DIMS] = std::array::from_fn(|a| if a < nd { g[a] } else { 1 });
-            let src_total: usize = g.iter().product();
-            for (hi, h) in dst_space.layouts().iter().enumerate() {
+        let src_sides: Vec<Side> = src_space
+            .layouts()
+            .iter()
+            .map(|g| Side::new(std::array::from_fn(|a| if a < nd { g[a] } else { 1 }), self.node_size))
+            .collect();
+        let dst_sides: Vec<Side> = dst_space
+            .layouts()
+            .iter()
+            .map(|h| Side::new(*h, self.node_size))
+            .collect();
+        for (gi, src) in src_sides.iter().enumerate() {
+            let (g, src_total) = (&src.degrees, src.total);
+            for (hi, dst) in dst_sides.iter().enumerate() {
+                let h = &dst.degrees;
                 let axis: [&AxisPair; MAX_DIMS] = std::array::from_fn(|a| {
                     pairs[slot(a, g[a], h[a])]
                         .as_ref()
                         .expect("every axis pair was built above")
                 });
-                self.layout_pair(&g, h, &axis, &mut scratch);
-                let dst_total: usize = h.iter().product();
+                self.layout_pair(src, dst, &axis, &mut scratch);
+                let dst_total = dst.total;
                 let relations = &self.relations[src_total.trailing_zeros() as usize * self.levels
                     + dst_total.trailing_zeros() as usize];
                 let dst_blocks = self.devices / dst_total;
@@ -395,35 +405,23 @@ impl Regular {
         table
     }
 
-    #[inline(never)]
     /// t_x of one layout pair for every relation of two blocks, into `out.values` (by
     /// [`Relation::id`]).
     fn layout_pair(
         &self,
-        g: &[usize; MAX_DIMS],
-        h: &[usize; MAX_DIMS],
+        src: &Side,
+        dst: &Side,
         axis: &[&AxisPair; MAX_DIMS],
         out: &mut Scratch,
     ) {
-        let (src_total, dst_total): (usize, usize) = (g.iter().product(), h.iter().product());
         let all = axis.iter().map(|p| p.max).product::<u64>();
         out.values.clear();
         out.values.push(self.time(all, 0));
         out.values.push(self.time(0, all));
 
         // The larger block's tiles are grouped by node; the smaller block's tiles are visited.
-        let producer_big = src_total >= dst_total;
-        let (big, small) = if producer_big { (g, h) } else { (h, g) };
-        let (big_total, small_total) = (src_total.max(dst_total), src_total.min(dst_total));
-        let groups = if big_total > self.node_size {
-            big_total / self.node_size
-        } else {
-            1
-        };
-        let group_size = big_total / groups;
-        let group_bits = group_size.trailing_zeros();
-        let big_shift = digit_shifts(big);
-        let small_shift = digit_shifts(small);
+        let producer_big = src.total >= dst.total;
+        let (big, small) = if producer_big { (src, dst) } else { (dst, src) };
         let pyramids: [&[Stats]; MAX_DIMS] = std::array::from_fn(|a| {
             if producer_big {
                 axis[a].by_consumer.as_slice()
@@ -431,58 +429,24 @@ impl Regular {
                 axis[a].by_producer.as_slice()
             }
         });
-        let pyramid_len: [usize; MAX_DIMS] = std::array::from_fn(|a| 2 * big[a] - 1);
-        // A node group of the larger block covers, along each axis, an aligned range of block
-        // indices: the trailing axes entirely ("free" axes, alike for every group), then one axis in
-        // part, the leading axes at one index ("group" axes).
-        let mut levels = [0; MAX_DIMS];
-        let mut free_bits = group_bits as usize;
-        for a in (0..MAX_DIMS).rev() {
-            levels[a] = (big[a].trailing_zeros() as usize).min(free_bits);
-            free_bits -= levels[a];
-        }
-        let mut free_axes = [0; MAX_DIMS];
-        let mut group_axes = [0; MAX_DIMS];
-        let (mut n_free, mut n_group) = (0, 0);
-        for a in 0..MAX_DIMS {
-            if levels[a] == big[a].trailing_zeros() as usize {
-                free_axes[n_free] = a;
-                n_free += 1;
-            } else {
-                group_axes[n_group] = a;
-                n_group += 1;
-            }
-        }
-        let (free_axes, group_axes) = (&free_axes[..n_free], &group_axes[..n_group]);
-        out.ranges.clear();
-        for group in 0..groups {
-            let start = group * group_size;
-            let r: [usize; MAX_DIMS] = std::array::from_fn(|a| {
-                let digit = (start >> big_shift[a]) & (big[a] - 1);
-                pyramid_index(big[a], levels[a], digit >> levels[a])
-            });
-            out.ranges.push(r);
-        }
-        let whole: [usize; MAX_DIMS] =
-            std::array::from_fn(|a| pyramid_index(big[a], levels[a], 0));
         // The group axes' stats depend on a small tile only through its digits on those axes: per
         // such digit combination and group, their stats, and per combination the two groups with
         // the largest message.
-        let combos: usize = group_axes.iter().map(|&a| small[a]).product();
+        let combos: usize = big.group_axes().iter().map(|&a| small.degrees[a]).product();
         out.group_stats.clear();
         out.group_top.clear();
         for combo in 0..combos {
             let mut rest = combo;
             let mut row = [0; MAX_DIMS];
-            for &a in group_axes.iter().rev() {
-                row[a] = (rest & (small[a] - 1)) * pyramid_len[a];
-                rest >>= small[a].trailing_zeros();
+            for &a in big.group_axes().iter().rev() {
+                row[a] = (rest & (small.degrees[a] - 1)) * big.pyramid_len[a];
+                rest >>= small.degrees[a].trailing_zeros();
             }
             let (mut first, mut first_group, mut second) = (0u64, 0usize, 0u64);
-            for (group, r) in out.ranges.iter().enumerate() {
+            for (group, r) in big.ranges.iter().enumerate() {
                 let mut s = Stats::ONE;
-                for &a in group_axes {
-                    s = s.times(&pyramids[a][row[a] + r[a]], big_shift[a]);
+                for &a in big.group_axes() {
+                    s = s.times(&pyramids[a][row[a] + r[a]], big.shift[a]);
                 }
                 if s.best > first {
                     second = first;
@@ -494,26 +458,36 @@ impl Regular {
             }
             out.group_top.push((first, first_group, second));
         }
-        // Per small tile: the free axes' stats and its digit combination on the group axes.
+        // Per small tile (in tile order): the free axes' stats and its digit combination on the
+        // group axes, expanded axis by axis (tile numbers are row-major over the axes).
         out.free.clear();
-        for x in 0..small_total {
-            let mut free = Stats::ONE;
-            for &a in free_axes {
-                let row = ((x >> small_shift[a]) & (small[a] - 1)) * pyramid_len[a];
-                free = free.times(&pyramids[a][row + whole[a]], big_shift[a]);
+        out.free.push((Stats::ONE, 0));
+        for a in 0..MAX_DIMS {
+            let n = small.degrees[a];
+            let free = big.free[a];
+            if n == 1 && !free {
+                continue;
             }
-            let mut combo = 0;
-            for &a in group_axes {
-                combo = (combo << small[a].trailing_zeros()) | ((x >> small_shift[a]) & (small[a] - 1));
+            out.expand.clear();
+            for &(st, combo) in &out.free {
+                for d in 0..n {
+                    out.expand.push(if free {
+                        let row = d * big.pyramid_len[a] + big.whole[a];
+                        (st.times(&pyramids[a][row], big.shift[a]), combo)
+                    } else {
+                        (st, combo * n + d)
+                    });
+                }
             }
-            out.free.push((free, combo));
+            std::mem::swap(&mut out.free, &mut out.expand);
         }
+        let groups = big.ranges.len();
         let mut last = (u64::MAX, u64::MAX, 0.0);
-        for offset in (0..big_total).step_by(small_total) {
+        for offset in (0..big.total).step_by(small.total) {
             let (mut intra, mut inter) = (0u64, 0u64);
             for (x, (free, combo)) in out.free.iter().enumerate() {
                 let own_tile = offset + x;
-                let own_group = own_tile >> group_bits;
+                let own_group = own_tile >> big.group_bits;
                 let s = free.times(&out.group_stats[combo * groups + own_group], 0);
                 intra = intra.max(if s.arg == own_tile { s.second } else { s.best });
                 let (first, first_group, second) = out.group_top[*combo];
@@ -528,16 +502,86 @@ impl Regular {
     }
 }
 
+/// What [`Regular::layout_pair`] needs of one layout, computed once per edge.
+struct Side {
+    degrees: [usize; MAX_DIMS],
+    total: usize,
+    /// Bit position of each axis's block index in a tile number.
+    shift: [u32; MAX_DIMS],
+    /// Length of the pyramid over this side's blocks of each axis.
+    pyramid_len: [usize; MAX_DIMS],
+    /// When this side is the larger block: its tiles form node groups of `2^group_bits` tiles.
+    /// Along each axis a group covers an aligned range of block indices: the trailing axes entirely
+    /// (`free`, alike for every group), then one axis in part, the leading axes at one index.
+    group_bits: u32,
+    free: [bool; MAX_DIMS],
+    /// The axes that are not free, in order.
+    group_axes: [usize; MAX_DIMS],
+    n_group_axes: usize,
+    /// Per group, per axis: its range's position in the pyramids.
+    ranges: Vec<[usize; MAX_DIMS]>,
+    /// Per axis: the pyramid position of a free axis's whole range.
+    whole: [usize; MAX_DIMS],
+}
+
+impl Side {
+    fn new(degrees: [usize; MAX_DIMS], node_size: usize) -> Side {
+        let total: usize = degrees.iter().product();
+        let groups = if total > node_size { total / node_size } else { 1 };
+        let group_size = total / groups;
+        let group_bits = group_size.trailing_zeros();
+        let shift = digit_shifts(&degrees);
+        let mut levels = [0; MAX_DIMS];
+        let mut free_bits = group_bits as usize;
+        for a in (0..MAX_DIMS).rev() {
+            levels[a] = (degrees[a].trailing_zeros() as usize).min(free_bits);
+            free_bits -= levels[a];
+        }
+        let free: [bool; MAX_DIMS] =
+            std::array::from_fn(|a| levels[a] == degrees[a].trailing_zeros() as usize);
+        let mut group_axes = [0; MAX_DIMS];
+        let mut n_group_axes = 0;
+        for a in (0..MAX_DIMS).filter(|&a| !free[a]) {
+            group_axes[n_group_axes] = a;
+            n_group_axes += 1;
+        }
+        let ranges = (0..groups)
+            .map(|group| {
+                let start = group * group_size;
+                std::array::from_fn(|a| {
+                    let digit = (start >> shift[a]) & (degrees[a] - 1);
+                    pyramid_index(degrees[a], levels[a], digit >> levels[a])
+                })
+            })
+            .collect();
+        Side {
+            degrees,
+            total,
+            shift,
+            pyramid_len: std::array::from_fn(|a| 2 * degrees[a] - 1),
+            group_bits,
+            free,
+            group_axes,
+            n_group_axes,
+            ranges,
+            whole: std::array::from_fn(|a| pyramid_index(degrees[a], levels[a], 0)),
+        }
+    }
+
+    fn group_axes(&self) -> &[usize] {
+        &self.group_axes[..self.n_group_axes]
+    }
+}
+
 /// Reused buffers and results of [`Regular::layout_pair`].
 #[derive(Default)]
 struct Scratch {
     /// t_x by [`Relation::id`].
     values: Vec<f64>,
-    /// Per node group of the larger block, per axis: its index range's position in the pyramids.
-    ranges: Vec<[usize; MAX_DIMS]>,
     /// Per small tile: stats over the axes every group covers whole, and its digit combination on
     /// the other axes.
     free: Vec<(Stats, usize)>,
+    expand: Vec<(Stats, usize)>,
     /// `[combination][group]`: stats over the group axes.
     group_stats: Vec<Stats>,
     /// Per combination: (largest over groups, its group, largest over the other groups).
