@@ -71,13 +71,18 @@ fn check(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    // A fixed seed keeps CI reproducible; change it locally to explore other graphs.
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x5EED_0C7C),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn optcnn_equals_exhaustive(
         family in 0..FAMILIES.len(),
         seed in any::<u64>(),
-        layers in 2usize..7,
+        layers in 2usize..6,
         devices in prop::sample::select(vec![2usize, 3, 4, 6, 8]),
         two_nodes in any::<bool>(),
         link_speed in prop::sample::select(vec![0.1, 1.0, 10.0]),

@@ -61,11 +61,13 @@ pub fn random_graph(family: Family, seed: u64, layers: usize) -> Graph {
         }
         Family::Inception => {
             let stem = conv(&mut m, &mut rng, x, 2, &mut name);
+            // 2 or 3 branches; the first may have two layers
             let branches = 2 + rng.below(2);
             let mut outs = Vec::new();
             for b in 0..branches {
                 let mut y = stem;
-                for _ in 0..1 + (b + rng.below(2)) % 2 {
+                let depth = if b == 0 { 1 + rng.below(2) } else { 1 };
+                for _ in 0..depth {
                     y = match rng.below(3) {
                         0 => {
                             let c = 1 + rng.below(2);
