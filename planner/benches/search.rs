@@ -59,7 +59,11 @@ fn main() {
                 node.push((t1 - t0).as_secs_f64() * 1e3);
                 search.push((t2 - t1).as_secs_f64() * 1e3);
                 residual = r.residual_nodes;
-                configs = graph.ids().map(|l| tables.space(l).len()).max().unwrap_or(0);
+                configs = graph
+                    .ids()
+                    .map(|l| tables.space(l).len())
+                    .max()
+                    .unwrap_or(0);
                 if started.elapsed() > Duration::from_secs(60) {
                     break;
                 }

@@ -120,7 +120,8 @@ impl<'a> CostModel<'a> {
 
     /// t_x of an edge under the configs of its two ends.
     pub fn transfer_time(&self, edge: &Edge, src: &ParallelConfig, dst: &ParallelConfig) -> f64 {
-        transfer_time(&edge_overlaps(self.graph, edge, src, dst), self.machine)
+        let overlaps = edge_overlaps(self.graph, edge, src, dst);
+        transfer_time(&overlaps, self.machine, edge.carries_gradient(self.graph))
     }
 
     /// Eq. 1 for `configs` (indexed by layer id), term by term.
@@ -142,9 +143,10 @@ impl<'a> CostModel<'a> {
         }
         for e in &self.edges {
             let overlaps = edge_overlaps(self.graph, e, &configs[e.src.0], &configs[e.dst.0]);
+            let gradient = e.carries_gradient(self.graph);
             out.edges.push(EdgeCost {
-                time: transfer_time(&overlaps, self.machine),
-                bytes: transfer_bytes(&overlaps),
+                time: transfer_time(&overlaps, self.machine, gradient),
+                bytes: transfer_bytes(&overlaps, gradient),
             });
         }
         out.total = total(&out.layers, &out.edges);

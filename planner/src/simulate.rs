@@ -6,7 +6,7 @@
 //! - a copy per (producer tile → consumer tile) overlap on different devices, on the link between
 //!   them (same-device overlaps are plain dependencies);
 //! - backward compute of every tile, after its forward and after the gradients of everything it
-//!   fed arrived (gradient copies run on the reverse links);
+//!   fed arrived (gradient copies run on the reverse links; none go to the input layer);
 //! - parameter synchronisation per replica group exactly as [`crate::sync`] describes: gradient
 //!   messages replica → owner, a zero-time update on the owner, updated slices owner → replica.
 //!
@@ -183,6 +183,9 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
         }
     }
     for (e, overlaps) in edges.iter().rev() {
+        if !e.carries_gradient(graph) {
+            continue;
+        }
         for o in overlaps {
             let from = backward[e.dst.0][o.dst_tile];
             let to = backward[e.src.0][o.src_tile];
@@ -396,7 +399,7 @@ mod tests {
                 .push((sim.start[t], sim.finish[t]));
         }
         for spans in by_resource.values_mut() {
-            spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+            spans.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
             for w in spans.windows(2) {
                 assert!(w[1].0 >= w[0].1 - 1e-15);
             }

@@ -71,13 +71,16 @@ impl<'m> CostTables<'m> {
             .map(|(i, e)| {
                 let src = graph.layer(e.src);
                 let dst = graph.layer(e.dst);
+                // everything the table depends on: the producer's tiling, the consumer's
+                // projection and tiling, and whether gradients flow back
                 let key = format!(
-                    "{:?}|{:?}|{}|{:?}|{}",
+                    "{:?}|{:?}|{}|{:?}|{}|{}",
                     src.shape,
                     src.op.spec().parallel_dims(&src.shape),
                     serde_json::to_string(&dst.op).unwrap_or_default(),
                     model.input_shapes(e.dst),
-                    e.input
+                    e.input,
+                    e.carries_gradient(graph)
                 );
                 *edge_memo.entry(key).or_insert(i)
             })

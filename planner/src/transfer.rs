@@ -4,14 +4,15 @@
 //! every consumer tile needs `project(inputs of l_j, tile)[k]`; every producer tile that overlaps it
 //! and lives on a *different* device sends the intersection (f32, 4 bytes per element) over the link
 //! producer device → consumer device in the forward pass, and the consumer sends the gradient of the
-//! same region back over the reverse link in the backward pass. Overlaps on the same device are free.
+//! same region back over the reverse link in the backward pass — except when the producer is the
+//! input layer, whose data needs no gradient. Overlaps on the same device are free.
 //!
 //! Timing: transfers on different directed links proceed in parallel, transfers sharing a link
 //! serialize, and each message pays the link's latency once:
 //!
 //! ```text
 //! t_fwd = max over links (a→b) of Σ_{messages on a→b} (bytes / bandwidth(a,b) + latency(a,b))
-//! t_bwd = the same over the reversed messages
+//! t_bwd = the same over the reversed messages (0 for edges from the input layer)
 //! t_x   = t_fwd + t_bwd
 //! ```
 //!
@@ -20,7 +21,7 @@
 
 use crate::config::{ParallelConfig, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
-use legion_ops::{Graph, LayerId, Rect};
+use legion_ops::{Graph, LayerId, Op, Rect};
 use std::collections::BTreeMap;
 
 /// The output of `src` read as input number `input` of `dst`.
@@ -29,6 +30,13 @@ pub struct Edge {
     pub src: LayerId,
     pub dst: LayerId,
     pub input: usize,
+}
+
+impl Edge {
+    /// Whether the backward pass sends gradients back along this edge (not to the input layer).
+    pub fn carries_gradient(&self, graph: &Graph) -> bool {
+        !matches!(graph.layer(self.src).op, Op::Input(_))
+    }
 }
 
 /// Every edge of the graph, by consumer and then input position. A layer that reads the same tensor
@@ -107,8 +115,9 @@ pub fn edge_overlaps(
     out
 }
 
-/// t_x of a set of overlaps (forward activations plus backward gradients), as documented above.
-pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel) -> f64 {
+/// t_x of a set of overlaps (forward activations plus, with `gradient`, backward gradients), as
+/// documented above.
+pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient: bool) -> f64 {
     let busiest = |reverse: bool| {
         let mut load: BTreeMap<(DeviceId, DeviceId), f64> = BTreeMap::new();
         for o in overlaps.iter().filter(|o| !o.is_local()) {
@@ -122,16 +131,22 @@ pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel) -> f64 {
         }
         load.values().fold(0.0f64, |m, &t| m.max(t))
     };
-    busiest(false) + busiest(true)
+    let forward = busiest(false);
+    if gradient {
+        forward + busiest(true)
+    } else {
+        forward
+    }
 }
 
-/// Bytes moved between devices by a set of overlaps, forward and backward.
-pub fn transfer_bytes(overlaps: &[TileOverlap]) -> u64 {
-    2 * overlaps
-        .iter()
-        .filter(|o| !o.is_local())
-        .map(|o| o.bytes())
-        .sum::<u64>()
+/// Bytes moved between devices by a set of overlaps, forward and (with `gradient`) backward.
+pub fn transfer_bytes(overlaps: &[TileOverlap], gradient: bool) -> u64 {
+    (if gradient { 2 } else { 1 })
+        * overlaps
+            .iter()
+            .filter(|o| !o.is_local())
+            .map(|o| o.bytes())
+            .sum::<u64>()
 }
 
 #[cfg(test)]
@@ -167,10 +182,10 @@ mod tests {
         let per_message = 32 * 256 * 4;
         assert!(moved.iter().all(|o| o.bytes() == per_message));
         // forward 2 messages + backward 2 messages
-        assert_eq!(transfer_bytes(&overlaps), 4 * per_message);
+        assert_eq!(transfer_bytes(&overlaps, true), 4 * per_message);
         let machine = MachineModel::preset("paper:2").unwrap();
         let one = per_message as f64 / 20e9 + 5e-6;
-        let t = transfer_time(&overlaps, &machine);
+        let t = transfer_time(&overlaps, &machine, true);
         assert!((t - 2.0 * one).abs() < 1e-15, "{t} vs {}", 2.0 * one);
     }
 
@@ -191,7 +206,7 @@ mod tests {
         let moved: Vec<_> = overlaps.iter().filter(|o| !o.is_local()).collect();
         assert_eq!(moved.len(), 2);
         assert!(moved.iter().all(|o| o.bytes() == halo_row));
-        assert_eq!(transfer_bytes(&overlaps), 4 * halo_row);
+        assert_eq!(transfer_bytes(&overlaps, true), 4 * halo_row);
         // rows 7 (to device 1) and 8 (to device 0)
         let rows: Vec<_> = moved.iter().map(|o| (o.rect.lo[2], o.rect.hi[2])).collect();
         assert_eq!(rows, vec![(8, 9), (7, 8)]);
@@ -208,9 +223,9 @@ mod tests {
         let overlaps = edge_overlaps(&g, &edge(&g, "r"), &cfg, &cfg);
         assert_eq!(overlaps.len(), 4);
         assert!(overlaps.iter().all(|o| o.is_local()));
-        assert_eq!(transfer_bytes(&overlaps), 0);
+        assert_eq!(transfer_bytes(&overlaps, true), 0);
         let machine = MachineModel::preset("paper:8").unwrap();
-        assert_eq!(transfer_time(&overlaps, &machine), 0.0);
+        assert_eq!(transfer_time(&overlaps, &machine, true), 0.0);
     }
 
     #[test]
@@ -229,7 +244,10 @@ mod tests {
             &ParallelConfig::split(Dim::N, 2, 2),
         );
         let msg = 4.0 * 4.0 * 4.0 / 20e9 + 5e-6;
-        assert!((transfer_time(&overlaps, &machine) - 2.0 * msg).abs() < 1e-15);
+        // the producer is the input layer: no gradient goes back
+        assert!(!e.carries_gradient(&g));
+        assert!((transfer_time(&overlaps, &machine, false) - msg).abs() < 1e-15);
+        assert!((transfer_time(&overlaps, &machine, true) - 2.0 * msg).abs() < 1e-15);
         // the same two messages forced onto one link take twice as long each way
         let same_link: Vec<_> = overlaps
             .iter()
@@ -238,6 +256,6 @@ mod tests {
                 ..*o
             })
             .collect();
-        assert!((transfer_time(&same_link, &machine) - 4.0 * msg).abs() < 1e-15);
+        assert!((transfer_time(&same_link, &machine, true) - 4.0 * msg).abs() < 1e-15);
     }
 }

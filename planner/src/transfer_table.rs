@@ -65,13 +65,14 @@ impl TransferTables {
                     .collect()
             })
             .collect();
+        let gradient = edge.carries_gradient(graph);
         if let Some(regular) = &self.regular
             && let Some(axes) = AxisNeeds::separable(&producer, dst_space, &needs)
         {
-            return regular.edge_table(&producer, &axes, src_space, dst_space);
+            return regular.edge_table(&producer, &axes, src_space, dst_space, gradient);
         }
         self.per_message
-            .edge_table(&producer, &needs, src_space, dst_space)
+            .edge_table(&producer, &needs, src_space, dst_space, gradient)
     }
 }
 
@@ -324,8 +325,9 @@ impl Regular {
         }
     }
 
-    /// Both directions of the largest intra-node and inter-node messages (elements; 0: none).
-    fn time(&self, intra: u64, inter: u64) -> f64 {
+    /// The largest intra-node and inter-node messages (elements; 0: none), forward and, with
+    /// `gradient`, backward.
+    fn time(&self, intra: u64, inter: u64, gradient: bool) -> f64 {
         let one = |link: Link, elems: u64| {
             if elems == 0 {
                 0.0
@@ -335,7 +337,7 @@ impl Regular {
         };
         // a regular machine's links are symmetric, so the backward pass takes as long
         let forward = one(self.intra, intra).max(one(self.inter, inter));
-        forward + forward
+        if gradient { forward + forward } else { forward }
     }
 
     fn edge_table(
@@ -344,6 +346,7 @@ impl Regular {
         axes: &AxisNeeds,
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
+        gradient: bool,
     ) -> Vec<f64> {
         let nd = producer.ndim();
         // Degrees are powers of two up to the device count: index axis pairs by their logarithms.
@@ -370,7 +373,12 @@ impl Regular {
         let src_sides: Vec<Side> = src_space
             .layouts()
             .iter()
-            .map(|g| Side::new(std::array::from_fn(|a| if a < nd { g[a] } else { 1 }), self.node_size))
+            .map(|g| {
+                Side::new(
+                    std::array::from_fn(|a| if a < nd { g[a] } else { 1 }),
+                    self.node_size,
+                )
+            })
             .collect();
         let dst_sides: Vec<Side> = dst_space
             .layouts()
@@ -386,7 +394,7 @@ impl Regular {
                         .as_ref()
                         .expect("every axis pair was built above")
                 });
-                self.layout_pair(src, dst, &axis, &mut scratch);
+                self.layout_pair(src, dst, &axis, gradient, &mut scratch);
                 let dst_total = dst.total;
                 let relations = &self.relations[src_total.trailing_zeros() as usize * self.levels
                     + dst_total.trailing_zeros() as usize];
@@ -412,12 +420,13 @@ impl Regular {
         src: &Side,
         dst: &Side,
         axis: &[&AxisPair; MAX_DIMS],
+        gradient: bool,
         out: &mut Scratch,
     ) {
         let all = axis.iter().map(|p| p.max).product::<u64>();
         out.values.clear();
-        out.values.push(self.time(all, 0));
-        out.values.push(self.time(0, all));
+        out.values.push(self.time(all, 0, gradient));
+        out.values.push(self.time(0, all, gradient));
 
         // The larger block's tiles are grouped by node; the smaller block's tiles are visited.
         let producer_big = src.total >= dst.total;
@@ -491,11 +500,15 @@ impl Regular {
                 let s = free.times(&out.group_stats[combo * groups + own_group], 0);
                 intra = intra.max(if s.arg == own_tile { s.second } else { s.best });
                 let (first, first_group, second) = out.group_top[*combo];
-                let other = if first_group == own_group { second } else { first };
+                let other = if first_group == own_group {
+                    second
+                } else {
+                    first
+                };
                 inter = inter.max(free.best * other);
             }
             if (intra, inter) != (last.0, last.1) {
-                last = (intra, inter, self.time(intra, inter));
+                last = (intra, inter, self.time(intra, inter, gradient));
             }
             out.values.push(last.2);
         }
@@ -527,7 +540,11 @@ struct Side {
 impl Side {
     fn new(degrees: [usize; MAX_DIMS], node_size: usize) -> Side {
         let total: usize = degrees.iter().product();
-        let groups = if total > node_size { total / node_size } else { 1 };
+        let groups = if total > node_size {
+            total / node_size
+        } else {
+            1
+        };
         let group_size = total / groups;
         let group_bits = group_size.trailing_zeros();
         let shift = digit_shifts(&degrees);
@@ -721,14 +738,30 @@ impl DevicePairs {
         &self.classes[level(src_total) * self.levels + level(dst_total)]
     }
 
-    /// t_x (forward + backward) of `messages` at a block pair of class `class`.
-    fn class_time(&self, class: &PairClass, messages: &[Message], largest: f64) -> f64 {
+    /// t_x (forward, and backward with `gradient`) of `messages` at a block pair of class `class`.
+    fn class_time(
+        &self,
+        class: &PairClass,
+        messages: &[Message],
+        largest: f64,
+        gradient: bool,
+    ) -> f64 {
+        let both = |forward: f64, backward: f64| {
+            if gradient {
+                forward + backward
+            } else {
+                forward
+            }
+        };
         match *class {
             PairClass::Uniform(0) => 0.0,
             PairClass::Uniform(_) if messages.is_empty() => 0.0,
             PairClass::Uniform(k) => {
                 let k = k as usize;
-                self.forward[k].message_time(largest) + self.backward[k].message_time(largest)
+                both(
+                    self.forward[k].message_time(largest),
+                    self.backward[k].message_time(largest),
+                )
             }
             PairClass::Mixed {
                 src_first,
@@ -744,7 +777,7 @@ impl DevicePairs {
                         backward = backward.max(self.backward[k].message_time(m.bytes));
                     }
                 }
-                forward + backward
+                both(forward, backward)
             }
         }
     }
@@ -756,6 +789,7 @@ impl DevicePairs {
         needs: &[Vec<Rect>],
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
+        gradient: bool,
     ) -> Vec<f64> {
         let nd = producer.ndim();
         let extents = producer.dims();
@@ -816,7 +850,7 @@ impl DevicePairs {
                     classes
                         .classes
                         .iter()
-                        .map(|c| self.class_time(c, &messages, largest)),
+                        .map(|c| self.class_time(c, &messages, largest, gradient)),
                 );
                 let src_configs = src_space.layout_configs(gi);
                 let dst_configs = dst_space.layout_configs(hi);
@@ -903,8 +937,11 @@ mod tests {
                 let producer = g.layer(e.src).shape;
                 let axes = AxisNeeds::separable(&producer, dst_space, &needs)
                     .expect("the catalogue's projections are separable");
-                let fast = regular.edge_table(&producer, &axes, &spaces[e.src.0], dst_space);
-                let slow = per_message.edge_table(&producer, &needs, &spaces[e.src.0], dst_space);
+                let gradient = e.carries_gradient(&g);
+                let (src_space, dst_space) = (&spaces[e.src.0], dst_space);
+                let fast = regular.edge_table(&producer, &axes, src_space, dst_space, gradient);
+                let slow =
+                    per_message.edge_table(&producer, &needs, src_space, dst_space, gradient);
                 assert_eq!(
                     fast,
                     slow,

@@ -40,6 +40,11 @@ fn tables_match_direct_evaluation() {
                 }
                 for (e, edge) in model.edges().iter().enumerate() {
                     let table = tables.edge_table(e);
+                    // edges of one class share the table the searches compute for the first
+                    let class = tables.edge_class(e);
+                    if class != e {
+                        assert_eq!(tables.edge_table(class), table, "class of edge {e}");
+                    }
                     let (src, dst) = (tables.space(edge.src), tables.space(edge.dst));
                     assert_eq!(table.len(), src.len() * dst.len());
                     for _ in 0..200 {
