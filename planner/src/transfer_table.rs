@@ -471,7 +471,7 @@ impl Regular {
         // group axes, expanded axis by axis (tile numbers are row-major over the axes).
         out.free.clear();
         out.free.push((Stats::ONE, 0));
-        for a in 0..MAX_DIMS {
+        for (a, pyramid) in pyramids.iter().enumerate() {
             let n = small.degrees[a];
             let free = big.free[a];
             if n == 1 && !free {
@@ -482,7 +482,7 @@ impl Regular {
                 for d in 0..n {
                     out.expand.push(if free {
                         let row = d * big.pyramid_len[a] + big.whole[a];
-                        (st.times(&pyramids[a][row], big.shift[a]), combo)
+                        (st.times(&pyramid[row], big.shift[a]), combo)
                     } else {
                         (st, combo * n + d)
                     });
