@@ -302,6 +302,17 @@ impl ConfigSpace {
     }
 }
 
+/// How many configs each layer of `graph` has on `num_devices` devices, by layer id.
+pub fn config_counts(graph: &legion_ops::Graph, num_devices: usize) -> Vec<usize> {
+    graph
+        .layers()
+        .iter()
+        .map(|l| {
+            ConfigSpace::enumerate(&l.shape, l.op.spec().parallel_dims(&l.shape), num_devices).len()
+        })
+        .collect()
+}
+
 fn push_layouts(
     shape: &Shape,
     dims: &[Dim],

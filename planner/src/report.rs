@@ -8,8 +8,14 @@ use legion_ops::Graph;
 use serde::Serialize;
 use std::fmt::Write;
 
-/// Per layer: name, op, config, devices, t_c and t_s in milliseconds.
-pub fn layer_table(graph: &Graph, configs: &[ParallelConfig], cost: &CostBreakdown) -> String {
+/// Per layer: name, op, how many configs it has (`counts`), the chosen config and devices, t_c and t_s
+/// in milliseconds.
+pub fn layer_table(
+    graph: &Graph,
+    counts: &[usize],
+    configs: &[ParallelConfig],
+    cost: &CostBreakdown,
+) -> String {
     let width = graph
         .layers()
         .iter()
@@ -20,16 +26,23 @@ pub fn layer_table(graph: &Graph, configs: &[ParallelConfig], cost: &CostBreakdo
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<width$}  {:<22}  {:<16}  {:<8}  {:>10}  {:>10}",
-        "layer", "op", "config", "devices", "t_c ms", "t_s ms"
+        "{:<width$}  {:<22}  {:>7}  {:<16}  {:<8}  {:>10}  {:>10}",
+        "layer", "op", "configs", "config", "devices", "t_c ms", "t_s ms"
     );
-    for ((l, c), lc) in graph.layers().iter().zip(configs).zip(&cost.layers) {
+    for (((l, c), lc), count) in graph
+        .layers()
+        .iter()
+        .zip(configs)
+        .zip(&cost.layers)
+        .zip(counts)
+    {
         let devices: Vec<usize> = c.devices().collect();
         let _ = writeln!(
             out,
-            "{:<width$}  {:<22}  {:<16}  {:<8}  {:>10.3}  {:>10.3}",
+            "{:<width$}  {:<22}  {:>7}  {:<16}  {:<8}  {:>10.3}  {:>10.3}",
             l.name,
             l.op.kind(),
+            count,
             c.to_string(),
             describe_devices(&devices),
             lc.compute * 1e3,

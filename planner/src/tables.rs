@@ -3,7 +3,7 @@
 //!
 //! - t_c is priced once per (tile, device spec) and t_s once per layout, then spread over the device
 //!   blocks.
-//! - t_x tables come from [`crate::transfer_table`].
+//! - t_x tables come from the `transfer_table` module (factorized over axes on regular machines).
 //! - Layers and edges with identical op, shapes and parallel dims share their tables.
 
 use crate::config::{ConfigSpace, ParallelConfig, tile_rect};

@@ -4,6 +4,7 @@
 
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
+use legion_planner::config::config_counts;
 use legion_planner::machine_file::resolve_machine;
 use legion_planner::plan::{self, Evaluated};
 use legion_planner::report::{self, PlanJson, SearchJson};
@@ -111,6 +112,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         None => &roofline,
     };
     let model = CostModel::new(&graph, &machine, provider);
+    let counts = config_counts(&graph, machine.num_devices());
 
     let chosen: Evaluated = if args.evaluate {
         let path = args.strategy.as_deref().expect("clap requires --strategy");
@@ -133,7 +135,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             );
             print!(
                 "{}",
-                report::layer_table(&graph, &evaluated.configs, &evaluated.cost)
+                report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
             );
         }
         evaluated
@@ -160,7 +162,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             );
             print!(
                 "{}",
-                report::layer_table(&graph, &evaluated.configs, &evaluated.cost)
+                report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
             );
         }
         evaluated
