@@ -1,2 +1,39 @@
-//! legion-planner: machine model, parallel configurations, cost model and strategy searches.
-//! (Issue 3 fills this crate; it depends only on `legion-ops`.)
+//! legion-planner: machine model, parallel configurations, the OptCNN cost model, strategy searches
+//! and a simulator. Everything here is deterministic and free of I/O except the clearly named
+//! `load`/`save` functions.
+//!
+//! - [`machine`], [`machine_file`]: devices, nodes and links; presets, flags and TOML files.
+//! - [`config`]: [`ParallelConfig`], the tile split [`tile_rect`] (shared with the runtime) and the
+//!   enumeration of a layer's configs.
+//! - [`provider`], [`profile`]: compute times (t_c) — roofline or measured.
+//! - [`transfer`], [`sync`]: the t_x and t_s models (the runtime implements the same schemes).
+//! - [`cost`]: Eq. 1 for any strategy; [`tables`]: the same as per-config tables for the searches.
+//! - [`search`]: OptCNN (Algorithm 1), exhaustive, data / model / OWT baselines.
+//! - [`simulate`], [`trace`]: a list-scheduled task graph of one iteration and its Chrome trace.
+//! - [`strategy`]: strategy files; [`plan`], [`report`]: what `legion-rs plan` runs and prints.
+
+pub mod config;
+pub mod cost;
+pub mod machine;
+pub mod machine_file;
+pub mod plan;
+pub mod profile;
+pub mod provider;
+pub mod report;
+pub mod search;
+pub mod simulate;
+pub mod strategy;
+pub mod sync;
+pub mod tables;
+pub mod trace;
+pub mod transfer;
+mod transfer_table;
+
+pub use config::{ConfigSpace, ParallelConfig, block_range, tile_rect};
+pub use cost::{CostBreakdown, CostModel};
+pub use machine::{DeviceId, DeviceSpec, Link, MachineModel};
+pub use profile::{ProfileDb, ProfiledCost};
+pub use provider::{CostProvider, PhaseTimes, RooflineCost};
+pub use search::SearchKind;
+pub use strategy::Strategy;
+pub use tables::CostTables;

@@ -1,6 +1,7 @@
 //! The `legion-rs` command line: argument parsing and one module per subcommand.
 
 mod models;
+mod plan;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +21,8 @@ pub struct Cli {
 pub enum Command {
     /// List the model zoo with parameter counts and FLOPs.
     Models(models::ModelsArgs),
+    /// Plan a parallelization strategy: searches, cost model, simulation.
+    Plan(plan::PlanArgs),
     /// Train a model.
     Train(train::TrainArgs),
 }
@@ -27,6 +30,7 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Models(a) => models::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::Train(a) => train::run(a),
     }
 }

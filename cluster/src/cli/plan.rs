@@ -1,0 +1,191 @@
+//! `legion-rs plan`: find (or evaluate) a parallelization strategy for a model on a machine and
+//! report its Eq. 1 cost, simulated step time and per-layer configs. The logic and formatting live in
+//! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
+
+use anyhow::{Context, bail};
+use clap::{ArgGroup, Args, ValueEnum};
+use legion_planner::config::config_counts;
+use legion_planner::machine_file::resolve_machine;
+use legion_planner::plan::{self, Evaluated};
+use legion_planner::report::{self, PlanJson, SearchJson};
+use legion_planner::search::DEFAULT_BUDGET;
+use legion_planner::trace::chrome_trace;
+use legion_planner::{
+    CostModel, CostProvider, MachineModel, ProfileDb, ProfiledCost, RooflineCost, SearchKind,
+    Strategy,
+};
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug)]
+#[command(group(ArgGroup::new("machine_source").required(true).args(["machine", "nodes"])))]
+pub struct PlanArgs {
+    /// Zoo model name or model JSON file.
+    #[arg(long)]
+    model: String,
+    /// Global batch size (default: 32 per device, the paper's per-GPU batch).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Image size of a zoo model (default: the model's own).
+    #[arg(long)]
+    image_size: Option<usize>,
+    /// Machine preset (paper, paper:N for N = 1, 2, 4, 8, 16, local-cpu) or machine TOML file.
+    #[arg(long, conflicts_with = "nodes")]
+    machine: Option<String>,
+    /// Number of nodes of a machine described by flags.
+    #[arg(long, requires = "devices_per_node")]
+    nodes: Option<usize>,
+    /// Devices per node of a machine described by flags.
+    #[arg(long, requires = "nodes")]
+    devices_per_node: Option<usize>,
+    /// Bandwidth between devices of one node, Gbit/s (default 160, NVLink-class).
+    #[arg(long, requires = "nodes")]
+    intra_gbps: Option<f64>,
+    /// Bandwidth between nodes, Gbit/s (default 100, EDR InfiniBand).
+    #[arg(long, requires = "nodes")]
+    inter_gbps: Option<f64>,
+    /// The search to run, or all of them side by side.
+    #[arg(long, value_enum, default_value_t = SearchChoice::Optcnn)]
+    search: SearchChoice,
+    /// A strategy file to evaluate (with --evaluate) instead of searching.
+    #[arg(long, requires = "evaluate")]
+    strategy: Option<PathBuf>,
+    /// Evaluate the --strategy file: Eq. 1 and simulated step, per layer.
+    #[arg(long, requires = "strategy")]
+    evaluate: bool,
+    /// Write the chosen strategy (the cheapest under Eq. 1 with --search all) to this JSON file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write the chosen strategy's simulated iteration as Chrome/Perfetto trace JSON.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Print one JSON document instead of tables.
+    #[arg(long)]
+    json: bool,
+    /// Measured compute times (profile database JSON); the roofline model prices what is missing.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Most partial strategies the exhaustive search may try.
+    #[arg(long, default_value_t = DEFAULT_BUDGET)]
+    budget: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum SearchChoice {
+    Optcnn,
+    Exhaustive,
+    Data,
+    Model,
+    Owt,
+    All,
+}
+
+impl SearchChoice {
+    fn kinds(self) -> Vec<SearchKind> {
+        match self {
+            SearchChoice::Optcnn => vec![SearchKind::OptCnn],
+            SearchChoice::Exhaustive => vec![SearchKind::Exhaustive],
+            SearchChoice::Data => vec![SearchKind::Data],
+            SearchChoice::Model => vec![SearchKind::Model],
+            SearchChoice::Owt => vec![SearchKind::Owt],
+            SearchChoice::All => SearchKind::ALL.to_vec(),
+        }
+    }
+}
+
+pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    let machine = match (&args.machine, args.nodes, args.devices_per_node) {
+        (Some(spec), _, _) => resolve_machine(spec)?,
+        (None, Some(nodes), Some(per_node)) => {
+            MachineModel::from_flags(nodes, per_node, args.intra_gbps, args.inter_gbps)?
+        }
+        _ => bail!("give --machine PRESET|FILE, or --nodes and --devices-per-node"),
+    };
+    let batch = args.batch.unwrap_or(32 * machine.num_devices());
+    let graph = super::load_model(&args.model, batch, args.image_size, None)?;
+    let profiled = match &args.profile {
+        Some(path) => Some(ProfiledCost::new(&ProfileDb::load(path)?, &machine)),
+        None => None,
+    };
+    let roofline = RooflineCost::new(&machine);
+    let provider: &dyn CostProvider = match &profiled {
+        Some(p) => p,
+        None => &roofline,
+    };
+    let model = CostModel::new(&graph, &machine, provider);
+    let counts = config_counts(&graph, machine.num_devices());
+
+    let chosen: Evaluated = if args.evaluate {
+        let path = args.strategy.as_deref().expect("clap requires --strategy");
+        let configs = Strategy::load(path)?
+            .to_configs(&graph, &machine)
+            .with_context(|| format!("{}", path.display()))?;
+        let evaluated = plan::evaluate(&model, configs);
+        if args.json {
+            let doc = PlanJson {
+                model: graph.name.clone(),
+                devices: machine.num_devices(),
+                searches: vec![SearchJson::of(&graph, "strategy", Ok(&evaluated), 0.0)],
+            };
+            println!("{}", doc.to_json());
+        } else {
+            println!("{} on {machine}, batch {batch}", graph.name);
+            println!(
+                "{}",
+                report::summary(&path.display().to_string(), &evaluated, None)
+            );
+            print!(
+                "{}",
+                report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
+            );
+        }
+        evaluated
+    } else {
+        let run = plan::plan(&model, &args.search.kinds(), args.budget);
+        if args.search != SearchChoice::All
+            && let Some(Err(e)) = run.searches.first().map(|s| &s.result)
+        {
+            bail!("{} search: {e}", run.searches[0].kind);
+        }
+        let best = run.best().context("no search succeeded")?;
+        let evaluated = best.result.as_ref().expect("best is a success").clone();
+        if args.json {
+            println!("{}", PlanJson::of(&graph, &run).to_json());
+        } else {
+            println!("{} on {machine}, batch {batch}", graph.name);
+            if args.search == SearchChoice::All {
+                print!("{}", report::comparison_table(&run));
+                println!();
+            }
+            println!(
+                "{}",
+                report::summary(best.kind.name(), &evaluated, Some(best.seconds))
+            );
+            print!(
+                "{}",
+                report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
+            );
+        }
+        evaluated
+    };
+
+    if let Some(p) = &profiled {
+        eprintln!(
+            "profile: {} tile(s) measured, {} priced by the roofline model",
+            p.hits(),
+            p.misses()
+        );
+    }
+    if let Some(path) = &args.out {
+        Strategy::from_configs(&graph, &chosen.configs).save(path)?;
+    }
+    if let Some(path) = &args.trace {
+        write_trace(path, &chosen, &machine)?;
+    }
+    Ok(())
+}
+
+fn write_trace(path: &Path, evaluated: &Evaluated, machine: &MachineModel) -> anyhow::Result<()> {
+    let trace = chrome_trace(&evaluated.simulation, machine);
+    std::fs::write(path, serde_json::to_string(&trace)?)
+        .with_context(|| format!("writing trace {}", path.display()))
+}

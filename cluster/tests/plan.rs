@@ -1,0 +1,196 @@
+//! End-to-end tests of `legion-rs plan`: real processes, real files.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+fn legion(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+        .args(args)
+        .output()
+        .expect("legion-rs runs")
+}
+
+fn json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON document")
+}
+
+/// The command failed cleanly: exit code 1, an `error:` line containing `needle`, no panic.
+fn assert_clean_failure(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert!(
+        err.contains("error:") && err.contains(needle),
+        "stderr lacks '{needle}': {err}"
+    );
+}
+
+#[test]
+fn all_searches_side_by_side() {
+    let doc = json(&legion(&[
+        "plan",
+        "--model",
+        "alexnet",
+        "--machine",
+        "paper:4",
+        "--search",
+        "all",
+        "--json",
+    ]));
+    assert_eq!(doc["model"], "alexnet");
+    assert_eq!(doc["devices"], 4);
+    let searches = doc["searches"].as_array().unwrap();
+    let names: Vec<&str> = searches
+        .iter()
+        .map(|s| s["search"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["optcnn", "exhaustive", "data", "model", "owt"]);
+    let eq1 = |i: usize| searches[i]["eq1_ms"].as_f64().unwrap();
+    for i in 2..5 {
+        assert!(
+            eq1(0) <= eq1(i) * (1.0 + 1e-12),
+            "optcnn {} vs {}",
+            eq1(0),
+            eq1(i)
+        );
+    }
+    for s in searches {
+        assert_eq!(
+            s["strategy"].as_array().unwrap().len(),
+            16,
+            "{}",
+            s["search"]
+        );
+        assert!(s["simulated_ms"].as_f64().unwrap() > 0.0);
+        assert!(s["comm_bytes"].as_u64().is_some());
+    }
+}
+
+#[test]
+fn saved_strategy_evaluates_to_the_same_cost_and_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    let strategy = dir.path().join("vgg.json");
+    let trace = dir.path().join("trace.json");
+    let s = strategy.to_str().unwrap();
+    let t = trace.to_str().unwrap();
+    let searched = json(&legion(&[
+        "plan",
+        "--model",
+        "vgg16",
+        "--image-size",
+        "64",
+        "--nodes",
+        "2",
+        "--devices-per-node",
+        "2",
+        "--inter-gbps",
+        "25",
+        "--json",
+        "--out",
+        s,
+        "--trace",
+        t,
+    ]));
+    let evaluated = json(&legion(&[
+        "plan",
+        "--model",
+        "vgg16",
+        "--image-size",
+        "64",
+        "--nodes",
+        "2",
+        "--devices-per-node",
+        "2",
+        "--inter-gbps",
+        "25",
+        "--json",
+        "--strategy",
+        s,
+        "--evaluate",
+    ]));
+    let cost = |d: &Value| d["searches"][0]["eq1_ms"].as_f64().unwrap();
+    assert!((cost(&searched) - cost(&evaluated)).abs() <= 1e-9 * cost(&searched));
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["ph"] == "X" && e["cat"] == "forward")
+    );
+
+    let human = legion(&[
+        "plan",
+        "--model",
+        "vgg16",
+        "--image-size",
+        "64",
+        "--machine",
+        "paper:4",
+        "--strategy",
+        s,
+        "--evaluate",
+    ]);
+    assert!(human.status.success());
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains("conv1_1") && text.contains("t_c ms"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_inputs_fail_with_located_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let machine = dir.path().join("m.toml");
+    std::fs::write(&machine, "nodes = 2\ndevices_per_node = 0\n[device]\nkind = \"x\"\npeak_gflops = 1\nmemory_gb_per_s = 1\n[intra_node]\ngbit_per_s = 1\n").unwrap();
+    let out = legion(&[
+        "plan",
+        "--model",
+        "lenet5",
+        "--machine",
+        machine.to_str().unwrap(),
+    ]);
+    assert_clean_failure(&out, "m.toml:2:20: devices_per_node: must be at least 1");
+
+    let strategy = dir.path().join("s.json");
+    std::fs::write(
+        &strategy,
+        r#"{"layers":[{"layer":"conv1","op":"conv2d","degrees":{"n":3},"devices":[0,1,2]}]}"#,
+    )
+    .unwrap();
+    let out = legion(&[
+        "plan",
+        "--model",
+        "lenet5",
+        "--machine",
+        "paper:4",
+        "--strategy",
+        strategy.to_str().unwrap(),
+        "--evaluate",
+    ]);
+    assert_clean_failure(
+        &out,
+        "layer 'conv1': degrees.n: degree 3 of dim n is not a power of two",
+    );
+
+    let out = legion(&["plan", "--model", "nonet", "--machine", "paper:2"]);
+    assert_clean_failure(&out, "neither a zoo model");
+
+    let out = legion(&[
+        "plan",
+        "--model",
+        "alexnet",
+        "--machine",
+        "paper",
+        "--search",
+        "exhaustive",
+        "--budget",
+        "10",
+    ]);
+    assert_clean_failure(&out, "exceeded its budget of 10");
+}

@@ -1,0 +1,173 @@
+//! The OptCNN cost model (Eq. 1): the per-iteration time of a strategy is
+//!
+//! ```text
+//! t_o = Σ_layers [ t_c(l, c_l) + t_s(l, c_l) ] + Σ_edges t_x(e, c_src, c_dst)
+//! ```
+//!
+//! - t_c: forward + backward of the layer's slowest tile ([`CostProvider`]); tiles of one layer run in
+//!   parallel on distinct devices;
+//! - t_s: parameter synchronisation ([`crate::sync`]);
+//! - t_x: input movement, forward and backward ([`crate::transfer`]).
+//!
+//! [`CostModel::evaluate`] computes Eq. 1 for any strategy straight from the geometry; searches read
+//! the same numbers from [`crate::tables::CostTables`].
+
+use crate::config::{ParallelConfig, tile_rect};
+use crate::machine::MachineModel;
+use crate::provider::CostProvider;
+use crate::sync::SyncPlan;
+use crate::transfer::{Edge, edge_overlaps, graph_edges, transfer_bytes, transfer_time};
+use legion_ops::{Graph, LayerId, Shape};
+
+/// A model graph on a machine with a source of compute times.
+pub struct CostModel<'a> {
+    graph: &'a Graph,
+    machine: &'a MachineModel,
+    provider: &'a dyn CostProvider,
+    edges: Vec<Edge>,
+    inputs: Vec<Vec<Shape>>,
+}
+
+/// Eq. 1 terms of one layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerCost {
+    /// t_c, seconds.
+    pub compute: f64,
+    /// t_s, seconds.
+    pub sync: f64,
+    /// Bytes moved by the parameter synchronisation.
+    pub sync_bytes: u64,
+}
+
+/// Eq. 1 term of one edge.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EdgeCost {
+    /// t_x, seconds.
+    pub time: f64,
+    /// Bytes moved between devices, forward and backward.
+    pub bytes: u64,
+}
+
+/// Eq. 1 for a whole strategy, term by term.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CostBreakdown {
+    /// By layer id.
+    pub layers: Vec<LayerCost>,
+    /// In the order of [`CostModel::edges`].
+    pub edges: Vec<EdgeCost>,
+    /// t_o, seconds: the layers' terms in layer order, then the edges'.
+    pub total: f64,
+    /// All bytes moved between devices (transfers and synchronisation).
+    pub comm_bytes: u64,
+}
+
+impl<'a> CostModel<'a> {
+    pub fn new(
+        graph: &'a Graph,
+        machine: &'a MachineModel,
+        provider: &'a dyn CostProvider,
+    ) -> CostModel<'a> {
+        CostModel {
+            graph,
+            machine,
+            provider,
+            edges: graph_edges(graph),
+            inputs: graph.ids().map(|id| graph.input_shapes(id)).collect(),
+        }
+    }
+
+    pub fn graph(&self) -> &'a Graph {
+        self.graph
+    }
+
+    pub fn machine(&self) -> &'a MachineModel {
+        self.machine
+    }
+
+    pub fn provider(&self) -> &'a dyn CostProvider {
+        self.provider
+    }
+
+    /// The graph's edges ([`graph_edges`]).
+    pub fn edges(&self) -> &[Edge] {
+        &self.edges
+    }
+
+    pub fn input_shapes(&self, layer: LayerId) -> &[Shape] {
+        &self.inputs[layer.0]
+    }
+
+    /// t_c: the slowest tile's forward + backward time.
+    pub fn compute_time(&self, layer: LayerId, config: &ParallelConfig) -> f64 {
+        let l = self.graph.layer(layer);
+        (0..config.total())
+            .map(|t| {
+                let rect = tile_rect(&l.shape, config, t);
+                self.provider.compute_time(
+                    l,
+                    self.input_shapes(layer),
+                    &rect,
+                    config.device_of_tile(t),
+                )
+            })
+            .fold(0.0, f64::max)
+    }
+
+    /// t_s of a layer under a config.
+    pub fn sync_time(&self, layer: LayerId, config: &ParallelConfig) -> f64 {
+        SyncPlan::for_layer(self.graph, layer, config).time(self.machine)
+    }
+
+    /// t_x of an edge under the configs of its two ends.
+    pub fn transfer_time(&self, edge: &Edge, src: &ParallelConfig, dst: &ParallelConfig) -> f64 {
+        let overlaps = edge_overlaps(self.graph, edge, src, dst);
+        transfer_time(&overlaps, self.machine, edge.carries_gradient(self.graph))
+    }
+
+    /// Eq. 1 for `configs` (indexed by layer id), term by term.
+    pub fn evaluate(&self, configs: &[ParallelConfig]) -> CostBreakdown {
+        assert_eq!(
+            configs.len(),
+            self.graph.layers().len(),
+            "one config per layer"
+        );
+        let mut out = CostBreakdown::default();
+        for id in self.graph.ids() {
+            let config = &configs[id.0];
+            let plan = SyncPlan::for_layer(self.graph, id, config);
+            out.layers.push(LayerCost {
+                compute: self.compute_time(id, config),
+                sync: plan.time(self.machine),
+                sync_bytes: plan.bytes(),
+            });
+        }
+        for e in &self.edges {
+            let overlaps = edge_overlaps(self.graph, e, &configs[e.src.0], &configs[e.dst.0]);
+            let gradient = e.carries_gradient(self.graph);
+            out.edges.push(EdgeCost {
+                time: transfer_time(&overlaps, self.machine, gradient),
+                bytes: transfer_bytes(&overlaps, gradient),
+            });
+        }
+        out.total = total(&out.layers, &out.edges);
+        out.comm_bytes = out.layers.iter().map(|l| l.sync_bytes).sum::<u64>()
+            + out.edges.iter().map(|e| e.bytes).sum::<u64>();
+        out
+    }
+
+    /// t_o alone.
+    pub fn total(&self, configs: &[ParallelConfig]) -> f64 {
+        self.evaluate(configs).total
+    }
+}
+
+fn total(layers: &[LayerCost], edges: &[EdgeCost]) -> f64 {
+    let mut t = 0.0;
+    for l in layers {
+        t += l.compute + l.sync;
+    }
+    for e in edges {
+        t += e.time;
+    }
+    t
+}

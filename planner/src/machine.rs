@@ -1,0 +1,533 @@
+//! The machine the planner maps a model onto: devices grouped into nodes, each with a compute speed,
+//! and directed links between devices with a bandwidth and a latency.
+//!
+//! Links are modelled per ordered device pair (OptCNN's device graph): a transfer from `a` to `b`
+//! occupies only the link `a → b`, so transfers between different pairs proceed in parallel and the
+//! two directions of a pair are independent (full duplex). A shared network card per node is not
+//! modelled; a machine file can lower the inter-node bandwidth to account for it.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Index of a device, `0..machine.num_devices()`, numbered node by node.
+pub type DeviceId = usize;
+
+/// Speed of one device, for the roofline cost model and the profile lookup.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceSpec {
+    /// Name of the device type (`p100`, `cpu`): the key measured profiles are stored under.
+    pub kind: String,
+    /// Peak f32 throughput, GFLOP/s.
+    pub peak_gflops: f64,
+    /// Memory bandwidth, GB/s (10^9 bytes per second).
+    pub memory_gb_per_s: f64,
+    /// Fixed cost of launching one task (kernel launch, actor message), microseconds.
+    pub task_overhead_us: f64,
+}
+
+impl DeviceSpec {
+    /// An NVIDIA Tesla P100 (SXM2) as in the OptCNN paper's cluster.
+    pub fn p100() -> DeviceSpec {
+        DeviceSpec {
+            kind: "p100".into(),
+            peak_gflops: 9300.0,
+            memory_gb_per_s: 732.0,
+            task_overhead_us: 10.0,
+        }
+    }
+
+    /// One CPU "device" of this development machine (a thread running the gemm kernels).
+    pub fn local_cpu() -> DeviceSpec {
+        DeviceSpec {
+            kind: "cpu".into(),
+            peak_gflops: 100.0,
+            memory_gb_per_s: 10.0,
+            task_overhead_us: 5.0,
+        }
+    }
+
+    pub fn peak_flops_per_s(&self) -> f64 {
+        self.peak_gflops * 1e9
+    }
+
+    pub fn memory_bytes_per_s(&self) -> f64 {
+        self.memory_gb_per_s * 1e9
+    }
+
+    pub fn task_overhead_s(&self) -> f64 {
+        self.task_overhead_us * 1e-6
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.kind.is_empty() {
+            return Err("device kind must not be empty".into());
+        }
+        for (field, v) in [
+            ("peak_gflops", self.peak_gflops),
+            ("memory_gb_per_s", self.memory_gb_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{field} must be a positive number, got {v}"));
+            }
+        }
+        if !(self.task_overhead_us.is_finite() && self.task_overhead_us >= 0.0) {
+            return Err(format!(
+                "task_overhead_us must be zero or positive, got {}",
+                self.task_overhead_us
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One direction of a connection between two devices.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    pub bytes_per_s: f64,
+    /// Paid once per message.
+    pub latency_s: f64,
+}
+
+impl Link {
+    /// A link of `gbit_per_s` gigabits per second (10^9 bits) and `latency_us` microseconds.
+    pub fn from_gbit_per_s(gbit_per_s: f64, latency_us: f64) -> Link {
+        Link {
+            bytes_per_s: gbit_per_s * 1e9 / 8.0,
+            latency_s: latency_us * 1e-6,
+        }
+    }
+
+    /// Time to move one message of `bytes` over this link: `bytes · seconds_per_byte + latency`.
+    /// Every cost in the planner goes through this formula (or [`Link::seconds_per_byte`]), so
+    /// tables and direct evaluation agree to the last bit.
+    pub fn message_time(&self, bytes: f64) -> f64 {
+        bytes * self.seconds_per_byte() + self.latency_s
+    }
+
+    pub fn seconds_per_byte(&self) -> f64 {
+        1.0 / self.bytes_per_s
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if !(self.bytes_per_s.is_finite() && self.bytes_per_s > 0.0) {
+            return Err(format!(
+                "bandwidth must be a positive number, got {} bytes/s",
+                self.bytes_per_s
+            ));
+        }
+        if !(self.latency_s.is_finite() && self.latency_s >= 0.0) {
+            return Err(format!(
+                "latency must be zero or positive, got {} s",
+                self.latency_s
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A node: a number of identical devices sharing the intra-node interconnect.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeSpec {
+    pub devices: usize,
+    pub device: DeviceSpec,
+}
+
+/// What is wrong with a machine description.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    #[error("unknown machine preset '{name}' (known: {known})")]
+    UnknownPreset { name: String, known: String },
+    #[error("invalid machine: {0}")]
+    Invalid(String),
+    /// A located error in a machine file.
+    #[error("{file}:{line}:{column}: {field}{message}")]
+    File {
+        file: String,
+        line: usize,
+        column: usize,
+        /// `"field: "` or empty when the error is not about one field.
+        field: String,
+        message: String,
+    },
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+}
+
+/// Devices, nodes and links. Cheap queries (`link`, `bandwidth`, `latency`) read a dense table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MachineModel {
+    name: String,
+    node_of: Vec<usize>,
+    spec_of: Vec<usize>,
+    specs: Vec<DeviceSpec>,
+    intra_node: Link,
+    inter_node: Link,
+    /// Directed links, `links[a * n + b]`; the diagonal is never read.
+    links: Vec<Link>,
+    overrides: Vec<(DeviceId, DeviceId, Link)>,
+}
+
+/// Names accepted by [`MachineModel::preset`].
+pub const PRESETS: &[&str] = &[
+    "paper",
+    "paper:1",
+    "paper:2",
+    "paper:4",
+    "paper:8",
+    "paper:16",
+    "local-cpu",
+];
+
+/// NVLink between P100s of one node, per direction (the paper's DGX-style nodes).
+const PAPER_NVLINK_GBIT: f64 = 160.0;
+const PAPER_NVLINK_LATENCY_US: f64 = 5.0;
+/// 100 Gb/s EDR InfiniBand between nodes.
+const PAPER_IB_GBIT: f64 = 100.0;
+const PAPER_IB_LATENCY_US: f64 = 10.0;
+const PAPER_GPUS_PER_NODE: usize = 4;
+
+impl MachineModel {
+    /// A machine from its nodes and the two link classes. Devices are numbered node by node.
+    pub fn new(
+        name: &str,
+        nodes: &[NodeSpec],
+        intra_node: Link,
+        inter_node: Link,
+    ) -> Result<MachineModel, MachineError> {
+        let invalid = MachineError::Invalid;
+        if nodes.is_empty() {
+            return Err(invalid("a machine needs at least one node".into()));
+        }
+        intra_node
+            .check()
+            .map_err(|e| invalid(format!("intra-node link: {e}")))?;
+        inter_node
+            .check()
+            .map_err(|e| invalid(format!("inter-node link: {e}")))?;
+        let mut node_of = Vec::new();
+        let mut spec_of = Vec::new();
+        let mut specs: Vec<DeviceSpec> = Vec::new();
+        for (i, node) in nodes.iter().enumerate() {
+            if node.devices == 0 {
+                return Err(invalid(format!("node {i} has no devices")));
+            }
+            node.device
+                .check()
+                .map_err(|e| invalid(format!("node {i}: {e}")))?;
+            let spec = match specs.iter().position(|s| *s == node.device) {
+                Some(s) => s,
+                None => {
+                    specs.push(node.device.clone());
+                    specs.len() - 1
+                }
+            };
+            node_of.extend(std::iter::repeat_n(i, node.devices));
+            spec_of.extend(std::iter::repeat_n(spec, node.devices));
+        }
+        let n = node_of.len();
+        if n > u16::MAX as usize {
+            return Err(invalid(format!(
+                "{n} devices is more than the planner supports"
+            )));
+        }
+        let mut links = Vec::with_capacity(n * n);
+        for a in 0..n {
+            for b in 0..n {
+                links.push(if node_of[a] == node_of[b] {
+                    intra_node
+                } else {
+                    inter_node
+                });
+            }
+        }
+        Ok(MachineModel {
+            name: name.to_string(),
+            node_of,
+            spec_of,
+            specs,
+            intra_node,
+            inter_node,
+            links,
+            overrides: Vec::new(),
+        })
+    }
+
+    /// `nodes` nodes of `devices_per_node` identical devices.
+    pub fn uniform(
+        name: &str,
+        nodes: usize,
+        devices_per_node: usize,
+        device: DeviceSpec,
+        intra_node: Link,
+        inter_node: Link,
+    ) -> Result<MachineModel, MachineError> {
+        let node = NodeSpec {
+            devices: devices_per_node,
+            device,
+        };
+        MachineModel::new(name, &vec![node; nodes], intra_node, inter_node)
+    }
+
+    /// The machine described by command-line flags: P100-class devices (the paper's), NVLink-class
+    /// links inside a node and InfiniBand-class links across nodes unless the bandwidths (Gbit/s) are
+    /// given.
+    pub fn from_flags(
+        nodes: usize,
+        devices_per_node: usize,
+        intra_gbit_per_s: Option<f64>,
+        inter_gbit_per_s: Option<f64>,
+    ) -> Result<MachineModel, MachineError> {
+        let intra = intra_gbit_per_s.unwrap_or(PAPER_NVLINK_GBIT);
+        let inter = inter_gbit_per_s.unwrap_or(PAPER_IB_GBIT);
+        MachineModel::uniform(
+            &format!("{nodes}x{devices_per_node}"),
+            nodes,
+            devices_per_node,
+            DeviceSpec::p100(),
+            Link::from_gbit_per_s(intra, PAPER_NVLINK_LATENCY_US),
+            Link::from_gbit_per_s(inter, PAPER_IB_LATENCY_US),
+        )
+    }
+
+    /// A named preset: `paper` (4 nodes × 4 P100, NVLink inside a node, 100 Gb/s EDR InfiniBand
+    /// across), `paper:N` (its first N GPUs, N = 1, 2, 4, 8, 16) and `local-cpu` (this machine: one
+    /// node with 2 CPU devices exchanging tensors by in-process copies).
+    pub fn preset(name: &str) -> Result<MachineModel, MachineError> {
+        let unknown = || MachineError::UnknownPreset {
+            name: name.to_string(),
+            known: PRESETS.join(", "),
+        };
+        match name {
+            "local-cpu" => MachineModel::uniform(
+                name,
+                1,
+                2,
+                DeviceSpec::local_cpu(),
+                // ~5 GB/s memcpy between threads' buffers
+                Link::from_gbit_per_s(40.0, 2.0),
+                Link::from_gbit_per_s(40.0, 2.0),
+            ),
+            "paper" => MachineModel::paper(name, 16),
+            _ => {
+                let count = name.strip_prefix("paper:").ok_or_else(unknown)?;
+                match count.parse::<usize>() {
+                    Ok(n @ (1 | 2 | 4 | 8 | 16)) => MachineModel::paper(name, n),
+                    _ => Err(unknown()),
+                }
+            }
+        }
+    }
+
+    fn paper(name: &str, gpus: usize) -> Result<MachineModel, MachineError> {
+        let per_node = gpus.min(PAPER_GPUS_PER_NODE);
+        MachineModel::uniform(
+            name,
+            gpus / per_node,
+            per_node,
+            DeviceSpec::p100(),
+            Link::from_gbit_per_s(PAPER_NVLINK_GBIT, PAPER_NVLINK_LATENCY_US),
+            Link::from_gbit_per_s(PAPER_IB_GBIT, PAPER_IB_LATENCY_US),
+        )
+    }
+
+    /// Replaces the link between `a` and `b`, in both directions.
+    pub fn with_link(
+        mut self,
+        a: DeviceId,
+        b: DeviceId,
+        link: Link,
+    ) -> Result<MachineModel, MachineError> {
+        let n = self.num_devices();
+        if a >= n || b >= n {
+            return Err(MachineError::Invalid(format!(
+                "link override {a}-{b}: the machine has devices 0..{n}"
+            )));
+        }
+        if a == b {
+            return Err(MachineError::Invalid(format!(
+                "link override {a}-{b}: a device needs no link to itself"
+            )));
+        }
+        link.check()
+            .map_err(|e| MachineError::Invalid(format!("link override {a}-{b}: {e}")))?;
+        self.links[a * n + b] = link;
+        self.links[b * n + a] = link;
+        self.overrides.push((a, b, link));
+        Ok(self)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn num_devices(&self) -> usize {
+        self.node_of.len()
+    }
+
+    pub fn num_nodes(&self) -> usize {
+        self.node_of.last().map_or(0, |&n| n + 1)
+    }
+
+    pub fn node_of(&self, device: DeviceId) -> usize {
+        self.node_of[device]
+    }
+
+    pub fn device(&self, device: DeviceId) -> &DeviceSpec {
+        &self.specs[self.spec_of[device]]
+    }
+
+    /// Index of the device's spec in [`MachineModel::specs`]: devices with equal specs share it.
+    pub fn spec_index(&self, device: DeviceId) -> usize {
+        self.spec_of[device]
+    }
+
+    /// The distinct device specs.
+    pub fn specs(&self) -> &[DeviceSpec] {
+        &self.specs
+    }
+
+    pub fn intra_node_link(&self) -> Link {
+        self.intra_node
+    }
+
+    pub fn inter_node_link(&self) -> Link {
+        self.inter_node
+    }
+
+    /// Per-pair overrides, as given.
+    pub fn link_overrides(&self) -> &[(DeviceId, DeviceId, Link)] {
+        &self.overrides
+    }
+
+    /// The link `from → to`; `None` for a device and itself (no transfer needed).
+    pub fn link(&self, from: DeviceId, to: DeviceId) -> Option<Link> {
+        (from != to).then(|| self.links[from * self.num_devices() + to])
+    }
+
+    /// Bytes per second from `from` to `to`; infinite for the same device.
+    pub fn bandwidth(&self, from: DeviceId, to: DeviceId) -> f64 {
+        self.link(from, to).map_or(f64::INFINITY, |l| l.bytes_per_s)
+    }
+
+    /// Seconds per message from `from` to `to`; zero for the same device.
+    pub fn latency(&self, from: DeviceId, to: DeviceId) -> f64 {
+        self.link(from, to).map_or(0.0, |l| l.latency_s)
+    }
+
+    /// Time to move one message of `bytes` from `from` to `to` (zero on the same device).
+    pub fn message_time(&self, from: DeviceId, to: DeviceId, bytes: f64) -> f64 {
+        self.link(from, to).map_or(0.0, |l| l.message_time(bytes))
+    }
+}
+
+impl fmt::Display for MachineModel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} device(s) on {} node(s) [",
+            self.name,
+            self.num_devices(),
+            self.num_nodes()
+        )?;
+        for (i, s) in self.specs.iter().enumerate() {
+            if i > 0 {
+                write!(f, "; ")?;
+            }
+            write!(
+                f,
+                "{} {} GFLOP/s {} GB/s",
+                s.kind, s.peak_gflops, s.memory_gb_per_s
+            )?;
+        }
+        let gb = |l: Link| l.bytes_per_s / 1e9;
+        let us = |l: Link| l.latency_s * 1e6;
+        write!(
+            f,
+            "], intra-node {} GB/s {} us",
+            gb(self.intra_node),
+            us(self.intra_node)
+        )?;
+        if self.num_nodes() > 1 {
+            write!(
+                f,
+                ", inter-node {} GB/s {} us",
+                gb(self.inter_node),
+                us(self.inter_node)
+            )?;
+        }
+        if !self.overrides.is_empty() {
+            write!(f, ", {} link override(s)", self.overrides.len())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paper_preset_has_nvlink_inside_and_infiniband_across_nodes() {
+        let m = MachineModel::preset("paper").unwrap();
+        assert_eq!(m.num_devices(), 16);
+        assert_eq!(m.num_nodes(), 4);
+        assert_eq!(m.node_of(5), 1);
+        assert_eq!(m.bandwidth(0, 3), 20e9);
+        assert_eq!(m.bandwidth(3, 4), 12.5e9);
+        assert_eq!(m.bandwidth(7, 7), f64::INFINITY);
+        assert_eq!(m.latency(7, 7), 0.0);
+        assert_eq!(m.device(9).kind, "p100");
+    }
+
+    #[test]
+    fn paper_subsets_take_the_first_gpus() {
+        for (name, devices, nodes) in [
+            ("paper:1", 1, 1),
+            ("paper:2", 2, 1),
+            ("paper:4", 4, 1),
+            ("paper:8", 8, 2),
+            ("paper:16", 16, 4),
+        ] {
+            let m = MachineModel::preset(name).unwrap();
+            assert_eq!((m.num_devices(), m.num_nodes()), (devices, nodes), "{name}");
+        }
+        let e = MachineModel::preset("paper:3").unwrap_err().to_string();
+        assert!(e.contains("unknown machine preset 'paper:3'") && e.contains("local-cpu"));
+    }
+
+    #[test]
+    fn local_cpu_is_one_node_of_two_devices() {
+        let m = MachineModel::preset("local-cpu").unwrap();
+        assert_eq!((m.num_devices(), m.num_nodes()), (2, 1));
+        assert_eq!(m.bandwidth(0, 1), 5e9);
+        assert_eq!(m.device(1).peak_gflops, 100.0);
+    }
+
+    #[test]
+    fn flags_and_overrides() {
+        let m = MachineModel::from_flags(2, 3, Some(80.0), Some(8.0))
+            .unwrap()
+            .with_link(0, 4, Link::from_gbit_per_s(16.0, 1.0))
+            .unwrap();
+        assert_eq!(m.num_devices(), 6);
+        assert_eq!(m.bandwidth(1, 2), 10e9);
+        assert_eq!(m.bandwidth(1, 4), 1e9);
+        assert_eq!(m.bandwidth(4, 0), 2e9);
+        assert_eq!(m.latency(0, 4), 1e-6);
+        assert!(MachineModel::from_flags(0, 4, None, None).is_err());
+        assert!(MachineModel::from_flags(1, 4, Some(0.0), None).is_err());
+        let e = m
+            .clone()
+            .with_link(0, 6, Link::from_gbit_per_s(1.0, 0.0))
+            .unwrap_err();
+        assert!(e.to_string().contains("devices 0..6"), "{e}");
+    }
+
+    #[test]
+    fn message_time_is_bytes_over_bandwidth_plus_latency() {
+        let m = MachineModel::preset("paper:8").unwrap();
+        let t = m.message_time(0, 4, 12.5e6);
+        assert!((t - (1e-3 + 10e-6)).abs() < 1e-12, "{t}");
+        assert_eq!(m.message_time(2, 2, 1e9), 0.0);
+    }
+}

@@ -1,0 +1,473 @@
+//! Measured compute times: the profile database the runtime's profiler writes, and [`ProfiledCost`],
+//! the cost provider that reads it (falling back to the roofline for tiles it has not measured).
+//!
+//! File format (JSON):
+//!
+//! ```json
+//! {
+//!   "version": 1,
+//!   "entries": [
+//!     {
+//!       "op": "conv2d",
+//!       "attrs": {"out_channels": 64, "kernel": [11, 11], "stride": [4, 4], "padding": [2, 2],
+//!                 "groups": 1, "bias": true, "activation": "relu"},
+//!       "inputs": [[32, 3, 227, 227]],
+//!       "tile": [32, 64, 55, 55],
+//!       "device_kind": "p100",
+//!       "forward_s": 0.00121,
+//!       "backward_s": 0.00254,
+//!       "samples": 20
+//!     }
+//!   ]
+//! }
+//! ```
+//!
+//! An entry is keyed by `op` (the op kind), `attrs` (the op's attributes exactly as in model JSON,
+//! without `op`), `inputs` (the shapes of the input rects the tile reads: [`OpSpec::project`] of the
+//! tile), `tile` (the output tile's shape) and `device_kind` ([`crate::DeviceSpec::kind`]). Times are
+//! seconds per run, averaged over `samples` runs. [`ProfileKey::for_tile`] builds the key from a
+//! layer and a tile, so writer and reader agree.
+//!
+//! [`OpSpec::project`]: legion_ops::op::OpSpec::project
+
+use crate::machine::{DeviceId, MachineModel};
+use crate::provider::{CostProvider, PhaseTimes, RooflineCost};
+use legion_ops::{Layer, Rect, Shape};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub const PROFILE_VERSION: u32 = 1;
+
+/// One measured tile.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileEntry {
+    pub op: String,
+    pub attrs: Value,
+    pub inputs: Vec<Vec<usize>>,
+    pub tile: Vec<usize>,
+    pub device_kind: String,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    #[serde(default = "one")]
+    pub samples: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl ProfileEntry {
+    pub fn key(&self) -> ProfileKey {
+        ProfileKey {
+            op: self.op.clone(),
+            attrs: canonical_json(&self.attrs),
+            inputs: self.inputs.clone(),
+            tile: self.tile.clone(),
+            device_kind: self.device_kind.clone(),
+        }
+    }
+
+    pub fn times(&self) -> PhaseTimes {
+        PhaseTimes {
+            forward: self.forward_s,
+            backward: self.backward_s,
+        }
+    }
+}
+
+/// What a measurement is looked up by.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ProfileKey {
+    pub op: String,
+    /// The attributes as canonical JSON (object keys sorted).
+    pub attrs: String,
+    pub inputs: Vec<Vec<usize>>,
+    pub tile: Vec<usize>,
+    pub device_kind: String,
+}
+
+impl ProfileKey {
+    /// The key of tile `tile_out` of `layer` on a device of kind `device_kind`.
+    pub fn for_tile(layer: &Layer, inputs: &[Shape], tile_out: &Rect, device_kind: &str) -> Self {
+        ProfileKey {
+            op: layer.op.kind().to_string(),
+            attrs: canonical_json(&op_attrs(layer)),
+            inputs: layer
+                .op
+                .spec()
+                .project(inputs, tile_out)
+                .iter()
+                .map(|r| r.shape().dims().to_vec())
+                .collect(),
+            tile: tile_out.shape().dims().to_vec(),
+            device_kind: device_kind.to_string(),
+        }
+    }
+}
+
+/// The op's attributes as they appear in model JSON, without the `op` tag.
+pub fn op_attrs(layer: &Layer) -> Value {
+    let mut v = serde_json::to_value(&layer.op).unwrap_or(Value::Null);
+    if let Value::Object(map) = &mut v {
+        map.remove("op");
+    }
+    v
+}
+
+/// JSON text with object keys sorted at every level, so equal attributes give equal keys whatever
+/// order a file lists them in.
+fn canonical_json(v: &Value) -> String {
+    fn write(v: &Value, out: &mut String) {
+        match v {
+            Value::Object(map) => {
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort();
+                out.push('{');
+                for (i, k) in keys.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&Value::String(k.clone()).to_string());
+                    out.push(':');
+                    write(&map[k], out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    write(item, out);
+                }
+                out.push(']');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let mut out = String::new();
+    write(v, &mut out);
+    out
+}
+
+/// What is wrong with a profile file.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("{file}: line {line} column {column}: {message}")]
+    Parse {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{file}: entries[{index}].{field}: {message}")]
+    Entry {
+        file: String,
+        index: usize,
+        field: &'static str,
+        message: String,
+    },
+    #[error("{file}: version {found} is not supported (expected {PROFILE_VERSION})")]
+    Version { file: String, found: u32 },
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+}
+
+/// The measured tiles of a machine, in insertion order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileDb {
+    pub version: u32,
+    pub entries: Vec<ProfileEntry>,
+}
+
+impl Default for ProfileDb {
+    fn default() -> Self {
+        ProfileDb {
+            version: PROFILE_VERSION,
+            entries: Vec::new(),
+        }
+    }
+}
+
+impl ProfileDb {
+    /// Adds a measurement, replacing an earlier one with the same key.
+    pub fn insert(&mut self, entry: ProfileEntry) {
+        let key = entry.key();
+        match self.entries.iter_mut().find(|e| e.key() == key) {
+            Some(e) => *e = entry,
+            None => self.entries.push(entry),
+        }
+    }
+
+    /// Records the measured times of tile `tile_out` of `layer` on a device of kind `device_kind`.
+    pub fn record(
+        &mut self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device_kind: &str,
+        times: PhaseTimes,
+        samples: u32,
+    ) {
+        let key = ProfileKey::for_tile(layer, inputs, tile_out, device_kind);
+        self.insert(ProfileEntry {
+            op: key.op,
+            attrs: op_attrs(layer),
+            inputs: key.inputs,
+            tile: key.tile,
+            device_kind: key.device_kind,
+            forward_s: times.forward,
+            backward_s: times.backward,
+            samples,
+        });
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("profile entries serialize")
+    }
+
+    /// Parses and validates profile JSON; `file` prefixes every error.
+    pub fn from_json(text: &str, file: &str) -> Result<ProfileDb, ProfileError> {
+        let db: ProfileDb = serde_json::from_str(text).map_err(|e| ProfileError::Parse {
+            file: file.to_string(),
+            line: e.line(),
+            column: e.column(),
+            message: e.to_string(),
+        })?;
+        if db.version != PROFILE_VERSION {
+            return Err(ProfileError::Version {
+                file: file.to_string(),
+                found: db.version,
+            });
+        }
+        for (index, e) in db.entries.iter().enumerate() {
+            let bad = |field: &'static str, message: String| ProfileError::Entry {
+                file: file.to_string(),
+                index,
+                field,
+                message,
+            };
+            if e.op.is_empty() {
+                return Err(bad("op", "must not be empty".into()));
+            }
+            if !e.attrs.is_object() {
+                return Err(bad("attrs", "must be an object".into()));
+            }
+            if e.device_kind.is_empty() {
+                return Err(bad("device_kind", "must not be empty".into()));
+            }
+            let bad_shape = |s: &Vec<usize>| s.is_empty() || s.len() > 4 || s.contains(&0);
+            if bad_shape(&e.tile) {
+                return Err(bad(
+                    "tile",
+                    format!("{:?} is not a shape of 1 to 4 positive extents", e.tile),
+                ));
+            }
+            if let Some(s) = e.inputs.iter().find(|s| s.len() > 4) {
+                return Err(bad("inputs", format!("{s:?} has more than 4 dims")));
+            }
+            for (field, v) in [("forward_s", e.forward_s), ("backward_s", e.backward_s)] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return Err(bad(field, format!("must be a time in seconds, got {v}")));
+                }
+            }
+        }
+        Ok(db)
+    }
+
+    pub fn load(path: &Path) -> Result<ProfileDb, ProfileError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ProfileError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        ProfileDb::from_json(&text, &path.display().to_string())
+    }
+
+    /// Writes the database atomically (a temporary file renamed over `path`).
+    pub fn save(&self, path: &Path) -> Result<(), ProfileError> {
+        let io = |e: std::io::Error| ProfileError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        };
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        std::fs::write(&tmp, self.to_json()).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+}
+
+/// Compute times from a profile database, and from the roofline where it has no entry.
+#[derive(Debug)]
+pub struct ProfiledCost {
+    kinds: Vec<String>,
+    measured: HashMap<ProfileKey, PhaseTimes>,
+    fallback: RooflineCost,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+impl ProfiledCost {
+    pub fn new(db: &ProfileDb, machine: &MachineModel) -> ProfiledCost {
+        ProfiledCost {
+            kinds: (0..machine.num_devices())
+                .map(|d| machine.device(d).kind.clone())
+                .collect(),
+            measured: db.entries.iter().map(|e| (e.key(), e.times())).collect(),
+            fallback: RooflineCost::new(machine),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    /// Lookups answered from the database.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    /// Lookups that fell back to the roofline.
+    pub fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+}
+
+impl CostProvider for ProfiledCost {
+    fn compute_time(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> f64 {
+        self.phase_times(layer, inputs, tile_out, device).total()
+    }
+
+    fn phase_times(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> PhaseTimes {
+        let key = ProfileKey::for_tile(layer, inputs, tile_out, &self.kinds[device]);
+        match self.measured.get(&key) {
+            Some(t) => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                *t
+            }
+            None => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                self.fallback.phase_times(layer, inputs, tile_out, device)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_ops::GraphBuilder;
+    use legion_ops::op::Conv2d;
+
+    fn conv_graph() -> legion_ops::Graph {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 3, 32, 32)).unwrap();
+        m.conv2d("c", x, Conv2d::new(16, 3).padding(1).relu())
+            .unwrap();
+        m.finish()
+    }
+
+    #[test]
+    fn round_trip_and_lookup() {
+        let g = conv_graph();
+        let c = g.find("c").unwrap();
+        let layer = g.layer(c);
+        let inputs = g.input_shapes(c);
+        let tile = Rect::new(&[0, 0, 0, 0], &[4, 16, 16, 32]);
+        let mut db = ProfileDb::default();
+        let times = PhaseTimes {
+            forward: 1e-3,
+            backward: 2e-3,
+        };
+        db.record(layer, &inputs, &tile, "p100", times, 5);
+        db.record(layer, &inputs, &tile, "p100", times, 7);
+        assert_eq!(db.entries.len(), 1, "same key replaces");
+        assert_eq!(db.entries[0].inputs, vec![vec![4, 3, 17, 32]]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("profile.json");
+        db.save(&path).unwrap();
+        let back = ProfileDb::load(&path).unwrap();
+        assert_eq!(back, db);
+
+        let machine = MachineModel::preset("paper:2").unwrap();
+        let cost = ProfiledCost::new(&back, &machine);
+        assert_eq!(cost.compute_time(layer, &inputs, &tile, 1), 3e-3);
+        assert_eq!((cost.hits(), cost.misses()), (1, 0));
+        // the other samples' tile has the same shapes: the same measurement applies
+        let samples = Rect::new(&[4, 0, 0, 0], &[8, 16, 16, 32]);
+        assert_eq!(cost.compute_time(layer, &inputs, &samples, 0), 3e-3);
+        // a quarter of the rows reads 9 input rows: not measured
+        let other = Rect::new(&[0, 0, 0, 0], &[4, 16, 8, 32]);
+        let t = cost.compute_time(layer, &inputs, &other, 1);
+        let roofline = RooflineCost::new(&machine).compute_time(layer, &inputs, &other, 1);
+        assert_eq!(t, roofline);
+        assert_eq!((cost.hits(), cost.misses()), (2, 1));
+    }
+
+    #[test]
+    fn attribute_order_does_not_matter() {
+        let g = conv_graph();
+        let c = g.find("c").unwrap();
+        let tile = g.layer(c).shape.full_rect();
+        let key = ProfileKey::for_tile(g.layer(c), &g.input_shapes(c), &tile, "cpu");
+        let text = r#"{"version":1,"entries":[{"op":"conv2d",
+            "attrs":{"stride":[1,1],"padding":[1,1],"out_channels":16,"kernel":[3,3],
+                     "groups":1,"bias":true,"activation":"relu"},
+            "inputs":[[8,3,32,32]],"tile":[8,16,32,32],"device_kind":"cpu",
+            "forward_s":0.5,"backward_s":1.0}]}"#;
+        let db = ProfileDb::from_json(text, "p.json").unwrap();
+        assert_eq!(db.entries[0].key(), key);
+        assert_eq!(db.entries[0].samples, 1);
+    }
+
+    #[test]
+    fn bad_files_are_located() {
+        let e = ProfileDb::from_json("{\"version\":1,\"entries\":[{]}", "p.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("p.json: line 1 column"), "{e}");
+        let entry = r#"{"op":"relu","attrs":{},"inputs":[[2,2]],"tile":[2,2],"device_kind":"cpu","forward_s":-1,"backward_s":0}"#;
+        let e = ProfileDb::from_json(
+            &format!("{{\"version\":1,\"entries\":[{entry}]}}"),
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "p.json: entries[0].forward_s: must be a time in seconds, got -1"
+        );
+        let e = ProfileDb::from_json("{\"version\":2,\"entries\":[]}", "p.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("version 2 is not supported"), "{e}");
+        let e = ProfileDb::from_json(
+            &format!(
+                "{{\"version\":1,\"entries\":[{}]}}",
+                entry
+                    .replace("[2,2]}", "[2,0]}")
+                    .replace("\"tile\":[2,2]", "\"tile\":[2,0]")
+            ),
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("entries[0].tile"), "{e}");
+    }
+}

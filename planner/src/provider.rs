@@ -1,0 +1,194 @@
+//! Where compute times come from: the [`CostProvider`] trait (t_c of one tile) and the analytical
+//! [`RooflineCost`]. Measured times come from [`crate::profile::ProfiledCost`], which the runtime's
+//! profiler feeds.
+
+use crate::machine::{DeviceId, DeviceSpec, MachineModel};
+use legion_ops::{Layer, Op, Rect, Shape};
+
+/// Forward and backward seconds of one tile.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseTimes {
+    pub forward: f64,
+    pub backward: f64,
+}
+
+impl PhaseTimes {
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward
+    }
+}
+
+/// Time to run one tile of a layer on a device.
+///
+/// The answer may depend on the device only through its [`DeviceSpec`] and on the layer only through
+/// its op and shapes (not its name): the cost tables price each distinct (tile, device spec) once and
+/// share tables between identical layers.
+pub trait CostProvider {
+    /// Forward + backward seconds of the tile `tile_out` of `layer` (whose inputs have `inputs`
+    /// shapes) on `device`.
+    fn compute_time(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> f64;
+
+    /// The same time split into forward and backward (the simulator schedules them apart). By
+    /// default the split follows the layer's forward/backward FLOPs.
+    fn phase_times(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> PhaseTimes {
+        let total = self.compute_time(layer, inputs, tile_out, device);
+        let flops = layer.op.spec().flops(inputs, &layer.shape);
+        let all = flops.forward + flops.backward;
+        let forward_share = if all == 0 {
+            0.5
+        } else {
+            flops.forward as f64 / all as f64
+        };
+        PhaseTimes {
+            forward: total * forward_share,
+            backward: total * (1.0 - forward_share),
+        }
+    }
+}
+
+/// Analytical compute times: each phase takes the longer of its FLOPs at the device's sustained
+/// compute rate and its memory traffic at the sustained memory bandwidth, plus the device's fixed
+/// per-task overhead.
+///
+/// - FLOPs of a tile: the layer's FLOPs times the tile's share of the output volume.
+/// - Bytes of a tile (f32): forward reads the projected input rects and the parameter slices and
+///   writes the tile; backward reads and writes each of them once more (gradients), i.e. twice the
+///   forward traffic.
+/// - The input layer costs nothing (data loading is not part of the step model).
+#[derive(Clone, Debug)]
+pub struct RooflineCost {
+    devices: Vec<DeviceSpec>,
+    /// Fraction of peak FLOP/s a dense kernel sustains (cuDNN and gemm reach 60–75%).
+    pub compute_efficiency: f64,
+    /// Fraction of peak memory bandwidth a streaming kernel sustains.
+    pub memory_efficiency: f64,
+}
+
+impl RooflineCost {
+    pub fn new(machine: &MachineModel) -> RooflineCost {
+        RooflineCost {
+            devices: (0..machine.num_devices())
+                .map(|d| machine.device(d).clone())
+                .collect(),
+            compute_efficiency: 0.7,
+            memory_efficiency: 0.8,
+        }
+    }
+
+    /// Phase times of a tile on a device of `spec`.
+    pub fn phase_times_on(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        spec: &DeviceSpec,
+    ) -> PhaseTimes {
+        if matches!(layer.op, Op::Input(_)) || tile_out.is_empty() {
+            return PhaseTimes::default();
+        }
+        let op = layer.op.spec();
+        let share = tile_out.volume() as f64 / layer.shape.numel() as f64;
+        let flops = op.flops(inputs, &layer.shape);
+        let input_elems: usize = op
+            .project(inputs, tile_out)
+            .iter()
+            .map(|r| r.volume())
+            .sum();
+        let param_elems: usize = (0..op.params(inputs).len())
+            .map(|i| op.param_rect(inputs, i, tile_out).volume())
+            .sum();
+        let forward_bytes = 4.0 * (input_elems + tile_out.volume() + param_elems) as f64;
+        let flop_rate = spec.peak_flops_per_s() * self.compute_efficiency;
+        let byte_rate = spec.memory_bytes_per_s() * self.memory_efficiency;
+        let phase = |flops: f64, bytes: f64| {
+            (flops / flop_rate).max(bytes / byte_rate) + spec.task_overhead_s()
+        };
+        PhaseTimes {
+            forward: phase(flops.forward as f64 * share, forward_bytes),
+            backward: phase(flops.backward as f64 * share, 2.0 * forward_bytes),
+        }
+    }
+}
+
+impl CostProvider for RooflineCost {
+    fn compute_time(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> f64 {
+        self.phase_times(layer, inputs, tile_out, device).total()
+    }
+
+    fn phase_times(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> PhaseTimes {
+        self.phase_times_on(layer, inputs, tile_out, &self.devices[device])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_ops::GraphBuilder;
+    use legion_ops::op::{Conv2d, Dense};
+
+    #[test]
+    fn dense_tile_is_compute_bound_and_scales_with_its_share() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(512, 4096)).unwrap();
+        let fc = m.dense("fc", x, Dense::new(4096)).unwrap();
+        let g = m.finish();
+        let machine = MachineModel::preset("paper:4").unwrap();
+        let cost = RooflineCost::new(&machine);
+        let layer = g.layer(fc);
+        let inputs = g.input_shapes(fc);
+        let whole = cost.compute_time(layer, &inputs, &layer.shape.full_rect(), 0);
+        let flops = 3.0 * 2.0 * 512.0 * 4096.0 * 4096.0 + 3.0 * 512.0 * 4096.0;
+        let expected = flops / (9.3e12 * 0.7) + 2.0 * 10e-6;
+        assert!(
+            (whole - expected).abs() / expected < 1e-9,
+            "{whole} vs {expected}"
+        );
+        let quarter = Rect::new(&[0, 0], &[128, 4096]);
+        let t = cost.compute_time(layer, &inputs, &quarter, 1);
+        assert!(t < whole / 3.0 && t > whole / 5.0, "{t}");
+        // backward does twice the forward's FLOPs; each phase pays the task overhead once
+        let p = cost.phase_times(layer, &inputs, &quarter, 1);
+        assert!(
+            (p.backward + 10e-6 - 2.0 * p.forward).abs() < 1e-12,
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn input_layer_is_free_and_small_layers_pay_overhead() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(2, 3, 8, 8)).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(4, 3).padding(1)).unwrap();
+        let g = m.finish();
+        let machine = MachineModel::preset("paper:1").unwrap();
+        let cost = RooflineCost::new(&machine);
+        let full = |id| g.layer(id).shape.full_rect();
+        assert_eq!(cost.compute_time(g.layer(x), &[], &full(x), 0), 0.0);
+        let t = cost.compute_time(g.layer(c), &g.input_shapes(c), &full(c), 0);
+        assert!((20e-6..21e-6).contains(&t), "{t}");
+    }
+}

@@ -1,0 +1,174 @@
+//! Human tables and JSON for `legion-rs plan`.
+
+use crate::config::ParallelConfig;
+use crate::cost::CostBreakdown;
+use crate::plan::{Evaluated, PlanRun};
+use crate::strategy::{LayerStrategy, Strategy, describe_devices};
+use legion_ops::Graph;
+use serde::Serialize;
+use std::fmt::Write;
+
+/// Per layer: name, op, how many configs it has (`counts`), the chosen config and devices, t_c and t_s
+/// in milliseconds.
+pub fn layer_table(
+    graph: &Graph,
+    counts: &[usize],
+    configs: &[ParallelConfig],
+    cost: &CostBreakdown,
+) -> String {
+    let width = graph
+        .layers()
+        .iter()
+        .map(|l| l.name.len())
+        .max()
+        .unwrap_or(5)
+        .max(5);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<width$}  {:<22}  {:>7}  {:<16}  {:<8}  {:>10}  {:>10}",
+        "layer", "op", "configs", "config", "devices", "t_c ms", "t_s ms"
+    );
+    for (((l, c), lc), count) in graph
+        .layers()
+        .iter()
+        .zip(configs)
+        .zip(&cost.layers)
+        .zip(counts)
+    {
+        let devices: Vec<usize> = c.devices().collect();
+        let _ = writeln!(
+            out,
+            "{:<width$}  {:<22}  {:>7}  {:<16}  {:<8}  {:>10.3}  {:>10.3}",
+            l.name,
+            l.op.kind(),
+            count,
+            c.to_string(),
+            describe_devices(&devices),
+            lc.compute * 1e3,
+            lc.sync * 1e3
+        );
+    }
+    let t_x: f64 = cost.edges.iter().map(|e| e.time).sum();
+    let _ = writeln!(
+        out,
+        "Σ t_c {:.3} ms, Σ t_s {:.3} ms, Σ t_x {:.3} ms",
+        cost.layers.iter().map(|l| l.compute).sum::<f64>() * 1e3,
+        cost.layers.iter().map(|l| l.sync).sum::<f64>() * 1e3,
+        t_x * 1e3
+    );
+    out
+}
+
+/// One line per search: Eq. 1, simulated step, bytes moved and search time.
+pub fn comparison_table(run: &PlanRun) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<11}  {:>12}  {:>14}  {:>14}  {:>11}",
+        "search", "Eq.1 ms", "simulated ms", "comm MB", "search ms"
+    );
+    for s in &run.searches {
+        match &s.result {
+            Ok(e) => {
+                let _ = writeln!(
+                    out,
+                    "{:<11}  {:>12.3}  {:>14.3}  {:>14.1}  {:>11.2}",
+                    s.kind.name(),
+                    e.cost.total * 1e3,
+                    e.simulation.makespan * 1e3,
+                    e.cost.comm_bytes as f64 / 1e6,
+                    s.seconds * 1e3
+                );
+            }
+            Err(err) => {
+                let _ = writeln!(out, "{:<11}  failed: {err}", s.kind.name());
+            }
+        }
+    }
+    out
+}
+
+/// A summary of one evaluated strategy: Eq. 1, simulated step and bytes.
+pub fn summary(name: &str, e: &Evaluated, search_seconds: Option<f64>) -> String {
+    let mut out = format!(
+        "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved",
+        e.cost.total * 1e3,
+        e.simulation.makespan * 1e3,
+        e.cost.comm_bytes as f64 / 1e6
+    );
+    if let Some(s) = search_seconds {
+        let _ = write!(out, ", search {:.2} ms", s * 1e3);
+    }
+    out
+}
+
+/// The `--json` document.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanJson {
+    pub model: String,
+    pub devices: usize,
+    pub searches: Vec<SearchJson>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SearchJson {
+    pub search: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eq1_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulated_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_bytes: Option<u64>,
+    pub search_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<Vec<LayerStrategy>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl SearchJson {
+    pub fn of(graph: &Graph, name: &str, result: Result<&Evaluated, String>, seconds: f64) -> Self {
+        match result {
+            Ok(e) => SearchJson {
+                search: name.to_string(),
+                eq1_ms: Some(e.cost.total * 1e3),
+                simulated_ms: Some(e.simulation.makespan * 1e3),
+                comm_bytes: Some(e.cost.comm_bytes),
+                search_ms: seconds * 1e3,
+                strategy: Some(Strategy::from_configs(graph, &e.configs).layers),
+                error: None,
+            },
+            Err(error) => SearchJson {
+                search: name.to_string(),
+                eq1_ms: None,
+                simulated_ms: None,
+                comm_bytes: None,
+                search_ms: seconds * 1e3,
+                strategy: None,
+                error: Some(error),
+            },
+        }
+    }
+}
+
+impl PlanJson {
+    pub fn of(graph: &Graph, run: &PlanRun) -> PlanJson {
+        PlanJson {
+            model: run.model.clone(),
+            devices: run.devices,
+            searches: run
+                .searches
+                .iter()
+                .map(|s| {
+                    let result = s.result.as_ref().map_err(|e| e.to_string());
+                    SearchJson::of(graph, s.kind.name(), result, s.seconds)
+                })
+                .collect(),
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plan reports serialize")
+    }
+}

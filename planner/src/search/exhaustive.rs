@@ -1,0 +1,154 @@
+//! The exact baseline: a depth-first search over every strategy (layers in topological order), with
+//! branch-and-bound pruning that keeps it exact, and a budget on the partial strategies it tries.
+//! It exists to check [`super::optcnn`] on graphs small enough to enumerate.
+
+use super::SearchError;
+use crate::tables::CostTables;
+use legion_ops::LayerId;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// What the exhaustive search found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExhaustiveResult {
+    /// Per layer (by id), the index of its config in [`CostTables::space`].
+    pub indices: Vec<usize>,
+    /// Eq. 1 of the result, summed from the tables.
+    pub cost: f64,
+    /// Partial strategies tried.
+    pub tried: u64,
+}
+
+/// An edge into a node: (source node, its table `[c_src][c_node]`).
+pub(crate) type InEdge = (usize, Rc<Vec<f64>>);
+
+/// Default cap on the partial strategies the exhaustive search tries.
+pub const DEFAULT_BUDGET: u64 = 50_000_000;
+
+/// Searches every strategy of the tables' model; fails when more than `budget` partial strategies
+/// would be tried.
+pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, SearchError> {
+    let n = tables.num_layers();
+    let mut by_class: HashMap<usize, Rc<Vec<f64>>> = HashMap::new();
+    let mut incoming: Vec<Vec<InEdge>> = vec![Vec::new(); n];
+    for (i, e) in tables.edges().iter().enumerate() {
+        let table = by_class
+            .entry(tables.edge_class(i))
+            .or_insert_with(|| Rc::new(tables.edge_table(i)))
+            .clone();
+        incoming[e.dst.0].push((e.src.0, table));
+    }
+    let costs: Vec<&[f64]> = (0..n).map(|l| tables.node_cost(LayerId(l))).collect();
+    let sizes: Vec<usize> = (0..n).map(|l| tables.space(LayerId(l)).len()).collect();
+    let mut dfs = Dfs::new(&costs, &sizes, &incoming, budget);
+    dfs.visit(0, 0.0)?;
+    Ok(ExhaustiveResult {
+        indices: dfs.best_choice,
+        cost: dfs.best,
+        tried: dfs.tried,
+    })
+}
+
+/// Exact minimum over all assignments of a small DAG: node costs, and per node its in-edges as
+/// (earlier node, table `[c_src][c_node]`). Depth-first, configs cheapest first, pruned by a lower
+/// bound on the nodes still to assign; `budget` caps the partial assignments tried.
+pub(crate) fn enumerate(
+    costs: &[&[f64]],
+    sizes: &[usize],
+    incoming: &[Vec<InEdge>],
+    budget: u64,
+) -> Result<(Vec<usize>, f64), SearchError> {
+    let mut search = Dfs::new(costs, sizes, incoming, budget);
+    search.visit(0, 0.0)?;
+    Ok((search.best_choice, search.best))
+}
+
+struct Dfs<'a> {
+    costs: &'a [&'a [f64]],
+    sizes: &'a [usize],
+    incoming: &'a [Vec<InEdge>],
+    rest: Vec<f64>,
+    choice: Vec<usize>,
+    best_choice: Vec<usize>,
+    best: f64,
+    tried: u64,
+    budget: u64,
+}
+
+impl<'a> Dfs<'a> {
+    fn new(
+        costs: &'a [&'a [f64]],
+        sizes: &'a [usize],
+        incoming: &'a [Vec<InEdge>],
+        budget: u64,
+    ) -> Dfs<'a> {
+        let n = costs.len();
+        // A node costs at least, over its configs, its own cost plus each in-edge's cheapest entry
+        // into that config; the nodes still to assign cost at least the sum of those.
+        let mut rest = vec![0.0; n + 1];
+        for p in (0..n).rev() {
+            let size = sizes[p];
+            let cheapest = (0..size)
+                .map(|c| {
+                    let into: f64 = incoming[p]
+                        .iter()
+                        .map(|(src, table)| {
+                            (0..sizes[*src])
+                                .map(|s| table[s * size + c])
+                                .fold(f64::INFINITY, f64::min)
+                        })
+                        .sum();
+                    costs[p][c] + into
+                })
+                .fold(f64::INFINITY, f64::min);
+            rest[p] = rest[p + 1] + cheapest;
+        }
+        Dfs {
+            costs,
+            sizes,
+            incoming,
+            rest,
+            choice: vec![0; n],
+            best_choice: vec![0; n],
+            best: f64::INFINITY,
+            tried: 0,
+            budget,
+        }
+    }
+
+    fn visit(&mut self, p: usize, so_far: f64) -> Result<(), SearchError> {
+        if p == self.costs.len() {
+            if so_far < self.best {
+                self.best = so_far;
+                self.best_choice.clone_from(&self.choice);
+            }
+            return Ok(());
+        }
+        let size = self.sizes[p];
+        let mut steps: Vec<(f64, usize)> = (0..size)
+            .map(|c| {
+                let mut t = self.costs[p][c];
+                for (src, table) in &self.incoming[p] {
+                    t += table[self.choice[*src] * size + c];
+                }
+                (t, c)
+            })
+            .collect();
+        steps.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        for (step, c) in steps {
+            let total = so_far + step;
+            if total + self.rest[p + 1] >= self.best {
+                break;
+            }
+            self.tried += 1;
+            if self.tried > self.budget {
+                return Err(SearchError::BudgetExceeded {
+                    budget: self.budget,
+                });
+            }
+            self.choice[p] = c;
+            self.visit(p + 1, total)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,261 @@
+//! t_x: moving a tensor from its producer's tiling to the rects its consumer's tiles read.
+//!
+//! For an edge (producer `l_i` under `c_i` → input `k` of consumer `l_j` under `c_j`):
+//! every consumer tile needs `project(inputs of l_j, tile)[k]`; every producer tile that overlaps it
+//! and lives on a *different* device sends the intersection (f32, 4 bytes per element) over the link
+//! producer device → consumer device in the forward pass, and the consumer sends the gradient of the
+//! same region back over the reverse link in the backward pass — except when the producer is the
+//! input layer, whose data needs no gradient. Overlaps on the same device are free.
+//!
+//! Timing: transfers on different directed links proceed in parallel, transfers sharing a link
+//! serialize, and each message pays the link's latency once:
+//!
+//! ```text
+//! t_fwd = max over links (a→b) of Σ_{messages on a→b} (bytes / bandwidth(a,b) + latency(a,b))
+//! t_bwd = the same over the reversed messages (0 for edges from the input layer)
+//! t_x   = t_fwd + t_bwd
+//! ```
+//!
+//! With aligned contiguous device blocks every ordered device pair carries at most one message per
+//! edge and direction, which the cost tables exploit.
+
+use crate::config::{ParallelConfig, tile_rect};
+use crate::machine::{DeviceId, MachineModel};
+use legion_ops::{Graph, LayerId, Op, Rect};
+use std::collections::BTreeMap;
+
+/// The output of `src` read as input number `input` of `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Edge {
+    pub src: LayerId,
+    pub dst: LayerId,
+    pub input: usize,
+}
+
+impl Edge {
+    /// Whether the backward pass sends gradients back along this edge (not to the input layer).
+    pub fn carries_gradient(&self, graph: &Graph) -> bool {
+        !matches!(graph.layer(self.src).op, Op::Input(_))
+    }
+}
+
+/// Every edge of the graph, by consumer and then input position. A layer that reads the same tensor
+/// twice has two edges.
+pub fn graph_edges(graph: &Graph) -> Vec<Edge> {
+    graph
+        .ids()
+        .flat_map(|dst| {
+            graph
+                .layer(dst)
+                .inputs
+                .iter()
+                .enumerate()
+                .map(move |(input, &src)| Edge { src, dst, input })
+        })
+        .collect()
+}
+
+/// A producer tile's share of what a consumer tile reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileOverlap {
+    pub src_tile: usize,
+    pub dst_tile: usize,
+    pub src_device: DeviceId,
+    pub dst_device: DeviceId,
+    /// The shared region, in the tensor's coordinates.
+    pub rect: Rect,
+}
+
+impl TileOverlap {
+    /// Both tiles on one device: nothing moves.
+    pub fn is_local(&self) -> bool {
+        self.src_device == self.dst_device
+    }
+
+    /// f32 bytes of the region.
+    pub fn bytes(&self) -> u64 {
+        4 * self.rect.volume() as u64
+    }
+}
+
+/// Every non-empty (producer tile, consumer tile) overlap of `edge` under the two configs, local ones
+/// included, by consumer tile and then producer tile.
+pub fn edge_overlaps(
+    graph: &Graph,
+    edge: &Edge,
+    src_config: &ParallelConfig,
+    dst_config: &ParallelConfig,
+) -> Vec<TileOverlap> {
+    let producer = graph.layer(edge.src);
+    let consumer = graph.layer(edge.dst);
+    let inputs = graph.input_shapes(edge.dst);
+    let src_tiles: Vec<Rect> = (0..src_config.total())
+        .map(|t| tile_rect(&producer.shape, src_config, t))
+        .collect();
+    let mut out = Vec::new();
+    for dst_tile in 0..dst_config.total() {
+        let out_rect = tile_rect(&consumer.shape, dst_config, dst_tile);
+        let needed = consumer.op.spec().project(&inputs, &out_rect)[edge.input];
+        if needed.is_empty() {
+            continue;
+        }
+        for (src_tile, r) in src_tiles.iter().enumerate() {
+            let rect = r.intersect(&needed);
+            if !rect.is_empty() {
+                out.push(TileOverlap {
+                    src_tile,
+                    dst_tile,
+                    src_device: src_config.device_of_tile(src_tile),
+                    dst_device: dst_config.device_of_tile(dst_tile),
+                    rect,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// t_x of a set of overlaps (forward activations plus, with `gradient`, backward gradients), as
+/// documented above.
+pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient: bool) -> f64 {
+    let busiest = |reverse: bool| {
+        let mut load: BTreeMap<(DeviceId, DeviceId), f64> = BTreeMap::new();
+        for o in overlaps.iter().filter(|o| !o.is_local()) {
+            let (from, to) = if reverse {
+                (o.dst_device, o.src_device)
+            } else {
+                (o.src_device, o.dst_device)
+            };
+            *load.entry((from, to)).or_default() +=
+                machine.message_time(from, to, o.bytes() as f64);
+        }
+        load.values().fold(0.0f64, |m, &t| m.max(t))
+    };
+    let forward = busiest(false);
+    if gradient {
+        forward + busiest(true)
+    } else {
+        forward
+    }
+}
+
+/// Bytes moved between devices by a set of overlaps, forward and (with `gradient`) backward.
+pub fn transfer_bytes(overlaps: &[TileOverlap], gradient: bool) -> u64 {
+    (if gradient { 2 } else { 1 })
+        * overlaps
+            .iter()
+            .filter(|o| !o.is_local())
+            .map(|o| o.bytes())
+            .sum::<u64>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_ops::op::{Conv2d, Dense};
+    use legion_ops::{Dim, GraphBuilder, Shape};
+
+    fn edge(g: &Graph, dst: &str) -> Edge {
+        let dst = g.find(dst).unwrap();
+        Edge {
+            src: g.layer(dst).inputs[0],
+            dst,
+            input: 0,
+        }
+    }
+
+    /// fc1 (n-split on devices 0, 1) → fc2 (c-split on devices 0, 1): each fc2 tile reads all 64
+    /// samples × 256 features; half of them (32 × 256) live on the other device.
+    #[test]
+    fn dense_sample_split_to_channel_split_by_hand() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(64, 128)).unwrap();
+        let a = m.dense("fc1", x, Dense::new(256)).unwrap();
+        m.dense("fc2", a, Dense::new(100)).unwrap();
+        let g = m.finish();
+        let e = edge(&g, "fc2");
+        let n2 = ParallelConfig::split(Dim::N, 2, 0);
+        let c2 = ParallelConfig::split(Dim::C, 2, 0);
+        let overlaps = edge_overlaps(&g, &e, &n2, &c2);
+        let moved: Vec<_> = overlaps.iter().filter(|o| !o.is_local()).collect();
+        assert_eq!(moved.len(), 2);
+        let per_message = 32 * 256 * 4;
+        assert!(moved.iter().all(|o| o.bytes() == per_message));
+        // forward 2 messages + backward 2 messages
+        assert_eq!(transfer_bytes(&overlaps, true), 4 * per_message);
+        let machine = MachineModel::preset("paper:2").unwrap();
+        let one = per_message as f64 / 20e9 + 5e-6;
+        let t = transfer_time(&overlaps, &machine, true);
+        assert!((t - 2.0 * one).abs() < 1e-15, "{t} vs {}", 2.0 * one);
+    }
+
+    /// conv (h-split on 2 devices) → 3×3 conv with padding 1 (h-split on the same 2 devices): each
+    /// consumer half needs one halo row of every sample and channel from the other device.
+    #[test]
+    fn conv_height_split_moves_only_halo_rows() {
+        let (n, c, h, w) = (4, 8, 16, 10);
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(n, 3, h, w)).unwrap();
+        let a = m.conv2d("a", x, Conv2d::new(c, 3).padding(1)).unwrap();
+        m.conv2d("b", a, Conv2d::new(6, 3).padding(1)).unwrap();
+        let g = m.finish();
+        let e = edge(&g, "b");
+        let h2 = ParallelConfig::split(Dim::H, 2, 0);
+        let overlaps = edge_overlaps(&g, &e, &h2, &h2);
+        let halo_row = (n * c * w * 4) as u64;
+        let moved: Vec<_> = overlaps.iter().filter(|o| !o.is_local()).collect();
+        assert_eq!(moved.len(), 2);
+        assert!(moved.iter().all(|o| o.bytes() == halo_row));
+        assert_eq!(transfer_bytes(&overlaps, true), 4 * halo_row);
+        // rows 7 (to device 1) and 8 (to device 0)
+        let rows: Vec<_> = moved.iter().map(|o| (o.rect.lo[2], o.rect.hi[2])).collect();
+        assert_eq!(rows, vec![(8, 9), (7, 8)]);
+    }
+
+    #[test]
+    fn same_config_chain_moves_nothing() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 3, 12, 12)).unwrap();
+        let a = m.conv2d("a", x, Conv2d::new(8, 1)).unwrap();
+        m.relu("r", a).unwrap();
+        let g = m.finish();
+        let cfg = ParallelConfig::new([2, 2, 1, 1], 4);
+        let overlaps = edge_overlaps(&g, &edge(&g, "r"), &cfg, &cfg);
+        assert_eq!(overlaps.len(), 4);
+        assert!(overlaps.iter().all(|o| o.is_local()));
+        assert_eq!(transfer_bytes(&overlaps, true), 0);
+        let machine = MachineModel::preset("paper:8").unwrap();
+        assert_eq!(transfer_time(&overlaps, &machine, true), 0.0);
+    }
+
+    #[test]
+    fn messages_on_different_links_overlap_and_on_one_link_serialize() {
+        // serial producer on device 0 → consumer split 2 ways on devices 2, 3: links 0→2 and 0→3
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(8, 4)).unwrap();
+        m.relu("r", x).unwrap();
+        let g = m.finish();
+        let machine = MachineModel::preset("paper:4").unwrap();
+        let e = edge(&g, "r");
+        let overlaps = edge_overlaps(
+            &g,
+            &e,
+            &ParallelConfig::serial(0),
+            &ParallelConfig::split(Dim::N, 2, 2),
+        );
+        let msg = 4.0 * 4.0 * 4.0 / 20e9 + 5e-6;
+        // the producer is the input layer: no gradient goes back
+        assert!(!e.carries_gradient(&g));
+        assert!((transfer_time(&overlaps, &machine, false) - msg).abs() < 1e-15);
+        assert!((transfer_time(&overlaps, &machine, true) - 2.0 * msg).abs() < 1e-15);
+        // the same two messages forced onto one link take twice as long each way
+        let same_link: Vec<_> = overlaps
+            .iter()
+            .map(|o| TileOverlap {
+                dst_device: 2,
+                ..*o
+            })
+            .collect();
+        assert!((transfer_time(&same_link, &machine, true) - 4.0 * msg).abs() < 1e-15);
+    }
+}

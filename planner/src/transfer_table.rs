@@ -1,0 +1,967 @@
+//! t_x of one edge for every pair of configs: the table node elimination consumes. The numbers are
+//! exactly [`crate::transfer::transfer_time`]'s (tested); this file only computes them fast.
+//!
+//! Geometry depends on the degree vectors ("layouts"), not on the device blocks, so it is computed
+//! once per pair of layouts and then spread over the block pairs. With aligned contiguous blocks each
+//! (producer tile, consumer tile) pair is a distinct device pair, so t_x of a block pair is, per
+//! direction, a max over messages: for each link class only the largest message matters.
+//!
+//! Two ways to get those maxima:
+//!
+//! - **Factorized** (regular machines — equal power-of-two nodes, no per-pair overrides — and
+//!   projections that are separable per axis, which every op of the catalogue has): the message sizes
+//!   of a layout pair form a Kronecker product of per-axis overlap matrices
+//!   `V[tp][tc] = Π_a O_a[i_a][j_a]`, because tiles are products of 1-D blocks and tile numbers are
+//!   row-major over the axes. Largest messages within a node, across nodes and excluding a tile's own
+//!   device then follow from per-axis maxima over aligned index ranges (a node's share of an aligned
+//!   device block is an aligned range of tile numbers, i.e. a box of block indices), without visiting
+//!   tile pairs.
+//! - **Per message** (anything else): tile overlaps are enumerated box by box and evaluated for every
+//!   class of block pairs with identical links.
+
+use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rect};
+use crate::machine::{Link, MachineModel};
+use crate::transfer::Edge;
+use legion_ops::shape::MAX_DIMS;
+use legion_ops::{Graph, Rect, Shape};
+use std::collections::HashMap;
+
+/// Builds t_x tables for one machine.
+pub(crate) struct TransferTables {
+    per_message: DevicePairs,
+    regular: Option<Regular>,
+}
+
+impl TransferTables {
+    pub(crate) fn new(machine: &MachineModel) -> TransferTables {
+        TransferTables {
+            per_message: DevicePairs::new(machine),
+            regular: Regular::detect(machine),
+        }
+    }
+
+    /// t_x of `edge` for every (producer config, consumer config): row-major `[src][dst]`.
+    pub(crate) fn edge_table(
+        &self,
+        graph: &Graph,
+        inputs: &[Shape],
+        edge: &Edge,
+        src_space: &ConfigSpace,
+        dst_space: &ConfigSpace,
+    ) -> Vec<f64> {
+        let producer = graph.layer(edge.src).shape;
+        let consumer = graph.layer(edge.dst);
+        // What each consumer tile reads, per consumer layout (independent of the device block).
+        let needs: Vec<Vec<Rect>> = dst_space
+            .layouts()
+            .iter()
+            .map(|h| {
+                let cfg = ParallelConfig::new(*h, 0);
+                (0..cfg.total())
+                    .map(|t| {
+                        let out = tile_rect(&consumer.shape, &cfg, t);
+                        consumer.op.spec().project(inputs, &out)[edge.input]
+                    })
+                    .collect()
+            })
+            .collect();
+        let gradient = edge.carries_gradient(graph);
+        if let Some(regular) = &self.regular
+            && let Some(axes) = AxisNeeds::separable(&producer, dst_space, &needs)
+        {
+            return regular.edge_table(&producer, &axes, src_space, dst_space, gradient);
+        }
+        self.per_message
+            .edge_table(&producer, &needs, src_space, dst_space, gradient)
+    }
+}
+
+/// A machine whose links depend only on whether two devices share a node, with equal nodes of a
+/// power-of-two size.
+struct Regular {
+    devices: usize,
+    node_size: usize,
+    intra: Link,
+    inter: Link,
+    /// Per (log2 producer total, log2 consumer total): the relation id of every block pair,
+    /// `[src block * dst blocks + dst block]` (see [`Relation::id`]).
+    relations: Vec<Vec<u16>>,
+    levels: usize,
+}
+
+/// Per-axis overlap statistics over aligned ranges of block indices.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Stats {
+    best: u64,
+    /// Index (in the whole axis) of the first maximum.
+    arg: usize,
+    /// The largest value once that one maximum is removed (equal to `best` if it occurs twice).
+    second: u64,
+}
+
+/// For one axis and one (producer degree g, consumer degree h): the overlap lengths' maxima over
+/// every aligned range of blocks, in both orientations.
+struct AxisPair {
+    max: u64,
+    /// Pyramid over producer blocks for each consumer block: `[j * (2g - 1) + pyramid_index]`.
+    by_consumer: Vec<Stats>,
+    /// Pyramid over consumer blocks for each producer block: `[i * (2h - 1) + pyramid_index]`.
+    by_producer: Vec<Stats>,
+}
+
+/// A half-open interval of one axis.
+type Interval = (usize, usize);
+
+/// The needed interval of every consumer block along each producer axis, by consumer degree.
+struct AxisNeeds {
+    extents: [usize; MAX_DIMS],
+    /// `[axis]` → consumer degree → interval per consumer block index.
+    needs: Vec<HashMap<usize, Vec<Interval>>>,
+}
+
+impl AxisNeeds {
+    /// The per-axis needs if every consumer tile's needed interval along each producer axis depends
+    /// only on the tile's block index along the same axis; `None` otherwise.
+    fn separable(producer: &Shape, dst_space: &ConfigSpace, needs: &[Vec<Rect>]) -> Option<Self> {
+        let nd = producer.ndim();
+        let mut extents = [1; MAX_DIMS];
+        extents[..nd].copy_from_slice(producer.dims());
+        let mut per_axis: Vec<HashMap<usize, Vec<Option<Interval>>>> =
+            vec![HashMap::new(); MAX_DIMS];
+        for (h, rects) in dst_space.layouts().iter().zip(needs) {
+            let cfg = ParallelConfig::new(*h, 0);
+            for (t, r) in rects.iter().enumerate() {
+                let coords = cfg.tile_coords(t);
+                for a in 0..MAX_DIMS {
+                    let interval = if a < nd {
+                        (r.lo[a], r.hi[a].max(r.lo[a]))
+                    } else {
+                        (0, 1)
+                    };
+                    let slots = per_axis[a].entry(h[a]).or_insert_with(|| vec![None; h[a]]);
+                    match slots[coords[a]] {
+                        None => slots[coords[a]] = Some(interval),
+                        Some(seen) if seen == interval => {}
+                        Some(_) => return None,
+                    }
+                }
+            }
+        }
+        let needs = per_axis
+            .into_iter()
+            .map(|m| {
+                m.into_iter()
+                    .map(|(degree, slots)| {
+                        let v: Option<Vec<_>> = slots.into_iter().collect();
+                        v.map(|v| (degree, v))
+                    })
+                    .collect::<Option<HashMap<_, _>>>()
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(AxisNeeds { extents, needs })
+    }
+
+    #[inline(never)]
+    fn axis_pair(&self, axis: usize, g: usize, h: usize) -> AxisPair {
+        let extent = self.extents[axis];
+        let needs = &self.needs[axis][&h];
+        let mut overlap = vec![0u64; g * h];
+        for i in 0..g {
+            let (lo, hi) = block_range(extent, g, i);
+            for (j, &(nlo, nhi)) in needs.iter().enumerate() {
+                overlap[i * h + j] = hi.min(nhi).saturating_sub(lo.max(nlo)) as u64;
+            }
+        }
+        let max = overlap.iter().copied().max().unwrap_or(0);
+        let column = |j: usize| -> Vec<u64> { (0..g).map(|i| overlap[i * h + j]).collect() };
+        let row = |i: usize| -> Vec<u64> { overlap[i * h..(i + 1) * h].to_vec() };
+        AxisPair {
+            max,
+            by_consumer: (0..h).flat_map(|j| pyramid(&column(j))).collect(),
+            by_producer: (0..g).flat_map(|i| pyramid(&row(i))).collect(),
+        }
+    }
+}
+
+/// Stats of every aligned power-of-two range of `values` (a power of two long), level by level:
+/// ranges of length `2^level` start at [`pyramid_index`]`(n, level, 0)`.
+fn pyramid(values: &[u64]) -> Vec<Stats> {
+    let mut out = Vec::with_capacity(2 * values.len() - 1);
+    let mut size = 1;
+    while size <= values.len() {
+        out.extend(
+            values
+                .chunks(size)
+                .enumerate()
+                .map(|(r, chunk)| range_stats(chunk, r * size)),
+        );
+        size *= 2;
+    }
+    out
+}
+
+/// Position of range `range` of level `level` in the pyramid of `n` values.
+fn pyramid_index(n: usize, level: usize, range: usize) -> usize {
+    2 * n - 2 * (n >> level) + range
+}
+
+impl Stats {
+    /// The stats of an empty product.
+    const ONE: Stats = Stats {
+        best: 1,
+        arg: 0,
+        second: 0,
+    };
+
+    /// Stats of the product of two independent factors (axes): the best is the product of the
+    /// bests; anything but that maximum differs from it in at least one factor, where it takes that
+    /// factor's second. `shift` places the factor's index in the tile number.
+    #[inline]
+    fn times(&self, axis: &Stats, shift: u32) -> Stats {
+        Stats {
+            best: self.best * axis.best,
+            arg: self.arg | (axis.arg << shift),
+            second: (self.second * axis.best).max(self.best * axis.second),
+        }
+    }
+}
+
+fn range_stats(values: &[u64], offset: usize) -> Stats {
+    let (arg, best) = values
+        .iter()
+        .copied()
+        .enumerate()
+        .fold((0, 0), |m, (i, v)| if v > m.1 { (i, v) } else { m });
+    let second = values
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != arg)
+        .map(|(_, &v)| v)
+        .max()
+        .unwrap_or(0);
+    Stats {
+        best,
+        arg: offset + arg,
+        second,
+    }
+}
+
+/// How two aligned blocks of one layout pair relate, which fixes their t_x.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Relation {
+    /// No shared device, every device pair within one node.
+    DisjointIntra,
+    /// No shared device, every device pair across nodes.
+    DisjointInter,
+    /// The smaller block lies `offset` tiles into the larger one.
+    Nested { offset: usize },
+}
+
+impl Relation {
+    /// Index into a layout pair's values: the two disjoint cases, then one per nesting offset (in
+    /// units of the smaller block).
+    fn id(self, small_total: usize) -> u16 {
+        match self {
+            Relation::DisjointIntra => 0,
+            Relation::DisjointInter => 1,
+            Relation::Nested { offset } => (2 + offset / small_total) as u16,
+        }
+    }
+}
+
+impl Regular {
+    fn detect(machine: &MachineModel) -> Option<Regular> {
+        let devices = machine.num_devices();
+        let nodes = machine.num_nodes();
+        if !machine.link_overrides().is_empty() || !devices.is_multiple_of(nodes) {
+            return None;
+        }
+        let node_size = devices / nodes;
+        let equal_nodes = (0..devices).all(|d| machine.node_of(d) == d / node_size);
+        if !(node_size.is_power_of_two() && equal_nodes) {
+            return None;
+        }
+        let levels = devices.ilog2() as usize + 1;
+        let mut regular = Regular {
+            devices,
+            node_size,
+            intra: machine.intra_node_link(),
+            inter: machine.inter_node_link(),
+            relations: Vec::new(),
+            levels,
+        };
+        for src_level in 0..levels {
+            for dst_level in 0..levels {
+                let (src_total, dst_total) = (1 << src_level, 1 << dst_level);
+                let small = src_total.min(dst_total);
+                let mut ids = Vec::new();
+                for src in (0..=devices - src_total).step_by(src_total) {
+                    for dst in (0..=devices - dst_total).step_by(dst_total) {
+                        ids.push(regular.relation(src, src_total, dst, dst_total).id(small));
+                    }
+                }
+                regular.relations.push(ids);
+            }
+        }
+        Some(regular)
+    }
+
+    fn relation(&self, src: usize, src_total: usize, dst: usize, dst_total: usize) -> Relation {
+        let (big, big_total, small) = if src_total >= dst_total {
+            (src, src_total, dst)
+        } else {
+            (dst, dst_total, src)
+        };
+        if (big..big + big_total).contains(&small) {
+            return Relation::Nested {
+                offset: small - big,
+            };
+        }
+        let within_nodes = src_total <= self.node_size && dst_total <= self.node_size;
+        if within_nodes && src / self.node_size == dst / self.node_size {
+            Relation::DisjointIntra
+        } else {
+            Relation::DisjointInter
+        }
+    }
+
+    /// The largest intra-node and inter-node messages (elements; 0: none), forward and, with
+    /// `gradient`, backward.
+    fn time(&self, intra: u64, inter: u64, gradient: bool) -> f64 {
+        let one = |link: Link, elems: u64| {
+            if elems == 0 {
+                0.0
+            } else {
+                link.message_time((4 * elems) as f64)
+            }
+        };
+        // a regular machine's links are symmetric, so the backward pass takes as long
+        let forward = one(self.intra, intra).max(one(self.inter, inter));
+        if gradient { forward + forward } else { forward }
+    }
+
+    fn edge_table(
+        &self,
+        producer: &Shape,
+        axes: &AxisNeeds,
+        src_space: &ConfigSpace,
+        dst_space: &ConfigSpace,
+        gradient: bool,
+    ) -> Vec<f64> {
+        let nd = producer.ndim();
+        // Degrees are powers of two up to the device count: index axis pairs by their logarithms.
+        let levels = self.devices.ilog2() as usize + 1;
+        let slot = |a: usize, ga: usize, ha: usize| {
+            (a * levels + ga.trailing_zeros() as usize) * levels + ha.trailing_zeros() as usize
+        };
+        let mut pairs: Vec<Option<AxisPair>> = Vec::new();
+        pairs.resize_with(MAX_DIMS * levels * levels, || None);
+        for g in src_space.layouts() {
+            for h in dst_space.layouts() {
+                for a in 0..MAX_DIMS {
+                    let ga = if a < nd { g[a] } else { 1 };
+                    let p = &mut pairs[slot(a, ga, h[a])];
+                    if p.is_none() {
+                        *p = Some(axes.axis_pair(a, ga, h[a]));
+                    }
+                }
+            }
+        }
+        let columns = dst_space.len();
+        let mut table = vec![0.0; src_space.len() * columns];
+        let mut scratch = Scratch::default();
+        let src_sides: Vec<Side> = src_space
+            .layouts()
+            .iter()
+            .map(|g| {
+                Side::new(
+                    std::array::from_fn(|a| if a < nd { g[a] } else { 1 }),
+                    self.node_size,
+                )
+            })
+            .collect();
+        let dst_sides: Vec<Side> = dst_space
+            .layouts()
+            .iter()
+            .map(|h| Side::new(*h, self.node_size))
+            .collect();
+        for (gi, src) in src_sides.iter().enumerate() {
+            let (g, src_total) = (&src.degrees, src.total);
+            for (hi, dst) in dst_sides.iter().enumerate() {
+                let h = &dst.degrees;
+                let axis: [&AxisPair; MAX_DIMS] = std::array::from_fn(|a| {
+                    pairs[slot(a, g[a], h[a])]
+                        .as_ref()
+                        .expect("every axis pair was built above")
+                });
+                self.layout_pair(src, dst, &axis, gradient, &mut scratch);
+                let dst_total = dst.total;
+                let relations = &self.relations[src_total.trailing_zeros() as usize * self.levels
+                    + dst_total.trailing_zeros() as usize];
+                let dst_blocks = self.devices / dst_total;
+                let src_configs = src_space.layout_configs(gi);
+                let dst_configs = dst_space.layout_configs(hi);
+                for (src_block, row) in src_configs.enumerate() {
+                    let out = &mut table[row * columns + dst_configs.start..][..dst_configs.len()];
+                    let ids = &relations[src_block * dst_blocks..][..dst_configs.len()];
+                    for (o, &id) in out.iter_mut().zip(ids) {
+                        *o = scratch.values[id as usize];
+                    }
+                }
+            }
+        }
+        table
+    }
+
+    /// t_x of one layout pair for every relation of two blocks, into `out.values` (by
+    /// [`Relation::id`]).
+    fn layout_pair(
+        &self,
+        src: &Side,
+        dst: &Side,
+        axis: &[&AxisPair; MAX_DIMS],
+        gradient: bool,
+        out: &mut Scratch,
+    ) {
+        let all = axis.iter().map(|p| p.max).product::<u64>();
+        out.values.clear();
+        out.values.push(self.time(all, 0, gradient));
+        out.values.push(self.time(0, all, gradient));
+
+        // The larger block's tiles are grouped by node; the smaller block's tiles are visited.
+        let producer_big = src.total >= dst.total;
+        let (big, small) = if producer_big { (src, dst) } else { (dst, src) };
+        let pyramids: [&[Stats]; MAX_DIMS] = std::array::from_fn(|a| {
+            if producer_big {
+                axis[a].by_consumer.as_slice()
+            } else {
+                axis[a].by_producer.as_slice()
+            }
+        });
+        // The group axes' stats depend on a small tile only through its digits on those axes: per
+        // such digit combination and group, their stats, and per combination the two groups with
+        // the largest message.
+        let combos: usize = big.group_axes().iter().map(|&a| small.degrees[a]).product();
+        out.group_stats.clear();
+        out.group_top.clear();
+        for combo in 0..combos {
+            let mut rest = combo;
+            let mut row = [0; MAX_DIMS];
+            for &a in big.group_axes().iter().rev() {
+                row[a] = (rest & (small.degrees[a] - 1)) * big.pyramid_len[a];
+                rest >>= small.degrees[a].trailing_zeros();
+            }
+            let (mut first, mut first_group, mut second) = (0u64, 0usize, 0u64);
+            for (group, r) in big.ranges.iter().enumerate() {
+                let mut s = Stats::ONE;
+                for &a in big.group_axes() {
+                    s = s.times(&pyramids[a][row[a] + r[a]], big.shift[a]);
+                }
+                if s.best > first {
+                    second = first;
+                    (first, first_group) = (s.best, group);
+                } else if s.best > second {
+                    second = s.best;
+                }
+                out.group_stats.push(s);
+            }
+            out.group_top.push((first, first_group, second));
+        }
+        // Per small tile (in tile order): the free axes' stats and its digit combination on the
+        // group axes, expanded axis by axis (tile numbers are row-major over the axes).
+        out.free.clear();
+        out.free.push((Stats::ONE, 0));
+        for (a, pyramid) in pyramids.iter().enumerate() {
+            let n = small.degrees[a];
+            let free = big.free[a];
+            if n == 1 && !free {
+                continue;
+            }
+            out.expand.clear();
+            for &(st, combo) in &out.free {
+                for d in 0..n {
+                    out.expand.push(if free {
+                        let row = d * big.pyramid_len[a] + big.whole[a];
+                        (st.times(&pyramid[row], big.shift[a]), combo)
+                    } else {
+                        (st, combo * n + d)
+                    });
+                }
+            }
+            std::mem::swap(&mut out.free, &mut out.expand);
+        }
+        let groups = big.ranges.len();
+        let mut last = (u64::MAX, u64::MAX, 0.0);
+        for offset in (0..big.total).step_by(small.total) {
+            let (mut intra, mut inter) = (0u64, 0u64);
+            for (x, (free, combo)) in out.free.iter().enumerate() {
+                let own_tile = offset + x;
+                let own_group = own_tile >> big.group_bits;
+                let s = free.times(&out.group_stats[combo * groups + own_group], 0);
+                intra = intra.max(if s.arg == own_tile { s.second } else { s.best });
+                let (first, first_group, second) = out.group_top[*combo];
+                let other = if first_group == own_group {
+                    second
+                } else {
+                    first
+                };
+                inter = inter.max(free.best * other);
+            }
+            if (intra, inter) != (last.0, last.1) {
+                last = (intra, inter, self.time(intra, inter, gradient));
+            }
+            out.values.push(last.2);
+        }
+    }
+}
+
+/// What [`Regular::layout_pair`] needs of one layout, computed once per edge.
+struct Side {
+    degrees: [usize; MAX_DIMS],
+    total: usize,
+    /// Bit position of each axis's block index in a tile number.
+    shift: [u32; MAX_DIMS],
+    /// Length of the pyramid over this side's blocks of each axis.
+    pyramid_len: [usize; MAX_DIMS],
+    /// When this side is the larger block: its tiles form node groups of `2^group_bits` tiles.
+    /// Along each axis a group covers an aligned range of block indices: the trailing axes entirely
+    /// (`free`, alike for every group), then one axis in part, the leading axes at one index.
+    group_bits: u32,
+    free: [bool; MAX_DIMS],
+    /// The axes that are not free, in order.
+    group_axes: [usize; MAX_DIMS],
+    n_group_axes: usize,
+    /// Per group, per axis: its range's position in the pyramids.
+    ranges: Vec<[usize; MAX_DIMS]>,
+    /// Per axis: the pyramid position of a free axis's whole range.
+    whole: [usize; MAX_DIMS],
+}
+
+impl Side {
+    fn new(degrees: [usize; MAX_DIMS], node_size: usize) -> Side {
+        let total: usize = degrees.iter().product();
+        let groups = if total > node_size {
+            total / node_size
+        } else {
+            1
+        };
+        let group_size = total / groups;
+        let group_bits = group_size.trailing_zeros();
+        let shift = digit_shifts(&degrees);
+        let mut levels = [0; MAX_DIMS];
+        let mut free_bits = group_bits as usize;
+        for a in (0..MAX_DIMS).rev() {
+            levels[a] = (degrees[a].trailing_zeros() as usize).min(free_bits);
+            free_bits -= levels[a];
+        }
+        let free: [bool; MAX_DIMS] =
+            std::array::from_fn(|a| levels[a] == degrees[a].trailing_zeros() as usize);
+        let mut group_axes = [0; MAX_DIMS];
+        let mut n_group_axes = 0;
+        for a in (0..MAX_DIMS).filter(|&a| !free[a]) {
+            group_axes[n_group_axes] = a;
+            n_group_axes += 1;
+        }
+        let ranges = (0..groups)
+            .map(|group| {
+                let start = group * group_size;
+                std::array::from_fn(|a| {
+                    let digit = (start >> shift[a]) & (degrees[a] - 1);
+                    pyramid_index(degrees[a], levels[a], digit >> levels[a])
+                })
+            })
+            .collect();
+        Side {
+            degrees,
+            total,
+            shift,
+            pyramid_len: std::array::from_fn(|a| 2 * degrees[a] - 1),
+            group_bits,
+            free,
+            group_axes,
+            n_group_axes,
+            ranges,
+            whole: std::array::from_fn(|a| pyramid_index(degrees[a], levels[a], 0)),
+        }
+    }
+
+    fn group_axes(&self) -> &[usize] {
+        &self.group_axes[..self.n_group_axes]
+    }
+}
+
+/// Reused buffers and results of [`Regular::layout_pair`].
+#[derive(Default)]
+struct Scratch {
+    /// t_x by [`Relation::id`].
+    values: Vec<f64>,
+    /// Per small tile: stats over the axes every group covers whole, and its digit combination on
+    /// the other axes.
+    free: Vec<(Stats, usize)>,
+    expand: Vec<(Stats, usize)>,
+    /// `[combination][group]`: stats over the group axes.
+    group_stats: Vec<Stats>,
+    /// Per combination: (largest over groups, its group, largest over the other groups).
+    group_top: Vec<(u64, usize, u64)>,
+}
+
+/// Bit position of each axis's block index in a row-major tile number (degrees are powers of two).
+fn digit_shifts(degrees: &[usize; MAX_DIMS]) -> [u32; MAX_DIMS] {
+    let mut s = [0; MAX_DIMS];
+    for a in (0..MAX_DIMS - 1).rev() {
+        s[a] = s[a + 1] + degrees[a + 1].trailing_zeros();
+    }
+    s
+}
+
+/// One producer-tile → consumer-tile message of a layout pair.
+#[derive(Clone, Copy, Debug)]
+struct Message {
+    src_tile: usize,
+    dst_tile: usize,
+    bytes: f64,
+}
+
+/// Device pairs grouped by their links, for the per-message tables.
+struct DevicePairs {
+    devices: usize,
+    /// Per ordered device pair, the index of its (forward, backward) links; 0 for a device and itself.
+    kind: Vec<u16>,
+    forward: Vec<Link>,
+    backward: Vec<Link>,
+    /// By `log2(src blocks' size) * levels + log2(dst blocks' size)`.
+    classes: Vec<PairClasses>,
+    levels: usize,
+}
+
+/// The block pairs of one (producer total, consumer total) that are alike.
+struct PairClasses {
+    dst_blocks: usize,
+    /// Class of block pair (src block i, dst block j) at `i * dst_blocks + j`.
+    class_of: Vec<u32>,
+    classes: Vec<PairClass>,
+}
+
+enum PairClass {
+    /// Every device pair uses link kind `k` (0: every tile pair shares a device).
+    Uniform(u16),
+    /// Mixed links: evaluated message by message at this representative block pair.
+    Mixed { src_first: usize, dst_first: usize },
+}
+
+impl DevicePairs {
+    fn new(machine: &MachineModel) -> DevicePairs {
+        let n = machine.num_devices();
+        let mut kind = vec![0u16; n * n];
+        let mut forward = vec![Link {
+            bytes_per_s: f64::INFINITY,
+            latency_s: 0.0,
+        }];
+        let mut backward = forward.clone();
+        let mut ids: HashMap<[u64; 4], u16> = HashMap::new();
+        for a in 0..n {
+            for b in 0..n {
+                let (Some(f), Some(r)) = (machine.link(a, b), machine.link(b, a)) else {
+                    continue;
+                };
+                let key = [
+                    f.bytes_per_s.to_bits(),
+                    f.latency_s.to_bits(),
+                    r.bytes_per_s.to_bits(),
+                    r.latency_s.to_bits(),
+                ];
+                kind[a * n + b] = *ids.entry(key).or_insert_with(|| {
+                    forward.push(f);
+                    backward.push(r);
+                    (forward.len() - 1) as u16
+                });
+            }
+        }
+        let sizes: Vec<usize> = (0..).map(|k| 1usize << k).take_while(|&s| s <= n).collect();
+        let mut pairs = DevicePairs {
+            devices: n,
+            kind,
+            forward,
+            backward,
+            classes: Vec::new(),
+            levels: sizes.len(),
+        };
+        for &src in &sizes {
+            for &dst in &sizes {
+                let c = pairs.group(src, dst);
+                pairs.classes.push(c);
+            }
+        }
+        pairs
+    }
+
+    fn group(&self, src_total: usize, dst_total: usize) -> PairClasses {
+        let n = self.devices;
+        let src_blocks = n / src_total;
+        let dst_blocks = n / dst_total;
+        let mut seen: HashMap<Vec<u16>, u32> = HashMap::new();
+        let mut class_of = Vec::with_capacity(src_blocks * dst_blocks);
+        let mut classes = Vec::new();
+        let mut matrix = Vec::with_capacity(src_total * dst_total);
+        for i in 0..src_blocks {
+            for j in 0..dst_blocks {
+                let (s, d) = (i * src_total, j * dst_total);
+                matrix.clear();
+                for a in s..s + src_total {
+                    matrix.extend_from_slice(&self.kind[a * n + d..a * n + d + dst_total]);
+                }
+                let next = classes.len() as u32;
+                let id = *seen.entry(matrix.clone()).or_insert(next);
+                if id == next {
+                    let first = matrix[0];
+                    classes.push(if matrix.iter().all(|&k| k == first) {
+                        PairClass::Uniform(first)
+                    } else {
+                        PairClass::Mixed {
+                            src_first: s,
+                            dst_first: d,
+                        }
+                    });
+                }
+                class_of.push(id);
+            }
+        }
+        PairClasses {
+            dst_blocks,
+            class_of,
+            classes,
+        }
+    }
+
+    fn classes(&self, src_total: usize, dst_total: usize) -> &PairClasses {
+        let level = |t: usize| t.trailing_zeros() as usize;
+        &self.classes[level(src_total) * self.levels + level(dst_total)]
+    }
+
+    /// t_x (forward, and backward with `gradient`) of `messages` at a block pair of class `class`.
+    fn class_time(
+        &self,
+        class: &PairClass,
+        messages: &[Message],
+        largest: f64,
+        gradient: bool,
+    ) -> f64 {
+        let both = |forward: f64, backward: f64| {
+            if gradient {
+                forward + backward
+            } else {
+                forward
+            }
+        };
+        match *class {
+            PairClass::Uniform(0) => 0.0,
+            PairClass::Uniform(_) if messages.is_empty() => 0.0,
+            PairClass::Uniform(k) => {
+                let k = k as usize;
+                both(
+                    self.forward[k].message_time(largest),
+                    self.backward[k].message_time(largest),
+                )
+            }
+            PairClass::Mixed {
+                src_first,
+                dst_first,
+            } => {
+                let n = self.devices;
+                let (mut forward, mut backward) = (0.0f64, 0.0f64);
+                for m in messages {
+                    let k =
+                        self.kind[(src_first + m.src_tile) * n + dst_first + m.dst_tile] as usize;
+                    if k != 0 {
+                        forward = forward.max(self.forward[k].message_time(m.bytes));
+                        backward = backward.max(self.backward[k].message_time(m.bytes));
+                    }
+                }
+                both(forward, backward)
+            }
+        }
+    }
+
+    /// The per-message table: overlaps enumerated box by box for every layout pair.
+    fn edge_table(
+        &self,
+        producer: &Shape,
+        needs: &[Vec<Rect>],
+        src_space: &ConfigSpace,
+        dst_space: &ConfigSpace,
+        gradient: bool,
+    ) -> Vec<f64> {
+        let nd = producer.ndim();
+        let extents = producer.dims();
+        let columns = dst_space.len();
+        let mut table = vec![0.0; src_space.len() * columns];
+        let mut messages: Vec<Message> = Vec::new();
+        let mut values: Vec<f64> = Vec::new();
+        for (gi, g) in src_space.layouts().iter().enumerate() {
+            let src_total: usize = g.iter().product();
+            for (hi, h) in dst_space.layouts().iter().enumerate() {
+                let dst_total: usize = h.iter().product();
+                messages.clear();
+                let mut largest = 0.0f64;
+                for (dst_tile, need) in needs[hi].iter().enumerate() {
+                    if need.is_empty() {
+                        continue;
+                    }
+                    let mut first = [0; MAX_DIMS];
+                    let mut last = [0; MAX_DIMS];
+                    for a in 0..nd {
+                        first[a] = block_of(extents[a], g[a], need.lo[a]);
+                        last[a] = block_of(extents[a], g[a], need.hi[a] - 1);
+                    }
+                    let mut idx = first;
+                    loop {
+                        let mut volume = 1;
+                        let mut src_tile = 0;
+                        for a in 0..nd {
+                            let (lo, hi) = block_range(extents[a], g[a], idx[a]);
+                            volume *= hi.min(need.hi[a]) - lo.max(need.lo[a]);
+                            src_tile = src_tile * g[a] + idx[a];
+                        }
+                        let bytes = (4 * volume) as f64;
+                        largest = largest.max(bytes);
+                        messages.push(Message {
+                            src_tile,
+                            dst_tile,
+                            bytes,
+                        });
+                        // advance the odometer over the box first..=last
+                        let mut a = nd;
+                        while a > 0 {
+                            a -= 1;
+                            if idx[a] < last[a] {
+                                idx[a] += 1;
+                                break;
+                            }
+                            idx[a] = first[a];
+                        }
+                        if idx == first {
+                            break;
+                        }
+                    }
+                }
+                let classes = self.classes(src_total, dst_total);
+                values.clear();
+                values.extend(
+                    classes
+                        .classes
+                        .iter()
+                        .map(|c| self.class_time(c, &messages, largest, gradient)),
+                );
+                let src_configs = src_space.layout_configs(gi);
+                let dst_configs = dst_space.layout_configs(hi);
+                let per_row = dst_configs.len();
+                for (si, row) in src_configs.enumerate() {
+                    let out = &mut table[row * columns + dst_configs.start..][..per_row];
+                    let class_row = &classes.class_of[si * classes.dst_blocks..][..per_row];
+                    for (o, &c) in out.iter_mut().zip(class_row) {
+                        *o = values[c as usize];
+                    }
+                }
+            }
+        }
+        table
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::graph_edges;
+    use legion_ops::GraphBuilder;
+    use legion_ops::op::{Conv2d, Dense, Pool2d};
+
+    fn graph() -> Graph {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 3, 13, 11)).unwrap();
+        let a = m.conv2d("a", x, Conv2d::new(6, 3).padding(1)).unwrap();
+        let b = m
+            .conv2d("b", a, Conv2d::new(4, 3).stride(2).padding(1))
+            .unwrap();
+        let p = m
+            .pool2d("p", a, Pool2d::max(3).stride(2).padding(1))
+            .unwrap();
+        let b2 = m.conv2d("b2", p, Conv2d::new(5, 1)).unwrap();
+        let c = m.concat("cat", &[b, b2]).unwrap();
+        let g = m.conv2d("grouped", c, Conv2d::new(9, 1).groups(9)).unwrap();
+        let f = m.flatten("f", g).unwrap();
+        let d = m.dense("fc", f, Dense::new(7)).unwrap();
+        m.softmax_cross_entropy("loss", d).unwrap();
+        m.finish()
+    }
+
+    /// Both ways of building a table agree entry for entry on regular machines.
+    #[test]
+    fn factorized_equals_per_message() {
+        let g = graph();
+        for machine in [
+            MachineModel::preset("paper:16").unwrap(),
+            MachineModel::preset("paper:8").unwrap(),
+            MachineModel::from_flags(4, 2, Some(30.0), Some(3.0)).unwrap(),
+            MachineModel::from_flags(1, 8, None, None).unwrap(),
+        ] {
+            let regular = Regular::detect(&machine).expect("regular machine");
+            let per_message = DevicePairs::new(&machine);
+            let spaces: Vec<ConfigSpace> = g
+                .layers()
+                .iter()
+                .map(|l| {
+                    ConfigSpace::enumerate(
+                        &l.shape,
+                        l.op.spec().parallel_dims(&l.shape),
+                        machine.num_devices(),
+                    )
+                })
+                .collect();
+            for e in graph_edges(&g) {
+                let consumer = g.layer(e.dst);
+                let inputs = g.input_shapes(e.dst);
+                let dst_space = &spaces[e.dst.0];
+                let needs: Vec<Vec<Rect>> = dst_space
+                    .layouts()
+                    .iter()
+                    .map(|h| {
+                        let cfg = ParallelConfig::new(*h, 0);
+                        (0..cfg.total())
+                            .map(|t| {
+                                let out = tile_rect(&consumer.shape, &cfg, t);
+                                consumer.op.spec().project(&inputs, &out)[e.input]
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let producer = g.layer(e.src).shape;
+                let axes = AxisNeeds::separable(&producer, dst_space, &needs)
+                    .expect("the catalogue's projections are separable");
+                let gradient = e.carries_gradient(&g);
+                let (src_space, dst_space) = (&spaces[e.src.0], dst_space);
+                let fast = regular.edge_table(&producer, &axes, src_space, dst_space, gradient);
+                let slow =
+                    per_message.edge_table(&producer, &needs, src_space, dst_space, gradient);
+                assert_eq!(
+                    fast,
+                    slow,
+                    "{} → {} on {}",
+                    g.layer(e.src).name,
+                    consumer.name,
+                    machine.name()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn irregular_machines_are_detected() {
+        assert!(Regular::detect(&MachineModel::from_flags(2, 3, None, None).unwrap()).is_none());
+        let m = MachineModel::preset("paper:4")
+            .unwrap()
+            .with_link(0, 1, Link::from_gbit_per_s(1.0, 0.0))
+            .unwrap();
+        assert!(Regular::detect(&m).is_none());
+        assert!(Regular::detect(&MachineModel::preset("paper:16").unwrap()).is_some());
+    }
+}

@@ -1,0 +1,71 @@
+//! The cost tables the searches read agree with Eq. 1 computed straight from the geometry.
+
+mod common;
+
+use common::{FAMILIES, random_graph};
+use legion_ops::rng::Rng;
+use legion_planner::{CostModel, CostTables, Link, MachineModel, RooflineCost};
+
+fn machines() -> Vec<MachineModel> {
+    vec![
+        MachineModel::preset("paper:8").unwrap(),
+        MachineModel::preset("paper:4").unwrap(),
+        MachineModel::from_flags(4, 2, Some(50.0), Some(10.0)).unwrap(),
+        MachineModel::from_flags(1, 8, None, None).unwrap(),
+        // irregular: nodes of 3, and an override
+        MachineModel::from_flags(2, 3, None, None).unwrap(),
+        MachineModel::preset("paper:8")
+            .unwrap()
+            .with_link(1, 6, Link::from_gbit_per_s(7.0, 3.0))
+            .unwrap(),
+    ]
+}
+
+#[test]
+fn tables_match_direct_evaluation() {
+    let mut rng = Rng::new(11);
+    for machine in machines() {
+        let provider = RooflineCost::new(&machine);
+        for (f, family) in FAMILIES.iter().enumerate() {
+            for seed in 0..3 {
+                let g = random_graph(*family, seed * 10 + f as u64, 5);
+                let model = CostModel::new(&g, &machine, &provider);
+                let tables = CostTables::build(&model);
+                for id in g.ids() {
+                    let space = tables.space(id);
+                    for (i, c) in space.configs().iter().enumerate() {
+                        assert_eq!(tables.compute(id)[i], model.compute_time(id, c));
+                        assert_eq!(tables.sync(id)[i], model.sync_time(id, c));
+                    }
+                }
+                for (e, edge) in model.edges().iter().enumerate() {
+                    let table = tables.edge_table(e);
+                    // edges of one class share the table the searches compute for the first
+                    let class = tables.edge_class(e);
+                    if class != e {
+                        assert_eq!(tables.edge_table(class), table, "class of edge {e}");
+                    }
+                    let (src, dst) = (tables.space(edge.src), tables.space(edge.dst));
+                    assert_eq!(table.len(), src.len() * dst.len());
+                    for _ in 0..200 {
+                        let (i, j) = (rng.below(src.len()), rng.below(dst.len()));
+                        let direct = model.transfer_time(edge, &src.config(i), &dst.config(j));
+                        let fast = table[i * dst.len() + j];
+                        assert!(
+                            (fast - direct).abs() <= 1e-12 * direct.max(1e-9),
+                            "{} on {}: edge {}→{} configs {} @{} → {} @{}: table {fast} direct {direct}",
+                            g.name,
+                            machine.name(),
+                            g.layer(edge.src).name,
+                            g.layer(edge.dst).name,
+                            src.config(i),
+                            src.config(i).first_device(),
+                            dst.config(j),
+                            dst.config(j).first_device(),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! Algorithm 1 is exact under Eq. 1: on random small DAGs (chains, fork-joins, Inception-like and
+//! residual blocks) and 2–8 devices, OptCNN finds the exhaustive search's optimum, and its strategy,
+//! re-priced with Eq. 1 from the geometry, costs exactly that.
+
+mod common;
+
+use common::{FAMILIES, random_graph};
+use legion_planner::search::{exhaustive, optcnn};
+use legion_planner::{CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost};
+use proptest::prelude::*;
+
+/// Devices slow enough and links balanced so that compute, transfers and synchronisation of these
+/// tiny tensors all matter: the optimum is neither trivially serial nor trivially parallel.
+/// `link_speed` scales both link classes (inter-node links are 4× slower than intra-node ones).
+fn machine(devices: usize, two_nodes: bool, link_speed: f64) -> MachineModel {
+    let nodes = if two_nodes && devices.is_multiple_of(2) {
+        2
+    } else {
+        1
+    };
+    let device = DeviceSpec {
+        kind: "toy".into(),
+        peak_gflops: 1e-4,
+        memory_gb_per_s: 1e-2,
+        task_overhead_us: 1.0,
+    };
+    MachineModel::uniform(
+        "toy",
+        nodes,
+        devices / nodes,
+        device,
+        Link::from_gbit_per_s(0.04 * link_speed, 20.0),
+        Link::from_gbit_per_s(0.01 * link_speed, 50.0),
+    )
+    .unwrap()
+}
+
+fn check(
+    family: usize,
+    seed: u64,
+    layers: usize,
+    devices: usize,
+    two_nodes: bool,
+    link_speed: f64,
+) -> Result<(), TestCaseError> {
+    let g = random_graph(FAMILIES[family], seed, layers);
+    let machine = machine(devices, two_nodes, link_speed);
+    let provider = RooflineCost::new(&machine);
+    let model = CostModel::new(&g, &machine, &provider);
+    let tables = CostTables::build(&model);
+    let fast = optcnn(&tables).unwrap();
+    let slow = exhaustive(&tables, 20_000_000).unwrap();
+    let tolerance = 1e-9 * slow.cost;
+    prop_assert!(
+        (fast.cost - slow.cost).abs() <= tolerance,
+        "{}: optcnn {} vs exhaustive {} on {}",
+        g.name,
+        fast.cost,
+        slow.cost,
+        machine
+    );
+    let repriced = model.total(&tables.configs(&fast.indices));
+    prop_assert!(
+        (repriced - fast.cost).abs() <= tolerance,
+        "{}: Eq. 1 of optcnn's strategy {} vs its search cost {}",
+        g.name,
+        repriced,
+        fast.cost
+    );
+    Ok(())
+}
+
+proptest! {
+    // A fixed seed keeps CI reproducible; change it locally to explore other graphs.
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x5EED_0C7C),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn optcnn_equals_exhaustive(
+        family in 0..FAMILIES.len(),
+        seed in any::<u64>(),
+        layers in 2usize..6,
+        devices in prop::sample::select(vec![2usize, 3, 4, 6, 8]),
+        two_nodes in any::<bool>(),
+        link_speed in prop::sample::select(vec![0.1, 1.0, 10.0]),
+    ) {
+        check(family, seed, layers, devices, two_nodes, link_speed)?;
+    }
+}
+
+/// A few fixed cases of every family, so a regression shows up even with few proptest cases.
+#[test]
+fn every_family_on_two_to_eight_devices() {
+    for family in 0..FAMILIES.len() {
+        for (seed, devices) in [(1, 2), (2, 4), (3, 8)] {
+            check(family, seed, 3, devices, true, 1.0).unwrap();
+        }
+    }
+}
