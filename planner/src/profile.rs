@@ -337,16 +337,6 @@ impl ProfiledCost {
 }
 
 impl CostProvider for ProfiledCost {
-    fn compute_time(
-        &self,
-        layer: &Layer,
-        inputs: &[Shape],
-        tile_out: &Rect,
-        device: DeviceId,
-    ) -> f64 {
-        self.phase_times(layer, inputs, tile_out, device).total()
-    }
-
     fn phase_times(
         &self,
         layer: &Layer,

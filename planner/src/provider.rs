@@ -24,37 +24,25 @@ impl PhaseTimes {
 /// its op and shapes (not its name): the cost tables price each distinct (tile, device spec) once and
 /// share tables between identical layers.
 pub trait CostProvider {
-    /// Forward + backward seconds of the tile `tile_out` of `layer` (whose inputs have `inputs`
-    /// shapes) on `device`.
-    fn compute_time(
-        &self,
-        layer: &Layer,
-        inputs: &[Shape],
-        tile_out: &Rect,
-        device: DeviceId,
-    ) -> f64;
-
-    /// The same time split into forward and backward (the simulator schedules them apart). By
-    /// default the split follows the layer's forward/backward FLOPs.
+    /// Forward and backward seconds of the tile `tile_out` of `layer` (whose inputs have `inputs`
+    /// shapes) on `device`; the simulator schedules the two phases apart.
     fn phase_times(
         &self,
         layer: &Layer,
         inputs: &[Shape],
         tile_out: &Rect,
         device: DeviceId,
-    ) -> PhaseTimes {
-        let total = self.compute_time(layer, inputs, tile_out, device);
-        let flops = layer.op.spec().flops(inputs, &layer.shape);
-        let all = flops.forward + flops.backward;
-        let forward_share = if all == 0 {
-            0.5
-        } else {
-            flops.forward as f64 / all as f64
-        };
-        PhaseTimes {
-            forward: total * forward_share,
-            backward: total * (1.0 - forward_share),
-        }
+    ) -> PhaseTimes;
+
+    /// Forward + backward seconds of the tile.
+    fn compute_time(
+        &self,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> f64 {
+        self.phase_times(layer, inputs, tile_out, device).total()
     }
 }
 
@@ -123,16 +111,6 @@ impl RooflineCost {
 }
 
 impl CostProvider for RooflineCost {
-    fn compute_time(
-        &self,
-        layer: &Layer,
-        inputs: &[Shape],
-        tile_out: &Rect,
-        device: DeviceId,
-    ) -> f64 {
-        self.phase_times(layer, inputs, tile_out, device).total()
-    }
-
     fn phase_times(
         &self,
         layer: &Layer,
