@@ -25,7 +25,7 @@ pub struct Sgd {
 impl Default for Sgd {
     fn default() -> Self {
         Sgd {
-            lr: 0.01,
+            lr: 0.03,
             momentum: 0.9,
             weight_decay: 5e-4,
         }
@@ -64,11 +64,7 @@ impl ParamStore {
                 let n = p.spec.shape.numel();
                 let mut r = Rng::new(rng::hash(&[seed, i as u64]));
                 match p.spec.init {
-                    Init::HeUniform { fan_in } => {
-                        let b = (6.0 / fan_in as f32).sqrt();
-                        (0..n).map(|_| r.uniform(-b, b)).collect()
-                    }
-                    Init::BiasUniform { fan_in } => {
+                    Init::FanInUniform { fan_in } => {
                         let b = 1.0 / (fan_in as f32).sqrt();
                         (0..n).map(|_| r.uniform(-b, b)).collect()
                     }

@@ -30,7 +30,7 @@ struct Args {
     init: Option<PathBuf>,
     #[arg(long)]
     save: Option<PathBuf>,
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = Sgd::default().lr)]
     lr: f32,
     #[arg(long)]
     json: bool,

@@ -133,13 +133,13 @@ impl OpSpec for Conv2d {
         let mut p = vec![ParamSpec::trainable(
             "weight",
             Shape::nchw(self.out_channels, cin, self.kernel[0], self.kernel[1]),
-            Init::HeUniform { fan_in },
+            Init::FanInUniform { fan_in },
         )];
         if self.bias {
             p.push(ParamSpec::trainable(
                 "bias",
                 Shape::new(&[self.out_channels]),
-                Init::BiasUniform { fan_in },
+                Init::FanInUniform { fan_in },
             ));
         }
         p

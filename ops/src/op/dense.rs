@@ -51,13 +51,13 @@ impl OpSpec for Dense {
         let mut p = vec![ParamSpec::trainable(
             "weight",
             Shape::nc(self.out_features, fan_in),
-            Init::HeUniform { fan_in },
+            Init::FanInUniform { fan_in },
         )];
         if self.bias {
             p.push(ParamSpec::trainable(
                 "bias",
                 Shape::new(&[self.out_features]),
-                Init::BiasUniform { fan_in },
+                Init::FanInUniform { fan_in },
             ));
         }
         p

@@ -43,12 +43,9 @@ pub enum Activation {
 /// How a parameter is initialised from the seeded generator.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
-    /// Uniform in ±sqrt(6 / fan_in) (He/Kaiming uniform, suited to ReLU networks).
-    HeUniform {
-        fan_in: usize,
-    },
-    /// Uniform in ±1/sqrt(fan_in) (PyTorch's default for biases).
-    BiasUniform {
+    /// Uniform in ±1/sqrt(fan_in): PyTorch's default for `Conv2d` and `Linear` weights and biases.
+    /// He-uniform (±sqrt(6/fan_in)) started AlexNet at a loss of ~30–50 instead of ln(classes).
+    FanInUniform {
         fan_in: usize,
     },
     Zeros,
