@@ -1,6 +1,7 @@
 //! Test helpers for kernels: finite-difference gradient checks and random tensors.
 
 use crate::rng::Rng;
+use crate::shape::{Rect, copy_rect};
 
 pub fn random(n: usize, seed: u64) -> Vec<f32> {
     let mut r = Rng::new(seed);
@@ -46,4 +47,20 @@ pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
         .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+}
+
+/// Splits `[lo, hi)` of `axis` in two (the second half empty for extent 1).
+pub fn halves(rect: &Rect, axis: usize) -> [Rect; 2] {
+    let mid = rect.lo[axis] + rect.extent(axis) / 2;
+    [
+        rect.with_axis(axis, rect.lo[axis], mid),
+        rect.with_axis(axis, mid, rect.hi[axis]),
+    ]
+}
+
+/// The part of `data` (laid out over `from`) inside `region`, as its own buffer.
+pub fn cut(data: &[f32], from: &Rect, region: &Rect) -> Vec<f32> {
+    let mut out = vec![0.0; region.volume()];
+    copy_rect(data, from, &mut out, region, region);
+    out
 }

@@ -759,7 +759,7 @@ fn relu_mask(y: &[f32], dy: &[f32], dz: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::check::{assert_grad, max_rel_diff, random};
+    use crate::kernels::check::{assert_grad, halves, max_rel_diff, random};
     use crate::shape::{add_rect, copy_rect};
 
     /// A conv layer, its input shape and random tensors for it.
@@ -1065,15 +1065,6 @@ mod tests {
             b: c.b.clone(),
             dy: c.dy.clone(),
         }
-    }
-
-    /// Splits `[lo, hi)` of `axis` in two (the second half empty for extent 1).
-    fn halves(rect: &Rect, axis: usize) -> [Rect; 2] {
-        let mid = rect.lo[axis] + rect.extent(axis) / 2;
-        [
-            rect.with_axis(axis, rect.lo[axis], mid),
-            rect.with_axis(axis, mid, rect.hi[axis]),
-        ]
     }
 
     /// Runs `case` tile by tile on a 2×2 grid over `axes` and checks the tiles against the

@@ -244,9 +244,9 @@ impl Tile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::check::{assert_grad, max_rel_diff, random};
+    use crate::kernels::check::{assert_grad, cut, halves, max_rel_diff, random};
     use crate::op::OpSpec;
-    use crate::shape::{Rect, Shape, add_rect, copy_rect};
+    use crate::shape::{Rect, Shape, add_rect};
 
     struct Case {
         op: Dense,
@@ -422,20 +422,6 @@ mod tests {
             Some(ViewMut::new(case.b_rect(), &mut db)),
         );
         assert!(dw.iter().chain(&db).all(|&v| v == 0.0));
-    }
-
-    fn halves(rect: &Rect, axis: usize) -> [Rect; 2] {
-        let mid = rect.lo[axis] + rect.extent(axis) / 2;
-        [
-            rect.with_axis(axis, rect.lo[axis], mid),
-            rect.with_axis(axis, mid, rect.hi[axis]),
-        ]
-    }
-
-    fn cut(data: &[f32], from: &Rect, region: &Rect) -> Vec<f32> {
-        let mut out = vec![0.0; region.volume()];
-        copy_rect(data, from, &mut out, region, region);
-        out
     }
 
     #[test]

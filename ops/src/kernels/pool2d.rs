@@ -218,8 +218,8 @@ fn clipped_window(o: usize, kernel: usize, stride: usize, pad: usize, size: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::check::{assert_grad, max_rel_diff, random};
-    use crate::shape::{add_rect, copy_rect};
+    use crate::kernels::check::{assert_grad, cut, halves, max_rel_diff, random};
+    use crate::shape::add_rect;
 
     /// Distinct values at least 0.03 apart in shuffled order, so that no finite-difference probe
     /// (±1e-2) can change which element of a window is the maximum.
@@ -312,20 +312,6 @@ mod tests {
             let dx = backward_whole(&op, input, &x, &r);
             assert_grad(&format!("{op:?} on {input}"), &x, &dx, 80, loss);
         }
-    }
-
-    fn halves(rect: &Rect, axis: usize) -> [Rect; 2] {
-        let mid = rect.lo[axis] + rect.extent(axis) / 2;
-        [
-            rect.with_axis(axis, rect.lo[axis], mid),
-            rect.with_axis(axis, mid, rect.hi[axis]),
-        ]
-    }
-
-    fn cut(data: &[f32], from: &Rect, region: &Rect) -> Vec<f32> {
-        let mut out = vec![0.0; region.volume()];
-        copy_rect(data, from, &mut out, region, region);
-        out
     }
 
     #[test]
