@@ -77,20 +77,11 @@ impl ParamStore {
     }
 
     fn from_parts(graph: &Graph, params: Vec<GraphParam>, values: Vec<Vec<f32>>) -> ParamStore {
-        let mut first = vec![0; graph.layers().len() + 1];
-        for (i, p) in params.iter().enumerate().rev() {
-            first[p.layer.0] = i;
-        }
-        // Layers without parameters point at the next layer's first parameter; only `first[layer] +
-        // index` for indices the layer really has is ever read.
-        let mut next = params.len();
-        for l in (0..graph.layers().len()).rev() {
-            if !params.iter().any(|p| p.layer.0 == l) {
-                first[l] = next;
-            } else {
-                next = first[l];
-            }
-        }
+        // `Graph::params` lists parameters in layer order, so a layer's first slot is the number of
+        // parameters of the layers before it.
+        let first = (0..graph.layers().len())
+            .map(|l| params.partition_point(|p| p.layer.0 < l))
+            .collect();
         ParamStore {
             params,
             values,
