@@ -260,7 +260,13 @@ impl fmt::Display for Rect {
 
 /// Copies the part of `src` (laid out over `src_rect`) that lies in `region` into `dst` (laid out over
 /// `dst_rect`). `region` must be inside both rects. Rows along the last axis are copied as slices.
-pub fn copy_rect(src: &[f32], src_rect: &Rect, dst: &mut [f32], dst_rect: &Rect, region: &Rect) {
+pub fn copy_rect<T: Copy>(
+    src: &[T],
+    src_rect: &Rect,
+    dst: &mut [T],
+    dst_rect: &Rect,
+    region: &Rect,
+) {
     for_each_row(region, |start, len| {
         let s = src_rect.offset_of(&start);
         let d = dst_rect.offset_of(&start);
@@ -269,7 +275,13 @@ pub fn copy_rect(src: &[f32], src_rect: &Rect, dst: &mut [f32], dst_rect: &Rect,
 }
 
 /// Adds the part of `src` that lies in `region` into `dst` (both laid out over their rects).
-pub fn add_rect(src: &[f32], src_rect: &Rect, dst: &mut [f32], dst_rect: &Rect, region: &Rect) {
+pub fn add_rect<T: Copy + std::ops::AddAssign>(
+    src: &[T],
+    src_rect: &Rect,
+    dst: &mut [T],
+    dst_rect: &Rect,
+    region: &Rect,
+) {
     for_each_row(region, |start, len| {
         let s = src_rect.offset_of(&start);
         let d = dst_rect.offset_of(&start);

@@ -347,7 +347,7 @@ impl<'a> Pass<'a> {
                         ViewMut::new(out_rect, &mut y),
                     )?;
                     stats.loss = (total / y.len() as f64) as f32;
-                    stats.correct = count_correct(logits, labels);
+                    stats.correct = kernels::softmax_ce::count_correct(logits, labels);
                 }
             }
             acts.push(y);
@@ -542,26 +542,6 @@ impl<'a> Pass<'a> {
             params: param_grads,
         })
     }
-}
-
-/// Samples whose largest logit is at the label (first maximum wins ties).
-fn count_correct(logits: View, labels: &[u32]) -> usize {
-    let classes = logits.rect.extent(1);
-    logits
-        .data
-        .chunks_exact(classes)
-        .zip(labels)
-        .filter(|&(row, &label)| {
-            let best = row
-                .iter()
-                .enumerate()
-                .fold(
-                    (0, f32::NEG_INFINITY),
-                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-                );
-            best.0 == label as usize
-        })
-        .count()
 }
 
 #[cfg(test)]

@@ -1,2 +1,23 @@
-//! legion-runtime: regions, partitions, dependence analysis and device actors.
-//! (Issue 4 fills this crate.)
+//! legion-runtime: a Legion-style task runtime that executes any strategy of the planner.
+//!
+//! Map (see ARCHITECTURE.md for the invariants):
+//! - `region`: logical regions (every activation, gradient, parameter, momentum, batch-norm sum)
+//!   and partitions.
+//! - `task`: tasks, region requirements, privileges.
+//! - `mapper`: where each tile runs and which device owns each parameter slice.
+//! - `lower`: graph + strategy → the tasks of one training step, in program order.
+//! - `analysis`: pure dependence analysis → ops (tasks, copies, folds) with dependences.
+//! - `program`: the analysed step cut into per-device programs (copies become send/recv).
+//! - `plan`: builds and checks the replayable step plan.
+//! - `buffer`, `exec`: instance storage and the kernels a task runs.
+
+pub mod analysis;
+pub mod buffer;
+pub mod exec;
+pub mod lower;
+pub mod mapper;
+pub mod plan;
+pub mod program;
+pub mod region;
+pub mod serial;
+pub mod task;

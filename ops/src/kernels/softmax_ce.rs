@@ -76,6 +76,27 @@ pub fn softmax_ce_backward(
     Ok(())
 }
 
+/// Samples of a tile of logits (rows of all classes) whose largest logit is at the label; the first
+/// maximum wins ties. `labels` are the tile's, as for the other functions here.
+pub fn count_correct(logits: View<'_>, labels: &[u32]) -> usize {
+    let classes = logits.rect.extent(1);
+    logits
+        .data
+        .chunks_exact(classes)
+        .zip(labels)
+        .filter(|&(row, &label)| {
+            let best = row
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                );
+            best.0 == label as usize
+        })
+        .count()
+}
+
 /// Checks the shapes of a call and its labels; returns the number of classes.
 fn check_tile(
     logits: &View<'_>,

@@ -1,0 +1,304 @@
+//! Lowering: a graph under a strategy becomes the tasks of one training step, launched in program
+//! order into the analysis. This is the only place that knows which kernels a layer runs and which
+//! regions they touch; the analysis and the devices treat every task alike.
+//!
+//! Program order: the forward of every layer, then, from the loss back, each layer's backward
+//! followed at once by the update of its parameters and the broadcast of the new values to the
+//! replicas, so that synchronisation overlaps the backward of the layers below.
+
+use crate::analysis::{Analysis, AnalysisError};
+use crate::mapper::{Mapper, ParamHome, Point};
+use crate::region::Regions;
+use crate::task::{Privilege, Role, TaskKind, TaskSpec};
+use legion_ops::op::Op;
+use legion_ops::{Graph, LayerId, Rect};
+
+use Privilege::{ReadOnly, ReadWrite, Reduce, WriteDiscard};
+
+/// Layers whose output gradient is needed: the loss and everything upstream of it except the
+/// input (as in the single-device trainer).
+pub fn layers_with_gradient(graph: &Graph) -> Vec<bool> {
+    let n = graph.layers().len();
+    let mut has = vec![false; n];
+    for id in graph.ids().rev() {
+        has[id.0] = match graph.layer(id).op {
+            Op::Input(_) => false,
+            Op::SoftmaxCrossEntropy(_) => true,
+            _ => graph.consumers(id).iter().any(|c| has[c.0]),
+        };
+    }
+    has
+}
+
+/// Places the persistent data where a first step expects it: every parameter slice and momentum
+/// slice on its owner.
+pub fn place_on_owners(analysis: &mut Analysis, regions: &Regions, mapper: &Mapper) {
+    let graph = mapper.graph();
+    for id in graph.ids() {
+        for home in mapper.param_homes(id) {
+            let slot = regions.slot(id, home.param);
+            analysis.place(regions.param(slot), home.slice, &[home.owner]);
+            if let Some(v) = regions.velocity(slot) {
+                analysis.place(v, home.slice, &[home.owner]);
+            }
+        }
+    }
+}
+
+/// Launches one training step.
+pub fn lower_step(
+    analysis: &mut Analysis,
+    regions: &Regions,
+    mapper: &Mapper,
+) -> Result<(), AnalysisError> {
+    let graph = mapper.graph();
+    let has_grad = layers_with_gradient(graph);
+    let lower = Lowering {
+        graph,
+        regions,
+        mapper,
+        has_grad: &has_grad,
+    };
+    for id in graph.ids() {
+        lower.forward(analysis, id)?;
+    }
+    for id in graph.ids().rev() {
+        if has_grad[id.0] {
+            lower.backward(analysis, id)?;
+            lower.update(analysis, id)?;
+        }
+    }
+    Ok(())
+}
+
+struct Lowering<'a> {
+    graph: &'a Graph,
+    regions: &'a Regions,
+    mapper: &'a Mapper<'a>,
+    has_grad: &'a [bool],
+}
+
+impl Lowering<'_> {
+    fn forward(&self, a: &mut Analysis, id: LayerId) -> Result<(), AnalysisError> {
+        let layer = self.graph.layer(id);
+        let out = self.regions.activation(id);
+        let points = self.mapper.points(id);
+        match &layer.op {
+            Op::Input(_) => {
+                for p in &points {
+                    let mut t = TaskSpec::new(TaskKind::LoadInput, id, p.tile, p.device);
+                    t.require(out, p.tile, WriteDiscard, Role::Output);
+                    a.launch(t)?;
+                }
+            }
+            Op::BatchNorm(_) => {
+                let x = self.regions.activation(layer.inputs[0]);
+                let moments = self.regions.bn_moments(id).expect("batch norm has moments");
+                for p in &points {
+                    let mut t = TaskSpec::new(TaskKind::BnMoments, id, p.tile, p.device);
+                    t.require(x, p.tile, ReadOnly, Role::Input(0));
+                    t.require(moments, channel_sums(&p.tile), Reduce, Role::Moments);
+                    a.launch(t)?;
+                }
+                for p in &points {
+                    let mut t = TaskSpec::new(TaskKind::BnNormalize, id, p.tile, p.device);
+                    t.require(x, p.tile, ReadOnly, Role::Input(0));
+                    t.require(moments, channel_sums(&p.tile), ReadOnly, Role::Moments);
+                    self.params(&mut t, p, ReadOnly, |i| i < 2);
+                    t.require(out, p.tile, WriteDiscard, Role::Output);
+                    a.launch(t)?;
+                }
+                // Running statistics: once per channel slice, by its owner (the first tile using it).
+                for home in self.mapper.param_homes(id).iter().filter(|h| h.param == 2) {
+                    let mut t = TaskSpec::new(TaskKind::BnRunning, id, home.slice, home.owner);
+                    let sums = Rect::new(&[0, home.slice.lo[0]], &[3, home.slice.hi[0]]);
+                    t.require(moments, sums, ReadOnly, Role::Moments);
+                    for k in [2, 3] {
+                        let slot = self.regions.slot(id, k);
+                        t.require(
+                            self.regions.param(slot),
+                            home.slice,
+                            ReadWrite,
+                            Role::Param(k as u8),
+                        );
+                    }
+                    a.launch(t)?;
+                }
+            }
+            _ => {
+                let spec = layer.op.spec();
+                let inputs = self.graph.input_shapes(id);
+                for p in &points {
+                    let mut t = TaskSpec::new(TaskKind::Forward, id, p.tile, p.device);
+                    for (k, rect) in spec.project(&inputs, &p.tile).into_iter().enumerate() {
+                        let src = self.regions.activation(layer.inputs[k]);
+                        t.require(src, rect, ReadOnly, Role::Input(k as u8));
+                    }
+                    self.params(&mut t, p, ReadOnly, |_| true);
+                    t.require(out, p.tile, WriteDiscard, Role::Output);
+                    a.launch(t)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn backward(&self, a: &mut Analysis, id: LayerId) -> Result<(), AnalysisError> {
+        let layer = self.graph.layer(id);
+        let points = self.mapper.points(id);
+        let y = self.regions.activation(id);
+        let dy = self.regions.gradient(id);
+        let spec = layer.op.spec();
+        let inputs = self.graph.input_shapes(id);
+        // Only layers fed by another layer (not the data) need an input gradient.
+        let needs_dx = |k: usize| !matches!(self.graph.layer(layer.inputs[k]).op, Op::Input(_));
+        match &layer.op {
+            Op::Input(_) => {}
+            Op::BatchNorm(bn) => {
+                let x = self.regions.activation(layer.inputs[0]);
+                let moments = self.regions.bn_moments(id).expect("batch norm has moments");
+                let sums = self
+                    .regions
+                    .bn_grad_sums(id)
+                    .expect("batch norm has grad sums");
+                for p in &points {
+                    let mut t = TaskSpec::new(TaskKind::BnGradSums, id, p.tile, p.device);
+                    t.require(x, p.tile, ReadOnly, Role::Input(0));
+                    if bn.relu {
+                        t.require(y, p.tile, ReadOnly, Role::Output);
+                    }
+                    t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
+                    t.require(moments, channel_sums(&p.tile), ReadOnly, Role::Moments);
+                    t.require(sums, channel_sums(&p.tile), Reduce, Role::GradSums);
+                    self.param_grads(&mut t, p);
+                    a.launch(t)?;
+                }
+                if needs_dx(0) {
+                    let dx = self.regions.gradient(layer.inputs[0]);
+                    for p in &points {
+                        let mut t = TaskSpec::new(TaskKind::BnInputGrad, id, p.tile, p.device);
+                        t.require(x, p.tile, ReadOnly, Role::Input(0));
+                        if bn.relu {
+                            t.require(y, p.tile, ReadOnly, Role::Output);
+                        }
+                        t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
+                        t.require(moments, channel_sums(&p.tile), ReadOnly, Role::Moments);
+                        self.params(&mut t, p, ReadOnly, |i| i == 0);
+                        t.require(sums, channel_sums(&p.tile), ReadOnly, Role::GradSums);
+                        t.require(dx, p.tile, Reduce, Role::InputGrad(0));
+                        a.launch(t)?;
+                    }
+                }
+            }
+            op => {
+                let needs_x = matches!(
+                    op,
+                    Op::Conv2d(_) | Op::Dense(_) | Op::Pool2d(_) | Op::SoftmaxCrossEntropy(_)
+                );
+                let needs_y = matches!(op, Op::Conv2d(_) | Op::Dense(_) | Op::Relu(_));
+                let needs_dy = !matches!(op, Op::SoftmaxCrossEntropy(_));
+                for p in &points {
+                    let mut t = TaskSpec::new(TaskKind::Backward, id, p.tile, p.device);
+                    let rects = spec.project(&inputs, &p.tile);
+                    if needs_x {
+                        for (k, &rect) in rects.iter().enumerate() {
+                            let src = self.regions.activation(layer.inputs[k]);
+                            t.require(src, rect, ReadOnly, Role::Input(k as u8));
+                        }
+                    }
+                    if needs_y {
+                        t.require(y, p.tile, ReadOnly, Role::Output);
+                    }
+                    if needs_dy {
+                        t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
+                    }
+                    self.params(&mut t, p, ReadOnly, |_| true);
+                    self.param_grads(&mut t, p);
+                    for (k, &rect) in rects.iter().enumerate() {
+                        if needs_dx(k) {
+                            let dx = self.regions.gradient(layer.inputs[k]);
+                            t.require(dx, rect, Reduce, Role::InputGrad(k as u8));
+                        }
+                    }
+                    a.launch(t)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The SGD step of every trainable slice on its owner, then the new values to the replicas.
+    fn update(&self, a: &mut Analysis, id: LayerId) -> Result<(), AnalysisError> {
+        debug_assert!(self.has_grad[id.0]);
+        for ParamHome {
+            param,
+            slice,
+            owner,
+            replicas,
+        } in self.mapper.param_homes(id)
+        {
+            let slot = self.regions.slot(id, param);
+            let (Some(grad), Some(velocity)) =
+                (self.regions.param_grad(slot), self.regions.velocity(slot))
+            else {
+                continue;
+            };
+            let weights = self.regions.param(slot);
+            let k = param as u8;
+            let mut t = TaskSpec::new(TaskKind::Update { param: k }, id, slice, owner);
+            t.require(grad, slice, ReadOnly, Role::ParamGrad(k));
+            t.require(weights, slice, ReadWrite, Role::Param(k));
+            t.require(velocity, slice, ReadWrite, Role::Velocity(k));
+            a.launch(t)?;
+            for r in replicas {
+                a.prefetch(weights, slice, r)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The tile's slices of the layer's parameters `which(index)` selects.
+    fn params(
+        &self,
+        t: &mut TaskSpec,
+        p: &Point,
+        privilege: Privilege,
+        which: impl Fn(usize) -> bool,
+    ) {
+        let inputs = self.graph.input_shapes(t.layer);
+        let spec = self.graph.layer(t.layer).op.spec();
+        for (i, _) in spec
+            .params(&inputs)
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| which(*i))
+        {
+            let slot = self.regions.slot(t.layer, i);
+            let rect = spec.param_rect(&inputs, i, &p.tile);
+            t.require(
+                self.regions.param(slot),
+                rect,
+                privilege,
+                Role::Param(i as u8),
+            );
+        }
+    }
+
+    /// The tile's contribution to the gradient of each trainable parameter.
+    fn param_grads(&self, t: &mut TaskSpec, p: &Point) {
+        let inputs = self.graph.input_shapes(t.layer);
+        let spec = self.graph.layer(t.layer).op.spec();
+        for i in 0..spec.params(&inputs).len() {
+            let slot = self.regions.slot(t.layer, i);
+            if let Some(grad) = self.regions.param_grad(slot) {
+                let rect = spec.param_rect(&inputs, i, &p.tile);
+                t.require(grad, rect, Reduce, Role::ParamGrad(i as u8));
+            }
+        }
+    }
+}
+
+/// The `[3, C]` batch-norm sums rect of a tile's channels.
+fn channel_sums(tile: &Rect) -> Rect {
+    Rect::new(&[0, tile.lo[1]], &[3, tile.hi[1]])
+}

@@ -1,0 +1,156 @@
+//! The mapper: where each point of each layer's launches runs, and which device owns each slice of
+//! each parameter.
+//!
+//! Tile `t` of a layer runs on its config's device `first + t` (the planner's placement). A slice of
+//! a parameter used by several tiles (replicas) is owned by the lowest of their devices: the owner
+//! keeps the master copy and the momentum, sums the replicas' gradients and applies the update,
+//! then sends the new values back. This is the scheme the planner's t_s (`legion_planner::sync`)
+//! costs; `tests::owners_match_planner_sync` keeps the two in step.
+
+use legion_ops::{Graph, LayerId, Rect};
+use legion_planner::config::tile_rect;
+use legion_planner::{DeviceId, ParallelConfig};
+
+/// One point of a layer's launch domain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Point {
+    pub tile: Rect,
+    pub device: DeviceId,
+}
+
+/// A slice of a layer's parameter `param` and the devices whose tiles use it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamHome {
+    pub param: usize,
+    pub slice: Rect,
+    /// The lowest device using the slice.
+    pub owner: DeviceId,
+    /// The other devices using it, ascending.
+    pub replicas: Vec<DeviceId>,
+}
+
+pub struct Mapper<'g> {
+    graph: &'g Graph,
+    configs: &'g [ParallelConfig],
+}
+
+impl<'g> Mapper<'g> {
+    pub fn new(graph: &'g Graph, configs: &'g [ParallelConfig]) -> Mapper<'g> {
+        assert_eq!(graph.layers().len(), configs.len(), "one config per layer");
+        Mapper { graph, configs }
+    }
+
+    pub fn graph(&self) -> &'g Graph {
+        self.graph
+    }
+
+    pub fn config(&self, layer: LayerId) -> &ParallelConfig {
+        &self.configs[layer.0]
+    }
+
+    /// The devices any layer uses: `0..num_devices`.
+    pub fn num_devices(&self) -> usize {
+        self.configs
+            .iter()
+            .map(|c| c.first_device() + c.total())
+            .max()
+            .unwrap_or(1)
+    }
+
+    pub fn points(&self, layer: LayerId) -> Vec<Point> {
+        let config = &self.configs[layer.0];
+        let shape = self.graph.layer(layer).shape;
+        (0..config.total())
+            .map(|t| Point {
+                tile: tile_rect(&shape, config, t),
+                device: config.device_of_tile(t),
+            })
+            .collect()
+    }
+
+    /// Every slice of every parameter and buffer of `layer`, trainable or not.
+    pub fn param_homes(&self, layer: LayerId) -> Vec<ParamHome> {
+        let l = self.graph.layer(layer);
+        let inputs = self.graph.input_shapes(layer);
+        let op = l.op.spec();
+        let points = self.points(layer);
+        let mut homes: Vec<ParamHome> = Vec::new();
+        for param in 0..op.params(&inputs).len() {
+            let first = homes.len();
+            for p in &points {
+                let slice = op.param_rect(&inputs, param, &p.tile);
+                match homes[first..].iter_mut().find(|h| h.slice == slice) {
+                    Some(h) if h.owner != p.device && !h.replicas.contains(&p.device) => {
+                        h.replicas.push(p.device)
+                    }
+                    Some(_) => {}
+                    None => homes.push(ParamHome {
+                        param,
+                        slice,
+                        owner: p.device,
+                        replicas: Vec::new(),
+                    }),
+                }
+            }
+        }
+        homes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_ops::Dim;
+    use legion_ops::zoo;
+    use legion_planner::sync::SyncPlan;
+
+    #[test]
+    fn owners_match_planner_sync() {
+        let model = zoo::find("alexnet").unwrap();
+        let cfg = zoo::ZooConfig {
+            image_size: 64,
+            classes: 10,
+            ..model.default_config(8)
+        };
+        let graph = model.build(&cfg).unwrap();
+        let configs: Vec<ParallelConfig> = graph
+            .layers()
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let dims = l.op.spec().parallel_dims(&l.shape);
+                let dim = dims[i % dims.len()];
+                let degree = if dim == Dim::N || l.shape.dim(dim.axis()) >= 2 {
+                    2
+                } else {
+                    1
+                };
+                ParallelConfig::split(dim, degree, 2 * (i % 2))
+            })
+            .collect();
+        let mapper = Mapper::new(&graph, &configs);
+        for id in graph.ids() {
+            let trainable: Vec<bool> = graph
+                .layer(id)
+                .op
+                .spec()
+                .params(&graph.input_shapes(id))
+                .iter()
+                .map(|p| p.trainable)
+                .collect();
+            let ours: Vec<(usize, Rect, DeviceId, Vec<DeviceId>)> = mapper
+                .param_homes(id)
+                .into_iter()
+                .filter(|h| trainable[h.param] && !h.replicas.is_empty())
+                .map(|h| (h.param, h.slice, h.owner, h.replicas))
+                .collect();
+            let planner: Vec<(usize, Rect, DeviceId, Vec<DeviceId>)> =
+                SyncPlan::for_layer(&graph, id, &configs[id.0])
+                    .groups
+                    .into_iter()
+                    .map(|g| (g.param, g.slice, g.owner, g.replicas))
+                    .collect();
+            assert_eq!(ours, planner, "layer {}", graph.layer(id).name);
+        }
+    }
+}

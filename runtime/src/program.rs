@@ -1,0 +1,241 @@
+//! A step's analysed graph, cut into one program per device. Built once, replayed every step.
+//!
+//! A copy between two devices becomes a `Send` on the source and a `Recv` on the destination;
+//! every other op runs on one device. The analysis guarantees that each dependence is then local
+//! (see `analysis`), so a device needs from others nothing but the data of its `Recv`s.
+
+use crate::analysis::{InstanceId, OpId, OpKind, StepGraph};
+use crate::region::{DType, Regions};
+use crate::task::TaskSpec;
+use legion_ops::Rect;
+use legion_planner::DeviceId;
+
+/// A physical instance as a device stores it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalInstance {
+    /// Its id in the step graph.
+    pub global: InstanceId,
+    pub rect: Rect,
+    pub dtype: DType,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum LocalOpKind {
+    /// `instances[i]` serves requirement `i` (indices into the program's instances).
+    Task {
+        task: TaskSpec,
+        instances: Vec<u32>,
+    },
+    Copy {
+        src: u32,
+        dst: u32,
+        rect: Rect,
+    },
+    /// Ships `rect` of `src` to device `to`, tagged with the copy's op id.
+    Send {
+        copy: OpId,
+        src: u32,
+        rect: Rect,
+        to: DeviceId,
+    },
+    /// Receives the data of copy `copy` into `rect` of `dst`.
+    Recv {
+        copy: OpId,
+        dst: u32,
+        rect: Rect,
+    },
+    Fold {
+        srcs: Vec<u32>,
+        dst: u32,
+        rect: Rect,
+        accumulate: bool,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalOp {
+    pub kind: LocalOpKind,
+    /// The op of the step graph this is (a half of).
+    pub global: OpId,
+    /// Local ops that must finish first.
+    pub deps: Vec<u32>,
+}
+
+impl LocalOp {
+    /// Whether this op computes (a kernel or a sum) rather than moves data; a device runs its
+    /// compute ops one at a time, like a GPU stream.
+    pub fn is_compute(&self) -> bool {
+        matches!(
+            self.kind,
+            LocalOpKind::Task { .. } | LocalOpKind::Fold { .. }
+        )
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceProgram {
+    pub device: DeviceId,
+    pub instances: Vec<LocalInstance>,
+    pub ops: Vec<LocalOp>,
+    /// For each op, the local ops that depend on it.
+    pub dependents: Vec<Vec<u32>>,
+}
+
+impl DeviceProgram {
+    /// Local index of a step-graph instance, if this device holds it.
+    pub fn local_instance(&self, global: InstanceId) -> Option<u32> {
+        self.instances
+            .binary_search_by_key(&global, |i| i.global)
+            .ok()
+            .map(|i| i as u32)
+    }
+
+    /// Bytes of all instances.
+    pub fn instance_bytes(&self) -> usize {
+        self.instances
+            .iter()
+            .map(|i| i.rect.volume() * i.dtype.size())
+            .sum()
+    }
+}
+
+/// Cuts `graph` into one program per device `0..num_devices`.
+pub fn split_programs(
+    graph: &StepGraph,
+    regions: &Regions,
+    num_devices: usize,
+) -> Vec<DeviceProgram> {
+    let mut programs: Vec<DeviceProgram> = (0..num_devices)
+        .map(|device| DeviceProgram {
+            device,
+            instances: Vec::new(),
+            ops: Vec::new(),
+            dependents: Vec::new(),
+        })
+        .collect();
+    // Instances in global order, so each program's list is sorted by global id.
+    let mut local_of = vec![0u32; graph.instances.len()];
+    for (g, inst) in graph.instances.iter().enumerate() {
+        let p = &mut programs[inst.device];
+        local_of[g] = p.instances.len() as u32;
+        p.instances.push(LocalInstance {
+            global: g as InstanceId,
+            rect: inst.rect,
+            dtype: regions.info(inst.region).kind.dtype(),
+        });
+    }
+    let device_of = |i: InstanceId| graph.instances[i as usize].device;
+    let local = |i: InstanceId| local_of[i as usize];
+    // For each global op, its local index on each device it has a half on: (device, index).
+    let mut halves: Vec<[(DeviceId, u32); 2]> = Vec::with_capacity(graph.ops.len());
+    let none = (usize::MAX, u32::MAX);
+    for (g, op) in graph.ops.iter().enumerate() {
+        let g = g as OpId;
+        let mut push = |device: DeviceId, kind: LocalOpKind| {
+            let p = &mut programs[device];
+            p.ops.push(LocalOp {
+                kind,
+                global: g,
+                deps: Vec::new(),
+            });
+            (device, (p.ops.len() - 1) as u32)
+        };
+        let h = match &op.kind {
+            OpKind::Task { task, instances } => [
+                push(
+                    task.device,
+                    LocalOpKind::Task {
+                        task: task.clone(),
+                        instances: instances.iter().map(|&i| local(i)).collect(),
+                    },
+                ),
+                none,
+            ],
+            OpKind::Fold {
+                srcs,
+                dst,
+                rect,
+                accumulate,
+            } => [
+                push(
+                    device_of(*dst),
+                    LocalOpKind::Fold {
+                        srcs: srcs.iter().map(|&i| local(i)).collect(),
+                        dst: local(*dst),
+                        rect: *rect,
+                        accumulate: *accumulate,
+                    },
+                ),
+                none,
+            ],
+            OpKind::Copy { src, dst, rect, .. } if device_of(*src) == device_of(*dst) => [
+                push(
+                    device_of(*dst),
+                    LocalOpKind::Copy {
+                        src: local(*src),
+                        dst: local(*dst),
+                        rect: *rect,
+                    },
+                ),
+                none,
+            ],
+            OpKind::Copy { src, dst, rect, .. } => [
+                push(
+                    device_of(*src),
+                    LocalOpKind::Send {
+                        copy: g,
+                        src: local(*src),
+                        rect: *rect,
+                        to: device_of(*dst),
+                    },
+                ),
+                push(
+                    device_of(*dst),
+                    LocalOpKind::Recv {
+                        copy: g,
+                        dst: local(*dst),
+                        rect: *rect,
+                    },
+                ),
+            ],
+        };
+        halves.push(h);
+    }
+    let on = |dep: OpId, device: DeviceId, of: OpId| -> u32 {
+        halves[dep as usize]
+            .iter()
+            .find(|(d, _)| *d == device)
+            .map(|&(_, i)| i)
+            .unwrap_or_else(|| {
+                panic!("op {of} on device {device} depends on op {dep}, which has no part there")
+            })
+    };
+    for (g, op) in graph.ops.iter().enumerate() {
+        let g = g as OpId;
+        let [first, second] = halves[g as usize];
+        let (dev, idx) = first;
+        let deps: Vec<u32> = op.deps.iter().map(|&d| on(d, dev, g)).collect();
+        programs[dev].ops[idx as usize].deps.extend(deps);
+        if let OpKind::Copy { dst_deps, .. } = &op.kind {
+            // A local copy's destination side is the same op; a remote one's is the `Recv`.
+            let (dev, idx) = if second.0 == usize::MAX {
+                first
+            } else {
+                second
+            };
+            let deps: Vec<u32> = dst_deps.iter().map(|&d| on(d, dev, g)).collect();
+            programs[dev].ops[idx as usize].deps.extend(deps);
+        }
+    }
+    for p in &mut programs {
+        p.dependents = vec![Vec::new(); p.ops.len()];
+        for (i, op) in p.ops.iter_mut().enumerate() {
+            op.deps.sort_unstable();
+            op.deps.dedup();
+            for &d in &op.deps {
+                p.dependents[d as usize].push(i as u32);
+            }
+        }
+    }
+    programs
+}

@@ -1,0 +1,311 @@
+//! Logical regions: every tensor a training step touches, named and shaped, plus the partitions the
+//! lowering cuts them into.
+//!
+//! A region is only a name over an index space (its shape); where its data lives is decided per task
+//! by the analysis (physical instances, see `analysis`). Regions are created once per (graph,
+//! strategy) and are the same on every device.
+
+use legion_ops::op::{Op, OpSpec};
+use legion_ops::{Graph, LayerId, Rect, Shape};
+use legion_planner::ParallelConfig;
+use legion_planner::config::tile_rect;
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegionId(pub u32);
+
+impl RegionId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What a region holds. Decides its element type and what reading it before any write means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RegionKind {
+    /// A layer's output.
+    Activation,
+    /// The gradient of the loss w.r.t. a layer's output: the sum of its consumers' contributions.
+    Gradient,
+    /// A parameter or buffer (batch-norm running statistics). Lives across steps.
+    Param,
+    /// The gradient of a trainable parameter: the sum of its tiles' contributions.
+    ParamGrad,
+    /// SGD momentum of a trainable parameter. Lives across steps.
+    Velocity,
+    /// Batch-norm forward sums, `[3, C]` f64: element count, Σx, Σx² per channel.
+    BnMoments,
+    /// Batch-norm backward sums, `[3, C]` f64: element count, Σdy, Σdy·x̂ per channel.
+    BnGradSums,
+}
+
+impl RegionKind {
+    /// Sums of contributions start at zero: reading a part nobody contributed to reads zeros
+    /// (e.g. input pixels a strided convolution never touches get a zero gradient). Any other
+    /// region read before it is written is a bug in the program, reported by the analysis.
+    pub fn zero_initialized(self) -> bool {
+        matches!(
+            self,
+            RegionKind::Gradient
+                | RegionKind::ParamGrad
+                | RegionKind::BnMoments
+                | RegionKind::BnGradSums
+        )
+    }
+
+    /// Regions whose values must survive from one step to the next.
+    pub fn persistent(self) -> bool {
+        matches!(self, RegionKind::Param | RegionKind::Velocity)
+    }
+
+    pub fn dtype(self) -> DType {
+        match self {
+            RegionKind::BnMoments | RegionKind::BnGradSums => DType::F64,
+            _ => DType::F32,
+        }
+    }
+}
+
+/// Element type of a region. Batch-norm sums stay in f64 so that every partition computes the same
+/// statistics as one device, to the last bits that matter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct RegionInfo {
+    pub name: String,
+    pub kind: RegionKind,
+    pub shape: Shape,
+}
+
+/// Every region of a training step of one graph, with lookups by what it holds.
+#[derive(Clone, Debug)]
+pub struct Regions {
+    infos: Vec<RegionInfo>,
+    activation: Vec<RegionId>,
+    gradient: Vec<RegionId>,
+    /// By parameter slot (`Graph::params` order).
+    param: Vec<RegionId>,
+    param_grad: Vec<Option<RegionId>>,
+    velocity: Vec<Option<RegionId>>,
+    bn_moments: Vec<Option<RegionId>>,
+    bn_grad_sums: Vec<Option<RegionId>>,
+    /// First parameter slot of each layer.
+    first_slot: Vec<usize>,
+}
+
+impl Regions {
+    pub fn for_graph(graph: &Graph) -> Regions {
+        let mut r = Regions {
+            infos: Vec::new(),
+            activation: Vec::new(),
+            gradient: Vec::new(),
+            param: Vec::new(),
+            param_grad: Vec::new(),
+            velocity: Vec::new(),
+            bn_moments: Vec::new(),
+            bn_grad_sums: Vec::new(),
+            first_slot: Vec::new(),
+        };
+        for layer in graph.layers() {
+            let act = r.add(layer.name.clone(), RegionKind::Activation, layer.shape);
+            r.activation.push(act);
+            let grad = r.add(
+                format!("{}.grad", layer.name),
+                RegionKind::Gradient,
+                layer.shape,
+            );
+            r.gradient.push(grad);
+            let bn = matches!(layer.op, Op::BatchNorm(_)).then(|| Shape::nc(3, layer.shape.dim(1)));
+            let moments =
+                bn.map(|s| r.add(format!("{}.moments", layer.name), RegionKind::BnMoments, s));
+            let sums = bn.map(|s| {
+                r.add(
+                    format!("{}.grad_sums", layer.name),
+                    RegionKind::BnGradSums,
+                    s,
+                )
+            });
+            r.bn_moments.push(moments);
+            r.bn_grad_sums.push(sums);
+        }
+        for p in graph.params() {
+            if r.first_slot.len() <= p.layer.0 {
+                let next = r.param.len();
+                r.first_slot.resize(p.layer.0 + 1, next);
+            }
+            let param = r.add(p.name.clone(), RegionKind::Param, p.spec.shape);
+            r.param.push(param);
+            let trainable = p.spec.trainable;
+            let grad = trainable.then(|| {
+                r.add(
+                    format!("{}.grad", p.name),
+                    RegionKind::ParamGrad,
+                    p.spec.shape,
+                )
+            });
+            let velocity = trainable.then(|| {
+                r.add(
+                    format!("{}.velocity", p.name),
+                    RegionKind::Velocity,
+                    p.spec.shape,
+                )
+            });
+            r.param_grad.push(grad);
+            r.velocity.push(velocity);
+        }
+        let total = r.param.len();
+        r.first_slot.resize(graph.layers().len(), total);
+        r
+    }
+
+    fn add(&mut self, name: String, kind: RegionKind, shape: Shape) -> RegionId {
+        self.infos.push(RegionInfo { name, kind, shape });
+        RegionId((self.infos.len() - 1) as u32)
+    }
+
+    /// Regions from explicit infos (for tests of the analysis on hand-made programs).
+    pub fn from_infos(infos: Vec<RegionInfo>) -> Regions {
+        Regions {
+            infos,
+            activation: Vec::new(),
+            gradient: Vec::new(),
+            param: Vec::new(),
+            param_grad: Vec::new(),
+            velocity: Vec::new(),
+            bn_moments: Vec::new(),
+            bn_grad_sums: Vec::new(),
+            first_slot: Vec::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.infos.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.infos.is_empty()
+    }
+
+    pub fn info(&self, id: RegionId) -> &RegionInfo {
+        &self.infos[id.index()]
+    }
+
+    pub fn ids(&self) -> impl Iterator<Item = RegionId> + '_ {
+        (0..self.infos.len() as u32).map(RegionId)
+    }
+
+    pub fn activation(&self, layer: LayerId) -> RegionId {
+        self.activation[layer.0]
+    }
+
+    pub fn gradient(&self, layer: LayerId) -> RegionId {
+        self.gradient[layer.0]
+    }
+
+    /// Parameter slot of a layer's `index`-th parameter.
+    pub fn slot(&self, layer: LayerId, index: usize) -> usize {
+        self.first_slot[layer.0] + index
+    }
+
+    pub fn param(&self, slot: usize) -> RegionId {
+        self.param[slot]
+    }
+
+    pub fn param_grad(&self, slot: usize) -> Option<RegionId> {
+        self.param_grad[slot]
+    }
+
+    pub fn velocity(&self, slot: usize) -> Option<RegionId> {
+        self.velocity[slot]
+    }
+
+    pub fn bn_moments(&self, layer: LayerId) -> Option<RegionId> {
+        self.bn_moments[layer.0]
+    }
+
+    pub fn bn_grad_sums(&self, layer: LayerId) -> Option<RegionId> {
+        self.bn_grad_sums[layer.0]
+    }
+}
+
+impl fmt::Display for RegionInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.name)
+    }
+}
+
+/// Rects of one region, one per point of a launch domain. A *disjoint* partition (a layer's output
+/// tiles) covers each element at most once; an *aliased* one (input requirements with halos, or
+/// a channel split reading all input channels) may overlap.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Partition {
+    pub rects: Vec<Rect>,
+}
+
+impl Partition {
+    /// The block tiling of a layer's output under its config (the planner's `tile_rect`).
+    pub fn blocks(shape: &Shape, config: &ParallelConfig) -> Partition {
+        Partition {
+            rects: (0..config.total())
+                .map(|t| tile_rect(shape, config, t))
+                .collect(),
+        }
+    }
+
+    /// What each tile of `outputs` reads of input `input` of `op` (its projection, halos included).
+    pub fn projected(
+        op: &dyn OpSpec,
+        inputs: &[Shape],
+        outputs: &Partition,
+        input: usize,
+    ) -> Partition {
+        Partition {
+            rects: outputs
+                .rects
+                .iter()
+                .map(|tile| op.project(inputs, tile)[input])
+                .collect(),
+        }
+    }
+
+    pub fn is_disjoint(&self) -> bool {
+        self.rects
+            .iter()
+            .enumerate()
+            .all(|(i, a)| self.rects[i + 1..].iter().all(|b| !a.overlaps(b)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_ops::Dim;
+    use legion_ops::op::Conv2d;
+
+    #[test]
+    fn output_blocks_are_disjoint_and_halos_alias() {
+        let out = Shape::nchw(2, 4, 8, 8);
+        let config = ParallelConfig::split(Dim::H, 2, 0);
+        let tiles = Partition::blocks(&out, &config);
+        assert!(tiles.is_disjoint());
+        let conv = Conv2d::new(4, 3).padding(1);
+        let input = [Shape::nchw(2, 4, 8, 8)];
+        let halo = Partition::projected(&conv, &input, &tiles, 0);
+        assert!(!halo.is_disjoint());
+        assert_eq!(halo.rects[0], Rect::new(&[0, 0, 0, 0], &[2, 4, 5, 8]));
+        assert_eq!(halo.rects[1], Rect::new(&[0, 0, 3, 0], &[2, 4, 8, 8]));
+    }
+}
