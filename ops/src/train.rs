@@ -76,6 +76,13 @@ impl ParamStore {
         ParamStore::from_parts(graph, params, values)
     }
 
+    /// Values in `Graph::params` order (e.g. gathered from the devices of a distributed run).
+    pub fn from_values(graph: &Graph, values: Vec<Vec<f32>>) -> ParamStore {
+        let params = graph.params();
+        assert_eq!(params.len(), values.len(), "one value vector per parameter");
+        ParamStore::from_parts(graph, params, values)
+    }
+
     fn from_parts(graph: &Graph, params: Vec<GraphParam>, values: Vec<Vec<f32>>) -> ParamStore {
         // `Graph::params` lists parameters in layer order, so a layer's first slot is the number of
         // parameters of the layers before it.

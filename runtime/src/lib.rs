@@ -10,9 +10,14 @@
 //! - `program`: the analysed step cut into per-device programs (copies become send/recv).
 //! - `plan`: builds and checks the replayable step plan.
 //! - `buffer`, `exec`: instance storage and the kernels a task runs.
+//! - `device`: the kameo device actor that runs a device's program each step.
+//! - `transport`: moving slices between devices (in-process here; QUIC in `legion-cluster`).
+//! - `embedded`: N devices in this process; the API the CLI trains with.
 
 pub mod analysis;
 pub mod buffer;
+pub mod device;
+pub mod embedded;
 pub mod exec;
 pub mod lower;
 pub mod mapper;
@@ -21,3 +26,4 @@ pub mod program;
 pub mod region;
 pub mod serial;
 pub mod task;
+pub mod transport;

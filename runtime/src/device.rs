@@ -1,0 +1,529 @@
+//! The device actor: owns one device's physical instances and runs its program each step.
+//!
+//! An op runs once its local dependences are done (a `Recv` also waits for its data). Compute ops
+//! (kernels and folds) run one at a time per device on the shared compute pool, like a GPU stream;
+//! data movement (local copies, sends, receives) runs on the actor as soon as it is ready, so
+//! transfers overlap compute. Instances are `Arc`s: readers share them, and a writer takes the only
+//! reference (the analysis guarantees nobody else holds it at that point).
+
+use crate::buffer::{self, Buffer};
+use crate::exec::{self, Access, ExecContext, StepInput, TaskOutcome};
+use crate::program::{DeviceProgram, LocalOpKind};
+use crate::transport::{SliceMessage, Transport};
+use kameo::Actor;
+use kameo::actor::ActorRef;
+use kameo::message::{Context, Message};
+use legion_ops::train::Sgd;
+use legion_ops::{Graph, Rect};
+use legion_planner::DeviceId;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// One op's execution, for traces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpEvent {
+    /// Index of the op in the device's program.
+    pub op: u32,
+    /// Seconds since the step's epoch.
+    pub start: f64,
+    pub end: f64,
+}
+
+/// What a device reports at the end of a step.
+#[derive(Debug)]
+pub struct StepReport {
+    pub device: DeviceId,
+    pub outcome: TaskOutcome,
+    /// The first task failure (the step's results are then meaningless).
+    pub error: Option<String>,
+    /// Every op's execution when the step was traced.
+    pub events: Vec<OpEvent>,
+}
+
+/// Everything a device needs to run steps.
+pub struct DeviceSetup {
+    pub program: Arc<DeviceProgram>,
+    pub graph: Arc<Graph>,
+    pub seed: u64,
+    pub sgd: Sgd,
+    pub transport: Arc<dyn Transport>,
+}
+
+#[derive(Actor)]
+pub struct DeviceActor {
+    setup: DeviceSetup,
+    instances: Vec<Option<Arc<Buffer>>>,
+    /// The `Recv` op of each incoming copy.
+    recv_of: HashMap<u32, u32>,
+    step: Option<StepState>,
+    /// Slices that arrived before their step started here.
+    early: Vec<SliceMessage>,
+}
+
+struct StepState {
+    step: u64,
+    input: Arc<StepInput>,
+    epoch: Instant,
+    remaining: Vec<u32>,
+    arrived: HashMap<u32, Buffer>,
+    compute_queue: BinaryHeap<Reverse<u32>>,
+    busy: bool,
+    done: usize,
+    outcome: TaskOutcome,
+    error: Option<String>,
+    events: Option<Vec<OpEvent>>,
+    reply: Option<oneshot::Sender<StepReport>>,
+}
+
+impl DeviceActor {
+    pub fn new(setup: DeviceSetup) -> DeviceActor {
+        let instances = setup
+            .program
+            .instances
+            .iter()
+            .map(|i| Some(Arc::new(Buffer::zeros(i.dtype, i.rect.volume()))))
+            .collect();
+        let recv_of = setup
+            .program
+            .ops
+            .iter()
+            .enumerate()
+            .filter_map(|(i, op)| match op.kind {
+                LocalOpKind::Recv { copy, .. } => Some((copy, i as u32)),
+                _ => None,
+            })
+            .collect();
+        DeviceActor {
+            setup,
+            instances,
+            recv_of,
+            step: None,
+            early: Vec::new(),
+        }
+    }
+
+    fn instance(&self, i: u32) -> &Buffer {
+        self.instances[i as usize]
+            .as_deref()
+            .unwrap_or_else(|| panic!("instance {i} is being written"))
+    }
+
+    fn instance_mut(&mut self, i: u32) -> &mut Buffer {
+        let arc = self.instances[i as usize]
+            .as_mut()
+            .unwrap_or_else(|| panic!("instance {i} is being written"));
+        Arc::get_mut(arc).unwrap_or_else(|| panic!("instance {i} written while read"))
+    }
+
+    fn rect(&self, i: u32) -> Rect {
+        self.setup.program.instances[i as usize].rect
+    }
+
+    fn start_step(&mut self, msg: RunStep, actor: &ActorRef<DeviceActor>) {
+        let program = &self.setup.program;
+        let mut remaining: Vec<u32> = program.ops.iter().map(|o| o.deps.len() as u32).collect();
+        for &r in self.recv_of.values() {
+            remaining[r as usize] += 1;
+        }
+        self.step = Some(StepState {
+            step: msg.step,
+            input: msg.input,
+            epoch: msg.epoch,
+            remaining,
+            arrived: HashMap::new(),
+            compute_queue: BinaryHeap::new(),
+            busy: false,
+            done: 0,
+            outcome: TaskOutcome::default(),
+            error: None,
+            events: msg.trace.then(Vec::new),
+            reply: Some(msg.reply),
+        });
+        let ready: Vec<u32> = (0..program.ops.len() as u32)
+            .filter(|&i| self.step.as_ref().unwrap().remaining[i as usize] == 0)
+            .collect();
+        let early: Vec<SliceMessage> = std::mem::take(&mut self.early);
+        let mut later = Vec::new();
+        for m in early {
+            if m.step == msg.step {
+                self.deliver(m, actor);
+            } else {
+                later.push(m);
+            }
+        }
+        self.early = later;
+        self.run_ready(ready, actor);
+        self.finish_if_done();
+    }
+
+    fn deliver(&mut self, msg: SliceMessage, actor: &ActorRef<DeviceActor>) {
+        let current = self.step.as_ref().map(|s| s.step);
+        if current != Some(msg.step) {
+            self.early.push(msg);
+            return;
+        }
+        let Some(&recv) = self.recv_of.get(&msg.copy) else {
+            tracing::error!(
+                device = self.setup.program.device,
+                copy = msg.copy,
+                "slice for no receive"
+            );
+            return;
+        };
+        let state = self.step.as_mut().unwrap();
+        state.arrived.insert(msg.copy, msg.data);
+        state.remaining[recv as usize] -= 1;
+        if state.remaining[recv as usize] == 0 {
+            self.run_ready(vec![recv], actor);
+            self.finish_if_done();
+        }
+    }
+
+    /// Runs ready data-movement ops at once (and what they make ready), queues compute ops.
+    fn run_ready(&mut self, mut ready: Vec<u32>, actor: &ActorRef<DeviceActor>) {
+        let program = Arc::clone(&self.setup.program);
+        while let Some(i) = ready.pop() {
+            let op = &program.ops[i as usize];
+            if op.is_compute() {
+                self.step.as_mut().unwrap().compute_queue.push(Reverse(i));
+                continue;
+            }
+            let start = Instant::now();
+            match &op.kind {
+                LocalOpKind::Copy { src, dst, rect } => {
+                    let data = self.instance(*src).gather(&self.rect(*src), rect);
+                    let layout = self.rect(*dst);
+                    self.instance_mut(*dst)
+                        .copy_from(&layout, &data, rect, rect);
+                }
+                LocalOpKind::Send {
+                    copy,
+                    src,
+                    rect,
+                    to,
+                } => {
+                    let data = self.instance(*src).gather(&self.rect(*src), rect);
+                    let step = self.step.as_ref().unwrap().step;
+                    self.setup.transport.send(SliceMessage {
+                        step,
+                        copy: *copy,
+                        to: *to,
+                        data,
+                    });
+                }
+                LocalOpKind::Recv { copy, dst, rect } => {
+                    let data = self
+                        .step
+                        .as_mut()
+                        .unwrap()
+                        .arrived
+                        .remove(copy)
+                        .expect("a receive runs after its data arrived");
+                    let layout = self.rect(*dst);
+                    self.instance_mut(*dst)
+                        .copy_from(&layout, &data, rect, rect);
+                }
+                LocalOpKind::Task { .. } | LocalOpKind::Fold { .. } => unreachable!(),
+            }
+            self.record(i, start, Instant::now());
+            ready.extend(self.complete(i));
+        }
+        self.pump_compute(actor);
+    }
+
+    /// Marks op `i` done; returns the ops that became ready.
+    fn complete(&mut self, i: u32) -> Vec<u32> {
+        let state = self.step.as_mut().unwrap();
+        state.done += 1;
+        let mut ready = Vec::new();
+        for &d in &self.setup.program.dependents[i as usize] {
+            state.remaining[d as usize] -= 1;
+            if state.remaining[d as usize] == 0 {
+                ready.push(d);
+            }
+        }
+        ready
+    }
+
+    fn record(&mut self, op: u32, start: Instant, end: Instant) {
+        let state = self.step.as_mut().unwrap();
+        if let Some(events) = &mut state.events {
+            events.push(OpEvent {
+                op,
+                start: start.duration_since(state.epoch).as_secs_f64(),
+                end: end.duration_since(state.epoch).as_secs_f64(),
+            });
+        }
+    }
+
+    /// Starts the next compute op if the device is idle.
+    fn pump_compute(&mut self, actor: &ActorRef<DeviceActor>) {
+        let state = self.step.as_mut().unwrap();
+        if state.busy {
+            return;
+        }
+        let Some(Reverse(i)) = state.compute_queue.pop() else {
+            return;
+        };
+        state.busy = true;
+        let input = Arc::clone(&state.input);
+        let program = Arc::clone(&self.setup.program);
+        let (reads, writes) = match &program.ops[i as usize].kind {
+            LocalOpKind::Task { task, instances } => {
+                let mut reads = Vec::new();
+                let mut writes = Vec::new();
+                for (req, &inst) in task.requirements.iter().zip(instances) {
+                    if req.privilege.writes() {
+                        writes.push((inst, self.take(inst)));
+                    } else {
+                        reads.push(self.share(inst));
+                    }
+                }
+                (reads, writes)
+            }
+            LocalOpKind::Fold { srcs, dst, .. } => {
+                let reads = srcs.iter().map(|&s| self.share(s)).collect();
+                (reads, vec![(*dst, self.take(*dst))])
+            }
+            _ => unreachable!("only compute ops are queued"),
+        };
+        let graph = Arc::clone(&self.setup.graph);
+        let (seed, sgd) = (self.setup.seed, self.setup.sgd);
+        let actor = actor.clone();
+        rayon::spawn(move || {
+            let start = Instant::now();
+            let mut writes = writes;
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run_compute(&program, i, &graph, seed, sgd, &input, &reads, &mut writes)
+            }))
+            .unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                Err(format!("panicked: {what}"))
+            });
+            // Readers let go before the actor hears of it, so a writer after us finds them gone.
+            drop(reads);
+            let end = Instant::now();
+            let done = ComputeDone {
+                op: i,
+                writes,
+                result,
+                start,
+                end,
+            };
+            if let Err(e) = actor.tell(done).try_send() {
+                tracing::error!("device actor gone: {e}");
+            }
+        });
+    }
+
+    fn take(&mut self, i: u32) -> Arc<Buffer> {
+        self.instances[i as usize]
+            .take()
+            .unwrap_or_else(|| panic!("instance {i} taken twice"))
+    }
+
+    fn share(&self, i: u32) -> Arc<Buffer> {
+        Arc::clone(
+            self.instances[i as usize]
+                .as_ref()
+                .unwrap_or_else(|| panic!("instance {i} is being written")),
+        )
+    }
+
+    fn finish_if_done(&mut self) {
+        let Some(state) = &self.step else {
+            return;
+        };
+        if state.done < self.setup.program.ops.len() {
+            return;
+        }
+        let mut state = self.step.take().unwrap();
+        let report = StepReport {
+            device: self.setup.program.device,
+            outcome: state.outcome,
+            error: state.error.take(),
+            events: state.events.take().unwrap_or_default(),
+        };
+        if let Some(reply) = state.reply.take() {
+            let _ = reply.send(report);
+        }
+    }
+}
+
+fn exclusive((i, b): &mut (u32, Arc<Buffer>)) -> &mut Buffer {
+    let i = *i;
+    Arc::get_mut(b).unwrap_or_else(|| panic!("instance {i} written while shared"))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_compute(
+    program: &DeviceProgram,
+    op: u32,
+    graph: &Graph,
+    seed: u64,
+    sgd: Sgd,
+    input: &StepInput,
+    reads: &[Arc<Buffer>],
+    writes: &mut [(u32, Arc<Buffer>)],
+) -> Result<TaskOutcome, String> {
+    match &program.ops[op as usize].kind {
+        LocalOpKind::Task { task, .. } => {
+            let mut reads = reads.iter();
+            let mut writes = writes.iter_mut().map(exclusive);
+            let access = task
+                .requirements
+                .iter()
+                .map(|req| {
+                    if req.privilege.writes() {
+                        Access::Write(writes.next().unwrap())
+                    } else {
+                        Access::Read(reads.next().unwrap())
+                    }
+                })
+                .collect();
+            let ctx = ExecContext {
+                graph,
+                seed,
+                sgd,
+                input,
+            };
+            exec::execute(&ctx, task, access).map_err(|e| e.to_string())
+        }
+        LocalOpKind::Fold {
+            srcs,
+            dst,
+            rect,
+            accumulate,
+        } => {
+            let terms: Vec<(&Buffer, Rect)> = reads
+                .iter()
+                .zip(srcs)
+                .map(|(b, &s)| (&**b, program.instances[s as usize].rect))
+                .collect();
+            let layout = program.instances[*dst as usize].rect;
+            buffer::fold(
+                exclusive(&mut writes[0]),
+                &layout,
+                &terms,
+                rect,
+                *accumulate,
+            );
+            Ok(TaskOutcome::default())
+        }
+        _ => unreachable!("only compute ops run on the pool"),
+    }
+}
+
+/// Starts a step: run every op of the program once, then reply.
+pub struct RunStep {
+    pub step: u64,
+    pub input: Arc<StepInput>,
+    /// Where step time starts, shared by all devices (for traces).
+    pub epoch: Instant,
+    pub trace: bool,
+    pub reply: oneshot::Sender<StepReport>,
+}
+
+/// A slice from another device.
+pub struct Deliver(pub SliceMessage);
+
+struct ComputeDone {
+    op: u32,
+    writes: Vec<(u32, Arc<Buffer>)>,
+    result: Result<TaskOutcome, String>,
+    start: Instant,
+    end: Instant,
+}
+
+/// Writes data into instances (initial parameters): `(instance, rect, data laid out over rect)`.
+pub struct Load(pub Vec<(u32, Rect, Buffer)>);
+
+/// Reads `rect` of an instance.
+pub struct ReadInstance {
+    pub instance: u32,
+    pub rect: Rect,
+}
+
+impl Message<RunStep> for DeviceActor {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: RunStep, ctx: &mut Context<Self, Self::Reply>) {
+        assert!(self.step.is_none(), "a step is already running");
+        let actor = ctx.actor_ref().clone();
+        self.start_step(msg, &actor);
+    }
+}
+
+impl Message<Deliver> for DeviceActor {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: Deliver, ctx: &mut Context<Self, Self::Reply>) {
+        let actor = ctx.actor_ref().clone();
+        self.deliver(msg.0, &actor);
+    }
+}
+
+impl Message<ComputeDone> for DeviceActor {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: ComputeDone, ctx: &mut Context<Self, Self::Reply>) {
+        for (i, b) in msg.writes {
+            self.instances[i as usize] = Some(b);
+        }
+        let state = self.step.as_mut().expect("compute finished outside a step");
+        state.busy = false;
+        match msg.result {
+            Ok(o) => {
+                state.outcome.loss_sum += o.loss_sum;
+                state.outcome.correct += o.correct;
+            }
+            Err(e) => {
+                if state.error.is_none() {
+                    let label = match &self.setup.program.ops[msg.op as usize].kind {
+                        LocalOpKind::Task { task, .. } => task.label(&self.setup.graph),
+                        _ => "fold".to_string(),
+                    };
+                    state.error = Some(format!("{label}: {e}"));
+                }
+            }
+        }
+        self.record(msg.op, msg.start, msg.end);
+        let ready = self.complete(msg.op);
+        let actor = ctx.actor_ref().clone();
+        self.run_ready(ready, &actor);
+        self.finish_if_done();
+    }
+}
+
+impl Message<Load> for DeviceActor {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: Load, _ctx: &mut Context<Self, Self::Reply>) {
+        for (i, rect, data) in msg.0 {
+            let layout = self.rect(i);
+            self.instance_mut(i).copy_from(&layout, &data, &rect, &rect);
+        }
+    }
+}
+
+/// The reply to [`ReadInstance`].
+#[derive(kameo::Reply)]
+pub struct Piece(pub Buffer);
+
+impl Message<ReadInstance> for DeviceActor {
+    type Reply = Piece;
+
+    async fn handle(&mut self, msg: ReadInstance, _ctx: &mut Context<Self, Self::Reply>) -> Piece {
+        Piece(
+            self.instance(msg.instance)
+                .gather(&self.rect(msg.instance), &msg.rect),
+        )
+    }
+}

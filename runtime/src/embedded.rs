@@ -1,0 +1,247 @@
+//! The embedded cluster: N CPU devices as actors in this process, sharing one compute pool, joined
+//! by the in-process transport. Runs training steps of a step plan.
+
+use crate::buffer::Buffer;
+use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
+use crate::exec::StepInput;
+use crate::plan::{PlanError, StepPlan};
+use crate::region::RegionKind;
+use crate::transport::{InProcessTransport, Transport};
+use kameo::actor::{ActorRef, Spawn};
+use kameo::mailbox;
+use legion_ops::Graph;
+use legion_ops::kernels::softmax_ce::LabelOutOfRange;
+use legion_ops::train::{ParamStore, Sgd, StepStats};
+use legion_planner::ParallelConfig;
+use std::sync::Arc;
+use std::time::Instant;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Label(#[from] LabelOutOfRange),
+    #[error("device {device}: {message}")]
+    Device { device: usize, message: String },
+    #[error("device {device} stopped responding")]
+    DeviceLost { device: usize },
+    #[error("the batch has {got} values, the input layer takes {expected}")]
+    BatchSize { got: usize, expected: usize },
+}
+
+/// What one distributed step measured.
+#[derive(Debug)]
+pub struct StepResult {
+    pub stats: StepStats,
+    /// Per device, when traced.
+    pub reports: Vec<StepReport>,
+}
+
+pub struct EmbeddedCluster {
+    runtime: tokio::runtime::Runtime,
+    devices: Vec<ActorRef<DeviceActor>>,
+    plan: Arc<StepPlan>,
+    graph: Arc<Graph>,
+    next_step: u64,
+}
+
+impl EmbeddedCluster {
+    /// Plans `graph` under `configs` on `devices` devices and loads `params` onto them. Steps are
+    /// numbered from `first_step` (dropout masks depend on it).
+    pub fn start(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        devices: usize,
+        params: &ParamStore,
+        sgd: Sgd,
+        seed: u64,
+        first_step: u64,
+    ) -> Result<EmbeddedCluster, RuntimeError> {
+        let plan = Arc::new(StepPlan::build(graph, configs, devices)?);
+        let graph = Arc::new(graph.clone());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("legion-device")
+            .build()
+            .expect("tokio runtime");
+        let transport = Arc::new(InProcessTransport::new());
+        let actors: Vec<ActorRef<DeviceActor>> = runtime.block_on(async {
+            plan.programs
+                .iter()
+                .map(|program| {
+                    let setup = DeviceSetup {
+                        program: Arc::new(program.clone()),
+                        graph: Arc::clone(&graph),
+                        seed,
+                        sgd,
+                        transport: Arc::clone(&transport) as Arc<dyn Transport>,
+                    };
+                    DeviceActor::spawn_with_mailbox(DeviceActor::new(setup), mailbox::unbounded())
+                })
+                .collect()
+        });
+        transport.connect(actors.clone());
+        let cluster = EmbeddedCluster {
+            runtime,
+            devices: actors,
+            plan,
+            graph,
+            next_step: first_step,
+        };
+        cluster.load(params)?;
+        Ok(cluster)
+    }
+
+    pub fn plan(&self) -> &StepPlan {
+        &self.plan
+    }
+
+    pub fn num_devices(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn load(&self, params: &ParamStore) -> Result<(), RuntimeError> {
+        let mut per_device: Vec<Vec<(u32, legion_ops::Rect, Buffer)>> =
+            vec![Vec::new(); self.devices.len()];
+        for (region, at) in self.plan.initial_data() {
+            let info = self.plan.regions.info(region);
+            let data = match info.kind {
+                RegionKind::Param => {
+                    let slot = self.plan.slot_of(region).expect("parameter region");
+                    Buffer::F32(params.values[slot].clone())
+                        .gather(&info.shape.full_rect(), &at.rect)
+                }
+                // Momentum starts at zero.
+                _ => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
+            };
+            per_device[at.device].push((at.instance, at.rect, data));
+        }
+        self.runtime.block_on(async {
+            for (d, pieces) in per_device.into_iter().enumerate() {
+                self.devices[d]
+                    .ask(Load(pieces))
+                    .await
+                    .map_err(|_| RuntimeError::DeviceLost { device: d })?;
+            }
+            Ok(())
+        })
+    }
+
+    /// One training step on a batch (images laid out like the input layer, one label per sample).
+    pub fn step(
+        &mut self,
+        images: Vec<f32>,
+        labels: Vec<u32>,
+        trace: bool,
+    ) -> Result<StepResult, RuntimeError> {
+        let input_shape = self.graph.layer(self.graph.input()).shape;
+        if images.len() != input_shape.numel() {
+            return Err(RuntimeError::BatchSize {
+                got: images.len(),
+                expected: input_shape.numel(),
+            });
+        }
+        if let Some(logits) = self.graph.logits() {
+            let classes = self.graph.layer(logits).shape.dim(1);
+            if let Some((sample, &label)) = labels
+                .iter()
+                .enumerate()
+                .find(|(_, l)| **l as usize >= classes)
+            {
+                return Err(LabelOutOfRange {
+                    sample,
+                    label,
+                    classes,
+                }
+                .into());
+            }
+        }
+        let step = self.next_step;
+        let input = Arc::new(StepInput {
+            step,
+            images,
+            labels,
+        });
+        let epoch = Instant::now();
+        let reports = self.runtime.block_on(async {
+            let mut waits = Vec::new();
+            for (d, device) in self.devices.iter().enumerate() {
+                let (reply, wait) = tokio::sync::oneshot::channel();
+                device
+                    .tell(RunStep {
+                        step,
+                        input: Arc::clone(&input),
+                        epoch,
+                        trace,
+                        reply,
+                    })
+                    .await
+                    .map_err(|_| RuntimeError::DeviceLost { device: d })?;
+                waits.push(wait);
+            }
+            let mut reports = Vec::new();
+            for (d, wait) in waits.into_iter().enumerate() {
+                reports.push(
+                    wait.await
+                        .map_err(|_| RuntimeError::DeviceLost { device: d })?,
+                );
+            }
+            Ok::<_, RuntimeError>(reports)
+        })?;
+        self.next_step += 1;
+        if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
+            return Err(RuntimeError::Device {
+                device: r.device,
+                message: r.error.clone().unwrap(),
+            });
+        }
+        let loss_sum: f64 = reports.iter().map(|r| r.outcome.loss_sum).sum();
+        let correct = reports.iter().map(|r| r.outcome.correct).sum();
+        Ok(StepResult {
+            stats: StepStats {
+                loss: (loss_sum / self.graph.batch() as f64) as f32,
+                correct,
+            },
+            reports: if trace { reports } else { Vec::new() },
+        })
+    }
+
+    /// The current parameters and buffers, gathered from their owners.
+    pub fn params(&self) -> Result<ParamStore, RuntimeError> {
+        let n = self.graph.params().len();
+        let values = self.runtime.block_on(async {
+            let mut values = Vec::with_capacity(n);
+            for slot in 0..n {
+                let region = self.plan.regions.param(slot);
+                let full = self.plan.regions.info(region).shape.full_rect();
+                let mut out = Buffer::zeros(crate::region::DType::F32, full.volume());
+                for at in self.plan.param_sources(slot) {
+                    let piece = self.devices[at.device]
+                        .ask(ReadInstance {
+                            instance: at.instance,
+                            rect: at.rect,
+                        })
+                        .await
+                        .map_err(|_| RuntimeError::DeviceLost { device: at.device })?;
+                    out.copy_from(&full, &piece.0, &at.rect, &at.rect);
+                }
+                match out {
+                    Buffer::F32(v) => values.push(v),
+                    Buffer::F64(_) => unreachable!("parameters are f32"),
+                }
+            }
+            Ok::<_, RuntimeError>(values)
+        })?;
+        Ok(ParamStore::from_values(&self.graph, values))
+    }
+}
+
+impl Drop for EmbeddedCluster {
+    fn drop(&mut self) {
+        for d in &self.devices {
+            d.kill();
+        }
+    }
+}
