@@ -1,6 +1,14 @@
 //! The invariant at the centre of the suite: any strategy trains the same network. Every strategy
 //! (data, model, OWT, the optimised one and random valid ones) on 4 embedded devices, run through the
 //! device actors, gives the same weights after 3 steps as the single-device reference trainer.
+//!
+//! Tolerance: each saved tensor within relative error 1e-4 (max |difference| over max |value|).
+//! LeNet-5 and AlexNet meet it outright. Inception's batch-norm stacks at batch 8 amplify rounding:
+//! perturbing the reference's own initial weights by 1e-7 (f32 rounding) moves some of its tensors
+//! by percents after 3 steps (gradients of biases that feed 1×1 conv + batch norm are sums of
+//! cancelling terms). No other summation order can beat that, so a tensor may also differ by
+//! `ROUNDING_FACTOR` times what rounding alone does to it. Measured (reduced Inception at 32×32):
+//! every strategy stays within 1.7× of that; a wrong gradient moves every tensor far more.
 
 use legion_ops::train::{ParamStore, Sgd, Trainer};
 use legion_ops::{Graph, zoo};
@@ -13,6 +21,7 @@ use legion_runtime::embedded::EmbeddedCluster;
 const DEVICES: usize = 4;
 const STEPS: u64 = 3;
 const TOLERANCE: f32 = 1e-4;
+const ROUNDING_FACTOR: f32 = 10.0;
 
 fn model(name: &str, image_size: usize) -> Graph {
     let z = zoo::find(name).unwrap();
@@ -64,15 +73,69 @@ fn relative_error(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
+/// The reference trained from `init`: its parameters and per-step losses.
+fn reference_run(graph: &Graph, init: &ParamStore) -> (ParamStore, Vec<f32>) {
+    let mut reference = Trainer::new(graph.clone(), init.clone(), Sgd::default(), 11);
+    let losses = (0..STEPS)
+        .map(|step| {
+            let (images, labels) = batch(graph, step);
+            reference.step(&images, &labels).unwrap().loss
+        })
+        .collect();
+    (reference.params().clone(), losses)
+}
+
+/// How far each tensor of the reference moves when its initial weights are perturbed at the level
+/// of f32 rounding (relative 1e-7): the closest any other summation order can be expected to get.
+struct Sensitivity {
+    /// Per tensor, relative.
+    tensors: Vec<f32>,
+    /// Per step, relative.
+    losses: Vec<f32>,
+}
+
+fn rounding_sensitivity(
+    graph: &Graph,
+    init: &ParamStore,
+    trained: &ParamStore,
+    losses: &[f32],
+) -> Sensitivity {
+    let mut perturbed = init.clone();
+    let mut rng = legion_ops::rng::Rng::new(3);
+    for v in &mut perturbed.values {
+        for x in v.iter_mut() {
+            *x *= 1.0 + 1e-7 * ((rng.next_u64() % 2001) as f32 / 1000.0 - 1.0);
+        }
+    }
+    let (moved, moved_losses) = reference_run(graph, &perturbed);
+    Sensitivity {
+        tensors: moved
+            .values
+            .iter()
+            .zip(&trained.values)
+            .map(|(a, b)| relative_error(a, b))
+            .collect(),
+        losses: moved_losses
+            .iter()
+            .zip(losses)
+            .map(|(a, b)| (a - b).abs() / b.abs())
+            .collect(),
+    }
+}
+
 fn assert_same_training(graph: &Graph, strategies: &[(&str, Vec<ParallelConfig>)]) {
     let init = ParamStore::init(graph, 7);
     let sgd = Sgd::default();
-    let mut reference = Trainer::new(graph.clone(), init.clone(), sgd, 11);
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let (images, labels) = batch(graph, step);
-        losses.push(reference.step(&images, &labels).unwrap().loss);
-    }
+    let (reference, losses) = reference_run(graph, &init);
+    // A tensor may differ by 1e-4, or by a small multiple of what rounding alone does to it where
+    // the network amplifies rounding (batch-norm biases whose gradients are sums of cancelling
+    // terms). A real error moves every tensor by far more.
+    let sensitivity = rounding_sensitivity(graph, &init, &reference, &losses);
+    let tolerance: Vec<f32> = sensitivity
+        .tensors
+        .iter()
+        .map(|s| TOLERANCE.max(ROUNDING_FACTOR * s))
+        .collect();
     for (name, configs) in strategies {
         let mut cluster =
             EmbeddedCluster::start(graph, configs, DEVICES, &init, sgd, 11, 0).unwrap();
@@ -80,21 +143,24 @@ fn assert_same_training(graph: &Graph, strategies: &[(&str, Vec<ParallelConfig>)
             let (images, labels) = batch(graph, step);
             let stats = cluster.step(images, labels, false).unwrap().stats;
             let want = losses[step as usize];
+            let tolerance = TOLERANCE.max(ROUNDING_FACTOR * sensitivity.losses[step as usize]);
             assert!(
-                (stats.loss - want).abs() <= TOLERANCE * want.abs(),
-                "{}/{name} step {step}: loss {} vs {want}",
+                (stats.loss - want).abs() <= tolerance * want.abs(),
+                "{}/{name} step {step}: loss {} vs {want} (relative tolerance {tolerance:e})",
                 graph.name,
                 stats.loss
             );
         }
         let trained = cluster.params().unwrap();
-        for (slot, p) in reference.params().params.iter().enumerate() {
-            let err = relative_error(&trained.values[slot], &reference.params().values[slot]);
+        for (slot, p) in reference.params.iter().enumerate() {
+            let err = relative_error(&trained.values[slot], &reference.values[slot]);
             assert!(
-                err <= TOLERANCE,
-                "{}/{name}: {} differs by {err:e}",
+                err <= tolerance[slot],
+                "{}/{name}: {} differs by {err:e} (tolerance {:e}; rounding alone moves it {:e})",
                 graph.name,
-                p.name
+                p.name,
+                tolerance[slot],
+                sensitivity.tensors[slot]
             );
         }
     }
@@ -121,5 +187,54 @@ fn lenet5_every_strategy_matches_one_device() {
 #[test]
 fn alexnet_every_strategy_matches_one_device() {
     let g = model("alexnet", 64);
+    assert_same_training(&g, &all_strategies(&g));
+}
+
+#[test]
+fn inception_every_strategy_matches_one_device() {
+    let g = model("inception_v3_reduced", 32);
+    assert_same_training(&g, &all_strategies(&g));
+}
+
+/// Batch norm (plain and fused with ReLU) under every partition, in a network shallow enough that
+/// rounding is not amplified: the 1e-4 tolerance applies outright. Also a residual add and a
+/// branch/concat.
+fn small_bn_net() -> Graph {
+    use legion_ops::GraphBuilder;
+    use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
+    let mut m = GraphBuilder::new("bn_branches");
+    let x = m
+        .input("data", legion_ops::Shape::nchw(8, 3, 16, 16))
+        .unwrap();
+    let c = m.conv2d("stem", x, Conv2d::new(16, 3).padding(1)).unwrap();
+    let s = m
+        .batch_norm("stem.bn", c, BatchNorm::default().relu())
+        .unwrap();
+    let a = m.conv2d("a", s, Conv2d::new(8, 1)).unwrap();
+    let a = m.batch_norm("a.bn", a, BatchNorm::default()).unwrap();
+    let b = m.conv2d("b", s, Conv2d::new(8, 3).padding(1)).unwrap();
+    let b = m
+        .batch_norm("b.bn", b, BatchNorm::default().relu())
+        .unwrap();
+    let cat = m.concat("cat", &[a, b]).unwrap();
+    let sum = m.add("residual", cat, s).unwrap();
+    let p = m.pool2d("pool", sum, Pool2d::max(2).stride(2)).unwrap();
+    let f = m.flatten("flatten", p).unwrap();
+    let y = m.dense("fc", f, Dense::new(10)).unwrap();
+    m.softmax_cross_entropy("loss", y).unwrap();
+    m.finish()
+}
+
+#[test]
+fn batch_norm_every_strategy_matches_one_device_at_1e4() {
+    let g = small_bn_net();
+    let init = ParamStore::init(&g, 7);
+    let (reference, losses) = reference_run(&g, &init);
+    let sensitivity = rounding_sensitivity(&g, &init, &reference, &losses);
+    let worst = sensitivity.tensors.iter().fold(0f32, |m, &s| m.max(s));
+    assert!(
+        ROUNDING_FACTOR * worst < TOLERANCE,
+        "this network should be well conditioned (rounding moves a tensor by {worst:e})"
+    );
     assert_same_training(&g, &all_strategies(&g));
 }

@@ -38,6 +38,35 @@ pub fn build(cfg: &ZooConfig) -> Result<Graph, ModelError> {
     Ok(m.finish())
 }
 
+/// A reduced Inception-v3 for small images (32×32 and up): a stride-1 stem, then one block of
+/// each of torchvision's five kinds (A, the B reduction, C with its 1×7/7×1 factorisation, the D
+/// reduction, E with its 1×3/3×1 forks and nested concats), the same head. It keeps every branch,
+/// concat and batch-norm pattern of the full model at a size where batch statistics are taken over
+/// enough elements to be well conditioned (the full model at 75×75 reaches 1×1 maps, where batch
+/// norm over 8 samples turns rounding differences into different training runs).
+pub fn build_reduced(cfg: &ZooConfig) -> Result<Graph, ModelError> {
+    let mut m = GraphBuilder::new("inception_v3_reduced");
+    let x = m.input(
+        "data",
+        Shape::nchw(cfg.batch, cfg.channels, cfg.image_size, cfg.image_size),
+    )?;
+    let mut b = Blocks { m: &mut m };
+    let x = b.basic("Conv2d_1a_3x3", x, Conv2d::new(32, 3).padding(1))?;
+    let x = b.m.pool2d("maxpool1", x, Pool2d::max(3).stride(2))?;
+    let x = b.basic("Conv2d_3b_1x1", x, Conv2d::new(64, 1))?;
+    let x = b.inception_a("Mixed_5b", x, 32)?;
+    let x = b.inception_b("Mixed_6a", x)?;
+    let x = b.inception_c("Mixed_6b", x, 64)?;
+    let x = b.inception_d("Mixed_7a", x)?;
+    let x = b.inception_e("Mixed_7b", x)?;
+    let x = m.global_avg_pool("avgpool", x)?;
+    let x = m.flatten("flatten", x)?;
+    let x = m.dropout("dropout", x, 0.5)?;
+    let x = m.dense("fc", x, Dense::new(cfg.classes))?;
+    m.softmax_cross_entropy("loss", x)?;
+    Ok(m.finish())
+}
+
 struct Blocks<'a> {
     m: &'a mut GraphBuilder,
 }

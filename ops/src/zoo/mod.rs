@@ -76,6 +76,13 @@ pub const MODELS: &[ZooModel] = &[
         build: inception_v3::build,
     },
     ZooModel {
+        name: "inception_v3_reduced",
+        default_image_size: 32,
+        default_channels: 3,
+        default_classes: 10,
+        build: inception_v3::build_reduced,
+    },
+    ZooModel {
         name: "resnet50",
         default_image_size: 224,
         default_channels: 3,
