@@ -6,7 +6,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
-use legion_ops::train::{ParamStore, Sgd, Trainer};
+use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer};
+use legion_planner::search::{self, SearchKind};
+use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
+use legion_runtime::device::StepReport;
+use legion_runtime::embedded::EmbeddedCluster;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -26,6 +30,10 @@ pub struct TrainOptions {
     pub seed: u64,
     /// One JSON object per step and a summary object, instead of human output.
     pub json: bool,
+    /// With several devices: a search (`optcnn`, `data`, `model`, `owt`) or a strategy JSON file.
+    pub strategy: String,
+    /// Write a Chrome/Perfetto trace of the last step here.
+    pub trace: Option<PathBuf>,
 }
 
 impl Default for TrainOptions {
@@ -39,6 +47,8 @@ impl Default for TrainOptions {
             sgd: Sgd::default(),
             seed: 1,
             json: false,
+            strategy: "optcnn".into(),
+            trace: None,
         }
     }
 }
@@ -51,14 +61,73 @@ pub struct TrainSummary {
     pub wall_secs: f64,
 }
 
+/// The machine the embedded cluster's devices make, as the planner sees it.
+pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
+    Ok(MachineModel::preset(&format!("local-cpu:{devices}"))?)
+}
+
+/// The configs of `choice` (a search name or a strategy file) for `graph` on `machine`.
+pub fn choose_strategy(
+    graph: &Graph,
+    machine: &MachineModel,
+    choice: &str,
+) -> anyhow::Result<Vec<ParallelConfig>> {
+    match SearchKind::parse(choice) {
+        Some(kind) => {
+            let provider = RooflineCost::new(machine);
+            let cost = CostModel::new(graph, machine, &provider);
+            let tables = CostTables::build(&cost);
+            Ok(search::find(kind, &tables, search::DEFAULT_BUDGET)
+                .with_context(|| format!("--strategy {choice}"))?
+                .configs)
+        }
+        None => {
+            let path = std::path::Path::new(choice);
+            if !path.exists() {
+                bail!(
+                    "--strategy '{choice}' is neither a search (optcnn, data, model, owt, \
+                     exhaustive) nor an existing strategy file"
+                );
+            }
+            Ok(Strategy::load(path)?.to_configs(graph, machine)?)
+        }
+    }
+}
+
+/// The single-device reference trainer, or the runtime on the embedded cluster.
+enum Engine {
+    Single(Trainer),
+    Cluster(EmbeddedCluster),
+}
+
+impl Engine {
+    fn step(
+        &mut self,
+        images: Vec<f32>,
+        labels: Vec<u32>,
+        trace: bool,
+    ) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+        match self {
+            Engine::Single(t) => Ok((t.step(&images, &labels)?, Vec::new())),
+            Engine::Cluster(c) => {
+                let r = c.step(images, labels, trace)?;
+                Ok((r.stats, r.reports))
+            }
+        }
+    }
+
+    fn params(&self) -> anyhow::Result<ParamStore> {
+        match self {
+            Engine::Single(t) => Ok(t.params().clone()),
+            Engine::Cluster(c) => Ok(c.params()?),
+        }
+    }
+}
+
 /// Trains `graph` (batch size = its input's N) as `opts` says, printing progress to stdout.
 pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> {
-    if opts.devices != 1 {
-        bail!(
-            "--devices {}: training on several devices needs the distributed runtime, which this \
-             build does not include yet; use --devices 1",
-            opts.devices
-        );
+    if opts.devices == 0 {
+        bail!("--devices must be at least 1");
     }
     let batch = graph.batch();
     let input = graph.layer(graph.input()).shape;
@@ -92,7 +161,32 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         opts.seed,
     )?;
     let model_name = graph.name.clone();
-    let mut trainer = Trainer::new(graph, params, opts.sgd, opts.seed);
+    let distributed = opts.devices > 1 || opts.trace.is_some();
+    let mut engine = if distributed {
+        let machine = embedded_machine(opts.devices)?;
+        let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
+        let cluster = EmbeddedCluster::start(
+            &graph,
+            &configs,
+            opts.devices,
+            &params,
+            opts.sgd,
+            opts.seed,
+            0,
+        )?;
+        if !opts.json {
+            println!(
+                "strategy {} on {} embedded device(s), {} moved between devices per step:\n{}",
+                opts.strategy,
+                opts.devices,
+                human_bytes(cluster.plan().remote_bytes()),
+                Strategy::from_configs(&graph, &configs)
+            );
+        }
+        Engine::Cluster(cluster)
+    } else {
+        Engine::Single(Trainer::new(graph.clone(), params, opts.sgd, opts.seed))
+    };
     let loader = Loader::new(
         dataset.into(),
         LoaderConfig {
@@ -118,7 +212,13 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
             .context("the data loader stopped early")?
             .context("loading a batch")?;
         let t = Instant::now();
-        let stats = trainer.step(&batch_data.images, &batch_data.labels)?;
+        let traced = opts.trace.is_some() && step == opts.steps;
+        let (stats, reports) = engine.step(batch_data.images, batch_data.labels, traced)?;
+        if traced && let (Some(path), Engine::Cluster(c)) = (&opts.trace, &engine) {
+            let trace = legion_runtime::trace::chrome_trace(c.plan(), &graph, &reports);
+            write_atomically(path, serde_json::to_string(&trace)?.as_bytes())
+                .with_context(|| format!("writing the trace {}", path.display()))?;
+        }
         let secs = t.elapsed().as_secs_f64();
         let images_per_sec = batch as f64 / secs;
         if !stats.loss.is_finite() {
@@ -153,8 +253,8 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     if let Some(path) = &opts.save {
         let mut meta = BTreeMap::new();
         meta.insert("model".to_string(), model_name.clone());
-        meta.insert("step".to_string(), trainer.steps().to_string());
-        checkpoint::save(path, &trainer.params().tensors(), &meta)?;
+        meta.insert("step".to_string(), opts.steps.to_string());
+        checkpoint::save(path, &engine.params()?.tensors(), &meta)?;
     }
 
     let window = losses.len().min(10);
@@ -166,6 +266,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         println!(
             "{}",
             json!({"summary": true, "model": model_name, "devices": opts.devices,
+                   "strategy": if distributed { Some(&opts.strategy) } else { None },
                    "steps": opts.steps, "batch": batch, "first10_loss": first,
                    "last10_loss": last, "final_loss": losses.last(),
                    "images_per_sec": images_per_sec, "wall_s": wall_secs,
@@ -186,4 +287,26 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         images_per_sec,
         wall_secs,
     })
+}
+
+fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
+/// Writes a file whole or not at all: a temporary file beside it, renamed over it.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    std::io::Write::write_all(&mut tmp, bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
 }

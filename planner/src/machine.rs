@@ -176,6 +176,7 @@ pub const PRESETS: &[&str] = &[
     "paper:8",
     "paper:16",
     "local-cpu",
+    "local-cpu:N",
 ];
 
 /// NVLink between P100s of one node, per direction (the paper's DGX-style nodes).
@@ -290,8 +291,9 @@ impl MachineModel {
     }
 
     /// A named preset: `paper` (4 nodes × 4 P100, NVLink inside a node, 100 Gb/s EDR InfiniBand
-    /// across), `paper:N` (its first N GPUs, N = 1, 2, 4, 8, 16) and `local-cpu` (this machine: one
-    /// node with 2 CPU devices exchanging tensors by in-process copies).
+    /// across), `paper:N` (its first N GPUs, N = 1, 2, 4, 8, 16), `local-cpu` (this machine: one
+    /// node with 2 CPU devices exchanging tensors by in-process copies) and `local-cpu:N` (the
+    /// embedded cluster's N CPU devices, sharing this machine's cores).
     pub fn preset(name: &str) -> Result<MachineModel, MachineError> {
         let unknown = || MachineError::UnknownPreset {
             name: name.to_string(),
@@ -308,6 +310,19 @@ impl MachineModel {
                 Link::from_gbit_per_s(40.0, 2.0),
             ),
             "paper" => MachineModel::paper(name, 16),
+            _ if name.starts_with("local-cpu:") => {
+                match name["local-cpu:".len()..].parse::<usize>() {
+                    Ok(n) if n >= 1 => MachineModel::uniform(
+                        name,
+                        1,
+                        n,
+                        DeviceSpec::local_cpu(),
+                        Link::from_gbit_per_s(40.0, 2.0),
+                        Link::from_gbit_per_s(40.0, 2.0),
+                    ),
+                    _ => Err(unknown()),
+                }
+            }
             _ => {
                 let count = name.strip_prefix("paper:").ok_or_else(unknown)?;
                 match count.parse::<usize>() {

@@ -13,6 +13,7 @@
 //! - `device`: the kameo device actor that runs a device's program each step.
 //! - `transport`: moving slices between devices (in-process here; QUIC in `legion-cluster`).
 //! - `embedded`: N devices in this process; the API the CLI trains with.
+//! - `trace`: Chrome/Perfetto timeline of a real step, in the simulator's format.
 
 pub mod analysis;
 pub mod buffer;
@@ -26,4 +27,5 @@ pub mod program;
 pub mod region;
 pub mod serial;
 pub mod task;
+pub mod trace;
 pub mod transport;

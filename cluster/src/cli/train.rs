@@ -8,9 +8,17 @@ pub struct TrainArgs {
     /// A zoo model name (see `legion-rs models`) or a JSON model file.
     #[arg(long)]
     model: String,
-    /// Number of devices to train on.
+    /// Number of devices to train on (more than one: the embedded cluster, N CPU devices in this
+    /// process).
     #[arg(long, default_value_t = 1)]
     devices: usize,
+    /// How to parallelise each layer over the devices: a search (`optcnn`, `data`, `model`, `owt`)
+    /// or a strategy JSON file (as `legion-rs plan --out` writes).
+    #[arg(long, default_value = "optcnn")]
+    strategy: String,
+    /// Write a Chrome/Perfetto trace (JSON) of the last step; runs on the embedded cluster.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Training steps (batches).
     #[arg(long, default_value_t = 100)]
     steps: u64,
@@ -64,6 +72,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         },
         seed: a.seed,
         json: a.json,
+        strategy: a.strategy,
+        trace: a.trace,
     };
     job::train(graph, &opts)?;
     Ok(())
