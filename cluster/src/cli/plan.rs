@@ -28,7 +28,11 @@ pub struct PlanArgs {
     /// Image size of a zoo model (default: the model's own).
     #[arg(long)]
     image_size: Option<usize>,
-    /// Machine preset (paper, paper:N for N = 1, 2, 4, 8, 16, local-cpu) or machine TOML file.
+    /// Number of classes for zoo models (default: the model's own).
+    #[arg(long)]
+    classes: Option<usize>,
+    /// Machine preset (paper, paper:N for N = 1, 2, 4, 8, 16, local-cpu, local-cpu:N) or machine
+    /// TOML file.
     #[arg(long, conflicts_with = "nodes")]
     machine: Option<String>,
     /// Number of nodes of a machine described by flags.
@@ -101,7 +105,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         _ => bail!("give --machine PRESET|FILE, or --nodes and --devices-per-node"),
     };
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
-    let graph = super::load_model(&args.model, batch, args.image_size, None)?;
+    let graph = super::load_model(&args.model, batch, args.image_size, args.classes)?;
     let profiled = match &args.profile {
         Some(path) => Some(ProfiledCost::new(&ProfileDb::load(path)?, &machine)),
         None => None,

@@ -1,0 +1,150 @@
+//! `legion-rs train --devices N` end to end: real processes and real checkpoint files. Distributed
+//! training from a checkpoint saves the same weights as single-device training from it.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn legion(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+        .args(args)
+        .output()
+        .expect("legion-rs runs")
+}
+
+fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "legion-rs failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+const MODEL: [&str; 8] = [
+    "--model",
+    "alexnet",
+    "--image-size",
+    "64",
+    "--classes",
+    "10",
+    "--batch",
+    "8",
+];
+
+fn train(dir: &Path, init: &Path, name: &str, extra: &[&str]) -> std::path::PathBuf {
+    let out = dir.join(format!("{name}.safetensors"));
+    let mut args = vec!["train"];
+    args.extend(MODEL);
+    args.extend([
+        "--steps",
+        "3",
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        out.to_str().unwrap(),
+    ]);
+    args.extend(extra);
+    ok(legion(&args));
+    out
+}
+
+fn assert_same_tensors(a: &Path, b: &Path) {
+    let a = legion_ops::checkpoint::load(a).unwrap();
+    let b = legion_ops::checkpoint::load(b).unwrap();
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!(x.name, y.name);
+        let scale = y.data.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+        let diff = x
+            .data
+            .iter()
+            .zip(&y.data)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            diff / scale <= 1e-4,
+            "{} differs by {:e}",
+            x.name,
+            diff / scale
+        );
+    }
+}
+
+#[test]
+fn four_devices_save_the_weights_one_device_saves() {
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("init.safetensors");
+    let mut args = vec!["train"];
+    args.extend(MODEL);
+    args.extend(["--steps", "0", "--save", init.to_str().unwrap()]);
+    ok(legion(&args));
+
+    let single = train(dir.path(), &init, "single", &["--devices", "1"]);
+    for strategy in ["optcnn", "model"] {
+        let dist = train(
+            dir.path(),
+            &init,
+            strategy,
+            &["--devices", "4", "--strategy", strategy],
+        );
+        assert_same_tensors(&dist, &single);
+    }
+
+    // A strategy file written by the planner runs as given.
+    let file = dir.path().join("owt.json");
+    let mut args = vec!["plan"];
+    args.extend(MODEL);
+    args.extend([
+        "--machine",
+        "local-cpu:4",
+        "--search",
+        "owt",
+        "--out",
+        file.to_str().unwrap(),
+    ]);
+    ok(legion(&args));
+    let trace = dir.path().join("trace.json");
+    let dist = train(
+        dir.path(),
+        &init,
+        "owt",
+        &[
+            "--devices",
+            "4",
+            "--strategy",
+            file.to_str().unwrap(),
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    );
+    assert_same_tensors(&dist, &single);
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(trace).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for cat in ["compute", "transfer"] {
+        assert!(
+            events.iter().any(|e| e["cat"] == cat),
+            "the trace has no {cat} events"
+        );
+    }
+}
+
+#[test]
+fn bad_strategies_fail_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, br#"{"layers": [{"layer": "conv1", "op": "conv2d", "degrees": {"q": 2}, "devices": [0, 1]}]}"#).unwrap();
+    for (strategy, needle) in [
+        ("nonsense", "neither a search"),
+        (bad.to_str().unwrap(), "degrees.q"),
+    ] {
+        let mut args = vec!["train"];
+        args.extend(MODEL);
+        args.extend(["--steps", "1", "--devices", "2", "--strategy", strategy]);
+        let out = legion(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+        assert!(
+            !err.contains("panicked") && err.contains(needle),
+            "stderr lacks '{needle}': {err}"
+        );
+    }
+}
