@@ -21,8 +21,16 @@ struct Args {
     image_size: usize,
     #[arg(long, default_value_t = 10)]
     classes: usize,
-    #[arg(long, default_value_t = 1)]
+    /// Devices of the embedded cluster (CPU device actors in this process); 1 trains with the
+    /// single-device reference trainer.
+    #[arg(long, default_value_t = 4)]
     devices: usize,
+    /// `optcnn`, `data`, `model`, `owt` or a strategy JSON file.
+    #[arg(long, default_value = "optcnn")]
+    strategy: String,
+    /// Write a Chrome/Perfetto trace of the last step.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// `synthetic`, `synthetic:N`, `cifar10:DIR`, `folder:DIR`.
     #[arg(long, default_value = "synthetic")]
     data: String,
@@ -81,6 +89,8 @@ fn main() -> anyhow::Result<()> {
             ..Sgd::default()
         },
         json: a.json,
+        strategy: a.strategy,
+        trace: a.trace,
         ..TrainOptions::default()
     };
     job::train(graph, &opts)?;
