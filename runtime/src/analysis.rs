@@ -464,7 +464,14 @@ impl<'r> Analysis<'r> {
                 State::Reduced { base, terms } => {
                     let base = match base.iter().find(|h| h.instance == inst) {
                         Some(h) => Some(h.ready),
-                        None => base.first().map(|&h| Some(self.copy(h, inst, frag.rect))),
+                        None => {
+                            let local = base
+                                .iter()
+                                .find(|h| self.instances[h.instance as usize].device == device);
+                            local
+                                .or(base.first())
+                                .map(|&h| Some(self.copy(h, inst, frag.rect)))
+                        }
                     };
                     let mut terms = terms;
                     // Stable: program order within a device.
