@@ -162,6 +162,8 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     )?;
     let model_name = graph.name.clone();
     let distributed = opts.devices > 1 || opts.trace.is_some();
+    // What the summary reports of the distributed plan: per-layer configs and bytes moved per step.
+    let mut plan_summary = serde_json::Value::Null;
     let mut engine = if distributed {
         let machine = embedded_machine(opts.devices)?;
         let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
@@ -174,6 +176,11 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
             opts.seed,
             0,
         )?;
+        plan_summary = json!({
+            "strategy": opts.strategy,
+            "layers": Strategy::from_configs(&graph, &configs).layers,
+            "comm_bytes_per_step": cluster.plan().remote_bytes(),
+        });
         if !opts.json {
             println!(
                 "strategy {} on {} embedded device(s), {} moved between devices per step:\n{}",
@@ -266,7 +273,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         println!(
             "{}",
             json!({"summary": true, "model": model_name, "devices": opts.devices,
-                   "strategy": if distributed { Some(&opts.strategy) } else { None },
+                   "plan": plan_summary,
                    "steps": opts.steps, "batch": batch, "first10_loss": first,
                    "last10_loss": last, "final_loss": losses.last(),
                    "images_per_sec": images_per_sec, "wall_s": wall_secs,
