@@ -161,14 +161,20 @@ impl Lowering<'_> {
                     .regions
                     .bn_grad_sums(id)
                     .expect("batch norm has grad sums");
-                for p in &points {
-                    let mut t = TaskSpec::new(TaskKind::BnGradSums, id, p.tile, p.device);
+                // Both backward phases read the input, the output when the ReLU is fused, the
+                // output gradient and the forward statistics.
+                let phase = |kind: TaskKind, p: &Point| {
+                    let mut t = TaskSpec::new(kind, id, p.tile, p.device);
                     t.require(x, p.tile, ReadOnly, Role::Input(0));
                     if bn.relu {
                         t.require(y, p.tile, ReadOnly, Role::Output);
                     }
                     t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
                     t.require(moments, channel_sums(&p.tile), ReadOnly, Role::Moments);
+                    t
+                };
+                for p in &points {
+                    let mut t = phase(TaskKind::BnGradSums, p);
                     t.require(sums, channel_sums(&p.tile), Reduce, Role::GradSums);
                     self.param_grads(&mut t, p);
                     a.launch(t)?;
@@ -176,13 +182,7 @@ impl Lowering<'_> {
                 if needs_dx(0) {
                     let dx = self.regions.gradient(layer.inputs[0]);
                     for p in &points {
-                        let mut t = TaskSpec::new(TaskKind::BnInputGrad, id, p.tile, p.device);
-                        t.require(x, p.tile, ReadOnly, Role::Input(0));
-                        if bn.relu {
-                            t.require(y, p.tile, ReadOnly, Role::Output);
-                        }
-                        t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
-                        t.require(moments, channel_sums(&p.tile), ReadOnly, Role::Moments);
+                        let mut t = phase(TaskKind::BnInputGrad, p);
                         self.params(&mut t, p, ReadOnly, |i| i == 0);
                         t.require(sums, channel_sums(&p.tile), ReadOnly, Role::GradSums);
                         t.require(dx, p.tile, Reduce, Role::InputGrad(0));

@@ -108,17 +108,7 @@ pub struct Regions {
 
 impl Regions {
     pub fn for_graph(graph: &Graph) -> Regions {
-        let mut r = Regions {
-            infos: Vec::new(),
-            activation: Vec::new(),
-            gradient: Vec::new(),
-            param: Vec::new(),
-            param_grad: Vec::new(),
-            velocity: Vec::new(),
-            bn_moments: Vec::new(),
-            bn_grad_sums: Vec::new(),
-            first_slot: Vec::new(),
-        };
+        let mut r = Regions::from_infos(Vec::new());
         for layer in graph.layers() {
             let act = r.add(layer.name.clone(), RegionKind::Activation, layer.shape);
             r.activation.push(act);
