@@ -239,3 +239,49 @@ pub fn split_programs(
     }
     programs
 }
+
+/// How the tasks of an [`empty_program`] depend on each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EmptyShape {
+    /// No dependences: every task is ready when the step starts.
+    Independent,
+    /// Task `i` depends on task `i - 1`: each completion makes the next task ready.
+    Chain,
+}
+
+/// A program of `count` [`TaskKind::Empty`](crate::task::TaskKind::Empty) tasks on `device`, with
+/// no instances: what a device actor costs per task when the kernels cost nothing. The tasks name
+/// `layer`, which must exist in the graph the actor is given (only error messages look at it).
+pub fn empty_program(
+    device: DeviceId,
+    count: u32,
+    shape: EmptyShape,
+    layer: legion_ops::LayerId,
+) -> DeviceProgram {
+    use crate::task::TaskKind;
+    let ops = (0..count)
+        .map(|i| LocalOp {
+            kind: LocalOpKind::Task {
+                task: TaskSpec::new(TaskKind::Empty, layer, Rect::new(&[0], &[1]), device),
+                instances: Vec::new(),
+            },
+            global: i,
+            deps: match shape {
+                EmptyShape::Chain if i > 0 => vec![i - 1],
+                _ => Vec::new(),
+            },
+        })
+        .collect::<Vec<_>>();
+    let mut dependents = vec![Vec::new(); ops.len()];
+    for (i, op) in ops.iter().enumerate() {
+        for &d in &op.deps {
+            dependents[d as usize].push(i as u32);
+        }
+    }
+    DeviceProgram {
+        device,
+        instances: Vec::new(),
+        ops,
+        dependents,
+    }
+}
