@@ -25,7 +25,7 @@ use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, Roofli
 use legion_runtime::embedded::{self, EmbeddedCluster};
 use legion_runtime::exec::StepInput;
 use legion_runtime::plan::StepPlan;
-use legion_runtime::program::{EmptyShape, empty_program};
+use legion_runtime::program::{EmptyDispatch, EmptyShape, empty_program};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -54,53 +54,66 @@ fn main() {
 fn empty_tasks() {
     println!("## empty tasks ({TASKS} per device per step, median of {EMPTY_STEPS} steps)");
     println!(
-        "{:<12} {:>7} {:>14} {:>22} {:>18}",
-        "shape", "devices", "step ms", "tasks/s per actor", "tasks/s all"
+        "{:<8} {:<12} {:>7} {:>10} {:>18} {:>12}",
+        "dispatch", "shape", "devices", "step ms", "tasks/s per actor", "tasks/s all"
     );
     // Any graph will do: empty tasks only name a layer, for error messages.
     let z = zoo::find("lenet5").expect("lenet5 is in the zoo");
     let graph = Arc::new(z.build(&z.default_config(1)).expect("lenet5 builds"));
     let runtime = embedded::device_runtime();
-    for shape in [EmptyShape::Independent, EmptyShape::Chain] {
-        for devices in [1, 2, 4] {
-            let programs: Vec<_> = (0..devices)
-                .map(|d| Arc::new(empty_program(d, TASKS, shape, LayerId(0))))
-                .collect();
-            let actors = runtime.block_on(async {
-                embedded::spawn_devices(&programs, &graph, 0, Sgd::default())
-            });
-            let mut times = Vec::new();
-            // Two warm-up steps: the first grows the actors' queues and the pool's threads.
-            for step in 0..EMPTY_STEPS + 2 {
-                let input = Arc::new(StepInput {
-                    step,
-                    images: Vec::new(),
-                    labels: Vec::new(),
-                });
-                let t = Instant::now();
-                let reports = runtime
-                    .block_on(embedded::run_step(&actors, step, input, false))
-                    .expect("devices run");
-                let elapsed = t.elapsed();
-                assert!(reports.iter().all(|r| r.error.is_none()));
-                if step >= 2 {
-                    times.push(elapsed.as_secs_f64());
-                }
+    for dispatch in [EmptyDispatch::Pool, EmptyDispatch::Inline] {
+        for shape in [EmptyShape::Independent, EmptyShape::Chain] {
+            for devices in [1, 2, 4] {
+                let step = empty_step_seconds(&runtime, &graph, dispatch, shape, devices);
+                let per_actor = TASKS as f64 / step;
+                println!(
+                    "{:<8} {:<12} {devices:>7} {:>10.2} {per_actor:>18.0} {:>12.0}",
+                    format!("{dispatch:?}").to_lowercase(),
+                    format!("{shape:?}").to_lowercase(),
+                    step * 1e3,
+                    per_actor * devices as f64
+                );
             }
-            for a in &actors {
-                a.kill();
-            }
-            let step = median(&mut times);
-            let per_actor = TASKS as f64 / step;
-            println!(
-                "{:<12} {devices:>7} {:>14.2} {per_actor:>22.0} {:>18.0}",
-                format!("{shape:?}").to_lowercase(),
-                step * 1e3,
-                per_actor * devices as f64
-            );
         }
     }
     println!();
+}
+
+/// Median seconds of a step in which each of `devices` actors runs `TASKS` empty tasks.
+fn empty_step_seconds(
+    runtime: &tokio::runtime::Runtime,
+    graph: &Arc<Graph>,
+    dispatch: EmptyDispatch,
+    shape: EmptyShape,
+    devices: usize,
+) -> f64 {
+    let programs: Vec<_> = (0..devices)
+        .map(|d| Arc::new(empty_program(d, TASKS, shape, dispatch, LayerId(0))))
+        .collect();
+    let actors =
+        runtime.block_on(async { embedded::spawn_devices(&programs, graph, 0, Sgd::default()) });
+    let mut times = Vec::new();
+    // Two warm-up steps: the first grows the actors' queues and wakes the pool's threads.
+    for step in 0..EMPTY_STEPS + 2 {
+        let input = Arc::new(StepInput {
+            step,
+            images: Vec::new(),
+            labels: Vec::new(),
+        });
+        let t = Instant::now();
+        let reports = runtime
+            .block_on(embedded::run_step(&actors, step, input, false))
+            .expect("devices run");
+        let elapsed = t.elapsed();
+        assert!(reports.iter().all(|r| r.error.is_none()));
+        if step >= 2 {
+            times.push(elapsed.as_secs_f64());
+        }
+    }
+    for a in &actors {
+        a.kill();
+    }
+    median(&mut times)
 }
 
 fn synthetic_batch(graph: &Graph, step: u64) -> (Vec<f32>, Vec<u32>) {
@@ -142,12 +155,25 @@ fn alexnet_overhead() {
         // One warm-up step each: the first steps allocate the kernels' scratch.
         for step in 0..steps + 1 {
             let (images, labels) = synthetic_batch(&graph, step);
-            let t = Instant::now();
-            trainer.step(&images, &labels).expect("trainer step");
-            let trainer_s = t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            cluster.step(images, labels, false).expect("runtime step");
-            let runtime_s = t.elapsed().as_secs_f64();
+            let mut run_trainer = || {
+                let t = Instant::now();
+                trainer.step(&images, &labels).expect("trainer step");
+                t.elapsed().as_secs_f64()
+            };
+            let mut run_runtime = || {
+                let t = Instant::now();
+                cluster
+                    .step(images.clone(), labels.clone(), false)
+                    .expect("runtime step");
+                t.elapsed().as_secs_f64()
+            };
+            // Alternate who goes first, so that neither always inherits the other's caches.
+            let (trainer_s, runtime_s) = if step % 2 == 0 {
+                (run_trainer(), run_runtime())
+            } else {
+                let r = run_runtime();
+                (run_trainer(), r)
+            };
             if step > 0 {
                 t_trainer.push(trainer_s);
                 t_runtime.push(runtime_s);
@@ -167,7 +193,10 @@ fn alexnet_overhead() {
 
 fn plan_build() {
     const DEVICES: usize = 4;
-    println!("## StepPlan::build on {DEVICES} devices, batch {}", 32 * DEVICES);
+    println!(
+        "## StepPlan::build on {DEVICES} devices, batch {}",
+        32 * DEVICES
+    );
     println!(
         "{:<13} {:<7} {:>7} {:>10} {:>12}",
         "model", "strategy", "ops", "median ms", "runs"
