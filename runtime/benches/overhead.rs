@@ -134,8 +134,14 @@ fn synthetic_batch(graph: &Graph, step: u64) -> (Vec<f32>, Vec<u32>) {
 fn alexnet_overhead() {
     println!("## AlexNet step, batch 32: single-device Trainer vs runtime on 1 device (serial)");
     println!(
-        "{:<10} {:>6} {:>12} {:>12} {:>10}",
-        "image", "steps", "trainer ms", "runtime ms", "overhead"
+        "{:<10} {:>6} {:>12} {:>12} {:>10} {:>16} {:>16}",
+        "image",
+        "steps",
+        "trainer ms",
+        "runtime ms",
+        "overhead",
+        "trainer faults",
+        "runtime faults"
     );
     // (image size, measured steps per side): 224×224 steps take about a second each.
     for (image_size, steps) in [(64, 10), (224, 4)] {
@@ -152,20 +158,21 @@ fn alexnet_overhead() {
         let mut cluster =
             EmbeddedCluster::start(&graph, &serial, 1, &params, sgd, 1, 0).expect("plan");
         let (mut t_trainer, mut t_runtime) = (Vec::new(), Vec::new());
+        let (mut f_trainer, mut f_runtime) = (Vec::new(), Vec::new());
         // One warm-up step each: the first steps allocate the kernels' scratch.
         for step in 0..steps + 1 {
             let (images, labels) = synthetic_batch(&graph, step);
             let mut run_trainer = || {
-                let t = Instant::now();
+                let (t, faults) = (Instant::now(), minor_faults());
                 trainer.step(&images, &labels).expect("trainer step");
-                t.elapsed().as_secs_f64()
+                (t.elapsed().as_secs_f64(), minor_faults() - faults)
             };
             let mut run_runtime = || {
-                let t = Instant::now();
+                let (t, faults) = (Instant::now(), minor_faults());
                 cluster
                     .step(images.clone(), labels.clone(), false)
                     .expect("runtime step");
-                t.elapsed().as_secs_f64()
+                (t.elapsed().as_secs_f64(), minor_faults() - faults)
             };
             // Alternate who goes first, so that neither always inherits the other's caches.
             let (trainer_s, runtime_s) = if step % 2 == 0 {
@@ -175,17 +182,21 @@ fn alexnet_overhead() {
                 (run_trainer(), r)
             };
             if step > 0 {
-                t_trainer.push(trainer_s);
-                t_runtime.push(runtime_s);
+                t_trainer.push(trainer_s.0);
+                t_runtime.push(runtime_s.0);
+                f_trainer.push(trainer_s.1 as f64);
+                f_runtime.push(runtime_s.1 as f64);
             }
         }
         let (a, b) = (median(&mut t_trainer), median(&mut t_runtime));
         println!(
-            "{:<10} {steps:>6} {:>12.1} {:>12.1} {:>9.1}%",
+            "{:<10} {steps:>6} {:>12.1} {:>12.1} {:>9.1}% {:>16.0} {:>16.0}",
             format!("{image_size}×{image_size}"),
             a * 1e3,
             b * 1e3,
-            (b - a) / b * 100.0
+            (b - a) / b * 100.0,
+            median(&mut f_trainer),
+            median(&mut f_runtime),
         );
     }
     println!();
@@ -233,6 +244,19 @@ fn plan_build() {
         }
     }
     println!();
+}
+
+/// Minor page faults of this process so far (field 10 of `/proc/self/stat`; 0 where there is
+/// none). A step that allocates its tensors afresh faults their pages in again every step.
+fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the parenthesised command name, which may contain spaces.
+            let rest = s.rsplit_once(')')?.1;
+            rest.split_whitespace().nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
 }
 
 fn median(xs: &mut [f64]) -> f64 {
