@@ -3,7 +3,8 @@
 //! An op runs once its local dependences are done (a `Recv` also waits for its data). Compute ops
 //! (kernels and folds) run one at a time per device on the shared compute pool, like a GPU stream;
 //! data movement (local copies, sends, receives) runs on the actor as soon as it is ready, so
-//! transfers overlap compute. Instances are `Arc`s: readers share them, and a writer takes the only
+//! transfers overlap compute. A task that touches no data (the overhead probe's empty tasks) runs
+//! on the actor too: the pool's round trip would cost more than it. Instances are `Arc`s: readers share them, and a writer takes the only
 //! reference (the analysis guarantees nobody else holds it at that point).
 
 use crate::buffer::{self, Buffer};
@@ -61,6 +62,9 @@ pub struct DeviceActor {
     step: Option<StepState>,
     /// Slices that arrived before their step started here.
     early: Vec<SliceMessage>,
+    /// Ops ready to run, a stack that `run_ready` drains; kept across calls so that completing an
+    /// op allocates nothing.
+    ready: Vec<u32>,
 }
 
 struct StepState {
@@ -102,6 +106,7 @@ impl DeviceActor {
             recv_of,
             step: None,
             early: Vec::new(),
+            ready: Vec::new(),
         }
     }
 
@@ -142,9 +147,10 @@ impl DeviceActor {
             events: msg.trace.then(Vec::new),
             reply: Some(msg.reply),
         });
-        let ready: Vec<u32> = (0..program.ops.len() as u32)
-            .filter(|&i| self.step.as_ref().unwrap().remaining[i as usize] == 0)
-            .collect();
+        // Before delivering early slices: a delivery runs what it makes ready at once.
+        let state = self.step.as_ref().unwrap();
+        self.ready
+            .extend((0..program.ops.len() as u32).filter(|&i| state.remaining[i as usize] == 0));
         let early: Vec<SliceMessage> = std::mem::take(&mut self.early);
         let mut later = Vec::new();
         for m in early {
@@ -155,7 +161,7 @@ impl DeviceActor {
             }
         }
         self.early = later;
-        self.run_ready(ready, actor);
+        self.run_ready(actor);
         self.finish_if_done();
     }
 
@@ -177,16 +183,21 @@ impl DeviceActor {
         state.arrived.insert(msg.copy, msg.data);
         state.remaining[recv as usize] -= 1;
         if state.remaining[recv as usize] == 0 {
-            self.run_ready(vec![recv], actor);
+            self.ready.push(recv);
+            self.run_ready(actor);
             self.finish_if_done();
         }
     }
 
-    /// Runs ready data-movement ops at once (and what they make ready), queues compute ops.
-    fn run_ready(&mut self, mut ready: Vec<u32>, actor: &ActorRef<DeviceActor>) {
+    /// Runs the ready data-movement ops at once (and what they make ready), queues compute ops.
+    fn run_ready(&mut self, actor: &ActorRef<DeviceActor>) {
         let program = Arc::clone(&self.setup.program);
-        while let Some(i) = ready.pop() {
+        while let Some(i) = self.ready.pop() {
             let op = &program.ops[i as usize];
+            if op.touches_no_data() {
+                self.run_inline(i);
+                continue;
+            }
             if op.is_compute() {
                 self.step.as_mut().unwrap().compute_queue.push(Reverse(i));
                 continue;
@@ -229,23 +240,72 @@ impl DeviceActor {
                 LocalOpKind::Task { .. } | LocalOpKind::Fold { .. } => unreachable!(),
             }
             self.record(i, start, Instant::now());
-            ready.extend(self.complete(i));
+            self.complete(i);
         }
         self.pump_compute(actor);
     }
 
-    /// Marks op `i` done; returns the ops that became ready.
-    fn complete(&mut self, i: u32) -> Vec<u32> {
+    /// Runs a task that touches no data on the actor (see [`LocalOp::touches_no_data`]): with no
+    /// instances to take it cannot race the kernel on the pool, and the pool's round trip would
+    /// cost more than the task.
+    ///
+    /// [`LocalOp::touches_no_data`]: crate::program::LocalOp::touches_no_data
+    fn run_inline(&mut self, i: u32) {
+        let state = self.step.as_ref().unwrap();
+        let start = Instant::now();
+        let result = caught(|| {
+            run_compute(
+                &self.setup.program,
+                i,
+                &self.setup.graph,
+                self.setup.seed,
+                self.setup.sgd,
+                &state.input,
+                &[],
+                &mut [],
+            )
+        });
+        self.finish_compute(i, result, start, Instant::now());
+    }
+
+    /// Accounts for a finished compute op: its outcome or error, its trace event, its dependents.
+    fn finish_compute(
+        &mut self,
+        op: u32,
+        result: Result<TaskOutcome, String>,
+        start: Instant,
+        end: Instant,
+    ) {
+        let state = self.step.as_mut().expect("compute finished outside a step");
+        match result {
+            Ok(o) => {
+                state.outcome.loss_sum += o.loss_sum;
+                state.outcome.correct += o.correct;
+            }
+            Err(e) => {
+                if state.error.is_none() {
+                    let label = match &self.setup.program.ops[op as usize].kind {
+                        LocalOpKind::Task { task, .. } => task.label(&self.setup.graph),
+                        _ => "fold".to_string(),
+                    };
+                    state.error = Some(format!("{label}: {e}"));
+                }
+            }
+        }
+        self.record(op, start, end);
+        self.complete(op);
+    }
+
+    /// Marks op `i` done and pushes the ops that became ready onto `self.ready`.
+    fn complete(&mut self, i: u32) {
         let state = self.step.as_mut().unwrap();
         state.done += 1;
-        let mut ready = Vec::new();
         for &d in &self.setup.program.dependents[i as usize] {
             state.remaining[d as usize] -= 1;
             if state.remaining[d as usize] == 0 {
-                ready.push(d);
+                self.ready.push(d);
             }
         }
-        ready
     }
 
     fn record(&mut self, op: u32, start: Instant, end: Instant) {
@@ -296,17 +356,8 @@ impl DeviceActor {
         rayon::spawn(move || {
             let start = Instant::now();
             let mut writes = writes;
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                run_compute(&program, i, &graph, seed, sgd, &input, &reads, &mut writes)
-            }))
-            .unwrap_or_else(|panic| {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                Err(format!("panicked: {what}"))
-            });
+            let result =
+                caught(|| run_compute(&program, i, &graph, seed, sgd, &input, &reads, &mut writes));
             // Readers let go before the actor hears of it, so a writer after us finds them gone.
             drop(reads);
             let end = Instant::now();
@@ -355,6 +406,18 @@ impl DeviceActor {
             let _ = reply.send(report);
         }
     }
+}
+
+/// Runs a kernel, turning a panic into the task's error (the step then fails, the actor lives on).
+fn caught(f: impl FnOnce() -> Result<TaskOutcome, String>) -> Result<TaskOutcome, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(format!("panicked: {what}"))
+    })
 }
 
 fn exclusive((i, b): &mut (u32, Arc<Buffer>)) -> &mut Buffer {
@@ -477,27 +540,13 @@ impl Message<ComputeDone> for DeviceActor {
         for (i, b) in msg.writes {
             self.instances[i as usize] = Some(b);
         }
-        let state = self.step.as_mut().expect("compute finished outside a step");
-        state.busy = false;
-        match msg.result {
-            Ok(o) => {
-                state.outcome.loss_sum += o.loss_sum;
-                state.outcome.correct += o.correct;
-            }
-            Err(e) => {
-                if state.error.is_none() {
-                    let label = match &self.setup.program.ops[msg.op as usize].kind {
-                        LocalOpKind::Task { task, .. } => task.label(&self.setup.graph),
-                        _ => "fold".to_string(),
-                    };
-                    state.error = Some(format!("{label}: {e}"));
-                }
-            }
-        }
-        self.record(msg.op, msg.start, msg.end);
-        let ready = self.complete(msg.op);
+        self.step
+            .as_mut()
+            .expect("compute finished outside a step")
+            .busy = false;
+        self.finish_compute(msg.op, msg.result, msg.start, msg.end);
         let actor = ctx.actor_ref().clone();
-        self.run_ready(ready, &actor);
+        self.run_ready(&actor);
         self.finish_if_done();
     }
 }

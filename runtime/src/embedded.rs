@@ -5,6 +5,7 @@ use crate::buffer::Buffer;
 use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
 use crate::exec::StepInput;
 use crate::plan::{PlanError, StepPlan};
+use crate::program::DeviceProgram;
 use crate::region::RegionKind;
 use crate::transport::{InProcessTransport, Transport};
 use kameo::actor::{ActorRef, Spawn};
@@ -61,28 +62,10 @@ impl EmbeddedCluster {
     ) -> Result<EmbeddedCluster, RuntimeError> {
         let plan = Arc::new(StepPlan::build(graph, configs, devices)?);
         let graph = Arc::new(graph.clone());
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("legion-device")
-            .build()
-            .expect("tokio runtime");
-        let transport = Arc::new(InProcessTransport::new());
-        let actors: Vec<ActorRef<DeviceActor>> = runtime.block_on(async {
-            plan.programs
-                .iter()
-                .map(|program| {
-                    let setup = DeviceSetup {
-                        program: Arc::new(program.clone()),
-                        graph: Arc::clone(&graph),
-                        seed,
-                        sgd,
-                        transport: Arc::clone(&transport) as Arc<dyn Transport>,
-                    };
-                    DeviceActor::spawn_with_mailbox(DeviceActor::new(setup), mailbox::unbounded())
-                })
-                .collect()
-        });
-        transport.connect(actors.clone());
+        let runtime = device_runtime();
+        let programs: Vec<Arc<DeviceProgram>> =
+            plan.programs.iter().cloned().map(Arc::new).collect();
+        let actors = runtime.block_on(async { spawn_devices(&programs, &graph, seed, sgd) });
         let cluster = EmbeddedCluster {
             runtime,
             devices: actors,
@@ -164,32 +147,9 @@ impl EmbeddedCluster {
             images,
             labels,
         });
-        let epoch = Instant::now();
-        let reports = self.runtime.block_on(async {
-            let mut waits = Vec::new();
-            for (d, device) in self.devices.iter().enumerate() {
-                let (reply, wait) = tokio::sync::oneshot::channel();
-                device
-                    .tell(RunStep {
-                        step,
-                        input: Arc::clone(&input),
-                        epoch,
-                        trace,
-                        reply,
-                    })
-                    .await
-                    .map_err(|_| RuntimeError::DeviceLost { device: d })?;
-                waits.push(wait);
-            }
-            let mut reports = Vec::new();
-            for (d, wait) in waits.into_iter().enumerate() {
-                reports.push(
-                    wait.await
-                        .map_err(|_| RuntimeError::DeviceLost { device: d })?,
-                );
-            }
-            Ok::<_, RuntimeError>(reports)
-        })?;
+        let reports = self
+            .runtime
+            .block_on(run_step(&self.devices, step, input, trace))?;
         self.next_step += 1;
         if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
             return Err(RuntimeError::Device {
@@ -236,6 +196,75 @@ impl EmbeddedCluster {
         })?;
         Ok(ParamStore::from_values(&self.graph, values))
     }
+}
+
+/// The tokio runtime device actors run on. Two workers: the actors only track dependences and move
+/// data; kernels run on the shared rayon pool.
+pub fn device_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("legion-device")
+        .build()
+        .expect("tokio runtime")
+}
+
+/// Spawns one actor per program, joined by an in-process transport. Call inside a tokio runtime
+/// (see [`device_runtime`]). Instances start zeroed.
+pub fn spawn_devices(
+    programs: &[Arc<DeviceProgram>],
+    graph: &Arc<Graph>,
+    seed: u64,
+    sgd: Sgd,
+) -> Vec<ActorRef<DeviceActor>> {
+    let transport = Arc::new(InProcessTransport::new());
+    let actors: Vec<ActorRef<DeviceActor>> = programs
+        .iter()
+        .map(|program| {
+            let setup = DeviceSetup {
+                program: Arc::clone(program),
+                graph: Arc::clone(graph),
+                seed,
+                sgd,
+                transport: Arc::clone(&transport) as Arc<dyn Transport>,
+            };
+            DeviceActor::spawn_with_mailbox(DeviceActor::new(setup), mailbox::unbounded())
+        })
+        .collect();
+    transport.connect(actors.clone());
+    actors
+}
+
+/// Runs step `step` on every device and waits for all their reports (in device order).
+pub async fn run_step(
+    devices: &[ActorRef<DeviceActor>],
+    step: u64,
+    input: Arc<StepInput>,
+    trace: bool,
+) -> Result<Vec<StepReport>, RuntimeError> {
+    let epoch = Instant::now();
+    let mut waits = Vec::new();
+    for (d, device) in devices.iter().enumerate() {
+        let (reply, wait) = tokio::sync::oneshot::channel();
+        device
+            .tell(RunStep {
+                step,
+                input: Arc::clone(&input),
+                epoch,
+                trace,
+                reply,
+            })
+            .await
+            .map_err(|_| RuntimeError::DeviceLost { device: d })?;
+        waits.push(wait);
+    }
+    let mut reports = Vec::new();
+    for (d, wait) in waits.into_iter().enumerate() {
+        reports.push(
+            wait.await
+                .map_err(|_| RuntimeError::DeviceLost { device: d })?,
+        );
+    }
+    Ok(reports)
 }
 
 impl Drop for EmbeddedCluster {

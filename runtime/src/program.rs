@@ -70,6 +70,13 @@ impl LocalOp {
             LocalOpKind::Task { .. } | LocalOpKind::Fold { .. }
         )
     }
+
+    /// Whether the op is a task without requirements (only the overhead probe's empty tasks are).
+    /// It can neither conflict with the kernel a device is running nor need its instances, so the
+    /// actor runs it inline rather than paying two thread hand-offs to the pool and back.
+    pub fn touches_no_data(&self) -> bool {
+        matches!(&self.kind, LocalOpKind::Task { task, .. } if task.requirements.is_empty())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -238,4 +245,81 @@ pub fn split_programs(
         }
     }
     programs
+}
+
+/// How the tasks of an [`empty_program`] depend on each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EmptyShape {
+    /// No dependences: every task is ready when the step starts.
+    Independent,
+    /// Task `i` depends on task `i - 1`: each completion makes the next task ready.
+    Chain,
+}
+
+/// Which path the tasks of an [`empty_program`] take through the device actor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EmptyDispatch {
+    /// The tasks have no requirements, so the actor runs them inline (see
+    /// [`LocalOp::touches_no_data`]): the cost of the actor's own bookkeeping per task.
+    Inline,
+    /// Each task reads one single-element instance, so it goes to the compute pool and back like
+    /// any kernel: what a real task pays beyond its kernel.
+    Pool,
+}
+
+/// A program of `count` [`TaskKind::Empty`](crate::task::TaskKind::Empty) tasks on `device`: what a
+/// device actor costs per task when the kernels cost nothing. The tasks name `layer`, which must
+/// exist in the graph the actor is given (only error messages look at it).
+pub fn empty_program(
+    device: DeviceId,
+    count: u32,
+    shape: EmptyShape,
+    dispatch: EmptyDispatch,
+    layer: legion_ops::LayerId,
+) -> DeviceProgram {
+    use crate::region::RegionId;
+    use crate::task::{Privilege, Role, TaskKind};
+    let one = Rect::new(&[0], &[1]);
+    let (instances, reads) = match dispatch {
+        EmptyDispatch::Inline => (Vec::new(), Vec::new()),
+        EmptyDispatch::Pool => (
+            vec![LocalInstance {
+                global: 0,
+                rect: one,
+                dtype: DType::F32,
+            }],
+            vec![0],
+        ),
+    };
+    let ops = (0..count)
+        .map(|i| {
+            let mut task = TaskSpec::new(TaskKind::Empty, layer, one, device);
+            if !reads.is_empty() {
+                task.require(RegionId(0), one, Privilege::ReadOnly, Role::Input(0));
+            }
+            LocalOp {
+                kind: LocalOpKind::Task {
+                    task,
+                    instances: reads.clone(),
+                },
+                global: i,
+                deps: match shape {
+                    EmptyShape::Chain if i > 0 => vec![i - 1],
+                    _ => Vec::new(),
+                },
+            }
+        })
+        .collect::<Vec<_>>();
+    let mut dependents = vec![Vec::new(); ops.len()];
+    for (i, op) in ops.iter().enumerate() {
+        for &d in &op.deps {
+            dependents[d as usize].push(i as u32);
+        }
+    }
+    DeviceProgram {
+        device,
+        instances,
+        ops,
+        dependents,
+    }
 }

@@ -83,6 +83,11 @@ pub enum TaskKind {
     Update {
         param: u8,
     },
+    /// Does nothing: no requirements, and the kernel returns at once. Never lowered from a graph;
+    /// it exists to measure the runtime's own cost per task (dependence tracking, dispatch to the
+    /// compute pool and the completion message), like Legion's empty-task benchmarks. See
+    /// [`crate::program::empty_program`].
+    Empty,
 }
 
 impl TaskKind {
@@ -97,6 +102,7 @@ impl TaskKind {
             TaskKind::BnGradSums => "grad_sums",
             TaskKind::BnInputGrad => "input_grad",
             TaskKind::Update { .. } => "update",
+            TaskKind::Empty => "empty",
         }
     }
 }
