@@ -345,6 +345,18 @@ impl MachineModel {
         )
     }
 
+    /// The same devices with every link, inside and across nodes, replaced by `link` (a measured
+    /// transport, which does not know the machine's topology).
+    pub fn with_all_links(mut self, link: Link) -> Result<MachineModel, MachineError> {
+        link.check()
+            .map_err(|e| MachineError::Invalid(format!("link: {e}")))?;
+        self.intra_node = link;
+        self.inter_node = link;
+        self.links.fill(link);
+        self.overrides.clear();
+        Ok(self)
+    }
+
     /// Replaces the link between `a` and `b`, in both directions.
     pub fn with_link(
         mut self,
@@ -454,8 +466,16 @@ impl fmt::Display for MachineModel {
                 s.kind, s.peak_gflops, s.memory_gb_per_s
             )?;
         }
-        let gb = |l: Link| l.bytes_per_s / 1e9;
-        let us = |l: Link| l.latency_s * 1e6;
+        // Four significant digits: presets print as given, measured links without noise digits.
+        let round = |x: f64| {
+            if x == 0.0 || !x.is_finite() {
+                return x;
+            }
+            let scale = 10f64.powi(3 - x.abs().log10().floor() as i32);
+            (x * scale).round() / scale
+        };
+        let gb = |l: Link| round(l.bytes_per_s / 1e9);
+        let us = |l: Link| round(l.latency_s * 1e6);
         write!(
             f,
             "], intra-node {} GB/s {} us",

@@ -18,7 +18,8 @@
 //!       "backward_s": 0.00254,
 //!       "samples": 20
 //!     }
-//!   ]
+//!   ],
+//!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412}
 //! }
 //! ```
 //!
@@ -28,9 +29,14 @@
 //! seconds per run, averaged over `samples` runs. [`ProfileKey::for_tile`] builds the key from a
 //! layer and a tile, so writer and reader agree.
 //!
+//! `links` is optional (files written before it existed load unchanged, and a profile of one device
+//! has no transfers to measure): the transport's measured per-message cost, `latency_s +
+//! bytes / bytes_per_s`, a least-squares fit over `samples` transfers. `legion-rs plan --profile`
+//! prices every link of the machine with it ([`ProfileDb::apply_links`]).
+//!
 //! [`OpSpec::project`]: legion_ops::op::OpSpec::project
 
-use crate::machine::{DeviceId, MachineModel};
+use crate::machine::{DeviceId, Link, MachineModel};
 use crate::provider::{CostProvider, PhaseTimes, RooflineCost};
 use legion_ops::{Layer, Rect, Shape};
 use serde::{Deserialize, Serialize};
@@ -75,6 +81,26 @@ impl ProfileEntry {
         PhaseTimes {
             forward: self.forward_s,
             backward: self.backward_s,
+        }
+    }
+}
+
+/// The measured cost of one message between devices: `latency_s + bytes / bytes_per_s`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkProfile {
+    pub bytes_per_s: f64,
+    pub latency_s: f64,
+    /// Transfers the fit was made from.
+    #[serde(default = "one")]
+    pub samples: u32,
+}
+
+impl LinkProfile {
+    pub fn link(&self) -> Link {
+        Link {
+            bytes_per_s: self.bytes_per_s,
+            latency_s: self.latency_s,
         }
     }
 }
@@ -172,6 +198,12 @@ pub enum ProfileError {
         field: &'static str,
         message: String,
     },
+    #[error("{file}: links.{field}: {message}")]
+    Links {
+        file: String,
+        field: &'static str,
+        message: String,
+    },
     #[error("{file}: version {found} is not supported (expected {PROFILE_VERSION})")]
     Version { file: String, found: u32 },
     #[error("{path}: {message}")]
@@ -184,6 +216,9 @@ pub enum ProfileError {
 pub struct ProfileDb {
     pub version: u32,
     pub entries: Vec<ProfileEntry>,
+    /// The measured transport, when the profile saw transfers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub links: Option<LinkProfile>,
 }
 
 impl Default for ProfileDb {
@@ -191,6 +226,7 @@ impl Default for ProfileDb {
         ProfileDb {
             version: PROFILE_VERSION,
             entries: Vec::new(),
+            links: None,
         }
     }
 }
@@ -278,7 +314,37 @@ impl ProfileDb {
                 }
             }
         }
+        if let Some(l) = &db.links {
+            let bad = |field: &'static str, message: String| ProfileError::Links {
+                file: file.to_string(),
+                field,
+                message,
+            };
+            if !(l.bytes_per_s.is_finite() && l.bytes_per_s > 0.0) {
+                return Err(bad(
+                    "bytes_per_s",
+                    format!("must be a positive bandwidth, got {}", l.bytes_per_s),
+                ));
+            }
+            if !(l.latency_s.is_finite() && l.latency_s >= 0.0) {
+                return Err(bad(
+                    "latency_s",
+                    format!("must be a time in seconds, got {}", l.latency_s),
+                ));
+            }
+        }
         Ok(db)
+    }
+
+    /// `machine` with every link priced by the measured transport, if this profile measured it.
+    pub fn apply_links(&self, machine: MachineModel) -> MachineModel {
+        match &self.links {
+            // Validated on load (and by the profiler), so the link is always acceptable.
+            Some(l) => machine
+                .with_all_links(l.link())
+                .expect("a validated link profile"),
+            None => machine,
+        }
     }
 
     pub fn load(path: &Path) -> Result<ProfileDb, ProfileError> {
@@ -459,5 +525,36 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("entries[0].tile"), "{e}");
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"links":{"bytes_per_s":0,"latency_s":0}}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("p.json: links.bytes_per_s:"), "{e}");
+    }
+
+    #[test]
+    fn links_are_optional_and_price_every_link() {
+        let old = ProfileDb::from_json(r#"{"version":1,"entries":[]}"#, "p.json").unwrap();
+        assert_eq!(old.links, None);
+        assert!(!old.to_json().contains("links"), "no links, no field");
+        let machine = MachineModel::preset("local-cpu:3").unwrap();
+        assert_eq!(old.apply_links(machine.clone()), machine);
+
+        let db = ProfileDb {
+            links: Some(LinkProfile {
+                bytes_per_s: 1e9,
+                latency_s: 1e-4,
+                samples: 10,
+            }),
+            ..ProfileDb::default()
+        };
+        let back = ProfileDb::from_json(&db.to_json(), "p.json").unwrap();
+        assert_eq!(back, db);
+        let measured = back.apply_links(machine);
+        for (a, b) in [(0, 1), (2, 0), (1, 2)] {
+            assert_eq!(measured.message_time(a, b, 1e6), 1e-3 + 1e-4);
+        }
     }
 }
