@@ -165,6 +165,9 @@ pub struct MachineModel {
     /// Directed links, `links[a * n + b]`; the diagonal is never read.
     links: Vec<Link>,
     overrides: Vec<(DeviceId, DeviceId, Link)>,
+    /// When the devices are threads sharing one pool of cores (the embedded cluster): how many
+    /// compute tasks the whole machine runs at once. `None`: every device computes independently.
+    compute_slots: Option<usize>,
 }
 
 /// Names accepted by [`MachineModel::preset`].
@@ -250,6 +253,7 @@ impl MachineModel {
             inter_node,
             links,
             overrides: Vec::new(),
+            compute_slots: None,
         })
     }
 
@@ -355,6 +359,24 @@ impl MachineModel {
         self.links.fill(link);
         self.overrides.clear();
         Ok(self)
+    }
+
+    /// The same machine whose devices share a pool that runs at most `slots` compute tasks at once
+    /// (N embedded CPU devices on fewer cores: a ready task waits for a free core, not just for its
+    /// device). The simulator honours it; Eq. 1 does not (it prices layers, not schedules).
+    pub fn with_compute_slots(mut self, slots: usize) -> Result<MachineModel, MachineError> {
+        if slots == 0 {
+            return Err(MachineError::Invalid(
+                "compute slots must be at least 1".into(),
+            ));
+        }
+        self.compute_slots = Some(slots);
+        Ok(self)
+    }
+
+    /// See [`MachineModel::with_compute_slots`].
+    pub fn compute_slots(&self) -> Option<usize> {
+        self.compute_slots
     }
 
     /// Replaces the link between `a` and `b`, in both directions.
@@ -492,6 +514,9 @@ impl fmt::Display for MachineModel {
         }
         if !self.overrides.is_empty() {
             write!(f, ", {} link override(s)", self.overrides.len())?;
+        }
+        if let Some(slots) = self.compute_slots {
+            write!(f, ", compute shared by {slots} core(s)")?;
         }
         Ok(())
     }

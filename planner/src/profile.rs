@@ -19,7 +19,8 @@
 //!       "samples": 20
 //!     }
 //!   ],
-//!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412}
+//!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412},
+//!   "compute_threads": 2
 //! }
 //! ```
 //!
@@ -31,8 +32,11 @@
 //!
 //! `links` is optional (files written before it existed load unchanged, and a profile of one device
 //! has no transfers to measure): the transport's measured per-message cost, `latency_s +
-//! bytes / bytes_per_s`, a least-squares fit over `samples` transfers. `legion-rs plan --profile`
-//! prices every link of the machine with it ([`ProfileDb::apply_links`]).
+//! bytes / bytes_per_s`, a least-squares fit over `samples` transfers. `compute_threads` is optional
+//! too: the size of the compute pool the devices shared while they were timed (the embedded
+//! cluster's devices are threads on this machine's cores). `legion-rs plan --profile` prices every
+//! link of the machine with the measured one and lets its devices run only `compute_threads`
+//! compute tasks at once ([`ProfileDb::apply_to`]); the times were measured under that sharing.
 //!
 //! [`OpSpec::project`]: legion_ops::op::OpSpec::project
 
@@ -204,6 +208,12 @@ pub enum ProfileError {
         field: &'static str,
         message: String,
     },
+    #[error("{file}: {field}: {message}")]
+    Field {
+        file: String,
+        field: &'static str,
+        message: String,
+    },
     #[error("{file}: version {found} is not supported (expected {PROFILE_VERSION})")]
     Version { file: String, found: u32 },
     #[error("{path}: {message}")]
@@ -219,6 +229,9 @@ pub struct ProfileDb {
     /// The measured transport, when the profile saw transfers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub links: Option<LinkProfile>,
+    /// Compute tasks the profiled devices could run at once (the shared pool's threads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_threads: Option<usize>,
 }
 
 impl Default for ProfileDb {
@@ -227,6 +240,7 @@ impl Default for ProfileDb {
             version: PROFILE_VERSION,
             entries: Vec::new(),
             links: None,
+            compute_threads: None,
         }
     }
 }
@@ -333,18 +347,31 @@ impl ProfileDb {
                 ));
             }
         }
+        if db.compute_threads == Some(0) {
+            return Err(ProfileError::Field {
+                file: file.to_string(),
+                field: "compute_threads",
+                message: "must be at least 1".into(),
+            });
+        }
         Ok(db)
     }
 
-    /// `machine` with every link priced by the measured transport, if this profile measured it.
-    pub fn apply_links(&self, machine: MachineModel) -> MachineModel {
-        match &self.links {
-            // Validated on load (and by the profiler), so the link is always acceptable.
-            Some(l) => machine
+    /// `machine` as this profile measured it: every link priced by the measured transport and the
+    /// devices sharing the measured compute pool, where the profile has them.
+    pub fn apply_to(&self, mut machine: MachineModel) -> MachineModel {
+        // Both were validated on load (or come from the profiler), so neither can be refused.
+        if let Some(l) = &self.links {
+            machine = machine
                 .with_all_links(l.link())
-                .expect("a validated link profile"),
-            None => machine,
+                .expect("a validated link profile");
         }
+        if let Some(threads) = self.compute_threads {
+            machine = machine
+                .with_compute_slots(threads)
+                .expect("a validated thread count");
+        }
+        machine
     }
 
     pub fn load(path: &Path) -> Result<ProfileDb, ProfileError> {
@@ -535,12 +562,12 @@ mod tests {
     }
 
     #[test]
-    fn links_are_optional_and_price_every_link() {
+    fn links_and_threads_are_optional_and_shape_the_machine() {
         let old = ProfileDb::from_json(r#"{"version":1,"entries":[]}"#, "p.json").unwrap();
         assert_eq!(old.links, None);
         assert!(!old.to_json().contains("links"), "no links, no field");
         let machine = MachineModel::preset("local-cpu:3").unwrap();
-        assert_eq!(old.apply_links(machine.clone()), machine);
+        assert_eq!(old.apply_to(machine.clone()), machine);
 
         let db = ProfileDb {
             links: Some(LinkProfile {
@@ -548,13 +575,22 @@ mod tests {
                 latency_s: 1e-4,
                 samples: 10,
             }),
+            compute_threads: Some(2),
             ..ProfileDb::default()
         };
         let back = ProfileDb::from_json(&db.to_json(), "p.json").unwrap();
         assert_eq!(back, db);
-        let measured = back.apply_links(machine);
+        let measured = back.apply_to(machine);
         for (a, b) in [(0, 1), (2, 0), (1, 2)] {
             assert_eq!(measured.message_time(a, b, 1e6), 1e-3 + 1e-4);
         }
+        assert_eq!(measured.compute_slots(), Some(2));
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"compute_threads":0}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, "p.json: compute_threads: must be at least 1");
     }
 }

@@ -143,6 +143,8 @@ pub fn profile(
     }
     let mut db = tiles.into_db(graph, &settings.device_kind);
     db.links = links.fit();
+    // Every device's kernels ran on the one global pool: this many could run at once.
+    db.compute_threads = Some(rayon::current_num_threads());
     Ok(Profile { db, runs })
 }
 

@@ -104,9 +104,10 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
     let graph = super::load_model(&args.model, batch, args.image_size, None)?;
     let db = args.profile.as_deref().map(ProfileDb::load).transpose()?;
-    // Measured links replace the preset's guesses, so transfers are priced like the tiles are.
+    // The measured links and compute sharing replace the preset's guesses, so transfers and the
+    // schedule are priced like the tiles are.
     let machine = match &db {
-        Some(db) => db.apply_links(machine),
+        Some(db) => db.apply_to(machine),
         None => machine,
     };
     let profiled = db.as_ref().map(|db| ProfiledCost::new(db, &machine));
@@ -184,6 +185,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             "profile: every link priced as measured, {:.2} GB/s and {:.1} µs per message",
             l.bytes_per_s / 1e9,
             l.latency_s * 1e6
+        );
+    }
+    if let Some(threads) = db.as_ref().and_then(|db| db.compute_threads) {
+        eprintln!(
+            "profile: the simulation runs at most {threads} compute task(s) at once, as measured"
         );
     }
     if let Some(path) = &args.out {
