@@ -72,20 +72,30 @@ pub fn choose_strategy(
     machine: &MachineModel,
     choice: &str,
 ) -> anyhow::Result<Vec<ParallelConfig>> {
+    choose_strategy_for("--strategy", graph, machine, choice)
+}
+
+/// [`choose_strategy`] for a choice given by the command-line option `flag`, which errors name.
+pub fn choose_strategy_for(
+    flag: &str,
+    graph: &Graph,
+    machine: &MachineModel,
+    choice: &str,
+) -> anyhow::Result<Vec<ParallelConfig>> {
     match SearchKind::parse(choice) {
         Some(kind) => {
             let provider = RooflineCost::new(machine);
             let cost = CostModel::new(graph, machine, &provider);
             let tables = CostTables::build(&cost);
             Ok(search::find(kind, &tables, search::DEFAULT_BUDGET)
-                .with_context(|| format!("--strategy {choice}"))?
+                .with_context(|| format!("{flag} {choice}"))?
                 .configs)
         }
         None => {
             let path = std::path::Path::new(choice);
             if !path.exists() {
                 bail!(
-                    "--strategy '{choice}' is neither a search (optcnn, data, model, owt, \
+                    "{flag} '{choice}' is neither a search (optcnn, data, model, owt, \
                      exhaustive) nor an existing strategy file"
                 );
             }

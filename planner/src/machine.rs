@@ -165,6 +165,9 @@ pub struct MachineModel {
     /// Directed links, `links[a * n + b]`; the diagonal is never read.
     links: Vec<Link>,
     overrides: Vec<(DeviceId, DeviceId, Link)>,
+    /// When the devices are threads sharing one pool of cores (the embedded cluster): how many
+    /// compute tasks the whole machine runs at once. `None`: every device computes independently.
+    compute_slots: Option<usize>,
 }
 
 /// Names accepted by [`MachineModel::preset`].
@@ -250,6 +253,7 @@ impl MachineModel {
             inter_node,
             links,
             overrides: Vec::new(),
+            compute_slots: None,
         })
     }
 
@@ -343,6 +347,36 @@ impl MachineModel {
             Link::from_gbit_per_s(PAPER_NVLINK_GBIT, PAPER_NVLINK_LATENCY_US),
             Link::from_gbit_per_s(PAPER_IB_GBIT, PAPER_IB_LATENCY_US),
         )
+    }
+
+    /// The same devices with every link, inside and across nodes, replaced by `link` (a measured
+    /// transport, which does not know the machine's topology).
+    pub fn with_all_links(mut self, link: Link) -> Result<MachineModel, MachineError> {
+        link.check()
+            .map_err(|e| MachineError::Invalid(format!("link: {e}")))?;
+        self.intra_node = link;
+        self.inter_node = link;
+        self.links.fill(link);
+        self.overrides.clear();
+        Ok(self)
+    }
+
+    /// The same machine whose devices share a pool that runs at most `slots` compute tasks at once
+    /// (N embedded CPU devices on fewer cores: a ready task waits for a free core, not just for its
+    /// device). The simulator honours it; Eq. 1 does not (it prices layers, not schedules).
+    pub fn with_compute_slots(mut self, slots: usize) -> Result<MachineModel, MachineError> {
+        if slots == 0 {
+            return Err(MachineError::Invalid(
+                "compute slots must be at least 1".into(),
+            ));
+        }
+        self.compute_slots = Some(slots);
+        Ok(self)
+    }
+
+    /// See [`MachineModel::with_compute_slots`].
+    pub fn compute_slots(&self) -> Option<usize> {
+        self.compute_slots
     }
 
     /// Replaces the link between `a` and `b`, in both directions.
@@ -454,8 +488,16 @@ impl fmt::Display for MachineModel {
                 s.kind, s.peak_gflops, s.memory_gb_per_s
             )?;
         }
-        let gb = |l: Link| l.bytes_per_s / 1e9;
-        let us = |l: Link| l.latency_s * 1e6;
+        // Four significant digits: presets print as given, measured links without noise digits.
+        let round = |x: f64| {
+            if x == 0.0 || !x.is_finite() {
+                return x;
+            }
+            let scale = 10f64.powi(3 - x.abs().log10().floor() as i32);
+            (x * scale).round() / scale
+        };
+        let gb = |l: Link| round(l.bytes_per_s / 1e9);
+        let us = |l: Link| round(l.latency_s * 1e6);
         write!(
             f,
             "], intra-node {} GB/s {} us",
@@ -472,6 +514,9 @@ impl fmt::Display for MachineModel {
         }
         if !self.overrides.is_empty() {
             write!(f, ", {} link override(s)", self.overrides.len())?;
+        }
+        if let Some(slots) = self.compute_slots {
+            write!(f, ", compute shared by {slots} core(s)")?;
         }
         Ok(())
     }

@@ -18,7 +18,9 @@
 //!       "backward_s": 0.00254,
 //!       "samples": 20
 //!     }
-//!   ]
+//!   ],
+//!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412},
+//!   "compute_threads": 2
 //! }
 //! ```
 //!
@@ -28,9 +30,17 @@
 //! seconds per run, averaged over `samples` runs. [`ProfileKey::for_tile`] builds the key from a
 //! layer and a tile, so writer and reader agree.
 //!
+//! `links` is optional (files written before it existed load unchanged, and a profile of one device
+//! has no transfers to measure): the transport's measured per-message cost, `latency_s +
+//! bytes / bytes_per_s`, a least-squares fit over `samples` transfers. `compute_threads` is optional
+//! too: the size of the compute pool the devices shared while they were timed (the embedded
+//! cluster's devices are threads on this machine's cores). `legion-rs plan --profile` prices every
+//! link of the machine with the measured one and lets its devices run only `compute_threads`
+//! compute tasks at once ([`ProfileDb::apply_to`]); the times were measured under that sharing.
+//!
 //! [`OpSpec::project`]: legion_ops::op::OpSpec::project
 
-use crate::machine::{DeviceId, MachineModel};
+use crate::machine::{DeviceId, Link, MachineModel};
 use crate::provider::{CostProvider, PhaseTimes, RooflineCost};
 use legion_ops::{Layer, Rect, Shape};
 use serde::{Deserialize, Serialize};
@@ -75,6 +85,26 @@ impl ProfileEntry {
         PhaseTimes {
             forward: self.forward_s,
             backward: self.backward_s,
+        }
+    }
+}
+
+/// The measured cost of one message between devices: `latency_s + bytes / bytes_per_s`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkProfile {
+    pub bytes_per_s: f64,
+    pub latency_s: f64,
+    /// Transfers the fit was made from.
+    #[serde(default = "one")]
+    pub samples: u32,
+}
+
+impl LinkProfile {
+    pub fn link(&self) -> Link {
+        Link {
+            bytes_per_s: self.bytes_per_s,
+            latency_s: self.latency_s,
         }
     }
 }
@@ -172,6 +202,18 @@ pub enum ProfileError {
         field: &'static str,
         message: String,
     },
+    #[error("{file}: links.{field}: {message}")]
+    Links {
+        file: String,
+        field: &'static str,
+        message: String,
+    },
+    #[error("{file}: {field}: {message}")]
+    Field {
+        file: String,
+        field: &'static str,
+        message: String,
+    },
     #[error("{file}: version {found} is not supported (expected {PROFILE_VERSION})")]
     Version { file: String, found: u32 },
     #[error("{path}: {message}")]
@@ -184,6 +226,12 @@ pub enum ProfileError {
 pub struct ProfileDb {
     pub version: u32,
     pub entries: Vec<ProfileEntry>,
+    /// The measured transport, when the profile saw transfers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub links: Option<LinkProfile>,
+    /// Compute tasks the profiled devices could run at once (the shared pool's threads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_threads: Option<usize>,
 }
 
 impl Default for ProfileDb {
@@ -191,6 +239,8 @@ impl Default for ProfileDb {
         ProfileDb {
             version: PROFILE_VERSION,
             entries: Vec::new(),
+            links: None,
+            compute_threads: None,
         }
     }
 }
@@ -278,7 +328,50 @@ impl ProfileDb {
                 }
             }
         }
+        if let Some(l) = &db.links {
+            let bad = |field: &'static str, message: String| ProfileError::Links {
+                file: file.to_string(),
+                field,
+                message,
+            };
+            if !(l.bytes_per_s.is_finite() && l.bytes_per_s > 0.0) {
+                return Err(bad(
+                    "bytes_per_s",
+                    format!("must be a positive bandwidth, got {}", l.bytes_per_s),
+                ));
+            }
+            if !(l.latency_s.is_finite() && l.latency_s >= 0.0) {
+                return Err(bad(
+                    "latency_s",
+                    format!("must be a time in seconds, got {}", l.latency_s),
+                ));
+            }
+        }
+        if db.compute_threads == Some(0) {
+            return Err(ProfileError::Field {
+                file: file.to_string(),
+                field: "compute_threads",
+                message: "must be at least 1".into(),
+            });
+        }
         Ok(db)
+    }
+
+    /// `machine` as this profile measured it: every link priced by the measured transport and the
+    /// devices sharing the measured compute pool, where the profile has them.
+    pub fn apply_to(&self, mut machine: MachineModel) -> MachineModel {
+        // Both were validated on load (or come from the profiler), so neither can be refused.
+        if let Some(l) = &self.links {
+            machine = machine
+                .with_all_links(l.link())
+                .expect("a validated link profile");
+        }
+        if let Some(threads) = self.compute_threads {
+            machine = machine
+                .with_compute_slots(threads)
+                .expect("a validated thread count");
+        }
+        machine
     }
 
     pub fn load(path: &Path) -> Result<ProfileDb, ProfileError> {
@@ -459,5 +552,45 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("entries[0].tile"), "{e}");
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"links":{"bytes_per_s":0,"latency_s":0}}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("p.json: links.bytes_per_s:"), "{e}");
+    }
+
+    #[test]
+    fn links_and_threads_are_optional_and_shape_the_machine() {
+        let old = ProfileDb::from_json(r#"{"version":1,"entries":[]}"#, "p.json").unwrap();
+        assert_eq!(old.links, None);
+        assert!(!old.to_json().contains("links"), "no links, no field");
+        let machine = MachineModel::preset("local-cpu:3").unwrap();
+        assert_eq!(old.apply_to(machine.clone()), machine);
+
+        let db = ProfileDb {
+            links: Some(LinkProfile {
+                bytes_per_s: 1e9,
+                latency_s: 1e-4,
+                samples: 10,
+            }),
+            compute_threads: Some(2),
+            ..ProfileDb::default()
+        };
+        let back = ProfileDb::from_json(&db.to_json(), "p.json").unwrap();
+        assert_eq!(back, db);
+        let measured = back.apply_to(machine);
+        for (a, b) in [(0, 1), (2, 0), (1, 2)] {
+            assert_eq!(measured.message_time(a, b, 1e6), 1e-3 + 1e-4);
+        }
+        assert_eq!(measured.compute_slots(), Some(2));
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"compute_threads":0}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, "p.json: compute_threads: must be at least 1");
     }
 }

@@ -8,17 +8,21 @@
 //! - backward compute of every tile, after its forward and after the gradients of everything it
 //!   fed arrived (gradient copies run on the reverse links; none go to the input layer);
 //! - parameter synchronisation per replica group exactly as [`crate::sync`] describes: gradient
-//!   messages replica → owner, a zero-time update on the owner, updated slices owner → replica.
+//!   messages replica → owner, the owner's sum and SGD update, updated slices owner → replica. The
+//!   update is priced as memory traffic at the owner's memory bandwidth (it streams the gradients,
+//!   weights and momentum once): negligible on a GPU, a real share of a CPU step.
 //!
 //! Scheduling: each device runs one compute task at a time and each directed link carries one
 //! message at a time; a task is ready when its dependencies have finished, and every resource serves
 //! its tasks in the order they became ready (ties by task number, which follows the program order).
-//! The makespan is the simulated step time. Eq. 1 sums every term as if nothing overlapped, so the
+//! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
+//! cluster), a compute task also needs one of the pool's slots, so N devices on fewer cores do not
+//! compute N tiles at once. The makespan is the simulated step time. Eq. 1 sums every term as if nothing overlapped, so the
 //! simulated time is usually at most the Eq. 1 time; on one device they are equal.
 
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
-use crate::machine::DeviceId;
+use crate::machine::{DeviceId, MachineModel};
 use crate::sync::SyncPlan;
 use crate::transfer::edge_overlaps;
 use legion_ops::LayerId;
@@ -85,7 +89,7 @@ pub struct Simulation {
 /// Builds and schedules one iteration of `configs` (by layer id).
 pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
     let tasks = task_graph(model, configs);
-    let (start, finish) = list_schedule(&tasks);
+    let (start, finish) = list_schedule_shared(&tasks, model.machine().compute_slots());
     let makespan = finish.iter().copied().fold(0.0, f64::max);
     Simulation {
         tasks,
@@ -240,13 +244,14 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
         for (&owner, gathers) in &owners {
             let mut deps = gathers.clone();
             deps.push(tile_on(owner));
+            let owned = plan.groups.iter().filter(|g| g.owner == owner);
             let update = push(
                 &mut tasks,
                 Task {
                     name: format!("{name} update on {owner}"),
                     kind: TaskKind::Sync,
                     resource: Resource::Device(owner),
-                    duration: 0.0,
+                    duration: update_time(machine, owner, owned),
                     bytes: 0,
                     deps,
                 },
@@ -272,6 +277,22 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
     tasks
 }
 
+/// Seconds for `owner` to sum its groups' gradients (its own and one per replica) and apply SGD
+/// (read gradient, weight and momentum; write weight and momentum): memory-bound streaming.
+fn update_time<'g>(
+    machine: &MachineModel,
+    owner: DeviceId,
+    groups: impl Iterator<Item = &'g crate::sync::ReplicaGroup>,
+) -> f64 {
+    let bytes: u64 = groups
+        .map(|g| {
+            let terms = g.replicas.len() as u64 + 1;
+            (terms + 1 + 5) * g.bytes()
+        })
+        .sum();
+    bytes as f64 / machine.device(owner).memory_bytes_per_s()
+}
+
 fn push(tasks: &mut Vec<Task>, task: Task) -> usize {
     tasks.push(task);
     tasks.len() - 1
@@ -280,6 +301,12 @@ fn push(tasks: &mut Vec<Task>, task: Task) -> usize {
 /// Start and finish times: every resource serves its tasks in the order they become ready (ties by
 /// task number), each as soon as the resource is free.
 pub fn list_schedule(tasks: &[Task]) -> (Vec<f64>, Vec<f64>) {
+    list_schedule_shared(tasks, None)
+}
+
+/// [`list_schedule`] where, with `compute_slots`, a device task that takes time also waits for the
+/// earliest free of that many slots of a pool all devices share.
+pub fn list_schedule_shared(tasks: &[Task], compute_slots: Option<usize>) -> (Vec<f64>, Vec<f64>) {
     let n = tasks.len();
     let mut successors: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut waiting: Vec<usize> = vec![0; n];
@@ -298,11 +325,27 @@ pub fn list_schedule(tasks: &[Task]) -> (Vec<f64>, Vec<f64>) {
         .filter(|&t| waiting[t] == 0)
         .map(|t| Reverse((0f64.to_bits(), t)))
         .collect();
+    let mut slots: Vec<f64> = vec![0.0; compute_slots.unwrap_or(0)];
     while let Some(Reverse((at, t))) = ready.pop() {
         let free = resources.entry(tasks[t].resource).or_insert(0.0);
         start[t] = f64::from_bits(at).max(*free);
+        let pooled = !slots.is_empty()
+            && tasks[t].duration > 0.0
+            && matches!(tasks[t].resource, Resource::Device(_));
+        // The slot that frees first (ties: the lowest), as a work queue hands tasks to threads.
+        let slot = pooled.then(|| {
+            (0..slots.len())
+                .min_by(|&a, &b| slots[a].total_cmp(&slots[b]))
+                .expect("at least one slot")
+        });
+        if let Some(k) = slot {
+            start[t] = start[t].max(slots[k]);
+        }
         finish[t] = start[t] + tasks[t].duration;
         *free = finish[t];
+        if let Some(k) = slot {
+            slots[k] = finish[t];
+        }
         for &s in &successors[t] {
             ready_at[s] = ready_at[s].max(finish[t]);
             waiting[s] -= 1;
@@ -403,6 +446,52 @@ mod tests {
             for w in spans.windows(2) {
                 assert!(w[1].0 >= w[0].1 - 1e-15);
             }
+        }
+    }
+
+    #[test]
+    fn shared_cores_limit_concurrent_compute() {
+        let g = chain();
+        let configs: Vec<_> = g
+            .layers()
+            .iter()
+            .map(|_| ParallelConfig::split(Dim::N, 4, 0))
+            .collect();
+        let run = |machine: &MachineModel| {
+            let provider = RooflineCost::new(machine);
+            let model = CostModel::new(&g, machine, &provider);
+            simulate(&model, &configs)
+        };
+        let machine = MachineModel::preset("local-cpu:4").unwrap();
+        let free = run(&machine);
+        let one = run(&machine.clone().with_compute_slots(1).unwrap());
+        let two = run(&machine.with_compute_slots(2).unwrap());
+        // One core runs every compute task back to back.
+        let busy: f64 = one
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.resource, Resource::Device(_)))
+            .map(|t| t.duration)
+            .sum();
+        assert!(
+            one.makespan >= busy * (1.0 - 1e-12),
+            "{} < {busy}",
+            one.makespan
+        );
+        assert!(free.makespan < two.makespan && two.makespan < one.makespan);
+        // never more than two compute tasks overlap
+        let mut edges: Vec<(f64, i32)> = Vec::new();
+        for (t, task) in two.tasks.iter().enumerate() {
+            if matches!(task.resource, Resource::Device(_)) && task.duration > 0.0 {
+                edges.push((two.start[t], 1));
+                edges.push((two.finish[t], -1));
+            }
+        }
+        edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut running = 0;
+        for (_, d) in edges {
+            running += d;
+            assert!(running <= 2);
         }
     }
 

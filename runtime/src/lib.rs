@@ -13,6 +13,8 @@
 //! - `device`: the kameo device actor that runs a device's program each step.
 //! - `transport`: moving slices between devices (in-process here; QUIC in `legion-cluster`).
 //! - `embedded`: N devices in this process; the API the CLI trains with.
+//! - `profile`: measures t_c per tile and the transport's links on real steps, for the planner's
+//!   `ProfiledCost`.
 //! - `trace`: Chrome/Perfetto timeline of a real step, in the simulator's format.
 
 pub mod analysis;
@@ -23,6 +25,7 @@ pub mod exec;
 pub mod lower;
 pub mod mapper;
 pub mod plan;
+pub mod profile;
 pub mod program;
 pub mod region;
 pub mod serial;

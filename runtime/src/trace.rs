@@ -20,16 +20,7 @@ pub fn chrome_trace(plan: &StepPlan, graph: &Graph, reports: &[StepReport]) -> V
         }));
     }
     let mut links: BTreeMap<(usize, usize), usize> = BTreeMap::new();
-    // Send start per copy, to pair with its receive.
-    let mut sent: HashMap<u32, (usize, f64)> = HashMap::new();
-    for r in reports {
-        let program = &plan.programs[r.device];
-        for e in &r.events {
-            if let LocalOpKind::Send { copy, .. } = program.ops[e.op as usize].kind {
-                sent.insert(copy, (r.device, e.start));
-            }
-        }
-    }
+    let sent = send_starts(plan, reports);
     for r in reports {
         let program = &plan.programs[r.device];
         for e in &r.events {
@@ -95,4 +86,19 @@ pub fn chrome_trace(plan: &StepPlan, graph: &Graph, reports: &[StepReport]) -> V
         }));
     }
     json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+}
+
+/// For each copy between devices that was sent in `reports`: the sending device and when its `Send`
+/// started, to pair with the receive.
+pub(crate) fn send_starts(plan: &StepPlan, reports: &[StepReport]) -> HashMap<u32, (usize, f64)> {
+    let mut sent = HashMap::new();
+    for r in reports {
+        let program = &plan.programs[r.device];
+        for e in &r.events {
+            if let LocalOpKind::Send { copy, .. } = program.ops[e.op as usize].kind {
+                sent.insert(copy, (r.device, e.start));
+            }
+        }
+    }
+    sent
 }

@@ -2,6 +2,7 @@
 
 mod models;
 mod plan;
+mod profile;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +24,8 @@ pub enum Command {
     Models(models::ModelsArgs),
     /// Plan a parallelization strategy: searches, cost model, simulation.
     Plan(plan::PlanArgs),
+    /// Measure per-tile compute times and the transport on the embedded cluster, for `plan --profile`.
+    Profile(profile::ProfileArgs),
     /// Train a model.
     Train(train::TrainArgs),
 }
@@ -31,6 +34,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Models(a) => models::run(a),
         Command::Plan(a) => plan::run(a),
+        Command::Profile(a) => profile::run(a),
         Command::Train(a) => train::run(a),
     }
 }

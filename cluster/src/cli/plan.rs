@@ -65,7 +65,8 @@ pub struct PlanArgs {
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
-    /// Measured compute times (profile database JSON); the roofline model prices what is missing.
+    /// Measured compute times (profile database JSON, as `legion-rs profile` writes); the roofline
+    /// model prices what is missing. Its measured links, if any, replace every link of the machine.
     #[arg(long)]
     profile: Option<PathBuf>,
     /// Most partial strategies the exhaustive search may try.
@@ -106,10 +107,14 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     };
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
     let graph = super::load_model(&args.model, batch, args.image_size, args.classes)?;
-    let profiled = match &args.profile {
-        Some(path) => Some(ProfiledCost::new(&ProfileDb::load(path)?, &machine)),
-        None => None,
+    let db = args.profile.as_deref().map(ProfileDb::load).transpose()?;
+    // The measured links and compute sharing replace the preset's guesses, so transfers and the
+    // schedule are priced like the tiles are.
+    let machine = match &db {
+        Some(db) => db.apply_to(machine),
+        None => machine,
     };
+    let profiled = db.as_ref().map(|db| ProfiledCost::new(db, &machine));
     let roofline = RooflineCost::new(&machine);
     let provider: &dyn CostProvider = match &profiled {
         Some(p) => p,
@@ -177,6 +182,18 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             "profile: {} tile(s) measured, {} priced by the roofline model",
             p.hits(),
             p.misses()
+        );
+    }
+    if let Some(l) = db.as_ref().and_then(|db| db.links.as_ref()) {
+        eprintln!(
+            "profile: every link priced as measured, {:.2} GB/s and {:.1} µs per message",
+            l.bytes_per_s / 1e9,
+            l.latency_s * 1e6
+        );
+    }
+    if let Some(threads) = db.as_ref().and_then(|db| db.compute_threads) {
+        eprintln!(
+            "profile: the simulation runs at most {threads} compute task(s) at once, as measured"
         );
     }
     if let Some(path) = &args.out {
