@@ -10,6 +10,7 @@
 use crate::buffer::{self, Buffer};
 use crate::exec::{self, Access, ExecContext, StepInput, TaskOutcome};
 use crate::program::{DeviceProgram, LocalOpKind};
+use crate::task::Privilege;
 use crate::transport::{SliceMessage, Transport};
 use kameo::Actor;
 use kameo::actor::ActorRef;
@@ -72,7 +73,7 @@ struct StepState {
     input: Arc<StepInput>,
     epoch: Instant,
     remaining: Vec<u32>,
-    arrived: HashMap<u32, Buffer>,
+    arrived: HashMap<u32, Arc<Buffer>>,
     compute_queue: BinaryHeap<Reverse<u32>>,
     busy: bool,
     done: usize,
@@ -116,11 +117,34 @@ impl DeviceActor {
             .unwrap_or_else(|| panic!("instance {i} is being written"))
     }
 
+    /// The instance to write part of. An instance may share its buffer with another device's after
+    /// a zero-copy transfer; it then gets its own copy first.
     fn instance_mut(&mut self, i: u32) -> &mut Buffer {
         let arc = self.instances[i as usize]
             .as_mut()
             .unwrap_or_else(|| panic!("instance {i} is being written"));
-        Arc::get_mut(arc).unwrap_or_else(|| panic!("instance {i} written while read"))
+        Arc::make_mut(arc)
+    }
+
+    /// Makes instance `dst` hold `data` (laid out over `rect`): adopts the buffer when it covers
+    /// the whole instance, else copies it in.
+    fn store(&mut self, dst: u32, rect: &Rect, data: Arc<Buffer>) {
+        let layout = self.rect(dst);
+        if layout == *rect {
+            self.instances[dst as usize] = Some(data);
+        } else {
+            self.instance_mut(dst).copy_from(&layout, &data, rect, rect);
+        }
+    }
+
+    /// `rect` of instance `src` to hand to another instance: the buffer itself when it is all of it.
+    fn slice(&self, src: u32, rect: &Rect) -> Arc<Buffer> {
+        let layout = self.rect(src);
+        if layout == *rect {
+            self.share(src)
+        } else {
+            Arc::new(self.instance(src).gather(&layout, rect))
+        }
     }
 
     fn rect(&self, i: u32) -> Rect {
@@ -205,10 +229,8 @@ impl DeviceActor {
             let start = Instant::now();
             match &op.kind {
                 LocalOpKind::Copy { src, dst, rect } => {
-                    let data = self.instance(*src).gather(&self.rect(*src), rect);
-                    let layout = self.rect(*dst);
-                    self.instance_mut(*dst)
-                        .copy_from(&layout, &data, rect, rect);
+                    let data = self.slice(*src, rect);
+                    self.store(*dst, rect, data);
                 }
                 LocalOpKind::Send {
                     copy,
@@ -216,7 +238,7 @@ impl DeviceActor {
                     rect,
                     to,
                 } => {
-                    let data = self.instance(*src).gather(&self.rect(*src), rect);
+                    let data = self.slice(*src, rect);
                     let step = self.step.as_ref().unwrap().step;
                     self.setup.transport.send(SliceMessage {
                         step,
@@ -233,9 +255,7 @@ impl DeviceActor {
                         .arrived
                         .remove(copy)
                         .expect("a receive runs after its data arrived");
-                    let layout = self.rect(*dst);
-                    self.instance_mut(*dst)
-                        .copy_from(&layout, &data, rect, rect);
+                    self.store(*dst, rect, data);
                 }
                 LocalOpKind::Task { .. } | LocalOpKind::Fold { .. } => unreachable!(),
             }
@@ -337,16 +357,24 @@ impl DeviceActor {
                 let mut writes = Vec::new();
                 for (req, &inst) in task.requirements.iter().zip(instances) {
                     if req.privilege.writes() {
-                        writes.push((inst, self.take(inst)));
+                        // Kernels overwrite what they write and reduce into, all of it.
+                        let overwrites = req.privilege != Privilege::ReadWrite;
+                        writes.push((inst, self.take(inst), overwrites));
                     } else {
                         reads.push(self.share(inst));
                     }
                 }
                 (reads, writes)
             }
-            LocalOpKind::Fold { srcs, dst, .. } => {
+            LocalOpKind::Fold {
+                srcs,
+                dst,
+                rect,
+                accumulate,
+            } => {
                 let reads = srcs.iter().map(|&s| self.share(s)).collect();
-                (reads, vec![(*dst, self.take(*dst))])
+                let overwrites = !accumulate && *rect == self.rect(*dst);
+                (reads, vec![(*dst, self.take(*dst), overwrites)])
             }
             _ => unreachable!("only compute ops are queued"),
         };
@@ -420,9 +448,14 @@ fn caught(f: impl FnOnce() -> Result<TaskOutcome, String>) -> Result<TaskOutcome
     })
 }
 
-fn exclusive((i, b): &mut (u32, Arc<Buffer>)) -> &mut Buffer {
-    let i = *i;
-    Arc::get_mut(b).unwrap_or_else(|| panic!("instance {i} written while shared"))
+/// The buffer a compute op writes. Nobody else runs on it (the analysis orders every access), but
+/// it may still share its memory with another instance after a zero-copy transfer: an op that
+/// overwrites all of it then starts from a fresh buffer, one that reads it first from a copy.
+fn exclusive((_, b, overwrites): &mut (u32, Arc<Buffer>, bool)) -> &mut Buffer {
+    if Arc::get_mut(b).is_none() && *overwrites {
+        *b = Arc::new(Buffer::zeros(b.dtype(), b.len()));
+    }
+    Arc::make_mut(b)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -434,7 +467,7 @@ fn run_compute(
     sgd: Sgd,
     input: &StepInput,
     reads: &[Arc<Buffer>],
-    writes: &mut [(u32, Arc<Buffer>)],
+    writes: &mut [(u32, Arc<Buffer>, bool)],
 ) -> Result<TaskOutcome, String> {
     match &program.ops[op as usize].kind {
         LocalOpKind::Task { task, .. } => {
@@ -499,7 +532,7 @@ pub struct Deliver(pub SliceMessage);
 
 struct ComputeDone {
     op: u32,
-    writes: Vec<(u32, Arc<Buffer>)>,
+    writes: Vec<(u32, Arc<Buffer>, bool)>,
     result: Result<TaskOutcome, String>,
     start: Instant,
     end: Instant,
@@ -537,7 +570,7 @@ impl Message<ComputeDone> for DeviceActor {
     type Reply = ();
 
     async fn handle(&mut self, msg: ComputeDone, ctx: &mut Context<Self, Self::Reply>) {
-        for (i, b) in msg.writes {
+        for (i, b, _) in msg.writes {
             self.instances[i as usize] = Some(b);
         }
         self.step

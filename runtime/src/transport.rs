@@ -8,7 +8,7 @@ use crate::buffer::Buffer;
 use crate::device::{Deliver, DeviceActor};
 use kameo::actor::ActorRef;
 use legion_planner::DeviceId;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// The data of one copy between devices, for one step.
 #[derive(Debug)]
@@ -17,8 +17,10 @@ pub struct SliceMessage {
     /// The copy's op in the step graph; the receiver looks up its `Recv` by it.
     pub copy: OpId,
     pub to: DeviceId,
-    /// The copied rect, laid out row-major.
-    pub data: Buffer,
+    /// The copied rect, laid out row-major. Shared, not copied, when the copy covers the sender's
+    /// whole instance: in-process delivery then moves no bytes at all (the receiver adopts the
+    /// buffer, and whoever writes to it next copies it first, see `device`).
+    pub data: Arc<Buffer>,
 }
 
 pub trait Transport: Send + Sync + 'static {
