@@ -3,3 +3,13 @@
 
 pub mod cli;
 pub mod job;
+
+/// Lets a closed stdout end the process quietly, as it does for C tools (`legion-rs train | head`):
+/// Rust ignores SIGPIPE and then panics in `println!` on the broken pipe.
+pub fn exit_quietly_on_broken_pipe() {
+    // SAFETY: restoring a signal's default disposition at start-up, before any thread exists, has
+    // no preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

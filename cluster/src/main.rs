@@ -2,6 +2,7 @@ use clap::Parser;
 use legion_cluster::cli::{Cli, run};
 
 fn main() {
+    legion_cluster::exit_quietly_on_broken_pipe();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {}", error_chain(&e));

@@ -66,6 +66,7 @@ fn alexnet(batch: usize, image_size: usize, classes: usize) -> Result<Graph, Mod
 }
 
 fn main() -> anyhow::Result<()> {
+    legion_cluster::exit_quietly_on_broken_pipe();
     let a = Args::parse();
     let graph = alexnet(a.batch, a.image_size, a.classes)?;
     if !a.json {
