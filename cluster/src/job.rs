@@ -306,7 +306,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     })
 }
 
-fn human_bytes(b: u64) -> String {
+pub fn human_bytes(b: u64) -> String {
     match b {
         b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
         b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
@@ -316,7 +316,7 @@ fn human_bytes(b: u64) -> String {
 }
 
 /// Writes a file whole or not at all: a temporary file beside it, renamed over it.
-fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+pub fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())

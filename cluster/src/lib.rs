@@ -2,6 +2,7 @@
 //! QUIC transport). Commands live in [`cli`], one file per subcommand.
 
 pub mod cli;
+pub mod compare;
 pub mod job;
 
 /// Lets a closed stdout end the process quietly, as it does for C tools (`legion-rs train | head`):

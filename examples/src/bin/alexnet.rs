@@ -1,47 +1,18 @@
-//! AlexNet training, written the way a user writes a model against the `legion-ops` builder API.
+//! AlexNet, written the way a user writes a model against the `legion-ops` builder API, trained on
+//! the embedded cluster with the OptCNN strategy by default.
 //!
 //! `cargo run --release -p legion-examples --bin alexnet -- --help`
 
 use clap::Parser;
-use legion_cluster::job::{self, TrainOptions};
+use legion_examples::{Defaults, ExampleArgs};
 use legion_ops::op::{Conv2d, Dense, Pool2d};
-use legion_ops::train::Sgd;
 use legion_ops::{Graph, GraphBuilder, ModelError, Shape};
-use std::path::PathBuf;
 
+/// Train AlexNet (torchvision layout) with legion-rs.
 #[derive(Parser, Debug)]
-#[command(about = "Train AlexNet (torchvision layout) with legion-rs")]
 struct Args {
-    #[arg(long, default_value_t = 30)]
-    steps: u64,
-    #[arg(long, default_value_t = 16)]
-    batch: usize,
-    /// Input height and width (224 is the paper's size; 64 keeps a CPU run short).
-    #[arg(long, default_value_t = 64)]
-    image_size: usize,
-    #[arg(long, default_value_t = 10)]
-    classes: usize,
-    /// Devices of the embedded cluster (CPU device actors in this process); 1 trains with the
-    /// single-device reference trainer.
-    #[arg(long, default_value_t = 4)]
-    devices: usize,
-    /// `optcnn`, `data`, `model`, `owt` or a strategy JSON file.
-    #[arg(long, default_value = "optcnn")]
-    strategy: String,
-    /// Write a Chrome/Perfetto trace of the last step.
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// `synthetic`, `synthetic:N`, `cifar10:DIR`, `folder:DIR`.
-    #[arg(long, default_value = "synthetic")]
-    data: String,
-    #[arg(long)]
-    init: Option<PathBuf>,
-    #[arg(long)]
-    save: Option<PathBuf>,
-    #[arg(long, default_value_t = Sgd::default().lr)]
-    lr: f32,
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    common: ExampleArgs,
 }
 
 fn alexnet(batch: usize, image_size: usize, classes: usize) -> Result<Graph, ModelError> {
@@ -67,33 +38,12 @@ fn alexnet(batch: usize, image_size: usize, classes: usize) -> Result<Graph, Mod
 
 fn main() -> anyhow::Result<()> {
     legion_cluster::exit_quietly_on_broken_pipe();
-    let a = Args::parse();
-    let graph = alexnet(a.batch, a.image_size, a.classes)?;
-    if !a.json {
-        println!(
-            "AlexNet {}x{} batch {}, {} classes, {} parameters",
-            a.image_size,
-            a.image_size,
-            a.batch,
-            a.classes,
-            graph.param_count()
-        );
-    }
-    let opts = TrainOptions {
-        devices: a.devices,
-        steps: a.steps,
-        data: a.data,
-        init: a.init,
-        save: a.save,
-        sgd: Sgd {
-            lr: a.lr,
-            ..Sgd::default()
-        },
-        json: a.json,
-        strategy: a.strategy,
-        trace: a.trace,
-        ..TrainOptions::default()
+    let args = Args::parse();
+    // 224×224 is the paper's size; 64×64 keeps a CPU run to a minute or so.
+    let defaults = Defaults {
+        steps: 30,
+        batch: 16,
+        image_size: 64,
     };
-    job::train(graph, &opts)?;
-    Ok(())
+    legion_examples::run(&args.common, defaults, |b, s, c| Ok(alexnet(b, s, c)?))
 }

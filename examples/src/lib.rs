@@ -1,0 +1,128 @@
+//! What the example programs share: their flags and how they run a model the user built.
+//!
+//! Each program (`src/bin/*.rs`) only defines its model with the `legion-ops` builder API and its
+//! defaults; training, `--compare` and the output are the same everywhere.
+
+use anyhow::Context;
+use clap::Args;
+use legion_cluster::compare::{self, CompareSettings};
+use legion_cluster::job::{self, TrainOptions};
+use legion_ops::Graph;
+use legion_ops::train::Sgd;
+use std::path::PathBuf;
+
+/// Flags every example takes. Unset sizes take the example's defaults.
+#[derive(Args, Debug)]
+pub struct ExampleArgs {
+    /// Training steps (batches).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Global batch size.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Input height and width.
+    #[arg(long)]
+    pub image_size: Option<usize>,
+    #[arg(long, default_value_t = 10)]
+    pub classes: usize,
+    /// Devices of the embedded cluster (CPU device actors in this process); 1 trains with the
+    /// single-device reference trainer.
+    #[arg(long, default_value_t = 4)]
+    pub devices: usize,
+    /// `optcnn`, `data`, `model`, `owt` or a strategy JSON file.
+    #[arg(long, default_value = "optcnn")]
+    pub strategy: String,
+    /// `synthetic`, `synthetic:N`, `cifar10:DIR`, `folder:DIR`.
+    #[arg(long, default_value = "synthetic")]
+    pub data: String,
+    /// Start from these weights (safetensors).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Save the trained weights here (safetensors).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    #[arg(long, default_value_t = Sgd::default().lr)]
+    pub lr: f32,
+    /// Write a Chrome/Perfetto trace of the last step.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Run data, model, owt and optcnn one after another on the same cluster instead of training:
+    /// one table of measured and simulated step times.
+    #[arg(long)]
+    pub compare: bool,
+    /// With --compare: also draw the comparison as an SVG bar chart here.
+    #[arg(long, requires = "compare")]
+    pub chart: Option<PathBuf>,
+    /// One JSON object per step (or per strategy with --compare) and a summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// An example's sizes when the flags leave them out.
+#[derive(Clone, Copy, Debug)]
+pub struct Defaults {
+    pub steps: u64,
+    pub batch: usize,
+    pub image_size: usize,
+}
+
+/// Builds the model with the chosen sizes and trains or compares it.
+pub fn run(
+    args: &ExampleArgs,
+    defaults: Defaults,
+    build: impl FnOnce(usize, usize, usize) -> anyhow::Result<Graph>,
+) -> anyhow::Result<()> {
+    let batch = args.batch.unwrap_or(defaults.batch);
+    let image_size = args.image_size.unwrap_or(defaults.image_size);
+    let steps = args.steps.unwrap_or(defaults.steps);
+    let graph = build(batch, image_size, args.classes)?;
+    if !args.json {
+        println!(
+            "{} {image_size}x{image_size} batch {batch}, {} classes, {} parameters",
+            graph.name,
+            args.classes,
+            graph.param_count()
+        );
+    }
+    if args.compare {
+        let settings = CompareSettings {
+            devices: args.devices,
+            warmup: 2,
+            steps: steps.max(1) as usize,
+            seed: 1,
+        };
+        let rows = compare::compare(&graph, settings)?;
+        if args.json {
+            for r in &rows {
+                println!("{}", serde_json::to_string(r)?);
+            }
+        } else {
+            print!("{}", compare::table(&rows));
+        }
+        if let Some(path) = &args.chart {
+            let title = format!("{} on {} embedded devices", graph.name, args.devices);
+            compare::chart(&rows, &title, path)?;
+            if !args.json {
+                println!("chart: {}", path.display());
+            }
+        }
+        return Ok(());
+    }
+    let opts = TrainOptions {
+        devices: args.devices,
+        steps,
+        data: args.data.clone(),
+        init: args.init.clone(),
+        save: args.save.clone(),
+        sgd: Sgd {
+            lr: args.lr,
+            ..Sgd::default()
+        },
+        json: args.json,
+        strategy: args.strategy.clone(),
+        trace: args.trace.clone(),
+        ..TrainOptions::default()
+    };
+    job::train(graph, &opts).context("training")?;
+    Ok(())
+}

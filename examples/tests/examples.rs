@@ -1,0 +1,102 @@
+//! Every example runs end to end on the embedded cluster at a tiny size, as a user would run it.
+
+use std::process::{Command, Output};
+
+fn run(exe: &str, args: &[&str]) -> Output {
+    let out = Command::new(exe).args(args).output().expect("example runs");
+    assert!(
+        out.status.success(),
+        "{exe} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn trains(exe: &str, size: &str) {
+    let out = run(
+        exe,
+        &[
+            "--steps",
+            "2",
+            "--batch",
+            "4",
+            "--image-size",
+            size,
+            "--devices",
+            "2",
+            "--json",
+        ],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary: serde_json::Value =
+        serde_json::from_str(text.lines().last().expect("a summary line")).unwrap();
+    assert_eq!(summary["steps"], 2, "{text}");
+    assert_eq!(summary["devices"], 2, "{text}");
+    assert!(
+        summary["final_loss"].as_f64().unwrap().is_finite(),
+        "{text}"
+    );
+    assert!(
+        summary["plan"]["layers"]
+            .as_array()
+            .is_some_and(|l| !l.is_empty())
+    );
+}
+
+#[test]
+fn lenet5_trains() {
+    trains(env!("CARGO_BIN_EXE_lenet5"), "28");
+}
+
+#[test]
+fn alexnet_trains() {
+    trains(env!("CARGO_BIN_EXE_alexnet"), "64");
+}
+
+#[test]
+fn vgg16_trains() {
+    trains(env!("CARGO_BIN_EXE_vgg16"), "32");
+}
+
+#[test]
+fn inception_v3_trains() {
+    trains(env!("CARGO_BIN_EXE_inception_v3"), "75");
+}
+
+#[test]
+fn compare_measures_every_strategy_and_draws_a_chart() {
+    let dir = tempfile::tempdir().unwrap();
+    let chart = dir.path().join("compare.svg");
+    let out = run(
+        env!("CARGO_BIN_EXE_lenet5"),
+        &[
+            "--compare",
+            "--steps",
+            "2",
+            "--batch",
+            "16",
+            "--devices",
+            "2",
+            "--json",
+            "--chart",
+            chart.to_str().unwrap(),
+        ],
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["data", "model", "owt", "optcnn"]);
+    for r in &rows {
+        for key in ["measured_ms", "simulated_ms", "images_per_sec"] {
+            assert!(r[key].as_f64().unwrap() > 0.0, "{key} in {r}");
+        }
+    }
+    assert_eq!(rows[0]["speedup_over_data"], 1.0);
+    let svg = std::fs::read_to_string(chart).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("optcnn"));
+}
