@@ -1,8 +1,10 @@
-//! legion-cluster: the `legion-rs` command-line tool (and, with the cluster issue, the launcher and
-//! QUIC transport). Commands live in [`cli`], one file per subcommand.
+//! legion-cluster: the `legion-rs` command-line tool, the cluster description ([`hosts`]) and
+//! (with the cluster issue) the launcher and QUIC transport. Commands live in [`cli`], one file per
+//! subcommand.
 
 pub mod cli;
 pub mod compare;
+pub mod hosts;
 pub mod job;
 
 /// Lets a closed stdout end the process quietly, as it does for C tools (`legion-rs train | head`):

@@ -249,8 +249,8 @@ pub fn parse_machine(
     Ok(machine)
 }
 
-/// 1-based line and column of byte `offset`.
-fn line_column(text: &str, offset: usize) -> (usize, usize) {
+/// 1-based line and column of byte `offset` (also used by the cluster's hosts file).
+pub fn line_column(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
     let column = before
@@ -260,8 +260,9 @@ fn line_column(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// The key of the `key = value` line holding `offset`, or empty.
-fn key_at(text: &str, offset: usize) -> String {
+/// The key of the `key = value` line holding `offset`, or empty: names the field of a TOML error
+/// whose span is a value.
+pub fn key_at(text: &str, offset: usize) -> String {
     let offset = offset.min(text.len());
     let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
     let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
@@ -288,7 +289,7 @@ type FieldError = (Range<usize>, String, String);
 
 /// A TOML number: integers are accepted where a float is expected (`peak_gflops = 9300`).
 #[derive(Clone, Copy, Debug)]
-struct Number(f64);
+pub struct Number(pub f64);
 
 impl<'de> Deserialize<'de> for Number {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Number, D::Error> {

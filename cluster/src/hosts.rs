@@ -1,0 +1,1040 @@
+//! The cluster description users write: which hosts run a worker, how many devices each has, how
+//! they are reached, and (optionally) what the network between them is like. Parsing is pure
+//! ([`Hosts::parse`]); [`Hosts::load`] only adds the file read.
+//!
+//! Two formats are accepted. The native one is TOML (`hosts.toml`):
+//!
+//! ```toml
+//! [defaults]             # optional, cluster-wide
+//! port = 7400            # worker QUIC port (default 7400)
+//! devices = 1            # devices per host (default 1)
+//! device = "cpu"         # device kind: "cpu" or "p100" (default "cpu")
+//!
+//! [[host]]
+//! name = "node0"         # optional; default: the address ("address:port" if hosts share it)
+//! address = "127.0.0.1"  # IP or DNS name the worker listens on and is reached at
+//! devices = 2            # optional, overrides the default (and so can port and device)
+//! port = 7401
+//! ssh = "user@node0"     # optional ssh target; without it a loopback host is spawned locally
+//!
+//! [[host]]
+//! address = "10.0.0.2"
+//! ssh = "ubuntu@10.0.0.2"
+//!
+//! [[link]]               # optional override of the network between two hosts, both directions
+//! from = "node0"         # host names
+//! to = "10.0.0.2"
+//! gbps = 10.0            # Gbit/s
+//! latency_us = 20.0      # optional, default 50
+//! ```
+//!
+//! The other is the MPI / DeepSpeed hostfile, one `hostname slots=N` line per host (`slots` is the
+//! device count, default 1), `#` comments and blank lines. It is chosen for a file not named
+//! `*.toml` whose first line of content does not look like TOML (a `[table]` or `key = value`).
+//! A hostfile host listens on the default port and, unless it is loopback, is reached by
+//! `ssh hostname`, as MPI launchers do.
+//!
+//! Every error names the file, the line and column, and the field, and says what was expected:
+//! `hosts.toml:7:11: host[1].devices: expected an integer ≥ 1, got 0`.
+
+use legion_planner::machine::{DeviceSpec, Link, MachineError, MachineModel, NodeSpec};
+use legion_planner::machine_file::{Number, key_at, line_column};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::ops::Range;
+use std::path::Path;
+use toml::Spanned;
+
+/// The worker port of a host that does not name one.
+pub const DEFAULT_PORT: u16 = 7400;
+/// The network between hosts unless a `[[link]]` says otherwise: commodity Ethernet.
+pub const DEFAULT_INTER_HOST_GBPS: f64 = 10.0;
+/// The latency of that network, and of a `[[link]]` without `latency_us`.
+pub const DEFAULT_INTER_HOST_LATENCY_US: f64 = 50.0;
+/// Device kinds a host may declare: those the planner has a [`DeviceSpec`] for.
+pub const DEVICE_KINDS: &[&str] = &["cpu", "p100"];
+
+/// One host: a worker process owning `devices` devices.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Host {
+    pub name: String,
+    /// IP address or DNS name the worker listens on and the others reach it at.
+    pub address: String,
+    /// The worker's QUIC port.
+    pub port: u16,
+    pub devices: usize,
+    /// One of [`DEVICE_KINDS`].
+    pub device_kind: String,
+    /// `user@host` (or any `ssh` destination) the launcher starts the worker through.
+    pub ssh: Option<String>,
+}
+
+impl Host {
+    /// Whether the launcher spawns this worker as a child process rather than over ssh: a loopback
+    /// address (or `localhost`) and no ssh target. A loopback host *with* an ssh target is still
+    /// started over ssh (a container or another user on this machine).
+    pub fn is_local(&self) -> bool {
+        self.ssh.is_none() && is_loopback(&self.address)
+    }
+
+    /// `address:port`, bracketing IPv6 addresses, as a socket address or log line wants it.
+    pub fn endpoint(&self) -> String {
+        match self.address.parse::<IpAddr>() {
+            Ok(IpAddr::V6(_)) => format!("[{}]:{}", self.address, self.port),
+            _ => format!("{}:{}", self.address, self.port),
+        }
+    }
+}
+
+/// A `[[link]]` override: the network between hosts `from` and `to` (indices into
+/// [`Hosts::hosts`]), both directions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostLink {
+    pub from: usize,
+    pub to: usize,
+    pub gbps: f64,
+    pub latency_us: f64,
+}
+
+impl HostLink {
+    pub fn link(&self) -> Link {
+        Link::from_gbit_per_s(self.gbps, self.latency_us)
+    }
+}
+
+/// A validated cluster description: at least one host, unique names and endpoints, links between
+/// distinct existing hosts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hosts {
+    /// In file order, which is also the order of their global device ids.
+    pub hosts: Vec<Host>,
+    pub links: Vec<HostLink>,
+}
+
+/// What is wrong with a hosts file.
+#[derive(Debug, thiserror::Error)]
+pub enum HostsError {
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
+    /// A located error; `field` is empty when the error is not about one field.
+    #[error("{file}:{line}:{column}: {}{message}", field_prefix(.field))]
+    File {
+        file: String,
+        line: usize,
+        column: usize,
+        field: String,
+        message: String,
+    },
+}
+
+fn field_prefix(field: &str) -> String {
+    if field.is_empty() {
+        String::new()
+    } else {
+        format!("{field}: ")
+    }
+}
+
+impl Hosts {
+    /// Reads and parses a hosts file in either format (see the module docs).
+    pub fn load(path: impl AsRef<Path>) -> Result<Hosts, HostsError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| HostsError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Hosts::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses hosts-file text; `file` prefixes every error and, by its extension, can settle the
+    /// format.
+    pub fn parse(text: &str, file: &str) -> Result<Hosts, HostsError> {
+        if file.ends_with(".toml") || looks_like_toml(text) {
+            Hosts::parse_toml(text, file)
+        } else {
+            Hosts::parse_hostfile(text, file)
+        }
+    }
+
+    /// Parses the TOML format.
+    pub fn parse_toml(text: &str, file: &str) -> Result<Hosts, HostsError> {
+        let src = Source { text, file };
+        let doc: HostsDoc = toml::from_str(text).map_err(|e| match e.span() {
+            Some(span) => src.at(span.start, &field_at(text, span.start), e.message().trim()),
+            None => src.at(0, "", e.message().trim()),
+        })?;
+
+        let defaults = doc.defaults.map(Spanned::into_inner).unwrap_or_default();
+        let default_port = match &defaults.port {
+            Some(p) => src.port(p, "defaults.port")?,
+            None => DEFAULT_PORT,
+        };
+        let default_devices = match &defaults.devices {
+            Some(d) => src.count(d, "defaults.devices")?,
+            None => 1,
+        };
+        let default_kind = match &defaults.device {
+            Some(k) => src.device_kind(k, "defaults.device")?,
+            None => "cpu".to_string(),
+        };
+
+        if doc.host.is_empty() {
+            return Err(src.at(0, "host", "expected at least one [[host]] table"));
+        }
+        // Names are filled in once all addresses are known (the default depends on them); the
+        // spans are kept to locate the uniqueness errors.
+        let mut hosts = Vec::with_capacity(doc.host.len());
+        let mut name_spans = Vec::with_capacity(doc.host.len());
+        let mut address_spans = Vec::with_capacity(doc.host.len());
+        for (i, table) in doc.host.iter().enumerate() {
+            let h = table.get_ref();
+            let field = |f: &str| format!("host[{i}].{f}");
+            let address = h.address.as_ref().ok_or_else(|| {
+                src.at(
+                    table.span().start,
+                    &field("address"),
+                    "missing; expected the IP address or DNS name of the host",
+                )
+            })?;
+            address_spans.push(address.span());
+            if let Some(name) = &h.name
+                && name.get_ref().trim().is_empty()
+            {
+                return Err(src.at(
+                    name.span().start,
+                    &field("name"),
+                    "expected a non-empty name (or no `name`: it defaults to the address)",
+                ));
+            }
+            name_spans.push(h.name.as_ref().map(|n| n.span()));
+            if let Some(ssh) = &h.ssh {
+                check_ssh(ssh.get_ref())
+                    .map_err(|m| src.at(ssh.span().start, &field("ssh"), &m))?;
+            }
+            hosts.push(Host {
+                name: h
+                    .name
+                    .as_ref()
+                    .map(|n| n.get_ref().clone())
+                    .unwrap_or_default(),
+                address: src.address(address, &field("address"))?,
+                port: match &h.port {
+                    Some(p) => src.port(p, &field("port"))?,
+                    None => default_port,
+                },
+                devices: match &h.devices {
+                    Some(d) => src.count(d, &field("devices"))?,
+                    None => default_devices,
+                },
+                device_kind: match &h.device {
+                    Some(k) => src.device_kind(k, &field("device"))?,
+                    None => default_kind.clone(),
+                },
+                ssh: h.ssh.as_ref().map(|s| s.get_ref().clone()),
+            });
+        }
+
+        let mut endpoints: HashMap<(&str, u16), usize> = HashMap::new();
+        for (i, h) in hosts.iter().enumerate() {
+            if let Some(j) = endpoints.insert((&h.address, h.port), i) {
+                return Err(src.at(
+                    address_spans[i].start,
+                    &format!("host[{i}].address"),
+                    &format!(
+                        "expected a unique address and port, but {} is already host[{j}]'s",
+                        h.endpoint()
+                    ),
+                ));
+            }
+        }
+        // Several workers on one address (loopback ones, typically) get "address:port": the bare
+        // address would name none of them unambiguously.
+        let mut per_address: HashMap<String, usize> = HashMap::new();
+        for h in &hosts {
+            *per_address.entry(h.address.clone()).or_default() += 1;
+        }
+        for h in hosts.iter_mut().filter(|h| h.name.is_empty()) {
+            h.name = if per_address[&h.address] == 1 {
+                h.address.clone()
+            } else {
+                h.endpoint()
+            };
+        }
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        for (i, h) in hosts.iter().enumerate() {
+            if let Some(j) = names.insert(&h.name, i) {
+                let (span, note) = match &name_spans[i] {
+                    Some(span) => (span, ""),
+                    None => (
+                        &address_spans[i],
+                        " (a host without `name` is named after its address)",
+                    ),
+                };
+                return Err(src.at(
+                    span.start,
+                    &format!("host[{i}].name"),
+                    &format!(
+                        "expected a unique name, but \"{}\" is already host[{j}]'s{note}",
+                        h.name
+                    ),
+                ));
+            }
+        }
+
+        let mut links: Vec<HostLink> = Vec::with_capacity(doc.link.len());
+        for (i, table) in doc.link.iter().enumerate() {
+            let l = table.get_ref();
+            let field = |f: &str| format!("link[{i}].{f}");
+            let missing = |f: &str, what: &str| {
+                src.at(
+                    table.span().start,
+                    &field(f),
+                    &format!("missing; expected {what}"),
+                )
+            };
+            // A host index and where its name was written.
+            let endpoint = |v: &Option<Spanned<String>>, f: &str| {
+                let v = v.as_ref().ok_or_else(|| missing(f, "the name of a host"))?;
+                match names.get(v.get_ref().as_str()) {
+                    Some(&index) => Ok((index, v.span().start)),
+                    None => {
+                        let known: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
+                        Err(src.at(
+                            v.span().start,
+                            &field(f),
+                            &format!(
+                                "expected the name of a host ({}), got \"{}\"",
+                                known.join(", "),
+                                v.get_ref()
+                            ),
+                        ))
+                    }
+                }
+            };
+            let (from, _) = endpoint(&l.from, "from")?;
+            let (to, to_at) = endpoint(&l.to, "to")?;
+            if from == to {
+                return Err(src.at(
+                    to_at,
+                    &field("to"),
+                    &format!(
+                        "expected a host other than `from`, got \"{}\" again \
+                         (devices of one host share its in-process link)",
+                        hosts[to].name
+                    ),
+                ));
+            }
+            if let Some(j) = links
+                .iter()
+                .position(|o| (o.from, o.to) == (from, to) || (o.from, o.to) == (to, from))
+            {
+                return Err(src.at(
+                    table.span().start,
+                    &format!("link[{i}]"),
+                    &format!(
+                        "expected one [[link]] per pair of hosts, \
+                         but {} and {} already have link[{j}]",
+                        hosts[from].name, hosts[to].name
+                    ),
+                ));
+            }
+            let gbps = l
+                .gbps
+                .as_ref()
+                .ok_or_else(|| missing("gbps", "the bandwidth in Gbit/s"))?;
+            let gbps_value = gbps.get_ref().0;
+            if !(gbps_value.is_finite() && gbps_value > 0.0) {
+                return Err(src.at(
+                    gbps.span().start,
+                    &field("gbps"),
+                    &format!("expected a bandwidth > 0 (Gbit/s), got {gbps_value}"),
+                ));
+            }
+            let latency_us = match &l.latency_us {
+                Some(v) if !(v.get_ref().0.is_finite() && v.get_ref().0 >= 0.0) => {
+                    return Err(src.at(
+                        v.span().start,
+                        &field("latency_us"),
+                        &format!("expected a latency ≥ 0 (µs), got {}", v.get_ref().0),
+                    ));
+                }
+                Some(v) => v.get_ref().0,
+                None => DEFAULT_INTER_HOST_LATENCY_US,
+            };
+            links.push(HostLink {
+                from,
+                to,
+                gbps: gbps_value,
+                latency_us,
+            });
+        }
+        Ok(Hosts { hosts, links })
+    }
+
+    /// Parses the MPI / DeepSpeed hostfile format.
+    pub fn parse_hostfile(text: &str, file: &str) -> Result<Hosts, HostsError> {
+        let src = Source { text, file };
+        let mut hosts: Vec<Host> = Vec::new();
+        let mut first_line: HashMap<String, usize> = HashMap::new();
+        let mut line_start = 0;
+        for (index, raw) in text.split_inclusive('\n').enumerate() {
+            let start = line_start;
+            line_start += raw.len();
+            let content = raw.split('#').next().unwrap_or_default();
+            let mut tokens = tokens(content).map(|(at, token)| (start + at, token));
+            let Some((host_at, hostname)) = tokens.next() else {
+                continue;
+            };
+            if let Err(m) = check_address(hostname) {
+                return Err(src.at(host_at, "host", &m));
+            }
+            let mut slots = None;
+            for (at, token) in tokens {
+                match token.split_once('=') {
+                    Some(("slots", _)) if slots.is_some() => {
+                        return Err(src.at(at, "slots", "expected `slots` once per line"));
+                    }
+                    Some(("slots", value)) => {
+                        let value_at = at + "slots=".len();
+                        slots = Some(match value.parse::<usize>() {
+                            Ok(n) if n >= 1 => n,
+                            _ => {
+                                return Err(src.at(
+                                    value_at,
+                                    "slots",
+                                    &format!("expected an integer ≥ 1, got {value}"),
+                                ));
+                            }
+                        });
+                    }
+                    _ => {
+                        return Err(src.at(
+                            at,
+                            "",
+                            &format!("expected `slots=N` after the host name, got `{token}`"),
+                        ));
+                    }
+                }
+            }
+            // A hostfile cannot give ports, so a host listed twice would be two workers on one
+            // endpoint (MPI would add the slots; an explicit error is less surprising).
+            if let Some(line) = first_line.insert(hostname.to_string(), index + 1) {
+                return Err(src.at(
+                    host_at,
+                    "host",
+                    &format!("expected each host once, but {hostname} is already on line {line}"),
+                ));
+            }
+            hosts.push(Host {
+                name: hostname.to_string(),
+                address: hostname.to_string(),
+                port: DEFAULT_PORT,
+                devices: slots.unwrap_or(1),
+                device_kind: "cpu".to_string(),
+                ssh: (!is_loopback(hostname)).then(|| hostname.to_string()),
+            });
+        }
+        if hosts.is_empty() {
+            return Err(src.at(0, "", "expected at least one `hostname slots=N` line"));
+        }
+        Ok(Hosts {
+            hosts,
+            links: Vec::new(),
+        })
+    }
+
+    pub fn num_devices(&self) -> usize {
+        self.hosts.iter().map(|h| h.devices).sum()
+    }
+
+    /// Global device ids of each host, in file order: host 0 has `0..d0`, host 1 `d0..d0+d1`, ...
+    /// (the planner numbers devices node by node, and each host is one node).
+    pub fn device_ranges(&self) -> Vec<Range<usize>> {
+        let mut next = 0;
+        self.hosts
+            .iter()
+            .map(|h| {
+                next += h.devices;
+                next - h.devices..next
+            })
+            .collect()
+    }
+
+    /// The planner's view of the cluster: one node per host; devices of one host exchange data by
+    /// in-process copies (the `local-cpu` preset's link), hosts over a
+    /// [`DEFAULT_INTER_HOST_GBPS`] network unless a `[[link]]` overrides the pair (then every
+    /// device pair across the two hosts gets that link).
+    pub fn machine_model(&self) -> Result<MachineModel, MachineError> {
+        let in_process = MachineModel::preset("local-cpu")?.intra_node_link();
+        let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
+        let nodes = self
+            .hosts
+            .iter()
+            .map(|h| {
+                Ok(NodeSpec {
+                    devices: h.devices,
+                    device: device_spec(&h.device_kind).ok_or_else(|| {
+                        MachineError::Invalid(format!(
+                            "host {}: unknown device kind '{}' (known: {})",
+                            h.name,
+                            h.device_kind,
+                            DEVICE_KINDS.join(", ")
+                        ))
+                    })?,
+                })
+            })
+            .collect::<Result<Vec<_>, MachineError>>()?;
+        let name = format!("hosts:{}", self.hosts.len());
+        let mut machine = MachineModel::new(&name, &nodes, in_process, network)?;
+        let ranges = self.device_ranges();
+        for l in &self.links {
+            let (Some(from), Some(to)) = (ranges.get(l.from), ranges.get(l.to)) else {
+                return Err(MachineError::Invalid(format!(
+                    "link {}-{}: there are hosts 0..{}",
+                    l.from,
+                    l.to,
+                    ranges.len()
+                )));
+            };
+            for a in from.clone() {
+                for b in to.clone() {
+                    machine = machine.with_link(a, b, l.link())?;
+                }
+            }
+        }
+        Ok(machine)
+    }
+}
+
+fn device_spec(kind: &str) -> Option<DeviceSpec> {
+    match kind {
+        "cpu" => Some(DeviceSpec::local_cpu()),
+        "p100" => Some(DeviceSpec::p100()),
+        _ => None,
+    }
+}
+
+fn is_loopback(address: &str) -> bool {
+    address.eq_ignore_ascii_case("localhost")
+        || address.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// An IP address or a DNS name (letters, digits and hyphens in dot-separated labels).
+fn check_address(address: &str) -> Result<(), String> {
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    let name = address.strip_suffix('.').unwrap_or(address);
+    if address.parse::<IpAddr>().is_ok() || (name.len() <= 253 && name.split('.').all(label_ok)) {
+        Ok(())
+    } else {
+        let hint = if address.contains(':') && address.parse::<IpAddr>().is_err() {
+            " (a port goes in `port`)"
+        } else {
+            ""
+        };
+        Err(format!(
+            "expected an IP address or DNS name, got \"{address}\"{hint}"
+        ))
+    }
+}
+
+/// `ssh` is handed to the system ssh as one argument: it must be a destination, not a command line.
+fn check_ssh(target: &str) -> Result<(), String> {
+    if target.is_empty() || target.chars().any(char::is_whitespace) {
+        Err(format!(
+            "expected an ssh destination such as user@host, got \"{target}\""
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// Whether the first line of content is a TOML `[table]` or `key = value` (a hostfile line is
+/// `hostname` or `hostname slots=N`: never `=` right after the first word).
+fn looks_like_toml(text: &str) -> bool {
+    let Some(line) = text
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
+    else {
+        return false;
+    };
+    if line.starts_with('[') || line.starts_with('"') || line.starts_with('\'') {
+        return true;
+    }
+    let key_end = line
+        .find(|c: char| c.is_whitespace() || c == '=')
+        .unwrap_or(line.len());
+    line[key_end..].trim_start().starts_with('=')
+}
+
+/// Whitespace-separated tokens with their byte offsets.
+fn tokens(line: &str) -> impl Iterator<Item = (usize, &str)> {
+    line.split(|c: char| c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(move |t| (t.as_ptr() as usize - line.as_ptr() as usize, t))
+}
+
+/// The dotted path of the key at `offset`: its table header (`host[1]` for the second
+/// `[[host]]`) and the key of its line. Only for error messages, so a header inside a multi-line
+/// string may mislead it.
+fn field_at(text: &str, offset: usize) -> String {
+    let offset = offset.min(text.len());
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    let mut table = String::new();
+    for line in text[..offset].lines().map(str::trim) {
+        if let Some((name, _)) = line.strip_prefix("[[").and_then(|r| r.split_once("]]")) {
+            let name = name.trim();
+            let index = counts.entry(name).or_default();
+            table = format!("{name}[{index}]");
+            *index += 1;
+        } else if let Some((name, _)) = line.strip_prefix('[').and_then(|r| r.split_once(']')) {
+            table = name.trim().to_string();
+        }
+    }
+    match (table.is_empty(), key_at(text, offset)) {
+        (_, key) if key.is_empty() => table,
+        (true, key) => key,
+        (false, key) => format!("{table}.{key}"),
+    }
+}
+
+/// The text being parsed, to turn byte offsets into located errors and check values.
+struct Source<'a> {
+    text: &'a str,
+    file: &'a str,
+}
+
+impl Source<'_> {
+    fn at(&self, offset: usize, field: &str, message: &str) -> HostsError {
+        let (line, column) = line_column(self.text, offset);
+        HostsError::File {
+            file: self.file.to_string(),
+            line,
+            column,
+            field: field.to_string(),
+            message: message.to_string(),
+        }
+    }
+
+    fn count(&self, v: &Spanned<i64>, field: &str) -> Result<usize, HostsError> {
+        match usize::try_from(*v.get_ref()) {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(self.at(
+                v.span().start,
+                field,
+                &format!("expected an integer ≥ 1, got {}", v.get_ref()),
+            )),
+        }
+    }
+
+    fn port(&self, v: &Spanned<i64>, field: &str) -> Result<u16, HostsError> {
+        match u16::try_from(*v.get_ref()) {
+            Ok(p) if p >= 1 => Ok(p),
+            _ => Err(self.at(
+                v.span().start,
+                field,
+                &format!("expected a port number in 1..=65535, got {}", v.get_ref()),
+            )),
+        }
+    }
+
+    fn device_kind(&self, v: &Spanned<String>, field: &str) -> Result<String, HostsError> {
+        let kind = v.get_ref();
+        if DEVICE_KINDS.contains(&kind.as_str()) {
+            Ok(kind.clone())
+        } else {
+            Err(self.at(
+                v.span().start,
+                field,
+                &format!(
+                    "expected a device kind ({}), got \"{kind}\"",
+                    DEVICE_KINDS.join(", ")
+                ),
+            ))
+        }
+    }
+
+    fn address(&self, v: &Spanned<String>, field: &str) -> Result<String, HostsError> {
+        check_address(v.get_ref())
+            .map(|()| v.get_ref().clone())
+            .map_err(|m| self.at(v.span().start, field, &m))
+    }
+}
+
+// Integers are read as i64 so that 0 and negative counts reach our own "expected ..." messages
+// instead of serde's "invalid value: integer `-1`, expected usize". Required keys are `Option`s for
+// the same reason: a missing one is reported at its table with the field's meaning.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostsDoc {
+    defaults: Option<Spanned<DefaultsDoc>>,
+    #[serde(default)]
+    host: Vec<Spanned<HostDoc>>,
+    #[serde(default)]
+    link: Vec<Spanned<LinkDoc>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DefaultsDoc {
+    port: Option<Spanned<i64>>,
+    devices: Option<Spanned<i64>>,
+    device: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostDoc {
+    name: Option<Spanned<String>>,
+    address: Option<Spanned<String>>,
+    devices: Option<Spanned<i64>>,
+    port: Option<Spanned<i64>>,
+    device: Option<Spanned<String>>,
+    ssh: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LinkDoc {
+    from: Option<Spanned<String>>,
+    to: Option<Spanned<String>>,
+    gbps: Option<Spanned<Number>>,
+    latency_us: Option<Spanned<Number>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The module docs' example, without comments (line numbers below refer to it).
+    const DOC: &str = r#"[defaults]
+port = 7400
+devices = 1
+device = "cpu"
+[[host]]
+name = "node0"
+address = "127.0.0.1"
+devices = 2
+port = 7401
+ssh = "user@node0"
+[[host]]
+address = "10.0.0.2"
+ssh = "ubuntu@10.0.0.2"
+[[link]]
+from = "node0"
+to = "10.0.0.2"
+gbps = 10.0
+latency_us = 20.0
+"#;
+
+    fn parse(text: &str) -> Hosts {
+        Hosts::parse(text, "h.toml").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn err(text: &str) -> String {
+        Hosts::parse(text, "h.toml").unwrap_err().to_string()
+    }
+
+    /// The error of `DOC` with `from` replaced by `to`.
+    fn err_with(from: &str, to: &str) -> String {
+        assert!(DOC.contains(from), "{from}");
+        err(&DOC.replacen(from, to, 1))
+    }
+
+    #[test]
+    fn parses_the_documented_example() {
+        let hosts = parse(DOC);
+        assert_eq!(
+            hosts.hosts,
+            [
+                Host {
+                    name: "node0".into(),
+                    address: "127.0.0.1".into(),
+                    port: 7401,
+                    devices: 2,
+                    device_kind: "cpu".into(),
+                    ssh: Some("user@node0".into()),
+                },
+                Host {
+                    name: "10.0.0.2".into(),
+                    address: "10.0.0.2".into(),
+                    port: 7400,
+                    devices: 1,
+                    device_kind: "cpu".into(),
+                    ssh: Some("ubuntu@10.0.0.2".into()),
+                },
+            ]
+        );
+        assert_eq!(
+            hosts.links,
+            [HostLink {
+                from: 0,
+                to: 1,
+                gbps: 10.0,
+                latency_us: 20.0
+            }]
+        );
+        assert_eq!(hosts.device_ranges(), [0..2, 2..3]);
+        assert_eq!(hosts.num_devices(), 3);
+    }
+
+    #[test]
+    fn defaults_names_and_locality() {
+        let hosts = parse(
+            r#"
+[[host]]
+address = "127.0.0.1"
+port = 7401
+[[host]]
+address = "127.0.0.1"
+port = 7402
+device = "p100"
+[[host]]
+address = "::1"
+[[host]]
+address = "localhost"
+ssh = "me@localhost"
+"#,
+        );
+        let names: Vec<_> = hosts.hosts.iter().map(|h| h.name.as_str()).collect();
+        // a shared address names its hosts by endpoint
+        assert_eq!(
+            names,
+            ["127.0.0.1:7401", "127.0.0.1:7402", "::1", "localhost"]
+        );
+        assert_eq!(hosts.hosts[2].endpoint(), "[::1]:7400");
+        assert_eq!(hosts.hosts[1].device_kind, "p100");
+        let local: Vec<_> = hosts.hosts.iter().map(Host::is_local).collect();
+        assert_eq!(local, [true, true, true, false]);
+        assert!(hosts.links.is_empty());
+    }
+
+    #[test]
+    fn numeric_errors_are_located() {
+        assert_eq!(
+            err_with("devices = 2", "devices = 0"),
+            "h.toml:8:11: host[0].devices: expected an integer ≥ 1, got 0"
+        );
+        assert_eq!(
+            err_with("devices = 1", "devices = -3"),
+            "h.toml:3:11: defaults.devices: expected an integer ≥ 1, got -3"
+        );
+        assert_eq!(
+            err_with("port = 7401", "port = 70000"),
+            "h.toml:9:8: host[0].port: expected a port number in 1..=65535, got 70000"
+        );
+        assert_eq!(
+            err_with("port = 7400", "port = 0"),
+            "h.toml:2:8: defaults.port: expected a port number in 1..=65535, got 0"
+        );
+        assert_eq!(
+            err_with("gbps = 10.0", "gbps = 0"),
+            "h.toml:17:8: link[0].gbps: expected a bandwidth > 0 (Gbit/s), got 0"
+        );
+        assert_eq!(
+            err_with("latency_us = 20.0", "latency_us = -1"),
+            "h.toml:18:14: link[0].latency_us: expected a latency ≥ 0 (µs), got -1"
+        );
+    }
+
+    #[test]
+    fn string_errors_are_located() {
+        assert_eq!(
+            err_with("ssh = \"user@node0\"", "ssh = \"\""),
+            "h.toml:10:7: host[0].ssh: expected an ssh destination such as user@host, got \"\""
+        );
+        assert_eq!(
+            err_with("ssh = \"ubuntu@10.0.0.2\"", "ssh = \"ssh -p 22 x\""),
+            "h.toml:13:7: host[1].ssh: expected an ssh destination such as user@host, \
+             got \"ssh -p 22 x\""
+        );
+        assert_eq!(
+            err_with("\"10.0.0.2\"\nssh", "\"10.0.0.2:7400\"\nssh"),
+            "h.toml:12:11: host[1].address: expected an IP address or DNS name, \
+             got \"10.0.0.2:7400\" (a port goes in `port`)"
+        );
+        assert_eq!(
+            err_with("device = \"cpu\"", "device = \"tpu\""),
+            "h.toml:4:10: defaults.device: expected a device kind (cpu, p100), got \"tpu\""
+        );
+        assert_eq!(
+            err_with("name = \"node0\"", "name = \" \""),
+            "h.toml:6:8: host[0].name: expected a non-empty name \
+             (or no `name`: it defaults to the address)"
+        );
+    }
+
+    #[test]
+    fn uniqueness_errors_are_located() {
+        assert_eq!(
+            err_with(
+                "address = \"10.0.0.2\"",
+                "name = \"node0\"\naddress = \"10.0.0.2\""
+            ),
+            "h.toml:12:8: host[1].name: expected a unique name, but \"node0\" is already host[0]'s"
+        );
+        assert_eq!(
+            err_with("address = \"10.0.0.2\"", "address = \"node0\""),
+            "h.toml:12:11: host[1].name: expected a unique name, but \"node0\" is already \
+             host[0]'s (a host without `name` is named after its address)"
+        );
+        assert_eq!(
+            err_with(
+                "address = \"10.0.0.2\"",
+                "address = \"127.0.0.1\"\nport = 7401"
+            ),
+            "h.toml:12:11: host[1].address: expected a unique address and port, \
+             but 127.0.0.1:7401 is already host[0]'s"
+        );
+    }
+
+    #[test]
+    fn structural_errors_are_located() {
+        assert_eq!(
+            err("[defaults]\nport = 7400\n"),
+            "h.toml:1:1: host: expected at least one [[host]] table"
+        );
+        assert_eq!(
+            err_with("address = \"10.0.0.2\"\n", ""),
+            "h.toml:11:1: host[1].address: missing; expected the IP address or DNS name of the host"
+        );
+        let e = err_with("ssh = \"ubuntu", "sssh = \"ubuntu");
+        assert!(
+            e.starts_with("h.toml:13:1: host[1].sssh: unknown field `sssh`"),
+            "{e}"
+        );
+        let e = err_with("devices = 2", "devices = \"two\"");
+        assert!(
+            e.starts_with("h.toml:8:11: host[0].devices: invalid type: string"),
+            "{e}"
+        );
+        let e = err_with("[defaults]", "[default]");
+        assert!(
+            e.starts_with("h.toml:1:") && e.contains("unknown field `default`"),
+            "{e}"
+        );
+        let e = err("[[host]\n");
+        assert!(e.starts_with("h.toml:1:"), "{e}");
+    }
+
+    #[test]
+    fn link_errors_are_located() {
+        assert_eq!(
+            err_with("to = \"10.0.0.2\"", "to = \"node9\""),
+            "h.toml:16:6: link[0].to: expected the name of a host (node0, 10.0.0.2), got \"node9\""
+        );
+        assert_eq!(
+            err_with("from = \"node0\"", "from = \"10.0.0.2\""),
+            "h.toml:16:6: link[0].to: expected a host other than `from`, got \"10.0.0.2\" again \
+             (devices of one host share its in-process link)"
+        );
+        assert_eq!(
+            err_with("gbps = 10.0\n", ""),
+            "h.toml:14:1: link[0].gbps: missing; expected the bandwidth in Gbit/s"
+        );
+        let twice = format!("{DOC}[[link]]\nfrom = \"10.0.0.2\"\nto = \"node0\"\ngbps = 1\n");
+        assert_eq!(
+            err(&twice),
+            "h.toml:19:1: link[1]: expected one [[link]] per pair of hosts, \
+             but 10.0.0.2 and node0 already have link[0]"
+        );
+    }
+
+    #[test]
+    fn machine_model_has_a_node_per_host_and_the_overrides() {
+        let text = DOC.replacen(
+            "[[link]]",
+            "[[host]]\nname = \"node2\"\naddress = \"10.0.0.3\"\n[[link]]",
+            1,
+        );
+        let hosts = parse(&text.replacen("gbps = 10.0", "gbps = 25", 1));
+        let m = hosts.machine_model().unwrap();
+        assert_eq!((m.num_devices(), m.num_nodes()), (4, 3));
+        assert_eq!((m.node_of(1), m.node_of(2), m.node_of(3)), (0, 1, 2));
+        assert_eq!(m.device(0).kind, "cpu");
+        let in_process = MachineModel::preset("local-cpu").unwrap().intra_node_link();
+        assert_eq!(m.link(0, 1), Some(in_process));
+        // node0 (devices 0, 1) <-> 10.0.0.2 (device 2): the override, both directions
+        for (a, b) in [(0, 2), (2, 0), (1, 2), (2, 1)] {
+            assert_eq!(m.link(a, b), Some(Link::from_gbit_per_s(25.0, 20.0)));
+        }
+        // everything else across hosts: the default network
+        let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
+        for (a, b) in [(0, 3), (3, 1), (2, 3)] {
+            assert_eq!(m.link(a, b), Some(network));
+        }
+    }
+
+    #[test]
+    fn hostfile_parses() {
+        let text = "# cluster\n\nlocalhost slots=2\n  node1   slots=4 # remote\nnode2\n";
+        let hosts = Hosts::parse(text, "hostfile").unwrap();
+        let summary: Vec<_> = hosts
+            .hosts
+            .iter()
+            .map(|h| (h.name.as_str(), h.devices, h.ssh.as_deref(), h.is_local()))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("localhost", 2, None, true),
+                ("node1", 4, Some("node1"), false),
+                ("node2", 1, Some("node2"), false),
+            ]
+        );
+        assert_eq!(hosts.device_ranges(), [0..2, 2..6, 6..7]);
+    }
+
+    #[test]
+    fn hostfile_errors_are_located() {
+        let err = |text: &str| Hosts::parse(text, "hostfile").unwrap_err().to_string();
+        assert_eq!(
+            err("# x\nnode0 slots=x\n"),
+            "hostfile:2:13: slots: expected an integer ≥ 1, got x"
+        );
+        assert_eq!(
+            err("node0 slots=0"),
+            "hostfile:1:13: slots: expected an integer ≥ 1, got 0"
+        );
+        assert_eq!(
+            err("node0 slots=2 max_slots=4\n"),
+            "hostfile:1:15: expected `slots=N` after the host name, got `max_slots=4`"
+        );
+        assert_eq!(
+            err("node0 slots=1 slots=2\n"),
+            "hostfile:1:15: slots: expected `slots` once per line"
+        );
+        assert_eq!(
+            err("node0\n\n  node0 slots=2\n"),
+            "hostfile:3:3: host: expected each host once, but node0 is already on line 1"
+        );
+        assert_eq!(
+            err("bad_host! slots=1\n"),
+            "hostfile:1:1: host: expected an IP address or DNS name, got \"bad_host!\""
+        );
+        assert_eq!(
+            err("# nothing\n\n"),
+            "hostfile:1:1: expected at least one `hostname slots=N` line"
+        );
+    }
+
+    #[test]
+    fn the_format_is_detected() {
+        for toml in ["[[host]]", "# c\n\nport = 1", "\"a b\" = 1", "x=1"] {
+            assert!(looks_like_toml(toml), "{toml}");
+        }
+        for hostfile in ["node0 slots=2", "# c\nnode0", "", "10.0.0.1\tslots=1"] {
+            assert!(!looks_like_toml(hostfile), "{hostfile}");
+        }
+        // the extension wins over the content
+        let e = Hosts::parse("node0 slots=2\n", "cluster.toml").unwrap_err();
+        assert!(e.to_string().starts_with("cluster.toml:1:"), "{e}");
+    }
+}
