@@ -6,7 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
-use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer};
+use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer, TrainingState};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
 use legion_runtime::device::StepReport;
@@ -34,6 +34,11 @@ pub struct TrainOptions {
     pub strategy: String,
     /// Write a Chrome/Perfetto trace of the last step here.
     pub trace: Option<PathBuf>,
+    /// Also save the state to `save` every this many steps (atomically, so a crash leaves the
+    /// previous checkpoint whole).
+    pub checkpoint_every: Option<u64>,
+    /// Continue from a checkpoint: its weights, momentum and step; `steps` counts from the start.
+    pub resume: Option<PathBuf>,
 }
 
 impl Default for TrainOptions {
@@ -49,6 +54,8 @@ impl Default for TrainOptions {
             json: false,
             strategy: "optcnn".into(),
             trace: None,
+            checkpoint_every: None,
+            resume: None,
         }
     }
 }
@@ -126,10 +133,10 @@ impl Engine {
         }
     }
 
-    fn params(&self) -> anyhow::Result<ParamStore> {
+    fn state(&self) -> anyhow::Result<TrainingState> {
         match self {
-            Engine::Single(t) => Ok(t.params().clone()),
-            Engine::Cluster(c) => Ok(c.params()?),
+            Engine::Single(t) => Ok(t.state()),
+            Engine::Cluster(c) => Ok(c.state()?),
         }
     }
 }
@@ -155,15 +162,28 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     })?;
     let classes = graph.layer(logits).shape.dim(1);
 
-    let params = match &opts.init {
-        Some(path) => {
-            let ckpt = checkpoint::load(path)?;
-            ParamStore::from_checkpoint(&graph, ckpt).with_context(|| {
-                format!("{}: does not fit model '{}'", path.display(), graph.name)
-            })?
-        }
-        None => ParamStore::init(&graph, opts.seed),
+    let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
+        let ckpt = checkpoint::load(path)?;
+        TrainingState::from_checkpoint(&graph, ckpt)
+            .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
     };
+    let state = match (&opts.init, &opts.resume) {
+        (Some(_), Some(_)) => bail!("--init and --resume exclude each other"),
+        (None, Some(path)) => load_state(path)?,
+        // Weights only: a fresh run from them.
+        (Some(path), None) => TrainingState::start(load_state(path)?.params),
+        (None, None) => TrainingState::start(ParamStore::init(&graph, opts.seed)),
+    };
+    let first_step = state.step;
+    if first_step > opts.steps {
+        bail!(
+            "--resume: the checkpoint is at step {first_step}, past --steps {}",
+            opts.steps
+        );
+    }
+    if opts.checkpoint_every.is_some() && opts.save.is_none() {
+        bail!("--checkpoint-every needs --save PATH (where the checkpoints go)");
+    }
     let dataset = data::open(
         &opts.data,
         [input.dim(1), input.dim(2), input.dim(3)],
@@ -177,15 +197,8 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     let mut engine = if distributed {
         let machine = embedded_machine(opts.devices)?;
         let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
-        let cluster = EmbeddedCluster::start(
-            &graph,
-            &configs,
-            opts.devices,
-            &params,
-            opts.sgd,
-            opts.seed,
-            0,
-        )?;
+        let cluster =
+            EmbeddedCluster::resume(&graph, &configs, opts.devices, &state, opts.sgd, opts.seed)?;
         plan_summary = json!({
             "strategy": opts.strategy,
             "layers": Strategy::from_configs(&graph, &configs).layers,
@@ -202,7 +215,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         }
         Engine::Cluster(cluster)
     } else {
-        Engine::Single(Trainer::new(graph.clone(), params, opts.sgd, opts.seed))
+        Engine::Single(Trainer::resume(graph.clone(), state, opts.sgd, opts.seed))
     };
     let loader = Loader::new(
         dataset.into(),
@@ -211,7 +224,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
             ..LoaderConfig::new(batch)
         },
     )?;
-    let mut batches = loader.steps(0);
+    let mut batches = loader.steps(first_step);
 
     let progress = (!opts.json && std::io::stderr().is_terminal()).then(|| {
         let bar = ProgressBar::new(opts.steps);
@@ -223,7 +236,14 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     });
     let started = Instant::now();
     let mut losses = Vec::with_capacity(opts.steps as usize);
-    for step in 1..=opts.steps {
+    let save = |engine: &Engine| -> anyhow::Result<()> {
+        if let Some(path) = &opts.save {
+            let meta = BTreeMap::from([("model".to_string(), model_name.clone())]);
+            engine.state()?.save(path, meta)?;
+        }
+        Ok(())
+    };
+    for step in first_step + 1..=opts.steps {
         let batch_data = batches
             .next()
             .context("the data loader stopped early")?
@@ -245,6 +265,9 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
             );
         }
         losses.push(stats.loss);
+        if opts.checkpoint_every.is_some_and(|k| step % k == 0) && step < opts.steps {
+            save(&engine)?;
+        }
         let accuracy = stats.correct as f64 / batch as f64;
         if opts.json {
             println!(
@@ -267,12 +290,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     }
     let wall_secs = started.elapsed().as_secs_f64();
 
-    if let Some(path) = &opts.save {
-        let mut meta = BTreeMap::new();
-        meta.insert("model".to_string(), model_name.clone());
-        meta.insert("step".to_string(), opts.steps.to_string());
-        checkpoint::save(path, &engine.params()?.tensors(), &meta)?;
-    }
+    save(&engine)?;
 
     let window = losses.len().min(10);
     let mean = |xs: &[f32]| xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64;

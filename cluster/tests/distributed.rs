@@ -148,3 +148,51 @@ fn bad_strategies_fail_cleanly() {
         );
     }
 }
+
+/// Every tensor of two checkpoints, bit for bit (momentum included).
+fn assert_identical(a: &Path, b: &Path) {
+    let a = legion_ops::checkpoint::load(a).unwrap();
+    let b = legion_ops::checkpoint::load(b).unwrap();
+    assert_eq!(a.metadata.get("step"), b.metadata.get("step"));
+    assert_eq!(a.tensors, b.tensors);
+}
+
+#[test]
+fn a_resumed_run_ends_where_an_uninterrupted_one_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    for devices in ["1", "2"] {
+        let run = |extra: &[&str]| {
+            let mut args = vec![
+                "train",
+                "--model",
+                "lenet5",
+                "--batch",
+                "16",
+                "--devices",
+                devices,
+                "--strategy",
+                "data",
+            ];
+            args.extend(extra);
+            ok(legion(&args));
+        };
+        let straight = path(&format!("straight{devices}.safetensors"));
+        run(&["--steps", "6", "--save", &straight]);
+        // Stopped after step 3 (a checkpoint every 3 steps), then resumed to step 6.
+        let resumed = path(&format!("resumed{devices}.safetensors"));
+        run(&[
+            "--steps",
+            "4",
+            "--checkpoint-every",
+            "3",
+            "--save",
+            &resumed,
+        ]);
+        let at3 = legion_ops::checkpoint::load(Path::new(&resumed)).unwrap();
+        assert_eq!(at3.metadata["step"], "4");
+        run(&["--steps", "3", "--save", &resumed]);
+        run(&["--steps", "6", "--resume", &resumed, "--save", &resumed]);
+        assert_identical(Path::new(&straight), Path::new(&resumed));
+    }
+}

@@ -38,9 +38,15 @@ pub struct ExampleArgs {
     /// Start from these weights (safetensors).
     #[arg(long)]
     pub init: Option<PathBuf>,
-    /// Save the trained weights here (safetensors).
+    /// Save the trained weights here (safetensors, with momentum and step for --resume).
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Also write the --save checkpoint every K steps.
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every: Option<u64>,
+    /// Continue a run from a --save checkpoint (--steps counts from the start of the run).
+    #[arg(long, conflicts_with = "init")]
+    pub resume: Option<PathBuf>,
     #[arg(long, default_value_t = Sgd::default().lr)]
     pub lr: f32,
     /// Write a Chrome/Perfetto trace of the last step.
@@ -121,6 +127,8 @@ pub fn run(
         json: args.json,
         strategy: args.strategy.clone(),
         trace: args.trace.clone(),
+        checkpoint_every: args.checkpoint_every,
+        resume: args.resume.clone(),
         ..TrainOptions::default()
     };
     job::train(graph, &opts).context("training")?;

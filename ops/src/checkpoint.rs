@@ -85,6 +85,8 @@ pub enum CheckpointError {
         expected: Shape,
         found: Shape,
     },
+    #[error("metadata '{key}' is '{value}', not a number")]
+    BadMetadata { key: String, value: String },
 }
 
 /// A tensor owned by a loaded checkpoint.

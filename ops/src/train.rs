@@ -138,6 +138,113 @@ impl ParamStore {
     }
 }
 
+/// Everything a run needs to continue exactly: parameters and buffers, SGD momentum (by parameter
+/// slot; zeros for buffers) and the steps taken.
+///
+/// As a checkpoint: a safetensors file with the parameters and buffers under their own names (so it
+/// also serves as plain weights, e.g. for `--init`), the momentum of each trainable parameter as
+/// `momentum/<name>`, and the step in the metadata (`step`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainingState {
+    pub params: ParamStore,
+    pub momentum: Vec<Vec<f32>>,
+    pub step: u64,
+}
+
+/// Name prefix of momentum tensors in a checkpoint.
+pub const MOMENTUM_PREFIX: &str = "momentum/";
+
+impl TrainingState {
+    /// Step 0: the given weights, no momentum yet.
+    pub fn start(params: ParamStore) -> TrainingState {
+        let momentum = params.values.iter().map(|v| vec![0.0; v.len()]).collect();
+        TrainingState {
+            params,
+            momentum,
+            step: 0,
+        }
+    }
+
+    /// Writes the state atomically, with `metadata` added (e.g. the model name).
+    pub fn save(
+        &self,
+        path: &std::path::Path,
+        mut metadata: BTreeMap<String, String>,
+    ) -> Result<(), checkpoint::CheckpointError> {
+        let momentum_names: Vec<String> = self
+            .params
+            .params
+            .iter()
+            .map(|p| format!("{MOMENTUM_PREFIX}{}", p.name))
+            .collect();
+        let mut tensors = self.params.tensors();
+        for ((p, v), name) in self
+            .params
+            .params
+            .iter()
+            .zip(&self.momentum)
+            .zip(&momentum_names)
+        {
+            if p.spec.trainable {
+                tensors.push(TensorRef {
+                    name,
+                    shape: p.spec.shape,
+                    data: v,
+                });
+            }
+        }
+        metadata.insert("step".into(), self.step.to_string());
+        checkpoint::save(path, &tensors, &metadata)
+    }
+
+    /// Reads a state saved by [`save`](Self::save); a plain weights file (no momentum, no step)
+    /// starts at step 0 with zero momentum.
+    pub fn from_checkpoint(
+        graph: &Graph,
+        mut ckpt: checkpoint::Checkpoint,
+    ) -> Result<TrainingState, checkpoint::CheckpointError> {
+        let step = match ckpt.metadata.get("step") {
+            Some(s) => s
+                .parse()
+                .map_err(|_| checkpoint::CheckpointError::BadMetadata {
+                    key: "step".into(),
+                    value: s.clone(),
+                })?,
+            None => 0,
+        };
+        let (momentum, weights): (Vec<_>, Vec<_>) = std::mem::take(&mut ckpt.tensors)
+            .into_iter()
+            .partition(|t| t.name.starts_with(MOMENTUM_PREFIX));
+        ckpt.tensors = weights;
+        let params = ParamStore::from_checkpoint(graph, ckpt)?;
+        let mut by_name: BTreeMap<String, checkpoint::NamedTensor> = momentum
+            .into_iter()
+            .map(|t| (t.name[MOMENTUM_PREFIX.len()..].to_string(), t))
+            .collect();
+        let mut state = TrainingState::start(params);
+        state.step = step;
+        for (p, v) in state.params.params.iter().zip(&mut state.momentum) {
+            if let Some(t) = by_name.remove(&p.name) {
+                if t.shape != p.spec.shape {
+                    return Err(checkpoint::CheckpointError::WrongShape {
+                        name: t.name,
+                        expected: p.spec.shape,
+                        found: t.shape,
+                    });
+                }
+                *v = t.data;
+            }
+        }
+        if let Some((_, t)) = by_name.into_iter().next() {
+            return Err(checkpoint::CheckpointError::UnexpectedTensor {
+                name: t.name,
+                found: t.shape,
+            });
+        }
+        Ok(state)
+    }
+}
+
 /// What one training step measured.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepStats {
@@ -159,14 +266,29 @@ pub struct Trainer {
 
 impl Trainer {
     pub fn new(graph: Graph, params: ParamStore, sgd: Sgd, seed: u64) -> Trainer {
-        let velocity = params.values.iter().map(|v| vec![0.0; v.len()]).collect();
+        let state = TrainingState::start(params);
+        Trainer::resume(graph, state, sgd, seed)
+    }
+
+    /// Continues from a saved state: same weights, momentum and step count (dropout masks and
+    /// data order depend on the step), so the run goes on as if it had never stopped.
+    pub fn resume(graph: Graph, state: TrainingState, sgd: Sgd, seed: u64) -> Trainer {
         Trainer {
             graph,
-            params,
-            velocity,
+            params: state.params,
+            velocity: state.momentum,
             sgd,
             seed,
-            step: 0,
+            step: state.step,
+        }
+    }
+
+    /// The state to checkpoint.
+    pub fn state(&self) -> TrainingState {
+        TrainingState {
+            params: self.params.clone(),
+            momentum: self.velocity.clone(),
+            step: self.step,
         }
     }
 
@@ -573,6 +695,27 @@ mod tests {
         let d = m.dense("fc", f, Dense::new(3)).unwrap();
         m.softmax_cross_entropy("loss", d).unwrap();
         m.finish()
+    }
+
+    #[test]
+    fn training_state_round_trips_and_rejects_a_bad_step() {
+        let g = branchy(2);
+        let mut t = Trainer::new(g.clone(), ParamStore::init(&g, 3), Sgd::default(), 5);
+        let images = check::random(g.layer(g.input()).shape.numel(), 9);
+        t.step(&images, &[0, 2]).unwrap();
+        let state = t.state();
+        assert!(state.momentum.iter().flatten().any(|&v| v != 0.0));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.safetensors");
+        state.save(&path, BTreeMap::new()).unwrap();
+        let back = TrainingState::from_checkpoint(&g, checkpoint::load(&path).unwrap()).unwrap();
+        assert_eq!(back, state);
+
+        let mut meta = BTreeMap::new();
+        meta.insert("step".to_string(), "soon".to_string());
+        checkpoint::save(&path, &state.params.tensors(), &meta).unwrap();
+        let err = TrainingState::from_checkpoint(&g, checkpoint::load(&path).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("'step' is 'soon'"), "{err}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use kameo::actor::{ActorRef, Spawn};
 use kameo::mailbox;
 use legion_ops::Graph;
 use legion_ops::kernels::softmax_ce::LabelOutOfRange;
-use legion_ops::train::{ParamStore, Sgd, StepStats};
+use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
 use legion_planner::ParallelConfig;
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,13 +49,48 @@ pub struct EmbeddedCluster {
 }
 
 impl EmbeddedCluster {
-    /// Plans `graph` under `configs` on `devices` devices and loads `params` onto them. Steps are
-    /// numbered from `first_step` (dropout masks depend on it).
+    /// Plans `graph` under `configs` on `devices` devices and loads `params` onto them, momentum
+    /// zero. Steps are numbered from `first_step` (dropout masks depend on it).
     pub fn start(
         graph: &Graph,
         configs: &[ParallelConfig],
         devices: usize,
         params: &ParamStore,
+        sgd: Sgd,
+        seed: u64,
+        first_step: u64,
+    ) -> Result<EmbeddedCluster, RuntimeError> {
+        EmbeddedCluster::start_with(graph, configs, devices, params, None, sgd, seed, first_step)
+    }
+
+    /// Continues a saved run: its weights, momentum and step.
+    pub fn resume(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        devices: usize,
+        state: &TrainingState,
+        sgd: Sgd,
+        seed: u64,
+    ) -> Result<EmbeddedCluster, RuntimeError> {
+        EmbeddedCluster::start_with(
+            graph,
+            configs,
+            devices,
+            &state.params,
+            Some(&state.momentum),
+            sgd,
+            seed,
+            state.step,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_with(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        devices: usize,
+        params: &ParamStore,
+        momentum: Option<&[Vec<f32>]>,
         sgd: Sgd,
         seed: u64,
         first_step: u64,
@@ -73,7 +108,7 @@ impl EmbeddedCluster {
             graph,
             next_step: first_step,
         };
-        cluster.load(params)?;
+        cluster.load(params, momentum)?;
         Ok(cluster)
     }
 
@@ -85,7 +120,7 @@ impl EmbeddedCluster {
         self.devices.len()
     }
 
-    fn load(&self, params: &ParamStore) -> Result<(), RuntimeError> {
+    fn load(&self, params: &ParamStore, momentum: Option<&[Vec<f32>]>) -> Result<(), RuntimeError> {
         let mut per_device: Vec<Vec<(u32, legion_ops::Rect, Buffer)>> =
             vec![Vec::new(); self.devices.len()];
         for (region, at) in self.plan.initial_data() {
@@ -96,7 +131,13 @@ impl EmbeddedCluster {
                     Buffer::F32(params.values[slot].clone())
                         .gather(&info.shape.full_rect(), &at.rect)
                 }
-                // Momentum starts at zero.
+                RegionKind::Velocity => match momentum {
+                    Some(m) => {
+                        let slot = self.plan.momentum_slot_of(region).expect("momentum region");
+                        Buffer::F32(m[slot].clone()).gather(&info.shape.full_rect(), &at.rect)
+                    }
+                    None => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
+                },
                 _ => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
             };
             per_device[at.device].push((at.instance, at.rect, data));
@@ -170,31 +211,52 @@ impl EmbeddedCluster {
 
     /// The current parameters and buffers, gathered from their owners.
     pub fn params(&self) -> Result<ParamStore, RuntimeError> {
-        let n = self.graph.params().len();
-        let values = self.runtime.block_on(async {
-            let mut values = Vec::with_capacity(n);
-            for slot in 0..n {
-                let region = self.plan.regions.param(slot);
-                let full = self.plan.regions.info(region).shape.full_rect();
-                let mut out = Buffer::zeros(crate::region::DType::F32, full.volume());
-                for at in self.plan.param_sources(slot) {
-                    let piece = self.devices[at.device]
-                        .ask(ReadInstance {
-                            instance: at.instance,
-                            rect: at.rect,
-                        })
-                        .await
-                        .map_err(|_| RuntimeError::DeviceLost { device: at.device })?;
-                    out.copy_from(&full, &piece.0, &at.rect, &at.rect);
-                }
-                match out {
-                    Buffer::F32(v) => values.push(v),
-                    Buffer::F64(_) => unreachable!("parameters are f32"),
-                }
-            }
-            Ok::<_, RuntimeError>(values)
-        })?;
+        let values = (0..self.graph.params().len())
+            .map(|slot| self.gather(self.plan.regions.param(slot)))
+            .collect::<Result<_, _>>()?;
         Ok(ParamStore::from_values(&self.graph, values))
+    }
+
+    /// Everything needed to continue this run later: weights, momentum, the steps taken.
+    pub fn state(&self) -> Result<TrainingState, RuntimeError> {
+        let params = self.params()?;
+        let momentum = params
+            .values
+            .iter()
+            .enumerate()
+            .map(|(slot, v)| match self.plan.regions.velocity(slot) {
+                Some(region) => self.gather(region),
+                None => Ok(vec![0.0; v.len()]),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(TrainingState {
+            params,
+            momentum,
+            step: self.next_step,
+        })
+    }
+
+    /// A persistent f32 region's whole value, gathered from the devices holding its pieces.
+    fn gather(&self, region: crate::region::RegionId) -> Result<Vec<f32>, RuntimeError> {
+        let full = self.plan.regions.info(region).shape.full_rect();
+        let mut out = Buffer::zeros(crate::region::DType::F32, full.volume());
+        self.runtime.block_on(async {
+            for at in self.plan.sources(region) {
+                let piece = self.devices[at.device]
+                    .ask(ReadInstance {
+                        instance: at.instance,
+                        rect: at.rect,
+                    })
+                    .await
+                    .map_err(|_| RuntimeError::DeviceLost { device: at.device })?;
+                out.copy_from(&full, &piece.0, &at.rect, &at.rect);
+            }
+            Ok::<_, RuntimeError>(())
+        })?;
+        match out {
+            Buffer::F32(v) => Ok(v),
+            Buffer::F64(_) => unreachable!("persistent regions are f32"),
+        }
     }
 }
 

@@ -119,13 +119,22 @@ impl StepPlan {
 
     /// Where to read each parameter's current values after a step: one holder per piece.
     pub fn param_sources(&self, slot: usize) -> Vec<Located> {
-        let region = self.regions.param(slot);
+        self.sources(self.regions.param(slot))
+    }
+
+    /// Where to read a persistent region's current values after a step: one holder per piece.
+    pub fn sources(&self, region: RegionId) -> Vec<Located> {
         self.step
             .persistent
             .iter()
             .filter(|p| p.region == region)
             .map(|p| self.locate(p.instances[0], p.rect))
             .collect()
+    }
+
+    /// The parameter slot of a momentum region.
+    pub fn momentum_slot_of(&self, region: RegionId) -> Option<usize> {
+        (0..self.param_slot.len()).find(|&slot| self.regions.velocity(slot) == Some(region))
     }
 
     /// The parameter slot of a region, if it is a parameter.

@@ -37,9 +37,16 @@ pub struct TrainArgs {
     /// Initial weights from a safetensors checkpoint instead of the seeded initialisation.
     #[arg(long)]
     init: Option<PathBuf>,
-    /// Write the trained weights to this safetensors file.
+    /// Write the trained weights (with momentum and step, for --resume) to this safetensors file.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// Also write the --save checkpoint every K steps (atomically: a crash keeps the last one).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    checkpoint_every: Option<u64>,
+    /// Continue a run from a checkpoint written by --save: its weights, momentum and step
+    /// (--steps counts from the start of the run).
+    #[arg(long, conflicts_with = "init")]
+    resume: Option<PathBuf>,
     #[arg(long, default_value_t = Sgd::default().lr)]
     lr: f32,
     #[arg(long, default_value_t = Sgd::default().momentum)]
@@ -74,6 +81,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         json: a.json,
         strategy: a.strategy,
         trace: a.trace,
+        checkpoint_every: a.checkpoint_every,
+        resume: a.resume,
     };
     job::train(graph, &opts)?;
     Ok(())
