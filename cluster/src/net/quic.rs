@@ -12,7 +12,7 @@ use super::tls::NodeTls;
 use legion_planner::DeviceId;
 use legion_runtime::transport::{SliceMessage, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn::{Connection, Endpoint, TransportConfig, VarInt};
+use quinn::{Connection, Endpoint, EndpointConfig, TokioRuntime, TransportConfig, VarInt};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
@@ -65,6 +65,14 @@ pub struct QuicOptions {
     pub send_window: u64,
     pub keep_alive: Duration,
     pub idle_timeout: Duration,
+    /// Requested UDP socket send and receive buffer size (0: the system default). The kernel caps
+    /// it at `net.core.{r,w}mem_max`.
+    pub udp_buffer: usize,
+    /// Largest UDP payload that path MTU discovery may probe up to. Packets start at QUIC's safe
+    /// 1200 bytes and grow only as far as the path carries them, so a high bound costs nothing on
+    /// a 1500-byte network and saves most per-packet work (crypto, syscalls, acks) on jumbo-frame
+    /// links and loopback.
+    pub max_mtu: u16,
 }
 
 impl Default for QuicOptions {
@@ -77,6 +85,8 @@ impl Default for QuicOptions {
             send_window: 64 << 20,
             keep_alive: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(10),
+            udp_buffer: 8 << 20,
+            max_mtu: 1452,
         }
     }
 }
@@ -91,6 +101,9 @@ impl QuicOptions {
             .receive_window(self.receive_window.into())
             .send_window(self.send_window)
             .keep_alive_interval(Some(self.keep_alive));
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(self.max_mtu);
+        t.mtu_discovery_config(Some(mtu));
         if let Ok(idle) = self.idle_timeout.try_into() {
             t.max_idle_timeout(Some(idle));
         }
@@ -123,7 +136,29 @@ impl QuicNode {
         let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
         client.transport_config(transport);
 
-        let mut endpoint = Endpoint::server(server, addr)?;
+        let socket = std::net::UdpSocket::bind(addr)?;
+        if options.udp_buffer > 0 {
+            // Bursts of a multi-megabyte slice overflow the default buffer; the loss then reads
+            // as congestion and shrinks the window.
+            let state = quinn::udp::UdpSocketState::new((&socket).into())?;
+            state.set_send_buffer_size((&socket).into(), options.udp_buffer)?;
+            state.set_recv_buffer_size((&socket).into(), options.udp_buffer)?;
+            tracing::debug!(
+                send = state.send_buffer_size((&socket).into())?,
+                recv = state.recv_buffer_size((&socket).into())?,
+                "UDP socket buffers"
+            );
+        }
+        let mut endpoint_config = EndpointConfig::default();
+        endpoint_config
+            .max_udp_payload_size(options.max_mtu.max(1200))
+            .map_err(|e| NetError::QuicTls(format!("max_mtu: {e}")))?;
+        let mut endpoint = Endpoint::new(
+            endpoint_config,
+            Some(server),
+            socket,
+            Arc::new(TokioRuntime),
+        )?;
         endpoint.set_default_client_config(client);
         let node = QuicNode {
             endpoint,
