@@ -6,6 +6,7 @@ pub mod cli;
 pub mod compare;
 pub mod hosts;
 pub mod job;
+pub mod net;
 
 /// Lets a closed stdout end the process quietly, as it does for C tools (`legion-rs train | head`):
 /// Rust ignores SIGPIPE and then panics in `println!` on the broken pipe.

@@ -1,0 +1,316 @@
+//! QUIC endpoints (quinn, ring) carrying frames: one uni-stream per frame, so a large slice never
+//! holds up a small one, and a [`QuicTransport`] implementing the runtime's `Transport`.
+//!
+//! A connection is symmetric once established: both sides open uni-streams on it, whichever side
+//! dialed. Every stream carries exactly one frame (a slice or a control message, told apart by the
+//! header's kind). A frame that fails validation closes the whole connection: the peer is broken or
+//! hostile, and the runtime cannot make progress on a partial step anyway.
+
+use super::frame::{Frame, FrameError, Limits};
+use super::stream::{read_single_frame, write_control, write_slice};
+use super::tls::NodeTls;
+use legion_planner::DeviceId;
+use legion_runtime::transport::{SliceMessage, Transport};
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Connection, Endpoint, EndpointConfig, TokioRuntime, TransportConfig, VarInt};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+/// Application close codes.
+pub const CLOSE_MALFORMED: VarInt = VarInt::from_u32(1);
+pub const CLOSE_SHUTDOWN: VarInt = VarInt::from_u32(2);
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error(transparent)]
+    Tls(#[from] super::tls::TlsError),
+    #[error("TLS configuration not usable for QUIC: {0}")]
+    QuicTls(String),
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("connect: {0}")]
+    Connect(#[from] quinn::ConnectError),
+    #[error("connection: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    #[error("stream write: {0}")]
+    Write(#[from] quinn::WriteError),
+    #[error("stream closed: {0}")]
+    Closed(#[from] quinn::ClosedStream),
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
+/// What arrives from peers.
+#[derive(Debug)]
+pub enum Inbound {
+    Slice(SliceMessage),
+    Control { peer: SocketAddr, bytes: Vec<u8> },
+}
+
+/// Called on a tokio worker thread for every frame received; must not block for long (the worker
+/// forwards slices to its device actors' mailboxes).
+pub type Handler = Arc<dyn Fn(Inbound) + Send + Sync>;
+
+/// Transport parameters. The defaults favour bulk slices on a LAN: large flow-control windows so
+/// a multi-megabyte slice is never throttled by the receiver, and many concurrent streams since a
+/// step sends many slices at once.
+#[derive(Clone, Debug)]
+pub struct QuicOptions {
+    pub limits: Limits,
+    pub max_concurrent_streams: u32,
+    pub stream_receive_window: u32,
+    pub receive_window: u32,
+    pub send_window: u64,
+    pub keep_alive: Duration,
+    pub idle_timeout: Duration,
+    /// Requested UDP socket send and receive buffer size (0: the system default). The kernel caps
+    /// it at `net.core.{r,w}mem_max`.
+    pub udp_buffer: usize,
+    /// Largest UDP payload that path MTU discovery may probe up to. Packets start at QUIC's safe
+    /// 1200 bytes and grow only as far as the path carries them, so a high bound costs nothing on
+    /// a 1500-byte network and saves most per-packet work (crypto, syscalls, acks) on jumbo-frame
+    /// links and loopback.
+    pub max_mtu: u16,
+}
+
+impl Default for QuicOptions {
+    fn default() -> QuicOptions {
+        QuicOptions {
+            limits: Limits::default(),
+            max_concurrent_streams: 1024,
+            stream_receive_window: 16 << 20,
+            receive_window: 64 << 20,
+            send_window: 64 << 20,
+            keep_alive: Duration::from_secs(2),
+            idle_timeout: Duration::from_secs(10),
+            udp_buffer: 8 << 20,
+            max_mtu: 1452,
+        }
+    }
+}
+
+impl QuicOptions {
+    fn transport_config(&self) -> TransportConfig {
+        let mut t = TransportConfig::default();
+        t.max_concurrent_uni_streams(self.max_concurrent_streams.into())
+            // Slices and control use uni-streams only.
+            .max_concurrent_bidi_streams(0u32.into())
+            .stream_receive_window(self.stream_receive_window.into())
+            .receive_window(self.receive_window.into())
+            .send_window(self.send_window)
+            .keep_alive_interval(Some(self.keep_alive));
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(self.max_mtu);
+        t.mtu_discovery_config(Some(mtu));
+        if let Ok(idle) = self.idle_timeout.try_into() {
+            t.max_idle_timeout(Some(idle));
+        }
+        t
+    }
+}
+
+/// A bound endpoint: accepts peers with cluster certificates and dials peers.
+pub struct QuicNode {
+    endpoint: Endpoint,
+    handler: Handler,
+    limits: Limits,
+}
+
+impl QuicNode {
+    /// Binds `addr` and starts accepting. Must be called inside a tokio runtime.
+    pub fn bind(
+        addr: SocketAddr,
+        tls: &NodeTls,
+        options: &QuicOptions,
+        handler: Handler,
+    ) -> Result<QuicNode, NetError> {
+        let transport = Arc::new(options.transport_config());
+        let server_crypto = QuicServerConfig::try_from(tls.server.clone())
+            .map_err(|e| NetError::QuicTls(e.to_string()))?;
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+        server.transport_config(transport.clone());
+        let client_crypto = QuicClientConfig::try_from(tls.client.clone())
+            .map_err(|e| NetError::QuicTls(e.to_string()))?;
+        let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
+        client.transport_config(transport);
+
+        let socket = std::net::UdpSocket::bind(addr)?;
+        if options.udp_buffer > 0 {
+            // Bursts of a multi-megabyte slice overflow the default buffer; the loss then reads
+            // as congestion and shrinks the window.
+            let state = quinn::udp::UdpSocketState::new((&socket).into())?;
+            state.set_send_buffer_size((&socket).into(), options.udp_buffer)?;
+            state.set_recv_buffer_size((&socket).into(), options.udp_buffer)?;
+            tracing::debug!(
+                send = state.send_buffer_size((&socket).into())?,
+                recv = state.recv_buffer_size((&socket).into())?,
+                "UDP socket buffers"
+            );
+        }
+        let mut endpoint_config = EndpointConfig::default();
+        endpoint_config
+            .max_udp_payload_size(options.max_mtu.max(1200))
+            .map_err(|e| NetError::QuicTls(format!("max_mtu: {e}")))?;
+        let mut endpoint = Endpoint::new(
+            endpoint_config,
+            Some(server),
+            socket,
+            Arc::new(TokioRuntime),
+        )?;
+        endpoint.set_default_client_config(client);
+        let node = QuicNode {
+            endpoint,
+            handler,
+            limits: options.limits,
+        };
+        node.spawn_accept_loop();
+        Ok(node)
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr, NetError> {
+        Ok(self.endpoint.local_addr()?)
+    }
+
+    /// Dials a peer; `server_name` must be one of the names in its certificate (its node name,
+    /// `localhost`, or its address). The connection then carries frames both ways.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        server_name: &str,
+    ) -> Result<Connection, NetError> {
+        let conn = self.endpoint.connect(addr, server_name)?.await?;
+        tokio::spawn(serve_connection(
+            conn.clone(),
+            self.handler.clone(),
+            self.limits,
+        ));
+        Ok(conn)
+    }
+
+    /// Closes every connection and stops accepting.
+    pub async fn shutdown(&self) {
+        self.endpoint.close(CLOSE_SHUTDOWN, b"shutdown");
+        self.endpoint.wait_idle().await;
+    }
+
+    fn spawn_accept_loop(&self) {
+        let endpoint = self.endpoint.clone();
+        let handler = self.handler.clone();
+        let limits = self.limits;
+        tokio::spawn(async move {
+            while let Some(incoming) = endpoint.accept().await {
+                let handler = handler.clone();
+                tokio::spawn(async move {
+                    let remote = incoming.remote_address();
+                    match incoming.await {
+                        Ok(conn) => serve_connection(conn, handler, limits).await,
+                        // Includes peers without a cluster-signed certificate.
+                        Err(e) => tracing::warn!(%remote, "peer rejected: {e}"),
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// Receives frames on `conn` until it closes: one task per stream, so streams complete in any order.
+async fn serve_connection(conn: Connection, handler: Handler, limits: Limits) {
+    let peer = conn.remote_address();
+    loop {
+        let mut recv = match conn.accept_uni().await {
+            Ok(recv) => recv,
+            Err(e) => {
+                tracing::debug!(%peer, "connection ended: {e}");
+                return;
+            }
+        };
+        let (conn, handler) = (conn.clone(), handler.clone());
+        tokio::spawn(async move {
+            match read_single_frame(&mut recv, &limits).await {
+                Ok(Frame::Slice(msg)) => handler(Inbound::Slice(msg)),
+                Ok(Frame::Control(bytes)) => handler(Inbound::Control { peer, bytes }),
+                Err(FrameError::Io(e)) => tracing::debug!(%peer, "stream aborted: {e}"),
+                Err(e) => {
+                    tracing::error!(%peer, "malformed frame, closing the connection: {e}");
+                    conn.close(CLOSE_MALFORMED, e.to_string().as_bytes());
+                }
+            }
+        });
+    }
+}
+
+/// Sends one slice on its own uni-stream.
+pub async fn send_slice(conn: &Connection, msg: &SliceMessage) -> Result<(), NetError> {
+    let mut send = conn.open_uni().await?;
+    write_slice(&mut send, msg).await?;
+    send.finish()?;
+    Ok(())
+}
+
+/// Sends one control message on its own uni-stream.
+pub async fn send_control(conn: &Connection, bytes: &[u8]) -> Result<(), NetError> {
+    let mut send = conn.open_uni().await?;
+    write_control(&mut send, bytes).await?;
+    send.finish()?;
+    Ok(())
+}
+
+/// The runtime's transport over QUIC: a routing table from device to the connection of the process
+/// hosting it. `send` never blocks: the write runs as a task on `runtime`.
+pub struct QuicTransport {
+    runtime: tokio::runtime::Handle,
+    routes: RwLock<HashMap<DeviceId, Connection>>,
+    /// Devices of this process, reached without the network.
+    local: Option<Arc<dyn Transport>>,
+}
+
+impl QuicTransport {
+    pub fn new(
+        runtime: tokio::runtime::Handle,
+        local: Option<Arc<dyn Transport>>,
+    ) -> QuicTransport {
+        QuicTransport {
+            runtime,
+            routes: RwLock::new(HashMap::new()),
+            local,
+        }
+    }
+
+    /// Slices for `device` go over `conn` from now on.
+    pub fn route(&self, device: DeviceId, conn: Connection) {
+        self.routes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(device, conn);
+    }
+}
+
+impl Transport for QuicTransport {
+    fn send(&self, msg: SliceMessage) {
+        let conn = self
+            .routes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&msg.to)
+            .cloned();
+        match (conn, &self.local) {
+            (Some(conn), _) => {
+                self.runtime.spawn(async move {
+                    if let Err(e) = send_slice(&conn, &msg).await {
+                        tracing::error!(
+                            device = msg.to,
+                            step = msg.step,
+                            copy = msg.copy,
+                            peer = %conn.remote_address(),
+                            "slice not sent: {e}"
+                        );
+                    }
+                });
+            }
+            (None, Some(local)) => local.send(msg),
+            (None, None) => tracing::error!(device = msg.to, "no route to device; slice dropped"),
+        }
+    }
+}
