@@ -1,19 +1,21 @@
 //! t_s: parameter synchronisation, exactly as the runtime performs it.
 //!
 //! After a layer's backward pass, every tile holds the gradient of the parameter slices it used
-//! ([`OpSpec::param_rect`] of its output tile). Tiles whose slice of a parameter is the same form a
-//! *replica group* (a pure channel split has one tile per slice; a sample split replicates every
-//! slice on every tile). For each group with more than one tile:
+//! ([`OpSpec::param_rect`] of its output tile). Tiles whose slice of a parameter is the same share
+//! it as *replicas* (a pure channel split has one tile per slice; a sample split replicates every
+//! slice on every tile). A slice with k > 1 replicas (devices d_0 < … < d_{k-1}) is cut into k blocks
+//! of rows along its first axis ([`owned_blocks`]; block j is `[e·j/k, e·(j+1)/k)` of its e rows, so
+//! fewer blocks when e < k), and block j is *owned* by d_j — a reduce-scatter then all-gather, so no
+//! device carries the whole layer's synchronisation. Per block (a [`ReplicaGroup`]):
 //!
-//! 1. the owner is the group's lowest-numbered device;
-//! 2. every other replica sends its gradient slice to the owner (one message per parameter tensor);
-//! 3. the owner sums the gradients in ascending device order, starting with its own, and applies the
-//!    update;
-//! 4. the owner sends the updated slice back to every other replica (one message each).
+//! 1. every other replica sends its gradient of the block to the owner (one message);
+//! 2. the owner sums the gradients in ascending device order, its own in its place, and applies
+//!    the update (it keeps the block's momentum);
+//! 3. the owner sends the updated block back to every other replica (one message each).
 //!
 //! Only trainable parameters are synchronised (batch-norm running statistics are computed from
 //! whole-batch statistics and are already equal on every tile). The owner's summing and update are
-//! not timed: they are negligible next to the transfers (OptCNN §5.1).
+//! not timed here: they are negligible next to the transfers (OptCNN §5.1); the simulator prices them.
 //!
 //! Timing: an owner first receives everything, then sends everything. Messages on one directed link
 //! serialize (each paying the link's latency), different links proceed in parallel, and different
@@ -28,7 +30,7 @@
 //!
 //! [`OpSpec::param_rect`]: legion_ops::op::OpSpec::param_rect
 
-use crate::config::{ParallelConfig, tile_rect};
+use crate::config::{ParallelConfig, block_range, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
 use legion_ops::{Graph, LayerId, Rect};
 use std::collections::BTreeMap;
@@ -40,7 +42,7 @@ pub struct ReplicaGroup {
     pub param: usize,
     /// The slice, in the parameter's coordinates.
     pub slice: Rect,
-    /// The lowest-numbered device holding the slice: it sums and updates.
+    /// The device owning this block of the slice: it sums and updates.
     pub owner: DeviceId,
     /// The other devices holding the slice, ascending.
     pub replicas: Vec<DeviceId>,
@@ -73,7 +75,7 @@ impl SyncPlan {
             if !spec.trainable {
                 continue;
             }
-            // Tiles run on devices in ascending order, so the first device seen for a slice owns it.
+            // Tiles run on devices in ascending order, so each slice's devices come out ascending.
             let mut by_slice: Vec<(Rect, Vec<DeviceId>)> = Vec::new();
             for (t, tile) in tiles.iter().enumerate() {
                 let slice = op.param_rect(&inputs, param, tile);
@@ -85,12 +87,14 @@ impl SyncPlan {
             }
             for (slice, devices) in by_slice {
                 if devices.len() > 1 && !slice.is_empty() {
-                    groups.push(ReplicaGroup {
-                        param,
-                        slice,
-                        owner: devices[0],
-                        replicas: devices[1..].to_vec(),
-                    });
+                    for (block, owner) in owned_blocks(&slice, &devices) {
+                        groups.push(ReplicaGroup {
+                            param,
+                            slice: block,
+                            owner,
+                            replicas: devices.iter().copied().filter(|&d| d != owner).collect(),
+                        });
+                    }
                 }
             }
         }
@@ -131,6 +135,20 @@ impl SyncPlan {
             .map(|g| 2 * g.bytes() * g.replicas.len() as u64)
             .sum()
     }
+}
+
+/// The blocks of a replicated slice and their owners: block j of the slice's rows (first axis) is
+/// owned by the j-th of its `devices` (ascending). One block per device, or per row when the slice
+/// has fewer rows than devices.
+pub fn owned_blocks(slice: &Rect, devices: &[DeviceId]) -> Vec<(Rect, DeviceId)> {
+    let (lo, rows) = (slice.lo[0], slice.extent(0));
+    let blocks = devices.len().min(rows).max(1);
+    (0..blocks)
+        .map(|j| {
+            let (a, b) = block_range(rows, blocks, j);
+            (slice.with_axis(0, lo + a, lo + b), devices[j])
+        })
+        .collect()
 }
 
 /// The messages between an owner and one replica, in each direction.
@@ -185,21 +203,36 @@ mod tests {
     }
 
     #[test]
-    fn sample_split_replicates_every_parameter() {
+    fn sample_split_shares_every_parameter_out_in_blocks() {
         let (g, fc) = dense();
         let plan = SyncPlan::for_layer(&g, fc, &ParallelConfig::split(Dim::N, 4, 4));
-        assert_eq!(plan.groups.len(), 2, "weight and bias");
-        assert!(
-            plan.groups
-                .iter()
-                .all(|gr| gr.owner == 4 && gr.replicas == [5, 6, 7])
-        );
+        // weight [64, 100] and bias [64]: 4 blocks of 16 rows each, block j owned by device 4 + j
+        assert_eq!(plan.groups.len(), 8);
+        for (i, gr) in plan.groups.iter().enumerate() {
+            let j = i % 4;
+            assert_eq!(gr.owner, 4 + j);
+            assert_eq!((gr.slice.lo[0], gr.slice.hi[0]), (16 * j, 16 * (j + 1)));
+            let others: Vec<usize> = (4..8).filter(|&d| d != 4 + j).collect();
+            assert_eq!(gr.replicas, others);
+        }
+        // every replica's gradient in, the updated values out: the same bytes as a single owner
         let bytes = (64 * 100 + 64) * 4;
         assert_eq!(plan.bytes(), 2 * 3 * bytes);
-        // devices 4..8 are one node of paper:8: two messages (weight, bias) per link and direction
+        // devices 4..8 are one node of paper:8: each link carries one weight block and one bias
+        // block per direction, all owners in parallel
         let machine = MachineModel::preset("paper:8").unwrap();
-        let one_way = bytes as f64 / 20e9 + 2.0 * 5e-6;
+        let block = (16 * 100 + 16) * 4;
+        let one_way = block as f64 / 20e9 + 2.0 * 5e-6;
         assert!((plan.time(&machine) - 2.0 * one_way).abs() < 1e-15);
+    }
+
+    #[test]
+    fn blocks_follow_rows_and_never_outnumber_them() {
+        let slice = Rect::new(&[4, 0], &[7, 5]);
+        let blocks = owned_blocks(&slice, &[2, 5, 6, 9]);
+        let rows: Vec<(usize, usize, DeviceId)> =
+            blocks.iter().map(|(r, d)| (r.lo[0], r.hi[0], *d)).collect();
+        assert_eq!(rows, vec![(4, 5, 2), (5, 6, 5), (6, 7, 6)]);
     }
 
     #[test]
@@ -212,7 +245,7 @@ mod tests {
     }
 
     #[test]
-    fn mixed_split_has_one_group_per_channel_block() {
+    fn mixed_split_shares_each_channel_block_between_its_replicas() {
         let mut m = GraphBuilder::new("t");
         let x = m.input("x", Shape::nchw(8, 3, 16, 16)).unwrap();
         let c = m.conv2d("c", x, Conv2d::new(8, 3).padding(1)).unwrap();
@@ -224,24 +257,30 @@ mod tests {
             .iter()
             .map(|gr| (gr.param, gr.owner, gr.replicas.clone()))
             .collect();
+        // channel block c0 (rows 0..4) is shared by devices 0 and 2, c1 (rows 4..8) by 1 and 3;
+        // each is cut in two blocks of rows, one per device
         assert_eq!(
             owners,
             vec![
                 (0, 0, vec![2]),
+                (0, 2, vec![0]),
                 (0, 1, vec![3]),
+                (0, 3, vec![1]),
                 (1, 0, vec![2]),
-                (1, 1, vec![3])
+                (1, 2, vec![0]),
+                (1, 1, vec![3]),
+                (1, 3, vec![1])
             ]
         );
         assert_eq!(
-            plan.groups[0].slice,
-            Rect::new(&[0, 0, 0, 0], &[4, 3, 3, 3])
+            plan.groups[1].slice,
+            Rect::new(&[2, 0, 0, 0], &[4, 3, 3, 3])
         );
-        // across nodes the inter-node link dominates
+        // n=8 over two nodes: 8 one-row blocks, one per device; the inter-node link dominates
         let machine = MachineModel::preset("paper:16").unwrap();
         let plan = SyncPlan::for_layer(&g, c, &ParallelConfig::split(Dim::N, 8, 0));
-        let w = (8 * 3 * 3 * 3 * 4) as f64;
-        let b = 8.0 * 4.0;
+        let w = (3 * 3 * 3 * 4) as f64;
+        let b = 4.0;
         let one_way = w / 12.5e9 + b / 12.5e9 + 2.0 * 10e-6;
         assert!((plan.time(&machine) - 2.0 * one_way).abs() < 1e-15);
     }

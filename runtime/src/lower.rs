@@ -7,11 +7,12 @@
 //! replicas, so that synchronisation overlaps the backward of the layers below.
 
 use crate::analysis::{Analysis, AnalysisError};
-use crate::mapper::{Mapper, ParamHome, Point};
+use crate::mapper::{Mapper, Point};
 use crate::region::Regions;
 use crate::task::{Privilege, Role, TaskKind, TaskSpec};
 use legion_ops::op::Op;
 use legion_ops::{Graph, LayerId, Rect};
+use legion_planner::DeviceId;
 
 use Privilege::{ReadOnly, ReadWrite, Reduce, WriteDiscard};
 
@@ -227,32 +228,32 @@ impl Lowering<'_> {
         Ok(())
     }
 
-    /// The SGD step of every trainable slice on its owner, then the new values to the replicas.
+    /// The SGD step of every trainable block on its owner, then the new values to every device
+    /// reading the slice (replicas, and owners of the slice's other blocks).
     fn update(&self, a: &mut Analysis, id: LayerId) -> Result<(), AnalysisError> {
         debug_assert!(self.has_grad[id.0]);
-        for ParamHome {
-            param,
-            slice,
-            owner,
-            replicas,
-        } in self.mapper.param_homes(id)
-        {
-            let slot = self.regions.slot(id, param);
+        let mut readers: Vec<(usize, Rect, DeviceId)> = Vec::new();
+        for home in self.mapper.param_homes(id) {
+            let slot = self.regions.slot(id, home.param);
             let (Some(grad), Some(velocity)) =
                 (self.regions.param_grad(slot), self.regions.velocity(slot))
             else {
                 continue;
             };
-            let weights = self.regions.param(slot);
-            let k = param as u8;
-            let mut t = TaskSpec::new(TaskKind::Update { param: k }, id, slice, owner);
-            t.require(grad, slice, ReadOnly, Role::ParamGrad(k));
-            t.require(weights, slice, ReadWrite, Role::Param(k));
-            t.require(velocity, slice, ReadWrite, Role::Velocity(k));
+            let k = home.param as u8;
+            let mut t = TaskSpec::new(TaskKind::Update { param: k }, id, home.slice, home.owner);
+            t.require(grad, home.slice, ReadOnly, Role::ParamGrad(k));
+            t.require(self.regions.param(slot), home.slice, ReadWrite, Role::Param(k));
+            t.require(velocity, home.slice, ReadWrite, Role::Velocity(k));
             a.launch(t)?;
-            for r in replicas {
-                a.prefetch(weights, slice, r)?;
+            for d in std::iter::once(home.owner).chain(home.replicas) {
+                if !readers.contains(&(slot, home.read_slice, d)) {
+                    readers.push((slot, home.read_slice, d));
+                }
             }
+        }
+        for (slot, read_slice, device) in readers {
+            a.prefetch(self.regions.param(slot), read_slice, device)?;
         }
         Ok(())
     }

@@ -2,13 +2,16 @@
 //! each parameter.
 //!
 //! Tile `t` of a layer runs on its config's device `first + t` (the planner's placement). A slice of
-//! a parameter used by several tiles (replicas) is owned by the lowest of their devices: the owner
-//! keeps the master copy and the momentum, sums the replicas' gradients and applies the update,
-//! then sends the new values back. This is the scheme the planner's t_s (`legion_planner::sync`)
-//! costs; `tests::owners_match_planner_sync` keeps the two in step.
+//! a trainable parameter used by several tiles (replicas) is cut into blocks of rows, one per
+//! replica (`legion_planner::sync::owned_blocks`): each block's owner keeps its master copy and
+//! momentum, sums the replicas' gradients of it and applies the update, then sends the new values
+//! back — the scheme the planner's t_s costs; `tests::owners_match_planner_sync` keeps the two in
+//! step. Buffers (batch-norm running statistics) are not synchronised: each slice is kept by the
+//! first device using it.
 
 use legion_ops::{Graph, LayerId, Rect};
 use legion_planner::config::tile_rect;
+use legion_planner::sync::owned_blocks;
 use legion_planner::{DeviceId, ParallelConfig};
 
 /// One point of a layer's launch domain.
@@ -18,14 +21,16 @@ pub struct Point {
     pub device: DeviceId,
 }
 
-/// A slice of a layer's parameter `param` and the devices whose tiles use it.
+/// A block of a layer's parameter `param`, its owner and the other devices whose tiles use it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamHome {
     pub param: usize,
+    /// The block the owner keeps and updates.
     pub slice: Rect,
-    /// The lowest device using the slice.
+    /// The slice the tiles read, which `slice` is a block of.
+    pub read_slice: Rect,
     pub owner: DeviceId,
-    /// The other devices using it, ascending.
+    /// The other devices using the slice, ascending.
     pub replicas: Vec<DeviceId>,
 }
 
@@ -68,28 +73,38 @@ impl<'g> Mapper<'g> {
             .collect()
     }
 
-    /// Every slice of every parameter and buffer of `layer`, trainable or not.
+    /// Every block of every parameter and buffer of `layer`, trainable or not.
     pub fn param_homes(&self, layer: LayerId) -> Vec<ParamHome> {
         let l = self.graph.layer(layer);
         let inputs = self.graph.input_shapes(layer);
         let op = l.op.spec();
         let points = self.points(layer);
         let mut homes: Vec<ParamHome> = Vec::new();
-        for param in 0..op.params(&inputs).len() {
-            let first = homes.len();
+        for (param, spec) in op.params(&inputs).iter().enumerate() {
+            // Slices in order of first use; devices ascending, as tiles are.
+            let mut slices: Vec<(Rect, Vec<DeviceId>)> = Vec::new();
             for p in &points {
                 let slice = op.param_rect(&inputs, param, &p.tile);
-                match homes[first..].iter_mut().find(|h| h.slice == slice) {
-                    Some(h) if h.owner != p.device && !h.replicas.contains(&p.device) => {
-                        h.replicas.push(p.device)
-                    }
+                match slices.iter_mut().find(|(s, _)| *s == slice) {
+                    Some((_, devices)) if !devices.contains(&p.device) => devices.push(p.device),
                     Some(_) => {}
-                    None => homes.push(ParamHome {
+                    None => slices.push((slice, vec![p.device])),
+                }
+            }
+            for (read_slice, devices) in slices {
+                let blocks = if spec.trainable && devices.len() > 1 && !read_slice.is_empty() {
+                    owned_blocks(&read_slice, &devices)
+                } else {
+                    vec![(read_slice, devices[0])]
+                };
+                for (slice, owner) in blocks {
+                    homes.push(ParamHome {
                         param,
                         slice,
-                        owner: p.device,
-                        replicas: Vec::new(),
-                    }),
+                        read_slice,
+                        owner,
+                        replicas: devices.iter().copied().filter(|&d| d != owner).collect(),
+                    });
                 }
             }
         }
