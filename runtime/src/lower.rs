@@ -243,7 +243,12 @@ impl Lowering<'_> {
             let k = home.param as u8;
             let mut t = TaskSpec::new(TaskKind::Update { param: k }, id, home.slice, home.owner);
             t.require(grad, home.slice, ReadOnly, Role::ParamGrad(k));
-            t.require(self.regions.param(slot), home.slice, ReadWrite, Role::Param(k));
+            t.require(
+                self.regions.param(slot),
+                home.slice,
+                ReadWrite,
+                Role::Param(k),
+            );
             t.require(velocity, home.slice, ReadWrite, Role::Velocity(k));
             a.launch(t)?;
             for d in std::iter::once(home.owner).chain(home.replicas) {
