@@ -137,6 +137,59 @@ impl SyncPlan {
     }
 }
 
+/// [`SyncPlan::link_loads`] of [`SyncPlan::for_layer`], without building the groups: the search
+/// prices t_s for every layout of every layer, where the groups' allocations dominated.
+pub fn layer_link_loads(graph: &Graph, layer: LayerId, config: &ParallelConfig) -> Vec<LinkLoad> {
+    let l = graph.layer(layer);
+    let inputs = graph.input_shapes(layer);
+    let op = l.op.spec();
+    let (first, total) = (config.first_device(), config.total());
+    // (bytes, messages) per (owner, replica), indexed by their positions in the device block.
+    let mut matrix = vec![(0u64, 0u32); total * total];
+    let tiles: Vec<Rect> = (0..total).map(|t| tile_rect(&l.shape, config, t)).collect();
+    for (param, spec) in op.params(&inputs).iter().enumerate() {
+        if !spec.trainable {
+            continue;
+        }
+        let mut by_slice: Vec<(Rect, Vec<usize>)> = Vec::new();
+        for (t, tile) in tiles.iter().enumerate() {
+            let slice = op.param_rect(&inputs, param, tile);
+            match by_slice.iter_mut().find(|(s, _)| *s == slice) {
+                Some((_, positions)) => positions.push(t),
+                None => by_slice.push((slice, vec![t])),
+            }
+        }
+        for (slice, positions) in by_slice {
+            if positions.len() < 2 || slice.is_empty() {
+                continue;
+            }
+            let rows = slice.extent(0);
+            let blocks = positions.len().min(rows);
+            let row_bytes = 4 * (slice.volume() / rows) as u64;
+            for j in 0..blocks {
+                let (a, b) = block_range(rows, blocks, j);
+                let owner = positions[j];
+                for &replica in positions.iter().filter(|&&p| p != owner) {
+                    let cell = &mut matrix[owner * total + replica];
+                    cell.0 += row_bytes * (b - a) as u64;
+                    cell.1 += 1;
+                }
+            }
+        }
+    }
+    matrix
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, messages))| *messages > 0)
+        .map(|(i, &(bytes, messages))| LinkLoad {
+            owner: first + i / total,
+            replica: first + i % total,
+            bytes,
+            messages,
+        })
+        .collect()
+}
+
 /// The blocks of a replicated slice and their owners: block j of the slice's rows (first axis) is
 /// owned by the j-th of its `devices` (ascending). One block per device, or per row when the slice
 /// has fewer rows than devices.
@@ -224,6 +277,27 @@ mod tests {
         let block = (16 * 100 + 16) * 4;
         let one_way = block as f64 / 20e9 + 2.0 * 5e-6;
         assert!((plan.time(&machine) - 2.0 * one_way).abs() < 1e-15);
+    }
+
+    #[test]
+    fn direct_link_loads_equal_the_groups_loads() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 3, 16, 16)).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(6, 3).padding(1)).unwrap();
+        let g = m.finish();
+        for config in [
+            ParallelConfig::new([2, 2, 1, 1], 0),
+            ParallelConfig::new([4, 1, 2, 1], 8),
+            ParallelConfig::split(Dim::N, 8, 8),
+            ParallelConfig::split(Dim::C, 4, 4),
+            ParallelConfig::new([2, 1, 2, 2], 0),
+        ] {
+            assert_eq!(
+                layer_link_loads(&g, c, &config),
+                SyncPlan::for_layer(&g, c, &config).link_loads(),
+                "{config}"
+            );
+        }
     }
 
     #[test]

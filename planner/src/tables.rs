@@ -8,7 +8,7 @@
 
 use crate::config::{ConfigSpace, ParallelConfig, tile_rect};
 use crate::cost::CostModel;
-use crate::sync::{LinkLoad, SyncPlan, sync_time_shifted};
+use crate::sync::{LinkLoad, layer_link_loads, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::TransferTables;
 use legion_ops::{LayerId, Rect};
@@ -174,7 +174,7 @@ fn node_costs(model: &CostModel, id: LayerId, space: &ConfigSpace) -> (Vec<f64>,
         let rects: Vec<Rect> = (0..base.total())
             .map(|t| tile_rect(&layer.shape, &base, t))
             .collect();
-        let loads: Vec<LinkLoad> = SyncPlan::for_layer(graph, id, &base).link_loads();
+        let loads: Vec<LinkLoad> = layer_link_loads(graph, id, &base);
         for ci in range {
             let config = space.config(ci);
             let mut worst = 0.0f64;
