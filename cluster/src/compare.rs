@@ -191,6 +191,6 @@ pub fn chart(rows: &[CompareRow], title: &str, path: &Path) -> anyhow::Result<()
         }
         svg
     };
-    crate::job::write_atomically(path, svg.as_bytes())
+    legion_ops::atomic_file::write(path, svg.as_bytes())
         .with_context(|| format!("writing the chart {}", path.display()))
 }

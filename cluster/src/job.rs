@@ -253,7 +253,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         let (stats, reports) = engine.step(batch_data.images, batch_data.labels, traced)?;
         if traced && let (Some(path), Engine::Cluster(c)) = (&opts.trace, &engine) {
             let trace = legion_runtime::trace::chrome_trace(c.plan(), &graph, &reports);
-            write_atomically(path, serde_json::to_string(&trace)?.as_bytes())
+            legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
                 .with_context(|| format!("writing the trace {}", path.display()))?;
         }
         let secs = t.elapsed().as_secs_f64();
@@ -331,17 +331,4 @@ pub fn human_bytes(b: u64) -> String {
         b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
         b => format!("{b} B"),
     }
-}
-
-/// Writes a file whole or not at all: a temporary file beside it, renamed over it.
-pub fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
-    std::io::Write::write_all(&mut tmp, bytes)?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
 }

@@ -8,6 +8,7 @@
 //! Loading parses and validates the header with the `safetensors` crate, checks that the file length
 //! matches it, and only then allocates and reads the tensors. Corrupt input gives an error, never a panic.
 
+use crate::atomic_file::AtomicFile;
 use crate::shape::{MAX_DIMS, Shape};
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensorError};
@@ -16,7 +17,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File};
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Bytes of the little-endian header length that starts every safetensors file.
 const HEADER_LEN_BYTES: usize = 8;
@@ -196,13 +196,21 @@ pub fn save(
     validate_for_save(&sorted)?;
     let header = encode_header(&sorted, metadata);
 
-    let temp = TempFile::create_beside(path)?;
+    if path.file_name().is_none() {
+        return Err(CheckpointError::NotAFile {
+            path: path.to_path_buf(),
+        });
+    }
+    let temp = AtomicFile::create_beside(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let io_err = |source| CheckpointError::Io {
-        path: temp.path.clone(),
+        path: temp.path().to_path_buf(),
         source,
     };
     {
-        let mut out = BufWriter::with_capacity(1 << 20, &temp.file);
+        let mut out = BufWriter::with_capacity(1 << 20, temp.file());
         out.write_all(&(header.len() as u64).to_le_bytes())
             .map_err(io_err)?;
         out.write_all(&header).map_err(io_err)?;
@@ -216,8 +224,10 @@ pub fn save(
         }
         out.flush().map_err(io_err)?;
     }
-    temp.file.sync_all().map_err(io_err)?;
-    temp.persist(path)
+    temp.commit(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Reads a checkpoint written by [`save`] (or any safetensors file of f32 tensors of rank ≤ 4).
@@ -396,81 +406,6 @@ fn encode_header(sorted: &[&TensorRef<'_>], metadata: &BTreeMap<String, String>)
     let padded = json.len().next_multiple_of(HEADER_LEN_BYTES);
     json.resize(padded, b' ');
     json
-}
-
-/// A file created next to the final path and removed on drop unless it was renamed into place.
-struct TempFile {
-    path: PathBuf,
-    file: File,
-    persisted: bool,
-}
-
-impl TempFile {
-    fn create_beside(target: &Path) -> Result<TempFile, CheckpointError> {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let dir = match target.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        let file_name = target
-            .file_name()
-            .ok_or_else(|| CheckpointError::NotAFile {
-                path: target.to_path_buf(),
-            })?
-            .to_string_lossy();
-        loop {
-            let unique = COUNTER.fetch_add(1, Ordering::Relaxed);
-            let path = dir.join(format!(".{file_name}.tmp-{}-{unique}", std::process::id()));
-            match File::options().write(true).create_new(true).open(&path) {
-                Ok(file) => {
-                    return Ok(TempFile {
-                        path,
-                        file,
-                        persisted: false,
-                    });
-                }
-                // A leftover from a crashed run with the same pid and counter: try the next name.
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(source) => return Err(CheckpointError::Io { path, source }),
-            }
-        }
-    }
-
-    fn persist(mut self, target: &Path) -> Result<(), CheckpointError> {
-        fs::rename(&self.path, target).map_err(|source| CheckpointError::Io {
-            path: target.to_path_buf(),
-            source,
-        })?;
-        self.persisted = true;
-        sync_parent_dir(target);
-        Ok(())
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if !self.persisted {
-            // Best effort: the error that got us here is more useful than a failure to clean up.
-            let _ = fs::remove_file(&self.path);
-        }
-    }
-}
-
-/// Makes the rename itself durable. Failure is ignored: the data is already synced, and some
-/// filesystems (or platforms) do not support syncing a directory.
-fn sync_parent_dir(target: &Path) {
-    #[cfg(unix)]
-    {
-        let dir = match target.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = target;
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! - [`zoo`]: lenet5, alexnet, vgg16, inception_v3, resnet50.
 //! - [`data`], [`checkpoint`], [`train`]: datasets, safetensors checkpoints, single-device training.
 
+pub mod atomic_file;
 pub mod checkpoint;
 pub mod data;
 pub mod graph;

@@ -388,10 +388,7 @@ impl ProfileDb {
             path: path.display().to_string(),
             message: e.to_string(),
         };
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
-        std::fs::write(&tmp, self.to_json()).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        legion_ops::atomic_file::write(path, self.to_json().as_bytes()).map_err(io)
     }
 }
 

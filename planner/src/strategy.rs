@@ -233,7 +233,8 @@ impl Strategy {
     }
 
     pub fn save(&self, path: &Path) -> Result<(), StrategyError> {
-        std::fs::write(path, self.to_json() + "\n").map_err(|e| StrategyError::Io {
+        let text = self.to_json() + "\n";
+        legion_ops::atomic_file::write(path, text.as_bytes()).map_err(|e| StrategyError::Io {
             path: path.display().to_string(),
             message: e.to_string(),
         })

@@ -384,11 +384,6 @@ impl<'r> Analysis<'r> {
         }
     }
 
-    /// The instance's key, to carry placements from one analysis to another.
-    pub fn instance(&self, id: InstanceId) -> Instance {
-        self.instances[id as usize]
-    }
-
     fn normal_instance(&mut self, region: RegionId, device: DeviceId, rect: Rect) -> InstanceId {
         if let Some(&id) = self.normal.get(&(region, device, rect)) {
             return id;

@@ -9,8 +9,8 @@
 //! step. Buffers (batch-norm running statistics) are not synchronised: each slice is kept by the
 //! first device using it.
 
+use crate::region::Partition;
 use legion_ops::{Graph, LayerId, Rect};
-use legion_planner::config::tile_rect;
 use legion_planner::sync::owned_blocks;
 use legion_planner::{DeviceId, ParallelConfig};
 
@@ -64,10 +64,12 @@ impl<'g> Mapper<'g> {
 
     pub fn points(&self, layer: LayerId) -> Vec<Point> {
         let config = &self.configs[layer.0];
-        let shape = self.graph.layer(layer).shape;
-        (0..config.total())
-            .map(|t| Point {
-                tile: tile_rect(&shape, config, t),
+        Partition::blocks(&self.graph.layer(layer).shape, config)
+            .rects
+            .into_iter()
+            .enumerate()
+            .map(|(t, tile)| Point {
+                tile,
                 device: config.device_of_tile(t),
             })
             .collect()

@@ -96,14 +96,6 @@ impl DeviceProgram {
             .ok()
             .map(|i| i as u32)
     }
-
-    /// Bytes of all instances.
-    pub fn instance_bytes(&self) -> usize {
-        self.instances
-            .iter()
-            .map(|i| i.rect.volume() * i.dtype.size())
-            .sum()
-    }
 }
 
 /// Cuts `graph` into one program per device `0..num_devices`.

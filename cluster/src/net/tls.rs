@@ -253,30 +253,26 @@ fn read(path: &Path) -> Result<String, TlsError> {
     })
 }
 
-/// Writes through a temporary file and a rename, so a reader never sees half a key; secrets are
-/// created owner-only before any byte is written.
+/// Writes atomically (`legion_ops::atomic_file`), so a reader never sees half a key; a secret is
+/// made owner-only before any byte is written.
 fn write(path: &Path, contents: &str, secret: bool) -> Result<(), TlsError> {
+    use std::io::Write;
     let io = |source| TlsError::Io {
         path: path.to_path_buf(),
         source,
     };
-    let tmp = path.with_extension("tmp");
-    let mut options = fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
+    let temp = legion_ops::atomic_file::AtomicFile::create_beside(path).map_err(io)?;
     #[cfg(unix)]
     if secret {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
+        use std::os::unix::fs::PermissionsExt;
+        temp.file()
+            .set_permissions(fs::Permissions::from_mode(0o600))
+            .map_err(io)?;
     }
     #[cfg(not(unix))]
     let _ = secret;
-    {
-        use std::io::Write;
-        let mut f = options.open(&tmp).map_err(io)?;
-        f.write_all(contents.as_bytes()).map_err(io)?;
-        f.sync_all().map_err(io)?;
-    }
-    fs::rename(&tmp, path).map_err(io)
+    temp.file().write_all(contents.as_bytes()).map_err(io)?;
+    temp.commit(path).map_err(io)
 }
 
 #[cfg(test)]
