@@ -16,6 +16,9 @@
 //! devices = 2            # optional, overrides the default (and so can port and device)
 //! port = 7401
 //! ssh = "user@node0"     # optional ssh target; without it a loopback host is spawned locally
+//! run_with = ["ip", "netns", "exec", "ns0"]   # optional, instead of ssh: start the worker on
+//!                        # this machine under this command prefix (a network namespace, a
+//!                        # container: `docker exec NAME`)
 //!
 //! [[host]]
 //! address = "10.0.0.2"
@@ -68,14 +71,16 @@ pub struct Host {
     pub device_kind: String,
     /// `user@host` (or any `ssh` destination) the launcher starts the worker through.
     pub ssh: Option<String>,
+    /// A command prefix the launcher starts the worker under, on this machine (empty: none).
+    pub run_with: Vec<String>,
 }
 
 impl Host {
     /// Whether the launcher spawns this worker as a child process rather than over ssh: a loopback
-    /// address (or `localhost`) and no ssh target. A loopback host *with* an ssh target is still
+    /// address (or `localhost`) or a `run_with` prefix, and no ssh target. A loopback host *with* an ssh target is still
     /// started over ssh (a container or another user on this machine).
     pub fn is_local(&self) -> bool {
-        self.ssh.is_none() && is_loopback(&self.address)
+        self.ssh.is_none() && (is_loopback(&self.address) || !self.run_with.is_empty())
     }
 
     /// `address:port`, bracketing IPv6 addresses, as a socket address or log line wants it.
@@ -212,6 +217,18 @@ impl Hosts {
                 check_ssh(ssh.get_ref())
                     .map_err(|m| src.at(ssh.span().start, &field("ssh"), &m))?;
             }
+            if let Some(run_with) = &h.run_with {
+                let at = |m: &str| src.at(run_with.span().start, &field("run_with"), m);
+                if h.ssh.is_some() {
+                    return Err(at("expected either `ssh` or `run_with`, not both"));
+                }
+                if run_with.get_ref().is_empty() || run_with.get_ref().iter().any(|w| w.is_empty())
+                {
+                    return Err(at(
+                        "expected a command prefix of non-empty words, e.g. [\"ip\", \"netns\", \"exec\", \"ns0\"]",
+                    ));
+                }
+            }
             hosts.push(Host {
                 name: h
                     .name
@@ -232,6 +249,11 @@ impl Hosts {
                     None => default_kind.clone(),
                 },
                 ssh: h.ssh.as_ref().map(|s| s.get_ref().clone()),
+                run_with: h
+                    .run_with
+                    .as_ref()
+                    .map(|r| r.get_ref().clone())
+                    .unwrap_or_default(),
             });
         }
 
@@ -433,6 +455,7 @@ impl Hosts {
                 devices: slots.unwrap_or(1),
                 device_kind: "cpu".to_string(),
                 ssh: (!is_loopback(hostname)).then(|| hostname.to_string()),
+                run_with: Vec::new(),
             });
         }
         if hosts.is_empty() {
@@ -698,6 +721,7 @@ struct HostDoc {
     port: Option<Spanned<i64>>,
     device: Option<Spanned<String>>,
     ssh: Option<Spanned<String>>,
+    run_with: Option<Spanned<Vec<String>>>,
 }
 
 #[derive(Deserialize)]
@@ -761,6 +785,7 @@ latency_us = 20.0
                     devices: 2,
                     device_kind: "cpu".into(),
                     ssh: Some("user@node0".into()),
+                    run_with: Vec::new(),
                 },
                 Host {
                     name: "10.0.0.2".into(),
@@ -769,6 +794,7 @@ latency_us = 20.0
                     devices: 1,
                     device_kind: "cpu".into(),
                     ssh: Some("ubuntu@10.0.0.2".into()),
+                    run_with: Vec::new(),
                 },
             ]
         );

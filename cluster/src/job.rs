@@ -1,6 +1,9 @@
 //! A training job: data, initial weights, the training loop, progress output and the final checkpoint.
 //! Shared by `legion-rs train` and the example programs.
 
+use crate::hosts::Hosts;
+use crate::launch;
+use crate::remote::RemoteCluster;
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use legion_ops::Graph;
@@ -11,6 +14,7 @@ use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
 use legion_runtime::device::StepReport;
 use legion_runtime::embedded::EmbeddedCluster;
+use legion_runtime::plan::StepPlan;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -39,6 +43,10 @@ pub struct TrainOptions {
     pub checkpoint_every: Option<u64>,
     /// Continue from a checkpoint: its weights, momentum and step; `steps` counts from the start.
     pub resume: Option<PathBuf>,
+    /// Train on the workers of this cluster (started by `legion-rs up`) instead of in-process.
+    pub cluster: Option<PathBuf>,
+    /// The cluster's state directory, if not the default of its hosts file.
+    pub cluster_state: Option<PathBuf>,
 }
 
 impl Default for TrainOptions {
@@ -56,6 +64,8 @@ impl Default for TrainOptions {
             trace: None,
             checkpoint_every: None,
             resume: None,
+            cluster: None,
+            cluster_state: None,
         }
     }
 }
@@ -111,10 +121,12 @@ pub fn choose_strategy_for(
     }
 }
 
-/// The single-device reference trainer, or the runtime on the embedded cluster.
+/// The single-device reference trainer, the runtime on the embedded cluster, or a job on the
+/// worker processes of a cluster.
 enum Engine {
     Single(Trainer),
     Cluster(EmbeddedCluster),
+    Remote(Box<RemoteCluster>),
 }
 
 impl Engine {
@@ -130,6 +142,10 @@ impl Engine {
                 let r = c.step(images, labels, trace)?;
                 Ok((r.stats, r.reports))
             }
+            Engine::Remote(c) => {
+                let r = c.step(images, labels, trace)?;
+                Ok((r.stats, r.reports))
+            }
         }
     }
 
@@ -137,6 +153,15 @@ impl Engine {
         match self {
             Engine::Single(t) => Ok(t.state()),
             Engine::Cluster(c) => Ok(c.state()?),
+            Engine::Remote(c) => c.state(),
+        }
+    }
+
+    fn plan(&self) -> Option<&StepPlan> {
+        match self {
+            Engine::Single(_) => None,
+            Engine::Cluster(c) => Some(c.plan()),
+            Engine::Remote(c) => Some(c.plan()),
         }
     }
 }
@@ -167,14 +192,14 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         TrainingState::from_checkpoint(&graph, ckpt)
             .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
     };
-    let state = match (&opts.init, &opts.resume) {
+    let state_to_load = match (&opts.init, &opts.resume) {
         (Some(_), Some(_)) => bail!("--init and --resume exclude each other"),
         (None, Some(path)) => load_state(path)?,
         // Weights only: a fresh run from them.
         (Some(path), None) => TrainingState::start(load_state(path)?.params),
         (None, None) => TrainingState::start(ParamStore::init(&graph, opts.seed)),
     };
-    let first_step = state.step;
+    let first_step = state_to_load.step;
     if first_step > opts.steps {
         bail!(
             "--resume: the checkpoint is at step {first_step}, past --steps {}",
@@ -191,31 +216,82 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         opts.seed,
     )?;
     let model_name = graph.name.clone();
-    let distributed = opts.devices > 1 || opts.trace.is_some();
+    let cluster = match &opts.cluster {
+        Some(path) => {
+            let hosts = Hosts::load(path)?;
+            if opts.devices != 1 && opts.devices != hosts.num_devices() {
+                bail!(
+                    "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
+                    opts.devices,
+                    path.display(),
+                    hosts.num_devices()
+                );
+            }
+            let state = launch::state_dir(path, opts.cluster_state.as_deref())?;
+            Some((hosts, state))
+        }
+        None => None,
+    };
+    let devices = cluster
+        .as_ref()
+        .map_or(opts.devices, |(h, _)| h.num_devices());
+    let distributed = devices > 1 || opts.trace.is_some() || cluster.is_some();
     // What the summary reports of the distributed plan: per-layer configs and bytes moved per step.
     let mut plan_summary = serde_json::Value::Null;
     let mut engine = if distributed {
-        let machine = embedded_machine(opts.devices)?;
+        let (machine, place) = match &cluster {
+            Some((hosts, state)) => (
+                launch::cluster_machine(hosts, state)?,
+                format!(
+                    "{} worker(s) of {}",
+                    hosts.hosts.len(),
+                    opts.cluster.as_ref().unwrap().display()
+                ),
+            ),
+            None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
+        };
         let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
-        let cluster =
-            EmbeddedCluster::resume(&graph, &configs, opts.devices, &state, opts.sgd, opts.seed)?;
+        let engine = match &cluster {
+            Some((hosts, state)) => Engine::Remote(Box::new(RemoteCluster::start(
+                hosts,
+                state,
+                &graph,
+                &configs,
+                &state_to_load,
+                opts.sgd,
+                opts.seed,
+            )?)),
+            None => Engine::Cluster(EmbeddedCluster::resume(
+                &graph,
+                &configs,
+                devices,
+                &state_to_load,
+                opts.sgd,
+                opts.seed,
+            )?),
+        };
+        let remote_bytes = engine.plan().expect("a distributed engine").remote_bytes();
         plan_summary = json!({
             "strategy": opts.strategy,
             "layers": Strategy::from_configs(&graph, &configs).layers,
-            "comm_bytes_per_step": cluster.plan().remote_bytes(),
+            "comm_bytes_per_step": remote_bytes,
         });
         if !opts.json {
             println!(
-                "strategy {} on {} embedded device(s), {} moved between devices per step:\n{}",
+                "strategy {} on {devices} device(s) ({place}), {} moved between devices per step:\n{}",
                 opts.strategy,
-                opts.devices,
-                human_bytes(cluster.plan().remote_bytes()),
+                human_bytes(remote_bytes),
                 Strategy::from_configs(&graph, &configs)
             );
         }
-        Engine::Cluster(cluster)
+        engine
     } else {
-        Engine::Single(Trainer::resume(graph.clone(), state, opts.sgd, opts.seed))
+        Engine::Single(Trainer::resume(
+            graph.clone(),
+            state_to_load,
+            opts.sgd,
+            opts.seed,
+        ))
     };
     let loader = Loader::new(
         dataset.into(),
@@ -251,8 +327,8 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         let t = Instant::now();
         let traced = opts.trace.is_some() && step == opts.steps;
         let (stats, reports) = engine.step(batch_data.images, batch_data.labels, traced)?;
-        if traced && let (Some(path), Engine::Cluster(c)) = (&opts.trace, &engine) {
-            let trace = legion_runtime::trace::chrome_trace(c.plan(), &graph, &reports);
+        if traced && let (Some(path), Some(plan)) = (&opts.trace, engine.plan()) {
+            let trace = legion_runtime::trace::chrome_trace(plan, &graph, &reports);
             legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
                 .with_context(|| format!("writing the trace {}", path.display()))?;
         }
@@ -300,7 +376,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     if opts.json {
         println!(
             "{}",
-            json!({"summary": true, "model": model_name, "devices": opts.devices,
+            json!({"summary": true, "model": model_name, "devices": devices,
                    "plan": plan_summary,
                    "steps": opts.steps, "batch": batch, "first10_loss": first,
                    "last10_loss": last, "final_loss": losses.last(),

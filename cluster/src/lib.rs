@@ -4,9 +4,13 @@
 
 pub mod cli;
 pub mod compare;
+pub mod control;
 pub mod hosts;
 pub mod job;
+pub mod launch;
 pub mod net;
+pub mod remote;
+pub mod worker;
 
 /// Lets a closed stdout end the process quietly, as it does for C tools (`legion-rs train | head`):
 /// Rust ignores SIGPIPE and then panics in `println!` on the broken pipe.

@@ -1,24 +1,10 @@
 //! `legion-rs train --devices N` end to end: real processes and real checkpoint files. Distributed
 //! training from a checkpoint saves the same weights as single-device training from it.
 
+mod common;
+
+use common::{assert_same_tensors, legion, ok};
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn legion(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_legion-rs"))
-        .args(args)
-        .output()
-        .expect("legion-rs runs")
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "legion-rs failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
 
 const MODEL: [&str; 8] = [
     "--model",
@@ -46,27 +32,6 @@ fn train(dir: &Path, init: &Path, name: &str, extra: &[&str]) -> std::path::Path
     args.extend(extra);
     ok(legion(&args));
     out
-}
-
-fn assert_same_tensors(a: &Path, b: &Path) {
-    let a = legion_ops::checkpoint::load(a).unwrap();
-    let b = legion_ops::checkpoint::load(b).unwrap();
-    assert_eq!(a.tensors.len(), b.tensors.len());
-    for (x, y) in a.tensors.iter().zip(&b.tensors) {
-        assert_eq!(x.name, y.name);
-        let scale = y.data.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-        let diff = x
-            .data
-            .iter()
-            .zip(&y.data)
-            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-        assert!(
-            diff / scale <= 1e-4,
-            "{} differs by {:e}",
-            x.name,
-            diff / scale
-        );
-    }
 }
 
 #[test]

@@ -29,6 +29,13 @@ pub struct ExampleArgs {
     /// single-device reference trainer.
     #[arg(long, default_value_t = 4)]
     pub devices: usize,
+    /// Train on the workers of a running cluster (`legion-rs up HOSTS`) instead of the embedded
+    /// one; its devices replace --devices.
+    #[arg(long, value_name = "HOSTS")]
+    pub cluster: Option<PathBuf>,
+    /// The cluster's state directory, if `up` was given one.
+    #[arg(long, requires = "cluster")]
+    pub state: Option<PathBuf>,
     /// `optcnn`, `data`, `model`, `owt` or a strategy JSON file.
     #[arg(long, default_value = "optcnn")]
     pub strategy: String,
@@ -115,7 +122,13 @@ pub fn run(
         return Ok(());
     }
     let opts = TrainOptions {
-        devices: args.devices,
+        devices: if args.cluster.is_some() {
+            1
+        } else {
+            args.devices
+        },
+        cluster: args.cluster.clone(),
+        cluster_state: args.state.clone(),
         steps,
         data: args.data.clone(),
         init: args.init.clone(),

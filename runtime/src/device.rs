@@ -203,8 +203,39 @@ impl DeviceActor {
             );
             return;
         };
+        let LocalOpKind::Recv { dst, rect, .. } = &self.setup.program.ops[recv as usize].kind
+        else {
+            unreachable!("recv_of indexes Recv ops")
+        };
+        let expected = (
+            self.setup.program.instances[*dst as usize].dtype,
+            rect.volume(),
+        );
         let state = self.step.as_mut().unwrap();
-        state.arrived.insert(msg.copy, msg.data);
+        if state.arrived.contains_key(&msg.copy) {
+            // A sender delivers each copy once per step: a second one is a broken or hostile peer,
+            // and counting it would complete the receive early.
+            tracing::error!(copy = msg.copy, step = msg.step, "duplicate slice ignored");
+            return;
+        }
+        let data = if (msg.data.dtype(), msg.data.len()) == expected {
+            msg.data
+        } else {
+            // The step cannot produce correct results now; finish it with an error rather than
+            // hang waiting for a slice that will not come, or write past an instance's bounds.
+            state.error.get_or_insert_with(|| {
+                format!(
+                    "copy {}: received {} {:?} values, expected {} {:?}",
+                    msg.copy,
+                    msg.data.len(),
+                    msg.data.dtype(),
+                    expected.1,
+                    expected.0
+                )
+            });
+            Arc::new(Buffer::zeros(expected.0, expected.1))
+        };
+        state.arrived.insert(msg.copy, data);
         state.remaining[recv as usize] -= 1;
         if state.remaining[recv as usize] == 0 {
             self.ready.push(recv);

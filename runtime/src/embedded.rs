@@ -121,27 +121,7 @@ impl EmbeddedCluster {
     }
 
     fn load(&self, params: &ParamStore, momentum: Option<&[Vec<f32>]>) -> Result<(), RuntimeError> {
-        let mut per_device: Vec<Vec<(u32, legion_ops::Rect, Buffer)>> =
-            vec![Vec::new(); self.devices.len()];
-        for (region, at) in self.plan.initial_data() {
-            let info = self.plan.regions.info(region);
-            let data = match info.kind {
-                RegionKind::Param => {
-                    let slot = self.plan.slot_of(region).expect("parameter region");
-                    Buffer::F32(params.values[slot].clone())
-                        .gather(&info.shape.full_rect(), &at.rect)
-                }
-                RegionKind::Velocity => match momentum {
-                    Some(m) => {
-                        let slot = self.plan.momentum_slot_of(region).expect("momentum region");
-                        Buffer::F32(m[slot].clone()).gather(&info.shape.full_rect(), &at.rect)
-                    }
-                    None => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
-                },
-                _ => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
-            };
-            per_device[at.device].push((at.instance, at.rect, data));
-        }
+        let per_device = initial_instances(&self.plan, params, momentum);
         self.runtime.block_on(async {
             for (d, pieces) in per_device.into_iter().enumerate() {
                 self.devices[d]
@@ -260,6 +240,44 @@ impl EmbeddedCluster {
     }
 }
 
+/// What each device's persistent instances start as: its pieces of the parameters and of the
+/// momentum (zero without `momentum`), and zeroed batch-norm statistics. Indexed by device, each
+/// piece `(instance, rect, data)` as the [`Load`] message takes it.
+pub fn initial_instances(
+    plan: &StepPlan,
+    params: &ParamStore,
+    momentum: Option<&[Vec<f32>]>,
+) -> Vec<Vec<(u32, legion_ops::Rect, Buffer)>> {
+    let mut per_device: Vec<Vec<(u32, legion_ops::Rect, Buffer)>> =
+        vec![Vec::new(); plan.programs.len()];
+    for (region, at) in plan.initial_data() {
+        let info = plan.regions.info(region);
+        let piece_of = |whole: &[f32]| {
+            let mut piece = vec![0.0; at.rect.volume()];
+            legion_ops::shape::copy_rect(
+                whole,
+                &info.shape.full_rect(),
+                &mut piece,
+                &at.rect,
+                &at.rect,
+            );
+            Buffer::F32(piece)
+        };
+        let data = match info.kind {
+            RegionKind::Param => {
+                piece_of(&params.values[plan.slot_of(region).expect("parameter region")])
+            }
+            RegionKind::Velocity => match momentum {
+                Some(m) => piece_of(&m[plan.momentum_slot_of(region).expect("momentum region")]),
+                None => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
+            },
+            _ => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
+        };
+        per_device[at.device].push((at.instance, at.rect, data));
+    }
+    per_device
+}
+
 /// The tokio runtime device actors run on. Two workers: the actors only track dependences and move
 /// data; kernels run on the shared rayon pool.
 pub fn device_runtime() -> tokio::runtime::Runtime {
@@ -278,7 +296,24 @@ pub fn spawn_devices(
     seed: u64,
     sgd: Sgd,
 ) -> Vec<ActorRef<DeviceActor>> {
-    let transport = Arc::new(InProcessTransport::new());
+    spawn_local_devices(
+        programs,
+        graph,
+        seed,
+        sgd,
+        Arc::new(InProcessTransport::new()),
+    )
+}
+
+/// Spawns one actor per program of `programs` (this process's devices, in global order) on
+/// `transport`, which must have been made for them (see [`InProcessTransport::with_remote`]).
+pub fn spawn_local_devices(
+    programs: &[Arc<DeviceProgram>],
+    graph: &Arc<Graph>,
+    seed: u64,
+    sgd: Sgd,
+    transport: Arc<InProcessTransport>,
+) -> Vec<ActorRef<DeviceActor>> {
     let actors: Vec<ActorRef<DeviceActor>> = programs
         .iter()
         .map(|program| {

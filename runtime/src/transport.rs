@@ -29,14 +29,37 @@ pub trait Transport: Send + Sync + 'static {
 }
 
 /// Devices in one process: a slice is moved (not copied) into the receiving actor's mailbox.
-#[derive(Default)]
+/// In a worker of a multi-process cluster the local devices are a range of the global ids, and
+/// slices for the others go to `remote`.
 pub struct InProcessTransport {
+    first_device: DeviceId,
     devices: OnceLock<Vec<ActorRef<DeviceActor>>>,
+    remote: Option<Arc<dyn Transport>>,
+}
+
+impl Default for InProcessTransport {
+    fn default() -> InProcessTransport {
+        InProcessTransport::new()
+    }
 }
 
 impl InProcessTransport {
+    /// All devices of the step are in this process.
     pub fn new() -> InProcessTransport {
-        InProcessTransport::default()
+        InProcessTransport {
+            first_device: 0,
+            devices: OnceLock::new(),
+            remote: None,
+        }
+    }
+
+    /// This process hosts the devices from `first_device` on; `remote` reaches the rest.
+    pub fn with_remote(first_device: DeviceId, remote: Arc<dyn Transport>) -> InProcessTransport {
+        InProcessTransport {
+            first_device,
+            devices: OnceLock::new(),
+            remote: Some(remote),
+        }
     }
 
     /// Sets the devices, once they are spawned (they hold this transport, so it comes first).
@@ -45,14 +68,27 @@ impl InProcessTransport {
             panic!("transport connected twice");
         }
     }
+
+    /// The actor of global device `device`, if it lives in this process.
+    pub fn local(&self, device: DeviceId) -> Option<&ActorRef<DeviceActor>> {
+        let devices = self.devices.get().expect("transport used before connect");
+        device
+            .checked_sub(self.first_device)
+            .and_then(|i| devices.get(i))
+    }
 }
 
 impl Transport for InProcessTransport {
     fn send(&self, msg: SliceMessage) {
-        let devices = self.devices.get().expect("transport used before connect");
         let to = msg.to;
-        if let Err(e) = devices[to].tell(Deliver(msg)).try_send() {
-            tracing::error!(device = to, "slice not delivered: {e}");
+        match (self.local(to), &self.remote) {
+            (Some(actor), _) => {
+                if let Err(e) = actor.tell(Deliver(msg)).try_send() {
+                    tracing::error!(device = to, "slice not delivered: {e}");
+                }
+            }
+            (None, Some(remote)) => remote.send(msg),
+            (None, None) => tracing::error!(device = to, "no such device; slice dropped"),
         }
     }
 }

@@ -1,9 +1,11 @@
 //! The `legion-rs` command line: argument parsing and one module per subcommand.
 
+mod cluster;
 mod models;
 mod plan;
 mod profile;
 mod train;
+mod worker;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +30,14 @@ pub enum Command {
     Profile(profile::ProfileArgs),
     /// Train a model.
     Train(train::TrainArgs),
+    /// Start a worker on every host of a hosts file (locally or over ssh) and wait for them.
+    Up(cluster::UpArgs),
+    /// Show which workers of a hosts file are running.
+    Status(cluster::ClusterArgs),
+    /// Stop the workers of a hosts file.
+    Down(cluster::ClusterArgs),
+    /// Run a worker (started by `up`; not usually run by hand).
+    Worker(worker::WorkerArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -36,6 +46,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => plan::run(a),
         Command::Profile(a) => profile::run(a),
         Command::Train(a) => train::run(a),
+        Command::Up(a) => cluster::up(a),
+        Command::Status(a) => cluster::status(a),
+        Command::Down(a) => cluster::down(a),
+        Command::Worker(a) => worker::run(a),
     }
 }
 

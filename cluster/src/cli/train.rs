@@ -9,9 +9,16 @@ pub struct TrainArgs {
     #[arg(long)]
     model: String,
     /// Number of devices to train on (more than one: the embedded cluster, N CPU devices in this
-    /// process).
+    /// process). With --cluster: the cluster's devices.
     #[arg(long, default_value_t = 1)]
     devices: usize,
+    /// Train on the workers of a running cluster (`legion-rs up HOSTS`) over QUIC, planned with
+    /// the links `up` measured.
+    #[arg(long, value_name = "HOSTS")]
+    cluster: Option<PathBuf>,
+    /// The cluster's state directory, if `up` was given one.
+    #[arg(long, requires = "cluster")]
+    state: Option<PathBuf>,
     /// How to parallelise each layer over the devices: a search (`optcnn`, `data`, `model`, `owt`)
     /// or a strategy JSON file (as `legion-rs plan --out` writes).
     #[arg(long, default_value = "optcnn")]
@@ -83,6 +90,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         trace: a.trace,
         checkpoint_every: a.checkpoint_every,
         resume: a.resume,
+        cluster: a.cluster,
+        cluster_state: a.state,
     };
     job::train(graph, &opts)?;
     Ok(())

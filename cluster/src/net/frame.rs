@@ -104,7 +104,10 @@ impl Default for Limits {
         Limits {
             // The largest region slice of the model zoo at batch 256 is well below this.
             max_slice_bytes: 1 << 30,
-            max_control_bytes: 1 << 20,
+            // Control messages carry a step's input batch and the initial weights of a device.
+            // Only peers with a cluster-signed certificate get this far, so the bound guards
+            // against bugs more than against strangers.
+            max_control_bytes: 1 << 30,
         }
     }
 }

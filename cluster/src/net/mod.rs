@@ -11,3 +11,14 @@ pub mod frame;
 pub mod quic;
 pub mod stream;
 pub mod tls;
+
+/// The tokio runtime of a process on the cluster network (worker, launcher, job driver): two
+/// workers, as the device actors only track dependences and move data, while kernels run on the
+/// rayon pool, plus the I/O and timer drivers QUIC needs.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("legion-net")
+        .enable_all()
+        .build()
+}

@@ -46,7 +46,12 @@ pub enum NetError {
 #[derive(Debug)]
 pub enum Inbound {
     Slice(SliceMessage),
-    Control { peer: SocketAddr, bytes: Vec<u8> },
+    /// A control message and the connection it came on, to reply on.
+    Control {
+        peer: SocketAddr,
+        conn: Connection,
+        bytes: Vec<u8>,
+    },
 }
 
 /// Called on a tokio worker thread for every frame received; must not block for long (the worker
@@ -230,7 +235,7 @@ async fn serve_connection(conn: Connection, handler: Handler, limits: Limits) {
         tokio::spawn(async move {
             match read_single_frame(&mut recv, &limits).await {
                 Ok(Frame::Slice(msg)) => handler(Inbound::Slice(msg)),
-                Ok(Frame::Control(bytes)) => handler(Inbound::Control { peer, bytes }),
+                Ok(Frame::Control(bytes)) => handler(Inbound::Control { peer, conn, bytes }),
                 Err(FrameError::Io(e)) => tracing::debug!(%peer, "stream aborted: {e}"),
                 Err(e) => {
                     tracing::error!(%peer, "malformed frame, closing the connection: {e}");

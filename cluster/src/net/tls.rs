@@ -133,6 +133,22 @@ impl ClusterCa {
     }
 }
 
+/// The certificate name of a host named `host_name`: host names may be `address:port` (several
+/// workers on one address), which is not a DNS name; other characters become `-`.
+pub fn node_name(host_name: &str) -> String {
+    let name: String = host_name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    name.trim_start_matches(['-', '.']).to_string()
+}
+
 fn check_node_name(name: &str) -> Result<(), TlsError> {
     let ok = !name.is_empty()
         && name.len() <= 253
@@ -278,6 +294,14 @@ fn write(path: &Path, contents: &str, secret: bool) -> Result<(), TlsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_names_become_certificate_names() {
+        assert_eq!(node_name("node0"), "node0");
+        assert_eq!(node_name("127.0.0.1:7401"), "127.0.0.1-7401");
+        assert_eq!(node_name("[::1]:7401"), "1--7401");
+        assert!(check_node_name(&node_name("127.0.0.1:7401")).is_ok());
+    }
 
     #[test]
     fn ca_and_node_round_trip_through_the_state_directory() {

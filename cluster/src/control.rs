@@ -1,0 +1,285 @@
+//! The control protocol between the launcher / job driver and the workers, and between workers:
+//! what each message means and its encoding (rkyv, validated on decode). Pure: no sockets here;
+//! `net::quic` carries the encoded bytes as control frames, `worker` and `remote` act on them.
+//!
+//! A conversation is request → reply on one connection, in order, except `Heartbeat`, which a
+//! worker sends on its own to the driver of its job, and `Probe`/`ProbeAck` between workers.
+//!
+//! | request (driver → worker)  | reply (worker → driver)      |
+//! |----------------------------|------------------------------|
+//! | `Hello`                    | `Welcome`                    |
+//! | `MeasureLinks`             | `Links`                      |
+//! | `StartJob`                 | `JobReady`                   |
+//! | `Load`                     | `Loaded`                     |
+//! | `Step`                     | `StepDone`                   |
+//! | `Read`                     | `ReadDone`                   |
+//! | `EndJob`                   | `JobEnded`                   |
+//! | `Shutdown`                 | `Bye`, then the worker exits |
+//!
+//! Any request may be answered by `Failed` instead.
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+
+/// A worker's address as the other workers reach it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct PeerAddress {
+    pub name: String,
+    /// `address:port`.
+    pub endpoint: String,
+}
+
+/// One worker of a job and the global device ids it hosts.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct JobHost {
+    pub peer: PeerAddress,
+    pub first_device: u32,
+    pub devices: u32,
+}
+
+/// What a worker needs to run its part of a training job: the model, the strategy, who hosts
+/// which device, and the training hyper-parameters. Every worker builds the same step plan from
+/// it (planning is deterministic), so no task graph travels.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct JobSpec {
+    /// `Graph::to_json`.
+    pub graph_json: String,
+    /// `Strategy::to_json`.
+    pub strategy_json: String,
+    pub hosts: Vec<JobHost>,
+    /// The receiving worker's index in `hosts`.
+    pub me: u32,
+    pub seed: u64,
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+}
+
+/// Part of a physical instance: `rect` (as `lo`/`hi` corners) of instance `instance` on `device`.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct PieceRef {
+    pub device: u32,
+    pub instance: u32,
+    pub lo: Vec<u64>,
+    pub hi: Vec<u64>,
+}
+
+/// A piece's data, f32 or f64 (batch-norm statistics) by the instance's type.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum PieceData {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct Piece {
+    pub at: PieceRef,
+    pub data: PieceData,
+}
+
+/// One device's end of a step.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct DeviceReport {
+    pub device: u32,
+    pub loss_sum: f64,
+    pub correct: u64,
+    pub error: Option<String>,
+    /// `(op, start, end)` per executed op when traced, seconds since the step started on the
+    /// worker.
+    pub events: Vec<(u32, f64, f64)>,
+}
+
+/// Measured from one worker to another.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct LinkMeasurement {
+    pub to: String,
+    pub bytes_per_s: f64,
+    pub latency_s: f64,
+}
+
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum Control {
+    Hello {
+        version: String,
+    },
+    Welcome {
+        name: String,
+        version: String,
+        devices: u32,
+        pid: u32,
+        uptime_s: f64,
+        /// The endpoint of the driver whose job runs, if one does.
+        job_of: Option<String>,
+    },
+    /// Measure the link to each peer with `probe_bytes` probes.
+    MeasureLinks {
+        peers: Vec<PeerAddress>,
+        probe_bytes: u64,
+    },
+    Links {
+        links: Vec<LinkMeasurement>,
+    },
+    /// Between workers: echo `ProbeAck` with the same id.
+    Probe {
+        id: u64,
+        payload: Vec<u8>,
+    },
+    ProbeAck {
+        id: u64,
+    },
+    StartJob(JobSpec),
+    JobReady,
+    /// Initial contents of instances on this worker's devices.
+    Load {
+        pieces: Vec<Piece>,
+    },
+    Loaded,
+    /// Run step `step` on the batch (the whole global batch: each device reads its samples).
+    Step {
+        step: u64,
+        images: Vec<f32>,
+        labels: Vec<u32>,
+        trace: bool,
+    },
+    StepDone {
+        step: u64,
+        reports: Vec<DeviceReport>,
+    },
+    Read {
+        pieces: Vec<PieceRef>,
+    },
+    ReadDone {
+        pieces: Vec<PieceData>,
+    },
+    EndJob,
+    JobEnded,
+    /// Sent by a worker to its job's driver every [`HEARTBEAT_INTERVAL`](crate::worker::HEARTBEAT_INTERVAL).
+    Heartbeat {
+        seq: u64,
+    },
+    Shutdown,
+    Bye,
+    Failed {
+        message: String,
+    },
+}
+
+impl Control {
+    /// The variant's name, for errors about unexpected messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Control::Hello { .. } => "Hello",
+            Control::Welcome { .. } => "Welcome",
+            Control::MeasureLinks { .. } => "MeasureLinks",
+            Control::Links { .. } => "Links",
+            Control::Probe { .. } => "Probe",
+            Control::ProbeAck { .. } => "ProbeAck",
+            Control::StartJob(_) => "StartJob",
+            Control::JobReady => "JobReady",
+            Control::Load { .. } => "Load",
+            Control::Loaded => "Loaded",
+            Control::Step { .. } => "Step",
+            Control::StepDone { .. } => "StepDone",
+            Control::Read { .. } => "Read",
+            Control::ReadDone { .. } => "ReadDone",
+            Control::EndJob => "EndJob",
+            Control::JobEnded => "JobEnded",
+            Control::Heartbeat { .. } => "Heartbeat",
+            Control::Shutdown => "Shutdown",
+            Control::Bye => "Bye",
+            Control::Failed { .. } => "Failed",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("malformed control message: {0}")]
+pub struct ControlError(String);
+
+pub fn encode(msg: &Control) -> Vec<u8> {
+    rkyv::to_bytes::<rancor::Error>(msg)
+        .expect("control messages serialize")
+        .into_vec()
+}
+
+/// Decodes and validates a control message; any byte string is either a message or an error.
+pub fn decode(bytes: &[u8]) -> Result<Control, ControlError> {
+    // Frame payloads have no alignment guarantee; rkyv's validation needs 16.
+    let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
+    aligned.extend_from_slice(bytes);
+    rkyv::from_bytes::<Control, rancor::Error>(&aligned).map_err(|e| ControlError(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn samples() -> Vec<Control> {
+        vec![
+            Control::Hello {
+                version: "0.1.0".into(),
+            },
+            Control::Step {
+                step: 7,
+                images: vec![1.0, -2.5, f32::MAX],
+                labels: vec![3, 0],
+                trace: true,
+            },
+            Control::Load {
+                pieces: vec![Piece {
+                    at: PieceRef {
+                        device: 2,
+                        instance: 9,
+                        lo: vec![0, 4],
+                        hi: vec![3, 8],
+                    },
+                    data: PieceData::F64(vec![0.5; 12]),
+                }],
+            },
+            Control::StepDone {
+                step: 1,
+                reports: vec![DeviceReport {
+                    device: 1,
+                    loss_sum: 2.0,
+                    correct: 3,
+                    error: Some("boom".into()),
+                    events: vec![(1, 0.0, 0.5)],
+                }],
+            },
+            Control::Failed {
+                message: "no".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        for msg in samples() {
+            assert_eq!(decode(&encode(&msg)).unwrap(), msg);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn corrupted_messages_never_panic(which in 0usize..5, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+            let mut bytes = encode(&samples()[which]);
+            for (at, x) in flips {
+                let i = at % bytes.len();
+                bytes[i] ^= x;
+            }
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn truncated_messages_never_panic(which in 0usize..5, keep in 0usize..400) {
+            let bytes = encode(&samples()[which]);
+            let _ = decode(&bytes[..keep.min(bytes.len())]);
+        }
+    }
+}

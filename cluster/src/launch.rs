@@ -1,0 +1,578 @@
+//! `legion-rs up / status / down`: the cluster's state directory, starting one worker per host
+//! (a child process for a loopback host, the system `ssh` client otherwise), waiting for them to
+//! register, measuring the links between them, and stopping them.
+//!
+//! State directory (see also `net::tls`), by default `$XDG_STATE_HOME/legion-rs/<stem>-<hash>`
+//! (`~/.local/state/...` without XDG_STATE_HOME), where `<stem>` is the hosts file's name and
+//! `<hash>` a hash of its absolute path, so that two clusters never share state; `--state DIR`
+//! overrides it. Remote workers use the same absolute path on their host.
+//!
+//! ```text
+//! <state>/ca/, <state>/nodes/<name>/   certificates (net::tls); `launcher` is the client identity
+//! <state>/logs/<name>.log              each worker's stdout and stderr
+//! <state>/links.json                   link bandwidth and latency measured by `up`
+//! ```
+//!
+//! Remote hosts: `up` runs `ssh DEST sh -s` (the command in `LEGION_RS_SSH`, default `ssh -o
+//! BatchMode=yes`; a destination may be `ssh://user@host:port`), feeding it a script that writes
+//! the host's certificate files and starts the worker in the background. The `legion-rs` binary
+//! must be at the same path there as here (as with MPI launchers).
+
+use crate::control::{Control, LinkMeasurement, PeerAddress};
+use crate::hosts::{Host, Hosts};
+use crate::net::tls::{ClusterCa, NodeIdentity, node_name};
+use crate::remote::{LAUNCHER_NAME, WorkerClient};
+use anyhow::{Context as _, bail};
+use legion_planner::MachineModel;
+use legion_planner::machine::Link;
+use serde::{Deserialize, Serialize};
+use std::io::Write as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long `up` waits for all workers by default.
+pub const DEFAULT_REGISTER_TIMEOUT: Duration = Duration::from_secs(20);
+/// Bytes per bandwidth probe between two workers.
+pub const PROBE_BYTES: u64 = 8 << 20;
+
+/// The state directory of the cluster described by `hosts_file`: `state` if given, else the
+/// default described in the module docs.
+pub fn state_dir(hosts_file: &Path, state: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(s) = state {
+        return Ok(s.to_path_buf());
+    }
+    let absolute = std::path::absolute(hosts_file)
+        .with_context(|| format!("{}: resolving the path", hosts_file.display()))?;
+    let base = match std::env::var_os("XDG_STATE_HOME").filter(|v| !v.is_empty()) {
+        Some(x) => PathBuf::from(x),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").context("HOME is not set; pass --state DIR")?)
+                .join(".local/state")
+        }
+    };
+    let stem = hosts_file
+        .file_name()
+        .map(|s| {
+            s.to_string_lossy()
+                .replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "_")
+        })
+        .unwrap_or_else(|| "cluster".into());
+    Ok(base.join("legion-rs").join(format!(
+        "{stem}-{:016x}",
+        fnv1a(absolute.as_os_str().as_encoded_bytes())
+    )))
+}
+
+/// A stable hash (unlike std's), so the default state directory survives a rebuild.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The links `up` measured, as saved in `<state>/links.json`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct MeasuredLink {
+    pub from: String,
+    pub to: String,
+    pub bytes_per_s: f64,
+    pub latency_s: f64,
+}
+
+fn links_path(state: &Path) -> PathBuf {
+    state.join("links.json")
+}
+
+pub fn load_links(state: &Path) -> anyhow::Result<Vec<MeasuredLink>> {
+    let path = links_path(state);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected a list of measured links", path.display()))
+}
+
+/// The planner's view of the running cluster: the hosts file's model, with each pair of hosts the
+/// file does not give a `[[link]]` for priced at what `up` measured between them.
+pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineModel> {
+    let mut machine = hosts.machine_model()?;
+    let ranges = hosts.device_ranges();
+    let index = |name: &str| hosts.hosts.iter().position(|h| h.name == name);
+    for l in load_links(state)? {
+        let (Some(a), Some(b)) = (index(&l.from), index(&l.to)) else {
+            continue;
+        };
+        let declared = hosts
+            .links
+            .iter()
+            .any(|d| (d.from, d.to) == (a, b) || (d.from, d.to) == (b, a));
+        let usable = l.bytes_per_s.is_finite()
+            && l.bytes_per_s > 0.0
+            && l.latency_s.is_finite()
+            && l.latency_s >= 0.0;
+        if declared || a == b || !usable {
+            continue;
+        }
+        let link = Link {
+            bytes_per_s: l.bytes_per_s,
+            latency_s: l.latency_s,
+        };
+        for x in ranges[a].clone() {
+            for y in ranges[b].clone() {
+                machine = machine.with_link(x, y, link)?;
+            }
+        }
+    }
+    Ok(machine)
+}
+
+/// Creates the CA and the certificates that are missing; existing ones are kept, so re-running
+/// `up` changes nothing that running workers use.
+fn ensure_identities(hosts: &Hosts, state: &Path) -> anyhow::Result<()> {
+    let ca = if state.join("ca/ca.pem").exists() {
+        ClusterCa::load(state)?
+    } else {
+        let ca = ClusterCa::generate()?;
+        ca.save(state)?;
+        ca
+    };
+    let mut names: Vec<(String, Vec<String>)> = vec![(LAUNCHER_NAME.to_string(), Vec::new())];
+    for h in &hosts.hosts {
+        names.push((node_name(&h.name), vec![h.address.clone()]));
+    }
+    for (name, addresses) in names {
+        if !NodeIdentity::dir(state, &name).join("cert.pem").exists() {
+            ca.issue(&name, &addresses)?.save(state)?;
+        }
+    }
+    Ok(())
+}
+
+/// One host's line in the cluster table.
+pub struct HostStatus {
+    pub host: Host,
+    /// `None`: did not answer.
+    pub welcome: Option<Welcome>,
+    /// `up` started it in this run.
+    pub started: bool,
+}
+
+pub struct Welcome {
+    pub pid: u32,
+    pub version: String,
+    pub devices: u32,
+    pub uptime_s: f64,
+    pub job_of: Option<String>,
+}
+
+/// Asks worker `i` who it is; `None` if it does not answer within `timeout`.
+fn greet(client: &mut WorkerClient, i: usize, timeout: Duration) -> Option<Welcome> {
+    client.connect(i, timeout).ok()?;
+    let hello = Control::Hello {
+        version: env!("CARGO_PKG_VERSION").into(),
+    };
+    match client.request(i, &hello, Some(timeout)).ok()? {
+        Control::Welcome {
+            pid,
+            version,
+            devices,
+            uptime_s,
+            job_of,
+            ..
+        } => Some(Welcome {
+            pid,
+            version,
+            devices,
+            uptime_s,
+            job_of,
+        }),
+        _ => None,
+    }
+}
+
+pub struct UpOptions {
+    pub timeout: Duration,
+    /// Measure the links even if `links.json` exists and no worker was started.
+    pub measure: bool,
+}
+
+/// `legion-rs up`: starts the workers that are not running, waits for all, measures links.
+pub fn up(
+    hosts_file: &Path,
+    hosts: &Hosts,
+    state: &Path,
+    options: &UpOptions,
+) -> anyhow::Result<Vec<HostStatus>> {
+    std::fs::create_dir_all(state.join("logs"))
+        .with_context(|| format!("creating the state directory {}", state.display()))?;
+    ensure_identities(hosts, state)?;
+    let mut client = WorkerClient::new(hosts, state)?;
+    let mut table = Vec::new();
+    for (i, host) in hosts.hosts.iter().enumerate() {
+        let welcome = greet(&mut client, i, Duration::from_millis(500));
+        if let Some(w) = &welcome
+            && w.devices as usize != host.devices
+        {
+            bail!(
+                "{}: worker {} runs with {} device(s) but {} says {}; stop it first (`legion-rs down {}`)",
+                host.endpoint(),
+                host.name,
+                w.devices,
+                hosts_file.display(),
+                host.devices,
+                hosts_file.display()
+            );
+        }
+        let started = welcome.is_none();
+        if started {
+            start_worker(host, state)?;
+        }
+        table.push(HostStatus {
+            host: host.clone(),
+            welcome,
+            started,
+        });
+    }
+    let deadline = Instant::now() + options.timeout;
+    for (i, row) in table.iter_mut().enumerate() {
+        while row.welcome.is_none() {
+            if Instant::now() > deadline {
+                bail!(
+                    "worker {} ({}) did not register within {:.0} s; see its log {}",
+                    row.host.name,
+                    row.host.endpoint(),
+                    options.timeout.as_secs_f64(),
+                    state
+                        .join("logs")
+                        .join(format!("{}.log", row.host.name))
+                        .display()
+                );
+            }
+            row.welcome = greet(&mut client, i, Duration::from_millis(500));
+            if row.welcome.is_none() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    let any_started = table.iter().any(|r| r.started);
+    if hosts.hosts.len() > 1 && (any_started || options.measure || !links_path(state).exists()) {
+        let links = measure(&client, hosts)?;
+        let text = serde_json::to_string_pretty(&links)? + "\n";
+        legion_ops::atomic_file::write(&links_path(state), text.as_bytes())
+            .with_context(|| format!("writing {}", links_path(state).display()))?;
+    }
+    client.close();
+    Ok(table)
+}
+
+/// Every worker probes every other one.
+fn measure(client: &WorkerClient, hosts: &Hosts) -> anyhow::Result<Vec<MeasuredLink>> {
+    let mut out = Vec::new();
+    for (i, host) in hosts.hosts.iter().enumerate() {
+        let peers: Vec<PeerAddress> = hosts
+            .hosts
+            .iter()
+            .filter(|h| h.name != host.name)
+            .map(|h| PeerAddress {
+                name: h.name.clone(),
+                endpoint: h.endpoint(),
+            })
+            .collect();
+        let request = Control::MeasureLinks {
+            peers,
+            probe_bytes: PROBE_BYTES,
+        };
+        match client.request(i, &request, Some(Duration::from_secs(120)))? {
+            Control::Links { links } => {
+                out.extend(links.into_iter().map(|l: LinkMeasurement| MeasuredLink {
+                    from: host.name.clone(),
+                    to: l.to,
+                    bytes_per_s: l.bytes_per_s,
+                    latency_s: l.latency_s,
+                }))
+            }
+            other => bail!(
+                "worker {}: answered MeasureLinks with {}",
+                host.name,
+                other.name()
+            ),
+        }
+    }
+    Ok(out)
+}
+
+/// The command line of a worker for `host`.
+fn worker_args(host: &Host, state: &Path) -> Vec<String> {
+    vec![
+        "worker".into(),
+        "--state".into(),
+        state.display().to_string(),
+        "--name".into(),
+        host.name.clone(),
+        "--listen".into(),
+        host.endpoint(),
+        "--devices".into(),
+        host.devices.to_string(),
+    ]
+}
+
+fn start_worker(host: &Host, state: &Path) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating the legion-rs binary")?;
+    let log_path = state.join("logs").join(format!("{}.log", host.name));
+    if host.is_local() {
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let mut command = match host.run_with.split_first() {
+            Some((program, prefix)) => {
+                let mut c = Command::new(program);
+                c.args(prefix).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        command
+            .args(worker_args(host, state))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            // Its own process group: a Ctrl-C meant for `up` does not reach the workers.
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("starting the worker of {} ({})", host.name, exe.display()))?;
+        return Ok(());
+    }
+    let dest = host.ssh.clone().unwrap_or_else(|| host.address.clone());
+    let script = remote_script(host, state, &exe)?;
+    let ssh = std::env::var("LEGION_RS_SSH").unwrap_or_else(|_| "ssh -o BatchMode=yes".into());
+    let mut words = ssh.split_whitespace();
+    let program = words.next().context("LEGION_RS_SSH is empty")?;
+    let mut child = Command::new(program)
+        .args(words)
+        .arg(&dest)
+        .arg("sh -s")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running `{ssh}` for host {}", host.name))?;
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(script.as_bytes())
+        .with_context(|| format!("ssh {dest}: sending the start script"))?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "host {}: `{ssh} {dest}` failed ({}): {}",
+            host.name,
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// The shell script that installs a remote host's certificate and starts its worker.
+fn remote_script(host: &Host, state: &Path, exe: &Path) -> anyhow::Result<String> {
+    let identity = NodeIdentity::load(state, &node_name(&host.name))?;
+    let node_dir = NodeIdentity::dir(state, &identity.name);
+    let logs = state.join("logs");
+    let mut s = String::from("set -e\numask 077\n");
+    s += &format!(
+        "mkdir -p {} {}\n",
+        quote(&node_dir.display().to_string()),
+        quote(&logs.display().to_string())
+    );
+    for (file, pem) in [
+        ("cert.pem", &identity.cert_pem),
+        ("key.pem", &identity.key_pem),
+        ("ca.pem", &identity.ca_pem),
+    ] {
+        s += &format!(
+            "cat > {} <<'LEGION_RS_PEM'\n{}\nLEGION_RS_PEM\n",
+            quote(&node_dir.join(file).display().to_string()),
+            pem.trim_end()
+        );
+    }
+    let args: Vec<String> = worker_args(host, state).iter().map(|a| quote(a)).collect();
+    s += &format!(
+        "nohup {} {} > {} 2>&1 < /dev/null &\n",
+        quote(&exe.display().to_string()),
+        args.join(" "),
+        quote(
+            &logs
+                .join(format!("{}.log", host.name))
+                .display()
+                .to_string()
+        )
+    );
+    Ok(s)
+}
+
+/// Single-quotes a word for `sh`.
+fn quote(word: &str) -> String {
+    format!("'{}'", word.replace('\'', r"'\''"))
+}
+
+/// `legion-rs status`: who answers.
+pub fn status(hosts: &Hosts, state: &Path) -> anyhow::Result<Vec<HostStatus>> {
+    let mut client = WorkerClient::new(hosts, state)?;
+    let table = (0..hosts.hosts.len())
+        .map(|i| HostStatus {
+            host: hosts.hosts[i].clone(),
+            welcome: greet(&mut client, i, Duration::from_secs(2)),
+            started: false,
+        })
+        .collect();
+    client.close();
+    Ok(table)
+}
+
+/// `legion-rs down`: asks every worker to exit and waits until local ones are gone (killing
+/// those that do not exit within `timeout`). Returns the names of the hosts that were running.
+pub fn down(hosts: &Hosts, state: &Path, timeout: Duration) -> anyhow::Result<Vec<String>> {
+    let mut client = WorkerClient::new(hosts, state)?;
+    let mut stopped = Vec::new();
+    let mut local_pids = Vec::new();
+    for (i, host) in hosts.hosts.iter().enumerate() {
+        let Some(w) = greet(&mut client, i, Duration::from_secs(1)) else {
+            continue;
+        };
+        match client.request(i, &Control::Shutdown, Some(timeout)) {
+            Ok(_) => {}
+            Err(e) => tracing::warn!("worker {}: {e:#}", host.name),
+        }
+        if host.is_local() {
+            local_pids.push((host.name.clone(), w.pid));
+        }
+        stopped.push(host.name.clone());
+    }
+    client.close();
+    let deadline = Instant::now() + timeout;
+    for (name, pid) in local_pids {
+        while process_exists(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if process_exists(pid) {
+            tracing::warn!("worker {name} (pid {pid}) did not exit; killing it");
+            // SAFETY: kill(2) with a pid and a signal number has no memory-safety preconditions.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+    Ok(stopped)
+}
+
+/// Whether a process with this pid exists (and is not a zombie we could reap: `up` does not wait
+/// on its workers, so a worker that exits while `up` runs stays a zombie until `up` ends).
+pub fn process_exists(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"));
+    match stat {
+        // The state is the field after the parenthesised command name.
+        Ok(s) => s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// The cluster table `up` and `status` print.
+pub fn format_table(table: &[HostStatus], links: &[MeasuredLink]) -> String {
+    let mut out = format!(
+        "{:<12} {:<22} {:>7} {:<6} {:>8} {:<12} {}\n",
+        "host", "endpoint", "devices", "kind", "pid", "state", "uptime"
+    );
+    for row in table {
+        let (pid, state, uptime) = match &row.welcome {
+            Some(w) => (
+                w.pid.to_string(),
+                match (&w.job_of, row.started) {
+                    (Some(_), _) => "running job",
+                    (None, true) => "started",
+                    (None, false) => "up",
+                }
+                .to_string(),
+                format!("{:.0} s", w.uptime_s),
+            ),
+            None => ("-".into(), "DOWN".into(), "-".into()),
+        };
+        out += &format!(
+            "{:<12} {:<22} {:>7} {:<6} {:>8} {:<12} {}\n",
+            row.host.name,
+            row.host.endpoint(),
+            row.host.devices,
+            row.host.device_kind,
+            pid,
+            state,
+            uptime
+        );
+    }
+    if !links.is_empty() {
+        out += "\nmeasured links:\n";
+        for l in links {
+            out += &format!(
+                "  {} -> {}: {:.2} Gbit/s, {:.0} µs\n",
+                l.from,
+                l.to,
+                l.bytes_per_s * 8.0 / 1e9,
+                l.latency_s * 1e6
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_state_dirs_differ_by_path_and_are_stable() {
+        let a = state_dir(Path::new("/x/hosts.toml"), None).unwrap();
+        let b = state_dir(Path::new("/y/hosts.toml"), None).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a, state_dir(Path::new("/x/hosts.toml"), None).unwrap());
+        assert!(a.to_string_lossy().contains("legion-rs/hosts_toml-"));
+        assert_eq!(
+            state_dir(Path::new("/x/hosts.toml"), Some(Path::new("/s"))).unwrap(),
+            PathBuf::from("/s")
+        );
+    }
+
+    #[test]
+    fn quoting_survives_quotes() {
+        assert_eq!(quote("a b"), "'a b'");
+        assert_eq!(quote("it's"), r"'it'\''s'");
+    }
+
+    #[test]
+    fn measured_links_price_undeclared_host_pairs() {
+        let hosts = Hosts::parse(
+            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 1\ndevices = 2\n\
+             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 2\n",
+            "hosts.toml",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let links = vec![MeasuredLink {
+            from: "a".into(),
+            to: "b".into(),
+            bytes_per_s: 1e8,
+            latency_s: 1e-4,
+        }];
+        legion_ops::atomic_file::write(
+            &links_path(dir.path()),
+            serde_json::to_string(&links).unwrap().as_bytes(),
+        )
+        .unwrap();
+        let m = cluster_machine(&hosts, dir.path()).unwrap();
+        assert_eq!(m.link(0, 2).unwrap().bytes_per_s, 1e8);
+        assert_eq!(m.link(1, 2).unwrap().latency_s, 1e-4);
+        // Within a host: unchanged.
+        assert_eq!(m.link(0, 1), hosts.machine_model().unwrap().link(0, 1));
+    }
+}

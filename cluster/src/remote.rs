@@ -1,0 +1,617 @@
+//! The driver of a training job on a cluster of worker processes (`legion-rs train --cluster`):
+//! the multi-process counterpart of the runtime's `EmbeddedCluster`, with the same interface. It
+//! plans nothing itself beyond the step plan both sides derive; it sends the job to every worker,
+//! loads their initial instances, sends each step's batch, and gathers the weights back.
+//!
+//! Failure detection: every worker of a running job sends a heartbeat every
+//! [`HEARTBEAT_INTERVAL`]; whenever the driver waits on workers it also checks that each one was
+//! heard from within [`HEARTBEAT_TIMEOUT`] and that its connection is open, and fails naming the
+//! first one that is not.
+
+use crate::control::{self, Control, JobHost, JobSpec, PeerAddress, Piece, PieceData, PieceRef};
+use crate::hosts::{Host, Hosts};
+use crate::net::quic::{
+    CLOSE_MALFORMED, CLOSE_SHUTDOWN, Inbound, QuicNode, QuicOptions, send_control,
+};
+use crate::net::tls::{NodeIdentity, node_name};
+use crate::worker::HEARTBEAT_INTERVAL;
+use anyhow::{Context as _, bail};
+use legion_ops::Graph;
+use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
+use legion_planner::{ParallelConfig, Strategy};
+use legion_runtime::buffer::Buffer;
+use legion_runtime::device::{OpEvent, StepReport};
+use legion_runtime::embedded::{StepResult, initial_instances};
+use legion_runtime::exec::TaskOutcome;
+use legion_runtime::plan::StepPlan;
+use legion_runtime::region::{DType, RegionId};
+use quinn::Connection;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// A worker not heard from for this long is taken for dead (six missed heartbeats: a loaded
+/// 2-core machine can delay one by a second).
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long to wait for a worker to accept a connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The name of the launcher's and drivers' certificate in the state directory.
+pub const LAUNCHER_NAME: &str = "launcher";
+
+/// A client of the workers of a cluster: the launcher (`up`, `status`, `down`) and job drivers.
+pub struct WorkerClient {
+    pub runtime: tokio::runtime::Runtime,
+    node: QuicNode,
+    hosts: Vec<Host>,
+    conns: Vec<Option<Connection>>,
+    replies: Vec<tokio::sync::Mutex<mpsc::UnboundedReceiver<Control>>>,
+    conn_index: Arc<RwLock<HashMap<usize, usize>>>,
+    health: Arc<Health>,
+}
+
+/// When each worker was last heard from, in milliseconds since `epoch`.
+struct Health {
+    epoch: Instant,
+    last_beat: Vec<AtomicU64>,
+    watching: AtomicBool,
+}
+
+impl Health {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+}
+
+impl WorkerClient {
+    /// A client with the launcher identity of the cluster whose state is in `state`; connects to
+    /// no one yet.
+    pub fn new(hosts: &Hosts, state: &Path) -> anyhow::Result<WorkerClient> {
+        let identity = NodeIdentity::load(state, LAUNCHER_NAME).with_context(|| {
+            format!(
+                "no cluster state in {} (start the cluster with `legion-rs up HOSTS` first)",
+                state.display()
+            )
+        })?;
+        let tls = identity.tls()?;
+        let runtime = crate::net::runtime()?;
+        let n = hosts.hosts.len();
+        let (sinks, receivers): (Vec<_>, Vec<_>) =
+            (0..n).map(|_| mpsc::unbounded_channel()).unzip();
+        let conn_index: Arc<RwLock<HashMap<usize, usize>>> = Arc::default();
+        let health = Arc::new(Health {
+            epoch: Instant::now(),
+            last_beat: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            watching: AtomicBool::new(false),
+        });
+        let handler = {
+            let conn_index = Arc::clone(&conn_index);
+            let health = Arc::clone(&health);
+            Arc::new(move |inbound: Inbound| {
+                let Inbound::Control { peer, conn, bytes } = inbound else {
+                    tracing::warn!("a slice reached the driver; dropped");
+                    return;
+                };
+                let index = conn_index
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&conn.stable_id())
+                    .copied();
+                let Some(i) = index else {
+                    tracing::warn!(%peer, "control message from a connection of no worker");
+                    return;
+                };
+                match control::decode(&bytes) {
+                    Ok(Control::Heartbeat { .. }) => {
+                        health.last_beat[i].store(health.now_ms(), Ordering::Relaxed)
+                    }
+                    Ok(msg) => {
+                        let _ = sinks[i].send(msg);
+                    }
+                    Err(e) => {
+                        tracing::error!(%peer, "{e}; closing the connection");
+                        conn.close(CLOSE_MALFORMED, b"malformed control message");
+                    }
+                }
+            })
+        };
+        let bind: SocketAddr = if hosts.hosts.iter().any(|h| h.address.contains(':')) {
+            "[::]:0".parse()?
+        } else {
+            "0.0.0.0:0".parse()?
+        };
+        let node = {
+            let _guard = runtime.enter();
+            QuicNode::bind(bind, &tls, &QuicOptions::default(), handler)?
+        };
+        Ok(WorkerClient {
+            runtime,
+            node,
+            hosts: hosts.hosts.clone(),
+            conns: vec![None; n],
+            replies: receivers.into_iter().map(tokio::sync::Mutex::new).collect(),
+            conn_index,
+            health,
+        })
+    }
+
+    pub fn host(&self, i: usize) -> &Host {
+        &self.hosts[i]
+    }
+
+    fn who(&self, i: usize) -> String {
+        format!(
+            "worker {} ({})",
+            self.hosts[i].name,
+            self.hosts[i].endpoint()
+        )
+    }
+
+    /// Connects to worker `i` within `timeout`.
+    pub fn connect(&mut self, i: usize, timeout: Duration) -> anyhow::Result<()> {
+        let host = &self.hosts[i];
+        let who = self.who(i);
+        let conn = self.runtime.block_on(async {
+            let addr = tokio::net::lookup_host(host.endpoint())
+                .await
+                .with_context(|| format!("{who}: resolving the address"))?
+                .next()
+                .with_context(|| format!("{who}: the address resolves to nothing"))?;
+            tokio::time::timeout(timeout, self.node.connect(addr, &node_name(&host.name)))
+                .await
+                .map_err(|_| anyhow::anyhow!("{who} did not answer within {timeout:?}"))?
+                .with_context(|| format!("{who} is not reachable"))
+        })?;
+        self.conn_index
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(conn.stable_id(), i);
+        self.conns[i] = Some(conn);
+        Ok(())
+    }
+
+    /// Connects to every worker, naming the first one that does not answer.
+    pub fn connect_all(&mut self) -> anyhow::Result<()> {
+        for i in 0..self.hosts.len() {
+            self.connect(i, CONNECT_TIMEOUT).with_context(|| {
+                "is the cluster up? (`legion-rs up HOSTS`, `legion-rs status HOSTS`)".to_string()
+            })?;
+        }
+        Ok(())
+    }
+
+    fn conn(&self, i: usize) -> anyhow::Result<&Connection> {
+        self.conns[i]
+            .as_ref()
+            .with_context(|| format!("{}: not connected", self.who(i)))
+    }
+
+    /// Sends already encoded `bytes` to worker `i`.
+    pub async fn send_encoded(&self, i: usize, bytes: &[u8]) -> anyhow::Result<()> {
+        send_control(self.conn(i)?, bytes)
+            .await
+            .with_context(|| format!("{}: sending a request", self.who(i)))
+    }
+
+    pub async fn send(&self, i: usize, msg: &Control) -> anyhow::Result<()> {
+        self.send_encoded(i, &control::encode(msg)).await
+    }
+
+    /// The next reply of worker `i`, checking meanwhile that every worker is alive. A `Failed`
+    /// reply is an error naming the worker.
+    pub async fn reply(&self, i: usize, timeout: Option<Duration>) -> anyhow::Result<Control> {
+        let mut replies = self.replies[i].lock().await;
+        let mut check = tokio::time::interval(Duration::from_millis(100));
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            tokio::select! {
+                msg = replies.recv() => return match msg {
+                    Some(Control::Failed { message }) => bail!("{}: {message}", self.who(i)),
+                    Some(msg) => Ok(msg),
+                    None => bail!("{}: the reply channel closed", self.who(i)),
+                },
+                _ = check.tick() => {
+                    self.check_health()?;
+                    if deadline.is_some_and(|d| Instant::now() > d) {
+                        bail!("{} did not reply within {:?}", self.who(i), timeout.unwrap());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends `msg` to worker `i` and waits for its reply.
+    pub fn request(
+        &self,
+        i: usize,
+        msg: &Control,
+        timeout: Option<Duration>,
+    ) -> anyhow::Result<Control> {
+        self.runtime.block_on(async {
+            self.send(i, msg).await?;
+            self.reply(i, timeout).await
+        })
+    }
+
+    /// Fails naming the first worker whose connection closed or (while a job runs) whose
+    /// heartbeats stopped.
+    fn check_health(&self) -> anyhow::Result<()> {
+        for (i, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn else { continue };
+            if let Some(reason) = conn.close_reason() {
+                bail!("{} is gone: {reason}", self.who(i));
+            }
+            if self.health.watching.load(Ordering::Relaxed) {
+                let silent = self
+                    .health
+                    .now_ms()
+                    .saturating_sub(self.health.last_beat[i].load(Ordering::Relaxed));
+                if silent > HEARTBEAT_TIMEOUT.as_millis() as u64 {
+                    bail!(
+                        "{} stopped responding: no heartbeat for {:.1} s",
+                        self.who(i),
+                        silent as f64 / 1e3
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// From now on, a worker without a heartbeat for [`HEARTBEAT_TIMEOUT`] is an error.
+    fn watch_heartbeats(&self) {
+        let now = self.health.now_ms();
+        for beat in &self.health.last_beat {
+            beat.store(now, Ordering::Relaxed);
+        }
+        self.health.watching.store(true, Ordering::Relaxed);
+    }
+
+    /// Closes every connection.
+    pub fn close(&self) {
+        self.node_close();
+    }
+
+    fn node_close(&self) {
+        for conn in self.conns.iter().flatten() {
+            conn.close(CLOSE_SHUTDOWN, b"done");
+        }
+    }
+}
+
+/// A training job running on the workers of a cluster.
+pub struct RemoteCluster {
+    client: WorkerClient,
+    plan: StepPlan,
+    graph: Graph,
+    ranges: Vec<Range<usize>>,
+    next_step: u64,
+}
+
+impl RemoteCluster {
+    /// Starts a job on the running cluster `hosts` (state in `state`): every worker builds the
+    /// plan of `graph` under `configs`, and its devices load their part of `state`.
+    pub fn start(
+        hosts: &Hosts,
+        cluster_state: &Path,
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        state: &TrainingState,
+        sgd: Sgd,
+        seed: u64,
+    ) -> anyhow::Result<RemoteCluster> {
+        let devices = hosts.num_devices();
+        let plan = StepPlan::build(graph, configs, devices)?;
+        let mut client = WorkerClient::new(hosts, cluster_state)?;
+        client.connect_all()?;
+        let ranges = hosts.device_ranges();
+        let job_hosts: Vec<JobHost> = hosts
+            .hosts
+            .iter()
+            .zip(&ranges)
+            .map(|(h, r)| JobHost {
+                peer: PeerAddress {
+                    name: h.name.clone(),
+                    endpoint: h.endpoint(),
+                },
+                first_device: r.start as u32,
+                devices: h.devices as u32,
+            })
+            .collect();
+        let graph_json = graph.to_json();
+        let strategy_json = Strategy::from_configs(graph, configs).to_json();
+        let n = hosts.hosts.len();
+        client.runtime.block_on(async {
+            for i in 0..n {
+                client.send(i, &Control::Hello { version: env!("CARGO_PKG_VERSION").into() }).await?;
+                match client.reply(i, Some(CONNECT_TIMEOUT)).await? {
+                    Control::Welcome { devices, version, job_of, .. } => {
+                        if devices as usize != hosts.hosts[i].devices {
+                            bail!(
+                                "{}: runs {devices} device(s), the hosts file says {}; restart it (`legion-rs down`, `up`)",
+                                client.who(i),
+                                hosts.hosts[i].devices
+                            );
+                        }
+                        if version != env!("CARGO_PKG_VERSION") {
+                            bail!("{}: runs legion-rs {version}, this is {}", client.who(i), env!("CARGO_PKG_VERSION"));
+                        }
+                        if let Some(driver) = job_of {
+                            bail!("{}: busy with a job driven from {driver}", client.who(i));
+                        }
+                    }
+                    other => bail!("{}: answered Hello with {}", client.who(i), other.name()),
+                }
+            }
+            for i in 0..n {
+                let spec = JobSpec {
+                    graph_json: graph_json.clone(),
+                    strategy_json: strategy_json.clone(),
+                    hosts: job_hosts.clone(),
+                    me: i as u32,
+                    seed,
+                    lr: sgd.lr,
+                    momentum: sgd.momentum,
+                    weight_decay: sgd.weight_decay,
+                };
+                client.send(i, &Control::StartJob(spec)).await?;
+            }
+            for i in 0..n {
+                expect(&client, i, "StartJob", client.reply(i, None).await?, |m| matches!(m, Control::JobReady))?;
+            }
+            client.watch_heartbeats();
+            let mut per_worker: Vec<Vec<Piece>> = vec![Vec::new(); n];
+            let per_device = initial_instances(&plan, &state.params, Some(&state.momentum));
+            for (device, pieces) in per_device.into_iter().enumerate() {
+                let w = ranges.iter().position(|r| r.contains(&device)).expect("device of a host");
+                for (instance, rect, data) in pieces {
+                    per_worker[w].push(Piece {
+                        at: piece_ref(device, instance, &rect),
+                        data: piece_data(data),
+                    });
+                }
+            }
+            for (i, pieces) in per_worker.into_iter().enumerate() {
+                client.send(i, &Control::Load { pieces }).await?;
+            }
+            for i in 0..n {
+                expect(&client, i, "Load", client.reply(i, None).await?, |m| matches!(m, Control::Loaded))?;
+            }
+            Ok(())
+        })?;
+        Ok(RemoteCluster {
+            client,
+            plan,
+            graph: graph.clone(),
+            ranges,
+            next_step: state.step,
+        })
+    }
+
+    pub fn plan(&self) -> &StepPlan {
+        &self.plan
+    }
+
+    /// One training step on a batch, as `EmbeddedCluster::step`.
+    pub fn step(
+        &mut self,
+        images: Vec<f32>,
+        labels: Vec<u32>,
+        trace: bool,
+    ) -> anyhow::Result<StepResult> {
+        let step = self.next_step;
+        let batch = self.graph.batch();
+        // One encoding for every worker: each takes its devices' samples from the whole batch.
+        let request = control::encode(&Control::Step {
+            step,
+            images,
+            labels,
+            trace,
+        });
+        let n = self.ranges.len();
+        let client = &self.client;
+        let mut reports = client.runtime.block_on(async {
+            for i in 0..n {
+                client.send_encoded(i, &request).await?;
+            }
+            let mut reports = Vec::new();
+            for i in 0..n {
+                match client.reply(i, None).await? {
+                    Control::StepDone {
+                        step: done,
+                        reports: r,
+                    } if done == step => reports.extend(r),
+                    other => bail!(
+                        "{}: answered step {step} with {}",
+                        client.who(i),
+                        other.name()
+                    ),
+                }
+            }
+            Ok(reports)
+        })?;
+        self.next_step += 1;
+        reports.sort_by_key(|r| r.device);
+        if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
+            bail!(
+                "step {step}: device {}: {}",
+                r.device,
+                r.error.as_deref().unwrap_or_default()
+            );
+        }
+        let loss_sum: f64 = reports.iter().map(|r| r.loss_sum).sum();
+        let correct = reports.iter().map(|r| r.correct as usize).sum();
+        Ok(StepResult {
+            stats: StepStats {
+                loss: (loss_sum / batch as f64) as f32,
+                correct,
+            },
+            reports: if trace {
+                reports
+                    .into_iter()
+                    .map(|r| StepReport {
+                        device: r.device as usize,
+                        outcome: TaskOutcome {
+                            loss_sum: r.loss_sum,
+                            correct: r.correct as usize,
+                        },
+                        error: r.error,
+                        events: r
+                            .events
+                            .into_iter()
+                            .map(|(op, start, end)| OpEvent { op, start, end })
+                            .collect(),
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        })
+    }
+
+    /// The current parameters, gathered from the workers.
+    pub fn params(&self) -> anyhow::Result<ParamStore> {
+        let regions: Vec<RegionId> = (0..self.graph.params().len())
+            .map(|slot| self.plan.regions.param(slot))
+            .collect();
+        Ok(ParamStore::from_values(&self.graph, self.gather(&regions)?))
+    }
+
+    /// Weights, momentum and steps taken, as `EmbeddedCluster::state`.
+    pub fn state(&self) -> anyhow::Result<TrainingState> {
+        let params = self.params()?;
+        let slots: Vec<(usize, RegionId)> = (0..params.values.len())
+            .filter_map(|slot| self.plan.regions.velocity(slot).map(|r| (slot, r)))
+            .collect();
+        let gathered = self.gather(&slots.iter().map(|&(_, r)| r).collect::<Vec<_>>())?;
+        let mut momentum: Vec<Vec<f32>> =
+            params.values.iter().map(|v| vec![0.0; v.len()]).collect();
+        for ((slot, _), values) in slots.into_iter().zip(gathered) {
+            momentum[slot] = values;
+        }
+        Ok(TrainingState {
+            params,
+            momentum,
+            step: self.next_step,
+        })
+    }
+
+    /// The whole values of persistent f32 regions, one request per worker.
+    fn gather(&self, regions: &[RegionId]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let n = self.ranges.len();
+        let mut asks: Vec<Vec<(usize, PieceRef)>> = vec![Vec::new(); n];
+        for (k, &region) in regions.iter().enumerate() {
+            for at in self.plan.sources(region) {
+                let w = self
+                    .ranges
+                    .iter()
+                    .position(|r| r.contains(&at.device))
+                    .expect("device of a host");
+                asks[w].push((k, piece_ref(at.device, at.instance, &at.rect)));
+            }
+        }
+        let mut out: Vec<Buffer> = regions
+            .iter()
+            .map(|&r| Buffer::zeros(DType::F32, self.plan.regions.info(r).shape.numel()))
+            .collect();
+        let client = &self.client;
+        let answers = client.runtime.block_on(async {
+            for (i, ask) in asks.iter().enumerate() {
+                let pieces = ask.iter().map(|(_, p)| p.clone()).collect();
+                client.send(i, &Control::Read { pieces }).await?;
+            }
+            let mut answers = Vec::new();
+            for (i, ask) in asks.iter().enumerate() {
+                match client.reply(i, None).await? {
+                    Control::ReadDone { pieces } if pieces.len() == ask.len() => {
+                        answers.push(pieces)
+                    }
+                    other => bail!("{}: answered Read with {}", client.who(i), other.name()),
+                }
+            }
+            Ok(answers)
+        })?;
+        for (ask, pieces) in asks.iter().zip(answers) {
+            for ((k, at), data) in ask.iter().zip(pieces) {
+                let full = self.plan.regions.info(regions[*k]).shape.full_rect();
+                let rect = rect_of(at);
+                let data = match data {
+                    PieceData::F32(v) if v.len() == rect.volume() => Buffer::F32(v),
+                    _ => bail!("a worker sent a piece of the wrong size or type"),
+                };
+                out[*k].copy_from(&full, &data, &rect, &rect);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|b| match b {
+                Buffer::F32(v) => v,
+                Buffer::F64(_) => unreachable!("gathered as f32"),
+            })
+            .collect())
+    }
+}
+
+impl Drop for RemoteCluster {
+    fn drop(&mut self) {
+        // Best effort: a worker whose driver disconnects ends the job by itself too.
+        let client = &self.client;
+        let _ = client.runtime.block_on(async {
+            for i in 0..self.ranges.len() {
+                if client.send(i, &Control::EndJob).await.is_ok() {
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(2), client.reply(i, None)).await;
+                }
+            }
+            Ok::<_, anyhow::Error>(())
+        });
+        client.close();
+    }
+}
+
+fn expect(
+    client: &WorkerClient,
+    i: usize,
+    request: &str,
+    reply: Control,
+    ok: impl Fn(&Control) -> bool,
+) -> anyhow::Result<()> {
+    if ok(&reply) {
+        Ok(())
+    } else {
+        bail!(
+            "{}: answered {request} with {}",
+            client.who(i),
+            reply.name()
+        )
+    }
+}
+
+fn piece_ref(device: usize, instance: u32, rect: &legion_ops::Rect) -> PieceRef {
+    PieceRef {
+        device: device as u32,
+        instance,
+        lo: rect.lo[..rect.ndim()].iter().map(|&x| x as u64).collect(),
+        hi: rect.hi[..rect.ndim()].iter().map(|&x| x as u64).collect(),
+    }
+}
+
+fn rect_of(at: &PieceRef) -> legion_ops::Rect {
+    let lo: Vec<usize> = at.lo.iter().map(|&x| x as usize).collect();
+    let hi: Vec<usize> = at.hi.iter().map(|&x| x as usize).collect();
+    legion_ops::Rect::new(&lo, &hi)
+}
+
+fn piece_data(data: Buffer) -> PieceData {
+    match data {
+        Buffer::F32(v) => PieceData::F32(v),
+        Buffer::F64(v) => PieceData::F64(v),
+    }
+}
+
+/// Heartbeats are sent this often; the timeout must leave room for several.
+const _: () = assert!(HEARTBEAT_TIMEOUT.as_millis() >= 4 * HEARTBEAT_INTERVAL.as_millis());

@@ -1,0 +1,627 @@
+//! The worker process (`legion-rs worker`, started by `legion-rs up`): one per host, owning that
+//! host's devices. It answers the launcher (`Hello`, `MeasureLinks`, `Shutdown`) and runs one job
+//! at a time for a driver (`legion-rs train --cluster`): builds the job's step plan, spawns a device
+//! actor per local device, dials the other workers, and then runs steps when told, exchanging
+//! region slices with the other workers directly over QUIC.
+//!
+//! Requests are handled in order by one loop; a step runs as a task of its own so that the loop
+//! stays free for `EndJob` and `Shutdown`. Heartbeats go to the job's driver every
+//! [`HEARTBEAT_INTERVAL`] from a task of their own. A job ends when its driver says so or its
+//! connection closes (the driver died): the worker then drops the job's actors and waits for the
+//! next one.
+
+use crate::control::{
+    self, Control, DeviceReport, JobSpec, LinkMeasurement, PeerAddress, Piece, PieceData, PieceRef,
+};
+use crate::net::quic::{
+    CLOSE_MALFORMED, Inbound, QuicNode, QuicOptions, QuicTransport, send_control,
+};
+use crate::net::tls::{NodeIdentity, node_name};
+use anyhow::Context as _;
+use kameo::actor::ActorRef;
+use legion_ops::{Graph, Rect};
+use legion_planner::{MachineModel, Strategy};
+use legion_runtime::buffer::Buffer;
+use legion_runtime::device::{DeviceActor, Load, ReadInstance};
+use legion_runtime::embedded::{run_step, spawn_local_devices};
+use legion_runtime::exec::StepInput;
+use legion_runtime::plan::StepPlan;
+use legion_runtime::program::DeviceProgram;
+use legion_runtime::transport::InProcessTransport;
+use quinn::Connection;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// How often a worker running a job tells its driver it is alive.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(500);
+
+pub struct WorkerConfig {
+    pub name: String,
+    pub listen: SocketAddr,
+    pub state: PathBuf,
+    pub devices: usize,
+}
+
+/// Runs a worker until it is told to shut down.
+pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
+    let runtime = crate::net::runtime()?;
+    runtime.block_on(serve(config))
+}
+
+enum Event {
+    Request(Connection, Control),
+    /// The connection of the job's driver closed.
+    DriverGone(usize),
+}
+
+/// What the network handler needs, shared with the request loop.
+struct Shared {
+    name: String,
+    devices: usize,
+    started: Instant,
+    /// The local devices of the running job, for slices arriving from other workers. Written when
+    /// a job starts and ends, read once per slice (an uncontended read lock: cheaper than a hop
+    /// through the request loop, which may be busy).
+    job_devices: RwLock<Option<Arc<InProcessTransport>>>,
+    /// The driver endpoint of the running job, for `Welcome`.
+    job_of: Mutex<Option<String>>,
+    /// Probes this worker sent and waits on, by id.
+    probes: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+}
+
+async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
+    let identity =
+        NodeIdentity::load(&config.state, &node_name(&config.name)).with_context(|| {
+            format!(
+                "worker {}: loading its certificate from {}",
+                config.name,
+                config.state.display()
+            )
+        })?;
+    let tls = identity.tls()?;
+    let shared = Arc::new(Shared {
+        name: config.name.clone(),
+        devices: config.devices,
+        started: Instant::now(),
+        job_devices: RwLock::new(None),
+        job_of: Mutex::new(None),
+        probes: Mutex::new(HashMap::new()),
+    });
+    let (events, mut inbox) = mpsc::unbounded_channel();
+    let handler = {
+        let shared = Arc::clone(&shared);
+        let events = events.clone();
+        Arc::new(move |inbound: Inbound| handle_inbound(&shared, &events, inbound))
+    };
+    let node = Arc::new(
+        QuicNode::bind(config.listen, &tls, &QuicOptions::default(), handler)
+            .with_context(|| format!("worker {}: binding {}", config.name, config.listen))?,
+    );
+    tracing::info!(name = %config.name, addr = %node.local_addr()?, "worker listening");
+    println!("worker {} listening on {}", config.name, node.local_addr()?);
+
+    let mut job: Option<Job> = None;
+    while let Some(event) = inbox.recv().await {
+        let (conn, request) = match event {
+            Event::Request(conn, request) => (conn, request),
+            Event::DriverGone(id) => {
+                if job.as_ref().is_some_and(|j| j.driver.stable_id() == id) {
+                    tracing::warn!("the job's driver went away; ending the job");
+                    end_job(&shared, job.take());
+                }
+                continue;
+            }
+        };
+        let answer = match request {
+            Control::Shutdown => {
+                end_job(&shared, job.take());
+                reply(&conn, &Control::Bye).await;
+                // Let the Bye leave before the endpoint closes every connection.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                node.shutdown().await;
+                return Ok(());
+            }
+            Control::MeasureLinks { peers, probe_bytes } => {
+                match measure_links(&node, &shared, &peers, probe_bytes).await {
+                    Ok(links) => Control::Links { links },
+                    Err(e) => failed(e),
+                }
+            }
+            Control::StartJob(spec) => {
+                end_job(&shared, job.take());
+                match start_job(&node, &shared, &conn, spec, &events).await {
+                    Ok(j) => {
+                        job = Some(j);
+                        Control::JobReady
+                    }
+                    Err(e) => failed(e),
+                }
+            }
+            Control::EndJob => {
+                end_job(&shared, job.take());
+                Control::JobEnded
+            }
+            request @ (Control::Load { .. } | Control::Step { .. } | Control::Read { .. }) => {
+                match &job {
+                    Some(j) if j.driver.stable_id() == conn.stable_id() => {
+                        match j.handle(request, &conn).await {
+                            // A step replies from its own task.
+                            None => continue,
+                            Some(reply) => reply,
+                        }
+                    }
+                    Some(_) => Control::Failed {
+                        message: format!("worker {} is running another driver's job", shared.name),
+                    },
+                    None => Control::Failed {
+                        message: format!("worker {} has no job (StartJob first)", shared.name),
+                    },
+                }
+            }
+            other => Control::Failed {
+                message: format!(
+                    "worker {}: unexpected request {}",
+                    shared.name,
+                    other.name()
+                ),
+            },
+        };
+        reply(&conn, &answer).await;
+    }
+    Ok(())
+}
+
+fn failed(e: anyhow::Error) -> Control {
+    Control::Failed {
+        message: format!("{e:#}"),
+    }
+}
+
+async fn reply(conn: &Connection, msg: &Control) {
+    if let Err(e) = send_control(conn, &control::encode(msg)).await {
+        tracing::warn!(peer = %conn.remote_address(), "reply {} not sent: {e}", msg.name());
+    }
+}
+
+/// Runs on the network tasks: slices go straight to the local device; what needs no state of the
+/// request loop (greetings, probes) is answered here, so it is never queued behind a step.
+fn handle_inbound(shared: &Arc<Shared>, events: &mpsc::UnboundedSender<Event>, inbound: Inbound) {
+    match inbound {
+        Inbound::Slice(msg) => {
+            let devices = shared
+                .job_devices
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            match devices {
+                Some(devices) => match devices.local(msg.to) {
+                    Some(_) => legion_runtime::transport::Transport::send(&*devices, msg),
+                    None => {
+                        tracing::error!(device = msg.to, "slice for a device not on this worker")
+                    }
+                },
+                None => tracing::warn!(step = msg.step, "slice outside a job dropped"),
+            }
+        }
+        Inbound::Control { peer, conn, bytes } => match control::decode(&bytes) {
+            Err(e) => {
+                tracing::error!(%peer, "{e}; closing the connection");
+                conn.close(CLOSE_MALFORMED, b"malformed control message");
+            }
+            Ok(Control::Hello { .. }) => {
+                let welcome = Control::Welcome {
+                    name: shared.name.clone(),
+                    version: env!("CARGO_PKG_VERSION").to_string(),
+                    devices: shared.devices as u32,
+                    pid: std::process::id(),
+                    uptime_s: shared.started.elapsed().as_secs_f64(),
+                    job_of: shared
+                        .job_of
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone(),
+                };
+                tokio::spawn(async move { reply(&conn, &welcome).await });
+            }
+            Ok(Control::Probe { id, .. }) => {
+                tokio::spawn(async move { reply(&conn, &Control::ProbeAck { id }).await });
+            }
+            Ok(Control::ProbeAck { id }) => {
+                let waiter = shared
+                    .probes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id);
+                if let Some(waiter) = waiter {
+                    let _ = waiter.send(());
+                }
+            }
+            Ok(request) => {
+                let _ = events.send(Event::Request(conn, request));
+            }
+        },
+    }
+}
+
+/// Round trips of a small and of a `probe_bytes` probe to each peer: latency from the small one,
+/// bandwidth from the difference.
+async fn measure_links(
+    node: &QuicNode,
+    shared: &Shared,
+    peers: &[PeerAddress],
+    probe_bytes: u64,
+) -> anyhow::Result<Vec<LinkMeasurement>> {
+    static NEXT_PROBE: AtomicU64 = AtomicU64::new(0);
+    let probe_bytes = probe_bytes.clamp(1 << 10, 256 << 20) as usize;
+    let mut links = Vec::new();
+    for peer in peers {
+        let conn = dial(node, peer).await?;
+        let round_trip = async |bytes: usize| -> anyhow::Result<f64> {
+            let id = NEXT_PROBE.fetch_add(1, Ordering::Relaxed);
+            let (done, wait) = oneshot::channel();
+            shared
+                .probes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, done);
+            let msg = control::encode(&Control::Probe {
+                id,
+                payload: vec![0; bytes],
+            });
+            let start = Instant::now();
+            send_control(&conn, &msg).await?;
+            tokio::time::timeout(Duration::from_secs(30), wait)
+                .await
+                .with_context(|| format!("no answer from {} to a {bytes}-byte probe", peer.name))?
+                .context("probe abandoned")?;
+            Ok(start.elapsed().as_secs_f64())
+        };
+        // The first round trips warm the connection (congestion window, path MTU).
+        round_trip(probe_bytes).await?;
+        let mut small = f64::INFINITY;
+        let mut large = f64::INFINITY;
+        for _ in 0..3 {
+            small = small.min(round_trip(64).await?);
+            large = large.min(round_trip(probe_bytes).await?);
+        }
+        conn.close(0u32.into(), b"measured");
+        links.push(LinkMeasurement {
+            to: peer.name.clone(),
+            bytes_per_s: probe_bytes as f64 / (large - small).max(1e-9),
+            latency_s: small / 2.0,
+        });
+    }
+    Ok(links)
+}
+
+async fn dial(node: &QuicNode, peer: &PeerAddress) -> anyhow::Result<Connection> {
+    let addr = tokio::net::lookup_host(&peer.endpoint)
+        .await
+        .with_context(|| format!("resolving {} ({})", peer.name, peer.endpoint))?
+        .next()
+        .with_context(|| format!("{} ({}) resolves to no address", peer.name, peer.endpoint))?;
+    node.connect(addr, &node_name(&peer.name))
+        .await
+        .with_context(|| format!("connecting to {} ({})", peer.name, peer.endpoint))
+}
+
+/// A running job on this worker.
+struct Job {
+    driver: Connection,
+    graph: Arc<Graph>,
+    plan: Arc<StepPlan>,
+    first_device: usize,
+    devices: Vec<ActorRef<DeviceActor>>,
+    peers: Vec<Connection>,
+    heartbeat: tokio::task::JoinHandle<()>,
+    watch_driver: tokio::task::JoinHandle<()>,
+}
+
+async fn start_job(
+    node: &QuicNode,
+    shared: &Arc<Shared>,
+    driver: &Connection,
+    spec: JobSpec,
+    events: &mpsc::UnboundedSender<Event>,
+) -> anyhow::Result<Job> {
+    let me = spec.me as usize;
+    let this = spec
+        .hosts
+        .get(me)
+        .with_context(|| format!("job: worker index {me} of {} hosts", spec.hosts.len()))?;
+    if this.peer.name != shared.name || this.devices as usize != shared.devices {
+        anyhow::bail!(
+            "job: sent to {} with {} device(s), but this is worker {} with {}",
+            this.peer.name,
+            this.devices,
+            shared.name,
+            shared.devices
+        );
+    }
+    let mut next = 0u32;
+    for h in &spec.hosts {
+        if h.first_device != next {
+            anyhow::bail!(
+                "job: host {} starts at device {}, expected {next}",
+                h.peer.name,
+                h.first_device
+            );
+        }
+        next += h.devices;
+    }
+    let total = next as usize;
+    let graph = Graph::from_json(&spec.graph_json, "the job's model")?;
+    let machine = MachineModel::preset(&format!("local-cpu:{total}"))?;
+    let configs = Strategy::from_json(&spec.strategy_json, "the job's strategy")?
+        .to_configs(&graph, &machine)?;
+    let plan = Arc::new(StepPlan::build(&graph, &configs, total)?);
+    let graph = Arc::new(graph);
+
+    let quic = Arc::new(QuicTransport::new(tokio::runtime::Handle::current(), None));
+    let mut peers = Vec::new();
+    for (i, h) in spec.hosts.iter().enumerate() {
+        if i == me {
+            continue;
+        }
+        let conn = dial(node, &h.peer).await?;
+        for d in h.first_device..h.first_device + h.devices {
+            quic.route(d as usize, conn.clone());
+        }
+        peers.push(conn);
+    }
+    let first_device = this.first_device as usize;
+    let programs: Vec<Arc<DeviceProgram>> = plan.programs
+        [first_device..first_device + shared.devices]
+        .iter()
+        .cloned()
+        .map(Arc::new)
+        .collect();
+    let transport = Arc::new(InProcessTransport::with_remote(first_device, quic));
+    let sgd = legion_ops::train::Sgd {
+        lr: spec.lr,
+        momentum: spec.momentum,
+        weight_decay: spec.weight_decay,
+    };
+    let devices = spawn_local_devices(&programs, &graph, spec.seed, sgd, Arc::clone(&transport));
+    *shared
+        .job_devices
+        .write()
+        .unwrap_or_else(|e| e.into_inner()) = Some(transport);
+    *shared.job_of.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some(driver.remote_address().to_string());
+
+    let heartbeat = {
+        let driver = driver.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
+            for seq in 0u64.. {
+                ticks.tick().await;
+                if send_control(&driver, &control::encode(&Control::Heartbeat { seq }))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        })
+    };
+    let watch_driver = {
+        let driver = driver.clone();
+        let events = events.clone();
+        tokio::spawn(async move {
+            driver.closed().await;
+            let _ = events.send(Event::DriverGone(driver.stable_id()));
+        })
+    };
+    tracing::info!(devices = ?(first_device..first_device + shared.devices), total, "job started");
+    Ok(Job {
+        driver: driver.clone(),
+        graph,
+        plan,
+        first_device,
+        devices,
+        peers,
+        heartbeat,
+        watch_driver,
+    })
+}
+
+fn end_job(shared: &Shared, job: Option<Job>) {
+    let Some(job) = job else { return };
+    *shared
+        .job_devices
+        .write()
+        .unwrap_or_else(|e| e.into_inner()) = None;
+    *shared.job_of.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    job.heartbeat.abort();
+    job.watch_driver.abort();
+    for d in &job.devices {
+        d.kill();
+    }
+    for p in &job.peers {
+        p.close(0u32.into(), b"job ended");
+    }
+    tracing::info!("job ended");
+}
+
+impl Job {
+    /// Handles a job request; `None` when the reply is sent later by a task of its own.
+    async fn handle(&self, request: Control, conn: &Connection) -> Option<Control> {
+        match request {
+            Control::Load { pieces } => Some(match self.load(pieces).await {
+                Ok(()) => Control::Loaded,
+                Err(e) => failed(e),
+            }),
+            Control::Read { pieces } => Some(match self.read(pieces).await {
+                Ok(pieces) => Control::ReadDone { pieces },
+                Err(e) => failed(e),
+            }),
+            Control::Step {
+                step,
+                images,
+                labels,
+                trace,
+            } => {
+                if let Err(e) = self.check_batch(&images, &labels) {
+                    return Some(failed(e));
+                }
+                let devices = self.devices.clone();
+                let conn = conn.clone();
+                let input = Arc::new(StepInput {
+                    step,
+                    images,
+                    labels,
+                });
+                tokio::spawn(async move {
+                    let answer = match run_step(&devices, step, input, trace).await {
+                        Ok(reports) => Control::StepDone {
+                            step,
+                            reports: reports
+                                .into_iter()
+                                .map(|r| DeviceReport {
+                                    device: r.device as u32,
+                                    loss_sum: r.outcome.loss_sum,
+                                    correct: r.outcome.correct as u64,
+                                    error: r.error,
+                                    events: r
+                                        .events
+                                        .iter()
+                                        .map(|e| (e.op, e.start, e.end))
+                                        .collect(),
+                                })
+                                .collect(),
+                        },
+                        Err(e) => failed(e.into()),
+                    };
+                    reply(&conn, &answer).await;
+                });
+                None
+            }
+            other => Some(Control::Failed {
+                message: format!("not a job request: {}", other.name()),
+            }),
+        }
+    }
+
+    fn check_batch(&self, images: &[f32], labels: &[u32]) -> anyhow::Result<()> {
+        let input = self.graph.layer(self.graph.input()).shape;
+        if images.len() != input.numel() {
+            anyhow::bail!(
+                "step: {} image values, the input layer takes {}",
+                images.len(),
+                input.numel()
+            );
+        }
+        if labels.len() != self.graph.batch() {
+            anyhow::bail!(
+                "step: {} labels for a batch of {}",
+                labels.len(),
+                self.graph.batch()
+            );
+        }
+        if let Some(logits) = self.graph.logits() {
+            let classes = self.graph.layer(logits).shape.dim(1);
+            if let Some(bad) = labels.iter().find(|&&l| l as usize >= classes) {
+                anyhow::bail!("step: label {bad} out of range for {classes} classes");
+            }
+        }
+        Ok(())
+    }
+
+    /// The local actor, instance and rect a piece names, checked against the plan (the bytes came
+    /// from the network).
+    fn locate(
+        &self,
+        at: &PieceRef,
+    ) -> anyhow::Result<(
+        &ActorRef<DeviceActor>,
+        u32,
+        Rect,
+        legion_runtime::region::DType,
+    )> {
+        let local = (at.device as usize)
+            .checked_sub(self.first_device)
+            .filter(|&i| i < self.devices.len())
+            .with_context(|| format!("device {} is not on this worker", at.device))?;
+        let program = &self.plan.programs[at.device as usize];
+        let instance = program
+            .instances
+            .get(at.instance as usize)
+            .with_context(|| format!("device {} has no instance {}", at.device, at.instance))?;
+        let ndim = instance.rect.ndim();
+        if at.lo.len() != ndim
+            || at.hi.len() != ndim
+            || at.lo.iter().zip(&at.hi).any(|(l, h)| l > h)
+        {
+            anyhow::bail!("piece rect {:?}..{:?} is not a {ndim}-d rect", at.lo, at.hi);
+        }
+        let lo: Vec<usize> = at.lo.iter().map(|&x| x as usize).collect();
+        let hi: Vec<usize> = at.hi.iter().map(|&x| x as usize).collect();
+        let rect = Rect::new(&lo, &hi);
+        if !instance.rect.contains(&rect) {
+            anyhow::bail!(
+                "piece rect {:?}..{:?} is outside instance {} of device {}",
+                at.lo,
+                at.hi,
+                at.instance,
+                at.device
+            );
+        }
+        Ok((&self.devices[local], at.instance, rect, instance.dtype))
+    }
+
+    async fn load(&self, pieces: Vec<Piece>) -> anyhow::Result<()> {
+        let mut per_device: HashMap<u32, Vec<(u32, Rect, Buffer)>> = HashMap::new();
+        for piece in pieces {
+            let (_, instance, rect, dtype) = self.locate(&piece.at)?;
+            let data = match piece.data {
+                PieceData::F32(v) => Buffer::F32(v),
+                PieceData::F64(v) => Buffer::F64(v),
+            };
+            if data.dtype() != dtype || data.len() != rect.volume() {
+                anyhow::bail!(
+                    "piece of instance {} on device {}: {} {:?} values for a rect of {} {:?}",
+                    instance,
+                    piece.at.device,
+                    data.len(),
+                    data.dtype(),
+                    rect.volume(),
+                    dtype
+                );
+            }
+            per_device
+                .entry(piece.at.device)
+                .or_default()
+                .push((instance, rect, data));
+        }
+        for (device, pieces) in per_device {
+            let actor = &self.devices[device as usize - self.first_device];
+            actor
+                .ask(Load(pieces))
+                .await
+                .map_err(|e| anyhow::anyhow!("device {device}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    async fn read(&self, pieces: Vec<PieceRef>) -> anyhow::Result<Vec<PieceData>> {
+        let mut out = Vec::with_capacity(pieces.len());
+        for at in &pieces {
+            let (actor, instance, rect, _) = self.locate(at)?;
+            let piece = actor
+                .ask(ReadInstance { instance, rect })
+                .await
+                .map_err(|e| anyhow::anyhow!("device {}: {e}", at.device))?;
+            out.push(match piece.0 {
+                Buffer::F32(v) => PieceData::F32(v),
+                Buffer::F64(v) => PieceData::F64(v),
+            });
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,295 @@
+//! Multi-process clusters on loopback: `legion-rs up` starts real worker processes, `train
+//! --cluster` runs a job on them over QUIC with mutual TLS, `down` stops them. Training on the
+//! cluster saves the weights single-device training saves; a killed worker is named within 5 s,
+//! and `--resume` then finishes where an uninterrupted run ends.
+
+mod common;
+
+use common::{assert_same_tensors, legion, ok};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A cluster of loopback workers in a temporary directory; stopped (and checked stopped) when
+/// dropped, so a failing test leaves no process behind.
+struct Cluster {
+    dir: tempfile::TempDir,
+    hosts: PathBuf,
+    state: PathBuf,
+}
+
+impl Cluster {
+    fn new(devices: &[usize]) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let mut text = String::new();
+        for (i, d) in devices.iter().enumerate() {
+            text += &format!(
+                "[[host]]\nname = \"w{i}\"\naddress = \"127.0.0.1\"\nport = {}\ndevices = {d}\n\n",
+                free_udp_port()
+            );
+        }
+        let hosts = dir.path().join("hosts.toml");
+        std::fs::write(&hosts, text).unwrap();
+        let state = dir.path().join("state");
+        Cluster { dir, hosts, state }
+    }
+
+    fn args<'a>(&'a self, command: &'a str) -> Vec<&'a str> {
+        vec![
+            command,
+            self.hosts.to_str().unwrap(),
+            "--state",
+            self.state.to_str().unwrap(),
+        ]
+    }
+
+    /// `up`, returning the worker pids from its table.
+    fn up(&self) -> Vec<u32> {
+        let out = ok(legion(&self.args("up")));
+        let table = String::from_utf8_lossy(&out.stdout).to_string();
+        let pids: Vec<u32> = table
+            .lines()
+            .filter(|l| l.starts_with('w'))
+            .map(|l| l.split_whitespace().nth(4).unwrap().parse().unwrap())
+            .collect();
+        assert!(!pids.is_empty(), "no workers in\n{table}");
+        pids
+    }
+
+    fn train_args<'a>(&'a self, extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = vec![
+            "train",
+            "--cluster",
+            self.hosts.to_str().unwrap(),
+            "--state",
+            self.state.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        args
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = legion(&self.args("down"));
+    }
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn alive(pid: u32) -> bool {
+    legion_cluster::launch::process_exists(pid)
+}
+
+const ALEXNET: [&str; 10] = [
+    "--model",
+    "alexnet",
+    "--image-size",
+    "64",
+    "--classes",
+    "10",
+    "--batch",
+    "8",
+    "--strategy",
+    "optcnn",
+];
+
+fn init_checkpoint(path: &Path, model: &[&str]) {
+    let mut args = vec!["train"];
+    args.extend(model);
+    args.extend(["--steps", "0", "--save", path.to_str().unwrap()]);
+    ok(legion(&args));
+}
+
+#[test]
+fn up_train_down_on_three_workers_equals_one_device() {
+    let cluster = Cluster::new(&[1, 2, 1]);
+    let pids = cluster.up();
+    assert_eq!(pids.len(), 3);
+    // Harmless when it is already up: same workers.
+    assert_eq!(cluster.up(), pids);
+    ok(legion(&cluster.args("status")));
+    let links = std::fs::read_to_string(cluster.state.join("links.json")).unwrap();
+    assert!(links.contains("\"from\": \"w2\""), "{links}");
+
+    let init = cluster.path("init.safetensors");
+    init_checkpoint(&init, &ALEXNET);
+    let on_cluster = cluster.path("cluster.safetensors");
+    let mut args = cluster.train_args(&ALEXNET);
+    args.extend([
+        "--steps",
+        "3",
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        on_cluster.to_str().unwrap(),
+    ]);
+    let out = ok(legion(&args));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("4 device(s) (3 worker(s)"), "{stdout}");
+
+    let single = cluster.path("single.safetensors");
+    let mut args = vec!["train"];
+    args.extend(ALEXNET);
+    args.extend([
+        "--steps",
+        "3",
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        single.to_str().unwrap(),
+    ]);
+    ok(legion(&args));
+    assert_same_tensors(&on_cluster, &single);
+
+    ok(legion(&cluster.args("down")));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for p in pids {
+        assert!(!alive(p), "worker {p} still runs after down");
+    }
+    let out = legion(&cluster.args("status"));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("DOWN"));
+}
+
+const LENET: [&str; 6] = ["--model", "lenet5", "--batch", "8", "--strategy", "data"];
+
+#[test]
+fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
+    let cluster = Cluster::new(&[1, 1]);
+    let pids = cluster.up();
+    let init = cluster.path("init.safetensors");
+    init_checkpoint(&init, &LENET);
+    let steps = "400";
+    let checkpoint = cluster.path("ckpt.safetensors");
+    let mut args = cluster.train_args(&LENET);
+    args.extend([
+        "--steps",
+        steps,
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        checkpoint.to_str().unwrap(),
+        "--checkpoint-every",
+        "5",
+    ]);
+    let mut run = Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !checkpoint.exists() {
+        assert!(Instant::now() < deadline, "no checkpoint written");
+        assert!(
+            run.try_wait().unwrap().is_none(),
+            "training ended before the kill"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) };
+    let killed = Instant::now();
+    let status = run.wait().unwrap();
+    let noticed = killed.elapsed();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
+    eprintln!(
+        "the driver stopped {noticed:?} after the kill: {}",
+        stderr.trim()
+    );
+    assert!(!status.success(), "training survived a killed worker");
+    assert!(
+        stderr.contains("worker w1"),
+        "the error does not name w1: {stderr}"
+    );
+    assert!(
+        noticed < Duration::from_secs(5),
+        "noticed after {noticed:?}: {stderr}"
+    );
+
+    // Restart the dead worker, then continue from the last checkpoint.
+    cluster.up();
+    let mut args = cluster.train_args(&LENET);
+    args.extend([
+        "--steps",
+        steps,
+        "--resume",
+        checkpoint.to_str().unwrap(),
+        "--save",
+        checkpoint.to_str().unwrap(),
+    ]);
+    ok(legion(&args));
+
+    let uninterrupted = cluster.path("uninterrupted.safetensors");
+    let mut args = vec!["train", "--devices", "2"];
+    args.extend(LENET);
+    args.extend([
+        "--steps",
+        steps,
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        uninterrupted.to_str().unwrap(),
+    ]);
+    ok(legion(&args));
+    assert_same_tensors(&checkpoint, &uninterrupted);
+}
+
+#[test]
+fn train_names_a_cluster_that_is_not_up() {
+    let cluster = Cluster::new(&[1, 1]);
+    // Certificates exist, workers do not.
+    let out = legion(&cluster.args("up"));
+    assert!(out.status.success());
+    ok(legion(&cluster.args("down")));
+    let mut args = cluster.train_args(&LENET);
+    args.extend(["--steps", "1"]);
+    let out = legion(&args);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("worker w0") && stderr.contains("legion-rs up"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn up_names_a_worker_that_does_not_register() {
+    let cluster = Cluster::new(&[1]);
+    // Take the worker's port, so it cannot bind.
+    let text = std::fs::read_to_string(&cluster.hosts).unwrap();
+    let port: u16 = text
+        .split("port = ")
+        .nth(1)
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let _taken = std::net::UdpSocket::bind(("127.0.0.1", port)).unwrap();
+    let mut args = cluster.args("up");
+    args.extend(["--timeout", "3"]);
+    let out = legion(&args);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("worker w0") && stderr.contains("did not register"),
+        "{stderr}"
+    );
+}

@@ -1,0 +1,196 @@
+//! Two hosts in their own network namespaces, joined through a bridge by veth pairs shaped with
+//! `tc tbf`: `up` starts a worker in each (`run_with = ["ip", "netns", "exec", NS]`), measures the
+//! shaped link, and a job trains across it. Needs root and iproute2; skipped with a printed reason
+//! where namespaces cannot be made.
+
+mod common;
+
+use common::{assert_same_tensors, legion, ok};
+use std::process::Command;
+
+/// Shaped rate of every veth, both directions.
+const RATE_MBIT: f64 = 200.0;
+
+/// Namespaces, veth pairs and a bridge, removed on drop (deleting a namespace deletes its veth
+/// end, and with it the pair).
+struct ShapedNet {
+    namespaces: Vec<String>,
+    bridge: String,
+}
+
+fn sh(args: &[&str]) -> Result<(), String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| format!("{}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl ShapedNet {
+    /// `hosts` namespaces at 10.78.S.2, .3, ... with the bridge (this namespace) at 10.78.S.1.
+    fn new(hosts: usize) -> Result<ShapedNet, String> {
+        let id = std::process::id() % 100_000;
+        let subnet = std::process::id() % 250;
+        let mut net = ShapedNet {
+            namespaces: Vec::new(),
+            bridge: format!("lgb{id}"),
+        };
+        let rate = format!("{RATE_MBIT}mbit");
+        let tbf = ["tbf", "rate", &rate, "burst", "256kb", "latency", "50ms"];
+        sh(&["ip", "link", "add", &net.bridge, "type", "bridge"])?;
+        sh(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("10.78.{subnet}.1/24"),
+            "dev",
+            &net.bridge,
+        ])?;
+        sh(&["ip", "link", "set", &net.bridge, "up"])?;
+        for i in 0..hosts {
+            let ns = format!("lgn{id}-{i}");
+            sh(&["ip", "netns", "add", &ns])?;
+            net.namespaces.push(ns.clone());
+            let (outer, inner) = (format!("lga{id}-{i}"), format!("lgc{id}-{i}"));
+            sh(&[
+                "ip", "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+            ])?;
+            sh(&["ip", "link", "set", &outer, "master", &net.bridge, "up"])?;
+            sh(&["ip", "link", "set", &inner, "netns", &ns])?;
+            let in_ns = |args: &[&str]| {
+                let mut all = vec!["ip", "netns", "exec", &ns];
+                all.extend(args);
+                sh(&all)
+            };
+            in_ns(&[
+                "ip",
+                "addr",
+                "add",
+                &format!("10.78.{subnet}.{}/24", i + 2),
+                "dev",
+                &inner,
+            ])?;
+            in_ns(&["ip", "link", "set", &inner, "up"])?;
+            in_ns(&["ip", "link", "set", "lo", "up"])?;
+            let mut shape = vec!["tc", "qdisc", "add", "dev", &inner, "root"];
+            shape.extend(tbf);
+            in_ns(&shape)?;
+            let mut shape = vec!["tc", "qdisc", "add", "dev", &outer, "root"];
+            shape.extend(tbf);
+            sh(&shape)?;
+        }
+        Ok(net)
+    }
+
+    fn address(&self, i: usize) -> String {
+        format!("10.78.{}.{}", std::process::id() % 250, i + 2)
+    }
+}
+
+impl Drop for ShapedNet {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            let _ = sh(&["ip", "netns", "del", ns]);
+        }
+        let _ = sh(&["ip", "link", "del", &self.bridge]);
+    }
+}
+
+#[test]
+fn two_hosts_over_a_shaped_link_train_alexnet() {
+    let net = match ShapedNet::new(2) {
+        Ok(net) => net,
+        Err(e) => {
+            println!("SKIPPED: cannot build network namespaces here ({e})");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts.toml");
+    let mut text = String::new();
+    for (i, ns) in net.namespaces.iter().enumerate() {
+        text += &format!(
+            "[[host]]\nname = \"h{i}\"\naddress = \"{}\"\ndevices = 2\nrun_with = [\"ip\", \"netns\", \"exec\", \"{ns}\"]\n\n",
+            net.address(i)
+        );
+    }
+    std::fs::write(&hosts, text).unwrap();
+    let state = dir.path().join("state");
+    let (hosts, state) = (hosts.to_str().unwrap(), state.to_str().unwrap());
+    struct Down<'a>(&'a str, &'a str);
+    impl Drop for Down<'_> {
+        fn drop(&mut self) {
+            let _ = legion(&["down", self.0, "--state", self.1]);
+        }
+    }
+    let _down = Down(hosts, state);
+    let up = ok(legion(&["up", hosts, "--state", state]));
+    println!("{}", String::from_utf8_lossy(&up.stdout));
+
+    let links: Vec<legion_cluster::launch::MeasuredLink> = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("state/links.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(links.len(), 2);
+    for l in &links {
+        let mbit = l.bytes_per_s * 8.0 / 1e6;
+        assert!(
+            (0.3 * RATE_MBIT..1.2 * RATE_MBIT).contains(&mbit),
+            "{} -> {} measured {mbit:.0} Mbit/s through a {RATE_MBIT} Mbit/s shaper",
+            l.from,
+            l.to
+        );
+    }
+
+    let model = [
+        "--model",
+        "alexnet",
+        "--image-size",
+        "64",
+        "--classes",
+        "10",
+        "--batch",
+        "8",
+    ];
+    let init = dir.path().join("init.safetensors");
+    let mut args = vec!["train"];
+    args.extend(model);
+    args.extend(["--steps", "0", "--save", init.to_str().unwrap()]);
+    ok(legion(&args));
+    let trained = dir.path().join("cluster.safetensors");
+    let mut args = vec!["train", "--cluster", hosts, "--state", state];
+    args.extend(model);
+    args.extend([
+        "--steps",
+        "3",
+        "--strategy",
+        "optcnn",
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        trained.to_str().unwrap(),
+    ]);
+    let out = ok(legion(&args));
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+    let single = dir.path().join("single.safetensors");
+    let mut args = vec!["train"];
+    args.extend(model);
+    args.extend([
+        "--steps",
+        "3",
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        single.to_str().unwrap(),
+    ]);
+    ok(legion(&args));
+    assert_same_tensors(&trained, &single);
+}
