@@ -440,7 +440,9 @@ pub fn down(hosts: &Hosts, state: &Path, timeout: Duration) -> anyhow::Result<Ve
     let mut stopped = Vec::new();
     let mut local_pids = Vec::new();
     for (i, host) in hosts.hosts.iter().enumerate() {
-        let Some(w) = greet(&mut client, i, Duration::from_secs(1)) else {
+        // Generous: a worker busy with a job on a loaded machine may answer late, and one
+        // taken for down here would be left running.
+        let Some(w) = greet(&mut client, i, Duration::from_secs(3)) else {
             continue;
         };
         match client.request(i, &Control::Shutdown, Some(timeout)) {
