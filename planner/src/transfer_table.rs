@@ -173,31 +173,44 @@ impl AxisNeeds {
             }
         }
         let max = overlap.iter().copied().max().unwrap_or(0);
-        let column = |j: usize| -> Vec<u64> { (0..g).map(|i| overlap[i * h + j]).collect() };
-        let row = |i: usize| -> Vec<u64> { overlap[i * h..(i + 1) * h].to_vec() };
+        let mut by_consumer = Vec::with_capacity(h * (2 * g - 1));
+        let mut column = Vec::with_capacity(g);
+        for j in 0..h {
+            column.clear();
+            column.extend((0..g).map(|i| overlap[i * h + j]));
+            push_pyramid(&column, &mut by_consumer);
+        }
+        let mut by_producer = Vec::with_capacity(g * (2 * h - 1));
+        for row in overlap.chunks(h) {
+            push_pyramid(row, &mut by_producer);
+        }
         AxisPair {
             max,
-            by_consumer: (0..h).flat_map(|j| pyramid(&column(j))).collect(),
-            by_producer: (0..g).flat_map(|i| pyramid(&row(i))).collect(),
+            by_consumer,
+            by_producer,
         }
     }
 }
 
-/// Stats of every aligned power-of-two range of `values` (a power of two long), level by level:
-/// ranges of length `2^level` start at [`pyramid_index`]`(n, level, 0)`.
-fn pyramid(values: &[u64]) -> Vec<Stats> {
-    let mut out = Vec::with_capacity(2 * values.len() - 1);
-    let mut size = 1;
-    while size <= values.len() {
-        out.extend(
-            values
-                .chunks(size)
-                .enumerate()
-                .map(|(r, chunk)| range_stats(chunk, r * size)),
-        );
-        size *= 2;
+/// Appends the stats of every aligned power-of-two range of `values` (a power of two long), level
+/// by level: ranges of length `2^level` start at [`pyramid_index`]`(n, level, 0)`. Each level
+/// merges pairs of the previous one, so the whole pyramid costs O(n).
+fn push_pyramid(values: &[u64], out: &mut Vec<Stats>) {
+    let start = out.len();
+    out.extend(values.iter().enumerate().map(|(i, &v)| Stats {
+        best: v,
+        arg: i,
+        second: 0,
+    }));
+    let (mut level_start, mut len) = (start, values.len());
+    while len > 1 {
+        for r in 0..len / 2 {
+            let merged = out[level_start + 2 * r].merge(&out[level_start + 2 * r + 1]);
+            out.push(merged);
+        }
+        level_start += len;
+        len /= 2;
     }
-    out
 }
 
 /// Position of range `range` of level `level` in the pyramid of `n` values.
@@ -213,6 +226,24 @@ impl Stats {
         second: 0,
     };
 
+    /// Stats of two adjacent ranges, `self` the earlier one (so it keeps the first maximum on ties).
+    #[inline]
+    fn merge(&self, later: &Stats) -> Stats {
+        if later.best > self.best {
+            Stats {
+                best: later.best,
+                arg: later.arg,
+                second: later.second.max(self.best),
+            }
+        } else {
+            Stats {
+                best: self.best,
+                arg: self.arg,
+                second: self.second.max(later.best),
+            }
+        }
+    }
+
     /// Stats of the product of two independent factors (axes): the best is the product of the
     /// bests; anything but that maximum differs from it in at least one factor, where it takes that
     /// factor's second. `shift` places the factor's index in the tile number.
@@ -223,26 +254,6 @@ impl Stats {
             arg: self.arg | (axis.arg << shift),
             second: (self.second * axis.best).max(self.best * axis.second),
         }
-    }
-}
-
-fn range_stats(values: &[u64], offset: usize) -> Stats {
-    let (arg, best) = values
-        .iter()
-        .copied()
-        .enumerate()
-        .fold((0, 0), |m, (i, v)| if v > m.1 { (i, v) } else { m });
-    let second = values
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != arg)
-        .map(|(_, &v)| v)
-        .max()
-        .unwrap_or(0);
-    Stats {
-        best,
-        arg: offset + arg,
-        second,
     }
 }
 

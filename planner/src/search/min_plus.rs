@@ -49,6 +49,12 @@ pub(crate) fn min_plus(
                 .fold(f64::INFINITY, f64::min);
         }
     }
+    // the cheapest entry of each row of `b`: a `j` whose cheapest term cannot beat every group's
+    // worst minimum is skipped without testing its groups one by one
+    let row_min: Vec<f64> = b_min
+        .chunks(ng)
+        .map(|m| m.iter().copied().fold(f64::INFINITY, f64::min))
+        .collect();
     let mut out = vec![f64::INFINITY; ci * ck];
     let mut arg = vec![0u32; ci * ck];
     let mut worst = vec![f64::INFINITY; ng];
@@ -60,28 +66,37 @@ pub(crate) fn min_plus(
         let mut worst_any = f64::INFINITY;
         for j in (0..cj).rev() {
             let base = a_row[j] + mid[j];
-            if base >= worst_any {
+            if base + row_min[j] >= worst_any {
                 continue;
             }
             let b_row = &b[j * ck..(j + 1) * ck];
             let mins = &b_min[j * ng..(j + 1) * ng];
             let mut changed = false;
-            for (g, r) in groups.iter().enumerate() {
-                if base + mins[g] >= worst[g] {
-                    continue;
+            // test 64 groups at a time without branches, then relax the few that pass (relaxing
+            // a group moves only that group's bound)
+            for (chunk, mins) in mins.chunks(64).enumerate() {
+                let mut pass = 0u64;
+                for (g, (&m, &w)) in mins.iter().zip(&worst[chunk * 64..]).enumerate() {
+                    pass |= u64::from(base + m < w) << g;
                 }
-                worst[g] = relax(
-                    &mut out_row[r.clone()],
-                    &mut arg_row[r.clone()],
-                    &b_row[r.clone()],
-                    base,
-                    j as u32,
-                );
-                changed = true;
+                while pass != 0 {
+                    let g = chunk * 64 + pass.trailing_zeros() as usize;
+                    pass &= pass - 1;
+                    let r = groups[g].clone();
+                    worst[g] = relax(
+                        &mut out_row[r.clone()],
+                        &mut arg_row[r.clone()],
+                        &b_row[r],
+                        base,
+                        j as u32,
+                    );
+                    changed = true;
+                }
             }
-            if changed {
-                worst_any = worst.iter().copied().fold(0.0, f64::max);
+            if !changed {
+                continue;
             }
+            worst_any = worst.iter().copied().fold(0.0, f64::max);
         }
     }
     (out, arg)
