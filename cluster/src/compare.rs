@@ -1,18 +1,23 @@
-//! `--compare`: every strategy on the same embedded cluster, one after another, measured side by side
+//! `--compare`: every strategy on the same (embedded or multi-process) cluster, one after another, measured side by side
 //! and set against the planner's simulation of each (priced by a profile of these very runs).
 
+use crate::hosts::Hosts;
 use crate::job::{choose_strategy, embedded_machine};
+use crate::launch;
+use crate::remote::RemoteCluster;
 use anyhow::Context;
 use legion_ops::Graph;
-use legion_ops::train::{ParamStore, Sgd};
+use legion_ops::train::{ParamStore, Sgd, TrainingState};
+use legion_planner::profile::ProfileDb;
 use legion_planner::simulate::simulate;
-use legion_planner::{CostModel, ProfiledCost};
+use legion_planner::{CostModel, MachineModel, ProfiledCost};
 use legion_runtime::embedded::EmbeddedCluster;
 use legion_runtime::profile::{self, ProfileSettings};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 /// The searches `--compare` runs, baseline first.
 pub const STRATEGIES: [&str; 4] = ["data", "model", "owt", "optcnn"];
@@ -31,18 +36,61 @@ pub struct CompareRow {
     pub speedup_over_data: f64,
 }
 
-/// How long to measure.
-#[derive(Clone, Copy, Debug)]
+/// How long to measure, and where.
+#[derive(Clone, Debug)]
 pub struct CompareSettings {
+    /// Devices of the embedded cluster (ignored with `cluster`).
     pub devices: usize,
     pub warmup: usize,
     pub steps: usize,
     pub seed: u64,
+    /// Run on the worker processes of this cluster instead of the embedded one.
+    pub cluster: Option<ClusterTarget>,
+}
+
+/// A running cluster (`legion-rs up`).
+#[derive(Clone, Debug)]
+pub struct ClusterTarget {
+    pub hosts: Hosts,
+    pub state: PathBuf,
+}
+
+/// What the strategies run on: the embedded cluster or a job on worker processes.
+enum Engine {
+    Embedded(EmbeddedCluster),
+    Remote(Box<RemoteCluster>),
+}
+
+impl Engine {
+    fn step(&mut self, images: Vec<f32>, labels: Vec<u32>) -> anyhow::Result<()> {
+        match self {
+            Engine::Embedded(c) => c.step(images, labels, false).map(drop)?,
+            Engine::Remote(c) => c.step(images, labels, false).map(drop)?,
+        }
+        Ok(())
+    }
+
+    fn remote_bytes(&self) -> u64 {
+        match self {
+            Engine::Embedded(c) => c.plan().remote_bytes(),
+            Engine::Remote(c) => c.plan().remote_bytes(),
+        }
+    }
 }
 
 /// Profiles, measures and simulates every strategy of [`STRATEGIES`] on `graph`.
-pub fn compare(graph: &Graph, settings: CompareSettings) -> anyhow::Result<Vec<CompareRow>> {
-    let machine = embedded_machine(settings.devices)?;
+///
+/// Tile compute times always come from profiling the embedded cluster in this process (the same
+/// kind of device). On a cluster, the links between hosts are those `up` measured, and a cluster
+/// whose workers all run on this machine shares its cores, as the embedded one does.
+pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<CompareRow>> {
+    let (machine, devices) = match &settings.cluster {
+        Some(c) => (
+            launch::cluster_machine(&c.hosts, &c.state)?,
+            c.hosts.num_devices(),
+        ),
+        None => (embedded_machine(settings.devices)?, settings.devices),
+    };
     let strategies = STRATEGIES
         .iter()
         .map(|s| Ok((s.to_string(), choose_strategy(graph, &machine, s)?)))
@@ -51,7 +99,7 @@ pub fn compare(graph: &Graph, settings: CompareSettings) -> anyhow::Result<Vec<C
     // predicted and measured differ only by what the model leaves out.
     let measured = profile::profile(
         graph,
-        settings.devices,
+        devices,
         &strategies,
         &ProfileSettings {
             device_kind: machine.device(0).kind.clone(),
@@ -60,34 +108,51 @@ pub fn compare(graph: &Graph, settings: CompareSettings) -> anyhow::Result<Vec<C
         },
     )
     .context("profiling the strategies")?;
-    let machine = measured.db.apply_to(machine);
+    let machine = match &settings.cluster {
+        None => measured.db.apply_to(machine),
+        Some(c) => profiled_cluster(machine, &c.hosts, &measured.db)?,
+    };
     let cost = ProfiledCost::new(&measured.db, &machine);
     let model = CostModel::new(graph, &machine, &cost);
     let params = ParamStore::init(graph, settings.seed);
+    let state = TrainingState::start(params.clone());
+    let (images, labels) = profile::synthetic_batch(graph, settings.seed)?;
     let mut rows: Vec<CompareRow> = Vec::new();
     for (strategy, configs) in &strategies {
-        let mut cluster = EmbeddedCluster::start(
-            graph,
-            configs,
-            settings.devices,
-            &params,
-            Sgd::default(),
-            settings.seed,
-            0,
-        )?;
-        let step_s = profile::mean_step_time(
-            &mut cluster,
-            graph,
-            settings.warmup,
-            settings.steps,
-            settings.seed,
-        )?;
+        let mut engine = match &settings.cluster {
+            None => Engine::Embedded(EmbeddedCluster::start(
+                graph,
+                configs,
+                devices,
+                &params,
+                Sgd::default(),
+                settings.seed,
+                0,
+            )?),
+            Some(c) => Engine::Remote(Box::new(RemoteCluster::start(
+                &c.hosts,
+                &c.state,
+                graph,
+                configs,
+                &state,
+                Sgd::default(),
+                settings.seed,
+            )?)),
+        };
+        for _ in 0..settings.warmup {
+            engine.step(images.clone(), labels.clone())?;
+        }
+        let t = Instant::now();
+        for _ in 0..settings.steps {
+            engine.step(images.clone(), labels.clone())?;
+        }
+        let step_s = t.elapsed().as_secs_f64() / settings.steps.max(1) as f64;
         let simulated_s = simulate(&model, configs).makespan;
         rows.push(CompareRow {
             strategy: strategy.clone(),
             measured_ms: step_s * 1e3,
             images_per_sec: graph.batch() as f64 / step_s,
-            comm_bytes_per_step: cluster.plan().remote_bytes(),
+            comm_bytes_per_step: engine.remote_bytes(),
             simulated_ms: simulated_s * 1e3,
             simulation_error: (simulated_s - step_s) / step_s,
             speedup_over_data: 0.0,
@@ -98,6 +163,30 @@ pub fn compare(graph: &Graph, settings: CompareSettings) -> anyhow::Result<Vec<C
         r.speedup_over_data = r.images_per_sec / data;
     }
     Ok(rows)
+}
+
+/// The cluster's machine with the profile's in-process link between devices of one host, and its
+/// compute pool shared by every device when all workers run on this machine.
+fn profiled_cluster(
+    mut machine: MachineModel,
+    hosts: &Hosts,
+    db: &ProfileDb,
+) -> anyhow::Result<MachineModel> {
+    if let Some(l) = &db.links {
+        for range in hosts.device_ranges() {
+            for a in range.clone() {
+                for b in range.clone().filter(|&b| b != a) {
+                    machine = machine.with_link(a, b, l.link())?;
+                }
+            }
+        }
+    }
+    if let Some(threads) = db.compute_threads
+        && hosts.hosts.iter().all(|h| h.is_local())
+    {
+        machine = machine.with_compute_slots(threads)?;
+    }
+    Ok(machine)
 }
 
 /// The comparison as a text table.

@@ -485,7 +485,8 @@ impl Hosts {
     }
 
     /// The planner's view of the cluster: one node per host; devices of one host exchange data by
-    /// in-process copies (the `local-cpu` preset's link), hosts over a
+    /// in-process copies (the `local-cpu` preset's link), hosts over one shared link per host pair
+    /// of a
     /// [`DEFAULT_INTER_HOST_GBPS`] network unless a `[[link]]` overrides the pair (then every
     /// device pair across the two hosts gets that link).
     pub fn machine_model(&self) -> Result<MachineModel, MachineError> {
@@ -509,7 +510,9 @@ impl Hosts {
             })
             .collect::<Result<Vec<_>, MachineError>>()?;
         let name = format!("hosts:{}", self.hosts.len());
-        let mut machine = MachineModel::new(&name, &nodes, in_process, network)?;
+        // A host reaches the others through one network interface, which all its devices share.
+        let mut machine =
+            MachineModel::new(&name, &nodes, in_process, network)?.with_shared_node_links();
         let ranges = self.device_ranges();
         for l in &self.links {
             let (Some(from), Some(to)) = (ranges.get(l.from), ranges.get(l.to)) else {

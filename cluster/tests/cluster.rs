@@ -152,6 +152,29 @@ fn up_train_down_on_three_workers_equals_one_device() {
     ok(legion(&args));
     assert_same_tensors(&on_cluster, &single);
 
+    // --compare on the cluster: every strategy runs as a job on the same workers.
+    let lenet = legion_ops::zoo::find("lenet5").unwrap();
+    let graph = lenet.build(&lenet.default_config(8)).unwrap();
+    let settings = legion_cluster::compare::CompareSettings {
+        devices: 1,
+        warmup: 0,
+        steps: 1,
+        seed: 1,
+        cluster: Some(legion_cluster::compare::ClusterTarget {
+            hosts: legion_cluster::hosts::Hosts::load(&cluster.hosts).unwrap(),
+            state: cluster.state.clone(),
+        }),
+    };
+    let rows = legion_cluster::compare::compare(&graph, &settings).unwrap();
+    assert_eq!(rows.len(), legion_cluster::compare::STRATEGIES.len());
+    for r in &rows {
+        assert!(r.measured_ms > 0.0 && r.simulated_ms > 0.0, "{r:?}");
+    }
+    assert!(
+        rows[0].comm_bytes_per_step > 0,
+        "data parallelism syncs over the network"
+    );
+
     ok(legion(&cluster.args("down")));
     let deadline = Instant::now() + Duration::from_secs(5);
     while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {

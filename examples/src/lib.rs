@@ -5,7 +5,7 @@
 
 use anyhow::Context;
 use clap::Args;
-use legion_cluster::compare::{self, CompareSettings};
+use legion_cluster::compare::{self, ClusterTarget, CompareSettings};
 use legion_cluster::job::{self, TrainOptions};
 use legion_ops::Graph;
 use legion_ops::train::Sgd;
@@ -98,13 +98,21 @@ pub fn run(
         );
     }
     if args.compare {
+        let cluster = match &args.cluster {
+            Some(path) => Some(ClusterTarget {
+                hosts: legion_cluster::hosts::Hosts::load(path)?,
+                state: legion_cluster::launch::state_dir(path, args.state.as_deref())?,
+            }),
+            None => None,
+        };
         let settings = CompareSettings {
             devices: args.devices,
             warmup: 2,
             steps: steps.max(1) as usize,
             seed: 1,
+            cluster,
         };
-        let rows = compare::compare(&graph, settings)?;
+        let rows = compare::compare(&graph, &settings)?;
         if args.json {
             for r in &rows {
                 println!("{}", serde_json::to_string(r)?);
@@ -113,7 +121,10 @@ pub fn run(
             print!("{}", compare::table(&rows));
         }
         if let Some(path) = &args.chart {
-            let title = format!("{} on {} embedded devices", graph.name, args.devices);
+            let title = match &args.cluster {
+                Some(path) => format!("{} on the cluster {}", graph.name, path.display()),
+                None => format!("{} on {} embedded devices", graph.name, args.devices),
+            };
             compare::chart(&rows, &title, path)?;
             if !args.json {
                 println!("chart: {}", path.display());

@@ -168,6 +168,9 @@ pub struct MachineModel {
     /// When the devices are threads sharing one pool of cores (the embedded cluster): how many
     /// compute tasks the whole machine runs at once. `None`: every device computes independently.
     compute_slots: Option<usize>,
+    /// Whether the devices of a node share one network interface: then all messages from node A
+    /// to node B queue on one link (a host's NIC, a shaped veth), not one link per device pair.
+    shared_node_links: bool,
 }
 
 /// Names accepted by [`MachineModel::preset`].
@@ -254,6 +257,7 @@ impl MachineModel {
             links,
             overrides: Vec::new(),
             compute_slots: None,
+            shared_node_links: false,
         })
     }
 
@@ -377,6 +381,30 @@ impl MachineModel {
     /// See [`MachineModel::with_compute_slots`].
     pub fn compute_slots(&self) -> Option<usize> {
         self.compute_slots
+    }
+
+    /// Messages between two nodes share one link per direction (one NIC per node) instead of one
+    /// per device pair.
+    pub fn with_shared_node_links(mut self) -> MachineModel {
+        self.shared_node_links = true;
+        self
+    }
+
+    /// The directed link a message from `from` to `to` queues on, named by a device pair: the pair
+    /// itself, or with shared node links, the first devices of the two nodes.
+    pub fn link_channel(&self, from: DeviceId, to: DeviceId) -> (DeviceId, DeviceId) {
+        let (a, b) = (self.node_of[from], self.node_of[to]);
+        if self.shared_node_links && a != b {
+            let first = |node| {
+                self.node_of
+                    .iter()
+                    .position(|&n| n == node)
+                    .expect("a node has devices")
+            };
+            (first(a), first(b))
+        } else {
+            (from, to)
+        }
     }
 
     /// Replaces the link between `a` and `b`, in both directions.
@@ -518,6 +546,9 @@ impl fmt::Display for MachineModel {
         if let Some(slots) = self.compute_slots {
             write!(f, ", compute shared by {slots} core(s)")?;
         }
+        if self.shared_node_links {
+            write!(f, ", one network link per node pair")?;
+        }
         Ok(())
     }
 }
@@ -525,6 +556,16 @@ impl fmt::Display for MachineModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_node_links_put_every_cross_node_message_on_one_channel() {
+        let m = MachineModel::preset("paper:8").unwrap();
+        assert_eq!(m.link_channel(1, 6), (1, 6));
+        let m = m.with_shared_node_links();
+        assert_eq!(m.link_channel(1, 6), (0, 4));
+        assert_eq!(m.link_channel(7, 2), (4, 0));
+        assert_eq!(m.link_channel(1, 2), (1, 2), "inside a node: per pair");
+    }
 
     #[test]
     fn paper_preset_has_nvlink_inside_and_infiniband_across_nodes() {

@@ -13,7 +13,8 @@
 //!   weights and momentum once): negligible on a GPU, a real share of a CPU step.
 //!
 //! Scheduling: each device runs one compute task at a time and each directed link carries one
-//! message at a time; a task is ready when its dependencies have finished, and every resource serves
+//! message at a time (on a machine with shared node links, every message from one node to another
+//! queues on the same link); a task is ready when its dependencies have finished, and every resource serves
 //! its tasks in the order they became ready (ties by task number, which follows the program order).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
 //! cluster), a compute task also needs one of the pool's slots, so N devices on fewer cores do not
@@ -160,7 +161,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                         o.dst_tile
                     ),
                     kind: TaskKind::Copy,
-                    resource: Resource::Link(o.src_device, o.dst_device),
+                    resource: link(machine, o.src_device, o.dst_device),
                     duration: machine.message_time(o.src_device, o.dst_device, o.bytes() as f64),
                     bytes: o.bytes(),
                     deps: vec![from],
@@ -208,7 +209,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                         o.dst_tile
                     ),
                     kind: TaskKind::GradientCopy,
-                    resource: Resource::Link(o.dst_device, o.src_device),
+                    resource: link(machine, o.dst_device, o.src_device),
                     duration: machine.message_time(o.dst_device, o.src_device, o.bytes() as f64),
                     bytes: o.bytes(),
                     deps: vec![from],
@@ -232,7 +233,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                     Task {
                         name: format!("{name} param {} grad {r} → {}", g.param, g.owner),
                         kind: TaskKind::Sync,
-                        resource: Resource::Link(r, g.owner),
+                        resource: link(machine, r, g.owner),
                         duration: machine.message_time(r, g.owner, bytes as f64),
                         bytes,
                         deps: vec![tile_on(r)],
@@ -264,7 +265,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                         Task {
                             name: format!("{name} param {} value {owner} → {r}", g.param),
                             kind: TaskKind::Sync,
-                            resource: Resource::Link(owner, r),
+                            resource: link(machine, owner, r),
                             duration: machine.message_time(owner, r, bytes as f64),
                             bytes,
                             deps: vec![update],
@@ -296,6 +297,12 @@ fn update_time<'g>(
 fn push(tasks: &mut Vec<Task>, task: Task) -> usize {
     tasks.push(task);
     tasks.len() - 1
+}
+
+/// The link resource a message from `from` to `to` occupies (see [`MachineModel::link_channel`]).
+fn link(machine: &MachineModel, from: DeviceId, to: DeviceId) -> Resource {
+    let (a, b) = machine.link_channel(from, to);
+    Resource::Link(a, b)
 }
 
 /// Start and finish times: every resource serves its tasks in the order they become ready (ties by
@@ -400,6 +407,43 @@ mod tests {
                 .iter()
                 .all(|t| matches!(t.resource, Resource::Device(0)))
         );
+    }
+
+    #[test]
+    fn a_shared_node_link_serialises_the_messages_between_two_nodes() {
+        let g = chain();
+        let configs: Vec<_> = g
+            .layers()
+            .iter()
+            .map(|_| ParallelConfig::split(Dim::N, 8, 0))
+            .collect();
+        let run = |machine: &MachineModel| {
+            let provider = RooflineCost::new(machine);
+            simulate(&CostModel::new(&g, machine, &provider), &configs)
+        };
+        let machine = MachineModel::preset("paper:8").unwrap();
+        let per_pair = run(&machine);
+        let shared = run(&machine.clone().with_shared_node_links());
+        let cross_links = |sim: &Simulation| {
+            let mut links: Vec<Resource> = sim
+                .tasks
+                .iter()
+                .filter_map(|t| match t.resource {
+                    Resource::Link(a, b) if a / 4 != b / 4 => Some(t.resource),
+                    _ => None,
+                })
+                .collect();
+            links.sort();
+            links.dedup();
+            links.len()
+        };
+        assert!(cross_links(&per_pair) > 2);
+        assert_eq!(
+            cross_links(&shared),
+            2,
+            "one per direction between the two nodes"
+        );
+        assert!(shared.makespan > per_pair.makespan);
     }
 
     #[test]
