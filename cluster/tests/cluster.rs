@@ -5,8 +5,10 @@
 
 mod common;
 
-use common::{assert_same_tensors, legion, ok};
-use std::path::{Path, PathBuf};
+use common::{
+    ALEXNET_64, assert_same_tensors, concat_args, init_checkpoint, legion, ok, train_from,
+};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -68,6 +70,16 @@ impl Cluster {
         args
     }
 
+    /// The train flags that run on this cluster.
+    fn engine(&self) -> [&str; 4] {
+        [
+            "--cluster",
+            self.hosts.to_str().unwrap(),
+            "--state",
+            self.state.to_str().unwrap(),
+        ]
+    }
+
     fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }
@@ -91,25 +103,7 @@ fn alive(pid: u32) -> bool {
     legion_cluster::launch::process_exists(pid)
 }
 
-const ALEXNET: [&str; 10] = [
-    "--model",
-    "alexnet",
-    "--image-size",
-    "64",
-    "--classes",
-    "10",
-    "--batch",
-    "8",
-    "--strategy",
-    "optcnn",
-];
-
-fn init_checkpoint(path: &Path, model: &[&str]) {
-    let mut args = vec!["train"];
-    args.extend(model);
-    args.extend(["--steps", "0", "--save", path.to_str().unwrap()]);
-    ok(legion(&args));
-}
+const ALEXNET: [&str; 10] = concat_args(ALEXNET_64, ["--strategy", "optcnn"]);
 
 #[test]
 fn up_train_down_on_three_workers_equals_one_device() {
@@ -125,31 +119,12 @@ fn up_train_down_on_three_workers_equals_one_device() {
     let init = cluster.path("init.safetensors");
     init_checkpoint(&init, &ALEXNET);
     let on_cluster = cluster.path("cluster.safetensors");
-    let mut args = cluster.train_args(&ALEXNET);
-    args.extend([
-        "--steps",
-        "3",
-        "--init",
-        init.to_str().unwrap(),
-        "--save",
-        on_cluster.to_str().unwrap(),
-    ]);
-    let out = ok(legion(&args));
+    let out = train_from(&cluster.engine(), &ALEXNET, "3", &init, &on_cluster);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("4 device(s) (3 worker(s)"), "{stdout}");
 
     let single = cluster.path("single.safetensors");
-    let mut args = vec!["train"];
-    args.extend(ALEXNET);
-    args.extend([
-        "--steps",
-        "3",
-        "--init",
-        init.to_str().unwrap(),
-        "--save",
-        single.to_str().unwrap(),
-    ]);
-    ok(legion(&args));
+    train_from(&[], &ALEXNET, "3", &init, &single);
     assert_same_tensors(&on_cluster, &single);
 
     // --compare on the cluster: every strategy runs as a job on the same workers.
@@ -259,17 +234,7 @@ fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
     ok(legion(&args));
 
     let uninterrupted = cluster.path("uninterrupted.safetensors");
-    let mut args = vec!["train", "--devices", "2"];
-    args.extend(LENET);
-    args.extend([
-        "--steps",
-        steps,
-        "--init",
-        init.to_str().unwrap(),
-        "--save",
-        uninterrupted.to_str().unwrap(),
-    ]);
-    ok(legion(&args));
+    train_from(&["--devices", "2"], &LENET, steps, &init, &uninterrupted);
     assert_same_tensors(&checkpoint, &uninterrupted);
 }
 

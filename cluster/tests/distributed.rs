@@ -3,24 +3,13 @@
 
 mod common;
 
-use common::{assert_same_tensors, legion, ok};
+use common::{ALEXNET_64, assert_same_tensors, legion, ok};
 use std::path::Path;
-
-const MODEL: [&str; 8] = [
-    "--model",
-    "alexnet",
-    "--image-size",
-    "64",
-    "--classes",
-    "10",
-    "--batch",
-    "8",
-];
 
 fn train(dir: &Path, init: &Path, name: &str, extra: &[&str]) -> std::path::PathBuf {
     let out = dir.join(format!("{name}.safetensors"));
     let mut args = vec!["train"];
-    args.extend(MODEL);
+    args.extend(ALEXNET_64);
     args.extend([
         "--steps",
         "3",
@@ -39,7 +28,7 @@ fn four_devices_save_the_weights_one_device_saves() {
     let dir = tempfile::tempdir().unwrap();
     let init = dir.path().join("init.safetensors");
     let mut args = vec!["train"];
-    args.extend(MODEL);
+    args.extend(ALEXNET_64);
     args.extend(["--steps", "0", "--save", init.to_str().unwrap()]);
     ok(legion(&args));
 
@@ -57,7 +46,7 @@ fn four_devices_save_the_weights_one_device_saves() {
     // A strategy file written by the planner runs as given.
     let file = dir.path().join("owt.json");
     let mut args = vec!["plan"];
-    args.extend(MODEL);
+    args.extend(ALEXNET_64);
     args.extend([
         "--machine",
         "local-cpu:4",
@@ -102,7 +91,7 @@ fn bad_strategies_fail_cleanly() {
         (bad.to_str().unwrap(), "degrees.q"),
     ] {
         let mut args = vec!["train"];
-        args.extend(MODEL);
+        args.extend(ALEXNET_64);
         args.extend(["--steps", "1", "--devices", "2", "--strategy", strategy]);
         let out = legion(&args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_same_tensors, legion, ok};
+use common::{ALEXNET_64, assert_same_tensors, init_checkpoint, legion, ok, train_from};
 use std::process::Command;
 
 /// Shaped rate of every veth, both directions.
@@ -150,47 +150,14 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
         );
     }
 
-    let model = [
-        "--model",
-        "alexnet",
-        "--image-size",
-        "64",
-        "--classes",
-        "10",
-        "--batch",
-        "8",
-    ];
+    let model = ALEXNET_64;
     let init = dir.path().join("init.safetensors");
-    let mut args = vec!["train"];
-    args.extend(model);
-    args.extend(["--steps", "0", "--save", init.to_str().unwrap()]);
-    ok(legion(&args));
+    init_checkpoint(&init, &model);
     let trained = dir.path().join("cluster.safetensors");
-    let mut args = vec!["train", "--cluster", hosts, "--state", state];
-    args.extend(model);
-    args.extend([
-        "--steps",
-        "3",
-        "--strategy",
-        "optcnn",
-        "--init",
-        init.to_str().unwrap(),
-        "--save",
-        trained.to_str().unwrap(),
-    ]);
-    let out = ok(legion(&args));
+    let engine = ["--cluster", hosts, "--state", state, "--strategy", "optcnn"];
+    let out = train_from(&engine, &model, "3", &init, &trained);
     println!("{}", String::from_utf8_lossy(&out.stdout));
     let single = dir.path().join("single.safetensors");
-    let mut args = vec!["train"];
-    args.extend(model);
-    args.extend([
-        "--steps",
-        "3",
-        "--init",
-        init.to_str().unwrap(),
-        "--save",
-        single.to_str().unwrap(),
-    ]);
-    ok(legion(&args));
+    train_from(&[], &model, "3", &init, &single);
     assert_same_tensors(&trained, &single);
 }

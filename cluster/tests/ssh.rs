@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_same_tensors, legion, ok};
+use common::{assert_same_tensors, init_checkpoint, ok, train_from};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -142,34 +142,17 @@ fn up_through_ssh_trains_and_down_stops_the_workers() {
 
     let model = ["--model", "lenet5", "--batch", "8", "--strategy", "data"];
     let init = dir.path().join("init.safetensors");
-    let mut args = vec!["train"];
-    args.extend(model);
-    args.extend(["--steps", "0", "--save", init.to_str().unwrap()]);
-    ok(legion(&args));
+    init_checkpoint(&init, &model);
     let on_cluster = dir.path().join("cluster.safetensors");
-    let mut args = vec!["train", "--cluster", hosts, "--state", state];
-    args.extend(model);
-    args.extend([
-        "--steps",
+    train_from(
+        &["--cluster", hosts, "--state", state],
+        &model,
         "3",
-        "--init",
-        init.to_str().unwrap(),
-        "--save",
-        on_cluster.to_str().unwrap(),
-    ]);
-    ok(legion(&args));
+        &init,
+        &on_cluster,
+    );
     let single = dir.path().join("single.safetensors");
-    let mut args = vec!["train"];
-    args.extend(model);
-    args.extend([
-        "--steps",
-        "3",
-        "--init",
-        init.to_str().unwrap(),
-        "--save",
-        single.to_str().unwrap(),
-    ]);
-    ok(legion(&args));
+    train_from(&[], &model, "3", &init, &single);
     assert_same_tensors(&on_cluster, &single);
 
     ok(legion_with_ssh(&ssh, &["down", hosts, "--state", state]));

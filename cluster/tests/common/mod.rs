@@ -4,6 +4,37 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+/// AlexNet at 64×64, 10 classes, batch 8: the model of the distributed-equality tests.
+pub const ALEXNET_64: [&str; 8] = [
+    "--model",
+    "alexnet",
+    "--image-size",
+    "64",
+    "--classes",
+    "10",
+    "--batch",
+    "8",
+];
+
+/// `a` followed by `b`, as a constant.
+pub const fn concat_args<const A: usize, const B: usize, const N: usize>(
+    a: [&'static str; A],
+    b: [&'static str; B],
+) -> [&'static str; N] {
+    assert!(A + B == N);
+    let mut out = [""; N];
+    let mut i = 0;
+    while i < A {
+        out[i] = a[i];
+        i += 1;
+    }
+    while i < N {
+        out[i] = b[i - A];
+        i += 1;
+    }
+    out
+}
+
 pub fn legion(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_legion-rs"))
         .args(args)
@@ -41,4 +72,29 @@ pub fn assert_same_tensors(a: &Path, b: &Path) {
             diff / scale
         );
     }
+}
+
+/// `legion-rs train MODEL --steps 0 --save PATH`: the seeded initial weights as a checkpoint.
+pub fn init_checkpoint(path: &Path, model: &[&str]) {
+    let mut args = vec!["train"];
+    args.extend(model);
+    args.extend(["--steps", "0", "--save", path.to_str().unwrap()]);
+    ok(legion(&args));
+}
+
+/// Trains `model` for `steps` from the weights in `init` and saves them to `out`; `engine` are the
+/// flags that say where (`--devices 2`, `--cluster HOSTS --state DIR`, none: one device).
+pub fn train_from(engine: &[&str], model: &[&str], steps: &str, init: &Path, out: &Path) -> Output {
+    let mut args = vec!["train"];
+    args.extend(engine);
+    args.extend(model);
+    args.extend([
+        "--steps",
+        steps,
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        out.to_str().unwrap(),
+    ]);
+    ok(legion(&args))
 }
