@@ -50,7 +50,11 @@ pub struct WorkerConfig {
 /// Runs a worker until it is told to shut down.
 pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
     let runtime = crate::net::runtime()?;
-    runtime.block_on(serve(config))
+    let served = runtime.block_on(serve(config));
+    // Nothing left to wait for once the requests stop: a task stuck on a dead peer must not keep
+    // the process alive after `down`.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    served
 }
 
 enum Event {
@@ -123,7 +127,13 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
                 reply(&conn, &Control::Bye).await;
                 // Let the Bye leave before the endpoint closes every connection.
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                node.shutdown().await;
+                // Closing waits for peers to acknowledge; a peer that is gone never does.
+                if tokio::time::timeout(Duration::from_secs(2), node.shutdown())
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!("connections did not close within 2 s; exiting anyway");
+                }
                 return Ok(());
             }
             Control::MeasureLinks { peers, probe_bytes } => {
