@@ -12,10 +12,18 @@ use super::tls::NodeTls;
 use legion_planner::DeviceId;
 use legion_runtime::transport::{SliceMessage, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn::{Connection, Endpoint, EndpointConfig, TokioRuntime, TransportConfig, VarInt};
+use quinn::udp::{RecvMeta, Transmit};
+use quinn::{
+    AsyncUdpSocket, Connection, Endpoint, EndpointConfig, Runtime, TokioRuntime, TransportConfig,
+    UdpPoller, VarInt,
+};
 use std::collections::HashMap;
+use std::io::IoSliceMut;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 /// Application close codes.
@@ -74,9 +82,15 @@ pub struct QuicOptions {
     /// it at `net.core.{r,w}mem_max`.
     pub udp_buffer: usize,
     /// Largest UDP payload that path MTU discovery may probe up to. Packets start at QUIC's safe
-    /// 1200 bytes and grow only as far as the path carries them, so a high bound costs nothing on
-    /// a 1500-byte network and saves most per-packet work (crypto, syscalls, acks) on jumbo-frame
-    /// links and loopback.
+    /// 1200 bytes and grow only as far as the path carries them (probes too large for the
+    /// interface fail locally and cost nothing on the wire), so a high bound is free on a
+    /// 1500-byte network and saves most per-packet work (header protection, acks, syscalls,
+    /// per-datagram bookkeeping) on jumbo-frame links and loopback, where datagrams reach 64 KiB.
+    ///
+    /// The starting size stays 1200 (quinn's `initial_mtu`): a server may send only three times
+    /// what it has received before the client's address is validated, and quinn will not send a
+    /// datagram larger than that budget, so an initial MTU above ~3600 bytes deadlocks the
+    /// handshake.
     pub max_mtu: u16,
 }
 
@@ -91,7 +105,8 @@ impl Default for QuicOptions {
             keep_alive: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(10),
             udp_buffer: 8 << 20,
-            max_mtu: 1452,
+            // The most a UDP datagram can carry; MTU discovery settles on what the path allows.
+            max_mtu: 65527,
         }
     }
 }
@@ -158,12 +173,12 @@ impl QuicNode {
         endpoint_config
             .max_udp_payload_size(options.max_mtu.max(1200))
             .map_err(|e| NetError::QuicTls(format!("max_mtu: {e}")))?;
-        let mut endpoint = Endpoint::new(
-            endpoint_config,
-            Some(server),
-            socket,
-            Arc::new(TokioRuntime),
-        )?;
+        let runtime = Arc::new(TokioRuntime);
+        let socket = Arc::new(GsoSplitSocket {
+            inner: runtime.wrap_udp_socket(socket)?,
+        });
+        let mut endpoint =
+            Endpoint::new_with_abstract_socket(endpoint_config, Some(server), socket, runtime)?;
         endpoint.set_default_client_config(client);
         let node = QuicNode {
             endpoint,
@@ -317,5 +332,75 @@ impl Transport for QuicTransport {
             (None, Some(local)) => local.send(msg),
             (None, None) => tracing::error!(device = msg.to, "no route to device; slice dropped"),
         }
+    }
+}
+
+/// The largest UDP payload one `sendmsg` can carry, a GSO batch included: the 16-bit length of an
+/// IPv4 packet less its IP and UDP headers.
+const MAX_SENDMSG_PAYLOAD: usize = 65535 - 20 - 8;
+
+/// quinn's UDP socket, except that a GSO batch larger than one `sendmsg` can carry is sent in
+/// several calls.
+///
+/// quinn batches up to 10 datagrams of the current MTU into one GSO send. Once MTU discovery has
+/// grown datagrams past 6.5 kB, as on jumbo-frame links and loopback, such a batch exceeds 64 KiB
+/// and the kernel refuses it with EMSGSIZE, which quinn-udp swallows without a word because it
+/// expects EMSGSIZE only from MTU probes (a probe is a single datagram, so it gets through and
+/// raises the MTU). Every full batch is then lost until black-hole detection drops the MTU back
+/// to 1200 bytes: a high `max_mtu` bought nothing. Splitting the batch makes large datagrams
+/// usable.
+#[derive(Debug)]
+struct GsoSplitSocket {
+    inner: Arc<dyn AsyncUdpSocket>,
+}
+
+impl AsyncUdpSocket for GsoSplitSocket {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &Transmit) -> std::io::Result<()> {
+        let segment = match transmit.segment_size {
+            Some(segment) if transmit.contents.len() > MAX_SENDMSG_PAYLOAD => segment,
+            _ => return self.inner.try_send(transmit),
+        };
+        let per_send = (MAX_SENDMSG_PAYLOAD / segment).max(1) * segment;
+        // A WouldBlock after the first part makes quinn retry the whole batch later: the parts
+        // already sent arrive twice and the receiver drops the duplicates, which is cheaper than
+        // losing the rest (a congestion signal).
+        for part in transmit.contents.chunks(per_send) {
+            self.inner.try_send(&Transmit {
+                contents: part,
+                segment_size: (part.len() > segment).then_some(segment),
+                ..transmit.clone()
+            })?;
+        }
+        Ok(())
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<std::io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        // quinn runs MTU discovery only on sockets that never fragment.
+        self.inner.may_fragment()
     }
 }
