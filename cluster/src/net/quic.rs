@@ -7,7 +7,7 @@
 //! hostile, and the runtime cannot make progress on a partial step anyway.
 
 use super::frame::{Frame, FrameError, Limits};
-use super::stream::{read_single_frame, write_control, write_slice};
+use super::stream::{read_single_frame, write_control, write_slice_chunks};
 use super::tls::NodeTls;
 use legion_planner::DeviceId;
 use legion_runtime::transport::{SliceMessage, Transport};
@@ -261,10 +261,12 @@ async fn serve_connection(conn: Connection, handler: Handler, limits: Limits) {
     }
 }
 
-/// Sends one slice on its own uni-stream.
+/// Sends one slice on its own uni-stream. The payload is handed to quinn as a reference to the
+/// slice's buffer rather than copied into its send queue: the only copy left on the send path is
+/// the one into each packet, which encryption needs anyway.
 pub async fn send_slice(conn: &Connection, msg: &SliceMessage) -> Result<(), NetError> {
     let mut send = conn.open_uni().await?;
-    write_slice(&mut send, msg).await?;
+    write_slice_chunks(&mut send, msg).await?;
     send.finish()?;
     Ok(())
 }
