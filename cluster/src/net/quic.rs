@@ -209,6 +209,23 @@ impl QuicNode {
         Ok(conn)
     }
 
+    /// Dials `count` (at least one) separate connections to the same peer, for
+    /// [`QuicTransport::route_many`]. quinn drives each connection from a single task (packetising,
+    /// encrypting, acknowledging), so one connection keeps one core busy at most; several let a
+    /// step's slices use more cores at both ends. The peer serves each like any other connection.
+    pub async fn connect_many(
+        &self,
+        addr: SocketAddr,
+        server_name: &str,
+        count: usize,
+    ) -> Result<Vec<Connection>, NetError> {
+        let mut conns = Vec::with_capacity(count.max(1));
+        for _ in 0..count.max(1) {
+            conns.push(self.connect(addr, server_name).await?);
+        }
+        Ok(conns)
+    }
+
     /// Closes every connection and stops accepting.
     pub async fn shutdown(&self) {
         self.endpoint.close(CLOSE_SHUTDOWN, b"shutdown");
@@ -279,11 +296,24 @@ pub async fn send_control(conn: &Connection, bytes: &[u8]) -> Result<(), NetErro
     Ok(())
 }
 
-/// The runtime's transport over QUIC: a routing table from device to the connection of the process
-/// hosting it. `send` never blocks: the write runs as a task on `runtime`.
+/// The connections slices for one device go over, used in turn.
+struct Route {
+    conns: Vec<Connection>,
+    next: AtomicUsize,
+}
+
+impl Route {
+    fn pick(&self) -> Connection {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        self.conns[i].clone()
+    }
+}
+
+/// The runtime's transport over QUIC: a routing table from device to the connection(s) of the
+/// process hosting it. `send` never blocks: the write runs as a task on `runtime`.
 pub struct QuicTransport {
     runtime: tokio::runtime::Handle,
-    routes: RwLock<HashMap<DeviceId, Connection>>,
+    routes: RwLock<HashMap<DeviceId, Arc<Route>>>,
     /// Devices of this process, reached without the network.
     local: Option<Arc<dyn Transport>>,
 }
@@ -302,10 +332,21 @@ impl QuicTransport {
 
     /// Slices for `device` go over `conn` from now on.
     pub fn route(&self, device: DeviceId, conn: Connection) {
-        self.routes
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(device, conn);
+        self.route_many(device, vec![conn]);
+    }
+
+    /// Slices for `device` go over `conns` from now on, each slice on the next connection in turn
+    /// (see [`QuicNode::connect_many`]). Every slice is a whole frame on its own stream, so the
+    /// receiver needs no reassembly across connections; slices were never ordered anyway. An empty
+    /// list removes the route.
+    pub fn route_many(&self, device: DeviceId, conns: Vec<Connection>) {
+        let mut routes = self.routes.write().unwrap_or_else(|e| e.into_inner());
+        if conns.is_empty() {
+            routes.remove(&device);
+        } else {
+            let next = AtomicUsize::new(0);
+            routes.insert(device, Arc::new(Route { conns, next }));
+        }
     }
 }
 
@@ -316,7 +357,7 @@ impl Transport for QuicTransport {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&msg.to)
-            .cloned();
+            .map(|route| route.pick());
         match (conn, &self.local) {
             (Some(conn), _) => {
                 self.runtime.spawn(async move {
