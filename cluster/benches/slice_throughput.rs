@@ -1,21 +1,29 @@
-//! Region-slice throughput on loopback: QUIC (mutual TLS, one uni-stream per slice) against plain
-//! TCP with the same framing, in the same run.
+//! Region-slice throughput on loopback, in the same run: QUIC (mutual TLS, one uni-stream per
+//! slice, over one or several connections) against TCP with the same framing, plaintext and with
+//! TLS 1.3 (rustls, the same ring AES-GCM and the same cluster certificates as QUIC), the
+//! like-for-like baseline for an authenticated transport.
 //!
 //! `cargo bench -p legion-cluster --bench slice_throughput [-- --mib 256 --runs 3]`
+//!
+//! Experiment flags: `--conns 1,2` QUIC connections per run (slices striped over them),
+//! `--slices 1,16` slice sizes in MiB, `--max-mtu N` (default: `QuicOptions::default()`),
+//! `--only tcp,tls,old,quic` which columns to measure, `--stats` (prints each QUIC connection's
+//! path statistics after a run).
 
-use legion_cluster::net::frame::Limits;
+use legion_cluster::net::frame::{Frame, Limits};
 use legion_cluster::net::quic::{Handler, Inbound, QuicNode, QuicOptions, send_slice};
 use legion_cluster::net::stream::{read_frame, write_slice};
-use legion_cluster::net::tls::ClusterCa;
+use legion_cluster::net::tls::{ClusterCa, NodeTls};
 use legion_runtime::buffer::Buffer;
 use legion_runtime::transport::SliceMessage;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 /// Slices in flight at once on QUIC (each on its own stream), as a step's many copies would be.
 const IN_FLIGHT: usize = 8;
@@ -57,8 +65,22 @@ fn slice(bytes: usize) -> Arc<SliceMessage> {
     })
 }
 
-async fn quic_run(options: &QuicOptions, slice_bytes: usize, count: usize) -> Duration {
+/// Two nodes' TLS configurations signed by one fresh cluster CA.
+fn tls_pair() -> (NodeTls, NodeTls) {
     let ca = ClusterCa::generate().unwrap();
+    let a = ca.issue("node-a", &[]).unwrap().tls().unwrap();
+    let b = ca.issue("node-b", &[]).unwrap().tls().unwrap();
+    (a, b)
+}
+
+async fn quic_run(
+    options: &QuicOptions,
+    conns: usize,
+    slice_bytes: usize,
+    count: usize,
+    stats: bool,
+) -> Duration {
+    let (tls_a, tls_b) = tls_pair();
     let counter = Counter::new();
     let c = counter.clone();
     let handler: Handler = Arc::new(move |m| {
@@ -67,26 +89,29 @@ async fn quic_run(options: &QuicOptions, slice_bytes: usize, count: usize) -> Du
         }
     });
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let tls_b = ca.issue("node-b", &[]).unwrap().tls().unwrap();
-    let tls_a = ca.issue("node-a", &[]).unwrap().tls().unwrap();
     let b = QuicNode::bind(any, &tls_b, options, handler).unwrap();
     let a = QuicNode::bind(any, &tls_a, options, Arc::new(|_| {})).unwrap();
-    let conn = a.connect(b.local_addr().unwrap(), "node-b").await.unwrap();
+    let conns = a
+        .connect_many(b.local_addr().unwrap(), "node-b", conns)
+        .await
+        .unwrap();
     let msg = slice(slice_bytes);
 
-    // Warm up the congestion window before timing.
-    counter.arm(4 * slice_bytes as u64);
-    for _ in 0..4 {
-        send_slice(&conn, &msg).await.unwrap();
+    // Warm up every connection (congestion window, MTU discovery) before timing.
+    let warm_up = 4 * conns.len();
+    counter.arm((warm_up * slice_bytes) as u64);
+    for i in 0..warm_up {
+        send_slice(&conns[i % conns.len()], &msg).await.unwrap();
     }
     counter.done.notified().await;
 
     counter.arm((slice_bytes * count) as u64);
     let permits = Arc::new(Semaphore::new(IN_FLIGHT));
     let start = Instant::now();
-    for _ in 0..count {
+    for i in 0..count {
         let permit = permits.clone().acquire_owned().await.unwrap();
-        let (conn, msg) = (conn.clone(), msg.clone());
+        // Round robin, as `QuicTransport::route_many` does.
+        let (conn, msg) = (conns[i % conns.len()].clone(), msg.clone());
         tokio::spawn(async move {
             // Returns once the slice is queued (bounded by the send window), as the transport's
             // per-slice task does.
@@ -96,32 +121,85 @@ async fn quic_run(options: &QuicOptions, slice_bytes: usize, count: usize) -> Du
     }
     counter.done.notified().await;
     let elapsed = start.elapsed();
+    if stats {
+        for conn in &conns {
+            let s = conn.stats();
+            eprintln!(
+                "  conn: mtu {} cwnd {} rtt {:?} sent {} lost {} congestion events {} \
+                 black holes {} udp tx {} datagrams in {} sendmsg",
+                s.path.current_mtu,
+                s.path.cwnd,
+                s.path.rtt,
+                s.path.sent_packets,
+                s.path.lost_packets,
+                s.path.congestion_events,
+                s.path.black_holes_detected,
+                s.udp_tx.datagrams,
+                s.udp_tx.ios,
+            );
+        }
+    }
     a.shutdown().await;
     b.shutdown().await;
     elapsed
 }
 
-async fn tcp_run(slice_bytes: usize, count: usize) -> Duration {
+/// Frames back to back on one TCP connection, plaintext or in TLS.
+async fn tcp_run(slice_bytes: usize, count: usize, tls: bool) -> Duration {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let counter = Counter::new();
+    let (tls_a, tls_b) = tls_pair();
     let c = counter.clone();
     let reader = tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.unwrap();
-        let limits = Limits::default();
-        while let Some(frame) = read_frame(&mut stream, &limits).await.unwrap() {
-            if let legion_cluster::net::frame::Frame::Slice(msg) = frame {
-                c.add(msg.data.byte_len() as u64);
-            }
+        let (stream, _) = listener.accept().await.unwrap();
+        if tls {
+            let stream = TlsAcceptor::from(tls_b.server)
+                .accept(stream)
+                .await
+                .unwrap();
+            read_all(stream, &c).await;
+        } else {
+            read_all(stream, &c).await;
         }
     });
-    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let stream = TcpStream::connect(addr).await.unwrap();
     stream.set_nodelay(true).unwrap();
+    let elapsed = if tls {
+        let name = "node-b".try_into().unwrap();
+        let stream = TlsConnector::from(tls_a.client)
+            .connect(name, stream)
+            .await
+            .unwrap();
+        write_all(stream, &counter, slice_bytes, count).await
+    } else {
+        write_all(stream, &counter, slice_bytes, count).await
+    };
+    reader.await.unwrap();
+    elapsed
+}
+
+async fn read_all<R: AsyncRead + Unpin>(mut stream: R, counter: &Counter) {
+    let limits = Limits::default();
+    while let Some(frame) = read_frame(&mut stream, &limits).await.unwrap() {
+        if let Frame::Slice(msg) = frame {
+            counter.add(msg.data.byte_len() as u64);
+        }
+    }
+}
+
+async fn write_all<W: AsyncWrite + Unpin>(
+    mut stream: W,
+    counter: &Counter,
+    slice_bytes: usize,
+    count: usize,
+) -> Duration {
     let msg = slice(slice_bytes);
     counter.arm(4 * slice_bytes as u64);
     for _ in 0..4 {
         write_slice(&mut stream, &msg).await.unwrap();
     }
+    stream.flush().await.unwrap();
     counter.done.notified().await;
 
     counter.arm((slice_bytes * count) as u64);
@@ -129,56 +207,111 @@ async fn tcp_run(slice_bytes: usize, count: usize) -> Duration {
     for _ in 0..count {
         write_slice(&mut stream, &msg).await.unwrap();
     }
+    // TLS buffers the last record until flushed.
+    stream.flush().await.unwrap();
     counter.done.notified().await;
     let elapsed = start.elapsed();
     stream.shutdown().await.unwrap();
-    reader.await.unwrap();
     elapsed
 }
 
-fn arg(name: &str, default: usize) -> usize {
+fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1))
-        .map(|v| v.parse().expect("a number"))
-        .unwrap_or(default)
+        .cloned()
+}
+
+fn num<T: std::str::FromStr>(name: &str, default: T) -> T {
+    arg(name).map_or(default, |v| v.parse().ok().expect("a number"))
+}
+
+fn list(name: &str, default: &[usize]) -> Vec<usize> {
+    arg(name).map_or(default.to_vec(), |v| {
+        v.split(',').map(|n| n.parse().expect("a number")).collect()
+    })
 }
 
 fn main() {
-    let total_mib = arg("--mib", 256);
-    let runs = arg("--runs", 3);
+    let total_mib: usize = num("--mib", 256);
+    let runs: usize = num("--runs", 3);
+    let conn_counts = list("--conns", &[1, 2]);
+    let slice_sizes = list("--slices", &[1, 16]);
+    let only = arg("--only").unwrap_or("tcp,tls,quic,old".into());
+    let stats = std::env::args().any(|a| a == "--stats");
+    let tuned = QuicOptions {
+        max_mtu: num("--max-mtu", QuicOptions::default().max_mtu),
+        ..QuicOptions::default()
+    };
+    // The options before this benchmark's tuning (MTU discovery capped at Ethernet's 1452), for a
+    // before/after comparison in the same run.
+    let old = QuicOptions {
+        max_mtu: 1452,
+        ..QuicOptions::default()
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let tuned = QuicOptions::default();
-    // quinn's own flow-control defaults and the system's socket buffers, for comparison.
-    let stock = QuicOptions {
-        stream_receive_window: 1_250_000,
-        send_window: 10_000_000,
-        udp_buffer: 0,
-        ..QuicOptions::default()
-    };
     println!(
-        "loopback, {total_mib} MiB per run, best of {runs} runs, {IN_FLIGHT} QUIC streams in flight"
+        "loopback, {total_mib} MiB per run, best of {runs} runs, {IN_FLIGHT} QUIC streams in \
+         flight, QUIC max_mtu {}",
+        tuned.max_mtu
     );
-    println!("| slice | TCP GB/s | QUIC stock GB/s | QUIC tuned GB/s | tuned/TCP |");
-    println!("|---|---|---|---|---|");
-    for slice_mib in [1usize, 16] {
+    let quic_cols: Vec<String> = conn_counts
+        .iter()
+        .map(|n| format!("QUIC {n} conn"))
+        .collect();
+    println!(
+        "| slice | TCP | TCP+TLS | QUIC old (1452, 1 conn) | {} | best QUIC / TCP | best QUIC / TCP+TLS |",
+        quic_cols.join(" | ")
+    );
+    println!(
+        "|---|---|---|---|{}---|---|",
+        "---|".repeat(quic_cols.len())
+    );
+    for slice_mib in slice_sizes {
         let slice_bytes = slice_mib << 20;
         let count = (total_mib / slice_mib).max(1);
         let bytes = (slice_bytes * count) as f64;
-        let best = |f: &dyn Fn() -> Duration| (0..runs).map(|_| f()).min().unwrap();
-        let tcp = best(&|| rt.block_on(tcp_run(slice_bytes, count)));
-        let stock = best(&|| rt.block_on(quic_run(&stock, slice_bytes, count)));
-        let quic = best(&|| rt.block_on(quic_run(&tuned, slice_bytes, count)));
         let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
-        let (tcp, stock, quic) = (gbs(tcp), gbs(stock), gbs(quic));
+        let best = |what: &str, f: &dyn Fn() -> Duration| {
+            if only.split(',').any(|o| o == what) {
+                Some(gbs((0..runs).map(|_| f()).min().unwrap()))
+            } else {
+                None
+            }
+        };
+        let tcp = best("tcp", &|| rt.block_on(tcp_run(slice_bytes, count, false)));
+        let tls = best("tls", &|| rt.block_on(tcp_run(slice_bytes, count, true)));
+        let before = best("old", &|| {
+            rt.block_on(quic_run(&old, 1, slice_bytes, count, stats))
+        });
+        let quic: Vec<Option<f64>> = conn_counts
+            .iter()
+            .map(|&n| {
+                best("quic", &|| {
+                    rt.block_on(quic_run(&tuned, n, slice_bytes, count, stats))
+                })
+            })
+            .collect();
+        let top = quic.iter().flatten().copied().reduce(f64::max);
+        let cell = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}"));
+        let ratio = |q: Option<f64>, base: Option<f64>| match (q, base) {
+            (Some(q), Some(b)) => format!("{:.0}%", 100.0 * q / b),
+            _ => "-".into(),
+        };
+        let quic_cells: Vec<String> = quic.iter().map(|&q| cell(q)).collect();
         println!(
-            "| {slice_mib} MiB | {tcp:.2} | {stock:.2} | {quic:.2} | {:.0}% |",
-            100.0 * quic / tcp
+            "| {slice_mib} MiB | {} | {} | {} | {} | {} | {} |",
+            cell(tcp),
+            cell(tls),
+            cell(before),
+            quic_cells.join(" | "),
+            ratio(top, tcp),
+            ratio(top, tls),
         );
     }
 }

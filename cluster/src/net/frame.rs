@@ -9,12 +9,14 @@
 //! rather than panicking, and no allocation is sized by the peer beyond [`Limits`].
 
 use bytemuck::{cast_slice, cast_slice_mut};
+use bytes::Bytes;
 use legion_runtime::buffer::Buffer;
 use legion_runtime::region::DType;
 use legion_runtime::transport::SliceMessage;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use std::borrow::Cow;
+use std::sync::Arc;
 
 /// "LGRS", little-endian: rejects a peer speaking something else before any length is trusted.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"LGRS");
@@ -367,6 +369,26 @@ pub fn payload_bytes(data: &Buffer) -> Cow<'_, [u8]> {
             Buffer::F32(v) => Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
             Buffer::F64(v) => Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
         }
+    }
+}
+
+/// A slice's elements as little-endian bytes that keep the buffer alive instead of copying it (on
+/// little-endian hosts), for a transport that queues the payload past the caller's borrow.
+pub fn payload_bytes_shared(data: &Arc<Buffer>) -> Bytes {
+    /// The byte view of a shared buffer, so `Bytes` can own it.
+    struct SharedPayload(Arc<Buffer>);
+    impl AsRef<[u8]> for SharedPayload {
+        fn as_ref(&self) -> &[u8] {
+            match &*self.0 {
+                Buffer::F32(v) => cast_slice(v),
+                Buffer::F64(v) => cast_slice(v),
+            }
+        }
+    }
+    if cfg!(target_endian = "little") {
+        Bytes::from_owner(SharedPayload(data.clone()))
+    } else {
+        Bytes::from(payload_bytes(data).into_owned())
     }
 }
 

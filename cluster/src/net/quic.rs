@@ -7,15 +7,23 @@
 //! hostile, and the runtime cannot make progress on a partial step anyway.
 
 use super::frame::{Frame, FrameError, Limits};
-use super::stream::{read_single_frame, write_control, write_slice};
+use super::stream::{read_single_frame, write_control, write_slice_chunks};
 use super::tls::NodeTls;
 use legion_planner::DeviceId;
 use legion_runtime::transport::{SliceMessage, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn::{Connection, Endpoint, EndpointConfig, TokioRuntime, TransportConfig, VarInt};
+use quinn::udp::{RecvMeta, Transmit};
+use quinn::{
+    AsyncUdpSocket, Connection, Endpoint, EndpointConfig, Runtime, TokioRuntime, TransportConfig,
+    UdpPoller, VarInt,
+};
 use std::collections::HashMap;
+use std::io::IoSliceMut;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 /// Application close codes.
@@ -74,9 +82,15 @@ pub struct QuicOptions {
     /// it at `net.core.{r,w}mem_max`.
     pub udp_buffer: usize,
     /// Largest UDP payload that path MTU discovery may probe up to. Packets start at QUIC's safe
-    /// 1200 bytes and grow only as far as the path carries them, so a high bound costs nothing on
-    /// a 1500-byte network and saves most per-packet work (crypto, syscalls, acks) on jumbo-frame
-    /// links and loopback.
+    /// 1200 bytes and grow only as far as the path carries them (probes too large for the
+    /// interface fail locally and cost nothing on the wire), so a high bound is free on a
+    /// 1500-byte network and saves most per-packet work (header protection, acks, syscalls,
+    /// per-datagram bookkeeping) on jumbo-frame links and loopback, where datagrams reach 64 KiB.
+    ///
+    /// The starting size stays 1200 (quinn's `initial_mtu`): a server may send only three times
+    /// what it has received before the client's address is validated, and quinn will not send a
+    /// datagram larger than that budget, so an initial MTU above ~3600 bytes deadlocks the
+    /// handshake.
     pub max_mtu: u16,
 }
 
@@ -91,7 +105,8 @@ impl Default for QuicOptions {
             keep_alive: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(10),
             udp_buffer: 8 << 20,
-            max_mtu: 1452,
+            // The most a UDP datagram can carry; MTU discovery settles on what the path allows.
+            max_mtu: 65527,
         }
     }
 }
@@ -158,12 +173,12 @@ impl QuicNode {
         endpoint_config
             .max_udp_payload_size(options.max_mtu.max(1200))
             .map_err(|e| NetError::QuicTls(format!("max_mtu: {e}")))?;
-        let mut endpoint = Endpoint::new(
-            endpoint_config,
-            Some(server),
-            socket,
-            Arc::new(TokioRuntime),
-        )?;
+        let runtime = Arc::new(TokioRuntime);
+        let socket = Arc::new(GsoSplitSocket {
+            inner: runtime.wrap_udp_socket(socket)?,
+        });
+        let mut endpoint =
+            Endpoint::new_with_abstract_socket(endpoint_config, Some(server), socket, runtime)?;
         endpoint.set_default_client_config(client);
         let node = QuicNode {
             endpoint,
@@ -192,6 +207,23 @@ impl QuicNode {
             self.limits,
         ));
         Ok(conn)
+    }
+
+    /// Dials `count` (at least one) separate connections to the same peer, for
+    /// [`QuicTransport::route_many`]. quinn drives each connection from a single task (packetising,
+    /// encrypting, acknowledging), so one connection keeps one core busy at most; several let a
+    /// step's slices use more cores at both ends. The peer serves each like any other connection.
+    pub async fn connect_many(
+        &self,
+        addr: SocketAddr,
+        server_name: &str,
+        count: usize,
+    ) -> Result<Vec<Connection>, NetError> {
+        let mut conns = Vec::with_capacity(count.max(1));
+        for _ in 0..count.max(1) {
+            conns.push(self.connect(addr, server_name).await?);
+        }
+        Ok(conns)
     }
 
     /// Closes every connection and stops accepting.
@@ -246,10 +278,12 @@ async fn serve_connection(conn: Connection, handler: Handler, limits: Limits) {
     }
 }
 
-/// Sends one slice on its own uni-stream.
+/// Sends one slice on its own uni-stream. The payload is handed to quinn as a reference to the
+/// slice's buffer rather than copied into its send queue: the only copy left on the send path is
+/// the one into each packet, which encryption needs anyway.
 pub async fn send_slice(conn: &Connection, msg: &SliceMessage) -> Result<(), NetError> {
     let mut send = conn.open_uni().await?;
-    write_slice(&mut send, msg).await?;
+    write_slice_chunks(&mut send, msg).await?;
     send.finish()?;
     Ok(())
 }
@@ -262,11 +296,24 @@ pub async fn send_control(conn: &Connection, bytes: &[u8]) -> Result<(), NetErro
     Ok(())
 }
 
-/// The runtime's transport over QUIC: a routing table from device to the connection of the process
-/// hosting it. `send` never blocks: the write runs as a task on `runtime`.
+/// The connections slices for one device go over, used in turn.
+struct Route {
+    conns: Vec<Connection>,
+    next: AtomicUsize,
+}
+
+impl Route {
+    fn pick(&self) -> Connection {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        self.conns[i].clone()
+    }
+}
+
+/// The runtime's transport over QUIC: a routing table from device to the connection(s) of the
+/// process hosting it. `send` never blocks: the write runs as a task on `runtime`.
 pub struct QuicTransport {
     runtime: tokio::runtime::Handle,
-    routes: RwLock<HashMap<DeviceId, Connection>>,
+    routes: RwLock<HashMap<DeviceId, Arc<Route>>>,
     /// Devices of this process, reached without the network.
     local: Option<Arc<dyn Transport>>,
 }
@@ -285,10 +332,21 @@ impl QuicTransport {
 
     /// Slices for `device` go over `conn` from now on.
     pub fn route(&self, device: DeviceId, conn: Connection) {
-        self.routes
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(device, conn);
+        self.route_many(device, vec![conn]);
+    }
+
+    /// Slices for `device` go over `conns` from now on, each slice on the next connection in turn
+    /// (see [`QuicNode::connect_many`]). Every slice is a whole frame on its own stream, so the
+    /// receiver needs no reassembly across connections; slices were never ordered anyway. An empty
+    /// list removes the route.
+    pub fn route_many(&self, device: DeviceId, conns: Vec<Connection>) {
+        let mut routes = self.routes.write().unwrap_or_else(|e| e.into_inner());
+        if conns.is_empty() {
+            routes.remove(&device);
+        } else {
+            let next = AtomicUsize::new(0);
+            routes.insert(device, Arc::new(Route { conns, next }));
+        }
     }
 }
 
@@ -299,7 +357,7 @@ impl Transport for QuicTransport {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&msg.to)
-            .cloned();
+            .map(|route| route.pick());
         match (conn, &self.local) {
             (Some(conn), _) => {
                 self.runtime.spawn(async move {
@@ -317,5 +375,75 @@ impl Transport for QuicTransport {
             (None, Some(local)) => local.send(msg),
             (None, None) => tracing::error!(device = msg.to, "no route to device; slice dropped"),
         }
+    }
+}
+
+/// The largest UDP payload one `sendmsg` can carry, a GSO batch included: the 16-bit length of an
+/// IPv4 packet less its IP and UDP headers.
+const MAX_SENDMSG_PAYLOAD: usize = 65535 - 20 - 8;
+
+/// quinn's UDP socket, except that a GSO batch larger than one `sendmsg` can carry is sent in
+/// several calls.
+///
+/// quinn batches up to 10 datagrams of the current MTU into one GSO send. Once MTU discovery has
+/// grown datagrams past 6.5 kB, as on jumbo-frame links and loopback, such a batch exceeds 64 KiB
+/// and the kernel refuses it with EMSGSIZE, which quinn-udp swallows without a word because it
+/// expects EMSGSIZE only from MTU probes (a probe is a single datagram, so it gets through and
+/// raises the MTU). Every full batch is then lost until black-hole detection drops the MTU back
+/// to 1200 bytes: a high `max_mtu` bought nothing. Splitting the batch makes large datagrams
+/// usable.
+#[derive(Debug)]
+struct GsoSplitSocket {
+    inner: Arc<dyn AsyncUdpSocket>,
+}
+
+impl AsyncUdpSocket for GsoSplitSocket {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &Transmit) -> std::io::Result<()> {
+        let segment = match transmit.segment_size {
+            Some(segment) if transmit.contents.len() > MAX_SENDMSG_PAYLOAD => segment,
+            _ => return self.inner.try_send(transmit),
+        };
+        let per_send = (MAX_SENDMSG_PAYLOAD / segment).max(1) * segment;
+        // A WouldBlock after the first part makes quinn retry the whole batch later: the parts
+        // already sent arrive twice and the receiver drops the duplicates, which is cheaper than
+        // losing the rest (a congestion signal).
+        for part in transmit.contents.chunks(per_send) {
+            self.inner.try_send(&Transmit {
+                contents: part,
+                segment_size: (part.len() > segment).then_some(segment),
+                ..transmit.clone()
+            })?;
+        }
+        Ok(())
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<std::io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        // quinn runs MTU discovery only on sockets that never fragment.
+        self.inner.may_fragment()
     }
 }

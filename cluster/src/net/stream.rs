@@ -4,8 +4,9 @@
 use super::frame::Frame;
 use super::frame::{
     FrameError, FrameHeader, HEADER_LEN, Limits, Payload, decode_header, encode_header,
-    payload_bytes,
+    payload_bytes, payload_bytes_shared,
 };
+use bytes::Bytes;
 use legion_runtime::transport::SliceMessage;
 use std::io::ErrorKind;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -18,6 +19,17 @@ pub async fn write_slice<W: AsyncWrite + Unpin>(
     w.write_all(&encode_header(&FrameHeader::slice(msg)))
         .await?;
     w.write_all(&payload_bytes(&msg.data)).await
+}
+
+/// Writes one slice frame to a QUIC stream, handing quinn the payload by reference (no copy into
+/// its send queue, unlike [`write_slice`]). Does not finish the stream.
+pub async fn write_slice_chunks(
+    send: &mut quinn::SendStream,
+    msg: &SliceMessage,
+) -> Result<(), quinn::WriteError> {
+    let header = Bytes::copy_from_slice(&encode_header(&FrameHeader::slice(msg)));
+    let mut chunks = [header, payload_bytes_shared(&msg.data)];
+    send.write_all_chunks(&mut chunks).await
 }
 
 pub async fn write_control<W: AsyncWrite + Unpin>(w: &mut W, bytes: &[u8]) -> std::io::Result<()> {
