@@ -2,7 +2,7 @@
 //! and set against the planner's simulation of each (priced by a profile of these very runs).
 
 use crate::hosts::Hosts;
-use crate::job::{choose_strategy, embedded_machine};
+use crate::job::{Engine, choose_strategy, embedded_machine};
 use crate::launch;
 use crate::remote::RemoteCluster;
 use anyhow::Context;
@@ -55,29 +55,6 @@ pub struct ClusterTarget {
     pub state: PathBuf,
 }
 
-/// What the strategies run on: the embedded cluster or a job on worker processes.
-enum Engine {
-    Embedded(EmbeddedCluster),
-    Remote(Box<RemoteCluster>),
-}
-
-impl Engine {
-    fn step(&mut self, images: Vec<f32>, labels: Vec<u32>) -> anyhow::Result<()> {
-        match self {
-            Engine::Embedded(c) => c.step(images, labels, false).map(drop)?,
-            Engine::Remote(c) => c.step(images, labels, false).map(drop)?,
-        }
-        Ok(())
-    }
-
-    fn remote_bytes(&self) -> u64 {
-        match self {
-            Engine::Embedded(c) => c.plan().remote_bytes(),
-            Engine::Remote(c) => c.plan().remote_bytes(),
-        }
-    }
-}
-
 /// Profiles, measures and simulates every strategy of [`STRATEGIES`] on `graph`.
 ///
 /// Tile compute times always come from profiling the embedded cluster in this process (the same
@@ -120,7 +97,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     let mut rows: Vec<CompareRow> = Vec::new();
     for (strategy, configs) in &strategies {
         let mut engine = match &settings.cluster {
-            None => Engine::Embedded(EmbeddedCluster::start(
+            None => Engine::Cluster(EmbeddedCluster::start(
                 graph,
                 configs,
                 devices,
@@ -140,11 +117,11 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             )?)),
         };
         for _ in 0..settings.warmup {
-            engine.step(images.clone(), labels.clone())?;
+            engine.step(images.clone(), labels.clone(), false)?;
         }
         let t = Instant::now();
         for _ in 0..settings.steps {
-            engine.step(images.clone(), labels.clone())?;
+            engine.step(images.clone(), labels.clone(), false)?;
         }
         let step_s = t.elapsed().as_secs_f64() / settings.steps.max(1) as f64;
         let simulated_s = simulate(&model, configs).makespan;
@@ -152,7 +129,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             strategy: strategy.clone(),
             measured_ms: step_s * 1e3,
             images_per_sec: graph.batch() as f64 / step_s,
-            comm_bytes_per_step: engine.remote_bytes(),
+            comm_bytes_per_step: engine.plan().map_or(0, |p| p.remote_bytes()),
             simulated_ms: simulated_s * 1e3,
             simulation_error: (simulated_s - step_s) / step_s,
             speedup_over_data: 0.0,

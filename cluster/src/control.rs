@@ -18,6 +18,8 @@
 //!
 //! Any request may be answered by `Failed` instead.
 
+use legion_ops::Rect;
+use legion_runtime::buffer::Buffer;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 
@@ -64,11 +66,55 @@ pub struct PieceRef {
     pub hi: Vec<u64>,
 }
 
+impl PieceRef {
+    pub fn new(device: usize, instance: u32, rect: &Rect) -> PieceRef {
+        let corner = |c: &[usize]| c[..rect.ndim()].iter().map(|&x| x as u64).collect();
+        PieceRef {
+            device: device as u32,
+            instance,
+            lo: corner(&rect.lo),
+            hi: corner(&rect.hi),
+        }
+    }
+
+    /// The rect, if the corners make one of `ndim` dims (they may come from the network).
+    pub fn rect(&self, ndim: usize) -> Option<Rect> {
+        let well_formed = self.lo.len() == ndim
+            && self.hi.len() == ndim
+            && self.lo.iter().zip(&self.hi).all(|(l, h)| l <= h);
+        if !well_formed {
+            return None;
+        }
+        let corner = |c: &[u64]| -> Option<Vec<usize>> {
+            c.iter().map(|&x| usize::try_from(x).ok()).collect()
+        };
+        Some(Rect::new(&corner(&self.lo)?, &corner(&self.hi)?))
+    }
+}
+
 /// A piece's data, f32 or f64 (batch-norm statistics) by the instance's type.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub enum PieceData {
     F32(Vec<f32>),
     F64(Vec<f64>),
+}
+
+impl From<Buffer> for PieceData {
+    fn from(b: Buffer) -> PieceData {
+        match b {
+            Buffer::F32(v) => PieceData::F32(v),
+            Buffer::F64(v) => PieceData::F64(v),
+        }
+    }
+}
+
+impl From<PieceData> for Buffer {
+    fn from(d: PieceData) -> Buffer {
+        match d {
+            PieceData::F32(v) => Buffer::F32(v),
+            PieceData::F64(v) => Buffer::F64(v),
+        }
+    }
 }
 
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -251,6 +297,19 @@ mod tests {
                 message: "no".into(),
             },
         ]
+    }
+
+    #[test]
+    fn piece_rects_round_trip_and_malformed_corners_are_refused() {
+        let rect = Rect::new(&[0, 2], &[3, 5]);
+        let at = PieceRef::new(1, 4, &rect);
+        assert_eq!(at.rect(2), Some(rect));
+        assert_eq!(at.rect(3), None, "wrong number of dims");
+        let inverted = PieceRef {
+            lo: vec![4, 2],
+            ..at
+        };
+        assert_eq!(inverted.rect(2), None);
     }
 
     #[test]

@@ -123,14 +123,14 @@ pub fn choose_strategy_for(
 
 /// The single-device reference trainer, the runtime on the embedded cluster, or a job on the
 /// worker processes of a cluster.
-enum Engine {
+pub(crate) enum Engine {
     Single(Trainer),
     Cluster(EmbeddedCluster),
     Remote(Box<RemoteCluster>),
 }
 
 impl Engine {
-    fn step(
+    pub(crate) fn step(
         &mut self,
         images: Vec<f32>,
         labels: Vec<u32>,
@@ -157,7 +157,7 @@ impl Engine {
         }
     }
 
-    fn plan(&self) -> Option<&StepPlan> {
+    pub(crate) fn plan(&self) -> Option<&StepPlan> {
         match self {
             Engine::Single(_) => None,
             Engine::Cluster(c) => Some(c.plan()),

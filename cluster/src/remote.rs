@@ -273,10 +273,6 @@ impl WorkerClient {
 
     /// Closes every connection.
     pub fn close(&self) {
-        self.node_close();
-    }
-
-    fn node_close(&self) {
         for conn in self.conns.iter().flatten() {
             conn.close(CLOSE_SHUTDOWN, b"done");
         }
@@ -370,8 +366,8 @@ impl RemoteCluster {
                 let w = ranges.iter().position(|r| r.contains(&device)).expect("device of a host");
                 for (instance, rect, data) in pieces {
                     per_worker[w].push(Piece {
-                        at: piece_ref(device, instance, &rect),
-                        data: piece_data(data),
+                        at: PieceRef::new(device, instance, &rect),
+                        data: data.into(),
                     });
                 }
             }
@@ -511,7 +507,7 @@ impl RemoteCluster {
                     .iter()
                     .position(|r| r.contains(&at.device))
                     .expect("device of a host");
-                asks[w].push((k, piece_ref(at.device, at.instance, &at.rect)));
+                asks[w].push((k, PieceRef::new(at.device, at.instance, &at.rect)));
             }
         }
         let mut out: Vec<Buffer> = regions
@@ -538,7 +534,7 @@ impl RemoteCluster {
         for (ask, pieces) in asks.iter().zip(answers) {
             for ((k, at), data) in ask.iter().zip(pieces) {
                 let full = self.plan.regions.info(regions[*k]).shape.full_rect();
-                let rect = rect_of(at);
+                let rect = at.rect(full.ndim()).expect("a rect of this plan");
                 let data = match data {
                     PieceData::F32(v) if v.len() == rect.volume() => Buffer::F32(v),
                     _ => bail!("a worker sent a piece of the wrong size or type"),
@@ -588,28 +584,6 @@ fn expect(
             client.who(i),
             reply.name()
         )
-    }
-}
-
-fn piece_ref(device: usize, instance: u32, rect: &legion_ops::Rect) -> PieceRef {
-    PieceRef {
-        device: device as u32,
-        instance,
-        lo: rect.lo[..rect.ndim()].iter().map(|&x| x as u64).collect(),
-        hi: rect.hi[..rect.ndim()].iter().map(|&x| x as u64).collect(),
-    }
-}
-
-fn rect_of(at: &PieceRef) -> legion_ops::Rect {
-    let lo: Vec<usize> = at.lo.iter().map(|&x| x as usize).collect();
-    let hi: Vec<usize> = at.hi.iter().map(|&x| x as usize).collect();
-    legion_ops::Rect::new(&lo, &hi)
-}
-
-fn piece_data(data: Buffer) -> PieceData {
-    match data {
-        Buffer::F32(v) => PieceData::F32(v),
-        Buffer::F64(v) => PieceData::F64(v),
     }
 }
 

@@ -23,7 +23,7 @@ use legion_ops::{Graph, Rect};
 use legion_planner::{MachineModel, Strategy};
 use legion_runtime::buffer::Buffer;
 use legion_runtime::device::{DeviceActor, Load, ReadInstance};
-use legion_runtime::embedded::{run_step, spawn_local_devices};
+use legion_runtime::embedded::{check_batch, run_step, spawn_local_devices};
 use legion_runtime::exec::StepInput;
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::DeviceProgram;
@@ -477,8 +477,8 @@ impl Job {
                 labels,
                 trace,
             } => {
-                if let Err(e) = self.check_batch(&images, &labels) {
-                    return Some(failed(e));
+                if let Err(e) = check_batch(&self.graph, &images, &labels) {
+                    return Some(failed(e.into()));
                 }
                 let devices = self.devices.clone();
                 let conn = conn.clone();
@@ -518,31 +518,6 @@ impl Job {
         }
     }
 
-    fn check_batch(&self, images: &[f32], labels: &[u32]) -> anyhow::Result<()> {
-        let input = self.graph.layer(self.graph.input()).shape;
-        if images.len() != input.numel() {
-            anyhow::bail!(
-                "step: {} image values, the input layer takes {}",
-                images.len(),
-                input.numel()
-            );
-        }
-        if labels.len() != self.graph.batch() {
-            anyhow::bail!(
-                "step: {} labels for a batch of {}",
-                labels.len(),
-                self.graph.batch()
-            );
-        }
-        if let Some(logits) = self.graph.logits() {
-            let classes = self.graph.layer(logits).shape.dim(1);
-            if let Some(bad) = labels.iter().find(|&&l| l as usize >= classes) {
-                anyhow::bail!("step: label {bad} out of range for {classes} classes");
-            }
-        }
-        Ok(())
-    }
-
     /// The local actor, instance and rect a piece names, checked against the plan (the bytes came
     /// from the network).
     fn locate(
@@ -564,15 +539,9 @@ impl Job {
             .get(at.instance as usize)
             .with_context(|| format!("device {} has no instance {}", at.device, at.instance))?;
         let ndim = instance.rect.ndim();
-        if at.lo.len() != ndim
-            || at.hi.len() != ndim
-            || at.lo.iter().zip(&at.hi).any(|(l, h)| l > h)
-        {
-            anyhow::bail!("piece rect {:?}..{:?} is not a {ndim}-d rect", at.lo, at.hi);
-        }
-        let lo: Vec<usize> = at.lo.iter().map(|&x| x as usize).collect();
-        let hi: Vec<usize> = at.hi.iter().map(|&x| x as usize).collect();
-        let rect = Rect::new(&lo, &hi);
+        let rect = at.rect(ndim).with_context(|| {
+            format!("piece rect {:?}..{:?} is not a {ndim}-d rect", at.lo, at.hi)
+        })?;
         if !instance.rect.contains(&rect) {
             anyhow::bail!(
                 "piece rect {:?}..{:?} is outside instance {} of device {}",
@@ -589,10 +558,7 @@ impl Job {
         let mut per_device: HashMap<u32, Vec<(u32, Rect, Buffer)>> = HashMap::new();
         for piece in pieces {
             let (_, instance, rect, dtype) = self.locate(&piece.at)?;
-            let data = match piece.data {
-                PieceData::F32(v) => Buffer::F32(v),
-                PieceData::F64(v) => Buffer::F64(v),
-            };
+            let data = Buffer::from(piece.data);
             if data.dtype() != dtype || data.len() != rect.volume() {
                 anyhow::bail!(
                     "piece of instance {} on device {}: {} {:?} values for a rect of {} {:?}",
@@ -627,10 +593,7 @@ impl Job {
                 .ask(ReadInstance { instance, rect })
                 .await
                 .map_err(|e| anyhow::anyhow!("device {}: {e}", at.device))?;
-            out.push(match piece.0 {
-                Buffer::F32(v) => PieceData::F32(v),
-                Buffer::F64(v) => PieceData::F64(v),
-            });
+            out.push(PieceData::from(piece.0));
         }
         Ok(out)
     }

@@ -5,9 +5,7 @@
 
 mod common;
 
-use common::{
-    ALEXNET_64, assert_same_tensors, concat_args, init_checkpoint, legion, ok, train_from,
-};
+use common::{ALEXNET_64, assert_same_tensors, init_checkpoint, legion, ok, train_from};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -103,8 +101,6 @@ fn alive(pid: u32) -> bool {
     legion_cluster::launch::process_exists(pid)
 }
 
-const ALEXNET: [&str; 10] = concat_args(ALEXNET_64, ["--strategy", "optcnn"]);
-
 #[test]
 fn up_train_down_on_three_workers_equals_one_device() {
     let cluster = Cluster::new(&[1, 2, 1]);
@@ -117,14 +113,15 @@ fn up_train_down_on_three_workers_equals_one_device() {
     assert!(links.contains("\"from\": \"w2\""), "{links}");
 
     let init = cluster.path("init.safetensors");
-    init_checkpoint(&init, &ALEXNET);
+    init_checkpoint(&init, &ALEXNET_64);
     let on_cluster = cluster.path("cluster.safetensors");
-    let out = train_from(&cluster.engine(), &ALEXNET, "3", &init, &on_cluster);
+    let engine = [cluster.engine().as_slice(), &["--strategy", "optcnn"]].concat();
+    let out = train_from(&engine, &ALEXNET_64, "3", &init, &on_cluster);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("4 device(s) (3 worker(s)"), "{stdout}");
 
     let single = cluster.path("single.safetensors");
-    train_from(&[], &ALEXNET, "3", &init, &single);
+    train_from(&[], &ALEXNET_64, "3", &init, &single);
     assert_same_tensors(&on_cluster, &single);
 
     // --compare on the cluster: every strategy runs as a job on the same workers.

@@ -30,6 +30,8 @@ pub enum RuntimeError {
     DeviceLost { device: usize },
     #[error("the batch has {got} values, the input layer takes {expected}")]
     BatchSize { got: usize, expected: usize },
+    #[error("the batch has {got} labels, the input layer takes {expected} samples")]
+    LabelCount { got: usize, expected: usize },
 }
 
 /// What one distributed step measured.
@@ -140,28 +142,7 @@ impl EmbeddedCluster {
         labels: Vec<u32>,
         trace: bool,
     ) -> Result<StepResult, RuntimeError> {
-        let input_shape = self.graph.layer(self.graph.input()).shape;
-        if images.len() != input_shape.numel() {
-            return Err(RuntimeError::BatchSize {
-                got: images.len(),
-                expected: input_shape.numel(),
-            });
-        }
-        if let Some(logits) = self.graph.logits() {
-            let classes = self.graph.layer(logits).shape.dim(1);
-            if let Some((sample, &label)) = labels
-                .iter()
-                .enumerate()
-                .find(|(_, l)| **l as usize >= classes)
-            {
-                return Err(LabelOutOfRange {
-                    sample,
-                    label,
-                    classes,
-                }
-                .into());
-            }
-        }
+        check_batch(&self.graph, &images, &labels)?;
         let step = self.next_step;
         let input = Arc::new(StepInput {
             step,
@@ -238,6 +219,40 @@ impl EmbeddedCluster {
             Buffer::F64(_) => unreachable!("persistent regions are f32"),
         }
     }
+}
+
+/// Checks a batch against `graph` before any device sees it: image values for the input layer, one
+/// label per sample, each label a class of the loss layer.
+pub fn check_batch(graph: &Graph, images: &[f32], labels: &[u32]) -> Result<(), RuntimeError> {
+    let input_shape = graph.layer(graph.input()).shape;
+    if images.len() != input_shape.numel() {
+        return Err(RuntimeError::BatchSize {
+            got: images.len(),
+            expected: input_shape.numel(),
+        });
+    }
+    if labels.len() != graph.batch() {
+        return Err(RuntimeError::LabelCount {
+            got: labels.len(),
+            expected: graph.batch(),
+        });
+    }
+    if let Some(logits) = graph.logits() {
+        let classes = graph.layer(logits).shape.dim(1);
+        if let Some((sample, &label)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, l)| **l as usize >= classes)
+        {
+            return Err(LabelOutOfRange {
+                sample,
+                label,
+                classes,
+            }
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// What each device's persistent instances start as: its pieces of the parameters and of the

@@ -16,25 +16,6 @@ pub const ALEXNET_64: [&str; 8] = [
     "8",
 ];
 
-/// `a` followed by `b`, as a constant.
-pub const fn concat_args<const A: usize, const B: usize, const N: usize>(
-    a: [&'static str; A],
-    b: [&'static str; B],
-) -> [&'static str; N] {
-    assert!(A + B == N);
-    let mut out = [""; N];
-    let mut i = 0;
-    while i < A {
-        out[i] = a[i];
-        i += 1;
-    }
-    while i < N {
-        out[i] = b[i - A];
-        i += 1;
-    }
-    out
-}
-
 pub fn legion(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_legion-rs"))
         .args(args)
