@@ -22,6 +22,7 @@ use legion_ops::Rect;
 use legion_runtime::buffer::Buffer;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
+use std::ops::Range;
 
 /// A worker's address as the other workers reach it.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -180,11 +181,14 @@ pub enum Control {
         pieces: Vec<Piece>,
     },
     Loaded,
-    /// Run step `step` on the batch (the whole global batch: each device reads its samples).
+    /// Run step `step`. Carries only the samples of the batch this worker's devices read
+    /// (`StepPlan::samples_read`): the images of `image_samples`, the labels of `label_samples`.
     Step {
         step: u64,
         images: Vec<f32>,
+        image_samples: Range<u64>,
         labels: Vec<u32>,
+        label_samples: Range<u64>,
         trace: bool,
     },
     StepDone {
@@ -269,7 +273,9 @@ mod tests {
             Control::Step {
                 step: 7,
                 images: vec![1.0, -2.5, f32::MAX],
+                image_samples: 2..5,
                 labels: vec![3, 0],
+                label_samples: 4..6,
                 trace: true,
             },
             Control::Load {

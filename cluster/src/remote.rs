@@ -21,9 +21,9 @@ use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
 use legion_planner::{ParallelConfig, Strategy};
 use legion_runtime::buffer::Buffer;
 use legion_runtime::device::{OpEvent, StepReport};
-use legion_runtime::embedded::{StepResult, initial_instances};
-use legion_runtime::exec::TaskOutcome;
-use legion_runtime::plan::StepPlan;
+use legion_runtime::embedded::{StepResult, check_batch, initial_instances};
+use legion_runtime::exec::{StepInput, TaskOutcome};
+use legion_runtime::plan::{SamplesRead, StepPlan};
 use legion_runtime::region::{DType, RegionId};
 use quinn::Connection;
 use std::collections::HashMap;
@@ -285,6 +285,8 @@ pub struct RemoteCluster {
     plan: StepPlan,
     graph: Graph,
     ranges: Vec<Range<usize>>,
+    /// Per worker, the samples of each batch its devices read.
+    samples: Vec<SamplesRead>,
     next_step: u64,
 }
 
@@ -379,10 +381,15 @@ impl RemoteCluster {
             }
             Ok(())
         })?;
+        let samples = ranges
+            .iter()
+            .map(|r| plan.samples_read(graph, r.clone()))
+            .collect();
         Ok(RemoteCluster {
             client,
             plan,
             graph: graph.clone(),
+            samples,
             ranges,
             next_step: state.step,
         })
@@ -401,18 +408,36 @@ impl RemoteCluster {
     ) -> anyhow::Result<StepResult> {
         let step = self.next_step;
         let batch = self.graph.batch();
-        // One encoding for every worker: each takes its devices' samples from the whole batch.
-        let request = control::encode(&Control::Step {
-            step,
-            images,
-            labels,
-            trace,
-        });
+        let whole = StepInput::whole(step, images, labels, batch);
+        let all = SamplesRead {
+            images: 0..batch,
+            labels: 0..batch,
+        };
+        check_batch(&self.graph, &whole, &all)?;
+        // Each worker gets only the samples its devices read: under data parallelism its share of
+        // the batch, under model parallelism nothing unless it holds the input or loss layer.
+        let per_sample = whole.images.len() / batch.max(1);
+        let requests: Vec<Vec<u8>> = self
+            .samples
+            .iter()
+            .map(|read| {
+                let images =
+                    &whole.images[read.images.start * per_sample..read.images.end * per_sample];
+                control::encode(&Control::Step {
+                    step,
+                    images: images.to_vec(),
+                    image_samples: read.images.start as u64..read.images.end as u64,
+                    labels: whole.labels[read.labels.clone()].to_vec(),
+                    label_samples: read.labels.start as u64..read.labels.end as u64,
+                    trace,
+                })
+            })
+            .collect();
         let n = self.ranges.len();
         let client = &self.client;
         let mut reports = client.runtime.block_on(async {
-            for i in 0..n {
-                client.send_encoded(i, &request).await?;
+            for (i, request) in requests.iter().enumerate() {
+                client.send_encoded(i, request).await?;
             }
             let mut reports = Vec::new();
             for i in 0..n {

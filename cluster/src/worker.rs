@@ -25,7 +25,7 @@ use legion_runtime::buffer::Buffer;
 use legion_runtime::device::{DeviceActor, Load, ReadInstance};
 use legion_runtime::embedded::{check_batch, run_step, spawn_local_devices};
 use legion_runtime::exec::StepInput;
-use legion_runtime::plan::StepPlan;
+use legion_runtime::plan::{SamplesRead, StepPlan};
 use legion_runtime::program::DeviceProgram;
 use legion_runtime::transport::InProcessTransport;
 use quinn::Connection;
@@ -325,6 +325,8 @@ struct Job {
     driver: Connection,
     graph: Arc<Graph>,
     plan: Arc<StepPlan>,
+    /// The samples of each step's batch that this worker's devices read.
+    samples: SamplesRead,
     first_device: usize,
     devices: Vec<ActorRef<DeviceActor>>,
     peers: Vec<Connection>,
@@ -429,16 +431,27 @@ async fn start_job(
         })
     };
     tracing::info!(devices = ?(first_device..first_device + shared.devices), total, "job started");
+    let samples = plan.samples_read(&graph, first_device..first_device + shared.devices);
     Ok(Job {
         driver: driver.clone(),
         graph,
         plan,
+        samples,
         first_device,
         devices,
         peers,
         heartbeat,
         watch_driver,
     })
+}
+
+/// A sample range from the network; an impossible one (beyond `usize`) becomes an empty range
+/// that `check_batch` then refuses if the devices need samples.
+fn as_usize(r: std::ops::Range<u64>) -> std::ops::Range<usize> {
+    match (usize::try_from(r.start), usize::try_from(r.end)) {
+        (Ok(start), Ok(end)) => start..end,
+        _ => 0..0,
+    }
 }
 
 fn end_job(shared: &Shared, job: Option<Job>) {
@@ -474,19 +487,24 @@ impl Job {
             Control::Step {
                 step,
                 images,
+                image_samples,
                 labels,
+                label_samples,
                 trace,
             } => {
-                if let Err(e) = check_batch(&self.graph, &images, &labels) {
+                let input = StepInput {
+                    step,
+                    images,
+                    image_samples: as_usize(image_samples),
+                    labels,
+                    label_samples: as_usize(label_samples),
+                };
+                if let Err(e) = check_batch(&self.graph, &input, &self.samples) {
                     return Some(failed(e.into()));
                 }
                 let devices = self.devices.clone();
                 let conn = conn.clone();
-                let input = Arc::new(StepInput {
-                    step,
-                    images,
-                    labels,
-                });
+                let input = Arc::new(input);
                 tokio::spawn(async move {
                     let answer = match run_step(&devices, step, input, trace).await {
                         Ok(reports) => Control::StepDone {

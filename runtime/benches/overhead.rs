@@ -95,11 +95,7 @@ fn empty_step_seconds(
     let mut times = Vec::new();
     // Two warm-up steps: the first grows the actors' queues and wakes the pool's threads.
     for step in 0..EMPTY_STEPS + 2 {
-        let input = Arc::new(StepInput {
-            step,
-            images: Vec::new(),
-            labels: Vec::new(),
-        });
+        let input = Arc::new(StepInput::whole(step, Vec::new(), Vec::new(), 0));
         let t = Instant::now();
         let reports = runtime
             .block_on(embedded::run_step(&actors, step, input, false))

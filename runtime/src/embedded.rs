@@ -4,7 +4,7 @@
 use crate::buffer::Buffer;
 use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
 use crate::exec::StepInput;
-use crate::plan::{PlanError, StepPlan};
+use crate::plan::{PlanError, SamplesRead, StepPlan};
 use crate::program::DeviceProgram;
 use crate::region::RegionKind;
 use crate::transport::{InProcessTransport, Transport};
@@ -14,6 +14,7 @@ use legion_ops::Graph;
 use legion_ops::kernels::softmax_ce::LabelOutOfRange;
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
 use legion_planner::ParallelConfig;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 use thiserror::Error;
@@ -28,10 +29,20 @@ pub enum RuntimeError {
     Device { device: usize, message: String },
     #[error("device {device} stopped responding")]
     DeviceLost { device: usize },
-    #[error("the batch has {got} values, the input layer takes {expected}")]
+    #[error("the batch has {got} image values, the input layer takes {expected} for its samples")]
     BatchSize { got: usize, expected: usize },
-    #[error("the batch has {got} labels, the input layer takes {expected} samples")]
+    #[error("the batch has {got} labels for {expected} samples")]
     LabelCount { got: usize, expected: usize },
+    #[error(
+        "the step's {what} cover samples {have:?} of a batch of {batch}, but this process's \
+         devices read samples {need:?}"
+    )]
+    SamplesMissing {
+        what: &'static str,
+        have: Range<usize>,
+        need: Range<usize>,
+        batch: usize,
+    },
 }
 
 /// What one distributed step measured.
@@ -142,13 +153,15 @@ impl EmbeddedCluster {
         labels: Vec<u32>,
         trace: bool,
     ) -> Result<StepResult, RuntimeError> {
-        check_batch(&self.graph, &images, &labels)?;
         let step = self.next_step;
-        let input = Arc::new(StepInput {
-            step,
-            images,
-            labels,
-        });
+        let batch = self.graph.batch();
+        let input = StepInput::whole(step, images, labels, batch);
+        let whole = SamplesRead {
+            images: 0..batch,
+            labels: 0..batch,
+        };
+        check_batch(&self.graph, &input, &whole)?;
+        let input = Arc::new(input);
         let reports = self
             .runtime
             .block_on(run_step(&self.devices, step, input, trace))?;
@@ -221,31 +234,56 @@ impl EmbeddedCluster {
     }
 }
 
-/// Checks a batch against `graph` before any device sees it: image values for the input layer, one
-/// label per sample, each label a class of the loss layer.
-pub fn check_batch(graph: &Graph, images: &[f32], labels: &[u32]) -> Result<(), RuntimeError> {
+/// Checks a step's input against `graph` before any device sees it: image values of the input
+/// layer for the samples it claims to hold, one label per sample, each a class of the loss layer,
+/// and at least the samples `needed` by the devices that will read it (network input on a worker).
+pub fn check_batch(
+    graph: &Graph,
+    input: &StepInput,
+    needed: &SamplesRead,
+) -> Result<(), RuntimeError> {
+    let batch = graph.batch();
+    for (what, have, need) in [
+        ("images", &input.image_samples, &needed.images),
+        ("labels", &input.label_samples, &needed.labels),
+    ] {
+        let inside = |r: &Range<usize>, of: &Range<usize>| {
+            r.is_empty() || (of.start <= r.start && r.end <= of.end)
+        };
+        if have.start > have.end || !inside(have, &(0..batch)) || !inside(need, have) {
+            return Err(RuntimeError::SamplesMissing {
+                what,
+                have: have.clone(),
+                need: need.clone(),
+                batch,
+            });
+        }
+    }
     let input_shape = graph.layer(graph.input()).shape;
-    if images.len() != input_shape.numel() {
+    let per_sample = input_shape.numel() / batch;
+    let expected = input.image_samples.len() * per_sample;
+    if input.images.len() != expected {
         return Err(RuntimeError::BatchSize {
-            got: images.len(),
-            expected: input_shape.numel(),
+            got: input.images.len(),
+            expected,
         });
     }
-    if labels.len() != graph.batch() {
+    if input.labels.len() != input.label_samples.len() {
         return Err(RuntimeError::LabelCount {
-            got: labels.len(),
-            expected: graph.batch(),
+            got: input.labels.len(),
+            expected: input.label_samples.len(),
         });
     }
     if let Some(logits) = graph.logits() {
         let classes = graph.layer(logits).shape.dim(1);
-        if let Some((sample, &label)) = labels
+        if let Some((i, &label)) = input
+            .labels
             .iter()
             .enumerate()
             .find(|(_, l)| **l as usize >= classes)
         {
             return Err(LabelOutOfRange {
-                sample,
+                sample: input.label_samples.start + i,
                 label,
                 classes,
             }

@@ -11,14 +11,38 @@ use legion_ops::op::Op;
 use legion_ops::shape::copy_rect;
 use legion_ops::train::Sgd;
 use legion_ops::{Graph, Rect};
+use std::ops::Range;
 
-/// The data of one step, shared by every device.
+/// The data of one step, shared by a process's devices: the whole batch on the embedded cluster,
+/// on a cluster worker only the samples its devices read (see `StepPlan::samples_read`).
 #[derive(Debug)]
 pub struct StepInput {
     pub step: u64,
-    /// The whole batch, laid out like the input layer's output.
+    /// The images of samples `image_samples` of the batch, laid out like the input layer's output.
     pub images: Vec<f32>,
+    pub image_samples: Range<usize>,
+    /// The labels of samples `label_samples`.
     pub labels: Vec<u32>,
+    pub label_samples: Range<usize>,
+}
+
+impl StepInput {
+    /// The whole batch of `batch` samples.
+    pub fn whole(step: u64, images: Vec<f32>, labels: Vec<u32>, batch: usize) -> StepInput {
+        StepInput {
+            step,
+            images,
+            image_samples: 0..batch,
+            labels,
+            label_samples: 0..batch,
+        }
+    }
+
+    /// The labels of samples `samples`, which must lie within `label_samples`.
+    fn labels_of(&self, samples: Range<usize>) -> &[u32] {
+        let first = self.label_samples.start;
+        &self.labels[samples.start - first..samples.end - first]
+    }
 }
 
 /// What the tasks of a run share.
@@ -67,12 +91,14 @@ pub fn execute(
         layer_salt: task.layer.0 as u64,
         shape: layer.shape,
     };
-    let tile_labels = || &ctx.input.labels[tile.lo[0]..tile.hi[0]];
+    let tile_labels = || ctx.input.labels_of(tile.lo[0]..tile.hi[0]);
     match (task.kind, &layer.op) {
         (TaskKind::LoadInput, _) => {
             let y = args.write(Role::Output);
-            let full = layer.shape.full_rect();
-            copy_rect(&ctx.input.images, &full, y.data, &y.rect, &tile);
+            let mut held = layer.shape.full_rect();
+            held.lo[0] = ctx.input.image_samples.start;
+            held.hi[0] = ctx.input.image_samples.end;
+            copy_rect(&ctx.input.images, &held, y.data, &y.rect, &tile);
         }
         (TaskKind::Forward, op) => {
             let y = args.write(Role::Output);
@@ -304,7 +330,7 @@ fn backward(
             kernels::concat::concat_backward(&shapes, args.read(Role::OutputGrad), &mut dxs);
         }
         Op::SoftmaxCrossEntropy(_) => {
-            let labels = &ctx.input.labels[tile.lo[0]..tile.hi[0]];
+            let labels = ctx.input.labels_of(tile.lo[0]..tile.hi[0]);
             if let Some(dx) = args.try_write(Role::InputGrad(0)) {
                 let scale = 1.0 / ctx.graph.batch() as f32;
                 softmax_ce::softmax_ce_backward(args.read(Role::Input(0)), labels, scale, dx)?;

@@ -6,14 +6,17 @@
 //! steady state (owners plus the replicas the broadcast fills); then from that state, and the
 //! second analysis must end in the state it started from.
 
-use crate::analysis::{self, Analysis, AnalysisError, StepGraph};
+use crate::analysis::{self, Analysis, AnalysisError, OpKind, StepGraph};
 use crate::lower;
 use crate::mapper::Mapper;
 use crate::program::{DeviceProgram, split_programs};
 use crate::region::{RegionId, RegionKind, Regions};
+use crate::task::TaskKind;
+use legion_ops::op::Op;
 use legion_ops::{Graph, Rect};
 use legion_planner::{DeviceId, ParallelConfig};
 use std::collections::HashMap;
+use std::ops::Range;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -24,6 +27,22 @@ pub enum PlanError {
     NoSuchDevice { device: DeviceId, devices: usize },
     #[error("internal: the step does not leave parameters where the next step expects them")]
     NotReplayable,
+}
+
+/// Samples of a step's batch: images and labels (empty ranges when none are read).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplesRead {
+    pub images: Range<usize>,
+    pub labels: Range<usize>,
+}
+
+/// The smallest range holding both (an empty range holds nothing).
+fn hull(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b.clone(),
+        (_, true) => a.clone(),
+        _ => a.start.min(b.start)..a.end.max(b.end),
+    }
 }
 
 /// Where a piece of persistent data lives: `rect` of the region in a device's local instance.
@@ -143,6 +162,28 @@ impl StepPlan {
             RegionKind::Param => self.param_slot.get(&region).copied(),
             _ => None,
         }
+    }
+
+    /// The samples of the batch whose images and labels the tasks of `devices` read: what a
+    /// process holding those devices needs of each step's batch.
+    pub fn samples_read(&self, graph: &Graph, devices: Range<DeviceId>) -> SamplesRead {
+        let mut read = SamplesRead::default();
+        for op in &self.step.ops {
+            let OpKind::Task { task, .. } = &op.kind else {
+                continue;
+            };
+            if !devices.contains(&task.device) {
+                continue;
+            }
+            let samples = task.tile.lo[0]..task.tile.hi[0];
+            if task.kind == TaskKind::LoadInput {
+                read.images = hull(&read.images, &samples);
+            }
+            if matches!(graph.layer(task.layer).op, Op::SoftmaxCrossEntropy(_)) {
+                read.labels = hull(&read.labels, &samples);
+            }
+        }
+        read
     }
 
     /// Bytes moved between devices per step.

@@ -184,11 +184,7 @@ mod tests {
                 .map(|i| (i * 7 + step as u32) % 10)
                 .collect();
             let stats = trainer.step(&images, &labels).unwrap();
-            let input = StepInput {
-                step,
-                images,
-                labels,
-            };
+            let input = StepInput::whole(step, images, labels, graph.batch());
             let ctx = ExecContext {
                 graph,
                 seed: 11,

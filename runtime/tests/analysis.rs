@@ -160,11 +160,7 @@ fn run_data_movement(
     let mut b = GraphBuilder::new("none");
     b.input("x", Shape::new(&[1])).unwrap();
     let graph = b.finish();
-    let input = StepInput {
-        step: 0,
-        images: Vec::new(),
-        labels: Vec::new(),
-    };
+    let input = StepInput::whole(0, Vec::new(), Vec::new(), 0);
     let ctx = ExecContext {
         graph: &graph,
         seed: 0,

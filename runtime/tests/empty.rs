@@ -25,11 +25,7 @@ fn empty_programs_finish_every_step() {
             let actors = runtime
                 .block_on(async { embedded::spawn_devices(&programs, &graph, 0, Sgd::default()) });
             for step in 0..3 {
-                let input = Arc::new(StepInput {
-                    step,
-                    images: Vec::new(),
-                    labels: Vec::new(),
-                });
+                let input = Arc::new(StepInput::whole(step, Vec::new(), Vec::new(), 0));
                 let reports = runtime
                     .block_on(embedded::run_step(&actors, step, input, true))
                     .unwrap();

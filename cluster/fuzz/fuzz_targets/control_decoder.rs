@@ -1,0 +1,13 @@
+#![no_main]
+
+use legion_cluster::control::{decode, encode};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    // Control messages arrive from peers as rkyv archives: validation must refuse anything that
+    // is not one, and whatever it accepts must survive a round trip unchanged.
+    if let Ok(message) = decode(data) {
+        let again = decode(&encode(&message)).expect("an encoded message decodes");
+        assert_eq!(again, message);
+    }
+});
