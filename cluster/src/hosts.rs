@@ -9,6 +9,8 @@
 //! port = 7400            # worker QUIC port (default 7400)
 //! devices = 1            # devices per host (default 1)
 //! device = "cpu"         # device kind: "cpu" or "p100" (default "cpu")
+//! binary = "/opt/legion-rs/bin/legion-rs"   # the legion-rs binary on the hosts (default: the
+//!                        # path of the one running `up`)
 //!
 //! [[host]]
 //! name = "node0"         # optional; default: the address ("address:port" if hosts share it)
@@ -16,6 +18,7 @@
 //! devices = 2            # optional, overrides the default (and so can port and device)
 //! port = 7401
 //! ssh = "user@node0"     # optional ssh target; without it a loopback host is spawned locally
+//! binary = "/usr/local/bin/legion-rs"   # optional, overrides the default
 //! run_with = ["ip", "netns", "exec", "ns0"]   # optional, instead of ssh: start the worker on
 //!                        # this machine under this command prefix (a network namespace, a
 //!                        # container: `docker exec NAME`)
@@ -73,6 +76,8 @@ pub struct Host {
     pub ssh: Option<String>,
     /// A command prefix the launcher starts the worker under, on this machine (empty: none).
     pub run_with: Vec<String>,
+    /// The `legion-rs` binary to start there; `None`: the path of the running one.
+    pub binary: Option<String>,
 }
 
 impl Host {
@@ -183,6 +188,10 @@ impl Hosts {
             Some(k) => src.device_kind(k, "defaults.device")?,
             None => "cpu".to_string(),
         };
+        let default_binary = match &defaults.binary {
+            Some(b) => Some(src.binary(b, "defaults.binary")?),
+            None => None,
+        };
 
         if doc.host.is_empty() {
             return Err(src.at(0, "host", "expected at least one [[host]] table"));
@@ -254,6 +263,10 @@ impl Hosts {
                     .as_ref()
                     .map(|r| r.get_ref().clone())
                     .unwrap_or_default(),
+                binary: match &h.binary {
+                    Some(b) => Some(src.binary(b, &field("binary"))?),
+                    None => default_binary.clone(),
+                },
             });
         }
 
@@ -456,6 +469,7 @@ impl Hosts {
                 device_kind: "cpu".to_string(),
                 ssh: (!is_loopback(hostname)).then(|| hostname.to_string()),
                 run_with: Vec::new(),
+                binary: None,
             });
         }
         if hosts.is_empty() {
@@ -686,6 +700,22 @@ impl Source<'_> {
         }
     }
 
+    fn binary(&self, v: &Spanned<String>, field: &str) -> Result<String, HostsError> {
+        let path = v.get_ref();
+        if path.starts_with('/') && !path.contains(['\n', '\0']) {
+            Ok(path.clone())
+        } else {
+            Err(self.at(
+                v.span().start,
+                field,
+                &format!(
+                    "expected the absolute path of the legion-rs binary on the host, got \"{}\"",
+                    path.escape_debug()
+                ),
+            ))
+        }
+    }
+
     fn address(&self, v: &Spanned<String>, field: &str) -> Result<String, HostsError> {
         check_address(v.get_ref())
             .map(|()| v.get_ref().clone())
@@ -713,6 +743,7 @@ struct DefaultsDoc {
     port: Option<Spanned<i64>>,
     devices: Option<Spanned<i64>>,
     device: Option<Spanned<String>>,
+    binary: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -725,6 +756,7 @@ struct HostDoc {
     device: Option<Spanned<String>>,
     ssh: Option<Spanned<String>>,
     run_with: Option<Spanned<Vec<String>>>,
+    binary: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -789,6 +821,7 @@ latency_us = 20.0
                     device_kind: "cpu".into(),
                     ssh: Some("user@node0".into()),
                     run_with: Vec::new(),
+                    binary: None,
                 },
                 Host {
                     name: "10.0.0.2".into(),
@@ -798,6 +831,7 @@ latency_us = 20.0
                     device_kind: "cpu".into(),
                     ssh: Some("ubuntu@10.0.0.2".into()),
                     run_with: Vec::new(),
+                    binary: None,
                 },
             ]
         );
@@ -898,6 +932,25 @@ ssh = "me@localhost"
             "h.toml:6:8: host[0].name: expected a non-empty name \
              (or no `name`: it defaults to the address)"
         );
+        assert_eq!(
+            err_with("ssh = \"user@node0\"", "binary = \"bin/legion-rs\""),
+            "h.toml:10:10: host[0].binary: expected the absolute path of the legion-rs binary \
+             on the host, got \"bin/legion-rs\""
+        );
+    }
+
+    #[test]
+    fn the_binary_defaults_to_the_running_one_or_the_defaults_table() {
+        assert!(parse(DOC).hosts.iter().all(|h| h.binary.is_none()));
+        let hosts = parse(
+            &DOC.replace(
+                "device = \"cpu\"",
+                "device = \"cpu\"\nbinary = \"/opt/l/legion-rs\"",
+            )
+            .replace("ssh = \"user@node0\"", "binary = \"/usr/bin/legion-rs\""),
+        );
+        assert_eq!(hosts.hosts[0].binary.as_deref(), Some("/usr/bin/legion-rs"));
+        assert_eq!(hosts.hosts[1].binary.as_deref(), Some("/opt/l/legion-rs"));
     }
 
     #[test]

@@ -16,7 +16,8 @@
 //! Remote hosts: `up` runs `ssh DEST sh -s` (the command in `LEGION_RS_SSH`, default `ssh -o
 //! BatchMode=yes`; a destination may be `ssh://user@host:port`), feeding it a script that writes
 //! the host's certificate files and starts the worker in the background. The `legion-rs` binary
-//! must be at the same path there as here (as with MPI launchers).
+//! there is the host's `binary` (hosts.toml), by default the same path as here (as with MPI
+//! launchers); the script checks that it exists before starting it.
 
 use crate::control::{Control, LinkMeasurement, PeerAddress};
 use crate::hosts::{Host, Hosts};
@@ -321,7 +322,10 @@ fn worker_args(host: &Host, state: &Path) -> Vec<String> {
 }
 
 fn start_worker(host: &Host, state: &Path) -> anyhow::Result<()> {
-    let exe = std::env::current_exe().context("locating the legion-rs binary")?;
+    let exe = match &host.binary {
+        Some(path) => PathBuf::from(path),
+        None => std::env::current_exe().context("locating the legion-rs binary")?,
+    };
     let log_path = state.join("logs").join(format!("{}.log", host.name));
     if host.is_local() {
         let log = std::fs::File::create(&log_path)
@@ -400,9 +404,15 @@ fn remote_script(host: &Host, state: &Path, exe: &Path) -> anyhow::Result<String
         );
     }
     let args: Vec<String> = worker_args(host, state).iter().map(|a| quote(a)).collect();
+    let exe = quote(&exe.display().to_string());
+    // Checked here, where ssh still reports to `up`: once in the background, a missing binary
+    // would only show as a worker that never registers.
     s += &format!(
-        "nohup {} {} > {} 2>&1 < /dev/null &\n",
-        quote(&exe.display().to_string()),
+        "if ! test -x {exe}; then echo \"no legion-rs binary at \"{exe}\" on this host (set \
+         \\`binary\\` in the hosts file)\" >&2; exit 127; fi\n"
+    );
+    s += &format!(
+        "nohup {exe} {} > {} 2>&1 < /dev/null &\n",
         args.join(" "),
         quote(
             &logs

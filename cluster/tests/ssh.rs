@@ -108,6 +108,7 @@ fn up_through_ssh_trains_and_down_stops_the_workers() {
         "ssh -i {} -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR",
         dir.path().join("client").display()
     );
+    // One host names its binary (the one under test), the other uses the launcher's own path.
     let mut text = String::new();
     for i in 0..2 {
         let port = std::net::UdpSocket::bind("127.0.0.1:0")
@@ -119,6 +120,9 @@ fn up_through_ssh_trains_and_down_stops_the_workers() {
             "[[host]]\nname = \"s{i}\"\naddress = \"127.0.0.1\"\nport = {port}\ndevices = 1\nssh = \"ssh://root@127.0.0.1:{}\"\n\n",
             sshd.port
         );
+        if i == 0 {
+            text += &format!("binary = \"{}\"\n\n", env!("CARGO_BIN_EXE_legion-rs"));
+        }
     }
     let hosts = dir.path().join("hosts.toml");
     std::fs::write(&hosts, text).unwrap();
@@ -171,6 +175,25 @@ fn up_through_ssh_trains_and_down_stops_the_workers() {
         );
     }
     drop(guard);
+
+    // A host without the binary: `up` fails at once, naming the host and the path.
+    let missing = dir.path().join("missing.toml");
+    std::fs::write(
+        &missing,
+        format!(
+            "[[host]]\nname = \"far\"\naddress = \"127.0.0.1\"\nport = {}\nssh = \"ssh://root@127.0.0.1:{}\"\nbinary = \"/nonexistent/legion-rs\"\n",
+            free_tcp_port(),
+            sshd.port
+        ),
+    )
+    .unwrap();
+    let up = legion_with_ssh(&ssh, &["up", missing.to_str().unwrap(), "--state", state]);
+    let stderr = String::from_utf8_lossy(&up.stderr);
+    assert!(!up.status.success(), "up succeeded without a binary");
+    assert!(
+        stderr.contains("far") && stderr.contains("no legion-rs binary at /nonexistent/legion-rs"),
+        "{stderr}"
+    );
 }
 
 /// Runs `down` when dropped, so a failing assertion leaves no worker behind.
