@@ -116,12 +116,15 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
                 settings.seed,
             )?)),
         };
+        // Every step trains on the same batch, which is also the next step's: a cluster job
+        // delivers it while the step before runs, as training does.
+        let next = Some((&images[..], &labels[..]));
         for _ in 0..settings.warmup {
-            engine.step(images.clone(), labels.clone(), false)?;
+            engine.step(images.clone(), labels.clone(), next, false)?;
         }
         let t = Instant::now();
         for _ in 0..settings.steps {
-            engine.step(images.clone(), labels.clone(), false)?;
+            engine.step(images.clone(), labels.clone(), next, false)?;
         }
         let step_s = t.elapsed().as_secs_f64() / settings.steps.max(1) as f64;
         let simulated_s = simulate(&model, configs).makespan;

@@ -12,6 +12,7 @@
 //! | `StartJob`                 | `JobReady`                   |
 //! | `Load`                     | `Loaded`                     |
 //! | `Step`                     | `StepDone`                   |
+//! | `Stage`                    | none (checked by its `Step`) |
 //! | `Read`                     | `ReadDone`                   |
 //! | `EndJob`                   | `JobEnded`                   |
 //! | `Shutdown`                 | `Bye`, then the worker exits |
@@ -144,6 +145,16 @@ pub struct LinkMeasurement {
     pub latency_s: f64,
 }
 
+/// The samples of a step's batch that one worker's devices read (`StepPlan::samples_read`): the
+/// images of `image_samples`, the labels of `label_samples`.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct StepSamples {
+    pub images: Vec<f32>,
+    pub image_samples: Range<u64>,
+    pub labels: Vec<u32>,
+    pub label_samples: Range<u64>,
+}
+
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub enum Control {
     Hello {
@@ -181,15 +192,18 @@ pub enum Control {
         pieces: Vec<Piece>,
     },
     Loaded,
-    /// Run step `step`. Carries only the samples of the batch this worker's devices read
-    /// (`StepPlan::samples_read`): the images of `image_samples`, the labels of `label_samples`.
+    /// Run step `step` on `samples`, or (`None`) on those a `Stage` sent ahead.
     Step {
         step: u64,
-        images: Vec<f32>,
-        image_samples: Range<u64>,
-        labels: Vec<u32>,
-        label_samples: Range<u64>,
+        samples: Option<StepSamples>,
         trace: bool,
+    },
+    /// The samples of a later step, sent while the worker still runs the current one so that
+    /// delivering a batch overlaps computing the one before. No reply: they are checked when their
+    /// `Step` comes.
+    Stage {
+        step: u64,
+        samples: StepSamples,
     },
     StepDone {
         step: u64,
@@ -229,6 +243,7 @@ impl Control {
             Control::Load { .. } => "Load",
             Control::Loaded => "Loaded",
             Control::Step { .. } => "Step",
+            Control::Stage { .. } => "Stage",
             Control::StepDone { .. } => "StepDone",
             Control::Read { .. } => "Read",
             Control::ReadDone { .. } => "ReadDone",
@@ -272,11 +287,27 @@ mod tests {
             },
             Control::Step {
                 step: 7,
-                images: vec![1.0, -2.5, f32::MAX],
-                image_samples: 2..5,
-                labels: vec![3, 0],
-                label_samples: 4..6,
+                samples: Some(StepSamples {
+                    images: vec![1.0, -2.5, f32::MAX],
+                    image_samples: 2..5,
+                    labels: vec![3, 0],
+                    label_samples: 4..6,
+                }),
                 trace: true,
+            },
+            Control::Step {
+                step: 8,
+                samples: None,
+                trace: false,
+            },
+            Control::Stage {
+                step: 8,
+                samples: StepSamples {
+                    images: Vec::new(),
+                    image_samples: 0..0,
+                    labels: vec![1],
+                    label_samples: 3..4,
+                },
             },
             Control::Load {
                 pieces: vec![Piece {

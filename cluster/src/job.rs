@@ -130,10 +130,13 @@ pub(crate) enum Engine {
 }
 
 impl Engine {
+    /// One step on a batch. `next`, the batch of the following step if there is one, lets a
+    /// cluster job deliver it to the workers while this step runs.
     pub(crate) fn step(
         &mut self,
         images: Vec<f32>,
         labels: Vec<u32>,
+        next: Option<(&[f32], &[u32])>,
         trace: bool,
     ) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
         match self {
@@ -143,7 +146,7 @@ impl Engine {
                 Ok((r.stats, r.reports))
             }
             Engine::Remote(c) => {
-                let r = c.step(images, labels, trace)?;
+                let r = c.step(&images, &labels, next, trace)?;
                 Ok((r.stats, r.reports))
             }
         }
@@ -319,14 +322,26 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         }
         Ok(())
     };
-    for step in first_step + 1..=opts.steps {
-        let batch_data = batches
+    let mut next_batch = || -> anyhow::Result<data::Batch> {
+        batches
             .next()
             .context("the data loader stopped early")?
-            .context("loading a batch")?;
+            .context("loading a batch")
+    };
+    let mut upcoming = (first_step < opts.steps)
+        .then(&mut next_batch)
+        .transpose()?;
+    for step in first_step + 1..=opts.steps {
+        let batch_data = upcoming.take().expect("a batch for every step");
+        upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
         let t = Instant::now();
         let traced = opts.trace.is_some() && step == opts.steps;
-        let (stats, reports) = engine.step(batch_data.images, batch_data.labels, traced)?;
+        let (stats, reports) = engine.step(
+            batch_data.images,
+            batch_data.labels,
+            upcoming.as_ref().map(|b| (&b.images[..], &b.labels[..])),
+            traced,
+        )?;
         if traced && let (Some(path), Some(plan)) = (&opts.trace, engine.plan()) {
             let trace = legion_runtime::trace::chrome_trace(plan, &graph, &reports);
             legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())

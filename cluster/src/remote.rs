@@ -8,7 +8,9 @@
 //! heard from within [`HEARTBEAT_TIMEOUT`] and that its connection is open, and fails naming the
 //! first one that is not.
 
-use crate::control::{self, Control, JobHost, JobSpec, PeerAddress, Piece, PieceData, PieceRef};
+use crate::control::{
+    self, Control, JobHost, JobSpec, PeerAddress, Piece, PieceData, PieceRef, StepSamples,
+};
 use crate::hosts::{Host, Hosts};
 use crate::net::quic::{
     CLOSE_MALFORMED, CLOSE_SHUTDOWN, Inbound, QuicNode, QuicOptions, send_control,
@@ -22,7 +24,7 @@ use legion_planner::{ParallelConfig, Strategy};
 use legion_runtime::buffer::Buffer;
 use legion_runtime::device::{OpEvent, StepReport};
 use legion_runtime::embedded::{StepResult, check_batch, initial_instances};
-use legion_runtime::exec::{StepInput, TaskOutcome};
+use legion_runtime::exec::{BatchView, TaskOutcome};
 use legion_runtime::plan::{SamplesRead, StepPlan};
 use legion_runtime::region::{DType, RegionId};
 use quinn::Connection;
@@ -287,6 +289,8 @@ pub struct RemoteCluster {
     ranges: Vec<Range<usize>>,
     /// Per worker, the samples of each batch its devices read.
     samples: Vec<SamplesRead>,
+    /// The step whose samples the workers already hold (sent by `Stage`).
+    staged: Option<u64>,
     next_step: u64,
 }
 
@@ -391,6 +395,7 @@ impl RemoteCluster {
             graph: graph.clone(),
             samples,
             ranges,
+            staged: None,
             next_step: state.step,
         })
     }
@@ -399,45 +404,82 @@ impl RemoteCluster {
         &self.plan
     }
 
-    /// One training step on a batch, as `EmbeddedCluster::step`.
-    pub fn step(
-        &mut self,
-        images: Vec<f32>,
-        labels: Vec<u32>,
-        trace: bool,
-    ) -> anyhow::Result<StepResult> {
-        let step = self.next_step;
+    /// Checks a whole batch and cuts it into what each worker's devices read: under data
+    /// parallelism a worker's share of the batch, under model parallelism nothing unless it holds
+    /// the input or the loss layer.
+    fn split(&self, images: &[f32], labels: &[u32]) -> anyhow::Result<Vec<StepSamples>> {
         let batch = self.graph.batch();
-        let whole = StepInput::whole(step, images, labels, batch);
         let all = SamplesRead {
             images: 0..batch,
             labels: 0..batch,
         };
-        check_batch(&self.graph, &whole, &all)?;
-        // Each worker gets only the samples its devices read: under data parallelism its share of
-        // the batch, under model parallelism nothing unless it holds the input or loss layer.
-        let per_sample = whole.images.len() / batch.max(1);
-        let requests: Vec<Vec<u8>> = self
+        check_batch(&self.graph, &BatchView::whole(images, labels, batch), &all)?;
+        let per_sample = images.len() / batch.max(1);
+        Ok(self
             .samples
             .iter()
-            .map(|read| {
-                let images =
-                    &whole.images[read.images.start * per_sample..read.images.end * per_sample];
+            .map(|read| StepSamples {
+                images: images[read.images.start * per_sample..read.images.end * per_sample]
+                    .to_vec(),
+                image_samples: read.images.start as u64..read.images.end as u64,
+                labels: labels[read.labels.clone()].to_vec(),
+                label_samples: read.labels.start as u64..read.labels.end as u64,
+            })
+            .collect())
+    }
+
+    /// One training step on a batch, as `EmbeddedCluster::step`. With `next`, the batch of the
+    /// step after this one, that batch's samples go out to the workers while this step runs, and
+    /// the next call (which must pass the same batch) sends none: on a slow network delivering a
+    /// batch then overlaps computing the one before.
+    pub fn step(
+        &mut self,
+        images: &[f32],
+        labels: &[u32],
+        next: Option<(&[f32], &[u32])>,
+        trace: bool,
+    ) -> anyhow::Result<StepResult> {
+        let step = self.next_step;
+        let batch = self.graph.batch();
+        let samples: Vec<Option<StepSamples>> = if self.staged == Some(step) {
+            vec![None; self.ranges.len()]
+        } else {
+            self.split(images, labels)?.into_iter().map(Some).collect()
+        };
+        let requests: Vec<Vec<u8>> = samples
+            .into_iter()
+            .map(|samples| {
                 control::encode(&Control::Step {
                     step,
-                    images: images.to_vec(),
-                    image_samples: read.images.start as u64..read.images.end as u64,
-                    labels: whole.labels[read.labels.clone()].to_vec(),
-                    label_samples: read.labels.start as u64..read.labels.end as u64,
+                    samples,
                     trace,
                 })
             })
             .collect();
+        // A next batch that fails its checks is not staged: its own step reports the error.
+        let stages: Vec<Vec<u8>> = next
+            .and_then(|(images, labels)| self.split(images, labels).ok())
+            .map(|per_worker| {
+                per_worker
+                    .into_iter()
+                    .map(|samples| {
+                        control::encode(&Control::Stage {
+                            step: step + 1,
+                            samples,
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        self.staged = (!stages.is_empty()).then_some(step + 1);
         let n = self.ranges.len();
         let client = &self.client;
         let mut reports = client.runtime.block_on(async {
             for (i, request) in requests.iter().enumerate() {
                 client.send_encoded(i, request).await?;
+            }
+            for (i, stage) in stages.iter().enumerate() {
+                client.send_encoded(i, stage).await?;
             }
             let mut reports = Vec::new();
             for i in 0..n {

@@ -5,13 +5,14 @@
 //! region slices with the other workers directly over QUIC.
 //!
 //! Requests are handled in order by one loop; a step runs as a task of its own so that the loop
-//! stays free for `EndJob` and `Shutdown`. Heartbeats go to the job's driver every
+//! stays free for `EndJob`, `Shutdown` and the `Stage` of the next step's samples. Heartbeats go to the job's driver every
 //! [`HEARTBEAT_INTERVAL`] from a task of their own. A job ends when its driver says so or its
 //! connection closes (the driver died): the worker then drops the job's actors and waits for the
 //! next one.
 
 use crate::control::{
     self, Control, DeviceReport, JobSpec, LinkMeasurement, PeerAddress, Piece, PieceData, PieceRef,
+    StepSamples,
 };
 use crate::net::quic::{
     CLOSE_MALFORMED, Inbound, QuicNode, QuicOptions, QuicTransport, send_control,
@@ -29,7 +30,7 @@ use legion_runtime::plan::{SamplesRead, StepPlan};
 use legion_runtime::program::DeviceProgram;
 use legion_runtime::transport::InProcessTransport;
 use quinn::Connection;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -156,11 +157,14 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
                 end_job(&shared, job.take());
                 Control::JobEnded
             }
-            request @ (Control::Load { .. } | Control::Step { .. } | Control::Read { .. }) => {
+            request @ (Control::Load { .. }
+            | Control::Step { .. }
+            | Control::Stage { .. }
+            | Control::Read { .. }) => {
                 match &job {
                     Some(j) if j.driver.stable_id() == conn.stable_id() => {
                         match j.handle(request, &conn).await {
-                            // A step replies from its own task.
+                            // A step replies from its own task; a stage not at all.
                             None => continue,
                             Some(reply) => reply,
                         }
@@ -327,6 +331,7 @@ struct Job {
     plan: Arc<StepPlan>,
     /// The samples of each step's batch that this worker's devices read.
     samples: SamplesRead,
+    staged: Arc<Staged>,
     first_device: usize,
     devices: Vec<ActorRef<DeviceActor>>,
     peers: Vec<Connection>,
@@ -437,12 +442,109 @@ async fn start_job(
         graph,
         plan,
         samples,
+        staged: Arc::default(),
         first_device,
         devices,
         peers,
         heartbeat,
         watch_driver,
     })
+}
+
+/// How long a `Step` without samples waits for the `Stage` that carries them.
+const STAGE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Samples `Stage`s sent ahead, by step, waiting for their steps. A `Step` may arrive before its
+/// samples (every control message is a QUIC stream of its own, and a large one can finish after a
+/// later small one), and the next step's may arrive before a step has taken its own; so steps
+/// wait here for theirs, and at most a few are held at once.
+#[derive(Default)]
+struct Staged {
+    by_step: Mutex<BTreeMap<u64, StepSamples>>,
+    arrived: tokio::sync::Notify,
+}
+
+impl Staged {
+    fn put(&self, step: u64, samples: StepSamples) {
+        self.by_step
+            .lock()
+            .expect("staged samples")
+            .insert(step, samples);
+        self.arrived.notify_waiters();
+    }
+
+    async fn take(&self, step: u64) -> anyhow::Result<StepSamples> {
+        let deadline = tokio::time::Instant::now() + STAGE_TIMEOUT;
+        loop {
+            // Registered before the check, so a `put` in between is not missed.
+            let arrived = self.arrived.notified();
+            {
+                let mut by_step = self.by_step.lock().expect("staged samples");
+                if let Some(samples) = by_step.remove(&step) {
+                    // Anything older belongs to steps that ran without it.
+                    by_step.retain(|&s, _| s > step);
+                    return Ok(samples);
+                }
+            }
+            tokio::time::timeout_at(deadline, arrived)
+                .await
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "step {step}: its samples, sent ahead, did not arrive within {}s",
+                        STAGE_TIMEOUT.as_secs()
+                    )
+                })?;
+        }
+    }
+}
+
+/// The input of step `step`: the samples it came with or those staged for it, checked against
+/// what this worker's devices read (the bytes came from the network).
+async fn step_input(
+    step: u64,
+    samples: Option<StepSamples>,
+    staged: &Staged,
+    graph: &Graph,
+    needed: &SamplesRead,
+) -> anyhow::Result<StepInput> {
+    let samples = match samples {
+        Some(s) => s,
+        None => staged.take(step).await?,
+    };
+    let input = StepInput {
+        step,
+        images: samples.images,
+        image_samples: as_usize(samples.image_samples),
+        labels: samples.labels,
+        label_samples: as_usize(samples.label_samples),
+    };
+    check_batch(graph, &input.view(), needed)?;
+    Ok(input)
+}
+
+/// Runs a step on the local devices and makes the driver's answer.
+async fn step_answer(
+    devices: &[ActorRef<DeviceActor>],
+    step: u64,
+    input: StepInput,
+    trace: bool,
+) -> Control {
+    match run_step(devices, step, Arc::new(input), trace).await {
+        Ok(reports) => Control::StepDone {
+            step,
+            reports: reports
+                .into_iter()
+                .map(|r| DeviceReport {
+                    device: r.device as u32,
+                    loss_sum: r.outcome.loss_sum,
+                    correct: r.outcome.correct as u64,
+                    error: r.error,
+                    events: r.events.iter().map(|e| (e.op, e.start, e.end)).collect(),
+                })
+                .collect(),
+        },
+        Err(e) => failed(e.into()),
+    }
 }
 
 /// A sample range from the network; an impossible one (beyond `usize`) becomes an empty range
@@ -484,47 +586,24 @@ impl Job {
                 Ok(pieces) => Control::ReadDone { pieces },
                 Err(e) => failed(e),
             }),
+            Control::Stage { step, samples } => {
+                self.staged.put(step, samples);
+                None
+            }
             Control::Step {
                 step,
-                images,
-                image_samples,
-                labels,
-                label_samples,
+                samples,
                 trace,
             } => {
-                let input = StepInput {
-                    step,
-                    images,
-                    image_samples: as_usize(image_samples),
-                    labels,
-                    label_samples: as_usize(label_samples),
-                };
-                if let Err(e) = check_batch(&self.graph, &input, &self.samples) {
-                    return Some(failed(e.into()));
-                }
                 let devices = self.devices.clone();
                 let conn = conn.clone();
-                let input = Arc::new(input);
+                let graph = self.graph.clone();
+                let needed = self.samples.clone();
+                let staged = self.staged.clone();
                 tokio::spawn(async move {
-                    let answer = match run_step(&devices, step, input, trace).await {
-                        Ok(reports) => Control::StepDone {
-                            step,
-                            reports: reports
-                                .into_iter()
-                                .map(|r| DeviceReport {
-                                    device: r.device as u32,
-                                    loss_sum: r.outcome.loss_sum,
-                                    correct: r.outcome.correct as u64,
-                                    error: r.error,
-                                    events: r
-                                        .events
-                                        .iter()
-                                        .map(|e| (e.op, e.start, e.end))
-                                        .collect(),
-                                })
-                                .collect(),
-                        },
-                        Err(e) => failed(e.into()),
+                    let answer = match step_input(step, samples, &staged, &graph, &needed).await {
+                        Ok(input) => step_answer(&devices, step, input, trace).await,
+                        Err(e) => failed(e),
                     };
                     reply(&conn, &answer).await;
                 });
@@ -614,5 +693,42 @@ impl Job {
             out.push(PieceData::from(piece.0));
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples(label: u32) -> StepSamples {
+        StepSamples {
+            images: Vec::new(),
+            image_samples: 0..0,
+            labels: vec![label],
+            label_samples: 0..1,
+        }
+    }
+
+    #[test]
+    fn staged_samples_reach_their_step_in_any_order() {
+        let runtime = crate::net::runtime().unwrap();
+        runtime.block_on(async {
+            let staged = Arc::new(Staged::default());
+            // The step asks before its samples arrive, and the next step's arrive first.
+            let waiting = tokio::spawn({
+                let staged = staged.clone();
+                async move { staged.take(4).await.unwrap() }
+            });
+            tokio::task::yield_now().await;
+            staged.put(5, samples(5));
+            staged.put(4, samples(4));
+            assert_eq!(waiting.await.unwrap(), samples(4));
+            assert_eq!(staged.take(5).await.unwrap(), samples(5));
+            // Samples of a step that ran without them are dropped once a later step takes its own.
+            staged.put(6, samples(6));
+            staged.put(7, samples(7));
+            staged.take(7).await.unwrap();
+            assert!(staged.by_step.lock().unwrap().is_empty());
+        });
     }
 }

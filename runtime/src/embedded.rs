@@ -3,7 +3,7 @@
 
 use crate::buffer::Buffer;
 use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
-use crate::exec::StepInput;
+use crate::exec::{BatchView, StepInput};
 use crate::plan::{PlanError, SamplesRead, StepPlan};
 use crate::program::DeviceProgram;
 use crate::region::RegionKind;
@@ -160,7 +160,7 @@ impl EmbeddedCluster {
             images: 0..batch,
             labels: 0..batch,
         };
-        check_batch(&self.graph, &input, &whole)?;
+        check_batch(&self.graph, &input.view(), &whole)?;
         let input = Arc::new(input);
         let reports = self
             .runtime
@@ -239,7 +239,7 @@ impl EmbeddedCluster {
 /// and at least the samples `needed` by the devices that will read it (network input on a worker).
 pub fn check_batch(
     graph: &Graph,
-    input: &StepInput,
+    input: &BatchView,
     needed: &SamplesRead,
 ) -> Result<(), RuntimeError> {
     let batch = graph.batch();

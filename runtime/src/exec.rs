@@ -38,10 +38,40 @@ impl StepInput {
         }
     }
 
+    pub fn view(&self) -> BatchView<'_> {
+        BatchView {
+            images: &self.images,
+            image_samples: self.image_samples.clone(),
+            labels: &self.labels,
+            label_samples: self.label_samples.clone(),
+        }
+    }
+
     /// The labels of samples `samples`, which must lie within `label_samples`.
     fn labels_of(&self, samples: Range<usize>) -> &[u32] {
         let first = self.label_samples.start;
         &self.labels[samples.start - first..samples.end - first]
+    }
+}
+
+/// Borrowed samples of a batch, as [`StepInput`] holds them.
+#[derive(Clone, Debug)]
+pub struct BatchView<'a> {
+    pub images: &'a [f32],
+    pub image_samples: Range<usize>,
+    pub labels: &'a [u32],
+    pub label_samples: Range<usize>,
+}
+
+impl<'a> BatchView<'a> {
+    /// A whole batch of `batch` samples.
+    pub fn whole(images: &'a [f32], labels: &'a [u32], batch: usize) -> BatchView<'a> {
+        BatchView {
+            images,
+            image_samples: 0..batch,
+            labels,
+            label_samples: 0..batch,
+        }
     }
 }
 

@@ -63,10 +63,10 @@ fn a_step_missing_needed_samples_is_refused() {
         labels: vec![1; labels.len()],
         label_samples: labels,
     };
-    check_batch(&graph, &input(2..6, 4..6), &needs).unwrap();
-    check_batch(&graph, &input(0..8, 0..8), &needs).unwrap();
+    check_batch(&graph, &input(2..6, 4..6).view(), &needs).unwrap();
+    check_batch(&graph, &input(0..8, 0..8).view(), &needs).unwrap();
     for (images, labels, what) in [(3..6, 4..6, "images"), (2..6, 4..5, "labels")] {
-        match check_batch(&graph, &input(images, labels), &needs) {
+        match check_batch(&graph, &input(images, labels).view(), &needs) {
             Err(e @ RuntimeError::SamplesMissing { .. }) => {
                 let message = e.to_string();
                 assert!(message.contains(what), "{message}");
@@ -76,18 +76,18 @@ fn a_step_missing_needed_samples_is_refused() {
     }
     // Beyond the batch, or a range that runs backwards.
     assert!(matches!(
-        check_batch(&graph, &input(4..10, 4..6), &needs),
+        check_batch(&graph, &input(4..10, 4..6).view(), &needs),
         Err(RuntimeError::SamplesMissing { .. })
     ));
     // Decoded from the network, so nothing stops a range from running backwards.
     let mut backwards = input(2..6, 4..6);
     backwards.label_samples = std::ops::Range { start: 6, end: 4 };
-    assert!(check_batch(&graph, &backwards, &needs).is_err());
+    assert!(check_batch(&graph, &backwards.view(), &needs).is_err());
     // Values that do not match the samples claimed.
     let mut short = input(2..6, 4..6);
     short.images.pop();
     assert!(matches!(
-        check_batch(&graph, &short, &needs),
+        check_batch(&graph, &short.view(), &needs),
         Err(RuntimeError::BatchSize { .. })
     ));
 }
