@@ -198,12 +198,22 @@ impl AxisNeeds {
         for row in overlap.chunks(h) {
             push_pyramid(row, &mut by_producer);
         }
+        // rows by producer range, built like a pyramid: single blocks' rows are `by_producer`'s
+        // maxima, and each wider range's row is the elementwise max of its two halves' rows
         let (producer_ranges, consumer_ranges) = (2 * g - 1, 2 * h - 1);
         let mut range_max = Vec::with_capacity(producer_ranges * consumer_ranges);
-        for p in 0..producer_ranges {
-            column.clear();
-            column.extend((0..h).map(|j| by_consumer[j * producer_ranges + p].best));
-            push_max_pyramid(&column, &mut range_max);
+        range_max.extend(by_producer.iter().map(|s| s.best));
+        let (mut level_start, mut len) = (0, g);
+        while len > 1 {
+            for r in 0..len / 2 {
+                let first = (level_start + 2 * r) * consumer_ranges;
+                for c in 0..consumer_ranges {
+                    let merged = range_max[first + c].max(range_max[first + consumer_ranges + c]);
+                    range_max.push(merged);
+                }
+            }
+            level_start += len;
+            len /= 2;
         }
         AxisPair {
             max,
@@ -229,22 +239,6 @@ fn push_pyramid(values: &[u64], out: &mut Vec<Stats>) {
     while len > 1 {
         for r in 0..len / 2 {
             let merged = out[level_start + 2 * r].merge(&out[level_start + 2 * r + 1]);
-            out.push(merged);
-        }
-        level_start += len;
-        len /= 2;
-    }
-}
-
-/// Appends the maximum of every aligned power-of-two range of `values`, laid out as
-/// [`push_pyramid`] lays out its stats.
-fn push_max_pyramid(values: &[u64], out: &mut Vec<u64>) {
-    let start = out.len();
-    out.extend_from_slice(values);
-    let (mut level_start, mut len) = (start, values.len());
-    while len > 1 {
-        for r in 0..len / 2 {
-            let merged = out[level_start + 2 * r].max(out[level_start + 2 * r + 1]);
             out.push(merged);
         }
         level_start += len;
@@ -475,7 +469,7 @@ impl Regular {
     /// of these products over the other groups of the larger block (the top two suffice). The
     /// product for the group it sits in bounds its largest intra-node message: when that bound's
     /// time is no more than the inter-node message's, the latter decides t_x exactly (message
-    /// times grow with size).
+    /// times grow with size); when both are 0, nothing moves.
     fn nested_by_inter_node(
         &self,
         src: &Side,
@@ -539,7 +533,8 @@ impl Regular {
                 inter = inter.max(if own == first_group { second } else { first });
                 intra_bound = intra_bound.max(out.group_max[s * big_groups + own]);
             }
-            if inter == 0 || self.time(intra_bound, 0, false) > self.time(0, inter, false) {
+            // (with no message at all, both 0, t_x is `time(0, 0)` too)
+            if self.time(intra_bound, 0, false) > self.time(0, inter, false) {
                 return false;
             }
             if inter != last.0 {
