@@ -1041,6 +1041,10 @@ mod tests {
             MachineModel::preset("paper:8").unwrap(),
             MachineModel::from_flags(4, 2, Some(30.0), Some(3.0)).unwrap(),
             MachineModel::from_flags(1, 8, None, None).unwrap(),
+            // slow and fast inter-node links: the inter-node message decides t_x almost always,
+            // or rarely (see `Regular::nested_by_inter_node`)
+            MachineModel::from_flags(4, 4, Some(100.0), Some(1.0)).unwrap(),
+            MachineModel::from_flags(2, 8, Some(10.0), Some(30.0)).unwrap(),
         ] {
             let regular = Regular::detect(&machine).expect("regular machine");
             let per_message = DevicePairs::new(&machine);
