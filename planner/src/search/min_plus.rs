@@ -83,14 +83,16 @@ pub(crate) fn min_plus(
                     let g = chunk * 64 + pass.trailing_zeros() as usize;
                     pass &= pass - 1;
                     let r = groups[g].clone();
-                    worst[g] = relax(
+                    if let Some(w) = relax(
                         &mut out_row[r.clone()],
                         &mut arg_row[r.clone()],
                         &b_row[r],
                         base,
                         j as u32,
-                    );
-                    changed = true;
+                    ) {
+                        worst[g] = w;
+                        changed = true;
+                    }
                 }
             }
             if !changed {
@@ -102,9 +104,21 @@ pub(crate) fn min_plus(
     (out, arg)
 }
 
-/// `out[k] = min(out[k], base + b[k])`, recording `j` where it improves; returns the new max of `out`.
+/// `out[k] = min(out[k], base + b[k])`, recording `j` where it improves; returns the new max of `out`,
+/// or `None` when no column improves.
+///
+/// Most relaxations that pass the group test improve nothing (3 in 4 on Inception-v3 at 16
+/// devices, 1.5 columns on average otherwise): a branch-free scan, which vectorizes, finds those
+/// before the update loop.
 #[inline]
-fn relax(out: &mut [f64], arg: &mut [u32], b: &[f64], base: f64, j: u32) -> f64 {
+fn relax(out: &mut [f64], arg: &mut [u32], b: &[f64], base: f64, j: u32) -> Option<f64> {
+    let improves = out
+        .iter()
+        .zip(b)
+        .fold(false, |any, (&o, &x)| any | (base + x < o));
+    if !improves {
+        return None;
+    }
     let mut worst = 0.0f64;
     for ((o, g), &x) in out.iter_mut().zip(arg.iter_mut()).zip(b) {
         let v = base + x;
@@ -113,7 +127,7 @@ fn relax(out: &mut [f64], arg: &mut [u32], b: &[f64], base: f64, j: u32) -> f64 
         *g = if better { j } else { *g };
         worst = if *o > worst { *o } else { worst };
     }
-    worst
+    Some(worst)
 }
 
 #[cfg(test)]
