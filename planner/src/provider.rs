@@ -94,8 +94,10 @@ impl RooflineCost {
             .iter()
             .map(|r| r.volume())
             .sum();
-        let param_elems: usize = (0..op.params(inputs).len())
-            .map(|i| op.param_rect(inputs, i, tile_out).volume())
+        let param_elems: usize = op
+            .params(inputs)
+            .iter()
+            .map(|p| op.param_rect(p, tile_out).volume())
             .sum();
         let forward_bytes = 4.0 * (input_elems + tile_out.volume() + param_elems) as f64;
         let flop_rate = spec.peak_flops_per_s() * self.compute_efficiency;

@@ -78,7 +78,7 @@ impl SyncPlan {
             // Tiles run on devices in ascending order, so each slice's devices come out ascending.
             let mut by_slice: Vec<(Rect, Vec<DeviceId>)> = Vec::new();
             for (t, tile) in tiles.iter().enumerate() {
-                let slice = op.param_rect(&inputs, param, tile);
+                let slice = op.param_rect(spec, tile);
                 let device = config.device_of_tile(t);
                 match by_slice.iter_mut().find(|(s, _)| *s == slice) {
                     Some((_, devices)) => devices.push(device),
@@ -147,13 +147,13 @@ pub fn layer_link_loads(graph: &Graph, layer: LayerId, config: &ParallelConfig) 
     // (bytes, messages) per (owner, replica), indexed by their positions in the device block.
     let mut matrix = vec![(0u64, 0u32); total * total];
     let tiles: Vec<Rect> = (0..total).map(|t| tile_rect(&l.shape, config, t)).collect();
-    for (param, spec) in op.params(&inputs).iter().enumerate() {
+    for spec in &op.params(&inputs) {
         if !spec.trainable {
             continue;
         }
         let mut by_slice: Vec<(Rect, Vec<usize>)> = Vec::new();
         for (t, tile) in tiles.iter().enumerate() {
-            let slice = op.param_rect(&inputs, param, tile);
+            let slice = op.param_rect(spec, tile);
             match by_slice.iter_mut().find(|(s, _)| *s == slice) {
                 Some((_, positions)) => positions.push(t),
                 None => by_slice.push((slice, vec![t])),

@@ -273,14 +273,14 @@ impl Lowering<'_> {
     ) {
         let inputs = self.graph.input_shapes(t.layer);
         let spec = self.graph.layer(t.layer).op.spec();
-        for (i, _) in spec
+        for (i, param) in spec
             .params(&inputs)
             .iter()
             .enumerate()
             .filter(|(i, _)| which(*i))
         {
             let slot = self.regions.slot(t.layer, i);
-            let rect = spec.param_rect(&inputs, i, &p.tile);
+            let rect = spec.param_rect(param, &p.tile);
             t.require(
                 self.regions.param(slot),
                 rect,
@@ -294,10 +294,10 @@ impl Lowering<'_> {
     fn param_grads(&self, t: &mut TaskSpec, p: &Point) {
         let inputs = self.graph.input_shapes(t.layer);
         let spec = self.graph.layer(t.layer).op.spec();
-        for i in 0..spec.params(&inputs).len() {
+        for (i, param) in spec.params(&inputs).iter().enumerate() {
             let slot = self.regions.slot(t.layer, i);
             if let Some(grad) = self.regions.param_grad(slot) {
-                let rect = spec.param_rect(&inputs, i, &p.tile);
+                let rect = spec.param_rect(param, &p.tile);
                 t.require(grad, rect, Reduce, Role::ParamGrad(i as u8));
             }
         }

@@ -86,7 +86,7 @@ impl<'g> Mapper<'g> {
             // Slices in order of first use; devices ascending, as tiles are.
             let mut slices: Vec<(Rect, Vec<DeviceId>)> = Vec::new();
             for p in &points {
-                let slice = op.param_rect(&inputs, param, &p.tile);
+                let slice = op.param_rect(spec, &p.tile);
                 match slices.iter_mut().find(|(s, _)| *s == slice) {
                     Some((_, devices)) if !devices.contains(&p.device) => devices.push(p.device),
                     Some(_) => {}

@@ -253,15 +253,19 @@ impl Geometry {
     }
 
     fn debug_check_params(&self, op: &Conv2d, in_shape: Shape, w: &View, b: Option<&View>) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let params = op.params(&[in_shape]);
         debug_assert_eq!(
             w.rect,
-            op.param_rect(&[in_shape], 0, &self.out),
+            op.param_rect(&params[0], &self.out),
             "weight view must cover the tile's output channels"
         );
         debug_assert_eq!(w.data.len(), w.rect.volume());
         if let Some(b) = b {
             debug_assert!(op.bias, "bias given to a conv2d without bias");
-            debug_assert_eq!(b.rect, op.param_rect(&[in_shape], 1, &self.out));
+            debug_assert_eq!(b.rect, op.param_rect(&params[1], &self.out));
             debug_assert_eq!(b.data.len(), b.rect.volume());
         }
     }
@@ -1110,13 +1114,13 @@ mod tests {
                 } else {
                     case.op.project(&[case.input], &tile)[0]
                 };
-                let w_rect = case.op.param_rect(&[case.input], 0, &tile);
+                let w_rect = case.op.param_rect(&case.op.params(&[case.input])[0], &tile);
                 let x_tile = cut(&case.x, &x_full, &x_rect);
                 let w_tile = cut(&case.w, &w_full, &w_rect);
                 let b_rect = case
                     .op
                     .bias
-                    .then(|| case.op.param_rect(&[case.input], 1, &tile));
+                    .then(|| case.op.param_rect(&case.op.params(&[case.input])[1], &tile));
                 let b_tile = b_rect.map(|r| cut(case.b.as_ref().unwrap(), &b_full, &r));
                 let geo = geometry(case, &x_rect, &tile, blocking);
 

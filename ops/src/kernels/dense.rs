@@ -443,11 +443,11 @@ mod tests {
                         } else {
                             case.op.project(&[case.input], &tile)[0]
                         };
-                        let w_rect = case.op.param_rect(&[case.input], 0, &tile);
+                        let w_rect = case.op.param_rect(&case.op.params(&[case.input])[0], &tile);
                         let b_rect = case
                             .op
                             .bias
-                            .then(|| case.op.param_rect(&[case.input], 1, &tile));
+                            .then(|| case.op.param_rect(&case.op.params(&[case.input])[1], &tile));
                         let x_tile = cut(&case.x, &x_full, &x_rect);
                         let w_tile = cut(&case.w, &w_full, &w_rect);
                         let b_tile = b_rect.map(|r| cut(case.b.as_ref().unwrap(), &b_full, &r));

@@ -107,12 +107,11 @@ pub trait OpSpec {
     /// The rect of each input that the output tile `out` reads, clipped to the input's bounds.
     fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect>;
 
-    /// The slice of parameter `index` (as ordered by `params`) that computing tile `out` needs.
-    fn param_rect(&self, inputs: &[Shape], index: usize, out: &Rect) -> Rect {
-        self.params(inputs)[index]
-            .shape
-            .full_rect()
-            .with_channels_of(out)
+    /// The slice of parameter `param` (one of `params`) that computing tile `out` needs. Takes
+    /// the parameter rather than its index so that callers looping over tiles list the
+    /// parameters once, not once per tile.
+    fn param_rect(&self, param: &ParamSpec, out: &Rect) -> Rect {
+        param.shape.full_rect().with_channels_of(out)
     }
 }
 
