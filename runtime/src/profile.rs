@@ -16,8 +16,22 @@
 //! samples with the same [`ProfileKey`] (the same op over the same shapes, whichever strategy or
 //! device ran it) are averaged.
 //!
-//! Links: a transfer between devices takes from its `Send` starting (the gather on the sender) to
-//! its `Recv` ending (the store on the receiver). A least-squares line `latency + bytes / bandwidth`
+//! Runtime costs ([`RuntimeCosts`], what the simulator charges besides kernels and transfers):
+//!
+//! - folds: bytes streamed ([`fold_bytes`] of the fold's terms, plus the destination when it
+//!   accumulates, over its rect) over seconds, summed over every fold;
+//! - updates: [`update_bytes`] of each `Update` task's slice over seconds, summed likewise;
+//! - dispatch: for every compute op (kernel, fold, update), the time from when its device could
+//!   have started it (its local dependences done, including receives, and the device's previous
+//!   compute op finished; the step's start for the first) to its kernel starting, averaged over
+//!   the ops for which the compute pool had a free thread that whole time (counted from the other
+//!   devices' compute ops), so that waiting for a core, which the simulator models itself, is
+//!   left out. It is the actors' message handling, their inline data movement (local copies,
+//!   the gathers of sends, the stores of receives) and the hand-offs to and from the pool.
+//!
+//! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender,
+//! which the simulator prices as a copy of its own) to its `Recv` ending (the store on the
+//! receiver). A least-squares line `latency + bytes / bandwidth`
 //! through those points is the measured link. Only transfers whose receive waited for nothing but
 //! the data are used: a receive held back by a local dependence would count that wait as transport.
 
@@ -29,8 +43,9 @@ use crate::task::TaskKind;
 use legion_ops::data::{DataError, Dataset, Synthetic};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
+use legion_planner::machine::{fold_bytes, update_bytes};
 use legion_planner::profile::{LinkProfile, ProfileKey};
-use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
+use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, RuntimeCosts, tile_rect};
 use std::collections::HashMap;
 use std::time::Instant;
 use thiserror::Error;
@@ -104,6 +119,8 @@ pub fn profile(
     let params = ParamStore::init(graph, settings.seed);
     let mut tiles = TileTimes::default();
     let mut links = LinkFit::default();
+    let mut overheads = RuntimeFit::default();
+    let threads = rayon::current_num_threads();
     let mut runs = Vec::new();
     for (name, configs) in strategies {
         let in_strategy = |source| ProfileRunError::Strategy {
@@ -138,13 +155,15 @@ pub fn profile(
             run.step_s.push(t.elapsed().as_secs_f64());
             run.tasks += tiles.add_step(graph, cluster.plan(), &result.reports, settings);
             links.add_step(cluster.plan(), &result.reports);
+            overheads.add_step(cluster.plan(), &result.reports, threads);
         }
         runs.push(run);
     }
     let mut db = tiles.into_db(graph, &settings.device_kind);
     db.links = links.fit();
     // Every device's kernels ran on the one global pool: this many could run at once.
-    db.compute_threads = Some(rayon::current_num_threads());
+    db.compute_threads = Some(threads);
+    db.runtime = overheads.costs();
     Ok(Profile { db, runs })
 }
 
@@ -305,6 +324,157 @@ impl TileTimes {
     }
 }
 
+/// Sums for [`RuntimeCosts`] (see the module docs).
+#[derive(Default)]
+struct RuntimeFit {
+    fold_bytes: f64,
+    fold_s: f64,
+    update_bytes: f64,
+    update_s: f64,
+    dispatch_s: f64,
+    dispatches: usize,
+    copy_bytes: f64,
+    copy_s: f64,
+}
+
+impl RuntimeFit {
+    fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport], threads: usize) {
+        // Every device's compute ops, (start, end), to tell whether the pool had a free thread.
+        let busy: Vec<Vec<(f64, f64)>> = reports
+            .iter()
+            .map(|r| {
+                let program = &plan.programs[r.device];
+                r.events
+                    .iter()
+                    .filter(|e| pooled(&program.ops[e.op as usize]))
+                    .map(|e| (e.start, e.end))
+                    .collect()
+            })
+            .collect();
+        for (i, r) in reports.iter().enumerate() {
+            let program = &plan.programs[r.device];
+            let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
+            let mut compute: Vec<_> = r
+                .events
+                .iter()
+                .filter(|e| pooled(&program.ops[e.op as usize]))
+                .collect();
+            compute.sort_by(|a, b| a.start.total_cmp(&b.start));
+            for e in &r.events {
+                let (bytes, copies) = copied(program, &program.ops[e.op as usize].kind);
+                if copies > 0 {
+                    self.copy_bytes += (bytes * copies) as f64;
+                    self.copy_s += e.end - e.start;
+                }
+            }
+            let mut device_free = 0.0f64;
+            for e in compute {
+                let op = &program.ops[e.op as usize];
+                let seconds = e.end - e.start;
+                match &op.kind {
+                    LocalOpKind::Fold {
+                        srcs,
+                        dst,
+                        rect,
+                        accumulate,
+                    } => {
+                        let size = program.instances[*dst as usize].dtype.size() as u64;
+                        let terms = srcs.len() + usize::from(*accumulate);
+                        self.fold_bytes += fold_bytes(terms, rect.volume() as u64 * size) as f64;
+                        self.fold_s += seconds;
+                    }
+                    LocalOpKind::Task { task, .. }
+                        if matches!(task.kind, TaskKind::Update { .. }) =>
+                    {
+                        self.update_bytes += update_bytes(4 * task.tile.volume() as u64) as f64;
+                        self.update_s += seconds;
+                    }
+                    _ => {}
+                }
+                let ready = op
+                    .deps
+                    .iter()
+                    .filter_map(|d| end_of.get(d))
+                    .fold(device_free, |a, &b| a.max(b));
+                device_free = e.end;
+                let others = busy
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| j != i)
+                    .flat_map(|(_, spans)| spans.iter().copied());
+                // The actor's own copies while the op waited are priced as copies, not dispatch.
+                let moved: f64 = r
+                    .events
+                    .iter()
+                    .filter(|m| !program.ops[m.op as usize].is_compute())
+                    .map(|m| (m.end.min(e.start) - m.start.max(ready)).max(0.0))
+                    .sum();
+                let running = most_running(others, ready, e.start);
+                if running < threads {
+                    self.dispatch_s += (e.start - ready - moved).max(0.0);
+                    self.dispatches += 1;
+                }
+            }
+        }
+    }
+
+    fn costs(&self) -> Option<RuntimeCosts> {
+        let costs = RuntimeCosts {
+            dispatch_s: self.dispatch_s / self.dispatches as f64,
+            fold_bytes_per_s: self.fold_bytes / self.fold_s,
+            update_bytes_per_s: self.update_bytes / self.update_s,
+            copy_bytes_per_s: self.copy_bytes / self.copy_s,
+        };
+        (self.dispatches > 0 && costs.validate().is_ok()).then_some(costs)
+    }
+}
+
+/// The bytes a data-movement op copies and how many times it copies them: a piece of an instance
+/// is gathered out of it, a piece is stored into a larger instance; whole instances are shared.
+fn copied(program: &crate::program::DeviceProgram, kind: &LocalOpKind) -> (u64, u64) {
+    let layout = |i: &u32| program.instances[*i as usize].rect;
+    let size = |i: &u32| program.instances[*i as usize].dtype.size() as u64;
+    match kind {
+        LocalOpKind::Copy { src, dst, rect } => (
+            rect.volume() as u64 * size(dst),
+            u64::from(layout(src) != *rect) + u64::from(layout(dst) != *rect),
+        ),
+        LocalOpKind::Send { src, rect, .. } => (
+            rect.volume() as u64 * size(src),
+            u64::from(layout(src) != *rect),
+        ),
+        LocalOpKind::Recv { dst, rect, .. } => (
+            rect.volume() as u64 * size(dst),
+            u64::from(layout(dst) != *rect),
+        ),
+        _ => (0, 0),
+    }
+}
+
+/// Whether `op` runs on the compute pool (kernels and folds; tasks without data run on the actor).
+fn pooled(op: &crate::program::LocalOp) -> bool {
+    op.is_compute() && !op.touches_no_data()
+}
+
+/// The most of `spans` (start, end) running at once at any time in `[from, to)`.
+fn most_running(spans: impl Iterator<Item = (f64, f64)>, from: f64, to: f64) -> usize {
+    // +1 where a span starts, −1 where it ends, clipped to the window; ends before starts at ties.
+    let mut edges: Vec<(f64, i32)> = Vec::new();
+    for (s, e) in spans {
+        if s < to && e > from {
+            edges.push((s.max(from), 1));
+            edges.push((e.min(to), -1));
+        }
+    }
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut running, mut most) = (0i32, 0i32);
+    for (_, d) in edges {
+        running += d;
+        most = most.max(running);
+    }
+    most as usize
+}
+
 /// (bytes, seconds) of transfers between devices, for the link fit.
 #[derive(Default)]
 struct LinkFit {
@@ -313,7 +483,7 @@ struct LinkFit {
 
 impl LinkFit {
     fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport]) {
-        let sent = crate::trace::send_starts(plan, reports);
+        let sent = crate::trace::send_ends(plan, reports);
         for r in reports {
             let program = &plan.programs[r.device];
             let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
@@ -376,6 +546,20 @@ impl LinkFit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn most_running_counts_overlaps_inside_the_window() {
+        let spans = [(0.0, 2.0), (1.0, 3.0), (2.0, 4.0), (5.0, 6.0)];
+        assert_eq!(most_running(spans.into_iter(), 0.0, 10.0), 2);
+        // [0, 2) and [2, 4) touch but do not overlap
+        assert_eq!(
+            most_running([(0.0, 2.0), (2.0, 4.0)].into_iter(), 0.0, 4.0),
+            1
+        );
+        assert_eq!(most_running(spans.into_iter(), 4.0, 5.0), 0);
+        assert_eq!(most_running(spans.into_iter(), 2.5, 2.5), 0, "empty window");
+        assert_eq!(most_running(spans.into_iter(), 1.5, 1.8), 2);
+    }
 
     #[test]
     fn link_fit_recovers_a_line_and_needs_two_sizes() {
