@@ -109,10 +109,13 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(r) = &measured.db.runtime {
             println!(
-                "{label:<22} dispatch {:.1} µs per compute op; folds {:.2} GB/s, updates {:.2} GB/s",
+                "{label:<22} dispatch {:.1} µs per compute op; folds {:.2} GB/s, updates {:.2} GB/s, \
+                 actor copies {:.2} GB/s on {} thread(s)",
                 r.dispatch_s * 1e6,
                 r.fold_bytes_per_s / 1e9,
-                r.update_bytes_per_s / 1e9
+                r.update_bytes_per_s / 1e9,
+                r.copy_bytes_per_s / 1e9,
+                r.actor_threads
             );
         }
     }

@@ -145,6 +145,9 @@ pub struct RuntimeCosts {
     /// send, storing a received piece into a larger instance, local copies), bytes per second.
     /// The actor does nothing else meanwhile: its device's next kernel waits.
     pub copy_bytes_per_s: f64,
+    /// Threads the device actors share (the embedded cluster runs its N actors on a small tokio
+    /// pool): at most this many actors copy at once, and an actor needs one to dispatch.
+    pub actor_threads: usize,
 }
 
 /// The bytes a fold of `terms` terms over a rect of `rect_bytes` streams: every term read once and
@@ -177,6 +180,9 @@ impl RuntimeCosts {
             if !(v.is_finite() && v > 0.0) {
                 return Err(format!("{field} must be a positive number, got {v}"));
             }
+        }
+        if self.actor_threads == 0 {
+            return Err("actor_threads must be at least 1".into());
         }
         Ok(())
     }
@@ -711,6 +717,7 @@ mod tests {
             fold_bytes_per_s: 4e9,
             update_bytes_per_s: 2e9,
             copy_bytes_per_s: 5e9,
+            actor_threads: 2,
         };
         let m = m.with_runtime_costs(costs).unwrap();
         assert_eq!(m.runtime_costs(), Some(&costs));

@@ -22,7 +22,7 @@
 //!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412},
 //!   "compute_threads": 2,
 //!   "runtime": {"dispatch_s": 8.0e-5, "fold_bytes_per_s": 3.1e9, "update_bytes_per_s": 2.4e9,
-//!               "copy_bytes_per_s": 4.4e9}
+//!               "copy_bytes_per_s": 4.4e9, "actor_threads": 2}
 //! }
 //! ```
 //!
@@ -47,7 +47,8 @@
 //! compute op finished, a pool thread free) and its kernel starting; `fold_bytes_per_s` and
 //! `update_bytes_per_s` are the throughputs of gradient sums and SGD updates, in the bytes
 //! [`fold_bytes`] and [`update_bytes`] count; `copy_bytes_per_s` that of the copies the device
-//! actors make themselves (gathers for sends, stores of receives, local copies). [`ProfileDb::apply_to`] puts them into the machine
+//! actors make themselves (gathers for sends, stores of receives, local copies); `actor_threads`
+//! the size of the thread pool the actors share. [`ProfileDb::apply_to`] puts them into the machine
 //! model, where the simulator reads them.
 //!
 //! [`fold_bytes`]: crate::machine::fold_bytes
@@ -631,6 +632,7 @@ mod tests {
             fold_bytes_per_s: 3e9,
             update_bytes_per_s: 2e9,
             copy_bytes_per_s: 4e9,
+            actor_threads: 2,
         };
         let db = ProfileDb {
             runtime: Some(costs),
@@ -641,7 +643,7 @@ mod tests {
         let machine = back.apply_to(MachineModel::preset("local-cpu:2").unwrap());
         assert_eq!(machine.runtime_costs(), Some(&costs));
         let e = ProfileDb::from_json(
-            r#"{"version":1,"entries":[],"runtime":{"dispatch_s":-1,"fold_bytes_per_s":1,"update_bytes_per_s":1,"copy_bytes_per_s":1}}"#,
+            r#"{"version":1,"entries":[],"runtime":{"dispatch_s":-1,"fold_bytes_per_s":1,"update_bytes_per_s":1,"copy_bytes_per_s":1,"actor_threads":1}}"#,
             "p.json",
         )
         .unwrap_err()

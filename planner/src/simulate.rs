@@ -112,9 +112,7 @@ pub struct Simulation {
 /// Builds and schedules one iteration of `configs` (by layer id).
 pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
     let tasks = task_graph(model, configs);
-    let machine = model.machine();
-    let dispatch = machine.runtime_costs().map_or(0.0, |c| c.dispatch_s);
-    let (start, finish) = list_schedule_dispatched(&tasks, machine.compute_slots(), dispatch);
+    let (start, finish) = list_schedule_pools(&tasks, &Pools::of(model.machine()));
     let makespan = finish.iter().copied().fold(0.0, f64::max);
     Simulation {
         tasks,
@@ -596,6 +594,30 @@ pub fn list_schedule_shared(tasks: &[Task], compute_slots: Option<usize>) -> (Ve
     list_schedule_dispatched(tasks, compute_slots, 0.0)
 }
 
+/// The thread pools a schedule shares between devices, and the dispatch cost (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pools {
+    /// Compute tasks the whole machine runs at once ([`MachineModel::compute_slots`]).
+    pub compute_slots: Option<usize>,
+    /// Threads the device actors share ([`RuntimeCosts::actor_threads`]): an actor's copy needs
+    /// one for its duration, and a compute task one free before it can be dispatched.
+    pub actor_threads: Option<usize>,
+    /// Seconds between a compute task being startable and its kernel starting.
+    pub dispatch_s: f64,
+}
+
+impl Pools {
+    /// The pools and dispatch of `machine`.
+    pub fn of(machine: &MachineModel) -> Pools {
+        let costs = machine.runtime_costs();
+        Pools {
+            compute_slots: machine.compute_slots(),
+            actor_threads: costs.map(|c| c.actor_threads),
+            dispatch_s: costs.map_or(0.0, |c| c.dispatch_s),
+        }
+    }
+}
+
 /// [`list_schedule_shared`] where every device task starts `dispatch` seconds after it is ready and
 /// its device is free, or when a slot frees if that is later (the dispatch overlaps the wait).
 pub fn list_schedule_dispatched(
@@ -603,6 +625,21 @@ pub fn list_schedule_dispatched(
     compute_slots: Option<usize>,
     dispatch: f64,
 ) -> (Vec<f64>, Vec<f64>) {
+    list_schedule_pools(
+        tasks,
+        &Pools {
+            compute_slots,
+            actor_threads: None,
+            dispatch_s: dispatch,
+        },
+    )
+}
+
+/// The list schedule of `tasks` under `pools`: a compute task (on a device, not a [`TaskKind::Move`])
+/// waits for its device and, with actor threads, for one of them to be free, then for the
+/// dispatch, and, if it takes time, for the earliest free compute slot (the dispatch overlaps that
+/// wait). A move waits for its device and the earliest free actor thread and holds both.
+pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
     let n = tasks.len();
     let mut successors: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut waiting: Vec<usize> = vec![0; n];
@@ -621,22 +658,32 @@ pub fn list_schedule_dispatched(
         .filter(|&t| waiting[t] == 0)
         .map(|t| Reverse((0f64.to_bits(), t)))
         .collect();
-    let mut slots: Vec<f64> = vec![0.0; compute_slots.unwrap_or(0)];
+    let mut slots: Vec<f64> = vec![0.0; pools.compute_slots.unwrap_or(0)];
+    let mut actors: Vec<f64> = vec![0.0; pools.actor_threads.unwrap_or(0)];
+    // The slot that frees first (ties: the lowest), as a work queue hands tasks to threads.
+    let earliest = |pool: &[f64]| {
+        (0..pool.len())
+            .min_by(|&a, &b| pool[a].total_cmp(&pool[b]))
+            .expect("a non-empty pool")
+    };
     while let Some(Reverse((at, t))) = ready.pop() {
         let free = resources.entry(tasks[t].resource).or_insert(0.0);
         start[t] = f64::from_bits(at).max(*free);
-        let compute =
-            matches!(tasks[t].resource, Resource::Device(_)) && tasks[t].kind != TaskKind::Move;
+        let on_device = matches!(tasks[t].resource, Resource::Device(_));
+        let compute = on_device && tasks[t].kind != TaskKind::Move;
+        let mut actor = None;
+        if on_device && !actors.is_empty() {
+            let k = earliest(&actors);
+            start[t] = start[t].max(actors[k]);
+            if !compute {
+                actor = Some(k);
+            }
+        }
         if compute {
-            start[t] += dispatch;
+            start[t] += pools.dispatch_s;
         }
         let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && compute;
-        // The slot that frees first (ties: the lowest), as a work queue hands tasks to threads.
-        let slot = pooled.then(|| {
-            (0..slots.len())
-                .min_by(|&a, &b| slots[a].total_cmp(&slots[b]))
-                .expect("at least one slot")
-        });
+        let slot = pooled.then(|| earliest(&slots));
         if let Some(k) = slot {
             start[t] = start[t].max(slots[k]);
         }
@@ -644,6 +691,9 @@ pub fn list_schedule_dispatched(
         *free = finish[t];
         if let Some(k) = slot {
             slots[k] = finish[t];
+        }
+        if let Some(k) = actor {
+            actors[k] = finish[t];
         }
         for &s in &successors[t] {
             ready_at[s] = ready_at[s].max(finish[t]);
@@ -876,6 +926,7 @@ mod tests {
                 fold_bytes_per_s: 1e9,
                 update_bytes_per_s: 2e9,
                 copy_bytes_per_s: 4e9,
+                actor_threads: 1,
             })
             .unwrap()
     }
@@ -1061,6 +1112,41 @@ mod tests {
             list_schedule_dispatched(&tasks, Some(1), 0.0),
             list_schedule_shared(&tasks, Some(1))
         );
+    }
+
+    #[test]
+    fn actor_threads_serialise_copies_and_hold_back_dispatch() {
+        let task = |name: &str, kind, device, duration, deps: Vec<usize>| Task {
+            name: name.into(),
+            kind,
+            resource: Resource::Device(device),
+            duration,
+            bytes: 0,
+            deps,
+        };
+        let tasks = vec![
+            task("move 0", TaskKind::Move, 0, 2.0, vec![]),
+            task("move 1", TaskKind::Move, 1, 2.0, vec![]),
+            task("kernel 2", TaskKind::Forward, 2, 1.0, vec![]),
+            task("kernel 0", TaskKind::Backward, 0, 1.0, vec![0]),
+        ];
+        let pools = |actor_threads| Pools {
+            compute_slots: Some(2),
+            actor_threads,
+            dispatch_s: 0.5,
+        };
+        // Two actor threads: both copies at once; kernel 2 finds no free thread until 2, then
+        // pays its dispatch; kernel 0 follows its copy, the same way.
+        let (start, finish) = list_schedule_pools(&tasks, &pools(Some(2)));
+        assert_eq!(start, vec![0.0, 0.0, 2.5, 2.5]);
+        assert_eq!(finish, vec![2.0, 2.0, 3.5, 3.5]);
+        // One: the copies take turns (move 1 from 2 to 4), and the kernels wait for it.
+        let (start, finish) = list_schedule_pools(&tasks, &pools(Some(1)));
+        assert_eq!(start, vec![0.0, 2.0, 4.5, 4.5]);
+        assert_eq!(finish, vec![2.0, 4.0, 5.5, 5.5]);
+        // Without actor threads: copies only hold their device.
+        let (start, _) = list_schedule_pools(&tasks, &pools(None));
+        assert_eq!(start, vec![0.0, 0.0, 0.5, 2.5]);
     }
 
     #[test]

@@ -24,10 +24,14 @@
 //! - dispatch: for every compute op (kernel, fold, update), the time from when its device could
 //!   have started it (its local dependences done, including receives, and the device's previous
 //!   compute op finished; the step's start for the first) to its kernel starting, averaged over
-//!   the ops for which the compute pool had a free thread that whole time (counted from the other
-//!   devices' compute ops), so that waiting for a core, which the simulator models itself, is
-//!   left out. It is the actors' message handling, their inline data movement (local copies,
-//!   the gathers of sends, the stores of receives) and the hand-offs to and from the pool.
+//!   the ops for which the compute pool and the actors' pool each had a free thread that whole
+//!   time (counted from the other devices' compute ops and copies), so that waiting for a thread,
+//!   which the simulator models itself, is left out; the device's own actor's copies in that time
+//!   are subtracted (the simulator prices them as copies). What remains is the actors' message
+//!   handling and the hand-offs to and from the pool;
+//! - copies: bytes over seconds of every data-movement op that copies (a gather out of, or a store
+//!   into, a larger instance; whole instances are shared), summed;
+//! - actor threads: the worker count of the runtime the device actors run on.
 //!
 //! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender,
 //! which the simulator prices as a copy of its own) to its `Recv` ending (the store on the
@@ -121,6 +125,8 @@ pub fn profile(
     let mut links = LinkFit::default();
     let mut overheads = RuntimeFit::default();
     let threads = rayon::current_num_threads();
+    // The actors' pool: the clusters above run on runtimes built by this same function.
+    let actor_threads = crate::embedded::device_runtime().metrics().num_workers();
     let mut runs = Vec::new();
     for (name, configs) in strategies {
         let in_strategy = |source| ProfileRunError::Strategy {
@@ -155,7 +161,7 @@ pub fn profile(
             run.step_s.push(t.elapsed().as_secs_f64());
             run.tasks += tiles.add_step(graph, cluster.plan(), &result.reports, settings);
             links.add_step(cluster.plan(), &result.reports);
-            overheads.add_step(cluster.plan(), &result.reports, threads);
+            overheads.add_step(cluster.plan(), &result.reports, threads, actor_threads);
         }
         runs.push(run);
     }
@@ -163,7 +169,7 @@ pub fn profile(
     db.links = links.fit();
     // Every device's kernels ran on the one global pool: this many could run at once.
     db.compute_threads = Some(threads);
-    db.runtime = overheads.costs();
+    db.runtime = overheads.costs(actor_threads);
     Ok(Profile { db, runs })
 }
 
@@ -338,19 +344,36 @@ struct RuntimeFit {
 }
 
 impl RuntimeFit {
-    fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport], threads: usize) {
-        // Every device's compute ops, (start, end), to tell whether the pool had a free thread.
-        let busy: Vec<Vec<(f64, f64)>> = reports
-            .iter()
-            .map(|r| {
-                let program = &plan.programs[r.device];
-                r.events
-                    .iter()
-                    .filter(|e| pooled(&program.ops[e.op as usize]))
-                    .map(|e| (e.start, e.end))
-                    .collect()
-            })
-            .collect();
+    fn add_step(
+        &mut self,
+        plan: &StepPlan,
+        reports: &[StepReport],
+        threads: usize,
+        actor_threads: usize,
+    ) {
+        // Every device's compute ops and copies, (start, end), to tell whether the pools had a
+        // free thread.
+        let spans = |moves: bool| -> Vec<Vec<(f64, f64)>> {
+            reports
+                .iter()
+                .map(|r| {
+                    let program = &plan.programs[r.device];
+                    r.events
+                        .iter()
+                        .filter(|e| {
+                            let op = &program.ops[e.op as usize];
+                            if moves {
+                                copied(program, &op.kind).1 > 0
+                            } else {
+                                pooled(op)
+                            }
+                        })
+                        .map(|e| (e.start, e.end))
+                        .collect()
+                })
+                .collect()
+        };
+        let (busy, copying) = (spans(false), spans(true));
         for (i, r) in reports.iter().enumerate() {
             let program = &plan.programs[r.device];
             let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
@@ -397,11 +420,13 @@ impl RuntimeFit {
                     .filter_map(|d| end_of.get(d))
                     .fold(device_free, |a, &b| a.max(b));
                 device_free = e.end;
-                let others = busy
-                    .iter()
-                    .enumerate()
-                    .filter(|&(j, _)| j != i)
-                    .flat_map(|(_, spans)| spans.iter().copied());
+                let others = |all: &[Vec<(f64, f64)>]| {
+                    all.iter()
+                        .enumerate()
+                        .filter(|&(j, _)| j != i)
+                        .flat_map(|(_, spans)| spans.iter().copied())
+                        .collect::<Vec<_>>()
+                };
                 // The actor's own copies while the op waited are priced as copies, not dispatch.
                 let moved: f64 = r
                     .events
@@ -409,8 +434,9 @@ impl RuntimeFit {
                     .filter(|m| !program.ops[m.op as usize].is_compute())
                     .map(|m| (m.end.min(e.start) - m.start.max(ready)).max(0.0))
                     .sum();
-                let running = most_running(others, ready, e.start);
-                if running < threads {
+                let running = most_running(others(&busy).into_iter(), ready, e.start);
+                let copiers = most_running(others(&copying).into_iter(), ready, e.start);
+                if running < threads && copiers < actor_threads {
                     self.dispatch_s += (e.start - ready - moved).max(0.0);
                     self.dispatches += 1;
                 }
@@ -418,12 +444,13 @@ impl RuntimeFit {
         }
     }
 
-    fn costs(&self) -> Option<RuntimeCosts> {
+    fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
         let costs = RuntimeCosts {
             dispatch_s: self.dispatch_s / self.dispatches as f64,
             fold_bytes_per_s: self.fold_bytes / self.fold_s,
             update_bytes_per_s: self.update_bytes / self.update_s,
             copy_bytes_per_s: self.copy_bytes / self.copy_s,
+            actor_threads,
         };
         (self.dispatches > 0 && costs.validate().is_ok()).then_some(costs)
     }
