@@ -5,17 +5,24 @@
 //! compute op the runtime's device programs run:
 //! - forward compute of every tile, on its device (the input layer's is loading the batch);
 //! - a copy per (producer tile → consumer tile) overlap on different devices, on the link between
-//!   them (same-device overlaps are plain dependencies);
+//!   them (same-device overlaps are plain dependencies). The runtime keeps a producer's output as
+//!   one instance of its tile and a consumer's input as one instance of the rect it reads: an
+//!   overlap that is only part of the first is gathered out of it on the sender's actor, one that
+//!   is only part of the second is stored into it on the receiver's actor (a same-device overlap
+//!   that is part of either is a local copy); these are [`TaskKind::Move`] tasks on the device;
 //! - per tile of every layer whose output gradient is read (every layer but the input and the
 //!   last), a fold: the sum of the gradient terms its consumers' tiles contributed (local ones and
-//!   the gradient copies from other devices), which its backward reads. The runtime folds per
-//!   fragment of the tile; the fragments' [`fold_bytes`] add up to the tile's bytes plus every
-//!   term's, which is what the task streams;
+//!   the gradient copies from other devices, each gathered out of the consumer's input gradient
+//!   when it is a part of it), which its backward reads. The runtime folds per fragment of the
+//!   tile; the fragments' [`fold_bytes`] add up to the tile's bytes plus every term's, which is
+//!   what the task streams;
 //! - backward compute of every tile but the input layer's, after its forward and its fold
 //!   (gradient copies run on the reverse links; none go to the input layer);
 //! - parameter synchronisation per replica group exactly as [`crate::sync`] describes: gradient
 //!   messages replica → owner, the owner's fold of the k replicas' gradients and its SGD update,
-//!   updated slices owner → replica. A slice only one tile uses is folded (its one term) and
+//!   updated slices owner → replica (a block that is part of the replicas' whole slice is gathered
+//!   out of it before its gradient is sent, and the new block is copied into the owner's slice and
+//!   stored into each replica's). A slice only one tile uses is folded (its one term) and
 //!   updated on that tile's device. Folds and updates stream [`fold_bytes`] and [`update_bytes`] at
 //!   the measured throughputs, or at the device's memory bandwidth where the machine was not
 //!   profiled: negligible on a GPU, a real share of a CPU step.
@@ -25,7 +32,10 @@
 //! queues on the same link); a task is ready when its dependencies have finished, and every resource serves
 //! its tasks in the order they became ready (ties by task number, which follows the program order).
 //! A compute task starts [`RuntimeCosts::dispatch_s`] after its device could start it (its device
-//! actor handling the previous op's completion, handing the kernel to the pool).
+//! actor handling the previous op's completion, handing the kernel to the pool). Moves run on the
+//! device's actor: they hold the device (its next kernel is dispatched only after them) and one of
+//! the [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a compute task also
+//! needs a free actor thread before its dispatch starts ([`Pools`]).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
 //! cluster), a compute task also needs one of the pool's slots, so N devices on fewer cores do not
 //! compute N tiles at once; the dispatch overlaps waiting for a slot (a pool thread takes the
