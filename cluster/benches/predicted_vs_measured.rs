@@ -1,11 +1,12 @@
 //! Predicted vs measured step time on the embedded cluster.
 //!
-//! For each model: profile the strategies on 4 embedded devices (`legion_runtime::profile`), then for
-//! each strategy compare the mean wall-clock time of real steps with the planner's simulated step
-//! time, priced by `ProfiledCost` over that profile, the measured links and the measured runtime
-//! costs. The machine is shared and its load drifts, so the whole (profile, then measure every
-//! strategy) is repeated in rounds; the table gives each strategy's median over the rounds of the
-//! measured and of the simulated time, and every round's error. Run with
+//! For each model and strategy: profile the strategy on 4 embedded devices
+//! (`legion_runtime::profile`), then compare the mean wall-clock time of real steps, taken right
+//! after, with the planner's simulated step time, priced by `ProfiledCost` over that profile, the
+//! measured link and the measured runtime costs. The machine is shared and its load drifts, so each
+//! strategy is profiled just before it is measured, and the whole is repeated in rounds; the table
+//! gives each strategy's median over the rounds of the measured and of the simulated time, and
+//! every round's error. Run with
 //! `cargo bench -p legion-cluster --bench predicted_vs_measured`; the table is in BENCHMARKS.md.
 //!
 //! Environment: `LEGION_PVM_MODELS=alexnet,lenet5` picks the models (both by default);
@@ -81,11 +82,13 @@ fn main() -> anyhow::Result<()> {
         let mut results: Vec<Vec<(f64, f64)>> = vec![Vec::new(); strategies.len()];
         let mut notes = Vec::new();
         for round in 0..rounds {
-            let measured = profile::profile(&graph, DEVICES, &strategies, &settings)?;
-            let machine = measured.db.apply_to(machine.clone());
-            let cost = ProfiledCost::new(&measured.db, &machine);
-            let model = CostModel::new(&graph, &machine, &cost);
+            let mut note = format!("round {}:", round + 1);
             for (i, (strategy, configs)) in strategies.iter().enumerate() {
+                let one = std::slice::from_ref(&strategies[i]);
+                let measured = profile::profile(&graph, DEVICES, one, &settings)?;
+                let machine = measured.db.apply_to(machine.clone());
+                let cost = ProfiledCost::new(&measured.db, &machine);
+                let model = CostModel::new(&graph, &machine, &cost);
                 let sim = simulate(&model, configs);
                 let mut cluster = EmbeddedCluster::start(
                     &graph,
@@ -113,31 +116,31 @@ fn main() -> anyhow::Result<()> {
                         std::fs::write(path, serde_json::to_string(&trace)?)?;
                     }
                 }
-            }
-            let mut note = format!("round {}:", round + 1);
-            if let Some(l) = &measured.db.links {
+                note += &format!(" {strategy}:");
+                if let Some(l) = &measured.db.links {
+                    note += &format!(
+                        " link {:.2} GB/s {:.0} µs,",
+                        l.bytes_per_s / 1e9,
+                        l.latency_s * 1e6
+                    );
+                }
+                if let Some(r) = &measured.db.runtime {
+                    note += &format!(
+                        " dispatch {:.0} µs, folds {:.1} GB/s, updates {:.1} GB/s, copies {:.1} \
+                         GB/s ({} actor threads),",
+                        r.dispatch_s * 1e6,
+                        r.fold_bytes_per_s / 1e9,
+                        r.update_bytes_per_s / 1e9,
+                        r.copy_bytes_per_s / 1e9,
+                        r.actor_threads
+                    );
+                }
                 note += &format!(
-                    " link {:.2} GB/s, {:.1} µs;",
-                    l.bytes_per_s / 1e9,
-                    l.latency_s * 1e6
+                    " {}/{} tiles measured;",
+                    cost.hits(),
+                    cost.hits() + cost.misses()
                 );
             }
-            if let Some(r) = &measured.db.runtime {
-                note += &format!(
-                    " dispatch {:.1} µs per compute op; folds {:.2} GB/s, updates {:.2} GB/s, \
-                     actor copies {:.2} GB/s on {} thread(s);",
-                    r.dispatch_s * 1e6,
-                    r.fold_bytes_per_s / 1e9,
-                    r.update_bytes_per_s / 1e9,
-                    r.copy_bytes_per_s / 1e9,
-                    r.actor_threads
-                );
-            }
-            note += &format!(
-                " {} of {} tile lookups measured",
-                cost.hits(),
-                cost.hits() + cost.misses()
-            );
             notes.push(note);
         }
         for ((strategy, _), runs) in strategies.iter().zip(&results) {

@@ -33,9 +33,9 @@
 //!   into, a larger instance; whole instances are shared), summed;
 //! - actor threads: the worker count of the runtime the device actors run on.
 //!
-//! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender,
-//! which the simulator prices as a copy of its own) to its `Recv` ending (the store on the
-//! receiver). A least-squares line `latency + bytes / bandwidth`
+//! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender)
+//! to its `Recv` starting (before the store on the receiver): the simulator prices gathers and
+//! stores as the actors' copies. A least-squares line `latency + bytes / bandwidth`
 //! through those points is the measured link. Only transfers whose receive waited for nothing but
 //! the data are used: a receive held back by a local dependence would count that wait as transport.
 
@@ -47,9 +47,10 @@ use crate::task::TaskKind;
 use legion_ops::data::{DataError, Dataset, Synthetic};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
+use legion_planner::machine::RuntimeCosts;
 use legion_planner::machine::{fold_bytes, update_bytes};
 use legion_planner::profile::{LinkProfile, ProfileKey};
-use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, RuntimeCosts, tile_rect};
+use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
 use std::collections::HashMap;
 use std::time::Instant;
 use thiserror::Error;
@@ -531,7 +532,7 @@ impl LinkFit {
                     continue;
                 }
                 let bytes = rect.volume() * program.instances[*dst as usize].dtype.size();
-                self.points.push((bytes as f64, (e.end - start).max(0.0)));
+                self.points.push((bytes as f64, (e.start - start).max(0.0)));
             }
         }
     }
