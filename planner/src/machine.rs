@@ -133,9 +133,10 @@ impl Link {
 #[serde(deny_unknown_fields)]
 pub struct RuntimeCosts {
     /// Seconds from a compute op being able to start on its device (its dependences done, the
-    /// device's previous compute op finished, a pool thread free) to its kernel starting: the
-    /// actor's message handling, the data movement it runs inline meanwhile, and the hand-off to
-    /// the compute pool. Paid once per compute op (kernel, fold, update).
+    /// device's previous compute op finished, a pool thread and an actor thread free) to its
+    /// kernel starting, its actor's own copies left out: the actor's message handling and the
+    /// hand-offs to and from the compute pool (the profiler's median). Paid once per compute op
+    /// (kernel, fold, update).
     pub dispatch_s: f64,
     /// Throughput of folds (sums of gradient terms), in bytes of [`fold_bytes`] per second.
     pub fold_bytes_per_s: f64,

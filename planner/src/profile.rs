@@ -43,7 +43,7 @@
 //! `runtime` is optional as well (files written before it load unchanged; the simulator then
 //! treats dispatch as free and streams folds and updates at the device's memory bandwidth): what
 //! the device actors cost besides kernels and transfers ([`RuntimeCosts`]). `dispatch_s` is the
-//! mean delay between a compute op being able to start (dependences done, its device's previous
+//! median delay between a compute op being able to start (dependences done, its device's previous
 //! compute op finished, a pool thread free) and its kernel starting; `fold_bytes_per_s` and
 //! `update_bytes_per_s` are the throughputs of gradient sums and SGD updates, in the bytes
 //! [`fold_bytes`] and [`update_bytes`] count; `copy_bytes_per_s` that of the copies the device

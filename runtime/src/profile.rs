@@ -23,12 +23,15 @@
 //! - updates: [`update_bytes`] of each `Update` task's slice over seconds, summed likewise;
 //! - dispatch: for every compute op (kernel, fold, update), the time from when its device could
 //!   have started it (its local dependences done, including receives, and the device's previous
-//!   compute op finished; the step's start for the first) to its kernel starting, averaged over
-//!   the ops for which the compute pool and the actors' pool each had a free thread that whole
-//!   time (counted from the other devices' compute ops and copies), so that waiting for a thread,
-//!   which the simulator models itself, is left out; the device's own actor's copies in that time
-//!   are subtracted (the simulator prices them as copies). What remains is the actors' message
-//!   handling and the hand-offs to and from the pool;
+//!   compute op finished; the step's start for the first) to its kernel starting, less the
+//!   device's own actor's copies in that window (the simulator prices them as copies), over the
+//!   ops for which the compute pool and the actors' pool each had a free thread that whole window
+//!   (counted from the other devices' compute ops and copies: waiting for a thread the simulator
+//!   models itself). The median of those: the delays are heavy-tailed (a thread preempted by
+//!   other load for a scheduler slice), and the mean, charged to every op, overpriced steps by
+//!   30–60% and varied 10× between models and strategies, while the median is the actors'
+//!   message handling and the hand-offs to and from the pool, 25–80 µs on this machine
+//!   whatever the model;
 //! - copies: bytes over seconds of every data-movement op that copies (a gather out of, or a store
 //!   into, a larger instance; whole instances are shared), summed;
 //! - actor threads: the worker count of the runtime the device actors run on.
@@ -338,8 +341,8 @@ struct RuntimeFit {
     fold_s: f64,
     update_bytes: f64,
     update_s: f64,
-    dispatch_s: f64,
-    dispatches: usize,
+    /// Qualifying dispatch delays, seconds.
+    dispatches: Vec<f64>,
     copy_bytes: f64,
     copy_s: f64,
 }
@@ -438,22 +441,23 @@ impl RuntimeFit {
                 let running = most_running(others(&busy).into_iter(), ready, e.start);
                 let copiers = most_running(others(&copying).into_iter(), ready, e.start);
                 if running < threads && copiers < actor_threads {
-                    self.dispatch_s += (e.start - ready - moved).max(0.0);
-                    self.dispatches += 1;
+                    self.dispatches.push((e.start - ready - moved).max(0.0));
                 }
             }
         }
     }
 
     fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
+        let mut gaps = self.dispatches.clone();
+        gaps.sort_by(f64::total_cmp);
         let costs = RuntimeCosts {
-            dispatch_s: self.dispatch_s / self.dispatches as f64,
+            dispatch_s: gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN),
             fold_bytes_per_s: self.fold_bytes / self.fold_s,
             update_bytes_per_s: self.update_bytes / self.update_s,
             copy_bytes_per_s: self.copy_bytes / self.copy_s,
             actor_threads,
         };
-        (self.dispatches > 0 && costs.validate().is_ok()).then_some(costs)
+        costs.validate().is_ok().then_some(costs)
     }
 }
 
