@@ -40,7 +40,9 @@
 //! to its `Recv` starting (before the store on the receiver): the simulator prices gathers and
 //! stores as the actors' copies. A least-squares line `latency + bytes / bandwidth`
 //! through those points is the measured link. Only transfers whose receive waited for nothing but
-//! the data are used: a receive held back by a local dependence would count that wait as transport.
+//! the data are used: a receive held back by a local dependence would count that wait as transport,
+//! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
+//! while it was in flight (the simulator prices those copies).
 
 use crate::device::StepReport;
 use crate::embedded::{EmbeddedCluster, RuntimeError};
@@ -164,7 +166,7 @@ pub fn profile(
                 .map_err(in_strategy)?;
             run.step_s.push(t.elapsed().as_secs_f64());
             run.tasks += tiles.add_step(graph, cluster.plan(), &result.reports, settings);
-            links.add_step(cluster.plan(), &result.reports);
+            links.add_step(cluster.plan(), &result.reports, actor_threads);
             overheads.add_step(cluster.plan(), &result.reports, threads, actor_threads);
         }
         runs.push(run);
@@ -514,9 +516,22 @@ struct LinkFit {
 }
 
 impl LinkFit {
-    fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport]) {
+    fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport], actor_threads: usize) {
         let sent = crate::trace::send_ends(plan, reports);
-        for r in reports {
+        // Every device's copies, (start, end): a receiver's actor busy copying, or every actor
+        // thread taken, holds the slice in the mailbox, which the simulator prices as the copies.
+        let copying: Vec<Vec<(f64, f64)>> = reports
+            .iter()
+            .map(|r| {
+                let program = &plan.programs[r.device];
+                r.events
+                    .iter()
+                    .filter(|e| copied(program, &program.ops[e.op as usize].kind).1 > 0)
+                    .map(|e| (e.start, e.end))
+                    .collect()
+            })
+            .collect();
+        for (i, r) in reports.iter().enumerate() {
             let program = &plan.programs[r.device];
             let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
             for e in &r.events {
@@ -532,7 +547,9 @@ impl LinkFit {
                     .iter()
                     .filter_map(|d| end_of.get(d))
                     .any(|&end| end > start);
-                if held {
+                let own = most_running(copying[i].iter().copied(), start, e.start);
+                let all = most_running(copying.iter().flatten().copied(), start, e.start);
+                if held || own > 0 || all >= actor_threads {
                     continue;
                 }
                 let bytes = rect.volume() * program.instances[*dst as usize].dtype.size();
