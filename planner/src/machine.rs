@@ -125,6 +125,70 @@ impl Link {
     }
 }
 
+/// What the runtime's device actors cost besides kernels and transfers, as the profiler measured
+/// them on the embedded cluster (`legion_runtime::profile`). The simulator prices its dispatch,
+/// fold and update tasks with these; without them (a machine nobody profiled) dispatch is free and
+/// folds and updates stream at the device's memory bandwidth.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeCosts {
+    /// Seconds from a compute op being able to start on its device (its dependences done, the
+    /// device's previous compute op finished, a pool thread and an actor thread free) to its
+    /// kernel starting, its actor's own copies left out: the actor's message handling and the
+    /// hand-offs to and from the compute pool (the profiler's median). Paid once per compute op
+    /// (kernel, fold, update).
+    pub dispatch_s: f64,
+    /// Throughput of folds (sums of gradient terms), in bytes of [`fold_bytes`] per second.
+    pub fold_bytes_per_s: f64,
+    /// Throughput of SGD updates, in bytes of [`update_bytes`] per second.
+    pub update_bytes_per_s: f64,
+    /// Throughput of the copies a device's actor makes itself (gathering a piece of an instance to
+    /// send, storing a received piece into a larger instance, local copies), bytes per second.
+    /// The actor does nothing else meanwhile: its device's next kernel waits.
+    pub copy_bytes_per_s: f64,
+    /// Threads the device actors share (the embedded cluster runs its N actors on a small tokio
+    /// pool): at most this many actors copy at once, and an actor needs one to dispatch.
+    pub actor_threads: usize,
+}
+
+/// The bytes a fold of `terms` terms over a rect of `rect_bytes` streams: every term read once and
+/// the result written once. The profiler measures fold throughput in these bytes and the simulator
+/// prices folds with them, so both count alike.
+pub fn fold_bytes(terms: usize, rect_bytes: u64) -> u64 {
+    (terms as u64 + 1) * rect_bytes
+}
+
+/// The bytes an SGD update of a slice of `slice_bytes` streams: gradient, weights and momentum
+/// read, weights and momentum written.
+pub fn update_bytes(slice_bytes: u64) -> u64 {
+    5 * slice_bytes
+}
+
+impl RuntimeCosts {
+    /// Every time zero or positive, every throughput positive (all finite).
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.dispatch_s.is_finite() && self.dispatch_s >= 0.0) {
+            return Err(format!(
+                "dispatch_s must be zero or positive, got {}",
+                self.dispatch_s
+            ));
+        }
+        for (field, v) in [
+            ("fold_bytes_per_s", self.fold_bytes_per_s),
+            ("update_bytes_per_s", self.update_bytes_per_s),
+            ("copy_bytes_per_s", self.copy_bytes_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{field} must be a positive number, got {v}"));
+            }
+        }
+        if self.actor_threads == 0 {
+            return Err("actor_threads must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
 /// A node: a number of identical devices sharing the intra-node interconnect.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NodeSpec {
@@ -168,6 +232,8 @@ pub struct MachineModel {
     /// When the devices are threads sharing one pool of cores (the embedded cluster): how many
     /// compute tasks the whole machine runs at once. `None`: every device computes independently.
     compute_slots: Option<usize>,
+    /// The measured cost of the runtime's own work (dispatch, folds, updates), when profiled.
+    runtime_costs: Option<RuntimeCosts>,
     /// Whether the devices of a node share one network interface: then all messages from node A
     /// to node B queue on one link (a host's NIC, a shaped veth), not one link per device pair.
     shared_node_links: bool,
@@ -257,6 +323,7 @@ impl MachineModel {
             links,
             overrides: Vec::new(),
             compute_slots: None,
+            runtime_costs: None,
             shared_node_links: false,
         })
     }
@@ -376,6 +443,21 @@ impl MachineModel {
         }
         self.compute_slots = Some(slots);
         Ok(self)
+    }
+
+    /// The same machine whose runtime costs `costs` (see [`RuntimeCosts`]); the simulator honours
+    /// it, Eq. 1 does not.
+    pub fn with_runtime_costs(mut self, costs: RuntimeCosts) -> Result<MachineModel, MachineError> {
+        costs
+            .validate()
+            .map_err(|e| MachineError::Invalid(format!("runtime costs: {e}")))?;
+        self.runtime_costs = Some(costs);
+        Ok(self)
+    }
+
+    /// See [`MachineModel::with_runtime_costs`].
+    pub fn runtime_costs(&self) -> Option<&RuntimeCosts> {
+        self.runtime_costs.as_ref()
     }
 
     /// See [`MachineModel::with_compute_slots`].
@@ -546,6 +628,9 @@ impl fmt::Display for MachineModel {
         if let Some(slots) = self.compute_slots {
             write!(f, ", compute shared by {slots} core(s)")?;
         }
+        if let Some(c) = &self.runtime_costs {
+            write!(f, ", dispatch {:.1} us per compute op", c.dispatch_s * 1e6)?;
+        }
         if self.shared_node_links {
             write!(f, ", one network link per node pair")?;
         }
@@ -622,6 +707,39 @@ mod tests {
             .with_link(0, 6, Link::from_gbit_per_s(1.0, 0.0))
             .unwrap_err();
         assert!(e.to_string().contains("devices 0..6"), "{e}");
+    }
+
+    #[test]
+    fn runtime_costs_are_validated() {
+        let m = MachineModel::preset("local-cpu:4").unwrap();
+        assert_eq!(m.runtime_costs(), None);
+        let costs = RuntimeCosts {
+            dispatch_s: 50e-6,
+            fold_bytes_per_s: 4e9,
+            update_bytes_per_s: 2e9,
+            copy_bytes_per_s: 5e9,
+            actor_threads: 2,
+        };
+        let m = m.with_runtime_costs(costs).unwrap();
+        assert_eq!(m.runtime_costs(), Some(&costs));
+        assert!(m.to_string().contains("dispatch 50.0 us"), "{m}");
+        let e = m
+            .clone()
+            .with_runtime_costs(RuntimeCosts {
+                fold_bytes_per_s: 0.0,
+                ..costs
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("fold_bytes_per_s must be"), "{e}");
+        assert!(
+            m.with_runtime_costs(RuntimeCosts {
+                dispatch_s: -1.0,
+                ..costs
+            })
+            .is_err()
+        );
+        assert_eq!(fold_bytes(3, 100), 400);
+        assert_eq!(update_bytes(100), 500);
     }
 
     #[test]

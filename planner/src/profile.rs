@@ -20,7 +20,9 @@
 //!     }
 //!   ],
 //!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412},
-//!   "compute_threads": 2
+//!   "compute_threads": 2,
+//!   "runtime": {"dispatch_s": 8.0e-5, "fold_bytes_per_s": 3.1e9, "update_bytes_per_s": 2.4e9,
+//!               "copy_bytes_per_s": 4.4e9, "actor_threads": 2}
 //! }
 //! ```
 //!
@@ -38,9 +40,22 @@
 //! link of the machine with the measured one and lets its devices run only `compute_threads`
 //! compute tasks at once ([`ProfileDb::apply_to`]); the times were measured under that sharing.
 //!
+//! `runtime` is optional as well (files written before it load unchanged; the simulator then
+//! treats dispatch as free and streams folds and updates at the device's memory bandwidth): what
+//! the device actors cost besides kernels and transfers ([`RuntimeCosts`]). `dispatch_s` is the
+//! median delay between a compute op being able to start (dependences done, its device's previous
+//! compute op finished, a pool thread free) and its kernel starting; `fold_bytes_per_s` and
+//! `update_bytes_per_s` are the throughputs of gradient sums and SGD updates, in the bytes
+//! [`fold_bytes`] and [`update_bytes`] count; `copy_bytes_per_s` that of the copies the device
+//! actors make themselves (gathers for sends, stores of receives, local copies); `actor_threads`
+//! the size of the thread pool the actors share. [`ProfileDb::apply_to`] puts them into the machine
+//! model, where the simulator reads them.
+//!
+//! [`fold_bytes`]: crate::machine::fold_bytes
+//! [`update_bytes`]: crate::machine::update_bytes
 //! [`OpSpec::project`]: legion_ops::op::OpSpec::project
 
-use crate::machine::{DeviceId, Link, MachineModel};
+use crate::machine::{DeviceId, Link, MachineModel, RuntimeCosts};
 use crate::provider::{CostProvider, PhaseTimes, RooflineCost};
 use legion_ops::{Layer, Rect, Shape};
 use serde::{Deserialize, Serialize};
@@ -232,6 +247,9 @@ pub struct ProfileDb {
     /// Compute tasks the profiled devices could run at once (the shared pool's threads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute_threads: Option<usize>,
+    /// The measured cost of the runtime's dispatch, folds and updates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<RuntimeCosts>,
 }
 
 impl Default for ProfileDb {
@@ -241,6 +259,7 @@ impl Default for ProfileDb {
             entries: Vec::new(),
             links: None,
             compute_threads: None,
+            runtime: None,
         }
     }
 }
@@ -354,6 +373,13 @@ impl ProfileDb {
                 message: "must be at least 1".into(),
             });
         }
+        if let Some(r) = &db.runtime {
+            r.validate().map_err(|message| ProfileError::Field {
+                file: file.to_string(),
+                field: "runtime",
+                message,
+            })?;
+        }
         Ok(db)
     }
 
@@ -370,6 +396,11 @@ impl ProfileDb {
             machine = machine
                 .with_compute_slots(threads)
                 .expect("a validated thread count");
+        }
+        if let Some(r) = self.runtime {
+            machine = machine
+                .with_runtime_costs(r)
+                .expect("validated runtime costs");
         }
         machine
     }
@@ -589,5 +620,44 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert_eq!(e, "p.json: compute_threads: must be at least 1");
+    }
+
+    #[test]
+    fn runtime_costs_are_optional_validated_and_shape_the_machine() {
+        let old = ProfileDb::from_json(r#"{"version":1,"entries":[]}"#, "p.json").unwrap();
+        assert_eq!(old.runtime, None);
+        assert!(!old.to_json().contains("runtime"));
+        let costs = RuntimeCosts {
+            dispatch_s: 1e-4,
+            fold_bytes_per_s: 3e9,
+            update_bytes_per_s: 2e9,
+            copy_bytes_per_s: 4e9,
+            actor_threads: 2,
+        };
+        let db = ProfileDb {
+            runtime: Some(costs),
+            ..ProfileDb::default()
+        };
+        let back = ProfileDb::from_json(&db.to_json(), "p.json").unwrap();
+        assert_eq!(back, db);
+        let machine = back.apply_to(MachineModel::preset("local-cpu:2").unwrap());
+        assert_eq!(machine.runtime_costs(), Some(&costs));
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"runtime":{"dispatch_s":-1,"fold_bytes_per_s":1,"update_bytes_per_s":1,"copy_bytes_per_s":1,"actor_threads":1}}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("p.json: runtime: ") && e.contains("dispatch_s"),
+            "{e}"
+        );
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"runtime":{"dispatch_s":0}}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("fold_bytes_per_s"), "{e}");
     }
 }

@@ -1,32 +1,54 @@
 //! A simulated training iteration: the task graph the runtime would execute for a strategy,
 //! list-scheduled on the machine.
 //!
-//! Tasks (durations from the cost provider and the links):
-//! - forward compute of every tile, on its device;
+//! Tasks (durations from the cost provider, the links and the machine's [`RuntimeCosts`]), one per
+//! compute op the runtime's device programs run:
+//! - forward compute of every tile, on its device (the input layer's is loading the batch);
 //! - a copy per (producer tile → consumer tile) overlap on different devices, on the link between
-//!   them (same-device overlaps are plain dependencies);
-//! - backward compute of every tile, after its forward and after the gradients of everything it
-//!   fed arrived (gradient copies run on the reverse links; none go to the input layer);
+//!   them (same-device overlaps are plain dependencies). The runtime keeps a producer's output as
+//!   one instance of its tile and a consumer's input as one instance of the rect it reads: an
+//!   overlap that is only part of the first is gathered out of it on the sender's actor, one that
+//!   is only part of the second is stored into it on the receiver's actor (a same-device overlap
+//!   that is part of either is a local copy); these are [`TaskKind::Move`] tasks on the device;
+//! - per tile of every layer whose output gradient is read (every layer but the input and the
+//!   last), a fold: the sum of the gradient terms its consumers' tiles contributed (local ones and
+//!   the gradient copies from other devices, each gathered out of the consumer's input gradient
+//!   when it is a part of it), which its backward reads. The runtime folds per fragment of the
+//!   tile; the fragments' [`fold_bytes`] add up to the tile's bytes plus every term's, which is
+//!   what the task streams;
+//! - backward compute of every tile but the input layer's, after its forward and its fold
+//!   (gradient copies run on the reverse links; none go to the input layer);
 //! - parameter synchronisation per replica group exactly as [`crate::sync`] describes: gradient
-//!   messages replica → owner, the owner's sum and SGD update, updated slices owner → replica. The
-//!   update is priced as memory traffic at the owner's memory bandwidth (it streams the gradients,
-//!   weights and momentum once): negligible on a GPU, a real share of a CPU step.
+//!   messages replica → owner, the owner's fold of the k replicas' gradients and its SGD update,
+//!   updated slices owner → replica (a block that is part of the replicas' whole slice is gathered
+//!   out of it before its gradient is sent, and the new block is copied into the owner's slice and
+//!   stored into each replica's). A slice only one tile uses is folded (its one term) and
+//!   updated on that tile's device. Folds and updates stream [`fold_bytes`] and [`update_bytes`] at
+//!   the measured throughputs, or at the device's memory bandwidth where the machine was not
+//!   profiled: negligible on a GPU, a real share of a CPU step.
 //!
 //! Scheduling: each device runs one compute task at a time and each directed link carries one
 //! message at a time (on a machine with shared node links, every message from one node to another
 //! queues on the same link); a task is ready when its dependencies have finished, and every resource serves
 //! its tasks in the order they became ready (ties by task number, which follows the program order).
+//! A compute task starts [`RuntimeCosts::dispatch_s`] after its device could start it (its device
+//! actor handling the previous op's completion, handing the kernel to the pool). Moves run on the
+//! device's actor: they hold the device (its next kernel is dispatched only after them) and one of
+//! the [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a compute task also
+//! needs a free actor thread before its dispatch starts ([`Pools`]).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
 //! cluster), a compute task also needs one of the pool's slots, so N devices on fewer cores do not
-//! compute N tiles at once. The makespan is the simulated step time. Eq. 1 sums every term as if nothing overlapped, so the
-//! simulated time is usually at most the Eq. 1 time; on one device they are equal.
+//! compute N tiles at once; the dispatch overlaps waiting for a slot (a pool thread takes the
+//! queued task as soon as it is free). The makespan is the simulated step time. Eq. 1 sums every
+//! term as if nothing overlapped but leaves out dispatch, folds and updates, so the simulated time
+//! is usually at most the Eq. 1 time plus those; on one device it is exactly that sum.
 
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
-use crate::machine::{DeviceId, MachineModel};
+use crate::machine::{DeviceId, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
 use crate::sync::SyncPlan;
 use crate::transfer::edge_overlaps;
-use legion_ops::LayerId;
+use legion_ops::{Graph, LayerId, Rect};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
@@ -39,8 +61,15 @@ pub enum TaskKind {
     Copy,
     /// Backward gradients between devices.
     GradientCopy,
-    /// Parameter synchronisation: gradient to the owner, update, new values back.
+    /// Parameter synchronisation messages: gradient to the owner, new values back.
     Sync,
+    /// A sum of gradient terms (activation or parameter gradients) on a device.
+    Fold,
+    /// The SGD update of a parameter slice (block) on its owner.
+    Update,
+    /// Data copied on a device's actor: a piece gathered out of an instance to send, a received
+    /// piece stored into a larger instance, a local copy between instances.
+    Move,
 }
 
 impl TaskKind {
@@ -51,6 +80,9 @@ impl TaskKind {
             TaskKind::Copy => "copy",
             TaskKind::GradientCopy => "gradient",
             TaskKind::Sync => "sync",
+            TaskKind::Fold => "fold",
+            TaskKind::Update => "update",
+            TaskKind::Move => "move",
         }
     }
 }
@@ -90,7 +122,7 @@ pub struct Simulation {
 /// Builds and schedules one iteration of `configs` (by layer id).
 pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
     let tasks = task_graph(model, configs);
-    let (start, finish) = list_schedule_shared(&tasks, model.machine().compute_slots());
+    let (start, finish) = list_schedule_pools(&tasks, &Pools::of(model.machine()));
     let makespan = finish.iter().copied().fold(0.0, f64::max);
     Simulation {
         tasks,
@@ -143,23 +175,55 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
         })
         .collect();
     for (e, overlaps) in &edges {
+        let (src_tiles, needed) = edge_rects(graph, e, &configs[e.src.0], &configs[e.dst.0]);
         for o in overlaps {
-            let from = forward[e.src.0][o.src_tile];
+            let mut from = forward[e.src.0][o.src_tile];
             let to = forward[e.dst.0][o.dst_tile];
+            // The producer's instance is its tile, the consumer's its whole input rect: a piece of
+            // either is copied out of or into it on the device's actor.
+            let gathered = o.rect != src_tiles[o.src_tile];
+            let stored = o.rect != needed[o.dst_tile];
+            let names = || {
+                format!(
+                    "{} {} → {} {}",
+                    graph.layer(e.src).name,
+                    o.src_tile,
+                    graph.layer(e.dst).name,
+                    o.dst_tile
+                )
+            };
             if o.is_local() {
-                tasks[to].deps.push(from);
+                let copies = usize::from(gathered) + usize::from(stored);
+                let dep = if copies > 0 {
+                    let bytes = copies as u64 * o.bytes();
+                    move_task(
+                        &mut tasks,
+                        machine,
+                        names(),
+                        o.src_device,
+                        bytes,
+                        vec![from],
+                    )
+                } else {
+                    from
+                };
+                tasks[to].deps.push(dep);
                 continue;
             }
-            let copy = push(
+            if gathered {
+                from = move_task(
+                    &mut tasks,
+                    machine,
+                    format!("gather {}", names()),
+                    o.src_device,
+                    o.bytes(),
+                    vec![from],
+                );
+            }
+            let mut copy = push(
                 &mut tasks,
                 Task {
-                    name: format!(
-                        "{} {} → {} {}",
-                        graph.layer(e.src).name,
-                        o.src_tile,
-                        graph.layer(e.dst).name,
-                        o.dst_tile
-                    ),
+                    name: names(),
                     kind: TaskKind::Copy,
                     resource: link(machine, o.src_device, o.dst_device),
                     duration: machine.message_time(o.src_device, o.dst_device, o.bytes() as f64),
@@ -167,12 +231,26 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                     deps: vec![from],
                 },
             );
+            if stored {
+                copy = move_task(
+                    &mut tasks,
+                    machine,
+                    format!("store {}", names()),
+                    o.dst_device,
+                    o.bytes(),
+                    vec![copy],
+                );
+            }
             tasks[to].deps.push(copy);
         }
     }
-    // Backward in reverse layer order (the order the runtime launches them).
+    // Backward in reverse layer order (the order the runtime launches them); the input layer has
+    // none.
     let mut backward: Vec<Vec<usize>> = vec![Vec::new(); graph.layers().len()];
     for id in (0..graph.layers().len()).rev().map(LayerId) {
+        if id == graph.input() {
+            continue;
+        }
         let layer = graph.layer(id);
         let config = &configs[id.0];
         for t in 0..config.total() {
@@ -187,16 +265,39 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
             backward[id.0].push(push(&mut tasks, task));
         }
     }
+    // The gradient terms of each tile's output: (task producing the term, bytes of the term).
+    let mut terms: Vec<Vec<Vec<(usize, u64)>>> = configs
+        .iter()
+        .map(|c| vec![Vec::new(); c.total()])
+        .collect();
     for (e, overlaps) in edges.iter().rev() {
         if !e.carries_gradient(graph) {
             continue;
         }
+        let (_, needed) = edge_rects(graph, e, &configs[e.src.0], &configs[e.dst.0]);
         for o in overlaps {
-            let from = backward[e.dst.0][o.dst_tile];
-            let to = backward[e.src.0][o.src_tile];
+            let mut from = backward[e.dst.0][o.dst_tile];
             if o.is_local() {
-                tasks[to].deps.push(from);
+                terms[e.src.0][o.src_tile].push((from, o.bytes()));
                 continue;
+            }
+            // The consumer's gradient instance is its whole input rect; the producer receives the
+            // term whole (a staging instance the fold reads).
+            if o.rect != needed[o.dst_tile] {
+                from = move_task(
+                    &mut tasks,
+                    machine,
+                    format!(
+                        "gather {} {} ← {} {}",
+                        graph.layer(e.src).name,
+                        o.src_tile,
+                        graph.layer(e.dst).name,
+                        o.dst_tile
+                    ),
+                    o.dst_device,
+                    o.bytes(),
+                    vec![from],
+                );
             }
             let copy = push(
                 &mut tasks,
@@ -215,7 +316,31 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                     deps: vec![from],
                 },
             );
-            tasks[to].deps.push(copy);
+            terms[e.src.0][o.src_tile].push((copy, o.bytes()));
+        }
+    }
+    for id in (0..graph.layers().len()).rev().map(LayerId) {
+        let layer = graph.layer(id);
+        let config = &configs[id.0];
+        for (t, tile_terms) in terms[id.0].iter().enumerate() {
+            if tile_terms.is_empty() || backward[id.0].is_empty() {
+                continue;
+            }
+            let device = config.device_of_tile(t);
+            let tile_bytes = 4 * tile_rect(&layer.shape, config, t).volume() as u64;
+            let bytes = tile_bytes + tile_terms.iter().map(|&(_, b)| b).sum::<u64>();
+            let fold = push(
+                &mut tasks,
+                Task {
+                    name: format!("{} grad sum {t}", layer.name),
+                    kind: TaskKind::Fold,
+                    resource: Resource::Device(device),
+                    duration: fold_time(machine, device, bytes),
+                    bytes: 0,
+                    deps: tile_terms.iter().map(|&(d, _)| d).collect(),
+                },
+            );
+            tasks[backward[id.0][t]].deps.push(fold);
         }
     }
     for id in (0..graph.layers().len()).rev().map(LayerId) {
@@ -224,11 +349,29 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
         let name = &graph.layer(id).name;
         // tile of each device of the layer
         let tile_on = |d: DeviceId| backward[id.0][d - config.first_device()];
-        let mut owners: BTreeMap<DeviceId, Vec<usize>> = BTreeMap::new();
+        let layer = graph.layer(id);
+        let inputs = graph.input_shapes(id);
         for g in &plan.groups {
+            // Every replica holds the whole slice; the owner updates its block in an instance of
+            // its own. A block that is not the whole slice is gathered out of it on each replica
+            // and stored back into it on each replica and on the owner.
+            let owner_tile = tile_rect(&layer.shape, config, g.owner - config.first_device());
+            let partial = layer.op.spec().param_rect(&inputs, g.param, &owner_tile) != g.slice;
+            let mut gathers = Vec::new();
             for &r in &g.replicas {
                 let bytes = g.bytes();
-                let gather = push(
+                let mut dep = tile_on(r);
+                if partial {
+                    dep = move_task(
+                        &mut tasks,
+                        machine,
+                        format!("gather {name} param {} grad {r} → {}", g.param, g.owner),
+                        r,
+                        bytes,
+                        vec![dep],
+                    );
+                }
+                gathers.push(push(
                     &mut tasks,
                     Task {
                         name: format!("{name} param {} grad {r} → {}", g.param, g.owner),
@@ -236,62 +379,206 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                         resource: link(machine, r, g.owner),
                         duration: machine.message_time(r, g.owner, bytes as f64),
                         bytes,
-                        deps: vec![tile_on(r)],
+                        deps: vec![dep],
+                    },
+                ));
+            }
+            gathers.push(tile_on(g.owner));
+            let update = fold_and_update(
+                &mut tasks,
+                machine,
+                &format!("{name} param {}", g.param),
+                g.owner,
+                g.replicas.len() + 1,
+                g.bytes(),
+                gathers,
+            );
+            if partial {
+                move_task(
+                    &mut tasks,
+                    machine,
+                    format!("copy {name} param {} on {}", g.param, g.owner),
+                    g.owner,
+                    g.bytes(),
+                    vec![update],
+                );
+            }
+            for &r in &g.replicas {
+                let bytes = g.bytes();
+                let value = push(
+                    &mut tasks,
+                    Task {
+                        name: format!("{name} param {} value {} → {r}", g.param, g.owner),
+                        kind: TaskKind::Sync,
+                        resource: link(machine, g.owner, r),
+                        duration: machine.message_time(g.owner, r, bytes as f64),
+                        bytes,
+                        deps: vec![update],
                     },
                 );
-                owners.entry(g.owner).or_default().push(gather);
-            }
-        }
-        for (&owner, gathers) in &owners {
-            let mut deps = gathers.clone();
-            deps.push(tile_on(owner));
-            let owned = plan.groups.iter().filter(|g| g.owner == owner);
-            let update = push(
-                &mut tasks,
-                Task {
-                    name: format!("{name} update on {owner}"),
-                    kind: TaskKind::Sync,
-                    resource: Resource::Device(owner),
-                    duration: update_time(machine, owner, owned),
-                    bytes: 0,
-                    deps,
-                },
-            );
-            for g in plan.groups.iter().filter(|g| g.owner == owner) {
-                for &r in &g.replicas {
-                    let bytes = g.bytes();
-                    push(
+                if partial {
+                    move_task(
                         &mut tasks,
-                        Task {
-                            name: format!("{name} param {} value {owner} → {r}", g.param),
-                            kind: TaskKind::Sync,
-                            resource: link(machine, owner, r),
-                            duration: machine.message_time(owner, r, bytes as f64),
-                            bytes,
-                            deps: vec![update],
-                        },
+                        machine,
+                        format!("store {name} param {} value {} → {r}", g.param, g.owner),
+                        r,
+                        bytes,
+                        vec![value],
                     );
                 }
             }
+        }
+        for (param, device, bytes) in unshared_slices(graph, id, config) {
+            fold_and_update(
+                &mut tasks,
+                machine,
+                &format!("{name} param {param}"),
+                device,
+                1,
+                bytes,
+                vec![tile_on(device)],
+            );
         }
     }
     tasks
 }
 
-/// Seconds for `owner` to sum its groups' gradients (its own and one per replica) and apply SGD
-/// (read gradient, weight and momentum; write weight and momentum): memory-bound streaming.
-fn update_time<'g>(
+/// The owner's fold of a slice's `terms` gradients (its own and the replicas'), after `deps`, then
+/// the SGD update of the slice; returns the update.
+fn fold_and_update(
+    tasks: &mut Vec<Task>,
     machine: &MachineModel,
+    name: &str,
     owner: DeviceId,
-    groups: impl Iterator<Item = &'g crate::sync::ReplicaGroup>,
-) -> f64 {
-    let bytes: u64 = groups
-        .map(|g| {
-            let terms = g.replicas.len() as u64 + 1;
-            (terms + 1 + 5) * g.bytes()
+    terms: usize,
+    slice_bytes: u64,
+    deps: Vec<usize>,
+) -> usize {
+    let fold = push(
+        tasks,
+        Task {
+            name: format!("{name} grad sum on {owner}"),
+            kind: TaskKind::Fold,
+            resource: Resource::Device(owner),
+            duration: fold_time(machine, owner, fold_bytes(terms, slice_bytes)),
+            bytes: 0,
+            deps,
+        },
+    );
+    push(
+        tasks,
+        Task {
+            name: format!("{name} update on {owner}"),
+            kind: TaskKind::Update,
+            resource: Resource::Device(owner),
+            duration: update_time(machine, owner, slice_bytes),
+            bytes: 0,
+            deps: vec![fold],
+        },
+    )
+}
+
+/// Copying `bytes` on `device`'s actor (a gather out of, or a store into, a larger instance), after
+/// `deps`; returns the task.
+fn move_task(
+    tasks: &mut Vec<Task>,
+    machine: &MachineModel,
+    name: String,
+    device: DeviceId,
+    bytes: u64,
+    deps: Vec<usize>,
+) -> usize {
+    let rate = machine
+        .runtime_costs()
+        .map_or(machine.device(device).memory_bytes_per_s(), |c| {
+            c.copy_bytes_per_s
+        });
+    push(
+        tasks,
+        Task {
+            name,
+            kind: TaskKind::Move,
+            resource: Resource::Device(device),
+            duration: bytes as f64 / rate,
+            bytes: 0,
+            deps,
+        },
+    )
+}
+
+/// The producer's tiles and each consumer tile's input rect of `edge` (the instances the runtime
+/// keeps on each side).
+fn edge_rects(
+    graph: &Graph,
+    edge: &crate::transfer::Edge,
+    src_config: &ParallelConfig,
+    dst_config: &ParallelConfig,
+) -> (Vec<Rect>, Vec<Rect>) {
+    let producer = graph.layer(edge.src);
+    let consumer = graph.layer(edge.dst);
+    let inputs = graph.input_shapes(edge.dst);
+    let src = (0..src_config.total())
+        .map(|t| tile_rect(&producer.shape, src_config, t))
+        .collect();
+    let needed = (0..dst_config.total())
+        .map(|t| {
+            let out = tile_rect(&consumer.shape, dst_config, t);
+            consumer.op.spec().project(&inputs, &out)[edge.input]
         })
-        .sum();
-    bytes as f64 / machine.device(owner).memory_bytes_per_s()
+        .collect();
+    (src, needed)
+}
+
+/// Trainable parameter slices of `layer` that only one tile uses (no replica group): (parameter
+/// index, the tile's device, f32 bytes of the slice).
+fn unshared_slices(
+    graph: &Graph,
+    layer: LayerId,
+    config: &ParallelConfig,
+) -> Vec<(usize, DeviceId, u64)> {
+    let l = graph.layer(layer);
+    let inputs = graph.input_shapes(layer);
+    let op = l.op.spec();
+    let slices: Vec<Rect> = (0..config.total())
+        .map(|t| tile_rect(&l.shape, config, t))
+        .collect();
+    let mut out = Vec::new();
+    for (param, spec) in op.params(&inputs).iter().enumerate() {
+        if !spec.trainable {
+            continue;
+        }
+        let mine: Vec<Rect> = slices
+            .iter()
+            .map(|tile| op.param_rect(&inputs, param, tile))
+            .collect();
+        for (t, slice) in mine.iter().enumerate() {
+            if !slice.is_empty() && mine.iter().filter(|s| *s == slice).count() == 1 {
+                out.push((param, config.device_of_tile(t), 4 * slice.volume() as u64));
+            }
+        }
+    }
+    out
+}
+
+/// Seconds for `device` to fold: `bytes` as [`fold_bytes`] counts them, at the measured fold
+/// throughput (the device's memory bandwidth where not profiled).
+fn fold_time(machine: &MachineModel, device: DeviceId, bytes: u64) -> f64 {
+    let rate = machine
+        .runtime_costs()
+        .map_or(machine.device(device).memory_bytes_per_s(), |c| {
+            c.fold_bytes_per_s
+        });
+    bytes as f64 / rate
+}
+
+/// Seconds for `owner` to apply SGD to a slice of `slice_bytes` ([`update_bytes`] at the measured
+/// update throughput, or the device's memory bandwidth).
+fn update_time(machine: &MachineModel, owner: DeviceId, slice_bytes: u64) -> f64 {
+    let rate = machine.runtime_costs().map_or(
+        machine.device(owner).memory_bytes_per_s(),
+        |c: &RuntimeCosts| c.update_bytes_per_s,
+    );
+    update_bytes(slice_bytes) as f64 / rate
 }
 
 fn push(tasks: &mut Vec<Task>, task: Task) -> usize {
@@ -314,6 +601,55 @@ pub fn list_schedule(tasks: &[Task]) -> (Vec<f64>, Vec<f64>) {
 /// [`list_schedule`] where, with `compute_slots`, a device task that takes time also waits for the
 /// earliest free of that many slots of a pool all devices share.
 pub fn list_schedule_shared(tasks: &[Task], compute_slots: Option<usize>) -> (Vec<f64>, Vec<f64>) {
+    list_schedule_dispatched(tasks, compute_slots, 0.0)
+}
+
+/// The thread pools a schedule shares between devices, and the dispatch cost (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pools {
+    /// Compute tasks the whole machine runs at once ([`MachineModel::compute_slots`]).
+    pub compute_slots: Option<usize>,
+    /// Threads the device actors share ([`RuntimeCosts::actor_threads`]): an actor's copy needs
+    /// one for its duration, and a compute task one free before it can be dispatched.
+    pub actor_threads: Option<usize>,
+    /// Seconds between a compute task being startable and its kernel starting.
+    pub dispatch_s: f64,
+}
+
+impl Pools {
+    /// The pools and dispatch of `machine`.
+    pub fn of(machine: &MachineModel) -> Pools {
+        let costs = machine.runtime_costs();
+        Pools {
+            compute_slots: machine.compute_slots(),
+            actor_threads: costs.map(|c| c.actor_threads),
+            dispatch_s: costs.map_or(0.0, |c| c.dispatch_s),
+        }
+    }
+}
+
+/// [`list_schedule_shared`] where every device task starts `dispatch` seconds after it is ready and
+/// its device is free, or when a slot frees if that is later (the dispatch overlaps the wait).
+pub fn list_schedule_dispatched(
+    tasks: &[Task],
+    compute_slots: Option<usize>,
+    dispatch: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    list_schedule_pools(
+        tasks,
+        &Pools {
+            compute_slots,
+            actor_threads: None,
+            dispatch_s: dispatch,
+        },
+    )
+}
+
+/// The list schedule of `tasks` under `pools`: a compute task (on a device, not a [`TaskKind::Move`])
+/// waits for its device and, with actor threads, for one of them to be free, then for the
+/// dispatch, and, if it takes time, for the earliest free compute slot (the dispatch overlaps that
+/// wait). A move waits for its device and the earliest free actor thread and holds both.
+pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
     let n = tasks.len();
     let mut successors: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut waiting: Vec<usize> = vec![0; n];
@@ -332,19 +668,32 @@ pub fn list_schedule_shared(tasks: &[Task], compute_slots: Option<usize>) -> (Ve
         .filter(|&t| waiting[t] == 0)
         .map(|t| Reverse((0f64.to_bits(), t)))
         .collect();
-    let mut slots: Vec<f64> = vec![0.0; compute_slots.unwrap_or(0)];
+    let mut slots: Vec<f64> = vec![0.0; pools.compute_slots.unwrap_or(0)];
+    let mut actors: Vec<f64> = vec![0.0; pools.actor_threads.unwrap_or(0)];
+    // The slot that frees first (ties: the lowest), as a work queue hands tasks to threads.
+    let earliest = |pool: &[f64]| {
+        (0..pool.len())
+            .min_by(|&a, &b| pool[a].total_cmp(&pool[b]))
+            .expect("a non-empty pool")
+    };
     while let Some(Reverse((at, t))) = ready.pop() {
         let free = resources.entry(tasks[t].resource).or_insert(0.0);
         start[t] = f64::from_bits(at).max(*free);
-        let pooled = !slots.is_empty()
-            && tasks[t].duration > 0.0
-            && matches!(tasks[t].resource, Resource::Device(_));
-        // The slot that frees first (ties: the lowest), as a work queue hands tasks to threads.
-        let slot = pooled.then(|| {
-            (0..slots.len())
-                .min_by(|&a, &b| slots[a].total_cmp(&slots[b]))
-                .expect("at least one slot")
-        });
+        let on_device = matches!(tasks[t].resource, Resource::Device(_));
+        let compute = on_device && tasks[t].kind != TaskKind::Move;
+        let mut actor = None;
+        if on_device && !actors.is_empty() {
+            let k = earliest(&actors);
+            start[t] = start[t].max(actors[k]);
+            if !compute {
+                actor = Some(k);
+            }
+        }
+        if compute {
+            start[t] += pools.dispatch_s;
+        }
+        let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && compute;
+        let slot = pooled.then(|| earliest(&slots));
         if let Some(k) = slot {
             start[t] = start[t].max(slots[k]);
         }
@@ -352,6 +701,9 @@ pub fn list_schedule_shared(tasks: &[Task], compute_slots: Option<usize>) -> (Ve
         *free = finish[t];
         if let Some(k) = slot {
             slots[k] = finish[t];
+        }
+        if let Some(k) = actor {
+            actors[k] = finish[t];
         }
         for &s in &successors[t] {
             ready_at[s] = ready_at[s].max(finish[t]);
@@ -396,7 +748,15 @@ mod tests {
         let model = CostModel::new(&g, &machine, &provider);
         let configs = vec![ParallelConfig::serial(0); g.layers().len()];
         let sim = simulate(&model, &configs);
-        let eq1 = model.total(&configs);
+        // Eq. 1 leaves out folds and updates; one device runs everything back to back.
+        let runtime: f64 = sim
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.kind, TaskKind::Fold | TaskKind::Update))
+            .map(|t| t.duration)
+            .sum();
+        assert!(runtime > 0.0);
+        let eq1 = model.total(&configs) + runtime;
         assert!(
             (sim.makespan - eq1).abs() <= 1e-12 * eq1,
             "{} vs {eq1}",
@@ -510,11 +870,11 @@ mod tests {
         let free = run(&machine);
         let one = run(&machine.clone().with_compute_slots(1).unwrap());
         let two = run(&machine.with_compute_slots(2).unwrap());
-        // One core runs every compute task back to back.
+        // One core runs every compute task back to back (the actors' copies are not on the pool).
         let busy: f64 = one
             .tasks
             .iter()
-            .filter(|t| matches!(t.resource, Resource::Device(_)))
+            .filter(|t| matches!(t.resource, Resource::Device(_)) && t.kind != TaskKind::Move)
             .map(|t| t.duration)
             .sum();
         assert!(
@@ -526,7 +886,10 @@ mod tests {
         // never more than two compute tasks overlap
         let mut edges: Vec<(f64, i32)> = Vec::new();
         for (t, task) in two.tasks.iter().enumerate() {
-            if matches!(task.resource, Resource::Device(_)) && task.duration > 0.0 {
+            if matches!(task.resource, Resource::Device(_))
+                && task.kind != TaskKind::Move
+                && task.duration > 0.0
+            {
                 edges.push((two.start[t], 1));
                 edges.push((two.finish[t], -1));
             }
@@ -555,5 +918,270 @@ mod tests {
         let sim = simulate(&model, &configs);
         let moved: u64 = sim.tasks.iter().map(|t| t.bytes).sum();
         assert_eq!(moved, model.evaluate(&configs).comm_bytes);
+    }
+
+    fn tiny() -> Graph {
+        let mut m = GraphBuilder::new("tiny");
+        let x = m.input("data", Shape::nc(4, 8)).unwrap();
+        let x = m.dense("fc", x, Dense::new(2)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        m.finish()
+    }
+
+    fn measured_cpu(devices: usize, dispatch_s: f64) -> MachineModel {
+        MachineModel::preset(&format!("local-cpu:{devices}"))
+            .unwrap()
+            .with_runtime_costs(RuntimeCosts {
+                dispatch_s,
+                fold_bytes_per_s: 1e9,
+                update_bytes_per_s: 2e9,
+                copy_bytes_per_s: 4e9,
+                actor_threads: 1,
+            })
+            .unwrap()
+    }
+
+    /// (name, seconds) of the fold and update tasks, sorted by name.
+    fn folds_and_updates(sim: &Simulation) -> Vec<(String, f64)> {
+        of_kinds(sim, &[TaskKind::Fold, TaskKind::Update])
+    }
+
+    /// (name, seconds) of the tasks of `kinds`, sorted by name.
+    fn of_kinds(sim: &Simulation, kinds: &[TaskKind]) -> Vec<(String, f64)> {
+        let mut out: Vec<_> = sim
+            .tasks
+            .iter()
+            .filter(|t| kinds.contains(&t.kind))
+            .map(|t| (t.name.clone(), t.duration))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    fn close(got: &[(String, f64)], want: &[(&str, f64)]) {
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for ((name, t), (want_name, want_t)) in got.iter().zip(want) {
+            assert_eq!(name, want_name);
+            assert!(
+                (t - want_t).abs() <= 1e-9 * want_t,
+                "{name}: {t} vs {want_t}"
+            );
+        }
+    }
+
+    #[test]
+    fn folds_and_updates_of_replicated_slices_are_priced_by_the_measured_throughputs() {
+        // fc: weight [2, 8], bias [2]; both halves of the batch hold all of it, so each device
+        // owns one row: 8 floats (32 B) of weight and 1 float (4 B) of bias.
+        let g = tiny();
+        let machine = measured_cpu(2, 0.0);
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let configs = vec![ParallelConfig::split(Dim::N, 2, 0); 3];
+        let sim = simulate(&model, &configs);
+        // fc's output gradient per tile: [2, 2] = 16 B, one (local) term of 16 B from the loss:
+        // 32 B at 1 GB/s. Weight block: 2 terms, (2 + 1) · 32 B = 96 B folded, 5 · 32 = 160 B
+        // updated at 2 GB/s; bias block: 3 · 4 = 12 B and 5 · 4 = 20 B.
+        close(
+            &folds_and_updates(&sim),
+            &[
+                ("fc grad sum 0", 32e-9),
+                ("fc grad sum 1", 32e-9),
+                ("fc param 0 grad sum on 0", 96e-9),
+                ("fc param 0 grad sum on 1", 96e-9),
+                ("fc param 0 update on 0", 80e-9),
+                ("fc param 0 update on 1", 80e-9),
+                ("fc param 1 grad sum on 0", 12e-9),
+                ("fc param 1 grad sum on 1", 12e-9),
+                ("fc param 1 update on 0", 10e-9),
+                ("fc param 1 update on 1", 10e-9),
+            ],
+        );
+        // the update waits for its fold, which waits for the other replica's gradient
+        let at = |name: &str| sim.tasks.iter().position(|t| t.name == name).unwrap();
+        let fold = at("fc param 0 grad sum on 0");
+        assert!(sim.start[at("fc param 0 update on 0")] >= sim.finish[fold]);
+        assert!(sim.start[fold] >= sim.finish[at("fc param 0 grad 1 → 0")]);
+        // no backward task for the input layer, whose gradient nobody reads
+        assert!(!sim.tasks.iter().any(|t| t.name.starts_with("data bwd")));
+        // Each row is a block of the replicas' whole slice: gathered out of it to send, copied
+        // into the owner's and stored into the other replica's after the update, at 4 GB/s.
+        // Activations need no copies: each tile reads exactly what the tile before wrote.
+        close(
+            &of_kinds(&sim, &[TaskKind::Move]),
+            &[
+                ("copy fc param 0 on 0", 8e-9),
+                ("copy fc param 0 on 1", 8e-9),
+                ("copy fc param 1 on 0", 1e-9),
+                ("copy fc param 1 on 1", 1e-9),
+                ("gather fc param 0 grad 0 → 1", 8e-9),
+                ("gather fc param 0 grad 1 → 0", 8e-9),
+                ("gather fc param 1 grad 0 → 1", 1e-9),
+                ("gather fc param 1 grad 1 → 0", 1e-9),
+                ("store fc param 0 value 0 → 1", 8e-9),
+                ("store fc param 0 value 1 → 0", 8e-9),
+                ("store fc param 1 value 0 → 1", 1e-9),
+                ("store fc param 1 value 1 → 0", 1e-9),
+            ],
+        );
+        let store = at("store fc param 0 value 1 → 0");
+        assert_eq!(sim.tasks[store].resource, Resource::Device(0));
+        assert!(sim.start[store] >= sim.finish[at("fc param 0 value 1 → 0")]);
+    }
+
+    #[test]
+    fn unshared_slices_are_folded_and_updated_where_they_live() {
+        // fc split by output feature: each device alone holds one row of weight and bias.
+        let g = tiny();
+        let machine = measured_cpu(2, 0.0);
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let configs = vec![
+            ParallelConfig::serial(0),
+            ParallelConfig::split(Dim::C, 2, 0),
+            ParallelConfig::serial(0),
+        ];
+        let sim = simulate(&model, &configs);
+        // fc tile t: [4, 1] = 16 B, one term from the loss on device 0 (a gradient copy for
+        // tile 1): 32 B. Unshared weight row: one term, 2 · 32 B folded, 160 B updated.
+        close(
+            &folds_and_updates(&sim),
+            &[
+                ("fc grad sum 0", 32e-9),
+                ("fc grad sum 1", 32e-9),
+                ("fc param 0 grad sum on 0", 64e-9),
+                ("fc param 0 grad sum on 1", 64e-9),
+                ("fc param 0 update on 0", 80e-9),
+                ("fc param 0 update on 1", 80e-9),
+                ("fc param 1 grad sum on 0", 8e-9),
+                ("fc param 1 grad sum on 1", 8e-9),
+                ("fc param 1 update on 0", 10e-9),
+                ("fc param 1 update on 1", 10e-9),
+            ],
+        );
+        assert!(!sim.tasks.iter().any(|t| t.kind == TaskKind::Sync));
+        let at = |name: &str| sim.tasks.iter().position(|t| t.name == name).unwrap();
+        assert!(sim.start[at("fc grad sum 1")] >= sim.finish[at("fc 1 ← loss 0")]);
+        assert!(sim.start[at("fc bwd 1")] >= sim.finish[at("fc grad sum 1")]);
+        // The loss on device 0 reads fc's whole output: tile 0 is copied into that instance, tile
+        // 1 stored into it on arrival; its gradient piece for tile 1 is gathered out of the loss's
+        // whole input gradient. 16 B each at 4 GB/s; fc tile 1 reads the data instance whole.
+        close(
+            &of_kinds(&sim, &[TaskKind::Move]),
+            &[
+                ("fc 0 → loss 0", 4e-9),
+                ("gather fc 1 ← loss 0", 4e-9),
+                ("store fc 1 → loss 0", 4e-9),
+            ],
+        );
+        let dispatched = list_schedule_dispatched(&sim.tasks, None, 1.0).0;
+        let gather = at("gather fc 1 ← loss 0");
+        assert_eq!(
+            dispatched[gather],
+            dispatched[at("loss bwd 0")] + sim.tasks[at("loss bwd 0")].duration,
+            "a move pays no dispatch"
+        );
+    }
+
+    #[test]
+    fn dispatch_delays_each_compute_task_and_overlaps_the_wait_for_a_slot() {
+        let task = |name: &str, device, duration, deps: Vec<usize>| Task {
+            name: name.into(),
+            kind: TaskKind::Forward,
+            resource: Resource::Device(device),
+            duration,
+            bytes: 0,
+            deps,
+        };
+        let message = Task {
+            name: "m".into(),
+            kind: TaskKind::Copy,
+            resource: Resource::Link(0, 1),
+            duration: 1.0,
+            bytes: 4,
+            deps: vec![0],
+        };
+        let tasks = vec![
+            task("a", 0, 1.0, vec![]),
+            task("b", 1, 1.0, vec![]),
+            task("c", 0, 2.0, vec![0]),
+            message,
+        ];
+        // No pool: a and b start after one dispatch; c after a and one more dispatch; messages
+        // pay none.
+        let (start, finish) = list_schedule_dispatched(&tasks, None, 0.5);
+        assert_eq!(start, vec![0.5, 0.5, 2.0, 1.5]);
+        assert_eq!(finish, vec![1.5, 1.5, 4.0, 2.5]);
+        // One slot: b is dispatched at 0.5 but waits for a's slot until 1.5 (the wait hides its
+        // dispatch); c could start at 1.5 + 0.5 but the slot is b's until 2.5.
+        let (start, finish) = list_schedule_dispatched(&tasks, Some(1), 0.5);
+        assert_eq!(start, vec![0.5, 1.5, 2.5, 1.5]);
+        assert_eq!(finish, vec![1.5, 2.5, 4.5, 2.5]);
+        // Without dispatch it is the plain schedule.
+        assert_eq!(
+            list_schedule_dispatched(&tasks, Some(1), 0.0),
+            list_schedule_shared(&tasks, Some(1))
+        );
+    }
+
+    #[test]
+    fn actor_threads_serialise_copies_and_hold_back_dispatch() {
+        let task = |name: &str, kind, device, duration, deps: Vec<usize>| Task {
+            name: name.into(),
+            kind,
+            resource: Resource::Device(device),
+            duration,
+            bytes: 0,
+            deps,
+        };
+        let tasks = vec![
+            task("move 0", TaskKind::Move, 0, 2.0, vec![]),
+            task("move 1", TaskKind::Move, 1, 2.0, vec![]),
+            task("kernel 2", TaskKind::Forward, 2, 1.0, vec![]),
+            task("kernel 0", TaskKind::Backward, 0, 1.0, vec![0]),
+        ];
+        let pools = |actor_threads| Pools {
+            compute_slots: Some(2),
+            actor_threads,
+            dispatch_s: 0.5,
+        };
+        // Two actor threads: both copies at once; kernel 2 finds no free thread until 2, then
+        // pays its dispatch; kernel 0 follows its copy, the same way.
+        let (start, finish) = list_schedule_pools(&tasks, &pools(Some(2)));
+        assert_eq!(start, vec![0.0, 0.0, 2.5, 2.5]);
+        assert_eq!(finish, vec![2.0, 2.0, 3.5, 3.5]);
+        // One: the copies take turns (move 1 from 2 to 4), and the kernels wait for it.
+        let (start, finish) = list_schedule_pools(&tasks, &pools(Some(1)));
+        assert_eq!(start, vec![0.0, 2.0, 4.5, 4.5]);
+        assert_eq!(finish, vec![2.0, 4.0, 5.5, 5.5]);
+        // Without actor threads: copies only hold their device.
+        let (start, _) = list_schedule_pools(&tasks, &pools(None));
+        assert_eq!(start, vec![0.0, 0.0, 0.5, 2.5]);
+    }
+
+    #[test]
+    fn simulate_charges_the_measured_dispatch_per_compute_task() {
+        let g = tiny();
+        let configs = vec![ParallelConfig::serial(0); 3];
+        let run = |dispatch| {
+            let machine = measured_cpu(1, dispatch);
+            let provider = RooflineCost::new(&machine);
+            simulate(&CostModel::new(&g, &machine, &provider), &configs)
+        };
+        let (free, paid) = (run(0.0), run(1e-3));
+        // one device, everything in a chain: forward ×3 (data, fc, loss), backward ×2 (fc,
+        // loss), fc's gradient fold, fold + update of weight and bias: 10 dispatches
+        let compute = paid
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.resource, Resource::Device(_)))
+            .count();
+        assert_eq!(compute, 10);
+        assert!(
+            (paid.makespan - free.makespan - 10e-3).abs() < 1e-12,
+            "{} vs {}",
+            paid.makespan,
+            free.makespan
+        );
     }
 }

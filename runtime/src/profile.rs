@@ -16,10 +16,33 @@
 //! samples with the same [`ProfileKey`] (the same op over the same shapes, whichever strategy or
 //! device ran it) are averaged.
 //!
-//! Links: a transfer between devices takes from its `Send` starting (the gather on the sender) to
-//! its `Recv` ending (the store on the receiver). A least-squares line `latency + bytes / bandwidth`
+//! Runtime costs ([`RuntimeCosts`], what the simulator charges besides kernels and transfers):
+//!
+//! - folds: bytes streamed ([`fold_bytes`] of the fold's terms, plus the destination when it
+//!   accumulates, over its rect) over seconds, summed over every fold;
+//! - updates: [`update_bytes`] of each `Update` task's slice over seconds, summed likewise;
+//! - dispatch: for every compute op (kernel, fold, update), the time from when its device could
+//!   have started it (its local dependences done, including receives, and the device's previous
+//!   compute op finished; the step's start for the first) to its kernel starting, less the
+//!   device's own actor's copies in that window (the simulator prices them as copies), over the
+//!   ops for which the compute pool and the actors' pool each had a free thread that whole window
+//!   (counted from the other devices' compute ops and copies: waiting for a thread the simulator
+//!   models itself). The median of those: the delays are heavy-tailed (a thread preempted by
+//!   other load for a scheduler slice), and the mean, charged to every op, overpriced steps by
+//!   30–60% and varied 10× between models and strategies, while the median is the actors'
+//!   message handling and the hand-offs to and from the pool, 25–80 µs on this machine
+//!   whatever the model;
+//! - copies: bytes over seconds of every data-movement op that copies (a gather out of, or a store
+//!   into, a larger instance; whole instances are shared), summed;
+//! - actor threads: the worker count of the runtime the device actors run on.
+//!
+//! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender)
+//! to its `Recv` starting (before the store on the receiver): the simulator prices gathers and
+//! stores as the actors' copies. A least-squares line `latency + bytes / bandwidth`
 //! through those points is the measured link. Only transfers whose receive waited for nothing but
-//! the data are used: a receive held back by a local dependence would count that wait as transport.
+//! the data are used: a receive held back by a local dependence would count that wait as transport,
+//! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
+//! while it was in flight (the simulator prices those copies).
 
 use crate::device::StepReport;
 use crate::embedded::{EmbeddedCluster, RuntimeError};
@@ -29,6 +52,8 @@ use crate::task::TaskKind;
 use legion_ops::data::{DataError, Dataset, Synthetic};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
+use legion_planner::machine::RuntimeCosts;
+use legion_planner::machine::{fold_bytes, update_bytes};
 use legion_planner::profile::{LinkProfile, ProfileKey};
 use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
 use std::collections::HashMap;
@@ -104,6 +129,10 @@ pub fn profile(
     let params = ParamStore::init(graph, settings.seed);
     let mut tiles = TileTimes::default();
     let mut links = LinkFit::default();
+    let mut overheads = RuntimeFit::default();
+    let threads = rayon::current_num_threads();
+    // The actors' pool: the clusters above run on runtimes built by this same function.
+    let actor_threads = crate::embedded::device_runtime().metrics().num_workers();
     let mut runs = Vec::new();
     for (name, configs) in strategies {
         let in_strategy = |source| ProfileRunError::Strategy {
@@ -137,14 +166,16 @@ pub fn profile(
                 .map_err(in_strategy)?;
             run.step_s.push(t.elapsed().as_secs_f64());
             run.tasks += tiles.add_step(graph, cluster.plan(), &result.reports, settings);
-            links.add_step(cluster.plan(), &result.reports);
+            links.add_step(cluster.plan(), &result.reports, actor_threads);
+            overheads.add_step(cluster.plan(), &result.reports, threads, actor_threads);
         }
         runs.push(run);
     }
     let mut db = tiles.into_db(graph, &settings.device_kind);
     db.links = links.fit();
     // Every device's kernels ran on the one global pool: this many could run at once.
-    db.compute_threads = Some(rayon::current_num_threads());
+    db.compute_threads = Some(threads);
+    db.runtime = overheads.costs(actor_threads);
     Ok(Profile { db, runs })
 }
 
@@ -305,6 +336,179 @@ impl TileTimes {
     }
 }
 
+/// Sums for [`RuntimeCosts`] (see the module docs).
+#[derive(Default)]
+struct RuntimeFit {
+    fold_bytes: f64,
+    fold_s: f64,
+    update_bytes: f64,
+    update_s: f64,
+    /// Qualifying dispatch delays, seconds.
+    dispatches: Vec<f64>,
+    copy_bytes: f64,
+    copy_s: f64,
+}
+
+impl RuntimeFit {
+    fn add_step(
+        &mut self,
+        plan: &StepPlan,
+        reports: &[StepReport],
+        threads: usize,
+        actor_threads: usize,
+    ) {
+        // Every device's compute ops and copies, (start, end), to tell whether the pools had a
+        // free thread.
+        let spans = |moves: bool| -> Vec<Vec<(f64, f64)>> {
+            reports
+                .iter()
+                .map(|r| {
+                    let program = &plan.programs[r.device];
+                    r.events
+                        .iter()
+                        .filter(|e| {
+                            let op = &program.ops[e.op as usize];
+                            if moves {
+                                copied(program, &op.kind).1 > 0
+                            } else {
+                                pooled(op)
+                            }
+                        })
+                        .map(|e| (e.start, e.end))
+                        .collect()
+                })
+                .collect()
+        };
+        let (busy, copying) = (spans(false), spans(true));
+        for (i, r) in reports.iter().enumerate() {
+            let program = &plan.programs[r.device];
+            let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
+            let mut compute: Vec<_> = r
+                .events
+                .iter()
+                .filter(|e| pooled(&program.ops[e.op as usize]))
+                .collect();
+            compute.sort_by(|a, b| a.start.total_cmp(&b.start));
+            for e in &r.events {
+                let (bytes, copies) = copied(program, &program.ops[e.op as usize].kind);
+                if copies > 0 {
+                    self.copy_bytes += (bytes * copies) as f64;
+                    self.copy_s += e.end - e.start;
+                }
+            }
+            let mut device_free = 0.0f64;
+            for e in compute {
+                let op = &program.ops[e.op as usize];
+                let seconds = e.end - e.start;
+                match &op.kind {
+                    LocalOpKind::Fold {
+                        srcs,
+                        dst,
+                        rect,
+                        accumulate,
+                    } => {
+                        let size = program.instances[*dst as usize].dtype.size() as u64;
+                        let terms = srcs.len() + usize::from(*accumulate);
+                        self.fold_bytes += fold_bytes(terms, rect.volume() as u64 * size) as f64;
+                        self.fold_s += seconds;
+                    }
+                    LocalOpKind::Task { task, .. }
+                        if matches!(task.kind, TaskKind::Update { .. }) =>
+                    {
+                        self.update_bytes += update_bytes(4 * task.tile.volume() as u64) as f64;
+                        self.update_s += seconds;
+                    }
+                    _ => {}
+                }
+                let ready = op
+                    .deps
+                    .iter()
+                    .filter_map(|d| end_of.get(d))
+                    .fold(device_free, |a, &b| a.max(b));
+                device_free = e.end;
+                let others = |all: &[Vec<(f64, f64)>]| {
+                    all.iter()
+                        .enumerate()
+                        .filter(|&(j, _)| j != i)
+                        .flat_map(|(_, spans)| spans.iter().copied())
+                        .collect::<Vec<_>>()
+                };
+                // The actor's own copies while the op waited are priced as copies, not dispatch.
+                let moved: f64 = r
+                    .events
+                    .iter()
+                    .filter(|m| !program.ops[m.op as usize].is_compute())
+                    .map(|m| (m.end.min(e.start) - m.start.max(ready)).max(0.0))
+                    .sum();
+                let running = most_running(others(&busy).into_iter(), ready, e.start);
+                let copiers = most_running(others(&copying).into_iter(), ready, e.start);
+                if running < threads && copiers < actor_threads {
+                    self.dispatches.push((e.start - ready - moved).max(0.0));
+                }
+            }
+        }
+    }
+
+    fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
+        let mut gaps = self.dispatches.clone();
+        gaps.sort_by(f64::total_cmp);
+        let costs = RuntimeCosts {
+            dispatch_s: gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN),
+            fold_bytes_per_s: self.fold_bytes / self.fold_s,
+            update_bytes_per_s: self.update_bytes / self.update_s,
+            copy_bytes_per_s: self.copy_bytes / self.copy_s,
+            actor_threads,
+        };
+        costs.validate().is_ok().then_some(costs)
+    }
+}
+
+/// The bytes a data-movement op copies and how many times it copies them: a piece of an instance
+/// is gathered out of it, a piece is stored into a larger instance; whole instances are shared.
+fn copied(program: &crate::program::DeviceProgram, kind: &LocalOpKind) -> (u64, u64) {
+    let layout = |i: &u32| program.instances[*i as usize].rect;
+    let size = |i: &u32| program.instances[*i as usize].dtype.size() as u64;
+    match kind {
+        LocalOpKind::Copy { src, dst, rect } => (
+            rect.volume() as u64 * size(dst),
+            u64::from(layout(src) != *rect) + u64::from(layout(dst) != *rect),
+        ),
+        LocalOpKind::Send { src, rect, .. } => (
+            rect.volume() as u64 * size(src),
+            u64::from(layout(src) != *rect),
+        ),
+        LocalOpKind::Recv { dst, rect, .. } => (
+            rect.volume() as u64 * size(dst),
+            u64::from(layout(dst) != *rect),
+        ),
+        _ => (0, 0),
+    }
+}
+
+/// Whether `op` runs on the compute pool (kernels and folds; tasks without data run on the actor).
+fn pooled(op: &crate::program::LocalOp) -> bool {
+    op.is_compute() && !op.touches_no_data()
+}
+
+/// The most of `spans` (start, end) running at once at any time in `[from, to)`.
+fn most_running(spans: impl Iterator<Item = (f64, f64)>, from: f64, to: f64) -> usize {
+    // +1 where a span starts, −1 where it ends, clipped to the window; ends before starts at ties.
+    let mut edges: Vec<(f64, i32)> = Vec::new();
+    for (s, e) in spans {
+        if s < to && e > from {
+            edges.push((s.max(from), 1));
+            edges.push((e.min(to), -1));
+        }
+    }
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut running, mut most) = (0i32, 0i32);
+    for (_, d) in edges {
+        running += d;
+        most = most.max(running);
+    }
+    most as usize
+}
+
 /// (bytes, seconds) of transfers between devices, for the link fit.
 #[derive(Default)]
 struct LinkFit {
@@ -312,9 +516,22 @@ struct LinkFit {
 }
 
 impl LinkFit {
-    fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport]) {
-        let sent = crate::trace::send_starts(plan, reports);
-        for r in reports {
+    fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport], actor_threads: usize) {
+        let sent = crate::trace::send_ends(plan, reports);
+        // Every device's copies, (start, end): a receiver's actor busy copying, or every actor
+        // thread taken, holds the slice in the mailbox, which the simulator prices as the copies.
+        let copying: Vec<Vec<(f64, f64)>> = reports
+            .iter()
+            .map(|r| {
+                let program = &plan.programs[r.device];
+                r.events
+                    .iter()
+                    .filter(|e| copied(program, &program.ops[e.op as usize].kind).1 > 0)
+                    .map(|e| (e.start, e.end))
+                    .collect()
+            })
+            .collect();
+        for (i, r) in reports.iter().enumerate() {
             let program = &plan.programs[r.device];
             let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
             for e in &r.events {
@@ -330,11 +547,13 @@ impl LinkFit {
                     .iter()
                     .filter_map(|d| end_of.get(d))
                     .any(|&end| end > start);
-                if held {
+                let own = most_running(copying[i].iter().copied(), start, e.start);
+                let all = most_running(copying.iter().flatten().copied(), start, e.start);
+                if held || own > 0 || all >= actor_threads {
                     continue;
                 }
                 let bytes = rect.volume() * program.instances[*dst as usize].dtype.size();
-                self.points.push((bytes as f64, (e.end - start).max(0.0)));
+                self.points.push((bytes as f64, (e.start - start).max(0.0)));
             }
         }
     }
@@ -376,6 +595,20 @@ impl LinkFit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn most_running_counts_overlaps_inside_the_window() {
+        let spans = [(0.0, 2.0), (1.0, 3.0), (2.0, 4.0), (5.0, 6.0)];
+        assert_eq!(most_running(spans.into_iter(), 0.0, 10.0), 2);
+        // [0, 2) and [2, 4) touch but do not overlap
+        assert_eq!(
+            most_running([(0.0, 2.0), (2.0, 4.0)].into_iter(), 0.0, 4.0),
+            1
+        );
+        assert_eq!(most_running(spans.into_iter(), 4.0, 5.0), 0);
+        assert_eq!(most_running(spans.into_iter(), 2.5, 2.5), 0, "empty window");
+        assert_eq!(most_running(spans.into_iter(), 1.5, 1.8), 2);
+    }
 
     #[test]
     fn link_fit_recovers_a_line_and_needs_two_sizes() {
