@@ -350,13 +350,13 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
         // tile of each device of the layer
         let tile_on = |d: DeviceId| backward[id.0][d - config.first_device()];
         let layer = graph.layer(id);
-        let inputs = graph.input_shapes(id);
+        let params = layer.op.spec().params(&graph.input_shapes(id));
         for g in &plan.groups {
             // Every replica holds the whole slice; the owner updates its block in an instance of
             // its own. A block that is not the whole slice is gathered out of it on each replica
             // and stored back into it on each replica and on the owner.
             let owner_tile = tile_rect(&layer.shape, config, g.owner - config.first_device());
-            let partial = layer.op.spec().param_rect(&inputs, g.param, &owner_tile) != g.slice;
+            let partial = layer.op.spec().param_rect(&params[g.param], &owner_tile) != g.slice;
             let mut gathers = Vec::new();
             for &r in &g.replicas {
                 let bytes = g.bytes();
@@ -549,7 +549,7 @@ fn unshared_slices(
         }
         let mine: Vec<Rect> = slices
             .iter()
-            .map(|tile| op.param_rect(&inputs, param, tile))
+            .map(|tile| op.param_rect(spec, tile))
             .collect();
         for (t, slice) in mine.iter().enumerate() {
             if !slice.is_empty() && mine.iter().filter(|s| *s == slice).count() == 1 {
