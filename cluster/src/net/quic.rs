@@ -243,6 +243,11 @@ impl QuicNode {
                     let remote = incoming.remote_address();
                     match incoming.await {
                         Ok(conn) => serve_connection(conn, handler, limits).await,
+                        // A client that gave up on its own handshake (a launcher's short
+                        // greeting timing out) is routine.
+                        Err(e) if handshake_abandoned(&e) => {
+                            tracing::debug!(%remote, "handshake abandoned: {e}")
+                        }
                         // Includes peers without a cluster-signed certificate.
                         Err(e) => tracing::warn!(%remote, "peer rejected: {e}"),
                     }
@@ -289,6 +294,18 @@ pub async fn send_slice(conn: &Connection, msg: &SliceMessage) -> Result<(), Net
 }
 
 /// Sends one control message on its own uni-stream.
+/// A client that gave up on its own handshake (a launcher's short greeting timing out) is routine,
+/// unlike a refusal (no cluster-signed certificate).
+fn handshake_abandoned(e: &quinn::ConnectionError) -> bool {
+    match e {
+        quinn::ConnectionError::ApplicationClosed(_) | quinn::ConnectionError::TimedOut => true,
+        quinn::ConnectionError::ConnectionClosed(close) => {
+            close.error_code == quinn::TransportErrorCode::APPLICATION_ERROR
+        }
+        _ => false,
+    }
+}
+
 pub async fn send_control(conn: &Connection, bytes: &[u8]) -> Result<(), NetError> {
     let mut send = conn.open_uni().await?;
     write_control(&mut send, bytes).await?;
