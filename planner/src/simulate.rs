@@ -46,7 +46,7 @@
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
 use crate::machine::{DeviceId, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
-use crate::sync::SyncPlan;
+use crate::sync::{SyncPlan, param_slices};
 use crate::transfer::edge_overlaps;
 use legion_ops::{Graph, LayerId, Rect};
 use std::cmp::Reverse;
@@ -536,24 +536,13 @@ fn unshared_slices(
     layer: LayerId,
     config: &ParallelConfig,
 ) -> Vec<(usize, DeviceId, u64)> {
-    let l = graph.layer(layer);
-    let inputs = graph.input_shapes(layer);
-    let op = l.op.spec();
-    let slices: Vec<Rect> = (0..config.total())
-        .map(|t| tile_rect(&l.shape, config, t))
-        .collect();
     let mut out = Vec::new();
-    for (param, spec) in op.params(&inputs).iter().enumerate() {
-        if !spec.trainable {
-            continue;
-        }
-        let mine: Vec<Rect> = slices
-            .iter()
-            .map(|tile| op.param_rect(spec, tile))
-            .collect();
-        for (t, slice) in mine.iter().enumerate() {
-            if !slice.is_empty() && mine.iter().filter(|s| *s == slice).count() == 1 {
-                out.push((param, config.device_of_tile(t), 4 * slice.volume() as u64));
+    for (param, slices) in param_slices(graph, layer, config) {
+        for (slice, devices) in slices {
+            if let [device] = devices[..]
+                && !slice.is_empty()
+            {
+                out.push((param, device, 4 * slice.volume() as u64));
             }
         }
     }

@@ -55,6 +55,41 @@ impl ReplicaGroup {
     }
 }
 
+/// A parameter slice and the devices of the tiles that use it, ascending.
+pub type SliceUsers = (Rect, Vec<DeviceId>);
+
+/// For each trainable parameter of `layer` under `config` (by index), its distinct slices in order
+/// of first use, each with the devices of the tiles that use it, ascending (tiles run on devices
+/// in ascending order).
+pub fn param_slices(
+    graph: &Graph,
+    layer: LayerId,
+    config: &ParallelConfig,
+) -> Vec<(usize, Vec<SliceUsers>)> {
+    let l = graph.layer(layer);
+    let op = l.op.spec();
+    let tiles: Vec<Rect> = (0..config.total())
+        .map(|t| tile_rect(&l.shape, config, t))
+        .collect();
+    let mut out = Vec::new();
+    for (param, spec) in op.params(&graph.input_shapes(layer)).iter().enumerate() {
+        if !spec.trainable {
+            continue;
+        }
+        let mut by_slice: Vec<SliceUsers> = Vec::new();
+        for (t, tile) in tiles.iter().enumerate() {
+            let slice = op.param_rect(spec, tile);
+            let device = config.device_of_tile(t);
+            match by_slice.iter_mut().find(|(s, _)| *s == slice) {
+                Some((_, devices)) => devices.push(device),
+                None => by_slice.push((slice, vec![device])),
+            }
+        }
+        out.push((param, by_slice));
+    }
+    out
+}
+
 /// The replica groups of one layer under one config (only groups with other replicas).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SyncPlan {
@@ -64,28 +99,9 @@ pub struct SyncPlan {
 impl SyncPlan {
     /// Groups every tile of `layer` under `config` by parameter slice, for each trainable parameter.
     pub fn for_layer(graph: &Graph, layer: LayerId, config: &ParallelConfig) -> SyncPlan {
-        let l = graph.layer(layer);
-        let inputs = graph.input_shapes(layer);
-        let op = l.op.spec();
-        let tiles: Vec<Rect> = (0..config.total())
-            .map(|t| tile_rect(&l.shape, config, t))
-            .collect();
         let mut groups = Vec::new();
-        for (param, spec) in op.params(&inputs).iter().enumerate() {
-            if !spec.trainable {
-                continue;
-            }
-            // Tiles run on devices in ascending order, so each slice's devices come out ascending.
-            let mut by_slice: Vec<(Rect, Vec<DeviceId>)> = Vec::new();
-            for (t, tile) in tiles.iter().enumerate() {
-                let slice = op.param_rect(spec, tile);
-                let device = config.device_of_tile(t);
-                match by_slice.iter_mut().find(|(s, _)| *s == slice) {
-                    Some((_, devices)) => devices.push(device),
-                    None => by_slice.push((slice, vec![device])),
-                }
-            }
-            for (slice, devices) in by_slice {
+        for (param, slices) in param_slices(graph, layer, config) {
+            for (slice, devices) in slices {
                 if devices.len() > 1 && !slice.is_empty() {
                     for (block, owner) in owned_blocks(&slice, &devices) {
                         groups.push(ReplicaGroup {
