@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{ALEXNET_64, assert_same_tensors, init_checkpoint, legion, ok, train_from};
+use common::{
+    ALEXNET_64, assert_same_tensors, free_udp_port, init_checkpoint, legion, ok, train_from,
+};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -87,14 +89,6 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = legion(&self.args("down"));
     }
-}
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn alive(pid: u32) -> bool {

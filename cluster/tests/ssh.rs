@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_same_tensors, init_checkpoint, ok, train_from};
+use common::{assert_same_tensors, free_udp_port, init_checkpoint, ok, train_from};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -111,11 +111,7 @@ fn up_through_ssh_trains_and_down_stops_the_workers() {
     // One host names its binary (the one under test), the other uses the launcher's own path.
     let mut text = String::new();
     for i in 0..2 {
-        let port = std::net::UdpSocket::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_udp_port();
         text += &format!(
             "[[host]]\nname = \"s{i}\"\naddress = \"127.0.0.1\"\nport = {port}\ndevices = 1\nssh = \"ssh://root@127.0.0.1:{}\"\n\n",
             sshd.port
@@ -182,7 +178,7 @@ fn up_through_ssh_trains_and_down_stops_the_workers() {
         &missing,
         format!(
             "[[host]]\nname = \"far\"\naddress = \"127.0.0.1\"\nport = {}\nssh = \"ssh://root@127.0.0.1:{}\"\nbinary = \"/nonexistent/legion-rs\"\n",
-            free_tcp_port(),
+            free_udp_port(),
             sshd.port
         ),
     )

@@ -515,6 +515,9 @@ struct LinkFit {
     points: Vec<(f64, f64)>,
 }
 
+/// Trace timestamps come from `Instant`, in nanoseconds.
+const CLOCK_RESOLUTION_S: f64 = 1e-9;
+
 impl LinkFit {
     fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport], actor_threads: usize) {
         let sent = crate::trace::send_ends(plan, reports);
@@ -560,6 +563,9 @@ impl LinkFit {
 
     /// Least squares `seconds = latency + bytes · s_per_byte`. A negative intercept (noise on small
     /// messages) refits through the origin; without two distinct sizes there is no line to fit.
+    /// When time does not grow with size (the in-process transport hands buffers over without
+    /// copying, and the actors' copies are priced on their own), the link is its mean latency, with
+    /// a per-byte cost below the clock's resolution for the largest message.
     fn fit(&self) -> Option<LinkProfile> {
         let n = self.points.len() as f64;
         if self.points.len() < 2 {
@@ -577,6 +583,14 @@ impl LinkFit {
             return None;
         }
         let mut slope = sxy / sxx;
+        if slope <= 0.0 {
+            let largest = self.points.iter().map(|p| p.0).fold(0.0, f64::max);
+            return Some(LinkProfile {
+                bytes_per_s: largest / CLOCK_RESOLUTION_S,
+                latency_s: mean_y,
+                samples: self.points.len() as u32,
+            });
+        }
         let mut latency = mean_y - slope * mean_x;
         if latency < 0.0 {
             let sxx0: f64 = self.points.iter().map(|p| p.0 * p.0).sum();
@@ -633,5 +647,14 @@ mod tests {
         .unwrap();
         assert_eq!(fit.latency_s, 0.0);
         assert!(fit.bytes_per_s > 0.0);
+        // time that does not grow with size: latency only
+        let fit = LinkFit {
+            points: vec![(1e3, 3e-5), (1e6, 1e-5), (4e6, 2e-5)],
+        }
+        .fit()
+        .unwrap();
+        assert!((fit.latency_s - 2e-5).abs() < 1e-12, "{fit:?}");
+        assert_eq!(fit.bytes_per_s, 4e6 / CLOCK_RESOLUTION_S);
+        assert_eq!(fit.samples, 3);
     }
 }

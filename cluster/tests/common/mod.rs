@@ -4,6 +4,15 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+/// A UDP port on loopback that nothing is bound to now (a worker's QUIC port).
+pub fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// AlexNet at 64×64, 10 classes, batch 8: the model of the distributed-equality tests.
 pub const ALEXNET_64: [&str; 8] = [
     "--model",
