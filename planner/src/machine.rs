@@ -134,9 +134,9 @@ impl Link {
 pub struct RuntimeCosts {
     /// Seconds from a compute op being able to start on its device (its dependences done, the
     /// device's previous compute op finished, a pool thread and an actor thread free) to its
-    /// kernel starting, its actor's own copies left out: the actor's message handling and the
-    /// hand-offs to and from the compute pool (the profiler's median). Paid once per compute op
-    /// (kernel, fold, update).
+    /// kernel starting, its actor's own copies left out: the actor's message handling, the
+    /// hand-off to the device's pool and waking its thread (the profiler's mean). Paid once per
+    /// compute op (kernel, fold, update).
     pub dispatch_s: f64,
     /// Throughput of folds (sums of gradient terms), in bytes of [`fold_bytes`] per second.
     pub fold_bytes_per_s: f64,
@@ -229,8 +229,9 @@ pub struct MachineModel {
     /// Directed links, `links[a * n + b]`; the diagonal is never read.
     links: Vec<Link>,
     overrides: Vec<(DeviceId, DeviceId, Link)>,
-    /// When the devices are threads sharing one pool of cores (the embedded cluster): how many
-    /// compute tasks the whole machine runs at once. `None`: every device computes independently.
+    /// When the devices are threads sharing the machine's cores (the embedded cluster): how many
+    /// tasks that use a core (kernels, folds, updates, the actors' copies) the whole machine runs
+    /// at once at full speed. `None`: every device computes independently.
     compute_slots: Option<usize>,
     /// The measured cost of the runtime's own work (dispatch, folds, updates), when profiled.
     runtime_costs: Option<RuntimeCosts>,

@@ -35,15 +35,16 @@
 //! `links` is optional (files written before it existed load unchanged, and a profile of one device
 //! has no transfers to measure): the transport's measured per-message cost, `latency_s +
 //! bytes / bytes_per_s`, a least-squares fit over `samples` transfers. `compute_threads` is optional
-//! too: the size of the compute pool the devices shared while they were timed (the embedded
-//! cluster's devices are threads on this machine's cores). `legion-rs plan --profile` prices every
-//! link of the machine with the measured one and lets its devices run only `compute_threads`
-//! compute tasks at once ([`ProfileDb::apply_to`]); the times were measured under that sharing.
+//! too: how many kernels the profiled devices' cores ran at once at full speed (the embedded
+//! cluster's devices are thread pools on this machine's cores). `legion-rs plan --profile` prices
+//! every link of the machine with the measured one and lets its devices run only `compute_threads`
+//! core-using tasks at once ([`ProfileDb::apply_to`]); the times are each task's own seconds, with
+//! the share of the cores it lost to the others taken out.
 //!
 //! `runtime` is optional as well (files written before it load unchanged; the simulator then
 //! treats dispatch as free and streams folds and updates at the device's memory bandwidth): what
 //! the device actors cost besides kernels and transfers ([`RuntimeCosts`]). `dispatch_s` is the
-//! median delay between a compute op being able to start (dependences done, its device's previous
+//! mean delay between a compute op being able to start (dependences done, its device's previous
 //! compute op finished, a pool thread free) and its kernel starting; `fold_bytes_per_s` and
 //! `update_bytes_per_s` are the throughputs of gradient sums and SGD updates, in the bytes
 //! [`fold_bytes`] and [`update_bytes`] count; `copy_bytes_per_s` that of the copies the device
@@ -244,7 +245,8 @@ pub struct ProfileDb {
     /// The measured transport, when the profile saw transfers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub links: Option<LinkProfile>,
-    /// Compute tasks the profiled devices could run at once (the shared pool's threads).
+    /// Core-using tasks the profiled devices ran at once at full speed (cores over each device's
+    /// pool threads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute_threads: Option<usize>,
     /// The measured cost of the runtime's dispatch, folds and updates.

@@ -37,9 +37,13 @@
 //! the [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a compute task also
 //! needs a free actor thread before its dispatch starts ([`Pools`]).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
-//! cluster), a compute task also needs one of the pool's slots, so N devices on fewer cores do not
-//! compute N tiles at once; the dispatch overlaps waiting for a slot (a pool thread takes the
-//! queued task as soon as it is free). The makespan is the simulated step time. Eq. 1 sums every
+//! cluster), a compute task or a move also needs one of the cores, so N devices on fewer cores do
+//! not compute N tiles at once, and an actor's copy takes a core from the kernels; the dispatch
+//! overlaps waiting for a core. Durations are the tasks' own seconds (the profiler takes out the
+//! share of the cores a task lost to others), so running fewer of them at full speed is the
+//! OS's fair sharing seen from each task's end. A task held back by its device takes, of the
+//! cores free by then, the one freed last, so a core idle since earlier stays free for a task
+//! that can use it. The makespan is the simulated step time. Eq. 1 sums every
 //! term as if nothing overlapped but leaves out dispatch, folds and updates, so the simulated time
 //! is usually at most the Eq. 1 time plus those; on one device it is exactly that sum.
 
@@ -636,8 +640,9 @@ pub fn list_schedule_dispatched(
 
 /// The list schedule of `tasks` under `pools`: a compute task (on a device, not a [`TaskKind::Move`])
 /// waits for its device and, with actor threads, for one of them to be free, then for the
-/// dispatch, and, if it takes time, for the earliest free compute slot (the dispatch overlaps that
-/// wait). A move waits for its device and the earliest free actor thread and holds both.
+/// dispatch, and, if it takes time, for a compute slot (the dispatch overlaps that wait). A move
+/// waits for its device and an actor thread, and, if it takes time, a compute slot, and holds all
+/// three.
 pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
     let n = tasks.len();
     let mut successors: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -659,10 +664,15 @@ pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>
         .collect();
     let mut slots: Vec<f64> = vec![0.0; pools.compute_slots.unwrap_or(0)];
     let mut actors: Vec<f64> = vec![0.0; pools.actor_threads.unwrap_or(0)];
-    // The slot that frees first (ties: the lowest), as a work queue hands tasks to threads.
-    let earliest = |pool: &[f64]| {
-        (0..pool.len())
-            .min_by(|&a, &b| pool[a].total_cmp(&pool[b]))
+    // The thread for a task that can start at `at`: of those already free then, the one that
+    // freed last, so that threads free earlier stay free for tasks that can start earlier (a task
+    // held back by its device must not take a thread idle since long before: nothing placed
+    // later could use that gap); if none is free yet, the one that frees first. Ties: the lowest.
+    let fitting = |pool: &[f64], at: f64| {
+        let free = (0..pool.len())
+            .filter(|&k| pool[k] <= at)
+            .max_by(|&a, &b| pool[a].total_cmp(&pool[b]).then(b.cmp(&a)));
+        free.or_else(|| (0..pool.len()).min_by(|&a, &b| pool[a].total_cmp(&pool[b])))
             .expect("a non-empty pool")
     };
     while let Some(Reverse((at, t))) = ready.pop() {
@@ -672,7 +682,7 @@ pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>
         let compute = on_device && tasks[t].kind != TaskKind::Move;
         let mut actor = None;
         if on_device && !actors.is_empty() {
-            let k = earliest(&actors);
+            let k = fitting(&actors, start[t]);
             start[t] = start[t].max(actors[k]);
             if !compute {
                 actor = Some(k);
@@ -681,8 +691,8 @@ pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>
         if compute {
             start[t] += pools.dispatch_s;
         }
-        let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && compute;
-        let slot = pooled.then(|| earliest(&slots));
+        let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && on_device;
+        let slot = pooled.then(|| fitting(&slots, start[t]));
         if let Some(k) = slot {
             start[t] = start[t].max(slots[k]);
         }
@@ -1143,9 +1153,35 @@ mod tests {
         let (start, finish) = list_schedule_pools(&tasks, &pools(Some(1)));
         assert_eq!(start, vec![0.0, 2.0, 4.5, 4.5]);
         assert_eq!(finish, vec![2.0, 4.0, 5.5, 5.5]);
-        // Without actor threads: copies only hold their device.
+        // Without actor threads: copies hold their device and a core, so kernel 2 waits for a
+        // core until 2 (its dispatch hidden in the wait).
         let (start, _) = list_schedule_pools(&tasks, &pools(None));
-        assert_eq!(start, vec![0.0, 0.0, 0.5, 2.5]);
+        assert_eq!(start, vec![0.0, 0.0, 2.0, 2.5]);
+    }
+
+    #[test]
+    fn a_task_held_back_by_its_device_leaves_the_longer_idle_core_free() {
+        let task = |device, duration, deps: Vec<usize>| Task {
+            name: String::new(),
+            kind: TaskKind::Forward,
+            resource: Resource::Device(device),
+            duration,
+            bytes: 0,
+            deps,
+        };
+        // long on device 0, short on device 1; `held` is ready at once but its device is busy
+        // until 10; `next` becomes ready at 1, after `held` was placed
+        let tasks = vec![
+            task(0, 10.0, vec![]),
+            task(1, 1.0, vec![]),
+            task(0, 1.0, vec![]),
+            task(2, 5.0, vec![1]),
+        ];
+        let (start, finish) = list_schedule_shared(&tasks, Some(2));
+        // `held` takes the core the long task frees at 10, not the one idle since 1, which
+        // `next` uses at once
+        assert_eq!(start, vec![0.0, 0.0, 10.0, 1.0]);
+        assert_eq!(finish, vec![10.0, 1.0, 11.0, 6.0]);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The device actor: owns one device's physical instances and runs its program each step.
 //!
 //! An op runs once its local dependences are done (a `Recv` also waits for its data). Compute ops
-//! (kernels and folds) run one at a time per device on the shared compute pool, like a GPU stream;
+//! (kernels and folds) run one at a time per device on the device's own compute pool, like a GPU
+//! stream;
 //! data movement (local copies, sends, receives) runs on the actor as soon as it is ready, so
 //! transfers overlap compute. A task that touches no data (the overhead probe's empty tasks) runs
 //! on the actor too: the pool's round trip would cost more than it. Instances are `Arc`s: readers share them, and a writer takes the only
@@ -52,6 +53,8 @@ pub struct DeviceSetup {
     pub seed: u64,
     pub sgd: Sgd,
     pub transport: Arc<dyn Transport>,
+    /// Where this device's kernels run (its own pool: see `embedded::spawn_local_devices`).
+    pub pool: Arc<rayon::ThreadPool>,
 }
 
 #[derive(Actor)]
@@ -412,7 +415,7 @@ impl DeviceActor {
         let graph = Arc::clone(&self.setup.graph);
         let (seed, sgd) = (self.setup.seed, self.setup.sgd);
         let actor = actor.clone();
-        rayon::spawn(move || {
+        self.setup.pool.spawn(move || {
             let start = Instant::now();
             let mut writes = writes;
             let result =

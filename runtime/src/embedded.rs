@@ -1,5 +1,6 @@
-//! The embedded cluster: N CPU devices as actors in this process, sharing one compute pool, joined
-//! by the in-process transport. Runs training steps of a step plan.
+//! The embedded cluster: N CPU devices as actors in this process, each with its own compute pool
+//! on the machine's shared cores, joined by the in-process transport. Runs training steps of a step
+//! plan.
 
 use crate::buffer::Buffer;
 use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
@@ -332,7 +333,7 @@ pub fn initial_instances(
 }
 
 /// The tokio runtime device actors run on. Two workers: the actors only track dependences and move
-/// data; kernels run on the shared rayon pool.
+/// data; kernels run on the devices' own pools.
 pub fn device_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -358,6 +359,32 @@ pub fn spawn_devices(
     )
 }
 
+/// Threads of each device's compute pool when `devices` devices share this process's cores (the
+/// global rayon pool's size): an equal share, at least one.
+pub fn threads_per_device(devices: usize) -> usize {
+    (rayon::current_num_threads() / devices.max(1)).max(1)
+}
+
+/// One compute pool per device ([`threads_per_device`] threads each). A device's kernels run only
+/// on its own pool: on one shared pool, a thread waiting inside one device's kernel for a stolen
+/// piece would pick up another device's whole kernel and finish it first, so a kernel's time
+/// depended on what the other devices happened to queue (the profile could not time tiles, nor the
+/// simulator predict steps). With a pool each, devices share the cores the way the OS shares
+/// threads, which the profiler accounts for (see `cpu_share`).
+fn device_pools(devices: usize) -> Vec<Arc<rayon::ThreadPool>> {
+    let threads = threads_per_device(devices);
+    (0..devices)
+        .map(|d| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(move |i| format!("legion-dev{d}-{i}"))
+                .build()
+                .expect("a device's compute pool");
+            Arc::new(pool)
+        })
+        .collect()
+}
+
 /// Spawns one actor per program of `programs` (this process's devices, in global order) on
 /// `transport`, which must have been made for them (see [`InProcessTransport::with_remote`]).
 pub fn spawn_local_devices(
@@ -367,15 +394,18 @@ pub fn spawn_local_devices(
     sgd: Sgd,
     transport: Arc<InProcessTransport>,
 ) -> Vec<ActorRef<DeviceActor>> {
+    let pools = device_pools(programs.len());
     let actors: Vec<ActorRef<DeviceActor>> = programs
         .iter()
-        .map(|program| {
+        .zip(pools)
+        .map(|(program, pool)| {
             let setup = DeviceSetup {
                 program: Arc::clone(program),
                 graph: Arc::clone(graph),
                 seed,
                 sgd,
                 transport: Arc::clone(&transport) as Arc<dyn Transport>,
+                pool,
             };
             DeviceActor::spawn_with_mailbox(DeviceActor::new(setup), mailbox::unbounded())
         })

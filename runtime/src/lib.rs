@@ -13,12 +13,14 @@
 //! - `device`: the kameo device actor that runs a device's program each step.
 //! - `transport`: moving slices between devices (in-process here; QUIC in `legion-cluster`).
 //! - `embedded`: N devices in this process; the API the CLI trains with.
+//! - `cpu_share`: a task's own time from its wall time on over-subscribed cores (for `profile`).
 //! - `profile`: measures t_c per tile and the transport's links on real steps, for the planner's
 //!   `ProfiledCost`.
 //! - `trace`: Chrome/Perfetto timeline of a real step, in the simulator's format.
 
 pub mod analysis;
 pub mod buffer;
+pub mod cpu_share;
 pub mod device;
 pub mod embedded;
 pub mod exec;

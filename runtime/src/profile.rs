@@ -2,8 +2,9 @@
 //! embedded cluster.
 //!
 //! Kernels are timed where they really run: inside training steps of N devices that share this
-//! machine's cores, so a measurement includes the contention a strategy puts on them (a tile run
-//! alone on an idle machine would be faster than it ever is in training). For each strategy the
+//! machine's cores and memory, each by its own seconds (see "own seconds" below: the share of the
+//! cores a task got is taken out, the memory and cache traffic beside it stays in). For each
+//! strategy the
 //! profiler starts a cluster, runs untimed warm-up steps, then traced steps on one synthetic batch,
 //! and attributes each compute task to the tile of its layer on its device:
 //!
@@ -27,11 +28,15 @@
 //!   device's own actor's copies in that window (the simulator prices them as copies), over the
 //!   ops for which the compute pool and the actors' pool each had a free thread that whole window
 //!   (counted from the other devices' compute ops and copies: waiting for a thread the simulator
-//!   models itself). The median of those: the delays are heavy-tailed (a thread preempted by
-//!   other load for a scheduler slice), and the mean, charged to every op, overpriced steps by
-//!   30–60% and varied 10× between models and strategies, while the median is the actors'
-//!   message handling and the hand-offs to and from the pool, 25–80 µs on this machine
-//!   whatever the model;
+//!   models itself). The mean of those: the simulator charges it to every op, and the expected step
+//!   time wants the expected delay, tail included (a woken thread waiting for a core the OS has
+//!   given to another device for a time slice). On one pool shared by every device the tail also
+//!   held other devices' whole kernels (see `embedded::spawn_local_devices`), which made the mean
+//!   overprice steps by 15–45% and the median the better guess; with a pool per device it is not;
+//! - own seconds: kernels, folds, updates and copies are timed by their own seconds (`cpu_share`),
+//!   not their wall time: with more busy threads than cores, the OS stretched every task's wall time
+//!   by what ran beside it in the profiled step, and the simulator shares the cores out again
+//!   ([`MachineModel::compute_slots`](legion_planner::MachineModel::compute_slots));
 //! - copies: bytes over seconds of every data-movement op that copies (a gather out of, or a store
 //!   into, a larger instance; whole instances are shared), summed;
 //! - actor threads: the worker count of the runtime the device actors run on.
@@ -44,6 +49,7 @@
 //! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
 //! while it was in flight (the simulator prices those copies).
 
+use crate::cpu_share::{CpuSpan, alone_seconds};
 use crate::device::StepReport;
 use crate::embedded::{EmbeddedCluster, RuntimeError};
 use crate::plan::StepPlan;
@@ -130,7 +136,9 @@ pub fn profile(
     let mut tiles = TileTimes::default();
     let mut links = LinkFit::default();
     let mut overheads = RuntimeFit::default();
-    let threads = rayon::current_num_threads();
+    // The cores the devices' pools and the actors share, and each device pool's threads.
+    let cores = rayon::current_num_threads();
+    let device_threads = crate::embedded::threads_per_device(devices);
     // The actors' pool: the clusters above run on runtimes built by this same function.
     let actor_threads = crate::embedded::device_runtime().metrics().num_workers();
     let mut runs = Vec::new();
@@ -165,16 +173,17 @@ pub fn profile(
                 .step(images.clone(), labels.clone(), true)
                 .map_err(in_strategy)?;
             run.step_s.push(t.elapsed().as_secs_f64());
-            run.tasks += tiles.add_step(graph, cluster.plan(), &result.reports, settings);
+            let own = own_seconds(cluster.plan(), &result.reports, cores, device_threads);
+            run.tasks += tiles.add_step(graph, cluster.plan(), &result.reports, &own, settings);
             links.add_step(cluster.plan(), &result.reports, actor_threads);
-            overheads.add_step(cluster.plan(), &result.reports, threads, actor_threads);
+            overheads.add_step(cluster.plan(), &result.reports, &own, cores, actor_threads);
         }
         runs.push(run);
     }
     let mut db = tiles.into_db(graph, &settings.device_kind);
     db.links = links.fit();
-    // Every device's kernels ran on the one global pool: this many could run at once.
-    db.compute_threads = Some(threads);
+    // Kernels the cores run at once at full speed, each device's on its own pool.
+    db.compute_threads = Some((cores / device_threads).max(1));
     db.runtime = overheads.costs(actor_threads);
     Ok(Profile { db, runs })
 }
@@ -227,6 +236,47 @@ pub fn synthetic_batch(graph: &Graph, seed: u64) -> Result<(Vec<f32>, Vec<u32>),
     Ok((images, labels))
 }
 
+/// Per report, per event: the op's own seconds, what it would have taken with the cores to itself
+/// ([`alone_seconds`]). Kernels and folds run on their device's pool of `device_threads`; copies on
+/// one actor thread each; all of them on `cores` cores. The simulator then shares the cores out
+/// again as the simulated schedule needs them, rather than as this profiled step happened to.
+fn own_seconds(
+    plan: &StepPlan,
+    reports: &[StepReport],
+    cores: usize,
+    device_threads: usize,
+) -> Vec<Vec<f64>> {
+    let mut spans = Vec::new();
+    let mut at = Vec::new();
+    for (i, r) in reports.iter().enumerate() {
+        let program = &plan.programs[r.device];
+        for (k, e) in r.events.iter().enumerate() {
+            let op = &program.ops[e.op as usize];
+            let threads = if pooled(op) {
+                device_threads
+            } else if copied(program, &op.kind).1 > 0 {
+                1
+            } else {
+                continue;
+            };
+            spans.push(CpuSpan {
+                start: e.start,
+                end: e.end,
+                threads,
+            });
+            at.push((i, k));
+        }
+    }
+    let mut own: Vec<Vec<f64>> = reports
+        .iter()
+        .map(|r| r.events.iter().map(|e| e.end - e.start).collect())
+        .collect();
+    for ((i, k), seconds) in at.into_iter().zip(alone_seconds(&spans, cores)) {
+        own[i][k] = seconds;
+    }
+    own
+}
+
 /// Which phase of its tile's t_c a task belongs to, if any.
 fn phase(kind: TaskKind) -> Option<Phase> {
     match kind {
@@ -261,13 +311,14 @@ impl TileTimes {
         graph: &Graph,
         plan: &StepPlan,
         reports: &[StepReport],
+        own: &[Vec<f64>],
         settings: &ProfileSettings,
     ) -> usize {
         let mut step: HashMap<(LayerId, DeviceId), PhaseTimes> = HashMap::new();
         let mut tasks = 0;
-        for r in reports {
+        for (r, own) in reports.iter().zip(own) {
             let program = &plan.programs[r.device];
-            for e in &r.events {
+            for (e, &seconds) in r.events.iter().zip(own) {
                 let LocalOpKind::Task { task, .. } = &program.ops[e.op as usize].kind else {
                     continue;
                 };
@@ -276,7 +327,6 @@ impl TileTimes {
                 };
                 tasks += 1;
                 let times = step.entry((task.layer, r.device)).or_default();
-                let seconds = e.end - e.start;
                 match phase {
                     Phase::Forward => times.forward += seconds,
                     Phase::Backward => times.backward += seconds,
@@ -354,6 +404,7 @@ impl RuntimeFit {
         &mut self,
         plan: &StepPlan,
         reports: &[StepReport],
+        own: &[Vec<f64>],
         threads: usize,
         actor_threads: usize,
     ) {
@@ -389,17 +440,23 @@ impl RuntimeFit {
                 .filter(|e| pooled(&program.ops[e.op as usize]))
                 .collect();
             compute.sort_by(|a, b| a.start.total_cmp(&b.start));
+            let own_of: HashMap<u32, f64> = r
+                .events
+                .iter()
+                .zip(&own[i])
+                .map(|(e, &s)| (e.op, s))
+                .collect();
             for e in &r.events {
                 let (bytes, copies) = copied(program, &program.ops[e.op as usize].kind);
                 if copies > 0 {
                     self.copy_bytes += (bytes * copies) as f64;
-                    self.copy_s += e.end - e.start;
+                    self.copy_s += own_of[&e.op];
                 }
             }
             let mut device_free = 0.0f64;
             for e in compute {
                 let op = &program.ops[e.op as usize];
-                let seconds = e.end - e.start;
+                let seconds = own_of[&e.op];
                 match &op.kind {
                     LocalOpKind::Fold {
                         srcs,
@@ -450,10 +507,8 @@ impl RuntimeFit {
     }
 
     fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
-        let mut gaps = self.dispatches.clone();
-        gaps.sort_by(f64::total_cmp);
         let costs = RuntimeCosts {
-            dispatch_s: gaps.get(gaps.len() / 2).copied().unwrap_or(f64::NAN),
+            dispatch_s: self.dispatches.iter().sum::<f64>() / self.dispatches.len() as f64,
             fold_bytes_per_s: self.fold_bytes / self.fold_s,
             update_bytes_per_s: self.update_bytes / self.update_s,
             copy_bytes_per_s: self.copy_bytes / self.copy_s,

@@ -11,7 +11,8 @@
 //!   caller sums the contributions; kernels never accumulate across calls.
 //! - Fused activations: forward applies them; backward takes the post-activation output `y` and the
 //!   gradient w.r.t. it, and masks internally.
-//! - Kernels parallelise on the global rayon pool (sized to the cores) and never allocate per element.
+//! - Kernels parallelise on the current rayon pool (the global one, sized to the cores, or an
+//!   embedded device's own share of them) and never allocate per element.
 
 #[cfg(test)]
 pub(crate) mod check;

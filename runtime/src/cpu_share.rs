@@ -1,0 +1,116 @@
+//! How long a task would have taken with the machine to itself, from when it ran beside others.
+//!
+//! The embedded cluster's devices are thread pools on shared cores, and the device actors copy on
+//! threads of their own: when more threads have work than there are cores, the OS shares the
+//! cores out and every task's wall time stretches. The profiler wants each task's own cost. Over
+//! each stretch of time where the same tasks run, the cores are divided among them the way a fair
+//! scheduler does it: an equal share each, but no task more than the threads it can use, what one
+//! leaves going to the others (water-filling). A task's own time is the sum, over its span, of the
+//! share it got divided by the share it would have got alone.
+
+/// One task's span of wall-clock time and how many threads it can keep busy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuSpan {
+    pub start: f64,
+    pub end: f64,
+    pub threads: usize,
+}
+
+/// For each span, the seconds its task would have needed with `cores` cores and nothing else
+/// running: at most its wall time, and exactly that when the cores were never over-subscribed.
+pub fn alone_seconds(spans: &[CpuSpan], cores: usize) -> Vec<f64> {
+    let cores = cores.max(1) as f64;
+    // +1 where a span starts, −1 where it ends; ends first at equal times.
+    let mut edges: Vec<(f64, bool, usize)> = Vec::with_capacity(2 * spans.len());
+    for (i, s) in spans.iter().enumerate() {
+        if s.end > s.start {
+            edges.push((s.start, true, i));
+            edges.push((s.end, false, i));
+        }
+    }
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut alone = vec![0.0; spans.len()];
+    // Running spans, kept sorted by threads so the water-filling takes the smallest first.
+    let mut running: Vec<usize> = Vec::new();
+    let mut last = f64::NEG_INFINITY;
+    for (t, starts, i) in edges {
+        let dt = t - last;
+        if dt > 0.0 && !running.is_empty() {
+            let mut left = cores;
+            for (k, &r) in running.iter().enumerate() {
+                let want = spans[r].threads.max(1) as f64;
+                let got = want.min(left / (running.len() - k) as f64);
+                left -= got;
+                alone[r] += dt * got / want.min(cores);
+            }
+        }
+        last = t;
+        if starts {
+            let at = running.partition_point(|&r| spans[r].threads <= spans[i].threads);
+            running.insert(at, i);
+        } else if let Some(at) = running.iter().position(|&r| r == i) {
+            running.remove(at);
+        }
+    }
+    alone
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(start: f64, end: f64, threads: usize) -> CpuSpan {
+        CpuSpan {
+            start,
+            end,
+            threads,
+        }
+    }
+
+    #[test]
+    fn a_task_alone_or_within_the_cores_keeps_its_wall_time() {
+        assert_eq!(alone_seconds(&[span(1.0, 3.0, 1)], 2), vec![2.0]);
+        assert_eq!(
+            alone_seconds(&[span(0.0, 2.0, 1), span(1.0, 4.0, 1)], 2),
+            vec![2.0, 3.0]
+        );
+        // a task that can use more threads than there are cores gets them all
+        assert_eq!(alone_seconds(&[span(0.0, 1.0, 8)], 2), vec![1.0]);
+    }
+
+    #[test]
+    fn over_subscribed_cores_are_shared_equally() {
+        // four single-threaded tasks on two cores for 2 s: each had half a core
+        let spans = [span(0.0, 2.0, 1); 4];
+        assert_eq!(alone_seconds(&spans, 2), vec![1.0; 4]);
+        // three on two cores: 2/3 of a core each while all three run, then the last alone
+        let a = alone_seconds(
+            &[span(0.0, 3.0, 1), span(0.0, 3.0, 1), span(0.0, 4.0, 1)],
+            2,
+        );
+        let expected = [2.0, 2.0, 3.0];
+        for (a, e) in a.iter().zip(expected) {
+            assert!((a - e).abs() < 1e-12, "{a} vs {e}");
+        }
+    }
+
+    #[test]
+    fn narrow_tasks_leave_their_unused_share_to_wide_ones() {
+        // on 4 cores, a 1-thread copy beside a 4-thread kernel: the copy takes 1 core (its fair
+        // share would be 2), the kernel the other 3 of the 4 it would have had alone
+        let a = alone_seconds(&[span(0.0, 4.0, 1), span(0.0, 4.0, 4)], 4);
+        assert_eq!(a, vec![4.0, 3.0]);
+        // two 2-thread kernels on 2 cores: each ran at half its speed alone
+        let a = alone_seconds(&[span(0.0, 2.0, 2), span(0.0, 2.0, 2)], 2);
+        assert_eq!(a, vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn empty_and_zero_length_spans_cost_nothing() {
+        assert!(alone_seconds(&[], 2).is_empty());
+        assert_eq!(
+            alone_seconds(&[span(1.0, 1.0, 1), span(0.0, 1.0, 1)], 1),
+            vec![0.0, 1.0]
+        );
+    }
+}
