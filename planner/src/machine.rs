@@ -138,6 +138,12 @@ pub struct RuntimeCosts {
     /// hand-off to the device's pool and waking its thread (the profiler's mean). Paid once per
     /// compute op (kernel, fold, update).
     pub dispatch_s: f64,
+    /// How those delays spread: the mean of each sixteenth of them, in ascending order (their mean
+    /// is `dispatch_s`). When present, the simulator draws each op's delay from them and reports
+    /// the expected step time over many draws: a step of many small ops waits on the slowest of
+    /// its parallel paths, so varying delays cost more than their mean paid by every op.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch_bins_s: Option<[f64; DISPATCH_BINS]>,
     /// Throughput of folds (sums of gradient terms), in bytes of [`fold_bytes`] per second.
     pub fold_bytes_per_s: f64,
     /// Throughput of SGD updates, in bytes of [`update_bytes`] per second.
@@ -164,13 +170,38 @@ pub fn update_bytes(slice_bytes: u64) -> u64 {
     5 * slice_bytes
 }
 
+/// Equal-probability bins of [`RuntimeCosts::dispatch_bins_s`].
+pub const DISPATCH_BINS: usize = 16;
+
 impl RuntimeCosts {
+    /// The bin means of `delays` ([`RuntimeCosts::dispatch_bins_s`]); `None` with fewer delays than
+    /// bins. Each bin holds an equal share of the sorted delays, to within one.
+    pub fn dispatch_bins(delays: &[f64]) -> Option<[f64; DISPATCH_BINS]> {
+        if delays.len() < DISPATCH_BINS {
+            return None;
+        }
+        let mut sorted = delays.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Some(std::array::from_fn(|b| {
+            let bin =
+                &sorted[b * sorted.len() / DISPATCH_BINS..(b + 1) * sorted.len() / DISPATCH_BINS];
+            bin.iter().sum::<f64>() / bin.len() as f64
+        }))
+    }
+
     /// Every time zero or positive, every throughput positive (all finite).
     pub fn validate(&self) -> Result<(), String> {
         if !(self.dispatch_s.is_finite() && self.dispatch_s >= 0.0) {
             return Err(format!(
                 "dispatch_s must be zero or positive, got {}",
                 self.dispatch_s
+            ));
+        }
+        if let Some(bins) = &self.dispatch_bins_s
+            && let Some(bad) = bins.iter().find(|b| !(b.is_finite() && **b >= 0.0))
+        {
+            return Err(format!(
+                "dispatch_bins_s must be zero or positive, got {bad}"
             ));
         }
         for (field, v) in [
@@ -719,6 +750,7 @@ mod tests {
             fold_bytes_per_s: 4e9,
             update_bytes_per_s: 2e9,
             copy_bytes_per_s: 5e9,
+            dispatch_bins_s: None,
             actor_threads: 2,
         };
         let m = m.with_runtime_costs(costs).unwrap();
@@ -733,14 +765,39 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("fold_bytes_per_s must be"), "{e}");
         assert!(
-            m.with_runtime_costs(RuntimeCosts {
-                dispatch_s: -1.0,
+            m.clone()
+                .with_runtime_costs(RuntimeCosts {
+                    dispatch_s: -1.0,
+                    ..costs
+                })
+                .is_err()
+        );
+        let e = m
+            .with_runtime_costs(RuntimeCosts {
+                dispatch_bins_s: Some([f64::NAN; DISPATCH_BINS]),
                 ..costs
             })
-            .is_err()
-        );
+            .unwrap_err();
+        assert!(e.to_string().contains("dispatch_bins_s must be"), "{e}");
         assert_eq!(fold_bytes(3, 100), 400);
         assert_eq!(update_bytes(100), 500);
+    }
+
+    #[test]
+    fn dispatch_bins_are_means_of_equal_shares_of_the_sorted_delays() {
+        assert_eq!(RuntimeCosts::dispatch_bins(&[1.0; DISPATCH_BINS - 1]), None);
+        // 0..32 shuffled: each bin holds two neighbours
+        let delays: Vec<f64> = (0..32).map(|i| ((i * 7) % 32) as f64).collect();
+        let bins = RuntimeCosts::dispatch_bins(&delays).unwrap();
+        assert_eq!(bins, std::array::from_fn(|b| 2.0 * b as f64 + 0.5));
+        // uneven shares: bins of two or three, in order
+        let delays: Vec<f64> = (0..37).map(|i| (i * i) as f64).collect();
+        let bins = RuntimeCosts::dispatch_bins(&delays).unwrap();
+        assert!(bins.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(
+            bins[DISPATCH_BINS - 1],
+            (34.0 * 34.0 + 35.0 * 35.0 + 36.0 * 36.0) / 3.0
+        );
     }
 
     #[test]

@@ -21,7 +21,8 @@
 //!   ],
 //!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412},
 //!   "compute_threads": 2,
-//!   "runtime": {"dispatch_s": 8.0e-5, "fold_bytes_per_s": 3.1e9, "update_bytes_per_s": 2.4e9,
+//!   "runtime": {"dispatch_s": 8.0e-5, "dispatch_bins_s": [1.1e-5, 1.4e-5, ..., 6.2e-4],
+//!               "fold_bytes_per_s": 3.1e9, "update_bytes_per_s": 2.4e9,
 //!               "copy_bytes_per_s": 4.4e9, "actor_threads": 2}
 //! }
 //! ```
@@ -45,8 +46,10 @@
 //! treats dispatch as free and streams folds and updates at the device's memory bandwidth): what
 //! the device actors cost besides kernels and transfers ([`RuntimeCosts`]). `dispatch_s` is the
 //! mean delay between a compute op being able to start (dependences done, its device's previous
-//! compute op finished, a pool thread free) and its kernel starting; `fold_bytes_per_s` and
-//! `update_bytes_per_s` are the throughputs of gradient sums and SGD updates, in the bytes
+//! compute op finished, a pool thread free) and its kernel starting, and the optional
+//! `dispatch_bins_s` (16 numbers) how they spread: the means of the sorted delays' sixteenths, from
+//! which the simulator draws each op's delay; `fold_bytes_per_s` and `update_bytes_per_s` are the
+//! throughputs of gradient sums and SGD updates, in the bytes
 //! [`fold_bytes`] and [`update_bytes`] count; `copy_bytes_per_s` that of the copies the device
 //! actors make themselves (gathers for sends, stores of receives, local copies); `actor_threads`
 //! the size of the thread pool the actors share. [`ProfileDb::apply_to`] puts them into the machine
@@ -634,6 +637,7 @@ mod tests {
             fold_bytes_per_s: 3e9,
             update_bytes_per_s: 2e9,
             copy_bytes_per_s: 4e9,
+            dispatch_bins_s: None,
             actor_threads: 2,
         };
         let db = ProfileDb {
@@ -642,8 +646,20 @@ mod tests {
         };
         let back = ProfileDb::from_json(&db.to_json(), "p.json").unwrap();
         assert_eq!(back, db);
+        assert!(!db.to_json().contains("dispatch_bins_s"));
         let machine = back.apply_to(MachineModel::preset("local-cpu:2").unwrap());
         assert_eq!(machine.runtime_costs(), Some(&costs));
+        let spread = ProfileDb {
+            runtime: Some(RuntimeCosts {
+                dispatch_bins_s: Some(std::array::from_fn(|b| b as f64 / 65536.0)),
+                ..costs
+            }),
+            ..ProfileDb::default()
+        };
+        assert_eq!(
+            ProfileDb::from_json(&spread.to_json(), "p.json").unwrap(),
+            spread
+        );
         let e = ProfileDb::from_json(
             r#"{"version":1,"entries":[],"runtime":{"dispatch_s":-1,"fold_bytes_per_s":1,"update_bytes_per_s":1,"copy_bytes_per_s":1,"actor_threads":1}}"#,
             "p.json",

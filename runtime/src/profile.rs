@@ -32,7 +32,9 @@
 //!   time wants the expected delay, tail included (a woken thread waiting for a core the OS has
 //!   given to another device for a time slice). On one pool shared by every device the tail also
 //!   held other devices' whole kernels (see `embedded::spawn_local_devices`), which made the mean
-//!   overprice steps by 15–45% and the median the better guess; with a pool per device it is not;
+//!   overprice steps by 15–45% and the median the better guess; with a pool per device it is not.
+//!   Their spread too (`dispatch_bins_s`, means of sixteenths): a step of many small ops on
+//!   parallel paths waits for the slowest path, so it costs more than each op paying the mean;
 //! - own seconds: kernels, folds, updates and copies are timed by their own seconds (`cpu_share`),
 //!   not their wall time: with more busy threads than cores, the OS stretched every task's wall time
 //!   by what ran beside it in the profiled step, and the simulator shares the cores out again
@@ -509,6 +511,7 @@ impl RuntimeFit {
     fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
         let costs = RuntimeCosts {
             dispatch_s: self.dispatches.iter().sum::<f64>() / self.dispatches.len() as f64,
+            dispatch_bins_s: RuntimeCosts::dispatch_bins(&self.dispatches),
             fold_bytes_per_s: self.fold_bytes / self.fold_s,
             update_bytes_per_s: self.update_bytes / self.update_s,
             copy_bytes_per_s: self.copy_bytes / self.copy_s,
