@@ -33,11 +33,11 @@
 //! its tasks in the order they became ready (ties by task number, which follows the program order).
 //! A compute task starts [`RuntimeCosts::dispatch_s`] after its device could start it (its device
 //! actor handling the previous op's completion, handing the kernel to the pool); where the profile
-//! measured how those delays spread ([`RuntimeCosts::dispatch_bins_s`]), each task's delay is drawn
-//! from the spread and the step time is the mean over [`DISPATCH_DRAWS`] seeded schedules. Moves run on the
-//! device's actor: they hold the device (its next kernel is dispatched only after them) and one of
-//! the [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a compute task also
-//! needs a free actor thread before its dispatch starts ([`Pools`]).
+//! measured how those delays spread ([`RuntimeCosts::dispatch_bins_s`]), each task's delay is
+//! drawn from the spread and the step time is the mean over [`DISPATCH_DRAWS`] seeded schedules.
+//! Moves run on the device's actor: they hold the device (its next kernel is dispatched only after
+//! them) and one of the [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a
+//! compute task also needs a free actor thread before its dispatch starts ([`Pools`]).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
 //! cluster), a compute task or a move also needs one of the cores, so N devices on fewer cores do
 //! not compute N tiles at once, and an actor's copy takes a core from the kernels; the dispatch
