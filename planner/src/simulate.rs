@@ -157,15 +157,16 @@ pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
             schedule(&tasks, &pools, |t| delays[t])
         })
         .collect();
-    let makespan = draws.iter().map(|(_, f)| last(f)).sum::<f64>() / draws.len() as f64;
-    let (start, finish) = draws
-        .into_iter()
-        .min_by(|a, b| {
-            (last(&a.1) - makespan)
+    let spans: Vec<f64> = draws.iter().map(|(_, f)| last(f)).collect();
+    let makespan = spans.iter().sum::<f64>() / spans.len() as f64;
+    let closest = (0..spans.len())
+        .min_by(|&a, &b| {
+            (spans[a] - makespan)
                 .abs()
-                .total_cmp(&(last(&b.1) - makespan).abs())
+                .total_cmp(&(spans[b] - makespan).abs())
         })
         .expect("at least one draw");
+    let (start, finish) = draws.into_iter().nth(closest).expect("a draw");
     Simulation {
         tasks,
         start,

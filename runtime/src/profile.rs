@@ -439,26 +439,20 @@ impl RuntimeFit {
             let mut compute: Vec<_> = r
                 .events
                 .iter()
-                .filter(|e| pooled(&program.ops[e.op as usize]))
-                .collect();
-            compute.sort_by(|a, b| a.start.total_cmp(&b.start));
-            let own_of: HashMap<u32, f64> = r
-                .events
-                .iter()
                 .zip(&own[i])
-                .map(|(e, &s)| (e.op, s))
+                .filter(|(e, _)| pooled(&program.ops[e.op as usize]))
                 .collect();
-            for e in &r.events {
+            compute.sort_by(|(a, _), (b, _)| a.start.total_cmp(&b.start));
+            for (e, &seconds) in r.events.iter().zip(&own[i]) {
                 let (bytes, copies) = copied(program, &program.ops[e.op as usize].kind);
                 if copies > 0 {
                     self.copy_bytes += (bytes * copies) as f64;
-                    self.copy_s += own_of[&e.op];
+                    self.copy_s += seconds;
                 }
             }
             let mut device_free = 0.0f64;
-            for e in compute {
+            for (e, &seconds) in compute {
                 let op = &program.ops[e.op as usize];
-                let seconds = own_of[&e.op];
                 match &op.kind {
                     LocalOpKind::Fold {
                         srcs,
