@@ -9,7 +9,8 @@
 #            [--steps S] [--out DIR] [MODEL:IMAGE_SIZE:BATCH ...]
 #   default models: alexnet:224:32 inception_v3:75:8
 #   build first: cargo build --release -p legion-cluster -p legion-examples
-# Writes DIR/<model>.txt (the table) and DIR/<model>.svg, and prints the tables.
+# Writes DIR/<model>.txt (the table), DIR/<model>.svg and each strategy's measured and simulated
+# timelines (DIR/<model>-traces/<strategy>.{measured,simulated}.json), and prints the tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,6 +84,6 @@ for spec in "${MODELS[@]}"; do
     echo "### $model ${size}x$size, batch $batch, $HOSTS hosts x $DEVICES devices, $RATE links"
     cargo_bin=target/release/$model
     args=(--cluster "$HOSTS_FILE" --state "$STATE/state" --image-size "$size" --batch "$batch"
-          --steps "$STEPS" --compare --chart "$OUT/$model.svg")
+          --steps "$STEPS" --compare --chart "$OUT/$model.svg" --trace "$OUT/$model-traces")
     "$cargo_bin" "${args[@]}" | tee "$OUT/$model.txt"
 done

@@ -46,6 +46,10 @@ pub struct CompareSettings {
     pub seed: u64,
     /// Run on the worker processes of this cluster instead of the embedded one.
     pub cluster: Option<ClusterTarget>,
+    /// Write each strategy's measured and simulated timelines here, as Chrome/Perfetto traces
+    /// `<strategy>.measured.json` and `<strategy>.simulated.json` (one more step, traced, after the
+    /// timed ones: tracing costs time).
+    pub traces: Option<PathBuf>,
 }
 
 /// A running cluster (`legion-rs up`).
@@ -127,7 +131,27 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             engine.step(images.clone(), labels.clone(), next, false)?;
         }
         let step_s = t.elapsed().as_secs_f64() / settings.steps.max(1) as f64;
-        let simulated_s = simulate(&model, configs).makespan;
+        let simulation = simulate(&model, configs);
+        if let Some(dir) = &settings.traces {
+            let (_, reports) = engine.step(images.clone(), labels.clone(), next, true)?;
+            let plan = engine.plan().context("a cluster engine has a step plan")?;
+            let traces = [
+                (
+                    "measured",
+                    legion_runtime::trace::chrome_trace(plan, graph, &reports),
+                ),
+                (
+                    "simulated",
+                    legion_planner::trace::chrome_trace(&simulation, &machine),
+                ),
+            ];
+            for (what, trace) in traces {
+                let path = dir.join(format!("{strategy}.{what}.json"));
+                legion_ops::atomic_file::write(&path, serde_json::to_string(&trace)?.as_bytes())
+                    .with_context(|| format!("writing the trace {}", path.display()))?;
+            }
+        }
+        let simulated_s = simulation.makespan;
         rows.push(CompareRow {
             strategy: strategy.clone(),
             measured_ms: step_s * 1e3,

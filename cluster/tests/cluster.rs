@@ -121,6 +121,8 @@ fn up_train_down_on_three_workers_equals_one_device() {
     // --compare on the cluster: every strategy runs as a job on the same workers.
     let lenet = legion_ops::zoo::find("lenet5").unwrap();
     let graph = lenet.build(&lenet.default_config(8)).unwrap();
+    let traces = cluster.path("traces");
+    std::fs::create_dir_all(&traces).unwrap();
     let settings = legion_cluster::compare::CompareSettings {
         devices: 1,
         warmup: 0,
@@ -130,6 +132,7 @@ fn up_train_down_on_three_workers_equals_one_device() {
             hosts: legion_cluster::hosts::Hosts::load(&cluster.hosts).unwrap(),
             state: cluster.state.clone(),
         }),
+        traces: Some(traces.clone()),
     };
     let rows = legion_cluster::compare::compare(&graph, &settings).unwrap();
     assert_eq!(rows.len(), legion_cluster::compare::STRATEGIES.len());
@@ -140,6 +143,17 @@ fn up_train_down_on_three_workers_equals_one_device() {
         rows[0].comm_bytes_per_step > 0,
         "data parallelism syncs over the network"
     );
+    // each strategy's measured and simulated timelines, side by side
+    for strategy in legion_cluster::compare::STRATEGIES {
+        for what in ["measured", "simulated"] {
+            let path = traces.join(format!("{strategy}.{what}.json"));
+            let trace: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            let events = trace["traceEvents"].as_array().unwrap();
+            let tasks = events.iter().filter(|e| e["ph"] == "X").count();
+            assert!(tasks > 10, "{}: {tasks} tasks", path.display());
+        }
+    }
 
     ok(legion(&cluster.args("down")));
     let deadline = Instant::now() + Duration::from_secs(5);

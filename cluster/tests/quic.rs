@@ -3,7 +3,8 @@
 
 use legion_cluster::net::fault::{FaultConfig, FaultyTransport};
 use legion_cluster::net::quic::{
-    CLOSE_MALFORMED, Handler, Inbound, QuicNode, QuicOptions, QuicTransport, send_slice,
+    CLOSE_MALFORMED, Handler, Inbound, QuicNode, QuicOptions, QuicTransport, send_control,
+    send_slice,
 };
 use legion_cluster::net::tls::{ClusterCa, NodeIdentity};
 use legion_runtime::buffer::Buffer;
@@ -168,6 +169,47 @@ async fn slices_striped_over_several_connections_all_arrive_intact() {
     }
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// A connection sends its streams one after another, in the order written: a large slice sent
+/// first arrives before a small one sent after it (interleaving would deliver the small one
+/// first), and a control message overtakes the slices queued before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slices_arrive_in_the_order_sent_and_control_messages_overtake_them() {
+    let mut p = pair().await;
+    let big = |copy| SliceMessage {
+        step: 1,
+        copy,
+        to: 1,
+        data: data(false, 2 << 20, copy as u64).into(),
+    };
+    let small = SliceMessage {
+        step: 1,
+        copy: 1,
+        to: 1,
+        data: data(false, 1, 1).into(),
+    };
+    // each call returns once its data is buffered on the connection, before much of it is sent
+    send_slice(&p.ab, &big(0)).await.unwrap();
+    send_slice(&p.ab, &small).await.unwrap();
+    send_slice(&p.ab, &big(2)).await.unwrap();
+    send_control(&p.ab, b"heartbeat").await.unwrap();
+    let mut order = Vec::new();
+    while order.len() < 4 {
+        match timeout(Duration::from_secs(30), p.b_rx.recv()).await {
+            Ok(Some(Inbound::Slice(msg))) => order.push(format!("slice {}", msg.copy)),
+            Ok(Some(Inbound::Control { bytes, .. })) => {
+                assert_eq!(bytes, b"heartbeat");
+                order.push("control".to_string());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let slices: Vec<&String> = order.iter().filter(|o| *o != "control").collect();
+    assert_eq!(slices, ["slice 0", "slice 1", "slice 2"], "{order:?}");
+    assert_ne!(order[3], "control", "{order:?}");
+    p.a.shutdown().await;
+    p.b.shutdown().await;
 }
 
 /// quinn sends up to 10 datagrams in one GSO `sendmsg`; once MTU discovery grows them past 6.5 kB

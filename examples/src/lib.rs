@@ -56,7 +56,9 @@ pub struct ExampleArgs {
     pub resume: Option<PathBuf>,
     #[arg(long, default_value_t = Sgd::default().lr)]
     pub lr: f32,
-    /// Write a Chrome/Perfetto trace of the last step.
+    /// Write a Chrome/Perfetto trace of the last step. With --compare: a directory, to which each
+    /// strategy's measured and simulated traces go (`<strategy>.measured.json`,
+    /// `<strategy>.simulated.json`).
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Run data, model, owt and optcnn one after another on the same cluster instead of training:
@@ -111,7 +113,12 @@ pub fn run(
             steps: steps.max(1) as usize,
             seed: 1,
             cluster,
+            traces: args.trace.clone(),
         };
+        if let Some(dir) = &args.trace {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating the trace directory {}", dir.display()))?;
+        }
         let rows = compare::compare(&graph, &settings)?;
         if args.json {
             for r in &rows {

@@ -92,6 +92,15 @@ pub struct QuicOptions {
     /// datagram larger than that budget, so an initial MTU above ~3600 bytes deadlocks the
     /// handshake.
     pub max_mtu: u16,
+    /// Whether a connection interleaves the data of its open streams (quinn's default round robin)
+    /// instead of sending each stream to completion in the order the streams were written.
+    ///
+    /// Off: slices then leave in the order the devices sent them, and the first one sent arrives
+    /// first instead of every slice in flight arriving near the end of the burst. A step's early
+    /// slices (the last layers' gradients) gate the next work (their owners' updates), and the
+    /// planner's simulator models a link as carrying one message at a time, in order: with
+    /// interleaving, a 2-host data-parallel AlexNet step took 18% longer than simulated.
+    pub interleave_streams: bool,
 }
 
 impl Default for QuicOptions {
@@ -107,6 +116,7 @@ impl Default for QuicOptions {
             udp_buffer: 8 << 20,
             // The most a UDP datagram can carry; MTU discovery settles on what the path allows.
             max_mtu: 65527,
+            interleave_streams: false,
         }
     }
 }
@@ -120,7 +130,8 @@ impl QuicOptions {
             .stream_receive_window(self.stream_receive_window.into())
             .receive_window(self.receive_window.into())
             .send_window(self.send_window)
-            .keep_alive_interval(Some(self.keep_alive));
+            .keep_alive_interval(Some(self.keep_alive))
+            .send_fairness(self.interleave_streams);
         let mut mtu = quinn::MtuDiscoveryConfig::default();
         mtu.upper_bound(self.max_mtu);
         t.mtu_discovery_config(Some(mtu));
@@ -293,7 +304,9 @@ pub async fn send_slice(conn: &Connection, msg: &SliceMessage) -> Result<(), Net
     Ok(())
 }
 
-/// Sends one control message on its own uni-stream.
+/// Stream priority of control messages; slices keep quinn's default, 0.
+const CONTROL_PRIORITY: i32 = 1;
+
 /// A client that gave up on its own handshake (a launcher's short greeting timing out) is routine,
 /// unlike a refusal (no cluster-signed certificate).
 fn handshake_abandoned(e: &quinn::ConnectionError) -> bool {
@@ -306,8 +319,12 @@ fn handshake_abandoned(e: &quinn::ConnectionError) -> bool {
     }
 }
 
+/// Sends one control message on its own uni-stream.
 pub async fn send_control(conn: &Connection, bytes: &[u8]) -> Result<(), NetError> {
     let mut send = conn.open_uni().await?;
+    // Streams go one after another (see `QuicOptions::interleave_streams`): a control message
+    // must not wait behind the bulk slices queued on the same connection.
+    send.set_priority(CONTROL_PRIORITY)?;
     write_control(&mut send, bytes).await?;
     send.finish()?;
     Ok(())
