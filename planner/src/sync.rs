@@ -32,6 +32,7 @@
 
 use crate::config::{ParallelConfig, block_range, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
+use legion_ops::op::{OpSpec, ParamSpec};
 use legion_ops::{Graph, LayerId, Rect};
 use std::collections::BTreeMap;
 
@@ -157,25 +158,66 @@ impl SyncPlan {
 /// prices t_s for every layout of every layer, where the groups' allocations dominated.
 pub fn layer_link_loads(graph: &Graph, layer: LayerId, config: &ParallelConfig) -> Vec<LinkLoad> {
     let l = graph.layer(layer);
-    let inputs = graph.input_shapes(layer);
     let op = l.op.spec();
-    let (first, total) = (config.first_device(), config.total());
-    // (bytes, messages) per (owner, replica), indexed by their positions in the device block.
-    let mut matrix = vec![(0u64, 0u32); total * total];
-    let tiles: Vec<Rect> = (0..total).map(|t| tile_rect(&l.shape, config, t)).collect();
-    for spec in &op.params(&inputs) {
-        if !spec.trainable {
-            continue;
-        }
-        let mut by_slice: Vec<(Rect, Vec<usize>)> = Vec::new();
-        for (t, tile) in tiles.iter().enumerate() {
+    let params = op.params(&graph.input_shapes(layer));
+    let tiles: Vec<Rect> = (0..config.total())
+        .map(|t| tile_rect(&l.shape, config, t))
+        .collect();
+    let mut buffers = LinkLoadBuffers::default();
+    tile_link_loads(op, &params, &tiles, config.first_device(), &mut buffers).to_vec()
+}
+
+/// Working memory of [`tile_link_loads`], kept between calls so that pricing many layouts
+/// allocates only while the buffers grow.
+#[derive(Debug, Default)]
+pub(crate) struct LinkLoadBuffers {
+    /// (bytes, messages) per (owner, replica), indexed by their positions in the device block.
+    matrix: Vec<(u64, u32)>,
+    /// The distinct slices of one parameter, in order of first use.
+    slices: Vec<Rect>,
+    /// Per tile, its slice's index in `slices`.
+    slice_of_tile: Vec<usize>,
+    /// The tiles sharing one slice, ascending.
+    positions: Vec<usize>,
+    loads: Vec<LinkLoad>,
+}
+
+/// [`layer_link_loads`] for a layer whose op is `op`, with parameters `params` (buffers are
+/// skipped) and output tiles `tiles`, tile `t` on device `first + t`.
+pub(crate) fn tile_link_loads<'b>(
+    op: &dyn OpSpec,
+    params: &[ParamSpec],
+    tiles: &[Rect],
+    first: DeviceId,
+    buffers: &'b mut LinkLoadBuffers,
+) -> &'b [LinkLoad] {
+    let LinkLoadBuffers {
+        matrix,
+        slices,
+        slice_of_tile,
+        positions,
+        loads,
+    } = buffers;
+    let total = tiles.len();
+    matrix.clear();
+    matrix.resize(total * total, (0, 0));
+    for spec in params.iter().filter(|p| p.trainable) {
+        slices.clear();
+        slice_of_tile.clear();
+        for tile in tiles {
             let slice = op.param_rect(spec, tile);
-            match by_slice.iter_mut().find(|(s, _)| *s == slice) {
-                Some((_, positions)) => positions.push(t),
-                None => by_slice.push((slice, vec![t])),
-            }
+            let index = match slices.iter().position(|s| *s == slice) {
+                Some(i) => i,
+                None => {
+                    slices.push(slice);
+                    slices.len() - 1
+                }
+            };
+            slice_of_tile.push(index);
         }
-        for (slice, positions) in by_slice {
+        for (index, slice) in slices.iter().enumerate() {
+            positions.clear();
+            positions.extend((0..total).filter(|&t| slice_of_tile[t] == index));
             if positions.len() < 2 || slice.is_empty() {
                 continue;
             }
@@ -193,17 +235,21 @@ pub fn layer_link_loads(graph: &Graph, layer: LayerId, config: &ParallelConfig) 
             }
         }
     }
-    matrix
-        .iter()
-        .enumerate()
-        .filter(|(_, (_, messages))| *messages > 0)
-        .map(|(i, &(bytes, messages))| LinkLoad {
-            owner: first + i / total,
-            replica: first + i % total,
-            bytes,
-            messages,
-        })
-        .collect()
+    loads.clear();
+    // row by row rather than dividing each cell's index: the divisions dominated this loop
+    for (owner, row) in matrix.chunks_exact(total).enumerate() {
+        for (replica, &(bytes, messages)) in row.iter().enumerate() {
+            if messages > 0 {
+                loads.push(LinkLoad {
+                    owner: first + owner,
+                    replica: first + replica,
+                    bytes,
+                    messages,
+                });
+            }
+        }
+    }
+    loads
 }
 
 /// The blocks of a replicated slice and their owners: block j of the slice's rows (first axis) is

@@ -6,9 +6,10 @@
 //! - t_x tables come from the `transfer_table` module (factorized over axes on regular machines).
 //! - Layers and edges with identical op, shapes and parallel dims share their tables.
 
-use crate::config::{ConfigSpace, ParallelConfig, tile_rect};
+use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
 use crate::cost::CostModel;
-use crate::sync::{LinkLoad, layer_link_loads, sync_time_shifted};
+use crate::machine::{DeviceId, Link, MachineModel};
+use crate::sync::{LinkLoadBuffers, sync_time_shifted, tile_link_loads};
 use crate::transfer::Edge;
 use crate::transfer_table::TransferTables;
 use legion_ops::{LayerId, Rect};
@@ -36,6 +37,8 @@ impl<'m> CostTables<'m> {
         let mut compute: Vec<Vec<f64>> = Vec::new();
         let mut sync: Vec<Vec<f64>> = Vec::new();
         let mut memo: HashMap<String, usize> = HashMap::new();
+        let blocks = BlockClasses::new(machine);
+        let mut scratch = NodeScratch::default();
         for id in graph.ids() {
             let layer = graph.layer(id);
             let dims = layer.op.spec().parallel_dims(&layer.shape);
@@ -53,7 +56,7 @@ impl<'m> CostTables<'m> {
             }
             memo.insert(key, id.0);
             let space = ConfigSpace::enumerate(&layer.shape, dims, devices);
-            let (c, s) = node_costs(model, id, &space);
+            let (c, s) = node_costs(model, id, &space, &blocks, &mut scratch);
             spaces.push(space);
             compute.push(c);
             sync.push(s);
@@ -155,39 +158,250 @@ impl<'m> CostTables<'m> {
     }
 }
 
+/// Buffers [`node_costs`] reuses from layout to layout and layer to layer.
+#[derive(Default)]
+struct NodeScratch {
+    /// The output tiles of one layout, tile `t` on the block's `t`-th device.
+    tiles: Vec<Rect>,
+    /// t_c of each tile on each device spec, `priced[t * specs + spec]`, once computed.
+    priced: Vec<Option<f64>>,
+    loads: LinkLoadBuffers,
+}
+
 /// t_c and t_s of every config of a layer.
-fn node_costs(model: &CostModel, id: LayerId, space: &ConfigSpace) -> (Vec<f64>, Vec<f64>) {
+fn node_costs(
+    model: &CostModel,
+    id: LayerId,
+    space: &ConfigSpace,
+    blocks: &BlockClasses,
+    scratch: &mut NodeScratch,
+) -> (Vec<f64>, Vec<f64>) {
     let graph = model.graph();
     let machine = model.machine();
     let layer = graph.layer(id);
+    let op = layer.op.spec();
     let inputs = model.input_shapes(id);
+    let params = op.params(inputs);
     let provider = model.provider();
     let mut compute = vec![0.0; space.len()];
     let mut sync = vec![0.0; space.len()];
     let specs = machine.specs().len();
+    let NodeScratch {
+        tiles,
+        priced,
+        loads,
+    } = scratch;
     for (li, layout) in space.layouts().iter().enumerate() {
         let base = ParallelConfig::new(*layout, 0);
-        let range = space.layout_configs(li);
+        let total = base.total();
+        tiles.clear();
+        tiles.extend(tile_rects(&layer.shape, &base));
         // A provider answers by device spec (see `CostProvider`), so each tile is priced once per
         // spec in use.
-        let mut priced: Vec<Option<f64>> = vec![None; base.total() * specs];
-        let rects: Vec<Rect> = (0..base.total())
-            .map(|t| tile_rect(&layer.shape, &base, t))
-            .collect();
-        let loads: Vec<LinkLoad> = layer_link_loads(graph, id, &base);
-        for ci in range {
-            let config = space.config(ci);
+        priced.clear();
+        priced.resize(total * specs, None);
+        // by positions in the block; `sync_time_shifted` moves them onto each block's devices
+        let block_loads = tile_link_loads(op, &params, tiles, 0, loads);
+        let range = space.layout_configs(li);
+        // the configs of a layout are its aligned blocks, by ascending first device
+        for (block, ci) in range.clone().enumerate() {
+            let class = blocks.class_of(total, block);
+            if class != block {
+                // an earlier block prices alike
+                compute[ci] = compute[range.start + class];
+                sync[ci] = sync[range.start + class];
+                continue;
+            }
+            let first = block * total;
             let mut worst = 0.0f64;
-            for (t, rect) in rects.iter().enumerate() {
-                let device = config.device_of_tile(t);
+            for (t, rect) in tiles.iter().enumerate() {
+                let device = first + t;
                 let slot = &mut priced[t * specs + machine.spec_index(device)];
                 let time =
                     *slot.get_or_insert_with(|| provider.compute_time(layer, inputs, rect, device));
                 worst = worst.max(time);
             }
             compute[ci] = worst;
-            sync[ci] = sync_time_shifted(&loads, machine, config.first_device());
+            sync[ci] = sync_time_shifted(block_loads, machine, first);
         }
     }
     (compute, sync)
+}
+
+/// Which aligned device blocks of each size price alike, so that t_c and t_s are computed once per
+/// class of blocks rather than once per block.
+///
+/// Blocks of one size are alike when the devices at each position in them have the same spec (all
+/// that t_c reads of the machine) and the link between the devices at each two positions is the
+/// same, bit for bit (all that t_s reads: the owners and replicas of a layer's synchronisation are
+/// devices of its block, and [`sync_time_shifted`] reads nothing but [`MachineModel::link`]). This is
+/// exact for any machine: on a regular one every block of a size falls in one class; irregular ones
+/// (per-pair overrides, several device kinds, uneven nodes) get more classes.
+pub(crate) struct BlockClasses {
+    /// `by_size[k][b]`: the class of block `b` of `2^k` devices (devices `b·2^k..(b+1)·2^k`),
+    /// named by its first block.
+    by_size: Vec<Vec<usize>>,
+}
+
+impl BlockClasses {
+    /// The classes of every power-of-two block size up to the machine's device count (the only
+    /// sizes configs take: their degrees are powers of two).
+    pub(crate) fn new(machine: &MachineModel) -> BlockClasses {
+        let devices = machine.num_devices();
+        let mut by_size = Vec::new();
+        let mut size = 1;
+        while size <= devices {
+            let mut classes: Vec<usize> = Vec::with_capacity(devices / size);
+            let mut firsts: Vec<usize> = Vec::new();
+            for block in 0..devices / size {
+                let class = firsts
+                    .iter()
+                    .copied()
+                    .find(|&other| blocks_alike(machine, size, other * size, block * size))
+                    .unwrap_or_else(|| {
+                        firsts.push(block);
+                        block
+                    });
+                classes.push(class);
+            }
+            by_size.push(classes);
+            size *= 2;
+        }
+        BlockClasses { by_size }
+    }
+
+    /// Every block its own class: what pricing each block directly amounts to.
+    #[cfg(test)]
+    fn every_block_alone(machine: &MachineModel) -> BlockClasses {
+        let devices = machine.num_devices();
+        let by_size = (0..)
+            .map(|k| 1usize << k)
+            .take_while(|&size| size <= devices)
+            .map(|size| (0..devices / size).collect())
+            .collect();
+        BlockClasses { by_size }
+    }
+
+    /// The class of block `block` of `size` devices (devices `block·size..(block+1)·size`): the
+    /// first block that prices alike, possibly itself.
+    pub(crate) fn class_of(&self, size: usize, block: usize) -> usize {
+        debug_assert!(size.is_power_of_two(), "block size {size}");
+        self.by_size[size.trailing_zeros() as usize][block]
+    }
+}
+
+/// Whether the blocks of `size` devices starting at `a` and `b` have equal device specs position by
+/// position and equal links between each two positions (see [`BlockClasses`]).
+fn blocks_alike(machine: &MachineModel, size: usize, a: DeviceId, b: DeviceId) -> bool {
+    let same_link = |x: Option<Link>, y: Option<Link>| {
+        let bits = |l: Option<Link>| l.map(|l| (l.bytes_per_s.to_bits(), l.latency_s.to_bits()));
+        bits(x) == bits(y)
+    };
+    (0..size).all(|p| machine.spec_index(a + p) == machine.spec_index(b + p))
+        && (0..size).all(|p| {
+            (0..size).all(|q| same_link(machine.link(a + p, a + q), machine.link(b + p, b + q)))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::{DeviceSpec, NodeSpec};
+    use crate::provider::RooflineCost;
+
+    /// 8 devices in two nodes of 4, one of P100s and one of CPUs.
+    fn two_kinds() -> MachineModel {
+        let node = |device| NodeSpec { devices: 4, device };
+        MachineModel::new(
+            "two-kinds",
+            &[node(DeviceSpec::p100()), node(DeviceSpec::local_cpu())],
+            Link::from_gbit_per_s(160.0, 5.0),
+            Link::from_gbit_per_s(100.0, 10.0),
+        )
+        .unwrap()
+    }
+
+    /// paper:8 with the link between devices 4 and 5 replaced.
+    fn with_override() -> MachineModel {
+        MachineModel::preset("paper:8")
+            .unwrap()
+            .with_link(4, 5, Link::from_gbit_per_s(7.0, 3.0))
+            .unwrap()
+    }
+
+    /// Classes by block size 1, 2, 4, ...
+    fn classes(machine: &MachineModel) -> Vec<Vec<usize>> {
+        BlockClasses::new(machine).by_size
+    }
+
+    #[test]
+    fn every_block_of_a_regular_machine_is_alike() {
+        let machine = MachineModel::from_flags(4, 4, None, None).unwrap();
+        assert_eq!(
+            classes(&machine),
+            vec![vec![0; 16], vec![0; 8], vec![0; 4], vec![0; 2], vec![0]]
+        );
+    }
+
+    #[test]
+    fn a_link_override_sets_apart_the_blocks_holding_both_ends() {
+        assert_eq!(
+            classes(&with_override()),
+            vec![vec![0; 8], vec![0, 0, 2, 0], vec![0, 1], vec![0]]
+        );
+        // across blocks of every size but the whole machine: no block holds both ends
+        let across = MachineModel::preset("paper:8")
+            .unwrap()
+            .with_link(1, 6, Link::from_gbit_per_s(7.0, 3.0))
+            .unwrap();
+        assert_eq!(
+            classes(&across),
+            vec![vec![0; 8], vec![0; 4], vec![0; 2], vec![0]]
+        );
+    }
+
+    #[test]
+    fn blocks_of_other_device_kinds_or_links_differ() {
+        assert_eq!(
+            classes(&two_kinds()),
+            vec![
+                vec![0, 0, 0, 0, 4, 4, 4, 4],
+                vec![0, 0, 2, 2],
+                vec![0, 1],
+                vec![0]
+            ]
+        );
+        // nodes of 3: the pair 2-3 straddles the nodes, and only one block of 4 fits in 6 devices
+        let uneven = MachineModel::from_flags(2, 3, None, None).unwrap();
+        assert_eq!(classes(&uneven), vec![vec![0; 6], vec![0, 1, 0], vec![0]]);
+    }
+
+    #[test]
+    fn pricing_a_class_once_equals_pricing_every_block() {
+        let machines = [
+            MachineModel::preset("paper:8").unwrap(),
+            with_override(),
+            two_kinds(),
+            MachineModel::from_flags(2, 3, None, None).unwrap(),
+        ];
+        for machine in &machines {
+            let provider = RooflineCost::new(machine);
+            let shortcut = BlockClasses::new(machine);
+            let every_block = BlockClasses::every_block_alone(machine);
+            let mut scratch = NodeScratch::default();
+            for (name, batch) in [("lenet5", 6), ("alexnet", 8), ("inception_v3_reduced", 5)] {
+                let z = legion_ops::zoo::find(name).unwrap();
+                let graph = z.build(&z.default_config(batch)).unwrap();
+                let model = CostModel::new(&graph, machine, &provider);
+                for id in graph.ids() {
+                    let layer = graph.layer(id);
+                    let dims = layer.op.spec().parallel_dims(&layer.shape);
+                    let space = ConfigSpace::enumerate(&layer.shape, dims, machine.num_devices());
+                    let fast = node_costs(&model, id, &space, &shortcut, &mut scratch);
+                    let direct = node_costs(&model, id, &space, &every_block, &mut scratch);
+                    assert_eq!(fast, direct, "{name} {} on {}", layer.name, machine.name());
+                }
+            }
+        }
+    }
 }
