@@ -9,7 +9,7 @@
 use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
 use crate::cost::CostModel;
 use crate::machine::{DeviceId, Link, MachineModel};
-use crate::sync::{LinkLoadBuffers, sync_time_shifted, tile_link_loads};
+use crate::sync::{LinkLoad, LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::TransferTables;
 use legion_ops::{LayerId, Rect};
@@ -166,6 +166,8 @@ struct NodeScratch {
     /// t_c of each tile on each device spec, `priced[t * specs + spec]`, once computed.
     priced: Vec<Option<f64>>,
     loads: LinkLoadBuffers,
+    /// The layer's sharing patterns so far, each with the first layout that has it.
+    patterns: HashMap<SharingPattern, usize>,
 }
 
 /// t_c and t_s of every config of a layer.
@@ -190,7 +192,9 @@ fn node_costs(
         tiles,
         priced,
         loads,
+        patterns,
     } = scratch;
+    patterns.clear();
     for (li, layout) in space.layouts().iter().enumerate() {
         let base = ParallelConfig::new(*layout, 0);
         let total = base.total();
@@ -200,8 +204,20 @@ fn node_costs(
         // spec in use.
         priced.clear();
         priced.resize(total * specs, None);
+        // An earlier layout with the same sharing pattern has the same t_s on every block (it has
+        // as many blocks: a pattern has one entry per tile).
+        let pattern = loads.share(op, &params, tiles);
+        let same_sync = patterns
+            .get(pattern)
+            .map(|&earlier| space.layout_configs(earlier));
+        if same_sync.is_none() {
+            patterns.insert(pattern.clone(), li);
+        }
         // by positions in the block; `sync_time_shifted` moves them onto each block's devices
-        let block_loads = tile_link_loads(op, &params, tiles, 0, loads);
+        let block_loads: &[LinkLoad] = match same_sync {
+            Some(_) => &[],
+            None => loads.link_loads(0),
+        };
         let range = space.layout_configs(li);
         // the configs of a layout are its aligned blocks, by ascending first device
         for (block, ci) in range.clone().enumerate() {
@@ -222,7 +238,10 @@ fn node_costs(
                 worst = worst.max(time);
             }
             compute[ci] = worst;
-            sync[ci] = sync_time_shifted(block_loads, machine, first);
+            sync[ci] = match &same_sync {
+                Some(earlier) => sync[earlier.start + block],
+                None => sync_time_shifted(block_loads, machine, first),
+            };
         }
     }
     (compute, sync)
