@@ -184,7 +184,7 @@ fn node_costs(
     let op = layer.op.spec();
     let inputs = model.input_shapes(id);
     let params = op.params(inputs);
-    let provider = model.provider();
+    let mut price = model.provider().tile_pricer(layer, inputs);
     let mut compute = vec![0.0; space.len()];
     let mut sync = vec![0.0; space.len()];
     let specs = machine.specs().len();
@@ -233,8 +233,7 @@ fn node_costs(
             for (t, rect) in tiles.iter().enumerate() {
                 let device = first + t;
                 let slot = &mut priced[t * specs + machine.spec_index(device)];
-                let time =
-                    *slot.get_or_insert_with(|| provider.compute_time(layer, inputs, rect, device));
+                let time = *slot.get_or_insert_with(|| price(rect, device));
                 worst = worst.max(time);
             }
             compute[ci] = worst;
