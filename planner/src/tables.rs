@@ -9,11 +9,12 @@
 use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
 use crate::cost::CostModel;
 use crate::machine::{DeviceId, Link, MachineModel};
-use crate::sync::{LinkLoad, LinkLoadBuffers, SharingPattern, sync_time_shifted};
+use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::TransferTables;
 use legion_ops::{LayerId, Rect};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// Per-config and per-config-pair costs of a model on a machine.
 pub struct CostTables<'m> {
@@ -166,8 +167,42 @@ struct NodeScratch {
     /// t_c of each tile on each device spec, `priced[t * specs + spec]`, once computed.
     priced: Vec<Option<f64>>,
     loads: LinkLoadBuffers,
-    /// The layer's sharing patterns so far, each with the first layout that has it.
-    patterns: HashMap<SharingPattern, usize>,
+    /// t_s on each device block of every sharing pattern met so far, in any layer: layouts with
+    /// equal patterns have equal link loads, hence equal t_s (as many blocks too: a pattern has
+    /// one entry per tile).
+    sync_of_pattern: HashMap<SharingPattern, Vec<f64>, BuildHasherDefault<PatternHasher>>,
+}
+
+/// FxHash's mixing (rotate, xor, multiply) over 8-byte words: every layout's sharing pattern is
+/// hashed, and the standard SipHash was over a tenth of pricing AlexNet. The keys are ours, not
+/// an adversary's.
+#[derive(Default)]
+struct PatternHasher(u64);
+
+impl PatternHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl Hasher for PatternHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            self.add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        }
+        let mut rest = [0u8; 8];
+        rest[..words.remainder().len()].copy_from_slice(words.remainder());
+        self.add(u64::from_le_bytes(rest));
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.add(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
 /// t_c and t_s of every config of a layer.
@@ -192,55 +227,54 @@ fn node_costs(
         tiles,
         priced,
         loads,
-        patterns,
+        sync_of_pattern,
     } = scratch;
-    patterns.clear();
     for (li, layout) in space.layouts().iter().enumerate() {
         let base = ParallelConfig::new(*layout, 0);
         let total = base.total();
         tiles.clear();
         tiles.extend(tile_rects(&layer.shape, &base));
+        // The configs of a layout are its aligned blocks, by ascending first device. A block
+        // prices as the first block of its class.
+        let range = space.layout_configs(li);
+        let class_of = |block| blocks.class_of(total, block);
+        let pattern = loads.share(op, &params, tiles);
+        match sync_of_pattern.get(pattern) {
+            Some(known) => sync[range.clone()].copy_from_slice(known),
+            None => {
+                let pattern = pattern.clone();
+                // by positions in the block; `sync_time_shifted` moves them onto each block's
+                // devices
+                let block_loads = loads.link_loads(0);
+                for (block, ci) in range.clone().enumerate() {
+                    sync[ci] = match class_of(block) {
+                        class if class == block => {
+                            sync_time_shifted(block_loads, machine, block * total)
+                        }
+                        class => sync[range.start + class],
+                    };
+                }
+                sync_of_pattern.insert(pattern, sync[range.clone()].to_vec());
+            }
+        }
         // A provider answers by device spec (see `CostProvider`), so each tile is priced once per
         // spec in use.
         priced.clear();
         priced.resize(total * specs, None);
-        // An earlier layout with the same sharing pattern has the same t_s on every block (it has
-        // as many blocks: a pattern has one entry per tile).
-        let pattern = loads.share(op, &params, tiles);
-        let same_sync = patterns
-            .get(pattern)
-            .map(|&earlier| space.layout_configs(earlier));
-        if same_sync.is_none() {
-            patterns.insert(pattern.clone(), li);
-        }
-        // by positions in the block; `sync_time_shifted` moves them onto each block's devices
-        let block_loads: &[LinkLoad] = match same_sync {
-            Some(_) => &[],
-            None => loads.link_loads(0),
-        };
-        let range = space.layout_configs(li);
-        // the configs of a layout are its aligned blocks, by ascending first device
         for (block, ci) in range.clone().enumerate() {
-            let class = blocks.class_of(total, block);
+            let class = class_of(block);
             if class != block {
-                // an earlier block prices alike
                 compute[ci] = compute[range.start + class];
-                sync[ci] = sync[range.start + class];
                 continue;
             }
-            let first = block * total;
             let mut worst = 0.0f64;
             for (t, rect) in tiles.iter().enumerate() {
-                let device = first + t;
+                let device = block * total + t;
                 let slot = &mut priced[t * specs + machine.spec_index(device)];
                 let time = *slot.get_or_insert_with(|| price(rect, device));
                 worst = worst.max(time);
             }
             compute[ci] = worst;
-            sync[ci] = match &same_sync {
-                Some(earlier) => sync[earlier.start + block],
-                None => sync_time_shifted(block_loads, machine, first),
-            };
         }
     }
     (compute, sync)
@@ -285,18 +319,6 @@ impl BlockClasses {
             by_size.push(classes);
             size *= 2;
         }
-        BlockClasses { by_size }
-    }
-
-    /// Every block its own class: what pricing each block directly amounts to.
-    #[cfg(test)]
-    fn every_block_alone(machine: &MachineModel) -> BlockClasses {
-        let devices = machine.num_devices();
-        let by_size = (0..)
-            .map(|k| 1usize << k)
-            .take_while(|&size| size <= devices)
-            .map(|size| (0..devices / size).collect())
-            .collect();
         BlockClasses { by_size }
     }
 
@@ -404,8 +426,9 @@ mod tests {
         ];
         for machine in &machines {
             let provider = RooflineCost::new(machine);
-            let shortcut = BlockClasses::new(machine);
-            let every_block = BlockClasses::every_block_alone(machine);
+            let blocks = BlockClasses::new(machine);
+            // one scratch for all layers and models, as in `CostTables::build`: t_s is shared by
+            // sharing pattern across layers too
             let mut scratch = NodeScratch::default();
             for (name, batch) in [("lenet5", 6), ("alexnet", 8), ("inception_v3_reduced", 5)] {
                 let z = legion_ops::zoo::find(name).unwrap();
@@ -415,9 +438,13 @@ mod tests {
                     let layer = graph.layer(id);
                     let dims = layer.op.spec().parallel_dims(&layer.shape);
                     let space = ConfigSpace::enumerate(&layer.shape, dims, machine.num_devices());
-                    let fast = node_costs(&model, id, &space, &shortcut, &mut scratch);
-                    let direct = node_costs(&model, id, &space, &every_block, &mut scratch);
-                    assert_eq!(fast, direct, "{name} {} on {}", layer.name, machine.name());
+                    let (compute, sync) = node_costs(&model, id, &space, &blocks, &mut scratch);
+                    for (i, config) in space.configs().iter().enumerate() {
+                        let at =
+                            || format!("{name} {} {config} @{}", layer.name, config.first_device());
+                        assert_eq!(compute[i], model.compute_time(id, config), "{}", at());
+                        assert_eq!(sync[i], model.sync_time(id, config), "{}", at());
+                    }
                 }
             }
         }
