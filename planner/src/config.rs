@@ -268,8 +268,10 @@ impl Iterator for TileRects {
             }
             // axes past the shape's rank stay [0, 1), as in `tile_rect`
             if axis < self.ndim {
-                (rect.lo[axis], rect.hi[axis]) =
-                    block_range(self.extents[axis], self.degrees[axis], self.coords[axis]);
+                // block i + 1 starts where block i ends, and block 0 at 0: one division, not two
+                let (extent, degree) = (self.extents[axis], self.degrees[axis]);
+                rect.lo[axis] = if wrapped { 0 } else { rect.hi[axis] };
+                rect.hi[axis] = block_range(extent, degree, self.coords[axis]).1;
             }
             if !wrapped {
                 self.next = Some(rect);

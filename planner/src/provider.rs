@@ -120,11 +120,12 @@ impl<'a> LayerWork<'a> {
 
     fn phase_times(&self, cost: &RooflineCost, tile_out: &Rect, spec: &DeviceSpec) -> PhaseTimes {
         let layer = self.layer;
-        if matches!(layer.op, Op::Input(_)) || tile_out.is_empty() {
+        let tile_volume = tile_out.volume();
+        if matches!(layer.op, Op::Input(_)) || tile_volume == 0 {
             return PhaseTimes::default();
         }
         let op = layer.op.spec();
-        let share = tile_out.volume() as f64 / layer.shape.numel() as f64;
+        let share = tile_volume as f64 / layer.shape.numel() as f64;
         let input_elems: usize = op
             .project(self.inputs, tile_out)
             .iter()
@@ -135,7 +136,7 @@ impl<'a> LayerWork<'a> {
             .iter()
             .map(|p| op.param_rect(p, tile_out).volume())
             .sum();
-        let forward_bytes = 4.0 * (input_elems + tile_out.volume() + param_elems) as f64;
+        let forward_bytes = 4.0 * (input_elems + tile_volume + param_elems) as f64;
         let flop_rate = spec.peak_flops_per_s() * cost.compute_efficiency;
         let byte_rate = spec.memory_bytes_per_s() * cost.memory_efficiency;
         let phase = |flops: f64, bytes: f64| {
