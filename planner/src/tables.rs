@@ -12,7 +12,7 @@ use crate::machine::{DeviceId, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::TransferTables;
-use legion_ops::{LayerId, Rect};
+use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -37,26 +37,35 @@ impl<'m> CostTables<'m> {
         let mut spaces: Vec<ConfigSpace> = Vec::new();
         let mut compute: Vec<Vec<f64>> = Vec::new();
         let mut sync: Vec<Vec<f64>> = Vec::new();
-        let mut memo: HashMap<String, usize> = HashMap::new();
+        // Layers with equal op, input shapes and dims share their tables: the first such layer's
+        // id is the class of each layer.
+        let mut layer_classes: HashMap<(String, &[Shape], &[Dim]), usize> = HashMap::new();
+        let mut layer_class: Vec<usize> = Vec::with_capacity(graph.layers().len());
+        // layers with equal output shapes and dims have equal config spaces: the first one's id
+        let mut same_space: HashMap<(Shape, &[Dim]), usize> = HashMap::new();
         let blocks = BlockClasses::new(machine);
         let mut scratch = NodeScratch::default();
         for id in graph.ids() {
             let layer = graph.layer(id);
             let dims = layer.op.spec().parallel_dims(&layer.shape);
-            let key = format!(
-                "{}|{:?}|{:?}",
-                serde_json::to_string(&layer.op).unwrap_or_default(),
-                model.input_shapes(id),
-                dims
-            );
-            if let Some(&same) = memo.get(&key) {
-                spaces.push(spaces[same].clone());
-                compute.push(compute[same].clone());
-                sync.push(sync[same].clone());
+            let op = serde_json::to_string(&layer.op).unwrap_or_default();
+            let class = *layer_classes
+                .entry((op, model.input_shapes(id), dims))
+                .or_insert(id.0);
+            layer_class.push(class);
+            if class != id.0 {
+                spaces.push(spaces[class].clone());
+                compute.push(compute[class].clone());
+                sync.push(sync[class].clone());
                 continue;
             }
-            memo.insert(key, id.0);
-            let space = ConfigSpace::enumerate(&layer.shape, dims, devices);
+            let space = match same_space.get(&(layer.shape, dims)) {
+                Some(&other) => spaces[other].clone(),
+                None => {
+                    same_space.insert((layer.shape, dims), id.0);
+                    ConfigSpace::enumerate(&layer.shape, dims, devices)
+                }
+            };
             let (c, s) = node_costs(model, id, &space, &blocks, &mut scratch);
             spaces.push(space);
             compute.push(c);
@@ -67,24 +76,22 @@ impl<'m> CostTables<'m> {
             .zip(&sync)
             .map(|(c, s)| c.iter().zip(s).map(|(c, s)| c + s).collect())
             .collect();
-        let mut edge_memo: HashMap<String, usize> = HashMap::new();
+        let mut edge_memo: HashMap<(Shape, &[Dim], usize, usize, bool), usize> = HashMap::new();
         let edge_class = model
             .edges()
             .iter()
             .enumerate()
             .map(|(i, e)| {
                 let src = graph.layer(e.src);
-                let dst = graph.layer(e.dst);
                 // everything the table depends on: the producer's tiling, the consumer's
-                // projection and tiling, and whether gradients flow back
-                let key = format!(
-                    "{:?}|{:?}|{}|{:?}|{}|{}",
+                // projection and tiling (its layer class: its op and input shapes), and whether
+                // gradients flow back
+                let key = (
                     src.shape,
                     src.op.spec().parallel_dims(&src.shape),
-                    serde_json::to_string(&dst.op).unwrap_or_default(),
-                    model.input_shapes(e.dst),
+                    layer_class[e.dst.0],
                     e.input,
-                    e.carries_gradient(graph)
+                    e.carries_gradient(graph),
                 );
                 *edge_memo.entry(key).or_insert(i)
             })
