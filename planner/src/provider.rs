@@ -94,7 +94,7 @@ impl RooflineCost {
         tile_out: &Rect,
         spec: &DeviceSpec,
     ) -> PhaseTimes {
-        LayerWork::new(layer, inputs).phase_times(self, tile_out, spec)
+        LayerWork::new(layer, inputs).phase_times(self, tile_out, spec, &mut Vec::new())
     }
 }
 
@@ -118,7 +118,15 @@ impl<'a> LayerWork<'a> {
         }
     }
 
-    fn phase_times(&self, cost: &RooflineCost, tile_out: &Rect, spec: &DeviceSpec) -> PhaseTimes {
+    /// The phase times of `tile_out` on a device of `spec`; `projected` is scratch space for the
+    /// tile's input rects.
+    fn phase_times(
+        &self,
+        cost: &RooflineCost,
+        tile_out: &Rect,
+        spec: &DeviceSpec,
+        projected: &mut Vec<Rect>,
+    ) -> PhaseTimes {
         let layer = self.layer;
         let tile_volume = tile_out.volume();
         if matches!(layer.op, Op::Input(_)) || tile_volume == 0 {
@@ -126,11 +134,9 @@ impl<'a> LayerWork<'a> {
         }
         let op = layer.op.spec();
         let share = tile_volume as f64 / layer.shape.numel() as f64;
-        let input_elems: usize = op
-            .project(self.inputs, tile_out)
-            .iter()
-            .map(|r| r.volume())
-            .sum();
+        projected.clear();
+        op.project_into(self.inputs, tile_out, projected);
+        let input_elems: usize = projected.iter().map(|r| r.volume()).sum();
         let param_elems: usize = self
             .params
             .iter()
@@ -162,8 +168,9 @@ impl CostProvider for RooflineCost {
 
     fn tile_pricer<'a>(&'a self, layer: &'a Layer, inputs: &'a [Shape]) -> TilePricer<'a> {
         let work = LayerWork::new(layer, inputs);
+        let mut projected = Vec::new();
         Box::new(move |tile_out, device| {
-            work.phase_times(self, tile_out, &self.devices[device])
+            work.phase_times(self, tile_out, &self.devices[device], &mut projected)
                 .total()
         })
     }
