@@ -187,6 +187,7 @@ impl Rect {
         self.ndim
     }
 
+    #[inline]
     pub fn extent(&self, axis: usize) -> usize {
         self.hi[axis].saturating_sub(self.lo[axis])
     }
@@ -203,10 +204,12 @@ impl Rect {
         }
     }
 
+    #[inline]
     pub fn volume(&self) -> usize {
         (0..self.ndim).map(|i| self.extent(i)).product()
     }
 
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.volume() == 0
     }

@@ -226,11 +226,17 @@ pub fn tile_rect(shape: &Shape, config: &ParallelConfig, tile: usize) -> Rect {
 /// each tile. Row-major order changes the last axis's block from one tile to the next and the others
 /// more rarely, so each rect is the previous one with the changed axes recomputed, not all of them.
 pub fn tile_rects(shape: &Shape, config: &ParallelConfig) -> TileRects {
-    let first = (config.total() > 0).then(|| tile_rect(shape, config, 0));
+    let (degrees, nd) = (config.degrees(), shape.ndim());
+    // tile 0: block 0 on every axis (none when a degree is 0)
+    let first = (config.total() > 0).then(|| {
+        let hi: [usize; MAX_DIMS] =
+            std::array::from_fn(|axis| block_range(shape.dim(axis), degrees[axis], 0).1);
+        Rect::new(&[0; MAX_DIMS][..nd], &hi[..nd])
+    });
     TileRects {
         extents: std::array::from_fn(|axis| shape.dim(axis)),
-        ndim: shape.ndim(),
-        degrees: config.degrees(),
+        ndim: nd,
+        degrees,
         coords: [0; MAX_DIMS],
         next: first,
     }
