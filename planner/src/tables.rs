@@ -8,13 +8,13 @@
 
 use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
 use crate::cost::CostModel;
+use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::TransferTables;
 use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 /// Per-config and per-config-pair costs of a model on a machine.
 pub struct CostTables<'m> {
@@ -177,39 +177,7 @@ struct NodeScratch {
     /// t_s on each device block of every sharing pattern met so far, in any layer: layouts with
     /// equal patterns have equal link loads, hence equal t_s (as many blocks too: a pattern has
     /// one entry per tile).
-    sync_of_pattern: HashMap<SharingPattern, Vec<f64>, BuildHasherDefault<PatternHasher>>,
-}
-
-/// FxHash's mixing (rotate, xor, multiply) over 8-byte words: every layout's sharing pattern is
-/// hashed, and the standard SipHash was over a tenth of pricing AlexNet. The keys are ours, not
-/// an adversary's.
-#[derive(Default)]
-struct PatternHasher(u64);
-
-impl PatternHasher {
-    fn add(&mut self, word: u64) {
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-}
-
-impl Hasher for PatternHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        let mut words = bytes.chunks_exact(8);
-        for word in &mut words {
-            self.add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
-        }
-        let mut rest = [0u8; 8];
-        rest[..words.remainder().len()].copy_from_slice(words.remainder());
-        self.add(u64::from_le_bytes(rest));
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.add(n as u64);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
+    sync_of_pattern: FastHashMap<SharingPattern, Vec<f64>>,
 }
 
 /// t_c and t_s of every config of a layer.
