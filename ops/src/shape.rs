@@ -108,7 +108,12 @@ impl Shape {
 
     /// The whole tensor as a rect.
     pub fn full_rect(&self) -> Rect {
-        Rect::new(&vec![0; self.ndim], self.dims())
+        // unused axes are [0, 1) in both types, so the dims are the upper bounds as they are
+        Rect {
+            lo: [0; MAX_DIMS],
+            hi: self.dims,
+            ndim: self.ndim,
+        }
     }
 }
 
@@ -182,6 +187,7 @@ impl Rect {
         self.ndim
     }
 
+    #[inline]
     pub fn extent(&self, axis: usize) -> usize {
         self.hi[axis].saturating_sub(self.lo[axis])
     }
@@ -198,10 +204,12 @@ impl Rect {
         }
     }
 
+    #[inline]
     pub fn volume(&self) -> usize {
         (0..self.ndim).map(|i| self.extent(i)).product()
     }
 
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.volume() == 0
     }
@@ -350,6 +358,17 @@ mod tests {
             &Rect::new(&[2, 2], &[3, 3]),
         );
         assert_eq!(dst, vec![5.0, 6.0, 9.0, 20.0]);
+    }
+
+    #[test]
+    fn full_rect_spans_every_axis_of_every_rank() {
+        for dims in [&[7][..], &[3, 5], &[2, 3, 4], &[8, 3, 32, 31]] {
+            let shape = Shape::new(dims);
+            let full = shape.full_rect();
+            assert_eq!(full, Rect::new(&vec![0; dims.len()], dims));
+            assert_eq!(full.shape(), shape);
+            assert_eq!(full.volume(), shape.numel());
+        }
     }
 
     #[test]

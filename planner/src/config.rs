@@ -222,6 +222,72 @@ pub fn tile_rect(shape: &Shape, config: &ParallelConfig, tile: usize) -> Rect {
     Rect::new(&lo[..nd], &hi[..nd])
 }
 
+/// The rects of all tiles of a tensor of `shape` under `config`, in tile order: [`tile_rect`] of
+/// each tile. Row-major order changes the last axis's block from one tile to the next and the others
+/// more rarely, so each rect is the previous one with the changed axes recomputed, not all of them.
+pub fn tile_rects(shape: &Shape, config: &ParallelConfig) -> TileRects {
+    let (degrees, nd) = (config.degrees(), shape.ndim());
+    // tile 0: block 0 on every axis (none when a degree is 0)
+    let first = (config.total() > 0).then(|| {
+        let hi: [usize; MAX_DIMS] =
+            std::array::from_fn(|axis| block_range(shape.dim(axis), degrees[axis], 0).1);
+        Rect::new(&[0; MAX_DIMS][..nd], &hi[..nd])
+    });
+    TileRects {
+        extents: std::array::from_fn(|axis| shape.dim(axis)),
+        ndim: nd,
+        degrees,
+        coords: [0; MAX_DIMS],
+        next: first,
+    }
+}
+
+/// Iterator of [`tile_rects`].
+#[derive(Clone, Debug)]
+pub struct TileRects {
+    extents: [usize; MAX_DIMS],
+    ndim: usize,
+    degrees: [usize; MAX_DIMS],
+    /// Block index along each axis of `next`.
+    coords: [usize; MAX_DIMS],
+    next: Option<Rect>,
+}
+
+impl Iterator for TileRects {
+    type Item = Rect;
+
+    fn next(&mut self) -> Option<Rect> {
+        let current = self.next?;
+        let mut rect = current;
+        // the odometer of `ParallelConfig::tile_coords`: the last axis fastest
+        let mut axis = MAX_DIMS;
+        loop {
+            if axis == 0 {
+                self.next = None;
+                break;
+            }
+            axis -= 1;
+            self.coords[axis] += 1;
+            let wrapped = self.coords[axis] == self.degrees[axis];
+            if wrapped {
+                self.coords[axis] = 0;
+            }
+            // axes past the shape's rank stay [0, 1), as in `tile_rect`
+            if axis < self.ndim {
+                // block i + 1 starts where block i ends, and block 0 at 0: one division, not two
+                let (extent, degree) = (self.extents[axis], self.degrees[axis]);
+                rect.lo[axis] = if wrapped { 0 } else { rect.hi[axis] };
+                rect.hi[axis] = block_range(extent, degree, self.coords[axis]).1;
+            }
+            if !wrapped {
+                self.next = Some(rect);
+                break;
+            }
+        }
+        Some(current)
+    }
+}
+
 /// All valid configs of one layer, grouped by degree vector ("layout"): the configs of layout `l`
 /// are `configs()[layout_configs(l)]`, one per aligned device block, by ascending first device.
 #[derive(Clone, Debug, PartialEq)]
@@ -383,6 +449,29 @@ mod tests {
         );
         assert_eq!(cfg.to_string(), "n=2,h=2");
         assert_eq!(ParallelConfig::serial(3).to_string(), "1");
+    }
+
+    #[test]
+    fn tile_rects_are_each_tiles_rect_in_order() {
+        let shapes = [
+            Shape::nchw(8, 6, 10, 10),
+            Shape::nchw(5, 3, 7, 9),
+            Shape::nc(3, 10),
+            Shape::new(&[7]),
+        ];
+        for shape in shapes {
+            let dims: Vec<Dim> = Dim::ALL
+                .into_iter()
+                .filter(|d| d.axis() < shape.ndim())
+                .collect();
+            for config in ConfigSpace::enumerate(&shape, &dims, 16).configs() {
+                let fast: Vec<Rect> = tile_rects(&shape, config).collect();
+                let direct: Vec<Rect> = (0..config.total())
+                    .map(|t| tile_rect(&shape, config, t))
+                    .collect();
+                assert_eq!(fast, direct, "{shape:?} {config}");
+            }
+        }
     }
 
     #[test]

@@ -14,6 +14,7 @@
 
 pub mod config;
 pub mod cost;
+mod fast_hash;
 pub mod machine;
 pub mod machine_file;
 pub mod plan;

@@ -3,6 +3,7 @@
 //! profiler feeds.
 
 use crate::machine::{DeviceId, DeviceSpec, MachineModel};
+use legion_ops::op::{Flops, ParamSpec};
 use legion_ops::{Layer, Op, Rect, Shape};
 
 /// Forward and backward seconds of one tile.
@@ -17,6 +18,9 @@ impl PhaseTimes {
         self.forward + self.backward
     }
 }
+
+/// Compute seconds of a tile (its rect) of one layer on a device: see [`CostProvider::tile_pricer`].
+pub type TilePricer<'a> = Box<dyn FnMut(&Rect, DeviceId) -> f64 + 'a>;
 
 /// Time to run one tile of a layer on a device.
 ///
@@ -43,6 +47,13 @@ pub trait CostProvider {
         device: DeviceId,
     ) -> f64 {
         self.phase_times(layer, inputs, tile_out, device).total()
+    }
+
+    /// [`CostProvider::compute_time`] of `layer`'s tiles, one call per tile and the same numbers:
+    /// the cost tables price hundreds of tiles of each layer through it, so a provider may work out
+    /// once what they have in common.
+    fn tile_pricer<'a>(&'a self, layer: &'a Layer, inputs: &'a [Shape]) -> TilePricer<'a> {
+        Box::new(move |tile_out, device| self.compute_time(layer, inputs, tile_out, device))
     }
 }
 
@@ -83,31 +94,63 @@ impl RooflineCost {
         tile_out: &Rect,
         spec: &DeviceSpec,
     ) -> PhaseTimes {
-        if matches!(layer.op, Op::Input(_)) || tile_out.is_empty() {
+        LayerWork::new(layer, inputs).phase_times(self, tile_out, spec, &mut Vec::new())
+    }
+}
+
+/// What the roofline of every tile of one layer reads besides the tile: FLOPs and parameters are
+/// the layer's, so pricing many tiles computes them once.
+struct LayerWork<'a> {
+    layer: &'a Layer,
+    inputs: &'a [Shape],
+    flops: Flops,
+    params: Vec<ParamSpec>,
+}
+
+impl<'a> LayerWork<'a> {
+    fn new(layer: &'a Layer, inputs: &'a [Shape]) -> LayerWork<'a> {
+        let op = layer.op.spec();
+        LayerWork {
+            layer,
+            inputs,
+            flops: op.flops(inputs, &layer.shape),
+            params: op.params(inputs),
+        }
+    }
+
+    /// The phase times of `tile_out` on a device of `spec`; `projected` is scratch space for the
+    /// tile's input rects.
+    fn phase_times(
+        &self,
+        cost: &RooflineCost,
+        tile_out: &Rect,
+        spec: &DeviceSpec,
+        projected: &mut Vec<Rect>,
+    ) -> PhaseTimes {
+        let layer = self.layer;
+        let tile_volume = tile_out.volume();
+        if matches!(layer.op, Op::Input(_)) || tile_volume == 0 {
             return PhaseTimes::default();
         }
         let op = layer.op.spec();
-        let share = tile_out.volume() as f64 / layer.shape.numel() as f64;
-        let flops = op.flops(inputs, &layer.shape);
-        let input_elems: usize = op
-            .project(inputs, tile_out)
-            .iter()
-            .map(|r| r.volume())
-            .sum();
-        let param_elems: usize = op
-            .params(inputs)
+        let share = tile_volume as f64 / layer.shape.numel() as f64;
+        projected.clear();
+        op.project_into(self.inputs, tile_out, projected);
+        let input_elems: usize = projected.iter().map(|r| r.volume()).sum();
+        let param_elems: usize = self
+            .params
             .iter()
             .map(|p| op.param_rect(p, tile_out).volume())
             .sum();
-        let forward_bytes = 4.0 * (input_elems + tile_out.volume() + param_elems) as f64;
-        let flop_rate = spec.peak_flops_per_s() * self.compute_efficiency;
-        let byte_rate = spec.memory_bytes_per_s() * self.memory_efficiency;
+        let forward_bytes = 4.0 * (input_elems + tile_volume + param_elems) as f64;
+        let flop_rate = spec.peak_flops_per_s() * cost.compute_efficiency;
+        let byte_rate = spec.memory_bytes_per_s() * cost.memory_efficiency;
         let phase = |flops: f64, bytes: f64| {
             (flops / flop_rate).max(bytes / byte_rate) + spec.task_overhead_s()
         };
         PhaseTimes {
-            forward: phase(flops.forward as f64 * share, forward_bytes),
-            backward: phase(flops.backward as f64 * share, 2.0 * forward_bytes),
+            forward: phase(self.flops.forward as f64 * share, forward_bytes),
+            backward: phase(self.flops.backward as f64 * share, 2.0 * forward_bytes),
         }
     }
 }
@@ -121,6 +164,15 @@ impl CostProvider for RooflineCost {
         device: DeviceId,
     ) -> PhaseTimes {
         self.phase_times_on(layer, inputs, tile_out, &self.devices[device])
+    }
+
+    fn tile_pricer<'a>(&'a self, layer: &'a Layer, inputs: &'a [Shape]) -> TilePricer<'a> {
+        let work = LayerWork::new(layer, inputs);
+        let mut projected = Vec::new();
+        Box::new(move |tile_out, device| {
+            work.phase_times(self, tile_out, &self.devices[device], &mut projected)
+                .total()
+        })
     }
 }
 
@@ -156,6 +208,29 @@ mod tests {
             (p.backward + 10e-6 - 2.0 * p.forward).abs() < 1e-12,
             "{p:?}"
         );
+    }
+
+    #[test]
+    fn a_layers_tile_pricer_prices_as_compute_time() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 3, 17, 17)).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(6, 3).padding(1)).unwrap();
+        let g = m.finish();
+        let machine = MachineModel::preset("paper:4").unwrap();
+        let cost = RooflineCost::new(&machine);
+        for id in [x, c] {
+            let (layer, inputs) = (g.layer(id), g.input_shapes(id));
+            let mut price = cost.tile_pricer(layer, &inputs);
+            for tile in [
+                layer.shape.full_rect(),
+                Rect::new(&[0, 0, 0, 0], &[4, 3, 9, 17]),
+                Rect::new(&[4, 2, 8, 5], &[8, 3, 17, 9]),
+                Rect::new(&[4, 2, 8, 5], &[4, 3, 17, 9]),
+            ] {
+                let direct = cost.compute_time(layer, &inputs, &tile, 3);
+                assert_eq!(price(&tile, 3), direct, "{tile}");
+            }
+        }
     }
 
     #[test]

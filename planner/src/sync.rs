@@ -32,6 +32,7 @@
 
 use crate::config::{ParallelConfig, block_range, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
+use legion_ops::op::{OpSpec, ParamSpec};
 use legion_ops::{Graph, LayerId, Rect};
 use std::collections::BTreeMap;
 
@@ -157,53 +158,138 @@ impl SyncPlan {
 /// prices t_s for every layout of every layer, where the groups' allocations dominated.
 pub fn layer_link_loads(graph: &Graph, layer: LayerId, config: &ParallelConfig) -> Vec<LinkLoad> {
     let l = graph.layer(layer);
-    let inputs = graph.input_shapes(layer);
     let op = l.op.spec();
-    let (first, total) = (config.first_device(), config.total());
-    // (bytes, messages) per (owner, replica), indexed by their positions in the device block.
-    let mut matrix = vec![(0u64, 0u32); total * total];
-    let tiles: Vec<Rect> = (0..total).map(|t| tile_rect(&l.shape, config, t)).collect();
-    for spec in &op.params(&inputs) {
-        if !spec.trainable {
-            continue;
-        }
-        let mut by_slice: Vec<(Rect, Vec<usize>)> = Vec::new();
-        for (t, tile) in tiles.iter().enumerate() {
-            let slice = op.param_rect(spec, tile);
-            match by_slice.iter_mut().find(|(s, _)| *s == slice) {
-                Some((_, positions)) => positions.push(t),
-                None => by_slice.push((slice, vec![t])),
+    let params = op.params(&graph.input_shapes(layer));
+    let tiles: Vec<Rect> = (0..config.total())
+        .map(|t| tile_rect(&l.shape, config, t))
+        .collect();
+    let mut buffers = LinkLoadBuffers::default();
+    buffers.share(op, &params, &tiles);
+    buffers.link_loads(config.first_device()).to_vec()
+}
+
+/// How the tiles of one layout share a layer's trainable parameters: for each parameter, its
+/// distinct slices and which tiles use each. A layout's link loads depend on nothing else, so
+/// layouts with equal patterns have equal t_s on every device block, and the cost tables compute it
+/// once per pattern. Many layouts share one: a conv's slices follow its channel split alone, so
+/// for instance every layout that does not split channels replicates every parameter on every tile.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct SharingPattern {
+    tiles: usize,
+    /// Per trainable parameter, how many of `slices` are its.
+    slices_per_param: Vec<usize>,
+    /// (rows, elements) of each distinct slice, in order of first use, parameter by parameter: all
+    /// that its blocks and messages depend on.
+    slices: Vec<(usize, usize)>,
+    /// Per parameter, then per tile: the index of the tile's slice among its parameter's slices.
+    /// A layout has at most as many tiles as the machine has devices, which `MachineModel` keeps
+    /// within `u16`; the narrow type makes the pattern quicker to hash.
+    slice_of_tile: Vec<u16>,
+}
+
+/// Working memory of [`layer_link_loads`]: the sharing pattern of the last layout given to
+/// [`LinkLoadBuffers::share`], and buffers kept between layouts so that pricing many of them
+/// allocates only while the buffers grow.
+#[derive(Debug, Default)]
+pub(crate) struct LinkLoadBuffers {
+    pattern: SharingPattern,
+    /// The distinct slices of one parameter, in order of first use.
+    distinct: Vec<Rect>,
+    /// (bytes, messages) per (owner, replica), indexed by their positions in the device block.
+    matrix: Vec<(u64, u32)>,
+    /// The tiles sharing one slice, ascending.
+    positions: Vec<usize>,
+    loads: Vec<LinkLoad>,
+}
+
+impl LinkLoadBuffers {
+    /// The sharing pattern of a layout of a layer whose op is `op`, with parameters `params`
+    /// (buffers are skipped) and output tiles `tiles`.
+    pub(crate) fn share(
+        &mut self,
+        op: &dyn OpSpec,
+        params: &[ParamSpec],
+        tiles: &[Rect],
+    ) -> &SharingPattern {
+        let pattern = &mut self.pattern;
+        pattern.tiles = tiles.len();
+        pattern.slices_per_param.clear();
+        pattern.slices.clear();
+        pattern.slice_of_tile.clear();
+        for spec in params.iter().filter(|p| p.trainable) {
+            self.distinct.clear();
+            for tile in tiles {
+                let slice = op.param_rect(spec, tile);
+                let index = match self.distinct.iter().position(|s| *s == slice) {
+                    Some(i) => i,
+                    None => {
+                        self.distinct.push(slice);
+                        self.distinct.len() - 1
+                    }
+                };
+                pattern
+                    .slice_of_tile
+                    .push(u16::try_from(index).expect("at most u16::MAX tiles"));
             }
+            pattern.slices_per_param.push(self.distinct.len());
+            pattern
+                .slices
+                .extend(self.distinct.iter().map(|s| (s.extent(0), s.volume())));
         }
-        for (slice, positions) in by_slice {
-            if positions.len() < 2 || slice.is_empty() {
-                continue;
-            }
-            let rows = slice.extent(0);
-            let blocks = positions.len().min(rows);
-            let row_bytes = 4 * (slice.volume() / rows) as u64;
-            for j in 0..blocks {
-                let (a, b) = block_range(rows, blocks, j);
-                let owner = positions[j];
-                for &replica in positions.iter().filter(|&&p| p != owner) {
-                    let cell = &mut matrix[owner * total + replica];
-                    cell.0 += row_bytes * (b - a) as u64;
-                    cell.1 += 1;
+        &self.pattern
+    }
+
+    /// The link loads of the pattern [`LinkLoadBuffers::share`] computed last, tile `t` on device
+    /// `first + t`.
+    pub(crate) fn link_loads(&mut self, first: DeviceId) -> &[LinkLoad] {
+        let LinkLoadBuffers {
+            pattern,
+            matrix,
+            positions,
+            loads,
+            ..
+        } = self;
+        let total = pattern.tiles;
+        matrix.clear();
+        matrix.resize(total * total, (0, 0));
+        let mut slices = pattern.slices.iter();
+        for (param, &count) in pattern.slices_per_param.iter().enumerate() {
+            let slice_of_tile = &pattern.slice_of_tile[param * total..(param + 1) * total];
+            for (index, &(rows, volume)) in slices.by_ref().take(count).enumerate() {
+                positions.clear();
+                positions.extend((0..total).filter(|&t| usize::from(slice_of_tile[t]) == index));
+                if positions.len() < 2 || volume == 0 {
+                    continue;
+                }
+                let blocks = positions.len().min(rows);
+                let row_bytes = 4 * (volume / rows) as u64;
+                for j in 0..blocks {
+                    let (a, b) = block_range(rows, blocks, j);
+                    let owner = positions[j];
+                    for &replica in positions.iter().filter(|&&p| p != owner) {
+                        let cell = &mut matrix[owner * total + replica];
+                        cell.0 += row_bytes * (b - a) as u64;
+                        cell.1 += 1;
+                    }
                 }
             }
         }
+        loads.clear();
+        // row by row rather than dividing each cell's index: the divisions dominated this loop
+        for (owner, row) in matrix.chunks_exact(total).enumerate() {
+            for (replica, &(bytes, messages)) in row.iter().enumerate() {
+                if messages > 0 {
+                    loads.push(LinkLoad {
+                        owner: first + owner,
+                        replica: first + replica,
+                        bytes,
+                        messages,
+                    });
+                }
+            }
+        }
+        loads
     }
-    matrix
-        .iter()
-        .enumerate()
-        .filter(|(_, (_, messages))| *messages > 0)
-        .map(|(i, &(bytes, messages))| LinkLoad {
-            owner: first + i / total,
-            replica: first + i % total,
-            bytes,
-            messages,
-        })
-        .collect()
 }
 
 /// The blocks of a replicated slice and their owners: block j of the slice's rows (first axis) is
@@ -261,6 +347,7 @@ pub(crate) fn sync_time_shifted(loads: &[LinkLoad], machine: &MachineModel, offs
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::tile_rects;
     use legion_ops::op::{Conv2d, Dense};
     use legion_ops::{Dim, GraphBuilder, Shape};
 
@@ -314,6 +401,35 @@ mod tests {
                 "{config}"
             );
         }
+    }
+
+    #[test]
+    fn layouts_that_replicate_alike_share_one_pattern() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 3, 16, 16)).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(6, 3).padding(1)).unwrap();
+        let g = m.finish();
+        let l = g.layer(c);
+        let op = l.op.spec();
+        let params = op.params(&g.input_shapes(c));
+        let pattern = |degrees| {
+            let config = ParallelConfig::new(degrees, 0);
+            let tiles: Vec<Rect> = tile_rects(&l.shape, &config).collect();
+            let mut buffers = LinkLoadBuffers::default();
+            buffers.share(op, &params, &tiles).clone()
+        };
+        // a conv's slices follow the channel split alone: every 4-tile layout without one
+        // replicates both parameters on all four tiles
+        let replicated = pattern([4, 1, 1, 1]);
+        assert_eq!(pattern([1, 1, 2, 2]), replicated);
+        assert_eq!(pattern([2, 1, 1, 2]), replicated);
+        assert_ne!(pattern([2, 2, 1, 1]), replicated);
+        assert_ne!(
+            pattern([2, 2, 1, 1]),
+            pattern([1, 2, 2, 1]),
+            "tile order differs"
+        );
+        assert_eq!(pattern([1, 2, 2, 1]), pattern([1, 2, 1, 2]));
     }
 
     #[test]

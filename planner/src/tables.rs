@@ -6,12 +6,14 @@
 //! - t_x tables come from the `transfer_table` module (factorized over axes on regular machines).
 //! - Layers and edges with identical op, shapes and parallel dims share their tables.
 
-use crate::config::{ConfigSpace, ParallelConfig, tile_rect};
+use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
 use crate::cost::CostModel;
-use crate::sync::{LinkLoad, layer_link_loads, sync_time_shifted};
+use crate::fast_hash::FastHashMap;
+use crate::machine::{DeviceId, Link, MachineModel};
+use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::TransferTables;
-use legion_ops::{LayerId, Rect};
+use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::HashMap;
 
 /// Per-config and per-config-pair costs of a model on a machine.
@@ -35,25 +37,36 @@ impl<'m> CostTables<'m> {
         let mut spaces: Vec<ConfigSpace> = Vec::new();
         let mut compute: Vec<Vec<f64>> = Vec::new();
         let mut sync: Vec<Vec<f64>> = Vec::new();
-        let mut memo: HashMap<String, usize> = HashMap::new();
+        // Layers with equal op, input shapes and dims share their tables: the first such layer's
+        // id is the class of each layer.
+        let mut layer_classes: HashMap<(String, &[Shape], &[Dim]), usize> = HashMap::new();
+        let mut layer_class: Vec<usize> = Vec::with_capacity(graph.layers().len());
+        // layers with equal output shapes and dims have equal config spaces: the first one's id
+        let mut same_space: HashMap<(Shape, &[Dim]), usize> = HashMap::new();
+        let blocks = BlockClasses::new(machine);
+        let mut scratch = NodeScratch::default();
         for id in graph.ids() {
             let layer = graph.layer(id);
             let dims = layer.op.spec().parallel_dims(&layer.shape);
-            let key = format!(
-                "{}|{:?}|{:?}",
-                serde_json::to_string(&layer.op).unwrap_or_default(),
-                model.input_shapes(id),
-                dims
-            );
-            if let Some(&same) = memo.get(&key) {
-                spaces.push(spaces[same].clone());
-                compute.push(compute[same].clone());
-                sync.push(sync[same].clone());
+            let op = serde_json::to_string(&layer.op).unwrap_or_default();
+            let class = *layer_classes
+                .entry((op, model.input_shapes(id), dims))
+                .or_insert(id.0);
+            layer_class.push(class);
+            if class != id.0 {
+                spaces.push(spaces[class].clone());
+                compute.push(compute[class].clone());
+                sync.push(sync[class].clone());
                 continue;
             }
-            memo.insert(key, id.0);
-            let space = ConfigSpace::enumerate(&layer.shape, dims, devices);
-            let (c, s) = node_costs(model, id, &space);
+            let space = match same_space.get(&(layer.shape, dims)) {
+                Some(&other) => spaces[other].clone(),
+                None => {
+                    same_space.insert((layer.shape, dims), id.0);
+                    ConfigSpace::enumerate(&layer.shape, dims, devices)
+                }
+            };
+            let (c, s) = node_costs(model, id, &space, &blocks, &mut scratch);
             spaces.push(space);
             compute.push(c);
             sync.push(s);
@@ -63,24 +76,22 @@ impl<'m> CostTables<'m> {
             .zip(&sync)
             .map(|(c, s)| c.iter().zip(s).map(|(c, s)| c + s).collect())
             .collect();
-        let mut edge_memo: HashMap<String, usize> = HashMap::new();
+        let mut edge_memo: HashMap<(Shape, &[Dim], usize, usize, bool), usize> = HashMap::new();
         let edge_class = model
             .edges()
             .iter()
             .enumerate()
             .map(|(i, e)| {
                 let src = graph.layer(e.src);
-                let dst = graph.layer(e.dst);
                 // everything the table depends on: the producer's tiling, the consumer's
-                // projection and tiling, and whether gradients flow back
-                let key = format!(
-                    "{:?}|{:?}|{}|{:?}|{}|{}",
+                // projection and tiling (its layer class: its op and input shapes), and whether
+                // gradients flow back
+                let key = (
                     src.shape,
                     src.op.spec().parallel_dims(&src.shape),
-                    serde_json::to_string(&dst.op).unwrap_or_default(),
-                    model.input_shapes(e.dst),
+                    layer_class[e.dst.0],
                     e.input,
-                    e.carries_gradient(graph)
+                    e.carries_gradient(graph),
                 );
                 *edge_memo.entry(key).or_insert(i)
             })
@@ -155,39 +166,262 @@ impl<'m> CostTables<'m> {
     }
 }
 
+/// Buffers [`node_costs`] reuses from layout to layout and layer to layer.
+#[derive(Default)]
+struct NodeScratch {
+    /// The output tiles of one layout, tile `t` on the block's `t`-th device.
+    tiles: Vec<Rect>,
+    /// t_c of each tile on each device spec, `priced[t * specs + spec]`, once computed.
+    priced: Vec<Option<f64>>,
+    loads: LinkLoadBuffers,
+    /// t_s on each device block of every sharing pattern met so far, in any layer: layouts with
+    /// equal patterns have equal link loads, hence equal t_s (as many blocks too: a pattern has
+    /// one entry per tile).
+    sync_of_pattern: FastHashMap<SharingPattern, Vec<f64>>,
+}
+
 /// t_c and t_s of every config of a layer.
-fn node_costs(model: &CostModel, id: LayerId, space: &ConfigSpace) -> (Vec<f64>, Vec<f64>) {
+fn node_costs(
+    model: &CostModel,
+    id: LayerId,
+    space: &ConfigSpace,
+    blocks: &BlockClasses,
+    scratch: &mut NodeScratch,
+) -> (Vec<f64>, Vec<f64>) {
     let graph = model.graph();
     let machine = model.machine();
     let layer = graph.layer(id);
+    let op = layer.op.spec();
     let inputs = model.input_shapes(id);
-    let provider = model.provider();
+    let params = op.params(inputs);
+    let mut price = model.provider().tile_pricer(layer, inputs);
     let mut compute = vec![0.0; space.len()];
     let mut sync = vec![0.0; space.len()];
     let specs = machine.specs().len();
+    let NodeScratch {
+        tiles,
+        priced,
+        loads,
+        sync_of_pattern,
+    } = scratch;
     for (li, layout) in space.layouts().iter().enumerate() {
         let base = ParallelConfig::new(*layout, 0);
+        let total = base.total();
+        tiles.clear();
+        tiles.extend(tile_rects(&layer.shape, &base));
+        // The configs of a layout are its aligned blocks, by ascending first device. A block
+        // prices as the first block of its class.
         let range = space.layout_configs(li);
+        let class_of = |block| blocks.class_of(total, block);
+        let pattern = loads.share(op, &params, tiles);
+        match sync_of_pattern.get(pattern) {
+            Some(known) => sync[range.clone()].copy_from_slice(known),
+            None => {
+                let pattern = pattern.clone();
+                // by positions in the block; `sync_time_shifted` moves them onto each block's
+                // devices
+                let block_loads = loads.link_loads(0);
+                for (block, ci) in range.clone().enumerate() {
+                    sync[ci] = match class_of(block) {
+                        class if class == block => {
+                            sync_time_shifted(block_loads, machine, block * total)
+                        }
+                        class => sync[range.start + class],
+                    };
+                }
+                sync_of_pattern.insert(pattern, sync[range.clone()].to_vec());
+            }
+        }
         // A provider answers by device spec (see `CostProvider`), so each tile is priced once per
         // spec in use.
-        let mut priced: Vec<Option<f64>> = vec![None; base.total() * specs];
-        let rects: Vec<Rect> = (0..base.total())
-            .map(|t| tile_rect(&layer.shape, &base, t))
-            .collect();
-        let loads: Vec<LinkLoad> = layer_link_loads(graph, id, &base);
-        for ci in range {
-            let config = space.config(ci);
+        priced.clear();
+        priced.resize(total * specs, None);
+        for (block, ci) in range.clone().enumerate() {
+            let class = class_of(block);
+            if class != block {
+                compute[ci] = compute[range.start + class];
+                continue;
+            }
             let mut worst = 0.0f64;
-            for (t, rect) in rects.iter().enumerate() {
-                let device = config.device_of_tile(t);
+            for (t, rect) in tiles.iter().enumerate() {
+                let device = block * total + t;
                 let slot = &mut priced[t * specs + machine.spec_index(device)];
-                let time =
-                    *slot.get_or_insert_with(|| provider.compute_time(layer, inputs, rect, device));
+                let time = *slot.get_or_insert_with(|| price(rect, device));
                 worst = worst.max(time);
             }
             compute[ci] = worst;
-            sync[ci] = sync_time_shifted(&loads, machine, config.first_device());
         }
     }
     (compute, sync)
+}
+
+/// Which aligned device blocks of each size price alike, so that t_c and t_s are computed once per
+/// class of blocks rather than once per block.
+///
+/// Blocks of one size are alike when the devices at each position in them have the same spec (all
+/// that t_c reads of the machine) and the link between the devices at each two positions is the
+/// same, bit for bit (all that t_s reads: the owners and replicas of a layer's synchronisation are
+/// devices of its block, and [`sync_time_shifted`] reads nothing but [`MachineModel::link`]). This is
+/// exact for any machine: on a regular one every block of a size falls in one class; irregular ones
+/// (per-pair overrides, several device kinds, uneven nodes) get more classes.
+pub(crate) struct BlockClasses {
+    /// `by_size[k][b]`: the class of block `b` of `2^k` devices (devices `b·2^k..(b+1)·2^k`),
+    /// named by its first block.
+    by_size: Vec<Vec<usize>>,
+}
+
+impl BlockClasses {
+    /// The classes of every power-of-two block size up to the machine's device count (the only
+    /// sizes configs take: their degrees are powers of two).
+    pub(crate) fn new(machine: &MachineModel) -> BlockClasses {
+        let devices = machine.num_devices();
+        let mut by_size = Vec::new();
+        let mut size = 1;
+        while size <= devices {
+            let mut classes: Vec<usize> = Vec::with_capacity(devices / size);
+            let mut firsts: Vec<usize> = Vec::new();
+            for block in 0..devices / size {
+                let class = firsts
+                    .iter()
+                    .copied()
+                    .find(|&other| blocks_alike(machine, size, other * size, block * size))
+                    .unwrap_or_else(|| {
+                        firsts.push(block);
+                        block
+                    });
+                classes.push(class);
+            }
+            by_size.push(classes);
+            size *= 2;
+        }
+        BlockClasses { by_size }
+    }
+
+    /// The class of block `block` of `size` devices (devices `block·size..(block+1)·size`): the
+    /// first block that prices alike, possibly itself.
+    pub(crate) fn class_of(&self, size: usize, block: usize) -> usize {
+        debug_assert!(size.is_power_of_two(), "block size {size}");
+        self.by_size[size.trailing_zeros() as usize][block]
+    }
+}
+
+/// Whether the blocks of `size` devices starting at `a` and `b` have equal device specs position by
+/// position and equal links between each two positions (see [`BlockClasses`]).
+fn blocks_alike(machine: &MachineModel, size: usize, a: DeviceId, b: DeviceId) -> bool {
+    let same_link = |x: Option<Link>, y: Option<Link>| {
+        let bits = |l: Option<Link>| l.map(|l| (l.bytes_per_s.to_bits(), l.latency_s.to_bits()));
+        bits(x) == bits(y)
+    };
+    (0..size).all(|p| machine.spec_index(a + p) == machine.spec_index(b + p))
+        && (0..size).all(|p| {
+            (0..size).all(|q| same_link(machine.link(a + p, a + q), machine.link(b + p, b + q)))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::{DeviceSpec, NodeSpec};
+    use crate::provider::RooflineCost;
+
+    /// 8 devices in two nodes of 4, one of P100s and one of CPUs.
+    fn two_kinds() -> MachineModel {
+        let node = |device| NodeSpec { devices: 4, device };
+        MachineModel::new(
+            "two-kinds",
+            &[node(DeviceSpec::p100()), node(DeviceSpec::local_cpu())],
+            Link::from_gbit_per_s(160.0, 5.0),
+            Link::from_gbit_per_s(100.0, 10.0),
+        )
+        .unwrap()
+    }
+
+    /// paper:8 with the link between devices 4 and 5 replaced.
+    fn with_override() -> MachineModel {
+        MachineModel::preset("paper:8")
+            .unwrap()
+            .with_link(4, 5, Link::from_gbit_per_s(7.0, 3.0))
+            .unwrap()
+    }
+
+    /// Classes by block size 1, 2, 4, ...
+    fn classes(machine: &MachineModel) -> Vec<Vec<usize>> {
+        BlockClasses::new(machine).by_size
+    }
+
+    #[test]
+    fn every_block_of_a_regular_machine_is_alike() {
+        let machine = MachineModel::from_flags(4, 4, None, None).unwrap();
+        assert_eq!(
+            classes(&machine),
+            vec![vec![0; 16], vec![0; 8], vec![0; 4], vec![0; 2], vec![0]]
+        );
+    }
+
+    #[test]
+    fn a_link_override_sets_apart_the_blocks_holding_both_ends() {
+        assert_eq!(
+            classes(&with_override()),
+            vec![vec![0; 8], vec![0, 0, 2, 0], vec![0, 1], vec![0]]
+        );
+        // across blocks of every size but the whole machine: no block holds both ends
+        let across = MachineModel::preset("paper:8")
+            .unwrap()
+            .with_link(1, 6, Link::from_gbit_per_s(7.0, 3.0))
+            .unwrap();
+        assert_eq!(
+            classes(&across),
+            vec![vec![0; 8], vec![0; 4], vec![0; 2], vec![0]]
+        );
+    }
+
+    #[test]
+    fn blocks_of_other_device_kinds_or_links_differ() {
+        assert_eq!(
+            classes(&two_kinds()),
+            vec![
+                vec![0, 0, 0, 0, 4, 4, 4, 4],
+                vec![0, 0, 2, 2],
+                vec![0, 1],
+                vec![0]
+            ]
+        );
+        // nodes of 3: the pair 2-3 straddles the nodes, and only one block of 4 fits in 6 devices
+        let uneven = MachineModel::from_flags(2, 3, None, None).unwrap();
+        assert_eq!(classes(&uneven), vec![vec![0; 6], vec![0, 1, 0], vec![0]]);
+    }
+
+    #[test]
+    fn pricing_a_class_once_equals_pricing_every_block() {
+        let machines = [
+            MachineModel::preset("paper:8").unwrap(),
+            with_override(),
+            two_kinds(),
+            MachineModel::from_flags(2, 3, None, None).unwrap(),
+        ];
+        for machine in &machines {
+            let provider = RooflineCost::new(machine);
+            let blocks = BlockClasses::new(machine);
+            // one scratch for all layers and models, as in `CostTables::build`: t_s is shared by
+            // sharing pattern across layers too
+            let mut scratch = NodeScratch::default();
+            for (name, batch) in [("lenet5", 6), ("alexnet", 8), ("inception_v3_reduced", 5)] {
+                let z = legion_ops::zoo::find(name).unwrap();
+                let graph = z.build(&z.default_config(batch)).unwrap();
+                let model = CostModel::new(&graph, machine, &provider);
+                for id in graph.ids() {
+                    let layer = graph.layer(id);
+                    let dims = layer.op.spec().parallel_dims(&layer.shape);
+                    let space = ConfigSpace::enumerate(&layer.shape, dims, machine.num_devices());
+                    let (compute, sync) = node_costs(&model, id, &space, &blocks, &mut scratch);
+                    for (i, config) in space.configs().iter().enumerate() {
+                        let at =
+                            || format!("{name} {} {config} @{}", layer.name, config.first_device());
+                        assert_eq!(compute[i], model.compute_time(id, config), "{}", at());
+                        assert_eq!(sync[i], model.sync_time(id, config), "{}", at());
+                    }
+                }
+            }
+        }
+    }
 }

@@ -22,6 +22,7 @@
 //!   class of block pairs with identical links.
 
 use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rect};
+use crate::fast_hash::FastHashMap;
 use crate::machine::{Link, MachineModel};
 use crate::transfer::Edge;
 use legion_ops::shape::MAX_DIMS;
@@ -798,7 +799,7 @@ impl DevicePairs {
             latency_s: 0.0,
         }];
         let mut backward = forward.clone();
-        let mut ids: HashMap<[u64; 4], u16> = HashMap::new();
+        let mut ids: FastHashMap<[u64; 4], u16> = FastHashMap::default();
         for a in 0..n {
             for b in 0..n {
                 let (Some(f), Some(r)) = (machine.link(a, b), machine.link(b, a)) else {
@@ -839,7 +840,7 @@ impl DevicePairs {
         let n = self.devices;
         let src_blocks = n / src_total;
         let dst_blocks = n / dst_total;
-        let mut seen: HashMap<Vec<u16>, u32> = HashMap::new();
+        let mut seen: FastHashMap<Vec<u16>, u32> = FastHashMap::default();
         let mut class_of = Vec::with_capacity(src_blocks * dst_blocks);
         let mut classes = Vec::new();
         let mut matrix = Vec::with_capacity(src_total * dst_total);
@@ -851,7 +852,14 @@ impl DevicePairs {
                     matrix.extend_from_slice(&self.kind[a * n + d..a * n + d + dst_total]);
                 }
                 let next = classes.len() as u32;
-                let id = *seen.entry(matrix.clone()).or_insert(next);
+                // look up before cloning: most block pairs repeat an earlier matrix
+                let id = match seen.get(&matrix) {
+                    Some(&id) => id,
+                    None => {
+                        seen.insert(matrix.clone(), next);
+                        next
+                    }
+                };
                 if id == next {
                     let first = matrix[0];
                     classes.push(if matrix.iter().all(|&k| k == first) {

@@ -4,7 +4,8 @@ mod common;
 
 use common::{FAMILIES, random_graph};
 use legion_ops::rng::Rng;
-use legion_planner::{CostModel, CostTables, Link, MachineModel, RooflineCost};
+use legion_planner::machine::NodeSpec;
+use legion_planner::{CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost};
 
 fn machines() -> Vec<MachineModel> {
     vec![
@@ -18,6 +19,27 @@ fn machines() -> Vec<MachineModel> {
             .unwrap()
             .with_link(1, 6, Link::from_gbit_per_s(7.0, 3.0))
             .unwrap(),
+        // an override inside a node, and two device kinds: more classes of alike device blocks
+        MachineModel::preset("paper:8")
+            .unwrap()
+            .with_link(4, 5, Link::from_gbit_per_s(7.0, 3.0))
+            .unwrap(),
+        MachineModel::new(
+            "two-kinds",
+            &[
+                NodeSpec {
+                    devices: 4,
+                    device: DeviceSpec::p100(),
+                },
+                NodeSpec {
+                    devices: 4,
+                    device: DeviceSpec::local_cpu(),
+                },
+            ],
+            Link::from_gbit_per_s(160.0, 5.0),
+            Link::from_gbit_per_s(100.0, 10.0),
+        )
+        .unwrap(),
     ]
 }
 

@@ -29,7 +29,7 @@ impl OpSpec for Add {
         elementwise_dims(output)
     }
 
-    fn project(&self, _inputs: &[Shape], out: &Rect) -> Vec<Rect> {
-        vec![*out, *out]
+    fn project_into(&self, _inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
+        rects.extend([*out, *out]);
     }
 }

@@ -80,7 +80,7 @@ impl OpSpec for BatchNorm {
         elementwise_dims(output)
     }
 
-    fn project(&self, _inputs: &[Shape], out: &Rect) -> Vec<Rect> {
-        vec![*out]
+    fn project_into(&self, _inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
+        rects.push(*out);
     }
 }

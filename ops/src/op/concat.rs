@@ -57,16 +57,12 @@ impl OpSpec for Concat {
 
     /// The slice of each input that falls in the tile's channel range (empty for inputs outside it),
     /// in the input's own coordinates.
-    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
-        Concat::offsets(inputs)
-            .iter()
-            .zip(inputs)
-            .map(|(&off, s)| {
-                let lo = out.lo[1].clamp(off, off + s.dim(1)) - off;
-                let hi = out.hi[1].clamp(off, off + s.dim(1)) - off;
-                out.with_axis(1, lo, hi)
-            })
-            .collect()
+    fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
+        rects.extend(Concat::offsets(inputs).iter().zip(inputs).map(|(&off, s)| {
+            let lo = out.lo[1].clamp(off, off + s.dim(1)) - off;
+            let hi = out.hi[1].clamp(off, off + s.dim(1)) - off;
+            out.with_axis(1, lo, hi)
+        }));
     }
 }
 

@@ -159,7 +159,7 @@ impl OpSpec for Conv2d {
         &[Dim::N, Dim::C, Dim::H, Dim::W]
     }
 
-    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+    fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         let x = inputs[0];
         let (c0, c1) = self.input_channels(x.dim(1), out.lo[1], out.hi[1]);
         let (h0, h1) = window_in(
@@ -178,10 +178,10 @@ impl OpSpec for Conv2d {
             self.padding[1],
             x.dim(3),
         );
-        vec![Rect::new(
+        rects.push(Rect::new(
             &[out.lo[0], c0, h0, w0],
             &[out.hi[0], c1, h1, w1],
-        )]
+        ));
     }
 }
 

@@ -25,9 +25,9 @@ impl OpSpec for Flatten {
         &[Dim::N]
     }
 
-    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+    fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         let x = inputs[0];
         let full = x.full_rect();
-        vec![full.with_axis(0, out.lo[0], out.hi[0])]
+        rects.push(full.with_axis(0, out.lo[0], out.hi[0]));
     }
 }

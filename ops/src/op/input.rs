@@ -22,7 +22,5 @@ impl OpSpec for Input {
         elementwise_dims(output)
     }
 
-    fn project(&self, _inputs: &[Shape], _out: &Rect) -> Vec<Rect> {
-        Vec::new()
-    }
+    fn project_into(&self, _inputs: &[Shape], _out: &Rect, _rects: &mut Vec<Rect>) {}
 }

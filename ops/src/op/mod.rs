@@ -105,7 +105,15 @@ pub trait OpSpec {
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim];
 
     /// The rect of each input that the output tile `out` reads, clipped to the input's bounds.
-    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect>;
+    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+        let mut rects = Vec::with_capacity(inputs.len());
+        self.project_into(inputs, out, &mut rects);
+        rects
+    }
+
+    /// [`OpSpec::project`], appended to `rects`: the planner projects every tile of every layout
+    /// it prices and reuses one buffer rather than allocating a `Vec` per tile.
+    fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>);
 
     /// The slice of parameter `param` (one of `params`) that computing tile `out` needs. Takes
     /// the parameter rather than its index so that callers looping over tiles list the

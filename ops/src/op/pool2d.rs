@@ -87,7 +87,7 @@ impl OpSpec for Pool2d {
         &[Dim::N, Dim::C, Dim::H, Dim::W]
     }
 
-    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
+    fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         let x = inputs[0];
         let (h0, h1) = window_in(
             out.lo[2],
@@ -105,10 +105,10 @@ impl OpSpec for Pool2d {
             self.padding[1],
             x.dim(3),
         );
-        vec![Rect::new(
+        rects.push(Rect::new(
             &[out.lo[0], out.lo[1], h0, w0],
             &[out.hi[0], out.hi[1], h1, w1],
-        )]
+        ));
     }
 }
 

@@ -26,7 +26,7 @@ impl OpSpec for SoftmaxCrossEntropy {
         &[Dim::N]
     }
 
-    fn project(&self, inputs: &[Shape], out: &Rect) -> Vec<Rect> {
-        vec![Rect::new(&[out.lo[0], 0], &[out.hi[0], inputs[0].dim(1)])]
+    fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
+        rects.push(Rect::new(&[out.lo[0], 0], &[out.hi[0], inputs[0].dim(1)]));
     }
 }

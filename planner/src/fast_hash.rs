@@ -1,0 +1,55 @@
+//! A fast hasher for the planner's own lookup tables (sharing patterns, link-kind matrices): the
+//! standard SipHash was a tenth of building AlexNet's cost tables. The keys are computed by the
+//! planner, not chosen by an adversary, so hash flooding is no concern.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// A `HashMap` hashed with [`FastHasher`].
+pub(crate) type FastHashMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
+
+/// FxHash's mixing (rotate, xor, multiply) over 8-byte words.
+#[derive(Default)]
+pub(crate) struct FastHasher(u64);
+
+impl FastHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl Hasher for FastHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            self.add(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        }
+        let mut rest = [0u8; 8];
+        rest[..words.remainder().len()].copy_from_slice(words.remainder());
+        self.add(u64::from_le_bytes(rest));
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.add(n as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_keys_hash_alike_and_lookups_find_them() {
+        let mut map: FastHashMap<Vec<u16>, usize> = FastHashMap::default();
+        for i in 0..1000u16 {
+            map.insert(vec![i, i / 7, 3], usize::from(i));
+        }
+        assert_eq!(map.len(), 1000);
+        assert!((0..1000u16).all(|i| map[&vec![i, i / 7, 3]] == usize::from(i)));
+        assert_eq!(map.get(&vec![1, 2, 3]), None);
+    }
+}
