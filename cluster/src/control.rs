@@ -143,6 +143,10 @@ pub struct LinkMeasurement {
     pub to: String,
     pub bytes_per_s: f64,
     pub latency_s: f64,
+    /// The transport's CPU seconds per byte sent, on the measuring worker.
+    pub send_cpu_s_per_byte: f64,
+    /// ... and per byte received, on the peer.
+    pub recv_cpu_s_per_byte: f64,
 }
 
 /// The samples of a step's batch that one worker's devices read (`StepPlan::samples_read`): the
@@ -184,6 +188,11 @@ pub enum Control {
     },
     ProbeAck {
         id: u64,
+        /// The acknowledging worker's process CPU seconds so far: the prober takes the
+        /// difference between two acks as the cost of receiving the probe between them.
+        cpu_s: f64,
+        /// Seconds the acknowledging worker spent decoding the probe (which a slice does not pay).
+        decode_s: f64,
     },
     StartJob(JobSpec),
     JobReady,

@@ -25,7 +25,7 @@ use crate::net::tls::{ClusterCa, NodeIdentity, node_name};
 use crate::remote::{LAUNCHER_NAME, WorkerClient};
 use anyhow::{Context as _, bail};
 use legion_planner::MachineModel;
-use legion_planner::machine::Link;
+use legion_planner::machine::{Link, NetworkCpu};
 use serde::{Deserialize, Serialize};
 use std::io::Write as _;
 use std::os::unix::process::CommandExt as _;
@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 /// How long `up` waits for all workers by default.
 pub const DEFAULT_REGISTER_TIMEOUT: Duration = Duration::from_secs(20);
-/// Bytes per bandwidth probe between two workers.
-pub const PROBE_BYTES: u64 = 8 << 20;
+/// Bytes of the larger bandwidth probe between two workers (the other is a quarter of it).
+pub const PROBE_BYTES: u64 = 16 << 20;
 
 /// The state directory of the cluster described by `hosts_file`: `state` if given, else the
 /// default described in the module docs.
@@ -80,6 +80,12 @@ pub struct MeasuredLink {
     pub to: String,
     pub bytes_per_s: f64,
     pub latency_s: f64,
+    /// The transport's CPU seconds per byte at the sender and at the receiver (0: not measured,
+    /// as in files from before they were).
+    #[serde(default)]
+    pub send_cpu_s_per_byte: f64,
+    #[serde(default)]
+    pub recv_cpu_s_per_byte: f64,
 }
 
 fn links_path(state: &Path) -> PathBuf {
@@ -98,12 +104,34 @@ pub fn load_links(state: &Path) -> anyhow::Result<Vec<MeasuredLink>> {
 }
 
 /// The planner's view of the running cluster: the hosts file's model, with each pair of hosts the
-/// file does not give a `[[link]]` for priced at what `up` measured between them.
+/// file does not give a `[[link]]` for priced at what `up` measured between them, and the
+/// transport's CPU per byte at the mean of what it measured on every link.
 pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineModel> {
     let mut machine = hosts.machine_model()?;
     let ranges = hosts.device_ranges();
     let index = |name: &str| hosts.hosts.iter().position(|h| h.name == name);
-    for l in load_links(state)? {
+    let links = load_links(state)?;
+    let cpu: Vec<NetworkCpu> = links
+        .iter()
+        .map(|l| NetworkCpu {
+            send_s_per_byte: l.send_cpu_s_per_byte,
+            recv_s_per_byte: l.recv_cpu_s_per_byte,
+        })
+        .filter(|c| {
+            let valid = |v: f64| v.is_finite() && v >= 0.0;
+            valid(c.send_s_per_byte)
+                && valid(c.recv_s_per_byte)
+                && c.send_s_per_byte + c.recv_s_per_byte > 0.0
+        })
+        .collect();
+    if !cpu.is_empty() {
+        let mean = |f: fn(&NetworkCpu) -> f64| cpu.iter().map(f).sum::<f64>() / cpu.len() as f64;
+        machine = machine.with_network_cpu(NetworkCpu {
+            send_s_per_byte: mean(|c| c.send_s_per_byte),
+            recv_s_per_byte: mean(|c| c.recv_s_per_byte),
+        })?;
+    }
+    for l in links {
         let (Some(a), Some(b)) = (index(&l.from), index(&l.to)) else {
             continue;
         };
@@ -294,6 +322,8 @@ fn measure(client: &WorkerClient, hosts: &Hosts) -> anyhow::Result<Vec<MeasuredL
                     to: l.to,
                     bytes_per_s: l.bytes_per_s,
                     latency_s: l.latency_s,
+                    send_cpu_s_per_byte: l.send_cpu_s_per_byte,
+                    recv_cpu_s_per_byte: l.recv_cpu_s_per_byte,
                 }))
             }
             other => bail!(
@@ -527,11 +557,13 @@ pub fn format_table(table: &[HostStatus], links: &[MeasuredLink]) -> String {
         out += "\nmeasured links:\n";
         for l in links {
             out += &format!(
-                "  {} -> {}: {:.2} Gbit/s, {:.0} µs\n",
+                "  {} -> {}: {:.2} Gbit/s, {:.0} µs, transport CPU {:.1} ns/B sent, {:.1} ns/B received\n",
                 l.from,
                 l.to,
                 l.bytes_per_s * 8.0 / 1e9,
-                l.latency_s * 1e6
+                l.latency_s * 1e6,
+                l.send_cpu_s_per_byte * 1e9,
+                l.recv_cpu_s_per_byte * 1e9
             );
         }
     }
@@ -570,12 +602,24 @@ mod tests {
         )
         .unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let links = vec![MeasuredLink {
-            from: "a".into(),
-            to: "b".into(),
-            bytes_per_s: 1e8,
-            latency_s: 1e-4,
-        }];
+        let links = vec![
+            MeasuredLink {
+                from: "a".into(),
+                to: "b".into(),
+                bytes_per_s: 1e8,
+                latency_s: 1e-4,
+                send_cpu_s_per_byte: 1e-9,
+                recv_cpu_s_per_byte: 3e-9,
+            },
+            MeasuredLink {
+                from: "b".into(),
+                to: "a".into(),
+                bytes_per_s: 1e8,
+                latency_s: 1e-4,
+                send_cpu_s_per_byte: 3e-9,
+                recv_cpu_s_per_byte: 5e-9,
+            },
+        ];
         legion_ops::atomic_file::write(
             &links_path(dir.path()),
             serde_json::to_string(&links).unwrap().as_bytes(),
@@ -586,5 +630,26 @@ mod tests {
         assert_eq!(m.link(1, 2).unwrap().latency_s, 1e-4);
         // Within a host: unchanged.
         assert_eq!(m.link(0, 1), hosts.machine_model().unwrap().link(0, 1));
+        let cpu = m.network_cpu().unwrap();
+        assert!((cpu.send_s_per_byte - 2e-9).abs() < 1e-24, "{cpu:?}");
+        assert!((cpu.recv_s_per_byte - 4e-9).abs() < 1e-24, "{cpu:?}");
+    }
+
+    #[test]
+    fn links_measured_before_the_transport_cpu_was_still_load() {
+        let json = r#"[{"from": "a", "to": "b", "bytes_per_s": 1e8, "latency_s": 1e-4}]"#;
+        let links: Vec<MeasuredLink> = serde_json::from_str(json).unwrap();
+        assert_eq!(links[0].send_cpu_s_per_byte, 0.0);
+        let hosts = Hosts::parse(
+            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 1\n\
+             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 2\n",
+            "hosts.toml",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        legion_ops::atomic_file::write(&links_path(dir.path()), json.as_bytes()).unwrap();
+        let m = cluster_machine(&hosts, dir.path()).unwrap();
+        assert_eq!(m.network_cpu(), None);
+        assert_eq!(m.link(0, 1).unwrap().bytes_per_s, 1e8);
     }
 }

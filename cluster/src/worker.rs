@@ -76,7 +76,7 @@ struct Shared {
     /// The driver endpoint of the running job, for `Welcome`.
     job_of: Mutex<Option<String>>,
     /// Probes this worker sent and waits on, by id.
-    probes: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+    probes: Mutex<HashMap<u64, oneshot::Sender<(f64, f64)>>>,
 }
 
 async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
@@ -223,12 +223,12 @@ fn handle_inbound(shared: &Arc<Shared>, events: &mpsc::UnboundedSender<Event>, i
                 None => tracing::warn!(step = msg.step, "slice outside a job dropped"),
             }
         }
-        Inbound::Control { peer, conn, bytes } => match control::decode(&bytes) {
-            Err(e) => {
+        Inbound::Control { peer, conn, bytes } => match timed(|| control::decode(&bytes)) {
+            (Err(e), _) => {
                 tracing::error!(%peer, "{e}; closing the connection");
                 conn.close(CLOSE_MALFORMED, b"malformed control message");
             }
-            Ok(Control::Hello { .. }) => {
+            (Ok(Control::Hello { .. }), _) => {
                 let welcome = Control::Welcome {
                     name: shared.name.clone(),
                     version: env!("CARGO_PKG_VERSION").to_string(),
@@ -243,28 +243,45 @@ fn handle_inbound(shared: &Arc<Shared>, events: &mpsc::UnboundedSender<Event>, i
                 };
                 tokio::spawn(async move { reply(&conn, &welcome).await });
             }
-            Ok(Control::Probe { id, .. }) => {
-                tokio::spawn(async move { reply(&conn, &Control::ProbeAck { id }).await });
+            (Ok(Control::Probe { id, .. }), decode_s) => {
+                let ack = Control::ProbeAck {
+                    id,
+                    cpu_s: process_cpu_s(),
+                    decode_s,
+                };
+                tokio::spawn(async move { reply(&conn, &ack).await });
             }
-            Ok(Control::ProbeAck { id }) => {
+            (
+                Ok(Control::ProbeAck {
+                    id,
+                    cpu_s,
+                    decode_s,
+                }),
+                _,
+            ) => {
                 let waiter = shared
                     .probes
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&id);
                 if let Some(waiter) = waiter {
-                    let _ = waiter.send(());
+                    let _ = waiter.send((cpu_s, decode_s));
                 }
             }
-            Ok(request) => {
+            (Ok(request), _) => {
                 let _ = events.send(Event::Request(conn, request));
             }
         },
     }
 }
 
-/// Round trips of a small and of a `probe_bytes` probe to each peer: latency from the small one,
-/// bandwidth from the difference.
+/// Probes of 64 bytes, `probe_bytes / 4` and `probe_bytes` to each peer, one at a time. Latency:
+/// half the small round trip. Bandwidth: from the two large ones, whose difference cancels what
+/// both pay alike (a shaper's burst allowance, the congestion window's ramp), which a small-large
+/// pair would count as bandwidth. The transport's CPU per byte, from the same difference: this
+/// process's CPU time across each round trip (sending), the peer's between its acks (receiving;
+/// neither worker does anything else while `up` measures). Times and CPU leave out encoding the
+/// probe as a control message and decoding it, which slices do not pay.
 async fn measure_links(
     node: &QuicNode,
     shared: &Shared,
@@ -272,11 +289,15 @@ async fn measure_links(
     probe_bytes: u64,
 ) -> anyhow::Result<Vec<LinkMeasurement>> {
     static NEXT_PROBE: AtomicU64 = AtomicU64::new(0);
-    let probe_bytes = probe_bytes.clamp(1 << 10, 256 << 20) as usize;
+    let large = probe_bytes.clamp(4 << 10, 256 << 20) as usize;
+    let sizes = [64, large / 4, large];
     let mut links = Vec::new();
     for peer in peers {
         let conn = dial(node, peer).await?;
-        let round_trip = async |bytes: usize| -> anyhow::Result<f64> {
+        // (round trip seconds, this process's CPU seconds over it, the peer's CPU at its ack), all
+        // without what a slice does not pay: encoding the probe as a control message and decoding
+        // it (validating, copying the payload out)
+        let round_trip = async |bytes: usize| -> anyhow::Result<(f64, f64, f64)> {
             let id = NEXT_PROBE.fetch_add(1, Ordering::Relaxed);
             let (done, wait) = oneshot::channel();
             shared
@@ -284,34 +305,69 @@ async fn measure_links(
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(id, done);
-            let msg = control::encode(&Control::Probe {
-                id,
-                payload: vec![0; bytes],
-            });
-            let start = Instant::now();
+            let payload = vec![0; bytes];
+            let (start, cpu) = (Instant::now(), process_cpu_s());
+            let (msg, encode_s) = timed(|| control::encode(&Control::Probe { id, payload }));
             send_control(&conn, &msg).await?;
-            tokio::time::timeout(Duration::from_secs(30), wait)
+            let (peer_cpu, decode_s) = tokio::time::timeout(Duration::from_secs(30), wait)
                 .await
                 .with_context(|| format!("no answer from {} to a {bytes}-byte probe", peer.name))?
                 .context("probe abandoned")?;
-            Ok(start.elapsed().as_secs_f64())
+            Ok((
+                start.elapsed().as_secs_f64() - encode_s - decode_s,
+                process_cpu_s() - cpu - encode_s,
+                peer_cpu - decode_s,
+            ))
         };
         // The first round trips warm the connection (congestion window, path MTU).
-        round_trip(probe_bytes).await?;
-        let mut small = f64::INFINITY;
-        let mut large = f64::INFINITY;
+        round_trip(large).await?;
+        let mut best = [f64::INFINITY; 3];
+        let (mut send_cpu, mut recv_cpu) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            small = small.min(round_trip(64).await?);
-            large = large.min(round_trip(probe_bytes).await?);
+            let mut trial = [(0.0, 0.0, 0.0); 3];
+            for (k, &bytes) in sizes.iter().enumerate() {
+                trial[k] = round_trip(bytes).await?;
+                best[k] = best[k].min(trial[k].0);
+            }
+            let extra = (large - large / 4) as f64;
+            send_cpu.push((trial[2].1 - trial[1].1) / extra);
+            // the peer's CPU from the small probe's ack to the quarter's, and on to the large's
+            let (to_quarter, to_large) = (trial[1].2 - trial[0].2, trial[2].2 - trial[1].2);
+            recv_cpu.push((to_large - to_quarter) / extra);
         }
         conn.close(0u32.into(), b"measured");
+        let cpu = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2].max(0.0)
+        };
         links.push(LinkMeasurement {
             to: peer.name.clone(),
-            bytes_per_s: probe_bytes as f64 / (large - small).max(1e-9),
-            latency_s: small / 2.0,
+            bytes_per_s: (large - large / 4) as f64 / (best[2] - best[1]).max(1e-9),
+            latency_s: best[0] / 2.0,
+            send_cpu_s_per_byte: cpu(send_cpu),
+            recv_cpu_s_per_byte: cpu(recv_cpu),
         });
     }
     Ok(links)
+}
+
+/// `f()` and the seconds it took.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let start = Instant::now();
+    let out = f();
+    (out, start.elapsed().as_secs_f64())
+}
+
+/// CPU seconds this process has used, user and system.
+fn process_cpu_s() -> f64 {
+    // SAFETY: getrusage only writes the struct it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    seconds(usage.ru_utime) + seconds(usage.ru_stime)
 }
 
 async fn dial(node: &QuicNode, peer: &PeerAddress) -> anyhow::Result<Connection> {

@@ -148,6 +148,15 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
             l.from,
             l.to
         );
+        // the transport's own work, at both ends: encryption, packets, copies
+        for cpu in [l.send_cpu_s_per_byte, l.recv_cpu_s_per_byte] {
+            assert!(
+                cpu > 0.0 && cpu < 1e-6,
+                "{} -> {}: {cpu} CPU seconds per byte",
+                l.from,
+                l.to
+            );
+        }
     }
 
     let model = ALEXNET_64;

@@ -32,7 +32,7 @@ mod transfer_table;
 
 pub use config::{ConfigSpace, ParallelConfig, block_range, tile_rect};
 pub use cost::{CostBreakdown, CostModel};
-pub use machine::{DeviceId, DeviceSpec, Link, MachineModel};
+pub use machine::{DeviceId, DeviceSpec, Link, MachineModel, NetworkCpu};
 pub use profile::{LinkProfile, ProfileDb, ProfiledCost};
 pub use provider::{CostProvider, PhaseTimes, RooflineCost};
 pub use search::SearchKind;

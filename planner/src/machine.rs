@@ -269,6 +269,18 @@ pub struct MachineModel {
     /// Whether the devices of a node share one network interface: then all messages from node A
     /// to node B queue on one link (a host's NIC, a shaped veth), not one link per device pair.
     shared_node_links: bool,
+    /// The transport's CPU work per byte of a message between nodes, when measured.
+    network_cpu: Option<NetworkCpu>,
+}
+
+/// CPU seconds per byte the transport spends on a message between nodes (encryption, packets,
+/// copies), at the sending and at the receiving node, as `legion-rs up` measures it. Where a
+/// node's devices share its cores with its network threads (CPU devices), this work competes with
+/// the kernels: the simulator runs it on each node's network threads, on the shared cores.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NetworkCpu {
+    pub send_s_per_byte: f64,
+    pub recv_s_per_byte: f64,
 }
 
 /// Names accepted by [`MachineModel::preset`].
@@ -357,6 +369,7 @@ impl MachineModel {
             compute_slots: None,
             runtime_costs: None,
             shared_node_links: false,
+            network_cpu: None,
         })
     }
 
@@ -495,6 +508,24 @@ impl MachineModel {
     /// See [`MachineModel::with_compute_slots`].
     pub fn compute_slots(&self) -> Option<usize> {
         self.compute_slots
+    }
+
+    /// The same machine whose messages between nodes cost `cpu` at each end (see [`NetworkCpu`]);
+    /// the simulator honours it, Eq. 1 does not.
+    pub fn with_network_cpu(mut self, cpu: NetworkCpu) -> Result<MachineModel, MachineError> {
+        let valid = |v: f64| v.is_finite() && v >= 0.0;
+        if !(valid(cpu.send_s_per_byte) && valid(cpu.recv_s_per_byte)) {
+            return Err(MachineError::Invalid(format!(
+                "network CPU seconds per byte must be finite and non-negative, got {cpu:?}"
+            )));
+        }
+        self.network_cpu = Some(cpu);
+        Ok(self)
+    }
+
+    /// See [`MachineModel::with_network_cpu`].
+    pub fn network_cpu(&self) -> Option<NetworkCpu> {
+        self.network_cpu
     }
 
     /// Messages between two nodes share one link per direction (one NIC per node) instead of one

@@ -16,6 +16,11 @@
 //!   when it is a part of it), which its backward reads. The runtime folds per fragment of the
 //!   tile; the fragments' [`fold_bytes`] add up to the tile's bytes plus every term's, which is
 //!   what the task streams;
+//! - on a machine that measured its transport's CPU ([`MachineModel::network_cpu`]), per message
+//!   between nodes, that work at each end: a [`TaskKind::Network`] task on the sending and on the
+//!   receiving node's network threads ([`Resource::Network`], one task at a time per node), ready
+//!   with the message and running while it is on the wire; the message has arrived when the
+//!   transfer and both have finished;
 //! - backward compute of every tile but the input layer's, after its forward and its fold
 //!   (gradient copies run on the reverse links; none go to the input layer);
 //! - parameter synchronisation per replica group exactly as [`crate::sync`] describes: gradient
@@ -39,7 +44,8 @@
 //! them) and one of the [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a
 //! compute task also needs a free actor thread before its dispatch starts ([`Pools`]).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
-//! cluster), a compute task or a move also needs one of the cores, so N devices on fewer cores do
+//! cluster, or hosts on one machine), a compute task, a move or a node's network work also needs
+//! one of the cores, so N devices on fewer cores do
 //! not compute N tiles at once, and an actor's copy takes a core from the kernels; the dispatch
 //! overlaps waiting for a core. Durations are the tasks' own seconds (the profiler takes out the
 //! share of the cores a task lost to others), so running fewer of them at full speed is the
@@ -77,6 +83,8 @@ pub enum TaskKind {
     /// Data copied on a device's actor: a piece gathered out of an instance to send, a received
     /// piece stored into a larger instance, a local copy between instances.
     Move,
+    /// The transport's CPU work for a message between nodes, on one end's network threads.
+    Network,
 }
 
 impl TaskKind {
@@ -90,6 +98,7 @@ impl TaskKind {
             TaskKind::Fold => "fold",
             TaskKind::Update => "update",
             TaskKind::Move => "move",
+            TaskKind::Network => "network",
         }
     }
 }
@@ -100,6 +109,9 @@ pub enum Resource {
     Device(DeviceId),
     /// The directed link `from → to`.
     Link(DeviceId, DeviceId),
+    /// A node's network threads (by node index): the transport's CPU work for the messages it
+    /// sends and receives ([`MachineModel::network_cpu`]).
+    Network(usize),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -268,28 +280,26 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                     vec![from],
                 );
             }
-            let mut copy = push(
+            let mut arrived = message(
                 &mut tasks,
-                Task {
-                    name: names(),
-                    kind: TaskKind::Copy,
-                    resource: link(machine, o.src_device, o.dst_device),
-                    duration: machine.message_time(o.src_device, o.dst_device, o.bytes() as f64),
-                    bytes: o.bytes(),
-                    deps: vec![from],
-                },
+                machine,
+                names(),
+                TaskKind::Copy,
+                (o.src_device, o.dst_device),
+                o.bytes(),
+                from,
             );
             if stored {
-                copy = move_task(
+                arrived = vec![move_task(
                     &mut tasks,
                     machine,
                     format!("store {}", names()),
                     o.dst_device,
                     o.bytes(),
-                    vec![copy],
-                );
+                    arrived,
+                )];
             }
-            tasks[to].deps.push(copy);
+            tasks[to].deps.extend(arrived);
         }
     }
     // Backward in reverse layer order (the order the runtime launches them); the input layer has
@@ -347,24 +357,24 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                     vec![from],
                 );
             }
-            let copy = push(
+            let arrived = message(
                 &mut tasks,
-                Task {
-                    name: format!(
-                        "{} {} ← {} {}",
-                        graph.layer(e.src).name,
-                        o.src_tile,
-                        graph.layer(e.dst).name,
-                        o.dst_tile
-                    ),
-                    kind: TaskKind::GradientCopy,
-                    resource: link(machine, o.dst_device, o.src_device),
-                    duration: machine.message_time(o.dst_device, o.src_device, o.bytes() as f64),
-                    bytes: o.bytes(),
-                    deps: vec![from],
-                },
+                machine,
+                format!(
+                    "{} {} ← {} {}",
+                    graph.layer(e.src).name,
+                    o.src_tile,
+                    graph.layer(e.dst).name,
+                    o.dst_tile
+                ),
+                TaskKind::GradientCopy,
+                (o.dst_device, o.src_device),
+                o.bytes(),
+                from,
             );
-            terms[e.src.0][o.src_tile].push((copy, o.bytes()));
+            // the term's bytes once, with the copy (the rest is the transport's CPU work)
+            let bytes = std::iter::once(o.bytes()).chain(std::iter::repeat(0));
+            terms[e.src.0][o.src_tile].extend(arrived.into_iter().zip(bytes));
         }
     }
     for id in (0..graph.layers().len()).rev().map(LayerId) {
@@ -419,16 +429,14 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                         vec![dep],
                     );
                 }
-                gathers.push(push(
+                gathers.extend(message(
                     &mut tasks,
-                    Task {
-                        name: format!("{name} param {} grad {r} → {}", g.param, g.owner),
-                        kind: TaskKind::Sync,
-                        resource: link(machine, r, g.owner),
-                        duration: machine.message_time(r, g.owner, bytes as f64),
-                        bytes,
-                        deps: vec![dep],
-                    },
+                    machine,
+                    format!("{name} param {} grad {r} → {}", g.param, g.owner),
+                    TaskKind::Sync,
+                    (r, g.owner),
+                    bytes,
+                    dep,
                 ));
             }
             gathers.push(tile_on(g.owner));
@@ -453,16 +461,14 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
             }
             for &r in &g.replicas {
                 let bytes = g.bytes();
-                let value = push(
+                let arrived = message(
                     &mut tasks,
-                    Task {
-                        name: format!("{name} param {} value {} → {r}", g.param, g.owner),
-                        kind: TaskKind::Sync,
-                        resource: link(machine, g.owner, r),
-                        duration: machine.message_time(g.owner, r, bytes as f64),
-                        bytes,
-                        deps: vec![update],
-                    },
+                    machine,
+                    format!("{name} param {} value {} → {r}", g.param, g.owner),
+                    TaskKind::Sync,
+                    (g.owner, r),
+                    bytes,
+                    update,
                 );
                 if partial {
                     move_task(
@@ -471,7 +477,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                         format!("store {name} param {} value {} → {r}", g.param, g.owner),
                         r,
                         bytes,
-                        vec![value],
+                        arrived,
                     );
                 }
             }
@@ -618,6 +624,56 @@ fn update_time(machine: &MachineModel, owner: DeviceId, slice_bytes: u64) -> f64
     update_bytes(slice_bytes) as f64 / rate
 }
 
+/// A message of `bytes` from `ends.0` to `ends.1` once task `after` has finished: the transfer on
+/// their link and, between nodes of a machine with [`MachineModel::network_cpu`], the transport's
+/// work on the sender's and on the receiver's network threads, which runs while the message is on
+/// the wire. Returns the tasks a reader of the message waits for: it has arrived when all have
+/// finished.
+fn message(
+    tasks: &mut Vec<Task>,
+    machine: &MachineModel,
+    name: String,
+    kind: TaskKind,
+    (from, to): (DeviceId, DeviceId),
+    bytes: u64,
+    after: usize,
+) -> Vec<usize> {
+    let mut arrived = Vec::new();
+    if let Some(cpu) = machine.network_cpu()
+        && machine.node_of(from) != machine.node_of(to)
+    {
+        for (end, s_per_byte, side) in [
+            (from, cpu.send_s_per_byte, "send"),
+            (to, cpu.recv_s_per_byte, "receive"),
+        ] {
+            arrived.push(push(
+                tasks,
+                Task {
+                    name: format!("{side} {name}"),
+                    kind: TaskKind::Network,
+                    resource: Resource::Network(machine.node_of(end)),
+                    duration: bytes as f64 * s_per_byte,
+                    bytes: 0,
+                    deps: vec![after],
+                },
+            ));
+        }
+    }
+    let transfer = push(
+        tasks,
+        Task {
+            name,
+            kind,
+            resource: link(machine, from, to),
+            duration: machine.message_time(from, to, bytes as f64),
+            bytes,
+            deps: vec![after],
+        },
+    );
+    arrived.insert(0, transfer);
+    arrived
+}
+
 fn push(tasks: &mut Vec<Task>, task: Task) -> usize {
     tasks.push(task);
     tasks.len() - 1
@@ -744,7 +800,8 @@ fn schedule(
         if compute {
             start[t] += dispatch(t);
         }
-        let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && on_device;
+        let uses_core = on_device || matches!(tasks[t].resource, Resource::Network(_));
+        let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && uses_core;
         let slot = pooled.then(|| fitting(&slots, start[t]));
         if let Some(k) = slot {
             start[t] = start[t].max(slots[k]);
@@ -771,7 +828,7 @@ fn schedule(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::MachineModel;
+    use crate::machine::{MachineModel, NetworkCpu};
     use crate::provider::RooflineCost;
     use legion_ops::op::{Conv2d, Dense, Pool2d};
     use legion_ops::{Dim, Graph, GraphBuilder, Shape};
@@ -819,6 +876,66 @@ mod tests {
                 .iter()
                 .all(|t| matches!(t.resource, Resource::Device(0)))
         );
+    }
+
+    #[test]
+    fn messages_between_nodes_cost_cpu_at_both_ends_on_the_shared_cores() {
+        let g = chain();
+        // sample-parallel over 2 nodes of 1 device: every parameter syncs between the nodes
+        let configs: Vec<_> = g
+            .layers()
+            .iter()
+            .map(|_| ParallelConfig::split(Dim::N, 2, 0))
+            .collect();
+        let base = MachineModel::from_flags(2, 1, None, None)
+            .unwrap()
+            .with_compute_slots(1)
+            .unwrap();
+        assert_ne!(base.node_of(0), base.node_of(1));
+        // slow enough that the transport, not the wire, decides when a message has arrived
+        let cpu = NetworkCpu {
+            send_s_per_byte: 2e-9,
+            recv_s_per_byte: 3e-9,
+        };
+        let charged = base.clone().with_network_cpu(cpu).unwrap();
+        let run = |machine: &MachineModel| {
+            let provider = RooflineCost::new(machine);
+            simulate(&CostModel::new(&g, machine, &provider), &configs)
+        };
+        let (free, sim) = (run(&base), run(&charged));
+        assert!(!free.tasks.iter().any(|t| t.kind == TaskKind::Network));
+        let messages: Vec<usize> = (0..sim.tasks.len())
+            .filter(|&t| sim.tasks[t].kind == TaskKind::Sync)
+            .collect();
+        assert!(!messages.is_empty());
+        for &m in &messages {
+            let task = &sim.tasks[m];
+            let Resource::Link(from, to) = task.resource else {
+                panic!("{task:?}")
+            };
+            // the send and the receive work, pushed just before the transfer
+            let (send, recv) = (&sim.tasks[m - 2], &sim.tasks[m - 1]);
+            assert_eq!(send.resource, Resource::Network(base.node_of(from)));
+            assert_eq!(recv.resource, Resource::Network(base.node_of(to)));
+            assert_eq!(send.duration, task.bytes as f64 * 2e-9);
+            assert_eq!(recv.duration, task.bytes as f64 * 3e-9);
+            assert_eq!((&send.deps, &recv.deps), (&task.deps, &task.deps));
+            // whoever reads the message waits for all three
+            for reader in sim.tasks.iter().filter(|r| r.deps.contains(&m)) {
+                assert!(reader.deps.contains(&(m - 1)) && reader.deps.contains(&(m - 2)));
+            }
+        }
+        // one core: the transport's work never runs beside a kernel or another's work
+        let mut busy: Vec<(f64, f64)> = (0..sim.tasks.len())
+            .filter(|&t| sim.tasks[t].duration > 0.0)
+            .filter(|&t| !matches!(sim.tasks[t].resource, Resource::Link(..)))
+            .map(|t| (sim.start[t], sim.finish[t]))
+            .collect();
+        busy.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for w in busy.windows(2) {
+            assert!(w[1].0 >= w[0].1 - 1e-15, "{w:?}");
+        }
+        assert!(sim.makespan > free.makespan);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Chrome / Perfetto trace JSON of a simulated iteration (the runtime writes the same format):
 //! `{"traceEvents": [...]}` with one complete event (`"ph": "X"`, microseconds) per task, a process
 //! per device (pid = device id) and per directed link (pids after the devices), each named by a
-//! metadata event.
+//! metadata event, and per node whose network threads the simulation charges
+//! ([`crate::machine::NetworkCpu`]).
 
 use crate::machine::MachineModel;
 use crate::simulate::{Resource, Simulation};
@@ -13,10 +14,17 @@ use std::collections::BTreeMap;
 pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
     let devices = machine.num_devices();
     let mut links: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    let mut networks: BTreeMap<usize, usize> = BTreeMap::new();
     for t in &sim.tasks {
-        if let Resource::Link(a, b) = t.resource {
-            let next = devices + links.len();
-            links.entry((a, b)).or_insert(next);
+        let next = devices + links.len() + networks.len();
+        match t.resource {
+            Resource::Link(a, b) => {
+                links.entry((a, b)).or_insert(next);
+            }
+            Resource::Network(node) => {
+                networks.entry(node).or_insert(next);
+            }
+            Resource::Device(_) => {}
         }
     }
     let mut events = Vec::new();
@@ -32,6 +40,12 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
             "args": {"name": format!("link {a} → {b}")},
         }));
     }
+    for (&node, &pid) in &networks {
+        events.push(json!({
+            "name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+            "args": {"name": format!("node {node} network")},
+        }));
+    }
     for (i, t) in sim.tasks.iter().enumerate() {
         if t.duration <= 0.0 {
             continue;
@@ -39,6 +53,7 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
         let pid = match t.resource {
             Resource::Device(d) => d,
             Resource::Link(a, b) => links[&(a, b)],
+            Resource::Network(node) => networks[&node],
         };
         let mut event = json!({
             "name": t.name,
