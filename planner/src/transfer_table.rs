@@ -21,7 +21,7 @@
 //! - **Per message** (anything else): tile overlaps are enumerated box by box and evaluated for every
 //!   class of block pairs with identical links.
 
-use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rect};
+use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rects};
 use crate::fast_hash::FastHashMap;
 use crate::machine::{Link, MachineModel};
 use crate::transfer::Edge;
@@ -55,15 +55,19 @@ impl TransferTables {
         let producer = graph.layer(edge.src).shape;
         let consumer = graph.layer(edge.dst);
         // What each consumer tile reads, per consumer layout (independent of the device block).
+        let spec = consumer.op.spec();
+        // one projection buffer for every tile rather than a `Vec` per tile
+        let mut projected: Vec<Rect> = Vec::with_capacity(inputs.len());
         let needs: Vec<Vec<Rect>> = dst_space
             .layouts()
             .iter()
             .map(|h| {
                 let cfg = ParallelConfig::new(*h, 0);
-                (0..cfg.total())
-                    .map(|t| {
-                        let out = tile_rect(&consumer.shape, &cfg, t);
-                        consumer.op.spec().project(inputs, &out)[edge.input]
+                tile_rects(&consumer.shape, &cfg)
+                    .map(|out| {
+                        projected.clear();
+                        spec.project_into(inputs, &out, &mut projected);
+                        projected[edge.input]
                     })
                     .collect()
             })
@@ -528,22 +532,29 @@ impl Regular {
             out.group_top.push((first, first_group, second));
         }
         let small_group_size = small.total / small_groups;
-        let mut last = (u64::MAX, 0.0);
-        for offset in (0..big.total).step_by(small.total) {
+        // The offsets only matter through the big block's groups the small one's groups sit in:
+        // a small block within one node (one group) sits in the same big group at `repeat`
+        // consecutive offsets, which therefore share their value.
+        let big_group_size = 1 << big.group_bits;
+        let repeat = (big_group_size / small.total).max(1);
+        let mut last = (u64::MAX, u64::MAX, 0.0);
+        for offset in (0..big.total).step_by(small.total * repeat) {
             let (mut inter, mut intra_bound) = (0u64, 0u64);
             for (s, &(first, first_group, second)) in out.group_top.iter().enumerate() {
                 let own = (offset + s * small_group_size) >> big.group_bits;
                 inter = inter.max(if own == first_group { second } else { first });
                 intra_bound = intra_bound.max(out.group_max[s * big_groups + own]);
             }
-            // (with no message at all, both 0, t_x is `time(0, 0)` too)
-            if self.time(intra_bound, 0, false) > self.time(0, inter, false) {
-                return false;
+            if (intra_bound, inter) != (last.0, last.1) {
+                // (with no message at all, both 0, t_x is `time(0, 0)` too)
+                if self.time(intra_bound, 0, false) > self.time(0, inter, false) {
+                    return false;
+                }
+                last = (intra_bound, inter, self.time(0, inter, gradient));
             }
-            if inter != last.0 {
-                last = (inter, self.time(0, inter, gradient));
+            for _ in 0..repeat {
+                out.values.push(last.2);
             }
-            out.values.push(last.1);
         }
         true
     }
@@ -1019,6 +1030,7 @@ impl DevicePairs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::tile_rect;
     use crate::transfer::graph_edges;
     use legion_ops::GraphBuilder;
     use legion_ops::op::{Conv2d, Dense, Pool2d};
