@@ -27,7 +27,6 @@ use crate::machine::{Link, MachineModel};
 use crate::transfer::Edge;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Graph, Rect, Shape};
-use std::collections::HashMap;
 use std::sync::OnceLock;
 
 /// Builds t_x tables for one machine.
@@ -142,20 +141,24 @@ type Interval = (usize, usize);
 /// The needed interval of every consumer block along each producer axis, by consumer degree.
 struct AxisNeeds {
     extents: [usize; MAX_DIMS],
-    /// `[axis]` → consumer degree → interval per consumer block index.
-    needs: Vec<HashMap<usize, Vec<Interval>>>,
+    /// `[axis][log2 consumer degree]` → interval per consumer block index (empty for degrees no
+    /// layout has). Indexed rather than hashed: this is looked up once per tile and axis.
+    needs: [Vec<Vec<Interval>>; MAX_DIMS],
 }
 
 impl AxisNeeds {
     /// The per-axis needs if every consumer tile's needed interval along each producer axis depends
-    /// only on the tile's block index along the same axis; `None` otherwise.
+    /// only on the tile's block index along the same axis (and every degree is a power of two, as
+    /// on regular machines); `None` otherwise.
     fn separable(producer: &Shape, dst_space: &ConfigSpace, needs: &[Vec<Rect>]) -> Option<Self> {
         let nd = producer.ndim();
         let mut extents = [1; MAX_DIMS];
         extents[..nd].copy_from_slice(producer.dims());
-        let mut per_axis: Vec<HashMap<usize, Vec<Option<Interval>>>> =
-            vec![HashMap::new(); MAX_DIMS];
+        let mut per_axis: [Vec<Vec<Option<Interval>>>; MAX_DIMS] = Default::default();
         for (h, rects) in dst_space.layouts().iter().zip(needs) {
+            if !h.iter().all(|d| d.is_power_of_two()) {
+                return None;
+            }
             let cfg = ParallelConfig::new(*h, 0);
             for (t, r) in rects.iter().enumerate() {
                 let coords = cfg.tile_coords(t);
@@ -165,7 +168,15 @@ impl AxisNeeds {
                     } else {
                         (0, 1)
                     };
-                    let slots = per_axis[a].entry(h[a]).or_insert_with(|| vec![None; h[a]]);
+                    let level = h[a].trailing_zeros() as usize;
+                    let by_level = &mut per_axis[a];
+                    if by_level.len() <= level {
+                        by_level.resize(level + 1, Vec::new());
+                    }
+                    let slots = &mut by_level[level];
+                    if slots.is_empty() {
+                        slots.resize(h[a], None);
+                    }
                     match slots[coords[a]] {
                         None => slots[coords[a]] = Some(interval),
                         Some(seen) if seen == interval => {}
@@ -174,24 +185,19 @@ impl AxisNeeds {
                 }
             }
         }
-        let needs = per_axis
-            .into_iter()
-            .map(|m| {
-                m.into_iter()
-                    .map(|(degree, slots)| {
-                        let v: Option<Vec<_>> = slots.into_iter().collect();
-                        v.map(|v| (degree, v))
-                    })
-                    .collect::<Option<HashMap<_, _>>>()
-            })
-            .collect::<Option<Vec<_>>>()?;
+        let mut needs: [Vec<Vec<Interval>>; MAX_DIMS] = Default::default();
+        for (axis, by_level) in needs.iter_mut().zip(per_axis) {
+            for slots in by_level {
+                axis.push(slots.into_iter().collect::<Option<Vec<_>>>()?);
+            }
+        }
         Some(AxisNeeds { extents, needs })
     }
 
     #[inline(never)]
     fn axis_pair(&self, axis: usize, g: usize, h: usize) -> AxisPair {
         let extent = self.extents[axis];
-        let needs = &self.needs[axis][&h];
+        let needs = &self.needs[axis][h.trailing_zeros() as usize];
         let mut overlap = vec![0u64; g * h];
         for i in 0..g {
             let (lo, hi) = block_range(extent, g, i);
