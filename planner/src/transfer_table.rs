@@ -417,16 +417,30 @@ impl Regular {
         let slot = |a: usize, ga: usize, ha: usize| {
             (a * levels + ga.trailing_zeros() as usize) * levels + ha.trailing_zeros() as usize
         };
+        // Producer and consumer layouts pair freely, so the axis pairs needed are, per axis, every
+        // producer degree with every consumer degree: collected as bit sets of log2 degrees rather
+        // than by visiting the layout pairs.
+        let degree_set = |space: &ConfigSpace, a: usize, axes_used: usize| {
+            space.layouts().iter().fold(0u64, |set, l| {
+                set | 1
+                    << if a < axes_used {
+                        l[a].trailing_zeros()
+                    } else {
+                        0
+                    }
+            })
+        };
         let mut pairs: Vec<Option<AxisPair>> = Vec::new();
         pairs.resize_with(MAX_DIMS * levels * levels, || None);
-        for g in src_space.layouts() {
-            for h in dst_space.layouts() {
-                for a in 0..MAX_DIMS {
-                    let ga = if a < nd { g[a] } else { 1 };
-                    let p = &mut pairs[slot(a, ga, h[a])];
-                    if p.is_none() {
-                        *p = Some(axes.axis_pair(a, ga, h[a]));
-                    }
+        for a in 0..MAX_DIMS {
+            let (src_levels, dst_levels) = (
+                degree_set(src_space, a, nd),
+                degree_set(dst_space, a, MAX_DIMS),
+            );
+            for gl in (0..levels).filter(|l| src_levels >> l & 1 == 1) {
+                for hl in (0..levels).filter(|l| dst_levels >> l & 1 == 1) {
+                    let (ga, ha) = (1 << gl, 1 << hl);
+                    pairs[slot(a, ga, ha)] = Some(axes.axis_pair(a, ga, ha));
                 }
             }
         }
