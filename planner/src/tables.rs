@@ -157,6 +157,7 @@ impl<'m> CostTables<'m> {
     pub fn edge_table(&self, edge: usize) -> Vec<f64> {
         let e = self.model.edges()[edge];
         self.transfers.edge_table(
+            self.model.machine(),
             self.model.graph(),
             self.model.input_shapes(e.dst),
             &e,

@@ -21,31 +21,35 @@
 //! - **Per message** (anything else): tile overlaps are enumerated box by box and evaluated for every
 //!   class of block pairs with identical links.
 
-use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rect};
+use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rects};
 use crate::fast_hash::FastHashMap;
 use crate::machine::{Link, MachineModel};
 use crate::transfer::Edge;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Graph, Rect, Shape};
-use std::collections::HashMap;
+use std::sync::OnceLock;
 
 /// Builds t_x tables for one machine.
 pub(crate) struct TransferTables {
-    per_message: DevicePairs,
+    /// Built on first use: on regular machines the zoo's edges never need it, and grouping every
+    /// block pair's links is a measurable share of a small model's t_c + t_s (~10% of AlexNet's).
+    per_message: OnceLock<DevicePairs>,
     regular: Option<Regular>,
 }
 
 impl TransferTables {
     pub(crate) fn new(machine: &MachineModel) -> TransferTables {
         TransferTables {
-            per_message: DevicePairs::new(machine),
+            per_message: OnceLock::new(),
             regular: Regular::detect(machine),
         }
     }
 
     /// t_x of `edge` for every (producer config, consumer config): row-major `[src][dst]`.
+    /// `machine` is the one the tables were made for.
     pub(crate) fn edge_table(
         &self,
+        machine: &MachineModel,
         graph: &Graph,
         inputs: &[Shape],
         edge: &Edge,
@@ -55,15 +59,19 @@ impl TransferTables {
         let producer = graph.layer(edge.src).shape;
         let consumer = graph.layer(edge.dst);
         // What each consumer tile reads, per consumer layout (independent of the device block).
+        let spec = consumer.op.spec();
+        // one projection buffer for every tile rather than a `Vec` per tile
+        let mut projected: Vec<Rect> = Vec::with_capacity(inputs.len());
         let needs: Vec<Vec<Rect>> = dst_space
             .layouts()
             .iter()
             .map(|h| {
                 let cfg = ParallelConfig::new(*h, 0);
-                (0..cfg.total())
-                    .map(|t| {
-                        let out = tile_rect(&consumer.shape, &cfg, t);
-                        consumer.op.spec().project(inputs, &out)[edge.input]
+                tile_rects(&consumer.shape, &cfg)
+                    .map(|out| {
+                        projected.clear();
+                        spec.project_into(inputs, &out, &mut projected);
+                        projected[edge.input]
                     })
                     .collect()
             })
@@ -75,6 +83,7 @@ impl TransferTables {
             return regular.edge_table(&producer, &axes, src_space, dst_space, gradient);
         }
         self.per_message
+            .get_or_init(|| DevicePairs::new(machine))
             .edge_table(&producer, &needs, src_space, dst_space, gradient)
     }
 }
@@ -132,20 +141,24 @@ type Interval = (usize, usize);
 /// The needed interval of every consumer block along each producer axis, by consumer degree.
 struct AxisNeeds {
     extents: [usize; MAX_DIMS],
-    /// `[axis]` → consumer degree → interval per consumer block index.
-    needs: Vec<HashMap<usize, Vec<Interval>>>,
+    /// `[axis][log2 consumer degree]` → interval per consumer block index (empty for degrees no
+    /// layout has). Indexed rather than hashed: this is looked up once per tile and axis.
+    needs: [Vec<Vec<Interval>>; MAX_DIMS],
 }
 
 impl AxisNeeds {
     /// The per-axis needs if every consumer tile's needed interval along each producer axis depends
-    /// only on the tile's block index along the same axis; `None` otherwise.
+    /// only on the tile's block index along the same axis (and every degree is a power of two, as
+    /// on regular machines); `None` otherwise.
     fn separable(producer: &Shape, dst_space: &ConfigSpace, needs: &[Vec<Rect>]) -> Option<Self> {
         let nd = producer.ndim();
         let mut extents = [1; MAX_DIMS];
         extents[..nd].copy_from_slice(producer.dims());
-        let mut per_axis: Vec<HashMap<usize, Vec<Option<Interval>>>> =
-            vec![HashMap::new(); MAX_DIMS];
+        let mut per_axis: [Vec<Vec<Option<Interval>>>; MAX_DIMS] = Default::default();
         for (h, rects) in dst_space.layouts().iter().zip(needs) {
+            if !h.iter().all(|d| d.is_power_of_two()) {
+                return None;
+            }
             let cfg = ParallelConfig::new(*h, 0);
             for (t, r) in rects.iter().enumerate() {
                 let coords = cfg.tile_coords(t);
@@ -155,7 +168,15 @@ impl AxisNeeds {
                     } else {
                         (0, 1)
                     };
-                    let slots = per_axis[a].entry(h[a]).or_insert_with(|| vec![None; h[a]]);
+                    let level = h[a].trailing_zeros() as usize;
+                    let by_level = &mut per_axis[a];
+                    if by_level.len() <= level {
+                        by_level.resize(level + 1, Vec::new());
+                    }
+                    let slots = &mut by_level[level];
+                    if slots.is_empty() {
+                        slots.resize(h[a], None);
+                    }
                     match slots[coords[a]] {
                         None => slots[coords[a]] = Some(interval),
                         Some(seen) if seen == interval => {}
@@ -164,24 +185,19 @@ impl AxisNeeds {
                 }
             }
         }
-        let needs = per_axis
-            .into_iter()
-            .map(|m| {
-                m.into_iter()
-                    .map(|(degree, slots)| {
-                        let v: Option<Vec<_>> = slots.into_iter().collect();
-                        v.map(|v| (degree, v))
-                    })
-                    .collect::<Option<HashMap<_, _>>>()
-            })
-            .collect::<Option<Vec<_>>>()?;
+        let mut needs: [Vec<Vec<Interval>>; MAX_DIMS] = Default::default();
+        for (axis, by_level) in needs.iter_mut().zip(per_axis) {
+            for slots in by_level {
+                axis.push(slots.into_iter().collect::<Option<Vec<_>>>()?);
+            }
+        }
         Some(AxisNeeds { extents, needs })
     }
 
     #[inline(never)]
     fn axis_pair(&self, axis: usize, g: usize, h: usize) -> AxisPair {
         let extent = self.extents[axis];
-        let needs = &self.needs[axis][&h];
+        let needs = &self.needs[axis][h.trailing_zeros() as usize];
         let mut overlap = vec![0u64; g * h];
         for i in 0..g {
             let (lo, hi) = block_range(extent, g, i);
@@ -401,16 +417,30 @@ impl Regular {
         let slot = |a: usize, ga: usize, ha: usize| {
             (a * levels + ga.trailing_zeros() as usize) * levels + ha.trailing_zeros() as usize
         };
+        // Producer and consumer layouts pair freely, so the axis pairs needed are, per axis, every
+        // producer degree with every consumer degree: collected as bit sets of log2 degrees rather
+        // than by visiting the layout pairs.
+        let degree_set = |space: &ConfigSpace, a: usize, axes_used: usize| {
+            space.layouts().iter().fold(0u64, |set, l| {
+                set | 1
+                    << if a < axes_used {
+                        l[a].trailing_zeros()
+                    } else {
+                        0
+                    }
+            })
+        };
         let mut pairs: Vec<Option<AxisPair>> = Vec::new();
         pairs.resize_with(MAX_DIMS * levels * levels, || None);
-        for g in src_space.layouts() {
-            for h in dst_space.layouts() {
-                for a in 0..MAX_DIMS {
-                    let ga = if a < nd { g[a] } else { 1 };
-                    let p = &mut pairs[slot(a, ga, h[a])];
-                    if p.is_none() {
-                        *p = Some(axes.axis_pair(a, ga, h[a]));
-                    }
+        for a in 0..MAX_DIMS {
+            let (src_levels, dst_levels) = (
+                degree_set(src_space, a, nd),
+                degree_set(dst_space, a, MAX_DIMS),
+            );
+            for gl in (0..levels).filter(|l| src_levels >> l & 1 == 1) {
+                for hl in (0..levels).filter(|l| dst_levels >> l & 1 == 1) {
+                    let (ga, ha) = (1 << gl, 1 << hl);
+                    pairs[slot(a, ga, ha)] = Some(axes.axis_pair(a, ga, ha));
                 }
             }
         }
@@ -528,22 +558,29 @@ impl Regular {
             out.group_top.push((first, first_group, second));
         }
         let small_group_size = small.total / small_groups;
-        let mut last = (u64::MAX, 0.0);
-        for offset in (0..big.total).step_by(small.total) {
+        // The offsets only matter through the big block's groups the small one's groups sit in:
+        // a small block within one node (one group) sits in the same big group at `repeat`
+        // consecutive offsets, which therefore share their value.
+        let big_group_size = 1 << big.group_bits;
+        let repeat = (big_group_size / small.total).max(1);
+        let mut last = (u64::MAX, u64::MAX, 0.0);
+        for offset in (0..big.total).step_by(small.total * repeat) {
             let (mut inter, mut intra_bound) = (0u64, 0u64);
             for (s, &(first, first_group, second)) in out.group_top.iter().enumerate() {
                 let own = (offset + s * small_group_size) >> big.group_bits;
                 inter = inter.max(if own == first_group { second } else { first });
                 intra_bound = intra_bound.max(out.group_max[s * big_groups + own]);
             }
-            // (with no message at all, both 0, t_x is `time(0, 0)` too)
-            if self.time(intra_bound, 0, false) > self.time(0, inter, false) {
-                return false;
+            if (intra_bound, inter) != (last.0, last.1) {
+                // (with no message at all, both 0, t_x is `time(0, 0)` too)
+                if self.time(intra_bound, 0, false) > self.time(0, inter, false) {
+                    return false;
+                }
+                last = (intra_bound, inter, self.time(0, inter, gradient));
             }
-            if inter != last.0 {
-                last = (inter, self.time(0, inter, gradient));
+            for _ in 0..repeat {
+                out.values.push(last.2);
             }
-            out.values.push(last.1);
         }
         true
     }
@@ -1019,6 +1056,7 @@ impl DevicePairs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::tile_rect;
     use crate::transfer::graph_edges;
     use legion_ops::GraphBuilder;
     use legion_ops::op::{Conv2d, Dense, Pool2d};

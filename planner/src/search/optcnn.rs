@@ -148,7 +148,11 @@ impl<'t, 'm> Reduction<'t, 'm> {
                 let old = self.edges[e].take().expect("listed edges are alive");
                 let a = self.take_table(old.table);
                 let b = self.take_table(table);
-                let sum: Vec<f64> = a.iter().zip(b.iter()).map(|(x, y)| x + y).collect();
+                // sum into `a` when no other edge shares it, saving a table-sized allocation
+                let mut sum = Rc::try_unwrap(a).unwrap_or_else(|shared| (*shared).clone());
+                for (x, y) in sum.iter_mut().zip(b.iter()) {
+                    *x += *y;
+                }
                 self.edges[e] = Some(WorkEdge {
                     src,
                     dst,
