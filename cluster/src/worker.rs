@@ -294,10 +294,10 @@ async fn measure_links(
     let mut links = Vec::new();
     for peer in peers {
         let conn = dial(node, peer).await?;
-        // (round trip seconds, this process's CPU seconds over it, the peer's CPU at its ack), all
-        // without what a slice does not pay: encoding the probe as a control message and decoding
-        // it (validating, copying the payload out)
-        let round_trip = async |bytes: usize| -> anyhow::Result<(f64, f64, f64)> {
+        // (round trip seconds and this process's CPU seconds over it, both without encoding the
+        // probe as a control message, which a slice does not pay; the peer's CPU seconds so far at
+        // its ack, and the seconds it spent decoding this probe, which a slice does not pay either)
+        let round_trip = async |bytes: usize| -> anyhow::Result<(f64, f64, f64, f64)> {
             let id = NEXT_PROBE.fetch_add(1, Ordering::Relaxed);
             let (done, wait) = oneshot::channel();
             shared
@@ -316,24 +316,26 @@ async fn measure_links(
             Ok((
                 start.elapsed().as_secs_f64() - encode_s - decode_s,
                 process_cpu_s() - cpu - encode_s,
-                peer_cpu - decode_s,
+                peer_cpu,
+                decode_s,
             ))
         };
         // The first round trips warm the connection (congestion window, path MTU).
         round_trip(large).await?;
+        let extra = (large - large / 4) as f64;
         let mut best = [f64::INFINITY; 3];
         let (mut send_cpu, mut recv_cpu) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            let mut trial = [(0.0, 0.0, 0.0); 3];
+            let mut trial = [(0.0, 0.0, 0.0, 0.0); 3];
             for (k, &bytes) in sizes.iter().enumerate() {
                 trial[k] = round_trip(bytes).await?;
                 best[k] = best[k].min(trial[k].0);
             }
-            let extra = (large - large / 4) as f64;
             send_cpu.push((trial[2].1 - trial[1].1) / extra);
-            // the peer's CPU from the small probe's ack to the quarter's, and on to the large's
-            let (to_quarter, to_large) = (trial[1].2 - trial[0].2, trial[2].2 - trial[1].2);
-            recv_cpu.push((to_large - to_quarter) / extra);
+            // the peer's CPU for receiving probe k: from the ack before it to its own, less its
+            // decoding
+            let received = |k: usize| trial[k].2 - trial[k - 1].2 - trial[k].3;
+            recv_cpu.push((received(2) - received(1)) / extra);
         }
         conn.close(0u32.into(), b"measured");
         let cpu = |mut v: Vec<f64>| {
@@ -342,7 +344,7 @@ async fn measure_links(
         };
         links.push(LinkMeasurement {
             to: peer.name.clone(),
-            bytes_per_s: (large - large / 4) as f64 / (best[2] - best[1]).max(1e-9),
+            bytes_per_s: extra / (best[2] - best[1]).max(1e-9),
             latency_s: best[0] / 2.0,
             send_cpu_s_per_byte: cpu(send_cpu),
             recv_cpu_s_per_byte: cpu(recv_cpu),
