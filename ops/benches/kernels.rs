@@ -17,7 +17,7 @@ use legion_ops::kernels::pool2d::{pool2d_backward, pool2d_forward};
 use legion_ops::kernels::{View, ViewMut};
 use legion_ops::op::{Conv2d, Dense, OpSpec, Pool2d};
 use legion_ops::rng::Rng;
-use legion_ops::shape::{Rect, Shape};
+use legion_ops::shape::{Rect, Shape, add_rect, copy_rect};
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -226,5 +226,52 @@ fn bench_pool(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_gemm, bench_conv, bench_dense, bench_pool);
+/// The runtime's region moves (a device packing a slice, receiving one, summing gradient
+/// replicas): `copy_rect` and `add_rect` of a block of Inception-v3's `Mixed_7b` weights (one
+/// device's quarter of the output channels, as parameter sync folds it) and of a conv input's
+/// halo rows (an h-split neighbour's).
+fn bench_rect_moves(c: &mut Criterion) {
+    let mut g = c.benchmark_group("rect_moves");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    let cases = [
+        (
+            "weight_1x1_quarter",
+            Rect::new(&[0, 0, 0, 0], &[448, 1280, 1, 1]),
+            Rect::new(&[112, 0, 0, 0], &[224, 1280, 1, 1]),
+        ),
+        (
+            "weight_3x3_quarter",
+            Rect::new(&[0, 0, 0, 0], &[384, 448, 3, 3]),
+            Rect::new(&[96, 0, 0, 0], &[192, 448, 3, 3]),
+        ),
+        (
+            "halo_rows_56x56",
+            Rect::new(&[0, 0, 0, 0], &[BATCH, 64, 56, 56]),
+            Rect::new(&[0, 0, 28, 0], &[BATCH, 64, 30, 56]),
+        ),
+    ];
+    for (name, whole, block) in cases {
+        let src = random(whole.volume(), 7);
+        let mut dst = vec![0.0f32; block.volume()];
+        g.throughput(Throughput::Bytes((block.volume() * 4) as u64));
+        g.bench_function(format!("copy/{name}"), |bench| {
+            bench.iter(|| copy_rect(black_box(&src), &whole, &mut dst, &block, &block))
+        });
+        g.bench_function(format!("add/{name}"), |bench| {
+            bench.iter(|| add_rect(black_box(&src), &whole, &mut dst, &block, &block))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_gemm,
+    bench_conv,
+    bench_dense,
+    bench_pool,
+    bench_rect_moves
+);
 criterion_main!(benches);

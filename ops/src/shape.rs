@@ -267,7 +267,7 @@ impl fmt::Display for Rect {
 }
 
 /// Copies the part of `src` (laid out over `src_rect`) that lies in `region` into `dst` (laid out over
-/// `dst_rect`). `region` must be inside both rects. Rows along the last axis are copied as slices.
+/// `dst_rect`). `region` must be inside both rects. Contiguous runs are copied as slices.
 pub fn copy_rect<T: Copy>(
     src: &[T],
     src_rect: &Rect,
@@ -275,9 +275,7 @@ pub fn copy_rect<T: Copy>(
     dst_rect: &Rect,
     region: &Rect,
 ) {
-    for_each_row(region, |start, len| {
-        let s = src_rect.offset_of(&start);
-        let d = dst_rect.offset_of(&start);
+    for_each_run(region, src_rect, dst_rect, |s, d, len| {
         dst[d..d + len].copy_from_slice(&src[s..s + len]);
     });
 }
@@ -290,38 +288,66 @@ pub fn add_rect<T: Copy + std::ops::AddAssign>(
     dst_rect: &Rect,
     region: &Rect,
 ) {
-    for_each_row(region, |start, len| {
-        let s = src_rect.offset_of(&start);
-        let d = dst_rect.offset_of(&start);
+    for_each_run(region, src_rect, dst_rect, |s, d, len| {
         for (o, i) in dst[d..d + len].iter_mut().zip(&src[s..s + len]) {
             *o += *i;
         }
     });
 }
 
-/// Calls `f(start_point, row_len)` for every contiguous row (last axis) of `region`, in row-major order.
-pub fn for_each_row(region: &Rect, mut f: impl FnMut([usize; MAX_DIMS], usize)) {
-    if region.is_empty() {
+/// Calls `f(a_offset, b_offset, len)` for every run of `region` that is contiguous in both layouts
+/// `a` and `b` (row-major over their rects), in row-major order. `region` must lie inside both.
+///
+/// Trailing axes that `region`, `a` and `b` all span entirely merge into one run: a 1×1 conv
+/// weight `[out, in, 1, 1]` is one run, not `out·in` runs of one element.
+pub fn for_each_run(region: &Rect, a: &Rect, b: &Rect, mut f: impl FnMut(usize, usize, usize)) {
+    debug_assert!(
+        a.contains(region) && b.contains(region),
+        "{region} outside {a} or {b}"
+    );
+    let nd = region.ndim();
+    if nd == 0 || region.is_empty() {
         return;
     }
-    let nd = region.ndim();
-    let last = nd - 1;
-    let len = region.extent(last);
+    let spans_whole = |axis: usize| {
+        let (lo, hi) = (region.lo[axis], region.hi[axis]);
+        a.lo[axis] == lo && a.hi[axis] == hi && b.lo[axis] == lo && b.hi[axis] == hi
+    };
+    // Axes `inner..nd` form one run; the odometer walks the axes before `inner`.
+    let mut inner = nd - 1;
+    let mut len = region.extent(inner);
+    while inner > 0 && spans_whole(inner) {
+        inner -= 1;
+        len *= region.extent(inner);
+    }
+    let (mut a_stride, mut b_stride) = ([0; MAX_DIMS], [0; MAX_DIMS]);
+    let (mut sa, mut sb) = (1, 1);
+    for axis in (0..nd).rev() {
+        a_stride[axis] = sa;
+        b_stride[axis] = sb;
+        sa *= a.extent(axis);
+        sb *= b.extent(axis);
+    }
     let mut p = region.lo;
+    let (mut oa, mut ob) = (a.offset_of(&p), b.offset_of(&p));
     loop {
-        f(p, len);
-        // Advance the odometer over all axes but the last.
-        let mut axis = last;
+        f(oa, ob, len);
+        let mut axis = inner;
         loop {
             if axis == 0 {
                 return;
             }
             axis -= 1;
             p[axis] += 1;
+            oa += a_stride[axis];
+            ob += b_stride[axis];
             if p[axis] < region.hi[axis] {
                 break;
             }
+            let back = region.extent(axis);
             p[axis] = region.lo[axis];
+            oa -= back * a_stride[axis];
+            ob -= back * b_stride[axis];
         }
     }
 }
@@ -358,6 +384,73 @@ mod tests {
             &Rect::new(&[2, 2], &[3, 3]),
         );
         assert_eq!(dst, vec![5.0, 6.0, 9.0, 20.0]);
+    }
+
+    /// Every element of `region`, visited one at a time: what the runs must add up to.
+    fn element_offsets(region: &Rect, a: &Rect, b: &Rect) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut p = region.lo;
+        if region.is_empty() {
+            return out;
+        }
+        loop {
+            out.push((a.offset_of(&p), b.offset_of(&p)));
+            let mut axis = region.ndim();
+            loop {
+                if axis == 0 {
+                    return out;
+                }
+                axis -= 1;
+                p[axis] += 1;
+                if p[axis] < region.hi[axis] {
+                    break;
+                }
+                p[axis] = region.lo[axis];
+            }
+        }
+    }
+
+    #[test]
+    fn runs_cover_the_region_element_by_element_and_merge_whole_axes() {
+        let mut rng = crate::rng::Rng::new(11);
+        for _ in 0..500 {
+            let nd = 1 + rng.below(4);
+            let (mut alo, mut ahi, mut blo, mut bhi, mut rlo, mut rhi) =
+                (vec![], vec![], vec![], vec![], vec![], vec![]);
+            for _ in 0..nd {
+                // small extents with frequent equal bounds, so whole-axis merges happen
+                let (lo, hi) = (rng.below(2), 2 + rng.below(3));
+                let (l, h) = (lo + rng.below(2), hi - rng.below(2));
+                alo.push(lo.min(l));
+                ahi.push(hi);
+                blo.push(l.min(lo + rng.below(2)));
+                bhi.push(h.max(hi - rng.below(2)));
+                rlo.push(l);
+                rhi.push(h);
+            }
+            let (a, b) = (Rect::new(&alo, &ahi), Rect::new(&blo, &bhi));
+            let region = Rect::new(&rlo, &rhi).intersect(&a).intersect(&b);
+            let mut visited = Vec::new();
+            let mut runs = 0;
+            for_each_run(&region, &a, &b, |oa, ob, len| {
+                runs += 1;
+                visited.extend((0..len).map(|i| (oa + i, ob + i)));
+            });
+            assert_eq!(
+                visited,
+                element_offsets(&region, &a, &b),
+                "{region} in {a}, {b}"
+            );
+            if a == region && b == region {
+                assert!(runs <= 1, "a whole rect is one run");
+            }
+        }
+        // a 1×1 conv weight's block of output channels is one run
+        let w = Rect::new(&[0, 0, 0, 0], &[448, 1280, 1, 1]);
+        let block = Rect::new(&[112, 0, 0, 0], &[224, 1280, 1, 1]);
+        let mut runs = Vec::new();
+        for_each_run(&block, &w, &block, |oa, ob, len| runs.push((oa, ob, len)));
+        assert_eq!(runs, vec![(112 * 1280, 0, 112 * 1280)]);
     }
 
     #[test]
