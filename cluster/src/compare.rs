@@ -169,8 +169,10 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     Ok(rows)
 }
 
-/// The cluster's machine with the profile's in-process link between devices of one host, and its
-/// compute pool shared by every device when all workers run on this machine.
+/// The cluster's machine with the profile's in-process link between devices of one host, the
+/// runtime's own costs (dispatch, folds, updates, actor copies: workers run the same device actors
+/// as the embedded cluster the profile measured), and its compute pool shared by every device when
+/// all workers run on this machine.
 fn profiled_cluster(
     mut machine: MachineModel,
     hosts: &Hosts,
@@ -184,6 +186,9 @@ fn profiled_cluster(
                 }
             }
         }
+    }
+    if let Some(costs) = db.runtime {
+        machine = machine.with_runtime_costs(costs)?;
     }
     if let Some(threads) = db.compute_threads
         && hosts.hosts.iter().all(|h| h.is_local())
@@ -286,4 +291,43 @@ pub fn chart(rows: &[CompareRow], title: &str, path: &Path) -> anyhow::Result<()
     };
     legion_ops::atomic_file::write(path, svg.as_bytes())
         .with_context(|| format!("writing the chart {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_planner::machine::RuntimeCosts;
+
+    #[test]
+    fn a_cluster_is_simulated_with_the_profiled_runtime_costs_and_shared_cores() {
+        let hosts = Hosts::parse_toml(
+            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\ndevices = 2\n\n\
+             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 7401\ndevices = 2\n",
+            "hosts.toml",
+        )
+        .unwrap();
+        let costs = RuntimeCosts {
+            dispatch_s: 2e-5,
+            dispatch_bins_s: None,
+            fold_bytes_per_s: 3e9,
+            update_bytes_per_s: 2e9,
+            copy_bytes_per_s: 4e9,
+            actor_threads: 2,
+        };
+        let db = ProfileDb {
+            compute_threads: Some(2),
+            runtime: Some(costs),
+            ..ProfileDb::default()
+        };
+        let machine = profiled_cluster(hosts.machine_model().unwrap(), &hosts, &db).unwrap();
+        assert_eq!(machine.runtime_costs(), Some(&costs));
+        assert_eq!(machine.compute_slots(), Some(2));
+        let unprofiled = profiled_cluster(
+            hosts.machine_model().unwrap(),
+            &hosts,
+            &ProfileDb::default(),
+        )
+        .unwrap();
+        assert_eq!(unprofiled.runtime_costs(), None);
+    }
 }
