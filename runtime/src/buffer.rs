@@ -3,7 +3,7 @@
 
 use crate::region::DType;
 use legion_ops::Rect;
-use legion_ops::shape::{add_rect, copy_rect};
+use legion_ops::shape::{add_rect, copy_rect, for_each_run};
 
 /// Row-major data laid out over an instance's rect.
 #[derive(Clone, Debug, PartialEq)]
@@ -75,9 +75,19 @@ impl Buffer {
         if layout == rect {
             return self.clone();
         }
-        let mut out = Buffer::zeros(self.dtype(), rect.volume());
-        out.copy_from(rect, self, layout, rect);
-        out
+        // The runs come in the order of the new buffer: appending them writes each byte once,
+        // where zeroing it first would write it twice.
+        fn runs<T: Copy>(src: &[T], layout: &Rect, rect: &Rect) -> Vec<T> {
+            let mut out = Vec::with_capacity(rect.volume());
+            for_each_run(rect, layout, rect, |s, _, len| {
+                out.extend_from_slice(&src[s..s + len]);
+            });
+            out
+        }
+        match self {
+            Buffer::F32(v) => Buffer::F32(runs(v, layout, rect)),
+            Buffer::F64(v) => Buffer::F64(runs(v, layout, rect)),
+        }
     }
 
     /// Copies `rect` of `src` (laid out over `src_layout`) into this buffer (over `layout`).
@@ -100,15 +110,15 @@ impl Buffer {
 
     /// Zeroes `rect` of this buffer.
     pub fn zero(&mut self, layout: &Rect, rect: &Rect) {
-        if layout == rect {
-            match self {
-                Buffer::F32(v) => v.fill(0.0),
-                Buffer::F64(v) => v.fill(0.0),
-            }
-            return;
+        fn runs<T: Copy + Default>(v: &mut [T], layout: &Rect, rect: &Rect) {
+            for_each_run(rect, layout, layout, |at, _, len| {
+                v[at..at + len].fill(T::default())
+            });
         }
-        let zeros = Buffer::zeros(self.dtype(), rect.volume());
-        self.copy_from(layout, &zeros, rect, rect);
+        match self {
+            Buffer::F32(v) => runs(v, layout, rect),
+            Buffer::F64(v) => runs(v, layout, rect),
+        }
     }
 }
 
@@ -146,6 +156,19 @@ mod tests {
         let a = Buffer::F32(vec![1., 2., 3., 4., 5., 6.]);
         let piece = Rect::new(&[0, 1], &[2, 3]);
         assert_eq!(a.gather(&layout, &piece), Buffer::F32(vec![2., 3., 5., 6.]));
+        // a block of whole trailing axes (one run) and one cut in the middle axis (a run per row)
+        let cube = Rect::new(&[0, 0, 0], &[3, 2, 2]);
+        let c = Buffer::F64((0..12).map(f64::from).collect());
+        let rows = Rect::new(&[1, 0, 0], &[3, 2, 2]);
+        let mids = Rect::new(&[0, 1, 0], &[3, 2, 2]);
+        assert_eq!(
+            c.gather(&cube, &rows),
+            Buffer::F64((4..12).map(f64::from).collect())
+        );
+        assert_eq!(
+            c.gather(&cube, &mids),
+            Buffer::F64(vec![2., 3., 6., 7., 10., 11.])
+        );
         let b = Buffer::F32(vec![10., 20., 30., 40.]);
         let mut dst = Buffer::F32(vec![-1.0; 6]);
         fold(
