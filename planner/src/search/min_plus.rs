@@ -5,6 +5,8 @@
 //! skipped for a group when even its cheapest entry in that group, `a[i][j] + mid[j] + min_k b[j][k]`,
 //! cannot beat the group's current worst minimum. Rows scan `j` from the most parallel configs down,
 //! which finds good minima early. (On Inception-v3 at 16 devices this relaxes ~6% of the terms.)
+//! With a [`Limit`], entries start at their limit instead of +∞, so the same tests also skip every
+//! `j` that cannot bring an entry below it, and rows that no `j` can are skipped whole.
 
 use crate::config::ConfigSpace;
 use std::ops::Range;
@@ -27,8 +29,25 @@ pub(crate) fn column_groups(space: &ConfigSpace) -> Vec<Range<usize>> {
     groups
 }
 
-/// Eq. 2 for all (c_i, c_k) with the minimising `j` (among equal minima, the first scanned). `a` is
-/// `ci × cj`, `b` is `cj × ck`, both row-major and non-negative; `groups` partition `0..ck`.
+/// Which entries of a product are worth computing: `(c_i, c_k)` only if its value is below
+/// `total - rows[c_i] - cols[c_k]`.
+///
+/// The search passes the cost of a known strategy less lower bounds of everything else in the
+/// graph (see `optcnn`): an entry at or above that limit belongs to no optimal strategy.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limit<'a> {
+    /// Infinite: no limit (every entry exact).
+    pub total: f64,
+    /// Subtracted per `c_i`.
+    pub rows: &'a [f64],
+    /// Subtracted per `c_k`.
+    pub cols: &'a [f64],
+}
+
+/// Eq. 2 for all (c_i, c_k) with the minimising `j` (among equal minima, the first scanned), except
+/// that entries not below their [`Limit`] are infinite (their `j` then 0). `a` is `ci × cj`, `b` is
+/// `cj × ck`, both row-major and non-negative; `groups` partition `0..ck`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn min_plus(
     a: &[f64],
     mid: &[f64],
@@ -37,33 +56,51 @@ pub(crate) fn min_plus(
     cj: usize,
     ck: usize,
     groups: &[Range<usize>],
+    limit: Limit,
 ) -> (Vec<f64>, Vec<u32>) {
     debug_assert_eq!(groups.iter().map(|g| g.len()).sum::<usize>(), ck);
+    debug_assert_eq!((limit.rows.len(), limit.cols.len()), (ci, ck));
     let ng = groups.len();
     let mut b_min = vec![f64::INFINITY; cj * ng];
     for j in 0..cj {
         for (g, r) in groups.iter().enumerate() {
-            b_min[j * ng + g] = b[j * ck + r.start..j * ck + r.end]
-                .iter()
-                .copied()
-                .fold(f64::INFINITY, f64::min);
+            b_min[j * ng + g] = min(&b[j * ck + r.start..j * ck + r.end]);
         }
     }
     // the cheapest entry of each row of `b`: a `j` whose cheapest term cannot beat every group's
     // worst minimum is skipped without testing its groups one by one
-    let row_min: Vec<f64> = b_min
-        .chunks(ng)
-        .map(|m| m.iter().copied().fold(f64::INFINITY, f64::min))
-        .collect();
+    let row_min: Vec<f64> = b_min.chunks(ng).map(min).collect();
+    // what a `j` adds to a row's entries at least, and the largest limit of a row but for its
+    // `limit.rows` term: a row where no `j` gets below that is infinite throughout (most rows, once
+    // the limits are tight), found in one pass over the row of `a`
+    let via: Vec<f64> = mid.iter().zip(&row_min).map(|(m, r)| m + r).collect();
+    let cols_min = min(limit.cols);
     let mut out = vec![f64::INFINITY; ci * ck];
-    let mut arg = vec![0u32; ci * ck];
+    let mut arg = vec![0; ci * ck];
     let mut worst = vec![f64::INFINITY; ng];
     for i in 0..ci {
+        let a_row = &a[i * cj..(i + 1) * cj];
+        let row_limit = limit.total - limit.rows[i];
+        let floor = a_row
+            .iter()
+            .zip(&via)
+            .fold(f64::INFINITY, |m, (x, v)| if x + v < m { x + v } else { m });
+        if floor >= row_limit - cols_min {
+            continue;
+        }
         let out_row = &mut out[i * ck..(i + 1) * ck];
         let arg_row = &mut arg[i * ck..(i + 1) * ck];
-        let a_row = &a[i * cj..(i + 1) * cj];
-        worst.fill(f64::INFINITY);
-        let mut worst_any = f64::INFINITY;
+        arg_row.fill(UNSET);
+        // the limits start as the minima to beat: a `j` is relaxed only if it can go below them
+        for (o, &c) in out_row.iter_mut().zip(limit.cols) {
+            *o = row_limit - c;
+        }
+        for (w, r) in worst.iter_mut().zip(groups) {
+            *w = out_row[r.clone()]
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+        }
+        let mut worst_any = worst.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         for j in (0..cj).rev() {
             let base = a_row[j] + mid[j];
             if base + row_min[j] >= worst_any {
@@ -98,11 +135,26 @@ pub(crate) fn min_plus(
             if !changed {
                 continue;
             }
-            worst_any = worst.iter().copied().fold(0.0, f64::max);
+            worst_any = worst.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        }
+        for (o, g) in out_row.iter_mut().zip(arg_row.iter_mut()) {
+            if *g == UNSET {
+                (*o, *g) = (f64::INFINITY, 0);
+            }
         }
     }
     (out, arg)
 }
+
+/// The smallest of `values` (infinite if none), in a form that vectorizes (`f64::min` does not).
+pub(crate) fn min(values: &[f64]) -> f64 {
+    values
+        .iter()
+        .fold(f64::INFINITY, |m, &x| if x < m { x } else { m })
+}
+
+/// The `j` of an entry that no `j` brought below its limit.
+const UNSET: u32 = u32::MAX;
 
 /// `out[k] = min(out[k], base + b[k])`, recording `j` where it improves; returns the new max of `out`,
 /// or `None` when no column improves.
@@ -167,12 +219,62 @@ mod tests {
                 .filter(|g| !g.is_empty())
                 .collect();
             for groups in [whole, halves] {
-                let (out, arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups);
+                let (rows, cols) = (vec![0.0; ci], vec![0.0; ck]);
+                let none = Limit {
+                    total: f64::INFINITY,
+                    rows: &rows,
+                    cols: &cols,
+                };
+                let (out, arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups, none);
                 assert_eq!(out, expected);
                 for i in 0..ci {
                     for k in 0..ck {
                         let j = arg[i * ck + k] as usize;
                         assert_eq!(a[i * cj + j] + mid[j] + b[j * ck + k], out[i * ck + k]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn limits_leave_only_the_entries_below_them() {
+        let mut rng = Rng::new(11);
+        for _ in 0..200 {
+            let (ci, cj, ck) = (1 + rng.below(9), 1 + rng.below(9), 1 + rng.below(9));
+            let mut draw = |n: usize, scale: usize| -> Vec<f64> {
+                (0..n)
+                    .map(|_| (rng.below(scale) as f64) * 10f64.powi(rng.below(3) as i32))
+                    .collect()
+            };
+            let (a, mid, b) = (draw(ci * cj, 4), draw(cj, 4), draw(cj * ck, 4));
+            let (rows, cols) = (draw(ci, 3), draw(ck, 3));
+            let total = draw(1, 600)[0];
+            let split = (1 + rng.below(ck)).min(ck);
+            let groups: Vec<Range<usize>> = [0..split, split..ck]
+                .into_iter()
+                .filter(|g| !g.is_empty())
+                .collect();
+            let (zeros_i, zeros_k) = (vec![0.0; ci], vec![0.0; ck]);
+            let none = Limit {
+                total: f64::INFINITY,
+                rows: &zeros_i,
+                cols: &zeros_k,
+            };
+            let (exact, exact_arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups, none);
+            let limit = Limit {
+                total,
+                rows: &rows,
+                cols: &cols,
+            };
+            let (out, arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups, limit);
+            for (i, row) in rows.iter().enumerate() {
+                for (k, col) in cols.iter().enumerate() {
+                    let at = i * ck + k;
+                    if exact[at] < total - row - col {
+                        assert_eq!((out[at], arg[at]), (exact[at], exact_arg[at]));
+                    } else {
+                        assert_eq!(out[at], f64::INFINITY);
                     }
                 }
             }
