@@ -38,9 +38,9 @@ pub(crate) fn column_groups(space: &ConfigSpace) -> Vec<Range<usize>> {
 pub(crate) struct Limit<'a> {
     /// Infinite: no limit (every entry exact).
     pub total: f64,
-    /// Subtracted per `c_i`.
+    /// Subtracted per `c_i` (finite, so that an infinite `total` leaves every limit infinite).
     pub rows: &'a [f64],
-    /// Subtracted per `c_k`.
+    /// Subtracted per `c_k` (finite likewise).
     pub cols: &'a [f64],
 }
 
@@ -60,6 +60,10 @@ pub(crate) fn min_plus(
 ) -> (Vec<f64>, Vec<u32>) {
     debug_assert_eq!(groups.iter().map(|g| g.len()).sum::<usize>(), ck);
     debug_assert_eq!((limit.rows.len(), limit.cols.len()), (ci, ck));
+    debug_assert!(
+        limit.rows.iter().chain(limit.cols).all(|x| x.is_finite()),
+        "an infinite total must leave every limit infinite"
+    );
     let ng = groups.len();
     let mut b_min = vec![f64::INFINITY; cj * ng];
     for j in 0..cj {
@@ -199,6 +203,25 @@ mod tests {
         out
     }
 
+    /// The product with no limit: every entry exact.
+    fn unlimited(
+        a: &[f64],
+        mid: &[f64],
+        b: &[f64],
+        ci: usize,
+        cj: usize,
+        ck: usize,
+        groups: &[Range<usize>],
+    ) -> (Vec<f64>, Vec<u32>) {
+        let (rows, cols) = (vec![0.0; ci], vec![0.0; ck]);
+        let none = Limit {
+            total: f64::INFINITY,
+            rows: &rows,
+            cols: &cols,
+        };
+        min_plus(a, mid, b, ci, cj, ck, groups, none)
+    }
+
     #[test]
     fn matches_the_definition_with_and_without_groups() {
         let mut rng = Rng::new(5);
@@ -219,13 +242,7 @@ mod tests {
                 .filter(|g| !g.is_empty())
                 .collect();
             for groups in [whole, halves] {
-                let (rows, cols) = (vec![0.0; ci], vec![0.0; ck]);
-                let none = Limit {
-                    total: f64::INFINITY,
-                    rows: &rows,
-                    cols: &cols,
-                };
-                let (out, arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups, none);
+                let (out, arg) = unlimited(&a, &mid, &b, ci, cj, ck, &groups);
                 assert_eq!(out, expected);
                 for i in 0..ci {
                     for k in 0..ck {
@@ -255,13 +272,7 @@ mod tests {
                 .into_iter()
                 .filter(|g| !g.is_empty())
                 .collect();
-            let (zeros_i, zeros_k) = (vec![0.0; ci], vec![0.0; ck]);
-            let none = Limit {
-                total: f64::INFINITY,
-                rows: &zeros_i,
-                cols: &zeros_k,
-            };
-            let (exact, exact_arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups, none);
+            let (exact, exact_arg) = unlimited(&a, &mid, &b, ci, cj, ck, &groups);
             let limit = Limit {
                 total,
                 rows: &rows,

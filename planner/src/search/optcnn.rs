@@ -293,19 +293,11 @@ impl<'t, 'm> Reduction<'t, 'm> {
         let (ci, cj, ck) = (self.sizes[i], self.sizes[j], self.sizes[k]);
         let mid = self.tables.node_cost(LayerId(j));
         let groups = column_groups(self.tables.space(LayerId(k)));
-        let unbounded = (vec![0.0; ci], vec![0.0; ck]);
-        let limit = if self.bound.is_finite() {
-            Limit {
-                total: self.bound - self.others_at_least(&[i, j, k]),
-                rows: self.tables.node_cost(LayerId(i)),
-                cols: self.tables.node_cost(LayerId(k)),
-            }
-        } else {
-            Limit {
-                total: f64::INFINITY,
-                rows: &unbounded.0,
-                cols: &unbounded.1,
-            }
+        // Unbounded (`bound` infinite), every limit is infinite too: node costs are finite.
+        let limit = Limit {
+            total: self.bound - self.others_at_least(&[i, j, k]),
+            rows: self.tables.node_cost(LayerId(i)),
+            cols: self.tables.node_cost(LayerId(k)),
         };
         let (table, argmin) = min_plus(&a, mid, &b, ci, cj, ck, &groups, limit);
         let min = min(&table);
