@@ -34,7 +34,9 @@
 //!
 //! Scheduling: each device runs one compute task at a time and each directed link carries one
 //! message at a time (on a machine with shared node links, every message from one node to another
-//! queues on the same link); a task is ready when its dependencies have finished, and every resource serves
+//! queues on the same link) for `bytes / bandwidth`; the link's latency then delays the message's
+//! arrival without holding the link, so messages in a row pay it once, not once each, as on the
+//! wire. A task is ready when its dependencies have finished (and arrived), and every resource serves
 //! its tasks in the order they became ready (ties by task number, which follows the program order).
 //! A compute task starts [`RuntimeCosts::dispatch_s`] after its device could start it (its device
 //! actor handling the previous op's completion, handing the kernel to the pool); where the profile
@@ -123,6 +125,10 @@ pub struct Task {
     pub duration: f64,
     /// Bytes moved (transfers only).
     pub bytes: u64,
+    /// Seconds between the task's end and its result reaching the tasks that depend on it, holding
+    /// no resource: a message's latency over its link, which carries the next message meanwhile
+    /// (a link is a pipe; only `bytes / bandwidth` occupies it).
+    pub latency: f64,
     /// Tasks that must finish first.
     pub deps: Vec<usize>,
 }
@@ -144,7 +150,13 @@ pub struct Simulation {
 pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
     let tasks = task_graph(model, configs);
     let pools = Pools::of(model.machine());
-    let last = |finish: &[f64]| finish.iter().copied().fold(0.0, f64::max);
+    // the step ends when the last task's result has arrived
+    let last = |finish: &[f64]| {
+        finish
+            .iter()
+            .zip(&tasks)
+            .fold(0.0f64, |end, (f, t)| end.max(f + t.latency))
+    };
     let Some(bins) = model
         .machine()
         .runtime_costs()
@@ -216,6 +228,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                 resource: Resource::Device(device),
                 duration: times.forward,
                 bytes: 0,
+                latency: 0.0,
                 deps: Vec::new(),
             };
             f.push(push(&mut tasks, task));
@@ -318,6 +331,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                 resource: Resource::Device(config.device_of_tile(t)),
                 duration: backward_time[id.0][t],
                 bytes: 0,
+                latency: 0.0,
                 deps: vec![forward[id.0][t]],
             };
             backward[id.0].push(push(&mut tasks, task));
@@ -395,6 +409,7 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                     resource: Resource::Device(device),
                     duration: fold_time(machine, device, bytes),
                     bytes: 0,
+                    latency: 0.0,
                     deps: tile_terms.iter().map(|&(d, _)| d).collect(),
                 },
             );
@@ -516,6 +531,7 @@ fn fold_and_update(
             resource: Resource::Device(owner),
             duration: fold_time(machine, owner, fold_bytes(terms, slice_bytes)),
             bytes: 0,
+            latency: 0.0,
             deps,
         },
     );
@@ -527,6 +543,7 @@ fn fold_and_update(
             resource: Resource::Device(owner),
             duration: update_time(machine, owner, slice_bytes),
             bytes: 0,
+            latency: 0.0,
             deps: vec![fold],
         },
     )
@@ -555,6 +572,7 @@ fn move_task(
             resource: Resource::Device(device),
             duration: bytes as f64 / rate,
             bytes: 0,
+            latency: 0.0,
             deps,
         },
     )
@@ -654,19 +672,22 @@ fn message(
                     resource: Resource::Network(machine.node_of(end)),
                     duration: bytes as f64 * s_per_byte,
                     bytes: 0,
+                    latency: 0.0,
                     deps: vec![after],
                 },
             ));
         }
     }
+    let l = machine.link(from, to);
     let transfer = push(
         tasks,
         Task {
             name,
             kind,
             resource: link(machine, from, to),
-            duration: machine.message_time(from, to, bytes as f64),
+            duration: l.map_or(0.0, |l| bytes as f64 * l.seconds_per_byte()),
             bytes,
+            latency: l.map_or(0.0, |l| l.latency_s),
             deps: vec![after],
         },
     );
@@ -815,7 +836,7 @@ fn schedule(
             actors[k] = finish[t];
         }
         for &s in &successors[t] {
-            ready_at[s] = ready_at[s].max(finish[t]);
+            ready_at[s] = ready_at[s].max(finish[t] + tasks[t].latency);
             waiting[s] -= 1;
             if waiting[s] == 0 {
                 ready.push(Reverse((ready_at[s].to_bits(), s)));
@@ -973,6 +994,67 @@ mod tests {
             "one per direction between the two nodes"
         );
         assert!(shared.makespan > per_pair.makespan);
+    }
+
+    #[test]
+    fn latency_delays_a_message_without_holding_its_link() {
+        let message = |name: &str, deps: Vec<usize>| Task {
+            name: name.into(),
+            kind: TaskKind::Copy,
+            resource: Resource::Link(0, 1),
+            duration: 1.0,
+            bytes: 4,
+            latency: 10.0,
+            deps,
+        };
+        let read = |deps: Vec<usize>| Task {
+            name: "read".into(),
+            kind: TaskKind::Forward,
+            resource: Resource::Device(1),
+            duration: 2.0,
+            bytes: 0,
+            latency: 0.0,
+            deps,
+        };
+        // Two messages in a row: the second goes on the wire as soon as the first has left, and
+        // each arrives one latency after it left; the reader waits for both.
+        let tasks = vec![message("a", vec![]), message("b", vec![]), read(vec![0, 1])];
+        let (start, finish) = list_schedule(&tasks);
+        assert_eq!(start, vec![0.0, 1.0, 12.0]);
+        assert_eq!(finish, vec![1.0, 2.0, 14.0]);
+    }
+
+    #[test]
+    fn a_step_ends_when_its_messages_have_arrived() {
+        let g = chain();
+        let machine = MachineModel::preset("paper:8").unwrap();
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        // the first layers on device 0, the rest on device 4 (another node)
+        let configs: Vec<_> = (0..g.layers().len())
+            .map(|l| ParallelConfig::split(Dim::N, 1, if l < 2 { 0 } else { 4 }))
+            .collect();
+        let sim = simulate(&model, &configs);
+        let link = machine.link(0, 4).unwrap();
+        let mut crossings = 0;
+        for (t, task) in sim.tasks.iter().enumerate() {
+            if task.resource == Resource::Link(0, 4) || task.resource == Resource::Link(4, 0) {
+                crossings += 1;
+                assert_eq!(task.duration, task.bytes as f64 * link.seconds_per_byte());
+                assert_eq!(task.latency, link.latency_s);
+                // whatever reads it starts no earlier than its arrival
+                for (r, reader) in sim.tasks.iter().enumerate() {
+                    if reader.deps.contains(&t) {
+                        assert!(
+                            sim.start[r] >= sim.finish[t] + link.latency_s,
+                            "{}",
+                            reader.name
+                        );
+                    }
+                }
+            }
+        }
+        assert!(crossings >= 2, "forward and backward cross the nodes");
     }
 
     #[test]
@@ -1269,6 +1351,7 @@ mod tests {
             resource: Resource::Device(device),
             duration,
             bytes: 0,
+            latency: 0.0,
             deps,
         };
         let message = Task {
@@ -1277,6 +1360,7 @@ mod tests {
             resource: Resource::Link(0, 1),
             duration: 1.0,
             bytes: 4,
+            latency: 0.0,
             deps: vec![0],
         };
         let tasks = vec![
@@ -1310,6 +1394,7 @@ mod tests {
             resource: Resource::Device(device),
             duration,
             bytes: 0,
+            latency: 0.0,
             deps,
         };
         let tasks = vec![
@@ -1346,6 +1431,7 @@ mod tests {
             resource: Resource::Device(device),
             duration,
             bytes: 0,
+            latency: 0.0,
             deps,
         };
         // long on device 0, short on device 1; `held` is ready at once but its device is busy
