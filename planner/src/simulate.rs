@@ -1025,7 +1025,7 @@ mod tests {
     }
 
     #[test]
-    fn a_step_ends_when_its_messages_have_arrived() {
+    fn a_message_holds_its_link_for_its_bytes_and_arrives_a_latency_later() {
         let g = chain();
         let machine = MachineModel::preset("paper:8").unwrap();
         let provider = RooflineCost::new(&machine);
@@ -1042,6 +1042,8 @@ mod tests {
                 crossings += 1;
                 assert_eq!(task.duration, task.bytes as f64 * link.seconds_per_byte());
                 assert_eq!(task.latency, link.latency_s);
+                // the step is not over before the message has arrived
+                assert!(sim.makespan >= sim.finish[t] + link.latency_s);
                 // whatever reads it starts no earlier than its arrival
                 for (r, reader) in sim.tasks.iter().enumerate() {
                     if reader.deps.contains(&t) {
