@@ -1,5 +1,6 @@
 //! `--compare`: every strategy on the same (embedded or multi-process) cluster, one after another, measured side by side
-//! and set against the planner's simulation of each (priced by a profile of these very runs).
+//! and set against the planner's simulation of each (priced by a profile of that strategy's tiles,
+//! taken right before it runs).
 
 use crate::hosts::Hosts;
 use crate::job::{Engine, choose_strategy, embedded_machine};
@@ -59,7 +60,8 @@ pub struct ClusterTarget {
     pub state: PathBuf,
 }
 
-/// Profiles, measures and simulates every strategy of [`STRATEGIES`] on `graph`.
+/// Profiles, measures and simulates every strategy of [`STRATEGIES`] on `graph`, one strategy at a
+/// time.
 ///
 /// Tile compute times always come from profiling the embedded cluster in this process (the same
 /// kind of device). On a cluster, the links between hosts are those `up` measured, and a cluster
@@ -76,30 +78,34 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         .iter()
         .map(|s| Ok((s.to_string(), choose_strategy(graph, &machine, s)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    // The simulation is priced by what these strategies' tiles measure on this machine, so that
-    // predicted and measured differ only by what the model leaves out.
-    let measured = profile::profile(
-        graph,
-        devices,
-        &strategies,
-        &ProfileSettings {
-            device_kind: machine.device(0).kind.clone(),
-            seed: settings.seed,
-            ..ProfileSettings::default()
-        },
-    )
-    .context("profiling the strategies")?;
-    let machine = match &settings.cluster {
-        None => measured.db.apply_to(machine),
-        Some(c) => profiled_cluster(machine, &c.hosts, &measured.db)?,
+    let profile_settings = ProfileSettings {
+        device_kind: machine.device(0).kind.clone(),
+        seed: settings.seed,
+        ..ProfileSettings::default()
     };
-    let cost = ProfiledCost::new(&measured.db, &machine);
-    let model = CostModel::new(graph, &machine, &cost);
     let params = ParamStore::init(graph, settings.seed);
     let state = TrainingState::start(params.clone());
     let (images, labels) = profile::synthetic_batch(graph, settings.seed)?;
     let mut rows: Vec<CompareRow> = Vec::new();
-    for (strategy, configs) in &strategies {
+    for (i, (strategy, configs)) in strategies.iter().enumerate() {
+        // The simulation is priced by what this strategy's tiles measure on this machine, so that
+        // predicted and measured differ only by what the model leaves out; profiled right before
+        // the strategy runs, as the speed of a shared machine drifts over minutes (two runs of
+        // the shaped AlexNet comparison priced every kernel a uniform 13% apart, while the
+        // model-parallel steps they measured were within 1% of each other).
+        let measured = profile::profile(
+            graph,
+            devices,
+            std::slice::from_ref(&strategies[i]),
+            &profile_settings,
+        )
+        .with_context(|| format!("profiling the {strategy} strategy"))?;
+        let machine = match &settings.cluster {
+            None => measured.db.apply_to(machine.clone()),
+            Some(c) => profiled_cluster(machine.clone(), &c.hosts, &measured.db)?,
+        };
+        let cost = ProfiledCost::new(&measured.db, &machine);
+        let model = CostModel::new(graph, &machine, &cost);
         let mut engine = match &settings.cluster {
             None => Engine::Cluster(EmbeddedCluster::start(
                 graph,
