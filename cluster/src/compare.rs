@@ -87,7 +87,8 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     let state = TrainingState::start(params.clone());
     let (images, labels) = profile::synthetic_batch(graph, settings.seed)?;
     let mut rows: Vec<CompareRow> = Vec::new();
-    for (i, (strategy, configs)) in strategies.iter().enumerate() {
+    for entry in &strategies {
+        let (strategy, configs) = entry;
         // The simulation is priced by what this strategy's tiles measure on this machine, so that
         // predicted and measured differ only by what the model leaves out; profiled right before
         // the strategy runs, as the speed of a shared machine drifts over minutes (two runs of
@@ -96,7 +97,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         let measured = profile::profile(
             graph,
             devices,
-            std::slice::from_ref(&strategies[i]),
+            std::slice::from_ref(entry),
             &profile_settings,
         )
         .with_context(|| format!("profiling the {strategy} strategy"))?;
