@@ -12,7 +12,7 @@ use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
-use crate::transfer_table::TransferTables;
+use crate::transfer_table::{Cutoff, EdgeGeometry, LeastTimes, TransferTables};
 use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::HashMap;
 
@@ -155,14 +155,47 @@ impl<'m> CostTables<'m> {
 
     /// t_x of edge `edge` for every config pair: row-major, `[src config][dst config]`.
     pub fn edge_table(&self, edge: usize) -> Vec<f64> {
+        self.edge_table_within(&self.edge_geometry(edge), edge, None)
+    }
+
+    /// What t_x of `edge` depends on, for [`CostTables::least_transfer_times`] and
+    /// [`CostTables::edge_table_within`].
+    pub(crate) fn edge_geometry(&self, edge: usize) -> EdgeGeometry {
         let e = self.model.edges()[edge];
-        self.transfers.edge_table(
-            self.model.machine(),
+        self.transfers.geometry(
             self.model.graph(),
             self.model.input_shapes(e.dst),
             &e,
+            &self.spaces[e.dst.0],
+        )
+    }
+
+    /// A lower bound of `edge`'s t_x per (producer layout, consumer layout), where one is cheap.
+    pub(crate) fn least_transfer_times(
+        &self,
+        geometry: &EdgeGeometry,
+        edge: usize,
+    ) -> Option<LeastTimes> {
+        let e = self.model.edges()[edge];
+        self.transfers
+            .least_times(geometry, &self.spaces[e.src.0], &self.spaces[e.dst.0])
+    }
+
+    /// [`CostTables::edge_table`] from the edge's geometry, with the entries a `cutoff` rules out
+    /// left +∞.
+    pub(crate) fn edge_table_within(
+        &self,
+        geometry: &EdgeGeometry,
+        edge: usize,
+        cutoff: Option<&Cutoff>,
+    ) -> Vec<f64> {
+        let e = self.model.edges()[edge];
+        self.transfers.table(
+            self.model.machine(),
+            geometry,
             &self.spaces[e.src.0],
             &self.spaces[e.dst.0],
+            cutoff,
         )
     }
 }

@@ -29,6 +29,84 @@ use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Graph, Rect, Shape};
 use std::sync::OnceLock;
 
+/// The layout pairs of one edge that a bounded search may leave out of its table (their entries
+/// are +∞): those for which the least t_x the pair can have, plus how much the two layouts'
+/// cheapest configs cost above their layers' cheapest, exceeds `slack`. The search derives `slack`
+/// from a known strategy's cost less lower bounds of everything else, so a left-out entry belongs
+/// to no strategy cheaper than the known one.
+pub(crate) struct Cutoff<'a> {
+    pub(crate) least: &'a LeastTimes,
+    /// Per producer layout: its cheapest config's t_c + t_s less the producer's cheapest config's.
+    pub(crate) src_excess: &'a [f64],
+    /// Per consumer layout, likewise.
+    pub(crate) dst_excess: &'a [f64],
+    pub(crate) slack: f64,
+}
+
+/// A lower bound of one edge's t_x per (producer layout, consumer layout) under every relation of
+/// their blocks, from per-axis numbers alone. Each consumer tile shares its device with at most one
+/// producer tile (one tile per device in a block), so it receives at least its second-largest
+/// overlap, and each producer tile likewise sends at least its second-largest; at best over the
+/// faster link. Over tiles, the largest second-largest of a product of independent per-axis
+/// factors is `max_a second_a · Π_{b≠a} max_b` (either side's `second_a`: the products are alike).
+pub(crate) struct LeastTimes {
+    /// By [`Regular::slot`].
+    bounds: Vec<AxisBound>,
+    levels: usize,
+    /// Per producer layout, the log2 degree of each axis; likewise per consumer layout.
+    src: Vec<[usize; MAX_DIMS]>,
+    dst: Vec<[usize; MAX_DIMS]>,
+    intra: Link,
+    inter: Link,
+    gradient: bool,
+}
+
+impl LeastTimes {
+    /// The bound for producer layout `src` and consumer layout `dst` (indices into the spaces'
+    /// layouts).
+    pub(crate) fn get(&self, src: usize, dst: usize) -> f64 {
+        let (g, h) = (&self.src[src], &self.dst[dst]);
+        let axis: [&AxisBound; MAX_DIMS] =
+            std::array::from_fn(|a| &self.bounds[(a * self.levels + g[a]) * self.levels + h[a]]);
+        // the product of every axis's largest overlap but axis `a`'s
+        let mut others = [1u64; MAX_DIMS];
+        let mut before = 1;
+        for a in 0..MAX_DIMS {
+            others[a] = before;
+            before *= axis[a].max;
+        }
+        let mut after = 1;
+        for a in (0..MAX_DIMS).rev() {
+            others[a] *= after;
+            after *= axis[a].max;
+        }
+        let elems = (0..MAX_DIMS)
+            .map(|a| axis[a].second * others[a])
+            .max()
+            .unwrap_or(0);
+        if elems == 0 {
+            return 0.0;
+        }
+        let bytes = (4 * elems) as f64;
+        let one = self
+            .intra
+            .message_time(bytes)
+            .min(self.inter.message_time(bytes));
+        if self.gradient { one + one } else { one }
+    }
+}
+
+/// What an edge's t_x depends on besides the machine, worked out once: what each consumer tile
+/// reads, and on regular machines its per-axis form.
+pub(crate) struct EdgeGeometry {
+    producer: Shape,
+    gradient: bool,
+    /// Per consumer layout, the rect each of its tiles reads.
+    needs: Vec<Vec<Rect>>,
+    /// `Some` on regular machines when the needs are separable per axis.
+    axes: Option<AxisNeeds>,
+}
+
 /// Builds t_x tables for one machine.
 pub(crate) struct TransferTables {
     /// Built on first use: on regular machines the zoo's edges never need it, and grouping every
@@ -45,17 +123,14 @@ impl TransferTables {
         }
     }
 
-    /// t_x of `edge` for every (producer config, consumer config): row-major `[src][dst]`.
-    /// `machine` is the one the tables were made for.
-    pub(crate) fn edge_table(
+    /// The geometry of `edge` for consumer configs from `dst_space`.
+    pub(crate) fn geometry(
         &self,
-        machine: &MachineModel,
         graph: &Graph,
         inputs: &[Shape],
         edge: &Edge,
-        src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
-    ) -> Vec<f64> {
+    ) -> EdgeGeometry {
         let producer = graph.layer(edge.src).shape;
         let consumer = graph.layer(edge.dst);
         // What each consumer tile reads, per consumer layout (independent of the device block).
@@ -76,15 +151,56 @@ impl TransferTables {
                     .collect()
             })
             .collect();
-        let gradient = edge.carries_gradient(graph);
-        if let Some(regular) = &self.regular
-            && let Some(axes) = AxisNeeds::separable(&producer, dst_space, &needs)
-        {
-            return regular.edge_table(&producer, &axes, src_space, dst_space, gradient);
+        let axes = self
+            .regular
+            .as_ref()
+            .and_then(|_| AxisNeeds::separable(&producer, dst_space, &needs));
+        EdgeGeometry {
+            producer,
+            gradient: edge.carries_gradient(graph),
+            needs,
+            axes,
+        }
+    }
+
+    /// Lower bounds of t_x per (producer layout, consumer layout), valid for every pair of their
+    /// device blocks; `None` where the machine or the projection is not regular (no cheap bound
+    /// then).
+    pub(crate) fn least_times(
+        &self,
+        geometry: &EdgeGeometry,
+        src_space: &ConfigSpace,
+        dst_space: &ConfigSpace,
+    ) -> Option<LeastTimes> {
+        let regular = self.regular.as_ref()?;
+        let axes = geometry.axes.as_ref()?;
+        Some(regular.least_times(geometry, axes, src_space, dst_space))
+    }
+
+    /// t_x of the geometry's edge for every (producer config, consumer config): row-major
+    /// `[src][dst]`. `machine` is the one the tables were made for. With a `cutoff`, entries of the
+    /// layout pairs it rules out are +∞ instead (only where [`TransferTables::least_times`] is
+    /// `Some`).
+    pub(crate) fn table(
+        &self,
+        machine: &MachineModel,
+        geometry: &EdgeGeometry,
+        src_space: &ConfigSpace,
+        dst_space: &ConfigSpace,
+        cutoff: Option<&Cutoff>,
+    ) -> Vec<f64> {
+        if let (Some(regular), Some(axes)) = (&self.regular, &geometry.axes) {
+            return regular.edge_table(geometry, axes, src_space, dst_space, cutoff);
         }
         self.per_message
             .get_or_init(|| DevicePairs::new(machine))
-            .edge_table(&producer, &needs, src_space, dst_space, gradient)
+            .edge_table(
+                &geometry.producer,
+                &geometry.needs,
+                src_space,
+                dst_space,
+                geometry.gradient,
+            )
     }
 }
 
@@ -133,6 +249,17 @@ impl AxisPair {
     fn range_max(&self, producer_range: usize, consumer_range: usize) -> u64 {
         self.range_max[producer_range * self.consumer_ranges + consumer_range]
     }
+}
+
+/// Per-axis numbers of one (producer degree, consumer degree) for a lower bound of t_x.
+#[derive(Clone, Copy, Debug, Default)]
+struct AxisBound {
+    /// The largest overlap of a producer block with what a consumer block reads.
+    max: u64,
+    /// The largest second-largest overlap of a consumer block with the producer blocks, or of a
+    /// producer block with the consumer blocks (a second-largest equals the largest if that
+    /// occurs twice).
+    second: u64,
 }
 
 /// A half-open interval of one axis.
@@ -194,17 +321,53 @@ impl AxisNeeds {
         Some(AxisNeeds { extents, needs })
     }
 
-    #[inline(never)]
-    fn axis_pair(&self, axis: usize, g: usize, h: usize) -> AxisPair {
+    /// Overlap lengths along `axis` of producer block `i` of `g` with what consumer block `j` of
+    /// `h` reads, at `[i * h + j]`, into `out`.
+    fn overlaps(&self, axis: usize, g: usize, h: usize, out: &mut Vec<u64>) {
         let extent = self.extents[axis];
         let needs = &self.needs[axis][h.trailing_zeros() as usize];
-        let mut overlap = vec![0u64; g * h];
+        out.clear();
         for i in 0..g {
             let (lo, hi) = block_range(extent, g, i);
-            for (j, &(nlo, nhi)) in needs.iter().enumerate() {
-                overlap[i * h + j] = hi.min(nhi).saturating_sub(lo.max(nlo)) as u64;
-            }
+            out.extend(
+                needs
+                    .iter()
+                    .map(|&(nlo, nhi)| hi.min(nhi).saturating_sub(lo.max(nlo)) as u64),
+            );
         }
+    }
+
+    /// What [`Regular::least_times`] needs of one axis and degree pair.
+    fn axis_bound(&self, axis: usize, g: usize, h: usize, overlap: &mut Vec<u64>) -> AxisBound {
+        self.overlaps(axis, g, h, overlap);
+        let max = overlap.iter().copied().max().unwrap_or(0);
+        // (largest, second largest) of a sequence
+        let top_two = |(first, second): (u64, u64), v: u64| {
+            if v > first {
+                (v, first)
+            } else {
+                (first, second.max(v))
+            }
+        };
+        let consumer_second = (0..h)
+            .map(|j| (0..g).map(|i| overlap[i * h + j]).fold((0, 0), top_two).1)
+            .max()
+            .unwrap_or(0);
+        let producer_second = overlap
+            .chunks(h)
+            .map(|row| row.iter().copied().fold((0, 0), top_two).1)
+            .max()
+            .unwrap_or(0);
+        AxisBound {
+            max,
+            second: consumer_second.max(producer_second),
+        }
+    }
+
+    #[inline(never)]
+    fn axis_pair(&self, axis: usize, g: usize, h: usize) -> AxisPair {
+        let mut overlap = Vec::with_capacity(g * h);
+        self.overlaps(axis, g, h, &mut overlap);
         let max = overlap.iter().copied().max().unwrap_or(0);
         let mut by_consumer = Vec::with_capacity(h * (2 * g - 1));
         let mut column = Vec::with_capacity(g);
@@ -403,81 +566,112 @@ impl Regular {
         if gradient { forward + forward } else { forward }
     }
 
-    fn edge_table(
+    /// Index of an axis pair by axis and log2 degrees (degrees are powers of two up to the
+    /// device count).
+    fn slot(&self, axis: usize, g: usize, h: usize) -> usize {
+        (axis * self.levels + g.trailing_zeros() as usize) * self.levels
+            + h.trailing_zeros() as usize
+    }
+
+    /// The producer layouts' degrees on every axis (1 past the producer's dims).
+    fn producer_degrees(producer: &Shape, layout: &[usize; MAX_DIMS]) -> [usize; MAX_DIMS] {
+        let nd = producer.ndim();
+        std::array::from_fn(|a| if a < nd { layout[a] } else { 1 })
+    }
+
+    fn least_times(
         &self,
-        producer: &Shape,
+        geometry: &EdgeGeometry,
         axes: &AxisNeeds,
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
-        gradient: bool,
-    ) -> Vec<f64> {
-        let nd = producer.ndim();
-        // Degrees are powers of two up to the device count: index axis pairs by their logarithms.
-        let levels = self.devices.ilog2() as usize + 1;
-        let slot = |a: usize, ga: usize, ha: usize| {
-            (a * levels + ga.trailing_zeros() as usize) * levels + ha.trailing_zeros() as usize
+    ) -> LeastTimes {
+        let levels = self.levels;
+        let src: Vec<[usize; MAX_DIMS]> = src_space
+            .layouts()
+            .iter()
+            .map(|g| Self::producer_degrees(&geometry.producer, g))
+            .collect();
+        // per axis, the log2 degrees either side has, as bit sets
+        let level_set = |layouts: &mut dyn Iterator<Item = &[usize; MAX_DIMS]>, a: usize| {
+            layouts.fold(0u64, |set, l| set | 1 << l[a].trailing_zeros())
         };
-        // Producer and consumer layouts pair freely, so the axis pairs needed are, per axis, every
-        // producer degree with every consumer degree: collected as bit sets of log2 degrees rather
-        // than by visiting the layout pairs.
-        let degree_set = |space: &ConfigSpace, a: usize, axes_used: usize| {
-            space.layouts().iter().fold(0u64, |set, l| {
-                set | 1
-                    << if a < axes_used {
-                        l[a].trailing_zeros()
-                    } else {
-                        0
-                    }
-            })
-        };
-        let mut pairs: Vec<Option<AxisPair>> = Vec::new();
-        pairs.resize_with(MAX_DIMS * levels * levels, || None);
+        let mut bounds = vec![AxisBound::default(); MAX_DIMS * levels * levels];
+        let mut overlap = Vec::new();
         for a in 0..MAX_DIMS {
-            let (src_levels, dst_levels) = (
-                degree_set(src_space, a, nd),
-                degree_set(dst_space, a, MAX_DIMS),
-            );
+            let src_levels = level_set(&mut src.iter(), a);
+            let dst_levels = level_set(&mut dst_space.layouts().iter(), a);
             for gl in (0..levels).filter(|l| src_levels >> l & 1 == 1) {
                 for hl in (0..levels).filter(|l| dst_levels >> l & 1 == 1) {
-                    let (ga, ha) = (1 << gl, 1 << hl);
-                    pairs[slot(a, ga, ha)] = Some(axes.axis_pair(a, ga, ha));
+                    let (g, h) = (1 << gl, 1 << hl);
+                    bounds[self.slot(a, g, h)] = axes.axis_bound(a, g, h, &mut overlap);
                 }
             }
         }
+        let level = |l: &[usize; MAX_DIMS]| std::array::from_fn(|a| l[a].trailing_zeros() as usize);
+        LeastTimes {
+            bounds,
+            levels,
+            src: src.iter().map(level).collect(),
+            dst: dst_space.layouts().iter().map(level).collect(),
+            intra: self.intra,
+            inter: self.inter,
+            gradient: geometry.gradient,
+        }
+    }
+
+    fn edge_table(
+        &self,
+        geometry: &EdgeGeometry,
+        axes: &AxisNeeds,
+        src_space: &ConfigSpace,
+        dst_space: &ConfigSpace,
+        cutoff: Option<&Cutoff>,
+    ) -> Vec<f64> {
+        let gradient = geometry.gradient;
+        // built when a layout pair needs them: with a cutoff most are never needed
+        let mut pairs: Vec<Option<AxisPair>> = Vec::new();
+        pairs.resize_with(MAX_DIMS * self.levels * self.levels, || None);
         let columns = dst_space.len();
-        let mut table = vec![0.0; src_space.len() * columns];
+        // every entry a layout pair computes is written below; the rest stay left out
+        let mut table = vec![f64::INFINITY; src_space.len() * columns];
         let mut scratch = Scratch::default();
-        let src_sides: Vec<Side> = src_space
-            .layouts()
-            .iter()
-            .map(|g| {
-                Side::new(
-                    std::array::from_fn(|a| if a < nd { g[a] } else { 1 }),
-                    self.node_size,
-                )
-            })
-            .collect();
-        let dst_sides: Vec<Side> = dst_space
-            .layouts()
-            .iter()
-            .map(|h| Side::new(*h, self.node_size))
-            .collect();
-        for (gi, src) in src_sides.iter().enumerate() {
-            let (g, src_total) = (&src.degrees, src.total);
-            for (hi, dst) in dst_sides.iter().enumerate() {
-                let h = &dst.degrees;
+        let (src_layouts, dst_layouts) = (src_space.layouts(), dst_space.layouts());
+        let mut src_sides: Vec<Option<Side>> = src_layouts.iter().map(|_| None).collect();
+        let mut dst_sides: Vec<Option<Side>> = dst_layouts.iter().map(|_| None).collect();
+        for gi in 0..src_layouts.len() {
+            for hi in 0..dst_layouts.len() {
+                let src_configs = src_space.layout_configs(gi);
+                let dst_configs = dst_space.layout_configs(hi);
+                if let Some(cut) = cutoff {
+                    let excess = cut.src_excess[gi] + cut.dst_excess[hi];
+                    if excess > cut.slack || excess + cut.least.get(gi, hi) > cut.slack {
+                        continue;
+                    }
+                }
+                let src = &*src_sides[gi].get_or_insert_with(|| {
+                    let g = Self::producer_degrees(&geometry.producer, &src_layouts[gi]);
+                    Side::new(g, self.node_size)
+                });
+                let dst = &*dst_sides[hi]
+                    .get_or_insert_with(|| Side::new(dst_layouts[hi], self.node_size));
+                let (g, h) = (&src.degrees, &dst.degrees);
+                for a in 0..MAX_DIMS {
+                    let slot = self.slot(a, g[a], h[a]);
+                    if pairs[slot].is_none() {
+                        pairs[slot] = Some(axes.axis_pair(a, g[a], h[a]));
+                    }
+                }
                 let axis: [&AxisPair; MAX_DIMS] = std::array::from_fn(|a| {
-                    pairs[slot(a, g[a], h[a])]
+                    pairs[self.slot(a, g[a], h[a])]
                         .as_ref()
-                        .expect("every axis pair was built above")
+                        .expect("built just above")
                 });
                 self.layout_pair(src, dst, &axis, gradient, &mut scratch);
-                let dst_total = dst.total;
+                let (src_total, dst_total) = (src.total, dst.total);
                 let relations = &self.relations[src_total.trailing_zeros() as usize * self.levels
                     + dst_total.trailing_zeros() as usize];
                 let dst_blocks = self.devices / dst_total;
-                let src_configs = src_space.layout_configs(gi);
-                let dst_configs = dst_space.layout_configs(hi);
                 for (src_block, row) in src_configs.enumerate() {
                     let out = &mut table[row * columns + dst_configs.start..][..dst_configs.len()];
                     let ids = &relations[src_block * dst_blocks..][..dst_configs.len()];
@@ -1080,7 +1274,8 @@ mod tests {
         m.finish()
     }
 
-    /// Both ways of building a table agree entry for entry on regular machines.
+    /// Both ways of building a table agree entry for entry on regular machines, and the per-axis
+    /// lower bound of each layout pair is at most every entry of its block pairs.
     #[test]
     fn factorized_equals_per_message() {
         let g = graph();
@@ -1129,17 +1324,33 @@ mod tests {
                     .expect("the catalogue's projections are separable");
                 let gradient = e.carries_gradient(&g);
                 let (src_space, dst_space) = (&spaces[e.src.0], dst_space);
-                let fast = regular.edge_table(&producer, &axes, src_space, dst_space, gradient);
+                let geometry = EdgeGeometry {
+                    producer,
+                    gradient,
+                    needs: needs.clone(),
+                    axes: None,
+                };
+                let fast = regular.edge_table(&geometry, &axes, src_space, dst_space, None);
                 let slow =
                     per_message.edge_table(&producer, &needs, src_space, dst_space, gradient);
-                assert_eq!(
-                    fast,
-                    slow,
-                    "{} → {} on {}",
-                    g.layer(e.src).name,
-                    consumer.name,
-                    machine.name()
-                );
+                let what = format!("{} → {} on {}", g.layer(e.src).name, consumer.name, machine);
+                assert_eq!(fast, slow, "{what}");
+                let least = regular.least_times(&geometry, &axes, src_space, dst_space);
+                let layouts = dst_space.layouts().len();
+                let mut tight = 0;
+                for gi in 0..src_space.layouts().len() {
+                    for hi in 0..layouts {
+                        let bound = least.get(gi, hi);
+                        let entries = src_space.layout_configs(gi).flat_map(|row| {
+                            fast[row * dst_space.len()..][dst_space.layout_configs(hi)].iter()
+                        });
+                        let lowest = entries.copied().fold(f64::INFINITY, f64::min);
+                        assert!(bound <= lowest, "{what}: layouts {gi}, {hi}");
+                        tight += usize::from(bound == lowest && bound > 0.0);
+                    }
+                }
+                // somewhere the bound is exact (a pair whose every tile pair is remote)
+                assert!(tight > 0, "{what}");
             }
         }
     }
