@@ -354,16 +354,34 @@ impl<'t, 'm> Reduction<'t, 'm> {
             })
             .collect();
         let cheapest: f64 = self.node_min.iter().sum();
+        let all_terms: f64 = terms.iter().map(|t| t[0]).sum();
+        let mut incident = vec![Vec::new(); layers];
+        for (f, e) in edges.iter().enumerate() {
+            incident[e.src.0].push(f);
+            if e.dst.0 != e.src.0 {
+                incident[e.dst.0].push(f);
+            }
+        }
         let mut prepared: HashMap<usize, Prepared> = HashMap::new();
         for (i, e) in edges.iter().enumerate() {
             let (a, b) = (e.src.0, e.dst.0);
-            let others: f64 = edges
-                .iter()
-                .zip(&terms)
-                .enumerate()
-                .filter(|&(o, _)| o != i)
-                .map(|(_, (f, t))| t[term_without(f.src.0, f.dst.0, &[a, b])])
-                .sum();
+            // every other edge's term, less the shares of `a` and `b` where it touches them (the
+            // rounding of the differences is far below the bound's margin)
+            let mut others = all_terms - terms[i][0];
+            for &f in &incident[a] {
+                let (fs, fd) = (edges[f].src.0, edges[f].dst.0);
+                if f != i {
+                    others -= terms[f][0] - terms[f][term_without(fs, fd, &[a, b])];
+                }
+            }
+            for &f in &incident[b] {
+                let (fs, fd) = (edges[f].src.0, edges[f].dst.0);
+                // an edge between `a` and `b` was met above
+                let seen = fs == a || fd == a;
+                if f != i && !seen {
+                    others -= terms[f][0] - terms[f][term_without(fs, fd, &[a, b])];
+                }
+            }
             let slack = self.bound - cheapest - others;
             let class = tables.edge_class(i);
             // one table serves the whole class: leave out only what every edge of it would
