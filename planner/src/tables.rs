@@ -181,6 +181,16 @@ impl<'m> CostTables<'m> {
             .least_times(geometry, &self.spaces[e.src.0], &self.spaces[e.dst.0])
     }
 
+    /// t_x of one config pair of an edge from its geometry, where that is cheap (else `None`).
+    pub(crate) fn config_pair_time(
+        &self,
+        geometry: &EdgeGeometry,
+        src: &ParallelConfig,
+        dst: &ParallelConfig,
+    ) -> Option<f64> {
+        self.transfers.config_pair_time(geometry, src, dst)
+    }
+
     /// [`CostTables::edge_table`] from the edge's geometry, with the entries a `cutoff` rules out
     /// left +∞.
     pub(crate) fn edge_table_within(

@@ -177,6 +177,20 @@ impl TransferTables {
         Some(regular.least_times(geometry, axes, src_space, dst_space))
     }
 
+    /// t_x of the geometry's edge for one (producer config, consumer config), the same number as
+    /// its table's entry, where the factorized path applies (where
+    /// [`TransferTables::least_times`] is `Some`); `None` elsewhere.
+    pub(crate) fn config_pair_time(
+        &self,
+        geometry: &EdgeGeometry,
+        src: &ParallelConfig,
+        dst: &ParallelConfig,
+    ) -> Option<f64> {
+        let regular = self.regular.as_ref()?;
+        let axes = geometry.axes.as_ref()?;
+        Some(regular.config_pair_time(geometry, axes, src, dst))
+    }
+
     /// t_x of the geometry's edge for every (producer config, consumer config): row-major
     /// `[src][dst]`. `machine` is the one the tables were made for. With a `cutoff`, entries of the
     /// layout pairs it rules out are +∞ instead (only where [`TransferTables::least_times`] is
@@ -618,6 +632,28 @@ impl Regular {
             inter: self.inter,
             gradient: geometry.gradient,
         }
+    }
+
+    fn config_pair_time(
+        &self,
+        geometry: &EdgeGeometry,
+        axes: &AxisNeeds,
+        src: &ParallelConfig,
+        dst: &ParallelConfig,
+    ) -> f64 {
+        let src_side = Side::new(
+            Self::producer_degrees(&geometry.producer, &src.degrees()),
+            self.node_size,
+        );
+        let dst_side = Side::new(dst.degrees(), self.node_size);
+        let (g, h) = (&src_side.degrees, &dst_side.degrees);
+        let pairs: [AxisPair; MAX_DIMS] = std::array::from_fn(|a| axes.axis_pair(a, g[a], h[a]));
+        let axis: [&AxisPair; MAX_DIMS] = std::array::from_fn(|a| &pairs[a]);
+        let mut scratch = Scratch::default();
+        self.layout_pair(&src_side, &dst_side, &axis, geometry.gradient, &mut scratch);
+        let (src_total, dst_total) = (src_side.total, dst_side.total);
+        let relation = self.relation(src.first_device(), src_total, dst.first_device(), dst_total);
+        scratch.values[relation.id(src_total.min(dst_total)) as usize]
     }
 
     fn edge_table(
@@ -1335,6 +1371,14 @@ mod tests {
                     per_message.edge_table(&producer, &needs, src_space, dst_space, gradient);
                 let what = format!("{} → {} on {}", g.layer(e.src).name, consumer.name, machine);
                 assert_eq!(fast, slow, "{what}");
+                for (x, entry) in fast.iter().enumerate().step_by(7) {
+                    let (src, dst) = (
+                        src_space.config(x / dst_space.len()),
+                        dst_space.config(x % dst_space.len()),
+                    );
+                    let one = regular.config_pair_time(&geometry, &axes, &src, &dst);
+                    assert_eq!(one.to_bits(), entry.to_bits(), "{what}: {src:?} → {dst:?}");
+                }
                 let least = regular.least_times(&geometry, &axes, src_space, dst_space);
                 let layouts = dst_space.layouts().len();
                 let mut tight = 0;

@@ -55,15 +55,27 @@ pub const RESIDUAL_BUDGET: u64 = 100_000_000;
 
 /// Runs Algorithm 1 on the tables' model.
 pub fn optcnn(tables: &CostTables) -> Result<OptCnnResult, SearchError> {
-    let known = known_strategy_cost(tables);
-    let result = optcnn_below(tables, known)?;
+    let geometries = edge_geometries(tables);
+    let known = known_strategy_cost(tables, &geometries);
+    let result = optcnn_below(tables, known, geometries)?;
     // The bound cannot cut the optimum (see the module's notes); if rounding ever did, the exact
     // search is the answer.
     let within = result.cost <= known;
     if known.is_finite() && !within {
-        return optcnn_below(tables, f64::INFINITY);
+        return optcnn_below(tables, f64::INFINITY, HashMap::new());
     }
     Ok(result)
+}
+
+/// Per model edge class (its first edge's index), the edge's geometry.
+fn edge_geometries(tables: &CostTables) -> HashMap<usize, EdgeGeometry> {
+    let mut geometries = HashMap::new();
+    for i in 0..tables.edges().len() {
+        geometries
+            .entry(tables.edge_class(i))
+            .or_insert_with(|| tables.edge_geometry(i));
+    }
+    geometries
 }
 
 /// How much a known strategy's cost is raised before it bounds the search: far more than the
@@ -71,10 +83,10 @@ pub fn optcnn(tables: &CostTables) -> Result<OptCnnResult, SearchError> {
 /// gaps between strategies.
 const BOUND_MARGIN: f64 = 1e-9;
 
-/// The cheaper of data parallelism and OWT, summed from the tables' node costs and Eq. 1's t_x
-/// (the same numbers as the tables', tested), raised by [`BOUND_MARGIN`]; infinite when neither
-/// is in the config spaces.
-fn known_strategy_cost(tables: &CostTables) -> f64 {
+/// The cheaper of data parallelism and OWT, summed from the tables' node costs and t_x (from the
+/// edges' geometries where they give it, else Eq. 1's: the same numbers as the tables', tested),
+/// raised by [`BOUND_MARGIN`]; infinite when neither is in the config spaces.
+fn known_strategy_cost(tables: &CostTables, geometries: &HashMap<usize, EdgeGeometry>) -> f64 {
     let model = tables.model();
     let (graph, machine) = (model.graph(), model.machine());
     let mut transfers: HashMap<(usize, usize, usize), f64> = HashMap::new();
@@ -91,9 +103,16 @@ fn known_strategy_cost(tables: &CostTables) -> f64 {
         for (e, edge) in tables.edges().iter().enumerate() {
             let (src, dst) = (edge.src.0, edge.dst.0);
             // identical edges (one class) under the same configs move the same data
+            let class = tables.edge_class(e);
             total += *transfers
-                .entry((tables.edge_class(e), indices[src], indices[dst]))
-                .or_insert_with(|| model.transfer_time(edge, &configs[src], &configs[dst]));
+                .entry((class, indices[src], indices[dst]))
+                .or_insert_with(|| {
+                    let (from, to) = (&configs[src], &configs[dst]);
+                    geometries
+                        .get(&class)
+                        .and_then(|g| tables.config_pair_time(g, from, to))
+                        .unwrap_or_else(|| model.transfer_time(edge, from, to))
+                });
         }
         Some(total)
     };
@@ -109,8 +128,14 @@ fn known_strategy_cost(tables: &CostTables) -> f64 {
 }
 
 /// Algorithm 1, leaving out table entries that cannot be part of a strategy cheaper than `bound`.
-fn optcnn_below(tables: &CostTables, bound: f64) -> Result<OptCnnResult, SearchError> {
-    let mut g = Reduction::new(tables, bound);
+/// Algorithm 1 below `bound`; `geometries` ([`edge_geometries`], or none) saves working them out
+/// again.
+fn optcnn_below(
+    tables: &CostTables,
+    bound: f64,
+    geometries: HashMap<usize, EdgeGeometry>,
+) -> Result<OptCnnResult, SearchError> {
+    let mut g = Reduction::new(tables, bound, geometries);
     g.reduce();
     let (mut indices, cost) = g.solve_residual()?;
     let residual_nodes = g.alive.iter().filter(|&&a| a).count();
@@ -229,7 +254,11 @@ struct Prepared {
 }
 
 impl<'t, 'm> Reduction<'t, 'm> {
-    fn new(tables: &'t CostTables<'m>, bound: f64) -> Self {
+    fn new(
+        tables: &'t CostTables<'m>,
+        bound: f64,
+        geometries: HashMap<usize, EdgeGeometry>,
+    ) -> Self {
         let n = tables.num_layers();
         let mut r = Reduction {
             tables,
@@ -253,7 +282,7 @@ impl<'t, 'm> Reduction<'t, 'm> {
             edge_terms: Vec::new(),
         };
         if bound.is_finite() {
-            (r.prepared, r.edge_terms) = r.prepare_cutoffs();
+            (r.prepared, r.edge_terms) = r.prepare_cutoffs(geometries);
         }
         for (i, e) in tables.edges().iter().enumerate() {
             *r.waiting.entry(tables.edge_class(i)).or_default() += 1;
@@ -311,7 +340,10 @@ impl<'t, 'm> Reduction<'t, 'm> {
     /// The pair is left out when `excess_i(g) + excess_j(h) + least_e(g, h)` exceeds the bound
     /// less the cheapest configs and those terms. On the zoo's models the terms of the other
     /// edges cover about two thirds of the gap between the cheapest configs and the optimum.
-    fn prepare_cutoffs(&self) -> (HashMap<usize, Prepared>, Vec<[f64; 4]>) {
+    fn prepare_cutoffs(
+        &self,
+        mut geometries: HashMap<usize, EdgeGeometry>,
+    ) -> (HashMap<usize, Prepared>, Vec<[f64; 4]>) {
         let tables = self.tables;
         let edges = tables.edges();
         let layers = self.alive.len();
@@ -333,7 +365,9 @@ impl<'t, 'm> Reduction<'t, 'm> {
         for i in 0..edges.len() {
             let class = tables.edge_class(i);
             if let std::collections::hash_map::Entry::Vacant(slot) = geometry.entry(class) {
-                let g = tables.edge_geometry(i);
+                let g = geometries
+                    .remove(&class)
+                    .unwrap_or_else(|| tables.edge_geometry(i));
                 let least = tables.least_transfer_times(&g, i);
                 slot.insert((g, least));
             }
@@ -644,10 +678,11 @@ mod tests {
                 let graph = z.build(&z.default_config(batch)).unwrap();
                 let model = CostModel::new(&graph, machine, &provider);
                 let tables = CostTables::build(&model);
-                let known = known_strategy_cost(&tables);
+                let geometries = edge_geometries(&tables);
+                let known = known_strategy_cost(&tables, &geometries);
                 assert!(known.is_finite(), "{name} on {machine}");
-                let bounded = optcnn_below(&tables, known).unwrap();
-                let exact = optcnn_below(&tables, f64::INFINITY).unwrap();
+                let bounded = optcnn_below(&tables, known, geometries).unwrap();
+                let exact = optcnn_below(&tables, f64::INFINITY, HashMap::new()).unwrap();
                 assert_eq!(
                     bounded.indices, exact.indices,
                     "{name} ×{batch} on {machine}"
