@@ -27,6 +27,7 @@ use crate::machine::{Link, MachineModel};
 use crate::transfer::Edge;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Graph, Rect, Shape};
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 /// The layout pairs of one edge that a bounded search may leave out of its table (their entries
@@ -101,7 +102,7 @@ impl LeastTimes {
 pub(crate) struct EdgeGeometry {
     producer: Shape,
     gradient: bool,
-    /// Per consumer layout, the rect each of its tiles reads.
+    /// Per consumer layout, the rect each of its tiles reads (empty when `axes` is `Some`).
     needs: Vec<Vec<Rect>>,
     /// `Some` on regular machines when the needs are separable per axis.
     axes: Option<AxisNeeds>,
@@ -136,25 +137,32 @@ impl TransferTables {
         // What each consumer tile reads, per consumer layout (independent of the device block).
         let spec = consumer.op.spec();
         // one projection buffer for every tile rather than a `Vec` per tile
-        let mut projected: Vec<Rect> = Vec::with_capacity(inputs.len());
-        let needs: Vec<Vec<Rect>> = dst_space
-            .layouts()
-            .iter()
-            .map(|h| {
-                let cfg = ParallelConfig::new(*h, 0);
-                tile_rects(&consumer.shape, &cfg)
-                    .map(|out| {
-                        projected.clear();
-                        spec.project_into(inputs, &out, &mut projected);
-                        projected[edge.input]
-                    })
-                    .collect()
+        let projected: RefCell<Vec<Rect>> = RefCell::new(Vec::with_capacity(inputs.len()));
+        let layout_needs = |h: &[usize; MAX_DIMS]| {
+            tile_rects(&consumer.shape, &ParallelConfig::new(*h, 0)).map(|out| {
+                let mut projected = projected.borrow_mut();
+                projected.clear();
+                spec.project_into(inputs, &out, &mut projected);
+                projected[edge.input]
             })
-            .collect();
-        let axes = self
-            .regular
-            .as_ref()
-            .and_then(|_| AxisNeeds::separable(&producer, dst_space, &needs));
+        };
+        // The per-axis form straight from the projections; the rects themselves are kept only
+        // for the per-message tables (irregular machines or projections).
+        let axes = self.regular.as_ref().and_then(|_| {
+            AxisNeeds::separable(
+                &producer,
+                dst_space,
+                dst_space.layouts().iter().map(layout_needs),
+            )
+        });
+        let needs: Vec<Vec<Rect>> = match axes {
+            Some(_) => Vec::new(),
+            None => dst_space
+                .layouts()
+                .iter()
+                .map(|h| layout_needs(h).collect())
+                .collect(),
+        };
         EdgeGeometry {
             producer,
             gradient: edge.carries_gradient(graph),
@@ -291,7 +299,12 @@ impl AxisNeeds {
     /// The per-axis needs if every consumer tile's needed interval along each producer axis depends
     /// only on the tile's block index along the same axis (and every degree is a power of two, as
     /// on regular machines); `None` otherwise.
-    fn separable(producer: &Shape, dst_space: &ConfigSpace, needs: &[Vec<Rect>]) -> Option<Self> {
+    /// `needs` yields per consumer layout (in the space's order) the rects its tiles read.
+    fn separable<L: IntoIterator<Item = Rect>>(
+        producer: &Shape,
+        dst_space: &ConfigSpace,
+        needs: impl IntoIterator<Item = L>,
+    ) -> Option<Self> {
         let nd = producer.ndim();
         let mut extents = [1; MAX_DIMS];
         extents[..nd].copy_from_slice(producer.dims());
@@ -301,7 +314,7 @@ impl AxisNeeds {
                 return None;
             }
             let cfg = ParallelConfig::new(*h, 0);
-            for (t, r) in rects.iter().enumerate() {
+            for (t, r) in rects.into_iter().enumerate() {
                 let coords = cfg.tile_coords(t);
                 for a in 0..MAX_DIMS {
                     let interval = if a < nd {
@@ -1356,8 +1369,12 @@ mod tests {
                     })
                     .collect();
                 let producer = g.layer(e.src).shape;
-                let axes = AxisNeeds::separable(&producer, dst_space, &needs)
-                    .expect("the catalogue's projections are separable");
+                let axes = AxisNeeds::separable(
+                    &producer,
+                    dst_space,
+                    needs.iter().map(|v| v.iter().copied()),
+                )
+                .expect("the catalogue's projections are separable");
                 let gradient = e.carries_gradient(&g);
                 let (src_space, dst_space) = (&spaces[e.src.0], dst_space);
                 let geometry = EdgeGeometry {
