@@ -180,9 +180,16 @@ impl TransferTables {
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
     ) -> Option<LeastTimes> {
-        let regular = self.regular.as_ref()?;
-        let axes = geometry.axes.as_ref()?;
+        let (regular, axes) = self.factorized(geometry)?;
         Some(regular.least_times(geometry, axes, src_space, dst_space))
+    }
+
+    /// The machine and the edge's per-axis needs, where t_x factorizes per axis.
+    fn factorized<'a>(
+        &'a self,
+        geometry: &'a EdgeGeometry,
+    ) -> Option<(&'a Regular, &'a AxisNeeds)> {
+        Some((self.regular.as_ref()?, geometry.axes.as_ref()?))
     }
 
     /// t_x of the geometry's edge for one (producer config, consumer config), the same number as
@@ -194,8 +201,7 @@ impl TransferTables {
         src: &ParallelConfig,
         dst: &ParallelConfig,
     ) -> Option<f64> {
-        let regular = self.regular.as_ref()?;
-        let axes = geometry.axes.as_ref()?;
+        let (regular, axes) = self.factorized(geometry)?;
         Some(regular.config_pair_time(geometry, axes, src, dst))
     }
 
@@ -211,7 +217,7 @@ impl TransferTables {
         dst_space: &ConfigSpace,
         cutoff: Option<&Cutoff>,
     ) -> Vec<f64> {
-        if let (Some(regular), Some(axes)) = (&self.regular, &geometry.axes) {
+        if let Some((regular, axes)) = self.factorized(geometry) {
             return regular.edge_table(geometry, axes, src_space, dst_space, cutoff);
         }
         self.per_message
