@@ -45,8 +45,9 @@ pub(crate) struct Limit<'a> {
 }
 
 /// Eq. 2 for all (c_i, c_k) with the minimising `j` (among equal minima, the first scanned), except
-/// that entries not below their [`Limit`] are infinite (their `j` then 0). `a` is `ci × cj`, `b` is
-/// `cj × ck`, both row-major and non-negative; `groups` partition `0..ck`.
+/// that entries not below their [`Limit`] are infinite (their `j` then 0), and the smallest entry.
+/// `a` is `ci × cj`, `b` is `cj × ck`, both row-major and non-negative; `groups` partition
+/// `0..ck`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn min_plus(
     a: &[f64],
@@ -57,7 +58,7 @@ pub(crate) fn min_plus(
     ck: usize,
     groups: &[Range<usize>],
     limit: Limit,
-) -> (Vec<f64>, Vec<u32>) {
+) -> (Vec<f64>, Vec<u32>, f64) {
     debug_assert_eq!(groups.iter().map(|g| g.len()).sum::<usize>(), ck);
     debug_assert_eq!((limit.rows.len(), limit.cols.len()), (ci, ck));
     debug_assert!(
@@ -65,8 +66,16 @@ pub(crate) fn min_plus(
         "an infinite total must leave every limit infinite"
     );
     let ng = groups.len();
+    // a `j` whose column of `a` is infinite throughout (pruned tables have many) is never used:
+    // its row of `b` needs no minima
+    let mut used = vec![false; cj];
+    for a_row in a.chunks(cj) {
+        for (u, x) in used.iter_mut().zip(a_row) {
+            *u |= *x < f64::INFINITY;
+        }
+    }
     let mut b_min = vec![f64::INFINITY; cj * ng];
-    for j in 0..cj {
+    for j in (0..cj).filter(|&j| used[j]) {
         for (g, r) in groups.iter().enumerate() {
             b_min[j * ng + g] = min(&b[j * ck + r.start..j * ck + r.end]);
         }
@@ -82,6 +91,7 @@ pub(crate) fn min_plus(
     let mut out = vec![f64::INFINITY; ci * ck];
     let mut arg = vec![0; ci * ck];
     let mut worst = vec![f64::INFINITY; ng];
+    let mut smallest = f64::INFINITY;
     for i in 0..ci {
         let a_row = &a[i * cj..(i + 1) * cj];
         let row_limit = limit.total - limit.rows[i];
@@ -144,10 +154,12 @@ pub(crate) fn min_plus(
         for (o, g) in out_row.iter_mut().zip(arg_row.iter_mut()) {
             if *g == UNSET {
                 (*o, *g) = (f64::INFINITY, 0);
+            } else if *o < smallest {
+                smallest = *o;
             }
         }
     }
-    (out, arg)
+    (out, arg, smallest)
 }
 
 /// The smallest of `values` (infinite if none), in a form that vectorizes (`f64::min` does not).
@@ -212,7 +224,7 @@ mod tests {
         cj: usize,
         ck: usize,
         groups: &[Range<usize>],
-    ) -> (Vec<f64>, Vec<u32>) {
+    ) -> (Vec<f64>, Vec<u32>, f64) {
         let (rows, cols) = (vec![0.0; ci], vec![0.0; ck]);
         let none = Limit {
             total: f64::INFINITY,
@@ -242,8 +254,9 @@ mod tests {
                 .filter(|g| !g.is_empty())
                 .collect();
             for groups in [whole, halves] {
-                let (out, arg) = unlimited(&a, &mid, &b, ci, cj, ck, &groups);
+                let (out, arg, smallest) = unlimited(&a, &mid, &b, ci, cj, ck, &groups);
                 assert_eq!(out, expected);
+                assert_eq!(smallest, min(&out));
                 for i in 0..ci {
                     for k in 0..ck {
                         let j = arg[i * ck + k] as usize;
@@ -264,21 +277,29 @@ mod tests {
                     .map(|_| (rng.below(scale) as f64) * 10f64.powi(rng.below(3) as i32))
                     .collect()
             };
-            let (a, mid, b) = (draw(ci * cj, 4), draw(cj, 4), draw(cj * ck, 4));
+            let (mut a, mid, b) = (draw(ci * cj, 4), draw(cj, 4), draw(cj * ck, 4));
             let (rows, cols) = (draw(ci, 3), draw(ck, 3));
             let total = draw(1, 600)[0];
+            // pruned tables: entries, sometimes whole columns, left infinite
+            let dead_column = rng.below(cj + 1);
+            for (x, v) in a.iter_mut().enumerate() {
+                if x % cj == dead_column || rng.below(5) == 0 {
+                    *v = f64::INFINITY;
+                }
+            }
             let split = (1 + rng.below(ck)).min(ck);
             let groups: Vec<Range<usize>> = [0..split, split..ck]
                 .into_iter()
                 .filter(|g| !g.is_empty())
                 .collect();
-            let (exact, exact_arg) = unlimited(&a, &mid, &b, ci, cj, ck, &groups);
+            let (exact, exact_arg, _) = unlimited(&a, &mid, &b, ci, cj, ck, &groups);
             let limit = Limit {
                 total,
                 rows: &rows,
                 cols: &cols,
             };
-            let (out, arg) = min_plus(&a, &mid, &b, ci, cj, ck, &groups, limit);
+            let (out, arg, smallest) = min_plus(&a, &mid, &b, ci, cj, ck, &groups, limit);
+            assert_eq!(smallest, min(&out));
             for (i, row) in rows.iter().enumerate() {
                 for (k, col) in cols.iter().enumerate() {
                     let at = i * ck + k;

@@ -522,8 +522,7 @@ impl<'t, 'm> Reduction<'t, 'm> {
             rows: self.tables.node_cost(LayerId(i)),
             cols: self.tables.node_cost(LayerId(k)),
         };
-        let (table, argmin) = min_plus(&a, mid, &b, ci, cj, ck, &groups, limit);
-        let min = min(&table);
+        let (table, argmin, min) = min_plus(&a, mid, &b, ci, cj, ck, &groups, limit);
         self.alive[j] = false;
         self.undo.push(Eliminated {
             node: j,
