@@ -626,14 +626,15 @@ impl Regular {
             .map(|g| Self::producer_degrees(&geometry.producer, g))
             .collect();
         // per axis, the log2 degrees either side has, as bit sets
-        let level_set = |layouts: &mut dyn Iterator<Item = &[usize; MAX_DIMS]>, a: usize| {
-            layouts.fold(0u64, |set, l| set | 1 << l[a].trailing_zeros())
+        let level_set = |layouts: &[[usize; MAX_DIMS]], a: usize| {
+            layouts
+                .iter()
+                .fold(0u64, |set, l| set | 1 << l[a].trailing_zeros())
         };
         let mut bounds = vec![AxisBound::default(); MAX_DIMS * levels * levels];
         let mut overlap = Vec::new();
         for a in 0..MAX_DIMS {
-            let src_levels = level_set(&mut src.iter(), a);
-            let dst_levels = level_set(&mut dst_space.layouts().iter(), a);
+            let (src_levels, dst_levels) = (level_set(&src, a), level_set(dst_space.layouts(), a));
             for gl in (0..levels).filter(|l| src_levels >> l & 1 == 1) {
                 for hl in (0..levels).filter(|l| dst_levels >> l & 1 == 1) {
                     let (g, h) = (1 << gl, 1 << hl);
@@ -699,6 +700,7 @@ impl Regular {
                 let src_configs = src_space.layout_configs(gi);
                 let dst_configs = dst_space.layout_configs(hi);
                 if let Some(cut) = cutoff {
+                    // the excesses alone rule out most pairs before the bound is looked up
                     let excess = cut.src_excess[gi] + cut.dst_excess[hi];
                     if excess > cut.slack || excess + cut.least.get(gi, hi) > cut.slack {
                         continue;

@@ -127,9 +127,8 @@ fn known_strategy_cost(tables: &CostTables, geometries: &HashMap<usize, EdgeGeom
     best + best * BOUND_MARGIN
 }
 
-/// Algorithm 1, leaving out table entries that cannot be part of a strategy cheaper than `bound`.
-/// Algorithm 1 below `bound`; `geometries` ([`edge_geometries`], or none) saves working them out
-/// again.
+/// Algorithm 1, leaving out table entries that cannot be part of a strategy cheaper than `bound`;
+/// `geometries` ([`edge_geometries`], or none) saves working them out again.
 fn optcnn_below(
     tables: &CostTables,
     bound: f64,
@@ -392,29 +391,22 @@ impl<'t, 'm> Reduction<'t, 'm> {
         let mut incident = vec![Vec::new(); layers];
         for (f, e) in edges.iter().enumerate() {
             incident[e.src.0].push(f);
-            if e.dst.0 != e.src.0 {
-                incident[e.dst.0].push(f);
-            }
+            incident[e.dst.0].push(f);
         }
         let mut prepared: HashMap<usize, Prepared> = HashMap::new();
         for (i, e) in edges.iter().enumerate() {
             let (a, b) = (e.src.0, e.dst.0);
+            let touches_a = |f: usize| edges[f].src.0 == a || edges[f].dst.0 == a;
             // every other edge's term, less the shares of `a` and `b` where it touches them (the
-            // rounding of the differences is far below the bound's margin)
+            // rounding of the differences is far below the bound's margin); an edge at both ends
+            // is met once, among `a`'s
             let mut others = all_terms - terms[i][0];
-            for &f in &incident[a] {
+            let neighbours = incident[a]
+                .iter()
+                .chain(incident[b].iter().filter(|&&f| !touches_a(f)));
+            for &f in neighbours.filter(|&&f| f != i) {
                 let (fs, fd) = (edges[f].src.0, edges[f].dst.0);
-                if f != i {
-                    others -= terms[f][0] - terms[f][term_without(fs, fd, &[a, b])];
-                }
-            }
-            for &f in &incident[b] {
-                let (fs, fd) = (edges[f].src.0, edges[f].dst.0);
-                // an edge between `a` and `b` was met above
-                let seen = fs == a || fd == a;
-                if f != i && !seen {
-                    others -= terms[f][0] - terms[f][term_without(fs, fd, &[a, b])];
-                }
+                others -= terms[f][0] - terms[f][term_without(fs, fd, &[a, b])];
             }
             let slack = self.bound - cheapest - others;
             let class = tables.edge_class(i);
