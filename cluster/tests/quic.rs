@@ -171,9 +171,12 @@ async fn slices_striped_over_several_connections_all_arrive_intact() {
     b.shutdown().await;
 }
 
-/// A connection sends its streams one after another, in the order written: a large slice sent
-/// first arrives before a small one sent after it (interleaving would deliver the small one
-/// first), and a control message overtakes the slices queued before it.
+/// A connection sends its streams one after another, in the order written: a small slice sent
+/// after a large one does not arrive a transfer ahead of it (interleaving would deliver the small
+/// one while most of the large one is still to come), and a control message overtakes the slices
+/// queued before it. Each stream is read by its own task, so a small stream can still be handed
+/// over just before the large one whose last bytes came first: the test allows that scheduling
+/// race, not a lead of half a large slice's transfer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slices_arrive_in_the_order_sent_and_control_messages_overtake_them() {
     let mut p = pair().await;
@@ -195,9 +198,13 @@ async fn slices_arrive_in_the_order_sent_and_control_messages_overtake_them() {
     send_slice(&p.ab, &big(2)).await.unwrap();
     send_control(&p.ab, b"heartbeat").await.unwrap();
     let mut order = Vec::new();
+    let mut arrived = [None; 3];
     while order.len() < 4 {
         match timeout(Duration::from_secs(30), p.b_rx.recv()).await {
-            Ok(Some(Inbound::Slice(msg))) => order.push(format!("slice {}", msg.copy)),
+            Ok(Some(Inbound::Slice(msg))) => {
+                arrived[msg.copy as usize] = Some(Instant::now());
+                order.push(format!("slice {}", msg.copy));
+            }
             Ok(Some(Inbound::Control { bytes, .. })) => {
                 assert_eq!(bytes, b"heartbeat");
                 order.push("control".to_string());
@@ -205,8 +212,18 @@ async fn slices_arrive_in_the_order_sent_and_control_messages_overtake_them() {
             other => panic!("{other:?}"),
         }
     }
-    let slices: Vec<&String> = order.iter().filter(|o| *o != "control").collect();
-    assert_eq!(slices, ["slice 0", "slice 1", "slice 2"], "{order:?}");
+    let [Some(first), Some(small), Some(last)] = arrived else {
+        panic!("{order:?}");
+    };
+    // the two large slices one transfer apart, the small one not half a transfer before the first
+    assert!(first < last, "{order:?}");
+    let transfer = last - first;
+    assert!(
+        small + transfer / 2 > first,
+        "{order:?}: the small slice came {:?} before the large one sent ahead of it, a large \
+         slice's transfer taking {transfer:?}",
+        first - small
+    );
     assert_ne!(order[3], "control", "{order:?}");
     p.a.shutdown().await;
     p.b.shutdown().await;
@@ -334,6 +351,10 @@ async fn a_malformed_frame_closes_the_connection_and_the_node_keeps_serving() {
         quinn::ConnectionError::ApplicationClosed(close) => {
             assert_eq!(close.error_code, CLOSE_MALFORMED)
         }
+        // The server's close packet can be dropped (loopback drops datagrams when other tests
+        // keep the cores busy); once the server has forgotten the connection it answers the
+        // client's next packet with a stateless reset. Either way the server closed it.
+        quinn::ConnectionError::Reset => {}
         other => panic!("closed for another reason: {other}"),
     }
 
