@@ -353,6 +353,11 @@ impl ConfigSpace {
         self.starts[layout]..self.starts[layout + 1]
     }
 
+    /// The layout of the config at `index` in [`ConfigSpace::configs`].
+    pub fn layout_of(&self, index: usize) -> usize {
+        self.starts.partition_point(|&s| s <= index) - 1
+    }
+
     /// Position of `config` in [`ConfigSpace::configs`].
     pub fn index_of(&self, config: &ParallelConfig) -> Option<usize> {
         let layout = self

@@ -30,18 +30,12 @@ use legion_ops::{Graph, Rect, Shape};
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-/// The layout pairs of one edge that a bounded search may leave out of its table (their entries
-/// are +∞): those for which the least t_x the pair can have, plus how much the two layouts'
-/// cheapest configs cost above their layers' cheapest, exceeds `slack`. The search derives `slack`
-/// from a known strategy's cost less lower bounds of everything else, so a left-out entry belongs
-/// to no strategy cheaper than the known one.
+/// The layout pairs of one edge whose entries a bounded search needs: the others are left +∞ and
+/// never computed. The search keeps a pair only if some strategy through it may cost less than a
+/// known strategy (see `search::relaxation`).
 pub(crate) struct Cutoff<'a> {
-    pub(crate) least: &'a LeastTimes,
-    /// Per producer layout: its cheapest config's t_c + t_s less the producer's cheapest config's.
-    pub(crate) src_excess: &'a [f64],
-    /// Per consumer layout, likewise.
-    pub(crate) dst_excess: &'a [f64],
-    pub(crate) slack: f64,
+    /// Row-major `[src layout][dst layout]`.
+    pub(crate) keep: &'a [bool],
 }
 
 /// A lower bound of one edge's t_x per (producer layout, consumer layout) under every relation of
@@ -63,6 +57,15 @@ pub(crate) struct LeastTimes {
 }
 
 impl LeastTimes {
+    /// Every pair's bound: row-major `[src layout][dst layout]`.
+    pub(crate) fn table(&self) -> Vec<f64> {
+        let mut out = Vec::with_capacity(self.src.len() * self.dst.len());
+        for g in 0..self.src.len() {
+            out.extend((0..self.dst.len()).map(|h| self.get(g, h)));
+        }
+        out
+    }
+
     /// The bound for producer layout `src` and consumer layout `dst` (indices into the spaces'
     /// layouts).
     pub(crate) fn get(&self, src: usize, dst: usize) -> f64 {
@@ -699,12 +702,8 @@ impl Regular {
             for hi in 0..dst_layouts.len() {
                 let src_configs = src_space.layout_configs(gi);
                 let dst_configs = dst_space.layout_configs(hi);
-                if let Some(cut) = cutoff {
-                    // the excesses alone rule out most pairs before the bound is looked up
-                    let excess = cut.src_excess[gi] + cut.dst_excess[hi];
-                    if excess > cut.slack || excess + cut.least.get(gi, hi) > cut.slack {
-                        continue;
-                    }
+                if cutoff.is_some_and(|cut| !cut.keep[gi * dst_layouts.len() + hi]) {
+                    continue;
                 }
                 let src = &*src_sides[gi].get_or_insert_with(|| {
                     let g = Self::producer_degrees(&geometry.producer, &src_layouts[gi]);

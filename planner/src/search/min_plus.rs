@@ -8,23 +8,27 @@
 //! With a [`Limit`], entries start at their limit instead of +∞, so the same tests also skip every
 //! `j` that cannot bring an entry below it, and rows that no `j` can are skipped whole.
 
-use crate::config::ConfigSpace;
 use std::ops::Range;
 
 /// Columns per group at least: smaller groups bound better but cost a test each (measured on
 /// Inception-v3 at 16 devices: 8 is the sweet spot between 1 and 32).
 const MIN_GROUP: usize = 8;
 
-/// Contiguous ranges of a space's configs: whole layouts (whose configs differ only in their device
-/// block and cost alike), merged until a group has [`MIN_GROUP`] columns.
-pub(crate) fn column_groups(space: &ConfigSpace) -> Vec<Range<usize>> {
+/// Contiguous ranges of columns: whole layouts (whose configs differ only in their device block and
+/// cost alike), merged until a group has [`MIN_GROUP`] columns. `layouts` gives each column's
+/// layout; a layout's columns are contiguous.
+pub(crate) fn column_groups(layouts: &[usize]) -> Vec<Range<usize>> {
     let mut groups: Vec<Range<usize>> = Vec::new();
-    for l in 0..space.layouts().len() {
-        let r = space.layout_configs(l);
-        match groups.last_mut() {
-            Some(g) if g.len() < MIN_GROUP => g.end = r.end,
-            _ => groups.push(r),
+    let mut start = 0;
+    for end in 1..=layouts.len() {
+        if end < layouts.len() && layouts[end] == layouts[start] {
+            continue;
         }
+        match groups.last_mut() {
+            Some(g) if g.len() < MIN_GROUP => g.end = end,
+            _ => groups.push(start..end),
+        }
+        start = end;
     }
     groups
 }

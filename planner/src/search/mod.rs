@@ -7,6 +7,7 @@ mod min_plus;
 mod model;
 mod optcnn;
 mod owt;
+mod relaxation;
 
 pub use data::data_parallel;
 pub use exhaustive::{DEFAULT_BUDGET, ExhaustiveResult, exhaustive};

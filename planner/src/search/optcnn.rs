@@ -12,27 +12,30 @@
 //! Any eliminable layer may go first (the result is optimal either way); the cheapest product
 //! (`|C_i|·|C_j|·|C_k|`) goes first, which keeps the large config spaces out of most products.
 //!
-//! Node eliminations compute only the entries an optimal strategy can use (branch and bound). The
-//! cost of a known strategy (data parallelism or OWT, whichever is cheaper) bounds the optimum from
-//! above; every strategy through `(c_i, c_k)` costs at least the new entry, plus `i`'s and `k`'s
-//! costs under those configs, plus the cheapest cost of every other live layer and a lower bound of
-//! every other edge. Where that sum exceeds the known cost, the entry is left infinite (and
-//! [`min_plus`] skips the work). On the zoo's models the optimum is within a few percent of that
-//! bound, so most entries go. The model edges' t_x tables are pruned the same way before they are
-//! built, from cheap lower bounds of t_x per layout pair (see [`Reduction::prepare_cutoffs`]): on
-//! AlexNet at 16 devices ~97% of the layout pairs are never computed. An entry some optimal
-//! strategy uses is never cut, so it and every entry it was built from are exact, with the same
-//! minimising `j` (among equal minima the first scanned, all of which are optimal too): the optimum
-//! and the strategy are the ones the unpruned search finds.
+//! The search leaves out what no optimal strategy can use (branch and bound). The cost of a known
+//! strategy (data parallelism or OWT, whichever is cheaper) bounds the optimum from above. A
+//! layout-level relaxation ([`tree_marginals`]) bounds from below the cost of every strategy that
+//! gives a layer a layout, or an edge a layout pair; a config whose bound (its layout's, plus its
+//! own cost above its layout's cheapest config) reaches the known cost is dropped from its layer
+//! before the eliminations start, and a layout pair whose bound does is never computed in its
+//! edge's t_x table. At 16 devices that leaves 1.1% of Inception-v3's configs and 0.04% of its
+//! layout pairs (AlexNet: 8% and 0.5%). Node
+//! eliminations then run over the remaining configs only, and still skip the entries that cannot
+//! beat the known cost less lower bounds of the rest of the graph (see [`min_plus`]). A config or
+//! entry some optimal strategy uses is never cut, so it and every entry it was built from are
+//! exact, with the same minimising `j` (among equal minima the first scanned, all of which are
+//! optimal too), and the eliminations go in the same order as without a bound: the optimum and the
+//! strategy are bit for bit the ones the unpruned search finds.
 
 use super::SearchError;
 use super::data::data_parallel;
 use super::exhaustive::{InEdge, enumerate};
 use super::min_plus::{Limit, column_groups, min, min_plus};
 use super::owt::one_weird_trick;
+use super::relaxation::{LayoutGraph, tree_marginals};
 use crate::config::ParallelConfig;
 use crate::tables::CostTables;
-use crate::transfer_table::{Cutoff, EdgeGeometry, LeastTimes};
+use crate::transfer_table::{Cutoff, EdgeGeometry};
 use legion_ops::LayerId;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -57,14 +60,13 @@ pub const RESIDUAL_BUDGET: u64 = 100_000_000;
 pub fn optcnn(tables: &CostTables) -> Result<OptCnnResult, SearchError> {
     let geometries = edge_geometries(tables);
     let known = known_strategy_cost(tables, &geometries);
-    let result = optcnn_below(tables, known, geometries)?;
     // The bound cannot cut the optimum (see the module's notes); if rounding ever did, the exact
     // search is the answer.
-    let within = result.cost <= known;
-    if known.is_finite() && !within {
-        return optcnn_below(tables, f64::INFINITY, HashMap::new());
+    match optcnn_below(tables, known, geometries) {
+        Some(Ok(result)) if result.cost <= known || !known.is_finite() => Ok(result),
+        Some(Err(e)) if !known.is_finite() => Err(e),
+        _ => optcnn_below(tables, f64::INFINITY, HashMap::new()).expect("no bound prunes nothing"),
     }
-    Ok(result)
 }
 
 /// Per model edge class (its first edge's index), the edge's geometry.
@@ -129,69 +131,35 @@ fn known_strategy_cost(tables: &CostTables, geometries: &HashMap<usize, EdgeGeom
 
 /// Algorithm 1, leaving out table entries that cannot be part of a strategy cheaper than `bound`;
 /// `geometries` ([`edge_geometries`], or none) saves working them out again.
+/// Algorithm 1, leaving out configs and table entries that cannot be part of a strategy cheaper
+/// than `bound`; `geometries` ([`edge_geometries`], or none) saves working them out again. `None`
+/// when the bound leaves some layer no config.
 fn optcnn_below(
     tables: &CostTables,
     bound: f64,
     geometries: HashMap<usize, EdgeGeometry>,
-) -> Result<OptCnnResult, SearchError> {
-    let mut g = Reduction::new(tables, bound, geometries);
+) -> Option<Result<OptCnnResult, SearchError>> {
+    let mut g = Reduction::new(tables, bound, geometries)?;
     g.reduce();
-    let (mut indices, cost) = g.solve_residual()?;
+    let (mut indices, cost) = match g.solve_residual() {
+        Ok(found) => found,
+        Err(e) => return Some(Err(e)),
+    };
     let residual_nodes = g.alive.iter().filter(|&&a| a).count();
     for step in g.undo.iter().rev() {
         indices[step.node] =
             step.argmin[indices[step.src] * step.dst_configs + indices[step.dst]] as usize;
     }
-    Ok(OptCnnResult {
+    for (l, index) in indices.iter_mut().enumerate() {
+        *index = g.live[l][*index];
+    }
+    Some(Ok(OptCnnResult {
         indices,
         cost,
         residual_nodes,
         node_eliminations: g.undo.len(),
         edge_eliminations: g.edge_eliminations,
-    })
-}
-
-/// `min_{g,h} x[g] + y[h] + least(g, h)`, then the same without `x`, without `y`, and without
-/// either. Bounds are non-negative, so layouts are visited by ascending share and a scan stops
-/// once the shares alone reach the minimum: most layouts' shares (small blocks, serial configs)
-/// are far above it.
-fn cheapest_terms(least: &LeastTimes, x: &[f64], y: &[f64]) -> [f64; 4] {
-    let ascending = |v: &[f64]| {
-        let mut order: Vec<usize> = (0..v.len()).collect();
-        order.sort_by(|&a, &b| v[a].total_cmp(&v[b]));
-        order
-    };
-    let zeros = vec![0.0; x.len().max(y.len())];
-    let (xo, yo) = (ascending(x), ascending(y));
-    let scan = |x: &[f64], y: &[f64]| {
-        let mut best = f64::INFINITY;
-        for &g in &xo {
-            if x[g] + y[yo[0]] >= best {
-                break;
-            }
-            for &h in &yo {
-                let shares = x[g] + y[h];
-                if shares >= best {
-                    break;
-                }
-                best = best.min(shares + least.get(g, h));
-            }
-        }
-        best
-    };
-    // (with a share left out, the order of the other still holds; zeros keep any order)
-    [
-        scan(x, y),
-        scan(&zeros[..x.len()], y),
-        scan(x, &zeros[..y.len()]),
-        scan(&zeros[..x.len()], &zeros[..y.len()]),
-    ]
-}
-
-/// Which of [`cheapest_terms`]' four terms of an edge `src → dst` leaves out the shares of the
-/// layers in `priced`.
-fn term_without(src: usize, dst: usize, priced: &[usize]) -> usize {
-    usize::from(priced.contains(&src)) + 2 * usize::from(priced.contains(&dst))
+    }))
 }
 
 struct WorkEdge {
@@ -208,7 +176,8 @@ enum Table {
     Ready(Rc<Vec<f64>>),
 }
 
-/// A node elimination, to undo: `node`'s config is `argmin[c_src][c_dst]`.
+/// A node elimination, to undo: `node`'s config is `argmin[c_src][c_dst]` (indices among the
+/// layers' live configs).
 struct Eliminated {
     node: usize,
     src: usize,
@@ -217,51 +186,162 @@ struct Eliminated {
     argmin: Vec<u32>,
 }
 
+/// Which configs and layout pairs a search below a bound needs.
+struct Pruned {
+    /// Per layer, the configs some strategy below the bound may use (indices into its space,
+    /// ascending).
+    live: Vec<Vec<usize>>,
+    /// Per model edge class, the layout pairs some edge of the class may use below the bound.
+    keep: HashMap<usize, Vec<bool>>,
+}
+
+/// What the search leaves out below `bound`, from the layout-level relaxation
+/// ([`tree_marginals`]): a config whose layout's bound plus its own excess over the layout's
+/// cheapest config reaches `bound`, and a layout pair whose bound does. `None` when some layer
+/// would keep no config (only rounding could cause that: the known strategy is below the bound).
+fn prune(
+    tables: &CostTables,
+    bound: f64,
+    geometries: &HashMap<usize, EdgeGeometry>,
+) -> Option<Pruned> {
+    let layers = tables.num_layers();
+    let layout_costs: Vec<Vec<f64>> = (0..layers)
+        .map(|l| {
+            let space = tables.space(LayerId(l));
+            let costs = tables.node_cost(LayerId(l));
+            (0..space.layouts().len())
+                .map(|layout| min(&costs[space.layout_configs(layout)]))
+                .collect()
+        })
+        .collect();
+    let edges = tables.edges();
+    // per class, the least t_x of each layout pair (0 where no cheap bound exists)
+    let mut least: HashMap<usize, Vec<f64>> = HashMap::new();
+    for (i, e) in edges.iter().enumerate() {
+        let class = tables.edge_class(i);
+        least.entry(class).or_insert_with(|| {
+            let computed;
+            let geometry = match geometries.get(&class) {
+                Some(g) => g,
+                None => {
+                    computed = tables.edge_geometry(i);
+                    &computed
+                }
+            };
+            match tables.least_transfer_times(geometry, i) {
+                Some(times) => times.table(),
+                None => vec![0.0; layout_costs[e.src.0].len() * layout_costs[e.dst.0].len()],
+            }
+        });
+    }
+    let graph = LayoutGraph {
+        unary: layout_costs,
+        edges: edges
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.src.0, e.dst.0, least[&tables.edge_class(i)].as_slice()))
+            .collect(),
+    };
+    let marginals = tree_marginals(&graph);
+    let mut live = Vec::with_capacity(layers);
+    for l in 0..layers {
+        let space = tables.space(LayerId(l));
+        let costs = tables.node_cost(LayerId(l));
+        let mut configs = Vec::new();
+        for layout in 0..space.layouts().len() {
+            let (floor, cheapest) = (marginals.node[l][layout], graph.unary[l][layout]);
+            configs.extend(
+                space
+                    .layout_configs(layout)
+                    .filter(|&c| floor + (costs[c] - cheapest) < bound),
+            );
+        }
+        if configs.is_empty() {
+            return None;
+        }
+        live.push(configs);
+    }
+    let mut keep: HashMap<usize, Vec<bool>> = HashMap::new();
+    for (i, &(s, d, table)) in graph.edges.iter().enumerate() {
+        let (rows, columns) = (graph.unary[s].len(), graph.unary[d].len());
+        let mask = keep
+            .entry(tables.edge_class(i))
+            .or_insert_with(|| vec![false; rows * columns]);
+        for g in (0..rows).filter(|&g| marginals.edge_row(i, s, g) < bound) {
+            for h in 0..columns {
+                let k = &mut mask[g * columns + h];
+                *k = *k || marginals.edge(i, table, s, g, d, h) < bound;
+            }
+        }
+    }
+    Some(Pruned { live, keep })
+}
+
 struct Reduction<'t, 'm> {
     tables: &'t CostTables<'m>,
-    sizes: Vec<usize>,
+    /// Per layer, the configs the search considers (indices into its space, ascending): all of
+    /// them without a bound. Tables and config indices below are among these.
+    live: Vec<Vec<usize>>,
+    /// Per layer, t_c + t_s of each live config.
+    costs: Vec<Vec<f64>>,
     alive: Vec<bool>,
     edges: Vec<Option<WorkEdge>>,
     ins: Vec<Vec<usize>>,
     outs: Vec<Vec<usize>>,
     undo: Vec<Eliminated>,
     edge_eliminations: usize,
-    /// Model edges still waiting for their table, per table class, and the tables computed so far.
+    /// Model edges still waiting for their table, per table class, and the tables (over whole
+    /// spaces) computed so far.
     waiting: HashMap<usize, usize>,
     computed: HashMap<usize, Rc<Vec<f64>>>,
-    /// The cheapest config's cost of each layer.
+    /// The cheapest live config's cost of each layer.
     node_min: Vec<f64>,
     /// The cost of a known strategy, which no entry of an optimal strategy exceeds (infinite: no
     /// pruning).
     bound: f64,
-    /// Per table class not computed yet, with a finite bound: what its table needs to leave out
-    /// the layout pairs no strategy below the bound uses.
-    prepared: HashMap<usize, Prepared>,
-    /// Per model edge, with a finite bound: [`cheapest_terms`] of its least t_x and its
-    /// endpoints' shares of their layers' excess (see [`Reduction::prepare_cutoffs`]).
-    edge_terms: Vec<[f64; 4]>,
-}
-
-/// A model edge class's geometry and [`Cutoff`], worked out before the eliminations.
-struct Prepared {
-    geometry: EdgeGeometry,
-    /// `None` where no cheap bound of t_x exists: the table is then computed whole.
-    least: Option<LeastTimes>,
-    src_excess: Vec<f64>,
-    dst_excess: Vec<f64>,
-    slack: f64,
+    /// Per table class not computed yet: its geometry and, with a finite bound, the layout pairs
+    /// it needs.
+    prepared: HashMap<usize, (EdgeGeometry, Option<Vec<bool>>)>,
 }
 
 impl<'t, 'm> Reduction<'t, 'm> {
+    /// `None` when the bound leaves some layer no config ([`prune`]).
     fn new(
         tables: &'t CostTables<'m>,
         bound: f64,
-        geometries: HashMap<usize, EdgeGeometry>,
-    ) -> Self {
+        mut geometries: HashMap<usize, EdgeGeometry>,
+    ) -> Option<Self> {
         let n = tables.num_layers();
+        let (live, mut keep) = if bound.is_finite() {
+            let pruned = prune(tables, bound, &geometries)?;
+            (pruned.live, pruned.keep)
+        } else {
+            let all = (0..n).map(|l| (0..tables.space(LayerId(l)).len()).collect());
+            (all.collect(), HashMap::new())
+        };
+        let costs: Vec<Vec<f64>> = live
+            .iter()
+            .enumerate()
+            .map(|(l, configs)| {
+                let all = tables.node_cost(LayerId(l));
+                configs.iter().map(|&c| all[c]).collect()
+            })
+            .collect();
+        let mut prepared = HashMap::new();
+        for i in 0..tables.edges().len() {
+            let class = tables.edge_class(i);
+            prepared.entry(class).or_insert_with(|| {
+                let geometry = geometries
+                    .remove(&class)
+                    .unwrap_or_else(|| tables.edge_geometry(i));
+                (geometry, keep.remove(&class))
+            });
+        }
         let mut r = Reduction {
             tables,
-            sizes: (0..n).map(|l| tables.space(LayerId(l)).len()).collect(),
+            node_min: costs.iter().map(|c| min(c)).collect(),
+            live,
+            costs,
             alive: vec![true; n],
             edges: Vec::new(),
             ins: vec![Vec::new(); n],
@@ -270,170 +350,58 @@ impl<'t, 'm> Reduction<'t, 'm> {
             edge_eliminations: 0,
             waiting: HashMap::new(),
             computed: HashMap::new(),
-            node_min: (0..n)
-                .map(|l| {
-                    let costs = tables.node_cost(LayerId(l));
-                    costs.iter().copied().fold(f64::INFINITY, f64::min)
-                })
-                .collect(),
             bound,
-            prepared: HashMap::new(),
-            edge_terms: Vec::new(),
+            prepared,
         };
-        if bound.is_finite() {
-            (r.prepared, r.edge_terms) = r.prepare_cutoffs(geometries);
-        }
         for (i, e) in tables.edges().iter().enumerate() {
             *r.waiting.entry(tables.edge_class(i)).or_default() += 1;
             // t_x is never negative
             r.add_edge(e.src.0, e.dst.0, Table::Pending(i), 0.0);
         }
-        r
+        Some(r)
     }
 
-    /// The table of an edge, computing (and sharing between identical edges) a model edge's table.
+    /// The table of an edge over its layers' live configs, computing a model edge's table (over
+    /// the whole spaces, shared between identical edges) when first needed.
     fn take_table(&mut self, table: Table) -> Rc<Vec<f64>> {
-        match table {
-            Table::Ready(t) => t,
-            Table::Pending(edge) => {
-                let class = self.tables.edge_class(edge);
-                let t = match self.computed.get(&class) {
-                    Some(t) => t.clone(),
-                    None => Rc::new(match self.prepared.remove(&class) {
-                        Some(p) => {
-                            let cutoff = p.least.as_ref().map(|least| Cutoff {
-                                least,
-                                src_excess: &p.src_excess,
-                                dst_excess: &p.dst_excess,
-                                slack: p.slack,
-                            });
-                            self.tables
-                                .edge_table_within(&p.geometry, edge, cutoff.as_ref())
-                        }
-                        None => self.tables.edge_table(edge),
-                    }),
-                };
-                let left = self
-                    .waiting
-                    .get_mut(&class)
-                    .expect("every model edge is counted");
-                *left -= 1;
-                if *left == 0 {
-                    self.computed.remove(&class);
-                } else {
-                    self.computed.insert(class, t.clone());
-                }
-                t
+        let edge = match table {
+            Table::Ready(t) => return t,
+            Table::Pending(edge) => edge,
+        };
+        let class = self.tables.edge_class(edge);
+        let full = match self.computed.get(&class) {
+            Some(t) => t.clone(),
+            None => {
+                let (geometry, keep) = self.prepared.remove(&class).expect("one per class");
+                let cutoff = keep.as_ref().map(|keep| Cutoff { keep });
+                Rc::new(
+                    self.tables
+                        .edge_table_within(&geometry, edge, cutoff.as_ref()),
+                )
             }
+        };
+        let left = self
+            .waiting
+            .get_mut(&class)
+            .expect("every model edge is counted");
+        *left -= 1;
+        if *left == 0 {
+            self.computed.remove(&class);
+        } else {
+            self.computed.insert(class, full.clone());
         }
-    }
-
-    /// Every model edge class's geometry and, from lower bounds of t_x, which of its layout pairs
-    /// no strategy below the bound uses.
-    ///
-    /// A strategy costs at least every layer's cheapest config plus, per layer, its layout's
-    /// excess over that (`excess`), plus every edge's least t_x under the two layouts. Through a
-    /// layout pair `(g, h)` of edge `e = (i, j)`, give `e` the whole excess of `i` and `j` and
-    /// every other layer's excess in equal shares to its edges: each other edge then adds at
-    /// least its cheapest such term (without the shares of `i` and `j` where it touches them).
-    /// The pair is left out when `excess_i(g) + excess_j(h) + least_e(g, h)` exceeds the bound
-    /// less the cheapest configs and those terms. On the zoo's models the terms of the other
-    /// edges cover about two thirds of the gap between the cheapest configs and the optimum.
-    fn prepare_cutoffs(
-        &self,
-        mut geometries: HashMap<usize, EdgeGeometry>,
-    ) -> (HashMap<usize, Prepared>, Vec<[f64; 4]>) {
-        let tables = self.tables;
-        let edges = tables.edges();
-        let layers = self.alive.len();
-        let excess: Vec<Vec<f64>> = (0..layers)
-            .map(|l| {
-                let space = tables.space(LayerId(l));
-                let costs = tables.node_cost(LayerId(l));
-                (0..space.layouts().len())
-                    .map(|layout| min(&costs[space.layout_configs(layout)]) - self.node_min[l])
-                    .collect()
-            })
-            .collect();
-        let mut degree = vec![0usize; layers];
-        for e in edges {
-            degree[e.src.0] += 1;
-            degree[e.dst.0] += 1;
+        let e = self.tables.edges()[edge];
+        let (rows, columns) = (&self.live[e.src.0], &self.live[e.dst.0]);
+        let whole = self.tables.space(e.dst).len();
+        if rows.len() * columns.len() == full.len() {
+            return full;
         }
-        let mut geometry: HashMap<usize, (EdgeGeometry, Option<LeastTimes>)> = HashMap::new();
-        for i in 0..edges.len() {
-            let class = tables.edge_class(i);
-            if let std::collections::hash_map::Entry::Vacant(slot) = geometry.entry(class) {
-                let g = geometries
-                    .remove(&class)
-                    .unwrap_or_else(|| tables.edge_geometry(i));
-                let least = tables.least_transfer_times(&g, i);
-                slot.insert((g, least));
-            }
+        let mut live = Vec::with_capacity(rows.len() * columns.len());
+        for &r in rows {
+            let row = &full[r * whole..(r + 1) * whole];
+            live.extend(columns.iter().map(|&c| row[c]));
         }
-        // per edge, its cheapest term with both endpoints' shares, without the producer's,
-        // without the consumer's, and without either
-        let terms: Vec<[f64; 4]> = edges
-            .iter()
-            .enumerate()
-            .map(|(i, e)| match &geometry[&tables.edge_class(i)].1 {
-                Some(least) => {
-                    let share = |l: usize| -> Vec<f64> {
-                        excess[l].iter().map(|x| x / degree[l] as f64).collect()
-                    };
-                    cheapest_terms(least, &share(e.src.0), &share(e.dst.0))
-                }
-                None => [0.0; 4],
-            })
-            .collect();
-        let cheapest: f64 = self.node_min.iter().sum();
-        let all_terms: f64 = terms.iter().map(|t| t[0]).sum();
-        let mut incident = vec![Vec::new(); layers];
-        for (f, e) in edges.iter().enumerate() {
-            incident[e.src.0].push(f);
-            incident[e.dst.0].push(f);
-        }
-        let mut prepared: HashMap<usize, Prepared> = HashMap::new();
-        for (i, e) in edges.iter().enumerate() {
-            let (a, b) = (e.src.0, e.dst.0);
-            let touches_a = |f: usize| edges[f].src.0 == a || edges[f].dst.0 == a;
-            // every other edge's term, less the shares of `a` and `b` where it touches them (the
-            // rounding of the differences is far below the bound's margin); an edge at both ends
-            // is met once, among `a`'s
-            let mut others = all_terms - terms[i][0];
-            let neighbours = incident[a]
-                .iter()
-                .chain(incident[b].iter().filter(|&&f| !touches_a(f)));
-            for &f in neighbours.filter(|&&f| f != i) {
-                let (fs, fd) = (edges[f].src.0, edges[f].dst.0);
-                others -= terms[f][0] - terms[f][term_without(fs, fd, &[a, b])];
-            }
-            let slack = self.bound - cheapest - others;
-            let class = tables.edge_class(i);
-            // one table serves the whole class: leave out only what every edge of it would
-            match prepared.get_mut(&class) {
-                Some(p) => {
-                    p.slack = p.slack.max(slack);
-                    for (x, y) in p.src_excess.iter_mut().zip(&excess[a]) {
-                        *x = x.min(*y);
-                    }
-                }
-                None => {
-                    let (g, least) = geometry.remove(&class).expect("one per class");
-                    prepared.insert(
-                        class,
-                        Prepared {
-                            geometry: g,
-                            least,
-                            src_excess: excess[a].clone(),
-                            dst_excess: excess[b].clone(),
-                            slack,
-                        },
-                    );
-                }
-            }
-        }
-        (prepared, terms)
+        Rc::new(live)
     }
 
     /// Adds an edge whose entries are at least `min`, merging it with an existing edge between the
@@ -484,12 +452,15 @@ impl<'t, 'm> Reduction<'t, 'm> {
 
     fn reduce(&mut self) {
         loop {
+            // by the whole spaces' sizes, not the live ones: the same order with and without a
+            // bound, so that both add the same numbers in the same order
+            let space = |l: usize| self.tables.space(LayerId(l)).len();
             let candidate = (0..self.alive.len())
                 .filter(|&j| self.alive[j] && self.ins[j].len() == 1 && self.outs[j].len() == 1)
                 .map(|j| {
                     let i = self.edges[self.ins[j][0]].as_ref().map_or(0, |w| w.src);
                     let k = self.edges[self.outs[j][0]].as_ref().map_or(0, |w| w.dst);
-                    (self.sizes[i] * self.sizes[j] * self.sizes[k], j)
+                    (space(i) * space(j) * space(k), j)
                 })
                 .min();
             let Some((_, j)) = candidate else {
@@ -505,15 +476,17 @@ impl<'t, 'm> Reduction<'t, 'm> {
         let (i, k) = (first.src, second.dst);
         let a = self.take_table(first.table);
         let b = self.take_table(second.table);
-        let (ci, cj, ck) = (self.sizes[i], self.sizes[j], self.sizes[k]);
-        let mid = self.tables.node_cost(LayerId(j));
-        let groups = column_groups(self.tables.space(LayerId(k)));
+        let (ci, cj, ck) = (self.live[i].len(), self.live[j].len(), self.live[k].len());
+        let space = self.tables.space(LayerId(k));
+        let layouts: Vec<usize> = self.live[k].iter().map(|&c| space.layout_of(c)).collect();
+        let groups = column_groups(&layouts);
         // Unbounded (`bound` infinite), every limit is infinite too: node costs are finite.
         let limit = Limit {
             total: self.bound - self.others_at_least(&[i, j, k]),
-            rows: self.tables.node_cost(LayerId(i)),
-            cols: self.tables.node_cost(LayerId(k)),
+            rows: &self.costs[i],
+            cols: &self.costs[k],
         };
+        let mid = &self.costs[j];
         let (table, argmin, min) = min_plus(&a, mid, &b, ci, cj, ck, &groups, limit);
         self.alive[j] = false;
         self.undo.push(Eliminated {
@@ -528,26 +501,12 @@ impl<'t, 'm> Reduction<'t, 'm> {
 
     /// A lower bound of what every live layer but `except` and every live edge add to a
     /// strategy's cost.
-    ///
-    /// A model edge whose table is not built yet adds its cheapest term with the shares of its
-    /// endpoints' excess ([`Reduction::prepare_cutoffs`]), less those of `except` (priced exactly
-    /// by the caller): each live layer's excess is counted at most once over its edges.
     fn others_at_least(&self, except: &[usize]) -> f64 {
         let nodes: f64 = (0..self.alive.len())
             .filter(|&n| self.alive[n] && !except.contains(&n))
             .map(|n| self.node_min[n])
             .sum();
-        let edges: f64 = self
-            .edges
-            .iter()
-            .flatten()
-            .map(|e| match (&e.table, self.edge_terms.is_empty()) {
-                (Table::Pending(m), false) => {
-                    self.edge_terms[*m][term_without(e.src, e.dst, except)]
-                }
-                _ => e.min,
-            })
-            .sum();
+        let edges: f64 = self.edges.iter().flatten().map(|e| e.min).sum();
         nodes + edges
     }
 
@@ -570,11 +529,8 @@ impl<'t, 'm> Reduction<'t, 'm> {
             let t = self.take_table(w.table);
             incoming[position[w.dst]].push((position[w.src], t));
         }
-        let costs: Vec<&[f64]> = nodes
-            .iter()
-            .map(|&j| self.tables.node_cost(LayerId(j)))
-            .collect();
-        let sizes: Vec<usize> = nodes.iter().map(|&j| self.sizes[j]).collect();
+        let costs: Vec<&[f64]> = nodes.iter().map(|&j| self.costs[j].as_slice()).collect();
+        let sizes: Vec<usize> = nodes.iter().map(|&j| self.live[j].len()).collect();
         let (choice, best) = enumerate(&costs, &sizes, &incoming, RESIDUAL_BUDGET)?;
         let mut indices = vec![0; self.alive.len()];
         for (p, &j) in nodes.iter().enumerate() {
@@ -590,42 +546,6 @@ mod tests {
     use crate::cost::CostModel;
     use crate::machine::{DeviceSpec, Link, MachineModel};
     use crate::provider::RooflineCost;
-
-    /// The early exits of `cheapest_terms` find the minima a full scan finds.
-    #[test]
-    fn cheapest_terms_equal_a_full_scan() {
-        let machine = MachineModel::preset("paper:8").unwrap();
-        let provider = RooflineCost::new(&machine);
-        for name in ["alexnet", "inception_v3_reduced"] {
-            let z = legion_ops::zoo::find(name).unwrap();
-            let graph = z.build(&z.default_config(64)).unwrap();
-            let model = CostModel::new(&graph, &machine, &provider);
-            let tables = CostTables::build(&model);
-            for (i, e) in tables.edges().iter().enumerate() {
-                let geometry = tables.edge_geometry(i);
-                let least = tables.least_transfer_times(&geometry, i).unwrap();
-                // uneven shares, as layers' excesses are
-                let share = |l: LayerId, salt: f64| -> Vec<f64> {
-                    let layouts = tables.space(l).layouts().len();
-                    (0..layouts)
-                        .map(|k| (k as f64 * salt).sin().abs() * 1e-3)
-                        .collect()
-                };
-                let (x, y) = (share(e.src, 1.7), share(e.dst, 2.3));
-                let mut full = [f64::INFINITY; 4];
-                for (g, xg) in x.iter().enumerate() {
-                    for (h, yh) in y.iter().enumerate() {
-                        let l = least.get(g, h);
-                        full[0] = full[0].min(xg + yh + l);
-                        full[1] = full[1].min(yh + l);
-                        full[2] = full[2].min(xg + l);
-                        full[3] = full[3].min(l);
-                    }
-                }
-                assert_eq!(cheapest_terms(&least, &x, &y), full, "{name} edge {i}");
-            }
-        }
-    }
 
     /// Bounded by the known strategies, the search finds the same optimum, bit for bit, and the
     /// same strategy as without a bound: on the zoo's small models, at several batch sizes, on
@@ -672,8 +592,10 @@ mod tests {
                 let geometries = edge_geometries(&tables);
                 let known = known_strategy_cost(&tables, &geometries);
                 assert!(known.is_finite(), "{name} on {machine}");
-                let bounded = optcnn_below(&tables, known, geometries).unwrap();
-                let exact = optcnn_below(&tables, f64::INFINITY, HashMap::new()).unwrap();
+                let bounded = optcnn_below(&tables, known, geometries).unwrap().unwrap();
+                let exact = optcnn_below(&tables, f64::INFINITY, HashMap::new())
+                    .unwrap()
+                    .unwrap();
                 assert_eq!(
                     bounded.indices, exact.indices,
                     "{name} ×{batch} on {machine}"
