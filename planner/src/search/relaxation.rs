@@ -167,29 +167,24 @@ pub(crate) fn tree_marginals(graph: &LayoutGraph) -> Marginals {
                 .collect()
         }
     };
+    let deliver = |e: usize, from: usize, to_src: &mut [Vec<f64>], to_dst: &mut [Vec<f64>]| {
+        let m = send(e, from, &belief_without(from, Some(e), to_src, to_dst));
+        if edges[e].0 == from {
+            to_dst[e] = m
+        } else {
+            to_src[e] = m
+        }
+    };
     // leaves up: each node's message to its parent once its children's have arrived
     for &(u, up) in order.iter().rev() {
         if let Some(e) = up {
-            let belief = belief_without(u, Some(e), &to_src, &to_dst);
-            let m = send(e, u, &belief);
-            if edges[e].0 == u {
-                to_dst[e] = m
-            } else {
-                to_src[e] = m
-            }
+            deliver(e, u, &mut to_src, &mut to_dst);
         }
     }
     // root down
     for &(u, up) in &order {
         if let Some(e) = up {
-            let parent = other_end(edges[e], u);
-            let belief = belief_without(parent, Some(e), &to_src, &to_dst);
-            let m = send(e, parent, &belief);
-            if edges[e].0 == parent {
-                to_dst[e] = m
-            } else {
-                to_src[e] = m
-            }
+            deliver(e, other_end(edges[e], u), &mut to_src, &mut to_dst);
         }
     }
     let node: Vec<Vec<f64>> = (0..n)
