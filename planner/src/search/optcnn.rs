@@ -199,6 +199,7 @@ struct Pruned {
 /// ([`tree_marginals`]): a config whose layout's bound plus its own excess over the layout's
 /// cheapest config reaches `bound`, and a layout pair whose bound does. `None` when some layer
 /// would keep no config (only rounding could cause that: the known strategy is below the bound).
+/// `geometries` holds every model edge class's.
 fn prune(
     tables: &CostTables,
     bound: f64,
@@ -220,15 +221,7 @@ fn prune(
     for (i, e) in edges.iter().enumerate() {
         let class = tables.edge_class(i);
         least.entry(class).or_insert_with(|| {
-            let computed;
-            let geometry = match geometries.get(&class) {
-                Some(g) => g,
-                None => {
-                    computed = tables.edge_geometry(i);
-                    &computed
-                }
-            };
-            match tables.least_transfer_times(geometry, i) {
+            match tables.least_transfer_times(&geometries[&class], i) {
                 Some(times) => times.table(),
                 None => vec![0.0; layout_costs[e.src.0].len() * layout_costs[e.dst.0].len()],
             }
@@ -312,6 +305,11 @@ impl<'t, 'm> Reduction<'t, 'm> {
         mut geometries: HashMap<usize, EdgeGeometry>,
     ) -> Option<Self> {
         let n = tables.num_layers();
+        for i in 0..tables.edges().len() {
+            geometries
+                .entry(tables.edge_class(i))
+                .or_insert_with(|| tables.edge_geometry(i));
+        }
         let (live, mut keep) = if bound.is_finite() {
             let pruned = prune(tables, bound, &geometries)?;
             (pruned.live, pruned.keep)
@@ -327,16 +325,10 @@ impl<'t, 'm> Reduction<'t, 'm> {
                 configs.iter().map(|&c| all[c]).collect()
             })
             .collect();
-        let mut prepared = HashMap::new();
-        for i in 0..tables.edges().len() {
-            let class = tables.edge_class(i);
-            prepared.entry(class).or_insert_with(|| {
-                let geometry = geometries
-                    .remove(&class)
-                    .unwrap_or_else(|| tables.edge_geometry(i));
-                (geometry, keep.remove(&class))
-            });
-        }
+        let prepared = geometries
+            .into_iter()
+            .map(|(class, geometry)| (class, (geometry, keep.remove(&class))))
+            .collect();
         let mut r = Reduction {
             tables,
             node_min: costs.iter().map(|c| min(c)).collect(),

@@ -15,6 +15,8 @@
 //! 0.02% (Inception-v3) to 0.9% (AlexNet) below the known strategy's cost, which leaves 1.1–8% of
 //! the configs and 0.04–0.5% of the layout pairs below it.
 
+use super::min_plus::min;
+
 /// A layout-level problem: per layer, a cost per layout; per edge `(src, dst, table)`, a table
 /// `[src layout][dst layout]`. Every entry is finite.
 pub(crate) struct LayoutGraph<'a> {
@@ -248,10 +250,6 @@ fn add(x: &mut [f64], y: &[f64]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }
-}
-
-fn min(x: &[f64]) -> f64 {
-    x.iter().copied().fold(f64::INFINITY, f64::min)
 }
 
 #[cfg(test)]
