@@ -148,15 +148,16 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
             l.from,
             l.to
         );
-        // the transport's own work, at both ends: encryption, packets, copies
-        for cpu in [l.send_cpu_s_per_byte, l.recv_cpu_s_per_byte] {
-            assert!(
-                cpu > 0.0 && cpu < 1e-6,
-                "{} -> {}: {cpu} CPU seconds per byte",
-                l.from,
-                l.to
-            );
-        }
+        // The transport's own work, at both ends: encryption, packets, copies. Either end alone
+        // may read 0 when other processes keep the cores busy (the kernel then does part of the
+        // receive work in their time, and the difference of two probes drowns in noise).
+        let (send, recv) = (l.send_cpu_s_per_byte, l.recv_cpu_s_per_byte);
+        assert!(
+            (0.0..1e-6).contains(&send) && (0.0..1e-6).contains(&recv) && send + recv > 0.0,
+            "{} -> {}: {send} / {recv} CPU seconds per byte sent / received",
+            l.from,
+            l.to
+        );
     }
 
     let model = ALEXNET_64;
