@@ -12,7 +12,7 @@ use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
-use crate::transfer_table::{Cutoff, EdgeGeometry, LeastTimes, TransferTables};
+use crate::transfer_table::{EdgeGeometry, LeastTimes, TransferTables};
 use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::HashMap;
 
@@ -191,13 +191,13 @@ impl<'m> CostTables<'m> {
         self.transfers.config_pair_time(geometry, src, dst)
     }
 
-    /// [`CostTables::edge_table`] from the edge's geometry, with the entries a `cutoff` rules out
-    /// left +∞.
+    /// [`CostTables::edge_table`] from the edge's geometry, with the entries of the layout pairs
+    /// outside `keep_pairs` left +∞ (see [`TransferTables::table`]).
     pub(crate) fn edge_table_within(
         &self,
         geometry: &EdgeGeometry,
         edge: usize,
-        cutoff: Option<&Cutoff>,
+        keep_pairs: Option<&[bool]>,
     ) -> Vec<f64> {
         let e = self.model.edges()[edge];
         self.transfers.table(
@@ -205,7 +205,7 @@ impl<'m> CostTables<'m> {
             geometry,
             &self.spaces[e.src.0],
             &self.spaces[e.dst.0],
-            cutoff,
+            keep_pairs,
         )
     }
 }

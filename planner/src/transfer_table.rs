@@ -30,14 +30,6 @@ use legion_ops::{Graph, Rect, Shape};
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-/// The layout pairs of one edge whose entries a bounded search needs: the others are left +∞ and
-/// never computed. The search keeps a pair only if some strategy through it may cost less than a
-/// known strategy (see `search::relaxation`).
-pub(crate) struct Cutoff<'a> {
-    /// Row-major `[src layout][dst layout]`.
-    pub(crate) keep: &'a [bool],
-}
-
 /// A lower bound of one edge's t_x per (producer layout, consumer layout) under every relation of
 /// their blocks, from per-axis numbers alone. Each consumer tile shares its device with at most one
 /// producer tile (one tile per device in a block), so it receives at least its second-largest
@@ -209,19 +201,20 @@ impl TransferTables {
     }
 
     /// t_x of the geometry's edge for every (producer config, consumer config): row-major
-    /// `[src][dst]`. `machine` is the one the tables were made for. With a `cutoff`, entries of the
-    /// layout pairs it rules out are +∞ instead (only where [`TransferTables::least_times`] is
-    /// `Some`).
+    /// `[src][dst]`. `machine` is the one the tables were made for. With `keep_pairs` (row-major
+    /// `[src layout][dst layout]`: the layout pairs a bounded search needs, see
+    /// `search::relaxation`), the entries of the other pairs are +∞ and never computed (only where
+    /// [`TransferTables::least_times`] is `Some`).
     pub(crate) fn table(
         &self,
         machine: &MachineModel,
         geometry: &EdgeGeometry,
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
-        cutoff: Option<&Cutoff>,
+        keep_pairs: Option<&[bool]>,
     ) -> Vec<f64> {
         if let Some((regular, axes)) = self.factorized(geometry) {
-            return regular.edge_table(geometry, axes, src_space, dst_space, cutoff);
+            return regular.edge_table(geometry, axes, src_space, dst_space, keep_pairs);
         }
         self.per_message
             .get_or_init(|| DevicePairs::new(machine))
@@ -685,10 +678,10 @@ impl Regular {
         axes: &AxisNeeds,
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
-        cutoff: Option<&Cutoff>,
+        keep_pairs: Option<&[bool]>,
     ) -> Vec<f64> {
         let gradient = geometry.gradient;
-        // built when a layout pair needs them: with a cutoff most are never needed
+        // built when a layout pair needs them: with `keep_pairs` most are never needed
         let mut pairs: Vec<Option<AxisPair>> = Vec::new();
         pairs.resize_with(MAX_DIMS * self.levels * self.levels, || None);
         let columns = dst_space.len();
@@ -702,7 +695,7 @@ impl Regular {
             for hi in 0..dst_layouts.len() {
                 let src_configs = src_space.layout_configs(gi);
                 let dst_configs = dst_space.layout_configs(hi);
-                if cutoff.is_some_and(|cut| !cut.keep[gi * dst_layouts.len() + hi]) {
+                if keep_pairs.is_some_and(|keep| !keep[gi * dst_layouts.len() + hi]) {
                     continue;
                 }
                 let src = &*src_sides[gi].get_or_insert_with(|| {

@@ -35,7 +35,7 @@ use super::owt::one_weird_trick;
 use super::relaxation::{LayoutGraph, tree_marginals};
 use crate::config::ParallelConfig;
 use crate::tables::CostTables;
-use crate::transfer_table::{Cutoff, EdgeGeometry};
+use crate::transfer_table::EdgeGeometry;
 use legion_ops::LayerId;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -129,8 +129,6 @@ fn known_strategy_cost(tables: &CostTables, geometries: &HashMap<usize, EdgeGeom
     best + best * BOUND_MARGIN
 }
 
-/// Algorithm 1, leaving out table entries that cannot be part of a strategy cheaper than `bound`;
-/// `geometries` ([`edge_geometries`], or none) saves working them out again.
 /// Algorithm 1, leaving out configs and table entries that cannot be part of a strategy cheaper
 /// than `bound`; `geometries` ([`edge_geometries`], or none) saves working them out again. `None`
 /// when the bound leaves some layer no config.
@@ -365,10 +363,9 @@ impl<'t, 'm> Reduction<'t, 'm> {
             Some(t) => t.clone(),
             None => {
                 let (geometry, keep) = self.prepared.remove(&class).expect("one per class");
-                let cutoff = keep.as_ref().map(|keep| Cutoff { keep });
                 Rc::new(
                     self.tables
-                        .edge_table_within(&geometry, edge, cutoff.as_ref()),
+                        .edge_table_within(&geometry, edge, keep.as_deref()),
                 )
             }
         };
@@ -384,10 +381,10 @@ impl<'t, 'm> Reduction<'t, 'm> {
         }
         let e = self.tables.edges()[edge];
         let (rows, columns) = (&self.live[e.src.0], &self.live[e.dst.0]);
-        let whole = self.tables.space(e.dst).len();
         if rows.len() * columns.len() == full.len() {
             return full;
         }
+        let whole = self.tables.space(e.dst).len();
         let mut live = Vec::with_capacity(rows.len() * columns.len());
         for &r in rows {
             let row = &full[r * whole..(r + 1) * whole];
