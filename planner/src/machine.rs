@@ -133,10 +133,10 @@ impl Link {
 #[serde(deny_unknown_fields)]
 pub struct RuntimeCosts {
     /// Seconds from a compute op being able to start on its device (its dependences done, the
-    /// device's previous compute op finished, a pool thread and an actor thread free) to its
-    /// kernel starting, its actor's own copies left out: the actor's message handling, the
-    /// hand-off to the device's pool and waking its thread (the profiler's mean). Paid once per
-    /// compute op (kernel, fold, update).
+    /// device's previous compute op finished, a core free of other kernels and copies, and an
+    /// actor thread free) to its kernel starting, its actor's own copies left out: the actor's
+    /// message handling, the hand-off to the device's pool and waking its thread (the profiler's
+    /// mean). Paid once per compute op (kernel, fold, update).
     pub dispatch_s: f64,
     /// How those delays spread: the mean of each sixteenth of them, in ascending order (their mean
     /// is `dispatch_s`). When present, the simulator draws each op's delay from them and reports

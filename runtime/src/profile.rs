@@ -26,9 +26,9 @@
 //!   have started it (its local dependences done, including receives, and the device's previous
 //!   compute op finished; the step's start for the first) to its kernel starting, less the
 //!   device's own actor's copies in that window (the simulator prices them as copies), over the
-//!   ops for which the compute pool and the actors' pool each had a free thread that whole window
-//!   (counted from the other devices' compute ops and copies: waiting for a thread the simulator
-//!   models itself). The mean of those: the simulator charges it to every op, and the expected step
+//!   ops for which a core and an actor thread were free that whole window: the other devices'
+//!   compute ops and copies together left a core free (a copy holds a core as a kernel does), and
+//!   their copies an actor thread (waiting for either the simulator models itself). The mean of those: the simulator charges it to every op, and the expected step
 //!   time wants the expected delay, tail included (a woken thread waiting for a core the OS has
 //!   given to another device for a time slice). On one pool shared by every device the tail also
 //!   held other devices' whole kernels (see `embedded::spawn_local_devices`), which made the mean
@@ -493,9 +493,11 @@ impl RuntimeFit {
                     .filter(|m| !program.ops[m.op as usize].is_compute())
                     .map(|m| (m.end.min(e.start) - m.start.max(ready)).max(0.0))
                     .sum();
-                let running = most_running(others(&busy).into_iter(), ready, e.start);
-                let copiers = most_running(others(&copying).into_iter(), ready, e.start);
-                if running < threads && copiers < actor_threads {
+                let pools = Pools {
+                    threads,
+                    actor_threads,
+                };
+                if pools.free_throughout(&others(&busy), &others(&copying), ready, e.start) {
                     self.dispatches.push((e.start - ready - moved).max(0.0));
                 }
             }
@@ -543,6 +545,30 @@ fn pooled(op: &crate::program::LocalOp) -> bool {
 }
 
 /// The most of `spans` (start, end) running at once at any time in `[from, to)`.
+/// The threads a delay can wait for: the cores of the compute pool and the actors' runtime.
+struct Pools {
+    threads: usize,
+    actor_threads: usize,
+}
+
+impl Pools {
+    /// Whether, over `[from, to)`, the other devices' kernels and copies left a core free and
+    /// their copies left an actor thread free. A copy holds a core as a kernel does, and the
+    /// simulator makes a task wait for a core itself: a delay with every core taken is that wait,
+    /// not dispatch.
+    fn free_throughout(
+        &self,
+        kernels: &[(f64, f64)],
+        copies: &[(f64, f64)],
+        from: f64,
+        to: f64,
+    ) -> bool {
+        let copiers = most_running(copies.iter().copied(), from, to);
+        let taken = most_running(kernels.iter().chain(copies).copied(), from, to);
+        taken < self.threads && copiers < self.actor_threads
+    }
+}
+
 fn most_running(spans: impl Iterator<Item = (f64, f64)>, from: f64, to: f64) -> usize {
     // +1 where a span starts, −1 where it ends, clipped to the window; ends before starts at ties.
     let mut edges: Vec<(f64, i32)> = Vec::new();
@@ -674,6 +700,28 @@ mod tests {
         assert_eq!(most_running(spans.into_iter(), 4.0, 5.0), 0);
         assert_eq!(most_running(spans.into_iter(), 2.5, 2.5), 0, "empty window");
         assert_eq!(most_running(spans.into_iter(), 1.5, 1.8), 2);
+    }
+
+    #[test]
+    fn a_delay_with_every_core_taken_by_kernels_and_copies_is_not_dispatch() {
+        let pools = Pools {
+            threads: 2,
+            actor_threads: 2,
+        };
+        let kernel = [(0.0, 10.0)];
+        let copy = [(2.0, 4.0)];
+        assert!(pools.free_throughout(&kernel, &[], 0.0, 10.0));
+        assert!(pools.free_throughout(&[], &copy, 0.0, 10.0));
+        // one kernel and one copy together fill both cores for [2, 4)
+        assert!(!pools.free_throughout(&kernel, &copy, 0.0, 10.0));
+        assert!(pools.free_throughout(&kernel, &copy, 4.0, 10.0));
+        // copies alone fill the actors' pool even with cores to spare
+        let wide = Pools {
+            threads: 8,
+            actor_threads: 2,
+        };
+        assert!(!wide.free_throughout(&[], &[(0.0, 5.0), (1.0, 6.0)], 0.0, 10.0));
+        assert!(wide.free_throughout(&kernel, &copy, 0.0, 10.0));
     }
 
     #[test]
