@@ -241,6 +241,27 @@ impl Rect {
         r
     }
 
+    /// This rect minus `other`, as disjoint rects: slabs cut off axis by axis, at most two per
+    /// axis.
+    pub fn subtract(&self, other: &Rect) -> Vec<Rect> {
+        if !self.overlaps(other) {
+            return vec![*self];
+        }
+        let mut rest = *self;
+        let mut out = Vec::new();
+        for axis in 0..self.ndim {
+            if rest.lo[axis] < other.lo[axis] {
+                out.push(rest.with_axis(axis, rest.lo[axis], other.lo[axis]));
+                rest.lo[axis] = other.lo[axis];
+            }
+            if rest.hi[axis] > other.hi[axis] {
+                out.push(rest.with_axis(axis, other.hi[axis], rest.hi[axis]));
+                rest.hi[axis] = other.hi[axis];
+            }
+        }
+        out
+    }
+
     /// Row-major offset of global point `p` inside a buffer laid out over this rect.
     pub fn offset_of(&self, p: &[usize; MAX_DIMS]) -> usize {
         (0..self.ndim).fold(0, |off, i| off * self.extent(i) + (p[i] - self.lo[i]))

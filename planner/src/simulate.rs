@@ -13,9 +13,10 @@
 //! - per tile of every layer whose output gradient is read (every layer but the input and the
 //!   last), a fold: the sum of the gradient terms its consumers' tiles contributed (local ones and
 //!   the gradient copies from other devices, each gathered out of the consumer's input gradient
-//!   when it is a part of it), which its backward reads. The runtime folds per fragment of the
-//!   tile; the fragments' [`fold_bytes`] add up to the tile's bytes plus every term's, which is
-//!   what the task streams;
+//!   when it is a part of it), which its backward reads; one fold per fragment of the tile, the
+//!   pieces the runtime's dependence analysis cuts the gradient into along every rect written
+//!   into it (each fragment is folded apart, and each fold pays a dispatch), streaming
+//!   [`fold_bytes`] of its terms over its rect;
 //! - on a machine that measured its transport's CPU ([`MachineModel::network_cpu`]), per message
 //!   between nodes, that work at each end: a [`TaskKind::Network`] task on the sending and on the
 //!   receiving node's network threads ([`Resource::Network`], one task at a time per node), ready
@@ -337,20 +338,24 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
             backward[id.0].push(push(&mut tasks, task));
         }
     }
-    // The gradient terms of each tile's output: (task producing the term, bytes of the term).
-    let mut terms: Vec<Vec<Vec<(usize, u64)>>> = configs
+    // The gradient terms of each tile's output: (task producing the term, bytes of the term, its
+    // rect in the tensor).
+    let mut terms: Vec<Vec<Vec<(usize, u64, Rect)>>> = configs
         .iter()
         .map(|c| vec![Vec::new(); c.total()])
         .collect();
+    // The rects written into each layer's output gradient, in the runtime's launch order.
+    let mut written: Vec<Vec<Rect>> = vec![Vec::new(); configs.len()];
     for (e, overlaps) in edges.iter().rev() {
         if !e.carries_gradient(graph) {
             continue;
         }
         let (_, needed) = edge_rects(graph, e, &configs[e.src.0], &configs[e.dst.0]);
+        written[e.src.0].extend(needed.iter().filter(|r| !r.is_empty()));
         for o in overlaps {
             let mut from = backward[e.dst.0][o.dst_tile];
             if o.is_local() {
-                terms[e.src.0][o.src_tile].push((from, o.bytes()));
+                terms[e.src.0][o.src_tile].push((from, o.bytes(), o.rect));
                 continue;
             }
             // The consumer's gradient instance is its whole input rect; the producer receives the
@@ -388,32 +393,50 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
             );
             // the term's bytes once, with the copy (the rest is the transport's CPU work)
             let bytes = std::iter::once(o.bytes()).chain(std::iter::repeat(0));
-            terms[e.src.0][o.src_tile].extend(arrived.into_iter().zip(bytes));
+            terms[e.src.0][o.src_tile]
+                .extend(arrived.into_iter().zip(bytes).map(|(t, b)| (t, b, o.rect)));
         }
     }
     for id in (0..graph.layers().len()).rev().map(LayerId) {
         let layer = graph.layer(id);
         let config = &configs[id.0];
+        let mut fragments = vec![layer.shape.full_rect()];
+        for w in &written[id.0] {
+            split_fragments(&mut fragments, w);
+        }
         for (t, tile_terms) in terms[id.0].iter().enumerate() {
             if tile_terms.is_empty() || backward[id.0].is_empty() {
                 continue;
             }
             let device = config.device_of_tile(t);
-            let tile_bytes = 4 * tile_rect(&layer.shape, config, t).volume() as u64;
-            let bytes = tile_bytes + tile_terms.iter().map(|&(_, b)| b).sum::<u64>();
-            let fold = push(
-                &mut tasks,
-                Task {
-                    name: format!("{} grad sum {t}", layer.name),
-                    kind: TaskKind::Fold,
-                    resource: Resource::Device(device),
-                    duration: fold_time(machine, device, bytes),
-                    bytes: 0,
-                    latency: 0.0,
-                    deps: tile_terms.iter().map(|&(d, _)| d).collect(),
-                },
-            );
-            tasks[backward[id.0][t]].deps.push(fold);
+            let tile = tile_rect(&layer.shape, config, t);
+            let cells = split_fragments(&mut fragments, &tile);
+            for (k, cell) in cells.iter().enumerate() {
+                let covering: Vec<_> = tile_terms
+                    .iter()
+                    .filter(|(_, _, r)| r.contains(cell))
+                    .collect();
+                // each term once: a message's transport tasks carry no bytes of their own
+                let count = covering.iter().filter(|&&&(_, b, _)| b > 0).count();
+                let bytes = fold_bytes(count, 4 * cell.volume() as u64);
+                let name = match cells.len() {
+                    1 => format!("{} grad sum {t}", layer.name),
+                    _ => format!("{} grad sum {t} part {k}", layer.name),
+                };
+                let fold = push(
+                    &mut tasks,
+                    Task {
+                        name,
+                        kind: TaskKind::Fold,
+                        resource: Resource::Device(device),
+                        duration: fold_time(machine, device, bytes),
+                        bytes: 0,
+                        latency: 0.0,
+                        deps: covering.iter().map(|&&(d, _, _)| d).collect(),
+                    },
+                );
+                tasks[backward[id.0][t]].deps.push(fold);
+            }
         }
     }
     for id in (0..graph.layers().len()).rev().map(LayerId) {
@@ -619,6 +642,24 @@ fn unshared_slices(
         }
     }
     out
+}
+
+/// Cuts a region's `fragments` along `rect` as the runtime's dependence analysis does
+/// (`Analysis::split` in legion-runtime, which folds each fragment of a gradient apart); returns
+/// the fragments inside `rect`.
+fn split_fragments(fragments: &mut Vec<Rect>, rect: &Rect) -> Vec<Rect> {
+    let mut inside = Vec::new();
+    for i in 0..fragments.len() {
+        let f = fragments[i];
+        if rect.contains(&f) {
+            inside.push(f);
+        } else if f.overlaps(rect) {
+            fragments[i] = f.intersect(rect);
+            inside.push(fragments[i]);
+            fragments.extend(f.subtract(rect));
+        }
+    }
+    inside
 }
 
 /// Seconds for `device` to fold: `bytes` as [`fold_bytes`] counts them, at the measured fold

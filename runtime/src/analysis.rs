@@ -36,7 +36,6 @@
 use crate::region::{RegionId, Regions};
 use crate::task::{Privilege, TaskSpec};
 use legion_ops::Rect;
-use legion_ops::shape::MAX_DIMS;
 use legion_planner::DeviceId;
 use std::collections::HashMap;
 use thiserror::Error;
@@ -583,7 +582,7 @@ impl<'r> Analysis<'r> {
                 let state = frags[i].state.clone();
                 frags[i].rect = f.intersect(rect);
                 inside.push(i);
-                for piece in subtract(&f, rect) {
+                for piece in f.subtract(rect) {
                     frags.push(Fragment {
                         rect: piece,
                         state: state.clone(),
@@ -594,26 +593,6 @@ impl<'r> Analysis<'r> {
         }
         inside
     }
-}
-
-/// `a` minus `b` as disjoint rects (at most two per axis).
-pub fn subtract(a: &Rect, b: &Rect) -> Vec<Rect> {
-    let mut rest = *a;
-    let mut out = Vec::new();
-    if !a.overlaps(b) {
-        return vec![*a];
-    }
-    for axis in 0..a.ndim().min(MAX_DIMS) {
-        if rest.lo[axis] < b.lo[axis] {
-            out.push(rest.with_axis(axis, rest.lo[axis], b.lo[axis]));
-            rest.lo[axis] = b.lo[axis];
-        }
-        if rest.hi[axis] > b.hi[axis] {
-            out.push(rest.with_axis(axis, b.hi[axis], rest.hi[axis]));
-            rest.hi[axis] = b.hi[axis];
-        }
-    }
-    out
 }
 
 /// Whether the persistent data of `after` covers exactly the placements `before` (the step leaves

@@ -1,6 +1,6 @@
 //! The dependence analysis on small hand-made programs: read-after-write, write-after-read,
 //! reductions, halo copies, reads of unwritten data, the locality that `split_programs` relies on,
-//! and `subtract`. Op ids and instance ids are those the analysis hands out in launch order, so
+//! and `Rect::subtract`. Op ids and instance ids are those the analysis hands out in launch order, so
 //! each test asserts the exact ops, dependences and rects it produces.
 
 use legion_ops::shape::MAX_DIMS;
@@ -8,7 +8,7 @@ use legion_ops::train::Sgd;
 use legion_ops::{GraphBuilder, LayerId, Rect, Shape};
 use legion_planner::DeviceId;
 use legion_runtime::analysis::{
-    self, Analysis, AnalysisError, Instance, InstanceId, InstanceKind, Op, OpId, OpKind, StepGraph,
+    Analysis, AnalysisError, Instance, InstanceId, InstanceKind, Op, OpId, OpKind, StepGraph,
 };
 use legion_runtime::buffer::Buffer;
 use legion_runtime::exec::{ExecContext, StepInput};
@@ -673,7 +673,7 @@ proptest! {
 
     #[test]
     fn subtract_tiles_a_minus_b((a, b) in rect_pair()) {
-        let pieces = analysis::subtract(&a, &b);
+        let pieces = a.subtract(&b);
         prop_assert!(pieces.len() <= 2 * a.ndim());
         for (i, p) in pieces.iter().enumerate() {
             prop_assert!(!p.is_empty(), "empty piece {:?}", p);
@@ -690,13 +690,7 @@ proptest! {
 
 #[test]
 fn subtract_cuts_a_halo_row_out_of_a_tile() {
-    assert_eq!(
-        analysis::subtract(&rows(0, 8), &rows(3, 5)),
-        [rows(0, 3), rows(5, 8)]
-    );
-    assert_eq!(analysis::subtract(&rows(0, 4), &rows(4, 8)), [rows(0, 4)]);
-    assert_eq!(
-        analysis::subtract(&rows(3, 5), &rows(0, 8)),
-        [] as [Rect; 0]
-    );
+    assert_eq!(rows(0, 8).subtract(&rows(3, 5)), [rows(0, 3), rows(5, 8)]);
+    assert_eq!(rows(0, 4).subtract(&rows(4, 8)), [rows(0, 4)]);
+    assert_eq!(rows(3, 5).subtract(&rows(0, 8)), [] as [Rect; 0]);
 }
