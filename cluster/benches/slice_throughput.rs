@@ -5,10 +5,15 @@
 //!
 //! `cargo bench -p legion-cluster --bench slice_throughput [-- --mib 256 --runs 3]`
 //!
+//! Each of `--runs` rounds measures every column once, back to back, and the table gives each
+//! column's median and the median of the rounds' ratios (the best QUIC column over each TCP one).
+//!
 //! Experiment flags: `--conns 1,2` QUIC connections per run (slices striped over them),
 //! `--slices 1,16` slice sizes in MiB, `--max-mtu N` (default: `QuicOptions::default()`),
-//! `--only tcp,tls,old,quic` which columns to measure, `--stats` (prints each QUIC connection's
-//! path statistics after a run).
+//! `--receive-window BYTES` and `--stream-window BYTES` (QUIC's connection and stream
+//! flow-control windows), `--only tcp,tls,old,quic`
+//! which columns to measure, `--stats` (prints each QUIC connection's path statistics after a
+//! run).
 
 use legion_cluster::net::frame::{Frame, Limits};
 use legion_cluster::net::quic::{Handler, Inbound, QuicNode, QuicOptions, send_slice};
@@ -235,13 +240,18 @@ fn list(name: &str, default: &[usize]) -> Vec<usize> {
 
 fn main() {
     let total_mib: usize = num("--mib", 256);
-    let runs: usize = num("--runs", 3);
+    let rounds: usize = num("--runs", 3);
     let conn_counts = list("--conns", &[1, 2]);
     let slice_sizes = list("--slices", &[1, 16]);
     let only = arg("--only").unwrap_or("tcp,tls,quic,old".into());
     let stats = std::env::args().any(|a| a == "--stats");
     let tuned = QuicOptions {
         max_mtu: num("--max-mtu", QuicOptions::default().max_mtu),
+        receive_window: num("--receive-window", QuicOptions::default().receive_window),
+        stream_receive_window: num(
+            "--stream-window",
+            QuicOptions::default().stream_receive_window,
+        ),
         ..QuicOptions::default()
     };
     // The options before this benchmark's tuning (MTU discovery capped at Ethernet's 1452), for a
@@ -256,8 +266,8 @@ fn main() {
         .build()
         .unwrap();
     println!(
-        "loopback, {total_mib} MiB per run, best of {runs} runs, {IN_FLIGHT} QUIC streams in \
-         flight, QUIC max_mtu {}",
+        "loopback, {total_mib} MiB per run, {rounds} rounds (every column once per round), \
+         medians; {IN_FLIGHT} QUIC streams in flight, QUIC max_mtu {}",
         tuned.max_mtu
     );
     let quic_cols: Vec<String> = conn_counts
@@ -272,46 +282,62 @@ fn main() {
         "|---|---|---|---|{}---|---|",
         "---|".repeat(quic_cols.len())
     );
+    let wanted = |what: &str| only.split(',').any(|o| o == what);
     for slice_mib in slice_sizes {
         let slice_bytes = slice_mib << 20;
         let count = (total_mib / slice_mib).max(1);
         let bytes = (slice_bytes * count) as f64;
         let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
-        let best = |what: &str, f: &dyn Fn() -> Duration| {
-            if only.split(',').any(|o| o == what) {
-                Some(gbs((0..runs).map(|_| f()).min().unwrap()))
-            } else {
-                None
+        // Columns: TCP, TCP+TLS, old QUIC, then one per connection count. The machine is shared
+        // and its speed drifts over seconds, so every round measures each column once, and the
+        // ratios are taken within a round before their median.
+        let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 3 + conn_counts.len()];
+        let mut over_tcp = Vec::new();
+        let mut over_tls = Vec::new();
+        for _ in 0..rounds {
+            let mut round: Vec<Option<f64>> = Vec::new();
+            round.push(wanted("tcp").then(|| gbs(rt.block_on(tcp_run(slice_bytes, count, false)))));
+            round.push(wanted("tls").then(|| gbs(rt.block_on(tcp_run(slice_bytes, count, true)))));
+            round.push(
+                wanted("old")
+                    .then(|| gbs(rt.block_on(quic_run(&old, 1, slice_bytes, count, stats)))),
+            );
+            for &n in &conn_counts {
+                round.push(
+                    wanted("quic")
+                        .then(|| gbs(rt.block_on(quic_run(&tuned, n, slice_bytes, count, stats)))),
+                );
             }
-        };
-        let tcp = best("tcp", &|| rt.block_on(tcp_run(slice_bytes, count, false)));
-        let tls = best("tls", &|| rt.block_on(tcp_run(slice_bytes, count, true)));
-        let before = best("old", &|| {
-            rt.block_on(quic_run(&old, 1, slice_bytes, count, stats))
-        });
-        let quic: Vec<Option<f64>> = conn_counts
-            .iter()
-            .map(|&n| {
-                best("quic", &|| {
-                    rt.block_on(quic_run(&tuned, n, slice_bytes, count, stats))
-                })
-            })
-            .collect();
-        let top = quic.iter().flatten().copied().reduce(f64::max);
-        let cell = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}"));
-        let ratio = |q: Option<f64>, base: Option<f64>| match (q, base) {
-            (Some(q), Some(b)) => format!("{:.0}%", 100.0 * q / b),
-            _ => "-".into(),
-        };
-        let quic_cells: Vec<String> = quic.iter().map(|&q| cell(q)).collect();
+            for (column, x) in samples.iter_mut().zip(&round) {
+                column.extend(x);
+            }
+            let top = round[3..].iter().flatten().copied().reduce(f64::max);
+            if let (Some(q), Some(t)) = (top, round[0]) {
+                over_tcp.push(q / t);
+            }
+            if let (Some(q), Some(t)) = (top, round[1]) {
+                over_tls.push(q / t);
+            }
+        }
+        let cell = |xs: &mut Vec<f64>| median(xs).map_or("-".into(), |x| format!("{x:.2}"));
+        let ratio =
+            |xs: &mut Vec<f64>| median(xs).map_or("-".into(), |x| format!("{:.0}%", 100.0 * x));
+        let cells: Vec<String> = samples.iter_mut().map(cell).collect();
         println!(
-            "| {slice_mib} MiB | {} | {} | {} | {} | {} | {} |",
-            cell(tcp),
-            cell(tls),
-            cell(before),
-            quic_cells.join(" | "),
-            ratio(top, tcp),
-            ratio(top, tls),
+            "| {slice_mib} MiB | {} | {} | {} |",
+            cells.join(" | "),
+            ratio(&mut over_tcp),
+            ratio(&mut over_tls),
         );
+    }
+}
+
+fn median(xs: &mut [f64]) -> Option<f64> {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(xs[n / 2]),
+        _ => Some((xs[n / 2 - 1] + xs[n / 2]) / 2.0),
     }
 }
