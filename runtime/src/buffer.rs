@@ -72,21 +72,38 @@ impl Buffer {
 
     /// `rect` of this buffer (laid out over `layout`) as a buffer of its own.
     pub fn gather(&self, layout: &Rect, rect: &Rect) -> Buffer {
+        self.gather_into(layout, rect, None)
+    }
+
+    /// [`gather`](Self::gather) into `reuse`'s allocation when it is given and of this buffer's
+    /// element type (its contents are discarded).
+    pub fn gather_into(&self, layout: &Rect, rect: &Rect, reuse: Option<Buffer>) -> Buffer {
         if layout == rect {
             return self.clone();
         }
         // The runs come in the order of the new buffer: appending them writes each byte once,
         // where zeroing it first would write it twice.
-        fn runs<T: Copy>(src: &[T], layout: &Rect, rect: &Rect) -> Vec<T> {
-            let mut out = Vec::with_capacity(rect.volume());
+        fn runs<T: Copy>(src: &[T], layout: &Rect, rect: &Rect, mut out: Vec<T>) -> Vec<T> {
+            out.clear();
+            out.reserve_exact(rect.volume());
             for_each_run(rect, layout, rect, |s, _, len| {
                 out.extend_from_slice(&src[s..s + len]);
             });
             out
         }
+        match (self, reuse) {
+            (Buffer::F32(v), Some(Buffer::F32(out))) => Buffer::F32(runs(v, layout, rect, out)),
+            (Buffer::F32(v), _) => Buffer::F32(runs(v, layout, rect, Vec::new())),
+            (Buffer::F64(v), Some(Buffer::F64(out))) => Buffer::F64(runs(v, layout, rect, out)),
+            (Buffer::F64(v), _) => Buffer::F64(runs(v, layout, rect, Vec::new())),
+        }
+    }
+
+    /// Drops every element, keeping the allocation.
+    pub fn clear(&mut self) {
         match self {
-            Buffer::F32(v) => Buffer::F32(runs(v, layout, rect)),
-            Buffer::F64(v) => Buffer::F64(runs(v, layout, rect)),
+            Buffer::F32(v) => v.clear(),
+            Buffer::F64(v) => v.clear(),
         }
     }
 

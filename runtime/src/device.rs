@@ -11,6 +11,7 @@
 use crate::buffer::{self, Buffer};
 use crate::exec::{self, Access, ExecContext, StepInput, TaskOutcome};
 use crate::program::{DeviceProgram, LocalOpKind};
+use crate::recycle::BufferPool;
 use crate::task::Privilege;
 use crate::transport::{SliceMessage, Transport};
 use kameo::Actor;
@@ -55,6 +56,9 @@ pub struct DeviceSetup {
     pub transport: Arc<dyn Transport>,
     /// Where this device's kernels run (its own pool: see `embedded::spawn_local_devices`).
     pub pool: Arc<rayon::ThreadPool>,
+    /// Buffers of gathered and received slices, reused across steps (shared by this process's
+    /// devices).
+    pub buffers: Arc<BufferPool>,
 }
 
 #[derive(Actor)]
@@ -134,9 +138,12 @@ impl DeviceActor {
     fn store(&mut self, dst: u32, rect: &Rect, data: Arc<Buffer>) {
         let layout = self.rect(dst);
         if layout == *rect {
-            self.instances[dst as usize] = Some(data);
+            if let Some(replaced) = self.instances[dst as usize].replace(data) {
+                self.setup.buffers.give(replaced);
+            }
         } else {
             self.instance_mut(dst).copy_from(&layout, &data, rect, rect);
+            self.setup.buffers.give(data);
         }
     }
 
@@ -146,7 +153,9 @@ impl DeviceActor {
         if layout == *rect {
             self.share(src)
         } else {
-            Arc::new(self.instance(src).gather(&layout, rect))
+            let dtype = self.setup.program.instances[src as usize].dtype;
+            let reuse = self.setup.buffers.take(dtype, rect.volume());
+            Arc::new(self.instance(src).gather_into(&layout, rect, reuse))
         }
     }
 

@@ -7,6 +7,7 @@ use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepR
 use crate::exec::{BatchView, StepInput};
 use crate::plan::{PlanError, SamplesRead, StepPlan};
 use crate::program::DeviceProgram;
+use crate::recycle::BufferPool;
 use crate::region::RegionKind;
 use crate::transport::{InProcessTransport, Transport};
 use kameo::actor::{ActorRef, Spawn};
@@ -395,6 +396,7 @@ pub fn spawn_local_devices(
     transport: Arc<InProcessTransport>,
 ) -> Vec<ActorRef<DeviceActor>> {
     let pools = device_pools(programs.len());
+    let buffers = Arc::new(BufferPool::for_programs(programs));
     let actors: Vec<ActorRef<DeviceActor>> = programs
         .iter()
         .zip(pools)
@@ -406,6 +408,7 @@ pub fn spawn_local_devices(
                 sgd,
                 transport: Arc::clone(&transport) as Arc<dyn Transport>,
                 pool,
+                buffers: Arc::clone(&buffers),
             };
             DeviceActor::spawn_with_mailbox(DeviceActor::new(setup), mailbox::unbounded())
         })

@@ -10,6 +10,7 @@
 //! - `program`: the analysed step cut into per-device programs (copies become send/recv).
 //! - `plan`: builds and checks the replayable step plan.
 //! - `buffer`, `exec`: instance storage and the kernels a task runs.
+//! - `recycle`: buffers of gathered and received slices, reused across steps.
 //! - `device`: the kameo device actor that runs a device's program each step.
 //! - `transport`: moving slices between devices (in-process here; QUIC in `legion-cluster`).
 //! - `embedded`: N devices in this process; the API the CLI trains with.
@@ -29,6 +30,7 @@ pub mod mapper;
 pub mod plan;
 pub mod profile;
 pub mod program;
+pub mod recycle;
 pub mod region;
 pub mod serial;
 pub mod task;
