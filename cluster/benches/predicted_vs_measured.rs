@@ -27,8 +27,21 @@ use std::path::PathBuf;
 const DEVICES: usize = 4;
 const STRATEGIES: [&str; 3] = ["data", "owt", "optcnn"];
 const WARMUP: usize = 3;
-const STEPS: usize = 10;
 const SEED: u64 = 1;
+/// Each round profiles about `PROFILE_S` and measures about `MEASURE_S` seconds of steps, but at
+/// least `MIN_REPEATS` traced and `MIN_STEPS` measured steps. A fixed count of 10 steps measured LeNet-5 for
+/// 35 ms; single steps of ~3.5 ms vary by tens of percent on this shared machine, and its rounds'
+/// errors scattered by ±20%.
+const MEASURE_S: f64 = 1.0;
+const PROFILE_S: f64 = 0.5;
+const MIN_STEPS: usize = 10;
+const MIN_REPEATS: usize = 5;
+const MAX_STEPS: usize = 2000;
+
+/// Steps of `step_s` seconds that fill `seconds`, at least `least`.
+fn steps_for(seconds: f64, step_s: f64, least: usize) -> usize {
+    ((seconds / step_s).ceil() as usize).clamp(least, MAX_STEPS)
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -49,8 +62,9 @@ fn main() -> anyhow::Result<()> {
         .filter(|&r| r > 0)
         .unwrap_or(3);
     println!(
-        "{DEVICES} embedded devices on {cores} core(s); measured = mean of {STEPS} steps after \
-         {WARMUP} warm-up steps; medians over {rounds} round(s) of profile + measure"
+        "{DEVICES} embedded devices on {cores} core(s); measured = mean of the steps in ~{MEASURE_S} \
+         s (at least {MIN_STEPS}) after {WARMUP} warm-up steps, profiled over ~{PROFILE_S} s (at \
+         least {MIN_REPEATS} traced steps); medians over {rounds} round(s) of profile + measure"
     );
     println!(
         "{:<16} {:<8} {:>12} {:>13} {:>8}  errors by round",
@@ -78,6 +92,26 @@ fn main() -> anyhow::Result<()> {
             ..ProfileSettings::default()
         };
         let params = ParamStore::init(&graph, SEED);
+        // How many steps to measure and to profile, from a short first measurement of each.
+        let counts = strategies
+            .iter()
+            .map(|(_, configs)| {
+                let mut cluster = EmbeddedCluster::start(
+                    &graph,
+                    configs,
+                    DEVICES,
+                    &params,
+                    Sgd::default(),
+                    SEED,
+                    0,
+                )?;
+                let step_s = profile::mean_step_time(&mut cluster, &graph, WARMUP, 3, SEED)?;
+                Ok((
+                    steps_for(MEASURE_S, step_s, MIN_STEPS),
+                    steps_for(PROFILE_S, step_s, MIN_REPEATS),
+                ))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
         // (measured, simulated) seconds per strategy per round
         let mut results: Vec<Vec<(f64, f64)>> = vec![Vec::new(); strategies.len()];
         let mut notes = Vec::new();
@@ -85,6 +119,11 @@ fn main() -> anyhow::Result<()> {
             let mut note = format!("round {}:", round + 1);
             for (i, (strategy, configs)) in strategies.iter().enumerate() {
                 let one = std::slice::from_ref(&strategies[i]);
+                let (steps, repeats) = counts[i];
+                let settings = ProfileSettings {
+                    repeats,
+                    ..settings.clone()
+                };
                 let measured = profile::profile(&graph, DEVICES, one, &settings)?;
                 let machine = measured.db.apply_to(machine.clone());
                 let cost = ProfiledCost::new(&measured.db, &machine);
@@ -99,7 +138,7 @@ fn main() -> anyhow::Result<()> {
                     SEED,
                     0,
                 )?;
-                let real = profile::mean_step_time(&mut cluster, &graph, WARMUP, STEPS, SEED)?;
+                let real = profile::mean_step_time(&mut cluster, &graph, WARMUP, steps, SEED)?;
                 results[i].push((real, sim.makespan));
                 if let Some(dir) = traces.as_ref().filter(|_| round + 1 == rounds) {
                     std::fs::create_dir_all(dir)?;
@@ -116,7 +155,7 @@ fn main() -> anyhow::Result<()> {
                         std::fs::write(path, serde_json::to_string(&trace)?)?;
                     }
                 }
-                note += &format!(" {strategy}:");
+                note += &format!(" {strategy} ({steps} steps, {repeats} traced):");
                 if let Some(l) = &measured.db.links {
                     note += &format!(
                         " link {:.2} GB/s {:.0} µs,",
