@@ -92,19 +92,14 @@ fn main() -> anyhow::Result<()> {
             ..ProfileSettings::default()
         };
         let params = ParamStore::init(&graph, SEED);
+        let start = |configs: &[legion_planner::ParallelConfig]| {
+            EmbeddedCluster::start(&graph, configs, DEVICES, &params, Sgd::default(), SEED, 0)
+        };
         // How many steps to measure and to profile, from a short first measurement of each.
         let counts = strategies
             .iter()
             .map(|(_, configs)| {
-                let mut cluster = EmbeddedCluster::start(
-                    &graph,
-                    configs,
-                    DEVICES,
-                    &params,
-                    Sgd::default(),
-                    SEED,
-                    0,
-                )?;
+                let mut cluster = start(configs)?;
                 let step_s = profile::mean_step_time(&mut cluster, &graph, WARMUP, 3, SEED)?;
                 Ok((
                     steps_for(MEASURE_S, step_s, MIN_STEPS),
@@ -129,15 +124,7 @@ fn main() -> anyhow::Result<()> {
                 let cost = ProfiledCost::new(&measured.db, &machine);
                 let model = CostModel::new(&graph, &machine, &cost);
                 let sim = simulate(&model, configs);
-                let mut cluster = EmbeddedCluster::start(
-                    &graph,
-                    configs,
-                    DEVICES,
-                    &params,
-                    Sgd::default(),
-                    SEED,
-                    0,
-                )?;
+                let mut cluster = start(configs)?;
                 let real = profile::mean_step_time(&mut cluster, &graph, WARMUP, steps, SEED)?;
                 results[i].push((real, sim.makespan));
                 if let Some(dir) = traces.as_ref().filter(|_| round + 1 == rounds) {
