@@ -29,9 +29,9 @@ const STRATEGIES: [&str; 3] = ["data", "owt", "optcnn"];
 const WARMUP: usize = 3;
 const SEED: u64 = 1;
 /// Each round profiles about `PROFILE_S` and measures about `MEASURE_S` seconds of steps, but at
-/// least `MIN_REPEATS` traced and `MIN_STEPS` measured steps. A fixed count of 10 steps measured LeNet-5 for
-/// 35 ms; single steps of ~3.5 ms vary by tens of percent on this shared machine, and its rounds'
-/// errors scattered by ±20%.
+/// least `MIN_REPEATS` traced and `MIN_STEPS` measured steps. A fixed count of 10 steps measured
+/// LeNet-5 for 35 ms; single steps of ~3.5 ms vary by tens of percent on this shared machine, and
+/// its rounds' errors scattered by ±20%.
 const MEASURE_S: f64 = 1.0;
 const PROFILE_S: f64 = 0.5;
 const MIN_STEPS: usize = 10;

@@ -11,9 +11,8 @@
 //! Experiment flags: `--conns 1,2` QUIC connections per run (slices striped over them),
 //! `--slices 1,16` slice sizes in MiB, `--max-mtu N` (default: `QuicOptions::default()`),
 //! `--receive-window BYTES` and `--stream-window BYTES` (QUIC's connection and stream
-//! flow-control windows), `--only tcp,tls,old,quic`
-//! which columns to measure, `--stats` (prints each QUIC connection's path statistics after a
-//! run).
+//! flow-control windows), `--only tcp,tls,old,quic` which columns to measure, `--stats` (prints
+//! each QUIC connection's path statistics after a run).
 
 use legion_cluster::net::frame::{Frame, Limits};
 use legion_cluster::net::quic::{Handler, Inbound, QuicNode, QuicOptions, send_slice};

@@ -12,9 +12,9 @@
 //! every time.
 //!
 //! The pool is shared by the devices of one process. Its lock is taken once per buffer of at
-//! least [`BufferPool::MIN_BYTES`], a few dozen times per step, never per element or per
-//! task. It keeps at most its budget: the bytes one step gathers on these devices. That is what the step
-//! allocates anyway, so an idle process holds no more than a running step does. Slices
+//! least [`BufferPool::MIN_BYTES`], a few dozen times per step, never per element or per task.
+//! It keeps at most its budget: the bytes one step gathers on these devices. That is what the
+//! step allocates anyway, so an idle process holds no more than a running step does. Slices
 //! received from other processes arrive in buffers of their own. They are handed back like the
 //! rest while the budget allows, and the budget is what bounds them.
 
@@ -101,8 +101,8 @@ impl BufferPool {
             .push(buffer);
     }
 
-    /// Bytes kept now.
-    pub fn kept_bytes(&self) -> usize {
+    #[cfg(test)]
+    fn kept_bytes(&self) -> usize {
         self.state.lock().expect("buffer pool lock").bytes
     }
 }
