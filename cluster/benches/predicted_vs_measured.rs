@@ -1,12 +1,13 @@
 //! Predicted vs measured step time on the embedded cluster.
 //!
-//! For each model and strategy: profile the strategy on 4 embedded devices
-//! (`legion_runtime::profile`), then compare the mean wall-clock time of real steps, taken right
-//! after, with the planner's simulated step time, priced by `ProfiledCost` over that profile, the
-//! measured link and the measured runtime costs. The machine is shared and its load drifts, so each
-//! strategy is profiled just before it is measured, and the whole is repeated in rounds; the table
-//! gives each strategy's median over the rounds of the measured and of the simulated time, and
-//! every round's error. Run with
+//! For each model and strategy, on 4 embedded devices: alternate untraced steps, timed, with
+//! traced steps that feed a `Profiler`, then compare the untraced steps' mean wall-clock time with
+//! the planner's simulated step time, priced by `ProfiledCost` over that profile, the measured
+//! link and the measured runtime costs. The machine is shared and its load drifts within seconds,
+//! so the profile and the measurement interleave step by step, and the whole is repeated in
+//! rounds; the table gives each strategy's median over the rounds of the measured and of the
+//! simulated time, every round's error, and the traced steps' mean (how much tracing costs, and
+//! the error against the very steps the profile came from). Run with
 //! `cargo bench -p legion-cluster --bench predicted_vs_measured`; the table is in BENCHMARKS.md.
 //!
 //! Environment: `LEGION_PVM_MODELS=alexnet,lenet5` picks the models (both by default);
@@ -20,22 +21,22 @@ use legion_cluster::job::{choose_strategy, embedded_machine};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_planner::simulate::simulate;
 use legion_planner::{CostModel, ProfiledCost};
+use legion_runtime::cpu_share::process_cpu_s;
 use legion_runtime::embedded::EmbeddedCluster;
-use legion_runtime::profile::{self, ProfileSettings};
+use legion_runtime::profile::{self, ProfileSettings, Profiler};
 use std::path::PathBuf;
+use std::time::Instant;
 
 const DEVICES: usize = 4;
 const STRATEGIES: [&str; 3] = ["data", "owt", "optcnn"];
 const WARMUP: usize = 3;
 const SEED: u64 = 1;
-/// Each round profiles about `PROFILE_S` and measures about `MEASURE_S` seconds of steps, but at
-/// least `MIN_REPEATS` traced and `MIN_STEPS` measured steps. A fixed count of 10 steps measured
+/// Each round measures about `MEASURE_S` seconds of untraced steps, at least `MIN_STEPS`, and
+/// profiles as many traced steps between them. A fixed count of 10 steps measured
 /// LeNet-5 for 35 ms; single steps of ~3.5 ms vary by tens of percent on this shared machine, and
 /// its rounds' errors scattered by ±20%.
 const MEASURE_S: f64 = 1.0;
-const PROFILE_S: f64 = 0.5;
 const MIN_STEPS: usize = 10;
-const MIN_REPEATS: usize = 5;
 const MAX_STEPS: usize = 2000;
 
 /// Steps of `step_s` seconds that fill `seconds`, at least `least`.
@@ -62,13 +63,20 @@ fn main() -> anyhow::Result<()> {
         .filter(|&r| r > 0)
         .unwrap_or(3);
     println!(
-        "{DEVICES} embedded devices on {cores} core(s); measured = mean of the steps in ~{MEASURE_S} \
-         s (at least {MIN_STEPS}) after {WARMUP} warm-up steps, profiled over ~{PROFILE_S} s (at \
-         least {MIN_REPEATS} traced steps); medians over {rounds} round(s) of profile + measure"
+        "{DEVICES} embedded devices on {cores} core(s); measured = mean of the untraced steps in \
+         ~{MEASURE_S} s (at least {MIN_STEPS}) after {WARMUP} warm-up steps, profiled = as many \
+         traced steps, alternating with them; medians over {rounds} round(s)"
     );
     println!(
-        "{:<16} {:<8} {:>12} {:>13} {:>8}  errors by round",
-        "model", "strategy", "measured ms", "simulated ms", "error"
+        "{:<16} {:<8} {:>12} {:>13} {:>8}  {:<22} {:>11} {:>8}",
+        "model",
+        "strategy",
+        "measured ms",
+        "simulated ms",
+        "error",
+        "errors by round",
+        "profiled ms",
+        "vs sim"
     );
     let models = std::env::var("LEGION_PVM_MODELS").unwrap_or_else(|_| "alexnet,lenet5".into());
     let traces = std::env::var_os("LEGION_PVM_TRACES").map(PathBuf::from);
@@ -95,42 +103,51 @@ fn main() -> anyhow::Result<()> {
         let start = |configs: &[legion_planner::ParallelConfig]| {
             EmbeddedCluster::start(&graph, configs, DEVICES, &params, Sgd::default(), SEED, 0)
         };
-        // How many steps to measure and to profile, from a short first measurement of each.
+        // How many steps to measure, from a short first measurement of each strategy.
         let counts = strategies
             .iter()
             .map(|(_, configs)| {
                 let mut cluster = start(configs)?;
                 let step_s = profile::mean_step_time(&mut cluster, &graph, WARMUP, 3, SEED)?;
-                Ok((
-                    steps_for(MEASURE_S, step_s, MIN_STEPS),
-                    steps_for(PROFILE_S, step_s, MIN_REPEATS),
-                ))
+                Ok(steps_for(MEASURE_S, step_s, MIN_STEPS))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
-        // (measured, simulated) seconds per strategy per round
-        let mut results: Vec<Vec<(f64, f64)>> = vec![Vec::new(); strategies.len()];
+        let (images, labels) = profile::synthetic_batch(&graph, SEED)?;
+        // (measured, simulated, profiled) seconds per strategy per round
+        let mut results: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); strategies.len()];
         let mut notes = Vec::new();
         for round in 0..rounds {
             let mut note = format!("round {}:", round + 1);
             for (i, (strategy, configs)) in strategies.iter().enumerate() {
-                let one = std::slice::from_ref(&strategies[i]);
-                let (steps, repeats) = counts[i];
-                let settings = ProfileSettings {
-                    repeats,
-                    ..settings.clone()
-                };
-                let measured = profile::profile(&graph, DEVICES, one, &settings)?;
-                let machine = measured.db.apply_to(machine.clone());
-                let cost = ProfiledCost::new(&measured.db, &machine);
+                let steps = counts[i];
+                let mut cluster = start(configs)?;
+                for _ in 0..WARMUP {
+                    cluster.step(images.clone(), labels.clone(), false)?;
+                }
+                // Untraced (measured) and traced (profiled) steps alternate, so both see the
+                // same load: on a shared machine it drifts by tens of percent within seconds.
+                let mut profiler = Profiler::new(DEVICES, &settings);
+                let (mut untraced_s, mut traced_s) = (0.0, 0.0);
+                for _ in 0..steps {
+                    let t = Instant::now();
+                    cluster.step(images.clone(), labels.clone(), false)?;
+                    untraced_s += t.elapsed().as_secs_f64();
+                    let (t, cpu) = (Instant::now(), process_cpu_s());
+                    let result = cluster.step(images.clone(), labels.clone(), true)?;
+                    let cpu_s = process_cpu_s() - cpu;
+                    traced_s += t.elapsed().as_secs_f64();
+                    profiler.add_step(&graph, cluster.plan(), &result.reports, cpu_s);
+                }
+                let (real, profiled) = (untraced_s / steps as f64, traced_s / steps as f64);
+                let db = profiler.finish(&graph);
+                let machine = db.apply_to(machine.clone());
+                let cost = ProfiledCost::new(&db, &machine);
                 let model = CostModel::new(&graph, &machine, &cost);
                 let sim = simulate(&model, configs);
-                let mut cluster = start(configs)?;
-                let real = profile::mean_step_time(&mut cluster, &graph, WARMUP, steps, SEED)?;
-                results[i].push((real, sim.makespan));
+                results[i].push((real, sim.makespan, profiled));
                 if let Some(dir) = traces.as_ref().filter(|_| round + 1 == rounds) {
                     std::fs::create_dir_all(dir)?;
-                    let (images, labels) = profile::synthetic_batch(&graph, SEED)?;
-                    let result = cluster.step(images, labels, true)?;
+                    let result = cluster.step(images.clone(), labels.clone(), true)?;
                     let real = legion_runtime::trace::chrome_trace(
                         cluster.plan(),
                         &graph,
@@ -142,19 +159,20 @@ fn main() -> anyhow::Result<()> {
                         std::fs::write(path, serde_json::to_string(&trace)?)?;
                     }
                 }
-                note += &format!(" {strategy} ({steps} steps, {repeats} traced):");
-                if let Some(l) = &measured.db.links {
+                note += &format!(" {strategy} ({steps} + {steps} traced steps):");
+                if let Some(l) = &db.links {
                     note += &format!(
                         " link {:.2} GB/s {:.0} µs,",
                         l.bytes_per_s / 1e9,
                         l.latency_s * 1e6
                     );
                 }
-                if let Some(r) = &measured.db.runtime {
+                if let Some(r) = &db.runtime {
                     note += &format!(
-                        " dispatch {:.0} µs, folds {:.1} GB/s, updates {:.1} GB/s, copies {:.1} \
+                        " dispatch {:.0} µs, runtime CPU {:.1} µs, folds {:.1} GB/s, updates {:.1} GB/s, copies {:.1} \
                          GB/s ({} actor threads),",
                         r.dispatch_s * 1e6,
+                        r.runtime_cpu_s * 1e6,
                         r.fold_bytes_per_s / 1e9,
                         r.update_bytes_per_s / 1e9,
                         r.copy_bytes_per_s / 1e9,
@@ -172,16 +190,19 @@ fn main() -> anyhow::Result<()> {
         for ((strategy, _), runs) in strategies.iter().zip(&results) {
             let real = median(runs.iter().map(|r| r.0).collect());
             let simulated = median(runs.iter().map(|r| r.1).collect());
+            let profiled = median(runs.iter().map(|r| r.2).collect());
             let errors: Vec<String> = runs
                 .iter()
-                .map(|(m, s)| format!("{:+.1}%", 100.0 * (s - m) / m))
+                .map(|(m, s, _)| format!("{:+.1}%", 100.0 * (s - m) / m))
                 .collect();
             println!(
-                "{label:<16} {strategy:<8} {:>12.2} {:>13.2} {:>7.1}%  {}",
+                "{label:<16} {strategy:<8} {:>12.2} {:>13.2} {:>7.1}%  {:<22} {:>11.2} {:>+7.1}%",
                 real * 1e3,
                 simulated * 1e3,
                 100.0 * (simulated - real) / real,
-                errors.join(" ")
+                errors.join(" "),
+                profiled * 1e3,
+                100.0 * (simulated - profiled) / profiled,
             );
         }
         for note in notes {

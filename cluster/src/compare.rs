@@ -315,6 +315,7 @@ mod tests {
         .unwrap();
         let costs = RuntimeCosts {
             dispatch_s: 2e-5,
+            runtime_cpu_s: 0.0,
             dispatch_bins_s: None,
             fold_bytes_per_s: 3e9,
             update_bytes_per_s: 2e9,

@@ -58,6 +58,10 @@ fn profile_feeds_plan() {
             .any(|e| e.forward_s > 0.0 && e.backward_s > 0.0),
         "kernels take time"
     );
+    let runtime = db.runtime.expect("the runtime's costs were measured");
+    // The runtime's CPU per op: what the process spent besides the kernels and copies it timed,
+    // a few to tens of µs per op, never negative.
+    assert!((0.0..1e-3).contains(&runtime.runtime_cpu_s), "{runtime:?}");
     let links = db.links.expect("two devices exchange tensors");
     assert!(links.bytes_per_s > 0.0 && links.samples > 0, "{links:?}");
     assert!(

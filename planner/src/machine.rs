@@ -138,6 +138,14 @@ pub struct RuntimeCosts {
     /// message handling, the hand-off to the device's pool and waking its thread (the profiler's
     /// mean). Paid once per compute op (kernel, fold, update).
     pub dispatch_s: f64,
+    /// CPU seconds the runtime spends per compute op besides the kernels and copies it times: the
+    /// actors' message handling, handing ops to the pools, waking and parking their threads (the
+    /// profiler's process CPU time less the own seconds of every timed op, per compute op). On a
+    /// machine whose devices share their cores it is the end of the op's dispatch and holds a
+    /// core: with the cores busy, each op's kernel waits for it after a core frees. 0 in profiles
+    /// from before it was measured.
+    #[serde(default)]
+    pub runtime_cpu_s: f64,
     /// How those delays spread: the mean of each sixteenth of them, in ascending order (their mean
     /// is `dispatch_s`). When present, the simulator draws each op's delay from them and reports
     /// the expected step time over many draws: a step of many small ops waits on the slowest of
@@ -191,11 +199,13 @@ impl RuntimeCosts {
 
     /// Every time zero or positive, every throughput positive (all finite).
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.dispatch_s.is_finite() && self.dispatch_s >= 0.0) {
-            return Err(format!(
-                "dispatch_s must be zero or positive, got {}",
-                self.dispatch_s
-            ));
+        for (field, v) in [
+            ("dispatch_s", self.dispatch_s),
+            ("runtime_cpu_s", self.runtime_cpu_s),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{field} must be zero or positive, got {v}"));
+            }
         }
         if let Some(bins) = &self.dispatch_bins_s
             && let Some(bad) = bins.iter().find(|b| !(b.is_finite() && **b >= 0.0))
@@ -778,6 +788,7 @@ mod tests {
         assert_eq!(m.runtime_costs(), None);
         let costs = RuntimeCosts {
             dispatch_s: 50e-6,
+            runtime_cpu_s: 0.0,
             fold_bytes_per_s: 4e9,
             update_bytes_per_s: 2e9,
             copy_bytes_per_s: 5e9,

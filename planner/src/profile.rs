@@ -634,6 +634,7 @@ mod tests {
         assert!(!old.to_json().contains("runtime"));
         let costs = RuntimeCosts {
             dispatch_s: 1e-4,
+            runtime_cpu_s: 0.0,
             fold_bytes_per_s: 3e9,
             update_bytes_per_s: 2e9,
             copy_bytes_per_s: 4e9,

@@ -50,7 +50,9 @@
 //! cluster, or hosts on one machine), a compute task, a move or a node's network work also needs
 //! one of the cores, so N devices on fewer cores do
 //! not compute N tiles at once, and an actor's copy takes a core from the kernels; the dispatch
-//! overlaps waiting for a core. Durations are the tasks' own seconds (the profiler takes out the
+//! overlaps waiting for a core, but its last [`RuntimeCosts::runtime_cpu_s`] (the runtime's own CPU
+//! per op: message handling, waking and parking threads) is work on the core the kernel then
+//! uses, so with the cores busy a kernel starts that long after one frees. Durations are the tasks' own seconds (the profiler takes out the
 //! share of the cores a task lost to others), so running fewer of them at full speed is the
 //! OS's fair sharing seen from each task's end. A task held back by its device takes, of the
 //! cores free by then, the one freed last, so a core idle since earlier stays free for a task
@@ -769,6 +771,9 @@ pub struct Pools {
     pub actor_threads: Option<usize>,
     /// Seconds between a compute task being startable and its kernel starting.
     pub dispatch_s: f64,
+    /// The runtime's CPU per compute task ([`RuntimeCosts::runtime_cpu_s`]): with compute slots,
+    /// the end of its dispatch, holding a slot.
+    pub runtime_cpu_s: f64,
 }
 
 impl Pools {
@@ -779,6 +784,7 @@ impl Pools {
             compute_slots: machine.compute_slots(),
             actor_threads: costs.map(|c| c.actor_threads),
             dispatch_s: costs.map_or(0.0, |c| c.dispatch_s),
+            runtime_cpu_s: costs.map_or(0.0, |c| c.runtime_cpu_s),
         }
     }
 }
@@ -796,13 +802,15 @@ pub fn list_schedule_dispatched(
             compute_slots,
             actor_threads: None,
             dispatch_s: dispatch,
+            runtime_cpu_s: 0.0,
         },
     )
 }
 
 /// The list schedule of `tasks` under `pools`: a compute task (on a device, not a [`TaskKind::Move`])
 /// waits for its device and, with actor threads, for one of them to be free, then for the
-/// dispatch, and, if it takes time, for a compute slot (the dispatch overlaps that wait). A move
+/// dispatch, and, if it takes time, for a compute slot (the dispatch overlaps that wait), holding
+/// it for the runtime's CPU before its kernel ([`Pools::runtime_cpu_s`]). A move
 /// waits for its device and an actor thread, and, if it takes time, a compute slot, and holds all
 /// three.
 pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
@@ -864,9 +872,11 @@ fn schedule(
         }
         let uses_core = on_device || matches!(tasks[t].resource, Resource::Network(_));
         let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && uses_core;
-        let slot = pooled.then(|| fitting(&slots, start[t]));
+        // The runtime's work on a compute task ends its dispatch, on the core its kernel then uses.
+        let handling = if compute { pools.runtime_cpu_s } else { 0.0 };
+        let slot = pooled.then(|| fitting(&slots, start[t] - handling));
         if let Some(k) = slot {
-            start[t] = start[t].max(slots[k]);
+            start[t] = start[t].max(slots[k] + handling);
         }
         finish[t] = start[t] + tasks[t].duration;
         *free = finish[t];
@@ -1235,6 +1245,7 @@ mod tests {
             .unwrap()
             .with_runtime_costs(RuntimeCosts {
                 dispatch_s,
+                runtime_cpu_s: 0.0,
                 fold_bytes_per_s: 1e9,
                 update_bytes_per_s: 2e9,
                 copy_bytes_per_s: 4e9,
@@ -1430,6 +1441,43 @@ mod tests {
     }
 
     #[test]
+    fn runtime_cpu_holds_a_core_before_each_kernel_when_the_cores_are_busy() {
+        let task = |name: &str, device, duration| Task {
+            name: name.into(),
+            kind: TaskKind::Forward,
+            resource: Resource::Device(device),
+            duration,
+            bytes: 0,
+            latency: 0.0,
+            deps: vec![],
+        };
+        let tasks = vec![task("a", 0, 1.0), task("b", 1, 1.0), task("c", 2, 1.0)];
+        let pools = |runtime_cpu_s| Pools {
+            compute_slots: Some(2),
+            actor_threads: None,
+            dispatch_s: 0.5,
+            runtime_cpu_s,
+        };
+        // a and b find free cores: the runtime's work is inside their dispatch. c waits for a
+        // core until 1.5, then for the runtime's 0.25 on it before its kernel.
+        let (start, finish) = list_schedule_pools(&tasks, &pools(0.25));
+        assert_eq!(start, vec![0.5, 0.5, 1.75]);
+        assert_eq!(finish, vec![1.5, 1.5, 2.75]);
+        // Without it, c's kernel starts as the core frees.
+        let (start, _) = list_schedule_pools(&tasks, &pools(0.0));
+        assert_eq!(start, vec![0.5, 0.5, 1.5]);
+        // Without shared cores it costs nothing beyond the dispatch.
+        let (start, _) = list_schedule_pools(
+            &tasks,
+            &Pools {
+                compute_slots: None,
+                ..pools(0.25)
+            },
+        );
+        assert_eq!(start, vec![0.5, 0.5, 0.5]);
+    }
+
+    #[test]
     fn actor_threads_serialise_copies_and_hold_back_dispatch() {
         let task = |name: &str, kind, device, duration, deps: Vec<usize>| Task {
             name: name.into(),
@@ -1450,6 +1498,7 @@ mod tests {
             compute_slots: Some(2),
             actor_threads,
             dispatch_s: 0.5,
+            runtime_cpu_s: 0.0,
         };
         // Two actor threads: both copies at once; kernel 2 finds no free thread until 2, then
         // pays its dispatch; kernel 0 follows its copy, the same way.

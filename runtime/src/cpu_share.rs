@@ -55,6 +55,18 @@ pub fn alone_seconds(spans: &[CpuSpan], cores: usize) -> Vec<f64> {
     alone
 }
 
+/// CPU seconds this process's threads have used so far (user and system), to the nanosecond.
+pub fn process_cpu_s() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec to write; CLOCK_PROCESS_CPUTIME_ID exists on every Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_PROCESS_CPUTIME_ID) failed");
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -65,6 +77,22 @@ mod tests {
             end,
             threads,
         }
+    }
+
+    #[test]
+    fn process_cpu_time_grows_with_work() {
+        // Other tests' threads share the process, so only growth under our own work is certain.
+        let before = process_cpu_s();
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while process_cpu_s() - before < 0.01 {
+            x = std::hint::black_box(x.wrapping_add(1));
+            assert!(
+                t.elapsed().as_secs() < 30,
+                "10 ms of CPU not seen in 30 s of spinning"
+            );
+        }
+        assert!(process_cpu_s() >= before);
     }
 
     #[test]

@@ -41,6 +41,12 @@
 //!   ([`MachineModel::compute_slots`](legion_planner::MachineModel::compute_slots));
 //! - copies: bytes over seconds of every data-movement op that copies (a gather out of, or a store
 //!   into, a larger instance; whole instances are shared), summed;
+//! - runtime CPU: the process's CPU time over each traced step (`clock_gettime` of the process
+//!   clock around it), less the CPU of every timed op (own seconds, times the device pool's
+//!   threads for kernels and folds), per compute op: the actors' message handling, and the pools'
+//!   and actors' threads waking up, spinning for more work and parking. On 4 devices sharing 2
+//!   cores that was ~4 ms of LeNet-5's ~17 ms of CPU per step, and nothing measurable of
+//!   AlexNet's. The simulator has it hold a core at the end of each compute op's dispatch;
 //! - actor threads: the worker count of the runtime the device actors run on.
 //!
 //! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender)
@@ -51,7 +57,7 @@
 //! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
 //! while it was in flight (the simulator prices those copies).
 
-use crate::cpu_share::{CpuSpan, alone_seconds};
+use crate::cpu_share::{CpuSpan, alone_seconds, process_cpu_s};
 use crate::device::StepReport;
 use crate::embedded::{EmbeddedCluster, RuntimeError};
 use crate::plan::StepPlan;
@@ -135,14 +141,7 @@ pub fn profile(
     }
     let (images, labels) = synthetic_batch(graph, settings.seed)?;
     let params = ParamStore::init(graph, settings.seed);
-    let mut tiles = TileTimes::default();
-    let mut links = LinkFit::default();
-    let mut overheads = RuntimeFit::default();
-    // The cores the devices' pools and the actors share, and each device pool's threads.
-    let cores = rayon::current_num_threads();
-    let device_threads = crate::embedded::threads_per_device(devices);
-    // The actors' pool: the clusters above run on runtimes built by this same function.
-    let actor_threads = crate::embedded::device_runtime().metrics().num_workers();
+    let mut profiler = Profiler::new(devices, settings);
     let mut runs = Vec::new();
     for (name, configs) in strategies {
         let in_strategy = |source| ProfileRunError::Strategy {
@@ -170,24 +169,83 @@ pub fn profile(
             tasks: 0,
         };
         for _ in 0..settings.repeats {
-            let t = Instant::now();
+            let (t, cpu) = (Instant::now(), process_cpu_s());
             let result = cluster
                 .step(images.clone(), labels.clone(), true)
                 .map_err(in_strategy)?;
+            let cpu_s = process_cpu_s() - cpu;
             run.step_s.push(t.elapsed().as_secs_f64());
-            let own = own_seconds(cluster.plan(), &result.reports, cores, device_threads);
-            run.tasks += tiles.add_step(graph, cluster.plan(), &result.reports, &own, settings);
-            links.add_step(cluster.plan(), &result.reports, actor_threads);
-            overheads.add_step(cluster.plan(), &result.reports, &own, cores, actor_threads);
+            run.tasks += profiler.add_step(graph, cluster.plan(), &result.reports, cpu_s);
         }
         runs.push(run);
     }
-    let mut db = tiles.into_db(graph, &settings.device_kind);
-    db.links = links.fit();
-    // Kernels the cores run at once at full speed, each device's on its own pool.
-    db.compute_threads = Some((cores / device_threads).max(1));
-    db.runtime = overheads.costs(actor_threads);
-    Ok(Profile { db, runs })
+    Ok(Profile {
+        db: profiler.finish(graph),
+        runs,
+    })
+}
+
+/// Accumulates traced steps of embedded clusters (of the same device count, on this process's
+/// pools) into a [`ProfileDb`]. [`profile`] runs the steps itself; a caller that also times
+/// untraced steps of the same cluster interleaves them with the traced ones, so that both see
+/// the same load on a shared machine.
+pub struct Profiler {
+    settings: ProfileSettings,
+    tiles: TileTimes,
+    links: LinkFit,
+    overheads: RuntimeFit,
+    /// The cores the devices' pools and the actors share.
+    cores: usize,
+    /// Each device pool's threads.
+    device_threads: usize,
+    /// The actors' pool.
+    actor_threads: usize,
+}
+
+impl Profiler {
+    pub fn new(devices: usize, settings: &ProfileSettings) -> Profiler {
+        Profiler {
+            settings: settings.clone(),
+            tiles: TileTimes::default(),
+            links: LinkFit::default(),
+            overheads: RuntimeFit::default(),
+            cores: rayon::current_num_threads(),
+            device_threads: crate::embedded::threads_per_device(devices),
+            // The clusters run on runtimes built by this same function.
+            actor_threads: crate::embedded::device_runtime().metrics().num_workers(),
+        }
+    }
+
+    /// Adds one traced step's reports and the process CPU seconds it took
+    /// ([`process_cpu_s`](crate::cpu_share::process_cpu_s) around the step); returns the compute
+    /// tasks timed.
+    pub fn add_step(
+        &mut self,
+        graph: &Graph,
+        plan: &StepPlan,
+        reports: &[StepReport],
+        cpu_s: f64,
+    ) -> usize {
+        let own = own_seconds(plan, reports, self.cores, self.device_threads);
+        self.overheads
+            .add_cpu(plan, reports, &own, cpu_s, self.device_threads);
+        let tasks = self
+            .tiles
+            .add_step(graph, plan, reports, &own, &self.settings);
+        self.links.add_step(plan, reports, self.actor_threads);
+        self.overheads
+            .add_step(plan, reports, &own, self.cores, self.actor_threads);
+        tasks
+    }
+
+    pub fn finish(self, graph: &Graph) -> ProfileDb {
+        let mut db = self.tiles.into_db(graph, &self.settings.device_kind);
+        db.links = self.links.fit();
+        // Kernels the cores run at once at full speed, each device's on its own pool.
+        db.compute_threads = Some((self.cores / self.device_threads).max(1));
+        db.runtime = self.overheads.costs(self.actor_threads);
+        db
+    }
 }
 
 /// The mean wall-clock seconds of `steps` untraced steps of `cluster` on a synthetic batch, after
@@ -399,9 +457,40 @@ struct RuntimeFit {
     dispatches: Vec<f64>,
     copy_bytes: f64,
     copy_s: f64,
+    /// Process CPU seconds of the steps, less the CPU of every op timed in them.
+    untimed_cpu_s: f64,
+    /// Compute ops (kernels, folds, updates) in the steps.
+    compute_ops: usize,
 }
 
 impl RuntimeFit {
+    /// Counts what the process's CPU did in a step besides the timed kernels, folds, updates and
+    /// copies. A kernel on a pool of `device_threads` kept up to that many cores busy for its own
+    /// seconds (alone, it runs on that many threads).
+    fn add_cpu(
+        &mut self,
+        plan: &StepPlan,
+        reports: &[StepReport],
+        own: &[Vec<f64>],
+        cpu_s: f64,
+        device_threads: usize,
+    ) {
+        let mut timed = 0.0;
+        for (r, own) in reports.iter().zip(own) {
+            let program = &plan.programs[r.device];
+            for (e, &seconds) in r.events.iter().zip(own) {
+                let op = &program.ops[e.op as usize];
+                if pooled(op) {
+                    timed += seconds * device_threads as f64;
+                    self.compute_ops += 1;
+                } else if copied(program, &op.kind).1 > 0 {
+                    timed += seconds;
+                }
+            }
+        }
+        self.untimed_cpu_s += cpu_s - timed;
+    }
+
     fn add_step(
         &mut self,
         plan: &StepPlan,
@@ -507,6 +596,9 @@ impl RuntimeFit {
     fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
         let costs = RuntimeCosts {
             dispatch_s: self.dispatches.iter().sum::<f64>() / self.dispatches.len() as f64,
+            // Own seconds can exceed the CPU they stand for (a kernel waiting on a page fault is
+            // not computing): then nothing is left over for the runtime.
+            runtime_cpu_s: (self.untimed_cpu_s / self.compute_ops as f64).max(0.0),
             dispatch_bins_s: RuntimeCosts::dispatch_bins(&self.dispatches),
             fold_bytes_per_s: self.fold_bytes / self.fold_s,
             update_bytes_per_s: self.update_bytes / self.update_s,
