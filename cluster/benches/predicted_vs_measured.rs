@@ -32,11 +32,12 @@ const STRATEGIES: [&str; 3] = ["data", "owt", "optcnn"];
 const WARMUP: usize = 3;
 const SEED: u64 = 1;
 /// Each round measures about `MEASURE_S` seconds of untraced steps, at least `MIN_STEPS`, and
-/// profiles as many traced steps between them. A fixed count of 10 steps measured
+/// profiles as many traced steps between them (AlexNet's steps of 0.2–0.4 s vary by ±10% on this
+/// machine: 16 of each keep the two means within a few percent). A fixed count of 10 steps measured
 /// LeNet-5 for 35 ms; single steps of ~3.5 ms vary by tens of percent on this shared machine, and
 /// its rounds' errors scattered by ±20%.
 const MEASURE_S: f64 = 1.0;
-const MIN_STEPS: usize = 10;
+const MIN_STEPS: usize = 16;
 const MAX_STEPS: usize = 2000;
 
 /// Steps of `step_s` seconds that fill `seconds`, at least `least`.
@@ -126,8 +127,10 @@ fn main() -> anyhow::Result<()> {
                 }
                 // Untraced (measured) and traced (profiled) steps alternate, so both see the
                 // same load: on a shared machine it drifts by tens of percent within seconds.
-                let mut profiler = Profiler::new(DEVICES, &settings);
+                // The traced steps are analysed after the last one, so that the steps run back to
+                // back, as in training.
                 let (mut untraced_s, mut traced_s) = (0.0, 0.0);
+                let mut traced = Vec::with_capacity(steps);
                 for _ in 0..steps {
                     let t = Instant::now();
                     cluster.step(images.clone(), labels.clone(), false)?;
@@ -136,7 +139,11 @@ fn main() -> anyhow::Result<()> {
                     let result = cluster.step(images.clone(), labels.clone(), true)?;
                     let cpu_s = process_cpu_s() - cpu;
                     traced_s += t.elapsed().as_secs_f64();
-                    profiler.add_step(&graph, cluster.plan(), &result.reports, cpu_s);
+                    traced.push((result.reports, cpu_s));
+                }
+                let mut profiler = Profiler::new(DEVICES, &settings);
+                for (reports, cpu_s) in &traced {
+                    profiler.add_step(&graph, cluster.plan(), reports, *cpu_s);
                 }
                 let (real, profiled) = (untraced_s / steps as f64, traced_s / steps as f64);
                 let db = profiler.finish(&graph);
