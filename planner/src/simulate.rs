@@ -1397,9 +1397,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn dispatch_delays_each_compute_task_and_overlaps_the_wait_for_a_slot() {
-        let task = |name: &str, device, duration, deps: Vec<usize>| Task {
+    /// A forward compute task on `device`.
+    fn kernel(name: &str, device: DeviceId, duration: f64, deps: Vec<usize>) -> Task {
+        Task {
             name: name.into(),
             kind: TaskKind::Forward,
             resource: Resource::Device(device),
@@ -1407,7 +1407,12 @@ mod tests {
             bytes: 0,
             latency: 0.0,
             deps,
-        };
+        }
+    }
+
+    #[test]
+    fn dispatch_delays_each_compute_task_and_overlaps_the_wait_for_a_slot() {
+        let task = kernel;
         let message = Task {
             name: "m".into(),
             kind: TaskKind::Copy,
@@ -1442,16 +1447,11 @@ mod tests {
 
     #[test]
     fn runtime_cpu_holds_a_core_before_each_kernel_when_the_cores_are_busy() {
-        let task = |name: &str, device, duration| Task {
-            name: name.into(),
-            kind: TaskKind::Forward,
-            resource: Resource::Device(device),
-            duration,
-            bytes: 0,
-            latency: 0.0,
-            deps: vec![],
-        };
-        let tasks = vec![task("a", 0, 1.0), task("b", 1, 1.0), task("c", 2, 1.0)];
+        let tasks = vec![
+            kernel("a", 0, 1.0, vec![]),
+            kernel("b", 1, 1.0, vec![]),
+            kernel("c", 2, 1.0, vec![]),
+        ];
         let pools = |runtime_cpu_s| Pools {
             compute_slots: Some(2),
             actor_threads: None,
