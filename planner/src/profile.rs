@@ -22,7 +22,7 @@
 //!   "links": {"bytes_per_s": 2.1e9, "latency_s": 4.0e-5, "samples": 412},
 //!   "compute_threads": 2,
 //!   "runtime": {"dispatch_s": 8.0e-5, "dispatch_bins_s": [1.1e-5, 1.4e-5, ..., 6.2e-4],
-//!               "fold_bytes_per_s": 3.1e9, "update_bytes_per_s": 2.4e9,
+//!               "runtime_cpu_s": 1.5e-5, "fold_bytes_per_s": 3.1e9, "update_bytes_per_s": 2.4e9,
 //!               "copy_bytes_per_s": 4.4e9, "actor_threads": 2}
 //! }
 //! ```
@@ -48,7 +48,9 @@
 //! mean delay between a compute op being able to start (dependences done, its device's previous
 //! compute op finished, a pool thread free) and its kernel starting, and the optional
 //! `dispatch_bins_s` (16 numbers) how they spread: the means of the sorted delays' sixteenths, from
-//! which the simulator draws each op's delay; `fold_bytes_per_s` and `update_bytes_per_s` are the
+//! which the simulator draws each op's delay; `runtime_cpu_s` (optional, 0 when absent) the CPU
+//! the runtime itself spends per compute op (message handling, waking and parking threads), which
+//! holds a core at the end of the op's dispatch; `fold_bytes_per_s` and `update_bytes_per_s` are the
 //! throughputs of gradient sums and SGD updates, in the bytes
 //! [`fold_bytes`] and [`update_bytes`] count; `copy_bytes_per_s` that of the copies the device
 //! actors make themselves (gathers for sends, stores of receives, local copies); `actor_threads`
@@ -634,7 +636,7 @@ mod tests {
         assert!(!old.to_json().contains("runtime"));
         let costs = RuntimeCosts {
             dispatch_s: 1e-4,
-            runtime_cpu_s: 0.0,
+            runtime_cpu_s: 2e-5,
             fold_bytes_per_s: 3e9,
             update_bytes_per_s: 2e9,
             copy_bytes_per_s: 4e9,
@@ -671,6 +673,20 @@ mod tests {
             e.starts_with("p.json: runtime: ") && e.contains("dispatch_s"),
             "{e}"
         );
+        // A runtime block from before `runtime_cpu_s` loads with none; a negative one is refused.
+        let before = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"runtime":{"dispatch_s":0.001,"fold_bytes_per_s":1,"update_bytes_per_s":1,"copy_bytes_per_s":1,"actor_threads":1}}"#,
+            "p.json",
+        )
+        .unwrap();
+        assert_eq!(before.runtime.unwrap().runtime_cpu_s, 0.0);
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"runtime":{"dispatch_s":0,"runtime_cpu_s":-1e-6,"fold_bytes_per_s":1,"update_bytes_per_s":1,"copy_bytes_per_s":1,"actor_threads":1}}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("runtime_cpu_s"), "{e}");
         let e = ProfileDb::from_json(
             r#"{"version":1,"entries":[],"runtime":{"dispatch_s":0}}"#,
             "p.json",
