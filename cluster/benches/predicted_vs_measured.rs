@@ -176,8 +176,8 @@ fn main() -> anyhow::Result<()> {
                 }
                 if let Some(r) = &db.runtime {
                     note += &format!(
-                        " dispatch {:.0} µs, runtime CPU {:.1} µs, folds {:.1} GB/s, updates {:.1} GB/s, copies {:.1} \
-                         GB/s ({} actor threads),",
+                        " dispatch {:.0} µs, runtime CPU {:.1} µs, folds {:.1} GB/s, updates {:.1} \
+                         GB/s, copies {:.1} GB/s ({} actor threads),",
                         r.dispatch_s * 1e6,
                         r.runtime_cpu_s * 1e6,
                         r.fold_bytes_per_s / 1e9,

@@ -52,9 +52,9 @@
 //! not compute N tiles at once, and an actor's copy takes a core from the kernels; the dispatch
 //! overlaps waiting for a core, but its last [`RuntimeCosts::runtime_cpu_s`] (the runtime's own CPU
 //! per op: message handling, waking and parking threads) is work on the core the kernel then
-//! uses, so with the cores busy a kernel starts that long after one frees. Durations are the tasks' own seconds (the profiler takes out the
-//! share of the cores a task lost to others), so running fewer of them at full speed is the
-//! OS's fair sharing seen from each task's end. A task held back by its device takes, of the
+//! uses, so with the cores busy a kernel starts that long after one frees. Durations are the
+//! tasks' own seconds (the profiler takes out the share of the cores a task lost to others), so
+//! running fewer of them at full speed is the OS's fair sharing seen from each task's end. A task held back by its device takes, of the
 //! cores free by then, the one freed last, so a core idle since earlier stays free for a task
 //! that can use it. The makespan is the simulated step time. Eq. 1 sums every
 //! term as if nothing overlapped but leaves out dispatch, folds and updates, so the simulated time

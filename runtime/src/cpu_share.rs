@@ -92,7 +92,6 @@ mod tests {
                 "10 ms of CPU not seen in 30 s of spinning"
             );
         }
-        assert!(process_cpu_s() >= before);
     }
 
     #[test]

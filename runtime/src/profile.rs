@@ -44,9 +44,9 @@
 //! - runtime CPU: the process's CPU time over each traced step (`clock_gettime` of the process
 //!   clock around it), less the CPU of every timed op (own seconds, times the device pool's
 //!   threads for kernels and folds), per compute op: the actors' message handling, and the pools'
-//!   and actors' threads waking up, spinning for more work and parking. On 4 devices sharing 2
-//!   cores that was ~4 ms of LeNet-5's ~17 ms of CPU per step, and nothing measurable of
-//!   AlexNet's. The simulator has it hold a core at the end of each compute op's dispatch;
+//!   and actors' threads waking up, spinning for more work and parking: a real share of a step
+//!   of many small ops, nothing measurable beside large kernels (BENCHMARKS.md, "predicted vs
+//!   measured"). The simulator has it hold a core at the end of each compute op's dispatch;
 //! - actor threads: the worker count of the runtime the device actors run on.
 //!
 //! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender)
@@ -194,6 +194,12 @@ pub struct Profiler {
     tiles: TileTimes,
     links: LinkFit,
     overheads: RuntimeFit,
+    threads: Threads,
+}
+
+/// The threads the profiled steps ran on.
+#[derive(Clone, Copy)]
+struct Threads {
     /// The cores the devices' pools and the actors share.
     cores: usize,
     /// Each device pool's threads.
@@ -204,15 +210,18 @@ pub struct Profiler {
 
 impl Profiler {
     pub fn new(devices: usize, settings: &ProfileSettings) -> Profiler {
+        let threads = Threads {
+            cores: rayon::current_num_threads(),
+            device_threads: crate::embedded::threads_per_device(devices),
+            // The clusters run on runtimes built by this same function.
+            actor_threads: crate::embedded::device_runtime().metrics().num_workers(),
+        };
         Profiler {
             settings: settings.clone(),
             tiles: TileTimes::default(),
             links: LinkFit::default(),
             overheads: RuntimeFit::default(),
-            cores: rayon::current_num_threads(),
-            device_threads: crate::embedded::threads_per_device(devices),
-            // The clusters run on runtimes built by this same function.
-            actor_threads: crate::embedded::device_runtime().metrics().num_workers(),
+            threads,
         }
     }
 
@@ -226,15 +235,18 @@ impl Profiler {
         reports: &[StepReport],
         cpu_s: f64,
     ) -> usize {
-        let own = own_seconds(plan, reports, self.cores, self.device_threads);
-        self.overheads
-            .add_cpu(plan, reports, &own, cpu_s, self.device_threads);
+        let Threads {
+            cores,
+            device_threads,
+            actor_threads,
+        } = self.threads;
+        let own = own_seconds(plan, reports, cores, device_threads);
         let tasks = self
             .tiles
             .add_step(graph, plan, reports, &own, &self.settings);
-        self.links.add_step(plan, reports, self.actor_threads);
+        self.links.add_step(plan, reports, actor_threads);
         self.overheads
-            .add_step(plan, reports, &own, self.cores, self.actor_threads);
+            .add_step(plan, reports, &own, cpu_s, self.threads);
         tasks
     }
 
@@ -242,8 +254,8 @@ impl Profiler {
         let mut db = self.tiles.into_db(graph, &self.settings.device_kind);
         db.links = self.links.fit();
         // Kernels the cores run at once at full speed, each device's on its own pool.
-        db.compute_threads = Some((self.cores / self.device_threads).max(1));
-        db.runtime = self.overheads.costs(self.actor_threads);
+        db.compute_threads = Some((self.threads.cores / self.threads.device_threads).max(1));
+        db.runtime = self.overheads.costs(self.threads.actor_threads);
         db
     }
 }
@@ -464,41 +476,20 @@ struct RuntimeFit {
 }
 
 impl RuntimeFit {
-    /// Counts what the process's CPU did in a step besides the timed kernels, folds, updates and
-    /// copies. A kernel on a pool of `device_threads` kept up to that many cores busy for its own
-    /// seconds (alone, it runs on that many threads).
-    fn add_cpu(
-        &mut self,
-        plan: &StepPlan,
-        reports: &[StepReport],
-        own: &[Vec<f64>],
-        cpu_s: f64,
-        device_threads: usize,
-    ) {
-        let mut timed = 0.0;
-        for (r, own) in reports.iter().zip(own) {
-            let program = &plan.programs[r.device];
-            for (e, &seconds) in r.events.iter().zip(own) {
-                let op = &program.ops[e.op as usize];
-                if pooled(op) {
-                    timed += seconds * device_threads as f64;
-                    self.compute_ops += 1;
-                } else if copied(program, &op.kind).1 > 0 {
-                    timed += seconds;
-                }
-            }
-        }
-        self.untimed_cpu_s += cpu_s - timed;
-    }
-
+    /// Adds a traced step that used `cpu_s` of the process's CPU, run on `threads`.
     fn add_step(
         &mut self,
         plan: &StepPlan,
         reports: &[StepReport],
         own: &[Vec<f64>],
-        threads: usize,
-        actor_threads: usize,
+        cpu_s: f64,
+        threads: Threads,
     ) {
+        let Threads {
+            cores,
+            device_threads,
+            actor_threads,
+        } = threads;
         // Every device's compute ops and copies, (start, end), to tell whether the pools had a
         // free thread.
         let spans = |moves: bool| -> Vec<Vec<(f64, f64)>> {
@@ -522,6 +513,8 @@ impl RuntimeFit {
                 .collect()
         };
         let (busy, copying) = (spans(false), spans(true));
+        // The CPU of every op the trace times; the rest of `cpu_s` is the runtime's own.
+        let mut timed_cpu_s = 0.0;
         for (i, r) in reports.iter().enumerate() {
             let program = &plan.programs[r.device];
             let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
@@ -533,10 +526,15 @@ impl RuntimeFit {
                 .collect();
             compute.sort_by(|(a, _), (b, _)| a.start.total_cmp(&b.start));
             for (e, &seconds) in r.events.iter().zip(&own[i]) {
-                let (bytes, copies) = copied(program, &program.ops[e.op as usize].kind);
-                if copies > 0 {
+                let op = &program.ops[e.op as usize];
+                let (bytes, copies) = copied(program, &op.kind);
+                if pooled(op) {
+                    timed_cpu_s += seconds * device_threads as f64;
+                    self.compute_ops += 1;
+                } else if copies > 0 {
                     self.copy_bytes += (bytes * copies) as f64;
                     self.copy_s += seconds;
+                    timed_cpu_s += seconds;
                 }
             }
             let mut device_free = 0.0f64;
@@ -583,7 +581,7 @@ impl RuntimeFit {
                     .map(|m| (m.end.min(e.start) - m.start.max(ready)).max(0.0))
                     .sum();
                 let pools = Pools {
-                    threads,
+                    threads: cores,
                     actor_threads,
                 };
                 if pools.free_throughout(&others(&busy), &others(&copying), ready, e.start) {
@@ -591,6 +589,7 @@ impl RuntimeFit {
                 }
             }
         }
+        self.untimed_cpu_s += cpu_s - timed_cpu_s;
     }
 
     fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
