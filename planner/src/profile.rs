@@ -48,9 +48,10 @@
 //! mean delay between a compute op being able to start (dependences done, its device's previous
 //! compute op finished, a pool thread free) and its kernel starting, and the optional
 //! `dispatch_bins_s` (16 numbers) how they spread: the means of the sorted delays' sixteenths, from
-//! which the simulator draws each op's delay; `runtime_cpu_s` (optional, 0 when absent) the CPU
-//! the runtime itself spends per compute op (message handling, waking and parking threads), which
-//! holds a core at the end of the op's dispatch; `fold_bytes_per_s` and `update_bytes_per_s` are the
+//! which the simulator draws each op's delay (when a core is idle: with every core busy, the op
+//! waits for one instead); `runtime_cpu_s` (optional, 0 when absent) the CPU the runtime itself
+//! spends per compute op (message handling, waking and parking threads), which holds a core at the
+//! end of the op's dispatch; `fold_bytes_per_s` and `update_bytes_per_s` are the
 //! throughputs of gradient sums and SGD updates, in the bytes
 //! [`fold_bytes`] and [`update_bytes`] count; `copy_bytes_per_s` that of the copies the device
 //! actors make themselves (gathers for sends, stores of receives, local copies); `actor_threads`

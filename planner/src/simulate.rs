@@ -49,10 +49,12 @@
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
 //! cluster, or hosts on one machine), a compute task, a move or a node's network work also needs
 //! one of the cores, so N devices on fewer cores do
-//! not compute N tiles at once, and an actor's copy takes a core from the kernels; the dispatch
-//! overlaps waiting for a core, but its last [`RuntimeCosts::runtime_cpu_s`] (the runtime's own CPU
-//! per op: message handling, waking and parking threads) is work on the core the kernel then
-//! uses, so with the cores busy a kernel starts that long after one frees. Durations are the
+//! not compute N tiles at once, and an actor's copy takes a core from the kernels. The dispatch's
+//! last [`RuntimeCosts::runtime_cpu_s`] (the runtime's own CPU per op: message handling, waking
+//! and parking threads) is work on the core the kernel then uses. The rest of the measured
+//! dispatch is mostly waking a thread onto an idle core; a compute task that becomes startable
+//! with every core busy does not pay it: its threads queue behind running ones, and its kernel
+//! starts `runtime_cpu_s` after a core frees. Durations are the
 //! tasks' own seconds (the profiler takes out the share of the cores a task lost to others), so
 //! running fewer of them at full speed is the OS's fair sharing seen from each task's end. A task held back by its device takes, of the
 //! cores free by then, the one freed last, so a core idle since earlier stays free for a task
@@ -810,7 +812,8 @@ pub fn list_schedule_dispatched(
 /// The list schedule of `tasks` under `pools`: a compute task (on a device, not a [`TaskKind::Move`])
 /// waits for its device and, with actor threads, for one of them to be free, then for the
 /// dispatch, and, if it takes time, for a compute slot (the dispatch overlaps that wait), holding
-/// it for the runtime's CPU before its kernel ([`Pools::runtime_cpu_s`]). A move
+/// it for the runtime's CPU before its kernel ([`Pools::runtime_cpu_s`]); when no slot is free
+/// as it becomes startable, it waits for the slot and the runtime's CPU only. A move
 /// waits for its device and an actor thread, and, if it takes time, a compute slot, and holds all
 /// three.
 pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
@@ -867,11 +870,14 @@ fn schedule(
                 actor = Some(k);
             }
         }
-        if compute {
-            start[t] += dispatch(t);
-        }
         let uses_core = on_device || matches!(tasks[t].resource, Resource::Network(_));
         let pooled = !slots.is_empty() && tasks[t].duration > 0.0 && uses_core;
+        // The dispatch wakes the device's threads, and waking one onto an idle core is most of its
+        // delay. With every core busy, they queue behind running threads and the kernel starts
+        // as a core frees, after only the runtime's CPU (below).
+        if compute && (!pooled || slots.iter().any(|&free| free <= start[t])) {
+            start[t] += dispatch(t);
+        }
         // The runtime's work on a compute task ends its dispatch, on the core its kernel then uses.
         let handling = if compute { pools.runtime_cpu_s } else { 0.0 };
         let slot = pooled.then(|| fitting(&slots, start[t] - handling));
@@ -1443,6 +1449,47 @@ mod tests {
             list_schedule_dispatched(&tasks, Some(1), 0.0),
             list_schedule_shared(&tasks, Some(1))
         );
+    }
+
+    #[test]
+    fn a_kernel_ready_while_every_core_is_busy_skips_the_wake_up_latency() {
+        let message = |name: &str, from: DeviceId, to: DeviceId, duration: f64| Task {
+            name: name.into(),
+            kind: TaskKind::Copy,
+            resource: Resource::Link(from, to),
+            duration,
+            bytes: 4,
+            latency: 0.0,
+            deps: vec![],
+        };
+        // a and b hold both cores from 0.5 to 1.5; c's input arrives at 1.3, d's at 1.7.
+        let tasks = vec![
+            kernel("a", 0, 1.0, vec![]),
+            kernel("b", 1, 1.0, vec![]),
+            message("to c", 0, 2, 1.3),
+            kernel("c", 2, 0.5, vec![2]),
+            message("to d", 1, 3, 1.7),
+            kernel("d", 3, 0.5, vec![4]),
+        ];
+        let pools = Pools {
+            compute_slots: Some(2),
+            actor_threads: None,
+            dispatch_s: 0.5,
+            runtime_cpu_s: 0.1,
+        };
+        let (start, _) = list_schedule_pools(&tasks, &pools);
+        // c is ready with no core idle: it starts as a's core frees, after the runtime's 0.1, not
+        // at 1.3 + 0.5. d is ready with b's core idle since 1.5: it pays the whole dispatch.
+        assert_eq!([start[3], start[5]], [1.6, 2.2]);
+        // Without shared cores, both pay it.
+        let (start, _) = list_schedule_pools(
+            &tasks,
+            &Pools {
+                compute_slots: None,
+                ..pools
+            },
+        );
+        assert_eq!([start[3], start[5]], [1.8, 2.2]);
     }
 
     #[test]
