@@ -21,7 +21,7 @@ use legion_cluster::job::{choose_strategy, embedded_machine};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_planner::simulate::simulate;
 use legion_planner::{CostModel, ProfiledCost};
-use legion_runtime::cpu_share::process_cpu_s;
+use legion_runtime::cpu_share::CpuMeter;
 use legion_runtime::embedded::EmbeddedCluster;
 use legion_runtime::profile::{self, ProfileSettings, Profiler};
 use std::path::PathBuf;
@@ -135,15 +135,15 @@ fn main() -> anyhow::Result<()> {
                     let t = Instant::now();
                     cluster.step(images.clone(), labels.clone(), false)?;
                     untraced_s += t.elapsed().as_secs_f64();
-                    let (t, cpu) = (Instant::now(), process_cpu_s());
+                    let meter = CpuMeter::start();
+                    let t = Instant::now();
                     let result = cluster.step(images.clone(), labels.clone(), true)?;
-                    let cpu_s = process_cpu_s() - cpu;
                     traced_s += t.elapsed().as_secs_f64();
-                    traced.push((result.reports, cpu_s));
+                    traced.push((result.reports, meter.stop()));
                 }
                 let mut profiler = Profiler::new(DEVICES, &settings);
-                for (reports, cpu_s) in &traced {
-                    profiler.add_step(&graph, cluster.plan(), reports, *cpu_s);
+                for (reports, cpu) in &traced {
+                    profiler.add_step(&graph, cluster.plan(), reports, *cpu);
                 }
                 let (real, profiled) = (untraced_s / steps as f64, traced_s / steps as f64);
                 let db = profiler.finish(&graph);

@@ -140,10 +140,10 @@ pub struct RuntimeCosts {
     pub dispatch_s: f64,
     /// CPU seconds the runtime spends per compute op besides the kernels and copies it times: the
     /// actors' message handling, handing ops to the pools, waking and parking their threads (the
-    /// profiler's process CPU time less the own seconds of every timed op, per compute op). On a
-    /// machine whose devices share their cores it is the end of the op's dispatch and holds a
-    /// core: with the cores busy, each op's kernel waits for it after a core frees. 0 in profiles
-    /// from before it was measured.
+    /// profiler's CPU time of the actors' threads less their copies' own seconds, per compute op;
+    /// see `legion_runtime::profile`). On a machine whose devices share their cores it is the end
+    /// of the op's dispatch and holds a core: with the cores busy, each op's kernel waits for it
+    /// after a core frees, and for nothing else. 0 in profiles from before it was measured.
     #[serde(default)]
     pub runtime_cpu_s: f64,
     /// How those delays spread: the mean of each sixteenth of them, in ascending order (their mean

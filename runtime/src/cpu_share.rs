@@ -1,4 +1,5 @@
-//! How long a task would have taken with the machine to itself, from when it ran beside others.
+//! How long a task would have taken with the machine to itself, from when it ran beside others;
+//! and how much CPU the runtime's own threads used.
 //!
 //! The embedded cluster's devices are thread pools on shared cores, and the device actors copy on
 //! threads of their own: when more threads have work than there are cores, the OS shares the
@@ -55,6 +56,106 @@ pub fn alone_seconds(spans: &[CpuSpan], cores: usize) -> Vec<f64> {
     alone
 }
 
+/// The CPU a traced step used: the whole process's, and, where the OS tells it by thread, the
+/// device actors' threads' and the compute pools' threads' apart (see `profile`, "runtime CPU").
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepCpu {
+    pub process_s: f64,
+    pub threads: Option<RuntimeThreadsCpu>,
+}
+
+/// CPU seconds of the runtime's threads, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RuntimeThreadsCpu {
+    /// The device actors' runtime ([`ACTOR_THREAD_NAME`]).
+    pub actors_s: f64,
+    /// The devices' compute pools ([`POOL_THREAD_PREFIX`]).
+    pub pools_s: f64,
+}
+
+/// The name of the threads the device actors run on (`embedded::device_runtime`).
+pub const ACTOR_THREAD_NAME: &str = "legion-device";
+/// The start of the names of the devices' compute-pool threads (`embedded::spawn_local_devices`).
+pub const POOL_THREAD_PREFIX: &str = "legion-pool";
+
+impl RuntimeThreadsCpu {
+    /// The CPU this process's actor and pool threads have used so far, from each thread's
+    /// scheduler statistics (`/proc/self/task/*/schedstat`); `None` where the OS does not keep
+    /// them. A thread that exits between the listing and the read is skipped: the runtime's
+    /// threads live as long as their cluster.
+    pub fn now() -> Option<RuntimeThreadsCpu> {
+        let mut cpu = RuntimeThreadsCpu::default();
+        for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+            let Ok(name) = std::fs::read_to_string(task.path().join("comm")) else {
+                continue;
+            };
+            let Some(kind) = RuntimeThread::named(name.trim_end()) else {
+                continue;
+            };
+            let seconds = on_cpu_s(&task.path())?;
+            match kind {
+                RuntimeThread::Actor => cpu.actors_s += seconds,
+                RuntimeThread::Pool => cpu.pools_s += seconds,
+            }
+        }
+        Some(cpu)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RuntimeThread {
+    Actor,
+    Pool,
+}
+
+impl RuntimeThread {
+    fn named(name: &str) -> Option<RuntimeThread> {
+        if name == ACTOR_THREAD_NAME {
+            Some(RuntimeThread::Actor)
+        } else if name.starts_with(POOL_THREAD_PREFIX) {
+            Some(RuntimeThread::Pool)
+        } else {
+            None
+        }
+    }
+}
+
+/// Seconds the thread at `/proc/.../task/TID` (or `/proc/thread-self`) has been on a CPU: the
+/// first field of its `schedstat`, in nanoseconds.
+fn on_cpu_s(task: &std::path::Path) -> Option<f64> {
+    let stat = std::fs::read_to_string(task.join("schedstat")).ok()?;
+    let nanos: u64 = stat.split_whitespace().next()?.parse().ok()?;
+    Some(nanos as f64 * 1e-9)
+}
+
+/// Measures [`StepCpu`] from [`CpuMeter::start`] to [`CpuMeter::stop`]. Reading every thread's
+/// statistics takes tens of microseconds: start it before and stop it after the timed region.
+pub struct CpuMeter {
+    process_s: f64,
+    threads: Option<RuntimeThreadsCpu>,
+}
+
+impl CpuMeter {
+    pub fn start() -> CpuMeter {
+        CpuMeter {
+            threads: RuntimeThreadsCpu::now(),
+            process_s: process_cpu_s(),
+        }
+    }
+
+    pub fn stop(self) -> StepCpu {
+        let process_s = process_cpu_s() - self.process_s;
+        let threads = match (self.threads, RuntimeThreadsCpu::now()) {
+            (Some(before), Some(after)) => Some(RuntimeThreadsCpu {
+                actors_s: after.actors_s - before.actors_s,
+                pools_s: after.pools_s - before.pools_s,
+            }),
+            _ => None,
+        };
+        StepCpu { process_s, threads }
+    }
+}
+
 /// CPU seconds this process's threads have used so far (user and system), to the nanosecond.
 pub fn process_cpu_s() -> f64 {
     let mut t = libc::timespec {
@@ -92,6 +193,42 @@ mod tests {
                 "10 ms of CPU not seen in 30 s of spinning"
             );
         }
+    }
+
+    #[test]
+    fn runtime_threads_are_told_apart_by_name() {
+        assert_eq!(
+            RuntimeThread::named("legion-device"),
+            Some(RuntimeThread::Actor)
+        );
+        assert_eq!(
+            RuntimeThread::named("legion-pool0-0"),
+            Some(RuntimeThread::Pool)
+        );
+        assert_eq!(
+            RuntimeThread::named("legion-pool12-1"),
+            Some(RuntimeThread::Pool)
+        );
+        assert_eq!(RuntimeThread::named("legion-net"), None);
+        assert_eq!(RuntimeThread::named("main"), None);
+    }
+
+    #[test]
+    fn a_threads_cpu_time_grows_with_its_work() {
+        let me = std::path::Path::new("/proc/thread-self");
+        let Some(before) = on_cpu_s(me) else {
+            return; // this OS keeps no per-thread scheduler statistics
+        };
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while on_cpu_s(me).unwrap() - before < 0.01 {
+            x = std::hint::black_box(x.wrapping_add(1));
+            assert!(
+                t.elapsed().as_secs() < 30,
+                "10 ms of CPU not seen in 30 s of spinning"
+            );
+        }
+        assert!(RuntimeThreadsCpu::now().is_some());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! plan.
 
 use crate::buffer::Buffer;
+use crate::cpu_share::{ACTOR_THREAD_NAME, POOL_THREAD_PREFIX};
 use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
 use crate::exec::{BatchView, StepInput};
 use crate::plan::{PlanError, SamplesRead, StepPlan};
@@ -338,7 +339,7 @@ pub fn initial_instances(
 pub fn device_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
-        .thread_name("legion-device")
+        .thread_name(ACTOR_THREAD_NAME)
         .build()
         .expect("tokio runtime")
 }
@@ -378,7 +379,7 @@ fn device_pools(devices: usize) -> Vec<Arc<rayon::ThreadPool>> {
         .map(|d| {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
-                .thread_name(move |i| format!("legion-dev{d}-{i}"))
+                .thread_name(move |i| format!("{POOL_THREAD_PREFIX}{d}-{i}"))
                 .build()
                 .expect("a device's compute pool");
             Arc::new(pool)

@@ -41,12 +41,17 @@
 //!   ([`MachineModel::compute_slots`](legion_planner::MachineModel::compute_slots));
 //! - copies: bytes over seconds of every data-movement op that copies (a gather out of, or a store
 //!   into, a larger instance; whole instances are shared), summed;
-//! - runtime CPU: the process's CPU time over each traced step (`clock_gettime` of the process
-//!   clock around it), less the CPU of every timed op (own seconds, times the device pool's
-//!   threads for kernels and folds), per compute op: the actors' message handling, and the pools'
-//!   and actors' threads waking up, spinning for more work and parking: a real share of a step
-//!   of many small ops, nothing measurable beside large kernels (BENCHMARKS.md, "predicted vs
-//!   measured"). The simulator has it hold a core at the end of each compute op's dispatch;
+//! - runtime CPU: per compute op, the CPU time of the actors' threads over each traced step, less
+//!   their copies' own seconds: the actors' message handling, handing ops to the pools, waking
+//!   threads and parking (`cpu_share::CpuMeter`, each thread's scheduler statistics). The pools'
+//!   CPU beyond their kernels' and folds' own seconds (times the pool's threads) is left out: it
+//!   is idle workers spinning for more work, which yields to any thread that has some, so it delays
+//!   nothing. Where the pools used less CPU than those own seconds, the difference is taken off:
+//!   the actors' threads took that time from the kernels, so the own seconds hold it already. A
+//!   real share of a step of many small ops, nothing beside large kernels (BENCHMARKS.md,
+//!   "predicted vs measured"). Where the OS keeps no per-thread statistics, the process's CPU less
+//!   every timed op's stands in. The simulator has it hold a core at the end of each compute op's
+//!   dispatch;
 //! - actor threads: the worker count of the runtime the device actors run on.
 //!
 //! Links: a transfer between devices takes from its `Send` ending (after the gather on the sender)
@@ -57,7 +62,7 @@
 //! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
 //! while it was in flight (the simulator prices those copies).
 
-use crate::cpu_share::{CpuSpan, alone_seconds, process_cpu_s};
+use crate::cpu_share::{CpuMeter, CpuSpan, StepCpu, alone_seconds};
 use crate::device::StepReport;
 use crate::embedded::{EmbeddedCluster, RuntimeError};
 use crate::plan::StepPlan;
@@ -169,13 +174,14 @@ pub fn profile(
             tasks: 0,
         };
         for _ in 0..settings.repeats {
-            let (t, cpu) = (Instant::now(), process_cpu_s());
+            let meter = CpuMeter::start();
+            let t = Instant::now();
             let result = cluster
                 .step(images.clone(), labels.clone(), true)
                 .map_err(in_strategy)?;
-            let cpu_s = process_cpu_s() - cpu;
             run.step_s.push(t.elapsed().as_secs_f64());
-            run.tasks += profiler.add_step(graph, cluster.plan(), &result.reports, cpu_s);
+            let cpu = meter.stop();
+            run.tasks += profiler.add_step(graph, cluster.plan(), &result.reports, cpu);
         }
         runs.push(run);
     }
@@ -225,15 +231,14 @@ impl Profiler {
         }
     }
 
-    /// Adds one traced step's reports and the process CPU seconds it took
-    /// ([`process_cpu_s`](crate::cpu_share::process_cpu_s) around the step); returns the compute
-    /// tasks timed.
+    /// Adds one traced step's reports and the CPU it took ([`CpuMeter`] around the step); returns
+    /// the compute tasks timed.
     pub fn add_step(
         &mut self,
         graph: &Graph,
         plan: &StepPlan,
         reports: &[StepReport],
-        cpu_s: f64,
+        cpu: StepCpu,
     ) -> usize {
         let Threads {
             cores,
@@ -246,7 +251,7 @@ impl Profiler {
             .add_step(graph, plan, reports, &own, &self.settings);
         self.links.add_step(plan, reports, actor_threads);
         self.overheads
-            .add_step(plan, reports, &own, cpu_s, self.threads);
+            .add_step(plan, reports, &own, cpu, self.threads);
         tasks
     }
 
@@ -469,20 +474,20 @@ struct RuntimeFit {
     dispatches: Vec<f64>,
     copy_bytes: f64,
     copy_s: f64,
-    /// Process CPU seconds of the steps, less the CPU of every op timed in them.
+    /// The runtime's own CPU seconds in the steps (see the module docs).
     untimed_cpu_s: f64,
     /// Compute ops (kernels, folds, updates) in the steps.
     compute_ops: usize,
 }
 
 impl RuntimeFit {
-    /// Adds a traced step that used `cpu_s` of the process's CPU, run on `threads`.
+    /// Adds a traced step that used `cpu`, run on `threads`.
     fn add_step(
         &mut self,
         plan: &StepPlan,
         reports: &[StepReport],
         own: &[Vec<f64>],
-        cpu_s: f64,
+        cpu: StepCpu,
         threads: Threads,
     ) {
         let Threads {
@@ -513,8 +518,8 @@ impl RuntimeFit {
                 .collect()
         };
         let (busy, copying) = (spans(false), spans(true));
-        // The CPU of every op the trace times; the rest of `cpu_s` is the runtime's own.
-        let mut timed_cpu_s = 0.0;
+        // The CPU of the kernels and folds the trace times, and of the copies.
+        let (mut pooled_cpu_s, mut copies_cpu_s) = (0.0, 0.0);
         for (i, r) in reports.iter().enumerate() {
             let program = &plan.programs[r.device];
             let end_of: HashMap<u32, f64> = r.events.iter().map(|e| (e.op, e.end)).collect();
@@ -529,12 +534,12 @@ impl RuntimeFit {
                 let op = &program.ops[e.op as usize];
                 let (bytes, copies) = copied(program, &op.kind);
                 if pooled(op) {
-                    timed_cpu_s += seconds * device_threads as f64;
+                    pooled_cpu_s += seconds * device_threads as f64;
                     self.compute_ops += 1;
                 } else if copies > 0 {
                     self.copy_bytes += (bytes * copies) as f64;
                     self.copy_s += seconds;
-                    timed_cpu_s += seconds;
+                    copies_cpu_s += seconds;
                 }
             }
             let mut device_free = 0.0f64;
@@ -589,7 +594,7 @@ impl RuntimeFit {
                 }
             }
         }
-        self.untimed_cpu_s += cpu_s - timed_cpu_s;
+        self.untimed_cpu_s += runtime_cpu_s(cpu, pooled_cpu_s, copies_cpu_s);
     }
 
     fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
@@ -605,6 +610,18 @@ impl RuntimeFit {
             actor_threads,
         };
         costs.validate().is_ok().then_some(costs)
+    }
+}
+
+/// The runtime's own CPU seconds in a step that used `cpu`, whose timed kernels and folds had
+/// `pooled_cpu_s` of own seconds (times their pools' threads) and its copies `copies_cpu_s`.
+fn runtime_cpu_s(cpu: StepCpu, pooled_cpu_s: f64, copies_cpu_s: f64) -> f64 {
+    match cpu.threads {
+        // The pools' CPU beyond their ops' own seconds is idle workers spinning, which yields to
+        // any thread with work: it delays nothing. Short of them, the own seconds counted time the
+        // actors' threads took from the kernels, which the actors' CPU holds already.
+        Some(t) => (t.actors_s - copies_cpu_s) + (t.pools_s - pooled_cpu_s).min(0.0),
+        None => cpu.process_s - pooled_cpu_s - copies_cpu_s,
     }
 }
 
@@ -778,6 +795,26 @@ impl LinkFit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_share::RuntimeThreadsCpu;
+
+    #[test]
+    fn runtime_cpu_is_the_actors_untimed_cpu_without_the_pools_spinning() {
+        let cpu = |actors_s, pools_s| StepCpu {
+            process_s: actors_s + pools_s + 0.5,
+            threads: Some(RuntimeThreadsCpu { actors_s, pools_s }),
+        };
+        // Kernels timed at 8 s on pools that used 9 s: the extra second is spinning. The actors
+        // used 3 s, 1 s of it copying.
+        assert_eq!(runtime_cpu_s(cpu(3.0, 9.0), 8.0, 1.0), 2.0);
+        // Pools that used 7 s for 8 s of kernels lost 1 s to the actors: their own seconds hold it.
+        assert_eq!(runtime_cpu_s(cpu(3.0, 7.0), 8.0, 1.0), 1.0);
+        // Without per-thread statistics, the process's CPU less every timed op's.
+        let process = StepCpu {
+            process_s: 12.5,
+            threads: None,
+        };
+        assert_eq!(runtime_cpu_s(process, 8.0, 1.0), 3.5);
+    }
 
     #[test]
     fn most_running_counts_overlaps_inside_the_window() {
