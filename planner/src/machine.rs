@@ -136,7 +136,8 @@ pub struct RuntimeCosts {
     /// device's previous compute op finished, a core free of other kernels and copies, and an
     /// actor thread free) to its kernel starting, its actor's own copies left out: the actor's
     /// message handling, the hand-off to the device's pool and waking its thread (the profiler's
-    /// mean). Paid once per compute op (kernel, fold, update).
+    /// mean). Paid once per compute op (kernel, fold, update); on a machine whose devices share
+    /// their cores, only by one that becomes startable with a core idle.
     pub dispatch_s: f64,
     /// CPU seconds the runtime spends per compute op besides the kernels and copies it times: the
     /// actors' message handling, handing ops to the pools, waking and parking their threads (the

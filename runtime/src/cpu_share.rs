@@ -79,10 +79,10 @@ pub const ACTOR_THREAD_NAME: &str = "legion-device";
 pub const POOL_THREAD_PREFIX: &str = "legion-pool";
 
 impl RuntimeThreadsCpu {
-    /// The CPU this process's actor and pool threads have used so far, from each thread's
-    /// scheduler statistics (`/proc/self/task/*/schedstat`); `None` where the OS does not keep
-    /// them. A thread that exits between the listing and the read is skipped: the runtime's
-    /// threads live as long as their cluster.
+    /// The CPU this process's actor and pool threads (of every cluster in it) have used so far,
+    /// from each thread's scheduler statistics (`/proc/self/task/*/schedstat`); `None` where the
+    /// OS does not keep them. A thread that exits while they are read is skipped, and its CPU
+    /// leaves the sum: meter steps while the cluster's threads live.
     pub fn now() -> Option<RuntimeThreadsCpu> {
         let mut cpu = RuntimeThreadsCpu::default();
         for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
@@ -92,7 +92,11 @@ impl RuntimeThreadsCpu {
             let Some(kind) = RuntimeThread::named(name.trim_end()) else {
                 continue;
             };
-            let seconds = on_cpu_s(&task.path())?;
+            let seconds = match on_cpu_s(&task.path()) {
+                Some(seconds) => seconds,
+                None if !task.path().exists() => continue,
+                None => return None,
+            };
             match kind {
                 RuntimeThread::Actor => cpu.actors_s += seconds,
                 RuntimeThread::Pool => cpu.pools_s += seconds,

@@ -28,8 +28,10 @@
 //!   device's own actor's copies in that window (the simulator prices them as copies), over the
 //!   ops for which a core and an actor thread were free that whole window: the other devices'
 //!   compute ops and copies together left a core free (a copy holds a core as a kernel does), and
-//!   their copies an actor thread (waiting for either the simulator models itself). The mean of those: the simulator charges it to every op, and the expected step
-//!   time wants the expected delay, tail included (a woken thread waiting for a core the OS has
+//!   their copies an actor thread (waiting for either the simulator models itself). The mean of
+//!   those: the simulator charges it to every op that becomes startable with a core idle (with
+//!   every core busy, only the runtime CPU below), and the expected step time wants the expected
+//!   delay, tail included (a woken thread waiting for a core the OS has
 //!   given to another device for a time slice). On one pool shared by every device the tail also
 //!   held other devices' whole kernels (see `embedded::spawn_local_devices`), which made the mean
 //!   overprice steps by 15–45% and the median the better guess; with a pool per device it is not.
