@@ -78,32 +78,30 @@ pub const ACTOR_THREAD_NAME: &str = "legion-device";
 /// The start of the names of the devices' compute-pool threads (`embedded::spawn_local_devices`).
 pub const POOL_THREAD_PREFIX: &str = "legion-pool";
 
-impl RuntimeThreadsCpu {
-    /// The CPU this process's actor and pool threads (of every cluster in it) have used so far,
-    /// from each thread's scheduler statistics (`/proc/self/task/*/schedstat`); `None` where the
-    /// OS does not keep them. A thread that exits while they are read is skipped, and its CPU
-    /// leaves the sum: meter steps while the cluster's threads live.
-    pub fn now() -> Option<RuntimeThreadsCpu> {
-        let mut cpu = RuntimeThreadsCpu::default();
-        for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
-            let Ok(name) = std::fs::read_to_string(task.path().join("comm")) else {
-                continue;
-            };
-            let Some(kind) = RuntimeThread::named(name.trim_end()) else {
-                continue;
-            };
-            let seconds = match on_cpu_s(&task.path()) {
-                Some(seconds) => seconds,
-                None if !task.path().exists() => continue,
-                None => return None,
-            };
-            match kind {
-                RuntimeThread::Actor => cpu.actors_s += seconds,
-                RuntimeThread::Pool => cpu.pools_s += seconds,
-            }
+/// This process's actor and pool threads (of every cluster in it): (thread id, kind, seconds on a
+/// CPU so far), from each thread's scheduler statistics (`/proc/self/task/*/schedstat`), in
+/// thread-id order; `None` where the OS does not keep them. A thread that exits while they are
+/// read is left out.
+fn runtime_threads() -> Option<Vec<(u64, RuntimeThread, f64)>> {
+    let mut threads = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        let Ok(name) = std::fs::read_to_string(task.path().join("comm")) else {
+            continue;
+        };
+        let Some(kind) = RuntimeThread::named(name.trim_end()) else {
+            continue;
+        };
+        match on_cpu_s(&task.path()) {
+            Some(seconds) => threads.push((tid, kind, seconds)),
+            None if !task.path().exists() => continue,
+            None => return None,
         }
-        Some(cpu)
     }
+    threads.sort_by_key(|&(tid, _, _)| tid);
+    Some(threads)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -132,30 +130,39 @@ fn on_cpu_s(task: &std::path::Path) -> Option<f64> {
     Some(nanos as f64 * 1e-9)
 }
 
-/// Measures [`StepCpu`] from [`CpuMeter::start`] to [`CpuMeter::stop`]. Reading every thread's
-/// statistics takes tens of microseconds: start it before and stop it after the timed region.
+/// Measures [`StepCpu`] from [`CpuMeter::start`] to [`CpuMeter::stop`]. Only threads alive at both
+/// ends count, so another cluster's threads exiting meanwhile take nothing off. Reading every
+/// thread's statistics takes tens of microseconds: start it before and stop it after the timed
+/// region.
 pub struct CpuMeter {
     process_s: f64,
-    threads: Option<RuntimeThreadsCpu>,
+    threads: Option<Vec<(u64, RuntimeThread, f64)>>,
 }
 
 impl CpuMeter {
     pub fn start() -> CpuMeter {
         CpuMeter {
-            threads: RuntimeThreadsCpu::now(),
+            threads: runtime_threads(),
             process_s: process_cpu_s(),
         }
     }
 
     pub fn stop(self) -> StepCpu {
         let process_s = process_cpu_s() - self.process_s;
-        let threads = match (self.threads, RuntimeThreadsCpu::now()) {
-            (Some(before), Some(after)) => Some(RuntimeThreadsCpu {
-                actors_s: after.actors_s - before.actors_s,
-                pools_s: after.pools_s - before.pools_s,
-            }),
-            _ => None,
-        };
+        let threads = self.threads.zip(runtime_threads()).map(|(before, after)| {
+            let mut cpu = RuntimeThreadsCpu::default();
+            for (tid, kind, seconds) in after {
+                let Ok(i) = before.binary_search_by_key(&tid, |&(t, _, _)| t) else {
+                    continue;
+                };
+                let used = seconds - before[i].2;
+                match kind {
+                    RuntimeThread::Actor => cpu.actors_s += used,
+                    RuntimeThread::Pool => cpu.pools_s += used,
+                }
+            }
+            cpu
+        });
         StepCpu { process_s, threads }
     }
 }
@@ -232,7 +239,43 @@ mod tests {
                 "10 ms of CPU not seen in 30 s of spinning"
             );
         }
-        assert!(RuntimeThreadsCpu::now().is_some());
+        assert!(runtime_threads().is_some());
+    }
+
+    #[test]
+    fn the_meter_counts_a_pool_threads_cpu_between_start_and_stop() {
+        if runtime_threads().is_none() {
+            return; // this OS keeps no per-thread scheduler statistics
+        }
+        let (started, spin) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        let (spun, exit) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name(format!("{POOL_THREAD_PREFIX}-test"))
+                .spawn_scoped(scope, || {
+                    started.wait();
+                    spin.wait();
+                    let me = std::path::Path::new("/proc/thread-self");
+                    let before = on_cpu_s(me).unwrap();
+                    let mut x = 0u64;
+                    while on_cpu_s(me).unwrap() - before < 0.02 {
+                        x = std::hint::black_box(x.wrapping_add(1));
+                    }
+                    spun.wait();
+                    exit.wait();
+                })
+                .unwrap();
+            started.wait();
+            let meter = CpuMeter::start();
+            spin.wait();
+            spun.wait();
+            let cpu = meter.stop();
+            exit.wait();
+            // Other tests' runtime threads can only add to it.
+            let threads = cpu.threads.expect("per-thread statistics");
+            assert!(threads.pools_s >= 0.02, "{cpu:?}");
+            assert!(cpu.process_s >= 0.02, "{cpu:?}");
+        });
     }
 
     #[test]
