@@ -131,9 +131,8 @@ fn on_cpu_s(task: &std::path::Path) -> Option<f64> {
 }
 
 /// Measures [`StepCpu`] from [`CpuMeter::start`] to [`CpuMeter::stop`]. Only threads alive at both
-/// ends count, so another cluster's threads exiting meanwhile take nothing off. Reading every
-/// thread's statistics takes tens of microseconds: start it before and stop it after the timed
-/// region.
+/// ends count, so another cluster's threads exiting meanwhile take nothing off. Each end reads two
+/// files per thread: start it before and stop it after the timed region.
 pub struct CpuMeter {
     process_s: f64,
     threads: Option<Vec<(u64, RuntimeThread, f64)>>,
@@ -156,6 +155,9 @@ impl CpuMeter {
                     continue;
                 };
                 let used = seconds - before[i].2;
+                if used < 0.0 {
+                    continue; // the id of a thread that exited, reused by a new one
+                }
                 match kind {
                     RuntimeThread::Actor => cpu.actors_s += used,
                     RuntimeThread::Pool => cpu.pools_s += used,
