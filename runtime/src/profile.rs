@@ -47,8 +47,11 @@
 //!   their copies' own seconds: the actors' message handling, handing ops to the pools, waking
 //!   threads and parking (`cpu_share::CpuMeter`, each thread's scheduler statistics). The pools'
 //!   CPU beyond their kernels' and folds' own seconds (times the pool's threads) is left out: it
-//!   is idle workers spinning for more work, which yields to any thread that has some, so it delays
-//!   nothing. Where the pools used less CPU than those own seconds, the difference is taken off:
+//!   is idle workers spinning for more work (`sched_yield` rounds before a worker parks), which
+//!   gives way to a thread with work on the same core. Whether it delays threads queued on other
+//!   cores depends on what the OS runs beside it: charged, with kernels timed by their threads'
+//!   CPU clocks, it fitted AlexNet and over-predicted LeNet-5 by 6–18% (BENCHMARKS.md, thirteenth
+//!   session). Where the pools used less CPU than those own seconds, the difference is taken off:
 //!   the actors' threads took that time from the kernels, so the own seconds hold it already. A
 //!   real share of a step of many small ops, nothing beside large kernels (BENCHMARKS.md,
 //!   "predicted vs measured"). Where the OS keeps no per-thread statistics, the process's CPU less
@@ -620,8 +623,9 @@ impl RuntimeFit {
 fn runtime_cpu_s(cpu: StepCpu, pooled_cpu_s: f64, copies_cpu_s: f64) -> f64 {
     match cpu.threads {
         // The pools' CPU beyond their ops' own seconds is idle workers spinning, which yields to
-        // any thread with work: it delays nothing. Short of them, the own seconds counted time the
-        // actors' threads took from the kernels, which the actors' CPU holds already.
+        // a thread with work on its core: left out (see the module docs). Short of them, the own
+        // seconds counted time the actors' threads took from the kernels, which the actors' CPU
+        // holds already.
         Some(t) => (t.actors_s - copies_cpu_s) + (t.pools_s - pooled_cpu_s).min(0.0),
         None => cpu.process_s - pooled_cpu_s - copies_cpu_s,
     }
