@@ -263,6 +263,25 @@ fn bench_rect_moves(c: &mut Criterion) {
             bench.iter(|| add_rect(black_box(&src), &whole, &mut dst, &block, &block))
         });
     }
+    // A piece of one instance into a piece of another on the same device (a row-split tile into
+    // a column-split layer's input, halo included): through a gathered buffer, as the runtime did,
+    // and straight across, as it does.
+    let src_layout = Rect::new(&[0, 0, 0, 0], &[BATCH, 64, 14, 28]);
+    let dst_layout = Rect::new(&[0, 0, 0, 0], &[BATCH, 64, 28, 15]);
+    let piece = Rect::new(&[0, 0, 0, 0], &[BATCH, 64, 14, 15]);
+    let src = random(src_layout.volume(), 9);
+    let mut dst = vec![0.0f32; dst_layout.volume()];
+    let mut gathered = vec![0.0f32; piece.volume()];
+    g.throughput(Throughput::Bytes((piece.volume() * 4) as u64));
+    g.bench_function("piece_to_piece/via_buffer", |bench| {
+        bench.iter(|| {
+            copy_rect(black_box(&src), &src_layout, &mut gathered, &piece, &piece);
+            copy_rect(&gathered, &piece, &mut dst, &dst_layout, &piece);
+        })
+    });
+    g.bench_function("piece_to_piece/direct", |bench| {
+        bench.iter(|| copy_rect(black_box(&src), &src_layout, &mut dst, &dst_layout, &piece))
+    });
     g.finish();
 }
 

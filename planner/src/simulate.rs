@@ -9,7 +9,8 @@
 //!   one instance of its tile and a consumer's input as one instance of the rect it reads: an
 //!   overlap that is only part of the first is gathered out of it on the sender's actor, one that
 //!   is only part of the second is stored into it on the receiver's actor (a same-device overlap
-//!   that is part of either is a local copy); these are [`TaskKind::Move`] tasks on the device;
+//!   that is part of either is one local copy, straight from instance to instance); these are
+//!   [`TaskKind::Move`] tasks on the device;
 //! - per tile of every layer whose output gradient is read (every layer but the input and the
 //!   last), a fold: the sum of the gradient terms its consumers' tiles contributed (local ones and
 //!   the gradient copies from other devices, each gathered out of the consumer's input gradient
@@ -271,9 +272,9 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
                 )
             };
             if o.is_local() {
-                let copies = usize::from(gathered) + usize::from(stored);
-                let dep = if copies > 0 {
-                    let bytes = copies as u64 * o.bytes();
+                // On one device the runtime copies a piece straight from instance to instance.
+                let dep = if gathered || stored {
+                    let bytes = o.bytes();
                     move_task(
                         &mut tasks,
                         machine,
@@ -1401,6 +1402,34 @@ mod tests {
             dispatched[at("loss bwd 0")] + sim.tasks[at("loss bwd 0")].duration,
             "a move pays no dispatch"
         );
+    }
+
+    #[test]
+    fn a_piece_of_one_instance_into_a_piece_of_another_on_one_device_is_copied_once() {
+        // conv1 split by rows, conv2 by columns: on each device the overlap of conv1's tile with
+        // conv2's input (rows of one half, columns of the other plus the halo) is part of both
+        // instances, and the runtime copies it straight across.
+        let mut m = GraphBuilder::new("turn");
+        let x = m.input("data", Shape::nchw(2, 3, 8, 8)).unwrap();
+        let x = m.conv2d("conv1", x, Conv2d::new(4, 3).padding(1)).unwrap();
+        let x = m.conv2d("conv2", x, Conv2d::new(4, 3).padding(1)).unwrap();
+        let x = m.flatten("flat", x).unwrap();
+        let x = m.dense("fc", x, Dense::new(2)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        let g = m.finish();
+        let machine = measured_cpu(2, 0.0);
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let mut configs = vec![ParallelConfig::serial(0); g.layers().len()];
+        configs[1] = ParallelConfig::split(Dim::H, 2, 0);
+        configs[2] = ParallelConfig::split(Dim::W, 2, 0);
+        let sim = simulate(&model, &configs);
+        // 2 samples × 4 channels × 4 rows × 5 columns = 160 floats, 640 B once at 4 GB/s.
+        let moves = of_kinds(&sim, &[TaskKind::Move]);
+        for local in ["conv1 0 → conv2 0", "conv1 1 → conv2 1"] {
+            let (_, seconds) = moves.iter().find(|(n, _)| n == local).unwrap();
+            assert!((seconds - 160e-9).abs() <= 1e-18, "{local}: {seconds}");
+        }
     }
 
     /// A forward compute task on `device`.

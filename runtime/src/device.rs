@@ -147,6 +147,22 @@ impl DeviceActor {
         }
     }
 
+    /// Copies `rect` from instance `src` into instance `dst`, on this device: shares the buffer
+    /// when the rect is all of both, and otherwise copies each element once, straight from one
+    /// instance into the other.
+    fn copy(&mut self, src: u32, dst: u32, rect: &Rect) {
+        let (src_layout, dst_layout) = (self.rect(src), self.rect(dst));
+        if src_layout == *rect || dst_layout == *rect {
+            // One of the two is a plain share or adoption: at most one copy either way.
+            let data = self.slice(src, rect);
+            self.store(dst, rect, data);
+        } else {
+            let from = self.share(src);
+            self.instance_mut(dst)
+                .copy_from(&dst_layout, &from, &src_layout, rect);
+        }
+    }
+
     /// `rect` of instance `src` to hand to another instance: the buffer itself when it is all of it.
     fn slice(&self, src: u32, rect: &Rect) -> Arc<Buffer> {
         let layout = self.rect(src);
@@ -271,10 +287,7 @@ impl DeviceActor {
             }
             let start = Instant::now();
             match &op.kind {
-                LocalOpKind::Copy { src, dst, rect } => {
-                    let data = self.slice(*src, rect);
-                    self.store(*dst, rect, data);
-                }
+                LocalOpKind::Copy { src, dst, rect } => self.copy(*src, *dst, rect),
                 LocalOpKind::Send {
                     copy,
                     src,

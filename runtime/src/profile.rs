@@ -632,14 +632,15 @@ fn runtime_cpu_s(cpu: StepCpu, pooled_cpu_s: f64, copies_cpu_s: f64) -> f64 {
 }
 
 /// The bytes a data-movement op copies and how many times it copies them: a piece of an instance
-/// is gathered out of it, a piece is stored into a larger instance; whole instances are shared.
+/// is gathered out of it, a piece is stored into a larger instance, a piece of one instance is
+/// copied straight into a piece of another on the same device; whole instances are shared.
 fn copied(program: &crate::program::DeviceProgram, kind: &LocalOpKind) -> (u64, u64) {
     let layout = |i: &u32| program.instances[*i as usize].rect;
     let size = |i: &u32| program.instances[*i as usize].dtype.size() as u64;
     match kind {
         LocalOpKind::Copy { src, dst, rect } => (
             rect.volume() as u64 * size(dst),
-            u64::from(layout(src) != *rect) + u64::from(layout(dst) != *rect),
+            u64::from(layout(src) != *rect || layout(dst) != *rect),
         ),
         LocalOpKind::Send { src, rect, .. } => (
             rect.volume() as u64 * size(src),
@@ -802,6 +803,40 @@ impl LinkFit {
 mod tests {
     use super::*;
     use crate::cpu_share::RuntimeThreadsCpu;
+    use legion_ops::op::{Conv2d, Dense};
+    use legion_ops::{Dim, GraphBuilder, Shape};
+
+    #[test]
+    fn a_local_copy_between_two_pieces_counts_once() {
+        // conv1 split by rows, conv2 by columns: on each device, a piece of conv1's tile goes into
+        // a piece of conv2's input instance.
+        let mut m = GraphBuilder::new("turn");
+        let x = m.input("data", Shape::nchw(2, 3, 8, 8)).unwrap();
+        let x = m.conv2d("conv1", x, Conv2d::new(4, 3).padding(1)).unwrap();
+        let x = m.conv2d("conv2", x, Conv2d::new(4, 3).padding(1)).unwrap();
+        let x = m.flatten("flat", x).unwrap();
+        let x = m.dense("fc", x, Dense::new(2)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        let g = m.finish();
+        let mut configs = vec![ParallelConfig::serial(0); g.layers().len()];
+        configs[1] = ParallelConfig::split(Dim::H, 2, 0);
+        configs[2] = ParallelConfig::split(Dim::W, 2, 0);
+        let plan = StepPlan::build(&g, &configs, 2).unwrap();
+        let mut both_partial = 0;
+        for program in &plan.programs {
+            for op in &program.ops {
+                let LocalOpKind::Copy { src, dst, rect } = &op.kind else {
+                    continue;
+                };
+                let layout = |i: &u32| program.instances[*i as usize].rect;
+                if layout(src) != *rect && layout(dst) != *rect {
+                    both_partial += 1;
+                    assert_eq!(copied(program, &op.kind), (4 * rect.volume() as u64, 1));
+                }
+            }
+        }
+        assert!(both_partial >= 2, "{both_partial} copies between pieces");
+    }
 
     #[test]
     fn runtime_cpu_is_the_actors_untimed_cpu_without_the_pools_spinning() {

@@ -22,15 +22,10 @@ pub struct LocalInstance {
 #[derive(Clone, Debug, PartialEq)]
 pub enum LocalOpKind {
     /// `instances[i]` serves requirement `i` (indices into the program's instances).
-    Task {
-        task: TaskSpec,
-        instances: Vec<u32>,
-    },
-    Copy {
-        src: u32,
-        dst: u32,
-        rect: Rect,
-    },
+    Task { task: TaskSpec, instances: Vec<u32> },
+    /// `rect` of one local instance into another: shared when it is all of both, else copied
+    /// once, straight across.
+    Copy { src: u32, dst: u32, rect: Rect },
     /// Ships `rect` of `src` to device `to`, tagged with the copy's op id.
     Send {
         copy: OpId,
@@ -39,11 +34,7 @@ pub enum LocalOpKind {
         to: DeviceId,
     },
     /// Receives the data of copy `copy` into `rect` of `dst`.
-    Recv {
-        copy: OpId,
-        dst: u32,
-        rect: Rect,
-    },
+    Recv { copy: OpId, dst: u32, rect: Rect },
     Fold {
         srcs: Vec<u32>,
         dst: u32,
