@@ -803,21 +803,14 @@ impl LinkFit {
 mod tests {
     use super::*;
     use crate::cpu_share::RuntimeThreadsCpu;
-    use legion_ops::op::{Conv2d, Dense};
-    use legion_ops::{Dim, GraphBuilder, Shape};
+    use legion_ops::{Dim, zoo};
 
     #[test]
     fn a_local_copy_between_two_pieces_counts_once() {
-        // conv1 split by rows, conv2 by columns: on each device, a piece of conv1's tile goes into
-        // a piece of conv2's input instance.
-        let mut m = GraphBuilder::new("turn");
-        let x = m.input("data", Shape::nchw(2, 3, 8, 8)).unwrap();
-        let x = m.conv2d("conv1", x, Conv2d::new(4, 3).padding(1)).unwrap();
-        let x = m.conv2d("conv2", x, Conv2d::new(4, 3).padding(1)).unwrap();
-        let x = m.flatten("flat", x).unwrap();
-        let x = m.dense("fc", x, Dense::new(2)).unwrap();
-        m.softmax_cross_entropy("loss", x).unwrap();
-        let g = m.finish();
+        // LeNet-5's conv1 split by rows, pool1 by columns: on each device, a piece of conv1's tile
+        // goes into a piece of pool1's input instance.
+        let z = zoo::find("lenet5").unwrap();
+        let g = z.build(&z.default_config(2)).unwrap();
         let mut configs = vec![ParallelConfig::serial(0); g.layers().len()];
         configs[1] = ParallelConfig::split(Dim::H, 2, 0);
         configs[2] = ParallelConfig::split(Dim::W, 2, 0);
