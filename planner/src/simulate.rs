@@ -49,19 +49,19 @@
 //! compute task also needs a free actor thread before its dispatch starts ([`Pools`]).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
 //! cluster, or hosts on one machine), a compute task, a move or a node's network work also needs
-//! one of the cores, so N devices on fewer cores do
-//! not compute N tiles at once, and an actor's copy takes a core from the kernels. The dispatch's
-//! last [`RuntimeCosts::runtime_cpu_s`] (the runtime's own CPU per op: message handling, waking
-//! and parking threads) is work on the core the kernel then uses. The rest of the measured
-//! dispatch is mostly waking a thread onto an idle core; a compute task that becomes startable
-//! with every core busy does not pay it: its threads queue behind running ones, and its kernel
-//! starts `runtime_cpu_s` after a core frees. Durations are the
-//! tasks' own seconds (the profiler takes out the share of the cores a task lost to others), so
-//! running fewer of them at full speed is the OS's fair sharing seen from each task's end. A task held back by its device takes, of the
-//! cores free by then, the one freed last, so a core idle since earlier stays free for a task
-//! that can use it. The makespan is the simulated step time. Eq. 1 sums every
-//! term as if nothing overlapped but leaves out dispatch, folds and updates, so the simulated time
-//! is usually at most the Eq. 1 time plus those; on one device it is exactly that sum.
+//! one of the cores, so N devices on fewer cores do not compute N tiles at once, and an actor's
+//! copy takes a core from the kernels. The dispatch's last [`RuntimeCosts::runtime_cpu_s`] (the
+//! runtime's own CPU per op: message handling, waking and parking threads) is work on the core the
+//! kernel then uses. The rest of the measured dispatch is mostly waking a thread onto an idle
+//! core; a compute task that becomes startable with every core busy does not pay it: its threads
+//! queue behind running ones, and its kernel starts `runtime_cpu_s` after a core frees. Durations
+//! are the tasks' own seconds (the profiler takes out the share of the cores a task lost to
+//! others), so running fewer of them at full speed is the OS's fair sharing seen from each task's
+//! end. A task held back by its device takes, of the cores free by then, the one freed last, so a
+//! core idle since earlier stays free for a task that can use it. The makespan is the simulated
+//! step time. Eq. 1 sums every term as if nothing overlapped but leaves out dispatch, folds and
+//! updates, so the simulated time is usually at most the Eq. 1 time plus those; on one device it
+//! is exactly that sum.
 
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;

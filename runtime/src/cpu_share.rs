@@ -58,7 +58,7 @@ pub fn alone_seconds(spans: &[CpuSpan], cores: usize) -> Vec<f64> {
 
 /// The CPU a traced step used: the whole process's, and, where the OS tells it by thread, the
 /// device actors' threads' and the compute pools' threads' apart (see `profile`, "runtime CPU").
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepCpu {
     pub process_s: f64,
     pub threads: Option<RuntimeThreadsCpu>,

@@ -31,8 +31,8 @@
 //!   their copies an actor thread (waiting for either the simulator models itself). The mean of
 //!   those: the simulator charges it to every op that becomes startable with a core idle (with
 //!   every core busy, only the runtime CPU below), and the expected step time wants the expected
-//!   delay, tail included (a woken thread waiting for a core the OS has
-//!   given to another device for a time slice). On one pool shared by every device the tail also
+//!   delay, tail included (a woken thread waiting for a core the OS has given to another device
+//!   for a time slice). On one pool shared by every device the tail also
 //!   held other devices' whole kernels (see `embedded::spawn_local_devices`), which made the mean
 //!   overprice steps by 15–45% and the median the better guess; with a pool per device it is not.
 //!   Their spread too (`dispatch_bins_s`, means of sixteenths): a step of many small ops on
