@@ -1,8 +1,8 @@
 //! How long a task would have taken with the machine to itself, from when it ran beside others;
 //! and how much CPU the runtime's own threads used.
 //!
-//! The embedded cluster's devices are thread pools on shared cores, and the device actors copy on
-//! threads of their own: when more threads have work than there are cores, the OS shares the
+//! The embedded cluster's devices run kernels on pool threads that share the cores (see
+//! `compute`), and the device actors copy on threads of their own: when more threads have work than there are cores, the OS shares the
 //! cores out and every task's wall time stretches. The profiler wants each task's own cost. Over
 //! each stretch of time where the same tasks run, the cores are divided among them the way a fair
 //! scheduler does it: an equal share each, but no task more than the threads it can use, what one
@@ -75,7 +75,7 @@ pub struct RuntimeThreadsCpu {
 
 /// The name of the threads the device actors run on (`embedded::device_runtime`).
 pub const ACTOR_THREAD_NAME: &str = "legion-device";
-/// The start of the names of the devices' compute-pool threads (`embedded::spawn_local_devices`).
+/// The start of the names of the devices' compute-pool threads (`compute::ComputePool`).
 pub const POOL_THREAD_PREFIX: &str = "legion-pool";
 
 /// This process's actor and pool threads (of every cluster in it): (thread id, kind, seconds on a

@@ -1,14 +1,14 @@
 //! The device actor: owns one device's physical instances and runs its program each step.
 //!
 //! An op runs once its local dependences are done (a `Recv` also waits for its data). Compute ops
-//! (kernels and folds) run one at a time per device on the device's own compute pool, like a GPU
-//! stream;
-//! data movement (local copies, sends, receives) runs on the actor as soon as it is ready, so
+//! (kernels and folds) run one at a time per device on its compute pool (`compute`), like a GPU
+//! stream; data movement (local copies, sends, receives) runs on the actor as soon as it is ready, so
 //! transfers overlap compute. A task that touches no data (the overhead probe's empty tasks) runs
 //! on the actor too: the pool's round trip would cost more than it. Instances are `Arc`s: readers share them, and a writer takes the only
 //! reference (the analysis guarantees nobody else holds it at that point).
 
 use crate::buffer::{self, Buffer};
+use crate::compute::ComputePool;
 use crate::exec::{self, Access, ExecContext, StepInput, TaskOutcome};
 use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
@@ -54,8 +54,8 @@ pub struct DeviceSetup {
     pub seed: u64,
     pub sgd: Sgd,
     pub transport: Arc<dyn Transport>,
-    /// Where this device's kernels run (its own pool: see `embedded::spawn_local_devices`).
-    pub pool: Arc<rayon::ThreadPool>,
+    /// Where this device's kernels run (see `compute`).
+    pub pool: ComputePool,
     /// Buffers of gathered and received slices, reused across steps (shared by this process's
     /// devices).
     pub buffers: Arc<BufferPool>,

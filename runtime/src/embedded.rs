@@ -1,9 +1,9 @@
-//! The embedded cluster: N CPU devices as actors in this process, each with its own compute pool
-//! on the machine's shared cores, joined by the in-process transport. Runs training steps of a step
-//! plan.
+//! The embedded cluster: N CPU devices as actors in this process, sharing the machine's cores
+//! (see `compute`), joined by the in-process transport. Runs training steps of a step plan.
 
 use crate::buffer::Buffer;
-use crate::cpu_share::{ACTOR_THREAD_NAME, POOL_THREAD_PREFIX};
+use crate::compute::{ComputePool, kernel_threads};
+use crate::cpu_share::ACTOR_THREAD_NAME;
 use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
 use crate::exec::{BatchView, StepInput};
 use crate::plan::{PlanError, SamplesRead, StepPlan};
@@ -335,7 +335,7 @@ pub fn initial_instances(
 }
 
 /// The tokio runtime device actors run on. Two workers: the actors only track dependences and move
-/// data; kernels run on the devices' own pools.
+/// data; kernels run on the devices' compute pools (`compute`).
 pub fn device_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -361,30 +361,10 @@ pub fn spawn_devices(
     )
 }
 
-/// Threads of each device's compute pool when `devices` devices share this process's cores (the
-/// global rayon pool's size): an equal share, at least one.
+/// Threads a kernel splits its work across when `devices` devices share this process's cores
+/// (the global rayon pool's size): an equal share, at least one.
 pub fn threads_per_device(devices: usize) -> usize {
-    (rayon::current_num_threads() / devices.max(1)).max(1)
-}
-
-/// One compute pool per device ([`threads_per_device`] threads each). A device's kernels run only
-/// on its own pool: on one shared pool, a thread waiting inside one device's kernel for a stolen
-/// piece would pick up another device's whole kernel and finish it first, so a kernel's time
-/// depended on what the other devices happened to queue (the profile could not time tiles, nor the
-/// simulator predict steps). With a pool each, devices share the cores the way the OS shares
-/// threads, which the profiler accounts for (see `cpu_share`).
-fn device_pools(devices: usize) -> Vec<Arc<rayon::ThreadPool>> {
-    let threads = threads_per_device(devices);
-    (0..devices)
-        .map(|d| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(move |i| format!("{POOL_THREAD_PREFIX}{d}-{i}"))
-                .build()
-                .expect("a device's compute pool");
-            Arc::new(pool)
-        })
-        .collect()
+    kernel_threads(devices, rayon::current_num_threads())
 }
 
 /// Spawns one actor per program of `programs` (this process's devices, in global order) on
@@ -396,7 +376,7 @@ pub fn spawn_local_devices(
     sgd: Sgd,
     transport: Arc<InProcessTransport>,
 ) -> Vec<ActorRef<DeviceActor>> {
-    let pools = device_pools(programs.len());
+    let pools = ComputePool::for_devices(programs.len(), rayon::current_num_threads());
     let buffers = Arc::new(BufferPool::for_programs(programs));
     let actors: Vec<ActorRef<DeviceActor>> = programs
         .iter()

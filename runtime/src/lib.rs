@@ -10,6 +10,7 @@
 //! - `program`: the analysed step cut into per-device programs (copies become send/recv).
 //! - `plan`: builds and checks the replayable step plan.
 //! - `buffer`, `exec`: instance storage and the kernels a task runs.
+//! - `compute`: the cores a device's kernels run on (a pool each, or workers shared by all).
 //! - `recycle`: buffers of gathered and received slices, reused across steps.
 //! - `device`: the kameo device actor that runs a device's program each step.
 //! - `transport`: moving slices between devices (in-process here; QUIC in `legion-cluster`).
@@ -21,6 +22,7 @@
 
 pub mod analysis;
 pub mod buffer;
+pub mod compute;
 pub mod cpu_share;
 pub mod device;
 pub mod embedded;

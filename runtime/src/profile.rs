@@ -32,9 +32,10 @@
 //!   those: the simulator charges it to every op that becomes startable with a core idle (with
 //!   every core busy, only the runtime CPU below), and the expected step time wants the expected
 //!   delay, tail included (a woken thread waiting for a core the OS has given to another device
-//!   for a time slice). On one pool shared by every device the tail also
-//!   held other devices' whole kernels (see `embedded::spawn_local_devices`), which made the mean
-//!   overprice steps by 15–45% and the median the better guess; with a pool per device it is not.
+//!   for a time slice). On a rayon pool shared by every device the tail also held other devices'
+//!   whole kernels (a thread waiting inside one kernel stole another), which made the mean
+//!   overprice steps by 15–45% and the median the better guess; the pools of `compute` run each
+//!   kernel alone on its thread, so it does not.
 //!   Their spread too (`dispatch_bins_s`, means of sixteenths): a step of many small ops on
 //!   parallel paths waits for the slowest path, so it costs more than each op paying the mean;
 //! - own seconds: kernels, folds, updates and copies are timed by their own seconds (`cpu_share`),
@@ -263,7 +264,7 @@ impl Profiler {
     pub fn finish(self, graph: &Graph) -> ProfileDb {
         let mut db = self.tiles.into_db(graph, &self.settings.device_kind);
         db.links = self.links.fit();
-        // Kernels the cores run at once at full speed, each device's on its own pool.
+        // Kernels the cores run at once at full speed (see `compute::ComputePool::for_devices`).
         db.compute_threads = Some((self.threads.cores / self.threads.device_threads).max(1));
         db.runtime = self.overheads.costs(self.threads.actor_threads);
         db
