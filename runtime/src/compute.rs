@@ -144,6 +144,24 @@ mod tests {
     }
 
     #[test]
+    fn shared_workers_exit_once_every_device_has_let_go_of_them() {
+        let pools = ComputePool::for_devices(2, 1);
+        let (done, worker) = mpsc::channel();
+        pools[0].spawn(move || done.send(unsafe { libc::gettid() }).unwrap());
+        let task = format!("/proc/self/task/{}", worker.recv().unwrap());
+        assert!(std::path::Path::new(&task).exists());
+        drop(pools);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::path::Path::new(&task).exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the worker outlived its devices"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    #[test]
     fn a_device_per_share_of_the_cores_gets_a_pool_of_that_many_threads() {
         let pools = ComputePool::for_devices(2, 4);
         for pool in &pools {
