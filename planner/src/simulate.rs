@@ -44,13 +44,15 @@
 //! actor handling the previous op's completion, handing the kernel to the pool); where the profile
 //! measured how those delays spread ([`RuntimeCosts::dispatch_bins_s`]), each task's delay is
 //! drawn from the spread and the step time is the mean over [`DISPATCH_DRAWS`] seeded schedules.
-//! Moves run on the device's actor: they hold the device (its next kernel is dispatched only after
-//! them) and one of the [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a
-//! compute task also needs a free actor thread before its dispatch starts ([`Pools`]).
+//! Moves run on the device's actor, beside the device's kernel: they hold the actor (the device's
+//! next kernel is dispatched only after them and after its previous kernel) and one of the
+//! [`RuntimeCosts::actor_threads`] the actors share, and pay no dispatch; a compute task also
+//! needs a free actor thread before its dispatch starts ([`Pools`]).
 //! On a machine whose devices share a pool of cores ([`MachineModel::compute_slots`], the embedded
-//! cluster, or hosts on one machine), a compute task, a move or a node's network work also needs
-//! one of the cores, so N devices on fewer cores do not compute N tiles at once, and an actor's
-//! copy takes a core from the kernels. The dispatch's last [`RuntimeCosts::runtime_cpu_s`] (the
+//! cluster, or hosts on one machine), a compute task or a node's network work also needs one of
+//! the cores, so N devices on fewer cores do not compute N tiles at once. An actor's copy takes a
+//! free core; with every core busy it runs at once all the same, on a core the OS shares with a
+//! kernel, and the work that core runs next starts that much later. The dispatch's last [`RuntimeCosts::runtime_cpu_s`] (the
 //! runtime's own CPU per op: message handling, waking and parking threads) is work on the core the
 //! kernel then uses. The rest of the measured dispatch is mostly waking a thread onto an idle
 //! core; a compute task that becomes startable with every core busy does not pay it: its threads
@@ -811,12 +813,13 @@ pub fn list_schedule_dispatched(
 }
 
 /// The list schedule of `tasks` under `pools`: a compute task (on a device, not a [`TaskKind::Move`])
-/// waits for its device and, with actor threads, for one of them to be free, then for the
-/// dispatch, and, if it takes time, for a compute slot (the dispatch overlaps that wait), holding
-/// it for the runtime's CPU before its kernel ([`Pools::runtime_cpu_s`]); when no slot is free
-/// as it becomes startable, it waits for the slot and the runtime's CPU only. A move
-/// waits for its device and an actor thread, and, if it takes time, a compute slot, and holds all
-/// three.
+/// waits for its device's previous compute task and its device's actor and, with actor threads,
+/// for one of them to be free, then for the dispatch, and, if it takes time, for a compute slot
+/// (the dispatch overlaps that wait), holding it for the runtime's CPU before its kernel
+/// ([`Pools::runtime_cpu_s`]); when no slot is free as it becomes startable, it waits for the slot
+/// and the runtime's CPU only. A move waits for its device's actor and an actor thread and holds
+/// both; if it takes time, it holds a free compute slot too, or, with none free, pushes the slot
+/// that frees first back by its duration.
 pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
     schedule(tasks, pools, |_| pools.dispatch_s)
 }
@@ -858,11 +861,25 @@ fn schedule(
         free.or_else(|| (0..pool.len()).min_by(|&a, &b| pool[a].total_cmp(&pool[b])))
             .expect("a non-empty pool")
     };
+    // When each device's actor is free: its moves hold it, not the device's kernel stream (the
+    // actor copies while the device's kernel runs), and its next kernel waits for both.
+    let mut device_actors: BTreeMap<DeviceId, f64> = BTreeMap::new();
     while let Some(Reverse((at, t))) = ready.pop() {
-        let free = resources.entry(tasks[t].resource).or_insert(0.0);
-        start[t] = f64::from_bits(at).max(*free);
-        let on_device = matches!(tasks[t].resource, Resource::Device(_));
+        let device = match tasks[t].resource {
+            Resource::Device(d) => Some(d),
+            _ => None,
+        };
+        let on_device = device.is_some();
         let compute = on_device && tasks[t].kind != TaskKind::Move;
+        let device_actor = device.map_or(0.0, |d| *device_actors.get(&d).unwrap_or(&0.0));
+        let free = match device {
+            Some(d) if !compute => device_actors.entry(d).or_insert(0.0),
+            _ => resources.entry(tasks[t].resource).or_insert(0.0),
+        };
+        start[t] = f64::from_bits(at).max(*free);
+        if compute {
+            start[t] = start[t].max(device_actor);
+        }
         let mut actor = None;
         if on_device && !actors.is_empty() {
             let k = fitting(&actors, start[t]);
@@ -881,9 +898,16 @@ fn schedule(
         }
         // The runtime's work on a compute task ends its dispatch, on the core its kernel then uses.
         let handling = if compute { pools.runtime_cpu_s } else { 0.0 };
-        let slot = pooled.then(|| fitting(&slots, start[t] - handling));
+        let mut slot = pooled.then(|| fitting(&slots, start[t] - handling));
         if let Some(k) = slot {
-            start[t] = start[t].max(slots[k] + handling);
+            if on_device && !compute && slots[k] > start[t] {
+                // No core is free: the actor copies at once all the same, on a core the OS shares
+                // with a kernel, so the copy's CPU comes out of that core's later work.
+                slots[k] += tasks[t].duration;
+                slot = None;
+            } else {
+                start[t] = start[t].max(slots[k] + handling);
+            }
         }
         finish[t] = start[t] + tasks[t].duration;
         *free = finish[t];
@@ -1004,9 +1028,11 @@ mod tests {
                 assert!(reader.deps.contains(&(m - 1)) && reader.deps.contains(&(m - 2)));
             }
         }
-        // one core: the transport's work never runs beside a kernel or another's work
+        // one core: the transport's work never runs beside a kernel or another's work (an actor's
+        // copy may: see `a_copy_with_every_core_busy_starts_at_once_and_delays_that_cores_next_work`)
         let mut busy: Vec<(f64, f64)> = (0..sim.tasks.len())
             .filter(|&t| sim.tasks[t].duration > 0.0)
+            .filter(|&t| sim.tasks[t].kind != TaskKind::Move)
             .filter(|&t| !matches!(sim.tasks[t].resource, Resource::Link(..)))
             .map(|t| (sim.start[t], sim.finish[t]))
             .collect();
@@ -1143,16 +1169,17 @@ mod tests {
             .map(|t| t.bytes)
             .sum();
         assert_eq!(sync_bytes, model.evaluate(&configs).comm_bytes);
-        // dependencies are respected and resources never run two tasks at once
+        // dependencies are respected and resources never run two tasks at once (a device's
+        // actor, which runs its moves, and its kernel stream apart)
         for (t, task) in sim.tasks.iter().enumerate() {
             for &d in &task.deps {
                 assert!(sim.start[t] >= sim.finish[d]);
             }
         }
-        let mut by_resource: BTreeMap<Resource, Vec<(f64, f64)>> = BTreeMap::new();
+        let mut by_resource: BTreeMap<(Resource, bool), Vec<(f64, f64)>> = BTreeMap::new();
         for (t, task) in sim.tasks.iter().enumerate() {
             by_resource
-                .entry(task.resource)
+                .entry((task.resource, task.kind == TaskKind::Move))
                 .or_default()
                 .push((sim.start[t], sim.finish[t]));
         }
@@ -1589,6 +1616,69 @@ mod tests {
         // core until 2 (its dispatch hidden in the wait).
         let (start, _) = list_schedule_pools(&tasks, &pools(None));
         assert_eq!(start, vec![0.0, 0.0, 2.0, 2.5]);
+    }
+
+    #[test]
+    fn a_devices_actor_copies_while_its_kernel_runs_and_its_next_kernel_waits_for_both() {
+        let task = |kind, duration, deps: Vec<usize>| Task {
+            name: String::new(),
+            kind,
+            resource: Resource::Device(0),
+            duration,
+            bytes: 0,
+            latency: 0.0,
+            deps,
+        };
+        let tasks = vec![
+            task(TaskKind::Forward, 1.0, vec![]),
+            task(TaskKind::Move, 0.5, vec![]),
+            task(TaskKind::Move, 1.0, vec![1]),
+            task(TaskKind::Forward, 1.0, vec![0]),
+        ];
+        let (start, finish) = list_schedule(&tasks);
+        // The copies run beside the first kernel, one after the other on the actor; the second
+        // kernel waits for the stream (free at 1) and for the actor (free at 1.5).
+        assert_eq!(start, vec![0.0, 0.0, 0.5, 1.5]);
+        assert_eq!(finish, vec![1.0, 0.5, 1.5, 2.5]);
+    }
+
+    #[test]
+    fn a_copy_with_every_core_busy_starts_at_once_and_delays_that_cores_next_work() {
+        let task = |kind, device, duration, deps: Vec<usize>| Task {
+            name: String::new(),
+            kind,
+            resource: Resource::Device(device),
+            duration,
+            bytes: 0,
+            latency: 0.0,
+            deps,
+        };
+        let tasks = vec![
+            task(TaskKind::Forward, 0, 1.0, vec![]),
+            task(TaskKind::Forward, 1, 0.25, vec![]),
+            task(TaskKind::Move, 1, 0.5, vec![1]),
+            task(TaskKind::Forward, 2, 1.0, vec![]),
+        ];
+        let pools = Pools {
+            compute_slots: Some(1),
+            ..Pools::default()
+        };
+        let (start, finish) = list_schedule_pools(&tasks, &pools);
+        // One core: kernel 1 waits for kernel 0. Its copy then finds the core taken by kernel 2
+        // (1.25 to 2.25) and runs at once, the OS sharing the core: kernel 2's successors on that
+        // core start half a second later, and kernel 2 itself keeps its times.
+        assert_eq!(start[..3], [0.0, 1.0, 1.25]);
+        assert_eq!(finish[..3], [1.0, 1.25, 1.75]);
+        assert_eq!((start[3], finish[3]), (1.25, 2.25));
+        let after = vec![
+            task(TaskKind::Forward, 0, 1.0, vec![]),
+            task(TaskKind::Forward, 1, 0.25, vec![]),
+            task(TaskKind::Move, 1, 0.5, vec![1]),
+            task(TaskKind::Forward, 2, 1.0, vec![]),
+            task(TaskKind::Forward, 3, 1.0, vec![2]),
+        ];
+        let (start, _) = list_schedule_pools(&after, &pools);
+        assert_eq!(start[4], 2.75);
     }
 
     #[test]

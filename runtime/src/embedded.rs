@@ -334,11 +334,13 @@ pub fn initial_instances(
     per_device
 }
 
-/// The tokio runtime device actors run on. Two workers: the actors only track dependences and move
-/// data; kernels run on the devices' compute pools (`compute`).
+/// The tokio runtime device actors run on: a thread for every two cores, at least one. The actors
+/// only track dependences and move data; kernels run on the devices' compute pools (`compute`),
+/// which want the cores. On 2 cores one actor thread beat two: LeNet-5's steps on 4 devices ran
+/// 12–25% faster (BENCHMARKS.md, "predicted vs measured").
 pub fn device_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads((rayon::current_num_threads() / 2).max(1))
         .thread_name(ACTOR_THREAD_NAME)
         .build()
         .expect("tokio runtime")
