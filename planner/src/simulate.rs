@@ -1463,7 +1463,14 @@ mod tests {
     fn kernel(name: &str, device: DeviceId, duration: f64, deps: Vec<usize>) -> Task {
         Task {
             name: name.into(),
-            kind: TaskKind::Forward,
+            ..device_task(TaskKind::Forward, device, duration, deps)
+        }
+    }
+
+    fn device_task(kind: TaskKind, device: DeviceId, duration: f64, deps: Vec<usize>) -> Task {
+        Task {
+            name: String::new(),
+            kind,
             resource: Resource::Device(device),
             duration,
             bytes: 0,
@@ -1620,15 +1627,7 @@ mod tests {
 
     #[test]
     fn a_devices_actor_copies_while_its_kernel_runs_and_its_next_kernel_waits_for_both() {
-        let task = |kind, duration, deps: Vec<usize>| Task {
-            name: String::new(),
-            kind,
-            resource: Resource::Device(0),
-            duration,
-            bytes: 0,
-            latency: 0.0,
-            deps,
-        };
+        let task = |kind, duration, deps| device_task(kind, 0, duration, deps);
         let tasks = vec![
             task(TaskKind::Forward, 1.0, vec![]),
             task(TaskKind::Move, 0.5, vec![]),
@@ -1644,15 +1643,7 @@ mod tests {
 
     #[test]
     fn a_copy_with_every_core_busy_starts_at_once_and_delays_that_cores_next_work() {
-        let task = |kind, device, duration, deps: Vec<usize>| Task {
-            name: String::new(),
-            kind,
-            resource: Resource::Device(device),
-            duration,
-            bytes: 0,
-            latency: 0.0,
-            deps,
-        };
+        let task = device_task;
         let tasks = vec![
             task(TaskKind::Forward, 0, 1.0, vec![]),
             task(TaskKind::Forward, 1, 0.25, vec![]),
