@@ -52,9 +52,9 @@
 //! cluster, or hosts on one machine), a compute task or a node's network work also needs one of
 //! the cores, so N devices on fewer cores do not compute N tiles at once. An actor's copy takes a
 //! free core; with every core busy it runs at once all the same, on a core the OS shares with a
-//! kernel, and the work that core runs next starts that much later. The dispatch's last [`RuntimeCosts::runtime_cpu_s`] (the
-//! runtime's own CPU per op: message handling, waking and parking threads) is work on the core the
-//! kernel then uses. The rest of the measured dispatch is mostly waking a thread onto an idle
+//! kernel, and the work that core runs next starts that much later. The dispatch's last
+//! [`RuntimeCosts::runtime_cpu_s`] (the runtime's own CPU per op: message handling, waking and
+//! parking threads) is work on the core the kernel then uses. The rest of the measured dispatch is mostly waking a thread onto an idle
 //! core; a compute task that becomes startable with every core busy does not pay it: its threads
 //! queue behind running ones, and its kernel starts `runtime_cpu_s` after a core frees. Durations
 //! are the tasks' own seconds (the profiler takes out the share of the cores a task lost to
@@ -1028,8 +1028,9 @@ mod tests {
                 assert!(reader.deps.contains(&(m - 1)) && reader.deps.contains(&(m - 2)));
             }
         }
-        // one core: the transport's work never runs beside a kernel or another's work (an actor's
-        // copy may: see `a_copy_with_every_core_busy_starts_at_once_and_delays_that_cores_next_work`)
+        // one core: the transport's work never runs beside a kernel or another's work (an
+        // actor's copy may: see
+        // `a_copy_with_every_core_busy_starts_at_once_and_delays_that_cores_next_work`)
         let mut busy: Vec<(f64, f64)> = (0..sim.tasks.len())
             .filter(|&t| sim.tasks[t].duration > 0.0)
             .filter(|&t| sim.tasks[t].kind != TaskKind::Move)

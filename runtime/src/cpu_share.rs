@@ -2,12 +2,13 @@
 //! and how much CPU the runtime's own threads used.
 //!
 //! The embedded cluster's devices run kernels on pool threads that share the cores (see
-//! `compute`), and the device actors copy on threads of their own: when more threads have work than there are cores, the OS shares the
-//! cores out and every task's wall time stretches. The profiler wants each task's own cost. Over
-//! each stretch of time where the same tasks run, the cores are divided among them the way a fair
-//! scheduler does it: an equal share each, but no task more than the threads it can use, what one
-//! leaves going to the others (water-filling). A task's own time is the sum, over its span, of the
-//! share it got divided by the share it would have got alone.
+//! `compute`), and the device actors copy on threads of their own: when more threads have work
+//! than there are cores, the OS shares the cores out and every task's wall time stretches. The
+//! profiler wants each task's own cost. Over each stretch of time where the same tasks run, the
+//! cores are divided among them the way a fair scheduler does it: an equal share each, but no task
+//! more than the threads it can use, what one leaves going to the others (water-filling). A task's
+//! own time is the sum, over its span, of the share it got divided by the share it would have got
+//! alone.
 
 /// One task's span of wall-clock time and how many threads it can keep busy.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -2,10 +2,11 @@
 //!
 //! An op runs once its local dependences are done (a `Recv` also waits for its data). Compute ops
 //! (kernels and folds) run one at a time per device on its compute pool (`compute`), like a GPU
-//! stream; data movement (local copies, sends, receives) runs on the actor as soon as it is ready, so
-//! transfers overlap compute. A task that touches no data (the overhead probe's empty tasks) runs
-//! on the actor too: the pool's round trip would cost more than it. Instances are `Arc`s: readers share them, and a writer takes the only
-//! reference (the analysis guarantees nobody else holds it at that point).
+//! stream; data movement (local copies, sends, receives) runs on the actor as soon as it is ready,
+//! so transfers overlap compute. A task that touches no data (the overhead probe's empty tasks)
+//! runs on the actor too: the pool's round trip would cost more than it. Instances are `Arc`s:
+//! readers share them, and a writer takes the only reference (the analysis guarantees nobody else
+//! holds it at that point).
 
 use crate::buffer::{self, Buffer};
 use crate::compute::ComputePool;
