@@ -54,9 +54,10 @@
 //! free core; with every core busy it runs at once all the same, on a core the OS shares with a
 //! kernel, and the work that core runs next starts that much later. The dispatch's last
 //! [`RuntimeCosts::runtime_cpu_s`] (the runtime's own CPU per op: message handling, waking and
-//! parking threads) is work on the core the kernel then uses. The rest of the measured dispatch is mostly waking a thread onto an idle
-//! core; a compute task that becomes startable with every core busy does not pay it: its threads
-//! queue behind running ones, and its kernel starts `runtime_cpu_s` after a core frees. Durations
+//! parking threads) is work on the core the kernel then uses. The rest of the measured dispatch
+//! is mostly waking a thread onto an idle core; a compute task that becomes startable with every
+//! core busy does not pay it: its threads queue behind running ones, and its kernel starts
+//! `runtime_cpu_s` after a core frees. Durations
 //! are the tasks' own seconds (the profiler takes out the share of the cores a task lost to
 //! others), so running fewer of them at full speed is the OS's fair sharing seen from each task's
 //! end. A task held back by its device takes, of the cores free by then, the one freed last, so a
@@ -870,10 +871,11 @@ fn schedule(
             _ => None,
         };
         let on_device = device.is_some();
-        let compute = on_device && tasks[t].kind != TaskKind::Move;
+        let is_move = on_device && tasks[t].kind == TaskKind::Move;
+        let compute = on_device && !is_move;
         let device_actor = device.map_or(0.0, |d| *device_actors.get(&d).unwrap_or(&0.0));
         let free = match device {
-            Some(d) if !compute => device_actors.entry(d).or_insert(0.0),
+            Some(d) if is_move => device_actors.entry(d).or_insert(0.0),
             _ => resources.entry(tasks[t].resource).or_insert(0.0),
         };
         start[t] = f64::from_bits(at).max(*free);
@@ -900,7 +902,7 @@ fn schedule(
         let handling = if compute { pools.runtime_cpu_s } else { 0.0 };
         let mut slot = pooled.then(|| fitting(&slots, start[t] - handling));
         if let Some(k) = slot {
-            if on_device && !compute && slots[k] > start[t] {
+            if is_move && slots[k] > start[t] {
                 // No core is free: the actor copies at once all the same, on a core the OS shares
                 // with a kernel, so the copy's CPU comes out of that core's later work.
                 slots[k] += tasks[t].duration;

@@ -334,13 +334,18 @@ pub fn initial_instances(
     per_device
 }
 
-/// The tokio runtime device actors run on: a thread for every two cores, at least one. The actors
-/// only track dependences and move data; kernels run on the devices' compute pools (`compute`),
-/// which want the cores. On 2 cores one actor thread beat two: LeNet-5's steps on 4 devices ran
-/// 12–25% faster (BENCHMARKS.md, "predicted vs measured").
+/// Threads of [`device_runtime`]: one for every two cores, at least one. The actors only track
+/// dependences and move data; kernels run on the devices' compute pools (`compute`), which want
+/// the cores. On 2 cores one actor thread beat two: LeNet-5's steps on 4 devices ran 12–25% faster
+/// (BENCHMARKS.md, "predicted vs measured").
+pub fn actor_threads() -> usize {
+    (rayon::current_num_threads() / 2).max(1)
+}
+
+/// The tokio runtime device actors run on ([`actor_threads`] threads).
 pub fn device_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads((rayon::current_num_threads() / 2).max(1))
+        .worker_threads(actor_threads())
         .thread_name(ACTOR_THREAD_NAME)
         .build()
         .expect("tokio runtime")

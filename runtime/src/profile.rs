@@ -225,8 +225,8 @@ impl Profiler {
         let threads = Threads {
             cores: rayon::current_num_threads(),
             device_threads: crate::embedded::threads_per_device(devices),
-            // The clusters run on runtimes built by this same function.
-            actor_threads: crate::embedded::device_runtime().metrics().num_workers(),
+            // The clusters run on `embedded::device_runtime`, which has this many.
+            actor_threads: crate::embedded::actor_threads(),
         };
         Profiler {
             settings: settings.clone(),
