@@ -7,7 +7,10 @@
 //! so the profile and the measurement interleave step by step, and the whole is repeated in
 //! rounds; the table gives each strategy's median over the rounds of the measured and of the
 //! simulated time, every round's error, and the traced steps' mean (how much tracing costs, and
-//! the error against the very steps the profile came from). Run with
+//! the error against the very steps the profile came from), and the CPU an untraced step used
+//! against the simulated step's (its tasks' seconds on the devices' cores and the runtime's CPU
+//! per compute task): where those agree and the times do not, the error is in where and when the
+//! work ran, not in how much of it there was. Run with
 //! `cargo bench -p legion-cluster --bench predicted_vs_measured`; the table is in BENCHMARKS.md.
 //!
 //! Environment: `LEGION_PVM_MODELS=alexnet,lenet5` picks the models (both by default);
@@ -19,15 +22,16 @@
 use legion_cluster::cli::load_model;
 use legion_cluster::job::{choose_strategy, embedded_machine};
 use legion_ops::train::{ParamStore, Sgd};
-use legion_planner::simulate::simulate;
+use legion_planner::simulate::{Resource, Simulation, TaskKind, simulate};
 use legion_planner::{CostModel, ProfiledCost};
-use legion_runtime::cpu_share::CpuMeter;
+use legion_runtime::cpu_share::{CpuMeter, process_cpu_s};
 use legion_runtime::embedded::EmbeddedCluster;
 use legion_runtime::profile::{self, ProfileSettings, Profiler};
 use std::path::PathBuf;
 use std::time::Instant;
 
 const DEVICES: usize = 4;
+
 const STRATEGIES: [&str; 3] = ["data", "owt", "optcnn"];
 const WARMUP: usize = 3;
 const SEED: u64 = 1;
@@ -40,9 +44,37 @@ const MEASURE_S: f64 = 1.0;
 const MIN_STEPS: usize = 16;
 const MAX_STEPS: usize = 2000;
 
+/// One round of one strategy, seconds per step.
+#[derive(Clone, Copy)]
+struct Round {
+    measured_s: f64,
+    simulated_s: f64,
+    profiled_s: f64,
+    /// The process's CPU per untraced step.
+    measured_cpu_s: f64,
+    simulated_cpu_s: f64,
+}
+
 /// Steps of `step_s` seconds that fill `seconds`, at least `least`.
 fn steps_for(seconds: f64, step_s: f64, least: usize) -> usize {
     ((seconds / step_s).ceil() as usize).clamp(least, MAX_STEPS)
+}
+
+/// CPU seconds the simulated step spends on the devices' cores: every task on a device (kernels,
+/// folds, updates, the actors' copies) and the runtime's CPU per compute task.
+fn simulated_cpu_s(sim: &Simulation, runtime_cpu_s: f64) -> f64 {
+    sim.tasks
+        .iter()
+        .filter(|t| matches!(t.resource, Resource::Device(_)))
+        .map(|t| {
+            let handling = if t.kind == TaskKind::Move {
+                0.0
+            } else {
+                runtime_cpu_s
+            };
+            t.duration + handling
+        })
+        .sum()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -69,7 +101,7 @@ fn main() -> anyhow::Result<()> {
          traced steps, alternating with them; medians over {rounds} round(s)"
     );
     println!(
-        "{:<16} {:<8} {:>12} {:>13} {:>8}  {:<22} {:>11} {:>8}",
+        "{:<16} {:<8} {:>12} {:>13} {:>8}  {:<22} {:>11} {:>8} {:>16}",
         "model",
         "strategy",
         "measured ms",
@@ -77,7 +109,8 @@ fn main() -> anyhow::Result<()> {
         "error",
         "errors by round",
         "profiled ms",
-        "vs sim"
+        "vs sim",
+        "CPU ms real/sim"
     );
     let models = std::env::var("LEGION_PVM_MODELS").unwrap_or_else(|_| "alexnet,lenet5".into());
     let traces = std::env::var_os("LEGION_PVM_TRACES").map(PathBuf::from);
@@ -114,8 +147,7 @@ fn main() -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let (images, labels) = profile::synthetic_batch(&graph, SEED)?;
-        // (measured, simulated, profiled) seconds per strategy per round
-        let mut results: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); strategies.len()];
+        let mut results: Vec<Vec<Round>> = vec![Vec::new(); strategies.len()];
         let mut notes = Vec::new();
         for round in 0..rounds {
             let mut note = format!("round {}:", round + 1);
@@ -129,12 +161,14 @@ fn main() -> anyhow::Result<()> {
                 // same load: on a shared machine it drifts by tens of percent within seconds.
                 // The traced steps are analysed after the last one, so that the steps run back to
                 // back, as in training.
-                let (mut untraced_s, mut traced_s) = (0.0, 0.0);
+                let (mut untraced_s, mut traced_s, mut untraced_cpu_s) = (0.0, 0.0, 0.0);
                 let mut traced = Vec::with_capacity(steps);
                 for _ in 0..steps {
+                    let cpu = process_cpu_s();
                     let t = Instant::now();
                     cluster.step(images.clone(), labels.clone(), false)?;
                     untraced_s += t.elapsed().as_secs_f64();
+                    untraced_cpu_s += process_cpu_s() - cpu;
                     let meter = CpuMeter::start();
                     let t = Instant::now();
                     let result = cluster.step(images.clone(), labels.clone(), true)?;
@@ -151,7 +185,14 @@ fn main() -> anyhow::Result<()> {
                 let cost = ProfiledCost::new(&db, &machine);
                 let model = CostModel::new(&graph, &machine, &cost);
                 let sim = simulate(&model, configs);
-                results[i].push((real, sim.makespan, profiled));
+                let runtime_cpu_s = db.runtime.as_ref().map_or(0.0, |r| r.runtime_cpu_s);
+                results[i].push(Round {
+                    measured_s: real,
+                    simulated_s: sim.makespan,
+                    profiled_s: profiled,
+                    measured_cpu_s: untraced_cpu_s / steps as f64,
+                    simulated_cpu_s: simulated_cpu_s(&sim, runtime_cpu_s),
+                });
                 if let Some(dir) = traces.as_ref().filter(|_| round + 1 == rounds) {
                     std::fs::create_dir_all(dir)?;
                     let result = cluster.step(images.clone(), labels.clone(), true)?;
@@ -195,15 +236,24 @@ fn main() -> anyhow::Result<()> {
             notes.push(note);
         }
         for ((strategy, _), runs) in strategies.iter().zip(&results) {
-            let real = median(runs.iter().map(|r| r.0).collect());
-            let simulated = median(runs.iter().map(|r| r.1).collect());
-            let profiled = median(runs.iter().map(|r| r.2).collect());
+            let of = |f: fn(&Round) -> f64| median(runs.iter().map(f).collect());
+            let real = of(|r| r.measured_s);
+            let simulated = of(|r| r.simulated_s);
+            let profiled = of(|r| r.profiled_s);
+            let cpu = format!(
+                "{:.1}/{:.1}",
+                of(|r| r.measured_cpu_s) * 1e3,
+                of(|r| r.simulated_cpu_s) * 1e3
+            );
             let errors: Vec<String> = runs
                 .iter()
-                .map(|(m, s, _)| format!("{:+.1}%", 100.0 * (s - m) / m))
+                .map(|r| {
+                    let (m, s) = (r.measured_s, r.simulated_s);
+                    format!("{:+.1}%", 100.0 * (s - m) / m)
+                })
                 .collect();
             println!(
-                "{label:<16} {strategy:<8} {:>12.2} {:>13.2} {:>7.1}%  {:<22} {:>11.2} {:>+7.1}%",
+                "{label:<16} {strategy:<8} {:>12.2} {:>13.2} {:>7.1}%  {:<22} {:>11.2} {:>+7.1}% {cpu:>16}",
                 real * 1e3,
                 simulated * 1e3,
                 100.0 * (simulated - real) / real,

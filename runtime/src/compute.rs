@@ -7,6 +7,10 @@
 //! never time-slices one device's kernel against another's, which keeps each kernel's time its own
 //! and makes the cores behave as the planner's simulator schedules them (`simulate::schedule`:
 //! first ready, first served, each kernel to its end).
+//!
+//! Each shared worker is kept on a CPU of its own. Left free, two workers were often queued on one
+//! CPU, taking turns, while the other CPU idled: the OS is slow to move a thread that ran a moment
+//! ago (BENCHMARKS.md, "Runtime: predicted vs measured", fifteenth session).
 
 use crate::cpu_share::POOL_THREAD_PREFIX;
 use std::sync::Arc;
@@ -26,7 +30,7 @@ impl ComputePool {
     /// The pools of `devices` devices sharing `cores` cores.
     pub fn for_devices(devices: usize, cores: usize) -> Vec<ComputePool> {
         let cores = cores.max(1);
-        if devices > cores {
+        if shares_workers(devices, cores) {
             let queue = shared_workers(cores);
             return (0..devices)
                 .map(|_| ComputePool::Shared(queue.clone()))
@@ -56,20 +60,33 @@ impl ComputePool {
     }
 }
 
+/// Whether `devices` devices on `cores` cores run their kernels on workers they share, one kernel
+/// per worker at a time, rather than each on a pool of its own.
+pub fn shares_workers(devices: usize, cores: usize) -> bool {
+    devices > cores.max(1)
+}
+
 /// Threads a kernel splits its work across when `devices` devices share `cores` cores.
 pub fn kernel_threads(devices: usize, cores: usize) -> usize {
     (cores / devices.max(1)).max(1)
 }
 
-/// Starts `cores` workers that run jobs from one queue in the order sent; they stop when the
-/// last sender is dropped.
+/// Starts `cores` workers, each on its own CPU, that run jobs from one queue in the order sent;
+/// they stop when the last sender is dropped.
 fn shared_workers(cores: usize) -> crossbeam_channel::Sender<Job> {
     let (sender, receiver) = crossbeam_channel::unbounded::<Job>();
+    // Pinned only where the process may use a CPU for each worker: fewer would crowd them.
+    let cpus = allowed_cpus().filter(|cpus| cpus.len() >= cores);
     for core in 0..cores {
         let receiver = receiver.clone();
+        let cpu = cpus.as_ref().map(|cpus| cpus[core]);
         std::thread::Builder::new()
             .name(format!("{POOL_THREAD_PREFIX}{core}"))
             .spawn(move || {
+                if let Some(cpu) = cpu {
+                    // Unpinned, the worker still runs, only placed by the OS.
+                    let _ = pin_to(cpu);
+                }
                 // A one-thread rayon pool made of this very thread: the kernels' parallel
                 // iterators run serially here instead of reaching the global pool.
                 let serial = rayon::ThreadPoolBuilder::new()
@@ -85,6 +102,29 @@ fn shared_workers(cores: usize) -> crossbeam_channel::Sender<Job> {
             .expect("a shared compute worker");
     }
     sender
+}
+
+/// The CPUs this process may run on, in increasing order; `None` where the OS does not say.
+fn allowed_cpus() -> Option<Vec<usize>> {
+    // SAFETY: an all-zero cpu_set_t is a valid empty set, and the call writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let read =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    (read == 0).then(|| {
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+            .collect()
+    })
+}
+
+/// Keeps the calling thread on `cpu`; whether the OS agreed.
+fn pin_to(cpu: usize) -> bool {
+    // SAFETY: as in `allowed_cpus`; thread 0 is the calling thread.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    unsafe {
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
 }
 
 #[cfg(test)]
@@ -159,6 +199,28 @@ mod tests {
             );
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
+    }
+
+    #[test]
+    fn shared_workers_are_kept_each_on_a_cpu_of_its_own() {
+        let Some(allowed) = allowed_cpus().filter(|cpus| cpus.len() >= 2) else {
+            return; // one CPU: nothing to spread the workers over
+        };
+        let pools = ComputePool::for_devices(3, 2);
+        // Two jobs that wait for each other run on both workers at once.
+        let both = Arc::new(std::sync::Barrier::new(2));
+        let (done, cpus) = mpsc::channel();
+        for pool in &pools[..2] {
+            let (both, done) = (Arc::clone(&both), done.clone());
+            pool.spawn(move || {
+                both.wait();
+                done.send(allowed_cpus().unwrap()).unwrap();
+            });
+        }
+        drop(done);
+        let mut cpus: Vec<Vec<usize>> = cpus.iter().collect();
+        cpus.sort();
+        assert_eq!(cpus, vec![vec![allowed[0]], vec![allowed[1]]]);
     }
 
     #[test]

@@ -46,13 +46,16 @@
 //!   into, a larger instance; whole instances are shared), summed;
 //! - runtime CPU: per compute op, the CPU time of the actors' threads over each traced step, less
 //!   their copies' own seconds: the actors' message handling, handing ops to the pools, waking
-//!   threads and parking (`cpu_share::CpuMeter`, each thread's scheduler statistics). The pools'
-//!   CPU beyond their kernels' and folds' own seconds (times the pool's threads) is left out: it
-//!   is idle workers spinning for more work (`sched_yield` rounds before a worker parks), which
-//!   gives way to a thread with work on the same core. Whether it delays threads queued on other
-//!   cores depends on what the OS runs beside it: charged, with kernels timed by their threads'
-//!   CPU clocks, it fitted AlexNet and over-predicted LeNet-5 by 6–18% (BENCHMARKS.md, thirteenth
-//!   session). Where the pools used less CPU than those own seconds, the difference is taken off:
+//!   threads and parking (`cpu_share::CpuMeter`, each thread's scheduler statistics). On workers
+//!   the devices share (`compute::shares_workers`), their CPU beyond their kernels' and folds' own
+//!   seconds counts too: each runs one op at a time, and what it spends around the kernel (taking
+//!   the job, timing it, telling the actor, a brief spin before parking) is per op; left out, the
+//!   simulator under-predicted LeNet-5 by 3–4% and counted, within 2.5% (BENCHMARKS.md,
+//!   fifteenth session). On a pool per device it is left out: it is mostly idle threads
+//!   spinning for more work (`sched_yield` rounds before a thread parks), which gives way to a
+//!   thread with work on the same core; charged, with kernels timed by their threads' CPU clocks,
+//!   it fitted AlexNet and over-predicted LeNet-5 by 6–18% (thirteenth session). Where the pools
+//!   used less CPU than those own seconds, the difference is taken off:
 //!   the actors' threads took that time from the kernels, so the own seconds hold it already. A
 //!   real share of a step of many small ops, nothing beside large kernels (BENCHMARKS.md,
 //!   "predicted vs measured"). Where the OS keeps no per-thread statistics, the process's CPU less
@@ -218,13 +221,17 @@ struct Threads {
     device_threads: usize,
     /// The actors' pool.
     actor_threads: usize,
+    /// Whether the devices share single-threaded workers (`compute::shares_workers`).
+    shared_workers: bool,
 }
 
 impl Profiler {
     pub fn new(devices: usize, settings: &ProfileSettings) -> Profiler {
+        let cores = rayon::current_num_threads();
         let threads = Threads {
-            cores: rayon::current_num_threads(),
+            cores,
             device_threads: crate::embedded::threads_per_device(devices),
+            shared_workers: crate::compute::shares_workers(devices, cores),
             // The clusters run on `embedded::device_runtime`, which has this many.
             actor_threads: crate::embedded::actor_threads(),
         };
@@ -250,6 +257,7 @@ impl Profiler {
             cores,
             device_threads,
             actor_threads,
+            ..
         } = self.threads;
         let own = own_seconds(plan, reports, cores, device_threads);
         let tasks = self
@@ -500,6 +508,7 @@ impl RuntimeFit {
             cores,
             device_threads,
             actor_threads,
+            shared_workers,
         } = threads;
         // Every device's compute ops and copies, (start, end), to tell whether the pools had a
         // free thread.
@@ -600,7 +609,7 @@ impl RuntimeFit {
                 }
             }
         }
-        self.untimed_cpu_s += runtime_cpu_s(cpu, pooled_cpu_s, copies_cpu_s);
+        self.untimed_cpu_s += runtime_cpu_s(cpu, pooled_cpu_s, copies_cpu_s, shared_workers);
     }
 
     fn costs(&self, actor_threads: usize) -> Option<RuntimeCosts> {
@@ -620,14 +629,24 @@ impl RuntimeFit {
 }
 
 /// The runtime's own CPU seconds in a step that used `cpu`, whose timed kernels and folds had
-/// `pooled_cpu_s` of own seconds (times their pools' threads) and its copies `copies_cpu_s`.
-fn runtime_cpu_s(cpu: StepCpu, pooled_cpu_s: f64, copies_cpu_s: f64) -> f64 {
+/// `pooled_cpu_s` of own seconds (times their pools' threads) and its copies `copies_cpu_s`, on
+/// workers shared by the devices (`shared_workers`) or on a pool per device.
+fn runtime_cpu_s(cpu: StepCpu, pooled_cpu_s: f64, copies_cpu_s: f64, shared_workers: bool) -> f64 {
     match cpu.threads {
-        // The pools' CPU beyond their ops' own seconds is idle workers spinning, which yields to
-        // a thread with work on its core: left out (see the module docs). Short of them, the own
-        // seconds counted time the actors' threads took from the kernels, which the actors' CPU
-        // holds already.
-        Some(t) => (t.actors_s - copies_cpu_s) + (t.pools_s - pooled_cpu_s).min(0.0),
+        // The pools' CPU beyond their ops' own seconds: on shared workers, each op's handling
+        // around its kernel (counted); on a pool per device, mostly idle threads spinning, which
+        // yields to a thread with work on its core (left out; see the module docs). Short of
+        // them, the own seconds counted time the actors' threads took from the kernels, which
+        // the actors' CPU holds already.
+        Some(t) => {
+            let beyond = t.pools_s - pooled_cpu_s;
+            (t.actors_s - copies_cpu_s)
+                + if shared_workers {
+                    beyond
+                } else {
+                    beyond.min(0.0)
+                }
+        }
         None => cpu.process_s - pooled_cpu_s - copies_cpu_s,
     }
 }
@@ -833,22 +852,26 @@ mod tests {
     }
 
     #[test]
-    fn runtime_cpu_is_the_actors_untimed_cpu_without_the_pools_spinning() {
+    fn runtime_cpu_is_the_actors_untimed_cpu_and_the_shared_workers_handling() {
         let cpu = |actors_s, pools_s| StepCpu {
             process_s: actors_s + pools_s + 0.5,
             threads: Some(RuntimeThreadsCpu { actors_s, pools_s }),
         };
-        // Kernels timed at 8 s on pools that used 9 s: the extra second is spinning. The actors
-        // used 3 s, 1 s of it copying.
-        assert_eq!(runtime_cpu_s(cpu(3.0, 9.0), 8.0, 1.0), 2.0);
+        // Kernels timed at 8 s on pools that used 9 s. The actors used 3 s, 1 s of it copying.
+        // On a pool per device the extra second is idle threads spinning; on shared workers it
+        // is their handling of each op.
+        assert_eq!(runtime_cpu_s(cpu(3.0, 9.0), 8.0, 1.0, false), 2.0);
+        assert_eq!(runtime_cpu_s(cpu(3.0, 9.0), 8.0, 1.0, true), 3.0);
         // Pools that used 7 s for 8 s of kernels lost 1 s to the actors: their own seconds hold it.
-        assert_eq!(runtime_cpu_s(cpu(3.0, 7.0), 8.0, 1.0), 1.0);
+        for shared in [false, true] {
+            assert_eq!(runtime_cpu_s(cpu(3.0, 7.0), 8.0, 1.0, shared), 1.0);
+        }
         // Without per-thread statistics, the process's CPU less every timed op's.
         let process = StepCpu {
             process_s: 12.5,
             threads: None,
         };
-        assert_eq!(runtime_cpu_s(process, 8.0, 1.0), 3.5);
+        assert_eq!(runtime_cpu_s(process, 8.0, 1.0, true), 3.5);
     }
 
     #[test]
