@@ -141,8 +141,9 @@ pub struct RuntimeCosts {
     pub dispatch_s: f64,
     /// CPU seconds the runtime spends per compute op besides the kernels and copies it times: the
     /// actors' message handling, handing ops to the pools, waking and parking their threads (the
-    /// profiler's CPU time of the actors' threads less their copies' own seconds, per compute op;
-    /// see `legion_runtime::profile`). On a machine whose devices share their cores it is the end
+    /// profiler's CPU time of the actors' threads less their copies' own seconds, and of workers
+    /// the devices share beyond their ops' own seconds, per compute op; see
+    /// `legion_runtime::profile`). On a machine whose devices share their cores it is the end
     /// of the op's dispatch and holds a core: with the cores busy, each op's kernel waits for it
     /// after a core frees, and for nothing else. 0 in profiles from before it was measured.
     #[serde(default)]

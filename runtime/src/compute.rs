@@ -84,8 +84,7 @@ fn shared_workers(cores: usize) -> crossbeam_channel::Sender<Job> {
             .name(format!("{POOL_THREAD_PREFIX}{core}"))
             .spawn(move || {
                 if let Some(cpu) = cpu {
-                    // Unpinned, the worker still runs, only placed by the OS.
-                    let _ = pin_to(cpu);
+                    pin_to(cpu);
                 }
                 // A one-thread rayon pool made of this very thread: the kernels' parallel
                 // iterators run serially here instead of reaching the global pool.
@@ -117,13 +116,14 @@ fn allowed_cpus() -> Option<Vec<usize>> {
     })
 }
 
-/// Keeps the calling thread on `cpu`; whether the OS agreed.
-fn pin_to(cpu: usize) -> bool {
+/// Keeps the calling thread on `cpu`. Should the OS refuse, the thread runs where it places it,
+/// which is correct, only slower.
+fn pin_to(cpu: usize) {
     // SAFETY: as in `allowed_cpus`; thread 0 is the calling thread.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     unsafe {
         libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
