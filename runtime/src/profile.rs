@@ -50,8 +50,8 @@
 //!   the devices share (`compute::shares_workers`), their CPU beyond their kernels' and folds' own
 //!   seconds counts too: each runs one op at a time, and what it spends around the kernel (taking
 //!   the job, timing it, telling the actor, a brief spin before parking) is per op; left out, the
-//!   simulator under-predicted LeNet-5 by 3–4% and counted, within 2.5% (BENCHMARKS.md,
-//!   fifteenth session). On a pool per device it is left out: it is mostly idle threads
+//!   simulator under-predicted LeNet-5 owt and optcnn by 3.6–4.4%, counted, it was within 2.5%
+//!   (BENCHMARKS.md, fifteenth session). On a pool per device it is left out: it is mostly idle threads
 //!   spinning for more work (`sched_yield` rounds before a thread parks), which gives way to a
 //!   thread with work on the same core; charged, with kernels timed by their threads' CPU clocks,
 //!   it fitted AlexNet and over-predicted LeNet-5 by 6–18% (thirteenth session). Where the pools
