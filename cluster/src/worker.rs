@@ -17,6 +17,7 @@ use crate::control::{
 use crate::net::quic::{
     CLOSE_MALFORMED, Inbound, QuicNode, QuicOptions, QuicTransport, send_control,
 };
+use crate::net::stream::BufferSource;
 use crate::net::tls::{NodeIdentity, node_name};
 use anyhow::Context as _;
 use kameo::actor::ActorRef;
@@ -103,9 +104,23 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
         let events = events.clone();
         Arc::new(move |inbound: Inbound| handle_inbound(&shared, &events, inbound))
     };
+    // Slices from other workers are read into buffers the running job's devices handed back.
+    let buffers: BufferSource = {
+        let shared = Arc::clone(&shared);
+        Arc::new(move |dtype, len| {
+            let devices = shared.job_devices.read().unwrap_or_else(|e| e.into_inner());
+            devices.as_ref()?.buffers()?.take(dtype, len)
+        })
+    };
     let node = Arc::new(
-        QuicNode::bind(config.listen, &tls, &QuicOptions::default(), handler)
-            .with_context(|| format!("worker {}: binding {}", config.name, config.listen))?,
+        QuicNode::bind_with_buffers(
+            config.listen,
+            &tls,
+            &QuicOptions::default(),
+            handler,
+            Some(buffers),
+        )
+        .with_context(|| format!("worker {}: binding {}", config.name, config.listen))?,
     );
     tracing::info!(name = %config.name, addr = %node.local_addr()?, "worker listening");
     println!("worker {} listening on {}", config.name, node.local_addr()?);

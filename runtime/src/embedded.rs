@@ -401,7 +401,7 @@ pub fn spawn_local_devices(
             DeviceActor::spawn_with_mailbox(DeviceActor::new(setup), mailbox::unbounded())
         })
         .collect();
-    transport.connect(actors.clone());
+    transport.connect(actors.clone(), buffers);
     actors
 }
 

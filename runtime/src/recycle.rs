@@ -15,8 +15,10 @@
 //! least [`BufferPool::MIN_BYTES`], a few dozen times per step, never per element or per task.
 //! It keeps at most its budget: the bytes one step gathers on these devices. That is what the
 //! step allocates anyway, so an idle process holds no more than a running step does. Slices
-//! received from other processes arrive in buffers of their own. They are handed back like the
-//! rest while the budget allows, and the budget is what bounds them.
+//! received from other processes are read into buffers taken from the pool where one of their
+//! length was handed back (the QUIC receiver asks the job's transport, `InProcessTransport::buffers`),
+//! else into new ones; either way they are handed back like the rest while the budget allows,
+//! and the budget is what bounds them.
 
 use crate::buffer::Buffer;
 use crate::program::{DeviceProgram, LocalOpKind};

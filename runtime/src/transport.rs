@@ -6,6 +6,7 @@
 use crate::analysis::OpId;
 use crate::buffer::Buffer;
 use crate::device::{Deliver, DeviceActor};
+use crate::recycle::BufferPool;
 use kameo::actor::ActorRef;
 use legion_planner::DeviceId;
 use std::sync::{Arc, OnceLock};
@@ -34,6 +35,8 @@ pub trait Transport: Send + Sync + 'static {
 pub struct InProcessTransport {
     first_device: DeviceId,
     devices: OnceLock<Vec<ActorRef<DeviceActor>>>,
+    /// The devices' buffer pool: slices arriving from other processes are read into its buffers.
+    buffers: OnceLock<Arc<BufferPool>>,
     remote: Option<Arc<dyn Transport>>,
 }
 
@@ -49,6 +52,7 @@ impl InProcessTransport {
         InProcessTransport {
             first_device: 0,
             devices: OnceLock::new(),
+            buffers: OnceLock::new(),
             remote: None,
         }
     }
@@ -58,15 +62,23 @@ impl InProcessTransport {
         InProcessTransport {
             first_device,
             devices: OnceLock::new(),
+            buffers: OnceLock::new(),
             remote: Some(remote),
         }
     }
 
-    /// Sets the devices, once they are spawned (they hold this transport, so it comes first).
-    pub fn connect(&self, devices: Vec<ActorRef<DeviceActor>>) {
-        if self.devices.set(devices).is_err() {
+    /// Sets the devices, once they are spawned (they hold this transport, so it comes first), and
+    /// the buffer pool they share.
+    pub fn connect(&self, devices: Vec<ActorRef<DeviceActor>>, buffers: Arc<BufferPool>) {
+        if self.devices.set(devices).is_err() || self.buffers.set(buffers).is_err() {
             panic!("transport connected twice");
         }
+    }
+
+    /// The buffer pool of the devices, once connected: a receiver of slices from other processes
+    /// reads each into a buffer taken from it, which the device hands back after storing it.
+    pub fn buffers(&self) -> Option<&Arc<BufferPool>> {
+        self.buffers.get()
     }
 
     /// The actor of global device `device`, if it lives in this process.

@@ -7,7 +7,7 @@
 //! hostile, and the runtime cannot make progress on a partial step anyway.
 
 use super::frame::{Frame, FrameError, Limits};
-use super::stream::{read_single_frame, write_control, write_slice_chunks};
+use super::stream::{BufferSource, read_single_frame, write_control, write_slice_chunks};
 use super::tls::NodeTls;
 use legion_planner::DeviceId;
 use legion_runtime::transport::{SliceMessage, Transport};
@@ -146,6 +146,7 @@ impl QuicOptions {
 pub struct QuicNode {
     endpoint: Endpoint,
     handler: Handler,
+    buffers: Option<BufferSource>,
     limits: Limits,
 }
 
@@ -156,6 +157,17 @@ impl QuicNode {
         tls: &NodeTls,
         options: &QuicOptions,
         handler: Handler,
+    ) -> Result<QuicNode, NetError> {
+        QuicNode::bind_with_buffers(addr, tls, options, handler, None)
+    }
+
+    /// [`bind`](Self::bind), reading received slices into buffers from `buffers` where it has one.
+    pub fn bind_with_buffers(
+        addr: SocketAddr,
+        tls: &NodeTls,
+        options: &QuicOptions,
+        handler: Handler,
+        buffers: Option<BufferSource>,
     ) -> Result<QuicNode, NetError> {
         let transport = Arc::new(options.transport_config());
         let server_crypto = QuicServerConfig::try_from(tls.server.clone())
@@ -194,6 +206,7 @@ impl QuicNode {
         let node = QuicNode {
             endpoint,
             handler,
+            buffers,
             limits: options.limits,
         };
         node.spawn_accept_loop();
@@ -215,6 +228,7 @@ impl QuicNode {
         tokio::spawn(serve_connection(
             conn.clone(),
             self.handler.clone(),
+            self.buffers.clone(),
             self.limits,
         ));
         Ok(conn)
@@ -246,14 +260,15 @@ impl QuicNode {
     fn spawn_accept_loop(&self) {
         let endpoint = self.endpoint.clone();
         let handler = self.handler.clone();
+        let buffers = self.buffers.clone();
         let limits = self.limits;
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
-                let handler = handler.clone();
+                let (handler, buffers) = (handler.clone(), buffers.clone());
                 tokio::spawn(async move {
                     let remote = incoming.remote_address();
                     match incoming.await {
-                        Ok(conn) => serve_connection(conn, handler, limits).await,
+                        Ok(conn) => serve_connection(conn, handler, buffers, limits).await,
                         // A client that gave up on its own handshake (a launcher's short
                         // greeting timing out) is routine.
                         Err(e) if handshake_abandoned(&e) => {
@@ -269,7 +284,12 @@ impl QuicNode {
 }
 
 /// Receives frames on `conn` until it closes: one task per stream, so streams complete in any order.
-async fn serve_connection(conn: Connection, handler: Handler, limits: Limits) {
+async fn serve_connection(
+    conn: Connection,
+    handler: Handler,
+    buffers: Option<BufferSource>,
+    limits: Limits,
+) {
     let peer = conn.remote_address();
     loop {
         let mut recv = match conn.accept_uni().await {
@@ -279,9 +299,9 @@ async fn serve_connection(conn: Connection, handler: Handler, limits: Limits) {
                 return;
             }
         };
-        let (conn, handler) = (conn.clone(), handler.clone());
+        let (conn, handler, buffers) = (conn.clone(), handler.clone(), buffers.clone());
         tokio::spawn(async move {
-            match read_single_frame(&mut recv, &limits).await {
+            match read_single_frame(&mut recv, &limits, buffers.as_ref()).await {
                 Ok(Frame::Slice(msg)) => handler(Inbound::Slice(msg)),
                 Ok(Frame::Control(bytes)) => handler(Inbound::Control { peer, conn, bytes }),
                 Err(FrameError::Io(e)) => tracing::debug!(%peer, "stream aborted: {e}"),

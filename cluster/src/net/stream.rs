@@ -15,6 +15,7 @@ use std::future::poll_fn;
 use std::io::ErrorKind;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
+use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 /// Writes one slice frame (does not finish or flush the stream).
@@ -44,11 +45,26 @@ pub async fn write_control<W: AsyncWrite + Unpin>(w: &mut W, bytes: &[u8]) -> st
     w.write_all(bytes).await
 }
 
+/// Buffers to read received slices into: given a slice's element type and count, an empty buffer
+/// of that type with room for them, if one is at hand (the receiving job's pool of buffers its
+/// devices handed back); else the slice gets a new one. A buffer fresh from the allocator costs the
+/// receiver a page fault and a zeroed page for every 4 KiB of a multi-megabyte slice.
+pub type BufferSource = Arc<dyn Fn(DType, usize) -> Option<Buffer> + Send + Sync>;
+
 /// Reads the next frame, or `None` at a clean end of stream (before any header byte). The payload
 /// is read straight into its final vector.
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     limits: &Limits,
+) -> Result<Option<Frame>, FrameError> {
+    read_frame_into(r, limits, None).await
+}
+
+/// [`read_frame`], a slice's payload read into a buffer from `buffers` where it has one.
+pub async fn read_frame_into<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &Limits,
+    buffers: Option<&BufferSource>,
 ) -> Result<Option<Frame>, FrameError> {
     let mut head = [0u8; HEADER_LEN];
     let got = read_full(r, &mut head).await?;
@@ -63,7 +79,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     }
     let header = decode_header(&head, limits)?;
     let want = header.payload_len();
-    let (payload, got) = read_payload(r, &header).await?;
+    let (payload, got) = read_payload(r, &header, buffers).await?;
     if got < want {
         return Err(FrameError::Truncated {
             expected: HEADER_LEN + want,
@@ -73,15 +89,19 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     Ok(Some(payload.into_frame()))
 }
 
-/// Reads exactly one frame and requires the stream to end right after it (one frame per stream).
+/// Reads exactly one frame and requires the stream to end right after it (one frame per stream);
+/// a slice's payload goes into a buffer from `buffers` where it has one.
 pub async fn read_single_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     limits: &Limits,
+    buffers: Option<&BufferSource>,
 ) -> Result<Frame, FrameError> {
-    let frame = read_frame(r, limits).await?.ok_or(FrameError::Truncated {
-        expected: HEADER_LEN,
-        got: 0,
-    })?;
+    let frame = read_frame_into(r, limits, buffers)
+        .await?
+        .ok_or(FrameError::Truncated {
+            expected: HEADER_LEN,
+            got: 0,
+        })?;
     let mut extra = [0u8; 64];
     let n = r.read(&mut extra).await?;
     if n > 0 {
@@ -90,11 +110,13 @@ pub async fn read_single_frame<R: AsyncRead + Unpin>(
     Ok(frame)
 }
 
-/// Reads the payload `header` announces into a new vector of its final type. Returns it with the
-/// number of bytes that came; the payload is complete only if that is the header's payload length.
+/// Reads the payload `header` announces into a vector of its final type: a slice's from `buffers`
+/// where it has one, else a new one. Returns it with the number of bytes that came; the payload is
+/// complete only if that is the header's payload length.
 async fn read_payload<R: AsyncRead + Unpin>(
     r: &mut R,
     header: &FrameHeader,
+    buffers: Option<&BufferSource>,
 ) -> std::io::Result<(Payload, usize)> {
     Ok(match *header {
         FrameHeader::Slice {
@@ -104,13 +126,22 @@ async fn read_payload<R: AsyncRead + Unpin>(
             dtype,
             elements,
         } => {
-            let (data, got) = match dtype {
-                DType::F32 => {
-                    let (v, got) = read_new_vec::<f32, R>(r, elements).await?;
+            let reused = buffers.and_then(|take| take(dtype, elements));
+            let (data, got) = match (dtype, reused) {
+                (DType::F32, reused) => {
+                    let into = match reused {
+                        Some(Buffer::F32(v)) => v,
+                        _ => Vec::new(),
+                    };
+                    let (v, got) = read_vec::<f32, R>(r, into, elements).await?;
                     (Buffer::F32(v), got)
                 }
-                DType::F64 => {
-                    let (v, got) = read_new_vec::<f64, R>(r, elements).await?;
+                (DType::F64, reused) => {
+                    let into = match reused {
+                        Some(Buffer::F64(v)) => v,
+                        _ => Vec::new(),
+                    };
+                    let (v, got) = read_vec::<f64, R>(r, into, elements).await?;
                     (Buffer::F64(v), got)
                 }
             };
@@ -123,21 +154,24 @@ async fn read_payload<R: AsyncRead + Unpin>(
             (payload, got)
         }
         FrameHeader::Control { bytes } => {
-            let (v, got) = read_new_vec::<u8, R>(r, bytes).await?;
+            let (v, got) = read_vec::<u8, R>(r, Vec::new(), bytes).await?;
             (Payload::Control(v), got)
         }
     })
 }
 
-/// Reads `len` elements' bytes into a new vector's capacity, which is never zeroed first: the
-/// stream overwrites all of it, and zeroing a multi-megabyte slice on arrival cost the receiving
-/// side ~5% of its CPU (perf, 16 MiB slices over QUIC). The vector comes back with its `len`
-/// elements if all their bytes came, else empty, with the number of bytes that did.
-async fn read_new_vec<T: Pod, R: AsyncRead + Unpin>(
+/// Reads `len` elements' bytes into the capacity of `v` (emptied first, grown if short), which is
+/// never zeroed first: the stream overwrites all of it, and zeroing a multi-megabyte slice on
+/// arrival cost the receiving side ~5% of its CPU (perf, 16 MiB slices over QUIC). The vector
+/// comes back with its `len` elements if all their bytes came, else empty, with the number of
+/// bytes that did.
+async fn read_vec<T: Pod, R: AsyncRead + Unpin>(
     r: &mut R,
+    mut v: Vec<T>,
     len: usize,
 ) -> std::io::Result<(Vec<T>, usize)> {
-    let mut v = Vec::<T>::with_capacity(len);
+    v.clear();
+    v.reserve_exact(len);
     let spare = &mut v.spare_capacity_mut()[..len];
     let want = size_of_val(spare);
     // SAFETY: `spare` is `want` bytes of memory owned by `v`; `MaybeUninit<u8>` has alignment 1
@@ -288,6 +322,81 @@ mod tests {
 
     #[tokio::test]
     async fn a_reader_that_swaps_its_buffer_is_an_error_not_uninitialized_data() {
-        assert!(read_new_vec::<f32, _>(&mut Swapper, 1000).await.is_err());
+        assert!(
+            read_vec::<f32, _>(&mut Swapper, Vec::new(), 1000)
+                .await
+                .is_err()
+        );
+    }
+
+    /// A source that hands out `buffer` once, whatever is asked for.
+    fn source_of(buffer: Buffer) -> BufferSource {
+        let kept = std::sync::Mutex::new(Some(buffer));
+        Arc::new(move |_, _| kept.lock().unwrap().take())
+    }
+
+    #[tokio::test]
+    async fn a_slice_is_read_into_a_buffer_from_the_source() {
+        let data = Buffer::F32((0..1000).map(|i| i as f32 - 0.25).collect());
+        let bytes = encoded(data.clone()).await;
+        let mut reused = Vec::<f32>::with_capacity(1000);
+        reused.push(9.0); // left over from the buffer's last use
+        let at = reused.as_ptr() as usize;
+        let buffers = source_of(Buffer::F32(reused));
+        let mut r = Trickle {
+            bytes,
+            at: 0,
+            piece: 333,
+        };
+        let frame = read_frame_into(&mut r, &Limits::default(), Some(&buffers)).await;
+        let Ok(Some(Frame::Slice(msg))) = frame else {
+            panic!("expected a slice frame");
+        };
+        assert_eq!(*msg.data, data);
+        assert_eq!(
+            msg.data.f32().as_ptr() as usize,
+            at,
+            "read into the given buffer"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_source_without_a_fitting_buffer_leaves_the_slice_a_new_one() {
+        let data = Buffer::F64((0..500).map(|i| i as f64 / 3.0).collect());
+        let bytes = encoded(data.clone()).await;
+        // Wrong type, then too short.
+        for offered in [
+            Buffer::F32(Vec::with_capacity(500)),
+            Buffer::F64(Vec::with_capacity(10)),
+        ] {
+            let buffers = source_of(offered);
+            let mut r = Trickle {
+                bytes: bytes.clone(),
+                at: 0,
+                piece: 4096,
+            };
+            let frame = read_frame_into(&mut r, &Limits::default(), Some(&buffers)).await;
+            let Ok(Some(Frame::Slice(msg))) = frame else {
+                panic!("expected a slice frame");
+            };
+            assert_eq!(*msg.data, data);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_payload_cut_short_into_a_reused_buffer_is_truncated() {
+        let bytes = encoded(Buffer::F32(vec![1.0; 100])).await;
+        let cut = HEADER_LEN + 4 * 37 + 2;
+        let buffers = source_of(Buffer::F32(Vec::with_capacity(100)));
+        let mut r = Trickle {
+            bytes: bytes[..cut].to_vec(),
+            at: 0,
+            piece: 7,
+        };
+        let frame = read_frame_into(&mut r, &Limits::default(), Some(&buffers)).await;
+        assert!(
+            matches!(frame, Err(FrameError::Truncated { .. })),
+            "{frame:?}"
+        );
     }
 }
