@@ -127,8 +127,8 @@ async fn read_payload<R: AsyncRead + Unpin>(
             elements,
         } => {
             let reused = buffers.and_then(|take| take(dtype, elements));
-            let (data, got) = match (dtype, reused) {
-                (DType::F32, reused) => {
+            let (data, got) = match dtype {
+                DType::F32 => {
                     let into = match reused {
                         Some(Buffer::F32(v)) => v,
                         _ => Vec::new(),
@@ -136,7 +136,7 @@ async fn read_payload<R: AsyncRead + Unpin>(
                     let (v, got) = read_vec::<f32, R>(r, into, elements).await?;
                     (Buffer::F32(v), got)
                 }
-                (DType::F64, reused) => {
+                DType::F64 => {
                     let into = match reused {
                         Some(Buffer::F64(v)) => v,
                         _ => Vec::new(),
