@@ -335,6 +335,20 @@ mod tests {
         Arc::new(move |_, _| kept.lock().unwrap().take())
     }
 
+    /// The first frame of `bytes`, read in pieces of `piece` bytes with slices from `buffers`.
+    async fn read_via(
+        bytes: Vec<u8>,
+        piece: usize,
+        buffers: &BufferSource,
+    ) -> Result<Option<Frame>, FrameError> {
+        let mut r = Trickle {
+            bytes,
+            at: 0,
+            piece,
+        };
+        read_frame_into(&mut r, &Limits::default(), Some(buffers)).await
+    }
+
     #[tokio::test]
     async fn a_slice_is_read_into_a_buffer_from_the_source() {
         let data = Buffer::F32((0..1000).map(|i| i as f32 - 0.25).collect());
@@ -342,13 +356,7 @@ mod tests {
         let mut reused = Vec::<f32>::with_capacity(1000);
         reused.push(9.0); // left over from the buffer's last use
         let at = reused.as_ptr() as usize;
-        let buffers = source_of(Buffer::F32(reused));
-        let mut r = Trickle {
-            bytes,
-            at: 0,
-            piece: 333,
-        };
-        let frame = read_frame_into(&mut r, &Limits::default(), Some(&buffers)).await;
+        let frame = read_via(bytes, 333, &source_of(Buffer::F32(reused))).await;
         let Ok(Some(Frame::Slice(msg))) = frame else {
             panic!("expected a slice frame");
         };
@@ -369,13 +377,7 @@ mod tests {
             Buffer::F32(Vec::with_capacity(500)),
             Buffer::F64(Vec::with_capacity(10)),
         ] {
-            let buffers = source_of(offered);
-            let mut r = Trickle {
-                bytes: bytes.clone(),
-                at: 0,
-                piece: 4096,
-            };
-            let frame = read_frame_into(&mut r, &Limits::default(), Some(&buffers)).await;
+            let frame = read_via(bytes.clone(), 4096, &source_of(offered)).await;
             let Ok(Some(Frame::Slice(msg))) = frame else {
                 panic!("expected a slice frame");
             };
@@ -388,12 +390,7 @@ mod tests {
         let bytes = encoded(Buffer::F32(vec![1.0; 100])).await;
         let cut = HEADER_LEN + 4 * 37 + 2;
         let buffers = source_of(Buffer::F32(Vec::with_capacity(100)));
-        let mut r = Trickle {
-            bytes: bytes[..cut].to_vec(),
-            at: 0,
-            piece: 7,
-        };
-        let frame = read_frame_into(&mut r, &Limits::default(), Some(&buffers)).await;
+        let frame = read_via(bytes[..cut].to_vec(), 7, &buffers).await;
         assert!(
             matches!(frame, Err(FrameError::Truncated { .. })),
             "{frame:?}"
