@@ -86,7 +86,7 @@ fn bench_conv(c: &mut Criterion) {
     ];
     for (name, op, input) in layers {
         let output = op.infer_shape(&[input]).unwrap();
-        let flops = op.flops(&[input], &output);
+        let flops = op.flops(&[input], &output).expect("small shapes");
         let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
         let w_rect = op.params(&[input])[0].shape.full_rect();
         let b_rect = Rect::new(&[0], &[op.out_channels]);
@@ -141,7 +141,7 @@ fn bench_dense(c: &mut Criterion) {
     let op = Dense::new(4096).relu();
     let input = Shape::nc(BATCH, 9216);
     let output = op.infer_shape(&[input]).unwrap();
-    let flops = op.flops(&[input], &output);
+    let flops = op.flops(&[input], &output).expect("small shapes");
     let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
     let w_rect = Shape::nc(4096, 9216).full_rect();
     let b_rect = Rect::new(&[0], &[4096]);
@@ -191,7 +191,7 @@ fn bench_pool(c: &mut Criterion) {
     let op = Pool2d::max(3).stride(2);
     let input = Shape::nchw(BATCH, 64, 55, 55);
     let output = op.infer_shape(&[input]).unwrap();
-    let flops = op.flops(&[input], &output);
+    let flops = op.flops(&[input], &output).expect("small shapes");
     let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
     let x = random(input.numel(), 11);
     let dy = random(output.numel(), 12);

@@ -4,7 +4,7 @@
 //! Layers are stored in a topological order (the builder only accepts inputs that already exist).
 
 use crate::op::{self, Flops, Op, ParamSpec};
-use crate::shape::Shape;
+use crate::shape::{Shape, bounded_elements};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
@@ -12,6 +12,11 @@ use std::path::Path;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LayerId(pub usize);
+
+/// The most FLOPs (forward and backward, all layers) one training step of a model may take: 2^62,
+/// some 10^18, a million times AlexNet's step at batch 128. With every tensor within
+/// [`crate::shape::MAX_ELEMENTS`], this keeps the planner's integer costs inside `u64`.
+pub const MAX_STEP_FLOPS: u64 = 1 << 62;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Layer {
@@ -142,10 +147,12 @@ impl Graph {
 
     pub fn layer_flops(&self, id: LayerId) -> Flops {
         let l = self.layer(id);
-        l.op.spec().flops(&self.input_shapes(id), &l.shape)
+        l.op.spec()
+            .flops(&self.input_shapes(id), &l.shape)
+            .expect("the builder checked every layer's FLOP count")
     }
 
-    /// FLOPs of one training step over the whole batch.
+    /// FLOPs of one training step over the whole batch (at most [`MAX_STEP_FLOPS`] together).
     pub fn flops(&self) -> Flops {
         self.ids().fold(Flops::default(), |acc, id| {
             let f = self.layer_flops(id);
@@ -309,6 +316,8 @@ pub struct GraphBuilder {
     name: String,
     layers: Vec<Layer>,
     names: HashMap<String, LayerId>,
+    /// FLOPs of a training step over the layers so far (at most [`MAX_STEP_FLOPS`]).
+    step_flops: u64,
 }
 
 impl GraphBuilder {
@@ -317,6 +326,7 @@ impl GraphBuilder {
             name: name.to_string(),
             layers: Vec::new(),
             names: HashMap::new(),
+            step_flops: 0,
         }
     }
 
@@ -361,6 +371,8 @@ impl GraphBuilder {
         }
         let shapes: Vec<Shape> = inputs.iter().map(|&i| self.shape(i)).collect();
         let shape = op.spec().infer_shape(&shapes).map_err(err)?;
+        let step_flops = self.check_sizes(&op, &shapes, &shape).map_err(err)?;
+        self.step_flops = step_flops;
         let id = LayerId(self.layers.len());
         self.names.insert(name.to_string(), id);
         self.layers.push(Layer {
@@ -459,6 +471,28 @@ impl GraphBuilder {
         )
     }
 
+    /// Checks that the layer's output and parameters are within [`crate::shape::MAX_ELEMENTS`]
+    /// and the step's FLOPs with this layer within [`MAX_STEP_FLOPS`]; returns those FLOPs. After
+    /// this, element, byte and FLOP counts derived from the layer cannot overflow.
+    fn check_sizes(&self, op: &Op, inputs: &[Shape], shape: &Shape) -> Result<u64, String> {
+        if shape.dims().contains(&0) {
+            return Err(format!("output shape {shape} has a zero extent"));
+        }
+        bounded_elements(shape.dims()).map_err(|e| format!("output {e}"))?;
+        for p in op.spec().params(inputs) {
+            bounded_elements(p.shape.dims()).map_err(|e| format!("{} {e}", p.suffix))?;
+        }
+        op.spec()
+            .flops(inputs, shape)
+            .and_then(Flops::checked_total)
+            .and_then(|f| f.checked_add(self.step_flops))
+            .filter(|&f| f <= MAX_STEP_FLOPS)
+            .ok_or_else(|| {
+                "with this layer a training step takes more than 2^62 FLOPs (the most a model may)"
+                    .to_string()
+            })
+    }
+
     fn check_complete(&self) -> Result<(), String> {
         if !self.layers.iter().any(|l| matches!(l.op, Op::Input(_))) {
             return Err("the model has no input layer".into());
@@ -550,6 +584,48 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("m.json: line 1 column"), "{e}");
+    }
+
+    #[test]
+    fn sizes_past_the_bounds_are_errors_naming_the_layer() {
+        let err = |r: Result<LayerId, ModelError>| r.unwrap_err().to_string();
+        let mut m = GraphBuilder::new("big");
+        let huge = 1 << 32;
+        assert_eq!(
+            err(m.input("data", Shape::nchw(8, huge, huge, huge))),
+            "input 'data': output [8, 4294967296, 4294967296, 4294967296] has more than 2^40 \
+             elements (the most a tensor may have)"
+        );
+        assert!(
+            err(m.input("data", Shape::nchw(0, 3, 8, 8))).ends_with("has a zero extent"),
+            "a zero batch"
+        );
+        let x = m.input("data", Shape::nchw(2, 3, 8, 8)).unwrap();
+        // the padded extent overflows rather than wrapping to a window that fits
+        let conv = Conv2d::new(4, 3).padding(usize::MAX / 2 + 1);
+        assert!(err(m.conv2d("c", x, conv)).contains("does not fit"));
+        let conv = Conv2d::new(1 << 38, 3);
+        assert_eq!(
+            err(m.conv2d("c", x, conv)),
+            "conv2d 'c': weight [274877906944, 3, 3, 3] has more than 2^40 elements (the most \
+             a tensor may have)"
+        );
+
+        // 2^20 × 2^20 features into 2^20: every tensor within bounds, 2^60 multiply-adds
+        let mut m = GraphBuilder::new("slow");
+        let x = m.input("data", Shape::nc(1 << 20, 1 << 20)).unwrap();
+        assert!(err(m.dense("fc", x, Dense::new(1 << 20))).ends_with(
+            "with this layer a training step takes more than 2^62 FLOPs (the most a model may)"
+        ));
+        assert!(m.dense("fc", x, Dense::new(1 << 10)).is_ok());
+
+        let g = tiny();
+        assert!(
+            g.with_batch(0)
+                .unwrap_err()
+                .to_string()
+                .starts_with("input 'data': output shape (0, 3, 16, 16) has a zero extent")
+        );
     }
 
     #[test]

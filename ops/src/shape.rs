@@ -8,6 +8,20 @@ use std::fmt;
 
 pub const MAX_DIMS: usize = 4;
 
+/// The most elements one tensor of a model may have: 2^40, 4 TiB of f32, far past any device's
+/// memory. The graph builder refuses larger tensors, so every element count and byte count derived
+/// from a built graph (tiles, sums over layers, bytes at 8 per element) stays far inside `u64`.
+pub const MAX_ELEMENTS: usize = 1 << 40;
+
+/// The product of `dims` if it is at most [`MAX_ELEMENTS`]; otherwise what is wrong, for an error
+/// message about a tensor of these extents.
+pub fn bounded_elements(dims: &[usize]) -> Result<usize, String> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= MAX_ELEMENTS)
+        .ok_or_else(|| format!("{dims:?} has more than 2^40 elements (the most a tensor may have)"))
+}
+
 /// Named dimensions a layer can be split along (OptCNN Table 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -113,7 +113,9 @@ impl<'a> LayerWork<'a> {
         LayerWork {
             layer,
             inputs,
-            flops: op.flops(inputs, &layer.shape),
+            flops: op
+                .flops(inputs, &layer.shape)
+                .expect("the builder checked every layer's FLOP count"),
             params: op.params(inputs),
         }
     }

@@ -18,11 +18,8 @@ impl OpSpec for Add {
         Ok(inputs[0])
     }
 
-    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Flops {
-        Flops {
-            forward: output.numel() as u64,
-            backward: 0,
-        }
+    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Option<Flops> {
+        Flops::per_element(output.numel(), 1, 0)
     }
 
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim] {

@@ -68,12 +68,8 @@ impl OpSpec for BatchNorm {
         ]
     }
 
-    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Flops {
-        let n = output.numel() as u64;
-        Flops {
-            forward: 6 * n,
-            backward: 8 * n,
-        }
+    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Option<Flops> {
+        Flops::per_element(output.numel(), 6, 8)
     }
 
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim] {

@@ -40,15 +40,18 @@ impl OpSpec for Concat {
                     "input {i} has shape {s}, which differs from input 0 {first} outside the channel axis"
                 ));
             }
-            channels += s.dim(1);
+            channels = s
+                .dim(1)
+                .checked_add(channels)
+                .ok_or("the inputs' channel counts overflow when added")?;
         }
         let mut dims = first.dims().to_vec();
         dims[1] = channels;
         Ok(Shape::new(&dims))
     }
 
-    fn flops(&self, _inputs: &[Shape], _output: &Shape) -> Flops {
-        Flops::default()
+    fn flops(&self, _inputs: &[Shape], _output: &Shape) -> Option<Flops> {
+        Some(Flops::default())
     }
 
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim] {

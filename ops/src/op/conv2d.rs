@@ -1,5 +1,5 @@
 use super::{Activation, Flops, Init, OpSpec, ParamSpec, expect_rank, window_in, window_out};
-use crate::shape::{Dim, Rect, Shape};
+use crate::shape::{Dim, Rect, Shape, bounded_elements};
 use serde::{Deserialize, Serialize};
 
 /// 2-D convolution over NCHW with optional groups, bias and fused activation.
@@ -112,6 +112,14 @@ impl OpSpec for Conv2d {
                 self.out_channels
             ));
         }
+        // checked here, before `params` multiplies it out
+        bounded_elements(&[
+            self.out_channels,
+            self.in_per_group(&x),
+            self.kernel[0],
+            self.kernel[1],
+        ])
+        .map_err(|e| format!("weight {e}"))?;
         let oh = window_out(x.dim(2), self.kernel[0], self.stride[0], self.padding[0]);
         let ow = window_out(x.dim(3), self.kernel[1], self.stride[1], self.padding[1]);
         match (oh, ow) {
@@ -145,14 +153,12 @@ impl OpSpec for Conv2d {
         p
     }
 
-    fn flops(&self, inputs: &[Shape], output: &Shape) -> Flops {
-        let macs = output.numel() as u64
-            * (self.in_per_group(&inputs[0]) * self.kernel[0] * self.kernel[1]) as u64;
-        Flops {
-            forward: 2 * macs + output.numel() as u64,
-            // input gradient and weight gradient, each one GEMM of the forward's size
-            backward: 4 * macs + 2 * output.numel() as u64,
-        }
+    fn flops(&self, inputs: &[Shape], output: &Shape) -> Option<Flops> {
+        // per output element, one multiply-add per weight of its filter
+        let filter = (self.in_per_group(&inputs[0]) as u64)
+            .checked_mul(self.kernel[0] as u64)?
+            .checked_mul(self.kernel[1] as u64)?;
+        Flops::gemm((output.numel() as u64).checked_mul(filter), output.numel())
     }
 
     fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {

@@ -1,5 +1,5 @@
 use super::{Activation, Flops, Init, OpSpec, ParamSpec, expect_rank};
-use crate::shape::{Dim, Rect, Shape};
+use crate::shape::{Dim, Rect, Shape, bounded_elements};
 use serde::{Deserialize, Serialize};
 
 /// Fully connected layer over `(N, in_features)`. Weight is `(out_features, in_features)` as in PyTorch.
@@ -43,6 +43,7 @@ impl OpSpec for Dense {
         if self.out_features == 0 {
             return Err("out_features must be positive".into());
         }
+        bounded_elements(&[self.out_features, x.dim(1)]).map_err(|e| format!("weight {e}"))?;
         Ok(Shape::nc(x.dim(0), self.out_features))
     }
 
@@ -63,12 +64,9 @@ impl OpSpec for Dense {
         p
     }
 
-    fn flops(&self, inputs: &[Shape], output: &Shape) -> Flops {
-        let macs = output.numel() as u64 * inputs[0].dim(1) as u64;
-        Flops {
-            forward: 2 * macs + output.numel() as u64,
-            backward: 4 * macs + 2 * output.numel() as u64,
-        }
+    fn flops(&self, inputs: &[Shape], output: &Shape) -> Option<Flops> {
+        let macs = (output.numel() as u64).checked_mul(inputs[0].dim(1) as u64);
+        Flops::gemm(macs, output.numel())
     }
 
     fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {

@@ -18,11 +18,8 @@ impl OpSpec for Dropout {
         Ok(inputs[0])
     }
 
-    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Flops {
-        Flops {
-            forward: 2 * output.numel() as u64,
-            backward: output.numel() as u64,
-        }
+    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Option<Flops> {
+        Flops::per_element(output.numel(), 2, 1)
     }
 
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim] {

@@ -17,8 +17,8 @@ impl OpSpec for Flatten {
         Ok(Shape::nc(x.dim(0), x.numel() / x.dim(0)))
     }
 
-    fn flops(&self, _inputs: &[Shape], _output: &Shape) -> Flops {
-        Flops::default()
+    fn flops(&self, _inputs: &[Shape], _output: &Shape) -> Option<Flops> {
+        Some(Flops::default())
     }
 
     fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {

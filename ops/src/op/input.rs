@@ -14,8 +14,8 @@ impl OpSpec for Input {
         Ok(self.shape)
     }
 
-    fn flops(&self, _inputs: &[Shape], _output: &Shape) -> Flops {
-        Flops::default()
+    fn flops(&self, _inputs: &[Shape], _output: &Shape) -> Option<Flops> {
+        Some(Flops::default())
     }
 
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim] {

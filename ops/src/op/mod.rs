@@ -89,6 +89,41 @@ pub struct Flops {
     pub backward: u64,
 }
 
+impl Flops {
+    /// `forward` and `backward` FLOPs for each of `count` elements; `None` if that overflows.
+    pub(crate) fn per_element(count: usize, forward: u64, backward: u64) -> Option<Flops> {
+        let count = count as u64;
+        Some(Flops {
+            forward: count.checked_mul(forward)?,
+            backward: count.checked_mul(backward)?,
+        })
+    }
+
+    /// A layer that is one GEMM of `macs` multiply-adds forward and two backward (input and weight
+    /// gradients), plus `outputs` element-wise operations (bias, activation) each way.
+    pub(crate) fn gemm(macs: Option<u64>, outputs: usize) -> Option<Flops> {
+        let macs = macs?;
+        let outputs = outputs as u64;
+        Some(Flops {
+            forward: macs.checked_mul(2)?.checked_add(outputs)?,
+            backward: macs.checked_mul(4)?.checked_add(outputs.checked_mul(2)?)?,
+        })
+    }
+
+    /// The sum, or `None` if it overflows.
+    pub fn checked_add(self, other: Flops) -> Option<Flops> {
+        Some(Flops {
+            forward: self.forward.checked_add(other.forward)?,
+            backward: self.backward.checked_add(other.backward)?,
+        })
+    }
+
+    /// Forward plus backward, or `None` if that overflows.
+    pub fn checked_total(self) -> Option<u64> {
+        self.forward.checked_add(self.backward)
+    }
+}
+
 /// What every op declares. `inputs` are the shapes of the layer's inputs, in order.
 pub trait OpSpec {
     /// Output shape, or what is wrong with the inputs (the caller adds the layer's name).
@@ -99,7 +134,9 @@ pub trait OpSpec {
         Vec::new()
     }
 
-    fn flops(&self, inputs: &[Shape], output: &Shape) -> Flops;
+    /// FLOPs over the whole batch, or `None` if the count overflows a `u64`. The graph builder
+    /// refuses such a layer, so a built graph's layers always have a count.
+    fn flops(&self, inputs: &[Shape], output: &Shape) -> Option<Flops>;
 
     /// Dims of the output this op may be partitioned along (OptCNN Table 1).
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim];
@@ -201,9 +238,10 @@ impl Op {
     }
 }
 
-/// Output extent of a sliding window, or `None` if the window does not fit.
+/// Output extent of a sliding window, or `None` if the window does not fit (or the padded extent
+/// overflows).
 pub(crate) fn window_out(size: usize, kernel: usize, stride: usize, pad: usize) -> Option<usize> {
-    let padded = size + 2 * pad;
+    let padded = size.checked_add(pad.checked_mul(2)?)?;
     if kernel == 0 || stride == 0 || padded < kernel {
         return None;
     }

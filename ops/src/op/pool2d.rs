@@ -54,7 +54,7 @@ impl Pool2d {
 impl OpSpec for Pool2d {
     fn infer_shape(&self, inputs: &[Shape]) -> Result<Shape, String> {
         let x = expect_rank(inputs, 4, "N,C,H,W")?;
-        if self.padding[0] * 2 > self.kernel[0] || self.padding[1] * 2 > self.kernel[1] {
+        if self.padding[0] > self.kernel[0] / 2 || self.padding[1] > self.kernel[1] / 2 {
             return Err(format!(
                 "padding {:?} must be at most half of kernel {:?}",
                 self.padding, self.kernel
@@ -75,12 +75,9 @@ impl OpSpec for Pool2d {
         }
     }
 
-    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Flops {
-        let window = (self.kernel[0] * self.kernel[1]) as u64;
-        Flops {
-            forward: output.numel() as u64 * window,
-            backward: output.numel() as u64 * window,
-        }
+    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Option<Flops> {
+        let window = (self.kernel[0] as u64).checked_mul(self.kernel[1] as u64)?;
+        Flops::per_element(output.numel(), window, window)
     }
 
     fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {

@@ -12,11 +12,8 @@ impl OpSpec for Relu {
         Ok(inputs[0])
     }
 
-    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Flops {
-        Flops {
-            forward: output.numel() as u64,
-            backward: output.numel() as u64,
-        }
+    fn flops(&self, _inputs: &[Shape], output: &Shape) -> Option<Flops> {
+        Flops::per_element(output.numel(), 1, 1)
     }
 
     fn parallel_dims(&self, output: &Shape) -> &'static [Dim] {

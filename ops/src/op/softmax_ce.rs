@@ -14,12 +14,8 @@ impl OpSpec for SoftmaxCrossEntropy {
         Ok(Shape::nc(x.dim(0), 1))
     }
 
-    fn flops(&self, inputs: &[Shape], _output: &Shape) -> Flops {
-        let n = inputs[0].numel() as u64;
-        Flops {
-            forward: 4 * n,
-            backward: 2 * n,
-        }
+    fn flops(&self, inputs: &[Shape], _output: &Shape) -> Option<Flops> {
+        Flops::per_element(inputs[0].numel(), 4, 2)
     }
 
     fn parallel_dims(&self, _output: &Shape) -> &'static [Dim] {
