@@ -26,10 +26,16 @@ pub struct ParallelConfig {
 
 impl ParallelConfig {
     /// A config from its degrees (n, c, h, w) and first device; see [`ParallelConfig::validate`].
+    ///
+    /// # Panics
+    /// If a degree or the first device does not fit a `u32`: callers pass degrees and devices of a
+    /// machine, which has at most [`crate::machine::MAX_DEVICES`] devices (strategy files are
+    /// checked against it first).
     pub fn new(degrees: [usize; MAX_DIMS], first_device: DeviceId) -> ParallelConfig {
+        let narrow = |v: usize| u32::try_from(v).expect("degrees and devices fit a u32");
         ParallelConfig {
-            degrees: degrees.map(|d| d as u32),
-            first_device: first_device as u32,
+            degrees: degrees.map(narrow),
+            first_device: narrow(first_device),
         }
     }
 
@@ -91,7 +97,7 @@ impl ParallelConfig {
     /// The same degrees on another device block.
     pub fn with_first_device(&self, first_device: DeviceId) -> ParallelConfig {
         ParallelConfig {
-            first_device: first_device as u32,
+            first_device: u32::try_from(first_device).expect("device ids fit a u32"),
             ..*self
         }
     }

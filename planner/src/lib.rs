@@ -10,6 +10,7 @@
 //! - [`cost`]: Eq. 1 for any strategy; [`tables`]: the same as per-config tables for the searches.
 //! - [`search`]: OptCNN (Algorithm 1), exhaustive, data / model / OWT baselines.
 //! - [`simulate`], [`trace`]: a list-scheduled task graph of one iteration and its Chrome trace.
+//! - [`memory`]: what each device holds during a step, before anything is allocated.
 //! - [`strategy`]: strategy files; [`plan`], [`report`]: what `legion-rs plan` runs and prints.
 
 pub mod config;
@@ -17,6 +18,7 @@ pub mod cost;
 mod fast_hash;
 pub mod machine;
 pub mod machine_file;
+pub mod memory;
 pub mod plan;
 pub mod profile;
 pub mod provider;

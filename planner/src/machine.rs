@@ -23,6 +23,10 @@ pub struct DeviceSpec {
     pub memory_gb_per_s: f64,
     /// Fixed cost of launching one task (kernel launch, actor message), microseconds.
     pub task_overhead_us: f64,
+    /// Memory of one device, GiB; `None` where the devices share the host's memory (CPU devices),
+    /// whose size is not the planner's to know.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_gib: Option<f64>,
 }
 
 impl DeviceSpec {
@@ -33,6 +37,7 @@ impl DeviceSpec {
             peak_gflops: 9300.0,
             memory_gb_per_s: 732.0,
             task_overhead_us: 10.0,
+            memory_gib: Some(16.0),
         }
     }
 
@@ -43,6 +48,7 @@ impl DeviceSpec {
             peak_gflops: 100.0,
             memory_gb_per_s: 10.0,
             task_overhead_us: 5.0,
+            memory_gib: None,
         }
     }
 
@@ -58,6 +64,12 @@ impl DeviceSpec {
         self.task_overhead_us * 1e-6
     }
 
+    /// The device's own memory in bytes, if it has its own.
+    pub fn memory_bytes(&self) -> Option<u64> {
+        self.memory_gib
+            .map(|gib| (gib * (1u64 << 30) as f64) as u64)
+    }
+
     fn check(&self) -> Result<(), String> {
         if self.kind.is_empty() {
             return Err("device kind must not be empty".into());
@@ -69,6 +81,11 @@ impl DeviceSpec {
             if !(v.is_finite() && v > 0.0) {
                 return Err(format!("{field} must be a positive number, got {v}"));
             }
+        }
+        if let Some(gib) = self.memory_gib
+            && !(gib.is_finite() && gib > 0.0)
+        {
+            return Err(format!("memory_gib must be a positive number, got {gib}"));
         }
         if !(self.task_overhead_us.is_finite() && self.task_overhead_us >= 0.0) {
             return Err(format!(
@@ -225,8 +242,11 @@ impl RuntimeCosts {
                 return Err(format!("{field} must be a positive number, got {v}"));
             }
         }
-        if self.actor_threads == 0 {
-            return Err("actor_threads must be at least 1".into());
+        if !(1..=MAX_THREADS).contains(&self.actor_threads) {
+            return Err(format!(
+                "actor_threads must be in 1..={MAX_THREADS}, got {}",
+                self.actor_threads
+            ));
         }
         Ok(())
     }
@@ -315,6 +335,22 @@ const PAPER_IB_GBIT: f64 = 100.0;
 const PAPER_IB_LATENCY_US: f64 = 10.0;
 const PAPER_GPUS_PER_NODE: usize = 4;
 
+/// The most threads a machine's runtime may run at once (compute slots, actor threads): more than
+/// any host has cores. The simulator keeps a clock per thread.
+pub const MAX_THREADS: usize = 4096;
+
+/// The most devices a machine may have. The model keeps a link per ordered device pair (16 bytes
+/// each: 256 MiB at this size), and degrees and device ids are stored in `u32`.
+pub const MAX_DEVICES: usize = 4096;
+
+fn check_device_count(devices: Option<usize>) -> Result<usize, MachineError> {
+    devices.filter(|&n| n <= MAX_DEVICES).ok_or_else(|| {
+        MachineError::Invalid(format!(
+            "a machine has at most {MAX_DEVICES} devices (the planner keeps a link per device pair)"
+        ))
+    })
+}
+
 impl MachineModel {
     /// A machine from its nodes and the two link classes. Devices are numbered node by node.
     pub fn new(
@@ -327,6 +363,12 @@ impl MachineModel {
         if nodes.is_empty() {
             return Err(invalid("a machine needs at least one node".into()));
         }
+        // before anything is allocated per device
+        check_device_count(
+            nodes
+                .iter()
+                .try_fold(0usize, |acc, node| acc.checked_add(node.devices)),
+        )?;
         intra_node
             .check()
             .map_err(|e| invalid(format!("intra-node link: {e}")))?;
@@ -354,11 +396,6 @@ impl MachineModel {
             spec_of.extend(std::iter::repeat_n(spec, node.devices));
         }
         let n = node_of.len();
-        if n > u16::MAX as usize {
-            return Err(invalid(format!(
-                "{n} devices is more than the planner supports"
-            )));
-        }
         let mut links = Vec::with_capacity(n * n);
         for a in 0..n {
             for b in 0..n {
@@ -394,6 +431,7 @@ impl MachineModel {
         intra_node: Link,
         inter_node: Link,
     ) -> Result<MachineModel, MachineError> {
+        check_device_count(nodes.checked_mul(devices_per_node))?;
         let node = NodeSpec {
             devices: devices_per_node,
             device,
@@ -493,10 +531,10 @@ impl MachineModel {
     /// (N embedded CPU devices on fewer cores: a ready task waits for a free core, not just for its
     /// device). The simulator honours it; Eq. 1 does not (it prices layers, not schedules).
     pub fn with_compute_slots(mut self, slots: usize) -> Result<MachineModel, MachineError> {
-        if slots == 0 {
-            return Err(MachineError::Invalid(
-                "compute slots must be at least 1".into(),
-            ));
+        if !(1..=MAX_THREADS).contains(&slots) {
+            return Err(MachineError::Invalid(format!(
+                "compute slots must be in 1..={MAX_THREADS}, got {slots}"
+            )));
         }
         self.compute_slots = Some(slots);
         Ok(self)

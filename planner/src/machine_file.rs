@@ -16,6 +16,7 @@
 //! peak_gflops = 9300          # f32 peak, GFLOP/s
 //! memory_gb_per_s = 732       # GB/s
 //! task_overhead_us = 10       # optional, default 10
+//! memory_gib = 16             # optional: each device's own memory (none: they share the host's)
 //!
 //! [intra_node]                # link between two devices of one node, per direction
 //! gbit_per_s = 160            # Gbit/s (10^9 bits per second)
@@ -33,7 +34,9 @@
 //!
 //! Every error names the file, the line and column, and the field.
 
-use crate::machine::{DeviceSpec, Link, MachineError, MachineModel, NodeSpec, PRESETS};
+use crate::machine::{
+    DeviceSpec, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec, PRESETS,
+};
 use serde::Deserialize;
 use std::ops::Range;
 use std::path::Path;
@@ -160,6 +163,20 @@ pub fn parse_machine(
                     "missing [device] table (the devices' spec)".into(),
                 )
             })?;
+            // before a node is made for each
+            let devices = count.get_ref().checked_mul(*per_node.get_ref());
+            if devices.is_none_or(|d| d > MAX_DEVICES) {
+                return Err(at(
+                    count,
+                    "nodes",
+                    format!(
+                        "{} nodes of {} devices is more than the {MAX_DEVICES} devices a machine \
+                         may have",
+                        count.get_ref(),
+                        per_node.get_ref()
+                    ),
+                ));
+            }
             for _ in 0..*count.get_ref() {
                 nodes.push(NodeSpec {
                     devices: *per_node.get_ref(),
@@ -334,6 +351,7 @@ struct DeviceDoc {
     peak_gflops: Spanned<Number>,
     memory_gb_per_s: Spanned<Number>,
     task_overhead_us: Option<Spanned<Number>>,
+    memory_gib: Option<Spanned<Number>>,
 }
 
 impl DeviceDoc {
@@ -373,6 +391,11 @@ impl DeviceDoc {
             peak_gflops: positive(&self.peak_gflops, "peak_gflops")?,
             memory_gb_per_s: positive(&self.memory_gb_per_s, "memory_gb_per_s")?,
             task_overhead_us: overhead,
+            memory_gib: self
+                .memory_gib
+                .as_ref()
+                .map(|m| positive(m, "memory_gib"))
+                .transpose()?,
         })
     }
 }

@@ -62,7 +62,7 @@
 //! [`update_bytes`]: crate::machine::update_bytes
 //! [`OpSpec::project`]: legion_ops::op::OpSpec::project
 
-use crate::machine::{DeviceId, Link, MachineModel, RuntimeCosts};
+use crate::machine::{DeviceId, Link, MAX_THREADS, MachineModel, RuntimeCosts};
 use crate::provider::{CostProvider, PhaseTimes, RooflineCost};
 use legion_ops::{Layer, Rect, Shape};
 use serde::{Deserialize, Serialize};
@@ -374,11 +374,13 @@ impl ProfileDb {
                 ));
             }
         }
-        if db.compute_threads == Some(0) {
+        if let Some(threads) = db.compute_threads
+            && !(1..=MAX_THREADS).contains(&threads)
+        {
             return Err(ProfileError::Field {
                 file: file.to_string(),
                 field: "compute_threads",
-                message: "must be at least 1".into(),
+                message: format!("must be in 1..={MAX_THREADS}, got {threads}"),
             });
         }
         if let Some(r) = &db.runtime {
@@ -627,7 +629,7 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert_eq!(e, "p.json: compute_threads: must be at least 1");
+        assert_eq!(e, "p.json: compute_threads: must be in 1..=4096, got 0");
     }
 
     #[test]

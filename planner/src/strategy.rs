@@ -144,9 +144,37 @@ impl Strategy {
                         "unknown dim (expected n, c, h or w)".into(),
                     )
                 })?;
+                // Checked against the machine as the file gave it, before it is stored in the
+                // config's narrower fields: a degree past the device count never fits.
+                let num_devices = machine.num_devices();
+                if degree == 0 || !degree.is_power_of_two() {
+                    return Err(field(
+                        &format!("degrees.{name}"),
+                        ConfigError::NotPowerOfTwo { dim, degree }.to_string(),
+                    ));
+                }
+                if degree > num_devices {
+                    return Err(field(
+                        &format!("degrees.{name}"),
+                        format!(
+                            "degree {degree} of dim {name} needs more than the machine's \
+                             {num_devices} devices"
+                        ),
+                    ));
+                }
                 degrees[dim.axis()] = degree;
             }
+            // each degree is at most the device count (≤ MAX_DEVICES), so the product fits
             let total: usize = degrees.iter().product();
+            if let Some(&bad) = entry.devices.iter().find(|&&d| d >= machine.num_devices()) {
+                return Err(field(
+                    "devices",
+                    format!(
+                        "device {bad} does not exist (the machine has devices 0..{})",
+                        machine.num_devices()
+                    ),
+                ));
+            }
             let first = entry.devices.first().copied().unwrap_or(0);
             let config = ParallelConfig::new(degrees, first);
             let dims = layer.op.spec().parallel_dims(&layer.shape);
@@ -168,15 +196,6 @@ impl Strategy {
                     format!(
                         "lists {} device(s), but the degrees make {total} tile(s)",
                         entry.devices.len()
-                    ),
-                ));
-            }
-            if let Some(&bad) = entry.devices.iter().find(|&&d| d >= machine.num_devices()) {
-                return Err(field(
-                    "devices",
-                    format!(
-                        "device {bad} does not exist (the machine has devices 0..{})",
-                        machine.num_devices()
                     ),
                 ));
             }

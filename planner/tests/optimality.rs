@@ -23,6 +23,7 @@ fn machine(devices: usize, two_nodes: bool, link_speed: f64) -> MachineModel {
         peak_gflops: 1e-4,
         memory_gb_per_s: 1e-2,
         task_overhead_us: 1.0,
+        memory_gib: None,
     };
     MachineModel::uniform(
         "toy",
@@ -98,5 +99,32 @@ fn every_family_on_two_to_eight_devices() {
         for (seed, devices) in [(1, 2), (2, 4), (3, 8)] {
             check(family, seed, 3, devices, true, 1.0).unwrap();
         }
+    }
+}
+
+/// A layer that reads one tensor twice makes two parallel edges, which the search merges as it
+/// adds them; the edge table they share must outlive the merge for the later edges like them.
+#[test]
+fn a_layer_reading_one_tensor_twice() {
+    let text = r#"{"name": "twice", "layers": [
+        {"name": "data", "op": "input", "shape": [4, 2]},
+        {"name": "l0", "op": "dense", "inputs": ["data"], "out_features": 2},
+        {"name": "l1", "op": "add", "inputs": ["l0", "l0"]},
+        {"name": "l2", "op": "add", "inputs": ["l1", "data"]},
+        {"name": "l3", "op": "concat", "inputs": ["l2", "l0"]},
+        {"name": "fc", "op": "dense", "inputs": ["l3"], "out_features": 2},
+        {"name": "loss", "op": "softmax_cross_entropy", "inputs": ["fc"]}]}"#;
+    let g = legion_ops::Graph::from_json(text, "twice.json").unwrap();
+    for devices in [1, 2, 4] {
+        let machine = MachineModel::preset(&format!("paper:{devices}")).unwrap();
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let tables = CostTables::build(&model);
+        let fast = optcnn(&tables).unwrap();
+        let slow = exhaustive(&tables, 20_000_000).unwrap();
+        assert!(
+            (fast.cost - slow.cost).abs() <= 1e-9 * slow.cost,
+            "{devices} devices"
+        );
     }
 }

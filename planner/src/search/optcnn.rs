@@ -343,8 +343,13 @@ impl<'t, 'm> Reduction<'t, 'm> {
             bound,
             prepared,
         };
-        for (i, e) in tables.edges().iter().enumerate() {
+        // Every edge is counted before any is added: adding merges parallel edges (a layer reading
+        // one tensor twice), which takes their tables, and a class whose count ran out then would
+        // drop its table while later edges of the class still need it.
+        for i in 0..tables.edges().len() {
             *r.waiting.entry(tables.edge_class(i)).or_default() += 1;
+        }
+        for (i, e) in tables.edges().iter().enumerate() {
             // t_x is never negative
             r.add_edge(e.src.0, e.dst.0, Table::Pending(i), 0.0);
         }
