@@ -41,9 +41,11 @@
 //! `ssh hostname`, as MPI launchers do.
 //!
 //! Every error names the file, the line and column, and the field, and says what was expected:
-//! `hosts.toml:7:11: host[1].devices: expected an integer ≥ 1, got 0`.
+//! `hosts.toml:7:11: host[1].devices: expected an integer in 1..=4096, got 0`.
 
-use legion_planner::machine::{DeviceSpec, Link, MachineError, MachineModel, NodeSpec};
+use legion_planner::machine::{
+    DeviceSpec, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec,
+};
 use legion_planner::machine_file::{Number, key_at, line_column};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -404,7 +406,7 @@ impl Hosts {
                 latency_us,
             });
         }
-        Ok(Hosts { hosts, links })
+        src.within_device_limit(Hosts { hosts, links })
     }
 
     /// Parses the MPI / DeepSpeed hostfile format.
@@ -433,12 +435,14 @@ impl Hosts {
                     Some(("slots", value)) => {
                         let value_at = at + "slots=".len();
                         slots = Some(match value.parse::<usize>() {
-                            Ok(n) if n >= 1 => n,
+                            Ok(n) if (1..=MAX_DEVICES).contains(&n) => n,
                             _ => {
                                 return Err(src.at(
                                     value_at,
                                     "slots",
-                                    &format!("expected an integer ≥ 1, got {value}"),
+                                    &format!(
+                                        "expected an integer in 1..={MAX_DEVICES}, got {value}"
+                                    ),
                                 ));
                             }
                         });
@@ -475,7 +479,7 @@ impl Hosts {
         if hosts.is_empty() {
             return Err(src.at(0, "", "expected at least one `hostname slots=N` line"));
         }
-        Ok(Hosts {
+        src.within_device_limit(Hosts {
             hosts,
             links: Vec::new(),
         })
@@ -664,11 +668,34 @@ impl Source<'_> {
 
     fn count(&self, v: &Spanned<i64>, field: &str) -> Result<usize, HostsError> {
         match usize::try_from(*v.get_ref()) {
-            Ok(n) if n >= 1 => Ok(n),
+            Ok(n) if (1..=MAX_DEVICES).contains(&n) => Ok(n),
             _ => Err(self.at(
                 v.span().start,
                 field,
-                &format!("expected an integer ≥ 1, got {}", v.get_ref()),
+                &format!(
+                    "expected an integer in 1..={MAX_DEVICES}, got {}",
+                    v.get_ref()
+                ),
+            )),
+        }
+    }
+
+    /// The hosts, if their devices together are within what the planner takes: each host's count
+    /// is, but many hosts could add up past it (or past `usize`).
+    fn within_device_limit(&self, hosts: Hosts) -> Result<Hosts, HostsError> {
+        let total = hosts
+            .hosts
+            .iter()
+            .try_fold(0usize, |acc, h| acc.checked_add(h.devices));
+        match total {
+            Some(n) if n <= MAX_DEVICES => Ok(hosts),
+            _ => Err(self.at(
+                0,
+                "",
+                &format!(
+                    "expected at most {MAX_DEVICES} devices in all, but the {} hosts have more",
+                    hosts.hosts.len()
+                ),
             )),
         }
     }
@@ -883,11 +910,11 @@ ssh = "me@localhost"
     fn numeric_errors_are_located() {
         assert_eq!(
             err_with("devices = 2", "devices = 0"),
-            "h.toml:8:11: host[0].devices: expected an integer ≥ 1, got 0"
+            "h.toml:8:11: host[0].devices: expected an integer in 1..=4096, got 0"
         );
         assert_eq!(
             err_with("devices = 1", "devices = -3"),
-            "h.toml:3:11: defaults.devices: expected an integer ≥ 1, got -3"
+            "h.toml:3:11: defaults.devices: expected an integer in 1..=4096, got -3"
         );
         assert_eq!(
             err_with("port = 7401", "port = 70000"),
@@ -1079,11 +1106,21 @@ ssh = "me@localhost"
         let err = |text: &str| Hosts::parse(text, "hostfile").unwrap_err().to_string();
         assert_eq!(
             err("# x\nnode0 slots=x\n"),
-            "hostfile:2:13: slots: expected an integer ≥ 1, got x"
+            "hostfile:2:13: slots: expected an integer in 1..=4096, got x"
         );
         assert_eq!(
             err("node0 slots=0"),
-            "hostfile:1:13: slots: expected an integer ≥ 1, got 0"
+            "hostfile:1:13: slots: expected an integer in 1..=4096, got 0"
+        );
+        assert_eq!(
+            err("node0 slots=18446744073709551615"),
+            "hostfile:1:13: slots: expected an integer in 1..=4096, got 18446744073709551615"
+        );
+        assert!(
+            err("node0 slots=4096
+node1 slots=1
+")
+            .ends_with("expected at most 4096 devices in all, but the 2 hosts have more"),
         );
         assert_eq!(
             err("node0 slots=2 max_slots=4\n"),

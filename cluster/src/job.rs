@@ -3,6 +3,7 @@
 
 use crate::hosts::Hosts;
 use crate::launch;
+use crate::memory::HostNeed;
 use crate::remote::RemoteCluster;
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -10,6 +11,7 @@ use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer, TrainingState};
+use legion_planner::memory;
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
 use legion_runtime::device::StepReport;
@@ -190,34 +192,12 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     })?;
     let classes = graph.layer(logits).shape.dim(1);
 
-    let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
-        let ckpt = checkpoint::load(path)?;
-        TrainingState::from_checkpoint(&graph, ckpt)
-            .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
-    };
-    let state_to_load = match (&opts.init, &opts.resume) {
-        (Some(_), Some(_)) => bail!("--init and --resume exclude each other"),
-        (None, Some(path)) => load_state(path)?,
-        // Weights only: a fresh run from them.
-        (Some(path), None) => TrainingState::start(load_state(path)?.params),
-        (None, None) => TrainingState::start(ParamStore::init(&graph, opts.seed)),
-    };
-    let first_step = state_to_load.step;
-    if first_step > opts.steps {
-        bail!(
-            "--resume: the checkpoint is at step {first_step}, past --steps {}",
-            opts.steps
-        );
+    if opts.init.is_some() && opts.resume.is_some() {
+        bail!("--init and --resume exclude each other");
     }
     if opts.checkpoint_every.is_some() && opts.save.is_none() {
         bail!("--checkpoint-every needs --save PATH (where the checkpoints go)");
     }
-    let dataset = data::open(
-        &opts.data,
-        [input.dim(1), input.dim(2), input.dim(3)],
-        classes,
-        opts.seed,
-    )?;
     let model_name = graph.name.clone();
     let cluster = match &opts.cluster {
         Some(path) => {
@@ -239,9 +219,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         .as_ref()
         .map_or(opts.devices, |(h, _)| h.num_devices());
     let distributed = devices > 1 || opts.trace.is_some() || cluster.is_some();
-    // What the summary reports of the distributed plan: per-layer configs and bytes moved per step.
-    let mut plan_summary = serde_json::Value::Null;
-    let mut engine = if distributed {
+    let (configs, place) = if distributed {
         let (machine, place) = match &cluster {
             Some((hosts, state)) => (
                 launch::cluster_machine(hosts, state)?,
@@ -253,7 +231,58 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
             ),
             None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
         };
-        let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
+        (choose_strategy(&graph, &machine, &opts.strategy)?, place)
+    } else {
+        let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
+        (serial, "one device".to_string())
+    };
+    // Before any weight is allocated: a model too large must get an error, not an abort. The
+    // workers of a cluster check their own devices when the job reaches them.
+    let device_memory = memory::per_device(&graph, &configs, devices);
+    let need = HostNeed {
+        devices: if cluster.is_some() {
+            &[]
+        } else {
+            &device_memory
+        },
+        job_state: memory::job_state_bytes(&graph),
+        place: if cluster.is_some() {
+            "no devices (they run on the workers)".to_string()
+        } else {
+            format!("{devices} device(s) in this process")
+        },
+    };
+    if let Some(available) = crate::memory::available() {
+        crate::memory::check_fits(&graph, &need, available)?;
+    }
+
+    let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
+        let ckpt = checkpoint::load(path)?;
+        TrainingState::from_checkpoint(&graph, ckpt)
+            .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
+    };
+    let state_to_load = match (&opts.init, &opts.resume) {
+        (None, Some(path)) => load_state(path)?,
+        // Weights only: a fresh run from them.
+        (Some(path), _) => TrainingState::start(load_state(path)?.params),
+        (None, None) => TrainingState::start(ParamStore::init(&graph, opts.seed)),
+    };
+    let first_step = state_to_load.step;
+    if first_step > opts.steps {
+        bail!(
+            "--resume: the checkpoint is at step {first_step}, past --steps {}",
+            opts.steps
+        );
+    }
+    let dataset = data::open(
+        &opts.data,
+        [input.dim(1), input.dim(2), input.dim(3)],
+        classes,
+        opts.seed,
+    )?;
+    // What the summary reports of the distributed plan: per-layer configs and bytes moved per step.
+    let mut plan_summary = serde_json::Value::Null;
+    let mut engine = if distributed {
         let engine = match &cluster {
             Some((hosts, state)) => Engine::Remote(Box::new(RemoteCluster::start(
                 hosts,
@@ -417,6 +446,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
 
 pub fn human_bytes(b: u64) -> String {
     match b {
+        b if b >= 1 << 40 => format!("{:.2} TiB", b as f64 / (1u64 << 40) as f64),
         b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
         b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
         b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),

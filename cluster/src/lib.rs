@@ -8,6 +8,7 @@ pub mod control;
 pub mod hosts;
 pub mod job;
 pub mod launch;
+pub mod memory;
 pub mod net;
 pub mod remote;
 pub mod worker;

@@ -450,6 +450,17 @@ async fn start_job(
     let machine = MachineModel::preset(&format!("local-cpu:{total}"))?;
     let configs = Strategy::from_json(&spec.strategy_json, "the job's strategy")?
         .to_configs(&graph, &machine)?;
+    // Refused before the plan and the devices allocate anything; the driver checked its own share.
+    let first_device = this.first_device as usize;
+    let device_memory = legion_planner::memory::per_device(&graph, &configs, total);
+    let need = crate::memory::HostNeed {
+        devices: &device_memory[first_device..first_device + shared.devices],
+        job_state: 0,
+        place: format!("worker {}'s {} device(s)", shared.name, shared.devices),
+    };
+    if let Some(available) = crate::memory::available() {
+        crate::memory::check_fits(&graph, &need, available)?;
+    }
     let plan = Arc::new(StepPlan::build(&graph, &configs, total)?);
     let graph = Arc::new(graph);
 

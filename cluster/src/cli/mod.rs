@@ -61,6 +61,9 @@ pub fn load_model(
     classes: Option<usize>,
 ) -> anyhow::Result<legion_ops::Graph> {
     use anyhow::Context;
+    if batch == 0 {
+        anyhow::bail!("--batch must be at least 1");
+    }
     if let Some(z) = legion_ops::zoo::find(model) {
         let mut cfg = z.default_config(batch);
         if let Some(s) = image_size {

@@ -2,17 +2,20 @@
 //! report its Eq. 1 cost, simulated step time and per-layer configs. The logic and formatting live in
 //! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
 
+use crate::job::human_bytes;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
+use legion_ops::Graph;
 use legion_planner::config::config_counts;
 use legion_planner::machine_file::resolve_machine;
+use legion_planner::memory;
 use legion_planner::plan::{self, Evaluated};
 use legion_planner::report::{self, PlanJson, SearchJson};
 use legion_planner::search::DEFAULT_BUDGET;
 use legion_planner::trace::chrome_trace;
 use legion_planner::{
-    CostModel, CostProvider, MachineModel, ProfileDb, ProfiledCost, RooflineCost, SearchKind,
-    Strategy,
+    CostModel, CostProvider, MachineModel, ParallelConfig, ProfileDb, ProfiledCost, RooflineCost,
+    SearchKind, Strategy,
 };
 use std::path::{Path, PathBuf};
 
@@ -177,6 +180,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         evaluated
     };
 
+    warn_about_memory(&graph, &machine, &chosen.configs);
     if let Some(p) = &profiled {
         eprintln!(
             "profile: {} tile(s) measured, {} priced by the roofline model",
@@ -203,6 +207,53 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         write_trace(path, &chosen, &machine)?;
     }
     Ok(())
+}
+
+/// Warns on stderr when the chosen strategy needs more memory than a device has (or, for devices
+/// sharing this host's memory, than the host has available).
+fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelConfig]) {
+    let need = memory::per_device(graph, configs, machine.num_devices());
+    let over = memory::over_capacity(machine, &need);
+    let largest = |d: &memory::DeviceMemory| match d.largest_layer {
+        Some((layer, bytes)) => format!(
+            ", layer '{}' alone {}",
+            graph.layer(layer).name,
+            human_bytes(bytes)
+        ),
+        None => String::new(),
+    };
+    if let Some((worst, capacity)) = over.iter().max_by_key(|(d, _)| d.bytes) {
+        eprintln!(
+            "warning: {} of {} device(s) need more memory than their {}: device {} needs {}{}",
+            over.len(),
+            machine.num_devices(),
+            human_bytes(*capacity),
+            worst.device,
+            human_bytes(worst.bytes),
+            largest(worst)
+        );
+    }
+    let shared: Vec<&memory::DeviceMemory> = need
+        .iter()
+        .filter(|d| machine.device(d.device).memory_bytes().is_none())
+        .collect();
+    let shared_bytes = shared.iter().map(|d| d.bytes).fold(0, u64::saturating_add);
+    if let (Some(worst), Some(available)) = (
+        shared.iter().max_by_key(|d| d.bytes),
+        crate::memory::available(),
+    ) && shared_bytes > available
+    {
+        eprintln!(
+            "warning: the {} device(s) sharing this host's memory need {} together, but it has {} \
+             available; device {} needs {}{}",
+            shared.len(),
+            human_bytes(shared_bytes),
+            human_bytes(available),
+            worst.device,
+            human_bytes(worst.bytes),
+            largest(worst)
+        );
+    }
 }
 
 fn write_trace(path: &Path, evaluated: &Evaluated, machine: &MachineModel) -> anyhow::Result<()> {

@@ -48,9 +48,6 @@ pub struct ProfileArgs {
 }
 
 pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
-    if a.batch == 0 {
-        bail!("--batch must be at least 1");
-    }
     if a.devices == 0 {
         bail!("--devices must be at least 1");
     }

@@ -69,9 +69,6 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
-    if a.batch == 0 {
-        anyhow::bail!("--batch must be at least 1");
-    }
     let graph = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
     let opts = TrainOptions {
         devices: a.devices,

@@ -1,0 +1,144 @@
+//! Refusing a run that cannot fit in this host's memory before anything is allocated: a model too
+//! large otherwise ends in an allocation failure that aborts the process.
+
+use crate::job::human_bytes;
+use legion_ops::Graph;
+use legion_planner::memory::DeviceMemory;
+
+/// Bytes this process can still allocate: the kernel's estimate of available memory
+/// (`MemAvailable`), lowered to what the cgroup's limit leaves. `None` where neither can be read.
+pub fn available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let host = meminfo.as_deref().and_then(mem_available);
+    let cgroup_file = |name: &str| {
+        std::fs::read_to_string(format!("/sys/fs/cgroup/{name}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    // `memory.max` reads "max" when unlimited, which does not parse
+    let cgroup = cgroup_file("memory.max")
+        .map(|limit| limit.saturating_sub(cgroup_file("memory.current").unwrap_or(0)));
+    match (host, cgroup) {
+        (Some(h), Some(c)) => Some(h.min(c)),
+        (h, c) => h.or(c),
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?;
+    let kib: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// What a run keeps on this host: the devices placed here and the job's own copy of the state.
+pub struct HostNeed<'a> {
+    /// The devices running on this host, as `legion_planner::memory::per_device` gives them.
+    pub devices: &'a [DeviceMemory],
+    /// Bytes the process holds besides the devices (the job's weights and momentum).
+    pub job_state: u64,
+    /// What the devices are, for the message: "4 embedded devices", "worker w1's 2 devices".
+    pub place: String,
+}
+
+impl HostNeed<'_> {
+    pub fn bytes(&self) -> u64 {
+        self.devices
+            .iter()
+            .map(|d| d.bytes)
+            .fold(self.job_state, u64::saturating_add)
+    }
+}
+
+/// An error naming the largest layer, the bytes needed and the bytes available if `need` does not
+/// fit in `available` bytes.
+pub fn check_fits(graph: &Graph, need: &HostNeed, available: u64) -> anyhow::Result<()> {
+    let total = need.bytes();
+    if total <= available {
+        return Ok(());
+    }
+    let mut parts = format!("{}: {}", need.place, human_bytes(total - need.job_state));
+    if need.job_state > 0 {
+        parts += &format!(
+            "; the job's weights and momentum: {}",
+            human_bytes(need.job_state)
+        );
+    }
+    let mut message = format!(
+        "model '{}' does not fit in memory: the run needs {} ({parts}), but this host has {} \
+         available",
+        graph.name,
+        human_bytes(total),
+        human_bytes(available)
+    );
+    let largest = need
+        .devices
+        .iter()
+        .filter_map(|d| {
+            d.largest_layer
+                .map(|(layer, bytes)| (d.device, layer, bytes))
+        })
+        .max_by_key(|&(_, _, bytes)| bytes);
+    if let Some((device, layer, bytes)) = largest {
+        message += &format!(
+            "; layer '{}' ({}) alone needs {} on device {device} for its output, parameters, \
+             gradients and momentum",
+            graph.layer(layer).name,
+            graph.layer(layer).op.kind(),
+            human_bytes(bytes)
+        );
+    }
+    message += ". Use a smaller batch or image size, or more devices";
+    anyhow::bail!(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_ops::op::Dense;
+    use legion_ops::{GraphBuilder, LayerId, Shape};
+
+    #[test]
+    fn mem_available_reads_kib() {
+        let text = "MemTotal:       24576000 kB\nMemFree:  100 kB\nMemAvailable:   20480000 kB\n";
+        assert_eq!(mem_available(text), Some(20480000 * 1024));
+        assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: lots\n"), None);
+    }
+
+    #[test]
+    fn this_host_reports_some_memory() {
+        assert!(available().is_some_and(|b| b > 0));
+    }
+
+    #[test]
+    fn a_run_too_large_names_the_layer_and_both_sizes() {
+        let mut m = GraphBuilder::new("wide");
+        let x = m.input("data", Shape::nc(8, 4)).unwrap();
+        m.dense("fc", x, Dense::new(16)).unwrap();
+        let g = m.finish();
+        let devices = [DeviceMemory {
+            device: 0,
+            bytes: 3 << 30,
+            largest_layer: Some((LayerId(1), 2 << 30)),
+        }];
+        let need = HostNeed {
+            devices: &devices,
+            job_state: 1 << 30,
+            place: "1 embedded device".into(),
+        };
+        assert!(check_fits(&g, &need, 4 << 30).is_ok());
+        let e = check_fits(&g, &need, (4 << 30) - 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the run needs 4.00 GiB"), "{e}");
+        assert!(e.contains("1 embedded device: 3.00 GiB"), "{e}");
+        assert!(
+            e.contains("layer 'fc' (dense) alone needs 2.00 GiB on device 0"),
+            "{e}"
+        );
+        assert!(e.contains("but this host has 4.00 GiB available"), "{e}");
+    }
+}
