@@ -54,8 +54,10 @@ pub struct ExampleArgs {
     /// Continue a run from a --save checkpoint (--steps counts from the start of the run).
     #[arg(long, conflicts_with = "init")]
     pub resume: Option<PathBuf>,
-    #[arg(long, default_value_t = Sgd::default().lr)]
-    pub lr: f32,
+    /// SGD learning rate (momentum 0.9); unset, the example's own (alexnet: 0.01, the others:
+    /// 0.03).
+    #[arg(long)]
+    pub lr: Option<f32>,
     /// Write a Chrome/Perfetto trace of the last step. With --compare: a directory, to which each
     /// strategy's measured and simulated traces go (`<strategy>.measured.json`,
     /// `<strategy>.simulated.json`).
@@ -73,12 +75,18 @@ pub struct ExampleArgs {
     pub json: bool,
 }
 
-/// An example's sizes when the flags leave them out.
+/// An example's sizes and learning rate when the flags leave them out.
 #[derive(Clone, Copy, Debug)]
 pub struct Defaults {
+    /// Training steps.
     pub steps: u64,
+    /// Steps each strategy is timed for with `--compare`: a step time settles in far fewer steps
+    /// than a model takes to learn.
+    pub compare_steps: u64,
     pub batch: usize,
     pub image_size: usize,
+    /// SGD learning rate; momentum and weight decay are `Sgd::default()`'s.
+    pub lr: f32,
 }
 
 /// Builds the model with the chosen sizes and trains or compares it.
@@ -89,11 +97,11 @@ pub fn run(
 ) -> anyhow::Result<()> {
     let batch = args.batch.unwrap_or(defaults.batch);
     let image_size = args.image_size.unwrap_or(defaults.image_size);
-    let steps = args.steps.unwrap_or(defaults.steps);
+    let lr = args.lr.unwrap_or(defaults.lr);
     let graph = build(batch, image_size, args.classes)?;
     if !args.json {
         println!(
-            "{} {image_size}x{image_size} batch {batch}, {} classes, {} parameters",
+            "{} {image_size}x{image_size} batch {batch}, {} classes, {} parameters, lr {lr}",
             graph.name,
             args.classes,
             graph.param_count()
@@ -110,7 +118,7 @@ pub fn run(
         let settings = CompareSettings {
             devices: args.devices,
             warmup: 2,
-            steps: steps.max(1) as usize,
+            steps: args.steps.unwrap_or(defaults.compare_steps).max(1) as usize,
             seed: 1,
             cluster,
             traces: args.trace.clone(),
@@ -139,6 +147,7 @@ pub fn run(
         }
         return Ok(());
     }
+    let steps = args.steps.unwrap_or(defaults.steps);
     let opts = TrainOptions {
         devices: if args.cluster.is_some() {
             1
@@ -152,7 +161,7 @@ pub fn run(
         init: args.init.clone(),
         save: args.save.clone(),
         sgd: Sgd {
-            lr: args.lr,
+            lr,
             ..Sgd::default()
         },
         json: args.json,

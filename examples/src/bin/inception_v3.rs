@@ -5,6 +5,7 @@
 
 use clap::Parser;
 use legion_examples::{Defaults, ExampleArgs};
+use legion_ops::train::Sgd;
 use legion_ops::zoo;
 
 /// Train Inception-v3 with legion-rs.
@@ -20,8 +21,10 @@ fn main() -> anyhow::Result<()> {
     // 299×299 is the paper's size; 75×75 is the smallest the network takes.
     let defaults = Defaults {
         steps: 10,
+        compare_steps: 10,
         batch: 8,
         image_size: 75,
+        lr: Sgd::default().lr,
     };
     legion_examples::run(&args.common, defaults, |batch, image_size, classes| {
         let model = zoo::find("inception_v3").expect("inception_v3 is in the zoo");

@@ -5,6 +5,7 @@
 use clap::Parser;
 use legion_examples::{Defaults, ExampleArgs};
 use legion_ops::op::{Conv2d, Dense, Pool2d};
+use legion_ops::train::Sgd;
 use legion_ops::{Graph, GraphBuilder, ModelError, Shape};
 
 /// Train LeNet-5 with legion-rs.
@@ -34,8 +35,10 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let defaults = Defaults {
         steps: 60,
+        compare_steps: 60,
         batch: 64,
         image_size: 28,
+        lr: Sgd::default().lr,
     };
     legion_examples::run(&args.common, defaults, |b, s, c| Ok(lenet5(b, s, c)?))
 }

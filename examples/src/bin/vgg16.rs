@@ -5,6 +5,7 @@
 use clap::Parser;
 use legion_examples::{Defaults, ExampleArgs};
 use legion_ops::op::{Conv2d, Dense, Pool2d};
+use legion_ops::train::Sgd;
 use legion_ops::{Graph, GraphBuilder, ModelError, Shape};
 
 /// Train VGG-16 with legion-rs.
@@ -42,8 +43,10 @@ fn main() -> anyhow::Result<()> {
     // 224×224 is the paper's size; 32×32 (CIFAR-sized) keeps a CPU run short.
     let defaults = Defaults {
         steps: 20,
+        compare_steps: 20,
         batch: 16,
         image_size: 32,
+        lr: Sgd::default().lr,
     };
     legion_examples::run(&args.common, defaults, |b, s, c| Ok(vgg16(b, s, c)?))
 }
