@@ -166,8 +166,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         {
             bail!("{} search: {e}", run.searches[0].kind);
         }
-        let best = run.best().context("no search succeeded")?;
-        let evaluated = best.result.as_ref().expect("best is a success").clone();
+        let best_at = run.best_index().context("no search succeeded")?;
+        let best = &run.searches[best_at];
+        let evaluated = best.result.as_ref().expect("best is a success");
         if args.json {
             println!("{}", PlanJson::of(&graph, &run).to_json());
         } else {
@@ -185,14 +186,19 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             }
             println!(
                 "{}",
-                report::summary(best.kind.name(), &evaluated, Some(best.seconds))
+                report::summary(best.kind.name(), evaluated, Some(best.seconds))
             );
             print!(
                 "{}",
                 report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
             );
         }
-        evaluated
+        // moved out rather than cloned: its simulation holds every task of the iteration
+        let mut run = run;
+        run.searches
+            .swap_remove(best_at)
+            .result
+            .expect("best is a success")
     };
 
     if let Some(p) = &profiled {
