@@ -71,6 +71,44 @@ fn all_searches_side_by_side() {
     }
 }
 
+/// Side by side on a model too large to enumerate, the exhaustive search stops at its small
+/// default budget and says so, and the other searches still report.
+#[test]
+fn all_searches_stop_the_exhaustive_one_early_and_say_so() {
+    let args = [
+        "plan",
+        "--model",
+        "inception_v3",
+        "--machine",
+        "paper",
+        "--search",
+        "all",
+    ];
+    let doc = json(&legion(&[&args[..], &["--json"]].concat()));
+    let searches = doc["searches"].as_array().unwrap();
+    let names: Vec<&str> = searches
+        .iter()
+        .map(|s| s["search"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["optcnn", "exhaustive", "data", "model", "owt"]);
+    let error = searches[1]["error"].as_str().unwrap();
+    assert!(
+        error.contains("stopped") && error.contains("budget of 100000"),
+        "{error}"
+    );
+    for i in [0, 2, 3, 4] {
+        assert!(searches[i]["eq1_ms"].as_f64().unwrap() > 0.0);
+    }
+
+    let out = legion(&args);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("exhaustive stopped at 100000 partial strategies"),
+        "{text}"
+    );
+}
+
 #[test]
 fn saved_strategy_evaluates_to_the_same_cost_and_traces() {
     let dir = tempfile::tempdir().unwrap();

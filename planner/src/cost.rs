@@ -15,7 +15,7 @@
 use crate::config::{ParallelConfig, tile_rect};
 use crate::machine::MachineModel;
 use crate::provider::CostProvider;
-use crate::sync::SyncPlan;
+use crate::sync::{layer_link_loads, sync_time};
 use crate::transfer::{Edge, edge_overlaps, graph_edges, transfer_bytes, transfer_time};
 use legion_ops::{Graph, LayerId, Shape};
 
@@ -115,7 +115,7 @@ impl<'a> CostModel<'a> {
 
     /// t_s of a layer under a config.
     pub fn sync_time(&self, layer: LayerId, config: &ParallelConfig) -> f64 {
-        SyncPlan::for_layer(self.graph, layer, config).time(self.machine)
+        sync_time(&layer_link_loads(self.graph, layer, config), self.machine)
     }
 
     /// t_x of an edge under the configs of its two ends.
@@ -134,11 +134,14 @@ impl<'a> CostModel<'a> {
         let mut out = CostBreakdown::default();
         for id in self.graph.ids() {
             let config = &configs[id.0];
-            let plan = SyncPlan::for_layer(self.graph, id, config);
+            // by link rather than by replica group: at a thousand devices a sample-split layer
+            // has millions of (group, replica) messages but its loads are one pass over them
+            let loads = layer_link_loads(self.graph, id, config);
             out.layers.push(LayerCost {
                 compute: self.compute_time(id, config),
-                sync: plan.time(self.machine),
-                sync_bytes: plan.bytes(),
+                sync: sync_time(&loads, self.machine),
+                // each replica's gradient in, its updated block out
+                sync_bytes: loads.iter().map(|l| 2 * l.bytes).sum(),
             });
         }
         for e in &self.edges {

@@ -41,10 +41,14 @@ pub struct PlanRun {
 impl PlanRun {
     /// The cheapest successful search under Eq. 1.
     pub fn best(&self) -> Option<&SearchRun> {
-        self.searches
-            .iter()
-            .filter(|s| s.result.is_ok())
-            .min_by(|a, b| eq1(a).total_cmp(&eq1(b)))
+        self.best_index().map(|i| &self.searches[i])
+    }
+
+    /// The position of [`PlanRun::best`] in `searches`.
+    pub fn best_index(&self) -> Option<usize> {
+        (0..self.searches.len())
+            .filter(|&i| self.searches[i].result.is_ok())
+            .min_by(|&a, &b| eq1(&self.searches[a]).total_cmp(&eq1(&self.searches[b])))
     }
 }
 

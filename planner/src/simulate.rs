@@ -68,13 +68,14 @@
 
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
+use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
 use crate::sync::{SyncPlan, param_slices};
 use crate::transfer::edge_overlaps;
 use legion_ops::rng::Rng;
 use legion_ops::{Graph, LayerId, Rect};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::BinaryHeap;
 
 /// What a task does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -832,15 +833,28 @@ fn schedule(
     dispatch: impl Fn(usize) -> f64,
 ) -> (Vec<f64>, Vec<f64>) {
     let n = tasks.len();
-    let mut successors: Vec<Vec<usize>> = vec![Vec::new(); n];
-    let mut waiting: Vec<usize> = vec![0; n];
-    for (t, task) in tasks.iter().enumerate() {
-        waiting[t] = task.deps.len();
+    let mut waiting: Vec<usize> = tasks.iter().map(|task| task.deps.len()).collect();
+    // Each task's successors, ascending, in one array (`successors[first[t]..first[t + 1]]`): a
+    // vector per task was most of the schedule's allocations on large machines.
+    let mut first: Vec<usize> = vec![0; n + 1];
+    for task in tasks {
         for &d in &task.deps {
-            successors[d].push(t);
+            first[d + 1] += 1;
         }
     }
-    let mut resources: BTreeMap<Resource, f64> = BTreeMap::new();
+    for t in 0..n {
+        first[t + 1] += first[t];
+    }
+    let mut successors: Vec<usize> = vec![0; first[n]];
+    let mut filled = first.clone();
+    for (t, task) in tasks.iter().enumerate() {
+        for &d in &task.deps {
+            successors[filled[d]] = t;
+            filled[d] += 1;
+        }
+    }
+    drop(filled);
+    let mut resources: FastHashMap<Resource, f64> = FastHashMap::default();
     let mut ready_at = vec![0.0f64; n];
     let mut start = vec![0.0; n];
     let mut finish = vec![0.0; n];
@@ -864,7 +878,7 @@ fn schedule(
     };
     // When each device's actor is free: its moves hold it, not the device's kernel stream (the
     // actor copies while the device's kernel runs), and its next kernel waits for both.
-    let mut device_actors: BTreeMap<DeviceId, f64> = BTreeMap::new();
+    let mut device_actors: FastHashMap<DeviceId, f64> = FastHashMap::default();
     while let Some(Reverse((at, t))) = ready.pop() {
         let device = match tasks[t].resource {
             Resource::Device(d) => Some(d),
@@ -919,7 +933,7 @@ fn schedule(
         if let Some(k) = actor {
             actors[k] = finish[t];
         }
-        for &s in &successors[t] {
+        for &s in &successors[first[t]..first[t + 1]] {
             ready_at[s] = ready_at[s].max(finish[t] + tasks[t].latency);
             waiting[s] -= 1;
             if waiting[s] == 0 {
@@ -937,6 +951,7 @@ mod tests {
     use crate::provider::RooflineCost;
     use legion_ops::op::{Conv2d, Dense, Pool2d};
     use legion_ops::{Dim, Graph, GraphBuilder, Shape};
+    use std::collections::BTreeMap;
 
     fn chain() -> Graph {
         let mut m = GraphBuilder::new("chain");

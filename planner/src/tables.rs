@@ -12,7 +12,7 @@ use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
-use crate::transfer_table::{EdgeGeometry, LeastTimes, TransferTables};
+use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, TransferTables};
 use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::HashMap;
 
@@ -155,7 +155,7 @@ impl<'m> CostTables<'m> {
 
     /// t_x of edge `edge` for every config pair: row-major, `[src config][dst config]`.
     pub fn edge_table(&self, edge: usize) -> Vec<f64> {
-        self.edge_table_within(&self.edge_geometry(edge), edge, None)
+        self.edge_table_within(&self.edge_geometry(edge), edge, None, None)
     }
 
     /// What t_x of `edge` depends on, for [`CostTables::least_transfer_times`] and
@@ -192,12 +192,14 @@ impl<'m> CostTables<'m> {
     }
 
     /// [`CostTables::edge_table`] from the edge's geometry, with the entries of the layout pairs
-    /// outside `keep_pairs` left +∞ (see [`TransferTables::table`]).
+    /// outside `keep_pairs` left +∞, and with `only`, over those configs alone (see
+    /// [`TransferTables::table`]).
     pub(crate) fn edge_table_within(
         &self,
         geometry: &EdgeGeometry,
         edge: usize,
         keep_pairs: Option<&[bool]>,
+        only: Option<ConfigSubset>,
     ) -> Vec<f64> {
         let e = self.model.edges()[edge];
         self.transfers.table(
@@ -206,6 +208,7 @@ impl<'m> CostTables<'m> {
             &self.spaces[e.src.0],
             &self.spaces[e.dst.0],
             keep_pairs,
+            only,
         )
     }
 }

@@ -204,7 +204,10 @@ impl TransferTables {
     /// `[src][dst]`. `machine` is the one the tables were made for. With `keep_pairs` (row-major
     /// `[src layout][dst layout]`: the layout pairs a bounded search needs, see
     /// `search::relaxation`), the entries of the other pairs are +∞ and never computed (only where
-    /// [`TransferTables::least_times`] is `Some`).
+    /// [`TransferTables::least_times`] is `Some`). With `only`, the table has the rows and columns
+    /// of those configs alone (ascending indices into the spaces), `[row][column]`: a bounded
+    /// search keeps a few percent of them, and at a thousand devices the table over whole spaces
+    /// is hundreds of megabytes of which it reads almost nothing.
     pub(crate) fn table(
         &self,
         machine: &MachineModel,
@@ -212,11 +215,13 @@ impl TransferTables {
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
         keep_pairs: Option<&[bool]>,
+        only: Option<ConfigSubset>,
     ) -> Vec<f64> {
         if let Some((regular, axes)) = self.factorized(geometry) {
-            return regular.edge_table(geometry, axes, src_space, dst_space, keep_pairs);
+            return regular.edge_table(geometry, axes, src_space, dst_space, keep_pairs, only);
         }
-        self.per_message
+        let whole = self
+            .per_message
             .get_or_init(|| DevicePairs::new(machine))
             .edge_table(
                 &geometry.producer,
@@ -224,7 +229,36 @@ impl TransferTables {
                 src_space,
                 dst_space,
                 geometry.gradient,
-            )
+            );
+        match only {
+            None => whole,
+            Some(subset) => subset.extract(&whole, dst_space.len()),
+        }
+    }
+}
+
+/// Rows and columns of an edge table: configs of the producer and of the consumer, as ascending
+/// indices into their spaces.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConfigSubset<'a> {
+    pub(crate) rows: &'a [usize],
+    pub(crate) columns: &'a [usize],
+}
+
+impl ConfigSubset<'_> {
+    /// The subset's entries of a row-major table with `width` columns.
+    pub(crate) fn extract(&self, table: &[f64], width: usize) -> Vec<f64> {
+        let mut out = Vec::with_capacity(self.rows.len() * self.columns.len());
+        for &r in self.rows {
+            let row = &table[r * width..(r + 1) * width];
+            out.extend(self.columns.iter().map(|&c| row[c]));
+        }
+        out
+    }
+
+    /// The positions in `indices` (ascending) of the configs in `range`.
+    fn positions(indices: &[usize], range: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        indices.partition_point(|&i| i < range.start)..indices.partition_point(|&i| i < range.end)
     }
 }
 
@@ -679,23 +713,45 @@ impl Regular {
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
         keep_pairs: Option<&[bool]>,
+        only: Option<ConfigSubset>,
     ) -> Vec<f64> {
         let gradient = geometry.gradient;
         // built when a layout pair needs them: with `keep_pairs` most are never needed
         let mut pairs: Vec<Option<AxisPair>> = Vec::new();
         pairs.resize_with(MAX_DIMS * self.levels * self.levels, || None);
-        let columns = dst_space.len();
+        let all_rows: Vec<usize>;
+        let all_columns: Vec<usize>;
+        let only = match only {
+            Some(subset) => subset,
+            None => {
+                all_rows = (0..src_space.len()).collect();
+                all_columns = (0..dst_space.len()).collect();
+                ConfigSubset {
+                    rows: &all_rows,
+                    columns: &all_columns,
+                }
+            }
+        };
+        let columns = only.columns.len();
         // every entry a layout pair computes is written below; the rest stay left out
-        let mut table = vec![f64::INFINITY; src_space.len() * columns];
+        let mut table = vec![f64::INFINITY; only.rows.len() * columns];
         let mut scratch = Scratch::default();
         let (src_layouts, dst_layouts) = (src_space.layouts(), dst_space.layouts());
         let mut src_sides: Vec<Option<Side>> = src_layouts.iter().map(|_| None).collect();
         let mut dst_sides: Vec<Option<Side>> = dst_layouts.iter().map(|_| None).collect();
         for gi in 0..src_layouts.len() {
+            let src_configs = src_space.layout_configs(gi);
+            let rows = ConfigSubset::positions(only.rows, src_configs.clone());
+            if rows.is_empty() {
+                continue;
+            }
             for hi in 0..dst_layouts.len() {
-                let src_configs = src_space.layout_configs(gi);
                 let dst_configs = dst_space.layout_configs(hi);
                 if keep_pairs.is_some_and(|keep| !keep[gi * dst_layouts.len() + hi]) {
+                    continue;
+                }
+                let cols = ConfigSubset::positions(only.columns, dst_configs.clone());
+                if cols.is_empty() {
                     continue;
                 }
                 let src = &*src_sides[gi].get_or_insert_with(|| {
@@ -721,11 +777,13 @@ impl Regular {
                 let relations = &self.relations[src_total.trailing_zeros() as usize * self.levels
                     + dst_total.trailing_zeros() as usize];
                 let dst_blocks = self.devices / dst_total;
-                for (src_block, row) in src_configs.enumerate() {
-                    let out = &mut table[row * columns + dst_configs.start..][..dst_configs.len()];
-                    let ids = &relations[src_block * dst_blocks..][..dst_configs.len()];
-                    for (o, &id) in out.iter_mut().zip(ids) {
-                        *o = scratch.values[id as usize];
+                let live_columns = &only.columns[cols.clone()];
+                for row in rows.clone() {
+                    let src_block = only.rows[row] - src_configs.start;
+                    let out = &mut table[row * columns + cols.start..][..cols.len()];
+                    let ids = &relations[src_block * dst_blocks..][..dst_blocks];
+                    for (o, &c) in out.iter_mut().zip(live_columns) {
+                        *o = scratch.values[ids[c - dst_configs.start] as usize];
                     }
                 }
             }
@@ -1383,7 +1441,7 @@ mod tests {
                     needs: needs.clone(),
                     axes: None,
                 };
-                let fast = regular.edge_table(&geometry, &axes, src_space, dst_space, None);
+                let fast = regular.edge_table(&geometry, &axes, src_space, dst_space, None, None);
                 let slow =
                     per_message.edge_table(&producer, &needs, src_space, dst_space, gradient);
                 let what = format!("{} → {} on {}", g.layer(e.src).name, consumer.name, machine);

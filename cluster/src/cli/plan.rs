@@ -11,7 +11,7 @@ use legion_planner::machine_file::resolve_machine;
 use legion_planner::memory;
 use legion_planner::plan::{self, Evaluated};
 use legion_planner::report::{self, PlanJson, SearchJson};
-use legion_planner::search::DEFAULT_BUDGET;
+use legion_planner::search::{DEFAULT_BUDGET, SIDE_BY_SIDE_BUDGET, SearchError};
 use legion_planner::trace::chrome_trace;
 use legion_planner::{
     CostModel, CostProvider, MachineModel, ParallelConfig, ProfileDb, ProfiledCost, RooflineCost,
@@ -72,9 +72,10 @@ pub struct PlanArgs {
     /// model prices what is missing. Its measured links, if any, replace every link of the machine.
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// Most partial strategies the exhaustive search may try.
-    #[arg(long, default_value_t = DEFAULT_BUDGET)]
-    budget: u64,
+    /// Most partial strategies the exhaustive search may try [default: 50000000, or 100000 with
+    /// --search all, where the exhaustive search then stops early and says so].
+    #[arg(long)]
+    budget: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -88,6 +89,15 @@ enum SearchChoice {
 }
 
 impl SearchChoice {
+    /// The exhaustive search's budget when none is given: with every search side by side, a small
+    /// one, so that the table comes back in seconds.
+    fn default_budget(self) -> u64 {
+        match self {
+            SearchChoice::All => SIDE_BY_SIDE_BUDGET,
+            _ => DEFAULT_BUDGET,
+        }
+    }
+
     fn kinds(self) -> Vec<SearchKind> {
         match self {
             SearchChoice::Optcnn => vec![SearchKind::OptCnn],
@@ -152,32 +162,46 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         }
         evaluated
     } else {
-        let run = plan::plan(&model, &args.search.kinds(), args.budget);
+        let budget = args.budget.unwrap_or(args.search.default_budget());
+        let run = plan::plan(&model, &args.search.kinds(), budget);
         if args.search != SearchChoice::All
             && let Some(Err(e)) = run.searches.first().map(|s| &s.result)
         {
             bail!("{} search: {e}", run.searches[0].kind);
         }
-        let best = run.best().context("no search succeeded")?;
-        let evaluated = best.result.as_ref().expect("best is a success").clone();
+        let best_at = run.best_index().context("no search succeeded")?;
+        let best = &run.searches[best_at];
+        let evaluated = best.result.as_ref().expect("best is a success");
         if args.json {
             println!("{}", PlanJson::of(&graph, &run).to_json());
         } else {
             println!("{} on {machine}, batch {batch}", graph.name);
             if args.search == SearchChoice::All {
                 print!("{}", report::comparison_table(&run));
+                if args.budget.is_none() && stopped_at_budget(&run) {
+                    println!(
+                        "exhaustive stopped at {budget} partial strategies, its budget beside the \
+                         other searches; --budget N lets it try more (--search exhaustive: \
+                         {DEFAULT_BUDGET})"
+                    );
+                }
                 println!();
             }
             println!(
                 "{}",
-                report::summary(best.kind.name(), &evaluated, Some(best.seconds))
+                report::summary(best.kind.name(), evaluated, Some(best.seconds))
             );
             print!(
                 "{}",
                 report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
             );
         }
-        evaluated
+        // moved out rather than cloned: its simulation holds every task of the iteration
+        let mut run = run;
+        run.searches
+            .swap_remove(best_at)
+            .result
+            .expect("best is a success")
     };
 
     warn_about_memory(&graph, &machine, &chosen.configs);
@@ -254,6 +278,14 @@ fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelC
             largest(worst)
         );
     }
+}
+
+/// Whether the exhaustive search of `run` stopped at its budget.
+fn stopped_at_budget(run: &plan::PlanRun) -> bool {
+    run.searches.iter().any(|s| {
+        s.kind == SearchKind::Exhaustive
+            && matches!(s.result, Err(SearchError::BudgetExceeded { .. }))
+    })
 }
 
 fn write_trace(path: &Path, evaluated: &Evaluated, machine: &MachineModel) -> anyhow::Result<()> {

@@ -25,6 +25,10 @@ pub(crate) type InEdge = (usize, Rc<Vec<f64>>);
 /// Default cap on the partial strategies the exhaustive search tries.
 pub const DEFAULT_BUDGET: u64 = 50_000_000;
 
+/// Default cap when the exhaustive search runs beside the others (`plan --search all`): a side by
+/// side table must come back in seconds, and [`DEFAULT_BUDGET`] takes minutes on Inception-v3.
+pub const SIDE_BY_SIDE_BUDGET: u64 = 100_000;
+
 /// Searches every strategy of the tables' model; fails when more than `budget` partial strategies
 /// would be tried.
 pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, SearchError> {

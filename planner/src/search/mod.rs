@@ -10,7 +10,7 @@ mod owt;
 mod relaxation;
 
 pub use data::data_parallel;
-pub use exhaustive::{DEFAULT_BUDGET, ExhaustiveResult, exhaustive};
+pub use exhaustive::{DEFAULT_BUDGET, ExhaustiveResult, SIDE_BY_SIDE_BUDGET, exhaustive};
 pub use model::model_parallel;
 pub use optcnn::{OptCnnResult, RESIDUAL_BUDGET, optcnn};
 pub use owt::one_weird_trick;
@@ -63,7 +63,7 @@ impl fmt::Display for SearchKind {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SearchError {
     #[error(
-        "the search exceeded its budget of {budget} partial strategies (the graph has too many strategies to enumerate)"
+        "the search stopped: it exceeded its budget of {budget} partial strategies (the graph has too many strategies to enumerate)"
     )]
     BudgetExceeded { budget: u64 },
 }

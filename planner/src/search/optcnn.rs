@@ -35,7 +35,7 @@ use super::owt::one_weird_trick;
 use super::relaxation::{LayoutGraph, tree_marginals};
 use crate::config::ParallelConfig;
 use crate::tables::CostTables;
-use crate::transfer_table::EdgeGeometry;
+use crate::transfer_table::{ConfigSubset, EdgeGeometry};
 use legion_ops::LayerId;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -174,6 +174,15 @@ enum Table {
     Ready(Rc<Vec<f64>>),
 }
 
+/// The t_x table of a class of identical model edges over the configs live at their ends.
+struct ClassTable {
+    /// Producer and consumer configs (ascending indices into the spaces).
+    rows: Vec<usize>,
+    columns: Vec<usize>,
+    /// `[row][column]`.
+    table: Vec<f64>,
+}
+
 /// A node elimination, to undo: `node`'s config is `argmin[c_src][c_dst]` (indices among the
 /// layers' live configs).
 struct Eliminated {
@@ -281,10 +290,10 @@ struct Reduction<'t, 'm> {
     outs: Vec<Vec<usize>>,
     undo: Vec<Eliminated>,
     edge_eliminations: usize,
-    /// Model edges still waiting for their table, per table class, and the tables (over whole
-    /// spaces) computed so far.
+    /// Model edges still waiting for their table, per table class, and the tables (over the
+    /// configs live at the class's edges' ends) computed so far.
     waiting: HashMap<usize, usize>,
-    computed: HashMap<usize, Rc<Vec<f64>>>,
+    computed: HashMap<usize, Rc<ClassTable>>,
     /// The cheapest live config's cost of each layer.
     node_min: Vec<f64>,
     /// The cost of a known strategy, which no entry of an optimal strategy exceeds (infinite: no
@@ -356,22 +365,32 @@ impl<'t, 'm> Reduction<'t, 'm> {
         Some(r)
     }
 
-    /// The table of an edge over its layers' live configs, computing a model edge's table (over
-    /// the whole spaces, shared between identical edges) when first needed.
+    /// The table of an edge over its layers' live configs, computing a model edge's table (shared
+    /// between identical edges, over the configs live at either end of any of them) when first
+    /// needed.
     fn take_table(&mut self, table: Table) -> Rc<Vec<f64>> {
         let edge = match table {
-            Table::Ready(t) => return t,
             Table::Pending(edge) => edge,
+            Table::Ready(t) => return t,
         };
         let class = self.tables.edge_class(edge);
-        let full = match self.computed.get(&class) {
+        let shared = match self.computed.get(&class) {
             Some(t) => t.clone(),
             None => {
                 let (geometry, keep) = self.prepared.remove(&class).expect("one per class");
-                Rc::new(
+                let (rows, columns) = self.class_configs(class);
+                let only = ConfigSubset {
+                    rows: &rows,
+                    columns: &columns,
+                };
+                let table =
                     self.tables
-                        .edge_table_within(&geometry, edge, keep.as_deref()),
-                )
+                        .edge_table_within(&geometry, edge, keep.as_deref(), Some(only));
+                Rc::new(ClassTable {
+                    rows,
+                    columns,
+                    table,
+                })
             }
         };
         let left = self
@@ -382,20 +401,46 @@ impl<'t, 'm> Reduction<'t, 'm> {
         if *left == 0 {
             self.computed.remove(&class);
         } else {
-            self.computed.insert(class, full.clone());
+            self.computed.insert(class, shared.clone());
         }
         let e = self.tables.edges()[edge];
         let (rows, columns) = (&self.live[e.src.0], &self.live[e.dst.0]);
-        if rows.len() * columns.len() == full.len() {
-            return full;
+        if *rows == shared.rows && *columns == shared.columns {
+            return Rc::new(match Rc::try_unwrap(shared) {
+                Ok(owned) => owned.table,
+                Err(shared) => shared.table.clone(),
+            });
         }
-        let whole = self.tables.space(e.dst).len();
-        let mut live = Vec::with_capacity(rows.len() * columns.len());
-        for &r in rows {
-            let row = &full[r * whole..(r + 1) * whole];
-            live.extend(columns.iter().map(|&c| row[c]));
+        // positions of this edge's live configs among the class's
+        let position = |among: &[usize], c: usize| among.binary_search(&c).expect("in the union");
+        let row_at: Vec<usize> = rows.iter().map(|&r| position(&shared.rows, r)).collect();
+        let column_at: Vec<usize> = columns
+            .iter()
+            .map(|&c| position(&shared.columns, c))
+            .collect();
+        let width = shared.columns.len();
+        let subset = ConfigSubset {
+            rows: &row_at,
+            columns: &column_at,
+        };
+        Rc::new(subset.extract(&shared.table, width))
+    }
+
+    /// The configs live at the producer and at the consumer of any edge of `class`, ascending.
+    fn class_configs(&self, class: usize) -> (Vec<usize>, Vec<usize>) {
+        let mut rows: Vec<usize> = Vec::new();
+        let mut columns: Vec<usize> = Vec::new();
+        for (i, e) in self.tables.edges().iter().enumerate() {
+            if self.tables.edge_class(i) == class {
+                rows.extend(&self.live[e.src.0]);
+                columns.extend(&self.live[e.dst.0]);
+            }
         }
-        Rc::new(live)
+        for v in [&mut rows, &mut columns] {
+            v.sort_unstable();
+            v.dedup();
+        }
+        (rows, columns)
     }
 
     /// Adds an edge whose entries are at least `min`, merging it with an existing edge between the
