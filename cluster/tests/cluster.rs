@@ -289,3 +289,35 @@ fn up_names_a_worker_that_does_not_register() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_worker_refuses_a_job_its_devices_cannot_hold_before_allocating() {
+    let cluster = Cluster::new(&[1, 1]);
+    cluster.up();
+    // Activations of ~0.5 TiB per layer and almost no weights: the driver holds little, each
+    // worker's share is far past any host's memory.
+    let model = cluster.path("wide.json");
+    std::fs::write(
+        &model,
+        r#"{"name": "wide", "layers": [
+            {"name": "data", "op": "input", "shape": [64, 64, 4096, 4096]},
+            {"name": "act", "op": "relu", "inputs": ["data"]},
+            {"name": "pool", "op": "pool2d", "inputs": ["act"], "kind": "avg",
+             "kernel": [4096, 4096], "stride": [4096, 4096]},
+            {"name": "flat", "op": "flatten", "inputs": ["pool"]},
+            {"name": "fc", "op": "dense", "inputs": ["flat"], "out_features": 10},
+            {"name": "loss", "op": "softmax_cross_entropy", "inputs": ["fc"]}]}"#,
+    )
+    .unwrap();
+    let mut args = cluster.train_args(&["--model", model.to_str().unwrap()]);
+    args.extend(["--batch", "64", "--strategy", "data", "--steps", "1"]);
+    let out = legion(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("model 'wide' does not fit in memory")
+            && stderr.contains("worker w")
+            && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}
