@@ -22,6 +22,7 @@ use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRu
 use serde_json::{Value, json};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Write;
+use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -597,26 +598,28 @@ gbit_per_s = 25
 "#,
 ];
 
-#[test]
-fn mutated_machine_files_are_parsed_or_refused_without_panicking() {
+/// Runs `cases` edits of the `(text, file name)` seeds through `read`, which must not panic; returns
+/// how many cases ran.
+fn fuzz_text_file(
+    cases: u32,
+    seeds: Vec<(String, &'static str)>,
+    read: impl Fn(&str, &str),
+) -> usize {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     install_panic_hook();
-    let cases = (
-        prop::sample::select(MACHINE_FILES.to_vec()),
+    let cases_of = (
+        prop::sample::select(seeds),
         prop::collection::vec(text_edit(), 1..=3),
     );
     let ran = AtomicUsize::new(0);
-    runner(300)
-        .run(&cases, |(seed, edits)| {
+    runner(cases)
+        .run(&cases_of, |((seed, name), edits)| {
             ran.fetch_add(1, Ordering::Relaxed);
-            let mut text = seed.to_string();
-            for (index, with) in &edits {
-                text = replace_number(&text, *index, with);
-            }
-            PANICKED.store(false, Ordering::SeqCst);
-            let outcome = std::panic::catch_unwind(|| {
-                let _ = legion_planner::machine_file::parse_machine(&text, "m.toml", "m");
+            let text = edits.iter().fold(seed, |text, (index, with)| {
+                replace_number(&text, *index, with)
             });
+            PANICKED.store(false, Ordering::SeqCst);
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| read(&text, name)));
             prop_assert!(
                 outcome.is_ok() && !PANICKED.load(Ordering::SeqCst),
                 "{}, on:\n{text}",
@@ -625,54 +628,44 @@ fn mutated_machine_files_are_parsed_or_refused_without_panicking() {
             Ok(())
         })
         .unwrap();
+    ran.into_inner()
+}
+
+#[test]
+fn mutated_machine_files_are_parsed_or_refused_without_panicking() {
+    let seeds = MACHINE_FILES
+        .iter()
+        .map(|t| (t.to_string(), "m.toml"))
+        .collect();
+    let ran = fuzz_text_file(300, seeds, |text, name| {
+        let _ = legion_planner::machine_file::parse_machine(text, name, "m");
+    });
     report(&format!(
-        "fuzz_inputs: {} mutated machine files through the parser",
-        ran.load(Ordering::Relaxed)
+        "fuzz_inputs: {ran} mutated machine files through the parser"
     ));
 }
 
 #[test]
 fn mutated_hosts_files_are_parsed_or_refused_without_panicking() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    install_panic_hook();
     let toml = include_str!("../../examples/hosts.toml");
     let hostfile = include_str!("../../examples/hostfile");
     let extra =
         "\n[[link]]\nfrom = \"worker0\"\nto = \"worker1\"\ngbps = 10.0\nlatency_us = 20.0\n";
     let toml_with_link = format!("{toml}{extra}");
-    let seeds = prop::sample::select(vec![
+    let seeds = vec![
         (toml.to_string(), "hosts.toml"),
         (toml_with_link, "hosts.toml"),
         (hostfile.to_string(), "hostfile"),
-    ]);
-    let cases = (seeds, prop::collection::vec(text_edit(), 1..=3));
-    let ran = AtomicUsize::new(0);
-    runner(400)
-        .run(&cases, |((seed, name), edits)| {
-            ran.fetch_add(1, Ordering::Relaxed);
-            let mut text = seed;
-            for (index, with) in &edits {
-                text = replace_number(&text, *index, with);
-            }
-            PANICKED.store(false, Ordering::SeqCst);
-            let outcome = std::panic::catch_unwind(|| {
-                if let Ok(hosts) = Hosts::parse(&text, name) {
-                    let _ = hosts.num_devices();
-                    let _ = hosts.device_ranges();
-                    let _ = hosts.machine_model();
-                }
-            });
-            prop_assert!(
-                outcome.is_ok() && !PANICKED.load(Ordering::SeqCst),
-                "{}, on:\n{text}",
-                last_panic()
-            );
-            Ok(())
-        })
-        .unwrap();
+    ];
+    let ran = fuzz_text_file(400, seeds, |text, name| {
+        if let Ok(hosts) = Hosts::parse(text, name) {
+            let _ = hosts.num_devices();
+            let _ = hosts.device_ranges();
+            let _ = hosts.machine_model();
+        }
+    });
     report(&format!(
-        "fuzz_inputs: {} mutated hosts files through the parser and the planner's machine",
-        ran.load(Ordering::Relaxed)
+        "fuzz_inputs: {ran} mutated hosts files through the parser and the planner's machine"
     ));
 }
 
