@@ -78,6 +78,11 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         .iter()
         .map(|s| Ok((s.to_string(), choose_strategy(graph, &machine, s)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    if settings.cluster.is_none() {
+        for (_, configs) in &strategies {
+            crate::memory::check_this_host(graph, Some((configs, devices)))?;
+        }
+    }
     let profile_settings = ProfileSettings {
         device_kind: machine.device(0).kind.clone(),
         seed: settings.seed,

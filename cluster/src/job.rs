@@ -3,7 +3,6 @@
 
 use crate::hosts::Hosts;
 use crate::launch;
-use crate::memory::HostNeed;
 use crate::remote::RemoteCluster;
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -11,7 +10,6 @@ use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer, TrainingState};
-use legion_planner::memory;
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
 use legion_runtime::device::StepReport;
@@ -238,23 +236,8 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     };
     // Before any weight is allocated: a model too large must get an error, not an abort. The
     // workers of a cluster check their own devices when the job reaches them.
-    let device_memory = memory::per_device(&graph, &configs, devices);
-    let need = HostNeed {
-        devices: if cluster.is_some() {
-            &[]
-        } else {
-            &device_memory
-        },
-        job_state: memory::job_state_bytes(&graph),
-        place: if cluster.is_some() {
-            "no devices (they run on the workers)".to_string()
-        } else {
-            format!("{devices} device(s) in this process")
-        },
-    };
-    if let Some(available) = crate::memory::available() {
-        crate::memory::check_fits(&graph, &need, available)?;
-    }
+    let embedded = cluster.is_none().then_some((&configs[..], devices));
+    crate::memory::check_this_host(&graph, embedded)?;
 
     let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
         let ckpt = checkpoint::load(path)?;

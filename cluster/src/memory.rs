@@ -3,7 +3,8 @@
 
 use crate::job::human_bytes;
 use legion_ops::Graph;
-use legion_planner::memory::DeviceMemory;
+use legion_planner::ParallelConfig;
+use legion_planner::memory::{self, DeviceMemory};
 
 /// Bytes this process can still allocate: the kernel's estimate of available memory
 /// (`MemAvailable`), lowered to what the cgroup's limit leaves. `None` where neither can be read.
@@ -31,6 +32,34 @@ fn mem_available(meminfo: &str) -> Option<u64> {
         .find_map(|l| l.strip_prefix("MemAvailable:"))?;
     let kib: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
     kib.checked_mul(1024)
+}
+
+/// Refuses a run on this host before anything is allocated: `embedded` devices of this process
+/// under their configs (none where the devices are a cluster's workers, which check their own
+/// share), beside the job's own weights and momentum. Passes where the host's memory cannot be read.
+pub fn check_this_host(
+    graph: &Graph,
+    embedded: Option<(&[ParallelConfig], usize)>,
+) -> anyhow::Result<()> {
+    let Some(available) = available() else {
+        return Ok(());
+    };
+    let (devices, place) = match embedded {
+        Some((configs, devices)) => (
+            memory::per_device(graph, configs, devices),
+            format!("{devices} device(s) in this process"),
+        ),
+        None => (
+            Vec::new(),
+            "no devices (they run on the workers)".to_string(),
+        ),
+    };
+    let need = HostNeed {
+        devices: &devices,
+        job_state: memory::job_state_bytes(graph),
+        place,
+    };
+    check_fits(graph, &need, available)
 }
 
 /// What a run keeps on this host: the devices placed here and the job's own copy of the state.

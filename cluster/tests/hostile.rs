@@ -94,6 +94,17 @@ fn a_model_too_large_for_memory_is_refused_before_it_is_allocated() {
             ],
         );
     }
+    let db = dir.path().join("p.json");
+    let profile = legion(&[
+        "profile",
+        "--model",
+        s(&model),
+        "--devices",
+        "2",
+        "--out",
+        s(&db),
+    ]);
+    assert_clean_failure(&profile, &["model 'hostile' does not fit in memory"]);
     // The planner warns instead: the plan is still a plan, but no P100 holds it.
     let plan = legion(&["plan", "--model", s(&model), "--machine", "paper:2"]);
     let err = String::from_utf8_lossy(&plan.stderr);

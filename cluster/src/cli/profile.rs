@@ -69,6 +69,10 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             ))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    // each strategy's cluster, one at a time, before any of them allocates
+    for (_, configs) in &strategies {
+        crate::memory::check_this_host(&graph, Some((configs, a.devices)))?;
+    }
     let settings = ProfileSettings {
         warmup: a.warmup,
         repeats: a.repeats,
