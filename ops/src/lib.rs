@@ -13,6 +13,7 @@ pub mod data;
 pub mod graph;
 pub mod kernels;
 pub mod op;
+pub mod partition;
 pub mod rng;
 pub mod shape;
 pub mod train;

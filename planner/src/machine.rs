@@ -9,8 +9,7 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// Index of a device, `0..machine.num_devices()`, numbered node by node.
-pub type DeviceId = usize;
+pub use legion_ops::partition::DeviceId;
 
 /// Speed of one device, for the roofline cost model and the profile lookup.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -30,6 +30,8 @@
 //!
 //! [`OpSpec::param_rect`]: legion_ops::op::OpSpec::param_rect
 
+pub use legion_ops::partition::owned_blocks;
+
 use crate::config::{ParallelConfig, block_range, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
 use legion_ops::op::{OpSpec, ParamSpec};
@@ -290,20 +292,6 @@ impl LinkLoadBuffers {
         }
         loads
     }
-}
-
-/// The blocks of a replicated slice and their owners: block j of the slice's rows (first axis) is
-/// owned by the j-th of its `devices` (ascending). One block per device, or per row when the slice
-/// has fewer rows than devices.
-pub fn owned_blocks(slice: &Rect, devices: &[DeviceId]) -> Vec<(Rect, DeviceId)> {
-    let (lo, rows) = (slice.lo[0], slice.extent(0));
-    let blocks = devices.len().min(rows).max(1);
-    (0..blocks)
-        .map(|j| {
-            let (a, b) = block_range(rows, blocks, j);
-            (slice.with_axis(0, lo + a, lo + b), devices[j])
-        })
-        .collect()
 }
 
 /// The messages between an owner and one replica, in each direction.

@@ -36,7 +36,7 @@
 use crate::region::{RegionId, Regions};
 use crate::task::{Privilege, TaskSpec};
 use legion_ops::Rect;
-use legion_planner::DeviceId;
+use legion_ops::partition::DeviceId;
 use std::collections::HashMap;
 use thiserror::Error;
 

@@ -11,8 +11,8 @@ use crate::mapper::{Mapper, Point};
 use crate::region::Regions;
 use crate::task::{Privilege, Role, TaskKind, TaskSpec};
 use legion_ops::op::Op;
+use legion_ops::partition::DeviceId;
 use legion_ops::{Graph, LayerId, Rect};
-use legion_planner::DeviceId;
 
 use Privilege::{ReadOnly, ReadWrite, Reduce, WriteDiscard};
 

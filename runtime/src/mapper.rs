@@ -3,16 +3,16 @@
 //!
 //! Tile `t` of a layer runs on its config's device `first + t` (the planner's placement). A slice of
 //! a trainable parameter used by several tiles (replicas) is cut into blocks of rows, one per
-//! replica (`legion_planner::sync::owned_blocks`): each block's owner keeps its master copy and
+//! replica (`legion_ops::partition::owned_blocks`): each block's owner keeps its master copy and
 //! momentum, sums the replicas' gradients of it and applies the update, then sends the new values
 //! back — the scheme the planner's t_s costs; `tests::owners_match_planner_sync` keeps the two in
 //! step. Buffers (batch-norm running statistics) are not synchronised: each slice is kept by the
 //! first device using it.
 
 use crate::region::Partition;
+use legion_ops::partition::owned_blocks;
+use legion_ops::partition::{DeviceId, ParallelConfig};
 use legion_ops::{Graph, LayerId, Rect};
-use legion_planner::sync::owned_blocks;
-use legion_planner::{DeviceId, ParallelConfig};
 
 /// One point of a layer's launch domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

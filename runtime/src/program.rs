@@ -8,7 +8,7 @@ use crate::analysis::{InstanceId, OpId, OpKind, StepGraph};
 use crate::region::{DType, Regions};
 use crate::task::TaskSpec;
 use legion_ops::Rect;
-use legion_planner::DeviceId;
+use legion_ops::partition::DeviceId;
 
 /// A physical instance as a device stores it.
 #[derive(Clone, Debug, PartialEq)]

@@ -6,9 +6,9 @@
 //! strategy) and are the same on every device.
 
 use legion_ops::op::{Op, OpSpec};
+use legion_ops::partition::ParallelConfig;
+use legion_ops::partition::tile_rect;
 use legion_ops::{Graph, LayerId, Rect, Shape};
-use legion_planner::ParallelConfig;
-use legion_planner::config::tile_rect;
 use std::fmt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -148,10 +148,10 @@ mod tests {
     use super::*;
     use crate::exec::StepInput;
     use crate::plan::StepPlan;
+    use legion_ops::partition::ParallelConfig;
     use legion_ops::train::{ParamStore, Sgd, Trainer};
     use legion_ops::zoo;
     use legion_ops::{Dim, Graph};
-    use legion_planner::ParallelConfig;
 
     fn model(name: &str, image: usize) -> Graph {
         let z = zoo::find(name).unwrap();

@@ -5,8 +5,8 @@
 //! and privileges; only the executor looks at kinds and roles.
 
 use crate::region::RegionId;
+use legion_ops::partition::DeviceId;
 use legion_ops::{Graph, LayerId, Rect};
-use legion_planner::DeviceId;
 use std::fmt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -8,7 +8,7 @@ use crate::buffer::Buffer;
 use crate::device::{Deliver, DeviceActor};
 use crate::recycle::BufferPool;
 use kameo::actor::ActorRef;
-use legion_planner::DeviceId;
+use legion_ops::partition::DeviceId;
 use std::sync::{Arc, OnceLock};
 
 /// The data of one copy between devices, for one step.

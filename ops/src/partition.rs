@@ -1,0 +1,391 @@
+//! The partition vocabulary shared by the planner and the runtime: a layer's parallel
+//! configuration (a degree per parallelizable dim of its output and the block of devices holding
+//! the tiles) and the split of a tensor into tiles.
+//!
+//! The search space is the paper's (OptCNN §4): every degree a power of two no larger than its
+//! dim's extent, the total degree (the number of tiles) at most the number of devices, and the
+//! tiles on an aligned contiguous block of devices — tile `t` on device `first_device + t` with
+//! `first_device` a multiple of the total degree. Tiles are numbered row-major over the dims n, c,
+//! h, w (w fastest).
+//!
+//! Extents need not be divisible by their degree: block `i` of `d` over an extent `e` is
+//! `[e·i/d, e·(i+1)/d)` (integer division), so blocks differ in size by at most one and none is empty
+//! (a degree never exceeds its extent). [`block_range`] and [`tile_rect`] define this split; the
+//! planner prices it and the runtime partitions tensors with the same functions.
+
+use crate::shape::MAX_DIMS;
+use crate::{Dim, Rect, Shape};
+use std::fmt;
+use std::ops::Range;
+
+/// Index of a device, `0..num_devices`, numbered node by node.
+pub type DeviceId = usize;
+
+/// Degrees per dim (indexed by [`Dim::axis`]: n, c, h, w) and the first device of the tile block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParallelConfig {
+    degrees: [u32; MAX_DIMS],
+    first_device: u32,
+}
+
+impl ParallelConfig {
+    /// A config from its degrees (n, c, h, w) and first device; see [`ParallelConfig::validate`].
+    ///
+    /// # Panics
+    /// If a degree or the first device does not fit a `u32`: callers pass degrees and devices of a
+    /// machine, which the planner bounds far below that (strategy files are checked against it
+    /// first).
+    pub fn new(degrees: [usize; MAX_DIMS], first_device: DeviceId) -> ParallelConfig {
+        let narrow = |v: usize| u32::try_from(v).expect("degrees and devices fit a u32");
+        ParallelConfig {
+            degrees: degrees.map(narrow),
+            first_device: narrow(first_device),
+        }
+    }
+
+    /// The whole layer on one device.
+    pub fn serial(device: DeviceId) -> ParallelConfig {
+        ParallelConfig::new([1; MAX_DIMS], device)
+    }
+
+    /// `degree` tiles along `dim` on devices `first_device..first_device + degree`.
+    pub fn split(dim: Dim, degree: usize, first_device: DeviceId) -> ParallelConfig {
+        let mut degrees = [1; MAX_DIMS];
+        degrees[dim.axis()] = degree;
+        ParallelConfig::new(degrees, first_device)
+    }
+
+    pub fn degree(&self, dim: Dim) -> usize {
+        self.degrees[dim.axis()] as usize
+    }
+
+    /// Degrees of n, c, h, w.
+    pub fn degrees(&self) -> [usize; MAX_DIMS] {
+        self.degrees.map(|d| d as usize)
+    }
+
+    /// Number of tiles (the product of the degrees).
+    pub fn total(&self) -> usize {
+        self.degrees.iter().map(|&d| d as usize).product()
+    }
+
+    pub fn first_device(&self) -> DeviceId {
+        self.first_device as usize
+    }
+
+    /// The devices holding the tiles, tile `t` on `devices().start + t`.
+    pub fn devices(&self) -> Range<DeviceId> {
+        self.first_device()..self.first_device() + self.total()
+    }
+
+    pub fn device_of_tile(&self, tile: usize) -> DeviceId {
+        self.first_device() + tile
+    }
+
+    /// Block index along each axis of tile `tile` (row-major over n, c, h, w).
+    pub fn tile_coords(&self, mut tile: usize) -> [usize; MAX_DIMS] {
+        let mut coords = [0; MAX_DIMS];
+        for axis in (0..MAX_DIMS).rev() {
+            let d = self.degrees[axis] as usize;
+            coords[axis] = tile % d;
+            tile /= d;
+        }
+        coords
+    }
+
+    /// The tile at block indices `coords`.
+    pub fn tile_index(&self, coords: [usize; MAX_DIMS]) -> usize {
+        (0..MAX_DIMS).fold(0, |t, axis| t * self.degrees[axis] as usize + coords[axis])
+    }
+
+    /// The same degrees on another device block.
+    pub fn with_first_device(&self, first_device: DeviceId) -> ParallelConfig {
+        ParallelConfig {
+            first_device: u32::try_from(first_device).expect("device ids fit a u32"),
+            ..*self
+        }
+    }
+
+    /// Checks the config against a layer whose output has `shape` and may be split along `dims`.
+    pub fn validate(
+        &self,
+        shape: &Shape,
+        dims: &[Dim],
+        num_devices: usize,
+    ) -> Result<(), ConfigError> {
+        for dim in Dim::ALL {
+            let degree = self.degree(dim);
+            if degree == 0 || !degree.is_power_of_two() {
+                return Err(ConfigError::NotPowerOfTwo { dim, degree });
+            }
+            if degree == 1 {
+                continue;
+            }
+            if !dims.contains(&dim) || dim.axis() >= shape.ndim() {
+                return Err(ConfigError::NotParallelizable {
+                    dim,
+                    dims: dims.to_vec(),
+                });
+            }
+            let extent = shape.dim(dim.axis());
+            if degree > extent {
+                return Err(ConfigError::DegreeTooLarge {
+                    dim,
+                    degree,
+                    extent,
+                });
+            }
+        }
+        let total = self.total();
+        if total > num_devices {
+            return Err(ConfigError::TooManyTiles { total, num_devices });
+        }
+        let first = self.first_device();
+        if !first.is_multiple_of(total) || first + total > num_devices {
+            return Err(ConfigError::BadDeviceBlock {
+                first,
+                total,
+                num_devices,
+            });
+        }
+        Ok(())
+    }
+
+    /// `n=2,c=2`-style text listing the degrees above 1, or `1` for a serial layer.
+    pub fn describe(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for ParallelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut any = false;
+        for dim in Dim::ALL {
+            let d = self.degree(dim);
+            if d > 1 {
+                if any {
+                    write!(f, ",")?;
+                }
+                write!(f, "{}={d}", dim.name())?;
+                any = true;
+            }
+        }
+        if !any {
+            write!(f, "1")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a config is not valid for a layer.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("degree {degree} of dim {} is not a power of two", dim.name())]
+    NotPowerOfTwo { dim: Dim, degree: usize },
+    #[error("dim {} is not parallelizable for this layer (it may split {})", dim.name(), dim_list(dims))]
+    NotParallelizable { dim: Dim, dims: Vec<Dim> },
+    #[error("degree {degree} of dim {} exceeds its extent {extent}", dim.name())]
+    DegreeTooLarge {
+        dim: Dim,
+        degree: usize,
+        extent: usize,
+    },
+    #[error("{total} tiles need more than the machine's {num_devices} devices")]
+    TooManyTiles { total: usize, num_devices: usize },
+    #[error(
+        "devices {first}..{} are not an aligned block of {total} (the first device must be a multiple of {total} and the block inside 0..{num_devices})",
+        first + total
+    )]
+    BadDeviceBlock {
+        first: usize,
+        total: usize,
+        num_devices: usize,
+    },
+}
+
+fn dim_list(dims: &[Dim]) -> String {
+    let names: Vec<&str> = dims.iter().map(|d| d.name()).collect();
+    format!("{{{}}}", names.join(", "))
+}
+
+/// Block `index` of `degree` equal-as-possible blocks of `0..extent`: `[e·i/d, e·(i+1)/d)`.
+pub fn block_range(extent: usize, degree: usize, index: usize) -> (usize, usize) {
+    (extent * index / degree, extent * (index + 1) / degree)
+}
+
+/// The block holding coordinate `x` of `0..extent` split in `degree` blocks (inverse of
+/// [`block_range`]): the largest `i` with `e·i/d <= x`.
+pub fn block_of(extent: usize, degree: usize, x: usize) -> usize {
+    ((x + 1) * degree).div_ceil(extent) - 1
+}
+
+/// The rect of tile `tile` of a tensor of `shape` under `config`.
+pub fn tile_rect(shape: &Shape, config: &ParallelConfig, tile: usize) -> Rect {
+    let coords = config.tile_coords(tile);
+    let degrees = config.degrees();
+    let nd = shape.ndim();
+    let mut lo = [0; MAX_DIMS];
+    let mut hi = [1; MAX_DIMS];
+    for axis in 0..nd {
+        (lo[axis], hi[axis]) = block_range(shape.dim(axis), degrees[axis], coords[axis]);
+    }
+    Rect::new(&lo[..nd], &hi[..nd])
+}
+
+/// The rects of all tiles of a tensor of `shape` under `config`, in tile order: [`tile_rect`] of
+/// each tile. Row-major order changes the last axis's block from one tile to the next and the others
+/// more rarely, so each rect is the previous one with the changed axes recomputed, not all of them.
+pub fn tile_rects(shape: &Shape, config: &ParallelConfig) -> TileRects {
+    let (degrees, nd) = (config.degrees(), shape.ndim());
+    // tile 0: block 0 on every axis (none when a degree is 0)
+    let first = (config.total() > 0).then(|| {
+        let hi: [usize; MAX_DIMS] =
+            std::array::from_fn(|axis| block_range(shape.dim(axis), degrees[axis], 0).1);
+        Rect::new(&[0; MAX_DIMS][..nd], &hi[..nd])
+    });
+    TileRects {
+        extents: std::array::from_fn(|axis| shape.dim(axis)),
+        ndim: nd,
+        degrees,
+        coords: [0; MAX_DIMS],
+        next: first,
+    }
+}
+
+/// Iterator of [`tile_rects`].
+#[derive(Clone, Debug)]
+pub struct TileRects {
+    extents: [usize; MAX_DIMS],
+    ndim: usize,
+    degrees: [usize; MAX_DIMS],
+    /// Block index along each axis of `next`.
+    coords: [usize; MAX_DIMS],
+    next: Option<Rect>,
+}
+
+impl Iterator for TileRects {
+    type Item = Rect;
+
+    fn next(&mut self) -> Option<Rect> {
+        let current = self.next?;
+        let mut rect = current;
+        // the odometer of `ParallelConfig::tile_coords`: the last axis fastest
+        let mut axis = MAX_DIMS;
+        loop {
+            if axis == 0 {
+                self.next = None;
+                break;
+            }
+            axis -= 1;
+            self.coords[axis] += 1;
+            let wrapped = self.coords[axis] == self.degrees[axis];
+            if wrapped {
+                self.coords[axis] = 0;
+            }
+            // axes past the shape's rank stay [0, 1), as in `tile_rect`
+            if axis < self.ndim {
+                // block i + 1 starts where block i ends, and block 0 at 0: one division, not two
+                let (extent, degree) = (self.extents[axis], self.degrees[axis]);
+                rect.lo[axis] = if wrapped { 0 } else { rect.hi[axis] };
+                rect.hi[axis] = block_range(extent, degree, self.coords[axis]).1;
+            }
+            if !wrapped {
+                self.next = Some(rect);
+                break;
+            }
+        }
+        Some(current)
+    }
+}
+
+/// The blocks of a replicated slice and their owners: block j of the slice's rows (first axis) is
+/// owned by the j-th of its `devices` (ascending). One block per device, or per row when the slice
+/// has fewer rows than devices. Each owner keeps the block's master copy and sums its replicas'
+/// gradient terms (the planner's t_s prices exactly this).
+pub fn owned_blocks(slice: &Rect, devices: &[DeviceId]) -> Vec<(Rect, DeviceId)> {
+    let (lo, rows) = (slice.lo[0], slice.extent(0));
+    let blocks = devices.len().min(rows).max(1);
+    (0..blocks)
+        .map(|j| {
+            let (a, b) = block_range(rows, blocks, j);
+            (slice.with_axis(0, lo + a, lo + b), devices[j])
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uneven_blocks_cover_the_extent_once() {
+        for extent in 1..40 {
+            for degree in [1, 2, 4, 8, 16, 32] {
+                if degree > extent {
+                    continue;
+                }
+                let mut next = 0;
+                for i in 0..degree {
+                    let (lo, hi) = block_range(extent, degree, i);
+                    assert_eq!(lo, next);
+                    assert!(hi > lo, "empty block {i} of {degree} over {extent}");
+                    for x in lo..hi {
+                        assert_eq!(block_of(extent, degree, x), i);
+                    }
+                    next = hi;
+                }
+                assert_eq!(next, extent);
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_are_row_major_over_nchw() {
+        let shape = Shape::nchw(8, 6, 10, 10);
+        let cfg = ParallelConfig::new([2, 1, 2, 1], 4);
+        assert_eq!(cfg.total(), 4);
+        assert_eq!(cfg.devices(), 4..8);
+        assert_eq!(
+            tile_rect(&shape, &cfg, 1),
+            Rect::new(&[0, 0, 5, 0], &[4, 6, 10, 10])
+        );
+        assert_eq!(
+            tile_rect(&shape, &cfg, 2),
+            Rect::new(&[4, 0, 0, 0], &[8, 6, 5, 10])
+        );
+        assert_eq!(cfg.tile_index(cfg.tile_coords(3)), 3);
+        let dense = ParallelConfig::new([1, 4, 1, 1], 0);
+        assert_eq!(
+            tile_rect(&Shape::nc(3, 10), &dense, 3),
+            Rect::new(&[0, 7], &[3, 10])
+        );
+        assert_eq!(cfg.to_string(), "n=2,h=2");
+        assert_eq!(ParallelConfig::serial(3).to_string(), "1");
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        let shape = Shape::nc(8, 3);
+        let dims = [Dim::N, Dim::C];
+        let e = |c: ParallelConfig| c.validate(&shape, &dims, 8).unwrap_err().to_string();
+        assert_eq!(
+            e(ParallelConfig::split(Dim::N, 3, 0)),
+            "degree 3 of dim n is not a power of two"
+        );
+        assert_eq!(
+            e(ParallelConfig::split(Dim::C, 4, 0)),
+            "degree 4 of dim c exceeds its extent 3"
+        );
+        assert!(e(ParallelConfig::split(Dim::H, 2, 0)).contains("dim h is not parallelizable"));
+        assert!(e(ParallelConfig::split(Dim::N, 2, 1)).contains("not an aligned block"));
+        assert!(e(ParallelConfig::split(Dim::N, 2, 8)).contains("not an aligned block"));
+        let wide = Shape::nc(64, 3);
+        assert!(
+            ParallelConfig::split(Dim::N, 16, 0)
+                .validate(&wide, &dims, 8)
+                .unwrap_err()
+                .to_string()
+                .contains("16 tiles need more than the machine's 8 devices")
+        );
+    }
+}
