@@ -10,7 +10,7 @@
 //!
 //! Each shared worker is kept on a CPU of its own. Left free, two workers were often queued on one
 //! CPU, taking turns, while the other CPU idled: the OS is slow to move a thread that ran a moment
-//! ago (BENCHMARKS.md, "Runtime: predicted vs measured", fifteenth session).
+//! ago (`git log -p BENCHMARKS.md`, "Runtime: predicted vs measured", fifteenth session).
 
 use crate::cpu_share::POOL_THREAD_PREFIX;
 use std::sync::Arc;

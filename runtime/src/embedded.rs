@@ -337,7 +337,7 @@ pub fn initial_instances(
 /// Threads of [`device_runtime`]: one for every two cores, at least one. The actors only track
 /// dependences and move data; kernels run on the devices' compute pools (`compute`), which want
 /// the cores. On 2 cores one actor thread beat two: LeNet-5's steps on 4 devices ran 12–25% faster
-/// (BENCHMARKS.md, "predicted vs measured").
+/// (`git log -p BENCHMARKS.md`, "predicted vs measured", fourteenth session).
 pub fn actor_threads() -> usize {
     (rayon::current_num_threads() / 2).max(1)
 }
