@@ -24,9 +24,9 @@ use legion_cluster::job::{choose_strategy, embedded_machine};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_planner::simulate::{Resource, Simulation, TaskKind, simulate};
 use legion_planner::{CostModel, ProfiledCost};
+use legion_profile::{self as profile, ProfileSettings, Profiler};
 use legion_runtime::cpu_share::{CpuMeter, process_cpu_s};
 use legion_runtime::embedded::EmbeddedCluster;
-use legion_runtime::profile::{self, ProfileSettings, Profiler};
 use std::path::PathBuf;
 use std::time::Instant;
 

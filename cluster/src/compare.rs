@@ -12,8 +12,8 @@ use legion_ops::train::{ParamStore, Sgd, TrainingState};
 use legion_planner::profile::ProfileDb;
 use legion_planner::simulate::simulate;
 use legion_planner::{CostModel, MachineModel, ProfiledCost};
+use legion_profile::{self as profile, ProfileSettings};
 use legion_runtime::embedded::EmbeddedCluster;
-use legion_runtime::profile::{self, ProfileSettings};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
@@ -222,7 +222,7 @@ pub fn table(rows: &[CompareRow]) -> String {
             r.strategy,
             r.measured_ms,
             r.images_per_sec,
-            crate::job::human_bytes(r.comm_bytes_per_step),
+            crate::memory::human_bytes(r.comm_bytes_per_step),
             r.simulated_ms,
             100.0 * r.simulation_error,
             r.speedup_over_data

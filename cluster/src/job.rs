@@ -3,6 +3,7 @@
 
 use crate::hosts::Hosts;
 use crate::launch;
+use crate::memory::human_bytes;
 use crate::remote::RemoteCluster;
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -425,14 +426,4 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         images_per_sec,
         wall_secs,
     })
-}
-
-pub fn human_bytes(b: u64) -> String {
-    match b {
-        b if b >= 1 << 40 => format!("{:.2} TiB", b as f64 / (1u64 << 40) as f64),
-        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
-        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
-        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
-        b => format!("{b} B"),
-    }
 }

@@ -1,10 +1,20 @@
 //! Refusing a run that cannot fit in this host's memory before anything is allocated: a model too
 //! large otherwise ends in an allocation failure that aborts the process.
 
-use crate::job::human_bytes;
 use legion_ops::Graph;
 use legion_planner::ParallelConfig;
 use legion_planner::memory::{self, DeviceMemory};
+
+/// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 40 => format!("{:.2} TiB", b as f64 / (1u64 << 40) as f64),
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
 
 /// Bytes this process can still allocate: the kernel's estimate of available memory
 /// (`MemAvailable`), lowered to what the cgroup's limit leaves. `None` where neither can be read.

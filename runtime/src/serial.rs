@@ -233,16 +233,28 @@ mod tests {
         check(&g, split_all(&g, Dim::H, 2), 4);
     }
 
+    /// A valid config per layer drawn at random (`devices` a power of two): a power-of-two degree
+    /// per parallelizable dim within its extent and the devices left, on an aligned block.
     fn random_configs(graph: &Graph, devices: usize, seed: u64) -> Vec<ParallelConfig> {
         let mut rng = legion_ops::rng::Rng::new(seed);
         graph
             .layers()
             .iter()
             .map(|l| {
-                let dims = l.op.spec().parallel_dims(&l.shape);
-                let space = legion_planner::ConfigSpace::enumerate(&l.shape, dims, devices);
-                let i = (rng.next_u64() % space.len() as u64) as usize;
-                space.config(i.min(space.len() - 1))
+                let mut degrees = [1; legion_ops::shape::MAX_DIMS];
+                let mut total = 1;
+                for &dim in l.op.spec().parallel_dims(&l.shape) {
+                    let most = (devices / total).min(l.shape.dim(dim.axis()));
+                    // 2^k for k up to log2(most), uniformly
+                    let degree = 1 << rng.below(most.ilog2() as usize + 1);
+                    degrees[dim.axis()] = degree;
+                    total *= degree;
+                }
+                let config = ParallelConfig::new(degrees, total * rng.below(devices / total));
+                config
+                    .validate(&l.shape, l.op.spec().parallel_dims(&l.shape), devices)
+                    .expect("drawn within the space");
+                config
             })
             .collect()
     }

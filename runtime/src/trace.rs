@@ -111,7 +111,7 @@ pub fn chrome_trace(plan: &StepPlan, graph: &Graph, reports: &[StepReport]) -> V
 
 /// For each copy between devices that was sent in `reports`: the sending device and when its `Send`
 /// ended (the piece gathered and handed to the transport), to pair with the receive.
-pub(crate) fn send_ends(plan: &StepPlan, reports: &[StepReport]) -> HashMap<u32, (usize, f64)> {
+pub fn send_ends(plan: &StepPlan, reports: &[StepReport]) -> HashMap<u32, (usize, f64)> {
     let mut sent = HashMap::new();
     for r in reports {
         let program = &plan.programs[r.device];

@@ -3,10 +3,10 @@
 //! and `Rect::subtract`. Op ids and instance ids are those the analysis hands out in launch order, so
 //! each test asserts the exact ops, dependences and rects it produces.
 
+use legion_ops::partition::DeviceId;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::train::Sgd;
 use legion_ops::{GraphBuilder, LayerId, Rect, Shape};
-use legion_planner::DeviceId;
 use legion_runtime::analysis::{
     Analysis, AnalysisError, Instance, InstanceId, InstanceKind, Op, OpId, OpKind, StepGraph,
 };

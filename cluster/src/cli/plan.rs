@@ -2,7 +2,7 @@
 //! report its Eq. 1 cost, simulated step time and per-layer configs. The logic and formatting live in
 //! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
 
-use crate::job::human_bytes;
+use crate::memory::human_bytes;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use legion_ops::Graph;

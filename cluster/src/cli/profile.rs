@@ -1,11 +1,11 @@
 //! `legion-rs profile`: run real steps of the embedded cluster under several strategies, time every
 //! tile's kernels and the transfers between devices, and write the profile database that
-//! `legion-rs plan --profile` prices strategies with. The measuring is `legion_runtime::profile`.
+//! `legion-rs plan --profile` prices strategies with. The measuring is `legion_profile`.
 
 use crate::job::{choose_strategy_for, embedded_machine};
 use anyhow::{Context, bail};
 use clap::Args;
-use legion_runtime::profile::{self, ProfileSettings};
+use legion_profile::{self as profile, ProfileSettings};
 use serde_json::json;
 use std::path::PathBuf;
 

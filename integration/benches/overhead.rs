@@ -2,8 +2,8 @@
 //! and noisy: compare the ratios, not the absolute figures.
 //!
 //! ```text
-//! cargo bench -p legion-runtime --bench overhead                # all three sections
-//! cargo bench -p legion-runtime --bench overhead -- empty       # filters: empty, alexnet, plan
+//! cargo bench -p legion-integration --bench overhead                # all three sections
+//! cargo bench -p legion-integration --bench overhead -- empty       # filters: empty, alexnet, plan
 //! ```
 //!
 //! - `empty`: empty tasks per second per device actor. Each device runs a program of `TASKS`

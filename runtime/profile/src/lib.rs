@@ -71,12 +71,6 @@
 //! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
 //! while it was in flight (the simulator prices those copies).
 
-use crate::cpu_share::{CpuMeter, CpuSpan, StepCpu, alone_seconds};
-use crate::device::StepReport;
-use crate::embedded::{EmbeddedCluster, RuntimeError};
-use crate::plan::StepPlan;
-use crate::program::LocalOpKind;
-use crate::task::TaskKind;
 use legion_ops::data::{DataError, Dataset, Synthetic};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
@@ -84,6 +78,12 @@ use legion_planner::machine::RuntimeCosts;
 use legion_planner::machine::{fold_bytes, update_bytes};
 use legion_planner::profile::{LinkProfile, ProfileKey};
 use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
+use legion_runtime::cpu_share::{CpuMeter, CpuSpan, StepCpu, alone_seconds};
+use legion_runtime::device::StepReport;
+use legion_runtime::embedded::{EmbeddedCluster, RuntimeError};
+use legion_runtime::plan::StepPlan;
+use legion_runtime::program::LocalOpKind;
+use legion_runtime::task::TaskKind;
 use std::collections::HashMap;
 use std::time::Instant;
 use thiserror::Error;
@@ -230,10 +230,10 @@ impl Profiler {
         let cores = rayon::current_num_threads();
         let threads = Threads {
             cores,
-            device_threads: crate::embedded::threads_per_device(devices),
-            shared_workers: crate::compute::shares_workers(devices, cores),
+            device_threads: legion_runtime::embedded::threads_per_device(devices),
+            shared_workers: legion_runtime::compute::shares_workers(devices, cores),
             // The clusters run on `embedded::device_runtime`, which has this many.
-            actor_threads: crate::embedded::actor_threads(),
+            actor_threads: legion_runtime::embedded::actor_threads(),
         };
         Profiler {
             settings: settings.clone(),
@@ -654,7 +654,7 @@ fn runtime_cpu_s(cpu: StepCpu, pooled_cpu_s: f64, copies_cpu_s: f64, shared_work
 /// The bytes a data-movement op copies and how many times it copies them: a piece of an instance
 /// is gathered out of it, a piece is stored into a larger instance, a piece of one instance is
 /// copied straight into a piece of another on the same device; whole instances are shared.
-fn copied(program: &crate::program::DeviceProgram, kind: &LocalOpKind) -> (u64, u64) {
+fn copied(program: &legion_runtime::program::DeviceProgram, kind: &LocalOpKind) -> (u64, u64) {
     let layout = |i: &u32| program.instances[*i as usize].rect;
     let size = |i: &u32| program.instances[*i as usize].dtype.size() as u64;
     match kind {
@@ -675,7 +675,7 @@ fn copied(program: &crate::program::DeviceProgram, kind: &LocalOpKind) -> (u64, 
 }
 
 /// Whether `op` runs on the compute pool (kernels and folds; tasks without data run on the actor).
-fn pooled(op: &crate::program::LocalOp) -> bool {
+fn pooled(op: &legion_runtime::program::LocalOp) -> bool {
     op.is_compute() && !op.touches_no_data()
 }
 
@@ -733,7 +733,7 @@ const CLOCK_RESOLUTION_S: f64 = 1e-9;
 
 impl LinkFit {
     fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport], actor_threads: usize) {
-        let sent = crate::trace::send_ends(plan, reports);
+        let sent = legion_runtime::trace::send_ends(plan, reports);
         // Every device's copies, (start, end): a receiver's actor busy copying, or every actor
         // thread taken, holds the slice in the mailbox, which the simulator prices as the copies.
         let copying: Vec<Vec<(f64, f64)>> = reports
@@ -822,8 +822,8 @@ impl LinkFit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu_share::RuntimeThreadsCpu;
     use legion_ops::{Dim, zoo};
+    use legion_runtime::cpu_share::RuntimeThreadsCpu;
 
     #[test]
     fn a_local_copy_between_two_pieces_counts_once() {
