@@ -11,7 +11,8 @@
 //! - [`search`]: OptCNN (Algorithm 1), exhaustive, data / model / OWT baselines.
 //! - [`simulate`], [`trace`]: a list-scheduled task graph of one iteration and its Chrome trace.
 //! - [`memory`]: what each device holds during a step, before anything is allocated.
-//! - [`strategy`]: strategy files; [`plan`], [`report`]: what `legion-rs plan` runs and prints.
+//! - [`strategy`]: strategy files; [`plan`]: what `legion-rs plan` runs (its tables and JSON are
+//!   the CLI's).
 
 pub mod config;
 pub mod cost;
@@ -22,7 +23,6 @@ pub mod memory;
 pub mod plan;
 pub mod profile;
 pub mod provider;
-pub mod report;
 pub mod search;
 pub mod simulate;
 pub mod strategy;

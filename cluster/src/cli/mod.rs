@@ -4,6 +4,7 @@ mod cluster;
 mod models;
 mod plan;
 mod profile;
+mod report;
 mod train;
 mod worker;
 

@@ -2,6 +2,7 @@
 //! report its Eq. 1 cost, simulated step time and per-layer configs. The logic and formatting live in
 //! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
 
+use super::report::{self, PlanJson, SearchJson};
 use crate::memory::human_bytes;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
@@ -10,7 +11,6 @@ use legion_planner::config::config_counts;
 use legion_planner::machine_file::resolve_machine;
 use legion_planner::memory;
 use legion_planner::plan::{self, Evaluated};
-use legion_planner::report::{self, PlanJson, SearchJson};
 use legion_planner::search::{DEFAULT_BUDGET, SIDE_BY_SIDE_BUDGET, SearchError};
 use legion_planner::trace::chrome_trace;
 use legion_planner::{

@@ -1,10 +1,10 @@
-//! Human tables and JSON for `legion-rs plan`.
+//! Human tables and JSON for `legion-rs plan`: presentation, kept out of the planner.
 
-use crate::config::ParallelConfig;
-use crate::cost::CostBreakdown;
-use crate::plan::{Evaluated, PlanRun};
-use crate::strategy::{LayerStrategy, Strategy, describe_devices};
 use legion_ops::Graph;
+use legion_planner::ParallelConfig;
+use legion_planner::cost::CostBreakdown;
+use legion_planner::plan::{Evaluated, PlanRun};
+use legion_planner::strategy::{LayerStrategy, Strategy, describe_devices};
 use serde::Serialize;
 use std::fmt::Write;
 
