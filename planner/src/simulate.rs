@@ -213,10 +213,13 @@ impl TaskSink for Vec<Task> {
 /// dependency vector each) they took over 10 GiB.
 #[derive(Clone, Debug, Default)]
 pub struct CompactTasks {
-    kinds: Vec<TaskKind>,
+    /// Each task's index in `works`.
+    work: Vec<u32>,
+    /// The distinct (kind, seconds) pairs tasks have: most are messages of a few sizes.
+    works: Vec<(TaskKind, f64)>,
+    work_index: FastHashMap<(TaskKind, u64), u32>,
     /// Each task's index in `places`.
     place: Vec<u32>,
-    durations: Vec<f64>,
     /// (task, dependency), in the order they were added.
     deps: Vec<(u32, u32)>,
     /// The distinct (resource index, latency) pairs tasks have: a message's latency is its link's.
@@ -245,11 +248,11 @@ impl CompactTasks {
     }
 
     pub fn len(&self) -> usize {
-        self.kinds.len()
+        self.work.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.kinds.is_empty()
+        self.work.is_empty()
     }
 
     fn resource_of(&self, task: usize) -> u32 {
@@ -258,6 +261,14 @@ impl CompactTasks {
 
     fn latency_of(&self, task: usize) -> f64 {
         self.places[self.place[task] as usize].1
+    }
+
+    fn kind_of(&self, task: usize) -> TaskKind {
+        self.works[self.work[task] as usize].0
+    }
+
+    fn duration_of(&self, task: usize) -> f64 {
+        self.works[self.work[task] as usize].1
     }
 }
 
@@ -268,7 +279,7 @@ fn task_number(task: usize) -> u32 {
 
 impl TaskSink for CompactTasks {
     fn push(&mut self, task: TaskSpec, _name: impl FnOnce() -> String, deps: &[usize]) -> usize {
-        let id = self.kinds.len();
+        let id = self.work.len();
         let key = (task.resource, task.latency.to_bits());
         let place = match self.place_index.get(&key) {
             Some(&p) => p,
@@ -284,9 +295,16 @@ impl TaskSink for CompactTasks {
                 p
             }
         };
-        self.kinds.push(task.kind);
+        let next = task_number(self.works.len());
+        let work = *self
+            .work_index
+            .entry((task.kind, task.duration.to_bits()))
+            .or_insert(next);
+        if work == next {
+            self.works.push((task.kind, task.duration));
+        }
+        self.work.push(work);
         self.place.push(place);
-        self.durations.push(task.duration);
         for &d in deps {
             self.deps.push((task_number(id), task_number(d)));
         }
@@ -303,7 +321,7 @@ impl TaskSink for CompactTasks {
 pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
     let tasks = task_graph(model, configs);
     let compact = CompactTasks::from_tasks(&tasks);
-    let (makespan, times) = schedule_iteration(model.machine(), &compact, true);
+    let (makespan, times) = schedule_iteration(model.machine(), compact, true);
     let (start, finish) = times.expect("recorded");
     Simulation {
         tasks,
@@ -319,29 +337,30 @@ pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
 pub fn simulated_step_time(model: &CostModel, configs: &[ParallelConfig]) -> f64 {
     let mut tasks = CompactTasks::default();
     build_tasks(model, configs, &mut tasks);
-    schedule_iteration(model.machine(), &tasks, false).0
+    schedule_iteration(model.machine(), tasks, false).0
 }
 
 /// The step time of `tasks` on `machine` and, if `record`, the start and finish of each task (of
 /// the draw closest to the mean where dispatch delays are drawn; see [`Simulation::makespan`]).
 fn schedule_iteration(
     machine: &MachineModel,
-    tasks: &CompactTasks,
+    tasks: CompactTasks,
     record: bool,
 ) -> (f64, Option<(Vec<f64>, Vec<f64>)>) {
     let pools = Pools::of(machine);
+    let tasks = Schedulable::new(tasks);
     let Some(bins) = machine.runtime_costs().and_then(|c| c.dispatch_bins_s) else {
-        let done = schedule(tasks, &pools, |_| pools.dispatch_s, record);
+        let done = schedule(&tasks, &pools, |_| pools.dispatch_s, record);
         return (done.makespan, done.times);
     };
     // Seeded, so a strategy simulates to the same time every run.
     let mut rng = Rng::new(DISPATCH_SEED);
     let draws: Vec<Scheduled> = (0..DISPATCH_DRAWS)
         .map(|_| {
-            let delays: Vec<f64> = (0..tasks.len())
+            let delays: Vec<f64> = (0..tasks.tasks.len())
                 .map(|_| bins[rng.below(bins.len())])
                 .collect();
-            schedule(tasks, &pools, |t| delays[t], record)
+            schedule(&tasks, &pools, |t| delays[t], record)
         })
         .collect();
     let spans: Vec<f64> = draws.iter().map(|d| d.makespan).collect();
@@ -929,9 +948,59 @@ pub fn list_schedule_dispatched(
 /// both; if it takes time, it holds a free compute slot too, or, with none free, pushes the slot
 /// that frees first back by its duration.
 pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
-    let compact = CompactTasks::from_tasks(tasks);
-    let done = schedule(&compact, pools, |_| pools.dispatch_s, true);
+    let graph = Schedulable::new(CompactTasks::from_tasks(tasks));
+    let done = schedule(&graph, pools, |_| pools.dispatch_s, true);
     done.times.expect("recorded")
+}
+
+/// A compact task graph as [`schedule`] reads it, built once for every dispatch draw: each task's
+/// successors in one array (`successors[first[t]..first[t + 1]]`; their order does not matter, the
+/// ready queue orders by time and task number) and its number of dependencies, the (task,
+/// dependency) pairs dropped.
+struct Schedulable {
+    tasks: CompactTasks,
+    first: Vec<u32>,
+    successors: Vec<u32>,
+    /// Each task's dependencies: 0, 1, or [`SEVERAL`] (then counted in `several_deps`).
+    dep_count: Vec<u8>,
+    several_deps: FastHashMap<u32, u32>,
+}
+
+/// [`Schedulable::dep_count`] of a task with more than one dependency.
+const SEVERAL: u8 = 2;
+
+impl Schedulable {
+    fn new(mut tasks: CompactTasks) -> Schedulable {
+        let deps = std::mem::take(&mut tasks.deps);
+        let n = tasks.len();
+        let mut first: Vec<u32> = vec![0; n + 1];
+        let mut dep_count: Vec<u8> = vec![0; n];
+        for &(task, dep) in &deps {
+            first[dep as usize + 1] += 1;
+            let count = &mut dep_count[task as usize];
+            *count = (*count + 1).min(SEVERAL);
+        }
+        for t in 0..n {
+            first[t + 1] += first[t];
+        }
+        let mut successors: Vec<u32> = vec![0; first[n] as usize];
+        let mut several_deps: FastHashMap<u32, u32> = FastHashMap::default();
+        let mut filled = first.clone();
+        for &(task, dep) in &deps {
+            successors[filled[dep as usize] as usize] = task;
+            filled[dep as usize] += 1;
+            if dep_count[task as usize] == SEVERAL {
+                *several_deps.entry(task).or_insert(0) += 1;
+            }
+        }
+        Schedulable {
+            tasks,
+            first,
+            successors,
+            dep_count,
+            several_deps,
+        }
+    }
 }
 
 /// A schedule's step time (when the last task's result has arrived) and, where asked for, the
@@ -944,32 +1013,13 @@ struct Scheduled {
 /// [`list_schedule_pools`] of `tasks` with task `t`'s dispatch taking `dispatch(t)` seconds; keeps
 /// each task's start and finish only if `record`.
 fn schedule(
-    tasks: &CompactTasks,
+    graph: &Schedulable,
     pools: &Pools,
     dispatch: impl Fn(usize) -> f64,
     record: bool,
 ) -> Scheduled {
+    let tasks = &graph.tasks;
     let n = tasks.len();
-    let mut waiting: Vec<u32> = vec![0; n];
-    // Each task's successors in one array (`successors[first[t]..first[t + 1]]`): a vector per
-    // task was most of the schedule's allocations on large machines. Their order does not matter:
-    // the ready queue orders by (time, task number).
-    let mut first: Vec<u32> = vec![0; n + 1];
-    for &(task, dep) in &tasks.deps {
-        first[dep as usize + 1] += 1;
-        waiting[task as usize] += 1;
-    }
-    for t in 0..n {
-        first[t + 1] += first[t];
-    }
-    let mut successors: Vec<u32> = vec![0; first[n] as usize];
-    {
-        let mut filled = first.clone();
-        for &(task, dep) in &tasks.deps {
-            successors[filled[dep as usize] as usize] = task;
-            filled[dep as usize] += 1;
-        }
-    }
     // when each resource is free, by index
     let mut resources: Vec<f64> = vec![0.0; tasks.resources.len()];
     let device_of: Vec<Option<DeviceId>> = tasks
@@ -985,14 +1035,16 @@ fn schedule(
         .iter()
         .map(|r| matches!(r, Resource::Device(_) | Resource::Network(_)))
         .collect();
-    let mut ready_at = vec![0.0f64; n];
+    // (dependencies left, when the last so far arrives) of the tasks with several that some but
+    // not all of have finished: few at a time, where a vector per task took 12 bytes of each.
+    let mut partly_ready: FastHashMap<u32, (u32, f64)> = FastHashMap::default();
     let (mut start, mut finish) = match record {
         true => (vec![0.0; n], vec![0.0; n]),
         false => (Vec::new(), Vec::new()),
     };
     let mut makespan = 0.0f64;
     let mut ready = ReadyQueue::default();
-    for t in (0..n).filter(|&t| waiting[t] == 0) {
+    for t in (0..n).filter(|&t| graph.dep_count[t] == 0) {
         ready.push(0.0, task_number(t));
     }
     let mut slots: Vec<f64> = vec![0.0; pools.compute_slots.unwrap_or(0)];
@@ -1015,9 +1067,9 @@ fn schedule(
     while let Some((at, t)) = ready.pop() {
         let t = t as usize;
         let resource = tasks.resource_of(t) as usize;
-        let duration = tasks.durations[t];
+        let duration = tasks.duration_of(t);
         let on_device = device_of[resource].is_some();
-        let is_move = on_device && tasks.kinds[t] == TaskKind::Move;
+        let is_move = on_device && tasks.kind_of(t) == TaskKind::Move;
         let compute = on_device && !is_move;
         let device_actor = device_actors[resource];
         let free = match is_move {
@@ -1071,12 +1123,20 @@ fn schedule(
         // the step ends when the last task's result has arrived
         let arrival = end + tasks.latency_of(t);
         makespan = makespan.max(arrival);
-        for &s in &successors[first[t] as usize..first[t + 1] as usize] {
-            let s = s as usize;
-            ready_at[s] = ready_at[s].max(arrival);
-            waiting[s] -= 1;
-            if waiting[s] == 0 {
-                ready.push(ready_at[s], task_number(s));
+        for &s in &graph.successors[graph.first[t] as usize..graph.first[t + 1] as usize] {
+            if graph.dep_count[s as usize] == 1 {
+                ready.push(arrival, s);
+                continue;
+            }
+            let (left, ready_at) = partly_ready
+                .entry(s)
+                .or_insert((graph.several_deps[&s], 0.0));
+            *ready_at = ready_at.max(arrival);
+            *left -= 1;
+            if *left == 0 {
+                let at = *ready_at;
+                partly_ready.remove(&s);
+                ready.push(at, s);
             }
         }
     }
