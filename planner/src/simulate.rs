@@ -228,9 +228,74 @@ pub struct CompactTasks {
     /// The distinct resources, by index.
     resources: Vec<Resource>,
     resource_index: FastHashMap<Resource, u32>,
+    /// Devices numbered below this have their resources' places in `dense_places`.
+    dense_devices: usize,
+    /// By [`CompactTasks::dense_slot`]: the first place of each resource ([`NO_PLACE`] if none
+    /// yet). A link's messages look their place up here: through `place_index`, a table of a
+    /// million links, each was a cache miss, a third of building the tasks of a thousand devices.
+    dense_places: Vec<u32>,
 }
 
+/// [`CompactTasks::dense_places`] of a resource with no task yet.
+const NO_PLACE: u32 = u32::MAX;
+
+/// The most devices whose links [`CompactTasks::for_devices`] indexes densely (64 MiB).
+const MOST_DENSE_DEVICES: usize = 4096;
+
 impl CompactTasks {
+    /// An empty graph for a machine of `devices`, indexing their links densely if not too many.
+    pub fn for_devices(devices: usize) -> CompactTasks {
+        if devices > MOST_DENSE_DEVICES {
+            return CompactTasks::default();
+        }
+        CompactTasks {
+            dense_devices: devices,
+            dense_places: vec![NO_PLACE; devices + devices * devices + devices],
+            ..CompactTasks::default()
+        }
+    }
+
+    /// Where `resource` is in `dense_places`, if there: devices, then links by (from, to), then
+    /// nodes (no more nodes than devices).
+    fn dense_slot(&self, resource: Resource) -> Option<usize> {
+        let n = self.dense_devices;
+        match resource {
+            Resource::Device(d) if d < n => Some(d),
+            Resource::Link(a, b) if a < n && b < n => Some(n + a * n + b),
+            Resource::Network(node) if node < n => Some(n + n * n + node),
+            _ => None,
+        }
+    }
+
+    /// The index in `places` of (`resource`, `latency`), added if new.
+    fn place_of(&mut self, resource: Resource, latency: f64) -> u32 {
+        let slot = self.dense_slot(resource);
+        if let Some(slot) = slot {
+            let p = self.dense_places[slot];
+            if p != NO_PLACE && self.places[p as usize].1.to_bits() == latency.to_bits() {
+                return p;
+            }
+        }
+        let key = (resource, latency.to_bits());
+        if let Some(&p) = self.place_index.get(&key) {
+            return p;
+        }
+        let next = task_number(self.resources.len());
+        let index = *self.resource_index.entry(resource).or_insert(next);
+        if index == next {
+            self.resources.push(resource);
+        }
+        self.places.push((index, latency));
+        let p = task_number(self.places.len() - 1);
+        self.place_index.insert(key, p);
+        if let Some(slot) = slot
+            && self.dense_places[slot] == NO_PLACE
+        {
+            self.dense_places[slot] = p;
+        }
+        p
+    }
+
     /// `tasks` as the scheduler reads them.
     pub fn from_tasks(tasks: &[Task]) -> CompactTasks {
         let mut compact = CompactTasks::default();
@@ -280,21 +345,7 @@ fn task_number(task: usize) -> u32 {
 impl TaskSink for CompactTasks {
     fn push(&mut self, task: TaskSpec, _name: impl FnOnce() -> String, deps: &[usize]) -> usize {
         let id = self.work.len();
-        let key = (task.resource, task.latency.to_bits());
-        let place = match self.place_index.get(&key) {
-            Some(&p) => p,
-            None => {
-                let next = task_number(self.resources.len());
-                let resource = *self.resource_index.entry(task.resource).or_insert(next);
-                if resource == next {
-                    self.resources.push(task.resource);
-                }
-                self.places.push((resource, task.latency));
-                let p = task_number(self.places.len() - 1);
-                self.place_index.insert(key, p);
-                p
-            }
-        };
+        let place = self.place_of(task.resource, task.latency);
         let next = task_number(self.works.len());
         let work = *self
             .work_index
@@ -335,7 +386,7 @@ pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
 /// their times: what `plan` prints, for machines where an iteration has tens of millions of
 /// tasks (every message of a parameter's synchronisation is one).
 pub fn simulated_step_time(model: &CostModel, configs: &[ParallelConfig]) -> f64 {
-    let mut tasks = CompactTasks::default();
+    let mut tasks = CompactTasks::for_devices(model.machine().num_devices());
     build_tasks(model, configs, &mut tasks);
     schedule_iteration(model.machine(), tasks, false).0
 }
@@ -1333,6 +1384,33 @@ mod tests {
             "one per direction between the two nodes"
         );
         assert!(shared.makespan > per_pair.makespan);
+    }
+
+    #[test]
+    fn places_are_shared_by_resource_and_latency_dense_or_not() {
+        let mut dense = CompactTasks::for_devices(4);
+        let mut hashed = CompactTasks::default();
+        let resources = [
+            (Resource::Link(1, 2), 1e-6),
+            (Resource::Device(3), 0.0),
+            (Resource::Link(1, 2), 1e-6),
+            // the same link at another latency is another place
+            (Resource::Link(1, 2), 2e-6),
+            (Resource::Link(2, 1), 1e-6),
+            (Resource::Network(1), 0.0),
+            // beyond the dense devices
+            (Resource::Link(9, 2), 1e-6),
+            (Resource::Link(1, 2), 2e-6),
+        ];
+        for tasks in [&mut dense, &mut hashed] {
+            let places: Vec<u32> = resources
+                .iter()
+                .map(|&(r, latency)| tasks.place_of(r, latency))
+                .collect();
+            assert_eq!(places, [0, 1, 0, 2, 3, 4, 5, 2]);
+            assert_eq!(tasks.places[2], (0, 2e-6), "one resource, two latencies");
+            assert_eq!(tasks.resources.len(), 5);
+        }
     }
 
     #[test]
