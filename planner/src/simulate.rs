@@ -372,7 +372,7 @@ impl TaskSink for CompactTasks {
 pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
     let tasks = task_graph(model, configs);
     let compact = CompactTasks::from_tasks(&tasks);
-    let (makespan, times) = schedule_iteration(model.machine(), compact, true);
+    let Scheduled { makespan, times } = schedule_iteration(model.machine(), compact, true);
     let (start, finish) = times.expect("recorded");
     Simulation {
         tasks,
@@ -388,21 +388,16 @@ pub fn simulate(model: &CostModel, configs: &[ParallelConfig]) -> Simulation {
 pub fn simulated_step_time(model: &CostModel, configs: &[ParallelConfig]) -> f64 {
     let mut tasks = CompactTasks::for_devices(model.machine().num_devices());
     build_tasks(model, configs, &mut tasks);
-    schedule_iteration(model.machine(), tasks, false).0
+    schedule_iteration(model.machine(), tasks, false).makespan
 }
 
 /// The step time of `tasks` on `machine` and, if `record`, the start and finish of each task (of
 /// the draw closest to the mean where dispatch delays are drawn; see [`Simulation::makespan`]).
-fn schedule_iteration(
-    machine: &MachineModel,
-    tasks: CompactTasks,
-    record: bool,
-) -> (f64, Option<(Vec<f64>, Vec<f64>)>) {
+fn schedule_iteration(machine: &MachineModel, tasks: CompactTasks, record: bool) -> Scheduled {
     let pools = Pools::of(machine);
     let tasks = Schedulable::new(tasks);
     let Some(bins) = machine.runtime_costs().and_then(|c| c.dispatch_bins_s) else {
-        let done = schedule(&tasks, &pools, |_| pools.dispatch_s, record);
-        return (done.makespan, done.times);
+        return schedule(&tasks, &pools, |_| pools.dispatch_s, record);
     };
     // Seeded, so a strategy simulates to the same time every run.
     let mut rng = Rng::new(DISPATCH_SEED);
@@ -424,7 +419,7 @@ fn schedule_iteration(
         })
         .expect("at least one draw");
     let times = draws.into_iter().nth(closest).expect("a draw").times;
-    (makespan, times)
+    Scheduled { makespan, times }
 }
 
 /// Schedules [`simulate`] averages over when dispatch delays vary: enough that the mean's own
