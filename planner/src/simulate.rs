@@ -1017,7 +1017,12 @@ const SEVERAL: u8 = 2;
 
 impl Schedulable {
     fn new(mut tasks: CompactTasks) -> Schedulable {
-        let deps = std::mem::take(&mut tasks.deps);
+        let mut deps = std::mem::take(&mut tasks.deps);
+        // The vectors grew by doubling; give back what they did not fill before the arrays below
+        // are allocated beside them (this is the simulation's peak memory).
+        deps.shrink_to_fit();
+        tasks.work.shrink_to_fit();
+        tasks.place.shrink_to_fit();
         let n = tasks.len();
         let mut first: Vec<u32> = vec![0; n + 1];
         let mut dep_count: Vec<u8> = vec![0; n];
@@ -1031,14 +1036,18 @@ impl Schedulable {
         }
         let mut successors: Vec<u32> = vec![0; first[n] as usize];
         let mut several_deps: FastHashMap<u32, u32> = FastHashMap::default();
-        let mut filled = first.clone();
+        // `first[d]` serves as dependency d's cursor, ending at the next one's start; shifted back
+        // after (no second array of cursors at the peak).
         for &(task, dep) in &deps {
-            successors[filled[dep as usize] as usize] = task;
-            filled[dep as usize] += 1;
+            successors[first[dep as usize] as usize] = task;
+            first[dep as usize] += 1;
             if dep_count[task as usize] == SEVERAL {
                 *several_deps.entry(task).or_insert(0) += 1;
             }
         }
+        drop(deps);
+        first.copy_within(0..n, 1);
+        first[0] = 0;
         Schedulable {
             tasks,
             first,
