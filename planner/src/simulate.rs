@@ -1391,6 +1391,37 @@ mod tests {
     }
 
     #[test]
+    fn the_step_time_alone_is_the_named_simulations_bit_for_bit() {
+        let g = chain();
+        let mut mixed: Vec<_> = g
+            .layers()
+            .iter()
+            .map(|_| ParallelConfig::split(Dim::N, 4, 0))
+            .collect();
+        mixed[1] = ParallelConfig::split(Dim::H, 4, 0);
+        mixed[5] = ParallelConfig::split(Dim::C, 2, 2);
+        let spread = Some(std::array::from_fn(|i| (i + 1) as f64 * 1e-6));
+        let machines = [
+            MachineModel::preset("paper:4").unwrap(),
+            measured_cpu(4, 2e-6),
+            measured_cpu_spread(4, 2e-6, spread),
+            MachineModel::from_flags(2, 2, None, None)
+                .unwrap()
+                .with_network_cpu(NetworkCpu {
+                    send_s_per_byte: 2e-9,
+                    recv_s_per_byte: 3e-9,
+                })
+                .unwrap(),
+        ];
+        for machine in &machines {
+            let provider = RooflineCost::new(machine);
+            let model = CostModel::new(&g, machine, &provider);
+            let step = simulated_step_time(&model, &mixed);
+            assert_eq!(step.to_bits(), simulate(&model, &mixed).makespan.to_bits());
+        }
+    }
+
+    #[test]
     fn places_are_shared_by_resource_and_latency_dense_or_not() {
         let mut dense = CompactTasks::for_devices(4);
         let mut hashed = CompactTasks::default();
