@@ -34,7 +34,10 @@ impl Hasher for FastHasher {
     }
 
     fn finish(&self) -> u64 {
-        self.0
+        // The multiply mixes into the high bits, but hashbrown picks the bucket from the low ones:
+        // keys that differ only in a word's high bits (a link's two device numbers, say) probed
+        // long chains of one bucket group. Rotating brings the mixed bits down.
+        self.0.rotate_left(26)
     }
 }
 
@@ -51,5 +54,21 @@ mod tests {
         assert_eq!(map.len(), 1000);
         assert!((0..1000u16).all(|i| map[&vec![i, i / 7, 3]] == usize::from(i)));
         assert_eq!(map.get(&vec![1, 2, 3]), None);
+    }
+
+    #[test]
+    fn keys_that_differ_in_high_bits_spread_over_buckets() {
+        // (from, to) pairs of a thousand devices: the low bits that pick a bucket must vary
+        let mut low: Vec<u64> = (0..64usize)
+            .flat_map(|a| (0..64usize).map(move |b| (a << 10, b << 10)))
+            .map(|key| {
+                let mut h = FastHasher::default();
+                std::hash::Hash::hash(&key, &mut h);
+                h.finish() & 0xfff
+            })
+            .collect();
+        low.sort_unstable();
+        low.dedup();
+        assert!(low.len() > 2000, "{} distinct of 4096", low.len());
     }
 }

@@ -12,6 +12,7 @@ use legion_planner::machine_file::resolve_machine;
 use legion_planner::memory;
 use legion_planner::plan::{self, Evaluated};
 use legion_planner::search::{DEFAULT_BUDGET, SIDE_BY_SIDE_BUDGET, SearchError};
+use legion_planner::simulate::simulate;
 use legion_planner::trace::chrome_trace;
 use legion_planner::{
     CostModel, CostProvider, MachineModel, ParallelConfig, ProfileDb, ProfiledCost, RooflineCost,
@@ -196,7 +197,6 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
                 report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
             );
         }
-        // moved out rather than cloned: its simulation holds every task of the iteration
         let mut run = run;
         run.searches
             .swap_remove(best_at)
@@ -228,7 +228,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         Strategy::from_configs(&graph, &chosen.configs).save(path)?;
     }
     if let Some(path) = &args.trace {
-        write_trace(path, &chosen, &machine)?;
+        write_trace(path, &model, &chosen)?;
     }
     Ok(())
 }
@@ -288,8 +288,11 @@ fn stopped_at_budget(run: &plan::PlanRun) -> bool {
     })
 }
 
-fn write_trace(path: &Path, evaluated: &Evaluated, machine: &MachineModel) -> anyhow::Result<()> {
-    let trace = chrome_trace(&evaluated.simulation, machine);
+/// Writes the simulated iteration of `evaluated` as a trace: simulated again with every task
+/// named, which only a trace needs.
+fn write_trace(path: &Path, model: &CostModel, evaluated: &Evaluated) -> anyhow::Result<()> {
+    let simulation = simulate(model, &evaluated.configs);
+    let trace = chrome_trace(&simulation, model.machine());
     std::fs::write(path, serde_json::to_string(&trace)?)
         .with_context(|| format!("writing trace {}", path.display()))
 }

@@ -76,7 +76,7 @@ pub fn comparison_table(run: &PlanRun) -> String {
                     "{:<11}  {:>12.3}  {:>14.3}  {:>14.1}  {:>11.2}",
                     s.kind.name(),
                     e.cost.total * 1e3,
-                    e.simulation.makespan * 1e3,
+                    e.simulated_s * 1e3,
                     e.cost.comm_bytes as f64 / 1e6,
                     s.seconds * 1e3
                 );
@@ -94,7 +94,7 @@ pub fn summary(name: &str, e: &Evaluated, search_seconds: Option<f64>) -> String
     let mut out = format!(
         "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved",
         e.cost.total * 1e3,
-        e.simulation.makespan * 1e3,
+        e.simulated_s * 1e3,
         e.cost.comm_bytes as f64 / 1e6
     );
     if let Some(s) = search_seconds {
@@ -133,7 +133,7 @@ impl SearchJson {
             Ok(e) => SearchJson {
                 search: name.to_string(),
                 eq1_ms: Some(e.cost.total * 1e3),
-                simulated_ms: Some(e.simulation.makespan * 1e3),
+                simulated_ms: Some(e.simulated_s * 1e3),
                 comm_bytes: Some(e.cost.comm_bytes),
                 search_ms: seconds * 1e3,
                 strategy: Some(Strategy::from_configs(graph, &e.configs).layers),
