@@ -2,10 +2,10 @@
 //! and set against the planner's simulation of each (priced by a profile of that strategy's tiles,
 //! taken right before it runs).
 
+use crate::engine::{self, JobStart, Place, StepBatch};
 use crate::hosts::Hosts;
-use crate::job::{Engine, choose_strategy, embedded_machine};
+use crate::job::{choose_strategy, embedded_machine};
 use crate::launch;
-use crate::remote::RemoteCluster;
 use anyhow::Context;
 use legion_ops::Graph;
 use legion_ops::train::{ParamStore, Sgd, TrainingState};
@@ -13,7 +13,6 @@ use legion_planner::profile::ProfileDb;
 use legion_planner::simulate::simulate;
 use legion_planner::{CostModel, MachineModel, ProfiledCost};
 use legion_profile::{self as profile, ProfileSettings};
-use legion_runtime::embedded::EmbeddedCluster;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
@@ -89,7 +88,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         ..ProfileSettings::default()
     };
     let params = ParamStore::init(graph, settings.seed);
-    let state = TrainingState::start(params.clone());
+    let state = TrainingState::start(params);
     let (images, labels) = profile::synthetic_batch(graph, settings.seed)?;
     let mut rows: Vec<CompareRow> = Vec::new();
     for entry in &strategies {
@@ -112,40 +111,40 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         };
         let cost = ProfiledCost::new(&measured.db, &machine);
         let model = CostModel::new(graph, &machine, &cost);
-        let mut engine = match &settings.cluster {
-            None => Engine::Cluster(EmbeddedCluster::start(
-                graph,
-                configs,
-                devices,
-                &params,
-                Sgd::default(),
-                settings.seed,
-                0,
-            )?),
-            Some(c) => Engine::Remote(Box::new(RemoteCluster::start(
-                &c.hosts,
-                &c.state,
-                graph,
-                configs,
-                &state,
-                Sgd::default(),
-                settings.seed,
-            )?)),
+        let place = match &settings.cluster {
+            None => Place::Embedded { devices },
+            Some(c) => Place::Cluster {
+                hosts: &c.hosts,
+                state_dir: &c.state,
+            },
         };
+        let job = JobStart {
+            graph,
+            configs,
+            state: &state,
+            sgd: Sgd::default(),
+            seed: settings.seed,
+        };
+        let mut engine = engine::start(place, job)?;
         // Every step trains on the same batch, which is also the next step's: a cluster job
         // delivers it while the step before runs, as training does.
-        let next = Some((&images[..], &labels[..]));
+        let batch = |trace| StepBatch {
+            images: images.clone(),
+            labels: labels.clone(),
+            next: Some((&images[..], &labels[..])),
+            trace,
+        };
         for _ in 0..settings.warmup {
-            engine.step(images.clone(), labels.clone(), next, false)?;
+            engine.step(batch(false))?;
         }
         let t = Instant::now();
         for _ in 0..settings.steps {
-            engine.step(images.clone(), labels.clone(), next, false)?;
+            engine.step(batch(false))?;
         }
         let step_s = t.elapsed().as_secs_f64() / settings.steps.max(1) as f64;
         let simulation = simulate(&model, configs);
         if let Some(dir) = &settings.traces {
-            let (_, reports) = engine.step(images.clone(), labels.clone(), next, true)?;
+            let (_, reports) = engine.step(batch(true))?;
             let plan = engine.plan().context("a cluster engine has a step plan")?;
             let traces = [
                 (

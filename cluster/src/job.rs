@@ -1,21 +1,18 @@
 //! A training job: data, initial weights, the training loop, progress output and the final checkpoint.
 //! Shared by `legion-rs train` and the example programs.
 
+use crate::engine::{self, Engine, JobStart, Place, StepBatch};
 use crate::hosts::Hosts;
 use crate::launch;
 use crate::memory::human_bytes;
-use crate::remote::RemoteCluster;
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
-use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer, TrainingState};
+use legion_ops::train::{ParamStore, Sgd, TrainingState};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
-use legion_runtime::device::StepReport;
-use legion_runtime::embedded::EmbeddedCluster;
-use legion_runtime::plan::StepPlan;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -122,54 +119,6 @@ pub fn choose_strategy_for(
     }
 }
 
-/// The single-device reference trainer, the runtime on the embedded cluster, or a job on the
-/// worker processes of a cluster.
-pub(crate) enum Engine {
-    Single(Trainer),
-    Cluster(EmbeddedCluster),
-    Remote(Box<RemoteCluster>),
-}
-
-impl Engine {
-    /// One step on a batch. `next`, the batch of the following step if there is one, lets a
-    /// cluster job deliver it to the workers while this step runs.
-    pub(crate) fn step(
-        &mut self,
-        images: Vec<f32>,
-        labels: Vec<u32>,
-        next: Option<(&[f32], &[u32])>,
-        trace: bool,
-    ) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
-        match self {
-            Engine::Single(t) => Ok((t.step(&images, &labels)?, Vec::new())),
-            Engine::Cluster(c) => {
-                let r = c.step(images, labels, trace)?;
-                Ok((r.stats, r.reports))
-            }
-            Engine::Remote(c) => {
-                let r = c.step(&images, &labels, next, trace)?;
-                Ok((r.stats, r.reports))
-            }
-        }
-    }
-
-    fn state(&self) -> anyhow::Result<TrainingState> {
-        match self {
-            Engine::Single(t) => Ok(t.state()),
-            Engine::Cluster(c) => Ok(c.state()?),
-            Engine::Remote(c) => c.state(),
-        }
-    }
-
-    pub(crate) fn plan(&self) -> Option<&StepPlan> {
-        match self {
-            Engine::Single(_) => None,
-            Engine::Cluster(c) => Some(c.plan()),
-            Engine::Remote(c) => Some(c.plan()),
-        }
-    }
-}
-
 /// Trains `graph` (batch size = its input's N) as `opts` says, printing progress to stdout.
 pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> {
     if opts.devices == 0 {
@@ -218,8 +167,8 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         .as_ref()
         .map_or(opts.devices, |(h, _)| h.num_devices());
     let distributed = devices > 1 || opts.trace.is_some() || cluster.is_some();
-    let (configs, place) = if distributed {
-        let (machine, place) = match &cluster {
+    let (configs, where_text) = if distributed {
+        let (machine, where_text) = match &cluster {
             Some((hosts, state)) => (
                 launch::cluster_machine(hosts, state)?,
                 format!(
@@ -230,7 +179,10 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
             ),
             None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
         };
-        (choose_strategy(&graph, &machine, &opts.strategy)?, place)
+        (
+            choose_strategy(&graph, &machine, &opts.strategy)?,
+            where_text,
+        )
     } else {
         let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
         (serial, "one device".to_string())
@@ -266,26 +218,20 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     )?;
     // What the summary reports of the distributed plan: per-layer configs and bytes moved per step.
     let mut plan_summary = serde_json::Value::Null;
-    let mut engine = if distributed {
-        let engine = match &cluster {
-            Some((hosts, state)) => Engine::Remote(Box::new(RemoteCluster::start(
-                hosts,
-                state,
-                &graph,
-                &configs,
-                &state_to_load,
-                opts.sgd,
-                opts.seed,
-            )?)),
-            None => Engine::Cluster(EmbeddedCluster::resume(
-                &graph,
-                &configs,
-                devices,
-                &state_to_load,
-                opts.sgd,
-                opts.seed,
-            )?),
-        };
+    let place = match &cluster {
+        Some((hosts, state_dir)) => Place::Cluster { hosts, state_dir },
+        None if distributed => Place::Embedded { devices },
+        None => Place::OneDevice,
+    };
+    let job = JobStart {
+        graph: &graph,
+        configs: &configs,
+        state: &state_to_load,
+        sgd: opts.sgd,
+        seed: opts.seed,
+    };
+    let mut engine = engine::start(place, job)?;
+    if distributed {
         let remote_bytes = engine.plan().expect("a distributed engine").remote_bytes();
         plan_summary = json!({
             "strategy": opts.strategy,
@@ -294,21 +240,13 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         });
         if !opts.json {
             println!(
-                "strategy {} on {devices} device(s) ({place}), {} moved between devices per step:\n{}",
+                "strategy {} on {devices} device(s) ({where_text}), {} moved between devices per step:\n{}",
                 opts.strategy,
                 human_bytes(remote_bytes),
                 Strategy::from_configs(&graph, &configs)
             );
         }
-        engine
-    } else {
-        Engine::Single(Trainer::resume(
-            graph.clone(),
-            state_to_load,
-            opts.sgd,
-            opts.seed,
-        ))
-    };
+    }
     let loader = Loader::new(
         dataset.into(),
         LoaderConfig {
@@ -328,7 +266,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     });
     let started = Instant::now();
     let mut losses = Vec::with_capacity(opts.steps as usize);
-    let save = |engine: &Engine| -> anyhow::Result<()> {
+    let save = |engine: &dyn Engine| -> anyhow::Result<()> {
         if let Some(path) = &opts.save {
             let meta = BTreeMap::from([("model".to_string(), model_name.clone())]);
             engine.state()?.save(path, meta)?;
@@ -349,12 +287,12 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
         let t = Instant::now();
         let traced = opts.trace.is_some() && step == opts.steps;
-        let (stats, reports) = engine.step(
-            batch_data.images,
-            batch_data.labels,
-            upcoming.as_ref().map(|b| (&b.images[..], &b.labels[..])),
-            traced,
-        )?;
+        let (stats, reports) = engine.step(StepBatch {
+            images: batch_data.images,
+            labels: batch_data.labels,
+            next: upcoming.as_ref().map(|b| (&b.images[..], &b.labels[..])),
+            trace: traced,
+        })?;
         if traced && let (Some(path), Some(plan)) = (&opts.trace, engine.plan()) {
             let trace = legion_runtime::trace::chrome_trace(plan, &graph, &reports);
             legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
@@ -370,7 +308,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
         }
         losses.push(stats.loss);
         if opts.checkpoint_every.is_some_and(|k| step % k == 0) && step < opts.steps {
-            save(&engine)?;
+            save(engine.as_ref())?;
         }
         let accuracy = stats.correct as f64 / batch as f64;
         if opts.json {
@@ -394,7 +332,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     }
     let wall_secs = started.elapsed().as_secs_f64();
 
-    save(&engine)?;
+    save(engine.as_ref())?;
 
     let window = losses.len().min(10);
     let mean = |xs: &[f32]| xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64;

@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod compare;
 pub mod control;
+pub mod engine;
 pub mod hosts;
 pub mod job;
 pub mod launch;

@@ -1,0 +1,137 @@
+//! Where a training job's steps run, behind one trait: the single-device reference trainer, the
+//! embedded cluster of this process, or the worker processes of a cluster. A job and `--compare`
+//! start one with [`start`] and drive it through [`Engine`] without knowing which it is.
+
+use crate::hosts::Hosts;
+use crate::remote::RemoteCluster;
+use legion_ops::Graph;
+use legion_ops::train::{Sgd, StepStats, Trainer, TrainingState};
+use legion_planner::ParallelConfig;
+use legion_runtime::device::StepReport;
+use legion_runtime::embedded::EmbeddedCluster;
+use legion_runtime::plan::StepPlan;
+use std::path::Path;
+
+/// Where the steps run.
+pub enum Place<'a> {
+    /// The single-device reference trainer (the configs are ignored).
+    OneDevice,
+    /// `devices` device actors in this process.
+    Embedded { devices: usize },
+    /// The workers `legion-rs up` started for `hosts`, whose certificates are in `state_dir`.
+    Cluster {
+        hosts: &'a Hosts,
+        state_dir: &'a Path,
+    },
+}
+
+/// What every engine starts from.
+pub struct JobStart<'a> {
+    pub graph: &'a Graph,
+    /// By layer id.
+    pub configs: &'a [ParallelConfig],
+    /// Weights, momentum and the step to continue from.
+    pub state: &'a TrainingState,
+    pub sgd: Sgd,
+    pub seed: u64,
+}
+
+/// One step's batch.
+pub struct StepBatch<'a> {
+    pub images: Vec<f32>,
+    pub labels: Vec<u32>,
+    /// The following step's batch, if there is one: a cluster job delivers it to the workers
+    /// while this step runs.
+    pub next: Option<(&'a [f32], &'a [u32])>,
+    /// Whether to report each device's timeline of this step.
+    pub trace: bool,
+}
+
+/// A running engine.
+pub trait Engine {
+    /// Runs one step: its loss and accuracy, and per device its timeline when traced.
+    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)>;
+
+    /// Weights, momentum and step as they are now (what a checkpoint saves).
+    fn state(&self) -> anyhow::Result<TrainingState>;
+
+    /// The step plan the devices replay, where there are devices.
+    fn plan(&self) -> Option<&StepPlan>;
+}
+
+/// Starts the engine of `place` on `job`.
+pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engine>> {
+    Ok(match place {
+        Place::OneDevice => Box::new(Trainer::resume(
+            job.graph.clone(),
+            job.state.clone(),
+            job.sgd,
+            job.seed,
+        )),
+        Place::Embedded { devices } => Box::new(EmbeddedCluster::resume(
+            job.graph,
+            job.configs,
+            devices,
+            job.state,
+            job.sgd,
+            job.seed,
+        )?),
+        Place::Cluster { hosts, state_dir } => Box::new(RemoteCluster::start(
+            hosts,
+            state_dir,
+            job.graph,
+            job.configs,
+            job.state,
+            job.sgd,
+            job.seed,
+        )?),
+    })
+}
+
+impl Engine for Trainer {
+    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+        Ok((
+            Trainer::step(self, &batch.images, &batch.labels)?,
+            Vec::new(),
+        ))
+    }
+
+    fn state(&self) -> anyhow::Result<TrainingState> {
+        Ok(Trainer::state(self))
+    }
+
+    fn plan(&self) -> Option<&StepPlan> {
+        None
+    }
+}
+
+impl Engine for EmbeddedCluster {
+    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+        // Every device is in this process: there is nothing to deliver ahead.
+        let r = EmbeddedCluster::step(self, batch.images, batch.labels, batch.trace)?;
+        Ok((r.stats, r.reports))
+    }
+
+    fn state(&self) -> anyhow::Result<TrainingState> {
+        Ok(EmbeddedCluster::state(self)?)
+    }
+
+    fn plan(&self) -> Option<&StepPlan> {
+        Some(EmbeddedCluster::plan(self))
+    }
+}
+
+impl Engine for RemoteCluster {
+    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+        let r = RemoteCluster::step(self, &batch.images, &batch.labels, batch.next, batch.trace)?;
+        Ok((r.stats, r.reports))
+    }
+
+    fn state(&self) -> anyhow::Result<TrainingState> {
+        RemoteCluster::state(self)
+    }
+
+    fn plan(&self) -> Option<&StepPlan> {
+        Some(RemoteCluster::plan(self))
+    }
+}
