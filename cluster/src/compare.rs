@@ -121,7 +121,8 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         let job = JobStart {
             graph,
             configs,
-            state: &state,
+            // a copy per strategy, dropped once its devices hold the weights
+            state: state.clone(),
             sgd: Sgd::default(),
             seed: settings.seed,
         };

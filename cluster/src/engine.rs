@@ -30,8 +30,9 @@ pub struct JobStart<'a> {
     pub graph: &'a Graph,
     /// By layer id.
     pub configs: &'a [ParallelConfig],
-    /// Weights, momentum and the step to continue from.
-    pub state: &'a TrainingState,
+    /// Weights, momentum and the step to continue from: owned, so that the single-device trainer
+    /// takes them over rather than keeping a second copy beside the job's.
+    pub state: TrainingState,
     pub sgd: Sgd,
     pub seed: u64,
 }
@@ -64,7 +65,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
     Ok(match place {
         Place::OneDevice => Box::new(Trainer::resume(
             job.graph.clone(),
-            job.state.clone(),
+            job.state,
             job.sgd,
             job.seed,
         )),
@@ -72,7 +73,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.graph,
             job.configs,
             devices,
-            job.state,
+            &job.state,
             job.sgd,
             job.seed,
         )?),
@@ -81,7 +82,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             state_dir,
             job.graph,
             job.configs,
-            job.state,
+            &job.state,
             job.sgd,
             job.seed,
         )?),

@@ -226,7 +226,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     let job = JobStart {
         graph: &graph,
         configs: &configs,
-        state: &state_to_load,
+        state: state_to_load,
         sgd: opts.sgd,
         seed: opts.seed,
     };

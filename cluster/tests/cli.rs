@@ -1,33 +1,17 @@
 //! End-to-end tests of the `legion-rs` binary: real processes, real files.
 
+mod common;
+
+use common::{assert_clean_failure, legion};
 use serde_json::Value;
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn legion(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_legion-rs"))
-        .args(args)
-        .output()
-        .expect("legion-rs runs")
-}
+use std::process::Output;
 
 fn stdout_json_lines(out: &Output) -> Vec<Value> {
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l}: {e}")))
         .collect()
-}
-
-/// The command failed cleanly: non-zero exit, an `error:` line naming `needle`, and no panic.
-fn assert_clean_failure(out: &Output, needle: &str) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, stderr: {err}");
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
-    assert!(!err.contains("panicked"), "panicked: {err}");
-    assert!(
-        err.contains("error:") && err.contains(needle),
-        "stderr lacks '{needle}': {err}"
-    );
 }
 
 #[test]
@@ -175,7 +159,7 @@ fn corrupt_inputs_fail_cleanly() {
         "--init",
         &s(&truncated),
     ]);
-    assert_clean_failure(&out, "truncated.safetensors");
+    assert_clean_failure(&out, &["truncated.safetensors"]);
     let garbage = path("garbage.safetensors");
     std::fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
     let out = legion(&[
@@ -187,7 +171,7 @@ fn corrupt_inputs_fail_cleanly() {
         "--init",
         &s(&garbage),
     ]);
-    assert_clean_failure(&out, "garbage.safetensors");
+    assert_clean_failure(&out, &["garbage.safetensors"]);
     // A checkpoint of another model.
     let out = legion(&[
         "train",
@@ -200,7 +184,7 @@ fn corrupt_inputs_fail_cleanly() {
         "--init",
         &s(&good),
     ]);
-    assert_clean_failure(&out, "fc5.weight");
+    assert_clean_failure(&out, &["fc5.weight"]);
 
     // A CIFAR-10 file whose length is not a whole number of records.
     let cifar = path("data_batch_1.bin");
@@ -216,7 +200,7 @@ fn corrupt_inputs_fail_cleanly() {
         "--data",
         &format!("cifar10:{}", s(&cifar)),
     ]);
-    assert_clean_failure(&out, "data_batch_1.bin");
+    assert_clean_failure(&out, &["data_batch_1.bin"]);
 
     // Model JSON: broken syntax, unknown op, bad shape, dangling input.
     let cases = [
@@ -244,7 +228,6 @@ fn corrupt_inputs_fail_cleanly() {
         let p = path(name);
         std::fs::write(&p, text).unwrap();
         let out = legion(&["train", "--model", &s(&p), "--steps", "1"]);
-        assert_clean_failure(&out, needle);
-        assert_clean_failure(&out, name);
+        assert_clean_failure(&out, &[needle, name]);
     }
 }

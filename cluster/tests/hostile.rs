@@ -3,21 +3,8 @@
 
 mod common;
 
-use common::legion;
+use common::{assert_clean_failure, legion};
 use std::path::{Path, PathBuf};
-use std::process::Output;
-
-/// The command failed cleanly: exit 1, an `error:` line containing every one of `needles`, and no
-/// panic.
-fn assert_clean_failure(out: &Output, needles: &[&str]) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
-    assert!(!err.contains("panicked"), "panicked: {err}");
-    assert!(err.contains("error:"), "no error line: {err}");
-    for needle in needles {
-        assert!(err.contains(needle), "stderr lacks '{needle}': {err}");
-    }
-}
 
 /// A model file of a dense classifier over an input of `shape`, with `hidden` features in the
 /// hidden layer.

@@ -32,6 +32,18 @@ pub fn legion(args: &[&str]) -> Output {
         .expect("legion-rs runs")
 }
 
+/// The command failed cleanly: exit 1, an `error:` line containing every one of `needles`, and no
+/// panic.
+pub fn assert_clean_failure(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert!(err.contains("error:"), "no error line: {err}");
+    for needle in needles {
+        assert!(err.contains(needle), "stderr lacks '{needle}': {err}");
+    }
+}
+
 pub fn ok(out: Output) -> Output {
     assert!(
         out.status.success(),
