@@ -8,6 +8,7 @@
 //! - [`data`], [`checkpoint`], [`train`]: datasets, safetensors checkpoints, single-device training.
 
 pub mod atomic_file;
+pub mod backend;
 pub mod checkpoint;
 pub mod data;
 pub mod graph;

@@ -1,16 +1,18 @@
-//! Single-device reference training: whole-tensor forward and backward through the CPU kernels, then
-//! SGD with momentum and weight decay.
+//! Single-device reference training: whole-tensor forward and backward through the CPU backend
+//! (`crate::backend`, each layer one tile), then SGD with momentum and weight decay.
 //!
 //! This is deliberately independent of the distributed runtime: it is the reference every strategy is
 //! checked against (same weights after N steps), so it shares only the kernels and the initialisation.
 
+use crate::backend::cpu::{Buffer, Cpu, CpuStream};
+use crate::backend::{
+    Access, Backend, DType, KernelCall, KernelError, LossSums, Operand, Phase, Role, StepContext,
+};
 use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
-use crate::kernels::softmax_ce::LabelOutOfRange;
-use crate::kernels::{self, View, ViewMut};
 use crate::op::{Init, Op};
 use crate::rng::{self, Rng};
-use crate::shape::Shape;
+use crate::shape::{Rect, Shape};
 use std::collections::BTreeMap;
 
 /// Stochastic gradient descent with PyTorch's momentum and (coupled) weight decay:
@@ -306,77 +308,207 @@ impl Trainer {
     }
 
     /// One forward, backward and update on a batch of `graph.batch()` samples.
-    pub fn step(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, LabelOutOfRange> {
-        let pass = Pass::new(&self.graph, &self.params, self.seed, self.step);
-        let (acts, stats, saved) = pass.forward(images, labels)?;
-        let grads = pass.backward(&acts, &saved, labels)?;
-        let Grads {
-            params: param_grads,
-        } = grads;
-        for (slot, g) in param_grads.into_iter().enumerate() {
-            if let Some(g) = g {
-                self.sgd
-                    .update(&mut self.params.values[slot], &g, &mut self.velocity[slot]);
-            }
-        }
-        for (slot, value) in saved.buffer_updates {
-            self.params.values[slot] = value;
-        }
+    pub fn step(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, KernelError> {
+        // The values move into backend buffers for the step and back after it: no copies.
+        let mut params: Vec<Buffer> = std::mem::take(&mut self.params.values)
+            .into_iter()
+            .map(Buffer::F32)
+            .collect();
+        let mut velocity: Vec<Buffer> = std::mem::take(&mut self.velocity)
+            .into_iter()
+            .map(Buffer::F32)
+            .collect();
+        let result = self.step_on(&mut params, &mut velocity, images, labels);
+        self.params.values = params.into_iter().map(Buffer::into_f32).collect();
+        self.velocity = velocity.into_iter().map(Buffer::into_f32).collect();
+        let stats = result?;
         self.step += 1;
+        Ok(stats)
+    }
+
+    fn step_on(
+        &self,
+        params: &mut [Buffer],
+        velocity: &mut [Buffer],
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<StepStats, KernelError> {
+        let pass = Pass::new(
+            &self.graph,
+            &self.params,
+            self.sgd,
+            images,
+            labels,
+            self.seed,
+            self.step,
+        );
+        let (acts, stats, saved) = pass.forward(params)?;
+        let grads = pass.backward(params, &acts, &saved)?;
+        let mut stream = CpuStream;
+        for (slot, grad) in grads.into_iter().enumerate() {
+            let Some(grad) = grad else { continue };
+            let p = &self.params.params[slot];
+            let rect = p.spec.shape.full_rect();
+            let param = (slot - self.params.slot(p.layer, 0)) as u8;
+            let operands = vec![
+                read(Role::ParamGrad(param), rect, &grad),
+                write(Role::Param(param), rect, &mut params[slot]),
+                write(Role::Velocity(param), rect, &mut velocity[slot]),
+            ];
+            KernelCall::new(
+                &Cpu,
+                &mut stream,
+                &self.graph,
+                p.layer,
+                rect,
+                &pass.ctx,
+                operands,
+            )
+            .run(Phase::Update { param })?;
+        }
         Ok(stats)
     }
 }
 
-/// Per-layer state the backward pass needs from the forward pass.
+fn read(role: Role, rect: Rect, mem: &Buffer) -> Operand<'_, Buffer> {
+    Operand {
+        role,
+        rect,
+        access: Access::Read(mem),
+    }
+}
+
+fn write(role: Role, rect: Rect, mem: &mut Buffer) -> Operand<'_, Buffer> {
+    Operand {
+        role,
+        rect,
+        access: Access::Write(mem),
+    }
+}
+
+/// Write operands `role(k)` for the present buffers, each laid out over `rects[k]`.
+fn writes<'b>(
+    role: fn(u8) -> Role,
+    rects: &[Rect],
+    buffers: &'b mut [Option<Buffer>],
+) -> Vec<Operand<'b, Buffer>> {
+    buffers
+        .iter_mut()
+        .zip(rects)
+        .enumerate()
+        .filter_map(|(k, (b, &rect))| b.as_mut().map(|b| write(role(k as u8), rect, b)))
+        .collect()
+}
+
+/// Two distinct elements of a slice, both writable.
+fn two_mut<T>(items: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    assert!(a < b, "two_mut wants a < b");
+    let (head, tail) = items.split_at_mut(b);
+    (&mut head[a], &mut tail[0])
+}
+
+/// The `[3, C]` f64 sums of a batch-norm layer with `channels` channels, whole.
+fn sums_rect(channels: usize) -> Rect {
+    Shape::new(&[3, channels]).full_rect()
+}
+
+/// Per-layer state the backward pass needs from the forward pass: the batch statistics (`[3, C]`
+/// sums) of each batch-norm layer, by layer index.
 #[derive(Default)]
 struct Saved {
-    /// Batch statistics of each batch-norm layer, by layer index.
-    bn: BTreeMap<usize, kernels::batch_norm::BatchStats>,
-    /// New values of buffers (running statistics) by parameter slot.
-    buffer_updates: Vec<(usize, Vec<f32>)>,
+    moments: BTreeMap<usize, Buffer>,
 }
 
-struct Grads {
-    params: Vec<Option<Vec<f32>>>,
-}
-
-/// One forward/backward pass over the whole batch.
+/// One forward/backward pass over the whole batch: every layer is one tile, the whole tensor,
+/// run through the CPU backend.
 struct Pass<'a> {
     graph: &'a Graph,
-    params: &'a ParamStore,
-    seed: u64,
-    step: u64,
+    store: &'a ParamStore,
+    ctx: StepContext<'a>,
 }
 
 impl<'a> Pass<'a> {
-    fn new(graph: &'a Graph, params: &'a ParamStore, seed: u64, step: u64) -> Pass<'a> {
+    fn new(
+        graph: &'a Graph,
+        store: &'a ParamStore,
+        sgd: Sgd,
+        images: &'a [f32],
+        labels: &'a [u32],
+        seed: u64,
+        step: u64,
+    ) -> Pass<'a> {
+        let batch = graph.batch();
         Pass {
             graph,
-            params,
-            seed,
-            step,
+            store,
+            ctx: StepContext {
+                seed,
+                step,
+                sgd,
+                images,
+                image_samples: 0..batch,
+                labels,
+                label_samples: 0..batch,
+            },
         }
     }
 
-    fn view(&self, layer: LayerId, data: &'a [f32]) -> View<'a> {
-        View::new(self.graph.layer(layer).shape.full_rect(), data)
+    fn full(&self, layer: LayerId) -> Rect {
+        self.graph.layer(layer).shape.full_rect()
     }
 
-    fn param_view(&self, layer: LayerId, index: usize) -> View<'a> {
-        let slot = self.params.slot(layer, index);
-        View::new(
-            self.params.params[slot].spec.shape.full_rect(),
-            &self.params.values[slot],
-        )
+    /// Read operands for every parameter (and buffer) of `layer`.
+    fn param_operands<'b>(&self, layer: LayerId, params: &'b [Buffer]) -> Vec<Operand<'b, Buffer>> {
+        let count = self
+            .graph
+            .layer(layer)
+            .op
+            .spec()
+            .params(&self.graph.input_shapes(layer))
+            .len();
+        (0..count)
+            .map(|k| {
+                let slot = self.store.slot(layer, k);
+                let rect = self.store.params[slot].spec.shape.full_rect();
+                read(Role::Param(k as u8), rect, &params[slot])
+            })
+            .collect()
+    }
+
+    fn run(
+        &self,
+        layer: LayerId,
+        tile: Rect,
+        phase: Phase,
+        operands: Vec<Operand<'_, Buffer>>,
+    ) -> Result<Option<LossSums>, KernelError> {
+        let mut stream = CpuStream;
+        let mut call = KernelCall::new(
+            &Cpu,
+            &mut stream,
+            self.graph,
+            layer,
+            tile,
+            &self.ctx,
+            operands,
+        );
+        call.run(phase)?;
+        let loss = call.loss.take();
+        Cpu.synchronize(&mut stream)?;
+        Ok(loss.map(|l| Cpu.read_loss(l)))
     }
 
     fn forward(
         &self,
-        images: &[f32],
-        labels: &[u32],
-    ) -> Result<(Vec<Vec<f32>>, StepStats, Saved), LabelOutOfRange> {
+        params: &mut [Buffer],
+    ) -> Result<(Vec<Buffer>, StepStats, Saved), KernelError> {
         let g = self.graph;
-        let mut acts: Vec<Vec<f32>> = Vec::with_capacity(g.layers().len());
+        assert_eq!(
+            self.ctx.images.len(),
+            g.layer(g.input()).shape.numel(),
+            "batch images do not match the input shape"
+        );
+        let mut acts: Vec<Buffer> = Vec::with_capacity(g.layers().len());
         let mut saved = Saved::default();
         let mut stats = StepStats {
             loss: 0.0,
@@ -384,99 +516,43 @@ impl<'a> Pass<'a> {
         };
         for id in g.ids() {
             let layer = g.layer(id);
-            let out_rect = layer.shape.full_rect();
-            let mut y = vec![0.0; layer.shape.numel()];
-            let input = |k: usize| -> View<'_> {
-                let src = layer.inputs[k];
-                View::new(g.layer(src).shape.full_rect(), &acts[src.0])
-            };
-            let in_shape = |k: usize| g.layer(layer.inputs[k]).shape;
-            match &layer.op {
-                Op::Input(_) => {
-                    assert_eq!(
-                        images.len(),
-                        y.len(),
-                        "batch images do not match the input shape"
-                    );
-                    y.copy_from_slice(images);
-                }
-                Op::Conv2d(op) => {
-                    let b = op.bias.then(|| self.param_view(id, 1));
-                    kernels::conv2d::conv2d_forward(
-                        op,
-                        in_shape(0),
-                        input(0),
-                        self.param_view(id, 0),
-                        b,
-                        ViewMut::new(out_rect, &mut y),
-                    );
-                }
-                Op::Pool2d(op) => kernels::pool2d::pool2d_forward(
-                    op,
-                    in_shape(0),
-                    input(0),
-                    ViewMut::new(out_rect, &mut y),
-                ),
-                Op::Dense(op) => {
-                    let b = op.bias.then(|| self.param_view(id, 1));
-                    kernels::dense::dense_forward(
-                        op,
-                        input(0),
-                        self.param_view(id, 0),
-                        b,
-                        ViewMut::new(out_rect, &mut y),
-                    );
-                }
-                Op::Relu(_) => {
-                    kernels::relu::relu_forward(input(0), ViewMut::new(out_rect, &mut y))
-                }
-                Op::Flatten(_) => y.copy_from_slice(input(0).data),
-                Op::Concat(_) => {
-                    let ins: Vec<View> = (0..layer.inputs.len()).map(input).collect();
-                    kernels::concat::concat_forward(
-                        &g.input_shapes(id),
-                        &ins,
-                        ViewMut::new(out_rect, &mut y),
-                    );
-                }
-                Op::Add(_) => {
-                    kernels::add::add_forward(input(0), input(1), ViewMut::new(out_rect, &mut y))
-                }
-                Op::BatchNorm(op) => {
-                    let channels = Shape::new(&[layer.shape.dim(1)]).full_rect();
-                    let mut running_mean = self.param_view(id, 2).data.to_vec();
-                    let mut running_var = self.param_view(id, 3).data.to_vec();
-                    let stats = kernels::batch_norm::batch_norm_forward(
-                        op,
-                        input(0),
-                        self.param_view(id, 0),
-                        self.param_view(id, 1),
-                        ViewMut::new(channels, &mut running_mean),
-                        ViewMut::new(channels, &mut running_var),
-                        ViewMut::new(out_rect, &mut y),
-                    );
-                    saved
-                        .buffer_updates
-                        .push((self.params.slot(id, 2), running_mean));
-                    saved
-                        .buffer_updates
-                        .push((self.params.slot(id, 3), running_var));
-                    saved.bn.insert(id.0, stats);
-                }
-                Op::Dropout(op) => kernels::dropout::dropout_forward(
-                    &self.dropout_mask(id, op.rate),
-                    input(0),
-                    ViewMut::new(out_rect, &mut y),
-                ),
-                Op::SoftmaxCrossEntropy(_) => {
-                    let logits = input(0);
-                    let total = kernels::softmax_ce::softmax_ce_forward(
-                        logits,
-                        labels,
-                        ViewMut::new(out_rect, &mut y),
-                    )?;
-                    stats.loss = (total / y.len() as f64) as f32;
-                    stats.correct = kernels::softmax_ce::count_correct(logits, labels);
+            let tile = self.full(id);
+            let mut y = Buffer::zeros(DType::F32, layer.shape.numel());
+            let mut operands: Vec<Operand<'_, Buffer>> = layer
+                .inputs
+                .iter()
+                .enumerate()
+                .map(|(k, &src)| read(Role::Input(k as u8), self.full(src), &acts[src.0]))
+                .collect();
+            if let Op::BatchNorm(_) = layer.op {
+                let channels = layer.shape.dim(1);
+                let mut moments = Buffer::zeros(DType::F64, 3 * channels);
+                let x = read(Role::Input(0), tile, &acts[layer.inputs[0].0]);
+                self.run(
+                    id,
+                    tile,
+                    Phase::BnMoments,
+                    vec![x, write(Role::Moments, sums_rect(channels), &mut moments)],
+                )?;
+                operands.push(read(Role::Moments, sums_rect(channels), &moments));
+                operands.extend(self.param_operands(id, params));
+                operands.push(write(Role::Output, tile, &mut y));
+                self.run(id, tile, Phase::BnNormalize, operands)?;
+                let slice = Shape::new(&[channels]).full_rect();
+                let (mean, var) = two_mut(params, self.store.slot(id, 2), self.store.slot(id, 3));
+                let running = vec![
+                    read(Role::Moments, sums_rect(channels), &moments),
+                    write(Role::Param(2), slice, mean),
+                    write(Role::Param(3), slice, var),
+                ];
+                self.run(id, slice, Phase::BnRunning, running)?;
+                saved.moments.insert(id.0, moments);
+            } else {
+                operands.extend(self.param_operands(id, params));
+                operands.push(write(Role::Output, tile, &mut y));
+                if let Some(loss) = self.run(id, tile, Phase::Forward, operands)? {
+                    stats.loss = (loss.loss_sum / layer.shape.numel() as f64) as f32;
+                    stats.correct = loss.correct;
                 }
             }
             acts.push(y);
@@ -484,192 +560,97 @@ impl<'a> Pass<'a> {
         Ok((acts, stats, saved))
     }
 
-    /// Dropout layers are salted with their layer index, which every partition of the graph shares.
-    fn dropout_mask(&self, layer: LayerId, rate: f32) -> kernels::dropout::DropoutMask {
-        kernels::dropout::DropoutMask {
-            rate,
-            seed: self.seed,
-            step: self.step,
-            layer_salt: layer.0 as u64,
-            shape: self.graph.layer(layer).shape,
-        }
-    }
-
+    /// The gradient of every trainable parameter, by slot.
     fn backward(
         &self,
-        acts: &[Vec<f32>],
+        params: &[Buffer],
+        acts: &[Buffer],
         saved: &Saved,
-        labels: &[u32],
-    ) -> Result<Grads, LabelOutOfRange> {
+    ) -> Result<Vec<Option<Buffer>>, KernelError> {
         let g = self.graph;
-        let n_layers = g.layers().len();
         // Gradient w.r.t. each layer's output, summed over its consumers.
-        let mut dout: Vec<Option<Vec<f32>>> = vec![None; n_layers];
-        let mut param_grads: Vec<Option<Vec<f32>>> = vec![None; self.params.params.len()];
-        let accumulate = |slot: &mut Option<Vec<f32>>, g: Vec<f32>| match slot {
-            Some(acc) => acc.iter_mut().zip(&g).for_each(|(a, b)| *a += *b),
-            None => *slot = Some(g),
-        };
+        let mut dout: Vec<Option<Buffer>> = vec![None; g.layers().len()];
+        let mut param_grads: Vec<Option<Buffer>> = vec![None; self.store.params.len()];
         for id in g.ids().rev() {
             let layer = g.layer(id);
-            let out_rect = layer.shape.full_rect();
-            let y = self.view(id, &acts[id.0]);
-            let dy_buf = match &layer.op {
-                Op::SoftmaxCrossEntropy(_) => None,
-                _ => match dout[id.0].take() {
-                    Some(d) => Some(d),
-                    // Nothing downstream depends on this layer (or it is the input).
-                    None => continue,
-                },
-            };
-            let dy = dy_buf.as_deref().map(|d| View::new(out_rect, d));
-            let input = |k: usize| -> View<'_> {
-                let src = layer.inputs[k];
-                View::new(g.layer(src).shape.full_rect(), &acts[src.0])
-            };
-            let in_shape = |k: usize| g.layer(layer.inputs[k]).shape;
+            let tile = self.full(id);
+            let reads = layer.op.backward_reads();
+            let dy = dout[id.0].take();
+            if dy.is_none() && reads.output_grad {
+                // Nothing downstream depends on this layer (or it is the input).
+                continue;
+            }
             // The first input of a layer fed by the data needs no gradient.
             let needs_dx = |k: usize| !matches!(g.layer(layer.inputs[k]).op, Op::Input(_));
-            let zeros_like = |k: usize| vec![0.0; in_shape(k).numel()];
-            let mut dxs: Vec<Option<Vec<f32>>> = Vec::new();
-            match &layer.op {
-                Op::Input(_) => {}
-                Op::Conv2d(op) => {
-                    let w = self.param_view(id, 0);
-                    let mut dw = vec![0.0; w.data.len()];
-                    let mut db = op.bias.then(|| vec![0.0; op.out_channels]);
-                    let mut dx = needs_dx(0).then(|| zeros_like(0));
-                    let x = input(0);
-                    kernels::conv2d::conv2d_backward(
-                        op,
-                        in_shape(0),
-                        x,
-                        w,
-                        y,
-                        dy.unwrap(),
-                        dx.as_deref_mut().map(|d| ViewMut::new(x.rect, d)),
-                        ViewMut::new(w.rect, &mut dw),
-                        db.as_deref_mut()
-                            .map(|d| ViewMut::new(Shape::new(&[op.out_channels]).full_rect(), d)),
-                    );
-                    accumulate(&mut param_grads[self.params.slot(id, 0)], dw);
-                    if let Some(db) = db {
-                        accumulate(&mut param_grads[self.params.slot(id, 1)], db);
-                    }
-                    dxs.push(dx);
+            let mut dxs: Vec<Option<Buffer>> = (0..layer.inputs.len())
+                .map(|k| {
+                    needs_dx(k)
+                        .then(|| Buffer::zeros(DType::F32, g.layer(layer.inputs[k]).shape.numel()))
+                })
+                .collect();
+            let param_specs = layer.op.spec().params(&g.input_shapes(id));
+            let mut grads: Vec<Option<Buffer>> = param_specs
+                .iter()
+                .map(|p| {
+                    p.trainable
+                        .then(|| Buffer::zeros(DType::F32, p.shape.numel()))
+                })
+                .collect();
+            // What every backward phase may read: inputs, output, its gradient, parameters.
+            let common = || {
+                let mut operands: Vec<Operand<'_, Buffer>> = Vec::new();
+                for (k, src) in layer.inputs.iter().enumerate() {
+                    operands.push(read(Role::Input(k as u8), self.full(*src), &acts[src.0]));
                 }
-                Op::Pool2d(op) => {
-                    let x = input(0);
-                    let mut dx = zeros_like(0);
-                    kernels::pool2d::pool2d_backward(
-                        op,
-                        in_shape(0),
-                        x,
-                        dy.unwrap(),
-                        ViewMut::new(x.rect, &mut dx),
-                    );
-                    dxs.push(Some(dx));
+                operands.push(read(Role::Output, tile, &acts[id.0]));
+                if let Some(dy) = &dy {
+                    operands.push(read(Role::OutputGrad, tile, dy));
                 }
-                Op::Dense(op) => {
-                    let w = self.param_view(id, 0);
-                    let mut dw = vec![0.0; w.data.len()];
-                    let mut db = op.bias.then(|| vec![0.0; op.out_features]);
-                    let mut dx = needs_dx(0).then(|| zeros_like(0));
-                    let x = input(0);
-                    kernels::dense::dense_backward(
-                        op,
-                        x,
-                        w,
-                        y,
-                        dy.unwrap(),
-                        dx.as_deref_mut().map(|d| ViewMut::new(x.rect, d)),
-                        ViewMut::new(w.rect, &mut dw),
-                        db.as_deref_mut()
-                            .map(|d| ViewMut::new(Shape::new(&[op.out_features]).full_rect(), d)),
-                    );
-                    accumulate(&mut param_grads[self.params.slot(id, 0)], dw);
-                    if let Some(db) = db {
-                        accumulate(&mut param_grads[self.params.slot(id, 1)], db);
-                    }
-                    dxs.push(dx);
+                operands.extend(self.param_operands(id, params));
+                operands
+            };
+            let param_rects: Vec<Rect> = param_specs.iter().map(|p| p.shape.full_rect()).collect();
+            let input_rects: Vec<Rect> = layer.inputs.iter().map(|&src| self.full(src)).collect();
+            if let Op::BatchNorm(_) = layer.op {
+                let channels = layer.shape.dim(1);
+                let moments = || read(Role::Moments, sums_rect(channels), &saved.moments[&id.0]);
+                let mut sums = Buffer::zeros(DType::F64, 3 * channels);
+                let mut first = common();
+                first.push(moments());
+                first.extend(writes(Role::ParamGrad, &param_rects, &mut grads));
+                first.push(write(Role::GradSums, sums_rect(channels), &mut sums));
+                self.run(id, tile, Phase::BnGradSums, first)?;
+                if dxs[0].is_some() {
+                    let mut second = common();
+                    second.push(moments());
+                    second.push(read(Role::GradSums, sums_rect(channels), &sums));
+                    second.extend(writes(Role::InputGrad, &input_rects, &mut dxs));
+                    self.run(id, tile, Phase::BnInputGrad, second)?;
                 }
-                Op::Relu(_) => {
-                    let mut dx = zeros_like(0);
-                    kernels::relu::relu_backward(y, dy.unwrap(), ViewMut::new(out_rect, &mut dx));
-                    dxs.push(Some(dx));
-                }
-                Op::Flatten(_) => dxs.push(dy_buf.clone()),
-                Op::Concat(_) => {
-                    let mut bufs: Vec<Vec<f32>> = (0..layer.inputs.len()).map(zeros_like).collect();
-                    {
-                        let mut views: Vec<ViewMut> = bufs
-                            .iter_mut()
-                            .enumerate()
-                            .map(|(k, b)| ViewMut::new(in_shape(k).full_rect(), b))
-                            .collect();
-                        kernels::concat::concat_backward(
-                            &g.input_shapes(id),
-                            dy.unwrap(),
-                            &mut views,
-                        );
-                    }
-                    dxs.extend(bufs.into_iter().map(Some));
-                }
-                Op::Add(_) => {
-                    dxs.push(dy_buf.clone());
-                    dxs.push(dy_buf.clone());
-                }
-                Op::BatchNorm(op) => {
-                    let x = input(0);
-                    let mut dx = zeros_like(0);
-                    let channels = Shape::new(&[layer.shape.dim(1)]).full_rect();
-                    let mut dgamma = vec![0.0; channels.volume()];
-                    let mut dbeta = vec![0.0; channels.volume()];
-                    kernels::batch_norm::batch_norm_backward(
-                        op,
-                        x,
-                        y,
-                        dy.unwrap(),
-                        &saved.bn[&id.0],
-                        self.param_view(id, 0),
-                        ViewMut::new(x.rect, &mut dx),
-                        ViewMut::new(channels, &mut dgamma),
-                        ViewMut::new(channels, &mut dbeta),
-                    );
-                    accumulate(&mut param_grads[self.params.slot(id, 0)], dgamma);
-                    accumulate(&mut param_grads[self.params.slot(id, 1)], dbeta);
-                    dxs.push(Some(dx));
-                }
-                Op::Dropout(op) => {
-                    let mut dx = zeros_like(0);
-                    kernels::dropout::dropout_backward(
-                        &self.dropout_mask(id, op.rate),
-                        dy.unwrap(),
-                        ViewMut::new(out_rect, &mut dx),
-                    );
-                    dxs.push(Some(dx));
-                }
-                Op::SoftmaxCrossEntropy(_) => {
-                    let logits = input(0);
-                    let mut dx = zeros_like(0);
-                    kernels::softmax_ce::softmax_ce_backward(
-                        logits,
-                        labels,
-                        1.0 / g.batch() as f32,
-                        ViewMut::new(logits.rect, &mut dx),
-                    )?;
-                    dxs.push(Some(dx));
+            } else {
+                let mut operands = common();
+                operands.extend(writes(Role::ParamGrad, &param_rects, &mut grads));
+                operands.extend(writes(Role::InputGrad, &input_rects, &mut dxs));
+                self.run(id, tile, Phase::Backward, operands)?;
+            }
+            for (k, grad) in grads.into_iter().enumerate() {
+                if grad.is_some() {
+                    param_grads[self.store.slot(id, k)] = grad;
                 }
             }
             for (k, dx) in dxs.into_iter().enumerate() {
-                if let Some(dx) = dx {
-                    accumulate(&mut dout[layer.inputs[k].0], dx);
+                let Some(dx) = dx else { continue };
+                match &mut dout[layer.inputs[k].0] {
+                    Some(acc) => acc
+                        .f32_mut()
+                        .iter_mut()
+                        .zip(dx.f32())
+                        .for_each(|(a, b)| *a += *b),
+                    slot => *slot = Some(dx),
                 }
             }
         }
-        Ok(Grads {
-            params: param_grads,
-        })
+        Ok(param_grads)
     }
 }
 
@@ -724,21 +705,25 @@ mod tests {
         let params = ParamStore::init(&graph, 3);
         let images = check::random(graph.layer(graph.input()).shape.numel(), 11);
         let labels = [0, 1, 2, 1];
-        let pass = Pass::new(&graph, &params, 5, 0);
-        let (acts, _, saved) = pass.forward(&images, &labels).unwrap();
-        let grads = pass.backward(&acts, &saved, &labels).unwrap();
+        let sgd = Sgd::default();
+        let pass = Pass::new(&graph, &params, sgd, &images, &labels, 5, 0);
+        let mut buffers: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
+        let (acts, _, saved) = pass.forward(&mut buffers).unwrap();
+        let grads = pass.backward(&buffers, &acts, &saved).unwrap();
         for (slot, p) in params.params.iter().enumerate() {
             if !p.spec.trainable {
                 continue;
             }
-            let analytic = grads.params[slot]
+            let analytic = grads[slot]
                 .as_ref()
-                .expect("every parameter gets a gradient");
+                .expect("every parameter gets a gradient")
+                .f32();
             check::assert_grad(&p.name, &params.values[slot], analytic, 12, |w| {
                 let mut probe = params.clone();
                 probe.values[slot] = w.to_vec();
-                let (_, stats, _) = Pass::new(&graph, &probe, 5, 0)
-                    .forward(&images, &labels)
+                let mut buffers: Vec<Buffer> = probe.values.into_iter().map(Buffer::F32).collect();
+                let (_, stats, _) = Pass::new(&graph, &params, sgd, &images, &labels, 5, 0)
+                    .forward(&mut buffers)
                     .unwrap();
                 stats.loss as f64
             });

@@ -192,25 +192,20 @@ impl Lowering<'_> {
                 }
             }
             op => {
-                let needs_x = matches!(
-                    op,
-                    Op::Conv2d(_) | Op::Dense(_) | Op::Pool2d(_) | Op::SoftmaxCrossEntropy(_)
-                );
-                let needs_y = matches!(op, Op::Conv2d(_) | Op::Dense(_) | Op::Relu(_));
-                let needs_dy = !matches!(op, Op::SoftmaxCrossEntropy(_));
+                let reads = op.backward_reads();
                 for p in &points {
                     let mut t = TaskSpec::new(TaskKind::Backward, id, p.tile, p.device);
                     let rects = spec.project(&inputs, &p.tile);
-                    if needs_x {
+                    if reads.inputs {
                         for (k, &rect) in rects.iter().enumerate() {
                             let src = self.regions.activation(layer.inputs[k]);
                             t.require(src, rect, ReadOnly, Role::Input(k as u8));
                         }
                     }
-                    if needs_y {
+                    if reads.output {
                         t.require(y, p.tile, ReadOnly, Role::Output);
                     }
-                    if needs_dy {
+                    if reads.output_grad {
                         t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
                     }
                     self.params(&mut t, p, ReadOnly, |_| true);

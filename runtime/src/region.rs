@@ -66,22 +66,8 @@ impl RegionKind {
     }
 }
 
-/// Element type of a region. Batch-norm sums stay in f64 so that every partition computes the same
-/// statistics as one device, to the last bits that matter.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    F64,
-}
-
-impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F64 => 8,
-        }
-    }
-}
+/// Element type of a region (batch-norm sums are f64).
+pub use legion_ops::backend::DType;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct RegionInfo {

@@ -6,7 +6,7 @@ use crate::analysis::{OpKind, StepGraph};
 use crate::buffer::{self, Buffer};
 use crate::exec::{self, Access, ExecContext, TaskOutcome};
 use crate::region::Regions;
-use legion_ops::kernels::softmax_ce::LabelOutOfRange;
+use legion_ops::backend::KernelError;
 
 /// Every instance of a step graph, by global id.
 pub struct SerialMemory {
@@ -29,7 +29,7 @@ impl SerialMemory {
         &mut self,
         graph: &StepGraph,
         ctx: &ExecContext,
-    ) -> Result<TaskOutcome, LabelOutOfRange> {
+    ) -> Result<TaskOutcome, KernelError> {
         let mut total = TaskOutcome::default();
         for op in &graph.ops {
             match &op.kind {

@@ -32,26 +32,8 @@ impl Privilege {
     }
 }
 
-/// What a requirement is to the kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// The layer's `k`-th input activation.
-    Input(u8),
-    /// The layer's output activation.
-    Output,
-    /// The gradient w.r.t. the layer's output.
-    OutputGrad,
-    /// The gradient w.r.t. the layer's `k`-th input.
-    InputGrad(u8),
-    /// The layer's `k`-th parameter (or buffer).
-    Param(u8),
-    ParamGrad(u8),
-    Velocity(u8),
-    /// Batch-norm forward sums of the tile's channels.
-    Moments,
-    /// Batch-norm backward sums of the tile's channels.
-    GradSums,
-}
+/// What a requirement is to the kernel: the operand slots of `legion_ops::backend`.
+pub use legion_ops::backend::Role;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Requirement {

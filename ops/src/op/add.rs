@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, elementwise_dims};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -28,5 +30,24 @@ impl OpSpec for Add {
 
     fn project_into(&self, _inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         rects.extend([*out, *out]);
+    }
+}
+
+impl OpKernels for Add {
+    const BACKWARD_READS: BackwardReads = BackwardReads::NOTHING;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let (a, b) = (c.read(Role::Input(0)), c.read(Role::Input(1)));
+        let y = c.write(Role::Output);
+        c.backend.add_forward(c.stream, a, b, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let dy = c.read(Role::OutputGrad);
+        let da = c.try_write(Role::InputGrad(0));
+        let db = c.try_write(Role::InputGrad(1));
+        c.backend.add_backward(c.stream, dy, da, db);
+        Ok(())
     }
 }

@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, Init, OpSpec, ParamSpec, elementwise_dims};
+use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -78,5 +80,62 @@ impl OpSpec for BatchNorm {
 
     fn project_into(&self, _inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         rects.push(*out);
+    }
+}
+
+impl OpKernels for BatchNorm {
+    const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS_AND_OUTPUT;
+
+    /// Batch norm runs in phases (`run`), never as one forward.
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        self.run(Phase::BnNormalize, c)
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        self.run(Phase::BnInputGrad, c)
+    }
+
+    fn run<B: Backend>(&self, phase: Phase, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        if phase == Phase::BnRunning {
+            let moments = c.read(Role::Moments);
+            let (mean, var) = (c.write(Role::Param(2)), c.write(Role::Param(3)));
+            c.backend.bn_running(c.stream, self, moments, mean, var);
+            return Ok(());
+        }
+        let x = c.read(Role::Input(0));
+        match phase {
+            Phase::BnMoments => {
+                let moments = c.write(Role::Moments);
+                c.backend.bn_moments(c.stream, x, &c.tile, moments);
+            }
+            Phase::BnNormalize => {
+                let moments = c.read(Role::Moments);
+                let (gamma, beta) = (c.read(Role::Param(0)), c.read(Role::Param(1)));
+                let y = c.write(Role::Output);
+                c.backend
+                    .bn_normalize(c.stream, self, x, moments, gamma, beta, y);
+            }
+            Phase::BnGradSums => {
+                let moments = c.read(Role::Moments);
+                let y = self.relu.then(|| c.read(Role::Output));
+                let dy = c.read(Role::OutputGrad);
+                let (dgamma, dbeta) = (c.write(Role::ParamGrad(0)), c.write(Role::ParamGrad(1)));
+                let sums = c.write(Role::GradSums);
+                c.backend.bn_grad_sums(
+                    c.stream, self, x, y, dy, moments, &c.tile, dgamma, dbeta, sums,
+                );
+            }
+            Phase::BnInputGrad => {
+                let moments = c.read(Role::Moments);
+                let y = self.relu.then(|| c.read(Role::Output));
+                let (dy, gamma) = (c.read(Role::OutputGrad), c.read(Role::Param(0)));
+                let sums = c.read(Role::GradSums);
+                let dx = c.write(Role::InputGrad(0));
+                c.backend
+                    .bn_input_grad(c.stream, self, x, y, dy, moments, gamma, sums, dx);
+            }
+            other => panic!("batch norm has no {other} phase"),
+        }
+        Ok(())
     }
 }

@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, elementwise_dims};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -66,6 +68,30 @@ impl OpSpec for Concat {
             let hi = out.hi[1].clamp(off, off + s.dim(1)) - off;
             out.with_axis(1, lo, hi)
         }));
+    }
+}
+
+impl OpKernels for Concat {
+    const BACKWARD_READS: BackwardReads = BackwardReads::NOTHING;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let shapes = c.input_shapes();
+        let xs: Vec<_> = (0..shapes.len())
+            .map(|k| c.try_read(Role::Input(k as u8)))
+            .collect();
+        let y = c.write(Role::Output);
+        c.backend.concat_forward(c.stream, &shapes, &xs, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let shapes = c.input_shapes();
+        let dy = c.read(Role::OutputGrad);
+        let dxs = (0..shapes.len())
+            .map(|k| c.try_write(Role::InputGrad(k as u8)))
+            .collect();
+        c.backend.concat_backward(c.stream, &shapes, dy, dxs);
+        Ok(())
     }
 }
 

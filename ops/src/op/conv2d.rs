@@ -1,4 +1,6 @@
 use super::{Activation, Flops, Init, OpSpec, ParamSpec, expect_rank, window_in, window_out};
+use super::{BackwardReads, OpKernels};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape, bounded_elements};
 use serde::{Deserialize, Serialize};
 
@@ -188,6 +190,33 @@ impl OpSpec for Conv2d {
             &[out.lo[0], c0, h0, w0],
             &[out.hi[0], c1, h1, w1],
         ));
+    }
+}
+
+impl OpKernels for Conv2d {
+    const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS_AND_OUTPUT;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let b = self.bias.then(|| c.read(Role::Param(1)));
+        let (x, w, y) = (
+            c.read(Role::Input(0)),
+            c.read(Role::Param(0)),
+            c.write(Role::Output),
+        );
+        c.backend
+            .conv2d_forward(c.stream, self, c.input_shape(0), x, w, b, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let (x, w) = (c.read(Role::Input(0)), c.read(Role::Param(0)));
+        let (y, dy) = (c.read(Role::Output), c.read(Role::OutputGrad));
+        let dw = c.write(Role::ParamGrad(0));
+        let db = c.try_write(Role::ParamGrad(1));
+        let dx = c.try_write(Role::InputGrad(0));
+        c.backend
+            .conv2d_backward(c.stream, self, c.input_shape(0), x, w, y, dy, dx, dw, db);
+        Ok(())
     }
 }
 

@@ -1,4 +1,6 @@
 use super::{Activation, Flops, Init, OpSpec, ParamSpec, expect_rank};
+use super::{BackwardReads, OpKernels};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape, bounded_elements};
 use serde::{Deserialize, Serialize};
 
@@ -75,5 +77,31 @@ impl OpSpec for Dense {
 
     fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         rects.push(Rect::new(&[out.lo[0], 0], &[out.hi[0], inputs[0].dim(1)]));
+    }
+}
+
+impl OpKernels for Dense {
+    const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS_AND_OUTPUT;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let b = self.bias.then(|| c.read(Role::Param(1)));
+        let (x, w, y) = (
+            c.read(Role::Input(0)),
+            c.read(Role::Param(0)),
+            c.write(Role::Output),
+        );
+        c.backend.dense_forward(c.stream, self, x, w, b, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let (x, w) = (c.read(Role::Input(0)), c.read(Role::Param(0)));
+        let (y, dy) = (c.read(Role::Output), c.read(Role::OutputGrad));
+        let dw = c.write(Role::ParamGrad(0));
+        let db = c.try_write(Role::ParamGrad(1));
+        let dx = c.try_write(Role::InputGrad(0));
+        c.backend
+            .dense_backward(c.stream, self, x, w, y, dy, dx, dw, db);
+        Ok(())
     }
 }

@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, elementwise_dims};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -28,5 +30,25 @@ impl OpSpec for Dropout {
 
     fn project_into(&self, _inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         rects.push(*out);
+    }
+}
+
+impl OpKernels for Dropout {
+    const BACKWARD_READS: BackwardReads = BackwardReads::NOTHING;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let mask = c.dropout_mask(self.rate);
+        let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
+        c.backend.dropout_forward(c.stream, &mask, x, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        if let Some(dx) = c.try_write(Role::InputGrad(0)) {
+            let mask = c.dropout_mask(self.rate);
+            let dy = c.read(Role::OutputGrad);
+            c.backend.dropout_backward(c.stream, &mask, dy, dx);
+        }
+        Ok(())
     }
 }

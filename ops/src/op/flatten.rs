@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -29,5 +31,23 @@ impl OpSpec for Flatten {
         let x = inputs[0];
         let full = x.full_rect();
         rects.push(full.with_axis(0, out.lo[0], out.hi[0]));
+    }
+}
+
+impl OpKernels for Flatten {
+    const BACKWARD_READS: BackwardReads = BackwardReads::NOTHING;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
+        c.backend.copy(c.stream, x, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        if let Some(dx) = c.try_write(Role::InputGrad(0)) {
+            let dy = c.read(Role::OutputGrad);
+            c.backend.copy(c.stream, dy, dx);
+        }
+        Ok(())
     }
 }

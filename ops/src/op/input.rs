@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, elementwise_dims};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -23,4 +25,24 @@ impl OpSpec for Input {
     }
 
     fn project_into(&self, _inputs: &[Shape], _out: &Rect, _rects: &mut Vec<Rect>) {}
+}
+
+impl OpKernels for Input {
+    const BACKWARD_READS: BackwardReads = BackwardReads::NOTHING;
+
+    /// Loads the tile of the step's images.
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let mut held = c.shape().full_rect();
+        held.lo[0] = c.step.image_samples.start;
+        held.hi[0] = c.step.image_samples.end;
+        let y = c.write(Role::Output);
+        c.backend
+            .load_images(c.stream, c.step.images, &held, &c.tile, y);
+        Ok(())
+    }
+
+    /// The data needs no gradient.
+    fn backward<B: Backend>(&self, _: &mut KernelCall<B>) -> Result<(), KernelError> {
+        Ok(())
+    }
 }

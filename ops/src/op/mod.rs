@@ -28,6 +28,7 @@ pub use pool2d::{Pool2d, PoolKind};
 pub use relu::Relu;
 pub use softmax_ce::SoftmaxCrossEntropy;
 
+use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -160,6 +161,62 @@ pub trait OpSpec {
     }
 }
 
+/// Which operands an op's backward phase reads besides its parameters. The runtime lends a
+/// backward task exactly these, so that it fetches no region the kernel does not touch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackwardReads {
+    /// The input activations (the op's projection of the tile).
+    pub inputs: bool,
+    /// The layer's own output (post-activation).
+    pub output: bool,
+    /// The gradient w.r.t. the output.
+    pub output_grad: bool,
+}
+
+impl BackwardReads {
+    pub const NOTHING: BackwardReads = BackwardReads {
+        inputs: false,
+        output: false,
+        output_grad: true,
+    };
+    pub const INPUTS: BackwardReads = BackwardReads {
+        inputs: true,
+        ..BackwardReads::NOTHING
+    };
+    pub const OUTPUT: BackwardReads = BackwardReads {
+        output: true,
+        ..BackwardReads::NOTHING
+    };
+    pub const INPUTS_AND_OUTPUT: BackwardReads = BackwardReads {
+        inputs: true,
+        output: true,
+        output_grad: true,
+    };
+}
+
+/// How an op's phases run on any [`Backend`]: the operands each phase takes from its
+/// [`KernelCall`] by role, and the backend primitive it hands them to. Drivers (the reference
+/// trainer, the runtime's executor) reach this through [`Op::run`] and never match on ops.
+pub trait OpKernels {
+    /// What [`backward`](Self::backward) reads (the output gradient is read if present).
+    const BACKWARD_READS: BackwardReads;
+
+    fn forward<B: Backend>(&self, call: &mut KernelCall<B>) -> Result<(), KernelError>;
+
+    /// Writes the parameter gradients and the gradient of each input the call lends
+    /// (`Role::InputGrad(k)`); an input without one needs none.
+    fn backward<B: Backend>(&self, call: &mut KernelCall<B>) -> Result<(), KernelError>;
+
+    /// Runs `phase`; ops with phases beyond forward and backward (batch norm) override this.
+    fn run<B: Backend>(&self, phase: Phase, call: &mut KernelCall<B>) -> Result<(), KernelError> {
+        match phase {
+            Phase::Forward => self.forward(call),
+            Phase::Backward => self.backward(call),
+            other => panic!("this op has no {other} phase"),
+        }
+    }
+}
+
 /// The parallelizable dims of an element-wise op over a tensor of this rank.
 pub(crate) fn elementwise_dims(shape: &Shape) -> &'static [Dim] {
     match shape.ndim() {
@@ -224,6 +281,53 @@ impl Op {
             Op::BatchNorm(o) => o,
             Op::Dropout(o) => o,
             Op::SoftmaxCrossEntropy(o) => o,
+        }
+    }
+
+    /// Runs one phase of this op (see [`crate::backend`]). The optimizer update is the same for
+    /// every op's parameters and runs here.
+    pub fn run<B: Backend>(
+        &self,
+        phase: Phase,
+        call: &mut KernelCall<B>,
+    ) -> Result<(), KernelError> {
+        if let Phase::Update { param } = phase {
+            let grad = call.read(Role::ParamGrad(param));
+            let velocity = call.write(Role::Velocity(param));
+            let w = call.write(Role::Param(param));
+            call.backend
+                .sgd_update(call.stream, &call.step.sgd, grad, w, velocity);
+            return Ok(());
+        }
+        match self {
+            Op::Input(o) => o.run(phase, call),
+            Op::Conv2d(o) => o.run(phase, call),
+            Op::Pool2d(o) => o.run(phase, call),
+            Op::Dense(o) => o.run(phase, call),
+            Op::Relu(o) => o.run(phase, call),
+            Op::Flatten(o) => o.run(phase, call),
+            Op::Concat(o) => o.run(phase, call),
+            Op::Add(o) => o.run(phase, call),
+            Op::BatchNorm(o) => o.run(phase, call),
+            Op::Dropout(o) => o.run(phase, call),
+            Op::SoftmaxCrossEntropy(o) => o.run(phase, call),
+        }
+    }
+
+    /// What this op's backward phase reads besides its parameters.
+    pub fn backward_reads(&self) -> BackwardReads {
+        match self {
+            Op::Input(_) => Input::BACKWARD_READS,
+            Op::Conv2d(_) => Conv2d::BACKWARD_READS,
+            Op::Pool2d(_) => Pool2d::BACKWARD_READS,
+            Op::Dense(_) => Dense::BACKWARD_READS,
+            Op::Relu(_) => Relu::BACKWARD_READS,
+            Op::Flatten(_) => Flatten::BACKWARD_READS,
+            Op::Concat(_) => Concat::BACKWARD_READS,
+            Op::Add(_) => Add::BACKWARD_READS,
+            Op::BatchNorm(_) => BatchNorm::BACKWARD_READS,
+            Op::Dropout(_) => Dropout::BACKWARD_READS,
+            Op::SoftmaxCrossEntropy(_) => SoftmaxCrossEntropy::BACKWARD_READS,
         }
     }
 

@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, expect_rank, window_in, window_out};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -106,6 +108,26 @@ impl OpSpec for Pool2d {
             &[out.lo[0], out.lo[1], h0, w0],
             &[out.hi[0], out.hi[1], h1, w1],
         ));
+    }
+}
+
+impl OpKernels for Pool2d {
+    const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
+        c.backend
+            .pool2d_forward(c.stream, self, c.input_shape(0), x, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        if let Some(dx) = c.try_write(Role::InputGrad(0)) {
+            let (x, dy) = (c.read(Role::Input(0)), c.read(Role::OutputGrad));
+            c.backend
+                .pool2d_backward(c.stream, self, c.input_shape(0), x, dy, dx);
+        }
+        Ok(())
     }
 }
 

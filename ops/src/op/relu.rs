@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, elementwise_dims};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -22,5 +24,23 @@ impl OpSpec for Relu {
 
     fn project_into(&self, _inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         rects.push(*out);
+    }
+}
+
+impl OpKernels for Relu {
+    const BACKWARD_READS: BackwardReads = BackwardReads::OUTPUT;
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
+        c.backend.relu_forward(c.stream, x, y);
+        Ok(())
+    }
+
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        if let Some(dx) = c.try_write(Role::InputGrad(0)) {
+            let (y, dy) = (c.read(Role::Output), c.read(Role::OutputGrad));
+            c.backend.relu_backward(c.stream, y, dy, dx);
+        }
+        Ok(())
     }
 }

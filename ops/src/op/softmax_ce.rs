@@ -1,4 +1,6 @@
+use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, expect_rank};
+use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -24,5 +26,33 @@ impl OpSpec for SoftmaxCrossEntropy {
 
     fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         rects.push(Rect::new(&[out.lo[0], 0], &[out.hi[0], inputs[0].dim(1)]));
+    }
+}
+
+impl OpKernels for SoftmaxCrossEntropy {
+    /// The loss is the end of the graph: its gradient comes from the labels, not from a consumer.
+    const BACKWARD_READS: BackwardReads = BackwardReads {
+        inputs: true,
+        output: false,
+        output_grad: false,
+    };
+
+    fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        let labels = c.step.labels_of(&c.tile);
+        let (logits, y) = (c.read(Role::Input(0)), c.write(Role::Output));
+        c.loss = Some(c.backend.softmax_ce_forward(c.stream, logits, labels, y)?);
+        Ok(())
+    }
+
+    /// The gradient of the batch's mean loss: each sample's share is 1/batch.
+    fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        if let Some(dx) = c.try_write(Role::InputGrad(0)) {
+            let labels = c.step.labels_of(&c.tile);
+            let scale = 1.0 / c.graph.batch() as f32;
+            let logits = c.read(Role::Input(0));
+            c.backend
+                .softmax_ce_backward(c.stream, logits, labels, scale, dx)?;
+        }
+        Ok(())
     }
 }

@@ -1,0 +1,210 @@
+//! The storage of a physical instance, and the moves between instances (copy, gather, scatter,
+//! fold) over rects in global coordinates.
+
+use crate::backend::DType;
+use crate::shape::Rect;
+use crate::shape::{add_rect, copy_rect, for_each_run};
+
+/// Row-major data laid out over an instance's rect.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Buffer {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl Buffer {
+    pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        match dtype {
+            DType::F32 => Buffer::F32(vec![0.0; len]),
+            DType::F64 => Buffer::F64(vec![0.0; len]),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::F32(v) => v.len(),
+            Buffer::F64(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::F32(_) => DType::F32,
+            Buffer::F64(_) => DType::F64,
+        }
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+
+    pub fn f32(&self) -> &[f32] {
+        match self {
+            Buffer::F32(v) => v,
+            Buffer::F64(_) => panic!("f64 buffer used as f32"),
+        }
+    }
+
+    pub fn f32_mut(&mut self) -> &mut [f32] {
+        match self {
+            Buffer::F32(v) => v,
+            Buffer::F64(_) => panic!("f64 buffer used as f32"),
+        }
+    }
+
+    /// The f32 data, by value.
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Buffer::F32(v) => v,
+            Buffer::F64(_) => panic!("f64 buffer used as f32"),
+        }
+    }
+
+    pub fn f64(&self) -> &[f64] {
+        match self {
+            Buffer::F64(v) => v,
+            Buffer::F32(_) => panic!("f32 buffer used as f64"),
+        }
+    }
+
+    pub fn f64_mut(&mut self) -> &mut [f64] {
+        match self {
+            Buffer::F64(v) => v,
+            Buffer::F32(_) => panic!("f32 buffer used as f64"),
+        }
+    }
+
+    /// `rect` of this buffer (laid out over `layout`) as a buffer of its own.
+    pub fn gather(&self, layout: &Rect, rect: &Rect) -> Buffer {
+        self.gather_into(layout, rect, None)
+    }
+
+    /// [`gather`](Self::gather) into `reuse`'s allocation when it is given and of this buffer's
+    /// element type (its contents are discarded).
+    pub fn gather_into(&self, layout: &Rect, rect: &Rect, reuse: Option<Buffer>) -> Buffer {
+        if layout == rect {
+            return self.clone();
+        }
+        // The runs come in the order of the new buffer: appending them writes each byte once,
+        // where zeroing it first would write it twice.
+        fn runs<T: Copy>(src: &[T], layout: &Rect, rect: &Rect, mut out: Vec<T>) -> Vec<T> {
+            out.clear();
+            out.reserve_exact(rect.volume());
+            for_each_run(rect, layout, rect, |s, _, len| {
+                out.extend_from_slice(&src[s..s + len]);
+            });
+            out
+        }
+        match (self, reuse) {
+            (Buffer::F32(v), Some(Buffer::F32(out))) => Buffer::F32(runs(v, layout, rect, out)),
+            (Buffer::F32(v), _) => Buffer::F32(runs(v, layout, rect, Vec::new())),
+            (Buffer::F64(v), Some(Buffer::F64(out))) => Buffer::F64(runs(v, layout, rect, out)),
+            (Buffer::F64(v), _) => Buffer::F64(runs(v, layout, rect, Vec::new())),
+        }
+    }
+
+    /// Drops every element, keeping the allocation.
+    pub fn clear(&mut self) {
+        match self {
+            Buffer::F32(v) => v.clear(),
+            Buffer::F64(v) => v.clear(),
+        }
+    }
+
+    /// Copies `rect` of `src` (laid out over `src_layout`) into this buffer (over `layout`).
+    pub fn copy_from(&mut self, layout: &Rect, src: &Buffer, src_layout: &Rect, rect: &Rect) {
+        match (self, src) {
+            (Buffer::F32(d), Buffer::F32(s)) => copy_rect(s, src_layout, d, layout, rect),
+            (Buffer::F64(d), Buffer::F64(s)) => copy_rect(s, src_layout, d, layout, rect),
+            _ => panic!("copy between buffers of different element types"),
+        }
+    }
+
+    /// Adds `rect` of `src` into this buffer.
+    pub fn add_from(&mut self, layout: &Rect, src: &Buffer, src_layout: &Rect, rect: &Rect) {
+        match (self, src) {
+            (Buffer::F32(d), Buffer::F32(s)) => add_rect(s, src_layout, d, layout, rect),
+            (Buffer::F64(d), Buffer::F64(s)) => add_rect(s, src_layout, d, layout, rect),
+            _ => panic!("sum of buffers of different element types"),
+        }
+    }
+
+    /// Zeroes `rect` of this buffer.
+    pub fn zero(&mut self, layout: &Rect, rect: &Rect) {
+        fn runs<T: Copy + Default>(v: &mut [T], layout: &Rect, rect: &Rect) {
+            for_each_run(rect, layout, layout, |at, _, len| {
+                v[at..at + len].fill(T::default())
+            });
+        }
+        match self {
+            Buffer::F32(v) => runs(v, layout, rect),
+            Buffer::F64(v) => runs(v, layout, rect),
+        }
+    }
+}
+
+/// `dst[rect] = (accumulate ? dst[rect] : 0) + Σ terms[rect]`, in the order of `terms`
+/// (each with its layout).
+pub fn fold(
+    dst: &mut Buffer,
+    layout: &Rect,
+    terms: &[(&Buffer, Rect)],
+    rect: &Rect,
+    accumulate: bool,
+) {
+    let mut rest = terms;
+    if !accumulate {
+        match terms.split_first() {
+            Some(((first, first_layout), tail)) => {
+                dst.copy_from(layout, first, first_layout, rect);
+                rest = tail;
+            }
+            None => dst.zero(layout, rect),
+        }
+    }
+    for (term, term_layout) in rest {
+        dst.add_from(layout, term, term_layout, rect);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_and_fold_sub_rects() {
+        let layout = Rect::new(&[0, 0], &[2, 3]);
+        let a = Buffer::F32(vec![1., 2., 3., 4., 5., 6.]);
+        let piece = Rect::new(&[0, 1], &[2, 3]);
+        assert_eq!(a.gather(&layout, &piece), Buffer::F32(vec![2., 3., 5., 6.]));
+        // a block of whole trailing axes (one run) and one cut in the middle axis (a run per row)
+        let cube = Rect::new(&[0, 0, 0], &[3, 2, 2]);
+        let c = Buffer::F64((0..12).map(f64::from).collect());
+        let rows = Rect::new(&[1, 0, 0], &[3, 2, 2]);
+        let mids = Rect::new(&[0, 1, 0], &[3, 2, 2]);
+        assert_eq!(
+            c.gather(&cube, &rows),
+            Buffer::F64((4..12).map(f64::from).collect())
+        );
+        assert_eq!(
+            c.gather(&cube, &mids),
+            Buffer::F64(vec![2., 3., 6., 7., 10., 11.])
+        );
+        let b = Buffer::F32(vec![10., 20., 30., 40.]);
+        let mut dst = Buffer::F32(vec![-1.0; 6]);
+        fold(
+            &mut dst,
+            &layout,
+            &[(&a, layout), (&b, piece)],
+            &piece,
+            false,
+        );
+        assert_eq!(dst, Buffer::F32(vec![-1., 12., 23., -1., 35., 46.]));
+        fold(&mut dst, &layout, &[], &Rect::new(&[1, 0], &[2, 1]), false);
+        assert_eq!(dst, Buffer::F32(vec![-1., 12., 23., 0., 35., 46.]));
+    }
+}

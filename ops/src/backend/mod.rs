@@ -1,0 +1,531 @@
+//! The kernel seam: how an op's forward, backward and optimizer update run on a device's memory.
+//!
+//! Three layers, each knowing one thing:
+//! - **The op** (`crate::op::*`, one file per op) knows which operands each of its phases reads and
+//!   writes, and which [`Backend`] primitive computes it (`Op::run`).
+//! - **A backend** (one folder per device kind: [`cpu`], later CUDA) implements the primitives on
+//!   its own memory ([`Backend::Buffer`]) and enqueues them on an in-order [`Backend::Stream`].
+//! - **A driver** (the single-device reference trainer in `crate::train`, the runtime's executor)
+//!   decides which tile and which buffers a call gets, as a [`KernelCall`], and synchronizes the
+//!   stream before it reads results back.
+//!
+//! A GPU backend returns from a primitive once the work is enqueued: nothing a primitive returns may
+//! be read before [`Backend::synchronize`]. The loss is therefore a [`Backend::Loss`], redeemed
+//! with [`Backend::read_loss`] after the stream has synchronized. The CPU backend runs each
+//! primitive when it is called, so its stream is a marker and synchronizing is free.
+
+pub mod cpu;
+
+use crate::graph::{Graph, LayerId};
+use crate::kernels::dropout::DropoutMask;
+use crate::op::{BatchNorm, Conv2d, Dense, Pool2d};
+use crate::shape::{Rect, Shape};
+use crate::train::Sgd;
+use std::fmt;
+use std::ops::Range;
+
+pub use crate::kernels::softmax_ce::LabelOutOfRange;
+
+/// What an operand is to a kernel: the argument slots of an op's phases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The layer's `k`-th input activation.
+    Input(u8),
+    /// The layer's output activation.
+    Output,
+    /// The gradient w.r.t. the layer's output.
+    OutputGrad,
+    /// The gradient w.r.t. the layer's `k`-th input.
+    InputGrad(u8),
+    /// The layer's `k`-th parameter (or buffer).
+    Param(u8),
+    ParamGrad(u8),
+    Velocity(u8),
+    /// Batch-norm forward sums of the tile's channels.
+    Moments,
+    /// Batch-norm backward sums of the tile's channels.
+    GradSums,
+}
+
+/// Which of a layer's kernels runs. Batch norm is split in phases so that its statistics can be
+/// reduced over the whole batch between them (see `crate::kernels::batch_norm`); every other op has
+/// one forward and one backward phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Forward,
+    Backward,
+    /// Batch norm forward 1: per-channel sums of the tile (`Moments`, `[3, C]` f64).
+    BnMoments,
+    /// Batch norm forward 2: normalise with the whole-batch statistics.
+    BnNormalize,
+    /// Batch norm: update the running statistics of a channel slice.
+    BnRunning,
+    /// Batch norm backward 1: the tile's γ/β gradients and per-channel sums (`GradSums`).
+    BnGradSums,
+    /// Batch norm backward 2: the input gradient from the whole-batch sums.
+    BnInputGrad,
+    /// SGD with momentum on one parameter's slice.
+    Update {
+        param: u8,
+    },
+}
+
+/// The element type of a buffer. Batch-norm sums stay in f64 so that every partition computes the
+/// same statistics as one device, to the last bits that matter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F64 => 8,
+        }
+    }
+}
+
+/// A read operand: memory `mem` on the device, laid out row-major over `rect` (global coordinates
+/// of the whole tensor, as in `crate::kernels`).
+pub struct In<'a, M> {
+    pub rect: Rect,
+    pub mem: &'a M,
+}
+
+impl<M> Clone for In<'_, M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<M> Copy for In<'_, M> {}
+
+/// A written operand: overwritten with this tile's contribution (kernels never accumulate; where
+/// tiles overlap, the driver sums the contributions).
+pub struct Out<'a, M> {
+    pub rect: Rect,
+    pub mem: &'a mut M,
+}
+
+/// How a driver lends a buffer to a kernel.
+pub enum Access<'a, M> {
+    Read(&'a M),
+    Write(&'a mut M),
+}
+
+/// One operand of a call: its role, the rect its buffer is laid out over, and the buffer.
+pub struct Operand<'a, M> {
+    pub role: Role,
+    pub rect: Rect,
+    pub access: Access<'a, M>,
+}
+
+/// The step-wide facts a kernel may need besides its operands.
+#[derive(Clone, Debug)]
+pub struct StepContext<'a> {
+    pub seed: u64,
+    pub step: u64,
+    pub sgd: Sgd,
+    /// The images of samples `image_samples` of the batch (host memory), laid out like the input
+    /// layer's output.
+    pub images: &'a [f32],
+    pub image_samples: Range<usize>,
+    /// The labels of samples `label_samples` of the batch.
+    pub labels: &'a [u32],
+    pub label_samples: Range<usize>,
+}
+
+impl StepContext<'_> {
+    /// The labels of the samples a tile covers (axis 0 of the tile).
+    pub fn labels_of(&self, tile: &Rect) -> &[u32] {
+        let first = self.label_samples.start;
+        &self.labels[tile.lo[0] - first..tile.hi[0] - first]
+    }
+}
+
+/// What the loss kernels of a step report, summed over their tiles.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossSums {
+    /// Sum of the per-sample softmax cross-entropy.
+    pub loss_sum: f64,
+    /// Samples whose arg-max logit is the label.
+    pub correct: usize,
+}
+
+/// Why a kernel could not run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Label(#[from] LabelOutOfRange),
+    /// The device refused the work (out of memory, a failed launch, a lost device).
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// A device kind: its memory, its queue, and the primitives every op is made of.
+///
+/// Conventions are those of `crate::kernels`: operands carry global rects; inputs contain the op's
+/// projection of the output tile; outputs are overwritten, never accumulated into.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend {
+    /// Memory of one operand on this device (f32 data, or f64 for batch-norm sums).
+    type Buffer;
+    /// An in-order queue: primitives enqueued on one stream run in the order they were enqueued.
+    type Stream;
+    /// A loss kernel's report, readable with [`Backend::read_loss`] once its stream synchronized.
+    type Loss;
+
+    /// Waits until everything enqueued on `stream` has run.
+    fn synchronize(&self, stream: &mut Self::Stream) -> Result<(), KernelError>;
+    /// A loss report, after its stream synchronized.
+    fn read_loss(&self, loss: Self::Loss) -> LossSums;
+
+    /// Copies `tile` of the step's host images (laid out over `held`) into `y`.
+    fn load_images(
+        &self,
+        s: &mut Self::Stream,
+        images: &[f32],
+        held: &Rect,
+        tile: &Rect,
+        y: Out<Self::Buffer>,
+    );
+    /// `y = x` over `y.rect` (the two operands have the same volume; flatten reshapes).
+    fn copy(&self, s: &mut Self::Stream, x: In<Self::Buffer>, y: Out<Self::Buffer>);
+
+    fn conv2d_forward(
+        &self,
+        s: &mut Self::Stream,
+        op: &Conv2d,
+        in_shape: Shape,
+        x: In<Self::Buffer>,
+        w: In<Self::Buffer>,
+        b: Option<In<Self::Buffer>>,
+        y: Out<Self::Buffer>,
+    );
+    fn conv2d_backward(
+        &self,
+        s: &mut Self::Stream,
+        op: &Conv2d,
+        in_shape: Shape,
+        x: In<Self::Buffer>,
+        w: In<Self::Buffer>,
+        y: In<Self::Buffer>,
+        dy: In<Self::Buffer>,
+        dx: Option<Out<Self::Buffer>>,
+        dw: Out<Self::Buffer>,
+        db: Option<Out<Self::Buffer>>,
+    );
+    fn dense_forward(
+        &self,
+        s: &mut Self::Stream,
+        op: &Dense,
+        x: In<Self::Buffer>,
+        w: In<Self::Buffer>,
+        b: Option<In<Self::Buffer>>,
+        y: Out<Self::Buffer>,
+    );
+    fn dense_backward(
+        &self,
+        s: &mut Self::Stream,
+        op: &Dense,
+        x: In<Self::Buffer>,
+        w: In<Self::Buffer>,
+        y: In<Self::Buffer>,
+        dy: In<Self::Buffer>,
+        dx: Option<Out<Self::Buffer>>,
+        dw: Out<Self::Buffer>,
+        db: Option<Out<Self::Buffer>>,
+    );
+    fn pool2d_forward(
+        &self,
+        s: &mut Self::Stream,
+        op: &Pool2d,
+        in_shape: Shape,
+        x: In<Self::Buffer>,
+        y: Out<Self::Buffer>,
+    );
+    fn pool2d_backward(
+        &self,
+        s: &mut Self::Stream,
+        op: &Pool2d,
+        in_shape: Shape,
+        x: In<Self::Buffer>,
+        dy: In<Self::Buffer>,
+        dx: Out<Self::Buffer>,
+    );
+    fn relu_forward(&self, s: &mut Self::Stream, x: In<Self::Buffer>, y: Out<Self::Buffer>);
+    /// From the output `y` (post-activation) and its gradient.
+    fn relu_backward(
+        &self,
+        s: &mut Self::Stream,
+        y: In<Self::Buffer>,
+        dy: In<Self::Buffer>,
+        dx: Out<Self::Buffer>,
+    );
+    fn add_forward(
+        &self,
+        s: &mut Self::Stream,
+        a: In<Self::Buffer>,
+        b: In<Self::Buffer>,
+        y: Out<Self::Buffer>,
+    );
+    /// Either input gradient may be absent (the input needs none, or the tile does not touch it).
+    fn add_backward(
+        &self,
+        s: &mut Self::Stream,
+        dy: In<Self::Buffer>,
+        da: Option<Out<Self::Buffer>>,
+        db: Option<Out<Self::Buffer>>,
+    );
+    /// `xs[k]` is `None` where the tile reads nothing of input `k`.
+    fn concat_forward(
+        &self,
+        s: &mut Self::Stream,
+        input_shapes: &[Shape],
+        xs: &[Option<In<Self::Buffer>>],
+        y: Out<Self::Buffer>,
+    );
+    /// `dxs[k]` is `None` where input `k` needs no gradient or the tile does not touch it; the
+    /// rects of the present ones are the op's projection of `dy.rect`.
+    fn concat_backward(
+        &self,
+        s: &mut Self::Stream,
+        input_shapes: &[Shape],
+        dy: In<Self::Buffer>,
+        dxs: Vec<Option<Out<Self::Buffer>>>,
+    );
+    fn dropout_forward(
+        &self,
+        s: &mut Self::Stream,
+        mask: &DropoutMask,
+        x: In<Self::Buffer>,
+        y: Out<Self::Buffer>,
+    );
+    fn dropout_backward(
+        &self,
+        s: &mut Self::Stream,
+        mask: &DropoutMask,
+        dy: In<Self::Buffer>,
+        dx: Out<Self::Buffer>,
+    );
+    /// Per-sample losses into `y`; the sum and the correct count into the returned report.
+    /// Labels are host data, checked against the class count before anything is enqueued.
+    fn softmax_ce_forward(
+        &self,
+        s: &mut Self::Stream,
+        logits: In<Self::Buffer>,
+        labels: &[u32],
+        y: Out<Self::Buffer>,
+    ) -> Result<Self::Loss, KernelError>;
+    /// The gradient of `scale ×` the summed loss.
+    fn softmax_ce_backward(
+        &self,
+        s: &mut Self::Stream,
+        logits: In<Self::Buffer>,
+        labels: &[u32],
+        scale: f32,
+        dlogits: Out<Self::Buffer>,
+    ) -> Result<(), KernelError>;
+
+    /// The `[3, C]` f64 sums (count, Σx, Σx²) of the tile's channels.
+    fn bn_moments(
+        &self,
+        s: &mut Self::Stream,
+        x: In<Self::Buffer>,
+        tile: &Rect,
+        moments: Out<Self::Buffer>,
+    );
+    fn bn_normalize(
+        &self,
+        s: &mut Self::Stream,
+        op: &BatchNorm,
+        x: In<Self::Buffer>,
+        moments: In<Self::Buffer>,
+        gamma: In<Self::Buffer>,
+        beta: In<Self::Buffer>,
+        y: Out<Self::Buffer>,
+    );
+    fn bn_running(
+        &self,
+        s: &mut Self::Stream,
+        op: &BatchNorm,
+        moments: In<Self::Buffer>,
+        running_mean: Out<Self::Buffer>,
+        running_var: Out<Self::Buffer>,
+    );
+    /// The tile's γ and β gradients, and its `[3, C]` f64 sums (count, Σdy, Σdy·x̂).
+    fn bn_grad_sums(
+        &self,
+        s: &mut Self::Stream,
+        op: &BatchNorm,
+        x: In<Self::Buffer>,
+        y: Option<In<Self::Buffer>>,
+        dy: In<Self::Buffer>,
+        moments: In<Self::Buffer>,
+        tile: &Rect,
+        dgamma: Out<Self::Buffer>,
+        dbeta: Out<Self::Buffer>,
+        grad_sums: Out<Self::Buffer>,
+    );
+    fn bn_input_grad(
+        &self,
+        s: &mut Self::Stream,
+        op: &BatchNorm,
+        x: In<Self::Buffer>,
+        y: Option<In<Self::Buffer>>,
+        dy: In<Self::Buffer>,
+        moments: In<Self::Buffer>,
+        gamma: In<Self::Buffer>,
+        grad_sums: In<Self::Buffer>,
+        dx: Out<Self::Buffer>,
+    );
+
+    /// `d = g + wd·w; v = μ·v + d; w -= lr·v` elementwise.
+    fn sgd_update(
+        &self,
+        s: &mut Self::Stream,
+        sgd: &Sgd,
+        grad: In<Self::Buffer>,
+        w: Out<Self::Buffer>,
+        velocity: Out<Self::Buffer>,
+    );
+}
+
+/// One phase of one layer over one tile, with the buffers its driver lends it. `Op::run` reads
+/// the operands its phase needs by role and hands them to the backend's primitive.
+pub struct KernelCall<'c, 'a, B: Backend> {
+    pub backend: &'c B,
+    pub stream: &'c mut B::Stream,
+    pub graph: &'c Graph,
+    pub layer: LayerId,
+    /// The part of the layer's output (or, for `BnRunning` and `Update`, of the parameter) this
+    /// call computes.
+    pub tile: Rect,
+    pub step: &'c StepContext<'c>,
+    operands: Vec<Option<Operand<'a, B::Buffer>>>,
+    /// What a loss phase reported, to read after the stream synchronized.
+    pub loss: Option<B::Loss>,
+}
+
+impl<'c, 'a, B: Backend> KernelCall<'c, 'a, B> {
+    pub fn new(
+        backend: &'c B,
+        stream: &'c mut B::Stream,
+        graph: &'c Graph,
+        layer: LayerId,
+        tile: Rect,
+        step: &'c StepContext<'c>,
+        operands: Vec<Operand<'a, B::Buffer>>,
+    ) -> Self {
+        KernelCall {
+            backend,
+            stream,
+            graph,
+            layer,
+            tile,
+            step,
+            operands: operands.into_iter().map(Some).collect(),
+            loss: None,
+        }
+    }
+
+    /// Runs `phase` of the call's layer.
+    pub fn run(&mut self, phase: Phase) -> Result<(), KernelError> {
+        let op = &self.graph.layer(self.layer).op;
+        op.run(phase, self)
+    }
+
+    /// Shape of the layer's `k`-th input.
+    pub fn input_shape(&self, k: usize) -> Shape {
+        let layer = self.graph.layer(self.layer);
+        self.graph.layer(layer.inputs[k]).shape
+    }
+
+    pub fn input_shapes(&self) -> Vec<Shape> {
+        self.graph.input_shapes(self.layer)
+    }
+
+    /// The layer's output shape.
+    pub fn shape(&self) -> Shape {
+        self.graph.layer(self.layer).shape
+    }
+
+    fn index(&self, role: Role) -> Option<usize> {
+        self.operands
+            .iter()
+            .position(|o| o.as_ref().is_some_and(|o| o.role == role))
+    }
+
+    /// Whether the driver lent an operand for `role`.
+    pub fn has(&self, role: Role) -> bool {
+        self.index(role).is_some()
+    }
+
+    /// The operand of `role`; the driver must have lent it readable.
+    pub fn read(&self, role: Role) -> In<'a, B::Buffer> {
+        self.try_read(role)
+            .unwrap_or_else(|| panic!("{}: no readable {role:?} operand", self.describe()))
+    }
+
+    pub fn try_read(&self, role: Role) -> Option<In<'a, B::Buffer>> {
+        let operand = self.operands[self.index(role)?].as_ref()?;
+        match operand.access {
+            Access::Read(mem) => Some(In {
+                rect: operand.rect,
+                mem,
+            }),
+            Access::Write(_) => None,
+        }
+    }
+
+    /// The operand of `role`, taken for writing (once).
+    pub fn write(&mut self, role: Role) -> Out<'a, B::Buffer> {
+        let what = self.describe();
+        self.try_write(role)
+            .unwrap_or_else(|| panic!("{what}: no writable {role:?} operand (or taken twice)"))
+    }
+
+    pub fn try_write(&mut self, role: Role) -> Option<Out<'a, B::Buffer>> {
+        let i = self.index(role)?;
+        match self.operands[i].take() {
+            Some(Operand {
+                rect,
+                access: Access::Write(mem),
+                ..
+            }) => Some(Out { rect, mem }),
+            other => {
+                self.operands[i] = other;
+                None
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        let layer = self.graph.layer(self.layer);
+        format!(
+            "layer '{}' ({}) tile {}",
+            layer.name,
+            layer.op.kind(),
+            self.tile
+        )
+    }
+
+    /// The dropout mask of this layer at this step: salted with the layer's index, which every
+    /// partition of the graph shares.
+    pub fn dropout_mask(&self, rate: f32) -> DropoutMask {
+        DropoutMask {
+            rate,
+            seed: self.step.seed,
+            step: self.step.step,
+            layer_salt: self.layer.0 as u64,
+            shape: self.shape(),
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
