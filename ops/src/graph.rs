@@ -434,6 +434,10 @@ impl GraphBuilder {
         self.layer(name, Op::Relu(op::Relu {}), &[x])
     }
 
+    pub fn sigmoid(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
+        self.layer(name, Op::Sigmoid(op::Sigmoid {}), &[x])
+    }
+
     pub fn flatten(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
         self.layer(name, Op::Flatten(op::Flatten {}), &[x])
     }

@@ -26,6 +26,7 @@ pub mod dropout;
 pub mod gemm;
 pub mod pool2d;
 pub mod relu;
+pub mod sigmoid;
 pub mod softmax_ce;
 
 use crate::shape::Rect;

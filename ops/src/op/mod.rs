@@ -14,6 +14,7 @@ mod flatten;
 mod input;
 mod pool2d;
 mod relu;
+mod sigmoid;
 mod softmax_ce;
 
 pub use add::Add;
@@ -26,6 +27,7 @@ pub use flatten::Flatten;
 pub use input::Input;
 pub use pool2d::{Pool2d, PoolKind};
 pub use relu::Relu;
+pub use sigmoid::Sigmoid;
 pub use softmax_ce::SoftmaxCrossEntropy;
 
 use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
@@ -242,6 +244,7 @@ pub enum Op {
     Pool2d(Pool2d),
     Dense(Dense),
     Relu(Relu),
+    Sigmoid(Sigmoid),
     Flatten(Flatten),
     Concat(Concat),
     Add(Add),
@@ -259,6 +262,7 @@ impl Op {
             Op::Pool2d(_) => "pool2d",
             Op::Dense(_) => "dense",
             Op::Relu(_) => "relu",
+            Op::Sigmoid(_) => "sigmoid",
             Op::Flatten(_) => "flatten",
             Op::Concat(_) => "concat",
             Op::Add(_) => "add",
@@ -275,6 +279,7 @@ impl Op {
             Op::Pool2d(o) => o,
             Op::Dense(o) => o,
             Op::Relu(o) => o,
+            Op::Sigmoid(o) => o,
             Op::Flatten(o) => o,
             Op::Concat(o) => o,
             Op::Add(o) => o,
@@ -305,6 +310,7 @@ impl Op {
             Op::Pool2d(o) => o.run(phase, call),
             Op::Dense(o) => o.run(phase, call),
             Op::Relu(o) => o.run(phase, call),
+            Op::Sigmoid(o) => o.run(phase, call),
             Op::Flatten(o) => o.run(phase, call),
             Op::Concat(o) => o.run(phase, call),
             Op::Add(o) => o.run(phase, call),
@@ -322,6 +328,7 @@ impl Op {
             Op::Pool2d(_) => Pool2d::BACKWARD_READS,
             Op::Dense(_) => Dense::BACKWARD_READS,
             Op::Relu(_) => Relu::BACKWARD_READS,
+            Op::Sigmoid(_) => Sigmoid::BACKWARD_READS,
             Op::Flatten(_) => Flatten::BACKWARD_READS,
             Op::Concat(_) => Concat::BACKWARD_READS,
             Op::Add(_) => Add::BACKWARD_READS,

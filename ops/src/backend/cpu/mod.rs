@@ -204,6 +204,14 @@ impl Backend for Cpu {
         kernels::relu::relu_backward(view(y), view(dy), view_mut(dx));
     }
 
+    fn sigmoid_forward(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
+        kernels::sigmoid::sigmoid_forward(view(x), view_mut(y));
+    }
+
+    fn sigmoid_backward(&self, _: &mut CpuStream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
+        kernels::sigmoid::sigmoid_backward(view(y), view(dy), view_mut(dx));
+    }
+
     fn add_forward(&self, _: &mut CpuStream, a: In<Buffer>, b: In<Buffer>, y: Out<Buffer>) {
         kernels::add::add_forward(view(a), view(b), view_mut(y));
     }
