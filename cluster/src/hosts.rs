@@ -43,10 +43,8 @@
 //! Every error names the file, the line and column, and the field, and says what was expected:
 //! `hosts.toml:7:11: host[1].devices: expected an integer in 1..=4096, got 0`.
 
-use legion_planner::machine::{
-    DeviceSpec, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec,
-};
-use legion_planner::machine_file::{Number, key_at, line_column};
+use legion_ops::located::{Number, key_at, line_column};
+use legion_planner::machine::{DeviceSpec, Link, MachineError, MachineModel, NodeSpec};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -60,6 +58,9 @@ pub const DEFAULT_PORT: u16 = 7400;
 pub const DEFAULT_INTER_HOST_GBPS: f64 = 10.0;
 /// The latency of that network, and of a `[[link]]` without `latency_us`.
 pub const DEFAULT_INTER_HOST_LATENCY_US: f64 = 50.0;
+/// The most devices a cluster may have: the planner's bound on a machine
+/// (`legion_planner::machine::MAX_DEVICES`), so that every valid hosts file can be planned for.
+pub const MAX_DEVICES: usize = 4096;
 /// Device kinds a host may declare: those the planner has a [`DeviceSpec`] for.
 pub const DEVICE_KINDS: &[&str] = &["cpu", "p100"];
 

@@ -114,7 +114,7 @@ pub fn choose_strategy_for(
                      exhaustive) nor an existing strategy file"
                 );
             }
-            Ok(Strategy::load(path)?.to_configs(graph, machine)?)
+            Ok(Strategy::load(path)?.to_configs(graph, machine.num_devices())?)
         }
     }
 }

@@ -140,7 +140,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let chosen: Evaluated = if args.evaluate {
         let path = args.strategy.as_deref().expect("clap requires --strategy");
         let configs = Strategy::load(path)?
-            .to_configs(&graph, &machine)
+            .to_configs(&graph, machine.num_devices())
             .with_context(|| format!("{}", path.display()))?;
         let evaluated = plan::evaluate(&model, configs);
         if args.json {
