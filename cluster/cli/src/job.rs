@@ -1,12 +1,13 @@
 //! A training job: data, initial weights, the training loop, progress output and the final checkpoint.
 //! Shared by `legion-rs train` and the example programs.
 
-use crate::engine::{self, Engine, JobStart, Place, StepBatch};
-use crate::hosts::Hosts;
-use crate::launch;
-use crate::memory::human_bytes;
+use crate::machine::{cluster_machine, embedded_machine};
 use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use legion_cluster::engine::{self, Engine, JobStart, Place, StepBatch};
+use legion_cluster::hosts::Hosts;
+use legion_cluster::launch;
+use legion_cluster::memory::human_bytes;
 use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
@@ -74,11 +75,6 @@ pub struct TrainSummary {
     pub losses: Vec<f32>,
     pub images_per_sec: f64,
     pub wall_secs: f64,
-}
-
-/// The machine the embedded cluster's devices make, as the planner sees it.
-pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
-    Ok(MachineModel::preset(&format!("local-cpu:{devices}"))?)
 }
 
 /// The configs of `choice` (a search name or a strategy file) for `graph` on `machine`.
@@ -170,7 +166,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     let (configs, where_text) = if distributed {
         let (machine, where_text) = match &cluster {
             Some((hosts, state)) => (
-                launch::cluster_machine(hosts, state)?,
+                cluster_machine(hosts, state)?,
                 format!(
                     "{} worker(s) of {}",
                     hosts.hosts.len(),
@@ -190,7 +186,7 @@ pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> 
     // Before any weight is allocated: a model too large must get an error, not an abort. The
     // workers of a cluster check their own devices when the job reaches them.
     let embedded = cluster.is_none().then_some((&configs[..], devices));
-    crate::memory::check_this_host(&graph, embedded)?;
+    legion_cluster::memory::check_this_host(&graph, embedded)?;
 
     let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
         let ckpt = checkpoint::load(path)?;
