@@ -4,7 +4,8 @@
 //!
 //! - [`Cli`], [`run`]: the command line, one module per subcommand; [`load_model`] resolves
 //!   `--model`.
-//! - [`job`]: a training run, shared by `legion-rs train` and the example programs.
+//! - [`job`]: a training run, shared by `legion-rs train` and the example programs: a loop that
+//!   reports events, and the printer that shows them.
 //! - [`compare`]: `--compare`, strategies measured and simulated side by side, and their chart.
 //! - [`machine`]: the planner's model of the embedded devices or of a hosts file's workers.
 
@@ -12,6 +13,7 @@ mod commands;
 pub mod compare;
 pub mod job;
 pub mod machine;
+mod progress;
 
 pub use commands::{Cli, Command, load_model, run};
 
