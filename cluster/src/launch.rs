@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 /// How long `up` waits for all workers by default.
 pub const DEFAULT_REGISTER_TIMEOUT: Duration = Duration::from_secs(20);
 /// Bytes of the larger bandwidth probe between two workers (the other is a quarter of it).
-pub const PROBE_BYTES: u64 = 16 << 20;
+const PROBE_BYTES: u64 = 16 << 20;
 
 /// The state directory of the cluster described by `hosts_file`: `state` if given, else the
 /// default described in the module docs.

@@ -73,7 +73,7 @@ pub fn check_this_host(
 }
 
 /// What a run keeps on this host: the devices placed here and the job's own copy of the state.
-pub struct HostNeed<'a> {
+pub(crate) struct HostNeed<'a> {
     /// The devices running on this host, as `legion_ops::memory::per_device` gives them.
     pub devices: &'a [DeviceMemory],
     /// Bytes the process holds besides the devices (the job's weights and momentum).
@@ -93,7 +93,7 @@ impl HostNeed<'_> {
 
 /// An error naming the largest layer, the bytes needed and the bytes available if `need` does not
 /// fit in `available` bytes.
-pub fn check_fits(graph: &Graph, need: &HostNeed, available: u64) -> anyhow::Result<()> {
+pub(crate) fn check_fits(graph: &Graph, need: &HostNeed, available: u64) -> anyhow::Result<()> {
     let total = need.bytes();
     if total <= available {
         return Ok(());
