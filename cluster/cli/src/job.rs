@@ -431,3 +431,60 @@ fn initial_state(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<TrainingS
         (None, None) => TrainingState::start(ParamStore::init(graph, opts.seed)),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events_of(opts: &TrainOptions) -> (Vec<String>, TrainSummary) {
+        let graph = crate::load_model("lenet5", 4, None, None).unwrap();
+        let mut seen = Vec::new();
+        let summary = Job::start(graph, opts)
+            .unwrap()
+            .run(|event| {
+                seen.push(match event {
+                    JobEvent::Planned(p) => format!("planned {} on {}", p.choice, p.devices),
+                    JobEvent::Step(s) => format!("step {}/{}", s.step, s.total_steps),
+                    JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),
+                })
+            })
+            .unwrap();
+        (seen, summary)
+    }
+
+    #[test]
+    fn a_distributed_run_reports_its_plan_then_each_step_then_the_end() {
+        let opts = TrainOptions {
+            devices: 2,
+            steps: 3,
+            strategy: "data".into(),
+            ..TrainOptions::default()
+        };
+        let (seen, summary) = events_of(&opts);
+        assert_eq!(
+            seen,
+            [
+                "planned data on 2",
+                "step 1/3",
+                "step 2/3",
+                "step 3/3",
+                "finished after 3 steps"
+            ]
+        );
+        let plan = summary.plan.unwrap();
+        assert_eq!(plan.strategy.model.as_deref(), Some("lenet5"));
+        assert!(plan.remote_bytes > 0, "data parallelism moves gradients");
+    }
+
+    #[test]
+    fn a_one_device_run_has_no_plan() {
+        let opts = TrainOptions {
+            steps: 2,
+            ..TrainOptions::default()
+        };
+        let (seen, summary) = events_of(&opts);
+        assert_eq!(seen, ["step 1/2", "step 2/2", "finished after 2 steps"]);
+        assert_eq!(summary.plan, None);
+        assert_eq!((summary.steps, summary.batch), (2, 4));
+    }
+}

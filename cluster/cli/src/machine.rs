@@ -177,7 +177,7 @@ latency_us = 20.0
     }
 
     #[test]
-    fn machine_model_has_a_node_per_host_and_the_overrides() {
+    fn hosts_machine_has_a_node_per_host_and_the_overrides() {
         let text = DOC.replacen(
             "[[link]]",
             "[[host]]\nname = \"node2\"\naddress = \"10.0.0.3\"\n[[link]]",
