@@ -5,7 +5,7 @@
 # Throughput = global batch / simulated step time. Prints one markdown table per model.
 #
 # Usage: integration/paper_scale.sh [path/to/legion-rs]   (needs jq)
-#   build first: cargo build --release -p legion-cluster
+#   build first: cargo build --release -p legion-cli
 set -euo pipefail
 BIN=${1:-target/release/legion-rs}
 SEARCHES="data model owt optcnn"

@@ -8,7 +8,7 @@
 # Usage: integration/shaped_compare.sh [--hosts N] [--devices-per-host D] [--rate 1gbit]
 #            [--steps S] [--out DIR] [MODEL:IMAGE_SIZE:BATCH ...]
 #   default models: alexnet:224:32 inception_v3:75:8
-#   build first: cargo build --release -p legion-cluster -p legion-examples
+#   build first: cargo build --release -p legion-cli -p legion-examples
 # Writes DIR/<model>.txt (the table), DIR/<model>.svg and each strategy's measured and simulated
 # timelines (DIR/<model>-traces/<strategy>.{measured,simulated}.json), and prints the tables.
 set -euo pipefail
@@ -30,7 +30,7 @@ done
 [ ${#MODELS[@]} -gt 0 ] || MODELS=(alexnet:224:32 inception_v3:75:8)
 BIN=target/release/legion-rs
 for b in "$BIN" target/release/alexnet; do
-    [ -x "$b" ] || { echo "$b is missing: cargo build --release -p legion-cluster -p legion-examples" >&2; exit 1; }
+    [ -x "$b" ] || { echo "$b is missing: cargo build --release -p legion-cli -p legion-examples" >&2; exit 1; }
 done
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 1; }
 

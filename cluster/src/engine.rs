@@ -5,8 +5,8 @@
 use crate::hosts::Hosts;
 use crate::remote::RemoteCluster;
 use legion_ops::Graph;
+use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{Sgd, StepStats, Trainer, TrainingState};
-use legion_planner::ParallelConfig;
 use legion_runtime::device::StepReport;
 use legion_runtime::embedded::EmbeddedCluster;
 use legion_runtime::plan::StepPlan;

@@ -43,10 +43,7 @@
 //! Every error names the file, the line and column, and the field, and says what was expected:
 //! `hosts.toml:7:11: host[1].devices: expected an integer in 1..=4096, got 0`.
 
-use legion_planner::machine::{
-    DeviceSpec, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec,
-};
-use legion_planner::machine_file::{Number, key_at, line_column};
+use legion_ops::located::{Number, key_at, line_column};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -60,7 +57,11 @@ pub const DEFAULT_PORT: u16 = 7400;
 pub const DEFAULT_INTER_HOST_GBPS: f64 = 10.0;
 /// The latency of that network, and of a `[[link]]` without `latency_us`.
 pub const DEFAULT_INTER_HOST_LATENCY_US: f64 = 50.0;
-/// Device kinds a host may declare: those the planner has a [`DeviceSpec`] for.
+/// The most devices a cluster may have: the planner's bound on a machine
+/// (`legion_planner::machine::MAX_DEVICES`), so that every valid hosts file can be planned for.
+pub const MAX_DEVICES: usize = 4096;
+/// Device kinds a host may declare: those the planner has a device spec for (`legion-cli` maps
+/// them).
 pub const DEVICE_KINDS: &[&str] = &["cpu", "p100"];
 
 /// One host: a worker process owning `devices` devices.
@@ -107,12 +108,6 @@ pub struct HostLink {
     pub to: usize,
     pub gbps: f64,
     pub latency_us: f64,
-}
-
-impl HostLink {
-    pub fn link(&self) -> Link {
-        Link::from_gbit_per_s(self.gbps, self.latency_us)
-    }
 }
 
 /// A validated cluster description: at least one host, unique names and endpoints, links between
@@ -500,62 +495,6 @@ impl Hosts {
                 next - h.devices..next
             })
             .collect()
-    }
-
-    /// The planner's view of the cluster: one node per host; devices of one host exchange data by
-    /// in-process copies (the `local-cpu` preset's link), hosts over one shared link per host pair
-    /// of a
-    /// [`DEFAULT_INTER_HOST_GBPS`] network unless a `[[link]]` overrides the pair (then every
-    /// device pair across the two hosts gets that link).
-    pub fn machine_model(&self) -> Result<MachineModel, MachineError> {
-        let in_process = MachineModel::preset("local-cpu")?.intra_node_link();
-        let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
-        let nodes = self
-            .hosts
-            .iter()
-            .map(|h| {
-                Ok(NodeSpec {
-                    devices: h.devices,
-                    device: device_spec(&h.device_kind).ok_or_else(|| {
-                        MachineError::Invalid(format!(
-                            "host {}: unknown device kind '{}' (known: {})",
-                            h.name,
-                            h.device_kind,
-                            DEVICE_KINDS.join(", ")
-                        ))
-                    })?,
-                })
-            })
-            .collect::<Result<Vec<_>, MachineError>>()?;
-        let name = format!("hosts:{}", self.hosts.len());
-        // A host reaches the others through one network interface, which all its devices share.
-        let mut machine =
-            MachineModel::new(&name, &nodes, in_process, network)?.with_shared_node_links();
-        let ranges = self.device_ranges();
-        for l in &self.links {
-            let (Some(from), Some(to)) = (ranges.get(l.from), ranges.get(l.to)) else {
-                return Err(MachineError::Invalid(format!(
-                    "link {}-{}: there are hosts 0..{}",
-                    l.from,
-                    l.to,
-                    ranges.len()
-                )));
-            };
-            for a in from.clone() {
-                for b in to.clone() {
-                    machine = machine.with_link(a, b, l.link())?;
-                }
-            }
-        }
-        Ok(machine)
-    }
-}
-
-fn device_spec(kind: &str) -> Option<DeviceSpec> {
-    match kind {
-        "cpu" => Some(DeviceSpec::local_cpu()),
-        "p100" => Some(DeviceSpec::p100()),
-        _ => None,
     }
 }
 
@@ -1054,31 +993,6 @@ ssh = "me@localhost"
             "h.toml:19:1: link[1]: expected one [[link]] per pair of hosts, \
              but 10.0.0.2 and node0 already have link[0]"
         );
-    }
-
-    #[test]
-    fn machine_model_has_a_node_per_host_and_the_overrides() {
-        let text = DOC.replacen(
-            "[[link]]",
-            "[[host]]\nname = \"node2\"\naddress = \"10.0.0.3\"\n[[link]]",
-            1,
-        );
-        let hosts = parse(&text.replacen("gbps = 10.0", "gbps = 25", 1));
-        let m = hosts.machine_model().unwrap();
-        assert_eq!((m.num_devices(), m.num_nodes()), (4, 3));
-        assert_eq!((m.node_of(1), m.node_of(2), m.node_of(3)), (0, 1, 2));
-        assert_eq!(m.device(0).kind, "cpu");
-        let in_process = MachineModel::preset("local-cpu").unwrap().intra_node_link();
-        assert_eq!(m.link(0, 1), Some(in_process));
-        // node0 (devices 0, 1) <-> 10.0.0.2 (device 2): the override, both directions
-        for (a, b) in [(0, 2), (2, 0), (1, 2), (2, 1)] {
-            assert_eq!(m.link(a, b), Some(Link::from_gbit_per_s(25.0, 20.0)));
-        }
-        // everything else across hosts: the default network
-        let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
-        for (a, b) in [(0, 3), (3, 1), (2, 3)] {
-            assert_eq!(m.link(a, b), Some(network));
-        }
     }
 
     #[test]

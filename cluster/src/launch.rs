@@ -24,8 +24,6 @@ use crate::hosts::{Host, Hosts};
 use crate::net::tls::{ClusterCa, NodeIdentity, node_name};
 use crate::remote::{LAUNCHER_NAME, WorkerClient};
 use anyhow::{Context as _, bail};
-use legion_planner::MachineModel;
-use legion_planner::machine::{Link, NetworkCpu};
 use serde::{Deserialize, Serialize};
 use std::io::Write as _;
 use std::os::unix::process::CommandExt as _;
@@ -36,7 +34,7 @@ use std::time::{Duration, Instant};
 /// How long `up` waits for all workers by default.
 pub const DEFAULT_REGISTER_TIMEOUT: Duration = Duration::from_secs(20);
 /// Bytes of the larger bandwidth probe between two workers (the other is a quarter of it).
-pub const PROBE_BYTES: u64 = 16 << 20;
+const PROBE_BYTES: u64 = 16 << 20;
 
 /// The state directory of the cluster described by `hosts_file`: `state` if given, else the
 /// default described in the module docs.
@@ -88,7 +86,8 @@ pub struct MeasuredLink {
     pub recv_cpu_s_per_byte: f64,
 }
 
-fn links_path(state: &Path) -> PathBuf {
+/// Where `up` saves the links it measured.
+pub fn links_path(state: &Path) -> PathBuf {
     state.join("links.json")
 }
 
@@ -101,62 +100,6 @@ pub fn load_links(state: &Path) -> anyhow::Result<Vec<MeasuredLink>> {
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&text)
         .with_context(|| format!("{}: expected a list of measured links", path.display()))
-}
-
-/// The planner's view of the running cluster: the hosts file's model, with each pair of hosts the
-/// file does not give a `[[link]]` for priced at what `up` measured between them, and the
-/// transport's CPU per byte at the mean of what it measured on every link.
-pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineModel> {
-    let mut machine = hosts.machine_model()?;
-    let ranges = hosts.device_ranges();
-    let index = |name: &str| hosts.hosts.iter().position(|h| h.name == name);
-    let links = load_links(state)?;
-    let cpu: Vec<NetworkCpu> = links
-        .iter()
-        .map(|l| NetworkCpu {
-            send_s_per_byte: l.send_cpu_s_per_byte,
-            recv_s_per_byte: l.recv_cpu_s_per_byte,
-        })
-        .filter(|c| {
-            let valid = |v: f64| v.is_finite() && v >= 0.0;
-            valid(c.send_s_per_byte)
-                && valid(c.recv_s_per_byte)
-                && c.send_s_per_byte + c.recv_s_per_byte > 0.0
-        })
-        .collect();
-    if !cpu.is_empty() {
-        let mean = |f: fn(&NetworkCpu) -> f64| cpu.iter().map(f).sum::<f64>() / cpu.len() as f64;
-        machine = machine.with_network_cpu(NetworkCpu {
-            send_s_per_byte: mean(|c| c.send_s_per_byte),
-            recv_s_per_byte: mean(|c| c.recv_s_per_byte),
-        })?;
-    }
-    for l in links {
-        let (Some(a), Some(b)) = (index(&l.from), index(&l.to)) else {
-            continue;
-        };
-        let declared = hosts
-            .links
-            .iter()
-            .any(|d| (d.from, d.to) == (a, b) || (d.from, d.to) == (b, a));
-        let usable = l.bytes_per_s.is_finite()
-            && l.bytes_per_s > 0.0
-            && l.latency_s.is_finite()
-            && l.latency_s >= 0.0;
-        if declared || a == b || !usable {
-            continue;
-        }
-        let link = Link {
-            bytes_per_s: l.bytes_per_s,
-            latency_s: l.latency_s,
-        };
-        for x in ranges[a].clone() {
-            for y in ranges[b].clone() {
-                machine = machine.with_link(x, y, link)?;
-            }
-        }
-    }
-    Ok(machine)
 }
 
 /// Creates the CA and the certificates that are missing; existing ones are kept, so re-running
@@ -591,65 +534,5 @@ mod tests {
     fn quoting_survives_quotes() {
         assert_eq!(quote("a b"), "'a b'");
         assert_eq!(quote("it's"), r"'it'\''s'");
-    }
-
-    #[test]
-    fn measured_links_price_undeclared_host_pairs() {
-        let hosts = Hosts::parse(
-            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 1\ndevices = 2\n\
-             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 2\n",
-            "hosts.toml",
-        )
-        .unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let links = vec![
-            MeasuredLink {
-                from: "a".into(),
-                to: "b".into(),
-                bytes_per_s: 1e8,
-                latency_s: 1e-4,
-                send_cpu_s_per_byte: 1e-9,
-                recv_cpu_s_per_byte: 3e-9,
-            },
-            MeasuredLink {
-                from: "b".into(),
-                to: "a".into(),
-                bytes_per_s: 1e8,
-                latency_s: 1e-4,
-                send_cpu_s_per_byte: 3e-9,
-                recv_cpu_s_per_byte: 5e-9,
-            },
-        ];
-        legion_ops::atomic_file::write(
-            &links_path(dir.path()),
-            serde_json::to_string(&links).unwrap().as_bytes(),
-        )
-        .unwrap();
-        let m = cluster_machine(&hosts, dir.path()).unwrap();
-        assert_eq!(m.link(0, 2).unwrap().bytes_per_s, 1e8);
-        assert_eq!(m.link(1, 2).unwrap().latency_s, 1e-4);
-        // Within a host: unchanged.
-        assert_eq!(m.link(0, 1), hosts.machine_model().unwrap().link(0, 1));
-        let cpu = m.network_cpu().unwrap();
-        assert!((cpu.send_s_per_byte - 2e-9).abs() < 1e-24, "{cpu:?}");
-        assert!((cpu.recv_s_per_byte - 4e-9).abs() < 1e-24, "{cpu:?}");
-    }
-
-    #[test]
-    fn links_measured_before_the_transport_cpu_was_still_load() {
-        let json = r#"[{"from": "a", "to": "b", "bytes_per_s": 1e8, "latency_s": 1e-4}]"#;
-        let links: Vec<MeasuredLink> = serde_json::from_str(json).unwrap();
-        assert_eq!(links[0].send_cpu_s_per_byte, 0.0);
-        let hosts = Hosts::parse(
-            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 1\n\
-             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 2\n",
-            "hosts.toml",
-        )
-        .unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        legion_ops::atomic_file::write(&links_path(dir.path()), json.as_bytes()).unwrap();
-        let m = cluster_machine(&hosts, dir.path()).unwrap();
-        assert_eq!(m.network_cpu(), None);
-        assert_eq!(m.link(0, 1).unwrap().bytes_per_s, 1e8);
     }
 }

@@ -1,25 +1,29 @@
-//! legion-cluster: the `legion-rs` command-line tool, the cluster description ([`hosts`]) and
-//! (with the cluster issue) the launcher and QUIC transport. Commands live in [`cli`], one file per
-//! subcommand.
+//! legion-cluster: training on worker processes. A hosts file ([`hosts`]) names the workers,
+//! [`launch`] starts, greets and stops them, each runs its devices' share of every step, and the
+//! driver reaches them as a [`RemoteCluster`]. Region slices travel over mutually authenticated
+//! QUIC ([`net`]). [`engine`] puts the workers, the embedded cluster and the single-device trainer
+//! behind one [`Engine`] trait; [`memory`] refuses a job a host cannot hold.
+//!
+//! Planning is not done here: a job arrives with its strategy, and the cluster needs of the
+//! machine only its hosts' addresses and device counts (`legion-cli` builds the planner's model
+//! of it).
 
-pub mod cli;
-pub mod compare;
-pub mod control;
+mod control;
 pub mod engine;
 pub mod hosts;
-pub mod job;
 pub mod launch;
 pub mod memory;
 pub mod net;
-pub mod remote;
-pub mod worker;
+mod remote;
+mod worker;
 
-/// Lets a closed stdout end the process quietly, as it does for C tools (`legion-rs train | head`):
-/// Rust ignores SIGPIPE and then panics in `println!` on the broken pipe.
-pub fn exit_quietly_on_broken_pipe() {
-    // SAFETY: restoring a signal's default disposition at start-up, before any thread exists, has
-    // no preconditions.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+pub use engine::{Engine, JobStart, Place, StepBatch};
+pub use remote::RemoteCluster;
+pub use worker::{WorkerConfig, run as run_worker};
+
+/// What the fuzz targets (`cluster/fuzz`, built by cargo-fuzz with `--cfg fuzzing`) decode: the
+/// control protocol is the workers' own, and not otherwise public.
+#[cfg(fuzzing)]
+pub mod fuzzing {
+    pub use crate::control::{decode, encode};
 }

@@ -2,8 +2,8 @@
 //! large otherwise ends in an allocation failure that aborts the process.
 
 use legion_ops::Graph;
-use legion_planner::ParallelConfig;
-use legion_planner::memory::{self, DeviceMemory};
+use legion_ops::memory::{self, DeviceMemory};
+use legion_ops::partition::ParallelConfig;
 
 /// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
 pub fn human_bytes(b: u64) -> String {
@@ -73,8 +73,8 @@ pub fn check_this_host(
 }
 
 /// What a run keeps on this host: the devices placed here and the job's own copy of the state.
-pub struct HostNeed<'a> {
-    /// The devices running on this host, as `legion_planner::memory::per_device` gives them.
+pub(crate) struct HostNeed<'a> {
+    /// The devices running on this host, as `legion_ops::memory::per_device` gives them.
     pub devices: &'a [DeviceMemory],
     /// Bytes the process holds besides the devices (the job's weights and momentum).
     pub job_state: u64,
@@ -93,7 +93,7 @@ impl HostNeed<'_> {
 
 /// An error naming the largest layer, the bytes needed and the bytes available if `need` does not
 /// fit in `available` bytes.
-pub fn check_fits(graph: &Graph, need: &HostNeed, available: u64) -> anyhow::Result<()> {
+pub(crate) fn check_fits(graph: &Graph, need: &HostNeed, available: u64) -> anyhow::Result<()> {
     let total = need.bytes();
     if total <= available {
         return Ok(());

@@ -19,8 +19,9 @@ use crate::net::tls::{NodeIdentity, node_name};
 use crate::worker::HEARTBEAT_INTERVAL;
 use anyhow::{Context as _, bail};
 use legion_ops::Graph;
+use legion_ops::partition::ParallelConfig;
+use legion_ops::strategy::Strategy;
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
-use legion_planner::{ParallelConfig, Strategy};
 use legion_runtime::buffer::Buffer;
 use legion_runtime::device::{OpEvent, StepReport};
 use legion_runtime::embedded::{StepResult, check_batch, initial_instances};
@@ -139,10 +140,6 @@ impl WorkerClient {
             conn_index,
             health,
         })
-    }
-
-    pub fn host(&self, i: usize) -> &Host {
-        &self.hosts[i]
     }
 
     fn who(&self, i: usize) -> String {

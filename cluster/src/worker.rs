@@ -21,8 +21,8 @@ use crate::net::stream::BufferSource;
 use crate::net::tls::{NodeIdentity, node_name};
 use anyhow::Context as _;
 use kameo::actor::ActorRef;
+use legion_ops::strategy::Strategy;
 use legion_ops::{Graph, Rect};
-use legion_planner::{MachineModel, Strategy};
 use legion_runtime::buffer::Buffer;
 use legion_runtime::device::{DeviceActor, Load, ReadInstance};
 use legion_runtime::embedded::{check_batch, run_step, spawn_local_devices};
@@ -447,12 +447,19 @@ async fn start_job(
     }
     let total = next as usize;
     let graph = Graph::from_json(&spec.graph_json, "the job's model")?;
-    let machine = MachineModel::preset(&format!("local-cpu:{total}"))?;
+    // The driver's hosts file was held to this bound; a job from elsewhere is held to it here,
+    // before anything is sized by the device count.
+    if total > crate::hosts::MAX_DEVICES {
+        anyhow::bail!(
+            "job: {total} devices in all, more than the {} a cluster may have",
+            crate::hosts::MAX_DEVICES
+        );
+    }
     let configs = Strategy::from_json(&spec.strategy_json, "the job's strategy")?
-        .to_configs(&graph, &machine)?;
+        .to_configs(&graph, total)?;
     // Refused before the plan and the devices allocate anything; the driver checked its own share.
     let first_device = this.first_device as usize;
-    let device_memory = legion_planner::memory::per_device(&graph, &configs, total);
+    let device_memory = legion_ops::memory::per_device(&graph, &configs, total);
     let need = crate::memory::HostNeed {
         devices: &device_memory[first_device..first_device + shared.devices],
         job_state: 0,

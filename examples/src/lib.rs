@@ -5,8 +5,8 @@
 
 use anyhow::Context;
 use clap::Args;
-use legion_cluster::compare::{self, ClusterTarget, CompareSettings};
-use legion_cluster::job::{self, TrainOptions};
+use legion_cli::compare::{self, ClusterTarget, CompareSettings};
+use legion_cli::job::{self, TrainOptions};
 use legion_ops::Graph;
 use legion_ops::train::Sgd;
 use std::path::PathBuf;

@@ -10,7 +10,7 @@
 //! - [`cost`]: Eq. 1 for any strategy; [`tables`]: the same as per-config tables for the searches.
 //! - [`search`]: OptCNN (Algorithm 1), exhaustive, data / model / OWT baselines.
 //! - [`simulate`], [`trace`]: a list-scheduled task graph of one iteration and its Chrome trace.
-//! - [`memory`]: what each device holds during a step, before anything is allocated.
+//! - [`memory`]: what each device holds during a step against what the machine's devices hold.
 //! - [`strategy`]: strategy files; [`plan`]: what `legion-rs plan` runs (its tables and JSON are
 //!   the CLI's).
 
@@ -25,7 +25,8 @@ pub mod profile;
 pub mod provider;
 pub mod search;
 pub mod simulate;
-pub mod strategy;
+/// Strategy files, the planner's output, live beside the partition vocabulary in `legion_ops`.
+pub use legion_ops::strategy;
 pub mod sync;
 pub mod tables;
 pub mod trace;

@@ -34,6 +34,9 @@
 //!
 //! Every error names the file, the line and column, and the field.
 
+// Shared with the other files users write (hosts files): in `legion_ops::located`.
+pub use legion_ops::located::{Number, key_at, line_column};
+
 use crate::machine::{
     DeviceSpec, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec, PRESETS,
 };
@@ -266,32 +269,6 @@ pub fn parse_machine(
     Ok(machine)
 }
 
-/// 1-based line and column of byte `offset` (also used by the cluster's hosts file).
-pub fn line_column(text: &str, offset: usize) -> (usize, usize) {
-    let before = &text[..offset.min(text.len())];
-    let line = before.matches('\n').count() + 1;
-    let column = before
-        .rfind('\n')
-        .map_or(before.len(), |nl| before.len() - nl - 1)
-        + 1;
-    (line, column)
-}
-
-/// The key of the `key = value` line holding `offset`, or empty: names the field of a TOML error
-/// whose span is a value.
-pub fn key_at(text: &str, offset: usize) -> String {
-    let offset = offset.min(text.len());
-    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
-    let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
-    let line = &text[start..end];
-    match line.split_once('=') {
-        Some((key, _)) if !line.trim_start().starts_with('[') => {
-            key.trim().trim_matches('"').to_string()
-        }
-        _ => String::new(),
-    }
-}
-
 trait HasSpan {
     fn span(&self) -> Range<usize>;
 }
@@ -303,32 +280,6 @@ impl<T> HasSpan for Spanned<T> {
 }
 
 type FieldError = (Range<usize>, String, String);
-
-/// A TOML number: integers are accepted where a float is expected (`peak_gflops = 9300`).
-#[derive(Clone, Copy, Debug)]
-pub struct Number(pub f64);
-
-impl<'de> Deserialize<'de> for Number {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Number, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Number;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a number")
-            }
-            fn visit_f64<E>(self, v: f64) -> Result<Number, E> {
-                Ok(Number(v))
-            }
-            fn visit_i64<E>(self, v: i64) -> Result<Number, E> {
-                Ok(Number(v as f64))
-            }
-            fn visit_u64<E>(self, v: u64) -> Result<Number, E> {
-                Ok(Number(v as f64))
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,6 +1,6 @@
 #![no_main]
 
-use legion_cluster::control::{decode, encode};
+use legion_cluster::fuzzing::{decode, encode};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -55,7 +55,7 @@ fn alexnet(batch: usize, image_size: usize, classes: usize) -> Result<Graph, Mod
 }
 
 fn main() -> anyhow::Result<()> {
-    legion_cluster::exit_quietly_on_broken_pipe();
+    legion_cli::exit_quietly_on_broken_pipe();
     let args = Args::parse();
     // 224×224 is the paper's size; 64×64 keeps a CPU run to a minute or so. Steps and lr: see the
     // module documentation.

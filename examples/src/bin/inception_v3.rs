@@ -16,7 +16,7 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
-    legion_cluster::exit_quietly_on_broken_pipe();
+    legion_cli::exit_quietly_on_broken_pipe();
     let args = Args::parse();
     // 299×299 is the paper's size; 75×75 is the smallest the network takes.
     let defaults = Defaults {

@@ -31,7 +31,7 @@ fn lenet5(batch: usize, image_size: usize, classes: usize) -> Result<Graph, Mode
 }
 
 fn main() -> anyhow::Result<()> {
-    legion_cluster::exit_quietly_on_broken_pipe();
+    legion_cli::exit_quietly_on_broken_pipe();
     let args = Args::parse();
     let defaults = Defaults {
         steps: 60,

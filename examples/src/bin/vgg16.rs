@@ -38,7 +38,7 @@ fn vgg16(batch: usize, image_size: usize, classes: usize) -> Result<Graph, Model
 }
 
 fn main() -> anyhow::Result<()> {
-    legion_cluster::exit_quietly_on_broken_pipe();
+    legion_cli::exit_quietly_on_broken_pipe();
     let args = Args::parse();
     // 224×224 is the paper's size; 32×32 (CIFAR-sized) keeps a CPU run short.
     let defaults = Defaults {

@@ -123,19 +123,19 @@ fn up_train_down_on_three_workers_equals_one_device() {
     let graph = lenet.build(&lenet.default_config(8)).unwrap();
     let traces = cluster.path("traces");
     std::fs::create_dir_all(&traces).unwrap();
-    let settings = legion_cluster::compare::CompareSettings {
+    let settings = legion_cli::compare::CompareSettings {
         devices: 1,
         warmup: 0,
         steps: 1,
         seed: 1,
-        cluster: Some(legion_cluster::compare::ClusterTarget {
+        cluster: Some(legion_cli::compare::ClusterTarget {
             hosts: legion_cluster::hosts::Hosts::load(&cluster.hosts).unwrap(),
             state: cluster.state.clone(),
         }),
         traces: Some(traces.clone()),
     };
-    let rows = legion_cluster::compare::compare(&graph, &settings).unwrap();
-    assert_eq!(rows.len(), legion_cluster::compare::STRATEGIES.len());
+    let rows = legion_cli::compare::compare(&graph, &settings).unwrap();
+    assert_eq!(rows.len(), legion_cli::compare::STRATEGIES.len());
     for r in &rows {
         assert!(r.measured_ms > 0.0 && r.simulated_ms > 0.0, "{r:?}");
     }
@@ -144,7 +144,7 @@ fn up_train_down_on_three_workers_equals_one_device() {
         "data parallelism syncs over the network"
     );
     // each strategy's measured and simulated timelines, side by side
-    for strategy in legion_cluster::compare::STRATEGIES {
+    for strategy in legion_cli::compare::STRATEGIES {
         for what in ["measured", "simulated"] {
             let path = traces.join(format!("{strategy}.{what}.json"));
             let trace: serde_json::Value =

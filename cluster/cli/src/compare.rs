@@ -2,11 +2,11 @@
 //! and set against the planner's simulation of each (priced by a profile of that strategy's tiles,
 //! taken right before it runs).
 
-use crate::engine::{self, JobStart, Place, StepBatch};
-use crate::hosts::Hosts;
-use crate::job::{choose_strategy, embedded_machine};
-use crate::launch;
+use crate::job::choose_strategy;
+use crate::machine::{cluster_machine, embedded_machine};
 use anyhow::Context;
+use legion_cluster::engine::{self, JobStart, Place, StepBatch};
+use legion_cluster::hosts::Hosts;
 use legion_ops::Graph;
 use legion_ops::train::{ParamStore, Sgd, TrainingState};
 use legion_planner::profile::ProfileDb;
@@ -67,10 +67,7 @@ pub struct ClusterTarget {
 /// whose workers all run on this machine shares its cores, as the embedded one does.
 pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<CompareRow>> {
     let (machine, devices) = match &settings.cluster {
-        Some(c) => (
-            launch::cluster_machine(&c.hosts, &c.state)?,
-            c.hosts.num_devices(),
-        ),
+        Some(c) => (cluster_machine(&c.hosts, &c.state)?, c.hosts.num_devices()),
         None => (embedded_machine(settings.devices)?, settings.devices),
     };
     let strategies = STRATEGIES
@@ -79,7 +76,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         .collect::<anyhow::Result<Vec<_>>>()?;
     if settings.cluster.is_none() {
         for (_, configs) in &strategies {
-            crate::memory::check_this_host(graph, Some((configs, devices)))?;
+            legion_cluster::memory::check_this_host(graph, Some((configs, devices)))?;
         }
     }
     let profile_settings = ProfileSettings {
@@ -222,7 +219,7 @@ pub fn table(rows: &[CompareRow]) -> String {
             r.strategy,
             r.measured_ms,
             r.images_per_sec,
-            crate::memory::human_bytes(r.comm_bytes_per_step),
+            legion_cluster::memory::human_bytes(r.comm_bytes_per_step),
             r.simulated_ms,
             100.0 * r.simulation_error,
             r.speedup_over_data
@@ -332,11 +329,12 @@ mod tests {
             runtime: Some(costs),
             ..ProfileDb::default()
         };
-        let machine = profiled_cluster(hosts.machine_model().unwrap(), &hosts, &db).unwrap();
+        let machine =
+            profiled_cluster(crate::machine::hosts_machine(&hosts).unwrap(), &hosts, &db).unwrap();
         assert_eq!(machine.runtime_costs(), Some(&costs));
         assert_eq!(machine.compute_slots(), Some(2));
         let unprofiled = profiled_cluster(
-            hosts.machine_model().unwrap(),
+            crate::machine::hosts_machine(&hosts).unwrap(),
             &hosts,
             &ProfileDb::default(),
         )

@@ -11,7 +11,7 @@
 //! against the simulated step's (its tasks' seconds on the devices' cores and the runtime's CPU
 //! per compute task): where those agree and the times do not, the error is in where and when the
 //! work ran, not in how much of it there was. Run with
-//! `cargo bench -p legion-cluster --bench predicted_vs_measured`; the table is in BENCHMARKS.md.
+//! `cargo bench -p legion-cli --bench predicted_vs_measured`; the table is in BENCHMARKS.md.
 //!
 //! Environment: `LEGION_PVM_MODELS=alexnet,lenet5` picks the models (both by default);
 //! `LEGION_PVM_ROUNDS=N` the rounds (3 by default); `LEGION_PVM_TRACES=DIR` also writes, per model
@@ -19,8 +19,9 @@
 //! ones of the last round) and of the simulated step (`MODEL-STRATEGY-sim.json`), to compare task
 //! by task.
 
-use legion_cluster::cli::load_model;
-use legion_cluster::job::{choose_strategy, embedded_machine};
+use legion_cli::job::choose_strategy;
+use legion_cli::load_model;
+use legion_cli::machine::embedded_machine;
 use legion_ops::train::{ParamStore, Sgd};
 use legion_planner::simulate::{Resource, Simulation, TaskKind, simulate};
 use legion_planner::{CostModel, ProfiledCost};

@@ -1,5 +1,5 @@
-use crate::worker::{self, WorkerConfig};
 use clap::Args;
+use legion_cluster::{WorkerConfig, run_worker};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -25,7 +25,7 @@ pub fn run(a: WorkerArgs) -> anyhow::Result<()> {
         .with_context(|| format!("--listen {}: expected ADDRESS:PORT", a.listen))?
         .next()
         .with_context(|| format!("--listen {}: resolves to no address", a.listen))?;
-    worker::run(WorkerConfig {
+    run_worker(WorkerConfig {
         name: a.name,
         listen,
         state: a.state,

@@ -3,9 +3,9 @@
 //! process.
 //!
 //! ```text
-//! cargo bench -p legion-cluster --bench plan_scaling                     # every case
-//! cargo bench -p legion-cluster --bench plan_scaling -- vgg16 16 1024    # filters: models, devices
-//! cargo bench -p legion-cluster --bench plan_scaling -- --runs 3 --limit-s 120 --limit-gib 8
+//! cargo bench -p legion-cli --bench plan_scaling                     # every case
+//! cargo bench -p legion-cli --bench plan_scaling -- vgg16 16 1024    # filters: models, devices
+//! cargo bench -p legion-cli --bench plan_scaling -- --runs 3 --limit-s 120 --limit-gib 8
 //! ```
 //!
 //! 16 devices is the `paper` preset (4 nodes of 4); larger machines are nodes of 16 devices given

@@ -8,7 +8,7 @@
 //! an unchecked allocation would show; nothing in between, so that a valid model stays small.
 
 use clap::Parser;
-use legion_cluster::cli::{self, Cli};
+use legion_cli::Cli;
 use legion_cluster::hosts::Hosts;
 use legion_ops::zoo;
 use legion_planner::ParallelConfig;
@@ -129,7 +129,7 @@ fn run_cli(args: &[&str]) -> Result<bool, String> {
         Err(_) => return Ok(false),
     };
     PANICKED.store(false, Ordering::SeqCst);
-    let outcome = std::panic::catch_unwind(|| cli::run(cli));
+    let outcome = std::panic::catch_unwind(|| legion_cli::run(cli));
     if outcome.is_err() || PANICKED.load(Ordering::SeqCst) {
         return Err(format!(
             "legion-rs {} panicked: {}",
@@ -647,8 +647,8 @@ fn mutated_machine_files_are_parsed_or_refused_without_panicking() {
 
 #[test]
 fn mutated_hosts_files_are_parsed_or_refused_without_panicking() {
-    let toml = include_str!("../../examples/hosts.toml");
-    let hostfile = include_str!("../../examples/hostfile");
+    let toml = include_str!("../../../examples/hosts.toml");
+    let hostfile = include_str!("../../../examples/hostfile");
     let extra =
         "\n[[link]]\nfrom = \"worker0\"\nto = \"worker1\"\ngbps = 10.0\nlatency_us = 20.0\n";
     let toml_with_link = format!("{toml}{extra}");
@@ -661,7 +661,7 @@ fn mutated_hosts_files_are_parsed_or_refused_without_panicking() {
         if let Ok(hosts) = Hosts::parse(text, name) {
             let _ = hosts.num_devices();
             let _ = hosts.device_ranges();
-            let _ = hosts.machine_model();
+            let _ = legion_cli::machine::hosts_machine(&hosts);
         }
     });
     report(&format!(

@@ -12,12 +12,15 @@
 //!
 //! `degrees` maps dim names (`n`, `c`, `h`, `w`) to degrees (missing dims are 1); `devices` lists the
 //! device of each tile in tile order (row-major over n, c, h, w), an aligned contiguous block
-//! ([`crate::config`]). `model` is informational.
+//! ([`crate::partition`]). `model` is informational.
+//!
+//! A strategy is the contract between the planner, which writes one, and the runtime, which runs
+//! it: it lives here, beside the partition vocabulary both speak, so that a program that only runs
+//! strategies (a cluster's workers) needs no planner. Validation needs only the device count.
 
-use crate::config::{ConfigError, ParallelConfig};
-use crate::machine::{DeviceId, MachineModel};
-use legion_ops::shape::MAX_DIMS;
-use legion_ops::{Dim, Graph};
+use crate::partition::{ConfigError, DeviceId, ParallelConfig};
+use crate::shape::MAX_DIMS;
+use crate::{Dim, Graph};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -101,11 +104,12 @@ impl Strategy {
         }
     }
 
-    /// Validates the strategy against a model and machine; the configs by layer id.
+    /// Validates the strategy against a model and a machine of `num_devices` devices; the configs
+    /// by layer id.
     pub fn to_configs(
         &self,
         graph: &Graph,
-        machine: &MachineModel,
+        num_devices: usize,
     ) -> Result<Vec<ParallelConfig>, StrategyError> {
         let mut configs: Vec<Option<ParallelConfig>> = vec![None; graph.layers().len()];
         let mut seen: HashMap<&str, ()> = HashMap::new();
@@ -146,7 +150,6 @@ impl Strategy {
                 })?;
                 // Checked against the machine as the file gave it, before it is stored in the
                 // config's narrower fields: a degree past the device count never fits.
-                let num_devices = machine.num_devices();
                 if degree == 0 || !degree.is_power_of_two() {
                     return Err(field(
                         &format!("degrees.{name}"),
@@ -166,19 +169,19 @@ impl Strategy {
             }
             // each degree is at most the device count (≤ MAX_DEVICES), so the product fits
             let total: usize = degrees.iter().product();
-            if let Some(&bad) = entry.devices.iter().find(|&&d| d >= machine.num_devices()) {
+            if let Some(&bad) = entry.devices.iter().find(|&&d| d >= num_devices) {
                 return Err(field(
                     "devices",
                     format!(
                         "device {bad} does not exist (the machine has devices 0..{})",
-                        machine.num_devices()
+                        num_devices
                     ),
                 ));
             }
             let first = entry.devices.first().copied().unwrap_or(0);
             let config = ParallelConfig::new(degrees, first);
             let dims = layer.op.spec().parallel_dims(&layer.shape);
-            if let Err(e) = config.validate(&layer.shape, dims, machine.num_devices()) {
+            if let Err(e) = config.validate(&layer.shape, dims, num_devices) {
                 let name = match &e {
                     ConfigError::NotPowerOfTwo { dim, .. }
                     | ConfigError::NotParallelizable { dim, .. }
@@ -214,7 +217,7 @@ impl Strategy {
                 ));
             }
             config
-                .validate(&layer.shape, dims, machine.num_devices())
+                .validate(&layer.shape, dims, num_devices)
                 .map_err(|e| field("devices", e.to_string()))?;
             configs[id.0] = Some(config);
         }
@@ -253,7 +256,7 @@ impl Strategy {
 
     pub fn save(&self, path: &Path) -> Result<(), StrategyError> {
         let text = self.to_json() + "\n";
-        legion_ops::atomic_file::write(path, text.as_bytes()).map_err(|e| StrategyError::Io {
+        crate::atomic_file::write(path, text.as_bytes()).map_err(|e| StrategyError::Io {
             path: path.display().to_string(),
             message: e.to_string(),
         })
@@ -322,8 +325,8 @@ impl fmt::Display for Strategy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use legion_ops::op::{Conv2d, Dense};
-    use legion_ops::{GraphBuilder, Shape};
+    use crate::op::{Conv2d, Dense};
+    use crate::{GraphBuilder, Shape};
 
     fn model() -> Graph {
         let mut m = GraphBuilder::new("tiny");
@@ -348,7 +351,6 @@ mod tests {
     #[test]
     fn round_trip_through_json_and_back_to_configs() {
         let g = model();
-        let machine = MachineModel::preset("paper:4").unwrap();
         let s = Strategy::from_configs(&g, &configs());
         assert_eq!(s.layers[1].devices, vec![0, 1, 2, 3]);
         assert_eq!(s.layers[1].degrees["h"], 2);
@@ -358,7 +360,7 @@ mod tests {
         s.save(&path).unwrap();
         let back = Strategy::load(&path).unwrap();
         assert_eq!(back, s);
-        assert_eq!(back.to_configs(&g, &machine).unwrap(), configs());
+        assert_eq!(back.to_configs(&g, 4).unwrap(), configs());
         let table = s.to_string();
         assert!(table.contains("conv   conv2d"), "{table}");
         assert!(table.contains("n=2,h=2"), "{table}");
@@ -367,10 +369,9 @@ mod tests {
 
     fn error(edit: impl FnOnce(&mut Strategy)) -> String {
         let g = model();
-        let machine = MachineModel::preset("paper:4").unwrap();
         let mut s = Strategy::from_configs(&g, &configs());
         edit(&mut s);
-        s.to_configs(&g, &machine).unwrap_err().to_string()
+        s.to_configs(&g, 4).unwrap_err().to_string()
     }
 
     #[test]

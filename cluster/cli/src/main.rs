@@ -1,8 +1,8 @@
 use clap::Parser;
-use legion_cluster::cli::{Cli, run};
+use legion_cli::{Cli, run};
 
 fn main() {
-    legion_cluster::exit_quietly_on_broken_pipe();
+    legion_cli::exit_quietly_on_broken_pipe();
     // Warnings and errors the runtime and transport log (a refused peer, a malformed frame that
     // closed its connection, a dropped slice) go to stderr, which is the log file of a worker
     // that `up` started. `RUST_LOG` (e.g. `legion_cluster=debug`) shows more.

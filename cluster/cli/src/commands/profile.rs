@@ -2,7 +2,8 @@
 //! tile's kernels and the transfers between devices, and write the profile database that
 //! `legion-rs plan --profile` prices strategies with. The measuring is `legion_profile`.
 
-use crate::job::{choose_strategy_for, embedded_machine};
+use crate::job::choose_strategy_for;
+use crate::machine::embedded_machine;
 use anyhow::{Context, bail};
 use clap::Args;
 use legion_profile::{self as profile, ProfileSettings};
@@ -71,7 +72,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     // each strategy's cluster, one at a time, before any of them allocates
     for (_, configs) in &strategies {
-        crate::memory::check_this_host(&graph, Some((configs, a.devices)))?;
+        legion_cluster::memory::check_this_host(&graph, Some((configs, a.devices)))?;
     }
     let settings = ProfileSettings {
         warmup: a.warmup,

@@ -1,8 +1,8 @@
 //! `legion-rs up`, `status` and `down`.
 
-use crate::hosts::Hosts;
-use crate::launch::{self, UpOptions};
 use clap::Args;
+use legion_cluster::hosts::Hosts;
+use legion_cluster::launch::{self, UpOptions};
 use std::path::PathBuf;
 use std::time::Duration;
 

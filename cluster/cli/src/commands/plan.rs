@@ -3,9 +3,9 @@
 //! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
 
 use super::report::{self, PlanJson, SearchJson};
-use crate::memory::human_bytes;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
+use legion_cluster::memory::human_bytes;
 use legion_ops::Graph;
 use legion_planner::config::config_counts;
 use legion_planner::machine_file::resolve_machine;
@@ -140,7 +140,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let chosen: Evaluated = if args.evaluate {
         let path = args.strategy.as_deref().expect("clap requires --strategy");
         let configs = Strategy::load(path)?
-            .to_configs(&graph, &machine)
+            .to_configs(&graph, machine.num_devices())
             .with_context(|| format!("{}", path.display()))?;
         let evaluated = plan::evaluate(&model, configs);
         if args.json {
@@ -264,7 +264,7 @@ fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelC
     let shared_bytes = shared.iter().map(|d| d.bytes).fold(0, u64::saturating_add);
     if let (Some(worst), Some(available)) = (
         shared.iter().max_by_key(|d| d.bytes),
-        crate::memory::available(),
+        legion_cluster::memory::available(),
     ) && shared_bytes > available
     {
         eprintln!(

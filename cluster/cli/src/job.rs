@@ -1,0 +1,490 @@
+//! A training job: data, initial weights, the training loop, periodic and final checkpoints, the
+//! trace. Shared by `legion-rs train` and the example programs.
+//!
+//! [`Job::start`] validates the options and starts an engine; [`Job::run`] steps it and reports
+//! what happens as [`JobEvent`]s; a [`Printer`] turns those into what the user sees (text lines,
+//! a progress bar, or JSON lines). [`train`] is the three together. The job prints nothing itself,
+//! so that a caller can show a run its own way.
+
+use crate::machine::{cluster_machine, embedded_machine};
+use anyhow::{Context, bail};
+use legion_cluster::engine::{self, Engine, JobStart, Place, StepBatch};
+use legion_cluster::hosts::Hosts;
+use legion_cluster::launch;
+use legion_ops::Graph;
+use legion_ops::checkpoint;
+use legion_ops::data::{self, Loader, LoaderConfig};
+use legion_ops::train::{ParamStore, Sgd, TrainingState};
+use legion_planner::search::{self, SearchKind};
+use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+pub use crate::progress::Printer;
+
+/// Everything a training run needs besides the model.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    pub devices: usize,
+    pub steps: u64,
+    /// `synthetic`, `synthetic:N`, `cifar10:DIR`, `folder:DIR`.
+    pub data: String,
+    pub init: Option<PathBuf>,
+    pub save: Option<PathBuf>,
+    pub sgd: Sgd,
+    pub seed: u64,
+    /// How [`train`] prints: one JSON object per step and a summary object, instead of human
+    /// output. The job itself prints nothing.
+    pub json: bool,
+    /// With several devices: a search (`optcnn`, `data`, `model`, `owt`) or a strategy JSON file.
+    pub strategy: String,
+    /// Write a Chrome/Perfetto trace of the last step here.
+    pub trace: Option<PathBuf>,
+    /// Also save the state to `save` every this many steps (atomically, so a crash leaves the
+    /// previous checkpoint whole).
+    pub checkpoint_every: Option<u64>,
+    /// Continue from a checkpoint: its weights, momentum and step; `steps` counts from the start.
+    pub resume: Option<PathBuf>,
+    /// Train on the workers of this cluster (started by `legion-rs up`) instead of in-process.
+    pub cluster: Option<PathBuf>,
+    /// The cluster's state directory, if not the default of its hosts file.
+    pub cluster_state: Option<PathBuf>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            devices: 1,
+            steps: 100,
+            data: "synthetic".into(),
+            init: None,
+            save: None,
+            sgd: Sgd::default(),
+            seed: 1,
+            json: false,
+            strategy: "optcnn".into(),
+            trace: None,
+            checkpoint_every: None,
+            resume: None,
+            cluster: None,
+            cluster_state: None,
+        }
+    }
+}
+
+/// The configs of `choice` (a search name or a strategy file) for `graph` on `machine`.
+pub fn choose_strategy(
+    graph: &Graph,
+    machine: &MachineModel,
+    choice: &str,
+) -> anyhow::Result<Vec<ParallelConfig>> {
+    choose_strategy_for("--strategy", graph, machine, choice)
+}
+
+/// [`choose_strategy`] for a choice given by the command-line option `flag`, which errors name.
+pub fn choose_strategy_for(
+    flag: &str,
+    graph: &Graph,
+    machine: &MachineModel,
+    choice: &str,
+) -> anyhow::Result<Vec<ParallelConfig>> {
+    match SearchKind::parse(choice) {
+        Some(kind) => {
+            let provider = RooflineCost::new(machine);
+            let cost = CostModel::new(graph, machine, &provider);
+            let tables = CostTables::build(&cost);
+            Ok(search::find(kind, &tables, search::DEFAULT_BUDGET)
+                .with_context(|| format!("{flag} {choice}"))?
+                .configs)
+        }
+        None => {
+            let path = std::path::Path::new(choice);
+            if !path.exists() {
+                bail!(
+                    "{flag} '{choice}' is neither a search (optcnn, data, model, owt, \
+                     exhaustive) nor an existing strategy file"
+                );
+            }
+            Ok(Strategy::load(path)?.to_configs(graph, machine.num_devices())?)
+        }
+    }
+}
+
+/// What a running job reports, in order: its plan (distributed runs only), each step, the end.
+#[derive(Clone, Copy, Debug)]
+pub enum JobEvent<'a> {
+    /// The strategy the devices run, before the first step.
+    Planned(&'a PlannedRun),
+    /// A step finished.
+    Step(&'a StepDone),
+    /// The run finished and its final checkpoint (if any) is saved.
+    Finished(&'a TrainSummary),
+}
+
+/// A distributed run's plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedRun {
+    /// The `--strategy` choice: a search name or a strategy file.
+    pub choice: String,
+    pub devices: usize,
+    /// Where the devices are: `embedded device(s)`, `3 worker(s) of hosts.toml`.
+    pub place: String,
+    /// Bytes moved between devices per step.
+    pub remote_bytes: u64,
+    pub strategy: Strategy,
+}
+
+/// One finished step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepDone {
+    /// Counted from 1.
+    pub step: u64,
+    /// Of `total_steps`, the run's last step.
+    pub total_steps: u64,
+    pub loss: f32,
+    pub accuracy: f64,
+    pub seconds: f64,
+    pub images_per_sec: f64,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSummary {
+    pub model: String,
+    pub devices: usize,
+    /// Where there were several devices.
+    pub plan: Option<PlannedRun>,
+    /// The step the run ended at, counted from the start (a resumed run's earlier steps too).
+    pub steps: u64,
+    pub batch: usize,
+    /// One per step this run took.
+    pub losses: Vec<f32>,
+    /// Over `steps` steps: a resumed run counts the steps it did not take, as it always has.
+    pub images_per_sec: f64,
+    pub wall_secs: f64,
+    pub saved: Option<PathBuf>,
+}
+
+impl TrainSummary {
+    /// The means of the first and the last `window` losses, and `window` (at most 10).
+    pub fn loss_trend(&self) -> (f64, f64, usize) {
+        let losses = &self.losses;
+        let window = losses.len().min(10);
+        let mean = |xs: &[f32]| xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64;
+        (
+            mean(&losses[..window]),
+            mean(&losses[losses.len() - window..]),
+            window,
+        )
+    }
+}
+
+/// Trains `graph` (batch size = its input's N) as `opts` says, printing progress to stdout.
+pub fn train(graph: Graph, opts: &TrainOptions) -> anyhow::Result<TrainSummary> {
+    let mut printer = Printer::new(opts.json);
+    Job::start(graph, opts)?.run(|event| printer.show(event))
+}
+
+/// A started job: validated, its engine running, not yet stepped.
+pub struct Job {
+    graph: Graph,
+    opts: TrainOptions,
+    engine: Box<dyn Engine>,
+    dataset: Box<dyn data::Dataset>,
+    plan: Option<PlannedRun>,
+    devices: usize,
+    first_step: u64,
+}
+
+/// What training needs of a model, from its shapes.
+struct ModelShape {
+    /// C, H, W of an input image.
+    image: [usize; 3],
+    classes: usize,
+}
+
+impl Job {
+    /// Validates `opts` against `graph`, chooses the strategy, checks that the run fits this host,
+    /// loads the weights it starts from and starts its engine.
+    pub fn start(graph: Graph, opts: &TrainOptions) -> anyhow::Result<Job> {
+        let shape = check_options(&graph, opts)?;
+        let cluster = match &opts.cluster {
+            Some(path) => {
+                let hosts = Hosts::load(path)?;
+                if opts.devices != 1 && opts.devices != hosts.num_devices() {
+                    bail!(
+                        "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
+                        opts.devices,
+                        path.display(),
+                        hosts.num_devices()
+                    );
+                }
+                let state = launch::state_dir(path, opts.cluster_state.as_deref())?;
+                Some((path, hosts, state))
+            }
+            None => None,
+        };
+        let devices = cluster
+            .as_ref()
+            .map_or(opts.devices, |(_, h, _)| h.num_devices());
+        let distributed = devices > 1 || opts.trace.is_some() || cluster.is_some();
+        let (configs, place) = if distributed {
+            let (machine, place) = match &cluster {
+                Some((path, hosts, state)) => (
+                    cluster_machine(hosts, state)?,
+                    format!("{} worker(s) of {}", hosts.hosts.len(), path.display()),
+                ),
+                None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
+            };
+            (choose_strategy(&graph, &machine, &opts.strategy)?, place)
+        } else {
+            let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
+            (serial, "one device".to_string())
+        };
+        // Before any weight is allocated: a model too large must get an error, not an abort. The
+        // workers of a cluster check their own devices when the job reaches them.
+        let embedded = cluster.is_none().then_some((&configs[..], devices));
+        legion_cluster::memory::check_this_host(&graph, embedded)?;
+
+        let state = initial_state(&graph, opts)?;
+        let first_step = state.step;
+        if first_step > opts.steps {
+            bail!(
+                "--resume: the checkpoint is at step {first_step}, past --steps {}",
+                opts.steps
+            );
+        }
+        let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)?;
+        let engine_place = match &cluster {
+            Some((_, hosts, state_dir)) => Place::Cluster { hosts, state_dir },
+            None if distributed => Place::Embedded { devices },
+            None => Place::OneDevice,
+        };
+        let engine = engine::start(
+            engine_place,
+            JobStart {
+                graph: &graph,
+                configs: &configs,
+                state,
+                sgd: opts.sgd,
+                seed: opts.seed,
+            },
+        )?;
+        let plan = distributed.then(|| PlannedRun {
+            choice: opts.strategy.clone(),
+            devices,
+            place,
+            remote_bytes: engine.plan().expect("a distributed engine").remote_bytes(),
+            strategy: Strategy::from_configs(&graph, &configs),
+        });
+        Ok(Job {
+            graph,
+            opts: opts.clone(),
+            engine,
+            dataset,
+            plan,
+            devices,
+            first_step,
+        })
+    }
+
+    /// Runs the steps left, saving checkpoints and the trace as the options say, and reports each
+    /// to `on_event`.
+    pub fn run(self, mut on_event: impl FnMut(JobEvent<'_>)) -> anyhow::Result<TrainSummary> {
+        let Job {
+            graph,
+            opts,
+            mut engine,
+            dataset,
+            plan,
+            devices,
+            first_step,
+        } = self;
+        if let Some(plan) = &plan {
+            on_event(JobEvent::Planned(plan));
+        }
+        let batch = graph.batch();
+        let loader = Loader::new(
+            dataset.into(),
+            LoaderConfig {
+                seed: opts.seed,
+                ..LoaderConfig::new(batch)
+            },
+        )?;
+        let mut batches = loader.steps(first_step);
+        let started = Instant::now();
+        let mut losses = Vec::with_capacity(opts.steps as usize);
+        let save = |engine: &dyn Engine| -> anyhow::Result<()> {
+            if let Some(path) = &opts.save {
+                let meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
+                engine.state()?.save(path, meta)?;
+            }
+            Ok(())
+        };
+        let mut next_batch = || -> anyhow::Result<data::Batch> {
+            batches
+                .next()
+                .context("the data loader stopped early")?
+                .context("loading a batch")
+        };
+        let mut upcoming = (first_step < opts.steps)
+            .then(&mut next_batch)
+            .transpose()?;
+        for step in first_step + 1..=opts.steps {
+            let batch_data = upcoming.take().expect("a batch for every step");
+            upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
+            let t = Instant::now();
+            let traced = opts.trace.is_some() && step == opts.steps;
+            let (stats, reports) = engine.step(StepBatch {
+                images: batch_data.images,
+                labels: batch_data.labels,
+                next: upcoming.as_ref().map(|b| (&b.images[..], &b.labels[..])),
+                trace: traced,
+            })?;
+            if traced && let (Some(path), Some(step_plan)) = (&opts.trace, engine.plan()) {
+                let trace = legion_runtime::trace::chrome_trace(step_plan, &graph, &reports);
+                legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
+                    .with_context(|| format!("writing the trace {}", path.display()))?;
+            }
+            let seconds = t.elapsed().as_secs_f64();
+            if !stats.loss.is_finite() {
+                bail!(
+                    "step {step}: the loss is {} (try a smaller --lr)",
+                    stats.loss
+                );
+            }
+            losses.push(stats.loss);
+            if opts.checkpoint_every.is_some_and(|k| step % k == 0) && step < opts.steps {
+                save(engine.as_ref())?;
+            }
+            on_event(JobEvent::Step(&StepDone {
+                step,
+                total_steps: opts.steps,
+                loss: stats.loss,
+                accuracy: stats.correct as f64 / batch as f64,
+                seconds,
+                images_per_sec: batch as f64 / seconds,
+            }));
+        }
+        let wall_secs = started.elapsed().as_secs_f64();
+        save(engine.as_ref())?;
+
+        let summary = TrainSummary {
+            model: graph.name.clone(),
+            devices,
+            plan,
+            steps: opts.steps,
+            batch,
+            losses,
+            images_per_sec: (opts.steps as f64 * batch as f64) / wall_secs,
+            wall_secs,
+            saved: opts.save.clone(),
+        };
+        on_event(JobEvent::Finished(&summary));
+        Ok(summary)
+    }
+}
+
+/// The checks of `opts` that need nothing but the model: done before anything is loaded.
+fn check_options(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<ModelShape> {
+    if opts.devices == 0 {
+        bail!("--devices must be at least 1");
+    }
+    let input = graph.layer(graph.input()).shape;
+    if input.ndim() != 4 {
+        bail!(
+            "model '{}': training needs an image input (N,C,H,W), got {input}",
+            graph.name
+        );
+    }
+    let logits = graph.logits().with_context(|| {
+        format!(
+            "model '{}' has no softmax_cross_entropy loss layer",
+            graph.name
+        )
+    })?;
+    if opts.init.is_some() && opts.resume.is_some() {
+        bail!("--init and --resume exclude each other");
+    }
+    if opts.checkpoint_every.is_some() && opts.save.is_none() {
+        bail!("--checkpoint-every needs --save PATH (where the checkpoints go)");
+    }
+    Ok(ModelShape {
+        image: [input.dim(1), input.dim(2), input.dim(3)],
+        classes: graph.layer(logits).shape.dim(1),
+    })
+}
+
+/// The weights, momentum and step the run starts from: a checkpoint to resume, one's weights to
+/// start afresh from, or the seeded initialisation.
+fn initial_state(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<TrainingState> {
+    let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
+        let ckpt = checkpoint::load(path)?;
+        TrainingState::from_checkpoint(graph, ckpt)
+            .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
+    };
+    Ok(match (&opts.init, &opts.resume) {
+        (None, Some(path)) => load_state(path)?,
+        // Weights only: a fresh run from them.
+        (Some(path), _) => TrainingState::start(load_state(path)?.params),
+        (None, None) => TrainingState::start(ParamStore::init(graph, opts.seed)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events_of(opts: &TrainOptions) -> (Vec<String>, TrainSummary) {
+        let graph = crate::load_model("lenet5", 4, None, None).unwrap();
+        let mut seen = Vec::new();
+        let summary = Job::start(graph, opts)
+            .unwrap()
+            .run(|event| {
+                seen.push(match event {
+                    JobEvent::Planned(p) => format!("planned {} on {}", p.choice, p.devices),
+                    JobEvent::Step(s) => format!("step {}/{}", s.step, s.total_steps),
+                    JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),
+                })
+            })
+            .unwrap();
+        (seen, summary)
+    }
+
+    #[test]
+    fn a_distributed_run_reports_its_plan_then_each_step_then_the_end() {
+        let opts = TrainOptions {
+            devices: 2,
+            steps: 3,
+            strategy: "data".into(),
+            ..TrainOptions::default()
+        };
+        let (seen, summary) = events_of(&opts);
+        assert_eq!(
+            seen,
+            [
+                "planned data on 2",
+                "step 1/3",
+                "step 2/3",
+                "step 3/3",
+                "finished after 3 steps"
+            ]
+        );
+        let plan = summary.plan.unwrap();
+        assert_eq!(plan.strategy.model.as_deref(), Some("lenet5"));
+        assert!(plan.remote_bytes > 0, "data parallelism moves gradients");
+    }
+
+    #[test]
+    fn a_one_device_run_has_no_plan() {
+        let opts = TrainOptions {
+            steps: 2,
+            ..TrainOptions::default()
+        };
+        let (seen, summary) = events_of(&opts);
+        assert_eq!(seen, ["step 1/2", "step 2/2", "finished after 2 steps"]);
+        assert_eq!(summary.plan, None);
+        assert_eq!((summary.steps, summary.batch), (2, 4));
+    }
+}

@@ -1,0 +1,263 @@
+//! The planner's view of where a job runs: the embedded cluster's devices, or a hosts file's
+//! workers with the links `legion-rs up` measured between them. The engine itself needs only the
+//! hosts' addresses and device counts; pricing and searching need a `MachineModel`, which is the
+//! tool's to build.
+
+use legion_cluster::hosts::{
+    DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US, DEVICE_KINDS, HostLink, Hosts,
+};
+use legion_cluster::launch::load_links;
+use legion_planner::machine::{DeviceSpec, Link, MachineError, MachineModel, NetworkCpu, NodeSpec};
+use std::path::Path;
+
+/// The machine the embedded cluster's devices make, as the planner sees it.
+pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
+    Ok(MachineModel::preset(&format!("local-cpu:{devices}"))?)
+}
+
+/// The planner's view of the cluster: one node per host; devices of one host exchange data by
+/// in-process copies (the `local-cpu` preset's link), hosts over one shared link per host pair
+/// of a
+/// `DEFAULT_INTER_HOST_GBPS` network unless a `[[link]]` overrides the pair (then every
+/// device pair across the two hosts gets that link).
+pub fn hosts_machine(hosts: &Hosts) -> Result<MachineModel, MachineError> {
+    let in_process = MachineModel::preset("local-cpu")?.intra_node_link();
+    let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
+    let nodes = hosts
+        .hosts
+        .iter()
+        .map(|h| {
+            Ok(NodeSpec {
+                devices: h.devices,
+                device: device_spec(&h.device_kind).ok_or_else(|| {
+                    MachineError::Invalid(format!(
+                        "host {}: unknown device kind '{}' (known: {})",
+                        h.name,
+                        h.device_kind,
+                        DEVICE_KINDS.join(", ")
+                    ))
+                })?,
+            })
+        })
+        .collect::<Result<Vec<_>, MachineError>>()?;
+    let name = format!("hosts:{}", hosts.hosts.len());
+    // A host reaches the others through one network interface, which all its devices share.
+    let mut machine =
+        MachineModel::new(&name, &nodes, in_process, network)?.with_shared_node_links();
+    let ranges = hosts.device_ranges();
+    for l in &hosts.links {
+        let (Some(from), Some(to)) = (ranges.get(l.from), ranges.get(l.to)) else {
+            return Err(MachineError::Invalid(format!(
+                "link {}-{}: there are hosts 0..{}",
+                l.from,
+                l.to,
+                ranges.len()
+            )));
+        };
+        for a in from.clone() {
+            for b in to.clone() {
+                machine = machine.with_link(a, b, host_link(l))?;
+            }
+        }
+    }
+    Ok(machine)
+}
+
+fn device_spec(kind: &str) -> Option<DeviceSpec> {
+    match kind {
+        "cpu" => Some(DeviceSpec::local_cpu()),
+        "p100" => Some(DeviceSpec::p100()),
+        _ => None,
+    }
+}
+
+/// A `[[link]]` override as the planner prices it.
+fn host_link(l: &HostLink) -> Link {
+    Link::from_gbit_per_s(l.gbps, l.latency_us)
+}
+
+/// The planner's view of the running cluster: the hosts file's model, with each pair of hosts the
+/// file does not give a `[[link]]` for priced at what `up` measured between them, and the
+/// transport's CPU per byte at the mean of what it measured on every link.
+pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineModel> {
+    let mut machine = hosts_machine(hosts)?;
+    let ranges = hosts.device_ranges();
+    let index = |name: &str| hosts.hosts.iter().position(|h| h.name == name);
+    let links = load_links(state)?;
+    let cpu: Vec<NetworkCpu> = links
+        .iter()
+        .map(|l| NetworkCpu {
+            send_s_per_byte: l.send_cpu_s_per_byte,
+            recv_s_per_byte: l.recv_cpu_s_per_byte,
+        })
+        .filter(|c| {
+            let valid = |v: f64| v.is_finite() && v >= 0.0;
+            valid(c.send_s_per_byte)
+                && valid(c.recv_s_per_byte)
+                && c.send_s_per_byte + c.recv_s_per_byte > 0.0
+        })
+        .collect();
+    if !cpu.is_empty() {
+        let mean = |f: fn(&NetworkCpu) -> f64| cpu.iter().map(f).sum::<f64>() / cpu.len() as f64;
+        machine = machine.with_network_cpu(NetworkCpu {
+            send_s_per_byte: mean(|c| c.send_s_per_byte),
+            recv_s_per_byte: mean(|c| c.recv_s_per_byte),
+        })?;
+    }
+    for l in links {
+        let (Some(a), Some(b)) = (index(&l.from), index(&l.to)) else {
+            continue;
+        };
+        let declared = hosts
+            .links
+            .iter()
+            .any(|d| (d.from, d.to) == (a, b) || (d.from, d.to) == (b, a));
+        let usable = l.bytes_per_s.is_finite()
+            && l.bytes_per_s > 0.0
+            && l.latency_s.is_finite()
+            && l.latency_s >= 0.0;
+        if declared || a == b || !usable {
+            continue;
+        }
+        let link = Link {
+            bytes_per_s: l.bytes_per_s,
+            latency_s: l.latency_s,
+        };
+        for x in ranges[a].clone() {
+            for y in ranges[b].clone() {
+                machine = machine.with_link(x, y, link)?;
+            }
+        }
+    }
+    Ok(machine)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use legion_cluster::launch::{MeasuredLink, links_path};
+
+    /// The hosts module's example: node0 (2 devices, port 7401) and 10.0.0.2, with a link.
+    const DOC: &str = r#"[defaults]
+port = 7400
+devices = 1
+device = "cpu"
+[[host]]
+name = "node0"
+address = "127.0.0.1"
+devices = 2
+port = 7401
+ssh = "user@node0"
+[[host]]
+address = "10.0.0.2"
+ssh = "ubuntu@10.0.0.2"
+[[link]]
+from = "node0"
+to = "10.0.0.2"
+gbps = 10.0
+latency_us = 20.0
+"#;
+
+    #[test]
+    fn every_valid_hosts_file_can_be_planned_for() {
+        assert_eq!(
+            legion_cluster::hosts::MAX_DEVICES,
+            legion_planner::machine::MAX_DEVICES
+        );
+        for kind in DEVICE_KINDS {
+            assert!(device_spec(kind).is_some(), "{kind}");
+        }
+    }
+
+    #[test]
+    fn the_example_hosts_toml_is_three_nodes() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/hosts.toml");
+        let machine = hosts_machine(&Hosts::load(path).unwrap()).unwrap();
+        assert_eq!((machine.num_devices(), machine.num_nodes()), (6, 3));
+    }
+
+    #[test]
+    fn hosts_machine_has_a_node_per_host_and_the_overrides() {
+        let text = DOC.replacen(
+            "[[link]]",
+            "[[host]]\nname = \"node2\"\naddress = \"10.0.0.3\"\n[[link]]",
+            1,
+        );
+        let hosts = Hosts::parse(&text.replacen("gbps = 10.0", "gbps = 25", 1), "h.toml").unwrap();
+        let m = hosts_machine(&hosts).unwrap();
+        assert_eq!((m.num_devices(), m.num_nodes()), (4, 3));
+        assert_eq!((m.node_of(1), m.node_of(2), m.node_of(3)), (0, 1, 2));
+        assert_eq!(m.device(0).kind, "cpu");
+        let in_process = MachineModel::preset("local-cpu").unwrap().intra_node_link();
+        assert_eq!(m.link(0, 1), Some(in_process));
+        // node0 (devices 0, 1) <-> 10.0.0.2 (device 2): the override, both directions
+        for (a, b) in [(0, 2), (2, 0), (1, 2), (2, 1)] {
+            assert_eq!(m.link(a, b), Some(Link::from_gbit_per_s(25.0, 20.0)));
+        }
+        // everything else across hosts: the default network
+        let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
+        for (a, b) in [(0, 3), (3, 1), (2, 3)] {
+            assert_eq!(m.link(a, b), Some(network));
+        }
+    }
+
+    #[test]
+    fn measured_links_price_undeclared_host_pairs() {
+        let hosts = Hosts::parse(
+            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 1\ndevices = 2\n\
+             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 2\n",
+            "hosts.toml",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let links = vec![
+            MeasuredLink {
+                from: "a".into(),
+                to: "b".into(),
+                bytes_per_s: 1e8,
+                latency_s: 1e-4,
+                send_cpu_s_per_byte: 1e-9,
+                recv_cpu_s_per_byte: 3e-9,
+            },
+            MeasuredLink {
+                from: "b".into(),
+                to: "a".into(),
+                bytes_per_s: 1e8,
+                latency_s: 1e-4,
+                send_cpu_s_per_byte: 3e-9,
+                recv_cpu_s_per_byte: 5e-9,
+            },
+        ];
+        legion_ops::atomic_file::write(
+            &links_path(dir.path()),
+            serde_json::to_string(&links).unwrap().as_bytes(),
+        )
+        .unwrap();
+        let m = cluster_machine(&hosts, dir.path()).unwrap();
+        assert_eq!(m.link(0, 2).unwrap().bytes_per_s, 1e8);
+        assert_eq!(m.link(1, 2).unwrap().latency_s, 1e-4);
+        // Within a host: unchanged.
+        assert_eq!(m.link(0, 1), hosts_machine(&hosts).unwrap().link(0, 1));
+        let cpu = m.network_cpu().unwrap();
+        assert!((cpu.send_s_per_byte - 2e-9).abs() < 1e-24, "{cpu:?}");
+        assert!((cpu.recv_s_per_byte - 4e-9).abs() < 1e-24, "{cpu:?}");
+    }
+
+    #[test]
+    fn links_measured_before_the_transport_cpu_was_still_load() {
+        let json = r#"[{"from": "a", "to": "b", "bytes_per_s": 1e8, "latency_s": 1e-4}]"#;
+        let links: Vec<MeasuredLink> = serde_json::from_str(json).unwrap();
+        assert_eq!(links[0].send_cpu_s_per_byte, 0.0);
+        let hosts = Hosts::parse(
+            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 1\n\
+             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 2\n",
+            "hosts.toml",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        legion_ops::atomic_file::write(&links_path(dir.path()), json.as_bytes()).unwrap();
+        let m = cluster_machine(&hosts, dir.path()).unwrap();
+        assert_eq!(m.network_cpu(), None);
+        assert_eq!(m.link(0, 1).unwrap().bytes_per_s, 1e8);
+    }
+}
