@@ -20,7 +20,7 @@
 //! Any request may be answered by `Failed` instead.
 
 use legion_ops::Rect;
-use legion_runtime::buffer::Buffer;
+use legion_runtime::Buffer;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use std::ops::Range;

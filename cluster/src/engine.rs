@@ -7,8 +7,8 @@ use crate::remote::RemoteCluster;
 use legion_ops::Graph;
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{Sgd, StepStats, Trainer, TrainingState};
-use legion_runtime::device::StepReport;
-use legion_runtime::embedded::EmbeddedCluster;
+use legion_runtime::EmbeddedCluster;
+use legion_runtime::StepReport;
 use legion_runtime::plan::StepPlan;
 use std::path::Path;
 

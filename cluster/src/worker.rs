@@ -23,13 +23,13 @@ use anyhow::Context as _;
 use kameo::actor::ActorRef;
 use legion_ops::strategy::Strategy;
 use legion_ops::{Graph, Rect};
-use legion_runtime::buffer::Buffer;
-use legion_runtime::device::{DeviceActor, Load, ReadInstance};
-use legion_runtime::embedded::{check_batch, run_step, spawn_local_devices};
-use legion_runtime::exec::StepInput;
-use legion_runtime::in_process::InProcessTransport;
+use legion_runtime::Buffer;
+use legion_runtime::InProcessTransport;
+use legion_runtime::StepInput;
 use legion_runtime::plan::{SamplesRead, StepPlan};
 use legion_runtime::program::DeviceProgram;
+use legion_runtime::{DeviceActor, Load, ReadInstance};
+use legion_runtime::{check_batch, run_step, spawn_local_devices};
 use quinn::Connection;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -230,7 +230,7 @@ fn handle_inbound(shared: &Arc<Shared>, events: &mpsc::UnboundedSender<Event>, i
                 .clone();
             match devices {
                 Some(devices) => match devices.local(msg.to) {
-                    Some(_) => legion_runtime::transport::Transport::send(&*devices, msg),
+                    Some(_) => legion_runtime::Transport::send(&*devices, msg),
                     None => {
                         tracing::error!(device = msg.to, "slice for a device not on this worker")
                     }

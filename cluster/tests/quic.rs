@@ -7,8 +7,8 @@ use legion_cluster::net::quic::{
     send_slice,
 };
 use legion_cluster::net::tls::{ClusterCa, NodeIdentity};
-use legion_runtime::buffer::Buffer;
-use legion_runtime::transport::{SliceMessage, Transport};
+use legion_runtime::Buffer;
+use legion_runtime::{SliceMessage, Transport};
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::Arc;

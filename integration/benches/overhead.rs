@@ -22,8 +22,8 @@ use legion_ops::train::{ParamStore, Sgd, Trainer};
 use legion_ops::{Graph, LayerId, zoo};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost};
-use legion_runtime::embedded::{self, EmbeddedCluster};
-use legion_runtime::exec::StepInput;
+use legion_runtime::EmbeddedCluster;
+use legion_runtime::StepInput;
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::{EmptyDispatch, EmptyShape, empty_program};
 use std::sync::Arc;
@@ -60,7 +60,7 @@ fn empty_tasks() {
     // Any graph will do: empty tasks only name a layer, for error messages.
     let z = zoo::find("lenet5").expect("lenet5 is in the zoo");
     let graph = Arc::new(z.build(&z.default_config(1)).expect("lenet5 builds"));
-    let runtime = embedded::device_runtime();
+    let runtime = legion_runtime::device_runtime();
     for dispatch in [EmptyDispatch::Pool, EmptyDispatch::Inline] {
         for shape in [EmptyShape::Independent, EmptyShape::Chain] {
             for devices in [1, 2, 4] {
@@ -90,15 +90,15 @@ fn empty_step_seconds(
     let programs: Vec<_> = (0..devices)
         .map(|d| Arc::new(empty_program(d, TASKS, shape, dispatch, LayerId(0))))
         .collect();
-    let actors =
-        runtime.block_on(async { embedded::spawn_devices(&programs, graph, 0, Sgd::default()) });
+    let actors = runtime
+        .block_on(async { legion_runtime::spawn_devices(&programs, graph, 0, Sgd::default()) });
     let mut times = Vec::new();
     // Two warm-up steps: the first grows the actors' queues and wakes the pool's threads.
     for step in 0..EMPTY_STEPS + 2 {
         let input = Arc::new(StepInput::whole(step, Vec::new(), Vec::new(), 0));
         let t = Instant::now();
         let reports = runtime
-            .block_on(embedded::run_step(&actors, step, input, false))
+            .block_on(legion_runtime::run_step(&actors, step, input, false))
             .expect("devices run");
         let elapsed = t.elapsed();
         assert!(reports.iter().all(|r| r.error.is_none()));

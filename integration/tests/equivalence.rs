@@ -16,7 +16,7 @@ use legion_planner::search::{self, SearchKind};
 use legion_planner::{
     ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost,
 };
-use legion_runtime::embedded::EmbeddedCluster;
+use legion_runtime::EmbeddedCluster;
 
 const DEVICES: usize = 4;
 const STEPS: u64 = 3;

@@ -4,9 +4,9 @@
 use legion_ops::{Graph, zoo};
 use legion_planner::search::data_parallel;
 use legion_planner::{MachineModel, ParallelConfig};
-use legion_runtime::embedded::{RuntimeError, check_batch};
-use legion_runtime::exec::StepInput;
+use legion_runtime::StepInput;
 use legion_runtime::plan::{SamplesRead, StepPlan};
+use legion_runtime::{RuntimeError, check_batch};
 
 fn lenet(batch: usize) -> Graph {
     let z = zoo::find("lenet5").unwrap();

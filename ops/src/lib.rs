@@ -1,14 +1,7 @@
-//! legion-ops: the model API of legion-rs.
-//!
-//! - [`shape`]: `Shape`, `Rect` and rect copies — the coordinates every other crate speaks.
-//! - [`op`]: the op catalogue (attributes, shape inference, params, FLOPs, parallel dims, projections).
-//! - [`graph`]: the layer graph and its builder API; JSON model files.
-//! - [`kernels`]: CPU kernels for one tile of every op (forward and backward).
-//! - [`zoo`]: lenet5, alexnet, vgg16, inception_v3, resnet50.
-//! - [`data`], [`checkpoint`], [`train`]: datasets, safetensors checkpoints, single-device training.
-//! - [`partition`], [`strategy`], [`memory`]: what the planner and the runtime share: parallel
-//!   configs and their tiles, strategy files, and what a strategy keeps in each device's memory.
-//! - [`located`]: `file:line:col` positions for the text files users write.
+//! legion-ops: the model API of legion-rs and the vocabulary every other crate speaks: shapes and
+//! rects, the op catalogue, graphs and their JSON files, the partition vocabulary and strategy
+//! files, the kernel seam (`backend`) with its CPU backend, and the single-device reference trainer.
+//! See ARCHITECTURE.md for the code map, the invariants and how to add an op.
 
 pub mod atomic_file;
 pub mod backend;

@@ -7,15 +7,15 @@ use legion_ops::partition::DeviceId;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::train::Sgd;
 use legion_ops::{GraphBuilder, LayerId, Rect, Shape};
+use legion_runtime::Buffer;
+use legion_runtime::SerialMemory;
 use legion_runtime::analysis::{
     Analysis, AnalysisError, Instance, InstanceId, InstanceKind, Op, OpId, OpKind, StepGraph,
 };
-use legion_runtime::buffer::Buffer;
-use legion_runtime::exec::{ExecContext, StepInput};
 use legion_runtime::program::{LocalOpKind, split_programs};
 use legion_runtime::region::{RegionId, RegionInfo, RegionKind, Regions};
-use legion_runtime::serial::SerialMemory;
 use legion_runtime::task::{Privilege, Role, TaskKind, TaskSpec};
+use legion_runtime::{ExecContext, StepInput};
 use proptest::prelude::*;
 
 use Privilege::{ReadOnly, ReadWrite, Reduce, WriteDiscard};

@@ -3,8 +3,7 @@
 
 use legion_ops::train::Sgd;
 use legion_ops::{LayerId, zoo};
-use legion_runtime::embedded;
-use legion_runtime::exec::StepInput;
+use legion_runtime::StepInput;
 use legion_runtime::program::{EmptyDispatch, EmptyShape, empty_program};
 use std::sync::Arc;
 
@@ -12,7 +11,7 @@ use std::sync::Arc;
 fn empty_programs_finish_every_step() {
     let z = zoo::find("lenet5").unwrap();
     let graph = Arc::new(z.build(&z.default_config(1)).unwrap());
-    let runtime = embedded::device_runtime();
+    let runtime = legion_runtime::device_runtime();
     for dispatch in [EmptyDispatch::Inline, EmptyDispatch::Pool] {
         for shape in [EmptyShape::Independent, EmptyShape::Chain] {
             let programs: Vec<_> = (0..2)
@@ -22,12 +21,13 @@ fn empty_programs_finish_every_step() {
                 programs[0].ops.iter().all(|o| o.touches_no_data()),
                 dispatch == EmptyDispatch::Inline
             );
-            let actors = runtime
-                .block_on(async { embedded::spawn_devices(&programs, &graph, 0, Sgd::default()) });
+            let actors = runtime.block_on(async {
+                legion_runtime::spawn_devices(&programs, &graph, 0, Sgd::default())
+            });
             for step in 0..3 {
                 let input = Arc::new(StepInput::whole(step, Vec::new(), Vec::new(), 0));
                 let reports = runtime
-                    .block_on(embedded::run_step(&actors, step, input, true))
+                    .block_on(legion_runtime::run_step(&actors, step, input, true))
                     .unwrap();
                 for r in &reports {
                     assert_eq!(r.error, None);

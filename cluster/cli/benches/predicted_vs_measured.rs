@@ -26,8 +26,8 @@ use legion_ops::train::{ParamStore, Sgd};
 use legion_planner::simulate::{Resource, Simulation, TaskKind, simulate};
 use legion_planner::{CostModel, ProfiledCost};
 use legion_profile::{self as profile, ProfileSettings, Profiler};
-use legion_runtime::cpu_share::{CpuMeter, process_cpu_s};
-use legion_runtime::embedded::EmbeddedCluster;
+use legion_runtime::EmbeddedCluster;
+use legion_runtime::{CpuMeter, process_cpu_s};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -197,11 +197,8 @@ fn main() -> anyhow::Result<()> {
                 if let Some(dir) = traces.as_ref().filter(|_| round + 1 == rounds) {
                     std::fs::create_dir_all(dir)?;
                     let result = cluster.step(images.clone(), labels.clone(), true)?;
-                    let real = legion_runtime::trace::chrome_trace(
-                        cluster.plan(),
-                        &graph,
-                        &result.reports,
-                    );
+                    let real =
+                        legion_runtime::chrome_trace(cluster.plan(), &graph, &result.reports);
                     let simulated = legion_planner::trace::chrome_trace(&sim, &machine);
                     for (kind, trace) in [("real", real), ("sim", simulated)] {
                         let path = dir.join(format!("{name}-{strategy}-{kind}.json"));

@@ -147,7 +147,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             let traces = [
                 (
                     "measured",
-                    legion_runtime::trace::chrome_trace(plan, graph, &reports),
+                    legion_runtime::chrome_trace(plan, graph, &reports),
                 ),
                 (
                     "simulated",

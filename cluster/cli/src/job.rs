@@ -343,7 +343,7 @@ impl Job {
                 trace: traced,
             })?;
             if traced && let (Some(path), Some(step_plan)) = (&opts.trace, engine.plan()) {
-                let trace = legion_runtime::trace::chrome_trace(step_plan, &graph, &reports);
+                let trace = legion_runtime::chrome_trace(step_plan, &graph, &reports);
                 legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
                     .with_context(|| format!("writing the trace {}", path.display()))?;
             }

@@ -239,7 +239,7 @@ fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
     ok(legion(&args));
 
     // The uninterrupted run is the same job on the same workers: a kernel splits its samples by its
-    // device's pool threads (see `legion_runtime::embedded::threads_per_device`), so an embedded
+    // device's pool threads (see `legion_runtime::threads_per_device`), so an embedded
     // run, whose two devices share the cores, rounds differently, and 400 steps amplify that.
     let uninterrupted = cluster.path("uninterrupted.safetensors");
     train_from(&cluster.engine(), &LENET, steps, &init, &uninterrupted);

@@ -3,7 +3,7 @@
 //! the QUIC transport and to the in-process one.
 
 use legion_ops::rng::hash;
-use legion_runtime::transport::{SliceMessage, Transport};
+use legion_runtime::{SliceMessage, Transport};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

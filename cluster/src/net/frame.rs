@@ -10,9 +10,9 @@
 
 use bytemuck::{cast_slice, cast_slice_mut};
 use bytes::Bytes;
-use legion_runtime::buffer::Buffer;
+use legion_runtime::Buffer;
+use legion_runtime::SliceMessage;
 use legion_runtime::region::DType;
-use legion_runtime::transport::SliceMessage;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use std::borrow::Cow;

@@ -10,7 +10,7 @@ use super::frame::{Frame, FrameError, Limits};
 use super::stream::{BufferSource, read_single_frame, write_control, write_slice_chunks};
 use super::tls::NodeTls;
 use legion_ops::partition::DeviceId;
-use legion_runtime::transport::{SliceMessage, Transport};
+use legion_runtime::{SliceMessage, Transport};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{

@@ -8,9 +8,9 @@ use super::frame::{
 };
 use bytemuck::Pod;
 use bytes::Bytes;
-use legion_runtime::buffer::Buffer;
+use legion_runtime::Buffer;
+use legion_runtime::SliceMessage;
 use legion_runtime::region::DType;
-use legion_runtime::transport::SliceMessage;
 use std::future::poll_fn;
 use std::io::ErrorKind;
 use std::mem::MaybeUninit;

@@ -78,12 +78,12 @@ use legion_planner::machine::RuntimeCosts;
 use legion_planner::machine::{fold_bytes, update_bytes};
 use legion_planner::profile::{LinkProfile, ProfileKey};
 use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
-use legion_runtime::cpu_share::{CpuMeter, CpuSpan, StepCpu, alone_seconds};
-use legion_runtime::device::StepReport;
-use legion_runtime::embedded::{EmbeddedCluster, RuntimeError};
+use legion_runtime::StepReport;
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::LocalOpKind;
 use legion_runtime::task::TaskKind;
+use legion_runtime::{CpuMeter, CpuSpan, StepCpu, alone_seconds};
+use legion_runtime::{EmbeddedCluster, RuntimeError};
 use std::collections::HashMap;
 use std::time::Instant;
 use thiserror::Error;
@@ -230,10 +230,10 @@ impl Profiler {
         let cores = rayon::current_num_threads();
         let threads = Threads {
             cores,
-            device_threads: legion_runtime::embedded::threads_per_device(devices),
-            shared_workers: legion_runtime::compute::shares_workers(devices, cores),
+            device_threads: legion_runtime::threads_per_device(devices),
+            shared_workers: legion_runtime::shares_workers(devices, cores),
             // The clusters run on `embedded::device_runtime`, which has this many.
-            actor_threads: legion_runtime::embedded::actor_threads(),
+            actor_threads: legion_runtime::actor_threads(),
         };
         Profiler {
             settings: settings.clone(),
@@ -733,7 +733,7 @@ const CLOCK_RESOLUTION_S: f64 = 1e-9;
 
 impl LinkFit {
     fn add_step(&mut self, plan: &StepPlan, reports: &[StepReport], actor_threads: usize) {
-        let sent = legion_runtime::trace::send_ends(plan, reports);
+        let sent = legion_runtime::send_ends(plan, reports);
         // Every device's copies, (start, end): a receiver's actor busy copying, or every actor
         // thread taken, holds the slice in the mailbox, which the simulator prices as the copies.
         let copying: Vec<Vec<(f64, f64)>> = reports
@@ -823,7 +823,7 @@ impl LinkFit {
 mod tests {
     use super::*;
     use legion_ops::{Dim, zoo};
-    use legion_runtime::cpu_share::RuntimeThreadsCpu;
+    use legion_runtime::RuntimeThreadsCpu;
 
     #[test]
     fn a_local_copy_between_two_pieces_counts_once() {
