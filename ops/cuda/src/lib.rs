@@ -13,7 +13,11 @@
 //! kernels reproduce the CPU's results bit for bit and GEMMs and convolutions differ only by the
 //! order of their sums.
 
+mod backend;
+mod conv;
+mod dense;
 pub mod kernels;
 pub mod probe;
 
+pub use backend::{Buffer, Cuda, PendingLoss, StartError, Stream};
 pub use probe::{CudaDevice, ProbeError, probe};
