@@ -454,3 +454,348 @@ pub(crate) fn backward(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    //! The segment plan checked on the CPU: each segment's input (the view, or the gathered
+    //! window) convolved by the CPU kernel with the segment's group count and padding, standing in
+    //! for cuDNN, must give the CPU's results for the tile.
+    use super::*;
+    use legion_ops::backend::cpu;
+    use legion_ops::kernels::conv2d::{conv2d_backward, conv2d_forward};
+    use legion_ops::kernels::{View, ViewMut};
+    use legion_ops::op::OpSpec;
+    use legion_ops::rng::Rng;
+    use legion_ops::shape::Rect;
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()
+    }
+
+    fn offset(layout: &Box4, p: [i64; 4]) -> usize {
+        (0..4).fold(0, |off, a| off * layout.ext[a] + (p[a] - layout.lo[a])) as usize
+    }
+
+    /// `dst[region] = src[region]` on the host, as `copy_region_f32` does on the GPU.
+    fn copy_region(
+        src: &[f32],
+        src_layout: &Box4,
+        dst: &mut [f32],
+        dst_layout: &Box4,
+        region: &Box4,
+    ) {
+        for i in 0..region.volume() {
+            let mut p = [0; 4];
+            let mut rest = i;
+            for a in (0..4).rev() {
+                p[a] = region.lo[a] + rest % region.ext[a];
+                rest /= region.ext[a];
+            }
+            dst[offset(dst_layout, p)] = src[offset(src_layout, p)];
+        }
+    }
+
+    fn local(b: &Box4) -> Rect {
+        Rect::new(&[0; 4], &b.ext.map(|e| e as usize))
+    }
+
+    /// The convolution cuDNN runs for a segment, as a `Conv2d` over the tensor it sees.
+    fn segment_op(geo: &Geometry, segment: &Segment, source: &Source) -> Conv2d {
+        let pad = source.pad();
+        Conv2d {
+            out_channels: segment.out_count as usize,
+            kernel: geo.kernel.map(|k| k as usize),
+            stride: geo.stride.map(|s| s as usize),
+            padding: [pad[0] as usize, pad[1] as usize],
+            groups: segment.groups as usize,
+            bias: false,
+            activation: Activation::None,
+        }
+    }
+
+    fn segment_weights(
+        geo: &Geometry,
+        segment: &Segment,
+        w: &[f32],
+        w_lo: i64,
+    ) -> (Rect, Vec<f32>) {
+        let rows = weight_rows(geo, segment, w_lo);
+        let rect = Rect::new(
+            &[0; 4],
+            &[
+                segment.out_count as usize,
+                geo.in_per_group as usize,
+                geo.kernel[0] as usize,
+                geo.kernel[1] as usize,
+            ],
+        );
+        (rect, w[rows].to_vec())
+    }
+
+    /// The tensor a segment convolves: the view, or the window gathered into zeros.
+    fn segment_input(x: &[f32], x_layout: &Box4, source: &Source) -> (Box4, Vec<f32>) {
+        match source {
+            Source::View { .. } => (*x_layout, x.to_vec()),
+            Source::Gathered { window } => {
+                let mut scratch = vec![0.0; window.volume() as usize];
+                copy_region(
+                    x,
+                    x_layout,
+                    &mut scratch,
+                    window,
+                    &window.intersect(x_layout),
+                );
+                (*window, scratch)
+            }
+        }
+    }
+
+    struct Case {
+        op: Conv2d,
+        in_shape: Shape,
+        tile: Rect,
+        x_rect: Rect,
+    }
+
+    fn check(case: &Case, seed: u64) -> Vec<&'static str> {
+        let Case {
+            op,
+            in_shape,
+            tile,
+            x_rect,
+        } = case;
+        let (x_layout, tile_box) = (Box4::of(x_rect), Box4::of(tile));
+        let w_rect = op.params(&[*in_shape])[0]
+            .shape
+            .full_rect()
+            .with_axis(0, tile.lo[1], tile.hi[1]);
+        let x = random(x_rect.volume(), seed);
+        let w = random(w_rect.volume(), seed + 1);
+        let dy = random(tile.volume(), seed + 2);
+        let plain = Conv2d {
+            bias: false,
+            activation: Activation::None,
+            ..op.clone()
+        };
+
+        // the CPU on the tile
+        let mut y_cpu = vec![0.0; tile.volume()];
+        conv2d_forward(
+            &plain,
+            *in_shape,
+            View::new(*x_rect, &x),
+            View::new(w_rect, &w),
+            None,
+            ViewMut::new(*tile, &mut y_cpu),
+        );
+        let (mut dx_cpu, mut dw_cpu) = (vec![0.0; x.len()], vec![0.0; w.len()]);
+        conv2d_backward(
+            &plain,
+            *in_shape,
+            View::new(*x_rect, &x),
+            View::new(w_rect, &w),
+            View::new(*tile, &y_cpu),
+            View::new(*tile, &dy),
+            Some(ViewMut::new(*x_rect, &mut dx_cpu)),
+            ViewMut::new(w_rect, &mut dw_cpu),
+            None,
+        );
+
+        // the segment plan, the CPU kernel standing in for cuDNN
+        let geo = Geometry::new(op, *in_shape, tile_box);
+        let (mut y, mut dx, mut dw) = (
+            vec![f32::NAN; y_cpu.len()],
+            vec![0.0; x.len()],
+            vec![f32::NAN; w.len()],
+        );
+        let mut sources = Vec::new();
+        for segment in geo.segments() {
+            let source = geo.source(&segment, &x_layout);
+            sources.push(matches!(source, Source::View { .. }));
+            let sub_op = segment_op(&geo, &segment, &source);
+            let (input_box, input) = segment_input(&x, &x_layout, &source);
+            let input_shape = Shape::nchw(
+                input_box.ext[0] as usize,
+                input_box.ext[1] as usize,
+                input_box.ext[2] as usize,
+                input_box.ext[3] as usize,
+            );
+            let out_box = geo.output(&segment);
+            let out_rect = sub_op
+                .infer_shape(&[input_shape])
+                .expect("segment conv")
+                .full_rect();
+            assert_eq!(
+                out_rect,
+                local(&out_box),
+                "cuDNN's output would not be the segment's"
+            );
+            let (sub_w_rect, sub_w) = segment_weights(&geo, &segment, &w, w_rect.lo[0] as i64);
+            let mut out = vec![0.0; out_rect.volume()];
+            conv2d_forward(
+                &sub_op,
+                input_shape,
+                View::new(local(&input_box), &input),
+                View::new(sub_w_rect, &sub_w),
+                None,
+                ViewMut::new(out_rect, &mut out),
+            );
+            copy_region(&out, &out_box, &mut y, &tile_box, &out_box);
+
+            let mut dz = vec![0.0; out.len()];
+            copy_region(&dy, &tile_box, &mut dz, &out_box, &out_box);
+            let (mut d_input, mut d_w) = (vec![0.0; input.len()], vec![0.0; sub_w.len()]);
+            conv2d_backward(
+                &sub_op,
+                input_shape,
+                View::new(local(&input_box), &input),
+                View::new(sub_w_rect, &sub_w),
+                View::new(out_rect, &out),
+                View::new(out_rect, &dz),
+                Some(ViewMut::new(local(&input_box), &mut d_input)),
+                ViewMut::new(sub_w_rect, &mut d_w),
+                None,
+            );
+            let rows = weight_rows(&geo, &segment, w_rect.lo[0] as i64);
+            dw[rows].copy_from_slice(&d_w);
+            let region = input_box.intersect(&x_layout);
+            copy_region(&d_input, &input_box, &mut dx, &x_layout, &region);
+        }
+        let close = |a: &[f32], b: &[f32]| {
+            let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+            a.iter().zip(b).all(|(p, q)| (p - q).abs() / scale <= 1e-6)
+        };
+        let mut wrong = Vec::new();
+        if !close(&y, &y_cpu) {
+            wrong.push("y");
+        }
+        if !close(&dx, &dx_cpu) {
+            wrong.push("dx");
+        }
+        if !close(&dw, &dw_cpu) {
+            wrong.push("dw");
+        }
+        wrong
+    }
+
+    #[test]
+    fn segment_plans_reproduce_the_cpu_convolution() {
+        let x_shape = Shape::nchw(2, 3, 11, 10);
+        let strided = Conv2d::new(5, 5).stride(2).padding(2);
+        let plain = Conv2d::new(4, 3).padding(1);
+        let grouped = Conv2d::new(9, 3).padding(1).groups(3);
+        let g_shape = Shape::nchw(2, 6, 9, 9);
+        let mut cases = Vec::new();
+        let mut add = |op: &Conv2d, in_shape: Shape, tile: Option<Rect>, x_rect: Option<Rect>| {
+            let out = op.infer_shape(&[in_shape]).unwrap().full_rect();
+            let tile = tile.map_or(out, |f| f);
+            let x_rect = x_rect.unwrap_or_else(|| op.project(&[in_shape], &tile)[0]);
+            cases.push(Case {
+                op: op.clone(),
+                in_shape,
+                tile,
+                x_rect,
+            });
+        };
+        let out = strided.infer_shape(&[x_shape]).unwrap().full_rect();
+        add(&strided, x_shape, None, None);
+        add(&strided, x_shape, Some(out.with_axis(2, 0, 3)), None);
+        add(&strided, x_shape, Some(out.with_axis(2, 3, 6)), None);
+        add(
+            &strided,
+            x_shape,
+            Some(out.with_axis(2, 1, 5).with_axis(3, 1, 4)),
+            None,
+        );
+        add(
+            &strided,
+            x_shape,
+            Some(out.with_axis(0, 1, 2)),
+            Some(x_shape.full_rect()),
+        );
+        let p_out = plain.infer_shape(&[x_shape]).unwrap().full_rect();
+        add(
+            &plain,
+            x_shape,
+            Some(p_out.with_axis(3, 0, 5)),
+            Some(x_shape.full_rect()),
+        );
+        add(&plain, x_shape, Some(p_out.with_axis(1, 1, 3)), None);
+        add(
+            &Conv2d::new(4, 3),
+            x_shape,
+            Some(
+                Conv2d::new(4, 3)
+                    .infer_shape(&[x_shape])
+                    .unwrap()
+                    .full_rect()
+                    .with_axis(2, 2, 6),
+            ),
+            None,
+        );
+        let g_out = grouped.infer_shape(&[g_shape]).unwrap().full_rect();
+        add(&grouped, g_shape, None, None);
+        add(&grouped, g_shape, Some(g_out.with_axis(1, 3, 9)), None);
+        add(&grouped, g_shape, Some(g_out.with_axis(1, 1, 5)), None);
+        add(
+            &grouped,
+            g_shape,
+            Some(g_out.with_axis(1, 2, 8).with_axis(2, 4, 9)),
+            None,
+        );
+        add(
+            &Conv2d::new(6, 3).stride(2).padding(1).groups(6),
+            g_shape,
+            None,
+            None,
+        );
+        let mut failures = Vec::new();
+        for (i, case) in cases.iter().enumerate() {
+            let wrong = check(case, 10 * i as u64);
+            if !wrong.is_empty() {
+                failures.push(format!(
+                    "case {i} (tile {}, view {}): {wrong:?}",
+                    case.tile, case.x_rect
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn whole_tensors_use_cudnn_padding_and_halos_are_gathered() {
+        let op = Conv2d::new(4, 3).padding(1);
+        let shape = Shape::nchw(2, 3, 8, 8);
+        let whole = Box4::of(&shape.full_rect());
+        let out = op.infer_shape(&[shape]).unwrap().full_rect();
+        let geo = Geometry::new(&op, shape, Box4::of(&out));
+        let segments = geo.segments();
+        assert_eq!(segments.len(), 1);
+        assert!(matches!(
+            geo.source(&segments[0], &whole),
+            Source::View { pad: [1, 1] }
+        ));
+        let half = out.with_axis(2, 0, 4);
+        let geo = Geometry::new(&op, shape, Box4::of(&half));
+        let view = Box4::of(&op.project(&[shape], &half)[0]);
+        assert!(matches!(
+            geo.source(&geo.segments()[0], &view),
+            Source::Gathered { .. }
+        ));
+        // no padding needed and the view is exactly the window: read in place
+        let valid = Conv2d::new(4, 3);
+        let out = valid
+            .infer_shape(&[shape])
+            .unwrap()
+            .full_rect()
+            .with_axis(2, 2, 4);
+        let geo = Geometry::new(&valid, shape, Box4::of(&out));
+        let view = Box4::of(&valid.project(&[shape], &out)[0]);
+        assert!(matches!(
+            geo.source(&geo.segments()[0], &view),
+            Source::View { pad: [0, 0] }
+        ));
+        let _ = cpu::Buffer::zeros(legion_ops::backend::DType::F32, 0);
+    }
+}
