@@ -25,6 +25,12 @@ struct Box4 {
 // -inf without math.h (NVRTC has no standard headers).
 #define NEG_INF __int_as_float(0xff800000)
 
+// Threads of a warp. A macro, so that a host emulation (one thread at a time) can set it to 1,
+// which leaves every warp loop and shuffle a no-op.
+#ifndef WARP
+#define WARP 32
+#endif
+
 // The threads of every reduction block; the host launches the reductions with exactly this many.
 #define REDUCE_THREADS 256
 
@@ -60,22 +66,22 @@ __device__ __forceinline__ i64 channel_of(const Box4& region, i64 i) {
 // Sums a and b over the block (REDUCE_THREADS threads); the totals are valid in thread 0. The tree
 // is fixed, so a launch is deterministic.
 __device__ void block_sum2(double& a, double& b) {
-    __shared__ double shared_a[REDUCE_THREADS / 32];
-    __shared__ double shared_b[REDUCE_THREADS / 32];
-    for (int offset = 16; offset > 0; offset /= 2) {
+    __shared__ double shared_a[REDUCE_THREADS / WARP];
+    __shared__ double shared_b[REDUCE_THREADS / WARP];
+    for (int offset = WARP / 2; offset > 0; offset /= 2) {
         a += __shfl_down_sync(0xffffffffu, a, offset);
         b += __shfl_down_sync(0xffffffffu, b, offset);
     }
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     if (lane == 0) {
         shared_a[warp] = a;
         shared_b[warp] = b;
     }
     __syncthreads();
     if (warp == 0) {
-        a = lane < REDUCE_THREADS / 32 ? shared_a[lane] : 0.0;
-        b = lane < REDUCE_THREADS / 32 ? shared_b[lane] : 0.0;
-        for (int offset = 16; offset > 0; offset /= 2) {
+        a = lane < REDUCE_THREADS / WARP ? shared_a[lane] : 0.0;
+        b = lane < REDUCE_THREADS / WARP ? shared_b[lane] : 0.0;
+        for (int offset = WARP / 2; offset > 0; offset /= 2) {
             a += __shfl_down_sync(0xffffffffu, a, offset);
             b += __shfl_down_sync(0xffffffffu, b, offset);
         }
@@ -359,13 +365,13 @@ extern "C" __global__ void pool2d_backward(const float* x, Box4 x_layout, const 
 // Row maximum and Σ exp(z − max) in f64 (at least 1). The sum is taken lane by lane and then in a
 // tree, an order the CPU does not use: the last bits of the f64 sum may differ.
 __device__ void row_max_sum(const float* z, i64 classes, float& max, double& sum) {
-    int lane = threadIdx.x % 32;
+    int lane = threadIdx.x % WARP;
     float m = NEG_INF;
-    for (i64 k = lane; k < classes; k += 32) m = fmaxf(m, z[k]);
-    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    for (i64 k = lane; k < classes; k += WARP) m = fmaxf(m, z[k]);
+    for (int offset = WARP / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     double s = 0.0;
-    for (i64 k = lane; k < classes; k += 32) s += (double)expf(z[k] - m);
-    for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+    for (i64 k = lane; k < classes; k += WARP) s += (double)expf(z[k] - m);
+    for (int offset = WARP / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
     max = m;
     sum = s;
 }
@@ -375,9 +381,9 @@ __device__ void row_max_sum(const float* z, i64 classes, float& max, double& sum
 extern "C" __global__ void softmax_ce_rows(const float* logits, i64 logits_row0, i64 classes,
                                            const unsigned int* labels, i64 row0, i64 rows,
                                            float* loss, unsigned int* correct) {
-    i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / 32;
+    i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / WARP;
     if (r >= rows) return;  // a whole warp leaves together
-    int lane = threadIdx.x % 32;
+    int lane = threadIdx.x % WARP;
     const float* z = logits + (row0 + r - logits_row0) * classes;
     float max;
     double sum;
@@ -385,13 +391,13 @@ extern "C" __global__ void softmax_ce_rows(const float* logits, i64 logits_row0,
     // Each lane's first maximum over its classes, then the lowest class among equal maxima.
     float best = NEG_INF;
     i64 best_k = classes;
-    for (i64 k = lane; k < classes; k += 32) {
+    for (i64 k = lane; k < classes; k += WARP) {
         if (z[k] > best) {
             best = z[k];
             best_k = k;
         }
     }
-    for (int offset = 16; offset > 0; offset /= 2) {
+    for (int offset = WARP / 2; offset > 0; offset /= 2) {
         float other = __shfl_xor_sync(0xffffffffu, best, offset);
         i64 other_k = __shfl_xor_sync(0xffffffffu, best_k, offset);
         if (other > best || (other == best && other_k < best_k)) {
@@ -427,9 +433,9 @@ extern "C" __global__ void loss_totals(const float* loss, const unsigned int* co
 extern "C" __global__ void softmax_ce_backward(const float* logits, i64 logits_row0, i64 classes,
                                                const unsigned int* labels, i64 row0, i64 rows,
                                                float scale, float* dlogits) {
-    i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / 32;
+    i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / WARP;
     if (r >= rows) return;
-    int lane = threadIdx.x % 32;
+    int lane = threadIdx.x % WARP;
     const float* z = logits + (row0 + r - logits_row0) * classes;
     float max;
     double sum;
@@ -437,7 +443,7 @@ extern "C" __global__ void softmax_ce_backward(const float* logits, i64 logits_r
     float norm = (float)((double)scale / sum);
     i64 label = labels[r];
     float* out = dlogits + r * classes;
-    for (i64 k = lane; k < classes; k += 32) {
+    for (i64 k = lane; k < classes; k += WARP) {
         float o = expf(z[k] - max) * norm;
         out[k] = k == label ? o - scale : o;
     }

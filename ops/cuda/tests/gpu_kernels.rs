@@ -1282,7 +1282,13 @@ fn softmax_cases(h: &mut Harness) {
     .into_iter()
     .enumerate()
     {
-        let mut logits = Host::random(Shape::nc(n, classes).full_rect(), 5000 + i as u64);
+        // The logits view holds exactly the tile's rows, the op's projection: the CPU's
+        // `count_correct` pairs labels with the view's rows from its first, so a larger view
+        // would count other samples there (the GPU reads each tile row's own logits).
+        let view = Shape::nc(n, classes)
+            .full_rect()
+            .with_axis(0, rows.0, rows.1);
+        let mut logits = Host::random(view, 5000 + i as u64);
         if let cpu::Buffer::F32(v) = &mut logits.data {
             // large logits exercise the shift by the row maximum
             for x in v.iter_mut() {
