@@ -80,8 +80,6 @@ impl Buffer {
 }
 
 /// An in-order queue on the GPU, with the cuBLAS and cuDNN handles bound to it.
-///
-/// Not `Send`: cuDNN handles must stay on the thread that made them (cudarc's `Cudnn`).
 pub struct Stream {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) blas: CudaBlas,
@@ -89,6 +87,13 @@ pub struct Stream {
     /// The first failure to enqueue, reported by `synchronize`; later work is skipped.
     failure: Option<String>,
 }
+
+// SAFETY: cudarc leaves `Cudnn` !Send to keep a handle from being used by two threads at once;
+// cuDNN allows a handle on any thread as long as calls do not overlap, and its context is made
+// current on the calling thread before every primitive (`Cuda::enqueue`). A `Stream` owns its
+// handle (the descriptors holding clones live only inside one primitive) and is only used through
+// `&mut`, so moving it to another thread (a device actor's) cannot overlap calls.
+unsafe impl Send for Stream {}
 
 impl Stream {
     pub fn cuda_stream(&self) -> &Arc<CudaStream> {
@@ -390,7 +395,10 @@ impl Cuda {
         if s.failure.is_some() {
             return;
         }
-        if let Err(Failure(error)) = work(s) {
+        // cuDNN and cuBLAS calls need the context current on this thread; kernel launches and
+        // copies bind it themselves.
+        let bound = self.context.bind_to_thread().map_err(Failure::from);
+        if let Err(Failure(error)) = bound.and_then(|()| work(s)) {
             s.failure = Some(format!("{what}: {error}"));
         }
     }
@@ -1359,5 +1367,21 @@ impl Cuda {
         // SAFETY: the arguments match the kernel's signature; x contains the tile.
         unsafe { b.launch(grid(n)) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device actor owns its streams and buffers and shares the backend: checked at compile time.
+    #[test]
+    fn backend_streams_and_buffers_can_move_between_threads() {
+        fn shared<T: Send + Sync>() {}
+        fn owned<T: Send>() {}
+        shared::<Cuda>();
+        owned::<Stream>();
+        owned::<Buffer>();
+        owned::<PendingLoss>();
     }
 }
