@@ -179,7 +179,14 @@ fn describe(ordinal: usize) -> Result<CudaDevice, ProbeError> {
 /// thing missing, in the order a user would fix them (driver, GPUs, then the libraries).
 pub fn probe() -> Result<Vec<CudaDevice>, ProbeError> {
     require(Library::Driver)?;
-    driver::init().map_err(|e| ProbeError::DriverInit(e.to_string()))?;
+    driver::init().map_err(|e| {
+        // A driver with no GPU visible fails its initialisation rather than counting zero.
+        if e.0 == driver_sys::CUresult::CUDA_ERROR_NO_DEVICE {
+            ProbeError::NoDevices(env_or_unset("CUDA_VISIBLE_DEVICES"))
+        } else {
+            ProbeError::DriverInit(e.to_string())
+        }
+    })?;
     let count = driver::device::get_count().map_err(|e| ProbeError::DriverInit(e.to_string()))?;
     if count <= 0 {
         return Err(ProbeError::NoDevices(env_or_unset("CUDA_VISIBLE_DEVICES")));
