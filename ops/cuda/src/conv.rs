@@ -1,0 +1,799 @@
+//! Convolutions through cuDNN (forward, backward data, backward filter), over one output tile.
+//!
+//! cuDNN convolves whole tensors with symmetric zero padding; a tile is a box of the output whose
+//! input view may be a halo'd window, cut at the tensor's edges, and whose channels may cut through
+//! a group. So a tile runs as one or more **segments** of output channels, each a run of whole
+//! groups or a part of one group, which cuDNN convolves with its group count; and each segment's
+//! input is either the view itself (when cuDNN's own padding reproduces the window: the whole
+//! spatial extent, or a window that needs no padding) or the window gathered into a zeroed scratch
+//! buffer and convolved with no padding. Outputs and weight gradients of a segment are contiguous
+//! rows of the weights and, for a single segment, the whole output tile; otherwise they go through
+//! scratch and a region copy.
+//!
+//! Math is cuDNN's FMA math (`CUDNN_FMA_MATH`): FP32 FMA kernels only, never TF32. Results differ
+//! from the CPU's im2col GEMM by the order of the sums.
+
+use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Stream};
+use cudarc::cudnn::sys::{cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
+use cudarc::cudnn::{
+    ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, FilterDescriptor,
+    TensorDescriptor,
+};
+use cudarc::driver::{CudaSlice, CudaView};
+use legion_ops::backend::{In, Out};
+use legion_ops::op::{Activation, Conv2d};
+use legion_ops::shape::Shape;
+use std::ffi::c_int;
+
+/// Where a tile sits and how its windows map onto the input.
+struct Geometry {
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    in_size: [i64; 2],
+    out_size: [i64; 2],
+    in_per_group: i64,
+    out_per_group: i64,
+    /// The output tile.
+    tile: Box4,
+}
+
+/// Output channels `[out_lo, out_lo + out_count)` that cuDNN convolves in one call: `groups`
+/// whole groups, or part of one group (`groups == 1`). They read input channels
+/// `[in_lo, in_lo + groups·in_per_group)`.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    out_lo: i64,
+    out_count: i64,
+    groups: i64,
+    in_lo: i64,
+}
+
+impl Geometry {
+    fn new(op: &Conv2d, in_shape: Shape, tile: Box4) -> Geometry {
+        let in_size = [in_shape.dim(2) as i64, in_shape.dim(3) as i64];
+        let kernel = op.kernel.map(|k| k as i64);
+        let stride = op.stride.map(|s| s as i64);
+        let padding = op.padding.map(|p| p as i64);
+        let out_size = [0, 1].map(|a| (in_size[a] + 2 * padding[a] - kernel[a]) / stride[a] + 1);
+        let groups = op.groups as i64;
+        Geometry {
+            kernel,
+            stride,
+            padding,
+            in_size,
+            out_size,
+            in_per_group: in_shape.dim(1) as i64 / groups,
+            out_per_group: op.out_channels as i64 / groups,
+            tile,
+        }
+    }
+
+    fn segments(&self) -> Vec<Segment> {
+        let (lo, hi) = (self.tile.lo[1], self.tile.hi(1));
+        let per = self.out_per_group;
+        let mut segments = Vec::new();
+        let mut c = lo;
+        while c < hi {
+            let group = c / per;
+            let group_end = (group + 1) * per;
+            let segment = if c % per != 0 || hi < group_end {
+                Segment {
+                    out_lo: c,
+                    out_count: group_end.min(hi) - c,
+                    groups: 1,
+                    in_lo: group * self.in_per_group,
+                }
+            } else {
+                let groups = (hi - c) / per;
+                Segment {
+                    out_lo: c,
+                    out_count: groups * per,
+                    groups,
+                    in_lo: group * self.in_per_group,
+                }
+            };
+            c += segment.out_count;
+            segments.push(segment);
+        }
+        segments
+    }
+
+    /// The input box a segment's windows span, padding included (it may reach below 0 and past
+    /// the input).
+    fn window(&self, segment: &Segment) -> Box4 {
+        let mut window = self.tile;
+        window.lo[1] = segment.in_lo;
+        window.ext[1] = segment.groups * self.in_per_group;
+        for a in 0..2 {
+            let axis = a + 2;
+            window.lo[axis] = self.tile.lo[axis] * self.stride[a] - self.padding[a];
+            window.ext[axis] = (self.tile.ext[axis] - 1) * self.stride[a] + self.kernel[a];
+        }
+        window
+    }
+
+    /// The segment's output box.
+    fn output(&self, segment: &Segment) -> Box4 {
+        self.tile.with_axis(1, segment.out_lo, segment.out_count)
+    }
+
+    /// How cuDNN reads a segment's input from a view laid out over `x`.
+    fn source(&self, segment: &Segment, x: &Box4) -> Source {
+        let window = self.window(segment);
+        let same_samples_and_channels = x.lo[0] == window.lo[0]
+            && x.ext[0] == window.ext[0]
+            && x.lo[1] == window.lo[1]
+            && x.ext[1] == window.ext[1];
+        let pad = |a: usize| -> Option<i64> {
+            let axis = a + 2;
+            let whole_input = x.lo[axis] == 0 && x.ext[axis] == self.in_size[a];
+            let whole_output = self.tile.lo[axis] == 0 && self.tile.ext[axis] == self.out_size[a];
+            let window_inside = window.lo[axis] >= 0 && window.hi(axis) <= self.in_size[a];
+            if whole_input && whole_output {
+                Some(self.padding[a])
+            } else if window_inside
+                && x.lo[axis] == window.lo[axis]
+                && x.ext[axis] == window.ext[axis]
+            {
+                Some(0)
+            } else {
+                None
+            }
+        };
+        match (same_samples_and_channels, pad(0), pad(1)) {
+            (true, Some(ph), Some(pw)) => Source::View { pad: [ph, pw] },
+            _ => Source::Gathered { window },
+        }
+    }
+}
+
+/// A segment's input as cuDNN sees it.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    /// The view itself, with cuDNN's padding.
+    View { pad: [i64; 2] },
+    /// The window gathered into zeroed scratch laid out over `window`, no padding.
+    Gathered { window: Box4 },
+}
+
+impl Source {
+    fn dims(&self, x: &Box4) -> Box4 {
+        match self {
+            Source::View { .. } => *x,
+            Source::Gathered { window } => *window,
+        }
+    }
+
+    fn pad(&self) -> [i64; 2] {
+        match self {
+            Source::View { pad } => *pad,
+            Source::Gathered { .. } => [0, 0],
+        }
+    }
+}
+
+fn dims(b: &Box4) -> [c_int; 4] {
+    b.ext.map(|e| e as c_int)
+}
+
+/// The cuDNN descriptors of one segment.
+struct Descriptors {
+    x: TensorDescriptor<f32>,
+    w: FilterDescriptor<f32>,
+    y: TensorDescriptor<f32>,
+    conv: ConvDescriptor<f32>,
+}
+
+fn descriptors(
+    s: &Stream,
+    geo: &Geometry,
+    segment: &Segment,
+    source: &Source,
+    x: &Box4,
+) -> Result<Descriptors, Failure> {
+    let nchw = cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
+    let cudnn = &s.cudnn;
+    let x_desc = cudnn.create_4d_tensor::<f32>(nchw, dims(&source.dims(x)))?;
+    let w_desc = cudnn.create_4d_filter::<f32>(
+        nchw,
+        [
+            segment.out_count as c_int,
+            geo.in_per_group as c_int,
+            geo.kernel[0] as c_int,
+            geo.kernel[1] as c_int,
+        ],
+    )?;
+    let y_desc = cudnn.create_4d_tensor::<f32>(nchw, dims(&geo.output(segment)))?;
+    let pad = source.pad();
+    let mut conv = cudnn.create_conv2d::<f32>(
+        [pad[0] as c_int, pad[1] as c_int],
+        [geo.stride[0] as c_int, geo.stride[1] as c_int],
+        [1, 1],
+        cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+    )?;
+    // FP32 FMA kernels only: CUDNN_DEFAULT_MATH would let cuDNN pick TF32 tensor cores.
+    conv.set_math_type(cudnnMathType_t::CUDNN_FMA_MATH)?;
+    conv.set_group_count(segment.groups as c_int)?;
+    Ok(Descriptors {
+        x: x_desc,
+        w: w_desc,
+        y: y_desc,
+        conv,
+    })
+}
+
+/// cuDNN's workspace for one call (stream-ordered, freed when dropped).
+fn workspace(s: &Stream, bytes: usize) -> Result<Option<CudaSlice<u8>>, Failure> {
+    if bytes == 0 {
+        return Ok(None);
+    }
+    Ok(Some(s.stream.alloc_zeros::<u8>(bytes)?))
+}
+
+/// The segment's input: `None` when cuDNN reads the view itself, else the gathered window.
+fn gather_input(
+    cuda: &Cuda,
+    s: &Stream,
+    x: &CudaSlice<f32>,
+    x_layout: Box4,
+    source: &Source,
+) -> Result<Option<CudaSlice<f32>>, Failure> {
+    let Source::Gathered { window } = source else {
+        return Ok(None);
+    };
+    let mut scratch = s.stream.alloc_zeros::<f32>(window.volume() as usize)?;
+    let region = window.intersect(&x_layout);
+    let copy = &cuda.kernels.copy_region_f32;
+    cuda.region_f32(s, copy, x, x_layout, &mut scratch, *window, region)?;
+    Ok(Some(scratch))
+}
+
+fn view<'a>(owned: &'a Option<CudaSlice<f32>>, otherwise: &'a CudaSlice<f32>) -> CudaView<'a, f32> {
+    owned.as_ref().unwrap_or(otherwise).slice(..)
+}
+
+/// The weight rows of a segment's output channels, within a view whose rows start at `w_lo`.
+fn weight_rows(geo: &Geometry, segment: &Segment, w_lo: i64) -> std::ops::Range<usize> {
+    let per_row = (geo.in_per_group * geo.kernel[0] * geo.kernel[1]) as usize;
+    let first = (segment.out_lo - w_lo) as usize;
+    first * per_row..(first + segment.out_count as usize) * per_row
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(
+    cuda: &Cuda,
+    s: &mut Stream,
+    op: &Conv2d,
+    in_shape: Shape,
+    x: In<Buffer>,
+    w: In<Buffer>,
+    b: Option<In<Buffer>>,
+    y: Out<Buffer>,
+) -> Launch {
+    let tile = Box4::of(&y.rect);
+    if tile.volume() == 0 {
+        return Ok(());
+    }
+    let geo = Geometry::new(op, in_shape, tile);
+    let x_layout = Box4::of(&x.rect);
+    let segments = geo.segments();
+    let y_mem = y.mem.f32_mut();
+    for segment in &segments {
+        let source = geo.source(segment, &x_layout);
+        let gathered = gather_input(cuda, s, x.mem.f32(), x_layout, &source)?;
+        let x_view = view(&gathered, x.mem.f32());
+        let w_view = w
+            .mem
+            .f32()
+            .slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
+        let d = descriptors(s, &geo, segment, &source, &x_layout)?;
+        let conv = ConvForward {
+            conv: &d.conv,
+            x: &d.x,
+            w: &d.w,
+            y: &d.y,
+        };
+        let algo = conv.pick_algorithm()?;
+        let mut ws = workspace(s, conv.get_workspace_size(algo)?)?;
+        let out = geo.output(segment);
+        if segments.len() == 1 {
+            // SAFETY: the descriptors describe exactly these buffers.
+            unsafe { conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, y_mem) }?;
+        } else {
+            let mut scratch = s.stream.alloc_zeros::<f32>(out.volume() as usize)?;
+            // SAFETY: as above, the segment's output into packed scratch.
+            unsafe {
+                conv.launch(
+                    algo,
+                    ws.as_mut(),
+                    (1.0, 0.0),
+                    &x_view,
+                    &w_view,
+                    &mut scratch,
+                )
+            }?;
+            let copy = &cuda.kernels.copy_region_f32;
+            cuda.region_f32(s, copy, &scratch, out, y_mem, tile, out)?;
+        }
+    }
+    cuda.bias_activation(s, y_mem, tile, b, op.activation == Activation::Relu)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    cuda: &Cuda,
+    s: &mut Stream,
+    op: &Conv2d,
+    in_shape: Shape,
+    x: In<Buffer>,
+    w: In<Buffer>,
+    y: In<Buffer>,
+    dy: In<Buffer>,
+    mut dx: Option<Out<Buffer>>,
+    dw: Out<Buffer>,
+    db: Option<Out<Buffer>>,
+) -> Launch {
+    let tile = Box4::of(&y.rect);
+    let x_layout = Box4::of(&x.rect);
+    let dw_mem = dw.mem.f32_mut();
+    if let Some(dx) = &mut dx {
+        assert_eq!(dx.rect, x.rect, "dx must cover the input view");
+        // positions no window of the tile reads keep this zero
+        s.stream.memset_zeros(dx.mem.f32_mut())?;
+    }
+    if tile.volume() == 0 {
+        s.stream.memset_zeros(dw_mem)?;
+        if let Some(db) = db {
+            s.stream.memset_zeros(db.mem.f32_mut())?;
+        }
+        return Ok(());
+    }
+    // dz: the output gradient through the fused activation, laid out over the tile.
+    let dz_owned = if op.activation == Activation::Relu {
+        Some(cuda.relu_mask(s, y, dy, &y.rect)?)
+    } else if dy.rect != y.rect {
+        let mut packed = s.stream.alloc_zeros::<f32>(tile.volume() as usize)?;
+        let copy = &cuda.kernels.copy_region_f32;
+        cuda.region_f32(
+            s,
+            copy,
+            dy.mem.f32(),
+            Box4::of(&dy.rect),
+            &mut packed,
+            tile,
+            tile,
+        )?;
+        Some(packed)
+    } else {
+        None
+    };
+    let dz = dz_owned.as_ref().unwrap_or(dy.mem.f32());
+    if let Some(db) = db {
+        cuda.channel_sum(s, dz, tile, db)?;
+    }
+    let geo = Geometry::new(op, in_shape, tile);
+    let segments = geo.segments();
+    for segment in &segments {
+        let out = geo.output(segment);
+        let dz_segment = if segments.len() == 1 {
+            None
+        } else {
+            let mut packed = s.stream.alloc_zeros::<f32>(out.volume() as usize)?;
+            let copy = &cuda.kernels.copy_region_f32;
+            cuda.region_f32(s, copy, dz, tile, &mut packed, out, out)?;
+            Some(packed)
+        };
+        let dz_view = view(&dz_segment, dz);
+        let source = geo.source(segment, &x_layout);
+        let gathered = gather_input(cuda, s, x.mem.f32(), x_layout, &source)?;
+        let x_view = view(&gathered, x.mem.f32());
+        let d = descriptors(s, &geo, segment, &source, &x_layout)?;
+        let rows = weight_rows(&geo, segment, dw.rect.lo[0] as i64);
+
+        let filter = ConvBackwardFilter {
+            conv: &d.conv,
+            x: &d.x,
+            dw: &d.w,
+            dy: &d.y,
+        };
+        let algo = filter.pick_algorithm()?;
+        let mut ws = workspace(s, filter.get_workspace_size(algo)?)?;
+        let mut dw_rows = dw_mem.slice_mut(rows);
+        // SAFETY: the descriptors describe exactly these buffers.
+        unsafe {
+            filter.launch(
+                algo,
+                ws.as_mut(),
+                (1.0, 0.0),
+                &x_view,
+                &mut dw_rows,
+                &dz_view,
+            )
+        }?;
+
+        let Some(dx) = dx.as_mut() else { continue };
+        let data = ConvBackwardData {
+            conv: &d.conv,
+            dx: &d.x,
+            w: &d.w,
+            dy: &d.y,
+        };
+        let algo = data.pick_algorithm()?;
+        let mut ws = workspace(s, data.get_workspace_size(algo)?)?;
+        let w_view = w
+            .mem
+            .f32()
+            .slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
+        let dx_mem = dx.mem.f32_mut();
+        match source {
+            Source::View { .. } => {
+                // SAFETY: as above; dx is laid out like x.
+                unsafe { data.launch(algo, ws.as_mut(), (1.0, 0.0), dx_mem, &w_view, &dz_view) }?;
+            }
+            Source::Gathered { window } => {
+                let mut dwindow = s.stream.alloc_zeros::<f32>(window.volume() as usize)?;
+                // SAFETY: as above, into scratch laid out over the window.
+                unsafe {
+                    data.launch(
+                        algo,
+                        ws.as_mut(),
+                        (1.0, 0.0),
+                        &mut dwindow,
+                        &w_view,
+                        &dz_view,
+                    )
+                }?;
+                // The part of the window inside dx; padding positions are dropped. Segments read
+                // disjoint input channels, so copying (not adding) is exact.
+                let region = window.intersect(&x_layout);
+                let copy = &cuda.kernels.copy_region_f32;
+                cuda.region_f32(s, copy, &dwindow, window, dx_mem, x_layout, region)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The segment plan checked on the CPU: each segment's input (the view, or the gathered
+    //! window) convolved by the CPU kernel with the segment's group count and padding, standing in
+    //! for cuDNN, must give the CPU's results for the tile.
+    use super::*;
+    use legion_ops::kernels::conv2d::{conv2d_backward, conv2d_forward};
+    use legion_ops::kernels::{View, ViewMut};
+    use legion_ops::op::OpSpec;
+    use legion_ops::rng::Rng;
+    use legion_ops::shape::Rect;
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()
+    }
+
+    fn offset(layout: &Box4, p: [i64; 4]) -> usize {
+        (0..4).fold(0, |off, a| off * layout.ext[a] + (p[a] - layout.lo[a])) as usize
+    }
+
+    /// `dst[region] = src[region]` on the host, as `copy_region_f32` does on the GPU.
+    fn copy_region(
+        src: &[f32],
+        src_layout: &Box4,
+        dst: &mut [f32],
+        dst_layout: &Box4,
+        region: &Box4,
+    ) {
+        for i in 0..region.volume() {
+            let mut p = [0; 4];
+            let mut rest = i;
+            for a in (0..4).rev() {
+                p[a] = region.lo[a] + rest % region.ext[a];
+                rest /= region.ext[a];
+            }
+            dst[offset(dst_layout, p)] = src[offset(src_layout, p)];
+        }
+    }
+
+    fn local(b: &Box4) -> Rect {
+        Rect::new(&[0; 4], &b.ext.map(|e| e as usize))
+    }
+
+    /// The convolution cuDNN runs for a segment, as a `Conv2d` over the tensor it sees.
+    fn segment_op(geo: &Geometry, segment: &Segment, source: &Source) -> Conv2d {
+        let pad = source.pad();
+        Conv2d {
+            out_channels: segment.out_count as usize,
+            kernel: geo.kernel.map(|k| k as usize),
+            stride: geo.stride.map(|s| s as usize),
+            padding: [pad[0] as usize, pad[1] as usize],
+            groups: segment.groups as usize,
+            bias: false,
+            activation: Activation::None,
+        }
+    }
+
+    fn segment_weights(
+        geo: &Geometry,
+        segment: &Segment,
+        w: &[f32],
+        w_lo: i64,
+    ) -> (Rect, Vec<f32>) {
+        let rows = weight_rows(geo, segment, w_lo);
+        let rect = Rect::new(
+            &[0; 4],
+            &[
+                segment.out_count as usize,
+                geo.in_per_group as usize,
+                geo.kernel[0] as usize,
+                geo.kernel[1] as usize,
+            ],
+        );
+        (rect, w[rows].to_vec())
+    }
+
+    /// The tensor a segment convolves: the view, or the window gathered into zeros.
+    fn segment_input(x: &[f32], x_layout: &Box4, source: &Source) -> (Box4, Vec<f32>) {
+        match source {
+            Source::View { .. } => (*x_layout, x.to_vec()),
+            Source::Gathered { window } => {
+                let mut scratch = vec![0.0; window.volume() as usize];
+                copy_region(
+                    x,
+                    x_layout,
+                    &mut scratch,
+                    window,
+                    &window.intersect(x_layout),
+                );
+                (*window, scratch)
+            }
+        }
+    }
+
+    struct Case {
+        op: Conv2d,
+        in_shape: Shape,
+        tile: Rect,
+        x_rect: Rect,
+    }
+
+    fn check(case: &Case, seed: u64) -> Vec<&'static str> {
+        let Case {
+            op,
+            in_shape,
+            tile,
+            x_rect,
+        } = case;
+        let (x_layout, tile_box) = (Box4::of(x_rect), Box4::of(tile));
+        let w_rect = op.params(&[*in_shape])[0]
+            .shape
+            .full_rect()
+            .with_axis(0, tile.lo[1], tile.hi[1]);
+        let x = random(x_rect.volume(), seed);
+        let w = random(w_rect.volume(), seed + 1);
+        let dy = random(tile.volume(), seed + 2);
+        let plain = Conv2d {
+            bias: false,
+            activation: Activation::None,
+            ..op.clone()
+        };
+
+        // the CPU on the tile
+        let mut y_cpu = vec![0.0; tile.volume()];
+        conv2d_forward(
+            &plain,
+            *in_shape,
+            View::new(*x_rect, &x),
+            View::new(w_rect, &w),
+            None,
+            ViewMut::new(*tile, &mut y_cpu),
+        );
+        let (mut dx_cpu, mut dw_cpu) = (vec![0.0; x.len()], vec![0.0; w.len()]);
+        conv2d_backward(
+            &plain,
+            *in_shape,
+            View::new(*x_rect, &x),
+            View::new(w_rect, &w),
+            View::new(*tile, &y_cpu),
+            View::new(*tile, &dy),
+            Some(ViewMut::new(*x_rect, &mut dx_cpu)),
+            ViewMut::new(w_rect, &mut dw_cpu),
+            None,
+        );
+
+        // the segment plan, the CPU kernel standing in for cuDNN
+        let geo = Geometry::new(op, *in_shape, tile_box);
+        let (mut y, mut dx, mut dw) = (
+            vec![f32::NAN; y_cpu.len()],
+            vec![0.0; x.len()],
+            vec![f32::NAN; w.len()],
+        );
+        let mut sources = Vec::new();
+        for segment in geo.segments() {
+            let source = geo.source(&segment, &x_layout);
+            sources.push(matches!(source, Source::View { .. }));
+            let sub_op = segment_op(&geo, &segment, &source);
+            let (input_box, input) = segment_input(&x, &x_layout, &source);
+            let input_shape = Shape::nchw(
+                input_box.ext[0] as usize,
+                input_box.ext[1] as usize,
+                input_box.ext[2] as usize,
+                input_box.ext[3] as usize,
+            );
+            let out_box = geo.output(&segment);
+            let out_rect = sub_op
+                .infer_shape(&[input_shape])
+                .expect("segment conv")
+                .full_rect();
+            assert_eq!(
+                out_rect,
+                local(&out_box),
+                "cuDNN's output would not be the segment's"
+            );
+            let (sub_w_rect, sub_w) = segment_weights(&geo, &segment, &w, w_rect.lo[0] as i64);
+            let mut out = vec![0.0; out_rect.volume()];
+            conv2d_forward(
+                &sub_op,
+                input_shape,
+                View::new(local(&input_box), &input),
+                View::new(sub_w_rect, &sub_w),
+                None,
+                ViewMut::new(out_rect, &mut out),
+            );
+            copy_region(&out, &out_box, &mut y, &tile_box, &out_box);
+
+            let mut dz = vec![0.0; out.len()];
+            copy_region(&dy, &tile_box, &mut dz, &out_box, &out_box);
+            let (mut d_input, mut d_w) = (vec![0.0; input.len()], vec![0.0; sub_w.len()]);
+            conv2d_backward(
+                &sub_op,
+                input_shape,
+                View::new(local(&input_box), &input),
+                View::new(sub_w_rect, &sub_w),
+                View::new(out_rect, &out),
+                View::new(out_rect, &dz),
+                Some(ViewMut::new(local(&input_box), &mut d_input)),
+                ViewMut::new(sub_w_rect, &mut d_w),
+                None,
+            );
+            let rows = weight_rows(&geo, &segment, w_rect.lo[0] as i64);
+            dw[rows].copy_from_slice(&d_w);
+            let region = input_box.intersect(&x_layout);
+            copy_region(&d_input, &input_box, &mut dx, &x_layout, &region);
+        }
+        let close = |a: &[f32], b: &[f32]| {
+            let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
+            a.iter().zip(b).all(|(p, q)| (p - q).abs() / scale <= 1e-6)
+        };
+        let mut wrong = Vec::new();
+        if !close(&y, &y_cpu) {
+            wrong.push("y");
+        }
+        if !close(&dx, &dx_cpu) {
+            wrong.push("dx");
+        }
+        if !close(&dw, &dw_cpu) {
+            wrong.push("dw");
+        }
+        wrong
+    }
+
+    #[test]
+    fn segment_plans_reproduce_the_cpu_convolution() {
+        let x_shape = Shape::nchw(2, 3, 11, 10);
+        let strided = Conv2d::new(5, 5).stride(2).padding(2);
+        let plain = Conv2d::new(4, 3).padding(1);
+        let grouped = Conv2d::new(9, 3).padding(1).groups(3);
+        let g_shape = Shape::nchw(2, 6, 9, 9);
+        let mut cases = Vec::new();
+        let mut add = |op: &Conv2d, in_shape: Shape, tile: Option<Rect>, x_rect: Option<Rect>| {
+            let out = op.infer_shape(&[in_shape]).unwrap().full_rect();
+            let tile = tile.map_or(out, |f| f);
+            let x_rect = x_rect.unwrap_or_else(|| op.project(&[in_shape], &tile)[0]);
+            cases.push(Case {
+                op: op.clone(),
+                in_shape,
+                tile,
+                x_rect,
+            });
+        };
+        let out = strided.infer_shape(&[x_shape]).unwrap().full_rect();
+        add(&strided, x_shape, None, None);
+        add(&strided, x_shape, Some(out.with_axis(2, 0, 3)), None);
+        add(&strided, x_shape, Some(out.with_axis(2, 3, 6)), None);
+        add(
+            &strided,
+            x_shape,
+            Some(out.with_axis(2, 1, 5).with_axis(3, 1, 4)),
+            None,
+        );
+        add(
+            &strided,
+            x_shape,
+            Some(out.with_axis(0, 1, 2)),
+            Some(x_shape.full_rect()),
+        );
+        let p_out = plain.infer_shape(&[x_shape]).unwrap().full_rect();
+        add(
+            &plain,
+            x_shape,
+            Some(p_out.with_axis(3, 0, 5)),
+            Some(x_shape.full_rect()),
+        );
+        add(&plain, x_shape, Some(p_out.with_axis(1, 1, 3)), None);
+        add(
+            &Conv2d::new(4, 3),
+            x_shape,
+            Some(
+                Conv2d::new(4, 3)
+                    .infer_shape(&[x_shape])
+                    .unwrap()
+                    .full_rect()
+                    .with_axis(2, 2, 6),
+            ),
+            None,
+        );
+        let g_out = grouped.infer_shape(&[g_shape]).unwrap().full_rect();
+        add(&grouped, g_shape, None, None);
+        add(&grouped, g_shape, Some(g_out.with_axis(1, 3, 9)), None);
+        add(&grouped, g_shape, Some(g_out.with_axis(1, 1, 5)), None);
+        add(
+            &grouped,
+            g_shape,
+            Some(g_out.with_axis(1, 2, 8).with_axis(2, 4, 9)),
+            None,
+        );
+        add(
+            &Conv2d::new(6, 3).stride(2).padding(1).groups(6),
+            g_shape,
+            None,
+            None,
+        );
+        let mut failures = Vec::new();
+        for (i, case) in cases.iter().enumerate() {
+            let wrong = check(case, 10 * i as u64);
+            if !wrong.is_empty() {
+                failures.push(format!(
+                    "case {i} (tile {}, view {}): {wrong:?}",
+                    case.tile, case.x_rect
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn whole_tensors_use_cudnn_padding_and_halos_are_gathered() {
+        let op = Conv2d::new(4, 3).padding(1);
+        let shape = Shape::nchw(2, 3, 8, 8);
+        let whole = Box4::of(&shape.full_rect());
+        let out = op.infer_shape(&[shape]).unwrap().full_rect();
+        let geo = Geometry::new(&op, shape, Box4::of(&out));
+        let segments = geo.segments();
+        assert_eq!(segments.len(), 1);
+        assert!(matches!(
+            geo.source(&segments[0], &whole),
+            Source::View { pad: [1, 1] }
+        ));
+        let half = out.with_axis(2, 0, 4);
+        let geo = Geometry::new(&op, shape, Box4::of(&half));
+        let view = Box4::of(&op.project(&[shape], &half)[0]);
+        assert!(matches!(
+            geo.source(&geo.segments()[0], &view),
+            Source::Gathered { .. }
+        ));
+        // no padding needed and the view is exactly the window: read in place
+        let valid = Conv2d::new(4, 3);
+        let out = valid
+            .infer_shape(&[shape])
+            .unwrap()
+            .full_rect()
+            .with_axis(2, 2, 4);
+        let geo = Geometry::new(&valid, shape, Box4::of(&out));
+        let view = Box4::of(&valid.project(&[shape], &out)[0]);
+        assert!(matches!(
+            geo.source(&geo.segments()[0], &view),
+            Source::View { pad: [0, 0] }
+        ));
+    }
+}

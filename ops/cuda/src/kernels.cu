@@ -1,0 +1,606 @@
+// The CUDA kernels of legion-cuda: every primitive that is not a cuDNN convolution or a cuBLAS
+// GEMM. Compiled at run time by NVRTC (see kernels.rs) with --fmad=false and no fast math, so that
+// each expression rounds exactly like the CPU kernels in legion-ops/src/kernels (Rust never fuses
+// a multiply and an add). Where a result can still differ from the CPU in the last bits, the
+// kernel says so: expf/logf (CUDA's are within 2 ulp, Rust's follow the C library) and sums whose
+// order differs (f64 reductions, here in a tree).
+//
+// Conventions, as on the CPU: a buffer is row-major over a rect in GLOBAL tensor coordinates. A
+// rect reaches the kernels as a Box4 of four axes; rects of fewer axes are padded with trailing
+// axes [0, 1) (legion_ops::shape::Rect stores them that way), so channel is always axis 1.
+// Outputs are laid out over exactly the region a kernel writes, so output element i is point i of
+// that region; inputs may be laid out over larger rects and are addressed by global point.
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct Box4 {
+    i64 lo[4];
+    i64 ext[4];
+};
+
+#define GRID_STRIDE(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// -inf without math.h (NVRTC has no standard headers).
+#define NEG_INF __int_as_float(0xff800000)
+
+// Threads of a warp. A macro, so that a host emulation (one thread at a time) can set it to 1,
+// which leaves every warp loop and shuffle a no-op.
+#ifndef WARP
+#define WARP 32
+#endif
+
+// The threads of every reduction block; the host launches the reductions with exactly this many.
+#define REDUCE_THREADS 256
+
+// Global point of element i of a row-major region.
+__device__ __forceinline__ void point_of(const Box4& region, i64 i, i64 p[4]) {
+    for (int a = 3; a >= 0; --a) {
+        p[a] = region.lo[a] + i % region.ext[a];
+        i /= region.ext[a];
+    }
+}
+
+// Row-major offset of global point p in a buffer laid out over `layout`.
+__device__ __forceinline__ i64 offset_in(const Box4& layout, const i64 p[4]) {
+    i64 off = 0;
+    for (int a = 0; a < 4; ++a) off = off * layout.ext[a] + (p[a] - layout.lo[a]);
+    return off;
+}
+
+// Offset in `layout` of element i of `region`; `packed` says the host found every operand of the
+// launch laid out over exactly the region, where the offset is i itself.
+__device__ __forceinline__ i64 at(const Box4& layout, const Box4& region, i64 i, int packed) {
+    if (packed) return i;
+    i64 p[4];
+    point_of(region, i, p);
+    return offset_in(layout, p);
+}
+
+// Global channel (axis 1) of element i of a region.
+__device__ __forceinline__ i64 channel_of(const Box4& region, i64 i) {
+    return region.lo[1] + (i / (region.ext[2] * region.ext[3])) % region.ext[1];
+}
+
+// Sums a and b over the block (REDUCE_THREADS threads); the totals are valid in thread 0. The tree
+// is fixed, so a launch is deterministic.
+__device__ void block_sum2(double& a, double& b) {
+    __shared__ double shared_a[REDUCE_THREADS / WARP];
+    __shared__ double shared_b[REDUCE_THREADS / WARP];
+    for (int offset = WARP / 2; offset > 0; offset /= 2) {
+        a += __shfl_down_sync(0xffffffffu, a, offset);
+        b += __shfl_down_sync(0xffffffffu, b, offset);
+    }
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (lane == 0) {
+        shared_a[warp] = a;
+        shared_b[warp] = b;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        a = lane < REDUCE_THREADS / WARP ? shared_a[lane] : 0.0;
+        b = lane < REDUCE_THREADS / WARP ? shared_b[lane] : 0.0;
+        for (int offset = WARP / 2; offset > 0; offset /= 2) {
+            a += __shfl_down_sync(0xffffffffu, a, offset);
+            b += __shfl_down_sync(0xffffffffu, b, offset);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Moves between buffers laid out over different rects (gathers, halos, folds, concat, images).
+
+extern "C" __global__ void copy_region_f32(const float* src, Box4 src_layout, float* dst,
+                                           Box4 dst_layout, Box4 region, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(region, i, p);
+        dst[offset_in(dst_layout, p)] = src[offset_in(src_layout, p)];
+    }
+}
+
+extern "C" __global__ void copy_region_f64(const double* src, Box4 src_layout, double* dst,
+                                           Box4 dst_layout, Box4 region, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(region, i, p);
+        dst[offset_in(dst_layout, p)] = src[offset_in(src_layout, p)];
+    }
+}
+
+extern "C" __global__ void add_region_f32(const float* src, Box4 src_layout, float* dst,
+                                          Box4 dst_layout, Box4 region, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(region, i, p);
+        dst[offset_in(dst_layout, p)] += src[offset_in(src_layout, p)];
+    }
+}
+
+extern "C" __global__ void add_region_f64(const double* src, Box4 src_layout, double* dst,
+                                          Box4 dst_layout, Box4 region, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(region, i, p);
+        dst[offset_in(dst_layout, p)] += src[offset_in(src_layout, p)];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise ops over an output tile (the output laid out over the tile).
+
+// NaN stays NaN (NaN < 0 is false), as on the CPU, so divergence is not hidden.
+extern "C" __global__ void relu_forward(const float* x, Box4 x_layout, float* y, Box4 tile, i64 n,
+                                        int packed) {
+    GRID_STRIDE(i, n) {
+        float v = x[at(x_layout, tile, i, packed)];
+        y[i] = v < 0.0f ? 0.0f : v;
+    }
+}
+
+// dx = dy·[y > 0]; also the fused-ReLU mask of conv and dense backward.
+extern "C" __global__ void relu_backward(const float* y, Box4 y_layout, const float* dy,
+                                         Box4 dy_layout, float* dx, Box4 tile, i64 n, int packed) {
+    GRID_STRIDE(i, n) {
+        float yv = y[at(y_layout, tile, i, packed)];
+        float g = dy[at(dy_layout, tile, i, packed)];
+        dx[i] = yv > 0.0f ? g : 0.0f;
+    }
+}
+
+// expf may differ from the CPU's exp in the last bit or two.
+extern "C" __global__ void sigmoid_forward(const float* x, Box4 x_layout, float* y, Box4 tile,
+                                           i64 n, int packed) {
+    GRID_STRIDE(i, n) {
+        float v = x[at(x_layout, tile, i, packed)];
+        y[i] = 1.0f / (1.0f + expf(-v));
+    }
+}
+
+extern "C" __global__ void sigmoid_backward(const float* y, Box4 y_layout, const float* dy,
+                                            Box4 dy_layout, float* dx, Box4 tile, i64 n,
+                                            int packed) {
+    GRID_STRIDE(i, n) {
+        float yv = y[at(y_layout, tile, i, packed)];
+        float g = dy[at(dy_layout, tile, i, packed)];
+        dx[i] = g * yv * (1.0f - yv);
+    }
+}
+
+extern "C" __global__ void add_forward(const float* a, Box4 a_layout, const float* b,
+                                       Box4 b_layout, float* y, Box4 tile, i64 n, int packed) {
+    GRID_STRIDE(i, n) {
+        y[i] = a[at(a_layout, tile, i, packed)] + b[at(b_layout, tile, i, packed)];
+    }
+}
+
+// y = x + bias[c], then max(·, 0) when `relu`: the bias and fused activation after a cuBLAS or
+// cuDNN product. `bias` may be null.
+extern "C" __global__ void bias_activation(float* y, Box4 tile, const float* bias, i64 bias_lo,
+                                           int relu, i64 n) {
+    GRID_STRIDE(i, n) {
+        float z = y[i];
+        if (bias) z = z + bias[channel_of(tile, i) - bias_lo];
+        y[i] = (relu && z < 0.0f) ? 0.0f : z;
+    }
+}
+
+// Per channel of `tile`, the sum over samples and positions of `dz` (laid out over the tile), into
+// out[c - out_lo]: the bias gradient. One block per channel; summed in f64, so the result is
+// closer to exact than the CPU's f32 sum and may differ from it in the last bits.
+extern "C" __global__ void channel_sum(const float* dz, Box4 tile, float* out, i64 out_lo) {
+    i64 c_local = blockIdx.x;
+    i64 plane = tile.ext[2] * tile.ext[3];
+    i64 per_channel = tile.ext[0] * plane;
+    double sum = 0.0, unused = 0.0;
+    for (i64 j = threadIdx.x; j < per_channel; j += blockDim.x) {
+        i64 sample = j / plane, s = j % plane;
+        sum += (double)dz[(sample * tile.ext[1] + c_local) * plane + s];
+    }
+    block_sum2(sum, unused);
+    if (threadIdx.x == 0) out[tile.lo[1] + c_local - out_lo] = (float)sum;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropout: kept iff unit_f32(mix64(key ^ index)) >= rate, with key = hash(seed, step, salt)
+// computed on the host and index the element's flat row-major index in the FULL tensor
+// (legion_ops::rng and kernels::dropout). Integer arithmetic and one exact float product: the
+// mask is bit-identical to the CPU's.
+
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = z + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ float unit_f32(u64 h) {
+    return (float)(h >> 40) * (1.0f / 16777216.0f);
+}
+
+extern "C" __global__ void dropout_apply(const float* x, Box4 x_layout, float* y, Box4 tile,
+                                         Box4 full, u64 key, float rate, float scale, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(tile, i, p);
+        u64 index = (u64)offset_in(full, p);
+        float v = x[offset_in(x_layout, p)];
+        y[i] = unit_f32(mix64(key ^ index)) >= rate ? v * scale : 0.0f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2-D pooling over an output tile. Windows are clipped to the input: max ignores padding, average
+// counts it (divides by kh·kw). Same window arithmetic as kernels::pool2d::clipped_window.
+
+struct Pool {
+    i64 kernel[2];
+    i64 stride[2];
+    i64 padding[2];
+    i64 in_size[2];  // full input H, W
+    int is_max;
+    float inv_area;
+};
+
+__device__ __forceinline__ void clipped_window(i64 o, i64 kernel, i64 stride, i64 pad, i64 size,
+                                               i64& lo, i64& hi) {
+    i64 start = o * stride;
+    lo = start - pad;
+    if (lo < 0) lo = 0;
+    if (lo > size) lo = size;
+    hi = start + kernel - pad;
+    if (hi < 0) hi = 0;
+    if (hi > size) hi = size;
+    if (hi < lo) hi = lo;
+}
+
+// Max: the largest value, first in row-major window order (`v > best`, as the CPU); avg: each
+// window row summed left to right, the row sums added top to bottom, times 1/(kh·kw), as the CPU.
+extern "C" __global__ void pool2d_forward(const float* x, Box4 x_layout, float* y, Box4 tile,
+                                          Pool pool, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(tile, i, p);
+        i64 h0, h1, w0, w1;
+        clipped_window(p[2], pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
+        clipped_window(p[3], pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
+        i64 q[4] = {p[0], p[1], 0, 0};
+        if (pool.is_max) {
+            float best = NEG_INF;
+            for (i64 h = h0; h < h1; ++h) {
+                q[2] = h;
+                q[3] = w0;
+                const float* row = x + offset_in(x_layout, q);
+                for (i64 w = 0; w < w1 - w0; ++w) best = row[w] > best ? row[w] : best;
+            }
+            y[i] = best;
+        } else {
+            float total = 0.0f;
+            for (i64 h = h0; h < h1; ++h) {
+                q[2] = h;
+                q[3] = w0;
+                const float* row = x + offset_in(x_layout, q);
+                float row_sum = 0.0f;
+                for (i64 w = 0; w < w1 - w0; ++w) row_sum = row_sum + row[w];
+                total = total + row_sum;
+            }
+            y[i] = total * pool.inv_area;
+        }
+    }
+}
+
+// The (h, w) position of the first maximum of an output's window, in row-major window order.
+__device__ void window_argmax(const float* x, const Box4& x_layout, i64 sample, i64 channel,
+                              i64 h0, i64 h1, i64 w0, i64 w1, i64& best_h, i64& best_w) {
+    float best = NEG_INF;
+    best_h = h0;
+    best_w = w0;
+    i64 q[4] = {sample, channel, 0, w0};
+    for (i64 h = h0; h < h1; ++h) {
+        q[2] = h;
+        const float* row = x + offset_in(x_layout, q);
+        for (i64 w = w0; w < w1; ++w) {
+            if (row[w - w0] > best) {
+                best = row[w - w0];
+                best_h = h;
+                best_w = w;
+            }
+        }
+    }
+}
+
+// dx over the input view (dx laid out over x_layout): each element gathers, in the output order
+// the CPU scatters in (rows, then columns, of the tile), the gradients of the tile's windows that
+// route to it, so every sum is the CPU's, term by term. Planes (n, c) outside the tile get zero.
+extern "C" __global__ void pool2d_backward(const float* x, Box4 x_layout, const float* dy,
+                                           Box4 tile, float* dx, Pool pool, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(x_layout, i, p);
+        bool in_tile = p[0] >= tile.lo[0] && p[0] < tile.lo[0] + tile.ext[0] &&
+                       p[1] >= tile.lo[1] && p[1] < tile.lo[1] + tile.ext[1];
+        float grad = 0.0f;
+        if (in_tile) {
+            // Outputs o whose window [o·s − pad, o·s − pad + k) holds position v:
+            // ceil((v + pad − k + 1) / s) <= o <= floor((v + pad) / s), within the tile.
+            i64 first[2], last[2];
+            for (int a = 0; a < 2; ++a) {
+                i64 v = p[2 + a];
+                i64 low = v + pool.padding[a] - pool.kernel[a] + 1;
+                first[a] = low <= 0 ? 0 : (low + pool.stride[a] - 1) / pool.stride[a];
+                last[a] = (v + pool.padding[a]) / pool.stride[a];
+                i64 tile_lo = tile.lo[2 + a], tile_hi = tile.lo[2 + a] + tile.ext[2 + a] - 1;
+                if (first[a] < tile_lo) first[a] = tile_lo;
+                if (last[a] > tile_hi) last[a] = tile_hi;
+            }
+            for (i64 oh = first[0]; oh <= last[0]; ++oh) {
+                i64 h0, h1;
+                clipped_window(oh, pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
+                for (i64 ow = first[1]; ow <= last[1]; ++ow) {
+                    i64 w0, w1;
+                    clipped_window(ow, pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
+                    i64 o[4] = {p[0], p[1], oh, ow};
+                    float g = dy[offset_in(tile, o)];
+                    if (pool.is_max) {
+                        i64 best_h, best_w;
+                        window_argmax(x, x_layout, p[0], p[1], h0, h1, w0, w1, best_h, best_w);
+                        if (best_h == p[2] && best_w == p[3]) grad = grad + g;
+                    } else {
+                        grad = grad + g * pool.inv_area;
+                    }
+                }
+            }
+        }
+        dx[i] = grad;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax cross-entropy, one warp per sample row. Logits are laid out over rows
+// [logits_row0, …) with all `classes` columns; the tile is rows [row0, row0 + rows).
+
+#define WARP_ROWS_PER_BLOCK 8  // blocks of 8 warps (256 threads), one row each
+
+// Row maximum and Σ exp(z − max) in f64 (at least 1). The sum is taken lane by lane and then in a
+// tree, an order the CPU does not use: the last bits of the f64 sum may differ.
+__device__ void row_max_sum(const float* z, i64 classes, float& max, double& sum) {
+    int lane = threadIdx.x % WARP;
+    float m = NEG_INF;
+    for (i64 k = lane; k < classes; k += WARP) m = fmaxf(m, z[k]);
+    for (int offset = WARP / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    double s = 0.0;
+    for (i64 k = lane; k < classes; k += WARP) s += (double)expf(z[k] - m);
+    for (int offset = WARP / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+    max = m;
+    sum = s;
+}
+
+// Per-sample loss log Σ exp(z) − z[label] (shifted by the row max), and whether the row's first
+// largest logit is the label (`v > best` scanning in class order, as the CPU).
+extern "C" __global__ void softmax_ce_rows(const float* logits, i64 logits_row0, i64 classes,
+                                           const unsigned int* labels, i64 row0, i64 rows,
+                                           float* loss, unsigned int* correct) {
+    i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / WARP;
+    if (r >= rows) return;  // a whole warp leaves together
+    int lane = threadIdx.x % WARP;
+    const float* z = logits + (row0 + r - logits_row0) * classes;
+    float max;
+    double sum;
+    row_max_sum(z, classes, max, sum);
+    // Each lane's first maximum over its classes, then the lowest class among equal maxima.
+    float best = NEG_INF;
+    i64 best_k = classes;
+    for (i64 k = lane; k < classes; k += WARP) {
+        if (z[k] > best) {
+            best = z[k];
+            best_k = k;
+        }
+    }
+    for (int offset = WARP / 2; offset > 0; offset /= 2) {
+        float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        i64 other_k = __shfl_xor_sync(0xffffffffu, best_k, offset);
+        if (other > best || (other == best && other_k < best_k)) {
+            best = other;
+            best_k = other_k;
+        }
+    }
+    if (best_k == classes) best_k = 0;  // no logit above -inf: the CPU keeps class 0
+    if (lane == 0) {
+        unsigned int label = labels[r];
+        loss[r] = (float)(((double)max + log(sum)) - (double)z[label]);
+        correct[r] = best_k == (i64)label ? 1u : 0u;
+    }
+}
+
+// The tile's loss sum (f64 of the f32 per-sample losses, as the CPU) and correct count, into
+// out[0] and out[1]. One block of REDUCE_THREADS threads.
+extern "C" __global__ void loss_totals(const float* loss, const unsigned int* correct, i64 rows,
+                                       double* out) {
+    double loss_sum = 0.0, correct_sum = 0.0;
+    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
+        loss_sum += (double)loss[r];
+        correct_sum += (double)correct[r];
+    }
+    block_sum2(loss_sum, correct_sum);
+    if (threadIdx.x == 0) {
+        out[0] = loss_sum;
+        out[1] = correct_sum;
+    }
+}
+
+// dlogits = (softmax(z) − onehot(label))·scale over the tile (laid out over it, all classes).
+extern "C" __global__ void softmax_ce_backward(const float* logits, i64 logits_row0, i64 classes,
+                                               const unsigned int* labels, i64 row0, i64 rows,
+                                               float scale, float* dlogits) {
+    i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / WARP;
+    if (r >= rows) return;
+    int lane = threadIdx.x % WARP;
+    const float* z = logits + (row0 + r - logits_row0) * classes;
+    float max;
+    double sum;
+    row_max_sum(z, classes, max, sum);
+    float norm = (float)((double)scale / sum);
+    i64 label = labels[r];
+    float* out = dlogits + r * classes;
+    for (i64 k = lane; k < classes; k += WARP) {
+        float o = expf(z[k] - max) * norm;
+        out[k] = k == label ? o - scale : o;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm phases (kernels::batch_norm). Moments and gradient sums are [3, C] f64 laid out over
+// [0..3, c0..c1): a row of element counts, then two rows of per-channel sums. Statistics are
+// computed from them in f64 exactly as BatchStats::from_sums does, then rounded to f32 where the
+// CPU rounds.
+
+struct Stats {
+    double count;
+    double mean;
+    double var;
+    double inv_std;
+};
+
+// Statistics of global channel c from moments over channels [m_lo, m_lo + m_channels).
+__device__ __forceinline__ Stats stats_of(const double* moments, i64 m_lo, i64 m_channels, i64 c,
+                                          float eps) {
+    Stats s;
+    i64 j = c - m_lo;
+    s.count = moments[0];
+    s.mean = moments[m_channels + j] / s.count;
+    // Rounding can push E[x²] − mean² slightly below zero for a constant channel.
+    s.var = fmax(moments[2 * m_channels + j] / s.count - s.mean * s.mean, 0.0);
+    s.inv_std = 1.0 / sqrt(s.var + (double)eps);
+    return s;
+}
+
+// Σx and Σx² per channel of the tile (one block per channel), in f64.
+extern "C" __global__ void bn_moments(const float* x, Box4 x_layout, Box4 tile, double* out) {
+    i64 c_local = blockIdx.x;
+    i64 plane = tile.ext[2] * tile.ext[3];
+    i64 per_channel = tile.ext[0] * plane;
+    double sum = 0.0, sum_sq = 0.0;
+    for (i64 j = threadIdx.x; j < per_channel; j += blockDim.x) {
+        i64 s = j % plane;
+        i64 q[4] = {tile.lo[0] + j / plane, tile.lo[1] + c_local, tile.lo[2] + s / tile.ext[3],
+                    tile.lo[3] + s % tile.ext[3]};
+        double v = (double)x[offset_in(x_layout, q)];
+        sum += v;
+        sum_sq += v * v;
+    }
+    block_sum2(sum, sum_sq);
+    if (threadIdx.x == 0) {
+        i64 channels = tile.ext[1];
+        out[c_local] = (double)per_channel;
+        out[channels + c_local] = sum;
+        out[2 * channels + c_local] = sum_sq;
+    }
+}
+
+// y = (x − mean)·(γ·invstd) + β, then max(·, 0) when `relu`; mean and γ·invstd rounded to f32 as
+// the CPU's Affine.
+extern "C" __global__ void bn_normalize(const float* x, Box4 x_layout, float* y, Box4 tile,
+                                        const double* moments, i64 m_lo, i64 m_channels,
+                                        const float* gamma, i64 gamma_lo, const float* beta,
+                                        i64 beta_lo, float eps, int relu, i64 n, int packed) {
+    GRID_STRIDE(i, n) {
+        i64 c = channel_of(tile, i);
+        Stats s = stats_of(moments, m_lo, m_channels, c, eps);
+        float mean = (float)s.mean;
+        float scale = (float)((double)gamma[c - gamma_lo] * s.inv_std);
+        float z = (x[at(x_layout, tile, i, packed)] - mean) * scale + beta[c - beta_lo];
+        y[i] = (relu && z < 0.0f) ? 0.0f : z;
+    }
+}
+
+// running = (1 − momentum)·running + momentum·batch in f64, the unbiased variance for running_var
+// (the biased one with a single element per channel). One thread per channel of the moments.
+extern "C" __global__ void bn_running(const double* moments, i64 m_lo, i64 m_channels,
+                                      float* running_mean, i64 mean_lo, float* running_var,
+                                      i64 var_lo, float momentum) {
+    GRID_STRIDE(j, m_channels) {
+        i64 c = m_lo + j;
+        Stats s = stats_of(moments, m_lo, m_channels, c, 0.0f);
+        double m = (double)momentum;
+        double bessel = s.count > 1.0 ? s.count / (s.count - 1.0) : 1.0;
+        float* rm = running_mean + (c - mean_lo);
+        float* rv = running_var + (c - var_lo);
+        *rm = (float)((1.0 - m) * (double)*rm + m * s.mean);
+        *rv = (float)((1.0 - m) * (double)*rv + m * (s.var * bessel));
+    }
+}
+
+// Σdy and Σdy·x̂ per channel of the tile (dy masked by y > 0 when `y` is given: the fused ReLU),
+// into out ([3, C] over the tile's channels), and the tile's dγ = Σdy·x̂, dβ = Σdy. One block per
+// channel.
+extern "C" __global__ void bn_grad_sums(const float* x, Box4 x_layout, const float* y,
+                                        Box4 y_layout, const float* dy, Box4 dy_layout, Box4 tile,
+                                        const double* moments, i64 m_lo, i64 m_channels, float eps,
+                                        float* dgamma, i64 dgamma_lo, float* dbeta, i64 dbeta_lo,
+                                        double* out) {
+    i64 c_local = blockIdx.x;
+    i64 c = tile.lo[1] + c_local;
+    Stats s = stats_of(moments, m_lo, m_channels, c, eps);
+    i64 plane = tile.ext[2] * tile.ext[3];
+    i64 per_channel = tile.ext[0] * plane;
+    double sum_dy = 0.0, sum_dy_centered = 0.0;
+    for (i64 j = threadIdx.x; j < per_channel; j += blockDim.x) {
+        i64 sp = j % plane;
+        i64 q[4] = {tile.lo[0] + j / plane, c, tile.lo[2] + sp / tile.ext[3],
+                    tile.lo[3] + sp % tile.ext[3]};
+        float g = dy[offset_in(dy_layout, q)];
+        if (y && !(y[offset_in(y_layout, q)] > 0.0f)) g = 0.0f;
+        double gd = (double)g;
+        sum_dy += gd;
+        sum_dy_centered += gd * ((double)x[offset_in(x_layout, q)] - s.mean);
+    }
+    block_sum2(sum_dy, sum_dy_centered);
+    if (threadIdx.x == 0) {
+        i64 channels = tile.ext[1];
+        double sum_dy_xhat = sum_dy_centered * s.inv_std;
+        out[c_local] = (double)per_channel;
+        out[channels + c_local] = sum_dy;
+        out[2 * channels + c_local] = sum_dy_xhat;
+        dgamma[c - dgamma_lo] = (float)sum_dy_xhat;
+        dbeta[c - dbeta_lo] = (float)sum_dy;
+    }
+}
+
+// dx = γ·invstd·(dy − Σdy/M − x̂·Σ(dy·x̂)/M) over the tile, with the CPU's f32 coefficients
+// (InputGrad); dy masked by y > 0 when `y` is given.
+extern "C" __global__ void bn_input_grad(const float* x, Box4 x_layout, const float* y,
+                                         Box4 y_layout, const float* dy, Box4 dy_layout,
+                                         float* dx, Box4 tile, const double* moments, i64 m_lo,
+                                         i64 m_channels, const float* gamma, i64 gamma_lo,
+                                         const double* sums, i64 s_lo, i64 s_channels, float eps,
+                                         i64 n, int packed) {
+    GRID_STRIDE(i, n) {
+        i64 c = channel_of(tile, i);
+        Stats s = stats_of(moments, m_lo, m_channels, c, eps);
+        i64 k = c - s_lo;
+        double count = sums[0];
+        float mean = (float)s.mean;
+        float inv_std = (float)s.inv_std;
+        float scale = (float)((double)gamma[c - gamma_lo] * s.inv_std);
+        float mean_dy = (float)(sums[s_channels + k] / count);
+        float mean_dy_xhat = (float)(sums[2 * s_channels + k] / count);
+        float g = dy[at(dy_layout, tile, i, packed)];
+        if (y && !(y[at(y_layout, tile, i, packed)] > 0.0f)) g = 0.0f;
+        float xhat = (x[at(x_layout, tile, i, packed)] - mean) * inv_std;
+        dx[i] = scale * (g - mean_dy - xhat * mean_dy_xhat);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SGD with momentum, element-wise: d = g + wd·w; v = μ·v + d; w −= lr·v (train::Sgd::update).
+
+extern "C" __global__ void sgd_update(const float* grad, float* w, float* velocity, i64 n,
+                                      float lr, float momentum, float weight_decay) {
+    GRID_STRIDE(i, n) {
+        float d = grad[i] + weight_decay * w[i];
+        float v = momentum * velocity[i] + d;
+        velocity[i] = v;
+        w[i] = w[i] - lr * v;
+    }
+}

@@ -1,0 +1,23 @@
+//! The CUDA backend of legion-rs.
+//!
+//! - [`probe`]: what CUDA this process can use, found at run time without ever panicking.
+//! - [`Cuda`]: `legion_ops::backend::Backend` on one GPU: convolutions through cuDNN, dense layers
+//!   through cuBLAS SGEMM, everything else through the CUDA C++ kernels of `kernels.cu`, compiled
+//!   once per process by NVRTC ([`kernels`]).
+//!
+//! Every library is opened at run time (cudarc's `dynamic-loading`), so this crate builds and its
+//! tests pass on machines without CUDA; the tests that need a GPU print why they skipped.
+//!
+//! Arithmetic is strict FP32, as on the CPU backend: no fast math, no TF32 (cuBLAS default math,
+//! cuDNN FMA math), no FMA contraction in the kernels (`--fmad=false`), so that the element-wise
+//! kernels reproduce the CPU's results bit for bit and GEMMs and convolutions differ only by the
+//! order of their sums.
+
+mod backend;
+mod conv;
+mod dense;
+pub mod kernels;
+pub mod probe;
+
+pub use backend::{Buffer, Cuda, PendingLoss, StartError, Stream};
+pub use probe::{CudaDevice, ProbeError, probe};

@@ -1,0 +1,1047 @@
+//! The CUDA kernels compiled for the host by its C++ compiler, with the CUDA built-ins emulated
+//! one thread at a time, against the CPU kernels: every kernel's indexing, window arithmetic,
+//! statistics and rounding checked on any machine with a C++ compiler, no GPU needed. Most checks
+//! are exact, since the kernels round as the CPU does.
+//!
+//! What this cannot check is the parallel part: reductions run with one thread per block and
+//! warps of one lane, so the strided loops and the shuffle trees run only on a GPU
+//! (`gpu_kernels.rs`). Without a C++ compiler the test prints `skipped: <reason>` and passed.
+
+#![allow(clippy::too_many_arguments)]
+use legion_ops::backend::cpu::{Buffer, Cpu, CpuStream};
+use legion_ops::backend::{Backend, In, Out};
+use legion_ops::kernels::dropout::DropoutMask;
+use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind};
+use legion_ops::rng::{self, Rng};
+use legion_ops::shape::{Rect, Shape, copy_rect};
+use legion_ops::train::Sgd;
+use libloading::{Library, Symbol};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Debug)]
+struct Box4 {
+    lo: [i64; 4],
+    ext: [i64; 4],
+}
+fn box4(r: &Rect) -> Box4 {
+    let mut b = Box4 {
+        lo: [0; 4],
+        ext: [1; 4],
+    };
+    for a in 0..4 {
+        b.lo[a] = r.lo[a] as i64;
+        b.ext[a] = r.hi[a].saturating_sub(r.lo[a]) as i64;
+    }
+    b
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Pool {
+    kernel: [i64; 2],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    in_size: [i64; 2],
+    is_max: i32,
+    inv_area: f32,
+}
+
+/// The kernels compiled for the host, and their launch: every (block, thread) in turn.
+struct Emu {
+    lib: Library,
+}
+type SetFn = unsafe extern "C" fn(u32, u32, u32, u32);
+
+impl Emu {
+    fn sym<T>(&self, name: &str) -> Symbol<'_, T> {
+        unsafe { self.lib.get(name.as_bytes()).unwrap() }
+    }
+    fn launch(&self, grid: u32, block: u32, mut f: impl FnMut()) {
+        let set: Symbol<SetFn> = self.sym("emu_set");
+        for b in 0..grid {
+            for t in 0..block {
+                unsafe { set(b, block, grid, t) };
+                f();
+            }
+        }
+    }
+}
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()
+}
+
+/// Checks so far: how many passed, and a line per failure.
+struct Report {
+    failures: Vec<String>,
+    passed: usize,
+}
+impl Report {
+    fn check(&mut self, name: &str, a: &[f32], b: &[f32], tol: f32) {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        let diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| {
+                if x.is_nan() && y.is_nan() {
+                    0.0
+                } else {
+                    (x - y).abs()
+                }
+            })
+            .fold(0f32, |m, v| {
+                if v.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(v)
+                }
+            });
+        if a.len() != b.len() || (diff / scale).is_nan() || diff / scale > tol {
+            self.failures.push(format!(
+                "{name}: rel {} (len {} vs {})",
+                diff / scale,
+                a.len(),
+                b.len()
+            ));
+        } else {
+            self.passed += 1;
+        }
+    }
+    fn check_f64(&mut self, name: &str, a: &[f64], b: &[f64], tol: f64) {
+        let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-300);
+        let diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f64, f64::max);
+        if a.len() != b.len() || (diff / scale).is_nan() || diff / scale > tol {
+            self.failures
+                .push(format!("{name}: rel {} a={a:?} b={b:?}", diff / scale));
+        } else {
+            self.passed += 1;
+        }
+    }
+}
+
+const NULL: *const f32 = std::ptr::null();
+
+/// The CUDA built-ins the kernels use, for one host thread at a time. With a warp of one lane
+/// every shuffle loop is empty and a block reduction is its one thread's sum.
+const PRELUDE: &str = r#"
+#pragma once
+#include <math.h>
+#include <string.h>
+struct uint3 { unsigned x, y, z; };
+extern "C" { extern uint3 threadIdx, blockIdx, blockDim, gridDim; }
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __syncthreads() do {} while (0)
+#define WARP 1
+template <class T> T __shfl_down_sync(unsigned, T v, int) { return v; }
+template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
+inline float __int_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+"#;
+
+const LAUNCH: &str = r#"
+extern "C" {
+uint3 threadIdx, blockIdx, blockDim, gridDim;
+void emu_set(unsigned block, unsigned block_dim, unsigned grid_dim, unsigned thread) {
+    blockIdx.x = block; blockDim.x = block_dim; gridDim.x = grid_dim; threadIdx.x = thread;
+}
+}
+"#;
+
+/// Compiles kernels.cu with the host's C++ compiler into a shared library, or says why not.
+fn compile(dir: &Path) -> Result<PathBuf, String> {
+    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    let prelude = dir.join("prelude.h");
+    std::fs::write(&prelude, PRELUDE).map_err(|e| e.to_string())?;
+    let launch = dir.join("launch.cpp");
+    std::fs::write(&launch, LAUNCH).map_err(|e| e.to_string())?;
+    let kernels = dir.join("kernels.cpp");
+    std::fs::write(&kernels, legion_cuda::kernels::SOURCE).map_err(|e| e.to_string())?;
+    let library = dir.join("libkernels.so");
+    // -ffp-contract=off: no fused multiply-adds, as NVRTC's --fmad=false
+    let output = Command::new(&compiler)
+        .args(["-O1", "-shared", "-fPIC", "-ffp-contract=off", "-include"])
+        .arg(&prelude)
+        .arg(&launch)
+        .arg(&kernels)
+        .arg("-o")
+        .arg(&library)
+        .output()
+        .map_err(|e| format!("no C++ compiler ({compiler}: {e})"))?;
+    if !output.status.success() {
+        return Err(format!(
+            "{compiler} failed on the kernels:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(library)
+}
+
+#[test]
+fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
+    let dir = tempfile::tempdir().unwrap();
+    let library = match compile(dir.path()) {
+        Ok(library) => library,
+        Err(reason) if reason.starts_with("no C++ compiler") => {
+            println!("skipped: {reason}");
+            return;
+        }
+        Err(reason) => panic!("{reason}"),
+    };
+    // SAFETY: a library built just now from our own source; loading runs no initialisers of note.
+    let emu = Emu {
+        lib: unsafe { Library::new(&library).unwrap() },
+    };
+    let mut report = Report {
+        failures: vec![],
+        passed: 0,
+    };
+
+    // ---- copy region
+    {
+        type F = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Box4, i64);
+        let f: Symbol<F> = emu.sym("copy_region_f32");
+        let src_rect = Shape::nchw(2, 3, 5, 7).full_rect();
+        let dst_rect = Rect::new(&[1, 0, 1, 2], &[2, 3, 5, 7]);
+        let region = Rect::new(&[1, 1, 2, 2], &[2, 3, 4, 6]);
+        let src = random(src_rect.volume(), 1);
+        let mut want = vec![-1.0; dst_rect.volume()];
+        copy_rect(&src, &src_rect, &mut want, &dst_rect, &region);
+        let mut got = vec![-1.0; dst_rect.volume()];
+        let n = region.volume() as i64;
+        emu.launch(1, 1, || unsafe {
+            f(
+                src.as_ptr(),
+                box4(&src_rect),
+                got.as_mut_ptr(),
+                box4(&dst_rect),
+                box4(&region),
+                n,
+            )
+        });
+        report.check("copy_region", &got, &want, 0.0);
+    }
+
+    // ---- element-wise
+    let shape = Shape::nchw(2, 3, 5, 7);
+    let full = shape.full_rect();
+    let inner = Rect::new(&[0, 1, 1, 2], &[2, 3, 4, 6]);
+    let nc = Shape::nc(4, 10).full_rect();
+    let nc_tile = Rect::new(&[1, 3], &[3, 9]);
+    for (what, view, tile) in [
+        ("whole", full, full),
+        ("inner", full, inner),
+        ("nc", nc, nc_tile),
+    ] {
+        let x = Buffer::F32(random(view.volume(), 2));
+        let dy = Buffer::F32(random(view.volume(), 3));
+        let n = tile.volume() as i64;
+        let packed = (box4(&view) == box4(&tile)) as i32;
+        type U = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, i64, i32);
+        type B = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Box4, i64, i32);
+        for name in ["relu_forward", "sigmoid_forward"] {
+            let f: Symbol<U> = emu.sym(name);
+            let mut want = Buffer::F32(vec![0.0; tile.volume()]);
+            let o = Out {
+                rect: tile,
+                mem: &mut want,
+            };
+            let i = In {
+                rect: view,
+                mem: &x,
+            };
+            if name == "relu_forward" {
+                Cpu.relu_forward(&mut CpuStream, i, o)
+            } else {
+                Cpu.sigmoid_forward(&mut CpuStream, i, o)
+            }
+            let mut got = vec![0.0; tile.volume()];
+            emu.launch(1, 1, || unsafe {
+                f(
+                    x.f32().as_ptr(),
+                    box4(&view),
+                    got.as_mut_ptr(),
+                    box4(&tile),
+                    n,
+                    packed,
+                )
+            });
+            report.check(&format!("{name} {what}"), &got, want.f32(), 1e-6);
+        }
+        for name in ["relu_backward", "sigmoid_backward", "add_forward"] {
+            let f: Symbol<B> = emu.sym(name);
+            let mut want = Buffer::F32(vec![0.0; tile.volume()]);
+            let o = Out {
+                rect: tile,
+                mem: &mut want,
+            };
+            let (a, b) = (
+                In {
+                    rect: view,
+                    mem: &x,
+                },
+                In {
+                    rect: view,
+                    mem: &dy,
+                },
+            );
+            match name {
+                "relu_backward" => Cpu.relu_backward(&mut CpuStream, a, b, o),
+                "sigmoid_backward" => Cpu.sigmoid_backward(&mut CpuStream, a, b, o),
+                _ => Cpu.add_forward(&mut CpuStream, a, b, o),
+            }
+            let mut got = vec![0.0; tile.volume()];
+            emu.launch(1, 1, || unsafe {
+                f(
+                    x.f32().as_ptr(),
+                    box4(&view),
+                    dy.f32().as_ptr(),
+                    box4(&view),
+                    got.as_mut_ptr(),
+                    box4(&tile),
+                    n,
+                    packed,
+                )
+            });
+            report.check(&format!("{name} {what}"), &got, want.f32(), 0.0);
+        }
+        // dropout
+        {
+            type D =
+                unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Box4, u64, f32, f32, i64);
+            let f: Symbol<D> = emu.sym("dropout_apply");
+            let tshape = if view.ndim() == 4 {
+                shape
+            } else {
+                Shape::nc(4, 10)
+            };
+            let mask = DropoutMask {
+                rate: 0.3,
+                seed: 42,
+                step: 7,
+                layer_salt: 3,
+                shape: tshape,
+            };
+            let mut want = Buffer::F32(vec![0.0; tile.volume()]);
+            Cpu.dropout_forward(
+                &mut CpuStream,
+                &mask,
+                In {
+                    rect: view,
+                    mem: &x,
+                },
+                Out {
+                    rect: tile,
+                    mem: &mut want,
+                },
+            );
+            let key = rng::hash(&[42, 7, 3]);
+            let mut got = vec![0.0; tile.volume()];
+            emu.launch(1, 1, || unsafe {
+                f(
+                    x.f32().as_ptr(),
+                    box4(&view),
+                    got.as_mut_ptr(),
+                    box4(&tile),
+                    box4(&tshape.full_rect()),
+                    key,
+                    0.3,
+                    mask.keep_scale(),
+                    n,
+                )
+            });
+            report.check(&format!("dropout {what}"), &got, want.f32(), 0.0);
+        }
+        // bias activation + channel sum
+        {
+            type BA = unsafe extern "C" fn(*mut f32, Box4, *const f32, i64, i32, i64);
+            let f: Symbol<BA> = emu.sym("bias_activation");
+            let c0 = tile.lo[1];
+            let bias = random(10, 5);
+            let mut y = random(tile.volume(), 6);
+            let mut want = y.clone();
+            let plane: usize = (2..tile.ndim()).map(|a| tile.extent(a)).product();
+            for (i, v) in want.iter_mut().enumerate() {
+                let c = tile.lo[1] + (i / plane) % tile.extent(1);
+                let z = *v + bias[c + 1 - c0];
+                *v = if z < 0.0 { 0.0 } else { z };
+            }
+            emu.launch(1, 1, || unsafe {
+                f(
+                    y.as_mut_ptr(),
+                    box4(&tile),
+                    bias.as_ptr(),
+                    c0 as i64 - 1,
+                    1,
+                    n,
+                )
+            });
+            report.check(&format!("bias_activation {what}"), &y, &want, 0.0);
+
+            type CS = unsafe extern "C" fn(*const f32, Box4, *mut f32, i64);
+            let f: Symbol<CS> = emu.sym("channel_sum");
+            let dz = random(tile.volume(), 7);
+            let mut want = vec![-3.0f32; 12];
+            let mut sums = vec![0f64; tile.extent(1)];
+            for (i, v) in dz.iter().enumerate() {
+                sums[(i / plane) % tile.extent(1)] += *v as f64;
+            }
+            for (k, s) in sums.iter().enumerate() {
+                want[tile.lo[1] + k - c0 + 2] = *s as f32;
+            }
+            let mut got = vec![-3.0f32; 12];
+            emu.launch(tile.extent(1) as u32, 1, || unsafe {
+                f(dz.as_ptr(), box4(&tile), got.as_mut_ptr(), c0 as i64 - 2)
+            });
+            report.check(&format!("channel_sum {what}"), &got, &want, 1e-6);
+        }
+    }
+
+    // ---- pooling
+    {
+        type PF = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Pool, i64);
+        type PB = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Pool, i64);
+        let pf: Symbol<PF> = emu.sym("pool2d_forward");
+        let pb: Symbol<PB> = emu.sym("pool2d_backward");
+        let in_shape = Shape::nchw(2, 3, 11, 9);
+        let ops = [
+            Pool2d::max(3).stride(2).padding(1),
+            Pool2d::avg(3).stride(2).padding(1),
+            Pool2d::max(2),
+            Pool2d::avg(2),
+            Pool2d::max(3).stride(1).padding(1),
+            Pool2d::avg(5).stride(3).padding(2),
+        ];
+        for (i, op) in ops.iter().enumerate() {
+            let out = op.infer_shape(&[in_shape]).unwrap();
+            let oh = out.dim(2);
+            let tiles = [
+                (out.full_rect(), None),
+                (out.full_rect().with_axis(2, 0, oh / 2), None),
+                (out.full_rect().with_axis(2, oh / 2, oh), None),
+                (
+                    out.full_rect()
+                        .with_axis(1, 1, 3)
+                        .with_axis(3, 1, out.dim(3)),
+                    None,
+                ),
+                (
+                    out.full_rect().with_axis(0, 1, 2),
+                    Some(in_shape.full_rect()),
+                ),
+            ];
+            for (j, (tile, view)) in tiles.into_iter().enumerate() {
+                let view = view.unwrap_or_else(|| op.project(&[in_shape], &tile)[0]);
+                let x = Buffer::F32(random(view.volume(), 100 + 10 * i as u64 + j as u64));
+                let dy = Buffer::F32(random(tile.volume(), 200 + 10 * i as u64 + j as u64));
+                let mut y = Buffer::F32(vec![0.0; tile.volume()]);
+                Cpu.pool2d_forward(
+                    &mut CpuStream,
+                    op,
+                    in_shape,
+                    In {
+                        rect: view,
+                        mem: &x,
+                    },
+                    Out {
+                        rect: tile,
+                        mem: &mut y,
+                    },
+                );
+                let mut dx = Buffer::F32(vec![0.0; view.volume()]);
+                Cpu.pool2d_backward(
+                    &mut CpuStream,
+                    op,
+                    in_shape,
+                    In {
+                        rect: view,
+                        mem: &x,
+                    },
+                    In {
+                        rect: tile,
+                        mem: &dy,
+                    },
+                    Out {
+                        rect: view,
+                        mem: &mut dx,
+                    },
+                );
+                let pool = Pool {
+                    kernel: op.kernel.map(|k| k as i64),
+                    stride: op.stride.map(|k| k as i64),
+                    padding: op.padding.map(|k| k as i64),
+                    in_size: [11, 9],
+                    is_max: matches!(op.kind, PoolKind::Max) as i32,
+                    inv_area: 1.0 / (op.kernel[0] * op.kernel[1]) as f32,
+                };
+                let mut gy = vec![0.0; tile.volume()];
+                let n = tile.volume() as i64;
+                emu.launch(1, 1, || unsafe {
+                    pf(
+                        x.f32().as_ptr(),
+                        box4(&view),
+                        gy.as_mut_ptr(),
+                        box4(&tile),
+                        pool,
+                        n,
+                    )
+                });
+                report.check(&format!("pool fwd {i} tile {j}"), &gy, y.f32(), 0.0);
+                let mut gdx = vec![-5.0; view.volume()];
+                let n = view.volume() as i64;
+                emu.launch(1, 1, || unsafe {
+                    pb(
+                        x.f32().as_ptr(),
+                        box4(&view),
+                        dy.f32().as_ptr(),
+                        box4(&tile),
+                        gdx.as_mut_ptr(),
+                        pool,
+                        n,
+                    )
+                });
+                report.check(&format!("pool bwd {i} tile {j}"), &gdx, dx.f32(), 0.0);
+            }
+        }
+    }
+
+    // ---- softmax
+    {
+        type R =
+            unsafe extern "C" fn(*const f32, i64, i64, *const u32, i64, i64, *mut f32, *mut u32);
+        type T = unsafe extern "C" fn(*const f32, *const u32, i64, *mut f64);
+        type BW = unsafe extern "C" fn(*const f32, i64, i64, *const u32, i64, i64, f32, *mut f32);
+        let rows_k: Symbol<R> = emu.sym("softmax_ce_rows");
+        let totals_k: Symbol<T> = emu.sym("loss_totals");
+        let bw_k: Symbol<BW> = emu.sym("softmax_ce_backward");
+        for (n, classes, (r0, r1)) in [
+            (6usize, 10usize, (0usize, 6usize)),
+            (6, 37, (2, 5)),
+            (33, 1000, (0, 33)),
+            (5, 3, (4, 5)),
+        ] {
+            let logits_rect = Shape::nc(n, classes).full_rect().with_axis(0, r0, r1);
+            let logits = Buffer::F32(
+                random(logits_rect.volume(), 300 + classes as u64)
+                    .iter()
+                    .map(|v| v * 20.0)
+                    .collect(),
+            );
+            let labels: Vec<u32> = (r0..r1).map(|r| ((r * 7 + 3) % classes) as u32).collect();
+            let rows = r1 - r0;
+            let mut loss = Buffer::F32(vec![0.0; rows]);
+            let sums = Cpu
+                .softmax_ce_forward(
+                    &mut CpuStream,
+                    In {
+                        rect: logits_rect,
+                        mem: &logits,
+                    },
+                    &labels,
+                    Out {
+                        rect: Rect::new(&[r0, 0], &[r1, 1]),
+                        mem: &mut loss,
+                    },
+                )
+                .unwrap();
+            let scale = 1.0 / n as f32;
+            let mut dl = Buffer::F32(vec![0.0; rows * classes]);
+            Cpu.softmax_ce_backward(
+                &mut CpuStream,
+                In {
+                    rect: logits_rect,
+                    mem: &logits,
+                },
+                &labels,
+                scale,
+                Out {
+                    rect: Rect::new(&[r0, 0], &[r1, classes]),
+                    mem: &mut dl,
+                },
+            )
+            .unwrap();
+            let mut gl = vec![0.0f32; rows];
+            let mut correct = vec![0u32; rows];
+            let blocks = rows.div_ceil(8) as u32;
+            emu.launch(blocks, 8, || unsafe {
+                rows_k(
+                    logits.f32().as_ptr(),
+                    r0 as i64,
+                    classes as i64,
+                    labels.as_ptr(),
+                    r0 as i64,
+                    rows as i64,
+                    gl.as_mut_ptr(),
+                    correct.as_mut_ptr(),
+                )
+            });
+            let mut tot = vec![0f64; 2];
+            emu.launch(1, 1, || unsafe {
+                totals_k(gl.as_ptr(), correct.as_ptr(), rows as i64, tot.as_mut_ptr())
+            });
+            report.check(
+                &format!("softmax loss {n}x{classes}"),
+                &gl,
+                loss.f32(),
+                1e-6,
+            );
+            report.check_f64(
+                &format!("softmax totals {n}x{classes}"),
+                &tot,
+                &[sums.loss_sum, sums.correct as f64],
+                1e-6,
+            );
+            let mut gdl = vec![0.0f32; rows * classes];
+            emu.launch(blocks, 8, || unsafe {
+                bw_k(
+                    logits.f32().as_ptr(),
+                    r0 as i64,
+                    classes as i64,
+                    labels.as_ptr(),
+                    r0 as i64,
+                    rows as i64,
+                    scale,
+                    gdl.as_mut_ptr(),
+                )
+            });
+            report.check(&format!("softmax bwd {n}x{classes}"), &gdl, dl.f32(), 1e-6);
+        }
+    }
+
+    // ---- batch norm
+    {
+        type M = unsafe extern "C" fn(*const f32, Box4, Box4, *mut f64);
+        type N = unsafe extern "C" fn(
+            *const f32,
+            Box4,
+            *mut f32,
+            Box4,
+            *const f64,
+            i64,
+            i64,
+            *const f32,
+            i64,
+            *const f32,
+            i64,
+            f32,
+            i32,
+            i64,
+            i32,
+        );
+        type RN = unsafe extern "C" fn(*const f64, i64, i64, *mut f32, i64, *mut f32, i64, f32);
+        type GS = unsafe extern "C" fn(
+            *const f32,
+            Box4,
+            *const f32,
+            Box4,
+            *const f32,
+            Box4,
+            Box4,
+            *const f64,
+            i64,
+            i64,
+            f32,
+            *mut f32,
+            i64,
+            *mut f32,
+            i64,
+            *mut f64,
+        );
+        type IG = unsafe extern "C" fn(
+            *const f32,
+            Box4,
+            *const f32,
+            Box4,
+            *const f32,
+            Box4,
+            *mut f32,
+            Box4,
+            *const f64,
+            i64,
+            i64,
+            *const f32,
+            i64,
+            *const f64,
+            i64,
+            i64,
+            f32,
+            i64,
+            i32,
+        );
+        let mk: Symbol<M> = emu.sym("bn_moments");
+        let nk: Symbol<N> = emu.sym("bn_normalize");
+        let rk: Symbol<RN> = emu.sym("bn_running");
+        let gk: Symbol<GS> = emu.sym("bn_grad_sums");
+        let ik: Symbol<IG> = emu.sym("bn_input_grad");
+        let shape = Shape::nchw(4, 3, 5, 6);
+        let full = shape.full_rect();
+        let nc = Shape::nc(8, 6);
+        let cases = [
+            (shape, full, (0usize, 3usize)),
+            (shape, full.with_axis(0, 1, 3), (0, 3)),
+            (shape, full.with_axis(1, 1, 3), (1, 3)),
+            (shape, full.with_axis(1, 2, 3), (1, 3)),
+            (shape, full.with_axis(2, 2, 5), (0, 3)),
+            (shape, Rect::new(&[1, 1, 0, 3], &[4, 3, 5, 6]), (1, 3)),
+            (nc, nc.full_rect(), (0, 6)),
+            (nc, Rect::new(&[2, 1], &[7, 4]), (0, 6)),
+        ];
+        for (ci, (shape, tile, (g0, g1))) in cases.into_iter().enumerate() {
+            for relu in [false, true] {
+                let op = BatchNorm {
+                    relu,
+                    ..BatchNorm::default()
+                };
+                let fullr = shape.full_rect();
+                let c = shape.dim(1);
+                let x = Buffer::F32(random(fullr.volume(), 400 + ci as u64));
+                let srect = |a: usize, b: usize| Rect::new(&[0, a], &[3, b]);
+                let ch = |a: usize, b: usize| Rect::new(&[a], &[b]);
+                // moments of the tile
+                let tc = tile.extent(1);
+                let mut want_m = Buffer::F64(vec![0.0; 3 * tc]);
+                Cpu.bn_moments(
+                    &mut CpuStream,
+                    In {
+                        rect: fullr,
+                        mem: &x,
+                    },
+                    &tile,
+                    Out {
+                        rect: srect(tile.lo[1], tile.hi[1]),
+                        mem: &mut want_m,
+                    },
+                );
+                let mut got_m = vec![0f64; 3 * tc];
+                emu.launch(tc as u32, 1, || unsafe {
+                    mk(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        box4(&tile),
+                        got_m.as_mut_ptr(),
+                    )
+                });
+                report.check_f64(&format!("bn moments {ci}"), &got_m, want_m.f64(), 1e-12);
+                // whole-group moments
+                let group = fullr.with_axis(1, g0, g1);
+                let mut m = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
+                Cpu.bn_moments(
+                    &mut CpuStream,
+                    In {
+                        rect: fullr,
+                        mem: &x,
+                    },
+                    &group,
+                    Out {
+                        rect: srect(g0, g1),
+                        mem: &mut m,
+                    },
+                );
+                let gamma = Buffer::F32(random(c, 500).iter().map(|v| v + 1.5).collect());
+                let beta = Buffer::F32(random(c, 501));
+                let mut want_y = Buffer::F32(vec![0.0; tile.volume()]);
+                let mi = In {
+                    rect: srect(g0, g1),
+                    mem: &m,
+                };
+                Cpu.bn_normalize(
+                    &mut CpuStream,
+                    &op,
+                    In {
+                        rect: fullr,
+                        mem: &x,
+                    },
+                    mi,
+                    In {
+                        rect: ch(0, c),
+                        mem: &gamma,
+                    },
+                    In {
+                        rect: ch(0, c),
+                        mem: &beta,
+                    },
+                    Out {
+                        rect: tile,
+                        mem: &mut want_y,
+                    },
+                );
+                let mut gy = vec![0f32; tile.volume()];
+                let n = tile.volume() as i64;
+                emu.launch(1, 1, || unsafe {
+                    nk(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        gy.as_mut_ptr(),
+                        box4(&tile),
+                        m.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        gamma.f32().as_ptr(),
+                        0,
+                        beta.f32().as_ptr(),
+                        0,
+                        op.eps,
+                        relu as i32,
+                        n,
+                        0,
+                    )
+                });
+                report.check(
+                    &format!("bn normalize {ci} relu {relu}"),
+                    &gy,
+                    want_y.f32(),
+                    0.0,
+                );
+                // running
+                let rm0 = random(c, 502);
+                let rv0: Vec<f32> = random(c, 503).iter().map(|v| v + 1.5).collect();
+                let (mut rm, mut rv) = (Buffer::F32(rm0.clone()), Buffer::F32(rv0.clone()));
+                Cpu.bn_running(
+                    &mut CpuStream,
+                    &op,
+                    mi,
+                    Out {
+                        rect: ch(0, c),
+                        mem: &mut rm,
+                    },
+                    Out {
+                        rect: ch(0, c),
+                        mem: &mut rv,
+                    },
+                );
+                let (mut grm, mut grv) = (rm0.clone(), rv0.clone());
+                emu.launch(1, 1, || unsafe {
+                    rk(
+                        m.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        grm.as_mut_ptr(),
+                        0,
+                        grv.as_mut_ptr(),
+                        0,
+                        op.momentum,
+                    )
+                });
+                report.check(&format!("bn running mean {ci}"), &grm, rm.f32(), 0.0);
+                report.check(&format!("bn running var {ci}"), &grv, rv.f32(), 0.0);
+                // y over the group, for the relu mask
+                let mut yg = Buffer::F32(vec![0.0; group.volume()]);
+                Cpu.bn_normalize(
+                    &mut CpuStream,
+                    &op,
+                    In {
+                        rect: fullr,
+                        mem: &x,
+                    },
+                    mi,
+                    In {
+                        rect: ch(0, c),
+                        mem: &gamma,
+                    },
+                    In {
+                        rect: ch(0, c),
+                        mem: &beta,
+                    },
+                    Out {
+                        rect: group,
+                        mem: &mut yg,
+                    },
+                );
+                let dy = Buffer::F32(random(fullr.volume(), 504));
+                let (mut dg, mut db) = (Buffer::F32(vec![-2.0; c]), Buffer::F32(vec![-2.0; c]));
+                let mut sums = Buffer::F64(vec![0.0; 3 * tc]);
+                let yin = relu.then_some(In {
+                    rect: group,
+                    mem: &yg,
+                });
+                Cpu.bn_grad_sums(
+                    &mut CpuStream,
+                    &op,
+                    In {
+                        rect: fullr,
+                        mem: &x,
+                    },
+                    yin,
+                    In {
+                        rect: fullr,
+                        mem: &dy,
+                    },
+                    mi,
+                    &tile,
+                    Out {
+                        rect: ch(0, c),
+                        mem: &mut dg,
+                    },
+                    Out {
+                        rect: ch(0, c),
+                        mem: &mut db,
+                    },
+                    Out {
+                        rect: srect(tile.lo[1], tile.hi[1]),
+                        mem: &mut sums,
+                    },
+                );
+                let (mut gdg, mut gdb) = (vec![-2.0f32; c], vec![-2.0f32; c]);
+                let mut gsums = vec![0f64; 3 * tc];
+                let yptr = if relu { yg.f32().as_ptr() } else { NULL };
+                emu.launch(tc as u32, 1, || unsafe {
+                    gk(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        yptr,
+                        box4(&group),
+                        dy.f32().as_ptr(),
+                        box4(&fullr),
+                        box4(&tile),
+                        m.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        op.eps,
+                        gdg.as_mut_ptr(),
+                        0,
+                        gdb.as_mut_ptr(),
+                        0,
+                        gsums.as_mut_ptr(),
+                    )
+                });
+                report.check(&format!("bn dgamma {ci} relu {relu}"), &gdg, dg.f32(), 1e-6);
+                report.check(&format!("bn dbeta {ci} relu {relu}"), &gdb, db.f32(), 1e-6);
+                report.check_f64(
+                    &format!("bn grad sums {ci} relu {relu}"),
+                    &gsums,
+                    sums.f64(),
+                    1e-10,
+                );
+                // input grad from whole-group sums
+                let mut gsum_group = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
+                let (mut t1, mut t2) = (Buffer::F32(vec![0.0; c]), Buffer::F32(vec![0.0; c]));
+                Cpu.bn_grad_sums(
+                    &mut CpuStream,
+                    &op,
+                    In {
+                        rect: fullr,
+                        mem: &x,
+                    },
+                    yin,
+                    In {
+                        rect: fullr,
+                        mem: &dy,
+                    },
+                    mi,
+                    &group,
+                    Out {
+                        rect: ch(0, c),
+                        mem: &mut t1,
+                    },
+                    Out {
+                        rect: ch(0, c),
+                        mem: &mut t2,
+                    },
+                    Out {
+                        rect: srect(g0, g1),
+                        mem: &mut gsum_group,
+                    },
+                );
+                let mut dx = Buffer::F32(vec![0.0; tile.volume()]);
+                Cpu.bn_input_grad(
+                    &mut CpuStream,
+                    &op,
+                    In {
+                        rect: fullr,
+                        mem: &x,
+                    },
+                    yin,
+                    In {
+                        rect: fullr,
+                        mem: &dy,
+                    },
+                    mi,
+                    In {
+                        rect: ch(0, c),
+                        mem: &gamma,
+                    },
+                    In {
+                        rect: srect(g0, g1),
+                        mem: &gsum_group,
+                    },
+                    Out {
+                        rect: tile,
+                        mem: &mut dx,
+                    },
+                );
+                let mut gdx = vec![0f32; tile.volume()];
+                emu.launch(1, 1, || unsafe {
+                    ik(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        yptr,
+                        box4(&group),
+                        dy.f32().as_ptr(),
+                        box4(&fullr),
+                        gdx.as_mut_ptr(),
+                        box4(&tile),
+                        m.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        gamma.f32().as_ptr(),
+                        0,
+                        gsum_group.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        op.eps,
+                        n,
+                        0,
+                    )
+                });
+                report.check(
+                    &format!("bn input grad {ci} relu {relu}"),
+                    &gdx,
+                    dx.f32(),
+                    0.0,
+                );
+            }
+        }
+    }
+
+    // ---- sgd
+    {
+        type S = unsafe extern "C" fn(*const f32, *mut f32, *mut f32, i64, f32, f32, f32);
+        let f: Symbol<S> = emu.sym("sgd_update");
+        let g = random(1000, 600);
+        let w0 = random(1000, 601);
+        let v0 = random(1000, 602);
+        let sgd = Sgd::default();
+        let (mut w, mut v) = (w0.clone(), v0.clone());
+        sgd.update(&mut w, &g, &mut v);
+        let (mut gw, mut gv) = (w0.clone(), v0.clone());
+        emu.launch(1, 1, || unsafe {
+            f(
+                g.as_ptr(),
+                gw.as_mut_ptr(),
+                gv.as_mut_ptr(),
+                1000,
+                sgd.lr,
+                sgd.momentum,
+                sgd.weight_decay,
+            )
+        });
+        report.check("sgd w", &gw, &w, 0.0);
+        report.check("sgd v", &gv, &v, 0.0);
+    }
+
+    println!("{} checks passed", report.passed);
+    assert!(
+        report.failures.is_empty(),
+        "{} failing checks:\n{}",
+        report.failures.len(),
+        report.failures.join("\n")
+    );
+}
