@@ -54,7 +54,7 @@ pub trait Engine {
     fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)>;
 
     /// Weights, momentum and step as they are now (what a checkpoint saves).
-    fn state(&self) -> anyhow::Result<TrainingState>;
+    fn state(&mut self) -> anyhow::Result<TrainingState>;
 
     /// The step plan the devices replay, where there are devices.
     fn plan(&self) -> Option<&StepPlan>;
@@ -97,8 +97,8 @@ impl Engine for Trainer {
         ))
     }
 
-    fn state(&self) -> anyhow::Result<TrainingState> {
-        Ok(Trainer::state(self))
+    fn state(&mut self) -> anyhow::Result<TrainingState> {
+        Ok(Trainer::state(self)?)
     }
 
     fn plan(&self) -> Option<&StepPlan> {
@@ -113,7 +113,7 @@ impl Engine for EmbeddedCluster {
         Ok((r.stats, r.reports))
     }
 
-    fn state(&self) -> anyhow::Result<TrainingState> {
+    fn state(&mut self) -> anyhow::Result<TrainingState> {
         Ok(EmbeddedCluster::state(self)?)
     }
 
@@ -128,7 +128,7 @@ impl Engine for RemoteCluster {
         Ok((r.stats, r.reports))
     }
 
-    fn state(&self) -> anyhow::Result<TrainingState> {
+    fn state(&mut self) -> anyhow::Result<TrainingState> {
         RemoteCluster::state(self)
     }
 

@@ -82,7 +82,7 @@ fn reference_run(graph: &Graph, init: &ParamStore) -> (ParamStore, Vec<f32>) {
             reference.step(&images, &labels).unwrap().loss
         })
         .collect();
-    (reference.params().clone(), losses)
+    (reference.params().unwrap(), losses)
 }
 
 /// How far each tensor of the reference moves when its initial weights are perturbed at the level

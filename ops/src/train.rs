@@ -6,7 +6,7 @@
 
 use crate::backend::cpu::{Buffer, Cpu, CpuStream};
 use crate::backend::{
-    Access, Backend, DType, KernelCall, KernelError, LossSums, Operand, Phase, Role, StepContext,
+    Access, Backend, DType, In, KernelCall, KernelError, Operand, Out, Phase, Role, StepContext,
 };
 use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
@@ -256,50 +256,109 @@ pub struct StepStats {
     pub correct: usize,
 }
 
-/// Trains a graph on one device.
-pub struct Trainer {
+/// Trains a graph on one device of any backend: the single-device reference every strategy is
+/// checked against (on the CPU), and the one-device run on a GPU.
+pub struct Trainer<B: Backend = Cpu> {
     graph: Graph,
-    params: ParamStore,
-    velocity: Vec<Vec<f32>>,
+    /// The graph's parameters and buffers, in `Graph::params` order.
+    params: Vec<GraphParam>,
+    /// Index of each layer's first parameter in `params`.
+    first: Vec<usize>,
+    backend: B,
+    stream: B::Stream,
+    /// Values of `params` on the device, and SGD momentum (zeros for buffers).
+    weights: Vec<B::Buffer>,
+    velocity: Vec<B::Buffer>,
     sgd: Sgd,
     seed: u64,
     step: u64,
 }
 
-impl Trainer {
-    pub fn new(graph: Graph, params: ParamStore, sgd: Sgd, seed: u64) -> Trainer {
+impl Trainer<Cpu> {
+    pub fn new(graph: Graph, params: ParamStore, sgd: Sgd, seed: u64) -> Trainer<Cpu> {
         let state = TrainingState::start(params);
         Trainer::resume(graph, state, sgd, seed)
     }
 
     /// Continues from a saved state: same weights, momentum and step count (dropout masks and
     /// data order depend on the step), so the run goes on as if it had never stopped.
-    pub fn resume(graph: Graph, state: TrainingState, sgd: Sgd, seed: u64) -> Trainer {
+    pub fn resume(graph: Graph, state: TrainingState, sgd: Sgd, seed: u64) -> Trainer<Cpu> {
+        // Host memory is the CPU's device memory: the values move in, uncopied.
+        let TrainingState {
+            params,
+            momentum,
+            step,
+        } = state;
         Trainer {
+            first: params.first,
+            params: params.params,
+            weights: params.values.into_iter().map(Buffer::F32).collect(),
+            velocity: momentum.into_iter().map(Buffer::F32).collect(),
             graph,
-            params: state.params,
-            velocity: state.momentum,
+            backend: Cpu,
+            stream: CpuStream,
+            sgd,
+            seed,
+            step,
+        }
+    }
+}
+
+impl<B: Backend> Trainer<B> {
+    /// Continues from `state` on `backend`'s device, its weights and momentum uploaded on `stream`.
+    pub fn resume_on(
+        backend: B,
+        mut stream: B::Stream,
+        graph: Graph,
+        state: TrainingState,
+        sgd: Sgd,
+        seed: u64,
+    ) -> Result<Trainer<B>, KernelError> {
+        let upload = |values: Vec<Vec<f32>>, stream: &mut B::Stream| {
+            values
+                .into_iter()
+                .map(|v| backend.upload(stream, &Buffer::F32(v)))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let weights = upload(state.params.values, &mut stream)?;
+        let velocity = upload(state.momentum, &mut stream)?;
+        Ok(Trainer {
+            graph,
+            params: state.params.params,
+            first: state.params.first,
+            backend,
+            stream,
+            weights,
+            velocity,
             sgd,
             seed,
             step: state.step,
-        }
+        })
     }
 
-    /// The state to checkpoint.
-    pub fn state(&self) -> TrainingState {
-        TrainingState {
-            params: self.params.clone(),
-            momentum: self.velocity.clone(),
+    /// The state to checkpoint (copied from the device).
+    pub fn state(&mut self) -> Result<TrainingState, KernelError> {
+        let params = self.params()?;
+        let momentum = download_all(&self.backend, &mut self.stream, &self.velocity)?;
+        Ok(TrainingState {
+            params,
+            momentum,
             step: self.step,
-        }
+        })
+    }
+
+    /// The parameters and buffers (copied from the device).
+    pub fn params(&mut self) -> Result<ParamStore, KernelError> {
+        let values = download_all(&self.backend, &mut self.stream, &self.weights)?;
+        Ok(ParamStore {
+            params: self.params.clone(),
+            values,
+            first: self.first.clone(),
+        })
     }
 
     pub fn graph(&self) -> &Graph {
         &self.graph
-    }
-
-    pub fn params(&self) -> &ParamStore {
-        &self.params
     }
 
     /// Steps taken so far.
@@ -307,70 +366,66 @@ impl Trainer {
         self.step
     }
 
-    /// One forward, backward and update on a batch of `graph.batch()` samples.
+    /// One forward, backward and update on a batch of `graph.batch()` samples (host memory).
     pub fn step(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, KernelError> {
-        // The values move into backend buffers for the step and back after it: no copies.
-        let mut params: Vec<Buffer> = std::mem::take(&mut self.params.values)
-            .into_iter()
-            .map(Buffer::F32)
-            .collect();
-        let mut velocity: Vec<Buffer> = std::mem::take(&mut self.velocity)
-            .into_iter()
-            .map(Buffer::F32)
-            .collect();
-        let result = self.step_on(&mut params, &mut velocity, images, labels);
-        self.params.values = params.into_iter().map(Buffer::into_f32).collect();
-        self.velocity = velocity.into_iter().map(Buffer::into_f32).collect();
-        let stats = result?;
-        self.step += 1;
-        Ok(stats)
-    }
-
-    fn step_on(
-        &self,
-        params: &mut [Buffer],
-        velocity: &mut [Buffer],
-        images: &[f32],
-        labels: &[u32],
-    ) -> Result<StepStats, KernelError> {
         let pass = Pass::new(
             &self.graph,
             &self.params,
+            &self.first,
             self.sgd,
             images,
             labels,
             self.seed,
             self.step,
         );
-        let (acts, stats, saved) = pass.forward(params)?;
-        let grads = pass.backward(params, &acts, &saved)?;
-        let mut stream = CpuStream;
+        let (b, stream) = (&self.backend, &mut self.stream);
+        let (acts, loss, saved) = pass.forward(b, stream, &mut self.weights)?;
+        let grads = pass.backward(b, stream, &self.weights, &acts, &saved)?;
         for (slot, grad) in grads.into_iter().enumerate() {
             let Some(grad) = grad else { continue };
-            let p = &self.params.params[slot];
+            let p = &self.params[slot];
             let rect = p.spec.shape.full_rect();
-            let param = (slot - self.params.slot(p.layer, 0)) as u8;
+            let param = (slot - self.first[p.layer.0]) as u8;
             let operands = vec![
                 read(Role::ParamGrad(param), rect, &grad),
-                write(Role::Param(param), rect, &mut params[slot]),
-                write(Role::Velocity(param), rect, &mut velocity[slot]),
+                write(Role::Param(param), rect, &mut self.weights[slot]),
+                write(Role::Velocity(param), rect, &mut self.velocity[slot]),
             ];
-            KernelCall::new(
-                &Cpu,
-                &mut stream,
-                &self.graph,
-                p.layer,
-                rect,
-                &pass.ctx,
-                operands,
-            )
-            .run(Phase::Update { param })?;
+            KernelCall::new(b, stream, &self.graph, p.layer, rect, &pass.ctx, operands)
+                .run(Phase::Update { param })?;
         }
+        b.synchronize(stream)?;
+        let stats = match loss {
+            Some((loss, samples)) => {
+                let sums = b.read_loss(loss);
+                StepStats {
+                    loss: (sums.loss_sum / samples as f64) as f32,
+                    correct: sums.correct,
+                }
+            }
+            None => StepStats {
+                loss: 0.0,
+                correct: 0,
+            },
+        };
+        self.step += 1;
         Ok(stats)
     }
 }
 
-fn read(role: Role, rect: Rect, mem: &Buffer) -> Operand<'_, Buffer> {
+/// Host copies of f32 device buffers.
+fn download_all<B: Backend>(
+    backend: &B,
+    stream: &mut B::Stream,
+    buffers: &[B::Buffer],
+) -> Result<Vec<Vec<f32>>, KernelError> {
+    buffers
+        .iter()
+        .map(|b| Ok(backend.download(stream, b)?.into_f32()))
+        .collect()
+}
+
+fn read<M>(role: Role, rect: Rect, mem: &M) -> Operand<'_, M> {
     Operand {
         role,
         rect,
@@ -378,7 +433,7 @@ fn read(role: Role, rect: Rect, mem: &Buffer) -> Operand<'_, Buffer> {
     }
 }
 
-fn write(role: Role, rect: Rect, mem: &mut Buffer) -> Operand<'_, Buffer> {
+fn write<M>(role: Role, rect: Rect, mem: &mut M) -> Operand<'_, M> {
     Operand {
         role,
         rect,
@@ -387,11 +442,11 @@ fn write(role: Role, rect: Rect, mem: &mut Buffer) -> Operand<'_, Buffer> {
 }
 
 /// Write operands `role(k)` for the present buffers, each laid out over `rects[k]`.
-fn writes<'b>(
+fn writes<'b, M>(
     role: fn(u8) -> Role,
     rects: &[Rect],
-    buffers: &'b mut [Option<Buffer>],
-) -> Vec<Operand<'b, Buffer>> {
+    buffers: &'b mut [Option<M>],
+) -> Vec<Operand<'b, M>> {
     buffers
         .iter_mut()
         .zip(rects)
@@ -414,23 +469,24 @@ fn sums_rect(channels: usize) -> Rect {
 
 /// Per-layer state the backward pass needs from the forward pass: the batch statistics (`[3, C]`
 /// sums) of each batch-norm layer, by layer index.
-#[derive(Default)]
-struct Saved {
-    moments: BTreeMap<usize, Buffer>,
+struct Saved<M> {
+    moments: BTreeMap<usize, M>,
 }
 
-/// One forward/backward pass over the whole batch: every layer is one tile, the whole tensor,
-/// run through the CPU backend.
+/// One forward/backward pass over the whole batch: every layer is one tile, the whole tensor.
 struct Pass<'a> {
     graph: &'a Graph,
-    store: &'a ParamStore,
+    params: &'a [GraphParam],
+    first: &'a [usize],
     ctx: StepContext<'a>,
 }
 
 impl<'a> Pass<'a> {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         graph: &'a Graph,
-        store: &'a ParamStore,
+        params: &'a [GraphParam],
+        first: &'a [usize],
         sgd: Sgd,
         images: &'a [f32],
         labels: &'a [u32],
@@ -440,7 +496,8 @@ impl<'a> Pass<'a> {
         let batch = graph.batch();
         Pass {
             graph,
-            store,
+            params,
+            first,
             ctx: StepContext {
                 seed,
                 step,
@@ -457,68 +514,67 @@ impl<'a> Pass<'a> {
         self.graph.layer(layer).shape.full_rect()
     }
 
+    fn slot(&self, layer: LayerId, index: usize) -> usize {
+        self.first[layer.0] + index
+    }
+
     /// Read operands for every parameter (and buffer) of `layer`.
-    fn param_operands<'b>(&self, layer: LayerId, params: &'b [Buffer]) -> Vec<Operand<'b, Buffer>> {
-        let count = self
-            .graph
-            .layer(layer)
-            .op
-            .spec()
-            .params(&self.graph.input_shapes(layer))
-            .len();
-        (0..count)
-            .map(|k| {
-                let slot = self.store.slot(layer, k);
-                let rect = self.store.params[slot].spec.shape.full_rect();
-                read(Role::Param(k as u8), rect, &params[slot])
+    fn param_operands<'b, M>(&self, layer: LayerId, weights: &'b [M]) -> Vec<Operand<'b, M>> {
+        let end = self
+            .first
+            .get(layer.0 + 1)
+            .copied()
+            .unwrap_or(self.params.len());
+        (self.first[layer.0]..end)
+            .map(|slot| {
+                let k = slot - self.first[layer.0];
+                let rect = self.params[slot].spec.shape.full_rect();
+                read(Role::Param(k as u8), rect, &weights[slot])
             })
             .collect()
     }
 
-    fn run(
+    fn run<B: Backend>(
         &self,
+        backend: &B,
+        stream: &mut B::Stream,
         layer: LayerId,
         tile: Rect,
         phase: Phase,
-        operands: Vec<Operand<'_, Buffer>>,
-    ) -> Result<Option<LossSums>, KernelError> {
-        let mut stream = CpuStream;
+        operands: Vec<Operand<'_, B::Buffer>>,
+    ) -> Result<Option<B::Loss>, KernelError> {
         let mut call = KernelCall::new(
-            &Cpu,
-            &mut stream,
-            self.graph,
-            layer,
-            tile,
-            &self.ctx,
-            operands,
+            backend, stream, self.graph, layer, tile, &self.ctx, operands,
         );
         call.run(phase)?;
-        let loss = call.loss.take();
-        Cpu.synchronize(&mut stream)?;
-        Ok(loss.map(|l| Cpu.read_loss(l)))
+        Ok(call.loss.take())
     }
 
-    fn forward(
+    /// Every layer's output, the pending loss with the number of samples it sums over, and what
+    /// backward needs.
+    #[allow(clippy::type_complexity)]
+    fn forward<B: Backend>(
         &self,
-        params: &mut [Buffer],
-    ) -> Result<(Vec<Buffer>, StepStats, Saved), KernelError> {
+        b: &B,
+        stream: &mut B::Stream,
+        weights: &mut [B::Buffer],
+    ) -> Result<(Vec<B::Buffer>, Option<(B::Loss, usize)>, Saved<B::Buffer>), KernelError> {
         let g = self.graph;
         assert_eq!(
             self.ctx.images.len(),
             g.layer(g.input()).shape.numel(),
             "batch images do not match the input shape"
         );
-        let mut acts: Vec<Buffer> = Vec::with_capacity(g.layers().len());
-        let mut saved = Saved::default();
-        let mut stats = StepStats {
-            loss: 0.0,
-            correct: 0,
+        let mut acts: Vec<B::Buffer> = Vec::with_capacity(g.layers().len());
+        let mut saved = Saved {
+            moments: BTreeMap::new(),
         };
+        let mut loss = None;
         for id in g.ids() {
             let layer = g.layer(id);
             let tile = self.full(id);
-            let mut y = Buffer::zeros(DType::F32, layer.shape.numel());
-            let mut operands: Vec<Operand<'_, Buffer>> = layer
+            let mut y = b.alloc_zeros(stream, DType::F32, layer.shape.numel())?;
+            let mut operands: Vec<Operand<'_, B::Buffer>> = layer
                 .inputs
                 .iter()
                 .enumerate()
@@ -526,51 +582,50 @@ impl<'a> Pass<'a> {
                 .collect();
             if let Op::BatchNorm(_) = layer.op {
                 let channels = layer.shape.dim(1);
-                let mut moments = Buffer::zeros(DType::F64, 3 * channels);
+                let sums = sums_rect(channels);
+                let mut moments = b.alloc_zeros(stream, DType::F64, 3 * channels)?;
                 let x = read(Role::Input(0), tile, &acts[layer.inputs[0].0]);
-                self.run(
-                    id,
-                    tile,
-                    Phase::BnMoments,
-                    vec![x, write(Role::Moments, sums_rect(channels), &mut moments)],
-                )?;
-                operands.push(read(Role::Moments, sums_rect(channels), &moments));
-                operands.extend(self.param_operands(id, params));
+                let first = vec![x, write(Role::Moments, sums, &mut moments)];
+                self.run(b, stream, id, tile, Phase::BnMoments, first)?;
+                operands.push(read(Role::Moments, sums, &moments));
+                operands.extend(self.param_operands(id, weights));
                 operands.push(write(Role::Output, tile, &mut y));
-                self.run(id, tile, Phase::BnNormalize, operands)?;
+                self.run(b, stream, id, tile, Phase::BnNormalize, operands)?;
                 let slice = Shape::new(&[channels]).full_rect();
-                let (mean, var) = two_mut(params, self.store.slot(id, 2), self.store.slot(id, 3));
+                let (mean, var) = two_mut(weights, self.slot(id, 2), self.slot(id, 3));
                 let running = vec![
-                    read(Role::Moments, sums_rect(channels), &moments),
+                    read(Role::Moments, sums, &moments),
                     write(Role::Param(2), slice, mean),
                     write(Role::Param(3), slice, var),
                 ];
-                self.run(id, slice, Phase::BnRunning, running)?;
+                self.run(b, stream, id, slice, Phase::BnRunning, running)?;
                 saved.moments.insert(id.0, moments);
             } else {
-                operands.extend(self.param_operands(id, params));
+                operands.extend(self.param_operands(id, weights));
                 operands.push(write(Role::Output, tile, &mut y));
-                if let Some(loss) = self.run(id, tile, Phase::Forward, operands)? {
-                    stats.loss = (loss.loss_sum / layer.shape.numel() as f64) as f32;
-                    stats.correct = loss.correct;
+                if let Some(pending) = self.run(b, stream, id, tile, Phase::Forward, operands)? {
+                    loss = Some((pending, layer.shape.numel()));
                 }
             }
             acts.push(y);
         }
-        Ok((acts, stats, saved))
+        Ok((acts, loss, saved))
     }
 
     /// The gradient of every trainable parameter, by slot.
-    fn backward(
+    fn backward<B: Backend>(
         &self,
-        params: &[Buffer],
-        acts: &[Buffer],
-        saved: &Saved,
-    ) -> Result<Vec<Option<Buffer>>, KernelError> {
+        b: &B,
+        stream: &mut B::Stream,
+        weights: &[B::Buffer],
+        acts: &[B::Buffer],
+        saved: &Saved<B::Buffer>,
+    ) -> Result<Vec<Option<B::Buffer>>, KernelError> {
         let g = self.graph;
         // Gradient w.r.t. each layer's output, summed over its consumers.
-        let mut dout: Vec<Option<Buffer>> = vec![None; g.layers().len()];
-        let mut param_grads: Vec<Option<Buffer>> = vec![None; self.store.params.len()];
+        let mut dout: Vec<Option<B::Buffer>> = (0..g.layers().len()).map(|_| None).collect();
+        let mut param_grads: Vec<Option<B::Buffer>> =
+            (0..self.params.len()).map(|_| None).collect();
         for id in g.ids().rev() {
             let layer = g.layer(id);
             let tile = self.full(id);
@@ -582,23 +637,28 @@ impl<'a> Pass<'a> {
             }
             // The first input of a layer fed by the data needs no gradient.
             let needs_dx = |k: usize| !matches!(g.layer(layer.inputs[k]).op, Op::Input(_));
-            let mut dxs: Vec<Option<Buffer>> = (0..layer.inputs.len())
-                .map(|k| {
-                    needs_dx(k)
-                        .then(|| Buffer::zeros(DType::F32, g.layer(layer.inputs[k]).shape.numel()))
-                })
-                .collect();
+            let mut dxs: Vec<Option<B::Buffer>> = Vec::with_capacity(layer.inputs.len());
+            for (k, src) in layer.inputs.iter().enumerate() {
+                let len = g.layer(*src).shape.numel();
+                dxs.push(if needs_dx(k) {
+                    Some(b.alloc_zeros(stream, DType::F32, len)?)
+                } else {
+                    None
+                });
+            }
             let param_specs = layer.op.spec().params(&g.input_shapes(id));
-            let mut grads: Vec<Option<Buffer>> = param_specs
-                .iter()
-                .map(|p| {
-                    p.trainable
-                        .then(|| Buffer::zeros(DType::F32, p.shape.numel()))
-                })
-                .collect();
+            let mut grads: Vec<Option<B::Buffer>> = Vec::with_capacity(param_specs.len());
+            for p in &param_specs {
+                let len = p.shape.numel();
+                grads.push(if p.trainable {
+                    Some(b.alloc_zeros(stream, DType::F32, len)?)
+                } else {
+                    None
+                });
+            }
             // What every backward phase may read: inputs, output, its gradient, parameters.
             let common = || {
-                let mut operands: Vec<Operand<'_, Buffer>> = Vec::new();
+                let mut operands: Vec<Operand<'_, B::Buffer>> = Vec::new();
                 for (k, src) in layer.inputs.iter().enumerate() {
                     operands.push(read(Role::Input(k as u8), self.full(*src), &acts[src.0]));
                 }
@@ -606,7 +666,7 @@ impl<'a> Pass<'a> {
                 if let Some(dy) = &dy {
                     operands.push(read(Role::OutputGrad, tile, dy));
                 }
-                operands.extend(self.param_operands(id, params));
+                operands.extend(self.param_operands(id, weights));
                 operands
             };
             let param_rects: Vec<Rect> = param_specs.iter().map(|p| p.shape.full_rect()).collect();
@@ -614,38 +674,37 @@ impl<'a> Pass<'a> {
             if let Op::BatchNorm(_) = layer.op {
                 let channels = layer.shape.dim(1);
                 let moments = || read(Role::Moments, sums_rect(channels), &saved.moments[&id.0]);
-                let mut sums = Buffer::zeros(DType::F64, 3 * channels);
+                let mut sums = b.alloc_zeros(stream, DType::F64, 3 * channels)?;
                 let mut first = common();
                 first.push(moments());
                 first.extend(writes(Role::ParamGrad, &param_rects, &mut grads));
                 first.push(write(Role::GradSums, sums_rect(channels), &mut sums));
-                self.run(id, tile, Phase::BnGradSums, first)?;
+                self.run(b, stream, id, tile, Phase::BnGradSums, first)?;
                 if dxs[0].is_some() {
                     let mut second = common();
                     second.push(moments());
                     second.push(read(Role::GradSums, sums_rect(channels), &sums));
                     second.extend(writes(Role::InputGrad, &input_rects, &mut dxs));
-                    self.run(id, tile, Phase::BnInputGrad, second)?;
+                    self.run(b, stream, id, tile, Phase::BnInputGrad, second)?;
                 }
             } else {
                 let mut operands = common();
                 operands.extend(writes(Role::ParamGrad, &param_rects, &mut grads));
                 operands.extend(writes(Role::InputGrad, &input_rects, &mut dxs));
-                self.run(id, tile, Phase::Backward, operands)?;
+                self.run(b, stream, id, tile, Phase::Backward, operands)?;
             }
             for (k, grad) in grads.into_iter().enumerate() {
                 if grad.is_some() {
-                    param_grads[self.store.slot(id, k)] = grad;
+                    param_grads[self.slot(id, k)] = grad;
                 }
             }
             for (k, dx) in dxs.into_iter().enumerate() {
                 let Some(dx) = dx else { continue };
+                let rect = input_rects[k];
                 match &mut dout[layer.inputs[k].0] {
-                    Some(acc) => acc
-                        .f32_mut()
-                        .iter_mut()
-                        .zip(dx.f32())
-                        .for_each(|(a, b)| *a += *b),
+                    Some(acc) => {
+                        b.accumulate(stream, Out { rect, mem: acc }, In { rect, mem: &dx })
+                    }
                     slot => *slot = Some(dx),
                 }
             }
@@ -684,7 +743,7 @@ mod tests {
         let mut t = Trainer::new(g.clone(), ParamStore::init(&g, 3), Sgd::default(), 5);
         let images = check::random(g.layer(g.input()).shape.numel(), 9);
         t.step(&images, &[0, 2]).unwrap();
-        let state = t.state();
+        let state = t.state().unwrap();
         assert!(state.momentum.iter().flatten().any(|&v| v != 0.0));
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.safetensors");
@@ -706,10 +765,30 @@ mod tests {
         let images = check::random(graph.layer(graph.input()).shape.numel(), 11);
         let labels = [0, 1, 2, 1];
         let sgd = Sgd::default();
-        let pass = Pass::new(&graph, &params, sgd, &images, &labels, 5, 0);
+        let pass = Pass::new(
+            &graph,
+            &params.params,
+            &params.first,
+            sgd,
+            &images,
+            &labels,
+            5,
+            0,
+        );
+        let mut stream = CpuStream;
         let mut buffers: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
-        let (acts, _, saved) = pass.forward(&mut buffers).unwrap();
-        let grads = pass.backward(&buffers, &acts, &saved).unwrap();
+        let (acts, _, saved) = pass.forward(&Cpu, &mut stream, &mut buffers).unwrap();
+        let grads = pass
+            .backward(&Cpu, &mut stream, &buffers, &acts, &saved)
+            .unwrap();
+        // The loss of the step at weights `w` for parameter `slot`.
+        let loss_at = |slot: usize, w: &[f32]| {
+            let mut probe: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
+            probe[slot] = Buffer::F32(w.to_vec());
+            let (_, loss, _) = pass.forward(&Cpu, &mut CpuStream, &mut probe).unwrap();
+            let (sums, samples) = loss.expect("the graph has a loss");
+            sums.loss_sum / samples as f64
+        };
         for (slot, p) in params.params.iter().enumerate() {
             if !p.spec.trainable {
                 continue;
@@ -719,13 +798,7 @@ mod tests {
                 .expect("every parameter gets a gradient")
                 .f32();
             check::assert_grad(&p.name, &params.values[slot], analytic, 12, |w| {
-                let mut probe = params.clone();
-                probe.values[slot] = w.to_vec();
-                let mut buffers: Vec<Buffer> = probe.values.into_iter().map(Buffer::F32).collect();
-                let (_, stats, _) = Pass::new(&graph, &params, sgd, &images, &labels, 5, 0)
-                    .forward(&mut buffers)
-                    .unwrap();
-                stats.loss as f64
+                loss_at(slot, w)
             });
         }
     }
@@ -774,8 +847,9 @@ mod tests {
             last = t.step(&images, &labels).unwrap().loss;
         }
         assert!(last < 0.5 * first, "{first} -> {last}");
-        let rm = t.params().slot(graph.find("a_bn").unwrap(), 2);
-        assert_ne!(t.params().values[rm], before.values[rm]);
+        let after = t.params().unwrap();
+        let rm = after.slot(graph.find("a_bn").unwrap(), 2);
+        assert_ne!(after.values[rm], before.values[rm]);
         assert_eq!(t.steps(), 31);
     }
 }

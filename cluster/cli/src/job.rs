@@ -315,7 +315,7 @@ impl Job {
         let mut batches = loader.steps(first_step);
         let started = Instant::now();
         let mut losses = Vec::with_capacity(opts.steps as usize);
-        let save = |engine: &dyn Engine| -> anyhow::Result<()> {
+        let save = |engine: &mut dyn Engine| -> anyhow::Result<()> {
             if let Some(path) = &opts.save {
                 let meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
                 engine.state()?.save(path, meta)?;
@@ -356,7 +356,7 @@ impl Job {
             }
             losses.push(stats.loss);
             if opts.checkpoint_every.is_some_and(|k| step % k == 0) && step < opts.steps {
-                save(engine.as_ref())?;
+                save(engine.as_mut())?;
             }
             on_event(JobEvent::Step(&StepDone {
                 step,
@@ -368,7 +368,7 @@ impl Job {
             }));
         }
         let wall_secs = started.elapsed().as_secs_f64();
-        save(engine.as_ref())?;
+        save(engine.as_mut())?;
 
         let summary = TrainSummary {
             model: graph.name.clone(),

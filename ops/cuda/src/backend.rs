@@ -310,34 +310,6 @@ impl Cuda {
         })
     }
 
-    /// A zeroed buffer of `len` elements.
-    pub fn alloc_zeros(&self, s: &Stream, dtype: DType, len: usize) -> Result<Buffer, KernelError> {
-        let out = match dtype {
-            DType::F32 => s.stream.alloc_zeros::<f32>(len).map(Buffer::F32),
-            DType::F64 => s.stream.alloc_zeros::<f64>(len).map(Buffer::F64),
-        };
-        out.map_err(|e| KernelError::Device(format!("alloc {len} × {dtype:?}: {e}")))
-    }
-
-    /// A device copy of a host buffer. Returns once the driver has staged the host data (a
-    /// pageable copy waits for the stream).
-    pub fn upload(&self, s: &Stream, host: &cpu::Buffer) -> Result<Buffer, KernelError> {
-        let out = match host {
-            cpu::Buffer::F32(v) => s.stream.clone_htod(v).map(Buffer::F32),
-            cpu::Buffer::F64(v) => s.stream.clone_htod(v).map(Buffer::F64),
-        };
-        out.map_err(|e| KernelError::Device(format!("upload: {e}")))
-    }
-
-    /// The buffer's contents on the host, once everything enqueued before on `s` has run.
-    pub fn download(&self, s: &Stream, buffer: &Buffer) -> Result<cpu::Buffer, KernelError> {
-        let out = match buffer {
-            Buffer::F32(d) => s.stream.clone_dtoh(d).map(cpu::Buffer::F32),
-            Buffer::F64(d) => s.stream.clone_dtoh(d).map(cpu::Buffer::F64),
-        };
-        out.map_err(|e| KernelError::Device(format!("download: {e}")))
-    }
-
     /// Enqueues `dst[region] = src[region]` between buffers laid out over different rects (the
     /// runtime's gathers, halos and scatters). `region` must lie inside both rects.
     pub fn copy_rect(
@@ -648,6 +620,39 @@ impl Backend for Cuda {
     type Buffer = Buffer;
     type Stream = Stream;
     type Loss = PendingLoss;
+
+    /// A zeroed buffer of `len` elements.
+    fn alloc_zeros(&self, s: &mut Stream, dtype: DType, len: usize) -> Result<Buffer, KernelError> {
+        let out = match dtype {
+            DType::F32 => s.stream.alloc_zeros::<f32>(len).map(Buffer::F32),
+            DType::F64 => s.stream.alloc_zeros::<f64>(len).map(Buffer::F64),
+        };
+        out.map_err(|e| KernelError::Device(format!("alloc {len} × {dtype:?}: {e}")))
+    }
+
+    /// A device copy of a host buffer. Returns once the driver has staged the host data (a
+    /// pageable copy waits for the stream).
+    fn upload(&self, s: &mut Stream, host: &cpu::Buffer) -> Result<Buffer, KernelError> {
+        let out = match host {
+            cpu::Buffer::F32(v) => s.stream.clone_htod(v).map(Buffer::F32),
+            cpu::Buffer::F64(v) => s.stream.clone_htod(v).map(Buffer::F64),
+        };
+        out.map_err(|e| KernelError::Device(format!("upload: {e}")))
+    }
+
+    /// The buffer's contents on the host, once everything enqueued before on `s` has run.
+    fn download(&self, s: &mut Stream, buffer: &Buffer) -> Result<cpu::Buffer, KernelError> {
+        let out = match buffer {
+            Buffer::F32(d) => s.stream.clone_dtoh(d).map(cpu::Buffer::F32),
+            Buffer::F64(d) => s.stream.clone_dtoh(d).map(cpu::Buffer::F64),
+        };
+        out.map_err(|e| KernelError::Device(format!("download: {e}")))
+    }
+
+    fn accumulate(&self, s: &mut Stream, acc: Out<Buffer>, term: In<Buffer>) {
+        let rect = acc.rect;
+        self.add_rect(s, term.mem, &term.rect, acc.mem, &rect, &rect);
+    }
 
     fn synchronize(&self, s: &mut Stream) -> Result<(), KernelError> {
         let waited = s.stream.synchronize();

@@ -176,6 +176,26 @@ pub trait Backend {
     /// A loss kernel's report, readable with [`Backend::read_loss`] once its stream synchronized.
     type Loss;
 
+    /// `len` zeros of `dtype` in device memory (enqueued on `s`).
+    fn alloc_zeros(
+        &self,
+        s: &mut Self::Stream,
+        dtype: DType,
+        len: usize,
+    ) -> Result<Self::Buffer, KernelError>;
+    /// A device copy of host data (enqueued on `s`).
+    fn upload(&self, s: &mut Self::Stream, host: &cpu::Buffer)
+    -> Result<Self::Buffer, KernelError>;
+    /// A host copy of device data: waits for `s` to reach it.
+    fn download(
+        &self,
+        s: &mut Self::Stream,
+        buffer: &Self::Buffer,
+    ) -> Result<cpu::Buffer, KernelError>;
+    /// `acc += term` elementwise, both laid out over the same rect (gradients summed over a
+    /// layer's consumers).
+    fn accumulate(&self, s: &mut Self::Stream, acc: Out<Self::Buffer>, term: In<Self::Buffer>);
+
     /// Waits until everything enqueued on `stream` has run.
     fn synchronize(&self, stream: &mut Self::Stream) -> Result<(), KernelError>;
     /// A loss report, after its stream synchronized.

@@ -6,7 +6,7 @@ pub mod buffer;
 
 pub use buffer::{Buffer, fold};
 
-use super::{Backend, In, KernelError, LossSums, Out};
+use super::{Backend, DType, In, KernelError, LossSums, Out};
 use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
 use crate::kernels::dropout::DropoutMask;
 use crate::kernels::{self, View, ViewMut};
@@ -74,6 +74,30 @@ impl Backend for Cpu {
     type Buffer = Buffer;
     type Stream = CpuStream;
     type Loss = LossSums;
+
+    fn alloc_zeros(
+        &self,
+        _: &mut CpuStream,
+        dtype: DType,
+        len: usize,
+    ) -> Result<Buffer, KernelError> {
+        Ok(Buffer::zeros(dtype, len))
+    }
+
+    fn upload(&self, _: &mut CpuStream, host: &Buffer) -> Result<Buffer, KernelError> {
+        Ok(host.clone())
+    }
+
+    fn download(&self, _: &mut CpuStream, buffer: &Buffer) -> Result<Buffer, KernelError> {
+        Ok(buffer.clone())
+    }
+
+    fn accumulate(&self, _: &mut CpuStream, acc: Out<Buffer>, term: In<Buffer>) {
+        // Element by element, in the order the consumers are visited.
+        for (a, b) in acc.mem.f32_mut().iter_mut().zip(term.mem.f32()) {
+            *a += *b;
+        }
+    }
 
     fn synchronize(&self, _: &mut CpuStream) -> Result<(), KernelError> {
         Ok(())
