@@ -5,6 +5,7 @@
 use crate::hosts::Hosts;
 use crate::remote::RemoteCluster;
 use legion_ops::Graph;
+use legion_ops::backend::Backend;
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{Sgd, StepStats, Trainer, TrainingState};
 use legion_runtime::EmbeddedCluster;
@@ -89,7 +90,9 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
     })
 }
 
-impl Engine for Trainer {
+/// The one-device trainer on any backend (the CLI starts it on a GPU itself: this crate does not
+/// link CUDA).
+impl<B: Backend> Engine for Trainer<B> {
     fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
         Ok((
             Trainer::step(self, &batch.images, &batch.labels)?,

@@ -6,6 +6,7 @@
 use anyhow::Context;
 use clap::Args;
 use legion_cli::compare::{self, ClusterTarget, CompareSettings};
+use legion_cli::device::DeviceKind;
 use legion_cli::job::{self, TrainOptions};
 use legion_ops::Graph;
 use legion_ops::train::Sgd;
@@ -73,6 +74,9 @@ pub struct ExampleArgs {
     /// One JSON object per step (or per strategy with --compare) and a summary.
     #[arg(long)]
     pub json: bool,
+    /// Where to train (`auto`, `cpu`, `cuda`): see `legion-rs train --help`.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    pub device: DeviceKind,
 }
 
 /// An example's sizes and learning rate when the flags leave them out.
@@ -169,6 +173,7 @@ pub fn run(
         trace: args.trace.clone(),
         checkpoint_every: args.checkpoint_every,
         resume: args.resume.clone(),
+        device: args.device,
         ..TrainOptions::default()
     };
     job::train(graph, &opts).context("training")?;

@@ -6,15 +6,17 @@
 //! a progress bar, or JSON lines). [`train`] is the three together. The job prints nothing itself,
 //! so that a caller can show a run its own way.
 
+use crate::device::{self, Chosen, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine};
 use anyhow::{Context, bail};
 use legion_cluster::engine::{self, Engine, JobStart, Place, StepBatch};
 use legion_cluster::hosts::Hosts;
 use legion_cluster::launch;
+use legion_cuda::Cuda;
 use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
-use legion_ops::train::{ParamStore, Sgd, TrainingState};
+use legion_ops::train::{ParamStore, Sgd, Trainer, TrainingState};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
 use std::collections::BTreeMap;
@@ -50,6 +52,8 @@ pub struct TrainOptions {
     pub cluster: Option<PathBuf>,
     /// The cluster's state directory, if not the default of its hosts file.
     pub cluster_state: Option<PathBuf>,
+    /// `--device`: a GPU where the run can use one (`auto`), the CPU, or a GPU or an error.
+    pub device: DeviceKind,
 }
 
 impl Default for TrainOptions {
@@ -66,6 +70,7 @@ impl Default for TrainOptions {
             strategy: "optcnn".into(),
             trace: None,
             checkpoint_every: None,
+            device: DeviceKind::Auto,
             resume: None,
             cluster: None,
             cluster_state: None,
@@ -114,6 +119,8 @@ pub fn choose_strategy_for(
 /// What a running job reports, in order: its plan (distributed runs only), each step, the end.
 #[derive(Clone, Copy, Debug)]
 pub enum JobEvent<'a> {
+    /// Which device trains, and why (one line), before anything else.
+    Device(&'a str),
     /// The strategy the devices run, before the first step.
     Planned(&'a PlannedRun),
     /// A step finished.
@@ -195,6 +202,8 @@ pub struct Job {
     plan: Option<PlannedRun>,
     devices: usize,
     first_step: u64,
+    /// `device: ...`, the line that says where the steps run.
+    device: String,
 }
 
 /// What training needs of a model, from its shapes.
@@ -256,21 +265,33 @@ impl Job {
             );
         }
         let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)?;
-        let engine_place = match &cluster {
-            Some((_, hosts, state_dir)) => Place::Cluster { hosts, state_dir },
-            None if distributed => Place::Embedded { devices },
-            None => Place::OneDevice,
+        let device = device::choose(opts.device, devices, distributed, legion_cuda::probe)?;
+        let engine: Box<dyn Engine> = match &device.chosen {
+            Chosen::Cuda(gpu) => {
+                let cuda = Cuda::new(gpu.ordinal)?;
+                let stream = cuda.new_stream()?;
+                let trainer =
+                    Trainer::resume_on(cuda, stream, graph.clone(), state, opts.sgd, opts.seed)?;
+                Box::new(trainer)
+            }
+            Chosen::Cpu => {
+                let engine_place = match &cluster {
+                    Some((_, hosts, state_dir)) => Place::Cluster { hosts, state_dir },
+                    None if distributed => Place::Embedded { devices },
+                    None => Place::OneDevice,
+                };
+                engine::start(
+                    engine_place,
+                    JobStart {
+                        graph: &graph,
+                        configs: &configs,
+                        state,
+                        sgd: opts.sgd,
+                        seed: opts.seed,
+                    },
+                )?
+            }
         };
-        let engine = engine::start(
-            engine_place,
-            JobStart {
-                graph: &graph,
-                configs: &configs,
-                state,
-                sgd: opts.sgd,
-                seed: opts.seed,
-            },
-        )?;
         let plan = distributed.then(|| PlannedRun {
             choice: opts.strategy.clone(),
             devices,
@@ -286,6 +307,7 @@ impl Job {
             plan,
             devices,
             first_step,
+            device: device.line,
         })
     }
 
@@ -300,7 +322,9 @@ impl Job {
             plan,
             devices,
             first_step,
+            device,
         } = self;
+        on_event(JobEvent::Device(&device));
         if let Some(plan) = &plan {
             on_event(JobEvent::Planned(plan));
         }
@@ -443,6 +467,7 @@ mod tests {
             .unwrap()
             .run(|event| {
                 seen.push(match event {
+                    JobEvent::Device(line) => line.to_string(),
                     JobEvent::Planned(p) => format!("planned {} on {}", p.choice, p.devices),
                     JobEvent::Step(s) => format!("step {}/{}", s.step, s.total_steps),
                     JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),
@@ -458,12 +483,14 @@ mod tests {
             devices: 2,
             steps: 3,
             strategy: "data".into(),
+            device: DeviceKind::Cpu,
             ..TrainOptions::default()
         };
         let (seen, summary) = events_of(&opts);
         assert_eq!(
             seen,
             [
+                "device: cpu (2 device(s))",
                 "planned data on 2",
                 "step 1/3",
                 "step 2/3",
@@ -480,10 +507,19 @@ mod tests {
     fn a_one_device_run_has_no_plan() {
         let opts = TrainOptions {
             steps: 2,
+            device: DeviceKind::Cpu,
             ..TrainOptions::default()
         };
         let (seen, summary) = events_of(&opts);
-        assert_eq!(seen, ["step 1/2", "step 2/2", "finished after 2 steps"]);
+        assert_eq!(
+            seen,
+            [
+                "device: cpu (1 device(s))",
+                "step 1/2",
+                "step 2/2",
+                "finished after 2 steps"
+            ]
+        );
         assert_eq!(summary.plan, None);
         assert_eq!((summary.steps, summary.batch), (2, 4));
     }

@@ -11,6 +11,7 @@
 
 mod commands;
 pub mod compare;
+pub mod device;
 pub mod job;
 pub mod machine;
 mod progress;

@@ -25,6 +25,9 @@ impl Printer {
 
     pub fn show(&mut self, event: JobEvent<'_>) {
         match event {
+            // JSON output is one object per step and a summary: the device line is for people.
+            JobEvent::Device(line) if !self.json => println!("{line}"),
+            JobEvent::Device(_) => {}
             JobEvent::Planned(plan) => self.planned(plan),
             JobEvent::Step(step) => self.step(step),
             JobEvent::Finished(summary) => self.finished(summary),

@@ -1,3 +1,4 @@
+use crate::device::DeviceKind;
 use crate::job::{self, TrainOptions};
 use clap::Args;
 use legion_ops::train::Sgd;
@@ -66,6 +67,10 @@ pub struct TrainArgs {
     /// One JSON object per step (`step`, `loss`, ...) and a final summary object.
     #[arg(long)]
     json: bool,
+    /// Where to train: `auto` uses a GPU when the run can (one device) and one is usable, else
+    /// the CPU, saying which; `cuda` fails with what is missing rather than use the CPU.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    device: DeviceKind,
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -89,6 +94,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         resume: a.resume,
         cluster: a.cluster,
         cluster_state: a.state,
+        device: a.device,
     };
     job::train(graph, &opts)?;
     Ok(())
