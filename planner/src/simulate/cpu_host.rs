@@ -219,6 +219,41 @@ mod tests {
         list_schedule_shared,
     };
 
+    #[test]
+    fn a_host_without_pools_or_dispatch_schedules_as_the_dedicated_one() {
+        // random graphs of kernels, moves, messages (with latency) and network work, some of zero
+        // duration: the machine without runtime costs skips the CPU host; that changes nothing
+        let mut rng = legion_ops::rng::Rng::new(11);
+        for _ in 0..200 {
+            let n = 1 + rng.below(40);
+            let tasks: Vec<Task> = (0..n)
+                .map(|t| {
+                    let (kind, resource) = match rng.below(4) {
+                        0 => (TaskKind::Forward, Resource::Device(rng.below(3))),
+                        1 => (TaskKind::Move, Resource::Device(rng.below(3))),
+                        2 => (TaskKind::Copy, Resource::Link(rng.below(3), rng.below(3))),
+                        _ => (TaskKind::Network, Resource::Network(rng.below(2))),
+                    };
+                    let deps = (0..t).filter(|_| rng.below(5) == 0).collect();
+                    Task {
+                        name: String::new(),
+                        kind,
+                        resource,
+                        duration: rng.below(4) as f64 * 0.5,
+                        bytes: 0,
+                        latency: rng.below(2) as f64 * 0.25,
+                        deps,
+                    }
+                })
+                .collect();
+            let graph = Schedulable::new(CompactTasks::from_tasks(&tasks));
+            let dedicated = schedule(&graph, &mut DedicatedHost, true);
+            let pooled = schedule(&graph, &mut CpuHost::new(&Pools::default(), None), true);
+            assert_eq!(dedicated.makespan.to_bits(), pooled.makespan.to_bits());
+            assert_eq!(dedicated.times, pooled.times, "{tasks:?}");
+        }
+    }
+
     /// A forward compute task on `device`.
     fn kernel(name: &str, device: DeviceId, duration: f64, deps: Vec<usize>) -> Task {
         Task {
