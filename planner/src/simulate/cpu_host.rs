@@ -26,7 +26,7 @@
 //! core idle since earlier stays free for a task that can use it.
 
 use super::schedule::{DedicatedHost, Host, HostWork, Schedulable, Scheduled, schedule};
-use super::tasks::CompactTasks;
+use super::tasks::{CompactTasks, Task};
 use crate::machine::MachineModel;
 #[cfg(doc)]
 use crate::machine::RuntimeCosts;
@@ -58,6 +58,44 @@ impl Pools {
             runtime_cpu_s: costs.map_or(0.0, |c| c.runtime_cpu_s),
         }
     }
+}
+
+/// [`super::list_schedule`] where, with `compute_slots`, a device task that takes time also waits for the
+/// earliest free of that many slots of a pool all devices share.
+pub fn list_schedule_shared(tasks: &[Task], compute_slots: Option<usize>) -> (Vec<f64>, Vec<f64>) {
+    list_schedule_dispatched(tasks, compute_slots, 0.0)
+}
+
+/// [`list_schedule_shared`] where every device task starts `dispatch` seconds after it is ready and
+/// its device is free, or when a slot frees if that is later (the dispatch overlaps the wait).
+pub fn list_schedule_dispatched(
+    tasks: &[Task],
+    compute_slots: Option<usize>,
+    dispatch: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    list_schedule_pools(
+        tasks,
+        &Pools {
+            compute_slots,
+            actor_threads: None,
+            dispatch_s: dispatch,
+            runtime_cpu_s: 0.0,
+        },
+    )
+}
+
+/// The list schedule of `tasks` under `pools`: a compute task (on a device, not a move)
+/// waits for its device's previous compute task and its device's actor and, with actor threads,
+/// for one of them to be free, then for the dispatch, and, if it takes time, for a compute slot
+/// (the dispatch overlaps that wait), holding it for the runtime's CPU before its kernel
+/// ([`Pools::runtime_cpu_s`]); when no slot is free as it becomes startable, it waits for the slot
+/// and the runtime's CPU only. A move waits for its device's actor and an actor thread and holds
+/// both; if it takes time, it holds a free compute slot too, or, with none free, pushes the slot
+/// that frees first back by its duration.
+pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
+    let graph = Schedulable::new(CompactTasks::from_tasks(tasks));
+    let done = schedule(&graph, &mut CpuHost::new(pools, None), true);
+    done.times.expect("recorded")
 }
 
 /// The step time of `tasks` on `machine` and, if `record`, the start and finish of each task (of

@@ -20,10 +20,10 @@ pub mod cpu_host;
 pub mod schedule;
 pub mod tasks;
 
-pub use cpu_host::{DISPATCH_DRAWS, Pools};
-pub use schedule::{
-    list_schedule, list_schedule_dispatched, list_schedule_pools, list_schedule_shared,
+pub use cpu_host::{
+    DISPATCH_DRAWS, Pools, list_schedule_dispatched, list_schedule_pools, list_schedule_shared,
 };
+pub use schedule::list_schedule;
 pub use tasks::{CompactTasks, Resource, Task, TaskKind, task_graph};
 
 use crate::config::ParallelConfig;

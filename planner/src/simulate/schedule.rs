@@ -9,10 +9,9 @@
 //! A compute task waits for its device's previous compute task; a [`TaskKind::Move`] runs on the
 //! device's actor, beside the device's kernel: it holds the actor (the device's next kernel
 //! waits for both) and pays no dispatch. Everything the embedded CPU runtime adds (shared cores,
-//! actor threads, dispatch delays) is a [`Host`] the scheduler asks; [`DedicatedHost`] adds
-//! nothing, and [`super::cpu_host::CpuHost`] models the embedded runtime.
+//! actor threads, dispatch delays) is a `Host` the scheduler asks; `DedicatedHost` adds
+//! nothing, and `cpu_host::CpuHost` models the embedded runtime.
 
-use super::cpu_host::{CpuHost, Pools};
 use super::tasks::{CompactTasks, Resource, Task, TaskKind, task_number};
 use crate::fast_hash::FastHashMap;
 use std::cmp::Reverse;
@@ -21,44 +20,8 @@ use std::collections::{BTreeMap, BinaryHeap};
 /// Start and finish times: every resource serves its tasks in the order they become ready (ties by
 /// task number), each as soon as the resource is free.
 pub fn list_schedule(tasks: &[Task]) -> (Vec<f64>, Vec<f64>) {
-    list_schedule_shared(tasks, None)
-}
-
-/// [`list_schedule`] where, with `compute_slots`, a device task that takes time also waits for the
-/// earliest free of that many slots of a pool all devices share.
-pub fn list_schedule_shared(tasks: &[Task], compute_slots: Option<usize>) -> (Vec<f64>, Vec<f64>) {
-    list_schedule_dispatched(tasks, compute_slots, 0.0)
-}
-
-/// [`list_schedule_shared`] where every device task starts `dispatch` seconds after it is ready and
-/// its device is free, or when a slot frees if that is later (the dispatch overlaps the wait).
-pub fn list_schedule_dispatched(
-    tasks: &[Task],
-    compute_slots: Option<usize>,
-    dispatch: f64,
-) -> (Vec<f64>, Vec<f64>) {
-    list_schedule_pools(
-        tasks,
-        &Pools {
-            compute_slots,
-            actor_threads: None,
-            dispatch_s: dispatch,
-            runtime_cpu_s: 0.0,
-        },
-    )
-}
-
-/// The list schedule of `tasks` under `pools`: a compute task (on a device, not a [`TaskKind::Move`])
-/// waits for its device's previous compute task and its device's actor and, with actor threads,
-/// for one of them to be free, then for the dispatch, and, if it takes time, for a compute slot
-/// (the dispatch overlaps that wait), holding it for the runtime's CPU before its kernel
-/// ([`Pools::runtime_cpu_s`]); when no slot is free as it becomes startable, it waits for the slot
-/// and the runtime's CPU only. A move waits for its device's actor and an actor thread and holds
-/// both; if it takes time, it holds a free compute slot too, or, with none free, pushes the slot
-/// that frees first back by its duration.
-pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
     let graph = Schedulable::new(CompactTasks::from_tasks(tasks));
-    let done = schedule(&graph, &mut CpuHost::new(pools, None), true);
+    let done = schedule(&graph, &mut DedicatedHost, true);
     done.times.expect("recorded")
 }
 
