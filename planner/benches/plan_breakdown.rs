@@ -10,7 +10,8 @@
 //!
 //! Each phase's column is the process's CPU seconds over it (user and system, from
 //! `/proc/self/stat`, in clock ticks; wall seconds where that cannot be read): on a shared machine
-//! CPU is steadier than wall. The last column is wall seconds of the whole.
+//! CPU is steadier than wall. Then wall seconds of the whole, and the peak resident memory
+//! (`VmHWM`) before the simulation and after it: later cases start from an earlier one's peak.
 //!
 //! Machines as `legion-rs plan` builds them: 16 devices is the `paper` preset (4 nodes of 4),
 //! more is nodes of 16 devices (`--nodes N --devices-per-node 16`); 32 samples per device.
@@ -28,6 +29,14 @@ fn cpu_seconds() -> Option<f64> {
     let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
     // USER_HZ is 100 on every Linux this runs on
     Some(ticks / 100.0)
+}
+
+/// This process's peak resident memory so far in MiB (`VmHWM`), if `/proc/self/status` says.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
 }
 
 /// A point in time, by CPU and by wall clock.
@@ -69,8 +78,15 @@ fn main() {
     let models: Vec<String> = MODELS.iter().map(|m| m.to_string()).collect();
     let devices: Vec<String> = DEVICES.iter().map(|d| d.to_string()).collect();
     println!(
-        "{:<13} {:>7} {:>10} {:>10} {:>10} {:>12} {:>10}",
-        "model", "devices", "tables s", "search s", "eq1 s", "simulate s", "wall s"
+        "{:<13} {:>7} {:>10} {:>10} {:>10} {:>12} {:>10} {:>18}",
+        "model",
+        "devices",
+        "tables s",
+        "search s",
+        "eq1 s",
+        "simulate s",
+        "wall s",
+        "peak MiB pre/post"
     );
     for d in DEVICES {
         if !wanted(&d.to_string(), &devices) {
@@ -95,16 +111,20 @@ fn main() {
             let t2 = Mark::now();
             let eq1 = model.evaluate(&found.configs);
             let t3 = Mark::now();
+            let peak_before = peak_rss_mib().unwrap_or(f64::NAN);
             let step = simulated_step_time(&model, &found.configs);
             let t4 = Mark::now();
+            let peak_after = peak_rss_mib().unwrap_or(f64::NAN);
             let s = |a: Mark, b: Mark| b.since(&a);
             println!(
-                "{name:<13} {d:>7} {:>10.3} {:>10.3} {:>10.3} {:>12.3} {:>10.3}  (eq1 {:.3} ms, simulated {:.3} ms)",
+                "{name:<13} {d:>7} {:>10.3} {:>10.3} {:>10.3} {:>12.3} {:>10.3} {:>8.0} / {:>7.0}  (eq1 {:.3} ms, simulated {:.3} ms)",
                 s(t0, t1),
                 s(t1, t2),
                 s(t2, t3),
                 s(t3, t4),
                 (t4.wall - t0.wall).as_secs_f64(),
+                peak_before,
+                peak_after,
                 eq1.total * 1e3,
                 step * 1e3,
             );
