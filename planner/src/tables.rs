@@ -12,7 +12,7 @@ use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
-use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, TransferTables};
+use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, PairBuffers, TransferTables};
 use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::HashMap;
 
@@ -182,13 +182,15 @@ impl<'m> CostTables<'m> {
     }
 
     /// t_x of one config pair of an edge from its geometry, where that is cheap (else `None`).
+    /// `buffers` are kept between calls (see [`PairBuffers`]).
     pub(crate) fn config_pair_time(
         &self,
         geometry: &EdgeGeometry,
         src: &ParallelConfig,
         dst: &ParallelConfig,
+        buffers: &mut PairBuffers,
     ) -> Option<f64> {
-        self.transfers.config_pair_time(geometry, src, dst)
+        self.transfers.config_pair_time(geometry, src, dst, buffers)
     }
 
     /// [`CostTables::edge_table`] from the edge's geometry, with the entries of the layout pairs

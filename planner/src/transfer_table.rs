@@ -190,14 +190,17 @@ impl TransferTables {
     /// t_x of the geometry's edge for one (producer config, consumer config), the same number as
     /// its table's entry, where the factorized path applies (where
     /// [`TransferTables::least_times`] is `Some`); `None` elsewhere.
+    /// `buffers` are kept between calls: an axis of a thousand blocks on both sides takes a hundred
+    /// megabytes, which fresh for every pair were most of the search's page faults.
     pub(crate) fn config_pair_time(
         &self,
         geometry: &EdgeGeometry,
         src: &ParallelConfig,
         dst: &ParallelConfig,
+        buffers: &mut PairBuffers,
     ) -> Option<f64> {
         let (regular, axes) = self.factorized(geometry)?;
-        Some(regular.config_pair_time(geometry, axes, src, dst))
+        Some(regular.config_pair_time(geometry, axes, src, dst, buffers))
     }
 
     /// t_x of the geometry's edge for every (producer config, consumer config): row-major
@@ -287,6 +290,7 @@ struct Stats {
 
 /// For one axis and one (producer degree g, consumer degree h): the overlap lengths' maxima over
 /// every aligned range of blocks, in both orientations.
+#[derive(Default)]
 struct AxisPair {
     max: u64,
     /// Pyramid over producer blocks for each consumer block: `[j * (2g - 1) + pyramid_index]`.
@@ -427,26 +431,46 @@ impl AxisNeeds {
         }
     }
 
-    #[inline(never)]
     fn axis_pair(&self, axis: usize, g: usize, h: usize) -> AxisPair {
-        let mut overlap = Vec::with_capacity(g * h);
-        self.overlaps(axis, g, h, &mut overlap);
-        let max = overlap.iter().copied().max().unwrap_or(0);
-        let mut by_consumer = Vec::with_capacity(h * (2 * g - 1));
-        let mut column = Vec::with_capacity(g);
+        let mut pair = AxisPair::default();
+        self.fill_axis_pair(axis, g, h, &mut pair, &mut Vec::new(), &mut Vec::new());
+        pair
+    }
+
+    /// [`AxisNeeds::axis_pair`] into `pair`, reusing its vectors and the working ones `overlap`
+    /// and `column`.
+    #[inline(never)]
+    fn fill_axis_pair(
+        &self,
+        axis: usize,
+        g: usize,
+        h: usize,
+        pair: &mut AxisPair,
+        overlap: &mut Vec<u64>,
+        column: &mut Vec<u64>,
+    ) {
+        self.overlaps(axis, g, h, overlap);
+        pair.max = overlap.iter().copied().max().unwrap_or(0);
+        let by_consumer = &mut pair.by_consumer;
+        by_consumer.clear();
+        by_consumer.reserve(h * (2 * g - 1));
         for j in 0..h {
             column.clear();
             column.extend((0..g).map(|i| overlap[i * h + j]));
-            push_pyramid(&column, &mut by_consumer);
+            push_pyramid(column, by_consumer);
         }
-        let mut by_producer = Vec::with_capacity(g * (2 * h - 1));
+        let by_producer = &mut pair.by_producer;
+        by_producer.clear();
+        by_producer.reserve(g * (2 * h - 1));
         for row in overlap.chunks(h) {
-            push_pyramid(row, &mut by_producer);
+            push_pyramid(row, by_producer);
         }
         // rows by producer range, built like a pyramid: single blocks' rows are `by_producer`'s
         // maxima, and each wider range's row is the elementwise max of its two halves' rows
         let (producer_ranges, consumer_ranges) = (2 * g - 1, 2 * h - 1);
-        let mut range_max = Vec::with_capacity(producer_ranges * consumer_ranges);
+        let range_max = &mut pair.range_max;
+        range_max.clear();
+        range_max.reserve(producer_ranges * consumer_ranges);
         range_max.extend(by_producer.iter().map(|s| s.best));
         let (mut level_start, mut len) = (0, g);
         while len > 1 {
@@ -460,13 +484,7 @@ impl AxisNeeds {
             level_start += len;
             len /= 2;
         }
-        AxisPair {
-            max,
-            by_consumer,
-            by_producer,
-            range_max,
-            consumer_ranges,
-        }
+        pair.consumer_ranges = consumer_ranges;
     }
 }
 
@@ -690,6 +708,7 @@ impl Regular {
         axes: &AxisNeeds,
         src: &ParallelConfig,
         dst: &ParallelConfig,
+        buffers: &mut PairBuffers,
     ) -> f64 {
         let src_side = Side::new(
             Self::producer_degrees(&geometry.producer, &src.degrees()),
@@ -697,10 +716,17 @@ impl Regular {
         );
         let dst_side = Side::new(dst.degrees(), self.node_size);
         let (g, h) = (&src_side.degrees, &dst_side.degrees);
-        let pairs: [AxisPair; MAX_DIMS] = std::array::from_fn(|a| axes.axis_pair(a, g[a], h[a]));
+        let PairBuffers {
+            pairs,
+            overlap,
+            column,
+            scratch,
+        } = buffers;
+        for (a, pair) in pairs.iter_mut().enumerate() {
+            axes.fill_axis_pair(a, g[a], h[a], pair, overlap, column);
+        }
         let axis: [&AxisPair; MAX_DIMS] = std::array::from_fn(|a| &pairs[a]);
-        let mut scratch = Scratch::default();
-        self.layout_pair(&src_side, &dst_side, &axis, geometry.gradient, &mut scratch);
+        self.layout_pair(&src_side, &dst_side, &axis, geometry.gradient, scratch);
         let (src_total, dst_total) = (src_side.total, dst_side.total);
         let relation = self.relation(src.first_device(), src_total, dst.first_device(), dst_total);
         scratch.values[relation.id(src_total.min(dst_total)) as usize]
@@ -1065,6 +1091,16 @@ impl Side {
     fn group_axes(&self) -> &[usize] {
         &self.group_axes[..self.n_group_axes]
     }
+}
+
+/// What [`TransferTables::config_pair_time`] works in, kept between calls.
+#[derive(Default)]
+pub(crate) struct PairBuffers {
+    /// One per axis.
+    pairs: [AxisPair; MAX_DIMS],
+    overlap: Vec<u64>,
+    column: Vec<u64>,
+    scratch: Scratch,
 }
 
 /// Reused buffers and results of [`Regular::layout_pair`].
@@ -1446,12 +1482,14 @@ mod tests {
                     per_message.edge_table(&producer, &needs, src_space, dst_space, gradient);
                 let what = format!("{} → {} on {}", g.layer(e.src).name, consumer.name, machine);
                 assert_eq!(fast, slow, "{what}");
+                // one set of buffers for every pair, as the search keeps them
+                let mut buffers = PairBuffers::default();
                 for (x, entry) in fast.iter().enumerate().step_by(7) {
                     let (src, dst) = (
                         src_space.config(x / dst_space.len()),
                         dst_space.config(x % dst_space.len()),
                     );
-                    let one = regular.config_pair_time(&geometry, &axes, &src, &dst);
+                    let one = regular.config_pair_time(&geometry, &axes, &src, &dst, &mut buffers);
                     assert_eq!(one.to_bits(), entry.to_bits(), "{what}: {src:?} → {dst:?}");
                 }
                 let least = regular.least_times(&geometry, &axes, src_space, dst_space);

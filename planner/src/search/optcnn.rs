@@ -35,7 +35,7 @@ use super::owt::one_weird_trick;
 use super::relaxation::{LayoutGraph, tree_marginals};
 use crate::config::ParallelConfig;
 use crate::tables::CostTables;
-use crate::transfer_table::{ConfigSubset, EdgeGeometry};
+use crate::transfer_table::{ConfigSubset, EdgeGeometry, PairBuffers};
 use legion_ops::LayerId;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -92,6 +92,7 @@ fn known_strategy_cost(tables: &CostTables, geometries: &HashMap<usize, EdgeGeom
     let model = tables.model();
     let (graph, machine) = (model.graph(), model.machine());
     let mut transfers: HashMap<(usize, usize, usize), f64> = HashMap::new();
+    let mut buffers = PairBuffers::default();
     let mut cost_of = |configs: &[ParallelConfig]| -> Option<f64> {
         let indices = configs
             .iter()
@@ -112,7 +113,7 @@ fn known_strategy_cost(tables: &CostTables, geometries: &HashMap<usize, EdgeGeom
                     let (from, to) = (&configs[src], &configs[dst]);
                     geometries
                         .get(&class)
-                        .and_then(|g| tables.config_pair_time(g, from, to))
+                        .and_then(|g| tables.config_pair_time(g, from, to, &mut buffers))
                         .unwrap_or_else(|| model.transfer_time(edge, from, to))
                 });
         }

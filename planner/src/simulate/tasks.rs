@@ -1,0 +1,860 @@
+//! The task graph of one iteration: what the runtime would execute for a strategy, built from
+//! the graph, the configs and the machine.
+//!
+//! Tasks (durations from the cost provider, the links and the machine's [`RuntimeCosts`]), one per
+//! compute op the runtime's device programs run:
+//! - forward compute of every tile, on its device (the input layer's is loading the batch);
+//! - a copy per (producer tile → consumer tile) overlap on different devices, on the link between
+//!   them (same-device overlaps are plain dependencies). The runtime keeps a producer's output as
+//!   one instance of its tile and a consumer's input as one instance of the rect it reads: an
+//!   overlap that is only part of the first is gathered out of it on the sender's actor, one that
+//!   is only part of the second is stored into it on the receiver's actor (a same-device overlap
+//!   that is part of either is one local copy, straight from instance to instance); these are
+//!   [`TaskKind::Move`] tasks on the device;
+//! - per tile of every layer whose output gradient is read (every layer but the input and the
+//!   last), a fold: the sum of the gradient terms its consumers' tiles contributed (local ones and
+//!   the gradient copies from other devices, each gathered out of the consumer's input gradient
+//!   when it is a part of it), which its backward reads; one fold per fragment of the tile, the
+//!   pieces the runtime's dependence analysis cuts the gradient into along every rect written
+//!   into it (each fragment is folded apart, and each fold pays a dispatch), streaming
+//!   [`fold_bytes`] of its terms over its rect;
+//! - on a machine that measured its transport's CPU ([`MachineModel::network_cpu`]), per message
+//!   between nodes, that work at each end: a [`TaskKind::Network`] task on the sending and on the
+//!   receiving node's network threads ([`Resource::Network`], one task at a time per node), ready
+//!   with the message and running while it is on the wire; the message has arrived when the
+//!   transfer and both have finished;
+//! - backward compute of every tile but the input layer's, after its forward and its fold
+//!   (gradient copies run on the reverse links; none go to the input layer);
+//! - parameter synchronisation per replica group exactly as [`crate::sync`] describes: gradient
+//!   messages replica → owner, the owner's fold of the k replicas' gradients and its SGD update,
+//!   updated slices owner → replica (a block that is part of the replicas' whole slice is gathered
+//!   out of it before its gradient is sent, and the new block is copied into the owner's slice and
+//!   stored into each replica's). A slice only one tile uses is folded (its one term) and
+//!   updated on that tile's device. Folds and updates stream [`fold_bytes`] and [`update_bytes`] at
+//!   the measured throughputs, or at the device's memory bandwidth where the machine was not
+//!   profiled: negligible on a GPU, a real share of a CPU step.
+//!
+//! Folds, updates and moves stream bytes at [`RuntimeCosts`]' measured throughputs where the
+//! machine was profiled ([`MachineModel::runtime_costs`]); that is all this module reads of the
+//! embedded CPU runtime's costs. How tasks share threads and cores is [`super::cpu_host`]'s.
+
+use crate::config::{ParallelConfig, tile_rect};
+use crate::cost::CostModel;
+use crate::fast_hash::FastHashMap;
+use crate::machine::{DeviceId, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
+use crate::sync::{SyncPlan, param_slices};
+use crate::transfer::edge_overlaps;
+use legion_ops::{Graph, LayerId, Rect};
+
+/// What a task does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TaskKind {
+    Forward,
+    Backward,
+    /// Forward activations between devices.
+    Copy,
+    /// Backward gradients between devices.
+    GradientCopy,
+    /// Parameter synchronisation messages: gradient to the owner, new values back.
+    Sync,
+    /// A sum of gradient terms (activation or parameter gradients) on a device.
+    Fold,
+    /// The SGD update of a parameter slice (block) on its owner.
+    Update,
+    /// Data copied on a device's actor: a piece gathered out of an instance to send, a received
+    /// piece stored into a larger instance, a local copy between instances.
+    Move,
+    /// The transport's CPU work for a message between nodes, on one end's network threads.
+    Network,
+}
+
+impl TaskKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TaskKind::Forward => "forward",
+            TaskKind::Backward => "backward",
+            TaskKind::Copy => "copy",
+            TaskKind::GradientCopy => "gradient",
+            TaskKind::Sync => "sync",
+            TaskKind::Fold => "fold",
+            TaskKind::Update => "update",
+            TaskKind::Move => "move",
+            TaskKind::Network => "network",
+        }
+    }
+}
+
+/// Where a task runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Resource {
+    Device(DeviceId),
+    /// The directed link `from → to`.
+    Link(DeviceId, DeviceId),
+    /// A node's network threads (by node index): the transport's CPU work for the messages it
+    /// sends and receives ([`MachineModel::network_cpu`]).
+    Network(usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Task {
+    pub name: String,
+    pub kind: TaskKind,
+    pub resource: Resource,
+    /// Seconds.
+    pub duration: f64,
+    /// Bytes moved (transfers only).
+    pub bytes: u64,
+    /// Seconds between the task's end and its result reaching the tasks that depend on it, holding
+    /// no resource: a message's latency over its link, which carries the next message meanwhile
+    /// (a link is a pipe; only `bytes / bandwidth` occupies it).
+    pub latency: f64,
+    /// Tasks that must finish first.
+    pub deps: Vec<usize>,
+}
+
+/// A task less its name and dependencies.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct TaskSpec {
+    kind: TaskKind,
+    resource: Resource,
+    duration: f64,
+    bytes: u64,
+    latency: f64,
+}
+
+impl TaskSpec {
+    /// A task on `device` that moves nothing over a link.
+    fn on_device(kind: TaskKind, device: DeviceId, duration: f64) -> TaskSpec {
+        TaskSpec {
+            kind,
+            resource: Resource::Device(device),
+            duration,
+            bytes: 0,
+            latency: 0.0,
+        }
+    }
+}
+
+/// Where [`build_tasks`] puts the iteration's tasks: named [`Task`]s, or [`CompactTasks`], which
+/// never calls the names.
+pub(super) trait TaskSink {
+    /// Adds a task that runs after `deps` and returns its number; `name` is called only by a sink
+    /// that keeps names.
+    fn push(&mut self, task: TaskSpec, name: impl FnOnce() -> String, deps: &[usize]) -> usize;
+    /// Makes `task` wait for `dep` as well.
+    fn depend(&mut self, task: usize, dep: usize);
+}
+
+impl TaskSink for Vec<Task> {
+    fn push(&mut self, task: TaskSpec, name: impl FnOnce() -> String, deps: &[usize]) -> usize {
+        self.push(Task {
+            name: name(),
+            kind: task.kind,
+            resource: task.resource,
+            duration: task.duration,
+            bytes: task.bytes,
+            latency: task.latency,
+            deps: deps.to_vec(),
+        });
+        self.len() - 1
+    }
+
+    fn depend(&mut self, task: usize, dep: usize) {
+        self[task].deps.push(dep);
+    }
+}
+
+/// A task graph as the scheduler reads it, in flat arrays: no names, no bytes, no vector per task.
+/// An iteration on a thousand devices has tens of millions of tasks; as [`Task`]s (a name and a
+/// dependency vector each) they took over 10 GiB.
+#[derive(Clone, Debug, Default)]
+pub struct CompactTasks {
+    /// Each task's index in `works`.
+    pub(super) work: Vec<u32>,
+    /// The distinct (kind, seconds) pairs tasks have: most are messages of a few sizes.
+    works: Vec<(TaskKind, f64)>,
+    work_index: FastHashMap<(TaskKind, u64), u32>,
+    /// Each task's index in `places`.
+    pub(super) place: Vec<u32>,
+    /// (task, dependency), in the order they were added.
+    pub(super) deps: Vec<(u32, u32)>,
+    /// The distinct (resource index, latency) pairs tasks have: a message's latency is its link's.
+    places: Vec<(u32, f64)>,
+    place_index: FastHashMap<(Resource, u64), u32>,
+    /// The distinct resources, by index.
+    pub(super) resources: Vec<Resource>,
+    resource_index: FastHashMap<Resource, u32>,
+    /// Devices numbered below this have their resources' places in `dense_places`.
+    dense_devices: usize,
+    /// By [`CompactTasks::dense_slot`]: the first place of each resource ([`NO_PLACE`] if none
+    /// yet). A link's messages look their place up here: through `place_index`, a table of a
+    /// million links, each was a cache miss, a third of building the tasks of a thousand devices.
+    dense_places: Vec<u32>,
+}
+
+/// [`CompactTasks::dense_places`] of a resource with no task yet.
+const NO_PLACE: u32 = u32::MAX;
+
+/// The most devices whose links [`CompactTasks::for_devices`] indexes densely (64 MiB).
+const MOST_DENSE_DEVICES: usize = 4096;
+
+impl CompactTasks {
+    /// An empty graph for a machine of `devices`, indexing their links densely if not too many.
+    pub fn for_devices(devices: usize) -> CompactTasks {
+        if devices > MOST_DENSE_DEVICES {
+            return CompactTasks::default();
+        }
+        CompactTasks {
+            dense_devices: devices,
+            dense_places: vec![NO_PLACE; devices + devices * devices + devices],
+            ..CompactTasks::default()
+        }
+    }
+
+    /// Where `resource` is in `dense_places`, if there: devices, then links by (from, to), then
+    /// nodes (no more nodes than devices).
+    fn dense_slot(&self, resource: Resource) -> Option<usize> {
+        let n = self.dense_devices;
+        match resource {
+            Resource::Device(d) if d < n => Some(d),
+            Resource::Link(a, b) if a < n && b < n => Some(n + a * n + b),
+            Resource::Network(node) if node < n => Some(n + n * n + node),
+            _ => None,
+        }
+    }
+
+    /// The index in `places` of (`resource`, `latency`), added if new.
+    fn place_of(&mut self, resource: Resource, latency: f64) -> u32 {
+        let slot = self.dense_slot(resource);
+        if let Some(slot) = slot {
+            let p = self.dense_places[slot];
+            if p != NO_PLACE && self.places[p as usize].1.to_bits() == latency.to_bits() {
+                return p;
+            }
+        }
+        let key = (resource, latency.to_bits());
+        if let Some(&p) = self.place_index.get(&key) {
+            return p;
+        }
+        let next = task_number(self.resources.len());
+        let index = *self.resource_index.entry(resource).or_insert(next);
+        if index == next {
+            self.resources.push(resource);
+        }
+        self.places.push((index, latency));
+        let p = task_number(self.places.len() - 1);
+        self.place_index.insert(key, p);
+        if let Some(slot) = slot
+            && self.dense_places[slot] == NO_PLACE
+        {
+            self.dense_places[slot] = p;
+        }
+        p
+    }
+
+    /// `tasks` as the scheduler reads them.
+    pub fn from_tasks(tasks: &[Task]) -> CompactTasks {
+        let mut compact = CompactTasks::default();
+        for t in tasks {
+            let spec = TaskSpec {
+                kind: t.kind,
+                resource: t.resource,
+                duration: t.duration,
+                bytes: t.bytes,
+                latency: t.latency,
+            };
+            TaskSink::push(&mut compact, spec, String::new, &t.deps);
+        }
+        compact
+    }
+
+    pub fn len(&self) -> usize {
+        self.work.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.work.is_empty()
+    }
+
+    pub(super) fn resource_of(&self, task: usize) -> u32 {
+        self.places[self.place[task] as usize].0
+    }
+
+    pub(super) fn latency_of(&self, task: usize) -> f64 {
+        self.places[self.place[task] as usize].1
+    }
+
+    pub(super) fn kind_of(&self, task: usize) -> TaskKind {
+        self.works[self.work[task] as usize].0
+    }
+
+    pub(super) fn duration_of(&self, task: usize) -> f64 {
+        self.works[self.work[task] as usize].1
+    }
+}
+
+/// A task number as the compact graph stores it.
+pub(super) fn task_number(task: usize) -> u32 {
+    u32::try_from(task).expect("fewer than 2^32 tasks")
+}
+
+impl TaskSink for CompactTasks {
+    fn push(&mut self, task: TaskSpec, _name: impl FnOnce() -> String, deps: &[usize]) -> usize {
+        let id = self.work.len();
+        let place = self.place_of(task.resource, task.latency);
+        let next = task_number(self.works.len());
+        let work = *self
+            .work_index
+            .entry((task.kind, task.duration.to_bits()))
+            .or_insert(next);
+        if work == next {
+            self.works.push((task.kind, task.duration));
+        }
+        self.work.push(work);
+        self.place.push(place);
+        for &d in deps {
+            self.deps.push((task_number(id), task_number(d)));
+        }
+        id
+    }
+
+    fn depend(&mut self, task: usize, dep: usize) {
+        self.deps.push((task_number(task), task_number(dep)));
+    }
+}
+
+/// The task graph of one iteration, in program order.
+pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
+    let mut tasks = Vec::new();
+    build_tasks(model, configs, &mut tasks);
+    tasks
+}
+
+/// Builds the task graph of one iteration into `tasks`, in program order (see [`TaskSink`]).
+pub(super) fn build_tasks(
+    model: &CostModel,
+    configs: &[ParallelConfig],
+    tasks: &mut impl TaskSink,
+) {
+    let graph = model.graph();
+    let machine = model.machine();
+    let provider = model.provider();
+    // forward[l][t], backward[l][t]
+    let mut forward: Vec<Vec<usize>> = Vec::new();
+    let mut backward_time: Vec<Vec<f64>> = Vec::new();
+    for id in graph.ids() {
+        let layer = graph.layer(id);
+        let config = &configs[id.0];
+        let mut f = Vec::new();
+        let mut b = Vec::new();
+        for t in 0..config.total() {
+            let rect = tile_rect(&layer.shape, config, t);
+            let device = config.device_of_tile(t);
+            let times = provider.phase_times(layer, model.input_shapes(id), &rect, device);
+            let task = TaskSpec::on_device(TaskKind::Forward, device, times.forward);
+            f.push(tasks.push(task, || format!("{} fwd {t}", layer.name), &[]));
+            b.push(times.backward);
+        }
+        forward.push(f);
+        backward_time.push(b);
+    }
+    let edges: Vec<_> = model
+        .edges()
+        .iter()
+        .map(|e| {
+            (
+                *e,
+                edge_overlaps(graph, e, &configs[e.src.0], &configs[e.dst.0]),
+            )
+        })
+        .collect();
+    for (e, overlaps) in &edges {
+        let (src_tiles, needed) = edge_rects(graph, e, &configs[e.src.0], &configs[e.dst.0]);
+        for o in overlaps {
+            let mut from = forward[e.src.0][o.src_tile];
+            let to = forward[e.dst.0][o.dst_tile];
+            // The producer's instance is its tile, the consumer's its whole input rect: a piece of
+            // either is copied out of or into it on the device's actor.
+            let gathered = o.rect != src_tiles[o.src_tile];
+            let stored = o.rect != needed[o.dst_tile];
+            let names = || {
+                format!(
+                    "{} {} → {} {}",
+                    graph.layer(e.src).name,
+                    o.src_tile,
+                    graph.layer(e.dst).name,
+                    o.dst_tile
+                )
+            };
+            if o.is_local() {
+                // On one device the runtime copies a piece straight from instance to instance.
+                let dep = if gathered || stored {
+                    let bytes = o.bytes();
+                    move_task(tasks, machine, names, o.src_device, bytes, &[from])
+                } else {
+                    from
+                };
+                tasks.depend(to, dep);
+                continue;
+            }
+            if gathered {
+                from = move_task(
+                    tasks,
+                    machine,
+                    || format!("gather {}", names()),
+                    o.src_device,
+                    o.bytes(),
+                    &[from],
+                );
+            }
+            let mut arrived = message(
+                tasks,
+                machine,
+                names,
+                TaskKind::Copy,
+                (o.src_device, o.dst_device),
+                o.bytes(),
+                from,
+            );
+            if stored {
+                arrived = Arrived::one(move_task(
+                    tasks,
+                    machine,
+                    || format!("store {}", names()),
+                    o.dst_device,
+                    o.bytes(),
+                    arrived.tasks(),
+                ));
+            }
+            for &a in arrived.tasks() {
+                tasks.depend(to, a);
+            }
+        }
+    }
+    // Backward in reverse layer order (the order the runtime launches them); the input layer has
+    // none.
+    let mut backward: Vec<Vec<usize>> = vec![Vec::new(); graph.layers().len()];
+    for id in (0..graph.layers().len()).rev().map(LayerId) {
+        if id == graph.input() {
+            continue;
+        }
+        let layer = graph.layer(id);
+        let config = &configs[id.0];
+        for t in 0..config.total() {
+            let device = config.device_of_tile(t);
+            let task = TaskSpec::on_device(TaskKind::Backward, device, backward_time[id.0][t]);
+            let name = || format!("{} bwd {t}", layer.name);
+            backward[id.0].push(tasks.push(task, name, &[forward[id.0][t]]));
+        }
+    }
+    // The gradient terms of each tile's output: (task producing the term, bytes of the term, its
+    // rect in the tensor).
+    let mut terms: Vec<Vec<Vec<(usize, u64, Rect)>>> = configs
+        .iter()
+        .map(|c| vec![Vec::new(); c.total()])
+        .collect();
+    // The rects written into each layer's output gradient, in the runtime's launch order.
+    let mut written: Vec<Vec<Rect>> = vec![Vec::new(); configs.len()];
+    for (e, overlaps) in edges.iter().rev() {
+        if !e.carries_gradient(graph) {
+            continue;
+        }
+        let (_, needed) = edge_rects(graph, e, &configs[e.src.0], &configs[e.dst.0]);
+        written[e.src.0].extend(needed.iter().filter(|r| !r.is_empty()));
+        for o in overlaps {
+            let mut from = backward[e.dst.0][o.dst_tile];
+            if o.is_local() {
+                terms[e.src.0][o.src_tile].push((from, o.bytes(), o.rect));
+                continue;
+            }
+            // The consumer's gradient instance is its whole input rect; the producer receives the
+            // term whole (a staging instance the fold reads).
+            let names = || {
+                format!(
+                    "{} {} ← {} {}",
+                    graph.layer(e.src).name,
+                    o.src_tile,
+                    graph.layer(e.dst).name,
+                    o.dst_tile
+                )
+            };
+            if o.rect != needed[o.dst_tile] {
+                from = move_task(
+                    tasks,
+                    machine,
+                    || format!("gather {}", names()),
+                    o.dst_device,
+                    o.bytes(),
+                    &[from],
+                );
+            }
+            let arrived = message(
+                tasks,
+                machine,
+                names,
+                TaskKind::GradientCopy,
+                (o.dst_device, o.src_device),
+                o.bytes(),
+                from,
+            );
+            // the term's bytes once, with the copy (the rest is the transport's CPU work)
+            let bytes = std::iter::once(o.bytes()).chain(std::iter::repeat(0));
+            terms[e.src.0][o.src_tile].extend(
+                arrived
+                    .tasks()
+                    .iter()
+                    .zip(bytes)
+                    .map(|(&t, b)| (t, b, o.rect)),
+            );
+        }
+    }
+    for id in (0..graph.layers().len()).rev().map(LayerId) {
+        let layer = graph.layer(id);
+        let config = &configs[id.0];
+        let mut fragments = vec![layer.shape.full_rect()];
+        for w in &written[id.0] {
+            split_fragments(&mut fragments, w);
+        }
+        for (t, tile_terms) in terms[id.0].iter().enumerate() {
+            if tile_terms.is_empty() || backward[id.0].is_empty() {
+                continue;
+            }
+            let device = config.device_of_tile(t);
+            let tile = tile_rect(&layer.shape, config, t);
+            let cells = split_fragments(&mut fragments, &tile);
+            for (k, cell) in cells.iter().enumerate() {
+                let covering: Vec<_> = tile_terms
+                    .iter()
+                    .filter(|(_, _, r)| r.contains(cell))
+                    .collect();
+                // each term once: a message's transport tasks carry no bytes of their own
+                let count = covering.iter().filter(|&&&(_, b, _)| b > 0).count();
+                let bytes = fold_bytes(count, 4 * cell.volume() as u64);
+                let name = || match cells.len() {
+                    1 => format!("{} grad sum {t}", layer.name),
+                    _ => format!("{} grad sum {t} part {k}", layer.name),
+                };
+                let deps: Vec<usize> = covering.iter().map(|&&(d, _, _)| d).collect();
+                let duration = fold_time(machine, device, bytes);
+                let fold = tasks.push(
+                    TaskSpec::on_device(TaskKind::Fold, device, duration),
+                    name,
+                    &deps,
+                );
+                tasks.depend(backward[id.0][t], fold);
+            }
+        }
+    }
+    for id in (0..graph.layers().len()).rev().map(LayerId) {
+        let config = &configs[id.0];
+        let plan = SyncPlan::for_layer(graph, id, config);
+        // what each group's fold waits for (one vector, reused)
+        let mut gathers = Vec::new();
+        let name = &graph.layer(id).name;
+        // tile of each device of the layer
+        let tile_on = |d: DeviceId| backward[id.0][d - config.first_device()];
+        let layer = graph.layer(id);
+        let params = layer.op.spec().params(&graph.input_shapes(id));
+        for g in &plan.groups {
+            // Every replica holds the whole slice; the owner updates its block in an instance of
+            // its own. A block that is not the whole slice is gathered out of it on each replica
+            // and stored back into it on each replica and on the owner.
+            let owner_tile = tile_rect(&layer.shape, config, g.owner - config.first_device());
+            let partial = layer.op.spec().param_rect(&params[g.param], &owner_tile) != g.slice;
+            gathers.clear();
+            for &r in &g.replicas {
+                let bytes = g.bytes();
+                let mut dep = tile_on(r);
+                let names = || format!("{name} param {} grad {r} → {}", g.param, g.owner);
+                if partial {
+                    let gather = || format!("gather {}", names());
+                    dep = move_task(tasks, machine, gather, r, bytes, &[dep]);
+                }
+                let (kind, ends) = (TaskKind::Sync, (r, g.owner));
+                let arrived = message(tasks, machine, names, kind, ends, bytes, dep);
+                gathers.extend_from_slice(arrived.tasks());
+            }
+            gathers.push(tile_on(g.owner));
+            let update = fold_and_update(
+                tasks,
+                machine,
+                || format!("{name} param {}", g.param),
+                g.owner,
+                g.replicas.len() + 1,
+                g.bytes(),
+                &gathers,
+            );
+            if partial {
+                move_task(
+                    tasks,
+                    machine,
+                    || format!("copy {name} param {} on {}", g.param, g.owner),
+                    g.owner,
+                    g.bytes(),
+                    &[update],
+                );
+            }
+            for &r in &g.replicas {
+                let bytes = g.bytes();
+                let names = || format!("{name} param {} value {} → {r}", g.param, g.owner);
+                let (kind, ends) = (TaskKind::Sync, (g.owner, r));
+                let arrived = message(tasks, machine, names, kind, ends, bytes, update);
+                if partial {
+                    let store = || format!("store {}", names());
+                    move_task(tasks, machine, store, r, bytes, arrived.tasks());
+                }
+            }
+        }
+        for (param, device, bytes) in unshared_slices(graph, id, config) {
+            fold_and_update(
+                tasks,
+                machine,
+                || format!("{name} param {param}"),
+                device,
+                1,
+                bytes,
+                &[tile_on(device)],
+            );
+        }
+    }
+}
+
+/// The owner's fold of a slice's `terms` gradients (its own and the replicas'), after `deps`, then
+/// the SGD update of the slice; returns the update. `name` names the slice.
+fn fold_and_update(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    name: impl Fn() -> String,
+    owner: DeviceId,
+    terms: usize,
+    slice_bytes: u64,
+    deps: &[usize],
+) -> usize {
+    let duration = fold_time(machine, owner, fold_bytes(terms, slice_bytes));
+    let fold = tasks.push(
+        TaskSpec::on_device(TaskKind::Fold, owner, duration),
+        || format!("{} grad sum on {owner}", name()),
+        deps,
+    );
+    let duration = update_time(machine, owner, slice_bytes);
+    tasks.push(
+        TaskSpec::on_device(TaskKind::Update, owner, duration),
+        || format!("{} update on {owner}", name()),
+        &[fold],
+    )
+}
+
+/// Copying `bytes` on `device`'s actor (a gather out of, or a store into, a larger instance), after
+/// `deps`; returns the task.
+fn move_task(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    name: impl FnOnce() -> String,
+    device: DeviceId,
+    bytes: u64,
+    deps: &[usize],
+) -> usize {
+    let rate = machine
+        .runtime_costs()
+        .map_or(machine.device(device).memory_bytes_per_s(), |c| {
+            c.copy_bytes_per_s
+        });
+    let duration = bytes as f64 / rate;
+    tasks.push(
+        TaskSpec::on_device(TaskKind::Move, device, duration),
+        name,
+        deps,
+    )
+}
+
+/// The producer's tiles and each consumer tile's input rect of `edge` (the instances the runtime
+/// keeps on each side).
+fn edge_rects(
+    graph: &Graph,
+    edge: &crate::transfer::Edge,
+    src_config: &ParallelConfig,
+    dst_config: &ParallelConfig,
+) -> (Vec<Rect>, Vec<Rect>) {
+    let producer = graph.layer(edge.src);
+    let consumer = graph.layer(edge.dst);
+    let inputs = graph.input_shapes(edge.dst);
+    let src = (0..src_config.total())
+        .map(|t| tile_rect(&producer.shape, src_config, t))
+        .collect();
+    let needed = (0..dst_config.total())
+        .map(|t| {
+            let out = tile_rect(&consumer.shape, dst_config, t);
+            consumer.op.spec().project(&inputs, &out)[edge.input]
+        })
+        .collect();
+    (src, needed)
+}
+
+/// Trainable parameter slices of `layer` that only one tile uses (no replica group): (parameter
+/// index, the tile's device, f32 bytes of the slice).
+fn unshared_slices(
+    graph: &Graph,
+    layer: LayerId,
+    config: &ParallelConfig,
+) -> Vec<(usize, DeviceId, u64)> {
+    let mut out = Vec::new();
+    for (param, slices) in param_slices(graph, layer, config) {
+        for (slice, devices) in slices {
+            if let [device] = devices[..]
+                && !slice.is_empty()
+            {
+                out.push((param, device, 4 * slice.volume() as u64));
+            }
+        }
+    }
+    out
+}
+
+/// Cuts a region's `fragments` along `rect` as the runtime's dependence analysis does
+/// (`Analysis::split` in legion-runtime, which folds each fragment of a gradient apart); returns
+/// the fragments inside `rect`.
+fn split_fragments(fragments: &mut Vec<Rect>, rect: &Rect) -> Vec<Rect> {
+    let mut inside = Vec::new();
+    for i in 0..fragments.len() {
+        let f = fragments[i];
+        if rect.contains(&f) {
+            inside.push(f);
+        } else if f.overlaps(rect) {
+            fragments[i] = f.intersect(rect);
+            inside.push(fragments[i]);
+            fragments.extend(f.subtract(rect));
+        }
+    }
+    inside
+}
+
+/// Seconds for `device` to fold: `bytes` as [`fold_bytes`] counts them, at the measured fold
+/// throughput (the device's memory bandwidth where not profiled).
+fn fold_time(machine: &MachineModel, device: DeviceId, bytes: u64) -> f64 {
+    let rate = machine
+        .runtime_costs()
+        .map_or(machine.device(device).memory_bytes_per_s(), |c| {
+            c.fold_bytes_per_s
+        });
+    bytes as f64 / rate
+}
+
+/// Seconds for `owner` to apply SGD to a slice of `slice_bytes` ([`update_bytes`] at the measured
+/// update throughput, or the device's memory bandwidth).
+fn update_time(machine: &MachineModel, owner: DeviceId, slice_bytes: u64) -> f64 {
+    let rate = machine.runtime_costs().map_or(
+        machine.device(owner).memory_bytes_per_s(),
+        |c: &RuntimeCosts| c.update_bytes_per_s,
+    );
+    update_bytes(slice_bytes) as f64 / rate
+}
+
+/// The tasks a reader of a message waits for: the transfer, then the transport's work at each end
+/// where there is some (at most three; no allocation per message).
+#[derive(Clone, Copy, Debug)]
+struct Arrived {
+    ids: [usize; 3],
+    len: usize,
+}
+
+impl Arrived {
+    fn one(task: usize) -> Arrived {
+        Arrived {
+            ids: [task, 0, 0],
+            len: 1,
+        }
+    }
+
+    fn tasks(&self) -> &[usize] {
+        &self.ids[..self.len]
+    }
+}
+
+/// A message of `bytes` from `ends.0` to `ends.1` once task `after` has finished: the transfer on
+/// their link and, between nodes of a machine with [`MachineModel::network_cpu`], the transport's
+/// work on the sender's and on the receiver's network threads, which runs while the message is on
+/// the wire. Returns the tasks a reader of the message waits for: it has arrived when all have
+/// finished. `name` names the message.
+fn message(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    name: impl Fn() -> String,
+    kind: TaskKind,
+    (from, to): (DeviceId, DeviceId),
+    bytes: u64,
+    after: usize,
+) -> Arrived {
+    let mut arrived = Arrived {
+        ids: [0; 3],
+        len: 0,
+    };
+    if let Some(cpu) = machine.network_cpu()
+        && machine.node_of(from) != machine.node_of(to)
+    {
+        for (end, s_per_byte, side) in [
+            (from, cpu.send_s_per_byte, "send"),
+            (to, cpu.recv_s_per_byte, "receive"),
+        ] {
+            let work = TaskSpec {
+                kind: TaskKind::Network,
+                resource: Resource::Network(machine.node_of(end)),
+                duration: bytes as f64 * s_per_byte,
+                bytes: 0,
+                latency: 0.0,
+            };
+            arrived.ids[arrived.len] = tasks.push(work, || format!("{side} {}", name()), &[after]);
+            arrived.len += 1;
+        }
+    }
+    let l = machine.link(from, to);
+    let transfer = TaskSpec {
+        kind,
+        resource: link(machine, from, to),
+        duration: l.map_or(0.0, |l| bytes as f64 * l.seconds_per_byte()),
+        bytes,
+        latency: l.map_or(0.0, |l| l.latency_s),
+    };
+    // the transfer first (it carries the bytes), then the two ends' work
+    arrived.ids.rotate_right(1);
+    arrived.ids[0] = tasks.push(transfer, name, &[after]);
+    arrived.len += 1;
+    arrived
+}
+
+/// The link resource a message from `from` to `to` occupies (see [`MachineModel::link_channel`]).
+fn link(machine: &MachineModel, from: DeviceId, to: DeviceId) -> Resource {
+    let (a, b) = machine.link_channel(from, to);
+    Resource::Link(a, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_are_shared_by_resource_and_latency_dense_or_not() {
+        let mut dense = CompactTasks::for_devices(4);
+        let mut hashed = CompactTasks::default();
+        let resources = [
+            (Resource::Link(1, 2), 1e-6),
+            (Resource::Device(3), 0.0),
+            (Resource::Link(1, 2), 1e-6),
+            // the same link at another latency is another place
+            (Resource::Link(1, 2), 2e-6),
+            (Resource::Link(2, 1), 1e-6),
+            (Resource::Network(1), 0.0),
+            // beyond the dense devices
+            (Resource::Link(9, 2), 1e-6),
+            (Resource::Link(1, 2), 2e-6),
+        ];
+        for tasks in [&mut dense, &mut hashed] {
+            let places: Vec<u32> = resources
+                .iter()
+                .map(|&(r, latency)| tasks.place_of(r, latency))
+                .collect();
+            assert_eq!(places, [0, 1, 0, 2, 3, 4, 5, 2]);
+            assert_eq!(tasks.places[2], (0, 2e-6), "one resource, two latencies");
+            assert_eq!(tasks.resources.len(), 5);
+        }
+    }
+}
