@@ -3,11 +3,15 @@
 
 mod data;
 mod exhaustive;
+pub mod hypar;
 mod min_plus;
 mod model;
 mod optcnn;
 mod owt;
 mod relaxation;
+pub mod soybean;
+pub mod tiling;
+pub mod tofu;
 
 pub use data::data_parallel;
 pub use exhaustive::{DEFAULT_BUDGET, ExhaustiveResult, SIDE_BY_SIDE_BUDGET, exhaustive};
