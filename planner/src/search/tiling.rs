@@ -749,6 +749,58 @@ pub(crate) mod tests {
         b.finish()
     }
 
+    /// A random small CNN for the planners' property tests: an input, one to three blocks (a
+    /// conv, a relu, a pooling, or a fork-join of a 1×1 conv and a relu into a concat or add),
+    /// then flatten, dense and the loss. Sizes are small powers of two and odd numbers, so that
+    /// some splits do not fit.
+    pub(crate) fn random_graph(seed: u64) -> Graph {
+        let mut rng = legion_ops::rng::Rng::new(seed);
+        let mut pick = |options: &[usize]| options[rng.below(options.len())];
+        let batch = pick(&[2, 4, 8, 16, 3]);
+        let mut channels = pick(&[1, 2, 4, 8, 3]);
+        let mut image = pick(&[2, 4, 8, 6]);
+        let blocks = pick(&[1, 2, 3]);
+        let kinds: Vec<usize> = (0..blocks).map(|_| pick(&[0, 1, 2, 3, 4])).collect();
+        let widths: Vec<usize> = (0..blocks).map(|_| pick(&[2, 4, 8, 5])).collect();
+        let classes = pick(&[2, 4, 10]);
+        let mut b = GraphBuilder::new("random");
+        let mut x = b
+            .input("x", Shape::nchw(batch, channels, image, image))
+            .unwrap();
+        for (i, (&kind, &width)) in kinds.iter().zip(&widths).enumerate() {
+            x = match kind {
+                0 => {
+                    channels = width;
+                    b.conv2d(&format!("conv{i}"), x, Conv2d::new(width, 3).padding(1))
+                        .unwrap()
+                }
+                1 => b.relu(&format!("relu{i}"), x).unwrap(),
+                2 if image >= 2 && image % 2 == 0 => {
+                    image /= 2;
+                    b.pool2d(&format!("pool{i}"), x, Pool2d::max(2)).unwrap()
+                }
+                3 => {
+                    let a = b
+                        .conv2d(&format!("branch{i}"), x, Conv2d::new(width, 1))
+                        .unwrap();
+                    let r = b.relu(&format!("side{i}"), x).unwrap();
+                    channels += width;
+                    b.concat(&format!("cat{i}"), &[a, r]).unwrap()
+                }
+                _ => {
+                    let a = b
+                        .conv2d(&format!("branch{i}"), x, Conv2d::new(channels, 1))
+                        .unwrap();
+                    b.add(&format!("add{i}"), a, x).unwrap()
+                }
+            };
+        }
+        let f = b.flatten("flat", x).unwrap();
+        let d = b.dense("fc", f, Dense::new(classes)).unwrap();
+        b.softmax_cross_entropy("loss", d).unwrap();
+        b.finish()
+    }
+
     #[test]
     fn configs_are_in_their_layers_spaces() {
         let g = small_cnn(8, 4, 8);
