@@ -303,4 +303,25 @@ mod tests {
             .collect();
         assert!(weighted.iter().any(|c| c.contains(&Cut::N)), "{weighted:?}");
     }
+
+    /// §6.2 on Fig. 5: "for most networks, especially large-scale networks, such as AlexNet and
+    /// VGGs, in the convolutional layers, the parallelisms are usually data parallelism, and in
+    /// fully-connected layers ... model parallelism". AlexNet and VGG-16 (VGG-D) at batch 256 on
+    /// 16 accelerators: every conv dp and every dense layer mp at all four levels.
+    #[test]
+    fn alexnet_and_vgg_convolutions_dp_dense_layers_mp() {
+        let machine = MachineModel::preset("paper").unwrap();
+        for name in ["alexnet", "vgg16"] {
+            let z = legion_ops::zoo::find(name).unwrap();
+            let g = z.build(&z.default_config(256)).unwrap();
+            let found = hypar(&g, &machine);
+            for (layer, cuts) in g.layers().iter().zip(&found.levels.cuts) {
+                match layer.op {
+                    Op::Conv2d(_) => assert_eq!(cuts, &vec![Cut::N; 4], "{name} {}", layer.name),
+                    Op::Dense(_) => assert_eq!(cuts, &vec![Cut::Red; 4], "{name} {}", layer.name),
+                    _ => {}
+                }
+            }
+        }
+    }
 }

@@ -47,7 +47,13 @@ pub struct SoybeanPlan {
 
 /// Algorithm 1 with k = log2 of the machine's devices (rounded down to a power of two).
 pub fn soybean(graph: &Graph, machine: &MachineModel) -> SoybeanPlan {
-    let costs = SoybeanCosts { graph };
+    soybean_with(graph, machine, false)
+}
+
+/// Algorithm 1, with `spatial` also letting convolutions halve their height or width (§4.5
+/// judges those splits dominated; halos are priced as any halving).
+pub fn soybean_with(graph: &Graph, machine: &MachineModel, spatial: bool) -> SoybeanPlan {
+    let costs = SoybeanCosts { graph, spatial };
     let cuts = recursive_cuts(graph, cut_steps(machine), &costs);
     SoybeanPlan {
         configs: cuts.configs(graph),
@@ -64,17 +70,24 @@ pub fn soybean_native_bytes(
     configs: &[ParallelConfig],
 ) -> f64 {
     let cuts = cuts_of_configs(configs, cut_steps(machine));
-    4.0 * price_cuts(graph, &cuts, &SoybeanCosts { graph }).total()
+    let costs = SoybeanCosts {
+        graph,
+        spatial: true,
+    };
+    4.0 * price_cuts(graph, &cuts, &costs).total()
 }
 
 pub(crate) struct SoybeanCosts<'g> {
     pub(crate) graph: &'g Graph,
+    /// Whether convolutions may also take spatial cuts.
+    pub(crate) spatial: bool,
 }
 
 impl StepCosts for SoybeanCosts<'_> {
     fn choices(&self, layer: LayerId, split: &Split) -> Vec<Cut> {
         let l = self.graph.layer(layer);
         let wanted: &[Cut] = match LayerKind::of(l) {
+            LayerKind::Weighted if self.spatial => &[Cut::N, Cut::C, Cut::Red, Cut::H, Cut::W],
             LayerKind::Weighted => &[Cut::N, Cut::C, Cut::Red],
             LayerKind::Elementwise => &[Cut::N, Cut::C],
             _ => &[Cut::N],
@@ -262,7 +275,14 @@ mod tests {
         let machine = MachineModel::preset("paper").unwrap();
         let g = mlp(5, 300, 400);
         let dp: Vec<Vec<Cut>> = vec![vec![Cut::N; 4]; g.layers().len()];
-        let plan = price_cuts(&g, &dp, &SoybeanCosts { graph: &g });
+        let plan = price_cuts(
+            &g,
+            &dp,
+            &SoybeanCosts {
+                graph: &g,
+                spatial: false,
+            },
+        );
         assert_eq!(plan.per_group, vec![900_000.0; 4]);
         assert_eq!(plan.total(), 2.0 * 15.0 * 450_000.0);
         let order = |first: Cut, second: Cut| -> f64 {
@@ -274,7 +294,15 @@ mod tests {
                     _ => vec![Cut::N; 4],
                 })
                 .collect();
-            price_cuts(&g, &cuts, &SoybeanCosts { graph: &g }).total()
+            price_cuts(
+                &g,
+                &cuts,
+                &SoybeanCosts {
+                    graph: &g,
+                    spatial: false,
+                },
+            )
+            .total()
         };
         assert_eq!(order(Cut::N, Cut::C), order(Cut::C, Cut::N));
         let _ = machine;
@@ -285,7 +313,15 @@ mod tests {
         let machine = MachineModel::preset("paper:8").unwrap();
         let g = small_cnn(16, 8, 8);
         let found = soybean(&g, &machine);
-        let repriced = price_cuts(&g, &found.cuts.cuts, &SoybeanCosts { graph: &g }).total();
+        let repriced = price_cuts(
+            &g,
+            &found.cuts.cuts,
+            &SoybeanCosts {
+                graph: &g,
+                spatial: false,
+            },
+        )
+        .total();
         assert_eq!(4.0 * repriced, found.native_bytes);
         let data = crate::search::data_parallel(&g, &machine);
         assert!(found.native_bytes <= soybean_native_bytes(&g, &machine, &data) + 1e-6);

@@ -721,7 +721,7 @@ pub(crate) mod tests {
                     (0..choices * choices).map(|_| (rng.next_u64() % 10) as f64).collect()
                 };
                 tables.push(PairTable { src: dst - 1, dst, costs: table(&mut rng) });
-                if dst >= 2 && rng.next_u64() % 2 == 0 {
+                if dst >= 2 && rng.next_u64().is_multiple_of(2) {
                     // a skip edge over one node: a fork-join
                     tables.push(PairTable { src: dst - 2, dst, costs: table(&mut rng) });
                 }
@@ -731,8 +731,8 @@ pub(crate) mod tests {
         }
     }
 
-    /// A small CNN with a fork-join, for the planners' tests: input, conv, two branches (conv, and
-    /// pool then conv... no: conv and conv), concat, pool, flatten, dense, loss.
+    /// A small CNN with a fork-join, for the planners' tests: input, conv, two branches (a 1×1
+    /// conv and a relu) into a concat, pool, flatten, dense, loss.
     pub(crate) fn small_cnn(batch: usize, channels: usize, image: usize) -> Graph {
         let mut b = GraphBuilder::new("small");
         let x = b.input("x", Shape::nchw(batch, 3, image, image)).unwrap();
