@@ -324,4 +324,47 @@ mod tests {
             }
         }
     }
+
+    /// §6.5.2, VGG-E's conv5 (512 → 512 channels, 3×3, 14×14 output) at batch 32:
+    /// A(ΔW) = 512·512·3² = 2 359 296 and A(F_(l+1)) = 32·512·14·14 = 3 211 264. Its fc3
+    /// (4096 → 1000) at batch 4096: A(ΔW) = A(F_(l+1)) = 4 096 000, a tie that the inter-layer
+    /// cost breaks: after a dp layer, dp-dp moves nothing while dp-mp does, "so we should choose
+    /// data parallelism for that layer" (the Trick chose mp).
+    #[test]
+    fn section_6_5_2_vgg_e_conv5_and_fc3() {
+        let costs_of = |g: &Graph, name: &str| {
+            let costs = HyparCosts { graph: g };
+            let id = g.find(name).unwrap();
+            // one group's pull: half of the two-way count
+            (
+                costs.unary(id, &Split::WHOLE, Cut::N, 0) / 2.0,
+                costs.unary(id, &Split::WHOLE, Cut::Red, 0) / 2.0,
+            )
+        };
+        let mut b = GraphBuilder::new("conv5");
+        let x = b.input("x", Shape::nchw(32, 512, 14, 14)).unwrap();
+        let c = b
+            .conv2d("conv5", x, Conv2d::new(512, 3).padding(1).no_bias())
+            .unwrap();
+        let f = b.flatten("f", c).unwrap();
+        b.softmax_cross_entropy("loss", f).unwrap();
+        let conv5 = b.finish();
+        assert_eq!(costs_of(&conv5, "conv5"), (2_359_296.0, 3_211_264.0));
+
+        // a dp-bound producer (a small conv over a large batch) before fc3
+        let mut b = GraphBuilder::new("fc3");
+        let x = b.input("x", Shape::nchw(4096, 16, 16, 16)).unwrap();
+        let c = b
+            .conv2d("conv", x, Conv2d::new(16, 3).padding(1).no_bias())
+            .unwrap();
+        let f = b.flatten("f", c).unwrap();
+        let y = b.dense("fc3", f, Dense::new(1000).no_bias()).unwrap();
+        b.softmax_cross_entropy("loss", y).unwrap();
+        let fc3 = b.finish();
+        assert_eq!(costs_of(&fc3, "fc3"), (4_096_000.0, 4_096_000.0));
+        let machine = MachineModel::preset("paper:2").unwrap();
+        let found = hypar(&fc3, &machine);
+        assert_eq!(found.levels.cuts[fc3.find("conv").unwrap().0], vec![Cut::N]);
+        assert_eq!(found.levels.cuts[fc3.find("fc3").unwrap().0], vec![Cut::N]);
+    }
 }

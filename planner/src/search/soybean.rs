@@ -19,8 +19,8 @@
 //! the most significant device bit whatever it splits, where our tiles number n, c, h, w row-major.
 
 use super::tiling::{
-    Cut, CutPlan, LayerKind, Split, StepCosts, conversion, cut_steps, cuts_of_configs, elements,
-    input_tilings, output_gradient_tiling, output_tiling, price_cuts, recursive_cuts,
+    Cut, CutPlan, LayerKind, Split, StepCosts, Tiling, conversion, cut_steps, cuts_of_configs,
+    elements, input_tilings, output_gradient_tiling, output_tiling, price_cuts, recursive_cuts,
     weight_elements,
 };
 use crate::config::ParallelConfig;
@@ -112,11 +112,7 @@ impl StepCosts for SoybeanCosts<'_> {
         match cut {
             Cut::N | Cut::H | Cut::W if weighted => {
                 let share = weight_elements(self.graph, layer) / (split.c * split.red) as f64;
-                conversion(
-                    super::tiling::Tiling::Partial,
-                    super::tiling::Tiling::Whole,
-                    share,
-                )
+                conversion(Tiling::Partial, Tiling::Whole, share)
             }
             _ => 0.0,
         }
@@ -142,6 +138,22 @@ impl StepCosts for SoybeanCosts<'_> {
         };
         forward + backward
     }
+}
+
+/// Eq. 2: the elements one cut of `X · W = Z` moves, given the tilings of X, W and Z (held, and
+/// wanted for Z), as the cheapest of the three aligned forms (Fig. 6): R × r = R, r × C = C, and
+/// C × R = red (then reduced into Z's tiling). R is [`Tiling::Axis`] 0, C `Axis(1)`, r
+/// [`Tiling::Whole`]; `sizes` are the elements of X, W and Z.
+pub fn matmul_cost(x: Tiling, w: Tiling, z: Tiling, sizes: (f64, f64, f64)) -> f64 {
+    let (sx, sw, sz) = sizes;
+    let (rows, cols) = (Tiling::Axis(0), Tiling::Axis(1));
+    [
+        conversion(x, rows, sx) + conversion(w, Tiling::Whole, sw) + conversion(rows, z, sz),
+        conversion(x, Tiling::Whole, sx) + conversion(w, cols, sw) + conversion(cols, z, sz),
+        conversion(x, cols, sx) + conversion(w, rows, sw) + conversion(Tiling::Partial, z, sz),
+    ]
+    .into_iter()
+    .fold(f64::INFINITY, f64::min)
 }
 
 /// §2.2's per-device estimate (bytes): `groups` groups of `per_group` devices, data parallel
@@ -207,6 +219,21 @@ mod tests {
                 _ => ParallelConfig::new([groups * per_group, 1, 1, 1], 0),
             })
             .collect()
+    }
+
+    /// Fig. 7: (a) R × r = R is aligned and moves nothing; (b) C × r = R converts X from columns
+    /// to rows (the "ghost area": each device fetches the quarter of X it lacks, |X|/2 for the
+    /// pair), cheaper than the other forms (r × C = C fetches all of X and converts Z, C × R = red
+    /// reduces Z, |Z|); with square 4×4 matrices that is 16/2 = 8 elements.
+    #[test]
+    fn figure_7_aligned_and_unaligned_multiplications() {
+        let (r_, c_, whole) = (Tiling::Axis(0), Tiling::Axis(1), Tiling::Whole);
+        let sizes = (16.0, 16.0, 16.0);
+        assert_eq!(matmul_cost(r_, whole, r_, sizes), 0.0);
+        assert_eq!(matmul_cost(c_, whole, r_, sizes), 8.0);
+        // the other aligned forms are free when the tilings are theirs
+        assert_eq!(matmul_cost(whole, c_, c_, sizes), 0.0);
+        assert_eq!(matmul_cost(c_, r_, whole, sizes), 2.0 * 16.0);
     }
 
     /// §2.2, in the paper's words: parameters 300·300·5·4 B = 1.8 MB, activations 400·300·5·4 B =
