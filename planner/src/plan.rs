@@ -138,7 +138,11 @@ mod tests {
         for s in &run.searches[1..] {
             let native = s.native.expect("a seed planner counts its bytes");
             assert!(native.found >= 0.0 && native.mapped >= 0.0, "{}", s.kind);
-            assert!(s.lossy.is_some_and(|l| l.contains("reduction")), "{}", s.kind);
+            assert!(
+                s.lossy.is_some_and(|l| l.contains("reduction")),
+                "{}",
+                s.kind
+            );
         }
     }
 }

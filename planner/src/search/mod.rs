@@ -1,8 +1,8 @@
 //! Strategy searches: OptCNN's Algorithm 1, the exhaustive baseline, the three fixed strategies
-//! the paper compares with, and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan;
-//! `SEED-PLANNERS.md`), each searching its own space under its own byte count ([`native_bytes`])
-//! and mapped into ours, with what the mapping loses in [`Found::lossy`]. Each returns per-layer
-//! configs; [`run`] prices them with Eq. 1.
+//! the paper compares with, and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan),
+//! each searching its own space under its own byte count ([`native_bytes`]) and mapped into ours,
+//! with what the mapping loses in [`Found::lossy`]. Each returns per-layer configs; [`run`] prices
+//! them with Eq. 1.
 
 mod data;
 mod exhaustive;

@@ -1,4 +1,5 @@
-//! What the four seed planners (SOYBEAN, Tofu, HyPar, Spartan; see `SEED-PLANNERS.md`) share:
+//! What the four seed planners (SOYBEAN, Tofu, HyPar, Spartan: planners of other papers, each
+//! searching its own space under its own byte count) share:
 //!
 //! - [`Cut`] and [`Split`]: a layer's partition as its papers describe it, with the reduction
 //!   (input-channel) split that our [`ParallelConfig`] does not have yet, and [`Split::to_config`],
