@@ -33,7 +33,7 @@ use crate::machine::MachineModel;
 use crate::tables::CostTables;
 use std::fmt;
 
-/// The searches `legion-rs plan --search` knows.
+/// Every search [`find`] runs; `legion-rs plan --search` offers [`SearchKind::ALL`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SearchKind {
     OptCnn,
@@ -49,8 +49,9 @@ pub enum SearchKind {
 
 impl SearchKind {
     /// The searches of our own space: what `legion-rs plan --search all` runs. The seed planners
-    /// are [`SearchKind::SEEDS`], kept out of this list while the CLI's side-by-side table (whose
-    /// tests pin these five) moves crates; `find`, `run` and `parse` take them all.
+    /// are [`SearchKind::SEEDS`], out of this list until the CLI's side-by-side table (whose tests
+    /// pin these five) shows their native bytes and lossy notes; `find`, `run` and `parse` take
+    /// them all.
     pub const ALL: [SearchKind; 5] = [
         SearchKind::OptCnn,
         SearchKind::Exhaustive,
