@@ -8,7 +8,8 @@
 //! - [`provider`], [`profile`]: compute times (t_c) — roofline or measured.
 //! - [`transfer`], [`sync`]: the t_x and t_s models (the runtime implements the same schemes).
 //! - [`cost`]: Eq. 1 for any strategy; [`tables`]: the same as per-config tables for the searches.
-//! - [`search`]: OptCNN (Algorithm 1), exhaustive, data / model / OWT baselines.
+//! - [`search`]: OptCNN (Algorithm 1), exhaustive, data / model / OWT baselines, and the planners
+//!   of SOYBEAN, Tofu, HyPar and Spartan, each under its own paper's byte count.
 //! - [`simulate`], [`trace`]: a list-scheduled task graph of one iteration and its Chrome trace.
 //! - [`memory`]: what each device holds during a step against what the machine's devices hold.
 //! - [`strategy`]: strategy files; [`plan`]: what `legion-rs plan` runs (its tables and JSON are

@@ -29,6 +29,19 @@ pub struct SearchRun {
     pub seconds: f64,
     /// Layers left after Algorithm 1's eliminations (OptCNN only).
     pub residual_nodes: Option<usize>,
+    /// The seed planners' own byte counts (their papers' objectives), to show beside Eq. 1.
+    pub native: Option<NativeBytes>,
+    /// What mapping a seed planner's plan into our configuration space lost.
+    pub lossy: Option<&'static str>,
+}
+
+/// Bytes a seed planner's plan moves under its own paper's accounting.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NativeBytes {
+    /// The plan as the planner found it (reduction splits included).
+    pub found: f64,
+    /// The strategy it returns, mapped into our space.
+    pub mapped: f64,
 }
 
 /// Every requested search of one model on one machine.
@@ -71,11 +84,21 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], budget: u64) -> PlanRun {
             let found = search::find(kind, &tables, budget);
             let seconds = t.elapsed().as_secs_f64();
             let residual_nodes = found.as_ref().ok().and_then(|f| f.residual_nodes);
+            let native = found.as_ref().ok().and_then(|f| {
+                let mapped =
+                    search::native_bytes(kind, model.graph(), model.machine(), &f.configs)?;
+                Some(NativeBytes {
+                    found: f.native_bytes?,
+                    mapped,
+                })
+            });
             SearchRun {
                 kind,
                 result: found.map(|f| evaluate(model, f.configs)),
                 seconds,
                 residual_nodes,
+                native,
+                lossy: kind.lossy(),
             }
         })
         .collect();
@@ -93,5 +116,33 @@ pub fn evaluate(model: &CostModel, configs: Vec<ParallelConfig>) -> Evaluated {
         cost: model.evaluate(&configs),
         simulated_s: simulated_step_time(model, &configs),
         configs,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::MachineModel;
+    use crate::provider::RooflineCost;
+
+    #[test]
+    fn seed_planners_report_their_own_bytes_and_what_the_mapping_lost() {
+        let z = legion_ops::zoo::find("lenet5").unwrap();
+        let g = z.build(&z.default_config(64)).unwrap();
+        let machine = MachineModel::preset("paper:4").unwrap();
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let kinds = [SearchKind::Data, SearchKind::Tofu, SearchKind::Spartan];
+        let run = plan(&model, &kinds, 0);
+        assert!(run.searches[0].native.is_none() && run.searches[0].lossy.is_none());
+        for s in &run.searches[1..] {
+            let native = s.native.expect("a seed planner counts its bytes");
+            assert!(native.found >= 0.0 && native.mapped >= 0.0, "{}", s.kind);
+            assert!(
+                s.lossy.is_some_and(|l| l.contains("reduction")),
+                "{}",
+                s.kind
+            );
+        }
     }
 }
