@@ -1,6 +1,7 @@
 //! The invariant at the centre of the suite: any strategy trains the same network. Every strategy
-//! (data, model, OWT, the optimised one and random valid ones) on 4 embedded devices, run through the
-//! device actors, gives the same weights after 3 steps as the single-device reference trainer.
+//! (data, model, OWT, the optimised one, the SOYBEAN, Tofu, HyPar and Spartan planners' and random
+//! valid ones) on 4 embedded devices, run through the device actors, gives the same weights after
+//! 3 steps as the single-device reference trainer.
 //!
 //! Tolerance: each saved tensor within relative error 1e-4 (max |difference| over max |value|).
 //! LeNet-5 and AlexNet meet it outright. Inception's batch-norm stacks at batch 8 amplify rounding:
@@ -172,6 +173,10 @@ fn all_strategies(graph: &Graph) -> Vec<(&'static str, Vec<ParallelConfig>)> {
         ("model", searched(graph, SearchKind::Model)),
         ("owt", searched(graph, SearchKind::Owt)),
         ("optcnn", searched(graph, SearchKind::OptCnn)),
+        ("soybean", searched(graph, SearchKind::Soybean)),
+        ("tofu", searched(graph, SearchKind::Tofu)),
+        ("hypar", searched(graph, SearchKind::Hypar)),
+        ("spartan", searched(graph, SearchKind::Spartan)),
         ("random-1", random(graph, 1)),
         ("random-2", random(graph, 2)),
         ("random-3", random(graph, 3)),

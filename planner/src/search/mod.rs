@@ -48,10 +48,9 @@ pub enum SearchKind {
 }
 
 impl SearchKind {
-    /// The searches of our own space: what `legion-rs plan --search all` runs. The seed planners
-    /// are [`SearchKind::SEEDS`], out of this list until the CLI's side-by-side table (whose tests
-    /// pin these five) shows their native bytes and lossy notes; `find`, `run` and `parse` take
-    /// them all.
+    /// The searches of our own space. `legion-rs plan --search all` runs these, then
+    /// [`SearchKind::SEEDS`] with their native bytes and lossy notes; `find`, `run` and `parse`
+    /// take them all.
     pub const ALL: [SearchKind; 5] = [
         SearchKind::OptCnn,
         SearchKind::Exhaustive,

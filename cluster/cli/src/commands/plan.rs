@@ -86,6 +86,15 @@ enum SearchChoice {
     Data,
     Model,
     Owt,
+    /// SOYBEAN's k-cut tiling (mapped into our configurations; the output says what is lost).
+    Soybean,
+    /// Tofu's recursive partition-n-reduce.
+    Tofu,
+    /// HyPar's hierarchical data/model choice.
+    Hypar,
+    /// Spartan's greedy tiling.
+    Spartan,
+    /// All of the above side by side.
     All,
 }
 
@@ -106,7 +115,14 @@ impl SearchChoice {
             SearchChoice::Data => vec![SearchKind::Data],
             SearchChoice::Model => vec![SearchKind::Model],
             SearchChoice::Owt => vec![SearchKind::Owt],
-            SearchChoice::All => SearchKind::ALL.to_vec(),
+            SearchChoice::Soybean => vec![SearchKind::Soybean],
+            SearchChoice::Tofu => vec![SearchKind::Tofu],
+            SearchChoice::Hypar => vec![SearchKind::Hypar],
+            SearchChoice::Spartan => vec![SearchKind::Spartan],
+            SearchChoice::All => SearchKind::ALL
+                .into_iter()
+                .chain(SearchKind::SEEDS)
+                .collect(),
         }
     }
 }

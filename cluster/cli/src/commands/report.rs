@@ -60,30 +60,42 @@ pub fn layer_table(
     out
 }
 
-/// One line per search: Eq. 1, simulated step, bytes moved and search time.
+/// One line per search: Eq. 1, simulated step, bytes moved and search time; for the planners of
+/// other papers also their own byte count (of the plan as they found it, and as mapped into our
+/// configurations), and below the table what each mapping loses.
 pub fn comparison_table(run: &PlanRun) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<11}  {:>12}  {:>14}  {:>14}  {:>11}",
-        "search", "Eq.1 ms", "simulated ms", "comm MB", "search ms"
+        "{:<11}  {:>12}  {:>14}  {:>14}  {:>11}  {:>22}",
+        "search", "Eq.1 ms", "simulated ms", "comm MB", "search ms", "native MB found/mapped"
     );
     for s in &run.searches {
         match &s.result {
             Ok(e) => {
+                let native = match s.native {
+                    Some(n) => format!("{:.1} / {:.1}", n.found / 1e6, n.mapped / 1e6),
+                    None => "-".to_string(),
+                };
                 let _ = writeln!(
                     out,
-                    "{:<11}  {:>12.3}  {:>14.3}  {:>14.1}  {:>11.2}",
+                    "{:<11}  {:>12.3}  {:>14.3}  {:>14.1}  {:>11.2}  {:>22}",
                     s.kind.name(),
                     e.cost.total * 1e3,
                     e.simulated_s * 1e3,
                     e.cost.comm_bytes as f64 / 1e6,
-                    s.seconds * 1e3
+                    s.seconds * 1e3,
+                    native
                 );
             }
             Err(err) => {
                 let _ = writeln!(out, "{:<11}  failed: {err}", s.kind.name());
             }
+        }
+    }
+    for s in &run.searches {
+        if let Some(lossy) = s.lossy {
+            let _ = writeln!(out, "{}: {lossy}", s.kind.name());
         }
     }
     out
@@ -125,6 +137,14 @@ pub struct SearchJson {
     pub strategy: Option<Vec<LayerStrategy>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// A seed planner's own byte count of its plan as found and as mapped into our space.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub native_bytes_found: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub native_bytes_mapped: Option<f64>,
+    /// What mapping a seed planner's plan into our configurations loses.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lossy: Option<&'static str>,
 }
 
 impl SearchJson {
@@ -138,6 +158,9 @@ impl SearchJson {
                 search_ms: seconds * 1e3,
                 strategy: Some(Strategy::from_configs(graph, &e.configs).layers),
                 error: None,
+                native_bytes_found: None,
+                native_bytes_mapped: None,
+                lossy: None,
             },
             Err(error) => SearchJson {
                 search: name.to_string(),
@@ -147,6 +170,9 @@ impl SearchJson {
                 search_ms: seconds * 1e3,
                 strategy: None,
                 error: Some(error),
+                native_bytes_found: None,
+                native_bytes_mapped: None,
+                lossy: None,
             },
         }
     }
@@ -162,7 +188,12 @@ impl PlanJson {
                 .iter()
                 .map(|s| {
                     let result = s.result.as_ref().map_err(|e| e.to_string());
-                    SearchJson::of(graph, s.kind.name(), result, s.seconds)
+                    SearchJson {
+                        native_bytes_found: s.native.map(|n| n.found),
+                        native_bytes_mapped: s.native.map(|n| n.mapped),
+                        lossy: s.lossy,
+                        ..SearchJson::of(graph, s.kind.name(), result, s.seconds)
+                    }
                 })
                 .collect(),
         }
