@@ -19,9 +19,9 @@
 //! the most significant device bit whatever it splits, where our tiles number n, c, h, w row-major.
 
 use super::tiling::{
-    Cut, CutPlan, LayerKind, Split, StepCosts, Tiling, conversion, cut_steps, cuts_of_configs,
-    elements, input_tilings, output_gradient_tiling, output_tiling, price_cuts, recursive_cuts,
-    weight_elements,
+    Cut, LayerKind, RecursivePlan, Split, StepCosts, Tiling, conversion, cut_steps,
+    cuts_of_configs, elements, input_tilings, output_gradient_tiling, output_tiling, price_cuts,
+    recursive_plan, weight_elements,
 };
 use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
@@ -35,15 +35,7 @@ pub const LOSSY: &str = "SOYBEAN's reduction form (partial sums) maps to a chann
      not our n,c,h,w device order";
 
 /// SOYBEAN's plan for `graph` on `machine`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SoybeanPlan {
-    /// By layer id, in our space.
-    pub configs: Vec<ParallelConfig>,
-    /// The cuts as SOYBEAN chose them (reductions included) and what each step cost.
-    pub cuts: CutPlan,
-    /// The plan's bytes under SOYBEAN's own accounting (before mapping into our space).
-    pub native_bytes: f64,
-}
+pub type SoybeanPlan = RecursivePlan;
 
 /// Algorithm 1 with k = log2 of the machine's devices (rounded down to a power of two).
 pub fn soybean(graph: &Graph, machine: &MachineModel) -> SoybeanPlan {
@@ -54,12 +46,7 @@ pub fn soybean(graph: &Graph, machine: &MachineModel) -> SoybeanPlan {
 /// judges those splits dominated; halos are priced as any halving).
 pub fn soybean_with(graph: &Graph, machine: &MachineModel, spatial: bool) -> SoybeanPlan {
     let costs = SoybeanCosts { graph, spatial };
-    let cuts = recursive_cuts(graph, cut_steps(machine), &costs);
-    SoybeanPlan {
-        configs: cuts.configs(graph),
-        native_bytes: 4.0 * cuts.total(),
-        cuts,
-    }
+    recursive_plan(graph, machine, &costs)
 }
 
 /// Bytes `configs` move under SOYBEAN's accounting, each config read as its cuts in our device

@@ -338,6 +338,33 @@ impl CutPlan {
     }
 }
 
+/// A recursive-cut planner's answer: the strategy in our space, the cuts as the planner chose
+/// them, and their bytes under its own accounting.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecursivePlan {
+    /// By layer id, in our space.
+    pub configs: Vec<ParallelConfig>,
+    /// The cuts as the planner chose them (reductions included) and what each step cost.
+    pub cuts: CutPlan,
+    /// The plan's bytes (f32) under the planner's own accounting, before mapping into our space.
+    pub native_bytes: f64,
+}
+
+/// Runs [`recursive_cuts`] with one step per halving of the machine's devices and maps the cuts
+/// into our space.
+pub fn recursive_plan(
+    graph: &Graph,
+    machine: &MachineModel,
+    costs: &impl StepCosts,
+) -> RecursivePlan {
+    let cuts = recursive_cuts(graph, cut_steps(machine), costs);
+    RecursivePlan {
+        configs: cuts.configs(graph),
+        native_bytes: 4.0 * cuts.total(),
+        cuts,
+    }
+}
+
 /// The recursion: `steps` times, choose every layer's next cut to minimise that step's cost
 /// ([`solve_min_sum`]), given the cuts so far.
 pub fn recursive_cuts(graph: &Graph, steps: usize, costs: &impl StepCosts) -> CutPlan {

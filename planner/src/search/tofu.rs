@@ -25,9 +25,9 @@
 //! Tofu's memory check (the largest batch that fits, §7.1) is not done here.
 
 use super::tiling::{
-    Cut, CutPlan, LayerKind, Split, StepCosts, Tiling, conversion, cut_steps, cuts_of_configs,
-    elements, input_tilings, output_gradient_tiling, output_tiling, price_cuts, recursive_cuts,
-    weight_elements,
+    Cut, LayerKind, RecursivePlan, Split, StepCosts, Tiling, conversion, cut_steps,
+    cuts_of_configs, elements, input_tilings, output_gradient_tiling, output_tiling, price_cuts,
+    recursive_plan, weight_elements,
 };
 use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
@@ -41,15 +41,7 @@ pub const LOSSY: &str = "Tofu's reduction partitions map to channel splits, or r
      gradient and op";
 
 /// Tofu's plan for `graph` on `machine`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TofuPlan {
-    /// By layer id, in our space.
-    pub configs: Vec<ParallelConfig>,
-    /// The basic strategies step by step (reductions included) and each step's cost(p_i).
-    pub cuts: CutPlan,
-    /// Bytes under Tofu's own accounting (before mapping into our space).
-    pub native_bytes: f64,
-}
+pub type TofuPlan = RecursivePlan;
 
 /// The recursive search with log2 D steps (D rounded down to a power of two).
 pub fn tofu(graph: &Graph, machine: &MachineModel) -> TofuPlan {
@@ -60,12 +52,7 @@ pub fn tofu(graph: &Graph, machine: &MachineModel) -> TofuPlan {
 /// reduction" is the latter).
 pub fn tofu_with(graph: &Graph, machine: &MachineModel, reductions: bool) -> TofuPlan {
     let costs = TofuCosts { graph, reductions };
-    let cuts = recursive_cuts(graph, cut_steps(machine), &costs);
-    TofuPlan {
-        configs: cuts.configs(graph),
-        native_bytes: 4.0 * cuts.total(),
-        cuts,
-    }
+    recursive_plan(graph, machine, &costs)
 }
 
 /// Bytes `configs` move under Tofu's accounting, each config read as its cuts in our device order.
