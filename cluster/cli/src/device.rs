@@ -65,7 +65,10 @@ pub fn choose(
                 "; {} GPU(s) found, but {MULTI_DEVICE_ON_CPU}",
                 gpus.len()
             ))),
-            Err(missing) => Ok(cpu(&format!("; no GPU: {missing}"))),
+            Err(missing) => Ok(cpu(&format!(
+                "; no GPU: {} (--device cuda says more)",
+                missing.summary()
+            ))),
         },
         DeviceKind::Cuda => {
             let gpus = probe().map_err(|missing| anyhow::anyhow!("--device cuda: {missing}"))?;

@@ -111,6 +111,22 @@ pub enum ProbeError {
     Nvrtc(String),
 }
 
+impl ProbeError {
+    /// The cause in a few words, for a line that only says why the CPU was chosen
+    /// (`--device auto`); the full message says what to do about it.
+    pub fn summary(&self) -> String {
+        match self {
+            ProbeError::MissingLibrary { library, .. } => format!("{library} not found"),
+            ProbeError::DriverInit(_) => "the CUDA driver failed to initialise".to_string(),
+            ProbeError::NoDevices(_) => "the CUDA driver reports no GPU".to_string(),
+            ProbeError::DeviceQuery { ordinal, .. } => {
+                format!("GPU {ordinal} could not be queried")
+            }
+            ProbeError::Nvrtc(_) => "NVRTC failed".to_string(),
+        }
+    }
+}
+
 fn env_or_unset(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| "(unset)".to_string())
 }
