@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The one-command GPU check, in two halves, because the GPU machine has no Rust toolchain and no
+# network:
+#
+#   integration/gpu-check.sh build [DIR]   here: the stripped release `legion-rs`, legion-cuda's
+#                                          test binaries (ops/cuda/gpu-check.sh) and the PyTorch
+#                                          peer script into DIR (default target/gpu-check)
+#   integration/gpu-check.sh run [DIR]     there: every check in one run, each failure reported,
+#                                          exit status 1 if any failed; writes its outputs to
+#                                          $OUT (or DIR/out)
+#
+# The checks: every Backend primitive on the GPU against the CPU kernels (gpu_kernels), a small
+# model trained three steps on the GPU as on the CPU (gpu_training), the NVRTC compile test, and
+# single-GPU training throughput side by side with PyTorch in the same run (strict FP32, then
+# TF32 for PyTorch only: legion-rs has no TF32 switch yet) for AlexNet 224 b128, VGG-16 224 b64,
+# Inception-v3 299 b64. Multi-device equivalence on the GPU waits for GPU device actors.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-}"
+dir="${2:-target/gpu-check}"
+
+case "$mode" in
+build)
+    set -e
+    ops/cuda/gpu-check.sh build "$dir"
+    cargo build --release -p legion-cli --bin legion-rs
+    cp target/release/legion-rs "$dir/legion-rs"
+    strip "$dir/legion-rs"
+    cp integration/pytorch_peer.py "$dir/"
+    du -sh "$dir"
+    ;;
+run)
+    out="${OUT:-$dir/out}"
+    mkdir -p "$out"
+    export LD_LIBRARY_PATH="/usr/lib/x86_64-linux-gnu:/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    python=/opt/torch/.venv/bin/python
+    [ -x "$python" ] || python=python3
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    failures=()
+    for test in "$dir"/*; do
+        case "$(basename "$test")" in
+        legion-rs | pytorch_peer.py | out) continue ;;
+        esac
+        [ -x "$test" ] || continue
+        echo "=== $(basename "$test")"
+        if ! "$test" --nocapture --test-threads=1 2>&1 | tee "$out/$(basename "$test").log"; then
+            failures+=("$(basename "$test")")
+        fi
+    done
+    echo "=== throughput, legion-rs --device cuda (one GPU, strict FP32)"
+    for run in alexnet:224:128 vgg16:224:64 inception_v3:299:64; do
+        IFS=: read -r model image batch <<<"$run"
+        log="$out/legion-$model.jsonl"
+        if timeout 300 "$dir/legion-rs" train --device cuda --devices 1 --model "$model" \
+            --image-size "$image" --batch "$batch" --classes 1000 --steps 20 --json >"$log" \
+            2>"$out/legion-$model.err"; then
+            "$python" - "$log" "$model" "$image" "$batch" <<'PY' | tee -a "$out/throughput-legion.jsonl"
+import json, statistics, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l and '"summary"' not in l]
+ms = statistics.median(s["step_ms"] for s in steps[5:])
+print(json.dumps({"peer": "legion-rs", "model": sys.argv[2], "image": int(sys.argv[3]),
+                  "batch": int(sys.argv[4]), "tf32": False, "median_step_ms": ms,
+                  "images_per_sec": int(sys.argv[4]) / ms * 1e3}))
+PY
+        else
+            echo "legion-rs $model failed:"
+            tail -5 "$out/legion-$model.err"
+            failures+=("legion-rs $model")
+        fi
+    done
+    echo "=== throughput, PyTorch on the same GPU (strict FP32, then TF32)"
+    for tf32 in "" --tf32; do
+        "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 inception_v3:299:64 $tf32 \
+            | tee -a "$out/throughput-pytorch.jsonl" || failures+=("pytorch ${tf32:-fp32}")
+    done
+    if [ ${#failures[@]} -gt 0 ]; then
+        echo "FAILED: ${failures[*]}"
+        exit 1
+    fi
+    echo "all GPU checks passed"
+    ;;
+*)
+    sed -n '2,17p' "$0" >&2
+    exit 2
+    ;;
+esac
