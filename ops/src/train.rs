@@ -10,6 +10,7 @@ use crate::backend::{
 };
 use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
+use crate::kernels::softmax_ce::LabelOutOfRange;
 use crate::op::{Init, Op};
 use crate::rng::{self, Rng};
 use crate::shape::{Rect, Shape};
@@ -367,7 +368,9 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// One forward, backward and update on a batch of `graph.batch()` samples (host memory).
+    /// Labels are checked first, so a bad batch leaves the trainer as it was.
     pub fn step(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, KernelError> {
+        check_labels(&self.graph, labels)?;
         let pass = Pass::new(
             &self.graph,
             &self.params,
@@ -411,6 +414,27 @@ impl<B: Backend> Trainer<B> {
         self.step += 1;
         Ok(stats)
     }
+}
+
+/// Every label below the class count of every loss layer (its input's channels).
+fn check_labels(graph: &Graph, labels: &[u32]) -> Result<(), LabelOutOfRange> {
+    for layer in graph.layers() {
+        if let Op::SoftmaxCrossEntropy(_) = layer.op {
+            let classes = graph.layer(layer.inputs[0]).shape.dim(1);
+            if let Some((sample, &label)) = labels
+                .iter()
+                .enumerate()
+                .find(|(_, l)| **l as usize >= classes)
+            {
+                return Err(LabelOutOfRange {
+                    sample,
+                    label,
+                    classes,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Host copies of f32 device buffers.
@@ -801,6 +825,17 @@ mod tests {
                 loss_at(slot, w)
             });
         }
+    }
+
+    #[test]
+    fn a_label_out_of_range_is_refused_before_anything_changes() {
+        let g = branchy(2);
+        let mut t = Trainer::new(g.clone(), ParamStore::init(&g, 3), Sgd::default(), 5);
+        let before = t.state().unwrap();
+        let images = check::random(g.layer(g.input()).shape.numel(), 9);
+        let err = t.step(&images, &[0, 3]).unwrap_err();
+        assert!(err.to_string().contains("label 3"), "{err}");
+        assert_eq!(t.state().unwrap(), before, "running statistics and step unchanged");
     }
 
     #[test]

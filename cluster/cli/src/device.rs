@@ -2,7 +2,11 @@
 //! found and the shape of the run. The decision is a pure function ([`choose`]), tested without
 //! a GPU; the job starts the engine it names.
 
+use legion_cluster::memory::human_bytes;
 use legion_cuda::{CudaDevice, ProbeError};
+use legion_ops::Graph;
+use legion_ops::memory;
+use legion_ops::partition::ParallelConfig;
 use std::fmt;
 
 /// The `--device` flag.
@@ -80,6 +84,41 @@ pub fn choose(
     }
 }
 
+/// With `auto`: the GPU was found but did not start (`why`), so the run stays on the CPU.
+pub fn gpu_did_not_start(devices: usize, why: &str) -> DeviceChoice {
+    DeviceChoice {
+        chosen: Chosen::Cpu,
+        line: format!("device: cpu ({devices} device(s)); the GPU did not start: {why}"),
+    }
+}
+
+/// Refuses, before anything is allocated on it, a one-device run the GPU's memory cannot hold.
+pub fn check_gpu_fits(
+    graph: &Graph,
+    configs: &[ParallelConfig],
+    gpu: &CudaDevice,
+) -> anyhow::Result<()> {
+    let need = &memory::per_device(graph, configs, 1)[0];
+    let capacity = gpu.total_memory_bytes as u64;
+    if need.bytes <= capacity {
+        return Ok(());
+    }
+    let largest = match need.largest_layer {
+        Some((layer, bytes)) => format!(
+            "; layer '{}' alone needs {}",
+            graph.layer(layer).name,
+            human_bytes(bytes)
+        ),
+        None => String::new(),
+    };
+    anyhow::bail!(
+        "model '{}' does not fit on {gpu}: the run needs {} of its {}{largest}",
+        graph.name,
+        human_bytes(need.bytes),
+        human_bytes(capacity)
+    )
+}
+
 fn on_gpu(gpus: &[CudaDevice]) -> DeviceChoice {
     let first = gpus
         .first()
@@ -137,6 +176,26 @@ mod tests {
         assert!(err.to_string().contains("with 4 device(s)"), "{err}");
         let ok = choose(DeviceKind::Cuda, 1, false, || Ok(vec![h100()])).unwrap();
         assert_eq!(ok.chosen, Chosen::Cuda(h100()));
+    }
+
+    #[test]
+    fn a_model_larger_than_the_gpu_is_refused_naming_its_largest_layer() {
+        let graph = legion_ops::zoo::find("alexnet")
+            .unwrap()
+            .build(&legion_ops::zoo::ZooConfig {
+                image_size: 64,
+                ..legion_ops::zoo::find("alexnet").unwrap().default_config(8)
+            })
+            .unwrap();
+        let configs = vec![ParallelConfig::serial(0); graph.layers().len()];
+        let small = CudaDevice {
+            total_memory_bytes: 1 << 20,
+            ..h100()
+        };
+        let err = check_gpu_fits(&graph, &configs, &small).unwrap_err();
+        assert!(err.to_string().contains("does not fit on cuda:0"), "{err}");
+        assert!(err.to_string().contains("alone needs"), "{err}");
+        check_gpu_fits(&graph, &configs, &h100()).unwrap();
     }
 
     #[test]

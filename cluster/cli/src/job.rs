@@ -253,8 +253,34 @@ impl Job {
         };
         // Before any weight is allocated: a model too large must get an error, not an abort. The
         // workers of a cluster check their own devices when the job reaches them.
-        let embedded = cluster.is_none().then_some((&configs[..], devices));
-        legion_cluster::memory::check_this_host(&graph, embedded)?;
+        let mut device = device::choose(opts.device, devices, distributed, legion_cuda::probe)?;
+        // Where the GPU can start, it trains; with `auto`, one that cannot (a driver older than
+        // the kernels' compiler, a GPU held by another process) leaves the run on the CPU.
+        let gpu = match &device.chosen {
+            Chosen::Cuda(gpu) => match Cuda::new(gpu.ordinal)
+                .map_err(anyhow::Error::from)
+                .and_then(|cuda| Ok((cuda.new_stream()?, cuda)))
+            {
+                Ok(started) => Some((gpu.clone(), started)),
+                Err(e) if opts.device == DeviceKind::Auto => {
+                    device = device::gpu_did_not_start(devices, &format!("{e:#}"));
+                    None
+                }
+                Err(e) => return Err(e.context(format!("--device cuda: {gpu}"))),
+            },
+            Chosen::Cpu => None,
+        };
+        match &gpu {
+            // The host keeps the job's state; the device's share goes to the GPU's memory.
+            Some((info, _)) => {
+                legion_cluster::memory::check_this_host(&graph, None)?;
+                device::check_gpu_fits(&graph, &configs, info)?;
+            }
+            None => {
+                let embedded = cluster.is_none().then_some((&configs[..], devices));
+                legion_cluster::memory::check_this_host(&graph, embedded)?;
+            }
+        }
 
         let state = initial_state(&graph, opts)?;
         let first_step = state.step;
@@ -265,16 +291,13 @@ impl Job {
             );
         }
         let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)?;
-        let device = device::choose(opts.device, devices, distributed, legion_cuda::probe)?;
-        let engine: Box<dyn Engine> = match &device.chosen {
-            Chosen::Cuda(gpu) => {
-                let cuda = Cuda::new(gpu.ordinal)?;
-                let stream = cuda.new_stream()?;
+        let engine: Box<dyn Engine> = match gpu {
+            Some((_, (stream, cuda))) => {
                 let trainer =
                     Trainer::resume_on(cuda, stream, graph.clone(), state, opts.sgd, opts.seed)?;
                 Box::new(trainer)
             }
-            Chosen::Cpu => {
+            None => {
                 let engine_place = match &cluster {
                     Some((_, hosts, state_dir)) => Place::Cluster { hosts, state_dir },
                     None if distributed => Place::Embedded { devices },

@@ -32,7 +32,13 @@ fn four_devices_save_the_weights_one_device_saves() {
     args.extend(["--steps", "0", "--save", init.to_str().unwrap()]);
     ok(legion(&args));
 
-    let single = train(dir.path(), &init, "single", &["--devices", "1"]);
+    // The reference is the CPU trainer, also where a GPU would take a one-device run.
+    let single = train(
+        dir.path(),
+        &init,
+        "single",
+        &["--devices", "1", "--device", "cpu"],
+    );
     for strategy in ["optcnn", "model"] {
         let dist = train(
             dir.path(),

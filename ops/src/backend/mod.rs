@@ -510,9 +510,13 @@ impl<'c, 'a, B: Backend> KernelCall<'c, 'a, B> {
 
     /// The operand of `role`, taken for writing (once).
     pub fn write(&mut self, role: Role) -> Out<'a, B::Buffer> {
-        let what = self.describe();
-        self.try_write(role)
-            .unwrap_or_else(|| panic!("{what}: no writable {role:?} operand (or taken twice)"))
+        match self.try_write(role) {
+            Some(out) => out,
+            None => panic!(
+                "{}: no writable {role:?} operand (or taken twice)",
+                self.describe()
+            ),
+        }
     }
 
     pub fn try_write(&mut self, role: Role) -> Option<Out<'a, B::Buffer>> {

@@ -176,18 +176,18 @@ pub struct BackwardReads {
 }
 
 impl BackwardReads {
-    pub const NOTHING: BackwardReads = BackwardReads {
+    pub const OUTPUT_GRAD_ONLY: BackwardReads = BackwardReads {
         inputs: false,
         output: false,
         output_grad: true,
     };
     pub const INPUTS: BackwardReads = BackwardReads {
         inputs: true,
-        ..BackwardReads::NOTHING
+        ..BackwardReads::OUTPUT_GRAD_ONLY
     };
     pub const OUTPUT: BackwardReads = BackwardReads {
         output: true,
-        ..BackwardReads::NOTHING
+        ..BackwardReads::OUTPUT_GRAD_ONLY
     };
     pub const INPUTS_AND_OUTPUT: BackwardReads = BackwardReads {
         inputs: true,

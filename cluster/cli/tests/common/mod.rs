@@ -86,8 +86,10 @@ pub fn init_checkpoint(path: &Path, model: &[&str]) {
 
 /// Trains `model` for `steps` from the weights in `init` and saves them to `out`; `engine` are the
 /// flags that say where (`--devices 2`, `--cluster HOSTS --state DIR`, none: one device).
+/// The run is on the CPU (`--device cpu`) so that a one-device reference stays the CPU reference
+/// on a machine with a GPU too.
 pub fn train_from(engine: &[&str], model: &[&str], steps: &str, init: &Path, out: &Path) -> Output {
-    let mut args = vec!["train"];
+    let mut args = vec!["train", "--device", "cpu"];
     args.extend(engine);
     args.extend(model);
     args.extend([

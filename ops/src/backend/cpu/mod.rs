@@ -93,6 +93,7 @@ impl Backend for Cpu {
     }
 
     fn accumulate(&self, _: &mut CpuStream, acc: Out<Buffer>, term: In<Buffer>) {
+        debug_assert_eq!(acc.rect, term.rect, "accumulate sums buffers over one rect");
         // Element by element, in the order the consumers are visited.
         for (a, b) in acc.mem.f32_mut().iter_mut().zip(term.mem.f32()) {
             *a += *b;
