@@ -835,7 +835,11 @@ mod tests {
         let images = check::random(g.layer(g.input()).shape.numel(), 9);
         let err = t.step(&images, &[0, 3]).unwrap_err();
         assert!(err.to_string().contains("label 3"), "{err}");
-        assert_eq!(t.state().unwrap(), before, "running statistics and step unchanged");
+        assert_eq!(
+            t.state().unwrap(),
+            before,
+            "running statistics and step unchanged"
+        );
     }
 
     #[test]
