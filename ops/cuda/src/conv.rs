@@ -14,7 +14,7 @@
 //! from the CPU's im2col GEMM by the order of the sums.
 
 use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Stream};
-use cudarc::cudnn::sys::{cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
+use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
 use cudarc::cudnn::{
     ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, FilterDescriptor,
     TensorDescriptor,
@@ -224,6 +224,38 @@ fn descriptors(
 }
 
 /// cuDNN's workspace for one call (stream-ordered, freed when dropped).
+/// cuDNN's heuristic (cudarc's `pick_algorithm`, its first answer) may pick a backward algorithm
+/// that sums with atomics, whose order varies from run to run. Those are replaced by algorithm 1,
+/// deterministic and valid for every convolution, so that two runs of a strategy, or a run and
+/// its `--resume`, give the same bits. Forward algorithms are all deterministic.
+fn deterministic_filter_algo(
+    picked: sys::cudnnConvolutionBwdFilterAlgo_t,
+) -> sys::cudnnConvolutionBwdFilterAlgo_t {
+    use sys::cudnnConvolutionBwdFilterAlgo_t::{
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3,
+    };
+    match picked {
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 | CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3 => {
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1
+        }
+        other => other,
+    }
+}
+
+/// As [`deterministic_filter_algo`], for the data gradient (algorithm 0 uses atomics).
+fn deterministic_data_algo(
+    picked: sys::cudnnConvolutionBwdDataAlgo_t,
+) -> sys::cudnnConvolutionBwdDataAlgo_t {
+    use sys::cudnnConvolutionBwdDataAlgo_t::{
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_0, CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
+    };
+    match picked {
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_0 => CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
+        other => other,
+    }
+}
+
 fn workspace(s: &Stream, bytes: usize) -> Result<Option<CudaSlice<u8>>, Failure> {
     if bytes == 0 {
         return Ok(None);
@@ -397,7 +429,7 @@ pub(crate) fn backward(
             dw: &d.w,
             dy: &d.y,
         };
-        let algo = filter.pick_algorithm()?;
+        let algo = deterministic_filter_algo(filter.pick_algorithm()?);
         let mut ws = workspace(s, filter.get_workspace_size(algo)?)?;
         let mut dw_rows = dw_mem.slice_mut(rows);
         // SAFETY: the descriptors describe exactly these buffers.
@@ -419,7 +451,7 @@ pub(crate) fn backward(
             w: &d.w,
             dy: &d.y,
         };
-        let algo = data.pick_algorithm()?;
+        let algo = deterministic_data_algo(data.pick_algorithm()?);
         let mut ws = workspace(s, data.get_workspace_size(algo)?)?;
         let w_view = w
             .mem
@@ -466,6 +498,40 @@ mod tests {
     use legion_ops::op::OpSpec;
     use legion_ops::rng::Rng;
     use legion_ops::shape::Rect;
+
+    #[test]
+    fn backward_algorithms_with_atomics_are_replaced_by_deterministic_ones() {
+        use sys::cudnnConvolutionBwdDataAlgo_t as Data;
+        use sys::cudnnConvolutionBwdFilterAlgo_t as Filter;
+        for (picked, used) in [
+            (
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+            ),
+            (
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3,
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+            ),
+            (
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+            ),
+            (
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
+                Filter::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
+            ),
+        ] {
+            assert_eq!(deterministic_filter_algo(picked), used);
+        }
+        assert_eq!(
+            deterministic_data_algo(Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0),
+            Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_1
+        );
+        assert_eq!(
+            deterministic_data_algo(Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT),
+            Data::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT
+        );
+    }
 
     fn random(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = Rng::new(seed);
