@@ -6,7 +6,8 @@
 
 use crate::backend::cpu::{Buffer, Cpu, CpuStream};
 use crate::backend::{
-    Access, Backend, DType, In, KernelCall, KernelError, Operand, Out, Phase, Role, StepContext,
+    Access, Backend, BatchView, DType, In, KernelCall, KernelError, Operand, Out, Phase, Role,
+    StepContext,
 };
 use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
@@ -526,10 +527,7 @@ impl<'a> Pass<'a> {
                 seed,
                 step,
                 sgd,
-                images,
-                image_samples: 0..batch,
-                labels,
-                label_samples: 0..batch,
+                batch: BatchView::whole(images, labels, batch),
             },
         }
     }
@@ -585,7 +583,7 @@ impl<'a> Pass<'a> {
     ) -> Result<(Vec<B::Buffer>, Option<(B::Loss, usize)>, Saved<B::Buffer>), KernelError> {
         let g = self.graph;
         assert_eq!(
-            self.ctx.images.len(),
+            self.ctx.batch.images.len(),
             g.layer(g.input()).shape.numel(),
             "batch images do not match the input shape"
         );

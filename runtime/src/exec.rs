@@ -4,6 +4,7 @@
 use crate::buffer::Buffer;
 use crate::task::{TaskKind, TaskSpec};
 use legion_ops::Graph;
+pub use legion_ops::backend::BatchView;
 use legion_ops::backend::cpu::{Cpu, CpuStream};
 use legion_ops::backend::{
     Backend, KernelCall, KernelError, LossSums, Operand, Phase, StepContext,
@@ -42,27 +43,6 @@ impl StepInput {
             image_samples: self.image_samples.clone(),
             labels: &self.labels,
             label_samples: self.label_samples.clone(),
-        }
-    }
-}
-
-/// Borrowed samples of a batch, as [`StepInput`] holds them.
-#[derive(Clone, Debug)]
-pub struct BatchView<'a> {
-    pub images: &'a [f32],
-    pub image_samples: Range<usize>,
-    pub labels: &'a [u32],
-    pub label_samples: Range<usize>,
-}
-
-impl<'a> BatchView<'a> {
-    /// A whole batch of `batch` samples.
-    pub fn whole(images: &'a [f32], labels: &'a [u32], batch: usize) -> BatchView<'a> {
-        BatchView {
-            images,
-            image_samples: 0..batch,
-            labels,
-            label_samples: 0..batch,
         }
     }
 }
@@ -114,17 +94,12 @@ pub fn execute(
             role: req.role,
             rect: req.rect,
             access,
-        })
-        .collect();
-    let input = ctx.input;
+        });
     let step = StepContext {
         seed: ctx.seed,
-        step: input.step,
+        step: ctx.input.step,
         sgd: ctx.sgd,
-        images: &input.images,
-        image_samples: input.image_samples.clone(),
-        labels: &input.labels,
-        label_samples: input.label_samples.clone(),
+        batch: ctx.input.view(),
     };
     let mut stream = CpuStream;
     let mut call = KernelCall::new(

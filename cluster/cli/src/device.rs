@@ -3,7 +3,7 @@
 //! a GPU; the job starts the engine it names.
 
 use legion_cluster::memory::human_bytes;
-use legion_cuda::{CudaDevice, ProbeError};
+use legion_cuda::{Cuda, CudaDevice, ProbeError, Stream};
 use legion_ops::Graph;
 use legion_ops::memory;
 use legion_ops::partition::ParallelConfig;
@@ -84,11 +84,41 @@ pub fn choose(
     }
 }
 
-/// With `auto`: the GPU was found but did not start (`why`), so the run stays on the CPU.
-pub fn gpu_did_not_start(devices: usize, why: &str) -> DeviceChoice {
-    DeviceChoice {
-        chosen: Chosen::Cpu,
-        line: format!("device: cpu ({devices} device(s)); the GPU did not start: {why}"),
+/// A chosen GPU that started: its description, its context and the stream the run uses.
+pub struct StartedGpu {
+    pub info: CudaDevice,
+    pub cuda: Cuda,
+    pub stream: Stream,
+}
+
+/// Starts the GPU `choice` names, if any. Where it cannot start (a driver older than the kernels'
+/// compiler, a GPU held by another process), `auto` leaves the run on the CPU, rewriting the
+/// choice's line to say why, and `cuda` is an error.
+pub fn start_gpu(
+    choice: &mut DeviceChoice,
+    kind: DeviceKind,
+    devices: usize,
+) -> anyhow::Result<Option<StartedGpu>> {
+    let Chosen::Cuda(info) = &choice.chosen else {
+        return Ok(None);
+    };
+    let started = Cuda::new(info.ordinal)
+        .map_err(anyhow::Error::from)
+        .and_then(|cuda| Ok((cuda.new_stream()?, cuda)));
+    match started {
+        Ok((stream, cuda)) => Ok(Some(StartedGpu {
+            info: info.clone(),
+            cuda,
+            stream,
+        })),
+        Err(e) if kind == DeviceKind::Auto => {
+            *choice = DeviceChoice {
+                chosen: Chosen::Cpu,
+                line: format!("device: cpu ({devices} device(s)); the GPU did not start: {e:#}"),
+            };
+            Ok(None)
+        }
+        Err(e) => Err(e.context(format!("--device cuda: {info}"))),
     }
 }
 
@@ -180,11 +210,11 @@ mod tests {
 
     #[test]
     fn a_model_larger_than_the_gpu_is_refused_naming_its_largest_layer() {
-        let graph = legion_ops::zoo::find("alexnet")
-            .unwrap()
+        let alexnet = legion_ops::zoo::find("alexnet").unwrap();
+        let graph = alexnet
             .build(&legion_ops::zoo::ZooConfig {
                 image_size: 64,
-                ..legion_ops::zoo::find("alexnet").unwrap().default_config(8)
+                ..alexnet.default_config(8)
             })
             .unwrap();
         let configs = vec![ParallelConfig::serial(0); graph.layers().len()];

@@ -6,13 +6,12 @@
 //! a progress bar, or JSON lines). [`train`] is the three together. The job prints nothing itself,
 //! so that a caller can show a run its own way.
 
-use crate::device::{self, Chosen, DeviceKind};
+use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine};
 use anyhow::{Context, bail};
 use legion_cluster::engine::{self, Engine, JobStart, Place, StepBatch};
 use legion_cluster::hosts::Hosts;
 use legion_cluster::launch;
-use legion_cuda::Cuda;
 use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
@@ -251,30 +250,15 @@ impl Job {
             let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
             (serial, "one device".to_string())
         };
-        // Before any weight is allocated: a model too large must get an error, not an abort. The
-        // workers of a cluster check their own devices when the job reaches them.
         let mut device = device::choose(opts.device, devices, distributed, legion_cuda::probe)?;
-        // Where the GPU can start, it trains; with `auto`, one that cannot (a driver older than
-        // the kernels' compiler, a GPU held by another process) leaves the run on the CPU.
-        let gpu = match &device.chosen {
-            Chosen::Cuda(gpu) => match Cuda::new(gpu.ordinal)
-                .map_err(anyhow::Error::from)
-                .and_then(|cuda| Ok((cuda.new_stream()?, cuda)))
-            {
-                Ok(started) => Some((gpu.clone(), started)),
-                Err(e) if opts.device == DeviceKind::Auto => {
-                    device = device::gpu_did_not_start(devices, &format!("{e:#}"));
-                    None
-                }
-                Err(e) => return Err(e.context(format!("--device cuda: {gpu}"))),
-            },
-            Chosen::Cpu => None,
-        };
+        let gpu = device::start_gpu(&mut device, opts.device, devices)?;
+        // Before any weight is allocated: a model too large must get an error, not an abort. The
+        // workers of a cluster check their own devices when the job reaches them; on a GPU the
+        // host keeps only the job's state and the device's share goes to the GPU's memory.
         match &gpu {
-            // The host keeps the job's state; the device's share goes to the GPU's memory.
-            Some((info, _)) => {
+            Some(started) => {
                 legion_cluster::memory::check_this_host(&graph, None)?;
-                device::check_gpu_fits(&graph, &configs, info)?;
+                device::check_gpu_fits(&graph, &configs, &started.info)?;
             }
             None => {
                 let embedded = cluster.is_none().then_some((&configs[..], devices));
@@ -292,11 +276,14 @@ impl Job {
         }
         let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)?;
         let engine: Box<dyn Engine> = match gpu {
-            Some((_, (stream, cuda))) => {
-                let trainer =
-                    Trainer::resume_on(cuda, stream, graph.clone(), state, opts.sgd, opts.seed)?;
-                Box::new(trainer)
-            }
+            Some(started) => Box::new(Trainer::resume_on(
+                started.cuda,
+                started.stream,
+                graph.clone(),
+                state,
+                opts.sgd,
+                opts.seed,
+            )?),
             None => {
                 let engine_place = match &cluster {
                     Some((_, hosts, state_dir)) => Place::Cluster { hosts, state_dir },

@@ -121,27 +121,43 @@ pub struct Operand<'a, M> {
     pub access: Access<'a, M>,
 }
 
+/// Borrowed samples of a step's batch (host memory): on a cluster worker only the samples its
+/// devices read, elsewhere the whole batch.
+#[derive(Clone, Debug)]
+pub struct BatchView<'a> {
+    /// The images of samples `image_samples`, laid out like the input layer's output.
+    pub images: &'a [f32],
+    pub image_samples: Range<usize>,
+    /// The labels of samples `label_samples`.
+    pub labels: &'a [u32],
+    pub label_samples: Range<usize>,
+}
+
+impl<'a> BatchView<'a> {
+    /// A whole batch of `batch` samples.
+    pub fn whole(images: &'a [f32], labels: &'a [u32], batch: usize) -> BatchView<'a> {
+        BatchView {
+            images,
+            image_samples: 0..batch,
+            labels,
+            label_samples: 0..batch,
+        }
+    }
+
+    /// The labels of the samples a tile covers (axis 0 of the tile).
+    pub fn labels_of(&self, tile: &Rect) -> &'a [u32] {
+        let first = self.label_samples.start;
+        &self.labels[tile.lo[0] - first..tile.hi[0] - first]
+    }
+}
+
 /// The step-wide facts a kernel may need besides its operands.
 #[derive(Clone, Debug)]
 pub struct StepContext<'a> {
     pub seed: u64,
     pub step: u64,
     pub sgd: Sgd,
-    /// The images of samples `image_samples` of the batch (host memory), laid out like the input
-    /// layer's output.
-    pub images: &'a [f32],
-    pub image_samples: Range<usize>,
-    /// The labels of samples `label_samples` of the batch.
-    pub labels: &'a [u32],
-    pub label_samples: Range<usize>,
-}
-
-impl StepContext<'_> {
-    /// The labels of the samples a tile covers (axis 0 of the tile).
-    pub fn labels_of(&self, tile: &Rect) -> &[u32] {
-        let first = self.label_samples.start;
-        &self.labels[tile.lo[0] - first..tile.hi[0] - first]
-    }
+    pub batch: BatchView<'a>,
 }
 
 /// What the loss kernels of a step report, summed over their tiles.
@@ -445,7 +461,7 @@ impl<'c, 'a, B: Backend> KernelCall<'c, 'a, B> {
         layer: LayerId,
         tile: Rect,
         step: &'c StepContext<'c>,
-        operands: Vec<Operand<'a, B::Buffer>>,
+        operands: impl IntoIterator<Item = Operand<'a, B::Buffer>>,
     ) -> Self {
         KernelCall {
             backend,

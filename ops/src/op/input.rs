@@ -33,11 +33,11 @@ impl OpKernels for Input {
     /// Loads the tile of the step's images.
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let mut held = c.shape().full_rect();
-        held.lo[0] = c.step.image_samples.start;
-        held.hi[0] = c.step.image_samples.end;
+        held.lo[0] = c.step.batch.image_samples.start;
+        held.hi[0] = c.step.batch.image_samples.end;
         let y = c.write(Role::Output);
         c.backend
-            .load_images(c.stream, c.step.images, &held, &c.tile, y);
+            .load_images(c.stream, c.step.batch.images, &held, &c.tile, y);
         Ok(())
     }
 

@@ -38,7 +38,7 @@ impl OpKernels for SoftmaxCrossEntropy {
     };
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
-        let labels = c.step.labels_of(&c.tile);
+        let labels = c.step.batch.labels_of(&c.tile);
         let (logits, y) = (c.read(Role::Input(0)), c.write(Role::Output));
         c.loss = Some(c.backend.softmax_ce_forward(c.stream, logits, labels, y)?);
         Ok(())
@@ -47,7 +47,7 @@ impl OpKernels for SoftmaxCrossEntropy {
     /// The gradient of the batch's mean loss: each sample's share is 1/batch.
     fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         if let Some(dx) = c.try_write(Role::InputGrad(0)) {
-            let labels = c.step.labels_of(&c.tile);
+            let labels = c.step.batch.labels_of(&c.tile);
             let scale = 1.0 / c.graph.batch() as f32;
             let logits = c.read(Role::Input(0));
             c.backend
