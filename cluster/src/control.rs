@@ -149,6 +149,14 @@ pub struct LinkMeasurement {
     pub recv_cpu_s_per_byte: f64,
 }
 
+/// What a worker's network interface carries with every peer probed at once.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Copy, Debug, PartialEq)]
+pub struct NicMeasurement {
+    pub peers: u32,
+    /// Bytes per second sent, over all peers together.
+    pub bytes_per_s: f64,
+}
+
 /// The samples of a step's batch that one worker's devices read (`StepPlan::samples_read`): the
 /// images of `image_samples`, the labels of `label_samples`.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
@@ -180,6 +188,9 @@ pub enum Control {
     },
     Links {
         links: Vec<LinkMeasurement>,
+        /// The measuring worker's network interface, with every peer at once (none without
+        /// peers).
+        nic: Option<NicMeasurement>,
     },
     /// Between workers: echo `ProbeAck` with the same id.
     Probe {

@@ -86,6 +86,37 @@ pub struct MeasuredLink {
     pub recv_cpu_s_per_byte: f64,
 }
 
+/// A host's network interface as `up` measured it (saved in `<state>/nics.json`): what it sent
+/// to every peer at once. Where about one peer's link bandwidth, one interface carries all of the
+/// host's traffic (see `legion-rs`'s machine model: a shared NIC per node).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct MeasuredNic {
+    pub host: String,
+    pub peers: u32,
+    pub bytes_per_s: f64,
+}
+
+/// Where `up` saves the network interfaces it measured.
+pub fn nics_path(state: &Path) -> PathBuf {
+    state.join("nics.json")
+}
+
+/// The network interfaces `up` measured; none where it has not (one host, or an older state).
+pub fn load_nics(state: &Path) -> anyhow::Result<Vec<MeasuredNic>> {
+    let path = nics_path(state);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{}: expected a list of measured network interfaces",
+            path.display()
+        )
+    })
+}
+
 /// Where `up` saves the links it measured.
 pub fn links_path(state: &Path) -> PathBuf {
     state.join("links.json")
@@ -232,18 +263,32 @@ pub fn up(
     }
     let any_started = table.iter().any(|r| r.started);
     if hosts.hosts.len() > 1 && (any_started || options.measure || !links_path(state).exists()) {
-        let links = measure(&client, hosts)?;
-        let text = serde_json::to_string_pretty(&links)? + "\n";
-        legion_ops::atomic_file::write(&links_path(state), text.as_bytes())
-            .with_context(|| format!("writing {}", links_path(state).display()))?;
+        let (links, nics) = measure(&client, hosts)?;
+        for (path, text) in [
+            (
+                links_path(state),
+                serde_json::to_string_pretty(&links)? + "\n",
+            ),
+            (
+                nics_path(state),
+                serde_json::to_string_pretty(&nics)? + "\n",
+            ),
+        ] {
+            legion_ops::atomic_file::write(&path, text.as_bytes())
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
     }
     client.close();
     Ok(table)
 }
 
-/// Every worker probes every other one.
-fn measure(client: &WorkerClient, hosts: &Hosts) -> anyhow::Result<Vec<MeasuredLink>> {
+/// Every worker probes every other one, then all of them at once.
+fn measure(
+    client: &WorkerClient,
+    hosts: &Hosts,
+) -> anyhow::Result<(Vec<MeasuredLink>, Vec<MeasuredNic>)> {
     let mut out = Vec::new();
+    let mut nics = Vec::new();
     for (i, host) in hosts.hosts.iter().enumerate() {
         let peers: Vec<PeerAddress> = hosts
             .hosts
@@ -259,7 +304,12 @@ fn measure(client: &WorkerClient, hosts: &Hosts) -> anyhow::Result<Vec<MeasuredL
             probe_bytes: PROBE_BYTES,
         };
         match client.request(i, &request, Some(Duration::from_secs(120)))? {
-            Control::Links { links } => {
+            Control::Links { links, nic } => {
+                nics.extend(nic.map(|n| MeasuredNic {
+                    host: host.name.clone(),
+                    peers: n.peers,
+                    bytes_per_s: n.bytes_per_s,
+                }));
                 out.extend(links.into_iter().map(|l: LinkMeasurement| MeasuredLink {
                     from: host.name.clone(),
                     to: l.to,
@@ -276,7 +326,7 @@ fn measure(client: &WorkerClient, hosts: &Hosts) -> anyhow::Result<Vec<MeasuredL
             ),
         }
     }
-    Ok(out)
+    Ok((out, nics))
 }
 
 /// The command line of a worker for `host`.
@@ -466,7 +516,7 @@ pub fn process_exists(pid: u32) -> bool {
 }
 
 /// The cluster table `up` and `status` print.
-pub fn format_table(table: &[HostStatus], links: &[MeasuredLink]) -> String {
+pub fn format_table(table: &[HostStatus], links: &[MeasuredLink], nics: &[MeasuredNic]) -> String {
     let mut out = format!(
         "{:<12} {:<22} {:>7} {:<6} {:>8} {:<12} {}\n",
         "host", "endpoint", "devices", "kind", "pid", "state", "uptime"
@@ -507,6 +557,17 @@ pub fn format_table(table: &[HostStatus], links: &[MeasuredLink]) -> String {
                 l.latency_s * 1e6,
                 l.send_cpu_s_per_byte * 1e9,
                 l.recv_cpu_s_per_byte * 1e9
+            );
+        }
+    }
+    if !nics.is_empty() {
+        out += "\nmeasured network interfaces (every peer at once):\n";
+        for n in nics {
+            out += &format!(
+                "  {}: {:.2} Gbit/s to {} peer(s)\n",
+                n.host,
+                n.bytes_per_s * 8.0 / 1e9,
+                n.peers
             );
         }
     }

@@ -5,8 +5,8 @@
 //!
 //! Failure detection: every worker of a running job sends a heartbeat every
 //! [`HEARTBEAT_INTERVAL`]; whenever the driver waits on workers it also checks that each one was
-//! heard from within [`HEARTBEAT_TIMEOUT`] and that its connection is open, and fails naming the
-//! first one that is not.
+//! heard from (a heartbeat, or any bytes on its connection) within [`HEARTBEAT_TIMEOUT`] and that
+//! its connection is open, and fails naming the first one that is not.
 
 use crate::control::{
     self, Control, JobHost, JobSpec, PeerAddress, Piece, PieceData, PieceRef, StepSamples,
@@ -57,10 +57,14 @@ pub struct WorkerClient {
     health: Arc<Health>,
 }
 
-/// When each worker was last heard from, in milliseconds since `epoch`.
+/// When each worker was last heard from, in milliseconds since `epoch`: a heartbeat, or any bytes
+/// on its connection (a worker sending a large reply over a slow link is alive even when its
+/// heartbeats queue behind the reply in the connection's send buffer).
 struct Health {
     epoch: Instant,
     last_beat: Vec<AtomicU64>,
+    /// Bytes received on each worker's connection at the last check.
+    last_rx_bytes: Vec<AtomicU64>,
     watching: AtomicBool,
 }
 
@@ -89,6 +93,7 @@ impl WorkerClient {
         let health = Arc::new(Health {
             epoch: Instant::now(),
             last_beat: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            last_rx_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
             watching: AtomicBool::new(false),
         });
         let handler = {
@@ -245,13 +250,17 @@ impl WorkerClient {
                 bail!("{} is gone: {reason}", self.who(i));
             }
             if self.health.watching.load(Ordering::Relaxed) {
+                let received = conn.stats().udp_rx.bytes;
+                if received > self.health.last_rx_bytes[i].swap(received, Ordering::Relaxed) {
+                    self.health.last_beat[i].store(self.health.now_ms(), Ordering::Relaxed);
+                }
                 let silent = self
                     .health
                     .now_ms()
                     .saturating_sub(self.health.last_beat[i].load(Ordering::Relaxed));
                 if silent > HEARTBEAT_TIMEOUT.as_millis() as u64 {
                     bail!(
-                        "{} stopped responding: no heartbeat for {:.1} s",
+                        "{} stopped responding: nothing heard from it (no heartbeat, no data) for {:.1} s",
                         self.who(i),
                         silent as f64 / 1e3
                     );

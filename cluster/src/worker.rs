@@ -11,11 +11,11 @@
 //! next one.
 
 use crate::control::{
-    self, Control, DeviceReport, JobSpec, LinkMeasurement, PeerAddress, Piece, PieceData, PieceRef,
-    StepSamples,
+    self, Control, DeviceReport, JobSpec, LinkMeasurement, NicMeasurement, PeerAddress, Piece,
+    PieceData, PieceRef, StepSamples,
 };
 use crate::net::quic::{
-    CLOSE_MALFORMED, Inbound, QuicNode, QuicOptions, QuicTransport, send_control,
+    CLOSE_MALFORMED, Inbound, QuicNode, QuicOptions, QuicTransport, send_control, send_heartbeat,
 };
 use crate::net::stream::BufferSource;
 use crate::net::tls::{NodeIdentity, node_name};
@@ -155,7 +155,7 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
             }
             Control::MeasureLinks { peers, probe_bytes } => {
                 match measure_links(&node, &shared, &peers, probe_bytes).await {
-                    Ok(links) => Control::Links { links },
+                    Ok((links, nic)) => Control::Links { links, nic },
                     Err(e) => failed(e),
                 }
             }
@@ -297,62 +297,41 @@ fn handle_inbound(shared: &Arc<Shared>, events: &mpsc::UnboundedSender<Event>, i
 /// process's CPU time across each round trip (sending), the peer's between its acks (receiving;
 /// neither worker does anything else while `up` measures). Times and CPU leave out encoding the
 /// probe as a control message and decoding it, which slices do not pay.
+///
+/// Then the host's network interface: the two large probes to every peer at once, the bytes of
+/// their difference over the difference of the times until the last ack. Where one interface
+/// carries all of a host's traffic (a NIC, a shaped veth), that is about one peer's bandwidth
+/// however many peers there are.
 async fn measure_links(
     node: &QuicNode,
-    shared: &Shared,
+    shared: &Arc<Shared>,
     peers: &[PeerAddress],
     probe_bytes: u64,
-) -> anyhow::Result<Vec<LinkMeasurement>> {
-    static NEXT_PROBE: AtomicU64 = AtomicU64::new(0);
+) -> anyhow::Result<(Vec<LinkMeasurement>, Option<NicMeasurement>)> {
     let large = probe_bytes.clamp(4 << 10, 256 << 20) as usize;
     let sizes = [64, large / 4, large];
+    let extra = (large - large / 4) as f64;
     let mut links = Vec::new();
+    let mut conns = Vec::new();
     for peer in peers {
         let conn = dial(node, peer).await?;
-        // (round trip seconds and this process's CPU seconds over it, both without encoding the
-        // probe as a control message, which a slice does not pay; the peer's CPU seconds so far at
-        // its ack, and the seconds it spent decoding this probe, which a slice does not pay either)
-        let round_trip = async |bytes: usize| -> anyhow::Result<(f64, f64, f64, f64)> {
-            let id = NEXT_PROBE.fetch_add(1, Ordering::Relaxed);
-            let (done, wait) = oneshot::channel();
-            shared
-                .probes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, done);
-            let payload = vec![0; bytes];
-            let (start, cpu) = (Instant::now(), process_cpu_s());
-            let (msg, encode_s) = timed(|| control::encode(&Control::Probe { id, payload }));
-            send_control(&conn, &msg).await?;
-            let (peer_cpu, decode_s) = tokio::time::timeout(Duration::from_secs(30), wait)
-                .await
-                .with_context(|| format!("no answer from {} to a {bytes}-byte probe", peer.name))?
-                .context("probe abandoned")?;
-            Ok((
-                start.elapsed().as_secs_f64() - encode_s - decode_s,
-                process_cpu_s() - cpu - encode_s,
-                peer_cpu,
-                decode_s,
-            ))
-        };
         // The first round trips warm the connection (congestion window, path MTU).
-        round_trip(large).await?;
-        let extra = (large - large / 4) as f64;
+        round_trip(shared, &conn, peer, large).await?;
         let mut best = [f64::INFINITY; 3];
         let (mut send_cpu, mut recv_cpu) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            let mut trial = [(0.0, 0.0, 0.0, 0.0); 3];
+            let mut trial = [ProbeTiming::default(); 3];
             for (k, &bytes) in sizes.iter().enumerate() {
-                trial[k] = round_trip(bytes).await?;
-                best[k] = best[k].min(trial[k].0);
+                trial[k] = round_trip(shared, &conn, peer, bytes).await?;
+                best[k] = best[k].min(trial[k].seconds);
             }
-            send_cpu.push((trial[2].1 - trial[1].1) / extra);
+            send_cpu.push((trial[2].cpu_s - trial[1].cpu_s) / extra);
             // the peer's CPU for receiving probe k: from the ack before it to its own, less its
             // decoding
-            let received = |k: usize| trial[k].2 - trial[k - 1].2 - trial[k].3;
+            let received =
+                |k: usize| trial[k].peer_cpu_s - trial[k - 1].peer_cpu_s - trial[k].decode_s;
             recv_cpu.push((received(2) - received(1)) / extra);
         }
-        conn.close(0u32.into(), b"measured");
         let cpu = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2].max(0.0)
@@ -364,8 +343,80 @@ async fn measure_links(
             send_cpu_s_per_byte: cpu(send_cpu),
             recv_cpu_s_per_byte: cpu(recv_cpu),
         });
+        conns.push(conn);
     }
-    Ok(links)
+    let nic = if conns.is_empty() {
+        None
+    } else {
+        // every peer at once: the seconds until the last ack
+        let all_at_once = async |bytes: usize| -> anyhow::Result<f64> {
+            let start = Instant::now();
+            let mut probes = tokio::task::JoinSet::new();
+            for (conn, peer) in conns.iter().zip(peers) {
+                let (shared, conn, peer) = (Arc::clone(shared), conn.clone(), peer.clone());
+                probes.spawn(async move { round_trip(&shared, &conn, &peer, bytes).await });
+            }
+            while let Some(done) = probes.join_next().await {
+                done.context("a probe task failed")??;
+            }
+            Ok(start.elapsed().as_secs_f64())
+        };
+        let mut best = [f64::INFINITY; 2];
+        for _ in 0..3 {
+            for (k, &bytes) in sizes[1..].iter().enumerate() {
+                best[k] = best[k].min(all_at_once(bytes).await?);
+            }
+        }
+        Some(NicMeasurement {
+            peers: conns.len() as u32,
+            bytes_per_s: conns.len() as f64 * extra / (best[1] - best[0]).max(1e-9),
+        })
+    };
+    for conn in &conns {
+        conn.close(0u32.into(), b"measured");
+    }
+    Ok((links, nic))
+}
+
+/// One probe's round trip: its seconds and this process's CPU seconds over it, both without
+/// encoding the probe as a control message, which a slice does not pay; the peer's CPU seconds so
+/// far at its ack, and the seconds it spent decoding this probe, which a slice does not pay either.
+#[derive(Clone, Copy, Debug, Default)]
+struct ProbeTiming {
+    seconds: f64,
+    cpu_s: f64,
+    peer_cpu_s: f64,
+    decode_s: f64,
+}
+
+async fn round_trip(
+    shared: &Shared,
+    conn: &Connection,
+    peer: &PeerAddress,
+    bytes: usize,
+) -> anyhow::Result<ProbeTiming> {
+    static NEXT_PROBE: AtomicU64 = AtomicU64::new(0);
+    let id = NEXT_PROBE.fetch_add(1, Ordering::Relaxed);
+    let (done, wait) = oneshot::channel();
+    shared
+        .probes
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(id, done);
+    let payload = vec![0; bytes];
+    let (start, cpu) = (Instant::now(), process_cpu_s());
+    let (msg, encode_s) = timed(|| control::encode(&Control::Probe { id, payload }));
+    send_control(conn, &msg).await?;
+    let (peer_cpu_s, decode_s) = tokio::time::timeout(Duration::from_secs(30), wait)
+        .await
+        .with_context(|| format!("no answer from {} to a {bytes}-byte probe", peer.name))?
+        .context("probe abandoned")?;
+    Ok(ProbeTiming {
+        seconds: start.elapsed().as_secs_f64() - encode_s - decode_s,
+        cpu_s: process_cpu_s() - cpu - encode_s,
+        peer_cpu_s,
+        decode_s,
+    })
 }
 
 /// `f()` and the seconds it took.
@@ -510,7 +561,7 @@ async fn start_job(
             let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
             for seq in 0u64.. {
                 ticks.tick().await;
-                if send_control(&driver, &control::encode(&Control::Heartbeat { seq }))
+                if send_heartbeat(&driver, &control::encode(&Control::Heartbeat { seq }))
                     .await
                     .is_err()
                 {

@@ -1,10 +1,20 @@
 //! The machine the planner maps a model onto: devices grouped into nodes, each with a compute speed,
 //! and directed links between devices with a bandwidth and a latency.
 //!
-//! Links are modelled per ordered device pair (OptCNN's device graph): a transfer from `a` to `b`
-//! occupies only the link `a → b`, so transfers between different pairs proceed in parallel and the
-//! two directions of a pair are independent (full duplex). A shared network card per node is not
-//! modelled; a machine file can lower the inter-node bandwidth to account for it.
+//! Every message between two devices has a [`Route`]: the link whose bandwidth and latency it
+//! pays, and what it holds while on the wire. By default that is the link of its ordered device
+//! pair alone (OptCNN's device graph): transfers between different pairs proceed in parallel and
+//! the two directions of a pair are independent (full duplex). Real machines share more:
+//! - between nodes, each node has a few network interfaces ([`MachineModel::with_nics`]; device
+//!   `i` of a node uses NIC `i mod nics`) whose send and receive directions all of its devices'
+//!   traffic to other nodes shares: a message holds its sender's NIC's out lane and its receiver's
+//!   NIC's in lane;
+//! - inside a node, [`IntraTopology`]: a link per pair (NVLink all-to-all), one port per device
+//!   behind a switch (PCIe or NVSwitch: the sender's out lane and the receiver's in lane), or one
+//!   path every message of the node shares (PCIe through the host bridge).
+//!
+//! Eq. 1's t_x and t_s, and the simulator, price a message on its route: loads add up on every
+//! lane they share.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -37,6 +47,18 @@ impl DeviceSpec {
             memory_gb_per_s: 732.0,
             task_overhead_us: 10.0,
             memory_gib: Some(16.0),
+        }
+    }
+
+    /// An NVIDIA H100 SXM5 at strict FP32 (no tensor cores: TF32 is opt-in), as in a current
+    /// DGX/HGX node.
+    pub fn h100() -> DeviceSpec {
+        DeviceSpec {
+            kind: "h100".into(),
+            peak_gflops: 67000.0,
+            memory_gb_per_s: 3350.0,
+            task_overhead_us: 5.0,
+            memory_gib: Some(80.0),
         }
     }
 
@@ -94,6 +116,42 @@ impl DeviceSpec {
         }
         Ok(())
     }
+}
+
+/// How the devices of one node reach each other (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IntraTopology {
+    /// A private link per device pair (NVLink all-to-all; the embedded cluster's copies).
+    Pairs,
+    /// One port per device behind a switch (PCIe switch, NVSwitch): a message holds the sender's
+    /// out lane and the receiver's in lane, so a device sending to several peers shares its port.
+    Switch,
+    /// One path that every message between two devices of the node shares (PCIe through the host
+    /// bridge).
+    Bridge,
+}
+
+impl IntraTopology {
+    /// The names machine files use.
+    pub const NAMES: [(&'static str, IntraTopology); 3] = [
+        ("pairs", IntraTopology::Pairs),
+        ("switch", IntraTopology::Switch),
+        ("bridge", IntraTopology::Bridge),
+    ];
+}
+
+/// A shared send or receive direction of a NIC, switch port or host bridge (numbered by
+/// [`MachineModel::num_lanes`]).
+pub type Lane = usize;
+
+/// How a message from one device to another travels.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Route {
+    /// Its bandwidth and latency.
+    pub link: Link,
+    /// The (out, in) lanes it holds while on the wire (equal on a host bridge); `None`: the
+    /// ordered device pair's own link, which nothing else uses.
+    pub lanes: Option<(Lane, Lane)>,
 }
 
 /// One direction of a connection between two devices.
@@ -284,6 +342,8 @@ pub enum MachineError {
 pub struct MachineModel {
     name: String,
     node_of: Vec<usize>,
+    /// The first device of each node.
+    node_first: Vec<DeviceId>,
     spec_of: Vec<usize>,
     specs: Vec<DeviceSpec>,
     intra_node: Link,
@@ -297,9 +357,11 @@ pub struct MachineModel {
     compute_slots: Option<usize>,
     /// The measured cost of the runtime's own work (dispatch, folds, updates), when profiled.
     runtime_costs: Option<RuntimeCosts>,
-    /// Whether the devices of a node share one network interface: then all messages from node A
-    /// to node B queue on one link (a host's NIC, a shaped veth), not one link per device pair.
-    shared_node_links: bool,
+    /// Network interfaces per node that its devices' messages to other nodes share (see the
+    /// module doc); `None`: a private link per device pair.
+    nics_per_node: Option<usize>,
+    /// How a node's devices reach each other.
+    intra_topology: IntraTopology,
     /// The transport's CPU work per byte of a message between nodes, when measured.
     network_cpu: Option<NetworkCpu>,
 }
@@ -322,6 +384,9 @@ pub const PRESETS: &[&str] = &[
     "paper:4",
     "paper:8",
     "paper:16",
+    "paper-pairs:N",
+    "dgx-h100",
+    "dgx-h100:N",
     "local-cpu",
     "local-cpu:N",
 ];
@@ -333,6 +398,13 @@ const PAPER_NVLINK_LATENCY_US: f64 = 5.0;
 const PAPER_IB_GBIT: f64 = 100.0;
 const PAPER_IB_LATENCY_US: f64 = 10.0;
 const PAPER_GPUS_PER_NODE: usize = 4;
+/// NVLink 4 through NVSwitch: 900 GB/s per H100, both directions together.
+const H100_NVLINK_GBIT: f64 = 3600.0;
+const H100_NVLINK_LATENCY_US: f64 = 2.0;
+/// One 400 Gb/s NDR InfiniBand NIC per GPU.
+const H100_NIC_GBIT: f64 = 400.0;
+const H100_NIC_LATENCY_US: f64 = 5.0;
+const H100_GPUS_PER_NODE: usize = 8;
 
 /// The most threads a machine's runtime may run at once (compute slots, actor threads): more than
 /// any host has cores. The simulator keeps a clock per thread.
@@ -375,6 +447,7 @@ impl MachineModel {
             .check()
             .map_err(|e| invalid(format!("inter-node link: {e}")))?;
         let mut node_of = Vec::new();
+        let mut node_first = Vec::new();
         let mut spec_of = Vec::new();
         let mut specs: Vec<DeviceSpec> = Vec::new();
         for (i, node) in nodes.iter().enumerate() {
@@ -391,6 +464,7 @@ impl MachineModel {
                     specs.len() - 1
                 }
             };
+            node_first.push(node_of.len());
             node_of.extend(std::iter::repeat_n(i, node.devices));
             spec_of.extend(std::iter::repeat_n(spec, node.devices));
         }
@@ -408,6 +482,7 @@ impl MachineModel {
         Ok(MachineModel {
             name: name.to_string(),
             node_of,
+            node_first,
             spec_of,
             specs,
             intra_node,
@@ -416,7 +491,8 @@ impl MachineModel {
             overrides: Vec::new(),
             compute_slots: None,
             runtime_costs: None,
-            shared_node_links: false,
+            nics_per_node: None,
+            intra_topology: IntraTopology::Pairs,
             network_cpu: None,
         })
     }
@@ -459,15 +535,26 @@ impl MachineModel {
         )
     }
 
-    /// A named preset: `paper` (4 nodes × 4 P100, NVLink inside a node, 100 Gb/s EDR InfiniBand
-    /// across), `paper:N` (its first N GPUs, N = 1, 2, 4, 8, 16), `local-cpu` (this machine: one
-    /// node with 2 CPU devices exchanging tensors by in-process copies) and `local-cpu:N` (the
-    /// embedded cluster's N CPU devices, sharing this machine's cores).
+    /// A named preset:
+    /// - `paper`: the OptCNN paper's testbed, 4 nodes × 4 P100, NVLink between each two GPUs of a
+    ///   node, one 100 Gb/s EDR InfiniBand NIC per node that its four GPUs share; `paper:N` its
+    ///   first N GPUs (N = 1, 2, 4, 8, 16);
+    /// - `paper-pairs:N`: the same GPUs with a private 100 Gb/s link per GPU pair across nodes (the
+    ///   paper's own device graph, which gives a node one link per remote GPU);
+    /// - `dgx-h100`: 2 nodes × 8 H100 SXM, NVLink 4 through NVSwitch (one port per GPU), one
+    ///   400 Gb/s NDR NIC per GPU; `dgx-h100:N` N GPUs in nodes of 8 (N = 1, 2, 4, 8 or a
+    ///   multiple of 8);
+    /// - `local-cpu` (this machine: one node with 2 CPU devices exchanging tensors by in-process
+    ///   copies) and `local-cpu:N` (the embedded cluster's N CPU devices, sharing this machine's
+    ///   cores).
     pub fn preset(name: &str) -> Result<MachineModel, MachineError> {
         let unknown = || MachineError::UnknownPreset {
             name: name.to_string(),
             known: PRESETS.join(", "),
         };
+        let count =
+            |prefix: &str| -> Option<usize> { name.strip_prefix(prefix)?.parse::<usize>().ok() };
+        let paper_count = |n: usize| matches!(n, 1 | 2 | 4 | 8 | 16);
         match name {
             "local-cpu" => MachineModel::uniform(
                 name,
@@ -478,40 +565,66 @@ impl MachineModel {
                 Link::from_gbit_per_s(40.0, 2.0),
                 Link::from_gbit_per_s(40.0, 2.0),
             ),
-            "paper" => MachineModel::paper(name, 16),
-            _ if name.starts_with("local-cpu:") => {
-                match name["local-cpu:".len()..].parse::<usize>() {
-                    Ok(n) if n >= 1 => MachineModel::uniform(
+            "paper" => MachineModel::paper(name, 16, true),
+            "dgx-h100" => MachineModel::dgx_h100(name, 16),
+            _ => {
+                if let Some(n) = count("local-cpu:").filter(|&n| n >= 1) {
+                    MachineModel::uniform(
                         name,
                         1,
                         n,
                         DeviceSpec::local_cpu(),
                         Link::from_gbit_per_s(40.0, 2.0),
                         Link::from_gbit_per_s(40.0, 2.0),
-                    ),
-                    _ => Err(unknown()),
-                }
-            }
-            _ => {
-                let count = name.strip_prefix("paper:").ok_or_else(unknown)?;
-                match count.parse::<usize>() {
-                    Ok(n @ (1 | 2 | 4 | 8 | 16)) => MachineModel::paper(name, n),
-                    _ => Err(unknown()),
+                    )
+                } else if let Some(n) = count("paper:").filter(|&n| paper_count(n)) {
+                    MachineModel::paper(name, n, true)
+                } else if let Some(n) = count("paper-pairs:").filter(|&n| paper_count(n)) {
+                    MachineModel::paper(name, n, false)
+                } else if let Some(n) = count("dgx-h100:")
+                    .filter(|&n| (1..=MAX_DEVICES).contains(&n))
+                    .filter(|&n| {
+                        n < H100_GPUS_PER_NODE && n.is_power_of_two()
+                            || n.is_multiple_of(H100_GPUS_PER_NODE)
+                    })
+                {
+                    MachineModel::dgx_h100(name, n)
+                } else {
+                    Err(unknown())
                 }
             }
         }
     }
 
-    fn paper(name: &str, gpus: usize) -> Result<MachineModel, MachineError> {
+    /// The paper's testbed, its first `gpus` GPUs; with `shared_nic`, one NIC per node.
+    fn paper(name: &str, gpus: usize, shared_nic: bool) -> Result<MachineModel, MachineError> {
         let per_node = gpus.min(PAPER_GPUS_PER_NODE);
-        MachineModel::uniform(
+        let machine = MachineModel::uniform(
             name,
             gpus / per_node,
             per_node,
             DeviceSpec::p100(),
             Link::from_gbit_per_s(PAPER_NVLINK_GBIT, PAPER_NVLINK_LATENCY_US),
             Link::from_gbit_per_s(PAPER_IB_GBIT, PAPER_IB_LATENCY_US),
-        )
+        )?;
+        match shared_nic {
+            true => machine.with_nics(1),
+            false => Ok(machine),
+        }
+    }
+
+    fn dgx_h100(name: &str, gpus: usize) -> Result<MachineModel, MachineError> {
+        let per_node = gpus.min(H100_GPUS_PER_NODE);
+        Ok(MachineModel::uniform(
+            name,
+            gpus / per_node,
+            per_node,
+            DeviceSpec::h100(),
+            Link::from_gbit_per_s(H100_NVLINK_GBIT, H100_NVLINK_LATENCY_US),
+            Link::from_gbit_per_s(H100_NIC_GBIT, H100_NIC_LATENCY_US),
+        )?
+        .with_nics(H100_GPUS_PER_NODE)?
+        .with_intra_topology(IntraTopology::Switch))
     }
 
     /// The same devices with every link, inside and across nodes, replaced by `link` (a measured
@@ -577,28 +690,83 @@ impl MachineModel {
         self.network_cpu
     }
 
-    /// Messages between two nodes share one link per direction (one NIC per node) instead of one
-    /// per device pair.
-    pub fn with_shared_node_links(mut self) -> MachineModel {
-        self.shared_node_links = true;
+    /// The same machine whose nodes each have `nics` network interfaces that their devices'
+    /// messages to other nodes share, in each direction (device `i` of a node uses NIC
+    /// `i mod nics`), each at the inter-node link's bandwidth and latency.
+    pub fn with_nics(mut self, nics: usize) -> Result<MachineModel, MachineError> {
+        if !(1..=MAX_DEVICES).contains(&nics) {
+            return Err(MachineError::Invalid(format!(
+                "NICs per node must be in 1..={MAX_DEVICES}, got {nics}"
+            )));
+        }
+        self.nics_per_node = Some(nics);
+        Ok(self)
+    }
+
+    /// The same machine with a private link per device pair across nodes (no shared NICs).
+    pub fn without_nics(self) -> MachineModel {
+        MachineModel {
+            nics_per_node: None,
+            ..self
+        }
+    }
+
+    /// The same machine whose devices reach each other inside a node through `topology`, at the
+    /// intra-node link's bandwidth and latency.
+    pub fn with_intra_topology(mut self, topology: IntraTopology) -> MachineModel {
+        self.intra_topology = topology;
         self
     }
 
-    /// The directed link a message from `from` to `to` queues on, named by a device pair: the pair
-    /// itself, or with shared node links, the first devices of the two nodes.
-    pub fn link_channel(&self, from: DeviceId, to: DeviceId) -> (DeviceId, DeviceId) {
+    /// See [`MachineModel::with_nics`].
+    pub fn nics_per_node(&self) -> Option<usize> {
+        self.nics_per_node
+    }
+
+    /// See [`MachineModel::with_intra_topology`].
+    pub fn intra_topology(&self) -> IntraTopology {
+        self.intra_topology
+    }
+
+    /// Whether some messages share lanes (NICs, switch ports, a host bridge) rather than each
+    /// device pair having a link of its own.
+    pub fn has_shared_lanes(&self) -> bool {
+        (self.nics_per_node.is_some() && self.num_nodes() > 1)
+            || self.intra_topology != IntraTopology::Pairs
+    }
+
+    /// Lanes are numbered: NICs' (out, in) by node and NIC, then switch ports' (out, in) by device,
+    /// then host bridges by node. The number of lanes.
+    pub fn num_lanes(&self) -> usize {
+        let nodes = self.num_nodes();
+        2 * nodes * self.nics_per_node.unwrap_or(0) + 2 * self.num_devices() + nodes
+    }
+
+    /// The route of a message from `from` to `to`; `None` for a device and itself.
+    pub fn route(&self, from: DeviceId, to: DeviceId) -> Option<Route> {
+        let link = self.link(from, to)?;
         let (a, b) = (self.node_of[from], self.node_of[to]);
-        if self.shared_node_links && a != b {
-            let first = |node| {
-                self.node_of
-                    .iter()
-                    .position(|&n| n == node)
-                    .expect("a node has devices")
-            };
-            (first(a), first(b))
+        let nodes = self.num_nodes();
+        let lanes = if a != b {
+            self.nics_per_node.map(|nics| {
+                let nic = |device: DeviceId| {
+                    let node = self.node_of[device];
+                    node * nics + (device - self.node_first[node]) % nics
+                };
+                (2 * nic(from), 2 * nic(to) + 1)
+            })
         } else {
-            (from, to)
-        }
+            let switch = 2 * nodes * self.nics_per_node.unwrap_or(0);
+            match self.intra_topology {
+                IntraTopology::Pairs => None,
+                IntraTopology::Switch => Some((switch + 2 * from, switch + 2 * to + 1)),
+                IntraTopology::Bridge => {
+                    let bridge = switch + 2 * self.num_devices() + a;
+                    Some((bridge, bridge))
+                }
+            }
+        };
+        Some(Route { link, lanes })
     }
 
     /// Replaces the link between `a` and `b`, in both directions.
@@ -743,8 +911,13 @@ impl fmt::Display for MachineModel {
         if let Some(c) = &self.runtime_costs {
             write!(f, ", dispatch {:.1} us per compute op", c.dispatch_s * 1e6)?;
         }
-        if self.shared_node_links {
-            write!(f, ", one network link per node pair")?;
+        match self.intra_topology {
+            IntraTopology::Pairs => {}
+            IntraTopology::Switch => write!(f, ", one switch port per device")?,
+            IntraTopology::Bridge => write!(f, ", one host bridge per node")?,
+        }
+        if let Some(nics) = self.nics_per_node {
+            write!(f, ", {nics} shared NIC(s) per node")?;
         }
         Ok(())
     }
@@ -755,13 +928,69 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shared_node_links_put_every_cross_node_message_on_one_channel() {
+    fn routes_share_a_nodes_nic_across_nodes_and_a_pair_link_inside() {
+        let lanes = |m: &MachineModel, a, b| m.route(a, b).unwrap().lanes;
+        // paper:8: two nodes of 4, NVLink pairs inside, one NIC per node
         let m = MachineModel::preset("paper:8").unwrap();
-        assert_eq!(m.link_channel(1, 6), (1, 6));
-        let m = m.with_shared_node_links();
-        assert_eq!(m.link_channel(1, 6), (0, 4));
-        assert_eq!(m.link_channel(7, 2), (4, 0));
-        assert_eq!(m.link_channel(1, 2), (1, 2), "inside a node: per pair");
+        assert_eq!(m.nics_per_node(), Some(1));
+        assert!(m.route(3, 3).is_none());
+        assert_eq!(lanes(&m, 1, 2), None, "inside a node: the pair's own link");
+        // NIC 0 (node 0) out = 0, in = 1; NIC 1 (node 1) out = 2, in = 3
+        for from in 0..4 {
+            for to in 4..8 {
+                assert_eq!(lanes(&m, from, to), Some((0, 3)));
+                assert_eq!(lanes(&m, to, from), Some((2, 1)));
+            }
+        }
+        assert_eq!(m.route(1, 6).unwrap().link, m.inter_node_link());
+        let pairs = MachineModel::preset("paper-pairs:8").unwrap();
+        assert_eq!(lanes(&pairs, 1, 6), None);
+        assert!(!pairs.has_shared_lanes() && m.has_shared_lanes());
+        assert!(!MachineModel::preset("paper:4").unwrap().has_shared_lanes());
+        // dgx-h100:16: NIC i of a node serves its GPU i; GPUs of a node meet at switch ports
+        let h = MachineModel::preset("dgx-h100:16").unwrap();
+        assert_eq!((h.num_nodes(), h.nics_per_node()), (2, Some(8)));
+        assert_eq!(lanes(&h, 3, 11), Some((2 * 3, 2 * (8 + 3) + 1)));
+        assert_eq!(lanes(&h, 3, 12), Some((2 * 3, 2 * (8 + 4) + 1)));
+        let switch = 2 * 2 * 8;
+        assert_eq!(lanes(&h, 3, 5), Some((switch + 6, switch + 11)));
+        assert_eq!(h.num_lanes(), switch + 2 * 16 + 2);
+        // a host bridge: one lane for every message inside the node
+        let bridge = MachineModel::preset("paper:8")
+            .unwrap()
+            .with_intra_topology(IntraTopology::Bridge);
+        let node1_bridge = 2 * 2 + 2 * 8 + 1;
+        assert_eq!(lanes(&bridge, 5, 6), Some((node1_bridge, node1_bridge)));
+        assert!(bridge.to_string().contains("host bridge"), "{bridge}");
+        assert!(m.to_string().contains("1 shared NIC(s) per node"), "{m}");
+        assert!(
+            MachineModel::preset("paper:8")
+                .unwrap()
+                .with_nics(0)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn current_hardware_preset() {
+        for (name, devices, nodes) in [
+            ("dgx-h100", 16, 2),
+            ("dgx-h100:1", 1, 1),
+            ("dgx-h100:4", 4, 1),
+            ("dgx-h100:8", 8, 1),
+            ("dgx-h100:64", 64, 8),
+        ] {
+            let m = MachineModel::preset(name).unwrap();
+            assert_eq!((m.num_devices(), m.num_nodes()), (devices, nodes), "{name}");
+            assert_eq!(m.device(0).kind, "h100");
+            assert_eq!(m.intra_topology(), IntraTopology::Switch);
+        }
+        for bad in ["dgx-h100:3", "dgx-h100:12", "dgx-h100:0", "paper-pairs:3"] {
+            assert!(MachineModel::preset(bad).is_err(), "{bad}");
+        }
+        let h = MachineModel::preset("dgx-h100").unwrap();
+        assert_eq!(h.bandwidth(0, 1), 450e9);
+        assert_eq!(h.bandwidth(0, 8), 50e9);
     }
 
     #[test]

@@ -21,10 +21,17 @@
 //! [intra_node]                # link between two devices of one node, per direction
 //! gbit_per_s = 160            # Gbit/s (10^9 bits per second)
 //! latency_us = 5              # optional, default 0
+//! topology = "pairs"          # optional: "pairs" (a link per device pair, NVLink all-to-all;
+//!                             # the default), "switch" (one port per device that its messages
+//!                             # share: PCIe switch, NVSwitch), "bridge" (one path every message
+//!                             # of the node shares: PCIe through the host bridge)
 //!
 //! [inter_node]                # link between devices of different nodes (needed with 2+ nodes)
-//! gbit_per_s = 100
+//! gbit_per_s = 100            # with `nics`: each NIC's bandwidth
 //! latency_us = 10
+//! nics = 1                    # optional: NICs per node that its devices' traffic to other nodes
+//!                             # shares (device i of a node uses NIC i mod nics); omitted, a
+//!                             # private link per device pair
 //!
 //! [[link]]                    # optional override for one device pair, both directions
 //! between = [0, 5]
@@ -38,7 +45,7 @@
 pub use legion_ops::located::{Number, key_at, line_column};
 
 use crate::machine::{
-    DeviceSpec, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec, PRESETS,
+    DeviceSpec, IntraTopology, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec, PRESETS,
 };
 use serde::Deserialize;
 use std::ops::Range;
@@ -49,7 +56,10 @@ use toml::Spanned;
 /// a machine file.
 pub fn resolve_machine(spec: &str) -> Result<MachineModel, MachineError> {
     let path = Path::new(spec);
-    if PRESETS.contains(&spec) || spec.starts_with("paper:") || !path.exists() {
+    let counted_preset = ["paper:", "paper-pairs:", "dgx-h100:", "local-cpu:"]
+        .iter()
+        .any(|prefix| spec.starts_with(prefix));
+    if PRESETS.contains(&spec) || counted_preset || !path.exists() {
         return MachineModel::preset(spec).map_err(|e| match e {
             MachineError::UnknownPreset { name, known } => MachineError::UnknownPreset {
                 name,
@@ -234,9 +244,64 @@ pub fn parse_machine(
         }
         None => intra,
     };
+    let intra_doc = doc.intra_node.get_ref();
+    if let Some(nics) = &intra_doc.nics {
+        return Err(at(
+            nics,
+            "intra_node.nics",
+            "NICs carry traffic between nodes: give `nics` in [inter_node]".into(),
+        ));
+    }
+    let topology = match &intra_doc.topology {
+        None => IntraTopology::Pairs,
+        Some(name) => IntraTopology::NAMES
+            .iter()
+            .find(|(n, _)| n == name.get_ref())
+            .map(|&(_, t)| t)
+            .ok_or_else(|| {
+                let known: Vec<&str> = IntraTopology::NAMES.iter().map(|(n, _)| *n).collect();
+                at(
+                    name,
+                    "intra_node.topology",
+                    format!(
+                        "unknown topology '{}', expected one of {}",
+                        name.get_ref(),
+                        known.join(", ")
+                    ),
+                )
+            })?,
+    };
+    let mut nics = None;
+    if let Some(inter_doc) = &doc.inter_node {
+        let inter_doc = inter_doc.get_ref();
+        if let Some(t) = &inter_doc.topology {
+            return Err(at(
+                t,
+                "inter_node.topology",
+                "a topology describes one node: give it in [intra_node]; between nodes, `nics`"
+                    .into(),
+            ));
+        }
+        if let Some(n) = &inter_doc.nics {
+            if !(1..=MAX_DEVICES).contains(n.get_ref()) {
+                return Err(at(
+                    n,
+                    "inter_node.nics",
+                    format!("must be in 1..={MAX_DEVICES}, got {}", n.get_ref()),
+                ));
+            }
+            nics = Some(*n.get_ref());
+        }
+    }
     let name = doc.name.as_deref().unwrap_or(default_name);
     let mut machine = MachineModel::new(name, &nodes, intra, inter)
-        .map_err(|e| located(None, "", e.to_string()))?;
+        .map_err(|e| located(None, "", e.to_string()))?
+        .with_intra_topology(topology);
+    if let Some(n) = nics {
+        machine = machine
+            .with_nics(n)
+            .map_err(|e| located(None, "inter_node.nics", e.to_string()))?;
+    }
     let devices = machine.num_devices();
     for (i, l) in doc.link.iter().enumerate() {
         let o = l.get_ref();
@@ -259,6 +324,8 @@ pub fn parse_machine(
         let link = LinkDoc {
             gbit_per_s: o.gbit_per_s.clone(),
             latency_us: o.latency_us.clone(),
+            topology: None,
+            nics: None,
         }
         .to_link(&format!("link[{i}]"))
         .map_err(|(span, field, m)| located(Some(span), &field, m))?;
@@ -363,6 +430,10 @@ struct NodeDoc {
 struct LinkDoc {
     gbit_per_s: Spanned<Number>,
     latency_us: Option<Spanned<Number>>,
+    /// `[intra_node]` only.
+    topology: Option<Spanned<String>>,
+    /// `[inter_node]` only.
+    nics: Option<Spanned<usize>>,
 }
 
 impl LinkDoc {
@@ -508,6 +579,40 @@ gbit_per_s = 100
         let e = err("nodes = 2\n[intra_node]\ngbit_per_s = 1\n");
         assert!(
             e.contains("devices_per_node: `nodes` needs `devices_per_node`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn shared_nics_and_intra_topologies() {
+        let text = TWO_BOXES.replace("latency_us = 10\n", "latency_us = 10\nnics = 2\n");
+        let text = text.replacen(
+            "latency_us = 5\n",
+            "latency_us = 5\ntopology = \"switch\"\n",
+            1,
+        );
+        let m = parse_machine(&text, "m.toml", "m").unwrap();
+        assert_eq!(m.nics_per_node(), Some(2));
+        assert_eq!(m.intra_topology(), IntraTopology::Switch);
+        // device 1 of node 0 uses its NIC 1; device 4 is the first of node 1 (NIC 2 overall)
+        assert_eq!(m.route(1, 4).unwrap().lanes, Some((2, 5)));
+        let bad = text.replace("\"switch\"", "\"ring\"");
+        let e = err(&bad);
+        assert!(
+            e.contains("intra_node.topology: unknown topology 'ring', expected one of pairs, switch, bridge"),
+            "{e}"
+        );
+        assert!(e.starts_with("m.toml:"), "{e}");
+        let e = err(&text.replace("nics = 2", "nics = 0"));
+        assert!(e.contains("inter_node.nics: must be in 1..="), "{e}");
+        let e = err(&text.replace("nics = 2\n", "topology = \"bridge\"\n"));
+        assert!(
+            e.contains("inter_node.topology: a topology describes one node"),
+            "{e}"
+        );
+        let e = err(&text.replacen("topology = \"switch\"", "nics = 1", 1));
+        assert!(
+            e.contains("intra_node.nics: NICs carry traffic between nodes"),
             "{e}"
         );
     }

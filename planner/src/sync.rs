@@ -28,12 +28,24 @@
 //! t_s          = max over owners o of gather(o) + broadcast(o)
 //! ```
 //!
+//! On a machine with shared routes ([`crate::machine::Route`]: NICs, switch ports, a host
+//! bridge), owners no longer work apart: every replica → owner message through one NIC queues on
+//! it, whoever the owner. Then t_s is also at least the busiest lane's load of the gathers plus
+//! that of the broadcasts, and the larger of the two bounds:
+//!
+//! ```text
+//! lane_gather    = max over lanes of Σ_{replica → owner messages on it} (bytes / bandwidth + latency)
+//! lane_broadcast = the same over the owner → replica messages
+//! t_s            = max(max over owners o of gather(o) + broadcast(o), lane_gather + lane_broadcast)
+//! ```
+//!
 //! [`OpSpec::param_rect`]: legion_ops::op::OpSpec::param_rect
 
 pub use legion_ops::partition::owned_blocks;
 
 use crate::config::{ParallelConfig, block_range, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
+use crate::transfer::Loads;
 use legion_ops::op::{OpSpec, ParamSpec};
 use legion_ops::{Graph, LayerId, Rect};
 use std::collections::BTreeMap;
@@ -329,6 +341,15 @@ pub(crate) fn sync_time_shifted(loads: &[LinkLoad], machine: &MachineModel, offs
         }
         worst = worst.max(gather + broadcast);
     }
+    if machine.has_shared_lanes() {
+        let (mut gather, mut broadcast) = (Loads::default(), Loads::default());
+        for l in loads {
+            let (o, r) = (l.owner + offset, l.replica + offset);
+            gather.add(machine, r, o, l.bytes as f64, l.messages);
+            broadcast.add(machine, o, r, l.bytes as f64, l.messages);
+        }
+        worst = worst.max(gather.busiest() + broadcast.busiest());
+    }
     worst
 }
 
@@ -344,6 +365,45 @@ mod tests {
         let x = m.input("x", Shape::nc(32, 100)).unwrap();
         let fc = m.dense("fc", x, Dense::new(64)).unwrap();
         (m.finish(), fc)
+    }
+
+    /// An owner on node 1 gathers a block from four replicas on node 0 and sends it back to them.
+    /// With a link per device pair each phase takes one message's time; through the nodes' one
+    /// NIC each, the four messages of each phase queue: four times as long.
+    #[test]
+    fn four_replicas_behind_one_nic_take_four_times_one() {
+        let loads: Vec<LinkLoad> = (0..4)
+            .map(|replica| LinkLoad {
+                owner: 4,
+                replica,
+                bytes: 1 << 20,
+                messages: 1,
+            })
+            .collect();
+        let one = (1 << 20) as f64 / 12.5e9 + 10e-6;
+        let pairs = MachineModel::preset("paper-pairs:8").unwrap();
+        let shared = MachineModel::preset("paper:8").unwrap();
+        assert!((sync_time(&loads, &pairs) - 2.0 * one).abs() < 1e-15);
+        let t = sync_time(&loads, &shared);
+        assert!((t - 8.0 * one).abs() < 1e-15, "{t} vs {}", 8.0 * one);
+        // owners on different nodes no longer sync apart: two owners on node 1, each with one
+        // replica on node 0, share node 0's out lane and node 1's in lane
+        let two_owners = [
+            LinkLoad {
+                owner: 4,
+                replica: 0,
+                bytes: 1 << 20,
+                messages: 1,
+            },
+            LinkLoad {
+                owner: 5,
+                replica: 1,
+                bytes: 1 << 20,
+                messages: 1,
+            },
+        ];
+        assert!((sync_time(&two_owners, &pairs) - 2.0 * one).abs() < 1e-15);
+        assert!((sync_time(&two_owners, &shared) - 4.0 * one).abs() < 1e-15);
     }
 
     #[test]
@@ -471,7 +531,7 @@ mod tests {
             Rect::new(&[2, 0, 0, 0], &[4, 3, 3, 3])
         );
         // n=8 over two nodes: 8 one-row blocks, one per device; the inter-node link dominates
-        let machine = MachineModel::preset("paper:16").unwrap();
+        let machine = MachineModel::preset("paper-pairs:16").unwrap();
         let plan = SyncPlan::for_layer(&g, c, &ParallelConfig::split(Dim::N, 8, 0));
         let w = (3 * 3 * 3 * 4) as f64;
         let b = 4.0;

@@ -9,12 +9,12 @@
 use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
 use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
-use crate::machine::{DeviceId, Link, MachineModel};
+use crate::machine::{DeviceId, Lane, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, PairBuffers, TransferTables};
 use legion_ops::{Dim, LayerId, Rect, Shape};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// Per-config and per-config-pair costs of a model on a machine.
 pub struct CostTables<'m> {
@@ -355,16 +355,35 @@ impl BlockClasses {
 }
 
 /// Whether the blocks of `size` devices starting at `a` and `b` have equal device specs position by
-/// position and equal links between each two positions (see [`BlockClasses`]).
+/// position and equal links between each two positions (see [`BlockClasses`]), and on a machine
+/// with shared lanes, routes that share lanes alike (lanes renumbered by first use in each block).
 fn blocks_alike(machine: &MachineModel, size: usize, a: DeviceId, b: DeviceId) -> bool {
     let same_link = |x: Option<Link>, y: Option<Link>| {
         let bits = |l: Option<Link>| l.map(|l| (l.bytes_per_s.to_bits(), l.latency_s.to_bits()));
         bits(x) == bits(y)
     };
+    let lanes_by_first_use = |first: DeviceId| {
+        let mut ids: BTreeMap<Lane, usize> = BTreeMap::new();
+        let mut out = Vec::new();
+        for p in 0..size {
+            for q in 0..size {
+                let lanes = machine.route(first + p, first + q).and_then(|r| r.lanes);
+                out.push(lanes.map(|(o, i)| {
+                    let mut id = |lane| {
+                        let next = ids.len();
+                        *ids.entry(lane).or_insert(next)
+                    };
+                    (id(o), id(i))
+                }));
+            }
+        }
+        out
+    };
     (0..size).all(|p| machine.spec_index(a + p) == machine.spec_index(b + p))
         && (0..size).all(|p| {
             (0..size).all(|q| same_link(machine.link(a + p, a + q), machine.link(b + p, b + q)))
         })
+        && (!machine.has_shared_lanes() || lanes_by_first_use(a) == lanes_by_first_use(b))
 }
 
 #[cfg(test)]
@@ -444,6 +463,13 @@ mod tests {
     fn pricing_a_class_once_equals_pricing_every_block() {
         let machines = [
             MachineModel::preset("paper:8").unwrap(),
+            MachineModel::preset("paper-pairs:8").unwrap(),
+            MachineModel::preset("dgx-h100:16").unwrap(),
+            MachineModel::from_flags(2, 3, None, None)
+                .unwrap()
+                .with_intra_topology(crate::machine::IntraTopology::Switch)
+                .with_nics(2)
+                .unwrap(),
             with_override(),
             two_kinds(),
             MachineModel::from_flags(2, 3, None, None).unwrap(),

@@ -1,6 +1,7 @@
 //! Chrome / Perfetto trace JSON of a simulated iteration (the runtime writes the same format):
 //! `{"traceEvents": [...]}` with one complete event (`"ph": "X"`, microseconds) per task, a process
-//! per device (pid = device id) and per directed link (pids after the devices), each named by a
+//! per device (pid = device id) and per directed link or pair of shared lanes (pids after the
+//! devices), each named by a
 //! metadata event, and per node whose network threads the simulation charges
 //! ([`crate::machine::NetworkCpu`]).
 
@@ -15,11 +16,15 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
     let devices = machine.num_devices();
     let mut links: BTreeMap<(usize, usize), usize> = BTreeMap::new();
     let mut networks: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut lanes: BTreeMap<(usize, usize), usize> = BTreeMap::new();
     for t in &sim.tasks {
-        let next = devices + links.len() + networks.len();
+        let next = devices + links.len() + networks.len() + lanes.len();
         match t.resource {
             Resource::Link(a, b) => {
                 links.entry((a, b)).or_insert(next);
+            }
+            Resource::Lanes(out, into) => {
+                lanes.entry((out, into)).or_insert(next);
             }
             Resource::Network(node) => {
                 networks.entry(node).or_insert(next);
@@ -40,6 +45,12 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
             "args": {"name": format!("link {a} → {b}")},
         }));
     }
+    for (&(out, into), &pid) in &lanes {
+        events.push(json!({
+            "name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+            "args": {"name": format!("shared lanes {out} → {into}")},
+        }));
+    }
     for (&node, &pid) in &networks {
         events.push(json!({
             "name": "process_name", "ph": "M", "pid": pid, "tid": 0,
@@ -53,6 +64,7 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
         let pid = match t.resource {
             Resource::Device(d) => d,
             Resource::Link(a, b) => links[&(a, b)],
+            Resource::Lanes(out, into) => lanes[&(out, into)],
             Resource::Network(node) => networks[&node],
         };
         let mut event = json!({

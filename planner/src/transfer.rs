@@ -8,10 +8,12 @@
 //! input layer, whose data needs no gradient. Overlaps on the same device are free.
 //!
 //! Timing: transfers on different directed links proceed in parallel, transfers sharing a link
-//! serialize, and each message pays the link's latency once:
+//! serialize, and each message pays the link's latency once. A message on a shared route
+//! ([`crate::machine::Route`]) loads both its lanes instead of its pair's link, so messages through
+//! one NIC (or switch port, or host bridge) serialize on it:
 //!
 //! ```text
-//! t_fwd = max over links (a→b) of Σ_{messages on a→b} (bytes / bandwidth(a,b) + latency(a,b))
+//! t_fwd = max over links (a→b) and lanes of Σ_{messages on it} (bytes / bandwidth + latency)
 //! t_bwd = the same over the reversed messages (0 for edges from the input layer)
 //! t_x   = t_fwd + t_bwd
 //! ```
@@ -20,9 +22,9 @@
 //! edge and direction, which the cost tables exploit.
 
 use crate::config::{ParallelConfig, tile_rect};
-use crate::machine::{DeviceId, MachineModel};
+use crate::fast_hash::FastHashMap;
+use crate::machine::{DeviceId, Lane, MachineModel, Route};
 use legion_ops::{Graph, LayerId, Op, Rect};
-use std::collections::BTreeMap;
 
 /// The output of `src` read as input number `input` of `dst`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -119,23 +121,87 @@ pub fn edge_overlaps(
 /// documented above.
 pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient: bool) -> f64 {
     let busiest = |reverse: bool| {
-        let mut load: BTreeMap<(DeviceId, DeviceId), f64> = BTreeMap::new();
+        let mut load = Loads::default();
         for o in overlaps.iter().filter(|o| !o.is_local()) {
             let (from, to) = if reverse {
                 (o.dst_device, o.src_device)
             } else {
                 (o.src_device, o.dst_device)
             };
-            *load.entry((from, to)).or_default() +=
-                machine.message_time(from, to, o.bytes() as f64);
+            load.add(machine, from, to, o.bytes() as f64, 1);
         }
-        load.values().fold(0.0f64, |m, &t| m.max(t))
+        load.busiest()
     };
     let forward = busiest(false);
     if gradient {
         forward + busiest(true)
     } else {
         forward
+    }
+}
+
+/// Seconds of messages per directed link and per shared lane: [`transfer_time`]'s and
+/// [`crate::sync::sync_time`]'s sums.
+#[derive(Debug, Default)]
+pub(crate) struct Loads {
+    /// By [`Loads::link_key`] or [`Loads::lane_key`].
+    seconds: FastHashMap<u64, f64>,
+}
+
+impl Loads {
+    /// `messages` messages of `bytes` in total from `from` to `to` (nothing on one device).
+    pub(crate) fn add(
+        &mut self,
+        machine: &MachineModel,
+        from: DeviceId,
+        to: DeviceId,
+        bytes: f64,
+        messages: u32,
+    ) {
+        self.add_route(machine.route(from, to), from, to, bytes, messages);
+    }
+
+    /// [`Loads::add`] of a message on `route` (`None`: on one device).
+    pub(crate) fn add_route(
+        &mut self,
+        route: Option<Route>,
+        from: DeviceId,
+        to: DeviceId,
+        bytes: f64,
+        messages: u32,
+    ) {
+        let Some(route) = route else {
+            return;
+        };
+        let seconds =
+            bytes * route.link.seconds_per_byte() + f64::from(messages) * route.link.latency_s;
+        match route.lanes {
+            None => *self.seconds.entry(Self::link_key(from, to)).or_default() += seconds,
+            Some((out, into)) => {
+                *self.seconds.entry(Self::lane_key(out)).or_default() += seconds;
+                if into != out {
+                    *self.seconds.entry(Self::lane_key(into)).or_default() += seconds;
+                }
+            }
+        }
+    }
+
+    fn link_key(from: DeviceId, to: DeviceId) -> u64 {
+        ((from as u64) << 32) | to as u64
+    }
+
+    fn lane_key(lane: Lane) -> u64 {
+        (1 << 63) | lane as u64
+    }
+
+    /// The busiest link's or lane's seconds (a max: the same whatever the order of the sums).
+    pub(crate) fn busiest(&self) -> f64 {
+        self.seconds.values().fold(0.0f64, |m, &t| m.max(t))
+    }
+
+    /// Forgets every load, keeping the memory.
+    pub(crate) fn clear(&mut self) {
+        self.seconds.clear();
     }
 }
 
@@ -257,5 +323,42 @@ mod tests {
             })
             .collect();
         assert!((transfer_time(&same_link, &machine, true) - 4.0 * msg).abs() < 1e-15);
+    }
+
+    /// Four GPUs of node 0 each send a quarter of the batch to a GPU of node 1. With a link per
+    /// device pair the four messages travel side by side; through the nodes' one NIC each they
+    /// queue: four times one message's time, latency included (each message pays it).
+    #[test]
+    fn four_senders_through_one_nic_take_four_times_one() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(16, 1024)).unwrap();
+        m.relu("r", x).unwrap();
+        let g = m.finish();
+        let e = edge(&g, "r");
+        let overlaps = edge_overlaps(
+            &g,
+            &e,
+            &ParallelConfig::split(Dim::N, 4, 0),
+            &ParallelConfig::split(Dim::N, 4, 4),
+        );
+        assert_eq!(overlaps.iter().filter(|o| !o.is_local()).count(), 4);
+        // 4 samples × 1024 features × 4 bytes over 100 Gb/s, plus 10 us
+        let one = (4 * 1024 * 4) as f64 / 12.5e9 + 10e-6;
+        let pairs = MachineModel::preset("paper-pairs:8").unwrap();
+        let shared = MachineModel::preset("paper:8").unwrap();
+        assert!((transfer_time(&overlaps, &pairs, false) - one).abs() < 1e-15);
+        let t = transfer_time(&overlaps, &shared, false);
+        assert!((t - 4.0 * one).abs() < 1e-15, "{t} vs {}", 4.0 * one);
+        // inside one node the pairs' NVLinks stay private: nothing queues
+        let inside = edge_overlaps(
+            &g,
+            &e,
+            &ParallelConfig::split(Dim::N, 2, 0),
+            &ParallelConfig::split(Dim::N, 2, 2),
+        );
+        assert_eq!(
+            transfer_time(&inside, &shared, false),
+            transfer_time(&inside, &pairs, false)
+        );
     }
 }

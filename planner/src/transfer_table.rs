@@ -23,8 +23,8 @@
 
 use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rects};
 use crate::fast_hash::FastHashMap;
-use crate::machine::{Link, MachineModel};
-use crate::transfer::Edge;
+use crate::machine::{Lane, Link, MachineModel, Route};
+use crate::transfer::{Edge, Loads};
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Graph, Rect, Shape};
 use std::cell::RefCell;
@@ -580,7 +580,10 @@ impl Regular {
     fn detect(machine: &MachineModel) -> Option<Regular> {
         let devices = machine.num_devices();
         let nodes = machine.num_nodes();
-        if !machine.link_overrides().is_empty() || !devices.is_multiple_of(nodes) {
+        if !machine.link_overrides().is_empty()
+            || !devices.is_multiple_of(nodes)
+            || machine.has_shared_lanes()
+        {
             return None;
         }
         let node_size = devices / nodes;
@@ -1140,6 +1143,9 @@ struct Message {
 /// Device pairs grouped by their links, for the per-message tables.
 struct DevicePairs {
     devices: usize,
+    /// On a machine with shared lanes, every ordered pair's route (`routes[a * n + b]`): block
+    /// pairs are then priced message by message, each message loading its route's lanes.
+    routes: Option<Vec<Option<Route>>>,
     /// Per ordered device pair, the index of its (forward, backward) links; 0 for a device and itself.
     kind: Vec<u16>,
     forward: Vec<Link>,
@@ -1162,6 +1168,9 @@ enum PairClass {
     Uniform(u16),
     /// Mixed links: evaluated message by message at this representative block pair.
     Mixed { src_first: usize, dst_first: usize },
+    /// Shared lanes: every message loads its route's link or lanes, at this representative block
+    /// pair (whose routes share lanes as every block pair of the class does).
+    Shared { src_first: usize, dst_first: usize },
 }
 
 impl DevicePairs {
@@ -1193,8 +1202,12 @@ impl DevicePairs {
             }
         }
         let sizes: Vec<usize> = (0..).map(|k| 1usize << k).take_while(|&s| s <= n).collect();
+        let routes = machine
+            .has_shared_lanes()
+            .then(|| (0..n * n).map(|ab| machine.route(ab / n, ab % n)).collect());
         let mut pairs = DevicePairs {
             devices: n,
+            routes,
             kind,
             forward,
             backward,
@@ -1214,16 +1227,37 @@ impl DevicePairs {
         let n = self.devices;
         let src_blocks = n / src_total;
         let dst_blocks = n / dst_total;
-        let mut seen: FastHashMap<Vec<u16>, u32> = FastHashMap::default();
+        let mut seen: FastHashMap<Vec<u32>, u32> = FastHashMap::default();
         let mut class_of = Vec::with_capacity(src_blocks * dst_blocks);
         let mut classes = Vec::new();
-        let mut matrix = Vec::with_capacity(src_total * dst_total);
+        let mut matrix: Vec<u32> = Vec::with_capacity(src_total * dst_total);
+        // lanes renumbered by first use within the block pair: block pairs alike share lanes alike
+        let mut lane_ids: FastHashMap<Lane, u32> = FastHashMap::default();
         for i in 0..src_blocks {
             for j in 0..dst_blocks {
                 let (s, d) = (i * src_total, j * dst_total);
                 matrix.clear();
                 for a in s..s + src_total {
-                    matrix.extend_from_slice(&self.kind[a * n + d..a * n + d + dst_total]);
+                    matrix.extend(
+                        self.kind[a * n + d..a * n + d + dst_total]
+                            .iter()
+                            .map(|&k| u32::from(k)),
+                    );
+                }
+                if let Some(routes) = &self.routes {
+                    lane_ids.clear();
+                    for a in s..s + src_total {
+                        for b in d..d + dst_total {
+                            for (x, y) in [(a, b), (b, a)] {
+                                let lanes = routes[x * n + y].and_then(|r| r.lanes);
+                                for lane in lanes.map(|(o, i)| [o, i]).into_iter().flatten() {
+                                    let next = lane_ids.len() as u32;
+                                    matrix.push(*lane_ids.entry(lane).or_insert(next));
+                                }
+                                matrix.push(u32::MAX);
+                            }
+                        }
+                    }
                 }
                 let next = classes.len() as u32;
                 // look up before cloning: most block pairs repeat an earlier matrix
@@ -1236,8 +1270,13 @@ impl DevicePairs {
                 };
                 if id == next {
                     let first = matrix[0];
-                    classes.push(if matrix.iter().all(|&k| k == first) {
-                        PairClass::Uniform(first)
+                    classes.push(if self.routes.is_some() {
+                        PairClass::Shared {
+                            src_first: s,
+                            dst_first: d,
+                        }
+                    } else if matrix.iter().all(|&k| k == first) {
+                        PairClass::Uniform(first as u16)
                     } else {
                         PairClass::Mixed {
                             src_first: s,
@@ -1267,6 +1306,7 @@ impl DevicePairs {
         messages: &[Message],
         largest: f64,
         gradient: bool,
+        loads: &mut [Loads; 2],
     ) -> f64 {
         let both = |forward: f64, backward: f64| {
             if gradient {
@@ -1301,6 +1341,22 @@ impl DevicePairs {
                 }
                 both(forward, backward)
             }
+            PairClass::Shared {
+                src_first,
+                dst_first,
+            } => {
+                let n = self.devices;
+                let routes = self.routes.as_ref().expect("shared classes have routes");
+                let [forward, backward] = loads;
+                forward.clear();
+                backward.clear();
+                for m in messages {
+                    let (a, b) = (src_first + m.src_tile, dst_first + m.dst_tile);
+                    forward.add_route(routes[a * n + b], a, b, m.bytes, 1);
+                    backward.add_route(routes[b * n + a], b, a, m.bytes, 1);
+                }
+                both(forward.busiest(), backward.busiest())
+            }
         }
     }
 
@@ -1319,6 +1375,7 @@ impl DevicePairs {
         let mut table = vec![0.0; src_space.len() * columns];
         let mut messages: Vec<Message> = Vec::new();
         let mut values: Vec<f64> = Vec::new();
+        let mut loads = [Loads::default(), Loads::default()];
         for (gi, g) in src_space.layouts().iter().enumerate() {
             let src_total: usize = g.iter().product();
             for (hi, h) in dst_space.layouts().iter().enumerate() {
@@ -1372,7 +1429,7 @@ impl DevicePairs {
                     classes
                         .classes
                         .iter()
-                        .map(|c| self.class_time(c, &messages, largest, gradient)),
+                        .map(|c| self.class_time(c, &messages, largest, gradient, &mut loads)),
                 );
                 let src_configs = src_space.layout_configs(gi);
                 let dst_configs = dst_space.layout_configs(hi);
@@ -1423,8 +1480,8 @@ mod tests {
     fn factorized_equals_per_message() {
         let g = graph();
         for machine in [
-            MachineModel::preset("paper:16").unwrap(),
-            MachineModel::preset("paper:8").unwrap(),
+            MachineModel::preset("paper-pairs:16").unwrap(),
+            MachineModel::preset("paper-pairs:8").unwrap(),
             MachineModel::from_flags(4, 2, Some(30.0), Some(3.0)).unwrap(),
             MachineModel::from_flags(1, 8, None, None).unwrap(),
             // slow and fast inter-node links: the inter-node message decides t_x almost always,
@@ -1520,6 +1577,8 @@ mod tests {
             .with_link(0, 1, Link::from_gbit_per_s(1.0, 0.0))
             .unwrap();
         assert!(Regular::detect(&m).is_none());
-        assert!(Regular::detect(&MachineModel::preset("paper:16").unwrap()).is_some());
+        assert!(Regular::detect(&MachineModel::preset("paper-pairs:16").unwrap()).is_some());
+        // shared NICs: loads add up per lane, which the per-axis maxima do not see
+        assert!(Regular::detect(&MachineModel::preset("paper:16").unwrap()).is_none());
     }
 }

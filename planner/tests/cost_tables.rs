@@ -4,12 +4,22 @@ mod common;
 
 use common::{FAMILIES, random_graph};
 use legion_ops::rng::Rng;
-use legion_planner::machine::NodeSpec;
+use legion_planner::machine::{IntraTopology, NodeSpec};
 use legion_planner::{CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost};
 
 fn machines() -> Vec<MachineModel> {
     vec![
+        // one shared NIC per node
         MachineModel::preset("paper:8").unwrap(),
+        MachineModel::preset("paper-pairs:8").unwrap(),
+        // switch ports inside a node, a NIC per GPU across
+        MachineModel::preset("dgx-h100:16").unwrap(),
+        // a host bridge inside, two NICs per node of 3 (uneven)
+        MachineModel::from_flags(2, 3, None, None)
+            .unwrap()
+            .with_intra_topology(IntraTopology::Bridge)
+            .with_nics(2)
+            .unwrap(),
         MachineModel::preset("paper:4").unwrap(),
         MachineModel::from_flags(4, 2, Some(50.0), Some(10.0)).unwrap(),
         MachineModel::from_flags(1, 8, None, None).unwrap(),

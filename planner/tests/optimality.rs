@@ -5,6 +5,7 @@
 mod common;
 
 use common::{FAMILIES, random_graph};
+use legion_planner::machine::IntraTopology;
 use legion_planner::search::{exhaustive, optcnn};
 use legion_planner::{CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost};
 use proptest::prelude::*;
@@ -12,7 +13,9 @@ use proptest::prelude::*;
 /// Devices slow enough and links balanced so that compute, transfers and synchronisation of these
 /// tiny tensors all matter: the optimum is neither trivially serial nor trivially parallel.
 /// `link_speed` scales both link classes (inter-node links are 4× slower than intra-node ones).
-fn machine(devices: usize, two_nodes: bool, link_speed: f64) -> MachineModel {
+/// `sharing`: 0, a link per device pair; 1, one NIC per node; 2, switch ports inside a node and
+/// two NICs per node.
+fn machine(devices: usize, two_nodes: bool, link_speed: f64, sharing: usize) -> MachineModel {
     let nodes = if two_nodes && devices.is_multiple_of(2) {
         2
     } else {
@@ -25,7 +28,7 @@ fn machine(devices: usize, two_nodes: bool, link_speed: f64) -> MachineModel {
         task_overhead_us: 1.0,
         memory_gib: None,
     };
-    MachineModel::uniform(
+    let machine = MachineModel::uniform(
         "toy",
         nodes,
         devices / nodes,
@@ -33,7 +36,15 @@ fn machine(devices: usize, two_nodes: bool, link_speed: f64) -> MachineModel {
         Link::from_gbit_per_s(0.04 * link_speed, 20.0),
         Link::from_gbit_per_s(0.01 * link_speed, 50.0),
     )
-    .unwrap()
+    .unwrap();
+    match sharing {
+        0 => machine,
+        1 => machine.with_nics(1).unwrap(),
+        _ => machine
+            .with_intra_topology(IntraTopology::Switch)
+            .with_nics(2)
+            .unwrap(),
+    }
 }
 
 fn check(
@@ -43,9 +54,10 @@ fn check(
     devices: usize,
     two_nodes: bool,
     link_speed: f64,
+    sharing: usize,
 ) -> Result<(), TestCaseError> {
     let g = random_graph(FAMILIES[family], seed, layers);
-    let machine = machine(devices, two_nodes, link_speed);
+    let machine = machine(devices, two_nodes, link_speed, sharing);
     let provider = RooflineCost::new(&machine);
     let model = CostModel::new(&g, &machine, &provider);
     let tables = CostTables::build(&model);
@@ -87,8 +99,9 @@ proptest! {
         devices in prop::sample::select(vec![2usize, 3, 4, 6, 8]),
         two_nodes in any::<bool>(),
         link_speed in prop::sample::select(vec![0.1, 1.0, 10.0]),
+        sharing in 0usize..3,
     ) {
-        check(family, seed, layers, devices, two_nodes, link_speed)?;
+        check(family, seed, layers, devices, two_nodes, link_speed, sharing)?;
     }
 }
 
@@ -97,7 +110,9 @@ proptest! {
 fn every_family_on_two_to_eight_devices() {
     for family in 0..FAMILIES.len() {
         for (seed, devices) in [(1, 2), (2, 4), (3, 8)] {
-            check(family, seed, 3, devices, true, 1.0).unwrap();
+            for sharing in 0..3 {
+                check(family, seed, 3, devices, true, 1.0, sharing).unwrap();
+            }
         }
     }
 }

@@ -6,9 +6,13 @@
 use legion_cluster::hosts::{
     DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US, DEVICE_KINDS, HostLink, Hosts,
 };
-use legion_cluster::launch::load_links;
+use legion_cluster::launch::{MeasuredNic, load_links, load_nics};
 use legion_planner::machine::{DeviceSpec, Link, MachineError, MachineModel, NetworkCpu, NodeSpec};
 use std::path::Path;
+
+/// A host whose interface carried less than this many times its fastest peer's bandwidth with
+/// every peer at once is one shared NIC (see [`cluster_machine`]).
+pub const NIC_SHARED_BELOW: f64 = 1.5;
 
 /// The machine the embedded cluster's devices make, as the planner sees it.
 pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
@@ -16,10 +20,10 @@ pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
 }
 
 /// The planner's view of the cluster: one node per host; devices of one host exchange data by
-/// in-process copies (the `local-cpu` preset's link), hosts over one shared link per host pair
-/// of a
-/// `DEFAULT_INTER_HOST_GBPS` network unless a `[[link]]` overrides the pair (then every
-/// device pair across the two hosts gets that link).
+/// in-process copies (the `local-cpu` preset's link), hosts over a `DEFAULT_INTER_HOST_GBPS`
+/// network unless a `[[link]]` overrides the pair (then every device pair across the two hosts
+/// gets that link). Each host reaches the others through one network interface, which all of its
+/// devices' messages to other hosts share in each direction (one NIC per node).
 pub fn hosts_machine(hosts: &Hosts) -> Result<MachineModel, MachineError> {
     let in_process = MachineModel::preset("local-cpu")?.intra_node_link();
     let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
@@ -41,9 +45,7 @@ pub fn hosts_machine(hosts: &Hosts) -> Result<MachineModel, MachineError> {
         })
         .collect::<Result<Vec<_>, MachineError>>()?;
     let name = format!("hosts:{}", hosts.hosts.len());
-    // A host reaches the others through one network interface, which all its devices share.
-    let mut machine =
-        MachineModel::new(&name, &nodes, in_process, network)?.with_shared_node_links();
+    let mut machine = MachineModel::new(&name, &nodes, in_process, network)?.with_nics(1)?;
     let ranges = hosts.device_ranges();
     for l in &hosts.links {
         let (Some(from), Some(to)) = (ranges.get(l.from), ranges.get(l.to)) else {
@@ -78,12 +80,28 @@ fn host_link(l: &HostLink) -> Link {
 
 /// The planner's view of the running cluster: the hosts file's model, with each pair of hosts the
 /// file does not give a `[[link]]` for priced at what `up` measured between them, and the
-/// transport's CPU per byte at the mean of what it measured on every link.
+/// transport's CPU per byte at the mean of what it measured on every link. Its one NIC per host
+/// stays unless `up` measured a host sending to its peers at once clearly faster than to its
+/// fastest peer alone ([`NIC_SHARED_BELOW`]): then the host's interface is not what limits it,
+/// and each host pair keeps a link of its own.
 pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineModel> {
-    let mut machine = hosts_machine(hosts)?;
+    let links = load_links(state)?;
+    let nics = load_nics(state)?;
+    let interface_limits = |nic: &MeasuredNic| {
+        let fastest_peer = links
+            .iter()
+            .filter(|l| l.from == nic.host)
+            .map(|l| l.bytes_per_s)
+            .fold(0.0f64, f64::max);
+        nic.peers < 2 || nic.bytes_per_s < NIC_SHARED_BELOW * fastest_peer
+    };
+    let mut machine = if nics.iter().all(interface_limits) {
+        hosts_machine(hosts)?
+    } else {
+        hosts_machine(hosts)?.without_nics()
+    };
     let ranges = hosts.device_ranges();
     let index = |name: &str| hosts.hosts.iter().position(|h| h.name == name);
-    let links = load_links(state)?;
     let cpu: Vec<NetworkCpu> = links
         .iter()
         .map(|l| NetworkCpu {
@@ -259,5 +277,64 @@ latency_us = 20.0
         let m = cluster_machine(&hosts, dir.path()).unwrap();
         assert_eq!(m.network_cpu(), None);
         assert_eq!(m.link(0, 1).unwrap().bytes_per_s, 1e8);
+    }
+
+    /// Three hosts, each measured alone to its peers at 1e8 B/s: one whose interface carried
+    /// 1.1e8 B/s to both peers at once is a shared NIC; 2e8 B/s (each peer at its own speed) is
+    /// not, and the cluster's model then gives each host pair a link of its own.
+    #[test]
+    fn measured_interfaces_decide_whether_a_host_shares_one_nic() {
+        let hosts = Hosts::parse(
+            "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 1\n\
+             [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 2\n\
+             [[host]]\nname = \"c\"\naddress = \"127.0.0.1\"\nport = 3\n",
+            "hosts.toml",
+        )
+        .unwrap();
+        assert_eq!(hosts_machine(&hosts).unwrap().nics_per_node(), Some(1));
+        let names = ["a", "b", "c"];
+        let links: Vec<MeasuredLink> = names
+            .iter()
+            .flat_map(|from| names.iter().map(move |to| (from, to)))
+            .filter(|(from, to)| from != to)
+            .map(|(from, to)| MeasuredLink {
+                from: from.to_string(),
+                to: to.to_string(),
+                bytes_per_s: 1e8,
+                latency_s: 1e-4,
+                send_cpu_s_per_byte: 0.0,
+                recv_cpu_s_per_byte: 0.0,
+            })
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let write = |path: std::path::PathBuf, json: String| {
+            legion_ops::atomic_file::write(&path, json.as_bytes()).unwrap()
+        };
+        write(
+            links_path(dir.path()),
+            serde_json::to_string(&links).unwrap(),
+        );
+        let nics_at = |bytes_per_s: f64| -> Vec<MeasuredNic> {
+            names
+                .iter()
+                .map(|h| MeasuredNic {
+                    host: h.to_string(),
+                    peers: 2,
+                    bytes_per_s,
+                })
+                .collect()
+        };
+        let nics_path = legion_cluster::launch::nics_path(dir.path());
+        write(
+            nics_path.clone(),
+            serde_json::to_string(&nics_at(1.1e8)).unwrap(),
+        );
+        let shared = cluster_machine(&hosts, dir.path()).unwrap();
+        assert_eq!(shared.nics_per_node(), Some(1));
+        assert!(shared.route(0, 1).unwrap().lanes.is_some());
+        write(nics_path, serde_json::to_string(&nics_at(2e8)).unwrap());
+        let private = cluster_machine(&hosts, dir.path()).unwrap();
+        assert_eq!(private.nics_per_node(), None);
+        assert!(private.route(0, 1).unwrap().lanes.is_none());
     }
 }

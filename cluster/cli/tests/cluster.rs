@@ -105,6 +105,15 @@ fn up_train_down_on_three_workers_equals_one_device() {
     ok(legion(&cluster.args("status")));
     let links = std::fs::read_to_string(cluster.state.join("links.json")).unwrap();
     assert!(links.contains("\"from\": \"w2\""), "{links}");
+    // every worker's interface, with both of its peers at once
+    let nics: Vec<legion_cluster::launch::MeasuredNic> =
+        serde_json::from_str(&std::fs::read_to_string(cluster.state.join("nics.json")).unwrap())
+            .unwrap();
+    assert_eq!(nics.len(), 3, "{nics:?}");
+    assert!(
+        nics.iter().all(|n| n.peers == 2 && n.bytes_per_s > 0.0),
+        "{nics:?}"
+    );
 
     let init = cluster.path("init.safetensors");
     init_checkpoint(&init, &ALEXNET_64);

@@ -140,6 +140,19 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
     )
     .unwrap();
     assert_eq!(links.len(), 2);
+    // each host's one shaped veth is its NIC: with its one peer, about the shaper's rate
+    let nics: Vec<legion_cluster::launch::MeasuredNic> =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("state/nics.json")).unwrap())
+            .unwrap();
+    assert_eq!(nics.len(), 2, "{nics:?}");
+    for n in &nics {
+        let mbit = n.bytes_per_s * 8.0 / 1e6;
+        assert!(
+            n.peers == 1 && (0.3 * RATE_MBIT..1.2 * RATE_MBIT).contains(&mbit),
+            "{}: {mbit:.0} Mbit/s through a {RATE_MBIT} Mbit/s shaper",
+            n.host
+        );
+    }
     for l in &links {
         let mbit = l.bytes_per_s * 8.0 / 1e6;
         assert!(

@@ -327,6 +327,11 @@ pub async fn send_slice(conn: &Connection, msg: &SliceMessage) -> Result<(), Net
 /// Stream priority of control messages; slices keep quinn's default, 0.
 const CONTROL_PRIORITY: i32 = 1;
 
+/// Stream priority of heartbeats: above every control message, so that one does not wait behind
+/// a large reply (a `ReadDone` of a job's weights takes seconds over a slow link, longer than the
+/// driver waits for a heartbeat).
+const HEARTBEAT_PRIORITY: i32 = 2;
+
 /// A client that gave up on its own handshake (a launcher's short greeting timing out) is routine,
 /// unlike a refusal (no cluster-signed certificate).
 fn handshake_abandoned(e: &quinn::ConnectionError) -> bool {
@@ -341,10 +346,20 @@ fn handshake_abandoned(e: &quinn::ConnectionError) -> bool {
 
 /// Sends one control message on its own uni-stream.
 pub async fn send_control(conn: &Connection, bytes: &[u8]) -> Result<(), NetError> {
+    send_prioritised(conn, bytes, CONTROL_PRIORITY).await
+}
+
+/// Sends a heartbeat (an encoded control message) ahead of every other control message queued on
+/// the connection.
+pub async fn send_heartbeat(conn: &Connection, bytes: &[u8]) -> Result<(), NetError> {
+    send_prioritised(conn, bytes, HEARTBEAT_PRIORITY).await
+}
+
+async fn send_prioritised(conn: &Connection, bytes: &[u8], priority: i32) -> Result<(), NetError> {
     let mut send = conn.open_uni().await?;
     // Streams go one after another (see `QuicOptions::interleave_streams`): a control message
     // must not wait behind the bulk slices queued on the same connection.
-    send.set_priority(CONTROL_PRIORITY)?;
+    send.set_priority(priority)?;
     write_control(&mut send, bytes).await?;
     send.finish()?;
     Ok(())

@@ -188,7 +188,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_node_link_serialises_the_messages_between_two_nodes() {
+    fn a_shared_nic_serialises_the_messages_between_two_nodes() {
         let g = chain();
         let configs: Vec<_> = g
             .layers()
@@ -199,15 +199,15 @@ mod tests {
             let provider = RooflineCost::new(machine);
             simulate(&CostModel::new(&g, machine, &provider), &configs)
         };
-        let machine = MachineModel::preset("paper:8").unwrap();
-        let per_pair = run(&machine);
-        let shared = run(&machine.clone().with_shared_node_links());
+        let per_pair = run(&MachineModel::preset("paper-pairs:8").unwrap());
+        let shared = run(&MachineModel::preset("paper:8").unwrap());
         let cross_links = |sim: &Simulation| {
             let mut links: Vec<Resource> = sim
                 .tasks
                 .iter()
                 .filter_map(|t| match t.resource {
                     Resource::Link(a, b) if a / 4 != b / 4 => Some(t.resource),
+                    Resource::Lanes(..) => Some(t.resource),
                     _ => None,
                 })
                 .collect();
@@ -222,6 +222,47 @@ mod tests {
             "one per direction between the two nodes"
         );
         assert!(shared.makespan > per_pair.makespan);
+    }
+
+    /// Four GPUs of node 0 send their quarters of the batch to four GPUs of node 1: over a link per
+    /// pair the four copies run at once; through the nodes' one NIC each they queue back to back.
+    #[test]
+    fn four_senders_through_one_nic_queue_in_the_simulator() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(16, 1024)).unwrap();
+        let x = m.dense("a", x, Dense::new(256)).unwrap();
+        let x = m.dense("b", x, Dense::new(10)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        let g = m.finish();
+        let on = |first| ParallelConfig::split(Dim::N, 4, first);
+        let configs = vec![on(0), on(0), on(4), on(4)];
+        let copies = |machine: &str| {
+            let machine = MachineModel::preset(machine).unwrap();
+            let provider = RooflineCost::new(&machine);
+            let sim = simulate(&CostModel::new(&g, &machine, &provider), &configs);
+            let mut spans: Vec<(f64, f64)> = (0..sim.tasks.len())
+                .filter(|&t| sim.tasks[t].kind == TaskKind::Copy)
+                .map(|t| (sim.start[t], sim.finish[t]))
+                .collect();
+            spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+            spans
+        };
+        // a's 4 × 256 outputs per tile, 4 KiB, at 12.5 GB/s
+        let one = (4 * 256 * 4) as f64 / 12.5e9;
+        let pairs = copies("paper-pairs:8");
+        assert_eq!(pairs.len(), 4);
+        assert!(
+            pairs
+                .iter()
+                .all(|&(s, f)| s == pairs[0].0 && (f - s - one).abs() < 1e-15)
+        );
+        let shared = copies("paper:8");
+        assert_eq!(shared.len(), 4);
+        for (i, w) in shared.windows(2).enumerate() {
+            assert_eq!(w[1].0, w[0].1, "copy {} starts as copy {i} ends", i + 1);
+        }
+        let span = shared[3].1 - shared[0].0;
+        assert!((span - 4.0 * one).abs() < 1e-15, "{span} vs {}", 4.0 * one);
     }
 
     #[test]
@@ -286,7 +327,7 @@ mod tests {
     #[test]
     fn a_message_holds_its_link_for_its_bytes_and_arrives_a_latency_later() {
         let g = chain();
-        let machine = MachineModel::preset("paper:8").unwrap();
+        let machine = MachineModel::preset("paper-pairs:8").unwrap();
         let provider = RooflineCost::new(&machine);
         let model = CostModel::new(&g, &machine, &provider);
         // the first layers on device 0, the rest on device 4 (another node)

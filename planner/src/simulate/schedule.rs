@@ -1,8 +1,9 @@
 //! The list scheduler: device and link timelines.
 //!
 //! Scheduling: each device runs one compute task at a time and each directed link carries one
-//! message at a time (on a machine with shared node links, every message from one node to another
-//! queues on the same link) for `bytes / bandwidth`; the link's latency then delays the message's
+//! message at a time for `bytes / bandwidth`; a message on a shared route holds both its lanes
+//! (its sender's NIC's out lane and its receiver's NIC's in lane, say) and starts when both are
+//! free, so every message through one NIC queues on it; the link's latency then delays the message's
 //! arrival without holding the link, so messages in a row pay it once, not once each, as on the
 //! wire. A task is ready when its dependencies have finished (and arrived), and every resource serves
 //! its tasks in the order they became ready (ties by task number, which follows the program order).
@@ -154,9 +155,27 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
         .map(|r| match *r {
             Resource::Device(_) => Some(HostWork::Kernel),
             Resource::Network(_) => Some(HostWork::Network),
-            Resource::Link(..) => None,
+            Resource::Link(..) | Resource::Lanes(..) => None,
         })
         .collect();
+    // When each shared lane is free, and each resource's lanes (see `Resource::Lanes`).
+    let resource_lanes: Vec<Option<(usize, usize)>> = tasks
+        .resources
+        .iter()
+        .map(|r| match *r {
+            Resource::Lanes(out, into) => Some((out, into)),
+            _ => None,
+        })
+        .collect();
+    let mut lanes: Vec<f64> = vec![
+        0.0;
+        resource_lanes
+            .iter()
+            .flatten()
+            .map(|&(out, into)| out.max(into) + 1)
+            .max()
+            .unwrap_or(0)
+    ];
     // (dependencies left, when the last so far arrives) of the tasks with several that some but
     // not all of have finished: few at a time, where a vector per task took 12 bytes of each.
     let mut partly_ready: FastHashMap<u32, (u32, f64)> = FastHashMap::default();
@@ -190,6 +209,10 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
         if work == Some(HostWork::Kernel) {
             begin = begin.max(device_actor);
         }
+        let held_lanes = resource_lanes[resource];
+        if let Some((out, into)) = held_lanes {
+            begin = begin.max(lanes[out]).max(lanes[into]);
+        }
         let end = match work {
             Some(work) => {
                 let (at, booking) = host.start(t, work, begin, duration);
@@ -201,6 +224,10 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
             None => begin + duration,
         };
         *free = end;
+        if let Some((out, into)) = held_lanes {
+            lanes[out] = end;
+            lanes[into] = end;
+        }
         if record {
             start[t] = begin;
             finish[t] = end;

@@ -41,7 +41,7 @@
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
-use crate::machine::{DeviceId, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
+use crate::machine::{DeviceId, Lane, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
 use crate::sync::{SyncPlan, param_slices};
 use crate::transfer::edge_overlaps;
 use legion_ops::{Graph, LayerId, Rect};
@@ -90,6 +90,10 @@ pub enum Resource {
     Device(DeviceId),
     /// The directed link `from → to`.
     Link(DeviceId, DeviceId),
+    /// The (out, in) lanes a message on a shared route holds together (a NIC's send direction
+    /// and another's receive direction, switch ports, or a host bridge twice: see
+    /// [`crate::machine::Route`]).
+    Lanes(Lane, Lane),
     /// A node's network threads (by node index): the transport's CPU work for the messages it
     /// sends and receives ([`MachineModel::network_cpu`]).
     Network(usize),
@@ -806,25 +810,22 @@ fn message(
             arrived.len += 1;
         }
     }
-    let l = machine.link(from, to);
+    let route = machine.route(from, to);
     let transfer = TaskSpec {
         kind,
-        resource: link(machine, from, to),
-        duration: l.map_or(0.0, |l| bytes as f64 * l.seconds_per_byte()),
+        resource: match route.and_then(|r| r.lanes) {
+            Some((out, into)) => Resource::Lanes(out, into),
+            None => Resource::Link(from, to),
+        },
+        duration: route.map_or(0.0, |r| bytes as f64 * r.link.seconds_per_byte()),
         bytes,
-        latency: l.map_or(0.0, |l| l.latency_s),
+        latency: route.map_or(0.0, |r| r.link.latency_s),
     };
     // the transfer first (it carries the bytes), then the two ends' work
     arrived.ids.rotate_right(1);
     arrived.ids[0] = tasks.push(transfer, name, &[after]);
     arrived.len += 1;
     arrived
-}
-
-/// The link resource a message from `from` to `to` occupies (see [`MachineModel::link_channel`]).
-fn link(machine: &MachineModel, from: DeviceId, to: DeviceId) -> Resource {
-    let (a, b) = machine.link_channel(from, to);
-    Resource::Link(a, b)
 }
 
 #[cfg(test)]

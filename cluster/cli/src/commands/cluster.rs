@@ -50,7 +50,11 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
     );
     print!(
         "{}",
-        launch::format_table(&table, &launch::load_links(&state)?)
+        launch::format_table(
+            &table,
+            &launch::load_links(&state)?,
+            &launch::load_nics(&state)?,
+        )
     );
     Ok(())
 }
@@ -61,7 +65,11 @@ pub fn status(a: ClusterArgs) -> anyhow::Result<()> {
     let table = launch::status(&hosts, &state)?;
     print!(
         "{}",
-        launch::format_table(&table, &launch::load_links(&state)?)
+        launch::format_table(
+            &table,
+            &launch::load_links(&state)?,
+            &launch::load_nics(&state)?,
+        )
     );
     let down = table.iter().filter(|r| r.welcome.is_none()).count();
     if down > 0 {

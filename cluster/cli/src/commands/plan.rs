@@ -35,8 +35,9 @@ pub struct PlanArgs {
     /// Number of classes for zoo models (default: the model's own).
     #[arg(long)]
     classes: Option<usize>,
-    /// Machine preset (paper, paper:N for N = 1, 2, 4, 8, 16, local-cpu, local-cpu:N) or machine
-    /// TOML file.
+    /// Machine preset (paper and paper:N for N = 1, 2, 4, 8, 16: the paper's testbed with one
+    /// shared NIC per node; paper-pairs:N: a link per GPU pair instead; dgx-h100, dgx-h100:N;
+    /// local-cpu, local-cpu:N) or machine TOML file.
     #[arg(long, conflicts_with = "nodes")]
     machine: Option<String>,
     /// Number of nodes of a machine described by flags.
