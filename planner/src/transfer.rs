@@ -198,11 +198,6 @@ impl Loads {
     pub(crate) fn busiest(&self) -> f64 {
         self.seconds.values().fold(0.0f64, |m, &t| m.max(t))
     }
-
-    /// Forgets every load, keeping the memory.
-    pub(crate) fn clear(&mut self) {
-        self.seconds.clear();
-    }
 }
 
 /// Bytes moved between devices by a set of overlaps, forward and (with `gradient`) backward.

@@ -23,8 +23,8 @@
 
 use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rects};
 use crate::fast_hash::FastHashMap;
-use crate::machine::{Lane, Link, MachineModel, Route};
-use crate::transfer::{Edge, Loads};
+use crate::machine::{Lane, Link, MachineModel};
+use crate::transfer::Edge;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Graph, Rect, Shape};
 use std::cell::RefCell;
@@ -1140,12 +1140,109 @@ struct Message {
     bytes: f64,
 }
 
+/// Every ordered device pair's route on a machine with shared lanes, with what its messages load
+/// numbered densely ("slots": the lanes, then the private links routes use).
+struct SharedRoutes {
+    /// By `a * n + b`.
+    pairs: Vec<PairRoute>,
+    slots: usize,
+}
+
+/// A message's cost on one ordered pair: the seconds of `bytes` are `bytes · seconds_per_byte +
+/// latency` (as `Link::message_time`), added to each slot it loads.
+#[derive(Clone, Copy)]
+struct PairRoute {
+    seconds_per_byte: f64,
+    latency_s: f64,
+    /// [`NO_SLOT`] where fewer (a device and itself: none; a private link or a host bridge: one).
+    slots: [u32; 2],
+    lanes: Option<(Lane, Lane)>,
+}
+
+const NO_SLOT: u32 = u32::MAX;
+
+impl SharedRoutes {
+    fn new(machine: &MachineModel) -> SharedRoutes {
+        let n = machine.num_devices();
+        let lanes = machine.num_lanes();
+        let mut private: FastHashMap<usize, u32> = FastHashMap::default();
+        let pairs = (0..n * n)
+            .map(|ab| {
+                let Some(route) = machine.route(ab / n, ab % n) else {
+                    return PairRoute {
+                        seconds_per_byte: 0.0,
+                        latency_s: 0.0,
+                        slots: [NO_SLOT; 2],
+                        lanes: None,
+                    };
+                };
+                let slots = match route.lanes {
+                    Some((out, into)) if out == into => [out as u32, NO_SLOT],
+                    Some((out, into)) => [out as u32, into as u32],
+                    None => {
+                        let next = (lanes + private.len()) as u32;
+                        [*private.entry(ab).or_insert(next), NO_SLOT]
+                    }
+                };
+                PairRoute {
+                    seconds_per_byte: route.link.seconds_per_byte(),
+                    latency_s: route.link.latency_s,
+                    slots,
+                    lanes: route.lanes,
+                }
+            })
+            .collect();
+        SharedRoutes {
+            pairs,
+            slots: lanes + private.len(),
+        }
+    }
+}
+
+/// Seconds per slot of [`SharedRoutes`], the same sums as [`Loads`] in a dense array.
+struct SlotLoads {
+    seconds: Vec<f64>,
+    touched: Vec<u32>,
+}
+
+impl SlotLoads {
+    fn new(slots: usize) -> SlotLoads {
+        SlotLoads {
+            seconds: vec![0.0; slots],
+            touched: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, route: &PairRoute, bytes: f64) {
+        if route.slots[0] == NO_SLOT {
+            return;
+        }
+        let seconds = bytes * route.seconds_per_byte + route.latency_s;
+        for slot in route.slots.into_iter().filter(|&s| s != NO_SLOT) {
+            let load = &mut self.seconds[slot as usize];
+            if *load == 0.0 {
+                self.touched.push(slot);
+            }
+            *load += seconds;
+        }
+    }
+
+    /// The busiest slot's seconds; every slot back to zero.
+    fn take_busiest(&mut self) -> f64 {
+        let mut busiest = 0.0f64;
+        for slot in self.touched.drain(..) {
+            busiest = busiest.max(std::mem::take(&mut self.seconds[slot as usize]));
+        }
+        busiest
+    }
+}
+
 /// Device pairs grouped by their links, for the per-message tables.
 struct DevicePairs {
     devices: usize,
-    /// On a machine with shared lanes, every ordered pair's route (`routes[a * n + b]`): block
-    /// pairs are then priced message by message, each message loading its route's lanes.
-    routes: Option<Vec<Option<Route>>>,
+    /// On a machine with shared lanes, every ordered pair's route: block pairs are then priced
+    /// message by message, each message loading its route's lanes.
+    routes: Option<SharedRoutes>,
     /// Per ordered device pair, the index of its (forward, backward) links; 0 for a device and itself.
     kind: Vec<u16>,
     forward: Vec<Link>,
@@ -1204,7 +1301,7 @@ impl DevicePairs {
         let sizes: Vec<usize> = (0..).map(|k| 1usize << k).take_while(|&s| s <= n).collect();
         let routes = machine
             .has_shared_lanes()
-            .then(|| (0..n * n).map(|ab| machine.route(ab / n, ab % n)).collect());
+            .then(|| SharedRoutes::new(machine));
         let mut pairs = DevicePairs {
             devices: n,
             routes,
@@ -1249,7 +1346,7 @@ impl DevicePairs {
                     for a in s..s + src_total {
                         for b in d..d + dst_total {
                             for (x, y) in [(a, b), (b, a)] {
-                                let lanes = routes[x * n + y].and_then(|r| r.lanes);
+                                let lanes = routes.pairs[x * n + y].lanes;
                                 for lane in lanes.map(|(o, i)| [o, i]).into_iter().flatten() {
                                     let next = lane_ids.len() as u32;
                                     matrix.push(*lane_ids.entry(lane).or_insert(next));
@@ -1306,7 +1403,7 @@ impl DevicePairs {
         messages: &[Message],
         largest: f64,
         gradient: bool,
-        loads: &mut [Loads; 2],
+        loads: &mut [SlotLoads; 2],
     ) -> f64 {
         let both = |forward: f64, backward: f64| {
             if gradient {
@@ -1348,14 +1445,12 @@ impl DevicePairs {
                 let n = self.devices;
                 let routes = self.routes.as_ref().expect("shared classes have routes");
                 let [forward, backward] = loads;
-                forward.clear();
-                backward.clear();
                 for m in messages {
                     let (a, b) = (src_first + m.src_tile, dst_first + m.dst_tile);
-                    forward.add_route(routes[a * n + b], a, b, m.bytes, 1);
-                    backward.add_route(routes[b * n + a], b, a, m.bytes, 1);
+                    forward.add(&routes.pairs[a * n + b], m.bytes);
+                    backward.add(&routes.pairs[b * n + a], m.bytes);
                 }
-                both(forward.busiest(), backward.busiest())
+                both(forward.take_busiest(), backward.take_busiest())
             }
         }
     }
@@ -1375,7 +1470,8 @@ impl DevicePairs {
         let mut table = vec![0.0; src_space.len() * columns];
         let mut messages: Vec<Message> = Vec::new();
         let mut values: Vec<f64> = Vec::new();
-        let mut loads = [Loads::default(), Loads::default()];
+        let slots = self.routes.as_ref().map_or(0, |r| r.slots);
+        let mut loads = [SlotLoads::new(slots), SlotLoads::new(slots)];
         for (gi, g) in src_space.layouts().iter().enumerate() {
             let src_total: usize = g.iter().product();
             for (hi, h) in dst_space.layouts().iter().enumerate() {
