@@ -106,8 +106,8 @@ pub fn choose_strategy_for(
             let path = std::path::Path::new(choice);
             if !path.exists() {
                 bail!(
-                    "{flag} '{choice}' is neither a search (optcnn, data, model, owt, \
-                     exhaustive) nor an existing strategy file"
+                    "{flag} '{choice}' is neither a search (optcnn, refine, data, model, \
+                     owt, exhaustive) nor an existing strategy file"
                 );
             }
             Ok(Strategy::load(path)?.to_configs(graph, machine.num_devices())?)

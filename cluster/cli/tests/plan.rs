@@ -11,8 +11,9 @@ fn legion(args: &[&str]) -> Output {
 }
 
 /// What `--search all` runs, in order: our space's searches, then the other papers' planners.
-const ALL_SEARCHES: [&str; 9] = [
+const ALL_SEARCHES: [&str; 10] = [
     "optcnn",
+    "refine",
     "exhaustive",
     "data",
     "model",
@@ -53,6 +54,8 @@ fn all_searches_side_by_side() {
         "paper:4",
         "--search",
         "all",
+        "--refine-budget",
+        "100",
         "--json",
     ]));
     assert_eq!(doc["model"], "alexnet");
@@ -64,8 +67,8 @@ fn all_searches_side_by_side() {
         .collect();
     assert_eq!(names, ALL_SEARCHES);
     let eq1 = |i: usize| searches[i]["eq1_ms"].as_f64().unwrap();
-    // optcnn is optimal under Eq. 1 in our space: no baseline or seed planner beats it.
-    for i in 2..searches.len() {
+    // optcnn is optimal under Eq. 1 in our space: no other search beats it, refine included.
+    for i in 1..searches.len() {
         assert!(
             eq1(0) <= eq1(i) * (1.0 + 1e-12),
             "optcnn {} vs {}",
@@ -83,6 +86,67 @@ fn all_searches_side_by_side() {
         assert!(s["simulated_ms"].as_f64().unwrap() > 0.0);
         assert!(s["comm_bytes"].as_u64().is_some());
     }
+    // refine is never slower in simulation than optcnn or a baseline, and says where it started
+    let simulated = |i: usize| searches[i]["simulated_ms"].as_f64().unwrap();
+    for name in ["optcnn", "data", "model", "owt"] {
+        let i = names.iter().position(|n| *n == name).unwrap();
+        assert!(simulated(1) <= simulated(i), "refine vs {name}");
+    }
+    let refine = &searches[1]["refine"];
+    assert_eq!(refine["budget"], 100);
+    assert_eq!(refine["simulated_ms"].as_f64().unwrap(), simulated(1));
+    assert!(searches[0].get("refine").is_none());
+}
+
+/// `--search refine` prints where it started, its simulations, budget and seed under the summary
+/// and in the JSON document; a seed gives the same strategy every time.
+#[test]
+fn refine_reports_its_start_budget_and_seed() {
+    let args = [
+        "plan",
+        "--model",
+        "alexnet",
+        "--image-size",
+        "64",
+        "--nodes",
+        "2",
+        "--devices-per-node",
+        "2",
+        "--inter-gbps",
+        "25",
+        "--search",
+        "refine",
+        "--refine-budget",
+        "60",
+        "--refine-seed",
+        "7",
+    ];
+    let doc = json(&legion(&[&args[..], &["--json"]].concat()));
+    let search = &doc["searches"][0];
+    assert_eq!(search["search"], "refine");
+    let refine = &search["refine"];
+    assert_eq!(
+        (&refine["budget"], &refine["seed"]),
+        (&60.into(), &7.into())
+    );
+    let simulations = refine["simulations"].as_u64().unwrap();
+    assert!((4..=60).contains(&simulations), "{refine}");
+    assert!(["optcnn", "data", "model", "owt"].contains(&refine["start"].as_str().unwrap()));
+    let simulated = search["simulated_ms"].as_f64().unwrap();
+    assert_eq!(refine["simulated_ms"].as_f64().unwrap(), simulated);
+    assert!(simulated <= refine["start_simulated_ms"].as_f64().unwrap());
+    let again = json(&legion(&[&args[..], &["--json"]].concat()));
+    assert_eq!(again["searches"][0]["strategy"], search["strategy"]);
+
+    let out = legion(&args);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("refine: from ")
+            && text.contains(" of 60 simulations")
+            && text.contains("seed 7"),
+        "{text}"
+    );
 }
 
 /// Side by side on a model too large to enumerate, the exhaustive search stops at its small
@@ -97,6 +161,8 @@ fn all_searches_stop_the_exhaustive_one_early_and_say_so() {
         "paper",
         "--search",
         "all",
+        "--refine-budget",
+        "10",
     ];
     let doc = json(&legion(&[&args[..], &["--json"]].concat()));
     let searches = doc["searches"].as_array().unwrap();
@@ -105,12 +171,12 @@ fn all_searches_stop_the_exhaustive_one_early_and_say_so() {
         .map(|s| s["search"].as_str().unwrap())
         .collect();
     assert_eq!(names, ALL_SEARCHES);
-    let error = searches[1]["error"].as_str().unwrap();
+    let error = searches[2]["error"].as_str().unwrap();
     assert!(
         error.contains("stopped") && error.contains("budget of 100000"),
         "{error}"
     );
-    for i in (0..searches.len()).filter(|&i| i != 1) {
+    for i in (0..searches.len()).filter(|&i| i != 2) {
         assert!(searches[i]["eq1_ms"].as_f64().unwrap() > 0.0);
     }
 

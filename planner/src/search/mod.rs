@@ -1,5 +1,6 @@
 //! Strategy searches: OptCNN's Algorithm 1, the exhaustive baseline, the three fixed strategies
-//! the paper compares with, and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan),
+//! the paper compares with, a refinement of their strategies under the simulated step time
+//! ([`refine`]), and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan),
 //! each searching its own space under its own byte count ([`native_bytes`]) and mapped into ours,
 //! with what the mapping loses in [`Found::lossy`]. Each returns per-layer configs; [`run`] prices
 //! them with Eq. 1.
@@ -11,6 +12,7 @@ mod min_plus;
 mod model;
 mod optcnn;
 mod owt;
+pub mod refine;
 mod relaxation;
 pub mod soybean;
 pub mod spartan;
@@ -23,6 +25,10 @@ pub use hypar::{HyparPlan, hypar, hypar_native_bytes};
 pub use model::model_parallel;
 pub use optcnn::{OptCnnResult, RESIDUAL_BUDGET, optcnn};
 pub use owt::one_weird_trick;
+pub use refine::{
+    DEFAULT_REFINE_BUDGET, DEFAULT_REFINE_SEED, REFINE_STARTS, RefineOptions, RefineReport,
+    Refined, refine,
+};
 pub use soybean::{SoybeanPlan, soybean, soybean_native_bytes};
 pub use spartan::{SpartanPlan, spartan, spartan_native_bytes};
 pub use tofu::{TofuPlan, tofu, tofu_native_bytes};
@@ -37,6 +43,7 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SearchKind {
     OptCnn,
+    Refine,
     Exhaustive,
     Data,
     Model,
@@ -50,9 +57,11 @@ pub enum SearchKind {
 impl SearchKind {
     /// The searches of our own space. `legion-rs plan --search all` runs these, then
     /// [`SearchKind::SEEDS`] with their native bytes and lossy notes; `find`, `run` and `parse`
-    /// take them all.
-    pub const ALL: [SearchKind; 5] = [
+    /// take them all. Only `OptCnn` and `Exhaustive` are optimal under Eq. 1; `Refine` optimises
+    /// the simulated step time instead.
+    pub const ALL: [SearchKind; 6] = [
         SearchKind::OptCnn,
+        SearchKind::Refine,
         SearchKind::Exhaustive,
         SearchKind::Data,
         SearchKind::Model,
@@ -70,6 +79,7 @@ impl SearchKind {
     pub fn name(self) -> &'static str {
         match self {
             SearchKind::OptCnn => "optcnn",
+            SearchKind::Refine => "refine",
             SearchKind::Exhaustive => "exhaustive",
             SearchKind::Data => "data",
             SearchKind::Model => "model",
@@ -130,24 +140,74 @@ pub struct Found {
     /// Bytes of the plan as the seed planner found it, under its own paper's accounting, before
     /// the mapping into our space (the seed planners only; [`native_bytes`] prices any strategy).
     pub native_bytes: Option<f64>,
+    /// Where the refinement started, how far it got and what it spent (refine only).
+    pub refined: Option<RefineReport>,
 }
 
-/// Runs one search. `budget` caps the exhaustive search.
+/// The bounds of the searches that take one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SearchOptions {
+    /// Partial strategies the exhaustive search may try.
+    pub exhaustive_budget: u64,
+    /// Simulations and seed of the refinement.
+    pub refine: RefineOptions,
+}
+
+impl SearchOptions {
+    /// `exhaustive_budget` for the exhaustive search, the default refinement.
+    pub fn with_budget(exhaustive_budget: u64) -> SearchOptions {
+        SearchOptions {
+            exhaustive_budget,
+            refine: RefineOptions::default(),
+        }
+    }
+}
+
+/// Runs one search. `budget` caps the exhaustive search; a refinement runs with
+/// [`RefineOptions::default`].
 pub fn find(kind: SearchKind, tables: &CostTables, budget: u64) -> Result<Found, SearchError> {
+    find_with(kind, tables, &SearchOptions::with_budget(budget), &[])
+}
+
+/// Runs one search within `options`. `earlier` holds strategies other searches found on the same
+/// tables, which a refinement starts from instead of searching them again (the others ignore it).
+pub fn find_with(
+    kind: SearchKind,
+    tables: &CostTables,
+    options: &SearchOptions,
+    earlier: &[(SearchKind, &[ParallelConfig])],
+) -> Result<Found, SearchError> {
     let model = tables.model();
     let (graph, machine) = (model.graph(), model.machine());
+    let budget = options.exhaustive_budget;
     let mut found = Found {
         configs: Vec::new(),
         residual_nodes: None,
         tried: None,
         lossy: kind.lossy(),
         native_bytes: None,
+        refined: None,
     };
     found.configs = match kind {
         SearchKind::OptCnn => {
             let r = optcnn(tables)?;
             found.residual_nodes = Some(r.residual_nodes);
             tables.configs(&r.indices)
+        }
+        SearchKind::Refine => {
+            let mut starts: Vec<(SearchKind, Vec<ParallelConfig>)> = Vec::new();
+            for start in REFINE_STARTS {
+                let configs = match earlier.iter().find(|(k, _)| *k == start) {
+                    Some((_, configs)) => configs.to_vec(),
+                    None => find_with(start, tables, options, &[])?.configs,
+                };
+                starts.push((start, configs));
+            }
+            let starts: Vec<(SearchKind, &[ParallelConfig])> =
+                starts.iter().map(|(k, c)| (*k, c.as_slice())).collect();
+            let refined = refine(tables, &starts, &options.refine);
+            found.refined = Some(refined.report);
+            refined.configs
         }
         SearchKind::Exhaustive => {
             let r = exhaustive(tables, budget)?;
@@ -198,7 +258,8 @@ pub fn native_bytes(
     }
 }
 
-/// Runs one search and prices its strategy with Eq. 1, term by term.
+/// Runs one search and prices its strategy with Eq. 1, term by term (a refinement with
+/// [`RefineOptions::default`]).
 pub fn run(
     kind: SearchKind,
     tables: &CostTables,
@@ -253,11 +314,38 @@ mod tests {
         }
     }
 
+    /// Refine starts from a strategy another search found before it instead of searching again:
+    /// given data parallelism as optcnn's, the two starts are one strategy, simulated once.
+    #[test]
+    fn refine_starts_from_strategies_found_earlier() {
+        let g = super::tiling::tests::small_cnn(8, 4, 8);
+        let machine = MachineModel::preset("paper:4").unwrap();
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let tables = CostTables::build(&model);
+        let options = SearchOptions {
+            exhaustive_budget: 0,
+            refine: RefineOptions { budget: 0, seed: 1 },
+        };
+        let refined = |earlier: &[(SearchKind, &[ParallelConfig])]| {
+            find_with(SearchKind::Refine, &tables, &options, earlier)
+                .unwrap()
+                .refined
+                .unwrap()
+        };
+        // a budget of 0 simulates the starts alone
+        assert_eq!(refined(&[]).simulations, REFINE_STARTS.len() as u64);
+        let data = data_parallel(&g, &machine);
+        let reused = refined(&[(SearchKind::OptCnn, &data)]);
+        assert_eq!(reused.simulations, REFINE_STARTS.len() as u64 - 1);
+    }
+
     #[test]
     fn seed_names_parse() {
         for kind in SearchKind::SEEDS {
             assert_eq!(SearchKind::parse(kind.name()), Some(kind));
         }
         assert_eq!(SearchKind::parse("tofu"), Some(SearchKind::Tofu));
+        assert_eq!(SearchKind::parse("refine"), Some(SearchKind::Refine));
     }
 }

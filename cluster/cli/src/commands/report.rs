@@ -4,6 +4,7 @@ use legion_ops::Graph;
 use legion_planner::ParallelConfig;
 use legion_planner::cost::CostBreakdown;
 use legion_planner::plan::{Evaluated, PlanRun};
+use legion_planner::search::RefineReport;
 use legion_planner::strategy::{LayerStrategy, Strategy, describe_devices};
 use serde::Serialize;
 use std::fmt::Write;
@@ -62,7 +63,7 @@ pub fn layer_table(
 
 /// One line per search: Eq. 1, simulated step, bytes moved and search time; for the planners of
 /// other papers also their own byte count (of the plan as they found it, and as mapped into our
-/// configurations), and below the table what each mapping loses.
+/// configurations), and below the table what each mapping loses and where the refinement started.
 pub fn comparison_table(run: &PlanRun) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -97,8 +98,27 @@ pub fn comparison_table(run: &PlanRun) -> String {
         if let Some(lossy) = s.lossy {
             let _ = writeln!(out, "{}: {lossy}", s.kind.name());
         }
+        if let Some(refined) = &s.refined {
+            let _ = writeln!(out, "{}", refine_line(refined));
+        }
     }
     out
+}
+
+/// Where a refinement started, what it spent and how much faster in simulation it ended.
+pub fn refine_line(r: &RefineReport) -> String {
+    format!(
+        "refine: from {} (simulated {:.3} ms) to simulated {:.3} ms ({:.2}% faster), {} of {} \
+         simulations, {} moves accepted, seed {}",
+        r.start,
+        r.start_s * 1e3,
+        r.refined_s * 1e3,
+        (1.0 - r.refined_s / r.start_s) * 100.0,
+        r.simulations,
+        r.budget,
+        r.accepted,
+        r.seed
+    )
 }
 
 /// A summary of one evaluated strategy: Eq. 1, simulated step and bytes.
@@ -145,6 +165,36 @@ pub struct SearchJson {
     /// What mapping a seed planner's plan into our configurations loses.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lossy: Option<&'static str>,
+    /// Where the refinement started and what it spent (refine only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refine: Option<RefineJson>,
+}
+
+/// A [`RefineReport`] in the `--json` document.
+#[derive(Clone, Debug, Serialize)]
+pub struct RefineJson {
+    /// The start fastest in simulation: optcnn, data, model or owt.
+    pub start: String,
+    pub start_simulated_ms: f64,
+    pub simulated_ms: f64,
+    pub simulations: u64,
+    pub budget: u64,
+    pub seed: u64,
+    pub accepted_moves: u64,
+}
+
+impl RefineJson {
+    pub fn of(r: &RefineReport) -> RefineJson {
+        RefineJson {
+            start: r.start.name().to_string(),
+            start_simulated_ms: r.start_s * 1e3,
+            simulated_ms: r.refined_s * 1e3,
+            simulations: r.simulations,
+            budget: r.budget,
+            seed: r.seed,
+            accepted_moves: r.accepted,
+        }
+    }
 }
 
 impl SearchJson {
@@ -161,6 +211,7 @@ impl SearchJson {
                 native_bytes_found: None,
                 native_bytes_mapped: None,
                 lossy: None,
+                refine: None,
             },
             Err(error) => SearchJson {
                 search: name.to_string(),
@@ -173,6 +224,7 @@ impl SearchJson {
                 native_bytes_found: None,
                 native_bytes_mapped: None,
                 lossy: None,
+                refine: None,
             },
         }
     }
@@ -192,6 +244,7 @@ impl PlanJson {
                         native_bytes_found: s.native.map(|n| n.found),
                         native_bytes_mapped: s.native.map(|n| n.mapped),
                         lossy: s.lossy,
+                        refine: s.refined.as_ref().map(RefineJson::of),
                         ..SearchJson::of(graph, s.kind.name(), result, s.seconds)
                     }
                 })

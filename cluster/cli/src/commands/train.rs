@@ -20,8 +20,9 @@ pub struct TrainArgs {
     /// The cluster's state directory, if `up` was given one.
     #[arg(long, requires = "cluster")]
     state: Option<PathBuf>,
-    /// How to parallelise each layer over the devices: a search (`optcnn`, `data`, `model`, `owt`)
-    /// or a strategy JSON file (as `legion-rs plan --out` writes).
+    /// How to parallelise each layer over the devices: a search (`optcnn`, `data`, `model`, `owt`;
+    /// `refine` with its default budget and seed) or a strategy JSON file (as `legion-rs plan
+    /// --out` writes).
     #[arg(long, default_value = "optcnn")]
     strategy: String,
     /// Write a Chrome/Perfetto trace (JSON) of the last step; runs on the embedded cluster.

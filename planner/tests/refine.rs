@@ -1,0 +1,69 @@
+//! The refine search on the zoo under the paper's machine (16 GPUs, 32 samples per GPU), beside
+//! optcnn and the baselines in simulation, with its default budget and seed: what it gains and
+//! how long it takes. `cargo test --release -p legion-planner --test refine -- --ignored
+//! --nocapture` prints the table (Inception-v3 takes most of a minute).
+
+use legion_ops::Graph;
+use legion_planner::search::{self, REFINE_STARTS, SearchKind, SearchOptions};
+use legion_planner::simulate::simulated_step_time;
+use legion_planner::{CostModel, CostTables, MachineModel, RooflineCost};
+use std::time::Instant;
+
+fn zoo(name: &str, batch: usize) -> Graph {
+    let z = legion_ops::zoo::find(name).unwrap();
+    z.build(&z.default_config(batch)).unwrap()
+}
+
+#[test]
+#[ignore = "prints a table; run in release"]
+fn refine_beside_optcnn_and_the_baselines_on_16_gpus() {
+    let machine = MachineModel::preset("paper").unwrap();
+    let provider = RooflineCost::new(&machine);
+    let options = SearchOptions::with_budget(0);
+    println!(
+        "| model | optcnn | data | model | owt | refine (simulated ms) | refine / optcnn | \
+         refine / best baseline | start | simulations | accepted | search s | simulations/s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for name in ["alexnet", "vgg16", "inception_v3"] {
+        let g = zoo(name, 32 * machine.num_devices());
+        let model = CostModel::new(&g, &machine, &provider);
+        let tables = CostTables::build(&model);
+        let starts: Vec<(SearchKind, f64)> = REFINE_STARTS
+            .iter()
+            .map(|&k| {
+                let configs = search::find(k, &tables, 0).unwrap().configs;
+                (k, simulated_step_time(&model, &configs))
+            })
+            .collect();
+        let t = Instant::now();
+        let found = search::find_with(SearchKind::Refine, &tables, &options, &[]).unwrap();
+        let seconds = t.elapsed().as_secs_f64();
+        let r = found.refined.unwrap();
+        let optcnn = starts[0].1;
+        let best_baseline = starts[1..]
+            .iter()
+            .map(|s| s.1)
+            .fold(f64::INFINITY, f64::min);
+        for (kind, s) in &starts {
+            assert!(
+                r.refined_s <= *s,
+                "{name}: refine {} > {kind} {s}",
+                r.refined_s
+            );
+        }
+        let ms: Vec<String> = starts.iter().map(|s| format!("{:.3}", s.1 * 1e3)).collect();
+        println!(
+            "| {name} | {} | {:.3} | {:.4} | {:.4} | {} | {} | {} | {:.1} | {:.0} |",
+            ms.join(" | "),
+            r.refined_s * 1e3,
+            r.refined_s / optcnn,
+            r.refined_s / best_baseline,
+            r.start,
+            r.simulations,
+            r.accepted,
+            seconds,
+            r.simulations as f64 / seconds
+        );
+    }
+}
