@@ -60,6 +60,12 @@ fn all_searches_side_by_side() {
     ]));
     assert_eq!(doc["model"], "alexnet");
     assert_eq!(doc["devices"], 4);
+    // no profile: compute is priced by the roofline model, and the output says so
+    assert_eq!(doc["t_c"], "roofline");
+    let text = legion(&["plan", "--model", "lenet5", "--machine", "paper:2"]);
+    assert!(text.status.success());
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("t_c: the roofline model"), "{text}");
     let searches = doc["searches"].as_array().unwrap();
     let names: Vec<&str> = searches
         .iter()

@@ -179,11 +179,19 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             let doc = PlanJson {
                 model: graph.name.clone(),
                 devices: machine.num_devices(),
+                t_c: t_c_source(&args),
                 searches: vec![SearchJson::of(&graph, "strategy", Ok(&evaluated), 0.0)],
             };
             println!("{}", doc.to_json());
         } else {
             println!("{} on {machine}, batch {batch}", graph.name);
+            match &args.profile {
+                Some(path) => println!("t_c: measured kernel times from {}", path.display()),
+                None => println!(
+                    "t_c: the roofline model (peak FLOP/s and memory bandwidth), not measured \
+                     kernel times: --profile FILE prices tiles as a profile measured them"
+                ),
+            }
             println!(
                 "{}",
                 report::summary(&path.display().to_string(), &evaluated, None)
@@ -213,9 +221,19 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         let best = &run.searches[best_at];
         let evaluated = best.result.as_ref().expect("best is a success");
         if args.json {
-            println!("{}", PlanJson::of(&graph, &run).to_json());
+            println!(
+                "{}",
+                PlanJson::of(&graph, &run, t_c_source(&args)).to_json()
+            );
         } else {
             println!("{} on {machine}, batch {batch}", graph.name);
+            match &args.profile {
+                Some(path) => println!("t_c: measured kernel times from {}", path.display()),
+                None => println!(
+                    "t_c: the roofline model (peak FLOP/s and memory bandwidth), not measured \
+                     kernel times: --profile FILE prices tiles as a profile measured them"
+                ),
+            }
             if args.search == SearchChoice::All {
                 print!("{}", report::comparison_table(&run));
                 if args.budget.is_none() && stopped_at_budget(&run) {
@@ -321,6 +339,14 @@ fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelC
             human_bytes(worst.bytes),
             largest(worst)
         );
+    }
+}
+
+/// Where t_c comes from, for `--json`.
+fn t_c_source(args: &PlanArgs) -> String {
+    match &args.profile {
+        Some(path) => format!("profile {}", path.display()),
+        None => "roofline".into(),
     }
 }
 

@@ -140,6 +140,8 @@ pub fn summary(name: &str, e: &Evaluated, search_seconds: Option<f64>) -> String
 pub struct PlanJson {
     pub model: String,
     pub devices: usize,
+    /// Where t_c came from: `roofline`, or `profile <path>` (measured kernel times).
+    pub t_c: String,
     pub searches: Vec<SearchJson>,
 }
 
@@ -231,9 +233,10 @@ impl SearchJson {
 }
 
 impl PlanJson {
-    pub fn of(graph: &Graph, run: &PlanRun) -> PlanJson {
+    pub fn of(graph: &Graph, run: &PlanRun, t_c: String) -> PlanJson {
         PlanJson {
             model: run.model.clone(),
+            t_c,
             devices: run.devices,
             searches: run
                 .searches
