@@ -35,8 +35,8 @@ SUMMARY=()
 for model in "${MODELS[@]}"; do
     echo "### $model on $FAMILY"
     echo
-    echo "| GPUs | img/s data | model | owt | optcnn | refine | optcnn / best baseline | refine / best baseline | Eq. 1: optcnn / best baseline | MB moved: owt / optcnn / refine | owt / optcnn bytes |"
-    echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    echo "| GPUs | img/s data | model | owt | optcnn | refine | optcnn / best baseline | refine / best baseline | Eq. 1: optcnn / best baseline | MB moved: owt / optcnn / refine | owt / optcnn bytes | MB between nodes: owt / optcnn / refine |"
+    echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     first_opt="" first_refine="" first_best="" best_name=""
     for n in 1 2 4 8 16; do
         batch=$((32 * n))
@@ -57,14 +57,15 @@ for model in "${MODELS[@]}"; do
         row+=" | $(printf '%.3f×' "$(jq -n "$opt / $best")")"
         row+=" | $(printf '%.3f×' "$(jq -n "$refine / $best")")"
         row+=" | $(printf '%.3f×' "$(jq -n "$best_eq1 / $(field optcnn eq1_ms)")")"
-        mb() { local b; b=$(field "$1" comm_bytes); [ -n "$b" ] && printf '%.0f' "$(jq -n "$b / 1e6")" || echo -; }
+        mb() { local b; b=$(field "$1" "${2:-comm_bytes}"); [ -n "$b" ] && printf '%.0f' "$(jq -n "$b / 1e6")" || echo -; }
         row+=" | $(mb owt) / $(mb optcnn) / $(mb refine)"
         owt_b=$(field owt comm_bytes) opt_b=$(field optcnn comm_bytes)
         if jq -e -n "$opt_b > 0" >/dev/null; then
-            row+=" | $(printf '%.2f×' "$(jq -n "$owt_b / $opt_b")") |"
+            row+=" | $(printf '%.2f×' "$(jq -n "$owt_b / $opt_b")")"
         else
-            row+=" | – |"
+            row+=" | –"
         fi
+        row+=" | $(mb owt inter_node_bytes) / $(mb optcnn inter_node_bytes) / $(mb refine inter_node_bytes) |"
         echo "$row"
         [ -n "$first_opt" ] || { first_opt=$opt first_refine=$refine first_best=$best; }
         last_opt=$opt last_refine=$refine last_best=$best best_name=$best_here

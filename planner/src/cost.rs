@@ -16,7 +16,9 @@ use crate::config::{ParallelConfig, tile_rect};
 use crate::machine::MachineModel;
 use crate::provider::CostProvider;
 use crate::sync::{layer_link_loads, sync_time};
-use crate::transfer::{Edge, edge_overlaps, graph_edges, transfer_bytes, transfer_time};
+use crate::transfer::{
+    Edge, TileOverlap, edge_overlaps, graph_edges, transfer_bytes, transfer_time,
+};
 use legion_ops::{Graph, LayerId, Shape};
 
 /// A model graph on a machine with a source of compute times.
@@ -59,6 +61,9 @@ pub struct CostBreakdown {
     pub total: f64,
     /// All bytes moved between devices (transfers and synchronisation).
     pub comm_bytes: u64,
+    /// The part of `comm_bytes` moved between devices of different nodes: what the nodes'
+    /// network interfaces carry.
+    pub inter_node_bytes: u64,
 }
 
 impl<'a> CostModel<'a> {
@@ -137,6 +142,11 @@ impl<'a> CostModel<'a> {
             // by link rather than by replica group: at a thousand devices a sample-split layer
             // has millions of (group, replica) messages but its loads are one pass over them
             let loads = layer_link_loads(self.graph, id, config);
+            out.inter_node_bytes += loads
+                .iter()
+                .filter(|l| self.machine.node_of(l.owner) != self.machine.node_of(l.replica))
+                .map(|l| 2 * l.bytes)
+                .sum::<u64>();
             out.layers.push(LayerCost {
                 compute: self.compute_time(id, config),
                 sync: sync_time(&loads, self.machine),
@@ -147,6 +157,14 @@ impl<'a> CostModel<'a> {
         for e in &self.edges {
             let overlaps = edge_overlaps(self.graph, e, &configs[e.src.0], &configs[e.dst.0]);
             let gradient = e.carries_gradient(self.graph);
+            let across: Vec<TileOverlap> = overlaps
+                .iter()
+                .filter(|o| {
+                    self.machine.node_of(o.src_device) != self.machine.node_of(o.dst_device)
+                })
+                .copied()
+                .collect();
+            out.inter_node_bytes += transfer_bytes(&across, gradient);
             out.edges.push(EdgeCost {
                 time: transfer_time(&overlaps, self.machine, gradient),
                 bytes: transfer_bytes(&overlaps, gradient),
@@ -173,4 +191,39 @@ fn total(layers: &[LayerCost], edges: &[EdgeCost]) -> f64 {
         t += e.time;
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::machine::MachineModel;
+    use crate::provider::RooflineCost;
+    use legion_ops::op::Dense;
+    use legion_ops::{Dim, GraphBuilder, Shape};
+
+    /// A dense layer on node 0's four GPUs feeding one on node 1's: every activation crosses the
+    /// network forward and its gradient backward; the weights' sync stays inside each node.
+    #[test]
+    fn bytes_between_nodes_are_counted_apart() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(16, 64)).unwrap();
+        let x = m.dense("a", x, Dense::new(32)).unwrap();
+        let x = m.dense("b", x, Dense::new(10)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        let g = m.finish();
+        let machine = MachineModel::preset("paper:8").unwrap();
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let on = |first| ParallelConfig::split(Dim::N, 4, first);
+        let cost = model.evaluate(&[on(0), on(0), on(4), on(4)]);
+        // a's 16 × 32 outputs, forward and back
+        assert_eq!(cost.inter_node_bytes, 2 * 16 * 32 * 4);
+        assert!(
+            cost.comm_bytes > cost.inter_node_bytes,
+            "the syncs inside nodes"
+        );
+        let one_node = model.evaluate(&[on(0), on(0), on(0), on(0)]);
+        assert_eq!(one_node.inter_node_bytes, 0);
+        assert!(one_node.comm_bytes > 0);
+    }
 }

@@ -124,10 +124,11 @@ pub fn refine_line(r: &RefineReport) -> String {
 /// A summary of one evaluated strategy: Eq. 1, simulated step and bytes.
 pub fn summary(name: &str, e: &Evaluated, search_seconds: Option<f64>) -> String {
     let mut out = format!(
-        "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved",
+        "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved ({:.1} MB between nodes)",
         e.cost.total * 1e3,
         e.simulated_s * 1e3,
-        e.cost.comm_bytes as f64 / 1e6
+        e.cost.comm_bytes as f64 / 1e6,
+        e.cost.inter_node_bytes as f64 / 1e6
     );
     if let Some(s) = search_seconds {
         let _ = write!(out, ", search {:.2} ms", s * 1e3);
@@ -154,6 +155,9 @@ pub struct SearchJson {
     pub simulated_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm_bytes: Option<u64>,
+    /// The part of `comm_bytes` between nodes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inter_node_bytes: Option<u64>,
     pub search_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Vec<LayerStrategy>>,
@@ -207,6 +211,7 @@ impl SearchJson {
                 eq1_ms: Some(e.cost.total * 1e3),
                 simulated_ms: Some(e.simulated_s * 1e3),
                 comm_bytes: Some(e.cost.comm_bytes),
+                inter_node_bytes: Some(e.cost.inter_node_bytes),
                 search_ms: seconds * 1e3,
                 strategy: Some(Strategy::from_configs(graph, &e.configs).layers),
                 error: None,
@@ -220,6 +225,7 @@ impl SearchJson {
                 eq1_ms: None,
                 simulated_ms: None,
                 comm_bytes: None,
+                inter_node_bytes: None,
                 search_ms: seconds * 1e3,
                 strategy: None,
                 error: Some(error),
