@@ -65,9 +65,15 @@ pub struct ExampleArgs {
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Run data, model, owt and optcnn one after another on the same cluster instead of training:
-    /// one table of measured and simulated step times.
+    /// one table of measured and simulated step times, and of how far each strategy's weights are
+    /// from the single-device trainer's after the same steps.
     #[arg(long)]
     pub compare: bool,
+    /// With --compare: what to run instead, comma-separated (searches or strategy files), or
+    /// `all`: data, model, owt, optcnn, refine and the other papers' planners soybean, tofu,
+    /// hypar, spartan. Data parallelism always runs first.
+    #[arg(long, requires = "compare", default_value = "data,model,owt,optcnn")]
+    pub strategies: String,
     /// With --compare: also draw the comparison as an SVG bar chart here.
     #[arg(long, requires = "compare")]
     pub chart: Option<PathBuf>,
@@ -125,6 +131,7 @@ pub fn run(
             steps: args.steps.unwrap_or(defaults.compare_steps).max(1) as usize,
             seed: 1,
             cluster,
+            strategies: compare::strategies_from(&args.strategies),
             traces: args.trace.clone(),
         };
         if let Some(dir) = &args.trace {

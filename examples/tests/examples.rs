@@ -89,6 +89,45 @@ fn inception_v3_trains() {
     trains(env!("CARGO_BIN_EXE_inception_v3"), "75");
 }
 
+/// `--strategies all`: the other papers' planners and refine run for real beside ours, and each
+/// ends with the weights one device trains.
+#[test]
+fn compare_runs_every_planner_and_each_trains_the_same_network() {
+    let out = run(
+        env!("CARGO_BIN_EXE_lenet5"),
+        &[
+            "--compare",
+            "--strategies",
+            "all",
+            "--steps",
+            "2",
+            "--batch",
+            "8",
+            "--devices",
+            "4",
+            "--json",
+        ],
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "data", "model", "owt", "optcnn", "refine", "soybean", "tofu", "hypar", "spartan"
+        ]
+    );
+    for r in &rows {
+        let diff = r["max_rel_diff_from_one_device"].as_f64().unwrap();
+        assert!(diff <= 1e-4, "{r}");
+    }
+}
+
 #[test]
 fn compare_measures_every_strategy_and_draws_a_chart() {
     let dir = tempfile::tempdir().unwrap();
@@ -121,6 +160,8 @@ fn compare_measures_every_strategy_and_draws_a_chart() {
         for key in ["measured_ms", "simulated_ms", "images_per_sec"] {
             assert!(r[key].as_f64().unwrap() > 0.0, "{key} in {r}");
         }
+        let diff = r["max_rel_diff_from_one_device"].as_f64().unwrap();
+        assert!(diff <= 1e-4, "{r}");
     }
     assert_eq!(rows[0]["speedup_over_data"], 1.0);
     let svg = std::fs::read_to_string(chart).unwrap();

@@ -19,8 +19,30 @@ use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// The searches `--compare` runs, baseline first.
+/// The searches `--compare` runs unless told otherwise, baseline first.
 pub const STRATEGIES: [&str; 4] = ["data", "model", "owt", "optcnn"];
+
+/// Every search `--compare --strategies all` runs: ours, then the other papers' planners.
+pub const ALL_STRATEGIES: [&str; 9] = [
+    "data", "model", "owt", "optcnn", "refine", "soybean", "tofu", "hypar", "spartan",
+];
+
+/// The strategies a `--strategies` list names: `all`, or names separated by commas (searches or
+/// strategy files), data parallelism first whether named or not (the speedups are over it).
+pub fn strategies_from(list: &str) -> Vec<String> {
+    let named: Vec<String> = match list.trim() {
+        "all" => ALL_STRATEGIES.iter().map(|s| s.to_string()).collect(),
+        list => list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect(),
+    };
+    std::iter::once("data".to_string())
+        .chain(named.into_iter().filter(|s| s != "data"))
+        .collect()
+}
 
 /// One strategy's measurements.
 #[derive(Clone, Debug, Serialize)]
@@ -34,6 +56,10 @@ pub struct CompareRow {
     pub simulation_error: f64,
     /// Measured throughput over data parallelism's.
     pub speedup_over_data: f64,
+    /// After the same steps on the same batches, the largest difference of any weight or momentum
+    /// from the single-device trainer's, relative to that tensor's largest magnitude: every
+    /// strategy trains the same network.
+    pub max_rel_diff_from_one_device: f64,
 }
 
 /// How long to measure, and where.
@@ -46,6 +72,8 @@ pub struct CompareSettings {
     pub seed: u64,
     /// Run on the worker processes of this cluster instead of the embedded one.
     pub cluster: Option<ClusterTarget>,
+    /// What to run, data parallelism first ([`strategies_from`]; [`STRATEGIES`] by default).
+    pub strategies: Vec<String>,
     /// Write each strategy's measured and simulated timelines here, as Chrome/Perfetto traces
     /// `<strategy>.measured.json` and `<strategy>.simulated.json` (one more step, traced, after the
     /// timed ones: tracing costs time).
@@ -59,8 +87,8 @@ pub struct ClusterTarget {
     pub state: PathBuf,
 }
 
-/// Profiles, measures and simulates every strategy of [`STRATEGIES`] on `graph`, one strategy at a
-/// time.
+/// Profiles, measures and simulates every strategy of `settings.strategies` on `graph`, one
+/// strategy at a time, and checks that each ends with the single-device trainer's weights.
 ///
 /// Tile compute times always come from profiling the embedded cluster in this process (the same
 /// kind of device). On a cluster, the links between hosts are those `up` measured, and a cluster
@@ -70,7 +98,8 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         Some(c) => (cluster_machine(&c.hosts, &c.state)?, c.hosts.num_devices()),
         None => (embedded_machine(settings.devices)?, settings.devices),
     };
-    let strategies = STRATEGIES
+    let strategies = settings
+        .strategies
         .iter()
         .map(|s| Ok((s.to_string(), choose_strategy(graph, &machine, s)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -87,6 +116,30 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     let params = ParamStore::init(graph, settings.seed);
     let state = TrainingState::start(params);
     let (images, labels) = profile::synthetic_batch(graph, settings.seed)?;
+    // Every step trains on the same batch, which is also the next step's: a cluster job
+    // delivers it while the step before runs, as training does.
+    let batch = |trace| StepBatch {
+        images: images.clone(),
+        labels: labels.clone(),
+        next: Some((&images[..], &labels[..])),
+        trace,
+    };
+    // What every strategy must end with: the single-device trainer after as many steps.
+    let steps_taken = settings.warmup + settings.steps + usize::from(settings.traces.is_some());
+    let reference = {
+        let job = JobStart {
+            graph,
+            configs: &strategies[0].1,
+            state: state.clone(),
+            sgd: Sgd::default(),
+            seed: settings.seed,
+        };
+        let mut one = engine::start(Place::OneDevice, job)?;
+        for _ in 0..steps_taken {
+            one.step(batch(false))?;
+        }
+        one.state()?
+    };
     let mut rows: Vec<CompareRow> = Vec::new();
     for entry in &strategies {
         let (strategy, configs) = entry;
@@ -124,14 +177,6 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             seed: settings.seed,
         };
         let mut engine = engine::start(place, job)?;
-        // Every step trains on the same batch, which is also the next step's: a cluster job
-        // delivers it while the step before runs, as training does.
-        let batch = |trace| StepBatch {
-            images: images.clone(),
-            labels: labels.clone(),
-            next: Some((&images[..], &labels[..])),
-            trace,
-        };
         for _ in 0..settings.warmup {
             engine.step(batch(false))?;
         }
@@ -161,7 +206,9 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             }
         }
         let simulated_s = simulation.makespan;
+        let trained = engine.state()?;
         rows.push(CompareRow {
+            max_rel_diff_from_one_device: max_relative_difference(&trained, &reference),
             strategy: strategy.clone(),
             measured_ms: step_s * 1e3,
             images_per_sec: graph.batch() as f64 / step_s,
@@ -207,22 +254,50 @@ fn profiled_cluster(
     Ok(machine)
 }
 
+/// The largest difference of any weight or momentum value of `a` from `b`'s, relative to the
+/// largest magnitude of that tensor in `b`.
+fn max_relative_difference(a: &TrainingState, b: &TrainingState) -> f64 {
+    let tensors = a
+        .params
+        .values
+        .iter()
+        .zip(&b.params.values)
+        .chain(a.momentum.iter().zip(&b.momentum));
+    tensors
+        .map(|(x, y)| {
+            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+            x.iter()
+                .zip(y)
+                .fold(0f32, |m, (p, q)| m.max((p - q).abs() / scale))
+        })
+        .fold(0f32, f32::max)
+        .into()
+}
+
 /// The comparison as a text table.
 pub fn table(rows: &[CompareRow]) -> String {
     let mut out = format!(
-        "{:<8} {:>11} {:>9} {:>12} {:>12} {:>9} {:>9}\n",
-        "strategy", "measured ms", "images/s", "moved/step", "simulated ms", "sim error", "vs data"
+        "{:<8} {:>11} {:>9} {:>12} {:>12} {:>9} {:>9} {:>12}\n",
+        "strategy",
+        "measured ms",
+        "images/s",
+        "moved/step",
+        "simulated ms",
+        "sim error",
+        "vs data",
+        "vs 1 device"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<8} {:>11.1} {:>9.1} {:>12} {:>12.1} {:>8.1}% {:>8.2}x\n",
+            "{:<8} {:>11.1} {:>9.1} {:>12} {:>12.1} {:>8.1}% {:>8.2}x {:>12.1e}\n",
             r.strategy,
             r.measured_ms,
             r.images_per_sec,
             legion_cluster::memory::human_bytes(r.comm_bytes_per_step),
             r.simulated_ms,
             100.0 * r.simulation_error,
-            r.speedup_over_data
+            r.speedup_over_data,
+            r.max_rel_diff_from_one_device
         ));
     }
     out

@@ -141,12 +141,15 @@ fn up_train_down_on_three_workers_equals_one_device() {
             hosts: legion_cluster::hosts::Hosts::load(&cluster.hosts).unwrap(),
             state: cluster.state.clone(),
         }),
+        strategies: legion_cli::compare::strategies_from("all"),
         traces: Some(traces.clone()),
     };
     let rows = legion_cli::compare::compare(&graph, &settings).unwrap();
-    assert_eq!(rows.len(), legion_cli::compare::STRATEGIES.len());
+    assert_eq!(rows.len(), legion_cli::compare::ALL_STRATEGIES.len());
     for r in &rows {
         assert!(r.measured_ms > 0.0 && r.simulated_ms > 0.0, "{r:?}");
+        // every strategy, the other papers' planners' included, trains the same network
+        assert!(r.max_rel_diff_from_one_device <= 1e-4, "{r:?}");
     }
     assert!(
         rows[0].comm_bytes_per_step > 0,
