@@ -617,6 +617,20 @@ gbit_per_s = 100
         );
     }
 
+    /// The example machine file describes the `dgx-h100` preset's network with TF32 compute.
+    #[test]
+    fn the_tf32_example_is_the_h100_preset_with_faster_devices() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/machines/dgx-h100-tf32.toml");
+        let file = load_machine(&path).unwrap();
+        let preset = MachineModel::preset("dgx-h100").unwrap();
+        assert_eq!(file.num_devices(), preset.num_devices());
+        for (a, b) in [(0, 1), (3, 11), (9, 2)] {
+            assert_eq!(file.route(a, b), preset.route(a, b), "{a} -> {b}");
+        }
+        assert!(file.device(0).peak_gflops > 7.0 * preset.device(0).peak_gflops);
+    }
+
     #[test]
     fn presets_and_files_resolve() {
         assert_eq!(resolve_machine("paper:8").unwrap().num_devices(), 8);
