@@ -5,16 +5,7 @@ use legion_ops::Graph;
 use legion_ops::memory::{self, DeviceMemory};
 use legion_ops::partition::ParallelConfig;
 
-/// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
-pub fn human_bytes(b: u64) -> String {
-    match b {
-        b if b >= 1 << 40 => format!("{:.2} TiB", b as f64 / (1u64 << 40) as f64),
-        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
-        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
-        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
-        b => format!("{b} B"),
-    }
-}
+pub use legion_ops::memory::human_bytes;
 
 /// Bytes this process can still allocate: the kernel's estimate of available memory
 /// (`MemAvailable`), lowered to what the cgroup's limit leaves. `None` where neither can be read.

@@ -13,6 +13,17 @@
 use crate::partition::{DeviceId, ParallelConfig, tile_rect};
 use crate::{Graph, LayerId};
 
+/// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 40 => format!("{:.2} TiB", b as f64 / (1u64 << 40) as f64),
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
 /// Bytes of one f32 element, the type of every activation and parameter.
 const F32_BYTES: u64 = 4;
 
@@ -42,21 +53,12 @@ pub fn per_device(
         .collect();
     let mut layer_bytes = vec![0u64; num_devices];
     for (id, config) in graph.ids().zip(configs) {
-        let layer = graph.layer(id);
-        let params = graph.layer_params(id);
         for tile in 0..config.total() {
             let device = config.device_of_tile(tile);
             if device >= num_devices {
                 continue;
             }
-            let out = tile_rect(&layer.shape, config, tile);
-            // the output and its gradient
-            let mut bytes = 2 * out.volume() as u64 * F32_BYTES;
-            for p in &params {
-                let copies = if p.trainable { 3 } else { 1 };
-                let slice = layer.op.spec().param_rect(p, &out).volume() as u64;
-                bytes = bytes.saturating_add(copies * slice * F32_BYTES);
-            }
+            let bytes = tile_bytes(graph, id, config, tile);
             layer_bytes[device] = layer_bytes[device].saturating_add(bytes);
         }
         for (device, bytes) in devices.iter_mut().zip(&mut layer_bytes) {
@@ -68,6 +70,30 @@ pub fn per_device(
         }
     }
     devices
+}
+
+/// What tile `tile` of `layer` under `config` keeps on its device: its output and that output's
+/// gradient, and the slice of every parameter it reads with, for a trainable one, its gradient
+/// and momentum.
+pub fn tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig, tile: usize) -> u64 {
+    let l = graph.layer(layer);
+    let out = tile_rect(&l.shape, config, tile);
+    let mut bytes = 2 * out.volume() as u64 * F32_BYTES;
+    for p in &graph.layer_params(layer) {
+        let copies = if p.trainable { 3 } else { 1 };
+        let slice = l.op.spec().param_rect(p, &out).volume() as u64;
+        bytes = bytes.saturating_add(copies * slice * F32_BYTES);
+    }
+    bytes
+}
+
+/// The most any one device keeps for `layer` under `config`: its largest tile's
+/// [`tile_bytes`] (a config puts each tile on a device of its own).
+pub fn largest_tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig) -> u64 {
+    (0..config.total())
+        .map(|tile| tile_bytes(graph, layer, config, tile))
+        .max()
+        .unwrap_or(0)
 }
 
 /// The bytes of every trainable parameter and its momentum, as a training job's own state (the

@@ -703,6 +703,20 @@ impl MachineModel {
         Ok(self)
     }
 
+    /// The same machine whose every device has `gib` GiB of memory of its own (`--memory-gib`):
+    /// searches return only strategies that fit it.
+    pub fn with_device_memory_gib(mut self, gib: f64) -> Result<MachineModel, MachineError> {
+        if !(gib.is_finite() && gib > 0.0) {
+            return Err(MachineError::Invalid(format!(
+                "device memory must be a positive number of GiB, got {gib}"
+            )));
+        }
+        for spec in &mut self.specs {
+            spec.memory_gib = Some(gib);
+        }
+        Ok(self)
+    }
+
     /// The same machine with a private link per device pair across nodes (no shared NICs).
     pub fn without_nics(self) -> MachineModel {
         MachineModel {

@@ -1,9 +1,71 @@
 //! What a step keeps in each device's memory ([`per_device`], in `legion_ops::memory`, with the
 //! rest of what graph and configs alone determine), against what a machine's devices hold.
 
-pub use legion_ops::memory::{DeviceMemory, job_state_bytes, per_device};
+pub use legion_ops::memory::{
+    DeviceMemory, human_bytes, job_state_bytes, largest_tile_bytes, per_device, tile_bytes,
+};
 
+use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
+use legion_ops::Graph;
+
+/// A device whose own memory a strategy does not fit: the most overcommitted one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DoesNotFit {
+    pub device: usize,
+    pub needs: u64,
+    pub capacity: u64,
+    /// The layer that takes most of the device's memory, and how much.
+    pub layer: String,
+    pub layer_bytes: u64,
+}
+
+impl std::fmt::Display for DoesNotFit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "device {} needs {} of its {} (layer '{}' alone {})",
+            self.device,
+            human_bytes(self.needs),
+            human_bytes(self.capacity),
+            self.layer,
+            human_bytes(self.layer_bytes)
+        )
+    }
+}
+
+/// Whether `configs` fit every device of `machine` that has memory of its own; if not, the device
+/// that needs the most beyond its capacity.
+pub fn check_fits(
+    graph: &Graph,
+    machine: &MachineModel,
+    configs: &[ParallelConfig],
+) -> Result<(), DoesNotFit> {
+    if machine.specs().iter().all(|s| s.memory_bytes().is_none()) {
+        return Ok(());
+    }
+    let need = per_device(graph, configs, machine.num_devices());
+    let over = over_capacity(machine, &need);
+    // the most overcommitted; of equals, the first
+    match over
+        .iter()
+        .max_by_key(|(d, capacity)| (d.bytes - capacity, std::cmp::Reverse(d.device)))
+    {
+        None => Ok(()),
+        Some(&(d, capacity)) => {
+            let (layer, layer_bytes) = d.largest_layer.map_or((String::new(), 0), |(l, b)| {
+                (graph.layer(l).name.clone(), b)
+            });
+            Err(DoesNotFit {
+                device: d.device,
+                needs: d.bytes,
+                capacity,
+                layer,
+                layer_bytes,
+            })
+        }
+    }
+}
 
 /// The devices of `machine` with memory of their own that `memory` (from [`per_device`]) does not
 /// fit, each with its capacity in bytes.

@@ -18,6 +18,8 @@ pub struct Evaluated {
     /// trace reads; the plan keeps only the time, which on a thousand devices is tens of millions
     /// of tasks less).
     pub simulated_s: f64,
+    /// The device that keeps the most during a step ([`crate::memory::per_device`]) and how much.
+    pub peak_device: (usize, u64),
 }
 
 /// One search's result.
@@ -120,9 +122,14 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
 
 /// Prices and simulates a given strategy.
 pub fn evaluate(model: &CostModel, configs: Vec<ParallelConfig>) -> Evaluated {
+    let peak = crate::memory::per_device(model.graph(), &configs, model.machine().num_devices())
+        .into_iter()
+        .max_by_key(|d| (d.bytes, std::cmp::Reverse(d.device)))
+        .map_or((0, 0), |d| (d.device, d.bytes));
     Evaluated {
         cost: model.evaluate(&configs),
         simulated_s: simulated_step_time(model, &configs),
+        peak_device: peak,
         configs,
     }
 }

@@ -111,6 +111,51 @@ impl<'m> CostTables<'m> {
         self.model
     }
 
+    /// Per layer and config, the bytes the config's largest tile keeps on its device
+    /// ([`crate::memory::largest_tile_bytes`]).
+    pub fn largest_tile_bytes(&self) -> Vec<Vec<f64>> {
+        let graph = self.model.graph();
+        self.spaces
+            .iter()
+            .enumerate()
+            .map(|(l, space)| {
+                space
+                    .configs()
+                    .iter()
+                    .map(|c| crate::memory::largest_tile_bytes(graph, LayerId(l), c) as f64)
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The same tables with `weight` · `bytes[layer][config]` added to every node cost: what a
+    /// search under a memory limit minimises (a Lagrangian penalty on [`Self::largest_tile_bytes`]).
+    /// t_c, t_s and the edge tables are unchanged.
+    pub fn with_node_penalty(&self, weight: f64, bytes: &[Vec<f64>]) -> CostTables<'m> {
+        let node = self
+            .compute
+            .iter()
+            .zip(&self.sync)
+            .zip(bytes)
+            .map(|((c, s), b)| {
+                c.iter()
+                    .zip(s)
+                    .zip(b)
+                    .map(|((c, s), b)| c + s + weight * b)
+                    .collect()
+            })
+            .collect();
+        CostTables {
+            model: self.model,
+            spaces: self.spaces.clone(),
+            compute: self.compute.clone(),
+            sync: self.sync.clone(),
+            node,
+            transfers: TransferTables::new(self.model.machine()),
+            edge_class: self.edge_class.clone(),
+        }
+    }
+
     pub fn num_layers(&self) -> usize {
         self.spaces.len()
     }

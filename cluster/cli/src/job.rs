@@ -53,6 +53,8 @@ pub struct TrainOptions {
     pub cluster_state: Option<PathBuf>,
     /// `--device`: a GPU where the run can use one (`auto`), the CPU, or a GPU or an error.
     pub device: DeviceKind,
+    /// `--memory-gib`: each device's memory, which the strategy must fit.
+    pub memory_gib: Option<f64>,
 }
 
 impl Default for TrainOptions {
@@ -73,8 +75,24 @@ impl Default for TrainOptions {
             resume: None,
             cluster: None,
             cluster_state: None,
+            memory_gib: None,
         }
     }
+}
+
+/// Refuses `configs` (the strategy `choice`) where a device of `machine` with memory of its own
+/// (`--memory-gib`) cannot hold its share, before anything is allocated.
+fn check_device_memory(
+    graph: &Graph,
+    machine: &MachineModel,
+    configs: &[ParallelConfig],
+    choice: &str,
+) -> anyhow::Result<()> {
+    legion_planner::memory::check_fits(graph, machine, configs).map_err(|e| {
+        anyhow::anyhow!(
+            "the {choice} strategy does not fit the devices' memory (--memory-gib): {e}"
+        )
+    })
 }
 
 /// The configs of `choice` (a search name or a strategy file) for `graph` on `machine`.
@@ -237,6 +255,10 @@ impl Job {
             .as_ref()
             .map_or(opts.devices, |(_, h, _)| h.num_devices());
         let distributed = devices > 1 || opts.trace.is_some() || cluster.is_some();
+        let with_memory = |machine: MachineModel| match opts.memory_gib {
+            Some(gib) => machine.with_device_memory_gib(gib),
+            None => Ok(machine),
+        };
         let (configs, place) = if distributed {
             let (machine, place) = match &cluster {
                 Some((path, hosts, state)) => (
@@ -245,9 +267,18 @@ impl Job {
                 ),
                 None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
             };
-            (choose_strategy(&graph, &machine, &opts.strategy)?, place)
+            let machine = with_memory(machine)?;
+            let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
+            check_device_memory(&graph, &machine, &configs, &opts.strategy)?;
+            (configs, place)
         } else {
             let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
+            check_device_memory(
+                &graph,
+                &with_memory(embedded_machine(1)?)?,
+                &serial,
+                "serial",
+            )?;
             (serial, "one device".to_string())
         };
         let mut device = device::choose(opts.device, devices, distributed, legion_cuda::probe)?;

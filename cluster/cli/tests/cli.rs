@@ -231,3 +231,57 @@ fn corrupt_inputs_fail_cleanly() {
         assert_clean_failure(&out, &[needle, name]);
     }
 }
+
+/// `--memory-gib`: AlexNet 64×64 on 4 embedded devices. Data parallelism keeps ~234 MiB on a
+/// device and optcnn's strategy ~59 MiB: at 0.1 GiB each, `--strategy data` is refused and optcnn
+/// trains; at 0.01 GiB nothing fits. A refusal names the device, what it needs and the layer, and
+/// comes before anything is allocated or trained.
+#[test]
+fn a_memory_limit_refuses_strategies_that_do_not_fit_before_allocating() {
+    let run = |memory: &str, strategy: &str| {
+        legion(&[
+            "train",
+            "--model",
+            "alexnet",
+            "--image-size",
+            "64",
+            "--classes",
+            "10",
+            "--batch",
+            "8",
+            "--devices",
+            "4",
+            "--steps",
+            "1",
+            "--strategy",
+            strategy,
+            "--memory-gib",
+            memory,
+            "--json",
+        ])
+    };
+    let refused = run("0.1", "data");
+    assert_clean_failure(
+        &refused,
+        &[
+            "the data strategy does not fit the devices' memory: device 0 needs",
+            "of its 102.40 MiB (layer '",
+        ],
+    );
+    assert!(refused.stdout.is_empty(), "nothing trained");
+
+    let trained = run("0.1", "optcnn");
+    assert!(
+        trained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&trained.stderr)
+    );
+    assert!(!stdout_json_lines(&trained).is_empty());
+
+    let none = run("0.01", "optcnn");
+    assert_clean_failure(
+        &none,
+        &["no strategy optcnn found does not fit the devices' memory: device"],
+    );
+    assert!(none.stdout.is_empty(), "nothing trained");
+}

@@ -19,6 +19,9 @@ pub struct ExhaustiveResult {
     pub tried: u64,
 }
 
+/// Which complete strategies (per layer, config indices) an exhaustive search may return.
+pub type Accept<'f> = dyn Fn(&[usize]) -> bool + 'f;
+
 /// An edge into a node: (source node, its table `[c_src][c_node]`).
 pub(crate) type InEdge = (usize, Rc<Vec<f64>>);
 
@@ -32,6 +35,16 @@ pub const SIDE_BY_SIDE_BUDGET: u64 = 100_000;
 /// Searches every strategy of the tables' model; fails when more than `budget` partial strategies
 /// would be tried.
 pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, SearchError> {
+    exhaustive_where(tables, budget, &|_| true)
+}
+
+/// [`exhaustive`] over the strategies `accept` takes (per layer, config indices): the exact
+/// optimum among them, `cost` infinite when there is none.
+pub fn exhaustive_where(
+    tables: &CostTables,
+    budget: u64,
+    accept: &Accept<'_>,
+) -> Result<ExhaustiveResult, SearchError> {
     let n = tables.num_layers();
     let mut by_class: HashMap<usize, Rc<Vec<f64>>> = HashMap::new();
     let mut incoming: Vec<Vec<InEdge>> = vec![Vec::new(); n];
@@ -45,6 +58,7 @@ pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, 
     let costs: Vec<&[f64]> = (0..n).map(|l| tables.node_cost(LayerId(l))).collect();
     let sizes: Vec<usize> = (0..n).map(|l| tables.space(LayerId(l)).len()).collect();
     let mut dfs = Dfs::new(&costs, &sizes, &incoming, budget);
+    dfs.accept = Some(accept);
     dfs.visit(0, 0.0)?;
     Ok(ExhaustiveResult {
         indices: dfs.best_choice,
@@ -77,6 +91,8 @@ struct Dfs<'a> {
     best: f64,
     tried: u64,
     budget: u64,
+    /// Which complete strategies count (all where `None`).
+    accept: Option<&'a Accept<'a>>,
 }
 
 impl<'a> Dfs<'a> {
@@ -117,12 +133,13 @@ impl<'a> Dfs<'a> {
             best: f64::INFINITY,
             tried: 0,
             budget,
+            accept: None,
         }
     }
 
     fn visit(&mut self, p: usize, so_far: f64) -> Result<(), SearchError> {
         if p == self.costs.len() {
-            if so_far < self.best {
+            if so_far < self.best && self.accept.is_none_or(|accept| accept(&self.choice)) {
                 self.best = so_far;
                 self.best_choice.clone_from(&self.choice);
             }

@@ -20,7 +20,9 @@ pub mod tiling;
 pub mod tofu;
 
 pub use data::data_parallel;
-pub use exhaustive::{DEFAULT_BUDGET, ExhaustiveResult, SIDE_BY_SIDE_BUDGET, exhaustive};
+pub use exhaustive::{
+    DEFAULT_BUDGET, ExhaustiveResult, SIDE_BY_SIDE_BUDGET, exhaustive, exhaustive_where,
+};
 pub use hypar::{HyparPlan, hypar, hypar_native_bytes};
 pub use model::model_parallel;
 pub use optcnn::{OptCnnResult, RESIDUAL_BUDGET, optcnn};
@@ -36,6 +38,8 @@ pub use tofu::{TofuPlan, tofu, tofu_native_bytes};
 use crate::config::ParallelConfig;
 use crate::cost::CostBreakdown;
 use crate::machine::MachineModel;
+use crate::memory::{DoesNotFit, check_fits};
+use crate::simulate::simulated_step_time;
 use crate::tables::CostTables;
 use std::fmt;
 
@@ -124,6 +128,14 @@ pub enum SearchError {
         "the search stopped: it exceeded its budget of {budget} partial strategies (the graph has too many strategies to enumerate)"
     )]
     BudgetExceeded { budget: u64 },
+    /// The strategy (a fixed one), or every strategy the search found, needs more memory than a
+    /// device has: the closest one's most overcommitted device.
+    #[error("{what} does not fit the devices' memory: {closest}")]
+    DoesNotFit {
+        /// `the data strategy`, `no strategy optcnn found`, ...
+        what: String,
+        closest: DoesNotFit,
+    },
 }
 
 /// What a search chose.
@@ -190,28 +202,67 @@ pub fn find_with(
     };
     found.configs = match kind {
         SearchKind::OptCnn => {
-            let r = optcnn(tables)?;
+            let (r, configs) = optcnn_within_memory(tables)?;
             found.residual_nodes = Some(r.residual_nodes);
-            tables.configs(&r.indices)
+            configs
         }
         SearchKind::Refine => {
             let mut starts: Vec<(SearchKind, Vec<ParallelConfig>)> = Vec::new();
+            let mut closest: Option<SearchError> = None;
             for start in REFINE_STARTS {
                 let configs = match earlier.iter().find(|(k, _)| *k == start) {
                     Some((_, configs)) => configs.to_vec(),
-                    None => find_with(start, tables, options, &[])?.configs,
+                    // a start that does not fit the devices' memory is no start
+                    None => match find_with(start, tables, options, &[]) {
+                        Ok(f) => f.configs,
+                        Err(e @ SearchError::DoesNotFit { .. }) => {
+                            closest.get_or_insert(e);
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    },
                 };
                 starts.push((start, configs));
             }
+            if starts.is_empty() {
+                return Err(closest.expect("every start failed to fit"));
+            }
             let starts: Vec<(SearchKind, &[ParallelConfig])> =
                 starts.iter().map(|(k, c)| (*k, c.as_slice())).collect();
-            let refined = refine(tables, &starts, &options.refine);
+            // every move is checked against the devices' memory: one that does not fit is never
+            // faster
+            let refined =
+                refine::refine_by(
+                    tables,
+                    &starts,
+                    &options.refine,
+                    |configs| match check_fits(graph, machine, configs) {
+                        Ok(()) => simulated_step_time(model, configs),
+                        Err(_) => f64::INFINITY,
+                    },
+                );
             found.refined = Some(refined.report);
             refined.configs
         }
         SearchKind::Exhaustive => {
-            let r = exhaustive(tables, budget)?;
+            let r = if has_own_memory(machine) {
+                let fits = |indices: &[usize]| {
+                    check_fits(graph, machine, &tables.configs(indices)).is_ok()
+                };
+                exhaustive_where(tables, budget, &fits)?
+            } else {
+                exhaustive(tables, budget)?
+            };
             found.tried = Some(r.tried);
+            if r.cost.is_infinite() {
+                let unconstrained = exhaustive(tables, budget)?;
+                return Err(does_not_fit(
+                    "no strategy (exhaustive search)".into(),
+                    graph,
+                    machine,
+                    &tables.configs(&unconstrained.indices),
+                ));
+            }
             tables.configs(&r.indices)
         }
         SearchKind::Data => data_parallel(graph, machine),
@@ -238,7 +289,112 @@ pub fn find_with(
             plan.configs
         }
     };
+    // searches of their own (optcnn, exhaustive, refine) only return strategies that fit; a fixed
+    // strategy either fits or is an error
+    if let Err(closest) = check_fits(graph, machine, &found.configs) {
+        return Err(SearchError::DoesNotFit {
+            what: format!("the {kind} strategy"),
+            closest,
+        });
+    }
     Ok(found)
+}
+
+/// Whether some device of `machine` has memory of its own (CPU devices share the host's, which the
+/// planner does not know).
+fn has_own_memory(machine: &MachineModel) -> bool {
+    machine.specs().iter().any(|s| s.memory_bytes().is_some())
+}
+
+/// [`SearchError::DoesNotFit`] for `configs`, which must not fit.
+fn does_not_fit(
+    what: String,
+    graph: &legion_ops::Graph,
+    machine: &MachineModel,
+    configs: &[ParallelConfig],
+) -> SearchError {
+    let closest = check_fits(graph, machine, configs).expect_err("a strategy that does not fit");
+    SearchError::DoesNotFit { what, closest }
+}
+
+/// How many times [`optcnn_within_memory`] raises the memory penalty, ×4 each time, and then
+/// halves the gap (in log scale) between the last weight that did not fit and the first that did.
+const PENALTY_ROUNDS: usize = 10;
+const PENALTY_BISECTIONS: usize = 6;
+
+/// Algorithm 1 under the devices' memory. Where Eq. 1's optimum fits, it is the result. Where it
+/// does not, memory gets a price: each config's node cost gains `weight` seconds per byte of its
+/// largest tile (a Lagrangian penalty: the sum over layers of a config's largest tile bounds what
+/// any one device keeps from above), starting at one step's cost per device's worth of memory and
+/// rising ×4 per round until an optimum of the penalised Eq. 1 fits; then the weight is bisected
+/// between the last that did not fit and the first that did, and the cheapest (under Eq. 1)
+/// strategy that fit is the result. It fits, but is not necessarily the cheapest that does (the
+/// exhaustive search finds that one on small graphs). None fitting after [`PENALTY_ROUNDS`]: the
+/// error names the closest.
+fn optcnn_within_memory(
+    tables: &CostTables,
+) -> Result<(OptCnnResult, Vec<ParallelConfig>), SearchError> {
+    let model = tables.model();
+    let (graph, machine) = (model.graph(), model.machine());
+    let r = optcnn(tables)?;
+    let configs = tables.configs(&r.indices);
+    let Err(mut closest) = check_fits(graph, machine, &configs) else {
+        return Ok((r, configs));
+    };
+    let bytes = tables.largest_tile_bytes();
+    let mut best: Option<(f64, OptCnnResult, Vec<ParallelConfig>)> = None;
+    // the optimum under `weight`, kept when it fits and is the cheapest so far; whether it fit
+    let attempt = |weight: f64,
+                   best: &mut Option<(f64, OptCnnResult, Vec<ParallelConfig>)>,
+                   closest: &mut DoesNotFit|
+     -> Result<bool, SearchError> {
+        let r = optcnn(&tables.with_node_penalty(weight, &bytes))?;
+        let configs = tables.configs(&r.indices);
+        match check_fits(graph, machine, &configs) {
+            Ok(()) => {
+                let cost = model.total(&configs);
+                if best.as_ref().is_none_or(|(b, _, _)| cost < *b) {
+                    *best = Some((cost, r, configs));
+                }
+                Ok(true)
+            }
+            Err(e) => {
+                if e.needs - e.capacity < closest.needs - closest.capacity {
+                    *closest = e;
+                }
+                Ok(false)
+            }
+        }
+    };
+    let mut too_low = 0.0;
+    let mut weight = r.cost / closest.capacity.max(1) as f64;
+    let mut fitting = None;
+    for _ in 0..PENALTY_ROUNDS {
+        if attempt(weight, &mut best, &mut closest)? {
+            fitting = Some(weight);
+            break;
+        }
+        too_low = weight;
+        weight *= 4.0;
+    }
+    let Some(mut high) = fitting else {
+        return Err(SearchError::DoesNotFit {
+            what: "no strategy optcnn found".into(),
+            closest,
+        });
+    };
+    if too_low > 0.0 {
+        for _ in 0..PENALTY_BISECTIONS {
+            let mid = (too_low * high).sqrt();
+            if attempt(mid, &mut best, &mut closest)? {
+                high = mid;
+            } else {
+                too_low = mid;
+            }
+        }
+    }
+    let (_, r, configs) = best.expect("a weight that fit");
+    Ok((r, configs))
 }
 
 /// Bytes `configs` move under the seed planner `kind`'s own accounting (its paper's objective),
@@ -275,9 +431,94 @@ mod tests {
     use super::tiling::tests::random_graph;
     use super::*;
     use crate::cost::CostModel;
+    use crate::memory::per_device;
     use crate::provider::RooflineCost;
-    use legion_ops::LayerId;
+    use legion_ops::op::Dense;
+    use legion_ops::{GraphBuilder, LayerId, Shape};
     use proptest::prelude::*;
+
+    /// Three wide dense layers over a large batch: on 4 P100s data parallelism is Eq. 1's optimum,
+    /// and replicates ~100 MB of weights, gradients and momentum on every device.
+    fn wide_mlp() -> legion_ops::Graph {
+        let mut m = GraphBuilder::new("wide");
+        let x = m.input("x", Shape::nc(4096, 2048)).unwrap();
+        let x = m.dense("fc1", x, Dense::new(2048).relu()).unwrap();
+        let x = m.dense("fc2", x, Dense::new(2048).relu()).unwrap();
+        let x = m.dense("fc3", x, Dense::new(10)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        m.finish()
+    }
+
+    fn peak(g: &legion_ops::Graph, configs: &[ParallelConfig], devices: usize) -> u64 {
+        per_device(g, configs, devices)
+            .iter()
+            .map(|d| d.bytes)
+            .max()
+            .unwrap()
+    }
+
+    /// 4 P100s limited to 0.8 of what Eq. 1's optimum (data parallelism, at this batch) keeps on
+    /// a device: data parallelism is refused, naming the device and the layer; optcnn, refine and
+    /// the exhaustive search return strategies that fit, the exhaustive one the cheapest of them;
+    /// at 1 MiB nothing fits and optcnn says so.
+    #[test]
+    fn under_a_memory_limit_searches_return_strategies_that_fit_or_say_none_does() {
+        let g = wide_mlp();
+        let free = MachineModel::preset("paper:4").unwrap();
+        let provider = RooflineCost::new(&free);
+        let model = CostModel::new(&g, &free, &provider);
+        let tables = CostTables::build(&model);
+        let unconstrained = find(SearchKind::OptCnn, &tables, DEFAULT_BUDGET).unwrap();
+        let data = find(SearchKind::Data, &tables, 0).unwrap();
+        assert_eq!(
+            unconstrained.configs, data.configs,
+            "data parallelism is Eq. 1's optimum"
+        );
+        let data_peak = peak(&g, &data.configs, 4);
+
+        let gib = 0.8 * data_peak as f64 / (1u64 << 30) as f64;
+        let limited = free.clone().with_device_memory_gib(gib).unwrap();
+        let capacity = limited.device(0).memory_bytes().unwrap();
+        let provider = RooflineCost::new(&limited);
+        let model = CostModel::new(&g, &limited, &provider);
+        let tables = CostTables::build(&model);
+        let e = find(SearchKind::Data, &tables, 0).unwrap_err();
+        let SearchError::DoesNotFit { closest, .. } = &e else {
+            panic!("{e}")
+        };
+        assert_eq!((closest.needs, closest.capacity), (data_peak, capacity));
+        let message = e.to_string();
+        assert!(
+            message.starts_with("the data strategy does not fit the devices' memory: device ")
+                && message.contains("layer 'fc"),
+            "{message}"
+        );
+        let mut costs = Vec::new();
+        for kind in [
+            SearchKind::OptCnn,
+            SearchKind::Exhaustive,
+            SearchKind::Refine,
+        ] {
+            let found = find(kind, &tables, DEFAULT_BUDGET).unwrap();
+            assert!(peak(&g, &found.configs, 4) <= capacity, "{kind}");
+            costs.push(model.total(&found.configs));
+        }
+        assert!(
+            costs[1] <= costs[0],
+            "the exhaustive search is exact: {costs:?}"
+        );
+
+        let tiny = free.with_device_memory_gib(1.0 / 1024.0).unwrap();
+        let provider = RooflineCost::new(&tiny);
+        let model = CostModel::new(&g, &tiny, &provider);
+        let tables = CostTables::build(&model);
+        let e = find(SearchKind::OptCnn, &tables, DEFAULT_BUDGET).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("no strategy optcnn found does not fit the devices' memory: device "),
+            "{e}"
+        );
+    }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
@@ -338,6 +579,50 @@ mod tests {
         let data = data_parallel(&g, &machine);
         let reused = refined(&[(SearchKind::OptCnn, &data)]);
         assert_eq!(reused.simulations, REFINE_STARTS.len() as u64 - 1);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(12))]
+
+        /// Under a memory limit from a tenth to all of what data parallelism keeps on a device,
+        /// every search either returns a strategy that fits or says none does; the exhaustive
+        /// search, exact, is never dearer under Eq. 1 than optcnn.
+        #[test]
+        fn every_search_under_a_memory_limit_fits_or_says_so(
+            seed in 0u64..1_000_000, fraction in 0.1f64..1.0,
+        ) {
+            let g = random_graph(seed);
+            let free = MachineModel::preset("paper:4").unwrap();
+            let data_peak = peak(&g, &data_parallel(&g, &free), 4);
+            let gib = fraction * data_peak as f64 / (1u64 << 30) as f64;
+            let machine = free.with_device_memory_gib(gib).unwrap();
+            let capacity = machine.device(0).memory_bytes().unwrap();
+            let provider = RooflineCost::new(&machine);
+            let model = CostModel::new(&g, &machine, &provider);
+            let tables = CostTables::build(&model);
+            let mut eq1 = std::collections::HashMap::new();
+            for kind in SearchKind::ALL.into_iter().chain(SearchKind::SEEDS) {
+                let options = SearchOptions {
+                    exhaustive_budget: 300_000,
+                    refine: RefineOptions { budget: 10, ..RefineOptions::default() },
+                };
+                match find_with(kind, &tables, &options, &[]) {
+                    Ok(found) => {
+                        prop_assert!(peak(&g, &found.configs, 4) <= capacity, "{}", kind);
+                        eq1.insert(kind, model.total(&found.configs));
+                    }
+                    Err(SearchError::DoesNotFit { closest, .. }) => {
+                        prop_assert!(closest.needs > closest.capacity, "{}", kind);
+                    }
+                    Err(SearchError::BudgetExceeded { .. }) => {}
+                }
+            }
+            if let (Some(exact), Some(opt)) =
+                (eq1.get(&SearchKind::Exhaustive), eq1.get(&SearchKind::OptCnn))
+            {
+                prop_assert!(*exact <= opt * (1.0 + 1e-12), "{} vs {}", exact, opt);
+            }
+        }
     }
 
     #[test]

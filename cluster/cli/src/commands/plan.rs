@@ -43,6 +43,10 @@ pub struct PlanArgs {
     /// local-cpu, local-cpu:N) or machine TOML file.
     #[arg(long, conflicts_with = "nodes")]
     machine: Option<String>,
+    /// Memory of each device, GiB, instead of the machine's (P100s: 16): every search returns only
+    /// strategies that fit it, and says so when it finds none.
+    #[arg(long)]
+    memory_gib: Option<f64>,
     /// Number of nodes of a machine described by flags.
     #[arg(long, requires = "devices_per_node")]
     nodes: Option<usize>,
@@ -150,6 +154,10 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             MachineModel::from_flags(nodes, per_node, args.intra_gbps, args.inter_gbps)?
         }
         _ => bail!("give --machine PRESET|FILE, or --nodes and --devices-per-node"),
+    };
+    let machine = match args.memory_gib {
+        Some(gib) => machine.with_device_memory_gib(gib)?,
+        None => machine,
     };
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
     let graph = super::load_model(&args.model, batch, args.image_size, args.classes)?;

@@ -3,6 +3,7 @@
 use legion_ops::Graph;
 use legion_planner::ParallelConfig;
 use legion_planner::cost::CostBreakdown;
+use legion_planner::memory::human_bytes;
 use legion_planner::plan::{Evaluated, PlanRun};
 use legion_planner::search::RefineReport;
 use legion_planner::strategy::{LayerStrategy, Strategy, describe_devices};
@@ -68,8 +69,14 @@ pub fn comparison_table(run: &PlanRun) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<11}  {:>12}  {:>14}  {:>14}  {:>11}  {:>22}",
-        "search", "Eq.1 ms", "simulated ms", "comm MB", "search ms", "native MB found/mapped"
+        "{:<11}  {:>12}  {:>14}  {:>14}  {:>15}  {:>11}  {:>22}",
+        "search",
+        "Eq.1 ms",
+        "simulated ms",
+        "comm MB",
+        "peak MB/device",
+        "search ms",
+        "native MB found/mapped"
     );
     for s in &run.searches {
         match &s.result {
@@ -80,11 +87,12 @@ pub fn comparison_table(run: &PlanRun) -> String {
                 };
                 let _ = writeln!(
                     out,
-                    "{:<11}  {:>12.3}  {:>14.3}  {:>14.1}  {:>11.2}  {:>22}",
+                    "{:<11}  {:>12.3}  {:>14.3}  {:>14.1}  {:>15.1}  {:>11.2}  {:>22}",
                     s.kind.name(),
                     e.cost.total * 1e3,
                     e.simulated_s * 1e3,
                     e.cost.comm_bytes as f64 / 1e6,
+                    e.peak_device.1 as f64 / 1e6,
                     s.seconds * 1e3,
                     native
                 );
@@ -124,11 +132,14 @@ pub fn refine_line(r: &RefineReport) -> String {
 /// A summary of one evaluated strategy: Eq. 1, simulated step and bytes.
 pub fn summary(name: &str, e: &Evaluated, search_seconds: Option<f64>) -> String {
     let mut out = format!(
-        "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved ({:.1} MB between nodes)",
+        "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved ({:.1} MB between nodes), \
+         peak {} on device {}",
         e.cost.total * 1e3,
         e.simulated_s * 1e3,
         e.cost.comm_bytes as f64 / 1e6,
-        e.cost.inter_node_bytes as f64 / 1e6
+        e.cost.inter_node_bytes as f64 / 1e6,
+        human_bytes(e.peak_device.1),
+        e.peak_device.0
     );
     if let Some(s) = search_seconds {
         let _ = write!(out, ", search {:.2} ms", s * 1e3);
@@ -158,6 +169,9 @@ pub struct SearchJson {
     /// The part of `comm_bytes` between nodes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inter_node_bytes: Option<u64>,
+    /// What the fullest device keeps during a step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_device_bytes: Option<u64>,
     pub search_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Vec<LayerStrategy>>,
@@ -212,6 +226,7 @@ impl SearchJson {
                 simulated_ms: Some(e.simulated_s * 1e3),
                 comm_bytes: Some(e.cost.comm_bytes),
                 inter_node_bytes: Some(e.cost.inter_node_bytes),
+                peak_device_bytes: Some(e.peak_device.1),
                 search_ms: seconds * 1e3,
                 strategy: Some(Strategy::from_configs(graph, &e.configs).layers),
                 error: None,
@@ -226,6 +241,7 @@ impl SearchJson {
                 simulated_ms: None,
                 comm_bytes: None,
                 inter_node_bytes: None,
+                peak_device_bytes: None,
                 search_ms: seconds * 1e3,
                 strategy: None,
                 error: Some(error),

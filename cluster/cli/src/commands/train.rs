@@ -72,6 +72,10 @@ pub struct TrainArgs {
     /// the CPU, saying which; `cuda` fails with what is missing rather than use the CPU.
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     device: DeviceKind,
+    /// Memory of each device, GiB: the strategy must fit it (a search returns only strategies
+    /// that do; a named strategy that does not is refused), checked before anything is allocated.
+    #[arg(long)]
+    memory_gib: Option<f64>,
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -96,6 +100,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         cluster: a.cluster,
         cluster_state: a.state,
         device: a.device,
+        memory_gib: a.memory_gib,
     };
     job::train(graph, &opts)?;
     Ok(())
