@@ -12,8 +12,8 @@
 # The checks: every Backend primitive on the GPU against the CPU kernels (gpu_kernels), a small
 # model trained three steps on the GPU as on the CPU (gpu_training), the NVRTC compile test, and
 # single-GPU training throughput side by side with PyTorch in the same run (strict FP32, then
-# TF32 for PyTorch only: legion-rs has no TF32 switch yet) for AlexNet 224 b128, VGG-16 224 b64,
-# Inception-v3 299 b64. Multi-device equivalence on the GPU waits for GPU device actors.
+# TF32: legion-rs --tf32, torch's allow_tf32) for AlexNet 224 b128, VGG-16 224 b64, Inception-v3
+# 299 b64. Multi-device equivalence on the GPU waits for GPU device actors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -47,32 +47,51 @@ run)
             failures+=("$(basename "$test")")
         fi
     done
-    echo "=== throughput, legion-rs --device cuda (one GPU, strict FP32)"
-    for run in alexnet:224:128 vgg16:224:64 inception_v3:299:64; do
-        IFS=: read -r model image batch <<<"$run"
-        log="$out/legion-$model.jsonl"
-        if timeout 300 "$dir/legion-rs" train --device cuda --devices 1 --model "$model" \
-            --image-size "$image" --batch "$batch" --classes 1000 --steps 20 --json >"$log" \
-            2>"$out/legion-$model.err"; then
-            "$python" - "$log" "$model" "$image" "$batch" <<'PY' | tee -a "$out/throughput-legion.jsonl"
+    for tf32 in "" --tf32; do
+        echo "=== throughput, legion-rs --device cuda (one GPU, ${tf32:-strict FP32})"
+        for run in alexnet:224:128 vgg16:224:64 inception_v3:299:64; do
+            IFS=: read -r model image batch <<<"$run"
+            log="$out/legion-$model${tf32}.jsonl"
+            if timeout 300 "$dir/legion-rs" train --device cuda --devices 1 --model "$model" \
+                --image-size "$image" --batch "$batch" --classes 1000 --steps 20 --json $tf32 \
+                >"$log" 2>"$out/legion-$model$tf32.err"; then
+                "$python" - "$log" "$model" "$image" "$batch" "$tf32" <<'PY' | tee -a "$out/throughput-legion.jsonl"
 import json, statistics, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l and '"summary"' not in l]
 ms = statistics.median(s["step_ms"] for s in steps[5:])
 print(json.dumps({"peer": "legion-rs", "model": sys.argv[2], "image": int(sys.argv[3]),
-                  "batch": int(sys.argv[4]), "tf32": False, "median_step_ms": ms,
-                  "images_per_sec": int(sys.argv[4]) / ms * 1e3}))
+                  "batch": int(sys.argv[4]), "tf32": sys.argv[5] == "--tf32",
+                  "median_step_ms": ms, "images_per_sec": int(sys.argv[4]) / ms * 1e3}))
 PY
-        else
-            echo "legion-rs $model failed:"
-            tail -5 "$out/legion-$model.err"
-            failures+=("legion-rs $model")
-        fi
+            else
+                echo "legion-rs $model ${tf32:-fp32} failed:"
+                tail -5 "$out/legion-$model$tf32.err"
+                failures+=("legion-rs $model ${tf32:-fp32}")
+            fi
+        done
     done
     echo "=== throughput, PyTorch on the same GPU (strict FP32, then TF32)"
     for tf32 in "" --tf32; do
         "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 inception_v3:299:64 $tf32 \
             | tee -a "$out/throughput-pytorch.jsonl" || failures+=("pytorch ${tf32:-fp32}")
     done
+    echo "=== legion-rs / PyTorch median step time (same GPU, same run)"
+    "$python" - "$out/throughput-legion.jsonl" "$out/throughput-pytorch.jsonl" <<'PY' || true
+import json, sys
+def rows(path):
+    try:
+        return {(r["model"], r["tf32"]): r["median_step_ms"] for r in map(json.loads, open(path))}
+    except FileNotFoundError:
+        return {}
+ours, peer = rows(sys.argv[1]), rows(sys.argv[2])
+print("| model | mode | legion-rs ms | PyTorch ms | ratio |")
+print("|---|---|---:|---:|---:|")
+for key in sorted(set(ours) | set(peer)):
+    a, b = ours.get(key), peer.get(key)
+    ratio = f"{a / b:.2f}" if a and b else "-"
+    fmt = lambda v: f"{v:.1f}" if v else "-"
+    print(f"| {key[0]} | {'TF32' if key[1] else 'FP32'} | {fmt(a)} | {fmt(b)} | {ratio} |")
+PY
     if [ ${#failures[@]} -gt 0 ]; then
         echo "FAILED: ${failures[*]}"
         exit 1

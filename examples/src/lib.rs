@@ -83,6 +83,9 @@ pub struct ExampleArgs {
     /// Where to train (`auto`, `cpu`, `cuda`): see `legion-rs train --help`.
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
+    /// On a GPU, TF32 tensor cores for products and convolutions: see `legion-rs train --help`.
+    #[arg(long)]
+    pub tf32: bool,
 }
 
 /// An example's sizes and learning rate when the flags leave them out.
@@ -181,6 +184,7 @@ pub fn run(
         checkpoint_every: args.checkpoint_every,
         resume: args.resume.clone(),
         device: args.device,
+        tf32: args.tf32,
         ..TrainOptions::default()
     };
     job::train(graph, &opts).context("training")?;

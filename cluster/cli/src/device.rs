@@ -3,7 +3,7 @@
 //! a GPU; the job starts the engine it names.
 
 use legion_cluster::memory::human_bytes;
-use legion_cuda::{Cuda, CudaDevice, ProbeError, Stream};
+use legion_cuda::{Cuda, CudaDevice, Math, ProbeError, Stream};
 use legion_ops::Graph;
 use legion_ops::memory;
 use legion_ops::partition::ParallelConfig;
@@ -98,19 +98,28 @@ pub fn start_gpu(
     choice: &mut DeviceChoice,
     kind: DeviceKind,
     devices: usize,
+    math: Math,
 ) -> anyhow::Result<Option<StartedGpu>> {
     let Chosen::Cuda(info) = &choice.chosen else {
+        if math == Math::Tf32 {
+            choice.line += "; --tf32 applies to GPUs only";
+        }
         return Ok(None);
     };
-    let started = Cuda::new(info.ordinal)
+    let started = Cuda::with_math(info.ordinal, math)
         .map_err(anyhow::Error::from)
         .and_then(|cuda| Ok((cuda.new_stream()?, cuda)));
     match started {
-        Ok((stream, cuda)) => Ok(Some(StartedGpu {
-            info: info.clone(),
-            cuda,
-            stream,
-        })),
+        Ok((stream, cuda)) => {
+            if math == Math::Tf32 {
+                choice.line += ", TF32 tensor cores for products and convolutions (--tf32)";
+            }
+            Ok(Some(StartedGpu {
+                info: info.clone(),
+                cuda,
+                stream,
+            }))
+        }
         Err(e) if kind == DeviceKind::Auto => {
             *choice = DeviceChoice {
                 chosen: Chosen::Cpu,

@@ -55,6 +55,8 @@ pub struct TrainOptions {
     pub device: DeviceKind,
     /// `--memory-gib`: each device's memory, which the strategy must fit.
     pub memory_gib: Option<f64>,
+    /// `--tf32`: a GPU's products and convolutions may use TF32 tensor cores.
+    pub tf32: bool,
 }
 
 impl Default for TrainOptions {
@@ -76,6 +78,7 @@ impl Default for TrainOptions {
             cluster: None,
             cluster_state: None,
             memory_gib: None,
+            tf32: false,
         }
     }
 }
@@ -282,7 +285,12 @@ impl Job {
             (serial, "one device".to_string())
         };
         let mut device = device::choose(opts.device, devices, distributed, legion_cuda::probe)?;
-        let gpu = device::start_gpu(&mut device, opts.device, devices)?;
+        let math = if opts.tf32 {
+            legion_cuda::Math::Tf32
+        } else {
+            legion_cuda::Math::StrictFp32
+        };
+        let gpu = device::start_gpu(&mut device, opts.device, devices, math)?;
         // Before any weight is allocated: a model too large must get an error, not an abort. The
         // workers of a cluster check their own devices when the job reaches them; on a GPU the
         // host keeps only the job's state and the device's share goes to the GPU's memory.

@@ -13,7 +13,7 @@
 //! Math is cuDNN's FMA math (`CUDNN_FMA_MATH`): FP32 FMA kernels only, never TF32. Results differ
 //! from the CPU's im2col GEMM by the order of the sums.
 
-use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Stream};
+use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Math, Stream};
 use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
 use cudarc::cudnn::{
     ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, FilterDescriptor,
@@ -212,8 +212,12 @@ fn descriptors(
         [1, 1],
         cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
     )?;
-    // FP32 FMA kernels only: CUDNN_DEFAULT_MATH would let cuDNN pick TF32 tensor cores.
-    conv.set_math_type(cudnnMathType_t::CUDNN_FMA_MATH)?;
+    // Strict FP32: FMA kernels only (CUDNN_DEFAULT_MATH would let cuDNN pick TF32 tensor cores).
+    // TF32 when asked for: tensor-op math, which cuDNN uses for FP32 data as TF32.
+    conv.set_math_type(match s.math {
+        Math::StrictFp32 => cudnnMathType_t::CUDNN_FMA_MATH,
+        Math::Tf32 => cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+    })?;
     conv.set_group_count(segment.groups as c_int)?;
     Ok(Descriptors {
         x: x_desc,

@@ -8,10 +8,11 @@
 //! Every library is opened at run time (cudarc's `dynamic-loading`), so this crate builds and its
 //! tests pass on machines without CUDA; the tests that need a GPU print why they skipped.
 //!
-//! Arithmetic is strict FP32, as on the CPU backend: no fast math, no TF32 (cuBLAS default math,
-//! cuDNN FMA math), no FMA contraction in the kernels (`--fmad=false`), so that the element-wise
-//! kernels reproduce the CPU's results bit for bit and GEMMs and convolutions differ only by the
-//! order of their sums.
+//! Arithmetic is strict FP32 by default, as on the CPU backend: no fast math, no TF32 (cuBLAS
+//! default math, cuDNN FMA math), no FMA contraction in the kernels (`--fmad=false`), so that the
+//! element-wise kernels reproduce the CPU's results bit for bit and GEMMs and convolutions differ
+//! only by the order of their sums. [`Math::Tf32`] (`--tf32`) lets cuBLAS and cuDNN use TF32
+//! tensor cores for products and convolutions; the element-wise kernels stay strict.
 
 mod backend;
 mod conv;
@@ -19,5 +20,5 @@ mod dense;
 pub mod kernels;
 pub mod probe;
 
-pub use backend::{Buffer, Cuda, PendingLoss, StartError, Stream};
+pub use backend::{Buffer, Cuda, Math, PendingLoss, StartError, Stream};
 pub use probe::{CudaDevice, ProbeError, probe};

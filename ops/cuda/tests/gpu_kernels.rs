@@ -8,7 +8,7 @@
 //! `max |gpu − cpu| / max |cpu| ≤ 1e-5` for every output. All failing cases are reported at the
 //! end, not only the first. Without a usable GPU the test prints `skipped: <reason>` and passes.
 
-use legion_cuda::{Cuda, Stream};
+use legion_cuda::{Cuda, Math, Stream};
 use legion_ops::backend::cpu::{self, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, KernelError, Out};
 use legion_ops::kernels::dropout::DropoutMask;
@@ -19,6 +19,10 @@ use legion_ops::train::Sgd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 const TOLERANCE: f64 = 1e-5;
+
+/// With TF32 products: each input rounded to 10 mantissa bits (relative 2^-11 ≈ 4.9e-4), sums of
+/// hundreds of such products in FP32; relative to the largest output, a few times that.
+const TF32_TOLERANCE: f64 = 5e-3;
 /// What output buffers hold before a kernel runs, on both backends.
 const SENTINEL: f32 = -7.25;
 
@@ -191,13 +195,19 @@ fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
 struct Harness {
     cuda: Cuda,
     stream: Stream,
+    /// The largest relative error a case may show.
+    tolerance: f64,
     failures: Vec<String>,
     passed: usize,
 }
 
 impl Harness {
     fn start() -> Option<Harness> {
-        let cuda = match Cuda::new(0) {
+        Harness::start_with(Math::StrictFp32, TOLERANCE)
+    }
+
+    fn start_with(math: Math, tolerance: f64) -> Option<Harness> {
+        let cuda = match Cuda::with_math(0, math) {
             Ok(cuda) => cuda,
             Err(reason) => {
                 println!("skipped: {reason}");
@@ -208,6 +218,7 @@ impl Harness {
         Some(Harness {
             cuda,
             stream,
+            tolerance,
             failures: Vec::new(),
             passed: 0,
         })
@@ -244,10 +255,11 @@ impl Harness {
         let mut ok = true;
         for ((what, g), (_, c)) in gpu.iter().zip(&cpu) {
             let error = relative_error(g, c);
-            if error.is_nan() || error > TOLERANCE {
+            if error.is_nan() || error > self.tolerance {
                 ok = false;
                 self.failures.push(format!(
-                    "{name}: {what}: relative error {error:.3e} > {TOLERANCE:e}"
+                    "{name}: {what}: relative error {error:.3e} > {:e}",
+                    self.tolerance
                 ));
             }
         }
@@ -1423,6 +1435,18 @@ fn every_primitive_matches_the_cpu_backend() {
     label_out_of_range_is_an_error(&mut h);
     batch_norm_cases(&mut h);
     sgd_cases(&mut h);
+    h.finish();
+}
+
+/// `--tf32`: convolutions and dense layers on TF32 tensor cores (10-bit mantissa inputs, FP32
+/// sums) stay within TF32's precision of the CPU's FP32 results; everything else is strict anyway.
+#[test]
+fn tf32_products_and_convolutions_agree_to_tf32_precision() {
+    let Some(mut h) = Harness::start_with(Math::Tf32, TF32_TOLERANCE) else {
+        return;
+    };
+    conv_cases(&mut h);
+    dense_cases(&mut h);
     h.finish();
 }
 
