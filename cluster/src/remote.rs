@@ -5,8 +5,8 @@
 //!
 //! Failure detection: every worker of a running job sends a heartbeat every
 //! [`HEARTBEAT_INTERVAL`]; whenever the driver waits on workers it also checks that each one was
-//! heard from (a heartbeat, or any bytes on its connection) within [`HEARTBEAT_TIMEOUT`] and that
-//! its connection is open, and fails naming the first one that is not.
+//! heard from (a heartbeat, or any data on its connection's streams) within [`HEARTBEAT_TIMEOUT`]
+//! and that its connection is open, and fails naming the first one that is not.
 
 use crate::control::{
     self, Control, JobHost, JobSpec, PeerAddress, Piece, PieceData, PieceRef, StepSamples,
@@ -57,14 +57,16 @@ pub struct WorkerClient {
     health: Arc<Health>,
 }
 
-/// When each worker was last heard from, in milliseconds since `epoch`: a heartbeat, or any bytes
-/// on its connection (a worker sending a large reply over a slow link is alive even when its
-/// heartbeats queue behind the reply in the connection's send buffer).
+/// When each worker was last heard from, in milliseconds since `epoch`: a heartbeat, or any data
+/// its application sent (a worker sending a large reply over a slow link is alive even when its
+/// heartbeats queue behind the reply in the connection's send buffer). Only stream frames count:
+/// QUIC's own keep-alives and acknowledgements would keep a stuck worker's connection looking
+/// alive.
 struct Health {
     epoch: Instant,
     last_beat: Vec<AtomicU64>,
-    /// Bytes received on each worker's connection at the last check.
-    last_rx_bytes: Vec<AtomicU64>,
+    /// Stream frames received on each worker's connection at the last check.
+    last_rx_frames: Vec<AtomicU64>,
     watching: AtomicBool,
 }
 
@@ -93,7 +95,7 @@ impl WorkerClient {
         let health = Arc::new(Health {
             epoch: Instant::now(),
             last_beat: (0..n).map(|_| AtomicU64::new(0)).collect(),
-            last_rx_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            last_rx_frames: (0..n).map(|_| AtomicU64::new(0)).collect(),
             watching: AtomicBool::new(false),
         });
         let handler = {
@@ -250,8 +252,8 @@ impl WorkerClient {
                 bail!("{} is gone: {reason}", self.who(i));
             }
             if self.health.watching.load(Ordering::Relaxed) {
-                let received = conn.stats().udp_rx.bytes;
-                if received > self.health.last_rx_bytes[i].swap(received, Ordering::Relaxed) {
+                let received = conn.stats().frame_rx.stream;
+                if received > self.health.last_rx_frames[i].swap(received, Ordering::Relaxed) {
                     self.health.last_beat[i].store(self.health.now_ms(), Ordering::Relaxed);
                 }
                 let silent = self

@@ -59,9 +59,10 @@ pub struct PlanRun {
 }
 
 impl PlanRun {
-    /// The cheapest successful search under Eq. 1 (the earliest of equals). A refinement is never
-    /// cheaper under Eq. 1 than optcnn, so beside it this is optcnn's strategy, not the fastest
-    /// in simulation.
+    /// The cheapest successful search under Eq. 1 (the earliest of equals). Without a memory
+    /// limit a refinement is never cheaper under Eq. 1 than optcnn (optimal there), so beside it
+    /// this is optcnn's strategy, not the fastest in simulation; under a limit optcnn's search is
+    /// a heuristic and another search may be cheaper.
     pub fn best(&self) -> Option<&SearchRun> {
         self.best_index().map(|i| &self.searches[i])
     }

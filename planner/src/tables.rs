@@ -15,6 +15,7 @@ use crate::transfer::Edge;
 use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, PairBuffers, TransferTables};
 use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 /// Per-config and per-config-pair costs of a model on a machine.
 pub struct CostTables<'m> {
@@ -23,7 +24,9 @@ pub struct CostTables<'m> {
     compute: Vec<Vec<f64>>,
     sync: Vec<Vec<f64>>,
     node: Vec<Vec<f64>>,
-    transfers: TransferTables,
+    /// Shared with tables that differ only in node costs ([`CostTables::with_node_penalty`]): the
+    /// per-message tables of a large machine take hundreds of megabytes to build.
+    transfers: Arc<TransferTables>,
     edge_class: Vec<usize>,
 }
 
@@ -102,7 +105,7 @@ impl<'m> CostTables<'m> {
             compute,
             sync,
             node,
-            transfers: TransferTables::new(machine),
+            transfers: Arc::new(TransferTables::new(machine)),
             edge_class,
         }
     }
@@ -151,7 +154,7 @@ impl<'m> CostTables<'m> {
             compute: self.compute.clone(),
             sync: self.sync.clone(),
             node,
-            transfers: TransferTables::new(self.model.machine()),
+            transfers: Arc::clone(&self.transfers),
             edge_class: self.edge_class.clone(),
         }
     }

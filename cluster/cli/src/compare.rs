@@ -263,15 +263,19 @@ fn max_relative_difference(a: &TrainingState, b: &TrainingState) -> f64 {
         .iter()
         .zip(&b.params.values)
         .chain(a.momentum.iter().zip(&b.momentum));
-    tensors
-        .map(|(x, y)| {
-            let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-            x.iter()
-                .zip(y)
-                .fold(0f32, |m, (p, q)| m.max((p - q).abs() / scale))
-        })
-        .fold(0f32, f32::max)
-        .into()
+    // a value that is not finite on either side (weights that diverged) is infinitely far: a
+    // fold with `max` would pass over a NaN
+    let difference = |x: &[f32], y: &[f32]| -> f64 {
+        if !x.iter().chain(y).all(|v| v.is_finite()) {
+            return f64::INFINITY;
+        }
+        let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+        x.iter()
+            .zip(y)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs() / scale))
+            .into()
+    };
+    tensors.map(|(x, y)| difference(x, y)).fold(0f64, f64::max)
 }
 
 /// The comparison as a text table.
@@ -381,6 +385,29 @@ pub fn chart(rows: &[CompareRow], title: &str, path: &Path) -> anyhow::Result<()
 mod tests {
     use super::*;
     use legion_planner::machine::RuntimeCosts;
+
+    /// Equal states are 0 apart; a changed weight by its share of the tensor's largest value; a
+    /// weight that diverged to NaN is infinitely far, never passed over.
+    #[test]
+    fn weights_that_diverged_are_infinitely_far_from_one_device() {
+        let z = legion_ops::zoo::find("lenet5").unwrap();
+        let graph = z.build(&z.default_config(4)).unwrap();
+        let reference = TrainingState::start(ParamStore::init(&graph, 1));
+        assert_eq!(max_relative_difference(&reference, &reference), 0.0);
+        let mut moved = reference.clone();
+        let largest = moved.params.values[0]
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()));
+        moved.params.values[0][3] += 0.5 * largest;
+        let d = max_relative_difference(&moved, &reference);
+        assert!((d - 0.5).abs() < 1e-6, "{d}");
+        let mut diverged = reference.clone();
+        diverged.momentum[1][0] = f32::NAN;
+        assert_eq!(
+            max_relative_difference(&diverged, &reference),
+            f64::INFINITY
+        );
+    }
 
     #[test]
     fn a_cluster_is_simulated_with_the_profiled_runtime_costs_and_shared_cores() {

@@ -121,9 +121,14 @@ pub fn start_gpu(
             }))
         }
         Err(e) if kind == DeviceKind::Auto => {
+            let mut line =
+                format!("device: cpu ({devices} device(s)); the GPU did not start: {e:#}");
+            if math == Math::Tf32 {
+                line += "; --tf32 applies to GPUs only";
+            }
             *choice = DeviceChoice {
                 chosen: Chosen::Cpu,
-                line: format!("device: cpu ({devices} device(s)); the GPU did not start: {e:#}"),
+                line,
             };
             Ok(None)
         }

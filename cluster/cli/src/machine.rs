@@ -81,9 +81,9 @@ fn host_link(l: &HostLink) -> Link {
 /// The planner's view of the running cluster: the hosts file's model, with each pair of hosts the
 /// file does not give a `[[link]]` for priced at what `up` measured between them, and the
 /// transport's CPU per byte at the mean of what it measured on every link. Its one NIC per host
-/// stays unless `up` measured a host sending to its peers at once clearly faster than to its
-/// fastest peer alone ([`NIC_SHARED_BELOW`]): then the host's interface is not what limits it,
-/// and each host pair keeps a link of its own.
+/// stays unless `up` measured some host sending to its peers at once clearly faster than to its
+/// fastest peer alone ([`NIC_SHARED_BELOW`]): then an interface is not what limits the hosts, and
+/// every host pair keeps a link of its own (the model shares NICs machine-wide or not at all).
 pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineModel> {
     let links = load_links(state)?;
     let nics = load_nics(state)?;
@@ -93,7 +93,8 @@ pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineMod
             .filter(|l| l.from == nic.host)
             .map(|l| l.bytes_per_s)
             .fold(0.0f64, f64::max);
-        nic.peers < 2 || nic.bytes_per_s < NIC_SHARED_BELOW * fastest_peer
+        // one peer says nothing about sharing, nor does a host without measured links
+        nic.peers < 2 || fastest_peer == 0.0 || nic.bytes_per_s < NIC_SHARED_BELOW * fastest_peer
     };
     let mut machine = if nics.iter().all(interface_limits) {
         hosts_machine(hosts)?

@@ -281,7 +281,7 @@ fn a_memory_limit_refuses_strategies_that_do_not_fit_before_allocating() {
     let none = run("0.01", "optcnn");
     assert_clean_failure(
         &none,
-        &["no strategy optcnn found does not fit the devices' memory: device"],
+        &["optcnn found no strategy that fits the devices' memory; the closest: device"],
     );
     assert!(none.stdout.is_empty(), "nothing trained");
 }

@@ -97,7 +97,7 @@ fn a_model_too_large_for_memory_is_refused_before_it_is_allocated() {
     assert_clean_failure(
         &plan,
         &[
-            "no strategy optcnn found does not fit the devices' memory: device",
+            "optcnn found no strategy that fits the devices' memory; the closest: device",
             "of its 16.00 GiB (layer 'wide' alone",
         ],
     );

@@ -98,6 +98,25 @@ pub struct Stream {
 unsafe impl Send for Stream {}
 
 impl Stream {
+    /// The arithmetic cuBLAS runs this stream's products in, read back from its handle (what
+    /// `--tf32` set, as the library sees it).
+    pub fn cublas_math(&self) -> Result<Math, KernelError> {
+        let mut mode = std::mem::MaybeUninit::<cublas_sys::cublasMath_t>::uninit();
+        // SAFETY: a live handle; cuBLAS writes the mode on success, read only then.
+        let mode = unsafe {
+            cublas_sys::cublasGetMathMode(*self.blas.handle(), mode.as_mut_ptr())
+                .result()
+                .map_err(|e| KernelError::Device(format!("cublasGetMathMode: {e}")))?;
+            mode.assume_init()
+        };
+        Ok(match mode {
+            cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH => Math::Tf32,
+            _ => Math::StrictFp32,
+        })
+    }
+}
+
+impl Stream {
     pub fn cuda_stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }

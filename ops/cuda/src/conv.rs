@@ -10,8 +10,9 @@
 //! rows of the weights and, for a single segment, the whole output tile; otherwise they go through
 //! scratch and a region copy.
 //!
-//! Math is cuDNN's FMA math (`CUDNN_FMA_MATH`): FP32 FMA kernels only, never TF32. Results differ
-//! from the CPU's im2col GEMM by the order of the sums.
+//! Math is cuDNN's FMA math (`CUDNN_FMA_MATH`) by default: FP32 FMA kernels only, never TF32.
+//! Results differ from the CPU's im2col GEMM by the order of the sums. With [`Math::Tf32`]
+//! (`--tf32`) it is tensor-op math, which computes FP32 convolutions in TF32.
 
 use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Math, Stream};
 use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};

@@ -268,6 +268,13 @@ impl Harness {
         }
     }
 
+    /// What cuBLAS reports for a stream of a strict-FP32 backend on the same GPU.
+    fn cuda_strict_stream_math(&self) -> Math {
+        let cuda = Cuda::new(0).unwrap_or_else(|e| panic!("{e}"));
+        let stream = cuda.new_stream().unwrap_or_else(|e| panic!("{e}"));
+        stream.cublas_math().unwrap_or_else(|e| panic!("{e}"))
+    }
+
     fn finish(self) {
         println!(
             "{} cases passed, {} failures",
@@ -1445,6 +1452,11 @@ fn tf32_products_and_convolutions_agree_to_tf32_precision() {
     let Some(mut h) = Harness::start_with(Math::Tf32, TF32_TOLERANCE) else {
         return;
     };
+    // the mode the products run in, as cuBLAS reports it: a looser tolerance alone would pass
+    // with TF32 never switched on
+    assert_eq!(h.stream.cublas_math().unwrap(), Math::Tf32);
+    let strict = h.cuda_strict_stream_math();
+    assert_eq!(strict, Math::StrictFp32);
     conv_cases(&mut h);
     dense_cases(&mut h);
     h.finish();

@@ -130,9 +130,10 @@ pub enum SearchError {
     BudgetExceeded { budget: u64 },
     /// The strategy (a fixed one), or every strategy the search found, needs more memory than a
     /// device has: the closest one's most overcommitted device.
-    #[error("{what} does not fit the devices' memory: {closest}")]
+    #[error("{what}: {closest}")]
     DoesNotFit {
-        /// `the data strategy`, `no strategy optcnn found`, ...
+        /// What did not fit: `the data strategy does not fit the devices' memory`, `optcnn found no
+        /// strategy that fits the devices' memory; the closest`, ...
         what: String,
         closest: DoesNotFit,
     },
@@ -211,7 +212,13 @@ pub fn find_with(
             let mut closest: Option<SearchError> = None;
             for start in REFINE_STARTS {
                 let configs = match earlier.iter().find(|(k, _)| *k == start) {
-                    Some((_, configs)) => configs.to_vec(),
+                    Some((_, configs)) => {
+                        debug_assert!(
+                            check_fits(graph, machine, configs).is_ok(),
+                            "earlier strategies come from searches that succeeded"
+                        );
+                        configs.to_vec()
+                    }
                     // a start that does not fit the devices' memory is no start
                     None => match find_with(start, tables, options, &[]) {
                         Ok(f) => f.configs,
@@ -225,7 +232,13 @@ pub fn find_with(
                 starts.push((start, configs));
             }
             if starts.is_empty() {
-                return Err(closest.expect("every start failed to fit"));
+                let Some(SearchError::DoesNotFit { closest, .. }) = closest else {
+                    unreachable!("every start failed to fit")
+                };
+                return Err(SearchError::DoesNotFit {
+                    what: "refine has no start that fits the devices' memory; the closest".into(),
+                    closest,
+                });
             }
             let starts: Vec<(SearchKind, &[ParallelConfig])> =
                 starts.iter().map(|(k, c)| (*k, c.as_slice())).collect();
@@ -255,12 +268,19 @@ pub fn find_with(
             };
             found.tried = Some(r.tried);
             if r.cost.is_infinite() {
-                let unconstrained = exhaustive(tables, budget)?;
+                // the closest to report: Eq. 1's optimum, or data parallelism where even the
+                // unconstrained search runs out of budget
+                let closest = match exhaustive(tables, budget) {
+                    Ok(unconstrained) => tables.configs(&unconstrained.indices),
+                    Err(_) => data_parallel(graph, machine),
+                };
                 return Err(does_not_fit(
-                    "no strategy (exhaustive search)".into(),
+                    "the exhaustive search found no strategy that fits the devices' memory; \
+                     the closest"
+                        .into(),
                     graph,
                     machine,
-                    &tables.configs(&unconstrained.indices),
+                    &closest,
                 ));
             }
             tables.configs(&r.indices)
@@ -293,7 +313,7 @@ pub fn find_with(
     // strategy either fits or is an error
     if let Err(closest) = check_fits(graph, machine, &found.configs) {
         return Err(SearchError::DoesNotFit {
-            what: format!("the {kind} strategy"),
+            what: format!("the {kind} strategy does not fit the devices' memory"),
             closest,
         });
     }
@@ -325,10 +345,10 @@ const PENALTY_BISECTIONS: usize = 6;
 /// Algorithm 1 under the devices' memory. Where Eq. 1's optimum fits, it is the result. Where it
 /// does not, memory gets a price: each config's node cost gains `weight` seconds per byte of its
 /// largest tile (a Lagrangian penalty: the sum over layers of a config's largest tile bounds what
-/// any one device keeps from above), starting at one step's cost per device's worth of memory and
-/// rising ×4 per round until an optimum of the penalised Eq. 1 fits; then the weight is bisected
-/// between the last that did not fit and the first that did, and the cheapest (under Eq. 1)
-/// strategy that fit is the result. It fits, but is not necessarily the cheapest that does (the
+/// any one device keeps from above), starting at one step's cost per device's worth of memory,
+/// then ×4 up until an optimum of the penalised Eq. 1 fits (or ÷4 down while one still does);
+/// the weight is then bisected between the last that did not fit and the lowest that did, and the
+/// cheapest (under Eq. 1) strategy that fit is the result. It fits, but is not necessarily the cheapest that does (the
 /// exhaustive search finds that one on small graphs). None fitting after [`PENALTY_ROUNDS`]: the
 /// error names the closest.
 fn optcnn_within_memory(
@@ -366,23 +386,39 @@ fn optcnn_within_memory(
             }
         }
     };
-    let mut too_low = 0.0;
-    let mut weight = r.cost / closest.capacity.max(1) as f64;
-    let mut fitting = None;
-    for _ in 0..PENALTY_ROUNDS {
-        if attempt(weight, &mut best, &mut closest)? {
-            fitting = Some(weight);
-            break;
+    // the first weight prices a device's worth of memory at one step; from there ×4 up until an
+    // optimum fits, or ÷4 down while one still does, then bisect between the last weight that did
+    // not fit and the lowest that did
+    let first = r.cost / closest.capacity.max(1) as f64;
+    let (mut too_low, mut high) = (0.0, first);
+    if attempt(first, &mut best, &mut closest)? {
+        for _ in 1..PENALTY_ROUNDS {
+            let lower = high / 4.0;
+            if !attempt(lower, &mut best, &mut closest)? {
+                too_low = lower;
+                break;
+            }
+            high = lower;
         }
-        too_low = weight;
-        weight *= 4.0;
+    } else {
+        let mut fitting = None;
+        let mut weight = first;
+        for _ in 1..PENALTY_ROUNDS {
+            too_low = weight;
+            weight *= 4.0;
+            if attempt(weight, &mut best, &mut closest)? {
+                fitting = Some(weight);
+                break;
+            }
+        }
+        let Some(weight) = fitting else {
+            return Err(SearchError::DoesNotFit {
+                what: "optcnn found no strategy that fits the devices' memory; the closest".into(),
+                closest,
+            });
+        };
+        high = weight;
     }
-    let Some(mut high) = fitting else {
-        return Err(SearchError::DoesNotFit {
-            what: "no strategy optcnn found".into(),
-            closest,
-        });
-    };
     if too_low > 0.0 {
         for _ in 0..PENALTY_BISECTIONS {
             let mid = (too_low * high).sqrt();
@@ -514,8 +550,9 @@ mod tests {
         let tables = CostTables::build(&model);
         let e = find(SearchKind::OptCnn, &tables, DEFAULT_BUDGET).unwrap_err();
         assert!(
-            e.to_string()
-                .starts_with("no strategy optcnn found does not fit the devices' memory: device "),
+            e.to_string().starts_with(
+                "optcnn found no strategy that fits the devices' memory; the closest: device "
+            ),
             "{e}"
         );
     }
