@@ -235,15 +235,7 @@ impl TransferTables {
         let whole = self
             .per_message
             .get_or_init(|| DevicePairs::new(machine))
-            .edge_table(
-                &geometry.producer,
-                &geometry.needs,
-                src_space,
-                dst_space,
-                geometry.gradient,
-                keep_pairs,
-                only.as_ref(),
-            );
+            .edge_table(geometry, src_space, dst_space, keep_pairs, only.as_ref());
         match only {
             None => whole,
             Some(subset) => subset.extract(&whole, dst_space.len()),
@@ -1466,14 +1458,13 @@ impl DevicePairs {
     /// The per-message table: overlaps enumerated box by box for every layout pair.
     fn edge_table(
         &self,
-        producer: &Shape,
-        needs: &[Vec<Rect>],
+        geometry: &EdgeGeometry,
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
-        gradient: bool,
         keep_pairs: Option<&[bool]>,
         only: Option<&ConfigSubset>,
     ) -> Vec<f64> {
+        let (producer, needs, gradient) = (&geometry.producer, &geometry.needs, geometry.gradient);
         let nd = producer.ndim();
         let extents = producer.dims();
         let columns = dst_space.len();
@@ -1656,9 +1647,7 @@ mod tests {
                     axes: None,
                 };
                 let fast = regular.edge_table(&geometry, &axes, src_space, dst_space, None, None);
-                let slow = per_message.edge_table(
-                    &producer, &needs, src_space, dst_space, gradient, None, None,
-                );
+                let slow = per_message.edge_table(&geometry, src_space, dst_space, None, None);
                 let what = format!("{} → {} on {}", g.layer(e.src).name, consumer.name, machine);
                 assert_eq!(fast, slow, "{what}");
                 // one set of buffers for every pair, as the search keeps them
