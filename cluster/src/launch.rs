@@ -103,18 +103,21 @@ pub fn nics_path(state: &Path) -> PathBuf {
 
 /// The network interfaces `up` measured; none where it has not (one host, or an older state).
 pub fn load_nics(state: &Path) -> anyhow::Result<Vec<MeasuredNic>> {
-    let path = nics_path(state);
+    load_measured(&nics_path(state), "measured network interfaces")
+}
+
+/// The list `up` saved at `path` (`what` names it in errors); empty where there is no file.
+fn load_measured<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    what: &str,
+) -> anyhow::Result<Vec<T>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
     let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{}: expected a list of measured network interfaces",
-            path.display()
-        )
-    })
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected a list of {what}", path.display()))
 }
 
 /// Where `up` saves the links it measured.
@@ -123,14 +126,7 @@ pub fn links_path(state: &Path) -> PathBuf {
 }
 
 pub fn load_links(state: &Path) -> anyhow::Result<Vec<MeasuredLink>> {
-    let path = links_path(state);
-    if !path.exists() {
-        return Ok(Vec::new());
-    }
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text)
-        .with_context(|| format!("{}: expected a list of measured links", path.display()))
+    load_measured(&links_path(state), "measured links")
 }
 
 /// Creates the CA and the certificates that are missing; existing ones are kept, so re-running

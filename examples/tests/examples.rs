@@ -89,6 +89,14 @@ fn inception_v3_trains() {
     trains(env!("CARGO_BIN_EXE_inception_v3"), "75");
 }
 
+/// The JSON rows `--compare --json` prints, one per strategy.
+fn compare_rows(out: &std::process::Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// `--strategies all`: the other papers' planners and refine run for real beside ours, and each
 /// ends with the weights one device trains.
 #[test]
@@ -108,10 +116,7 @@ fn compare_runs_every_planner_and_each_trains_the_same_network() {
             "--json",
         ],
     );
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = compare_rows(&out);
     let names: Vec<&str> = rows
         .iter()
         .map(|r| r["strategy"].as_str().unwrap())
@@ -147,10 +152,7 @@ fn compare_measures_every_strategy_and_draws_a_chart() {
             chart.to_str().unwrap(),
         ],
     );
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = compare_rows(&out);
     let names: Vec<&str> = rows
         .iter()
         .map(|r| r["strategy"].as_str().unwrap())

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{assert_clean_failure, legion};
+use common::{ALEXNET_64, assert_clean_failure, legion};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Output;
@@ -239,16 +239,7 @@ fn corrupt_inputs_fail_cleanly() {
 #[test]
 fn a_memory_limit_refuses_strategies_that_do_not_fit_before_allocating() {
     let run = |memory: &str, strategy: &str| {
-        legion(&[
-            "train",
-            "--model",
-            "alexnet",
-            "--image-size",
-            "64",
-            "--classes",
-            "10",
-            "--batch",
-            "8",
+        let flags = [
             "--devices",
             "4",
             "--steps",
@@ -258,7 +249,8 @@ fn a_memory_limit_refuses_strategies_that_do_not_fit_before_allocating() {
             "--memory-gib",
             memory,
             "--json",
-        ])
+        ];
+        legion(&[&["train"][..], &ALEXNET_64, &flags].concat())
     };
     let refused = run("0.1", "data");
     assert_clean_failure(
