@@ -155,6 +155,7 @@ mod tests {
             refine: search::RefineOptions {
                 budget: 40,
                 seed: 3,
+                work: None,
             },
         };
         let run = plan(&model, &[SearchKind::OptCnn, SearchKind::Refine], &options);

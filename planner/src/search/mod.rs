@@ -603,7 +603,11 @@ mod tests {
         let tables = CostTables::build(&model);
         let options = SearchOptions {
             exhaustive_budget: 0,
-            refine: RefineOptions { budget: 0, seed: 1 },
+            refine: RefineOptions {
+                budget: 0,
+                seed: 1,
+                work: None,
+            },
         };
         let refined = |earlier: &[(SearchKind, &[ParallelConfig])]| {
             find_with(SearchKind::Refine, &tables, &options, earlier)

@@ -33,15 +33,22 @@ use super::SearchKind;
 use crate::config::ParallelConfig;
 use crate::simulate::simulated_step_time;
 use crate::tables::CostTables;
+use crate::transfer_table::{EdgeGeometry, PairBuffers};
 use legion_ops::LayerId;
 use legion_ops::rng::Rng;
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 /// Simulations a refinement may run by default: Inception-v3 on the `paper` preset (16 devices,
 /// 25 ms a simulation) refines in about 40 s on one core, AlexNet and VGG-16 in a few seconds
 /// (release builds). A simulation's cost grows with the tasks of a step: on hundreds of devices
-/// it takes seconds, and a smaller budget is the way to bound the time.
+/// it takes seconds, so by default the budget is also held to [`REFINE_WORK`].
 pub const DEFAULT_REFINE_BUDGET: u64 = 1_500;
+
+/// Simulated tasks a refinement may schedule in all by default (its budget becomes this over
+/// the tasks of one step, where fewer than its simulations): about a minute of one core. A
+/// number of tasks, not seconds, so that a seed gives the same strategy on any machine.
+pub const REFINE_WORK: u64 = 400_000_000;
 
 /// The seed of the visiting order and the kicks when none is given.
 pub const DEFAULT_REFINE_SEED: u64 = 1;
@@ -77,6 +84,22 @@ pub struct RefineOptions {
     pub budget: u64,
     /// Seeds the order layers are visited in and the kicks.
     pub seed: u64,
+    /// Simulated tasks at most, in all ([`REFINE_WORK`] by default): the budget shrinks to this
+    /// over the tasks of one step where that is fewer simulations. `None`: the budget alone.
+    pub work: Option<u64>,
+}
+
+impl RefineOptions {
+    /// The simulations a refinement may run on a step of `tasks` tasks: the budget, held to
+    /// [`RefineOptions::work`], and never below one more than the starts.
+    pub fn budget_for(&self, tasks: usize) -> u64 {
+        match self.work {
+            Some(work) => self
+                .budget
+                .min((work / tasks.max(1) as u64).max(REFINE_STARTS.len() as u64 + 1)),
+            None => self.budget,
+        }
+    }
 }
 
 impl Default for RefineOptions {
@@ -84,6 +107,7 @@ impl Default for RefineOptions {
         RefineOptions {
             budget: DEFAULT_REFINE_BUDGET,
             seed: DEFAULT_REFINE_SEED,
+            work: Some(REFINE_WORK),
         }
     }
 }
@@ -157,6 +181,7 @@ pub(crate) fn refine_by(
     let mut search = Search {
         tables,
         neighbours: Neighbours::of(tables),
+        transfers: PairTimes::default(),
         rng: Rng::new(options.seed),
         objective,
         best: incumbent.clone(),
@@ -232,6 +257,37 @@ impl<F: FnMut(&[ParallelConfig]) -> f64> Memo<F> {
     }
 }
 
+/// t_x of config pairs of the model's edges, each edge class's geometry worked out once.
+#[derive(Default)]
+struct PairTimes {
+    geometries: RefCell<HashMap<usize, EdgeGeometry>>,
+    buffers: RefCell<PairBuffers>,
+}
+
+impl PairTimes {
+    /// t_x of edge `edge` (an index into the model's edges) from `src` to `dst`: the tables'
+    /// number (bit for bit the direct evaluation's, tested), directly where no cheap path exists.
+    fn time(
+        &self,
+        tables: &CostTables,
+        edge: usize,
+        src: &ParallelConfig,
+        dst: &ParallelConfig,
+    ) -> f64 {
+        let class = tables.edge_class(edge);
+        let mut geometries = self.geometries.borrow_mut();
+        let geometry = geometries
+            .entry(class)
+            .or_insert_with(|| tables.edge_geometry(edge));
+        tables
+            .config_pair_time(geometry, src, dst, &mut self.buffers.borrow_mut())
+            .unwrap_or_else(|| {
+                let model = tables.model();
+                model.transfer_time(&model.edges()[edge], src, dst)
+            })
+    }
+}
+
 /// Each layer's producers and consumers, with the edges (indices into the model's edges) that join
 /// them.
 struct Neighbours {
@@ -267,6 +323,10 @@ impl Neighbours {
 struct Search<'t, 'm, F> {
     tables: &'t CostTables<'m>,
     neighbours: Neighbours,
+    /// t_x of one config pair of an edge, through its class's geometry where that is cheap (the
+    /// per-axis path: a direct evaluation visits every pair of tiles, which on hundreds of devices
+    /// made ranking candidates cost more than simulating them).
+    transfers: PairTimes,
     rng: Rng,
     objective: Memo<F>,
     /// The fastest strategy of the walk so far.
@@ -407,11 +467,11 @@ impl<F: FnMut(&[ParallelConfig]) -> f64> Search<'_, '_, F> {
             .map(|(c, node)| {
                 let inputs = self.neighbours.inputs[layer].iter().map(|&e| {
                     let edge = &edges[e];
-                    model.transfer_time(edge, &configs[edge.src.0], c)
+                    self.transfers.time(self.tables, e, &configs[edge.src.0], c)
                 });
                 let outputs = self.neighbours.outputs[layer].iter().map(|&e| {
                     let edge = &edges[e];
-                    model.transfer_time(edge, c, &configs[edge.dst.0])
+                    self.transfers.time(self.tables, e, c, &configs[edge.dst.0])
                 });
                 node + inputs.chain(outputs).sum::<f64>()
             })
@@ -497,6 +557,24 @@ mod tests {
         assert_eq!(cheapest(&costs, 3, Some(4)), vec![1, 3, 2]);
         assert_eq!(cheapest(&costs, 9, Some(0)), vec![4, 1, 3, 2]);
         assert!(cheapest(&[], 2, None).is_empty());
+    }
+
+    /// The default budget is held to the work cap over the tasks of a step, never below one more
+    /// than the starts; without a cap, the budget is the budget.
+    #[test]
+    fn the_default_budget_is_held_to_a_number_of_simulated_tasks() {
+        let default = RefineOptions::default();
+        assert_eq!(default.budget_for(1_000), DEFAULT_REFINE_BUDGET);
+        assert_eq!(default.budget_for(1_000_000), REFINE_WORK / 1_000_000);
+        assert_eq!(
+            default.budget_for(usize::MAX),
+            REFINE_STARTS.len() as u64 + 1
+        );
+        let exact = RefineOptions {
+            work: None,
+            ..default
+        };
+        assert_eq!(exact.budget_for(usize::MAX), DEFAULT_REFINE_BUDGET);
     }
 
     #[test]
@@ -599,6 +677,7 @@ mod tests {
         let options = RefineOptions {
             budget: 300,
             seed: 5,
+            work: None,
         };
         let refined = refine_by(&tables, &starts, &options, |c| model.total(c));
         let r = refined.report;
@@ -636,7 +715,7 @@ mod tests {
             let tables = CostTables::build(&model);
             let options = SearchOptions {
                 exhaustive_budget: 0,
-                refine: RefineOptions { budget: 60, seed: refine_seed },
+                refine: RefineOptions { budget: 60, seed: refine_seed, work: None },
             };
             let found = find_with(SearchKind::Refine, &tables, &options, &[]).unwrap();
             let report = found.refined.expect("a refinement reports");

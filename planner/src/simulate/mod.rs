@@ -70,6 +70,13 @@ pub fn simulated_step_time(model: &CostModel, configs: &[ParallelConfig]) -> f64
     schedule_iteration(model.machine(), tasks, false).makespan
 }
 
+/// The tasks of one iteration of `configs`: what one simulation schedules.
+pub fn task_count(model: &CostModel, configs: &[ParallelConfig]) -> usize {
+    let mut tasks = CompactTasks::for_devices(model.machine().num_devices());
+    build_tasks(model, configs, &mut tasks);
+    tasks.len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,8 +12,8 @@ use legion_planner::machine_file::resolve_machine;
 use legion_planner::memory;
 use legion_planner::plan::{self, Evaluated};
 use legion_planner::search::{
-    DEFAULT_BUDGET, DEFAULT_REFINE_BUDGET, DEFAULT_REFINE_SEED, RefineOptions, SIDE_BY_SIDE_BUDGET,
-    SearchError, SearchOptions,
+    DEFAULT_BUDGET, DEFAULT_REFINE_SEED, RefineOptions, SIDE_BY_SIDE_BUDGET, SearchError,
+    SearchOptions,
 };
 use legion_planner::simulate::simulate;
 use legion_planner::trace::chrome_trace;
@@ -87,9 +87,10 @@ pub struct PlanArgs {
     #[arg(long)]
     budget: Option<u64>,
     /// Most simulations the refine search may run, its starts included (a number, not seconds,
-    /// so that a seed gives the same strategy on any machine).
-    #[arg(long, default_value_t = DEFAULT_REFINE_BUDGET)]
-    refine_budget: u64,
+    /// so that a seed gives the same strategy on any machine) [default: 1500, fewer where a
+    /// step has so many tasks that they would take more than about a minute; given, exactly it].
+    #[arg(long)]
+    refine_budget: Option<u64>,
     /// Seed of the refine search's visiting order and kicks.
     #[arg(long, default_value_t = DEFAULT_REFINE_SEED)]
     refine_seed: u64,
@@ -214,9 +215,16 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         let budget = args.budget.unwrap_or(args.search.default_budget());
         let options = SearchOptions {
             exhaustive_budget: budget,
-            refine: RefineOptions {
-                budget: args.refine_budget,
-                seed: args.refine_seed,
+            refine: match args.refine_budget {
+                Some(budget) => RefineOptions {
+                    budget,
+                    seed: args.refine_seed,
+                    work: None,
+                },
+                None => RefineOptions {
+                    seed: args.refine_seed,
+                    ..RefineOptions::default()
+                },
             },
         };
         let run = plan::plan(&model, &args.search.kinds(), &options);
