@@ -242,13 +242,24 @@ pub fn find_with(
             }
             let starts: Vec<(SearchKind, &[ParallelConfig])> =
                 starts.iter().map(|(k, c)| (*k, c.as_slice())).collect();
+            // the default budget is also held to a number of simulated tasks, counted at the start
+            // with the most (data parallelism's sync messages, mostly)
+            let most_tasks = starts
+                .iter()
+                .map(|(_, configs)| crate::simulate::task_count(model, configs))
+                .max()
+                .unwrap_or(0);
+            let refine_options = RefineOptions {
+                budget: options.refine.budget_for(most_tasks),
+                ..options.refine
+            };
             // every move is checked against the devices' memory: one that does not fit is never
             // faster
             let refined =
                 refine::refine_by(
                     tables,
                     &starts,
-                    &options.refine,
+                    &refine_options,
                     |configs| match check_fits(graph, machine, configs) {
                         Ok(()) => simulated_step_time(model, configs),
                         Err(_) => f64::INFINITY,
