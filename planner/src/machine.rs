@@ -839,6 +839,12 @@ impl MachineModel {
         &self.specs
     }
 
+    /// Whether some device has memory of its own (CPU devices share the host's, which the planner
+    /// does not know): only then can a strategy not fit.
+    pub fn has_own_memory(&self) -> bool {
+        self.specs.iter().any(|s| s.memory_bytes().is_some())
+    }
+
     pub fn intra_node_link(&self) -> Link {
         self.intra_node
     }

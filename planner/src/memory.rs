@@ -41,7 +41,7 @@ pub fn check_fits(
     machine: &MachineModel,
     configs: &[ParallelConfig],
 ) -> Result<(), DoesNotFit> {
-    if machine.specs().iter().all(|s| s.memory_bytes().is_none()) {
+    if !machine.has_own_memory() {
         return Ok(());
     }
     let need = per_device(graph, configs, machine.num_devices());

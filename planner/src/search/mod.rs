@@ -269,7 +269,7 @@ pub fn find_with(
             refined.configs
         }
         SearchKind::Exhaustive => {
-            let r = if has_own_memory(machine) {
+            let r = if machine.has_own_memory() {
                 let fits = |indices: &[usize]| {
                     check_fits(graph, machine, &tables.configs(indices)).is_ok()
                 };
@@ -329,12 +329,6 @@ pub fn find_with(
         });
     }
     Ok(found)
-}
-
-/// Whether some device of `machine` has memory of its own (CPU devices share the host's, which the
-/// planner does not know).
-fn has_own_memory(machine: &MachineModel) -> bool {
-    machine.specs().iter().any(|s| s.memory_bytes().is_some())
 }
 
 /// [`SearchError::DoesNotFit`] for `configs`, which must not fit.
