@@ -8,17 +8,20 @@ use legion_ops::Graph;
 use legion_ops::backend::Backend;
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{Sgd, StepStats, Trainer, TrainingState};
-use legion_runtime::EmbeddedCluster;
 use legion_runtime::StepReport;
 use legion_runtime::plan::StepPlan;
+use legion_runtime::{EmbeddedCluster, Placement};
 use std::path::Path;
 
 /// Where the steps run.
 pub enum Place<'a> {
     /// The single-device reference trainer (the configs are ignored).
     OneDevice,
-    /// `devices` device actors in this process.
-    Embedded { devices: usize },
+    /// `devices` device actors in this process, placed on its cores or GPUs.
+    Embedded {
+        devices: usize,
+        placement: Placement,
+    },
     /// The workers `legion-rs up` started for `hosts`, whose certificates are in `state_dir`.
     Cluster {
         hosts: &'a Hosts,
@@ -70,13 +73,14 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.sgd,
             job.seed,
         )),
-        Place::Embedded { devices } => Box::new(EmbeddedCluster::resume(
+        Place::Embedded { devices, placement } => Box::new(EmbeddedCluster::resume_on(
             job.graph,
             job.configs,
             devices,
             &job.state,
             job.sgd,
             job.seed,
+            &placement,
         )?),
         Place::Cluster { hosts, state_dir } => Box::new(RemoteCluster::start(
             hosts,

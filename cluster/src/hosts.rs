@@ -8,7 +8,10 @@
 //! [defaults]             # optional, cluster-wide
 //! port = 7400            # worker QUIC port (default 7400)
 //! devices = 1            # devices per host (default 1)
-//! device = "cpu"         # device kind: "cpu" or "p100" (default "cpu")
+//! device = "cpu"         # "cuda": the worker runs its devices on the host's GPUs (spread over
+//!                        # them, a stream each; `up` fails naming what is missing where there
+//!                        # is no usable GPU), priced as H100s; "cpu" (default): on its cores;
+//!                        # "p100": on its cores, priced as P100s (to plan for the paper's GPUs)
 //! binary = "/opt/legion-rs/bin/legion-rs"   # the legion-rs binary on the hosts (default: the
 //!                        # path of the one running `up`)
 //!
@@ -61,8 +64,11 @@ pub const DEFAULT_INTER_HOST_LATENCY_US: f64 = 50.0;
 /// (`legion_planner::machine::MAX_DEVICES`), so that every valid hosts file can be planned for.
 pub const MAX_DEVICES: usize = 4096;
 /// Device kinds a host may declare: those the planner has a device spec for (`legion-cli` maps
-/// them).
-pub const DEVICE_KINDS: &[&str] = &["cpu", "p100"];
+/// them). Only [`GPU_KIND`] runs on GPUs; the others run on the host's cores.
+pub const DEVICE_KINDS: &[&str] = &["cpu", "cuda", "p100"];
+
+/// The device kind whose worker runs its devices on the host's GPUs.
+pub const GPU_KIND: &str = "cuda";
 
 /// One host: a worker process owning `devices` devices.
 #[derive(Clone, Debug, PartialEq)]
@@ -891,7 +897,7 @@ ssh = "me@localhost"
         );
         assert_eq!(
             err_with("device = \"cpu\"", "device = \"tpu\""),
-            "h.toml:4:10: defaults.device: expected a device kind (cpu, p100), got \"tpu\""
+            "h.toml:4:10: defaults.device: expected a device kind (cpu, cuda, p100), got \"tpu\""
         );
         assert_eq!(
             err_with("name = \"node0\"", "name = \" \""),

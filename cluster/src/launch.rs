@@ -211,6 +211,8 @@ pub fn up(
     ensure_identities(hosts, state)?;
     let mut client = WorkerClient::new(hosts, state)?;
     let mut table = Vec::new();
+    // The processes of the workers started here on this machine, to notice one that exits.
+    let mut children = Vec::new();
     for (i, host) in hosts.hosts.iter().enumerate() {
         let welcome = greet(&mut client, i, Duration::from_millis(500));
         if let Some(w) = &welcome
@@ -227,9 +229,10 @@ pub fn up(
             );
         }
         let started = welcome.is_none();
-        if started {
-            start_worker(host, state)?;
-        }
+        children.push(match started {
+            true => start_worker(host, state)?,
+            false => None,
+        });
         table.push(HostStatus {
             host: host.clone(),
             welcome,
@@ -239,16 +242,31 @@ pub fn up(
     let deadline = Instant::now() + options.timeout;
     for (i, row) in table.iter_mut().enumerate() {
         while row.welcome.is_none() {
+            let log = state.join("logs").join(format!("{}.log", row.host.name));
+            if let Some(child) = &mut children[i]
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                let said = std::fs::read_to_string(&log).unwrap_or_default();
+                let last = said
+                    .lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty())
+                    .map(|l| l.trim().trim_start_matches("error: "));
+                bail!(
+                    "worker {} ({}) exited ({status}) before registering: {}; its log: {}",
+                    row.host.name,
+                    row.host.endpoint(),
+                    last.unwrap_or("it wrote nothing"),
+                    log.display()
+                );
+            }
             if Instant::now() > deadline {
                 bail!(
                     "worker {} ({}) did not register within {:.0} s; see its log {}",
                     row.host.name,
                     row.host.endpoint(),
                     options.timeout.as_secs_f64(),
-                    state
-                        .join("logs")
-                        .join(format!("{}.log", row.host.name))
-                        .display()
+                    log.display()
                 );
             }
             row.welcome = greet(&mut client, i, Duration::from_millis(500));
@@ -337,10 +355,18 @@ fn worker_args(host: &Host, state: &Path) -> Vec<String> {
         host.endpoint(),
         "--devices".into(),
         host.devices.to_string(),
+        "--device".into(),
+        if host.device_kind == crate::hosts::GPU_KIND {
+            "cuda"
+        } else {
+            "cpu"
+        }
+        .into(),
     ]
 }
 
-fn start_worker(host: &Host, state: &Path) -> anyhow::Result<()> {
+/// Starts the worker of `host`; returns its process where it runs on this machine.
+fn start_worker(host: &Host, state: &Path) -> anyhow::Result<Option<std::process::Child>> {
     let exe = match &host.binary {
         Some(path) => PathBuf::from(path),
         None => std::env::current_exe().context("locating the legion-rs binary")?,
@@ -357,7 +383,7 @@ fn start_worker(host: &Host, state: &Path) -> anyhow::Result<()> {
             }
             None => Command::new(&exe),
         };
-        command
+        let child = command
             .args(worker_args(host, state))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -366,7 +392,7 @@ fn start_worker(host: &Host, state: &Path) -> anyhow::Result<()> {
             .process_group(0)
             .spawn()
             .with_context(|| format!("starting the worker of {} ({})", host.name, exe.display()))?;
-        return Ok(());
+        return Ok(Some(child));
     }
     let dest = host.ssh.clone().unwrap_or_else(|| host.address.clone());
     let script = remote_script(host, state, &exe)?;
@@ -397,7 +423,7 @@ fn start_worker(host: &Host, state: &Path) -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    Ok(())
+    Ok(None)
 }
 
 /// The shell script that installs a remote host's certificate and starts its worker.

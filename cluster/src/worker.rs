@@ -29,7 +29,7 @@ use legion_runtime::StepInput;
 use legion_runtime::plan::{SamplesRead, StepPlan};
 use legion_runtime::program::DeviceProgram;
 use legion_runtime::{DeviceActor, Load, ReadInstance};
-use legion_runtime::{check_batch, run_step, spawn_local_devices};
+use legion_runtime::{Placement, check_batch, run_step, spawn_local_devices};
 use quinn::Connection;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -47,6 +47,8 @@ pub struct WorkerConfig {
     pub listen: SocketAddr,
     pub state: PathBuf,
     pub devices: usize,
+    /// Where its devices run (its GPUs, started by the caller, or its cores).
+    pub placement: Placement,
 }
 
 /// Runs a worker until it is told to shut down.
@@ -69,6 +71,7 @@ enum Event {
 struct Shared {
     name: String,
     devices: usize,
+    placement: Placement,
     started: Instant,
     /// The local devices of the running job, for slices arriving from other workers. Written when
     /// a job starts and ends, read once per slice (an uncontended read lock: cheaper than a hop
@@ -93,6 +96,7 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
     let shared = Arc::new(Shared {
         name: config.name.clone(),
         devices: config.devices,
+        placement: config.placement.clone(),
         started: Instant::now(),
         job_devices: RwLock::new(None),
         job_of: Mutex::new(None),
@@ -548,7 +552,14 @@ async fn start_job(
         momentum: spec.momentum,
         weight_decay: spec.weight_decay,
     };
-    let devices = spawn_local_devices(&programs, &graph, spec.seed, sgd, Arc::clone(&transport));
+    let devices = spawn_local_devices(
+        &programs,
+        &graph,
+        spec.seed,
+        sgd,
+        Arc::clone(&transport),
+        &shared.placement,
+    )?;
     *shared
         .job_devices
         .write()

@@ -1,10 +1,11 @@
-//! The embedded cluster: N CPU devices as actors in this process, sharing the machine's cores
-//! (see `compute`), joined by the in-process transport. Runs training steps of a step plan.
+//! The embedded cluster: N devices as actors in this process, joined by the in-process transport,
+//! either sharing the machine's cores (see `compute`) or spread over its GPUs ([`Placement`]).
+//! Runs training steps of a step plan.
 
 use crate::buffer::Buffer;
 use crate::compute::{ComputePool, kernel_threads};
 use crate::cpu_share::ACTOR_THREAD_NAME;
-use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
+use crate::device::{Compute, DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
 use crate::exec::{BatchView, StepInput};
 use crate::in_process::InProcessTransport;
 use crate::plan::{PlanError, SamplesRead, StepPlan};
@@ -14,6 +15,7 @@ use crate::region::RegionKind;
 use crate::transport::Transport;
 use kameo::actor::{ActorRef, Spawn};
 use kameo::mailbox;
+use legion_cuda::Cuda;
 use legion_ops::Graph;
 use legion_ops::kernels::softmax_ce::LabelOutOfRange;
 use legion_ops::partition::ParallelConfig;
@@ -49,6 +51,27 @@ pub enum RuntimeError {
     },
 }
 
+/// Where a process's devices run.
+#[derive(Clone, Default)]
+pub enum Placement {
+    /// On this process's cores, in host memory.
+    #[default]
+    Cpu,
+    /// On these GPUs: device `d` of `n` on GPU `d·g/n` of the `g` given (consecutive devices
+    /// share a GPU), each device with a stream of its own.
+    Gpus(Vec<Arc<Cuda>>),
+}
+
+impl Placement {
+    /// The GPU (index into `Gpus`) of local device `d` of `n`, if on GPUs.
+    pub fn gpu_of(&self, d: usize, n: usize) -> Option<usize> {
+        match self {
+            Placement::Cpu => None,
+            Placement::Gpus(gpus) => Some(d * gpus.len() / n.max(1)),
+        }
+    }
+}
+
 /// What one distributed step measured.
 #[derive(Debug)]
 pub struct StepResult {
@@ -77,7 +100,17 @@ impl EmbeddedCluster {
         seed: u64,
         first_step: u64,
     ) -> Result<EmbeddedCluster, RuntimeError> {
-        EmbeddedCluster::start_with(graph, configs, devices, params, None, sgd, seed, first_step)
+        EmbeddedCluster::start_with(
+            graph,
+            configs,
+            devices,
+            params,
+            None,
+            sgd,
+            seed,
+            first_step,
+            &Placement::Cpu,
+        )
     }
 
     /// Continues a saved run: its weights, momentum and step.
@@ -89,6 +122,19 @@ impl EmbeddedCluster {
         sgd: Sgd,
         seed: u64,
     ) -> Result<EmbeddedCluster, RuntimeError> {
+        EmbeddedCluster::resume_on(graph, configs, devices, state, sgd, seed, &Placement::Cpu)
+    }
+
+    /// [`EmbeddedCluster::resume`] with the devices placed by `placement`.
+    pub fn resume_on(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        devices: usize,
+        state: &TrainingState,
+        sgd: Sgd,
+        seed: u64,
+        placement: &Placement,
+    ) -> Result<EmbeddedCluster, RuntimeError> {
         EmbeddedCluster::start_with(
             graph,
             configs,
@@ -98,6 +144,7 @@ impl EmbeddedCluster {
             sgd,
             seed,
             state.step,
+            placement,
         )
     }
 
@@ -111,13 +158,17 @@ impl EmbeddedCluster {
         sgd: Sgd,
         seed: u64,
         first_step: u64,
+        placement: &Placement,
     ) -> Result<EmbeddedCluster, RuntimeError> {
         let plan = Arc::new(StepPlan::build(graph, configs, devices)?);
         let graph = Arc::new(graph.clone());
         let runtime = device_runtime();
         let programs: Vec<Arc<DeviceProgram>> =
             plan.programs.iter().cloned().map(Arc::new).collect();
-        let actors = runtime.block_on(async { spawn_devices(&programs, &graph, seed, sgd) });
+        let actors = runtime.block_on(async {
+            let transport = Arc::new(InProcessTransport::new());
+            spawn_local_devices(&programs, &graph, seed, sgd, transport, placement)
+        })?;
         let cluster = EmbeddedCluster {
             runtime,
             devices: actors,
@@ -144,7 +195,7 @@ impl EmbeddedCluster {
                 self.devices[d]
                     .ask(Load(pieces))
                     .await
-                    .map_err(|_| RuntimeError::DeviceLost { device: d })?;
+                    .map_err(|e| device_error(d, e))?;
             }
             Ok(())
         })
@@ -226,7 +277,7 @@ impl EmbeddedCluster {
                         rect: at.rect,
                     })
                     .await
-                    .map_err(|_| RuntimeError::DeviceLost { device: at.device })?;
+                    .map_err(|e| device_error(at.device, e))?;
                 out.copy_from(&full, &piece.0, &at.rect, &at.rect);
             }
             Ok::<_, RuntimeError>(())
@@ -235,6 +286,14 @@ impl EmbeddedCluster {
             Buffer::F32(v) => Ok(v),
             Buffer::F64(_) => unreachable!("persistent regions are f32"),
         }
+    }
+}
+
+/// A device's refusal (its message), or its loss.
+fn device_error<M>(device: usize, e: kameo::error::SendError<M, String>) -> RuntimeError {
+    match e {
+        kameo::error::SendError::HandlerError(message) => RuntimeError::Device { device, message },
+        _ => RuntimeError::DeviceLost { device },
     }
 }
 
@@ -352,8 +411,8 @@ pub fn device_runtime() -> tokio::runtime::Runtime {
         .expect("tokio runtime")
 }
 
-/// Spawns one actor per program, joined by an in-process transport. Call inside a tokio runtime
-/// (see [`device_runtime`]). Instances start zeroed.
+/// Spawns one CPU device actor per program, joined by an in-process transport. Call inside a
+/// tokio runtime (see [`device_runtime`]). Instances start zeroed.
 pub fn spawn_devices(
     programs: &[Arc<DeviceProgram>],
     graph: &Arc<Graph>,
@@ -366,7 +425,9 @@ pub fn spawn_devices(
         seed,
         sgd,
         Arc::new(InProcessTransport::new()),
+        &Placement::Cpu,
     )
+    .expect("CPU devices start")
 }
 
 /// Threads a kernel splits its work across when `devices` devices share this process's cores
@@ -376,34 +437,57 @@ pub fn threads_per_device(devices: usize) -> usize {
 }
 
 /// Spawns one actor per program of `programs` (this process's devices, in global order) on
-/// `transport`, which must have been made for them (see [`InProcessTransport::with_remote`]).
+/// `transport`, which must have been made for them (see [`InProcessTransport::with_remote`]),
+/// placed by `placement`. Fails where a GPU cannot give a device its stream or its instances.
 pub fn spawn_local_devices(
     programs: &[Arc<DeviceProgram>],
     graph: &Arc<Graph>,
     seed: u64,
     sgd: Sgd,
     transport: Arc<InProcessTransport>,
-) -> Vec<ActorRef<DeviceActor>> {
-    let pools = ComputePool::for_devices(programs.len(), rayon::current_num_threads());
+    placement: &Placement,
+) -> Result<Vec<ActorRef<DeviceActor>>, RuntimeError> {
+    let n = programs.len();
+    let computes: Vec<Compute> = match placement {
+        Placement::Cpu => ComputePool::for_devices(n, rayon::current_num_threads())
+            .into_iter()
+            .map(Compute::Cores)
+            .collect(),
+        Placement::Gpus(gpus) => (0..n)
+            .map(|d| Compute::Gpu(Arc::clone(&gpus[placement.gpu_of(d, n).unwrap()])))
+            .collect(),
+    };
     let buffers = Arc::new(BufferPool::for_programs(programs));
-    let actors: Vec<ActorRef<DeviceActor>> = programs
-        .iter()
-        .zip(pools)
-        .map(|(program, pool)| {
-            let setup = DeviceSetup {
-                program: Arc::clone(program),
-                graph: Arc::clone(graph),
-                seed,
-                sgd,
-                transport: Arc::clone(&transport) as Arc<dyn Transport>,
-                pool,
-                buffers: Arc::clone(&buffers),
-            };
-            DeviceActor::spawn_with_mailbox(DeviceActor::new(setup), mailbox::unbounded())
-        })
-        .collect();
+    let mut actors: Vec<ActorRef<DeviceActor>> = Vec::with_capacity(n);
+    for (program, compute) in programs.iter().zip(computes) {
+        let setup = DeviceSetup {
+            program: Arc::clone(program),
+            graph: Arc::clone(graph),
+            seed,
+            sgd,
+            transport: Arc::clone(&transport) as Arc<dyn Transport>,
+            compute,
+            buffers: Arc::clone(&buffers),
+        };
+        let device = DeviceActor::new(setup).map_err(|e| RuntimeError::Device {
+            device: program.device,
+            message: e.to_string(),
+        });
+        match device {
+            Ok(device) => actors.push(DeviceActor::spawn_with_mailbox(
+                device,
+                mailbox::unbounded(),
+            )),
+            Err(e) => {
+                for a in &actors {
+                    a.kill();
+                }
+                return Err(e);
+            }
+        }
+    }
     transport.connect(actors.clone(), buffers);
-    actors
+    Ok(actors)
 }
 
 /// Runs step `step` on every device and waits for all their reports (in device order).

@@ -83,8 +83,23 @@ pub fn execute(
     task: &TaskSpec,
     access: Vec<Access<'_>>,
 ) -> Result<TaskOutcome, KernelError> {
+    let mut stream = CpuStream;
+    let loss = enqueue(&Cpu, &mut stream, ctx, task, access)?;
+    Cpu.synchronize(&mut stream)?;
+    Ok(loss.map(|l| Cpu.read_loss(l)).unwrap_or_default())
+}
+
+/// Enqueues `task`'s kernel on `stream` with `access[i]` for requirement `i`, on any backend.
+/// Returns the loss layer's report, to read once the stream has synchronized.
+pub fn enqueue<'a, B: Backend>(
+    backend: &B,
+    stream: &mut B::Stream,
+    ctx: &ExecContext,
+    task: &TaskSpec,
+    access: Vec<legion_ops::backend::Access<'a, B::Buffer>>,
+) -> Result<Option<B::Loss>, KernelError> {
     let Some(phase) = phase(task.kind) else {
-        return Ok(TaskOutcome::default());
+        return Ok(None);
     };
     let operands = task
         .requirements
@@ -101,18 +116,9 @@ pub fn execute(
         sgd: ctx.sgd,
         batch: ctx.input.view(),
     };
-    let mut stream = CpuStream;
     let mut call = KernelCall::new(
-        &Cpu,
-        &mut stream,
-        ctx.graph,
-        task.layer,
-        task.tile,
-        &step,
-        operands,
+        backend, stream, ctx.graph, task.layer, task.tile, &step, operands,
     );
     call.run(phase)?;
-    let loss = call.loss.take();
-    Cpu.synchronize(&mut stream)?;
-    Ok(loss.map(|l| Cpu.read_loss(l)).unwrap_or_default())
+    Ok(call.loss.take())
 }

@@ -29,8 +29,9 @@ pub use compute::shares_workers;
 pub use cpu_share::{CpuMeter, CpuSpan, RuntimeThreadsCpu, StepCpu, alone_seconds, process_cpu_s};
 pub use device::{DeviceActor, Load, OpEvent, Piece, ReadInstance, StepReport};
 pub use embedded::{
-    EmbeddedCluster, RuntimeError, StepResult, actor_threads, check_batch, device_runtime,
-    initial_instances, run_step, spawn_devices, spawn_local_devices, threads_per_device,
+    EmbeddedCluster, Placement, RuntimeError, StepResult, actor_threads, check_batch,
+    device_runtime, initial_instances, run_step, spawn_devices, spawn_local_devices,
+    threads_per_device,
 };
 pub use exec::{BatchView, ExecContext, StepInput, TaskOutcome, execute};
 pub use in_process::InProcessTransport;

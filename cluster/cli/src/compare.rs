@@ -162,7 +162,11 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         let cost = ProfiledCost::new(&measured.db, &machine);
         let model = CostModel::new(graph, &machine, &cost);
         let place = match &settings.cluster {
-            None => Place::Embedded { devices },
+            // On the cores: the profile that prices the simulation is of CPU tiles.
+            None => Place::Embedded {
+                devices,
+                placement: legion_runtime::Placement::Cpu,
+            },
             Some(c) => Place::Cluster {
                 hosts: &c.hosts,
                 state_dir: &c.state,

@@ -34,7 +34,8 @@ impl fmt::Display for DeviceKind {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Chosen {
     Cpu,
-    Cuda(CudaDevice),
+    /// These GPUs, in the order devices are spread over them (see `Placement::gpu_of`).
+    Cuda(Vec<CudaDevice>),
 }
 
 /// The choice, and the one line that tells the user which device trains and why.
@@ -44,31 +45,36 @@ pub struct DeviceChoice {
     pub line: String,
 }
 
-/// Why a multi-device run stays on the CPU even with a GPU present.
-const MULTI_DEVICE_ON_CPU: &str = "the multi-device runtime runs CPU device actors only so far; \
-     a one-device run (--devices 1, no --cluster or --trace) trains on the GPU";
+/// Why a run on a cluster's workers ignores `--device`: each host's `device` says where its
+/// devices run.
+const ON_WORKERS: &str = "each host of the hosts file runs its devices where its `device` says";
 
-/// Decides where a run of `devices` devices trains (`distributed`: it goes through the runtime's
-/// device actors rather than the one-device trainer). `probe` runs only when a GPU could be
-/// used.
+/// Decides where a run of `devices` devices trains: `on_cluster` runs go to workers, which
+/// choose for themselves. `probe` runs only when a GPU could be used. `devices` devices share
+/// the GPUs found, at most one GPU per device.
 pub fn choose(
     kind: DeviceKind,
     devices: usize,
-    distributed: bool,
+    on_cluster: bool,
     probe: impl FnOnce() -> Result<Vec<CudaDevice>, ProbeError>,
 ) -> anyhow::Result<DeviceChoice> {
     let cpu = |why: &str| DeviceChoice {
         chosen: Chosen::Cpu,
         line: format!("device: cpu ({devices} device(s)){why}"),
     };
+    if on_cluster {
+        if kind == DeviceKind::Cuda {
+            anyhow::bail!("--device cuda with --cluster: {ON_WORKERS} (device = \"cuda\")");
+        }
+        return Ok(DeviceChoice {
+            chosen: Chosen::Cpu,
+            line: format!("device: {devices} device(s) on the cluster's workers; {ON_WORKERS}"),
+        });
+    }
     match kind {
         DeviceKind::Cpu => Ok(cpu("")),
         DeviceKind::Auto => match probe() {
-            Ok(gpus) if !distributed => Ok(on_gpu(&gpus)),
-            Ok(gpus) => Ok(cpu(&format!(
-                "; {} GPU(s) found, but {MULTI_DEVICE_ON_CPU}",
-                gpus.len()
-            ))),
+            Ok(gpus) => Ok(on_gpus(&gpus, devices)),
             Err(missing) => Ok(cpu(&format!(
                 "; no GPU: {} (--device cuda says more)",
                 missing.summary()
@@ -76,48 +82,65 @@ pub fn choose(
         },
         DeviceKind::Cuda => {
             let gpus = probe().map_err(|missing| anyhow::anyhow!("--device cuda: {missing}"))?;
-            if distributed {
-                anyhow::bail!("--device cuda with {devices} device(s): {MULTI_DEVICE_ON_CPU}");
-            }
-            Ok(on_gpu(&gpus))
+            Ok(on_gpus(&gpus, devices))
         }
     }
 }
 
-/// A chosen GPU that started: its description, its context and the stream the run uses.
-pub struct StartedGpu {
-    pub info: CudaDevice,
-    pub cuda: Cuda,
-    pub stream: Stream,
+/// The chosen GPUs, started: their descriptions and contexts.
+pub struct StartedGpus {
+    pub info: Vec<CudaDevice>,
+    pub cuda: Vec<Cuda>,
 }
 
-/// Starts the GPU `choice` names, if any. Where it cannot start (a driver older than the kernels'
-/// compiler, a GPU held by another process), `auto` leaves the run on the CPU, rewriting the
-/// choice's line to say why, and `cuda` is an error.
-pub fn start_gpu(
+impl StartedGpus {
+    /// The one-device trainer's backend and stream: the first GPU's.
+    pub fn into_one(mut self) -> anyhow::Result<(Cuda, Stream)> {
+        let cuda = self.cuda.swap_remove(0);
+        let stream = cuda.new_stream()?;
+        Ok((cuda, stream))
+    }
+
+    /// Where the embedded cluster's devices go.
+    pub fn into_placement(self) -> legion_runtime::Placement {
+        legion_runtime::Placement::Gpus(self.cuda.into_iter().map(std::sync::Arc::new).collect())
+    }
+}
+
+/// Starts the GPUs `choice` names, if any. Where one cannot start (a driver older than the
+/// kernels' compiler, a GPU held by another process), `auto` leaves the run on the CPU, rewriting
+/// the choice's line to say why, and `cuda` is an error.
+pub fn start_gpus(
     choice: &mut DeviceChoice,
     kind: DeviceKind,
     devices: usize,
     math: Math,
-) -> anyhow::Result<Option<StartedGpu>> {
-    let Chosen::Cuda(info) = &choice.chosen else {
+) -> anyhow::Result<Option<StartedGpus>> {
+    let Chosen::Cuda(gpus) = &choice.chosen else {
         if math == Math::Tf32 {
             choice.line += "; --tf32 applies to GPUs only";
         }
         return Ok(None);
     };
-    let started = Cuda::with_math(info.ordinal, math)
-        .map_err(anyhow::Error::from)
-        .and_then(|cuda| Ok((cuda.new_stream()?, cuda)));
+    let started: anyhow::Result<Vec<Cuda>> = gpus
+        .iter()
+        .map(|gpu| {
+            let cuda = Cuda::with_math(gpu.ordinal, math)
+                .map_err(|e| anyhow::Error::from(e).context(gpu.to_string()))?;
+            // A stream proves cuBLAS and cuDNN load; the devices make their own.
+            cuda.new_stream()
+                .map_err(|e| anyhow::Error::from(e).context(gpu.to_string()))?;
+            Ok(cuda)
+        })
+        .collect();
     match started {
-        Ok((stream, cuda)) => {
+        Ok(cuda) => {
             if math == Math::Tf32 {
                 choice.line += ", TF32 tensor cores for products and convolutions (--tf32)";
             }
-            Ok(Some(StartedGpu {
-                info: info.clone(),
+            Ok(Some(StartedGpus {
+                info: gpus.clone(),
                 cuda,
-                stream,
             }))
         }
         Err(e) if kind == DeviceKind::Auto => {
@@ -132,45 +155,77 @@ pub fn start_gpu(
             };
             Ok(None)
         }
-        Err(e) => Err(e.context(format!("--device cuda: {info}"))),
+        Err(e) => Err(e.context("--device cuda")),
     }
 }
 
-/// Refuses, before anything is allocated on it, a one-device run the GPU's memory cannot hold.
-pub fn check_gpu_fits(
+/// Refuses, before anything is allocated on them, a run whose devices the GPUs cannot hold: each
+/// GPU must hold what its devices need together (`devices` devices spread over `gpus` as
+/// `Placement::gpu_of` does).
+pub fn check_gpus_fit(
     graph: &Graph,
     configs: &[ParallelConfig],
-    gpu: &CudaDevice,
+    devices: usize,
+    gpus: &[CudaDevice],
 ) -> anyhow::Result<()> {
-    let need = &memory::per_device(graph, configs, 1)[0];
-    let capacity = gpu.total_memory_bytes as u64;
-    if need.bytes <= capacity {
-        return Ok(());
+    let needs = memory::per_device(graph, configs, devices);
+    for (g, gpu) in gpus.iter().enumerate() {
+        let on_gpu: Vec<&memory::DeviceMemory> = needs
+            .iter()
+            .enumerate()
+            .filter(|(d, _)| d * gpus.len() / devices.max(1) == g)
+            .map(|(_, need)| need)
+            .collect();
+        let bytes: u64 = on_gpu.iter().map(|n| n.bytes).sum();
+        let capacity = gpu.total_memory_bytes as u64;
+        if bytes <= capacity {
+            continue;
+        }
+        let largest = on_gpu
+            .iter()
+            .filter_map(|n| n.largest_layer)
+            .max_by_key(|&(_, bytes)| bytes);
+        let largest = match largest {
+            Some((layer, bytes)) => format!(
+                "; layer '{}' alone needs {}",
+                graph.layer(layer).name,
+                human_bytes(bytes)
+            ),
+            None => String::new(),
+        };
+        let whose = match on_gpu.len() {
+            1 => "the run needs".to_string(),
+            n => format!("its {n} devices need"),
+        };
+        anyhow::bail!(
+            "model '{}' does not fit on {gpu}: {whose} {} of its {}{largest}",
+            graph.name,
+            human_bytes(bytes),
+            human_bytes(capacity)
+        )
     }
-    let largest = match need.largest_layer {
-        Some((layer, bytes)) => format!(
-            "; layer '{}' alone needs {}",
-            graph.layer(layer).name,
-            human_bytes(bytes)
-        ),
-        None => String::new(),
-    };
-    anyhow::bail!(
-        "model '{}' does not fit on {gpu}: the run needs {} of its {}{largest}",
-        graph.name,
-        human_bytes(need.bytes),
-        human_bytes(capacity)
-    )
+    Ok(())
 }
 
-fn on_gpu(gpus: &[CudaDevice]) -> DeviceChoice {
-    let first = gpus
-        .first()
-        .expect("the probe reports at least one GPU")
-        .clone();
+/// `devices` devices on the GPUs found: as many GPUs as devices at most, so that every GPU used
+/// gets a device.
+fn on_gpus(gpus: &[CudaDevice], devices: usize) -> DeviceChoice {
+    assert!(!gpus.is_empty(), "the probe reports at least one GPU");
+    let used: Vec<CudaDevice> = gpus.iter().take(devices.max(1)).cloned().collect();
+    let line = match (devices, used.len()) {
+        (1, _) => format!("device: {}", used[0]),
+        (n, 1) => format!("device: {n} devices on {}, a stream each", used[0]),
+        (n, g) => format!(
+            "device: {n} devices on {g} GPUs ({}), a stream each",
+            used.iter()
+                .map(|g| g.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     DeviceChoice {
-        line: format!("device: {first}"),
-        chosen: Chosen::Cuda(first),
+        line,
+        chosen: Chosen::Cuda(used),
     }
 }
 
@@ -197,14 +252,37 @@ mod tests {
     }
 
     #[test]
-    fn auto_uses_a_gpu_for_one_device_and_says_why_it_does_not_otherwise() {
+    fn auto_uses_the_gpus_found_and_says_why_it_does_not_otherwise() {
         let one = choose(DeviceKind::Auto, 1, false, || Ok(vec![h100()])).unwrap();
-        assert_eq!(one.chosen, Chosen::Cuda(h100()));
+        assert_eq!(one.chosen, Chosen::Cuda(vec![h100()]));
         assert!(one.line.contains("cuda:0 NVIDIA H100"), "{}", one.line);
 
-        let four = choose(DeviceKind::Auto, 4, true, || Ok(vec![h100()])).unwrap();
-        assert_eq!(four.chosen, Chosen::Cpu);
-        assert!(four.line.contains("1 GPU(s) found, but"), "{}", four.line);
+        let four = choose(DeviceKind::Auto, 4, false, || Ok(vec![h100()])).unwrap();
+        assert_eq!(four.chosen, Chosen::Cuda(vec![h100()]));
+        assert!(
+            four.line
+                .starts_with("device: 4 devices on cuda:0 NVIDIA H100"),
+            "{}",
+            four.line
+        );
+
+        let second = CudaDevice {
+            ordinal: 1,
+            ..h100()
+        };
+        let gpus = || {
+            Ok(vec![
+                h100(),
+                second.clone(),
+                CudaDevice {
+                    ordinal: 2,
+                    ..h100()
+                },
+            ])
+        };
+        let two = choose(DeviceKind::Auto, 2, false, gpus).unwrap();
+        assert_eq!(two.chosen, Chosen::Cuda(vec![h100(), second.clone()]));
+        assert!(two.line.contains("2 devices on 2 GPUs"), "{}", two.line);
 
         let none = choose(DeviceKind::Auto, 1, false, || Err(missing_driver())).unwrap();
         assert_eq!(none.chosen, Chosen::Cpu);
@@ -216,10 +294,16 @@ mod tests {
     fn cuda_never_falls_back_to_the_cpu() {
         let err = choose(DeviceKind::Cuda, 1, false, || Err(missing_driver())).unwrap_err();
         assert!(err.to_string().starts_with("--device cuda: "), "{err}");
-        let err = choose(DeviceKind::Cuda, 4, true, || Ok(vec![h100()])).unwrap_err();
-        assert!(err.to_string().contains("with 4 device(s)"), "{err}");
-        let ok = choose(DeviceKind::Cuda, 1, false, || Ok(vec![h100()])).unwrap();
-        assert_eq!(ok.chosen, Chosen::Cuda(h100()));
+        let ok = choose(DeviceKind::Cuda, 4, false, || Ok(vec![h100()])).unwrap();
+        assert_eq!(ok.chosen, Chosen::Cuda(vec![h100()]));
+    }
+
+    #[test]
+    fn a_cluster_run_leaves_the_choice_to_its_workers() {
+        let auto = choose(DeviceKind::Auto, 8, true, || panic!("probed")).unwrap();
+        assert!(auto.line.contains("workers"), "{}", auto.line);
+        let err = choose(DeviceKind::Cuda, 8, true, || panic!("probed")).unwrap_err();
+        assert!(err.to_string().contains("device = \"cuda\""), "{err}");
     }
 
     #[test]
@@ -236,15 +320,47 @@ mod tests {
             total_memory_bytes: 1 << 20,
             ..h100()
         };
-        let err = check_gpu_fits(&graph, &configs, &small).unwrap_err();
+        let err = check_gpus_fit(&graph, &configs, 1, std::slice::from_ref(&small)).unwrap_err();
         assert!(err.to_string().contains("does not fit on cuda:0"), "{err}");
         assert!(err.to_string().contains("alone needs"), "{err}");
-        check_gpu_fits(&graph, &configs, &h100()).unwrap();
+        check_gpus_fit(&graph, &configs, 1, &[h100()]).unwrap();
+    }
+
+    #[test]
+    fn devices_sharing_a_gpu_must_fit_it_together() {
+        let alexnet = legion_ops::zoo::find("alexnet").unwrap();
+        let graph = alexnet
+            .build(&legion_ops::zoo::ZooConfig {
+                image_size: 64,
+                ..alexnet.default_config(8)
+            })
+            .unwrap();
+        // Data parallelism: every device holds all the weights.
+        let configs: Vec<ParallelConfig> = graph
+            .layers()
+            .iter()
+            .map(|_| ParallelConfig::split(legion_ops::shape::Dim::N, 4, 0))
+            .collect();
+        let one = memory::per_device(&graph, &configs, 4)[0].bytes as usize;
+        let fits_one = CudaDevice {
+            total_memory_bytes: one + one / 2,
+            ..h100()
+        };
+        let err = check_gpus_fit(&graph, &configs, 4, std::slice::from_ref(&fits_one)).unwrap_err();
+        assert!(err.to_string().contains("its 4 devices need"), "{err}");
+        // Spread over four such GPUs, one device each, it fits.
+        let four: Vec<CudaDevice> = (0..4)
+            .map(|ordinal| CudaDevice {
+                ordinal,
+                ..fits_one.clone()
+            })
+            .collect();
+        check_gpus_fit(&graph, &configs, 4, &four).unwrap();
     }
 
     #[test]
     fn cpu_does_not_probe() {
-        let choice = choose(DeviceKind::Cpu, 2, true, || panic!("probed")).unwrap();
+        let choice = choose(DeviceKind::Cpu, 2, false, || panic!("probed")).unwrap();
         assert_eq!(choice.chosen, Chosen::Cpu);
         assert_eq!(choice.line, "device: cpu (2 device(s))");
     }

@@ -311,20 +311,21 @@ impl Job {
             )?;
             (serial, "one device".to_string())
         };
-        let mut device = device::choose(opts.device, devices, distributed, legion_cuda::probe)?;
+        let mut device =
+            device::choose(opts.device, devices, cluster.is_some(), legion_cuda::probe)?;
         let math = if opts.tf32 {
             legion_cuda::Math::Tf32
         } else {
             legion_cuda::Math::StrictFp32
         };
-        let gpu = device::start_gpu(&mut device, opts.device, devices, math)?;
+        let gpus = device::start_gpus(&mut device, opts.device, devices, math)?;
         // Before any weight is allocated: a model too large must get an error, not an abort. The
         // workers of a cluster check their own devices when the job reaches them; on a GPU the
         // host keeps only the job's state and the device's share goes to the GPU's memory.
-        match &gpu {
+        match &gpus {
             Some(started) => {
                 legion_cluster::memory::check_this_host(&graph, None)?;
-                device::check_gpu_fits(&graph, &configs, &started.info)?;
+                device::check_gpus_fit(&graph, &configs, devices, &started.info)?;
             }
             None => {
                 let embedded = cluster.is_none().then_some((&configs[..], devices));
@@ -341,19 +342,27 @@ impl Job {
             );
         }
         let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)?;
-        let engine: Box<dyn Engine> = match gpu {
-            Some(started) => Box::new(Trainer::resume_on(
-                started.cuda,
-                started.stream,
-                graph.clone(),
-                state,
-                opts.sgd,
-                opts.seed,
-            )?),
-            None => {
+        let engine: Box<dyn Engine> = match gpus {
+            Some(started) if !distributed => {
+                let (cuda, stream) = started.into_one()?;
+                Box::new(Trainer::resume_on(
+                    cuda,
+                    stream,
+                    graph.clone(),
+                    state,
+                    opts.sgd,
+                    opts.seed,
+                )?)
+            }
+            gpus => {
                 let engine_place = match &cluster {
                     Some((_, hosts, state_dir)) => Place::Cluster { hosts, state_dir },
-                    None if distributed => Place::Embedded { devices },
+                    None if distributed => Place::Embedded {
+                        devices,
+                        placement: gpus
+                            .map(device::StartedGpus::into_placement)
+                            .unwrap_or_default(),
+                    },
                     None => Place::OneDevice,
                 };
                 engine::start(

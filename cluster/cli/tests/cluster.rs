@@ -277,7 +277,7 @@ fn train_names_a_cluster_that_is_not_up() {
 }
 
 #[test]
-fn up_names_a_worker_that_does_not_register() {
+fn up_names_a_worker_that_exits_before_registering_and_why() {
     let cluster = Cluster::new(&[1]);
     // Take the worker's port, so it cannot bind.
     let text = std::fs::read_to_string(&cluster.hosts).unwrap();
@@ -296,8 +296,11 @@ fn up_names_a_worker_that_does_not_register() {
     let out = legion(&args);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
+    // At once, with the worker's own error rather than the registration timeout.
     assert!(
-        stderr.contains("worker w0") && stderr.contains("did not register"),
+        stderr.contains("worker w0")
+            && stderr.contains("exited")
+            && stderr.contains("Address already in use"),
         "{stderr}"
     );
 }

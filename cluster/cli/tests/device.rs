@@ -27,6 +27,46 @@ fn device_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
         "train", "--model", "lenet5", "--device", "cuda", "--steps", "1",
     ]);
     assert_clean_failure(&out, &["--device cuda: ", &missing]);
+    // Several devices (the GPU device actors) and a traced run (the runtime on one device) too.
+    for devices in ["4", "1"] {
+        let out = legion(&[
+            "train",
+            "--model",
+            "lenet5",
+            "--device",
+            "cuda",
+            "--devices",
+            devices,
+            "--steps",
+            "1",
+            "--trace",
+            "/dev/null",
+        ]);
+        assert_clean_failure(&out, &["--device cuda: ", &missing]);
+    }
+}
+
+#[test]
+fn device_auto_with_several_devices_and_no_gpu_runs_them_on_the_cpu() {
+    if let Ok(gpu) = gpu_here() {
+        println!("skipped: a GPU is usable here ({gpu})");
+        return;
+    }
+    let out = legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--devices",
+        "2",
+        "--steps",
+        "1",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("device: cpu (2 device(s)); no GPU: "),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -44,4 +84,40 @@ fn device_auto_without_a_usable_gpu_trains_on_the_cpu_and_says_why() {
         "{stdout}"
     );
     assert!(stdout.contains("step     2"), "{stdout}");
+}
+
+#[test]
+fn a_cuda_host_without_a_usable_gpu_fails_up_at_once_naming_what_is_missing() {
+    let missing = match gpu_here() {
+        Ok(gpu) => {
+            println!("skipped: a GPU is usable here ({gpu})");
+            return;
+        }
+        Err(missing) => missing,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts.toml");
+    std::fs::write(
+        &hosts,
+        format!(
+            "[[host]]\nname = \"gpu0\"\naddress = \"127.0.0.1\"\nport = {}\ndevice = \"cuda\"\n\
+             devices = 2\n",
+            common::free_udp_port()
+        ),
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let started = std::time::Instant::now();
+    let out = legion(&[
+        "up",
+        hosts.to_str().unwrap(),
+        "--state",
+        state.to_str().unwrap(),
+    ]);
+    // The worker's own error, not the registration timeout.
+    assert_clean_failure(
+        &out,
+        &["worker gpu0", "exited", "--device cuda: ", &missing],
+    );
+    assert!(started.elapsed().as_secs() < 15, "{:?}", started.elapsed());
 }

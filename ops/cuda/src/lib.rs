@@ -4,6 +4,8 @@
 //! - [`Cuda`]: `legion_ops::backend::Backend` on one GPU: convolutions through cuDNN, dense layers
 //!   through cuBLAS SGEMM, everything else through the CUDA C++ kernels of `kernels.cu`, compiled
 //!   once per process by NVRTC ([`kernels`]).
+//! - [`Staging`], [`Marker`]: page-locked host buffers and timing events, for the runtime's GPU
+//!   device actors (copies to and from the host that never hold the submitting thread).
 //!
 //! Every library is opened at run time (cudarc's `dynamic-loading`), so this crate builds and its
 //! tests pass on machines without CUDA; the tests that need a GPU print why they skipped.
@@ -19,6 +21,8 @@ mod conv;
 mod dense;
 pub mod kernels;
 pub mod probe;
+mod staging;
 
 pub use backend::{Buffer, Cuda, Math, PendingLoss, StartError, Stream};
 pub use probe::{CudaDevice, ProbeError, probe};
+pub use staging::{Direction, Marker, Staging};

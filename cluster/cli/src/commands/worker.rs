@@ -17,6 +17,16 @@ pub struct WorkerArgs {
     /// Devices this worker runs.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     devices: u64,
+    /// Where its devices run: `cuda` spreads them over this host's GPUs (an error without one),
+    /// `cpu` on its cores.
+    #[arg(long, default_value = "cpu")]
+    device: WorkerDevice,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WorkerDevice {
+    Cpu,
+    Cuda,
 }
 
 pub fn run(a: WorkerArgs) -> anyhow::Result<()> {
@@ -30,5 +40,26 @@ pub fn run(a: WorkerArgs) -> anyhow::Result<()> {
         listen,
         state: a.state,
         devices: a.devices as usize,
+        placement: placement(a.device, a.devices as usize)?,
     })
+}
+
+/// The worker's devices' placement: for `cuda`, every GPU it can use (as many as it has
+/// devices at most), started before the worker takes requests, so that a host without a usable
+/// GPU fails at `up`, naming what is missing.
+fn placement(device: WorkerDevice, devices: usize) -> anyhow::Result<legion_runtime::Placement> {
+    use crate::device::{DeviceKind, choose, start_gpus};
+    if device == WorkerDevice::Cpu {
+        return Ok(legion_runtime::Placement::Cpu);
+    }
+    let mut choice = choose(DeviceKind::Cuda, devices, false, legion_cuda::probe)?;
+    let started = start_gpus(
+        &mut choice,
+        DeviceKind::Cuda,
+        devices,
+        legion_cuda::Math::StrictFp32,
+    )?
+    .expect("--device cuda starts GPUs or fails");
+    eprintln!("{}", choice.line);
+    Ok(started.into_placement())
 }

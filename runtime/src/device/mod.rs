@@ -7,6 +7,12 @@
 //! runs on the actor too: the pool's round trip would cost more than it. Instances are `Arc`s:
 //! readers share them, and a writer takes the only reference (the analysis guarantees nobody else
 //! holds it at that point).
+//!
+//! A device on a GPU (`cuda`) keeps this scheduling, but its instances live in device memory and
+//! every op that touches them is enqueued on the device's CUDA stream by a thread of its own: the
+//! actor never waits for the GPU.
+
+mod cuda;
 
 use crate::buffer::{self, Buffer};
 use crate::compute::ComputePool;
@@ -15,9 +21,12 @@ use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
 use crate::task::Privilege;
 use crate::transport::{SliceMessage, Transport};
+use cuda::{Command, GpuQueue};
 use kameo::Actor;
 use kameo::actor::ActorRef;
 use kameo::message::{Context, Message};
+use legion_cuda::Cuda;
+use legion_ops::backend::KernelError;
 use legion_ops::partition::DeviceId;
 use legion_ops::train::Sgd;
 use legion_ops::{Graph, Rect};
@@ -55,16 +64,27 @@ pub struct DeviceSetup {
     pub seed: u64,
     pub sgd: Sgd,
     pub transport: Arc<dyn Transport>,
-    /// Where this device's kernels run (see `compute`).
-    pub pool: ComputePool,
+    /// Where this device's kernels run.
+    pub compute: Compute,
     /// Buffers of gathered and received slices, reused across steps (shared by this process's
     /// devices).
     pub buffers: Arc<BufferPool>,
 }
 
+/// Where a device's instances live and its kernels run.
+#[derive(Clone)]
+pub enum Compute {
+    /// Host memory, kernels on this process's cores (see `compute`).
+    Cores(ComputePool),
+    /// Device memory of this GPU, kernels on a stream of the device's own.
+    Gpu(Arc<Cuda>),
+}
+
 #[derive(Actor)]
 pub struct DeviceActor {
     setup: DeviceSetup,
+    /// The submitter of a device on a GPU; `instances` is then empty.
+    gpu: Option<GpuQueue>,
     instances: Vec<Option<Arc<Buffer>>>,
     /// The `Recv` op of each incoming copy.
     recv_of: HashMap<u32, u32>,
@@ -89,16 +109,37 @@ struct StepState {
     error: Option<String>,
     events: Option<Vec<OpEvent>>,
     reply: Option<oneshot::Sender<StepReport>>,
+    /// On a GPU: whether the submitter has been told that every op is enqueued.
+    finishing: bool,
 }
 
 impl DeviceActor {
-    pub fn new(setup: DeviceSetup) -> DeviceActor {
-        let instances = setup
-            .program
-            .instances
-            .iter()
-            .map(|i| Some(Arc::new(Buffer::zeros(i.dtype, i.rect.volume()))))
-            .collect();
+    /// The device of `setup.program`, its instances zeroed. Fails where a GPU cannot hold them or
+    /// give the device a stream.
+    pub fn new(setup: DeviceSetup) -> Result<DeviceActor, KernelError> {
+        let (instances, gpu) = match &setup.compute {
+            Compute::Cores(_) => {
+                let instances = setup
+                    .program
+                    .instances
+                    .iter()
+                    .map(|i| Some(Arc::new(Buffer::zeros(i.dtype, i.rect.volume()))))
+                    .collect();
+                (instances, None)
+            }
+            Compute::Gpu(cuda) => {
+                let queue = GpuQueue::start(
+                    Arc::clone(cuda),
+                    Arc::clone(&setup.program),
+                    Arc::clone(&setup.graph),
+                    setup.seed,
+                    setup.sgd,
+                    Arc::clone(&setup.transport),
+                    Arc::clone(&setup.buffers),
+                )?;
+                (Vec::new(), Some(queue))
+            }
+        };
         let recv_of = setup
             .program
             .ops
@@ -109,14 +150,15 @@ impl DeviceActor {
                 _ => None,
             })
             .collect();
-        DeviceActor {
+        Ok(DeviceActor {
             setup,
+            gpu,
             instances,
             recv_of,
             step: None,
             early: Vec::new(),
             ready: Vec::new(),
-        }
+        })
     }
 
     fn instance(&self, i: u32) -> &Buffer {
@@ -199,7 +241,17 @@ impl DeviceActor {
             error: None,
             events: msg.trace.then(Vec::new),
             reply: Some(msg.reply),
+            finishing: false,
         });
+        if let Some(gpu) = &self.gpu {
+            gpu.submit(Command::Start {
+                step: msg.step,
+                input: Arc::clone(&self.step.as_ref().unwrap().input),
+                epoch: msg.epoch,
+                trace: msg.trace,
+                actor: actor.clone(),
+            });
+        }
         // Before delivering early slices: a delivery runs what it makes ready at once.
         let state = self.step.as_ref().unwrap();
         self.ready
@@ -282,6 +334,26 @@ impl DeviceActor {
                 self.run_inline(i);
                 continue;
             }
+            if let Some(gpu) = &self.gpu {
+                // Handed over in an order that respects every local dependence, and the stream
+                // runs them in that order: what depends on this op may be handed over now.
+                let command = match &op.kind {
+                    LocalOpKind::Recv { copy, .. } => Command::Store {
+                        op: i,
+                        data: self
+                            .step
+                            .as_mut()
+                            .unwrap()
+                            .arrived
+                            .remove(copy)
+                            .expect("a receive runs after its data arrived"),
+                    },
+                    _ => Command::Run(i),
+                };
+                gpu.submit(command);
+                self.complete(i);
+                continue;
+            }
             if op.is_compute() {
                 self.step.as_mut().unwrap().compute_queue.push(Reverse(i));
                 continue;
@@ -318,6 +390,14 @@ impl DeviceActor {
             }
             self.record(i, start, Instant::now());
             self.complete(i);
+        }
+        if let Some(gpu) = &self.gpu {
+            let state = self.step.as_mut().unwrap();
+            if state.done == self.setup.program.ops.len() && !state.finishing {
+                state.finishing = true;
+                gpu.submit(Command::Finish);
+            }
+            return;
         }
         self.pump_compute(actor);
     }
@@ -438,7 +518,10 @@ impl DeviceActor {
         let graph = Arc::clone(&self.setup.graph);
         let (seed, sgd) = (self.setup.seed, self.setup.sgd);
         let actor = actor.clone();
-        self.setup.pool.spawn(move || {
+        let Compute::Cores(pool) = &self.setup.compute else {
+            unreachable!("a GPU device enqueues its compute ops on its stream")
+        };
+        pool.spawn(move || {
             let start = Instant::now();
             let mut writes = writes;
             let result =
@@ -477,6 +560,10 @@ impl DeviceActor {
         let Some(state) = &self.step else {
             return;
         };
+        if self.gpu.is_some() {
+            // Every op is enqueued, not necessarily run: the submitter says when (`GpuStepDone`).
+            return;
+        }
         if state.done < self.setup.program.ops.len() {
             return;
         }
@@ -642,13 +729,21 @@ impl Message<ComputeDone> for DeviceActor {
 }
 
 impl Message<Load> for DeviceActor {
-    type Reply = ();
+    type Reply = Result<(), String>;
 
-    async fn handle(&mut self, msg: Load, _ctx: &mut Context<Self, Self::Reply>) {
+    async fn handle(&mut self, msg: Load, _ctx: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        if let Some(gpu) = &self.gpu {
+            let (reply, loaded) = oneshot::channel();
+            gpu.submit(Command::Load(msg.0, reply));
+            return loaded
+                .await
+                .unwrap_or_else(|_| Err("the GPU device's submitter is gone".into()));
+        }
         for (i, rect, data) in msg.0 {
             let layout = self.rect(i);
             self.instance_mut(i).copy_from(&layout, &data, &rect, &rect);
         }
+        Ok(())
     }
 }
 
@@ -657,12 +752,64 @@ impl Message<Load> for DeviceActor {
 pub struct Piece(pub Buffer);
 
 impl Message<ReadInstance> for DeviceActor {
-    type Reply = Piece;
+    type Reply = Result<Piece, String>;
 
-    async fn handle(&mut self, msg: ReadInstance, _ctx: &mut Context<Self, Self::Reply>) -> Piece {
-        Piece(
+    async fn handle(
+        &mut self,
+        msg: ReadInstance,
+        _ctx: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        if let Some(gpu) = &self.gpu {
+            let (reply, read) = oneshot::channel();
+            gpu.submit(Command::Read {
+                instance: msg.instance,
+                rect: msg.rect,
+                reply,
+            });
+            return read
+                .await
+                .unwrap_or_else(|_| Err("the GPU device's submitter is gone".into()))
+                .map(Piece);
+        }
+        Ok(Piece(
             self.instance(msg.instance)
                 .gather(&self.rect(msg.instance), &msg.rect),
-        )
+        ))
+    }
+}
+
+/// A GPU device's submitter has seen its stream run every op of step `step`.
+pub(crate) struct GpuStepDone {
+    pub step: u64,
+    pub outcome: TaskOutcome,
+    pub error: Option<String>,
+    /// The ops' GPU times, on the step's clock.
+    pub events: Vec<OpEvent>,
+}
+
+impl Message<GpuStepDone> for DeviceActor {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: GpuStepDone, _ctx: &mut Context<Self, Self::Reply>) {
+        if self.step.as_ref().map(|s| s.step) != Some(msg.step) {
+            tracing::error!(step = msg.step, "a GPU step ended that is not running");
+            return;
+        }
+        let mut state = self.step.take().unwrap();
+        state.outcome.loss_sum += msg.outcome.loss_sum;
+        state.outcome.correct += msg.outcome.correct;
+        let error = state.error.take().or(msg.error);
+        let mut events = state.events.take().unwrap_or_default();
+        events.extend(msg.events);
+        events.sort_by(|a, b| a.start.total_cmp(&b.start));
+        let report = StepReport {
+            device: self.setup.program.device,
+            outcome: state.outcome,
+            error,
+            events,
+        };
+        if let Some(reply) = state.reply.take() {
+            let _ = reply.send(report);
+        }
     }
 }

@@ -1,0 +1,226 @@
+//! The invariant on a GPU: every strategy, run by GPU device actors (4 devices sharing one GPU, a
+//! stream each), trains the same network as the single-device reference trainer on the CPU.
+//! LeNet-5 at 28×28, AlexNet at 64×64 and Inception-v3 at 75×75, batch 8; data, model, OWT, the
+//! optimised strategy and two random valid ones; 3 steps from one initialisation. Skips, saying
+//! why, where no GPU is usable (CI); `integration/gpu-check.sh` runs it on the lent GPU.
+//!
+//! Tolerance, as in `equivalence.rs`: each tensor within relative 1e-4, or within
+//! `ROUNDING_FACTOR` times what f32 rounding of the initial weights alone moves it by, where the
+//! network amplifies rounding (Inception's batch-norm stacks). cuDNN and cuBLAS sum in other
+//! orders than the CPU kernels, which is rounding of exactly that kind.
+
+use legion_cuda::Cuda;
+use legion_ops::train::{ParamStore, Sgd, Trainer};
+use legion_ops::{Graph, zoo};
+use legion_planner::search::{self, SearchKind};
+use legion_planner::{
+    ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost,
+};
+use legion_runtime::{EmbeddedCluster, Placement};
+use std::sync::Arc;
+
+const DEVICES: usize = 4;
+const STEPS: u64 = 3;
+const TOLERANCE: f32 = 1e-4;
+const ROUNDING_FACTOR: f32 = 10.0;
+
+fn model(name: &str, image_size: usize) -> Graph {
+    let z = zoo::find(name).unwrap();
+    let cfg = zoo::ZooConfig {
+        image_size,
+        classes: 10,
+        ..z.default_config(8)
+    };
+    z.build(&cfg).unwrap()
+}
+
+fn batch(graph: &Graph, step: u64) -> (Vec<f32>, Vec<u32>) {
+    let n = graph.layer(graph.input()).shape.numel();
+    let images = (0..n)
+        .map(|i| ((i as f32) * 0.37 + step as f32).sin())
+        .collect();
+    let labels = (0..graph.batch() as u32)
+        .map(|i| (i * 7 + step as u32) % 10)
+        .collect();
+    (images, labels)
+}
+
+fn searched(graph: &Graph, kind: SearchKind) -> Vec<ParallelConfig> {
+    let machine = MachineModel::preset(&format!("paper:{DEVICES}")).unwrap();
+    let provider = RooflineCost::new(&machine);
+    let cost = CostModel::new(graph, &machine, &provider);
+    let tables = CostTables::build(&cost);
+    search::find(kind, &tables, search::DEFAULT_BUDGET)
+        .unwrap()
+        .configs
+}
+
+fn random(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
+    let mut rng = legion_ops::rng::Rng::new(seed);
+    graph
+        .layers()
+        .iter()
+        .map(|l| {
+            let space =
+                ConfigSpace::enumerate(&l.shape, l.op.spec().parallel_dims(&l.shape), DEVICES);
+            space.config((rng.next_u64() % space.len() as u64) as usize)
+        })
+        .collect()
+}
+
+fn relative_error(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn reference_run(graph: &Graph, init: &ParamStore) -> (ParamStore, Vec<f32>) {
+    let mut reference = Trainer::new(graph.clone(), init.clone(), Sgd::default(), 11);
+    let losses = (0..STEPS)
+        .map(|step| {
+            let (images, labels) = batch(graph, step);
+            reference.step(&images, &labels).unwrap().loss
+        })
+        .collect();
+    (reference.params().unwrap(), losses)
+}
+
+/// How far the reference moves when its initial weights are perturbed by f32 rounding: per tensor
+/// and per step's loss, relative.
+fn rounding_sensitivity(
+    graph: &Graph,
+    init: &ParamStore,
+    trained: &ParamStore,
+    losses: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let mut perturbed = init.clone();
+    let mut rng = legion_ops::rng::Rng::new(3);
+    for v in &mut perturbed.values {
+        for x in v.iter_mut() {
+            *x *= 1.0 + 1e-7 * ((rng.next_u64() % 2001) as f32 / 1000.0 - 1.0);
+        }
+    }
+    let (moved, moved_losses) = reference_run(graph, &perturbed);
+    let tensors = moved
+        .values
+        .iter()
+        .zip(&trained.values)
+        .map(|(a, b)| relative_error(a, b))
+        .collect();
+    let losses = moved_losses
+        .iter()
+        .zip(losses)
+        .map(|(a, b)| (a - b).abs() / b.abs())
+        .collect();
+    (tensors, losses)
+}
+
+/// The GPU the devices share, or why there is none.
+fn gpu() -> Result<Arc<Cuda>, String> {
+    legion_cuda::probe().map_err(|e| e.to_string())?;
+    Cuda::new(0).map(Arc::new).map_err(|e| e.to_string())
+}
+
+/// Every failure of every strategy, so that one run on a lent GPU reports them all.
+fn check(graph: &Graph, placement: &Placement, failures: &mut Vec<String>) {
+    let strategies = [
+        ("data", searched(graph, SearchKind::Data)),
+        ("model", searched(graph, SearchKind::Model)),
+        ("owt", searched(graph, SearchKind::Owt)),
+        ("optcnn", searched(graph, SearchKind::OptCnn)),
+        ("random-1", random(graph, 1)),
+        ("random-2", random(graph, 2)),
+    ];
+    let init = ParamStore::init(graph, 7);
+    let (reference, losses) = reference_run(graph, &init);
+    let (sensitivity, loss_sensitivity) = rounding_sensitivity(graph, &init, &reference, &losses);
+    for (name, configs) in &strategies {
+        let started = std::time::Instant::now();
+        let state = legion_ops::train::TrainingState::start(init.clone());
+        let cluster = EmbeddedCluster::resume_on(
+            graph,
+            configs,
+            DEVICES,
+            &state,
+            Sgd::default(),
+            11,
+            placement,
+        );
+        let mut cluster = match cluster {
+            Ok(c) => c,
+            Err(e) => {
+                failures.push(format!("{}/{name}: start: {e}", graph.name));
+                continue;
+            }
+        };
+        let mut worst = 0f32;
+        let mut ran = true;
+        for step in 0..STEPS {
+            let (images, labels) = batch(graph, step);
+            match cluster.step(images, labels, false) {
+                Ok(r) => {
+                    let want = losses[step as usize];
+                    let err = (r.stats.loss - want).abs() / want.abs();
+                    let tolerance =
+                        TOLERANCE.max(ROUNDING_FACTOR * loss_sensitivity[step as usize]);
+                    if err > tolerance {
+                        failures.push(format!(
+                            "{}/{name} step {step}: loss {} vs {want} on the CPU (relative \
+                             tolerance {tolerance:e})",
+                            graph.name, r.stats.loss
+                        ));
+                    }
+                }
+                Err(e) => {
+                    failures.push(format!("{}/{name} step {step}: {e}", graph.name));
+                    ran = false;
+                    break;
+                }
+            }
+        }
+        if !ran {
+            continue;
+        }
+        let trained = match cluster.params() {
+            Ok(p) => p,
+            Err(e) => {
+                failures.push(format!("{}/{name}: reading the weights: {e}", graph.name));
+                continue;
+            }
+        };
+        for (slot, p) in reference.params.iter().enumerate() {
+            let err = relative_error(&trained.values[slot], &reference.values[slot]);
+            let tolerance = TOLERANCE.max(ROUNDING_FACTOR * sensitivity[slot]);
+            worst = worst.max(err / tolerance);
+            if err > tolerance {
+                failures.push(format!(
+                    "{}/{name}: {} differs by {err:e} (tolerance {tolerance:e}; rounding alone \
+                     moves it {:e})",
+                    graph.name, p.name, sensitivity[slot]
+                ));
+            }
+        }
+        println!(
+            "{}/{name}: {STEPS} steps on {DEVICES} GPU devices in {:.1} s; worst tensor at \
+             {worst:.3} of its tolerance",
+            graph.name,
+            started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+#[test]
+fn every_strategy_on_gpu_devices_trains_the_same_network_as_one_cpu_device() {
+    let gpu = match gpu() {
+        Ok(gpu) => gpu,
+        Err(why) => {
+            println!("skipped: no usable GPU: {why}");
+            return;
+        }
+    };
+    let placement = Placement::Gpus(vec![gpu]);
+    let mut failures = Vec::new();
+    for (name, image) in [("lenet5", 28), ("alexnet", 64), ("inception_v3", 75)] {
+        check(&model(name, image), &placement, &mut failures);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -1,0 +1,656 @@
+//! A device on a GPU: its instances live in device memory, and its ops run on one CUDA stream.
+//!
+//! The actor (`super`) keeps deciding what is ready, as for a CPU device, but never touches the
+//! GPU: it hands each ready op to this device's **submitter**, a thread that owns the stream and
+//! the instances and only enqueues. A stream runs its work in the order enqueued, so an op is
+//! handed over as soon as its local dependences have been *handed over* (not finished): the
+//! actor counts it done at once, and the GPU runs a whole step's ops back to back with no host
+//! round trip between kernels.
+//!
+//! Data leaves and enters through page-locked staging buffers (`legion_cuda::Staging`), one per
+//! `Send` and `Recv` op, kept across steps:
+//! - a `Send` enqueues the copy into its staging buffer and passes the buffer to this device's
+//!   **sender** thread, which waits for the copy, hands the slice to the transport and returns
+//!   the buffer; the submitter meanwhile goes on enqueuing, so transfers overlap compute;
+//! - a `Recv`'s data is written into its staging buffer and the copy to the device enqueued.
+//!
+//! Slices between devices go through the host even when both devices share a GPU (a staged copy):
+//! the transport carries host buffers so that the same program runs whether its peer is a device
+//! of this process or of another one.
+//!
+//! The step ends with `Finish`: the submitter waits for the stream (on its own thread), reads the
+//! losses and the trace's timing events, and tells the actor ([`GpuStepDone`]).
+
+use super::{DeviceActor, GpuStepDone, OpEvent};
+use crate::exec::{self, ExecContext, StepInput, TaskOutcome};
+use crate::program::{DeviceProgram, LocalOpKind};
+use crate::recycle::BufferPool;
+use crate::transport::{SliceMessage, Transport};
+use crossbeam_channel::{Receiver, Sender};
+use kameo::actor::ActorRef;
+use legion_cuda::{Buffer, Cuda, Direction, Marker, PendingLoss, Staging, Stream};
+use legion_ops::backend::{Access, Backend, KernelError, cpu};
+use legion_ops::partition::DeviceId;
+use legion_ops::train::Sgd;
+use legion_ops::{Graph, Rect};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// What the actor asks of its submitter.
+pub(crate) enum Command {
+    Start {
+        step: u64,
+        input: Arc<StepInput>,
+        epoch: Instant,
+        trace: bool,
+        actor: ActorRef<DeviceActor>,
+    },
+    /// Enqueue op `i` (a task, a fold, a local copy or a send).
+    Run(u32),
+    /// Enqueue `Recv` op `op` with the data that arrived for it.
+    Store { op: u32, data: Arc<cpu::Buffer> },
+    /// Every op of the step has been handed over: report once the stream has run them.
+    Finish,
+    /// Writes `(instance, rect, data laid out over rect)` into instances (initial values).
+    Load(
+        Vec<(u32, Rect, cpu::Buffer)>,
+        oneshot::Sender<Result<(), String>>,
+    ),
+    /// Reads `rect` of an instance back to the host.
+    Read {
+        instance: u32,
+        rect: Rect,
+        reply: oneshot::Sender<Result<cpu::Buffer, String>>,
+    },
+}
+
+/// The actor's handle on its submitter; dropping it stops the submitter and the sender.
+pub(crate) struct GpuQueue {
+    commands: Sender<Command>,
+}
+
+impl GpuQueue {
+    /// Starts the submitter of `program`'s device on `cuda` (its own stream, its instances
+    /// allocated and zeroed), and its sender. Fails if the stream or the instances cannot be had.
+    pub(crate) fn start(
+        cuda: Arc<Cuda>,
+        program: Arc<DeviceProgram>,
+        graph: Arc<Graph>,
+        seed: u64,
+        sgd: Sgd,
+        transport: Arc<dyn Transport>,
+        buffers: Arc<BufferPool>,
+    ) -> Result<GpuQueue, KernelError> {
+        let device = program.device;
+        let (commands, inbox) = crossbeam_channel::unbounded();
+        let (outgoing, to_send) = crossbeam_channel::unbounded::<Outgoing>();
+        let (give_back, returned) = crossbeam_channel::unbounded();
+        let (started, start_result) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("legion-gpu-submit-{device}"))
+            .spawn(move || {
+                let submitter =
+                    Submitter::new(cuda, program, graph, seed, sgd, outgoing, returned, buffers);
+                match submitter {
+                    Ok(submitter) => {
+                        let _ = started.send(Ok(()));
+                        submitter.serve(inbox);
+                    }
+                    Err(e) => {
+                        let _ = started.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|e| KernelError::Device(format!("device {device}'s submitter: {e}")))?;
+        let pool = Arc::clone(&transport);
+        std::thread::Builder::new()
+            .name(format!("legion-gpu-send-{device}"))
+            .spawn(move || send_staged(to_send, give_back, pool))
+            .map_err(|e| KernelError::Device(format!("device {device}'s sender: {e}")))?;
+        start_result
+            .recv()
+            .map_err(|_| KernelError::Device(format!("device {device}'s submitter died")))??;
+        Ok(GpuQueue { commands })
+    }
+
+    pub(crate) fn submit(&self, command: Command) {
+        if self.commands.send(command).is_err() {
+            tracing::error!("a GPU device's submitter is gone");
+        }
+    }
+}
+
+/// A slice on its way out: the staging buffer its copy was enqueued into.
+struct Outgoing {
+    op: u32,
+    step: u64,
+    copy: crate::analysis::OpId,
+    to: DeviceId,
+    staging: Staging,
+}
+
+/// The sender: waits for each outgoing copy, in the order enqueued, hands its data to the
+/// transport and the staging buffer back to the submitter.
+fn send_staged(
+    to_send: Receiver<Outgoing>,
+    give_back: Sender<(u32, Staging)>,
+    transport: Arc<dyn Transport>,
+) {
+    while let Ok(out) = to_send.recv() {
+        let data = out.staging.read().unwrap_or_else(|e| {
+            // The submitter's stream failed too and its step reports the error; the receiver
+            // still gets a slice of the right size rather than waiting forever.
+            tracing::error!(copy = out.copy, "staged slice unreadable: {e}");
+            cpu::Buffer::zeros(out.staging.dtype(), out.staging.len())
+        });
+        transport.send(SliceMessage {
+            step: out.step,
+            copy: out.copy,
+            to: out.to,
+            data: Arc::new(data),
+        });
+        if give_back.send((out.op, out.staging)).is_err() {
+            return;
+        }
+    }
+}
+
+/// The step the submitter is enqueuing.
+struct Step {
+    step: u64,
+    input: Arc<StepInput>,
+    actor: ActorRef<DeviceActor>,
+    losses: Vec<PendingLoss>,
+    error: Option<String>,
+    trace: Option<Trace>,
+}
+
+/// Timing events around each op of a traced step.
+struct Trace {
+    start: Marker,
+    /// Seconds from the step's epoch to `start`, on the host clock.
+    start_at: f64,
+    ops: Vec<(u32, Marker, Marker)>,
+}
+
+struct Submitter {
+    cuda: Arc<Cuda>,
+    stream: Stream,
+    program: Arc<DeviceProgram>,
+    graph: Arc<Graph>,
+    seed: u64,
+    sgd: Sgd,
+    instances: Vec<Option<Buffer>>,
+    /// Per op: the device buffer it gathers into or stages through, kept across steps.
+    scratch: Vec<Option<Buffer>>,
+    /// Per `Recv` op: its inbound staging buffer.
+    inbound: Vec<Option<Staging>>,
+    /// Per `Send` op: its outbound staging buffer, while not lent to the sender.
+    outbound: Vec<Option<Staging>>,
+    /// Per `Send` op: whether the sender holds its staging buffer.
+    lent: Vec<bool>,
+    outgoing: Sender<Outgoing>,
+    returned: Receiver<(u32, Staging)>,
+    /// The host buffers of received slices go back here once staged.
+    buffers: Arc<BufferPool>,
+    step: Option<Step>,
+}
+
+impl Submitter {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        cuda: Arc<Cuda>,
+        program: Arc<DeviceProgram>,
+        graph: Arc<Graph>,
+        seed: u64,
+        sgd: Sgd,
+        outgoing: Sender<Outgoing>,
+        returned: Receiver<(u32, Staging)>,
+        buffers: Arc<BufferPool>,
+    ) -> Result<Submitter, KernelError> {
+        let mut stream = cuda.new_stream()?;
+        let instances = program
+            .instances
+            .iter()
+            .map(|i| {
+                cuda.alloc_zeros(&mut stream, i.dtype, i.rect.volume())
+                    .map(Some)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        cuda.synchronize(&mut stream)?;
+        let ops = program.ops.len();
+        Ok(Submitter {
+            cuda,
+            stream,
+            program,
+            graph,
+            seed,
+            sgd,
+            instances,
+            scratch: (0..ops).map(|_| None).collect(),
+            inbound: (0..ops).map(|_| None).collect(),
+            outbound: (0..ops).map(|_| None).collect(),
+            lent: vec![false; ops],
+            outgoing,
+            returned,
+            buffers,
+            step: None,
+        })
+    }
+
+    fn serve(mut self, inbox: Receiver<Command>) {
+        while let Ok(command) = inbox.recv() {
+            // A panic in one op fails the step, not the device: the actor still hears of the end.
+            let outcome =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(command)));
+            if let Err(panic) = outcome {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                self.fail(format!("panicked: {what}"));
+            }
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Start {
+                step,
+                input,
+                epoch,
+                trace,
+                actor,
+            } => {
+                let trace = trace.then(|| {
+                    let start_at = epoch.elapsed().as_secs_f64();
+                    self.cuda.mark(&self.stream).map(|start| Trace {
+                        start,
+                        start_at,
+                        ops: Vec::new(),
+                    })
+                });
+                let (trace, error) = match trace.transpose() {
+                    Ok(trace) => (trace, None),
+                    Err(e) => (None, Some(e.to_string())),
+                };
+                self.step = Some(Step {
+                    step,
+                    input,
+                    actor,
+                    losses: Vec::new(),
+                    error,
+                    trace,
+                });
+            }
+            Command::Run(op) => self.timed(op, |s| s.run(op)),
+            Command::Store { op, data } => self.timed(op, |s| s.store(op, data)),
+            Command::Finish => self.finish(),
+            Command::Load(pieces, reply) => {
+                let _ = reply.send(self.load(pieces).map_err(|e| e.to_string()));
+            }
+            Command::Read {
+                instance,
+                rect,
+                reply,
+            } => {
+                let _ = reply.send(self.read(instance, &rect).map_err(|e| e.to_string()));
+            }
+        }
+    }
+
+    /// Enqueues op `op` with `enqueue`, between timing markers when the step is traced.
+    fn timed(&mut self, op: u32, enqueue: impl FnOnce(&mut Self) -> Result<(), String>) {
+        let traced = self.step.as_ref().is_some_and(|s| s.trace.is_some());
+        let before = traced.then(|| self.cuda.mark(&self.stream));
+        let result = enqueue(self);
+        if let Err(e) = result {
+            self.fail(e);
+        }
+        if let Some(before) = before {
+            match (before, self.cuda.mark(&self.stream)) {
+                (Ok(before), Ok(after)) => {
+                    let step = self.step.as_mut().expect("traced ops run inside a step");
+                    step.trace.as_mut().unwrap().ops.push((op, before, after));
+                }
+                (Err(e), _) | (_, Err(e)) => self.fail(e.to_string()),
+            }
+        }
+    }
+
+    fn fail(&mut self, error: String) {
+        match &mut self.step {
+            Some(step) => {
+                step.error.get_or_insert(error);
+            }
+            None => tracing::error!("GPU device outside a step: {error}"),
+        }
+    }
+
+    fn rect(&self, instance: u32) -> Rect {
+        self.program.instances[instance as usize].rect
+    }
+
+    fn take(&mut self, instance: u32) -> Buffer {
+        self.instances[instance as usize]
+            .take()
+            .unwrap_or_else(|| panic!("instance {instance} taken twice"))
+    }
+
+    /// Op `op`'s scratch buffer, `len` values of `dtype` (allocated on first use).
+    fn scratch(
+        &mut self,
+        op: u32,
+        dtype: legion_ops::backend::DType,
+        len: usize,
+    ) -> Result<Buffer, String> {
+        match self.scratch[op as usize].take() {
+            Some(b) => Ok(b),
+            None => self
+                .cuda
+                .alloc_zeros(&mut self.stream, dtype, len)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    fn run(&mut self, op: u32) -> Result<(), String> {
+        let program = Arc::clone(&self.program);
+        match &program.ops[op as usize].kind {
+            LocalOpKind::Task { task, instances } => {
+                let mut written: Vec<(u32, Buffer)> = task
+                    .requirements
+                    .iter()
+                    .zip(instances)
+                    .filter(|(req, _)| req.privilege.writes())
+                    .map(|(_, &i)| (i, self.take(i)))
+                    .collect();
+                let step = self.step.as_mut().expect("ops run inside a step");
+                let ctx = ExecContext {
+                    graph: &self.graph,
+                    seed: self.seed,
+                    sgd: self.sgd,
+                    input: &step.input,
+                };
+                let mut writes = written.iter_mut();
+                let access = task
+                    .requirements
+                    .iter()
+                    .zip(instances)
+                    .map(|(req, &i)| {
+                        if req.privilege.writes() {
+                            Access::Write(&mut writes.next().unwrap().1)
+                        } else {
+                            Access::Read(held(&self.instances, i))
+                        }
+                    })
+                    .collect();
+                let result = exec::enqueue(&*self.cuda, &mut self.stream, &ctx, task, access);
+                for (i, b) in written {
+                    self.instances[i as usize] = Some(b);
+                }
+                match result {
+                    Ok(Some(loss)) => step.losses.push(loss),
+                    Ok(None) => {}
+                    Err(e) => return Err(format!("{}: {e}", task.label(&self.graph))),
+                }
+            }
+            LocalOpKind::Copy { src, dst, rect } => {
+                let (src_layout, dst_layout) = (self.rect(*src), self.rect(*dst));
+                let mut to = self.take(*dst);
+                self.cuda.copy_rect(
+                    &mut self.stream,
+                    held(&self.instances, *src),
+                    &src_layout,
+                    &mut to,
+                    &dst_layout,
+                    rect,
+                );
+                self.instances[*dst as usize] = Some(to);
+            }
+            LocalOpKind::Fold {
+                srcs,
+                dst,
+                rect,
+                accumulate,
+            } => {
+                let layout = self.rect(*dst);
+                let mut to = self.take(*dst);
+                let mut terms = srcs.iter();
+                if !accumulate {
+                    match terms.next() {
+                        Some(&first) => self.cuda.copy_rect(
+                            &mut self.stream,
+                            held(&self.instances, first),
+                            &program.instances[first as usize].rect,
+                            &mut to,
+                            &layout,
+                            rect,
+                        ),
+                        None if *rect == layout => self.cuda.zero(&mut self.stream, &mut to),
+                        None => {
+                            let dtype = self.program.instances[*dst as usize].dtype;
+                            let mut zeros = self.scratch(op, dtype, rect.volume())?;
+                            self.cuda.zero(&mut self.stream, &mut zeros);
+                            self.cuda.copy_rect(
+                                &mut self.stream,
+                                &zeros,
+                                rect,
+                                &mut to,
+                                &layout,
+                                rect,
+                            );
+                            self.scratch[op as usize] = Some(zeros);
+                        }
+                    }
+                }
+                for &term in terms {
+                    self.cuda.add_rect(
+                        &mut self.stream,
+                        held(&self.instances, term),
+                        &program.instances[term as usize].rect,
+                        &mut to,
+                        &layout,
+                        rect,
+                    );
+                }
+                self.instances[*dst as usize] = Some(to);
+            }
+            LocalOpKind::Send {
+                copy,
+                src,
+                rect,
+                to,
+            } => {
+                let dtype = self.program.instances[*src as usize].dtype;
+                let mut staging = self.outbound(op, dtype, rect.volume())?;
+                let layout = self.rect(*src);
+                if *rect == layout {
+                    self.cuda.stage_out(
+                        &mut self.stream,
+                        held(&self.instances, *src),
+                        &mut staging,
+                    );
+                } else {
+                    let mut gathered = self.scratch(op, dtype, rect.volume())?;
+                    self.cuda.copy_rect(
+                        &mut self.stream,
+                        held(&self.instances, *src),
+                        &layout,
+                        &mut gathered,
+                        rect,
+                        rect,
+                    );
+                    self.cuda
+                        .stage_out(&mut self.stream, &gathered, &mut staging);
+                    self.scratch[op as usize] = Some(gathered);
+                }
+                let step = self.step.as_ref().expect("ops run inside a step").step;
+                self.lent[op as usize] = true;
+                let out = Outgoing {
+                    op,
+                    step,
+                    copy: *copy,
+                    to: *to,
+                    staging,
+                };
+                if self.outgoing.send(out).is_err() {
+                    return Err("the device's sender is gone".into());
+                }
+            }
+            LocalOpKind::Recv { .. } => unreachable!("a receive comes with its data (Store)"),
+        }
+        Ok(())
+    }
+
+    /// Op `op`'s outbound staging buffer: waits for the sender to return it if it still holds it
+    /// (from the step before, which the sender may not have finished handing on).
+    fn outbound(
+        &mut self,
+        op: u32,
+        dtype: legion_ops::backend::DType,
+        len: usize,
+    ) -> Result<Staging, String> {
+        while let Ok((o, staging)) = self.returned.try_recv() {
+            self.put_back(o, staging);
+        }
+        while self.lent[op as usize] {
+            let (o, staging) = self
+                .returned
+                .recv()
+                .map_err(|_| "the device's sender is gone".to_string())?;
+            self.put_back(o, staging);
+        }
+        match self.outbound[op as usize].take() {
+            Some(staging) => Ok(staging),
+            None => self
+                .cuda
+                .staging(dtype, len, Direction::ToHost)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    fn put_back(&mut self, op: u32, staging: Staging) {
+        self.lent[op as usize] = false;
+        self.outbound[op as usize] = Some(staging);
+    }
+
+    fn store(&mut self, op: u32, data: Arc<cpu::Buffer>) -> Result<(), String> {
+        let program = Arc::clone(&self.program);
+        let LocalOpKind::Recv { dst, rect, .. } = &program.ops[op as usize].kind else {
+            unreachable!("stores serve receives")
+        };
+        let dtype = self.program.instances[*dst as usize].dtype;
+        let mut staging = match self.inbound[op as usize].take() {
+            Some(s) => s,
+            None => self
+                .cuda
+                .staging(dtype, rect.volume(), Direction::ToDevice)
+                .map_err(|e| e.to_string())?,
+        };
+        staging.write(&data).map_err(|e| e.to_string())?;
+        self.buffers.give(data);
+        let layout = self.rect(*dst);
+        if *rect == layout {
+            let mut to = self.take(*dst);
+            self.cuda.stage_in(&mut self.stream, &staging, &mut to);
+            self.instances[*dst as usize] = Some(to);
+        } else {
+            let mut landed = self.scratch(op, dtype, rect.volume())?;
+            self.cuda.stage_in(&mut self.stream, &staging, &mut landed);
+            let mut to = self.take(*dst);
+            self.cuda
+                .copy_rect(&mut self.stream, &landed, rect, &mut to, &layout, rect);
+            self.instances[*dst as usize] = Some(to);
+            self.scratch[op as usize] = Some(landed);
+        }
+        self.inbound[op as usize] = Some(staging);
+        Ok(())
+    }
+
+    fn finish(&mut self) {
+        let Some(mut step) = self.step.take() else {
+            tracing::error!("a GPU device was told to finish outside a step");
+            return;
+        };
+        let synced = self.cuda.synchronize(&mut self.stream);
+        let mut outcome = TaskOutcome::default();
+        let mut events = Vec::new();
+        match synced {
+            Err(e) => {
+                step.error.get_or_insert(e.to_string());
+            }
+            Ok(()) => {
+                for loss in step.losses.drain(..) {
+                    let sums = self.cuda.read_loss(loss);
+                    outcome.loss_sum += sums.loss_sum;
+                    outcome.correct += sums.correct;
+                }
+                if let Some(trace) = &step.trace {
+                    for (op, before, after) in &trace.ops {
+                        let at = |m: &Marker| m.seconds_since(&trace.start);
+                        match (at(before), at(after)) {
+                            (Ok(start), Ok(end)) => events.push(OpEvent {
+                                op: *op,
+                                start: trace.start_at + start,
+                                end: trace.start_at + end,
+                            }),
+                            (Err(e), _) | (_, Err(e)) => {
+                                step.error.get_or_insert(e.to_string());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let done = GpuStepDone {
+            step: step.step,
+            outcome,
+            error: step.error,
+            events,
+        };
+        if let Err(e) = step.actor.tell(done).try_send() {
+            tracing::error!("device actor gone: {e}");
+        }
+    }
+
+    fn load(&mut self, pieces: Vec<(u32, Rect, cpu::Buffer)>) -> Result<(), KernelError> {
+        for (instance, rect, data) in pieces {
+            let layout = self.rect(instance);
+            let piece = self.cuda.upload(&mut self.stream, &data)?;
+            let mut to = self.take(instance);
+            self.cuda
+                .copy_rect(&mut self.stream, &piece, &rect, &mut to, &layout, &rect);
+            self.instances[instance as usize] = Some(to);
+            // Wait before `piece` is freed: its copy must have run.
+            self.cuda.synchronize(&mut self.stream)?;
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, instance: u32, rect: &Rect) -> Result<cpu::Buffer, KernelError> {
+        let layout = self.rect(instance);
+        let dtype = self.program.instances[instance as usize].dtype;
+        let mut piece = self
+            .cuda
+            .alloc_zeros(&mut self.stream, dtype, rect.volume())?;
+        self.cuda.copy_rect(
+            &mut self.stream,
+            held(&self.instances, instance),
+            &layout,
+            &mut piece,
+            rect,
+            rect,
+        );
+        self.cuda.synchronize(&mut self.stream)?;
+        self.cuda.download(&mut self.stream, &piece)
+    }
+}
+
+/// Instance `instance`, which no op is writing.
+fn held(instances: &[Option<Buffer>], instance: u32) -> &Buffer {
+    instances[instance as usize]
+        .as_ref()
+        .unwrap_or_else(|| panic!("instance {instance} is being written"))
+}
