@@ -10,10 +10,13 @@
 #                                          $OUT (or DIR/out)
 #
 # The checks: every Backend primitive on the GPU against the CPU kernels (gpu_kernels), a small
-# model trained three steps on the GPU as on the CPU (gpu_training), the NVRTC compile test, and
-# single-GPU training throughput side by side with PyTorch in the same run (strict FP32, then
-# TF32: legion-rs --tf32, torch's allow_tf32) for AlexNet 224 b128, VGG-16 224 b64, Inception-v3
-# 299 b64. Multi-device equivalence on the GPU waits for GPU device actors.
+# model trained three steps on the GPU as on the CPU (gpu_training), the NVRTC compile test, every
+# strategy on 4 GPU device actors sharing the GPU against the CPU's single device (gpu_equivalence:
+# LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps), single-GPU training throughput side by
+# side with PyTorch in the same run (strict FP32, then TF32: legion-rs --tf32, torch's allow_tf32)
+# for AlexNet 224 b128, VGG-16 224 b64, Inception-v3 299 b64, AlexNet's step on 4 devices sharing
+# the GPU under data, owt and optcnn, and a GPU profile of the three models ($OUT/profile-*.json,
+# tiles of 4 devices at 32 samples each, for `plan --profile`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -23,6 +26,21 @@ case "$mode" in
 build)
     set -e
     ops/cuda/gpu-check.sh build "$dir"
+    # The equivalence test of the GPU device actors (integration/tests/gpu_equivalence.rs).
+    cargo test -p legion-integration --test gpu_equivalence --no-run --message-format=json 2>/dev/null \
+        | python3 -c '
+import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    if message.get("reason") == "compiler-artifact" and message.get("executable") \
+            and message["profile"]["test"]:
+        print(message["executable"])
+' \
+        | while read -r executable; do
+            cp "$executable" "$dir/gpu_equivalence"
+            strip "$dir/gpu_equivalence"
+            echo "$dir/gpu_equivalence"
+        done
     cargo build --release -p legion-cli --bin legion-rs
     cp target/release/legion-rs "$dir/legion-rs"
     strip "$dir/legion-rs"
@@ -69,6 +87,34 @@ PY
                 failures+=("legion-rs $model ${tf32:-fp32}")
             fi
         done
+    done
+    echo "=== several devices on one GPU: AlexNet 224 b128 on 4 devices, a stream each"
+    for strategy in data owt optcnn; do
+        log="$out/legion-alexnet-4dev-$strategy.jsonl"
+        if timeout 300 "$dir/legion-rs" train --device cuda --devices 4 --strategy "$strategy" \
+            --model alexnet --image-size 224 --batch 128 --classes 1000 --steps 10 --json \
+            >"$log" 2>"$out/legion-alexnet-4dev-$strategy.err"; then
+            "$python" - "$log" "$strategy" <<'PY' | tee -a "$out/several-devices.jsonl"
+import json, statistics, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l and '"summary"' not in l]
+ms = statistics.median(s["step_ms"] for s in steps[3:])
+print(json.dumps({"model": "alexnet", "devices": 4, "strategy": sys.argv[2],
+                  "median_step_ms": ms}))
+PY
+        else
+            echo "legion-rs alexnet 4 devices $strategy failed:"
+            tail -5 "$out/legion-alexnet-4dev-$strategy.err"
+            failures+=("alexnet 4 devices $strategy")
+        fi
+    done
+    echo "=== GPU profile: every tile of 4 devices at 32 samples each, alone, CUDA events"
+    for run in alexnet:224 vgg16:224 inception_v3:299; do
+        IFS=: read -r model image <<<"$run"
+        if ! timeout 300 "$dir/legion-rs" profile --device cuda --model "$model" --image-size "$image" \
+            --batch 128 --classes 1000 --devices 4 --strategies data,model,owt,optcnn \
+            --warmup 2 --repeats 5 --out "$out/profile-$model.json" 2>&1 | tee "$out/profile-$model.log"; then
+            failures+=("profile $model")
+        fi
     done
     echo "=== throughput, PyTorch on the same GPU (strict FP32, then TF32)"
     for tf32 in "" --tf32; do

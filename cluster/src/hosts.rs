@@ -7,7 +7,8 @@
 //! ```toml
 //! [defaults]             # optional, cluster-wide
 //! port = 7400            # worker QUIC port (default 7400)
-//! devices = 1            # devices per host (default 1)
+//! devices = 1            # devices per host (default 1; on a "cuda" host, its GPU count, which
+//!                        # `up` learns from the worker and records in the state directory)
 //! device = "cpu"         # "cuda": the worker runs its devices on the host's GPUs (spread over
 //!                        # them, a stream each; `up` fails naming what is missing where there
 //!                        # is no usable GPU), priced as H100s; "cpu" (default): on its cores;
@@ -79,6 +80,10 @@ pub struct Host {
     /// The worker's QUIC port.
     pub port: u16,
     pub devices: usize,
+    /// Whether `devices` is the host's GPU count, which its worker finds (a [`GPU_KIND`] host
+    /// whose file gives no count): `up` starts the worker with `--devices gpus` and records the
+    /// count, and [`Hosts::with_gpu_counts`] fills it in; until then `devices` is 1.
+    pub devices_from_gpus: bool,
     /// One of [`DEVICE_KINDS`].
     pub device_kind: String,
     /// `user@host` (or any `ssh` destination) the launcher starts the worker through.
@@ -184,8 +189,8 @@ impl Hosts {
             None => DEFAULT_PORT,
         };
         let default_devices = match &defaults.devices {
-            Some(d) => src.count(d, "defaults.devices")?,
-            None => 1,
+            Some(d) => Some(src.count(d, "defaults.devices")?),
+            None => None,
         };
         let default_kind = match &defaults.device {
             Some(k) => src.device_kind(k, "defaults.device")?,
@@ -241,6 +246,10 @@ impl Hosts {
                     ));
                 }
             }
+            let device_kind = match &h.device {
+                Some(k) => src.device_kind(k, &field("device"))?,
+                None => default_kind.clone(),
+            };
             hosts.push(Host {
                 name: h
                     .name
@@ -254,12 +263,12 @@ impl Hosts {
                 },
                 devices: match &h.devices {
                     Some(d) => src.count(d, &field("devices"))?,
-                    None => default_devices,
+                    None => default_devices.unwrap_or(1),
                 },
-                device_kind: match &h.device {
-                    Some(k) => src.device_kind(k, &field("device"))?,
-                    None => default_kind.clone(),
-                },
+                devices_from_gpus: h.devices.is_none()
+                    && default_devices.is_none()
+                    && device_kind == GPU_KIND,
+                device_kind,
                 ssh: h.ssh.as_ref().map(|s| s.get_ref().clone()),
                 run_with: h
                     .run_with
@@ -471,6 +480,7 @@ impl Hosts {
                 address: hostname.to_string(),
                 port: DEFAULT_PORT,
                 devices: slots.unwrap_or(1),
+                devices_from_gpus: false,
                 device_kind: "cpu".to_string(),
                 ssh: (!is_loopback(hostname)).then(|| hostname.to_string()),
                 run_with: Vec::new(),
@@ -484,6 +494,38 @@ impl Hosts {
             hosts,
             links: Vec::new(),
         })
+    }
+
+    /// The hosts whose device count is their GPU count (see [`Host::devices_from_gpus`]) with the
+    /// counts `up` recorded, by host name. Names a host `up` has no count for.
+    pub fn with_gpu_counts(mut self, counts: &HashMap<String, usize>) -> Result<Hosts, String> {
+        for h in &mut self.hosts {
+            if !h.devices_from_gpus {
+                continue;
+            }
+            match counts.get(&h.name) {
+                Some(&n) if (1..=MAX_DEVICES).contains(&n) => h.devices = n,
+                _ => {
+                    return Err(format!(
+                        "host {}: device = \"{GPU_KIND}\" without `devices` runs one device per \
+                         GPU, and `legion-rs up` has not recorded how many GPUs it has; run \
+                         `up` first, or give `devices`",
+                        h.name
+                    ));
+                }
+            }
+        }
+        let total: Option<usize> = self
+            .hosts
+            .iter()
+            .try_fold(0usize, |acc, h| acc.checked_add(h.devices));
+        match total {
+            Some(n) if n <= MAX_DEVICES => Ok(self),
+            _ => Err(format!(
+                "expected at most {MAX_DEVICES} devices in all, but the {} hosts have more",
+                self.hosts.len()
+            )),
+        }
     }
 
     pub fn num_devices(&self) -> usize {
@@ -780,6 +822,30 @@ latency_us = 20.0
     }
 
     #[test]
+    fn a_cuda_host_without_a_count_has_one_device_per_gpu_once_up_recorded_them() {
+        let text = "[[host]]\nname = \"g\"\naddress = \"127.0.0.1\"\ndevice = \"cuda\"\n\
+                    [[host]]\nname = \"g2\"\naddress = \"127.0.0.2\"\ndevice = \"cuda\"\ndevices = 3\n\
+                    [[host]]\nname = \"c\"\naddress = \"127.0.0.3\"\n";
+        let hosts = parse(text);
+        let from_gpus: Vec<bool> = hosts.hosts.iter().map(|h| h.devices_from_gpus).collect();
+        assert_eq!(from_gpus, [true, false, false]);
+        let err = hosts.clone().with_gpu_counts(&HashMap::new()).unwrap_err();
+        assert!(
+            err.starts_with("host g: device = \"cuda\" without `devices`"),
+            "{err}"
+        );
+        let counts = HashMap::from([("g".to_string(), 8), ("g2".to_string(), 5)]);
+        let resolved = hosts.with_gpu_counts(&counts).unwrap();
+        let devices: Vec<usize> = resolved.hosts.iter().map(|h| h.devices).collect();
+        // A count the file gives stands; only the host without one takes up's.
+        assert_eq!(devices, [8, 3, 1]);
+        assert_eq!(resolved.device_ranges(), [0..8, 8..11, 11..12]);
+        // A default count applies to cuda hosts too.
+        let with_default = parse(&format!("[defaults]\ndevices = 2\n{text}"));
+        assert!(with_default.hosts.iter().all(|h| !h.devices_from_gpus));
+    }
+
+    #[test]
     fn parses_the_documented_example() {
         let hosts = parse(DOC);
         assert_eq!(
@@ -790,6 +856,7 @@ latency_us = 20.0
                     address: "127.0.0.1".into(),
                     port: 7401,
                     devices: 2,
+                    devices_from_gpus: false,
                     device_kind: "cpu".into(),
                     ssh: Some("user@node0".into()),
                     run_with: Vec::new(),
@@ -800,6 +867,7 @@ latency_us = 20.0
                     address: "10.0.0.2".into(),
                     port: 7400,
                     devices: 1,
+                    devices_from_gpus: false,
                     device_kind: "cpu".into(),
                     ssh: Some("ubuntu@10.0.0.2".into()),
                     run_with: Vec::new(),

@@ -11,6 +11,8 @@
 //! <state>/ca/, <state>/nodes/<name>/   certificates (net::tls); `launcher` is the client identity
 //! <state>/logs/<name>.log              each worker's stdout and stderr
 //! <state>/links.json                   link bandwidth and latency measured by `up`
+//! <state>/gpu_counts.json              devices of each `device = "cuda"` host without `devices`:
+//!                                      its GPU count, as its worker found it
 //! ```
 //!
 //! Remote hosts: `up` runs `ssh DEST sh -s` (the command in `LEGION_RS_SSH`, default `ssh -o
@@ -25,6 +27,7 @@ use crate::net::tls::{ClusterCa, NodeIdentity, node_name};
 use crate::remote::{LAUNCHER_NAME, WorkerClient};
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
@@ -129,6 +132,31 @@ pub fn load_links(state: &Path) -> anyhow::Result<Vec<MeasuredLink>> {
     load_measured(&links_path(state), "measured links")
 }
 
+/// Where `up` records the device counts of hosts that run one device per GPU.
+pub fn gpu_counts_path(state: &Path) -> PathBuf {
+    state.join("gpu_counts.json")
+}
+
+/// The hosts file at `path` with every device count known: the counts of hosts that run one
+/// device per GPU come from what `up` recorded in `state` (see [`Host::devices_from_gpus`]).
+pub fn load_hosts(path: &Path, state: &Path) -> anyhow::Result<Hosts> {
+    let hosts = Hosts::load(path)?;
+    if !hosts.hosts.iter().any(|h| h.devices_from_gpus) {
+        return Ok(hosts);
+    }
+    let counts_path = gpu_counts_path(state);
+    let counts: HashMap<String, usize> = match std::fs::read_to_string(&counts_path) {
+        Ok(text) => serde_json::from_str(&text).with_context(|| {
+            format!("{}: expected {{host: device count}}", counts_path.display())
+        })?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashMap::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", counts_path.display())),
+    };
+    hosts
+        .with_gpu_counts(&counts)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
 /// Creates the CA and the certificates that are missing; existing ones are kept, so re-running
 /// `up` changes nothing that running workers use.
 fn ensure_identities(hosts: &Hosts, state: &Path) -> anyhow::Result<()> {
@@ -215,7 +243,9 @@ pub fn up(
     let mut children = Vec::new();
     for (i, host) in hosts.hosts.iter().enumerate() {
         let welcome = greet(&mut client, i, Duration::from_millis(500));
+        // A host that runs one device per GPU has the count its worker found.
         if let Some(w) = &welcome
+            && !host.devices_from_gpus
             && w.devices as usize != host.devices
         {
             bail!(
@@ -274,6 +304,19 @@ pub fn up(
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+    }
+    let mut gpu_counts: BTreeMap<String, usize> = BTreeMap::new();
+    for row in &mut table {
+        if let (true, Some(w)) = (row.host.devices_from_gpus, &row.welcome) {
+            row.host.devices = w.devices as usize;
+            gpu_counts.insert(row.host.name.clone(), row.host.devices);
+        }
+    }
+    if !gpu_counts.is_empty() {
+        let path = gpu_counts_path(state);
+        let text = serde_json::to_string_pretty(&gpu_counts)? + "\n";
+        legion_ops::atomic_file::write(&path, text.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     let any_started = table.iter().any(|r| r.started);
     if hosts.hosts.len() > 1 && (any_started || options.measure || !links_path(state).exists()) {
@@ -354,7 +397,10 @@ fn worker_args(host: &Host, state: &Path) -> Vec<String> {
         "--listen".into(),
         host.endpoint(),
         "--devices".into(),
-        host.devices.to_string(),
+        match host.devices_from_gpus {
+            true => "gpus".to_string(),
+            false => host.devices.to_string(),
+        },
         "--device".into(),
         if host.device_kind == crate::hosts::GPU_KIND {
             "cuda"
@@ -478,10 +524,17 @@ fn quote(word: &str) -> String {
 pub fn status(hosts: &Hosts, state: &Path) -> anyhow::Result<Vec<HostStatus>> {
     let mut client = WorkerClient::new(hosts, state)?;
     let table = (0..hosts.hosts.len())
-        .map(|i| HostStatus {
-            host: hosts.hosts[i].clone(),
-            welcome: greet(&mut client, i, Duration::from_secs(2)),
-            started: false,
+        .map(|i| {
+            let welcome = greet(&mut client, i, Duration::from_secs(2));
+            let mut host = hosts.hosts[i].clone();
+            if let (true, Some(w)) = (host.devices_from_gpus, &welcome) {
+                host.devices = w.devices as usize;
+            }
+            HostStatus {
+                host,
+                welcome,
+                started: false,
+            }
         })
         .collect();
     client.close();
@@ -599,6 +652,42 @@ pub fn format_table(table: &[HostStatus], links: &[MeasuredLink], nics: &[Measur
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_reads_the_gpu_counts_up_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("hosts.toml");
+        std::fs::write(
+            &file,
+            "[[host]]\nname = \"g\"\naddress = \"127.0.0.1\"\ndevice = \"cuda\"\n\
+             [[host]]\nname = \"c\"\naddress = \"127.0.0.2\"\ndevices = 2\n",
+        )
+        .unwrap();
+        let state = dir.path().join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        let e = load_hosts(&file, &state).unwrap_err().to_string();
+        assert!(
+            e.contains("host g: device = \"cuda\" without `devices`"),
+            "{e}"
+        );
+        // As `up` writes it.
+        let counts = BTreeMap::from([("g".to_string(), 4usize)]);
+        std::fs::write(
+            gpu_counts_path(&state),
+            serde_json::to_string(&counts).unwrap(),
+        )
+        .unwrap();
+        let hosts = load_hosts(&file, &state).unwrap();
+        assert_eq!(hosts.device_ranges(), [0..4, 4..6]);
+        std::fs::write(gpu_counts_path(&state), "{\"g\": \"four\"}").unwrap();
+        let e = format!("{:#}", load_hosts(&file, &state).unwrap_err());
+        assert!(
+            e.contains("gpu_counts.json: expected {host: device count}"),
+            "{e}"
+        );
+        let e = worker_args(&Hosts::load(&file).unwrap().hosts[0], &state).join(" ");
+        assert!(e.contains("--devices gpus --device cuda"), "{e}");
+    }
 
     #[test]
     fn default_state_dirs_differ_by_path_and_are_stable() {

@@ -26,8 +26,8 @@ pub struct ExampleArgs {
     pub image_size: Option<usize>,
     #[arg(long, default_value_t = 10)]
     pub classes: usize,
-    /// Devices of the embedded cluster (CPU device actors in this process); 1 trains with the
-    /// single-device reference trainer.
+    /// Devices of the embedded cluster (device actors in this process, on its GPUs or its cores
+    /// as --device says); 1 trains with the single-device trainer.
     #[arg(long, default_value_t = 4)]
     pub devices: usize,
     /// Train on the workers of a running cluster (`legion-rs up HOSTS`) instead of the embedded
@@ -122,10 +122,13 @@ pub fn run(
     }
     if args.compare {
         let cluster = match &args.cluster {
-            Some(path) => Some(ClusterTarget {
-                hosts: legion_cluster::hosts::Hosts::load(path)?,
-                state: legion_cluster::launch::state_dir(path, args.state.as_deref())?,
-            }),
+            Some(path) => {
+                let state = legion_cluster::launch::state_dir(path, args.state.as_deref())?;
+                Some(ClusterTarget {
+                    hosts: legion_cluster::launch::load_hosts(path, &state)?,
+                    state,
+                })
+            }
             None => None,
         };
         let settings = CompareSettings {

@@ -453,9 +453,21 @@ pub fn spawn_local_devices(
             .into_iter()
             .map(Compute::Cores)
             .collect(),
-        Placement::Gpus(gpus) => (0..n)
-            .map(|d| Compute::Gpu(Arc::clone(&gpus[placement.gpu_of(d, n).unwrap()])))
-            .collect(),
+        Placement::Gpus(gpus) => {
+            let gpu_of = |d: usize| placement.gpu_of(d, n).expect("placed on GPUs");
+            (0..n)
+                .map(|d| {
+                    let neighbours: Arc<[usize]> = (0..n)
+                        .filter(|&e| gpu_of(e) == gpu_of(d))
+                        .map(|e| programs[e].device)
+                        .collect();
+                    Compute::Gpu {
+                        cuda: Arc::clone(&gpus[gpu_of(d)]),
+                        neighbours,
+                    }
+                })
+                .collect()
+        }
     };
     let buffers = Arc::new(BufferPool::for_programs(programs));
     let mut actors: Vec<ActorRef<DeviceActor>> = Vec::with_capacity(n);

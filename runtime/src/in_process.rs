@@ -1,9 +1,9 @@
 //! The in-process transport of the embedded cluster and of a worker's local devices: a slice is
 //! moved (not copied) into the receiving device actor's mailbox.
 
-use crate::device::{Deliver, DeviceActor};
+use crate::device::{Deliver, DeliverOnGpu, DeviceActor};
 use crate::recycle::BufferPool;
-use crate::transport::{SliceMessage, Transport};
+use crate::transport::{GpuSliceMessage, SliceMessage, Transport};
 use kameo::actor::ActorRef;
 use legion_ops::partition::DeviceId;
 use std::sync::{Arc, OnceLock};
@@ -81,5 +81,15 @@ impl Transport for InProcessTransport {
             (None, Some(remote)) => remote.send(msg),
             (None, None) => tracing::error!(device = to, "no such device; slice dropped"),
         }
+    }
+
+    fn send_on_gpu(&self, msg: GpuSliceMessage) -> Result<(), GpuSliceMessage> {
+        let Some(actor) = self.local(msg.to) else {
+            return Err(msg);
+        };
+        if let Err(e) = actor.tell(DeliverOnGpu(msg)).try_send() {
+            tracing::error!("slice not delivered: {e}");
+        }
+        Ok(())
     }
 }

@@ -33,7 +33,7 @@ pub use embedded::{
     device_runtime, initial_instances, run_step, spawn_devices, spawn_local_devices,
     threads_per_device,
 };
-pub use exec::{BatchView, ExecContext, StepInput, TaskOutcome, execute};
+pub use exec::{BatchView, ExecContext, StepInput, TaskOutcome, enqueue, execute};
 pub use in_process::InProcessTransport;
 pub use serial::SerialMemory;
 pub use trace::{chrome_trace, send_ends};

@@ -21,7 +21,23 @@ pub struct SliceMessage {
     pub data: Arc<Buffer>,
 }
 
+/// The data of one copy between two devices that share a GPU: it stays in that GPU's memory. The
+/// receiver's stream waits for the sender's copy into it before reading it (cudarc orders every
+/// use of a buffer across the streams of one context).
+pub struct GpuSliceMessage {
+    pub step: u64,
+    pub copy: OpId,
+    pub to: DeviceId,
+    pub data: legion_cuda::Buffer,
+}
+
 pub trait Transport: Send + Sync + 'static {
     /// Hands a slice to the transport; it must reach device `msg.to` eventually. Never blocks.
     fn send(&self, msg: SliceMessage);
+
+    /// Hands a slice in GPU memory to device `msg.to`, a device of this process on the same GPU;
+    /// gives it back where this transport cannot (the sender then stages it through the host).
+    fn send_on_gpu(&self, msg: GpuSliceMessage) -> Result<(), GpuSliceMessage> {
+        Err(msg)
+    }
 }

@@ -10,7 +10,6 @@ use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine};
 use anyhow::{Context, bail};
 use legion_cluster::engine::{self, Engine, JobStart, Place, StepBatch};
-use legion_cluster::hosts::Hosts;
 use legion_cluster::launch;
 use legion_ops::Graph;
 use legion_ops::checkpoint;
@@ -266,7 +265,8 @@ impl Job {
         let shape = check_options(&graph, opts)?;
         let cluster = match &opts.cluster {
             Some(path) => {
-                let hosts = Hosts::load(path)?;
+                let state = launch::state_dir(path, opts.cluster_state.as_deref())?;
+                let hosts = launch::load_hosts(path, &state)?;
                 if opts.devices != 1 && opts.devices != hosts.num_devices() {
                     bail!(
                         "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
@@ -275,7 +275,6 @@ impl Job {
                         hosts.num_devices()
                     );
                 }
-                let state = launch::state_dir(path, opts.cluster_state.as_deref())?;
                 Some((path, hosts, state))
             }
             None => None,

@@ -47,6 +47,29 @@ fn device_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
 }
 
 #[test]
+fn profile_on_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
+    let missing = match gpu_here() {
+        Ok(gpu) => {
+            println!("skipped: a GPU is usable here ({gpu})");
+            return;
+        }
+        Err(missing) => missing,
+    };
+    let out = legion(&[
+        "profile",
+        "--model",
+        "lenet5",
+        "--devices",
+        "2",
+        "--device",
+        "cuda",
+        "--out",
+        "/dev/null",
+    ]);
+    assert_clean_failure(&out, &["--device cuda: ", &missing]);
+}
+
+#[test]
 fn device_auto_with_several_devices_and_no_gpu_runs_them_on_the_cpu() {
     if let Ok(gpu) = gpu_here() {
         println!("skipped: a GPU is usable here ({gpu})");
@@ -96,28 +119,47 @@ fn a_cuda_host_without_a_usable_gpu_fails_up_at_once_naming_what_is_missing() {
         Err(missing) => missing,
     };
     let dir = tempfile::tempdir().unwrap();
-    let hosts = dir.path().join("hosts.toml");
-    std::fs::write(
-        &hosts,
-        format!(
-            "[[host]]\nname = \"gpu0\"\naddress = \"127.0.0.1\"\nport = {}\ndevice = \"cuda\"\n\
-             devices = 2\n",
-            common::free_udp_port()
-        ),
-    )
-    .unwrap();
     let state = dir.path().join("state");
-    let started = std::time::Instant::now();
-    let out = legion(&[
-        "up",
-        hosts.to_str().unwrap(),
-        "--state",
-        state.to_str().unwrap(),
-    ]);
-    // The worker's own error, not the registration timeout.
-    assert_clean_failure(
-        &out,
-        &["worker gpu0", "exited", "--device cuda: ", &missing],
-    );
-    assert!(started.elapsed().as_secs() < 15, "{:?}", started.elapsed());
+    // With a device count, and without one (one device per GPU, counted by the worker).
+    for devices in ["devices = 2\n", ""] {
+        let hosts = dir.path().join("hosts.toml");
+        std::fs::write(
+            &hosts,
+            format!(
+                "[[host]]\nname = \"gpu0\"\naddress = \"127.0.0.1\"\nport = {}\n\
+                 device = \"cuda\"\n{devices}",
+                common::free_udp_port()
+            ),
+        )
+        .unwrap();
+        let started = std::time::Instant::now();
+        let up = [
+            "up",
+            hosts.to_str().unwrap(),
+            "--state",
+            state.to_str().unwrap(),
+        ];
+        let out = legion(&up);
+        // The worker's own error, not the registration timeout.
+        assert_clean_failure(
+            &out,
+            &["worker gpu0", "exited", "--device cuda: ", &missing],
+        );
+        assert!(started.elapsed().as_secs() < 15, "{:?}", started.elapsed());
+        if devices.is_empty() {
+            // Nothing recorded its GPU count: a job on it says to run `up` (or give a count).
+            let out = legion(&[
+                "train",
+                "--model",
+                "lenet5",
+                "--steps",
+                "1",
+                "--cluster",
+                hosts.to_str().unwrap(),
+                "--state",
+                state.to_str().unwrap(),
+            ]);
+            assert_clean_failure(&out, &["host gpu0: device = \"cuda\" without `devices`"]);
+        }
+    }
 }

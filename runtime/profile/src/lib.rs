@@ -1,5 +1,5 @@
 //! The profiler: measures the planner's t_c, and the transport's links, on real steps of the
-//! embedded cluster.
+//! embedded cluster. On a GPU, [`gpu`] times tiles with CUDA events instead.
 //!
 //! Kernels are timed where they really run: inside training steps of N devices that share this
 //! machine's cores and memory, each by its own seconds (see "own seconds" below: the share of the
@@ -71,6 +71,8 @@
 //! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
 //! while it was in flight (the simulator prices those copies).
 
+pub mod gpu;
+
 use legion_ops::data::{DataError, Dataset, Synthetic};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
@@ -101,6 +103,8 @@ pub enum ProfileRunError {
     },
     #[error("--repeats must be at least 1")]
     NoRepeats,
+    #[error("GPU: {0}")]
+    Gpu(String),
 }
 
 /// How to profile.

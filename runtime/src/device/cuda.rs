@@ -7,25 +7,27 @@
 //! actor counts it done at once, and the GPU runs a whole step's ops back to back with no host
 //! round trip between kernels.
 //!
-//! Data leaves and enters through page-locked staging buffers (`legion_cuda::Staging`), one per
-//! `Send` and `Recv` op, kept across steps:
+//! A slice for a device on the same GPU stays in its memory: the submitter gathers it into a
+//! buffer of its own and hands that to the receiver through the transport (`send_on_gpu`); the
+//! receiver's stream waits for the gather before copying out of it (cudarc orders the uses of a
+//! buffer across the streams of one context, and frees it only after its last use). Other slices
+//! leave and enter through page-locked staging buffers (`legion_cuda::Staging`), one per `Send`
+//! and `Recv` op, kept across steps:
 //! - a `Send` enqueues the copy into its staging buffer and passes the buffer to this device's
 //!   **sender** thread, which waits for the copy, hands the slice to the transport and returns
 //!   the buffer; the submitter meanwhile goes on enqueuing, so transfers overlap compute;
 //! - a `Recv`'s data is written into its staging buffer and the copy to the device enqueued.
 //!
-//! Slices between devices go through the host even when both devices share a GPU (a staged copy):
-//! the transport carries host buffers so that the same program runs whether its peer is a device
-//! of this process or of another one.
+//! Between GPUs of one process slices are staged through the host too (no peer copies yet).
 //!
 //! The step ends with `Finish`: the submitter waits for the stream (on its own thread), reads the
 //! losses and the trace's timing events, and tells the actor ([`GpuStepDone`]).
 
-use super::{DeviceActor, GpuStepDone, OpEvent};
+use super::{Arrived, DeviceActor, GpuStepDone, OpEvent};
 use crate::exec::{self, ExecContext, StepInput, TaskOutcome};
 use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
-use crate::transport::{SliceMessage, Transport};
+use crate::transport::{GpuSliceMessage, SliceMessage, Transport};
 use crossbeam_channel::{Receiver, Sender};
 use kameo::actor::ActorRef;
 use legion_cuda::{Buffer, Cuda, Direction, Marker, PendingLoss, Staging, Stream};
@@ -49,7 +51,7 @@ pub(crate) enum Command {
     /// Enqueue op `i` (a task, a fold, a local copy or a send).
     Run(u32),
     /// Enqueue `Recv` op `op` with the data that arrived for it.
-    Store { op: u32, data: Arc<cpu::Buffer> },
+    Store { op: u32, data: Arrived },
     /// Every op of the step has been handed over: report once the stream has run them.
     Finish,
     /// Writes `(instance, rect, data laid out over rect)` into instances (initial values).
@@ -73,8 +75,10 @@ pub(crate) struct GpuQueue {
 impl GpuQueue {
     /// Starts the submitter of `program`'s device on `cuda` (its own stream, its instances
     /// allocated and zeroed), and its sender. Fails if the stream or the instances cannot be had.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         cuda: Arc<Cuda>,
+        neighbours: Arc<[DeviceId]>,
         program: Arc<DeviceProgram>,
         graph: Arc<Graph>,
         seed: u64,
@@ -87,11 +91,17 @@ impl GpuQueue {
         let (outgoing, to_send) = crossbeam_channel::unbounded::<Outgoing>();
         let (give_back, returned) = crossbeam_channel::unbounded();
         let (started, start_result) = std::sync::mpsc::channel();
+        let on_gpu = Arc::clone(&transport);
         std::thread::Builder::new()
             .name(format!("legion-gpu-submit-{device}"))
             .spawn(move || {
-                let submitter =
-                    Submitter::new(cuda, program, graph, seed, sgd, outgoing, returned, buffers);
+                let links = Links {
+                    neighbours,
+                    transport: on_gpu,
+                    outgoing,
+                    returned,
+                };
+                let submitter = Submitter::new(cuda, program, graph, seed, sgd, links, buffers);
                 match submitter {
                     Ok(submitter) => {
                         let _ = started.send(Ok(()));
@@ -174,6 +184,18 @@ struct Trace {
     ops: Vec<(u32, Marker, Marker)>,
 }
 
+/// How a submitter's slices leave it.
+struct Links {
+    /// The devices on this GPU: slices to them stay in its memory.
+    neighbours: Arc<[DeviceId]>,
+    /// Hands those over.
+    transport: Arc<dyn Transport>,
+    /// The rest go to the sender, staged.
+    outgoing: Sender<Outgoing>,
+    /// The sender returns their staging buffers here.
+    returned: Receiver<(u32, Staging)>,
+}
+
 struct Submitter {
     cuda: Arc<Cuda>,
     stream: Stream,
@@ -190,8 +212,7 @@ struct Submitter {
     outbound: Vec<Option<Staging>>,
     /// Per `Send` op: whether the sender holds its staging buffer.
     lent: Vec<bool>,
-    outgoing: Sender<Outgoing>,
-    returned: Receiver<(u32, Staging)>,
+    links: Links,
     /// The host buffers of received slices go back here once staged.
     buffers: Arc<BufferPool>,
     step: Option<Step>,
@@ -205,8 +226,7 @@ impl Submitter {
         graph: Arc<Graph>,
         seed: u64,
         sgd: Sgd,
-        outgoing: Sender<Outgoing>,
-        returned: Receiver<(u32, Staging)>,
+        links: Links,
         buffers: Arc<BufferPool>,
     ) -> Result<Submitter, KernelError> {
         let mut stream = cuda.new_stream()?;
@@ -232,8 +252,7 @@ impl Submitter {
             inbound: (0..ops).map(|_| None).collect(),
             outbound: (0..ops).map(|_| None).collect(),
             lent: vec![false; ops],
-            outgoing,
-            returned,
+            links,
             buffers,
             step: None,
         })
@@ -464,8 +483,37 @@ impl Submitter {
                 to,
             } => {
                 let dtype = self.program.instances[*src as usize].dtype;
-                let mut staging = self.outbound(op, dtype, rect.volume())?;
                 let layout = self.rect(*src);
+                let step = self.step.as_ref().expect("ops run inside a step").step;
+                if self.links.neighbours.contains(to) {
+                    // A buffer of its own each step: the receiver holds it until its copy out of
+                    // it has run (cudarc frees it only then).
+                    let mut slice = self
+                        .cuda
+                        .alloc_zeros(&mut self.stream, dtype, rect.volume())
+                        .map_err(|e| e.to_string())?;
+                    self.cuda.copy_rect(
+                        &mut self.stream,
+                        held(&self.instances, *src),
+                        &layout,
+                        &mut slice,
+                        rect,
+                        rect,
+                    );
+                    let msg = GpuSliceMessage {
+                        step,
+                        copy: *copy,
+                        to: *to,
+                        data: slice,
+                    };
+                    if self.links.transport.send_on_gpu(msg).is_err() {
+                        return Err(format!(
+                            "device {to} shares this GPU but is not in this process"
+                        ));
+                    }
+                    return Ok(());
+                }
+                let mut staging = self.outbound(op, dtype, rect.volume())?;
                 if *rect == layout {
                     self.cuda.stage_out(
                         &mut self.stream,
@@ -486,7 +534,6 @@ impl Submitter {
                         .stage_out(&mut self.stream, &gathered, &mut staging);
                     self.scratch[op as usize] = Some(gathered);
                 }
-                let step = self.step.as_ref().expect("ops run inside a step").step;
                 self.lent[op as usize] = true;
                 let out = Outgoing {
                     op,
@@ -495,7 +542,7 @@ impl Submitter {
                     to: *to,
                     staging,
                 };
-                if self.outgoing.send(out).is_err() {
+                if self.links.outgoing.send(out).is_err() {
                     return Err("the device's sender is gone".into());
                 }
             }
@@ -512,11 +559,12 @@ impl Submitter {
         dtype: legion_ops::backend::DType,
         len: usize,
     ) -> Result<Staging, String> {
-        while let Ok((o, staging)) = self.returned.try_recv() {
+        while let Ok((o, staging)) = self.links.returned.try_recv() {
             self.put_back(o, staging);
         }
         while self.lent[op as usize] {
             let (o, staging) = self
+                .links
                 .returned
                 .recv()
                 .map_err(|_| "the device's sender is gone".to_string())?;
@@ -536,10 +584,21 @@ impl Submitter {
         self.outbound[op as usize] = Some(staging);
     }
 
-    fn store(&mut self, op: u32, data: Arc<cpu::Buffer>) -> Result<(), String> {
+    fn store(&mut self, op: u32, data: Arrived) -> Result<(), String> {
         let program = Arc::clone(&self.program);
         let LocalOpKind::Recv { dst, rect, .. } = &program.ops[op as usize].kind else {
             unreachable!("stores serve receives")
+        };
+        let layout = self.rect(*dst);
+        let data = match data {
+            Arrived::Gpu(slice) => {
+                let mut to = self.take(*dst);
+                self.cuda
+                    .copy_rect(&mut self.stream, &slice, rect, &mut to, &layout, rect);
+                self.instances[*dst as usize] = Some(to);
+                return Ok(());
+            }
+            Arrived::Host(data) => data,
         };
         let dtype = self.program.instances[*dst as usize].dtype;
         let mut staging = match self.inbound[op as usize].take() {
@@ -551,7 +610,6 @@ impl Submitter {
         };
         staging.write(&data).map_err(|e| e.to_string())?;
         self.buffers.give(data);
-        let layout = self.rect(*dst);
         if *rect == layout {
             let mut to = self.take(*dst);
             self.cuda.stage_in(&mut self.stream, &staging, &mut to);
@@ -616,6 +674,8 @@ impl Submitter {
     }
 
     fn load(&mut self, pieces: Vec<(u32, Rect, cpu::Buffer)>) -> Result<(), KernelError> {
+        // Every piece's upload stays alive until the one wait at the end: its copy must have run.
+        let mut uploaded = Vec::with_capacity(pieces.len());
         for (instance, rect, data) in pieces {
             let layout = self.rect(instance);
             let piece = self.cuda.upload(&mut self.stream, &data)?;
@@ -623,10 +683,9 @@ impl Submitter {
             self.cuda
                 .copy_rect(&mut self.stream, &piece, &rect, &mut to, &layout, &rect);
             self.instances[instance as usize] = Some(to);
-            // Wait before `piece` is freed: its copy must have run.
-            self.cuda.synchronize(&mut self.stream)?;
+            uploaded.push(piece);
         }
-        Ok(())
+        self.cuda.synchronize(&mut self.stream)
     }
 
     fn read(&mut self, instance: u32, rect: &Rect) -> Result<cpu::Buffer, KernelError> {

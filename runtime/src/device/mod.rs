@@ -14,13 +14,14 @@
 
 mod cuda;
 
+use crate::analysis::OpId;
 use crate::buffer::{self, Buffer};
 use crate::compute::ComputePool;
 use crate::exec::{self, Access, ExecContext, StepInput, TaskOutcome};
 use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
 use crate::task::Privilege;
-use crate::transport::{SliceMessage, Transport};
+use crate::transport::{GpuSliceMessage, SliceMessage, Transport};
 use cuda::{Command, GpuQueue};
 use kameo::Actor;
 use kameo::actor::ActorRef;
@@ -76,8 +77,12 @@ pub struct DeviceSetup {
 pub enum Compute {
     /// Host memory, kernels on this process's cores (see `compute`).
     Cores(ComputePool),
-    /// Device memory of this GPU, kernels on a stream of the device's own.
-    Gpu(Arc<Cuda>),
+    /// Device memory of this GPU, kernels on a stream of the device's own. `neighbours`: the
+    /// devices of this process on the same GPU (this one included), whose slices stay in its memory.
+    Gpu {
+        cuda: Arc<Cuda>,
+        neighbours: Arc<[DeviceId]>,
+    },
 }
 
 #[derive(Actor)]
@@ -90,7 +95,7 @@ pub struct DeviceActor {
     recv_of: HashMap<u32, u32>,
     step: Option<StepState>,
     /// Slices that arrived before their step started here.
-    early: Vec<SliceMessage>,
+    early: Vec<Incoming>,
     /// Ops ready to run, a stack that `run_ready` drains; kept across calls so that completing an
     /// op allocates nothing.
     ready: Vec<u32>,
@@ -101,7 +106,7 @@ struct StepState {
     input: Arc<StepInput>,
     epoch: Instant,
     remaining: Vec<u32>,
-    arrived: HashMap<u32, Arc<Buffer>>,
+    arrived: HashMap<u32, Arrived>,
     compute_queue: BinaryHeap<Reverse<u32>>,
     busy: bool,
     done: usize,
@@ -127,9 +132,10 @@ impl DeviceActor {
                     .collect();
                 (instances, None)
             }
-            Compute::Gpu(cuda) => {
+            Compute::Gpu { cuda, neighbours } => {
                 let queue = GpuQueue::start(
                     Arc::clone(cuda),
+                    Arc::clone(neighbours),
                     Arc::clone(&setup.program),
                     Arc::clone(&setup.graph),
                     setup.seed,
@@ -256,7 +262,7 @@ impl DeviceActor {
         let state = self.step.as_ref().unwrap();
         self.ready
             .extend((0..program.ops.len() as u32).filter(|&i| state.remaining[i as usize] == 0));
-        let early: Vec<SliceMessage> = std::mem::take(&mut self.early);
+        let early: Vec<Incoming> = std::mem::take(&mut self.early);
         let mut later = Vec::new();
         for m in early {
             if m.step == msg.step {
@@ -270,7 +276,7 @@ impl DeviceActor {
         self.finish_if_done();
     }
 
-    fn deliver(&mut self, msg: SliceMessage, actor: &ActorRef<DeviceActor>) {
+    fn deliver(&mut self, msg: Incoming, actor: &ActorRef<DeviceActor>) {
         let current = self.step.as_ref().map(|s| s.step);
         if current != Some(msg.step) {
             self.early.push(msg);
@@ -314,7 +320,7 @@ impl DeviceActor {
                     expected.0
                 )
             });
-            Arc::new(Buffer::zeros(expected.0, expected.1))
+            Arrived::Host(Arc::new(Buffer::zeros(expected.0, expected.1)))
         };
         state.arrived.insert(msg.copy, data);
         state.remaining[recv as usize] -= 1;
@@ -377,14 +383,16 @@ impl DeviceActor {
                     });
                 }
                 LocalOpKind::Recv { copy, dst, rect } => {
-                    let data = self
-                        .step
-                        .as_mut()
-                        .unwrap()
-                        .arrived
-                        .remove(copy)
-                        .expect("a receive runs after its data arrived");
-                    self.store(*dst, rect, data);
+                    let state = self.step.as_mut().unwrap();
+                    match state.arrived.remove(copy) {
+                        Some(Arrived::Host(data)) => self.store(*dst, rect, data),
+                        Some(Arrived::Gpu(_)) => {
+                            state.error.get_or_insert_with(|| {
+                                format!("copy {copy}: a slice in GPU memory reached a CPU device")
+                            });
+                        }
+                        None => unreachable!("a receive runs after its data arrived"),
+                    }
                 }
                 LocalOpKind::Task { .. } | LocalOpKind::Fold { .. } => unreachable!(),
             }
@@ -674,6 +682,38 @@ pub struct RunStep {
 /// A slice from another device.
 pub struct Deliver(pub SliceMessage);
 
+/// A slice from another device on the same GPU, in its memory.
+pub struct DeliverOnGpu(pub GpuSliceMessage);
+
+/// A slice as it reaches a device.
+pub(crate) struct Incoming {
+    step: u64,
+    copy: OpId,
+    data: Arrived,
+}
+
+/// The data of a slice: host memory, or (between devices sharing a GPU) that GPU's memory.
+pub(crate) enum Arrived {
+    Host(Arc<Buffer>),
+    Gpu(legion_cuda::Buffer),
+}
+
+impl Arrived {
+    fn dtype(&self) -> crate::region::DType {
+        match self {
+            Arrived::Host(b) => b.dtype(),
+            Arrived::Gpu(b) => b.dtype(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Arrived::Host(b) => b.len(),
+            Arrived::Gpu(b) => b.len(),
+        }
+    }
+}
+
 struct ComputeDone {
     op: u32,
     writes: Vec<(u32, Arc<Buffer>, bool)>,
@@ -706,7 +746,24 @@ impl Message<Deliver> for DeviceActor {
 
     async fn handle(&mut self, msg: Deliver, ctx: &mut Context<Self, Self::Reply>) {
         let actor = ctx.actor_ref().clone();
-        self.deliver(msg.0, &actor);
+        let Deliver(SliceMessage {
+            step, copy, data, ..
+        }) = msg;
+        let data = Arrived::Host(data);
+        self.deliver(Incoming { step, copy, data }, &actor);
+    }
+}
+
+impl Message<DeliverOnGpu> for DeviceActor {
+    type Reply = ();
+
+    async fn handle(&mut self, msg: DeliverOnGpu, ctx: &mut Context<Self, Self::Reply>) {
+        let actor = ctx.actor_ref().clone();
+        let DeliverOnGpu(GpuSliceMessage {
+            step, copy, data, ..
+        }) = msg;
+        let data = Arrived::Gpu(data);
+        self.deliver(Incoming { step, copy, data }, &actor);
     }
 }
 

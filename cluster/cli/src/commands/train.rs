@@ -9,8 +9,8 @@ pub struct TrainArgs {
     /// A zoo model name (see `legion-rs models`) or a JSON model file.
     #[arg(long)]
     model: String,
-    /// Number of devices to train on (more than one: the embedded cluster, N CPU devices in this
-    /// process). With --cluster: the cluster's devices.
+    /// Number of devices to train on (more than one: the embedded cluster, N device actors in this
+    /// process, on its GPUs or its cores as --device says). With --cluster: the cluster's devices.
     #[arg(long, default_value_t = 1)]
     devices: usize,
     /// Train on the workers of a running cluster (`legion-rs up HOSTS`) over QUIC, planned with
@@ -68,8 +68,9 @@ pub struct TrainArgs {
     /// One JSON object per step (`step`, `loss`, ...) and a final summary object.
     #[arg(long)]
     json: bool,
-    /// Where to train: `auto` uses a GPU when the run can (one device) and one is usable, else
-    /// the CPU, saying which; `cuda` fails with what is missing rather than use the CPU.
+    /// Where to train: `auto` uses the GPUs when one is usable (N devices spread over them, a
+    /// stream each), else the CPU, saying which; `cuda` fails with what is missing rather than use
+    /// the CPU. With --cluster, each host's `device` decides.
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     device: DeviceKind,
     /// Memory of each device, GiB: the strategy must fit it (a search returns only strategies

@@ -14,9 +14,9 @@ pub struct WorkerArgs {
     /// Address and port to listen on (UDP, QUIC).
     #[arg(long)]
     listen: String,
-    /// Devices this worker runs.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
-    devices: u64,
+    /// Devices this worker runs: a count, or `gpus` (with `--device cuda`): one per GPU it finds.
+    #[arg(long, default_value = "1", value_parser = parse_devices)]
+    devices: WorkerDevices,
     /// Where its devices run: `cuda` spreads them over this host's GPUs (an error without one),
     /// `cpu` on its cores.
     #[arg(long, default_value = "cpu")]
@@ -29,29 +29,64 @@ pub enum WorkerDevice {
     Cuda,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerDevices {
+    Count(usize),
+    /// One device per GPU found.
+    Gpus,
+}
+
+fn parse_devices(s: &str) -> Result<WorkerDevices, String> {
+    match s {
+        "gpus" => Ok(WorkerDevices::Gpus),
+        n => match n.parse::<usize>() {
+            Ok(n) if (1..=legion_cluster::hosts::MAX_DEVICES).contains(&n) => {
+                Ok(WorkerDevices::Count(n))
+            }
+            _ => Err(format!(
+                "expected a count in 1..={} or `gpus`, got '{s}'",
+                legion_cluster::hosts::MAX_DEVICES
+            )),
+        },
+    }
+}
+
 pub fn run(a: WorkerArgs) -> anyhow::Result<()> {
     use anyhow::Context;
     let listen: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&a.listen)
         .with_context(|| format!("--listen {}: expected ADDRESS:PORT", a.listen))?
         .next()
         .with_context(|| format!("--listen {}: resolves to no address", a.listen))?;
+    let (devices, placement) = placement(a.device, a.devices)?;
     run_worker(WorkerConfig {
         name: a.name,
         listen,
         state: a.state,
-        devices: a.devices as usize,
-        placement: placement(a.device, a.devices as usize)?,
+        devices,
+        placement,
     })
 }
 
 /// The worker's devices' placement: for `cuda`, every GPU it can use (as many as it has
 /// devices at most), started before the worker takes requests, so that a host without a usable
 /// GPU fails at `up`, naming what is missing.
-fn placement(device: WorkerDevice, devices: usize) -> anyhow::Result<legion_runtime::Placement> {
+fn placement(
+    device: WorkerDevice,
+    devices: WorkerDevices,
+) -> anyhow::Result<(usize, legion_runtime::Placement)> {
     use crate::device::{DeviceKind, choose, start_gpus};
-    if device == WorkerDevice::Cpu {
-        return Ok(legion_runtime::Placement::Cpu);
-    }
+    let devices = match (device, devices) {
+        (WorkerDevice::Cpu, WorkerDevices::Count(n)) => {
+            return Ok((n, legion_runtime::Placement::Cpu));
+        }
+        (WorkerDevice::Cpu, WorkerDevices::Gpus) => {
+            anyhow::bail!("--devices gpus: one device per GPU needs --device cuda")
+        }
+        (WorkerDevice::Cuda, WorkerDevices::Count(n)) => n,
+        (WorkerDevice::Cuda, WorkerDevices::Gpus) => legion_cuda::probe()
+            .map_err(|missing| anyhow::anyhow!("--device cuda: {missing}"))?
+            .len(),
+    };
     let mut choice = choose(DeviceKind::Cuda, devices, false, legion_cuda::probe)?;
     let started = start_gpus(
         &mut choice,
@@ -61,5 +96,5 @@ fn placement(device: WorkerDevice, devices: usize) -> anyhow::Result<legion_runt
     )?
     .expect("--device cuda starts GPUs or fails");
     eprintln!("{}", choice.line);
-    Ok(started.into_placement())
+    Ok((devices, started.into_placement()))
 }
