@@ -1301,9 +1301,7 @@ fn softmax_cases(h: &mut Harness) {
     .into_iter()
     .enumerate()
     {
-        // The logits view holds exactly the tile's rows, the op's projection: the CPU's
-        // `count_correct` pairs labels with the view's rows from its first, so a larger view
-        // would count other samples there (the GPU reads each tile row's own logits).
+        // The logits view holds exactly the tile's rows, the op's projection.
         let view = Shape::nc(n, classes)
             .full_rect()
             .with_axis(0, rows.0, rows.1);

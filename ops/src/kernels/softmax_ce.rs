@@ -76,22 +76,18 @@ pub fn softmax_ce_backward(
     Ok(())
 }
 
-/// Samples of a tile of logits (rows of all classes) whose largest logit is at the label; the first
-/// maximum wins ties. `labels` are the tile's, as for the other functions here.
-pub fn count_correct(logits: View<'_>, labels: &[u32]) -> usize {
+/// Samples of rows `rows` (the loss tile's) whose largest logit is at the label; the first maximum
+/// wins ties. `labels` are the tile's, as for the other functions here; the logits view may hold
+/// more rows than the tile.
+pub fn count_correct(logits: View<'_>, labels: &[u32], rows: &Rect) -> usize {
     let classes = logits.rect.extent(1);
-    logits
-        .data
-        .chunks_exact(classes)
+    (rows.lo[0]..rows.hi[0])
         .zip(labels)
-        .filter(|&(row, &label)| {
-            let best = row
-                .iter()
-                .enumerate()
-                .fold(
-                    (0, f32::NEG_INFINITY),
-                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-                );
+        .filter(|&(n, &label)| {
+            let best = row(&logits, n, classes).iter().enumerate().fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            );
             best.0 == label as usize
         })
         .count()
@@ -225,6 +221,21 @@ mod tests {
         assert_grad("softmax_ce dlogits", &z, &d, n * k, |z| {
             mean_loss(z, rect, &y)
         });
+    }
+
+    #[test]
+    fn correct_counts_pair_labels_with_the_tiles_rows_in_a_larger_view() {
+        let (n, k) = (6, 4);
+        let full = Shape::nc(n, k).full_rect();
+        // Row r's largest logit is class r % k.
+        let z: Vec<f32> = (0..n * k)
+            .map(|i| if i % k == (i / k) % k { 1.0 } else { 0.0 })
+            .collect();
+        let tile = full.with_axis(0, 2, 5);
+        let right: Vec<u32> = (2..5).map(|r| (r % k) as u32).collect();
+        assert_eq!(count_correct(View::new(full, &z), &right, &tile), 3);
+        let wrong: Vec<u32> = (0..3).map(|r| (r % k) as u32).collect();
+        assert_eq!(count_correct(View::new(full, &z), &wrong, &tile), 0);
     }
 
     #[test]

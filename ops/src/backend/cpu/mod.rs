@@ -340,8 +340,9 @@ impl Backend for Cpu {
         y: Out<Buffer>,
     ) -> Result<LossSums, KernelError> {
         let logits = view(logits);
+        let rows = y.rect;
         let loss_sum = kernels::softmax_ce::softmax_ce_forward(logits, labels, view_mut(y))?;
-        let correct = kernels::softmax_ce::count_correct(logits, labels);
+        let correct = kernels::softmax_ce::count_correct(logits, labels, &rows);
         Ok(LossSums { loss_sum, correct })
     }
 
