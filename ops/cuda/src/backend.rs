@@ -120,6 +120,18 @@ impl Stream {
     pub fn cuda_stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
+
+    /// The first failure to enqueue since the last [`Stream::clear_failure`], if any: work
+    /// enqueued after it was skipped.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+
+    /// Forgets the kept failure, so that later work runs again (a new step after a failed one).
+    /// An error that broke the context itself comes back at the next enqueue or synchronize.
+    pub fn clear_failure(&mut self) -> Option<String> {
+        self.failure.take()
+    }
 }
 
 /// A loss kernel's report: `[loss sum, correct count]` in device memory until read.

@@ -45,8 +45,8 @@ fn pinned<T: DeviceRepr>(
         Direction::ToDevice => CU_MEMHOSTALLOC_WRITECOMBINED,
         Direction::ToHost => 0,
     };
-    // SAFETY: the memory is uninitialised until written; every reader below reads it only after
-    // a copy filled all of it (`Cuda::stage_out`) or the host wrote all of it (`Staging::write`).
+    // SAFETY: the memory is uninitialised until written: `Cuda::staging` zeroes all of it before
+    // anything else can see it.
     unsafe { cuda.context().alloc_pinned_with_flags::<T>(len, flags) }
 }
 
@@ -131,10 +131,17 @@ impl Cuda {
         direction: Direction,
     ) -> Result<Staging, KernelError> {
         let alloc = device_error("page-locked host memory");
-        Ok(match dtype {
-            DType::F32 => Staging::F32(pinned(self, len, direction).map_err(alloc)?),
-            DType::F64 => Staging::F64(pinned(self, len, direction).map_err(alloc)?),
-        })
+        let mut staging = match dtype {
+            DType::F32 => Staging::F32(pinned(self, len, direction).map_err(&alloc)?),
+            DType::F64 => Staging::F64(pinned(self, len, direction).map_err(&alloc)?),
+        };
+        // Zeroed, so that nothing ever reads it uninitialised (a copy into it that a failed
+        // stream skipped leaves zeros, not stale or undefined values).
+        match &mut staging {
+            Staging::F32(p) => p.as_mut_slice().map_err(&alloc)?.fill(0.0),
+            Staging::F64(p) => p.as_mut_slice().map_err(&alloc)?.fill(0.0),
+        }
+        Ok(staging)
     }
 
     /// Enqueues a copy of all of `src` into `staging` (same type and length); read it with

@@ -3,10 +3,13 @@
 //!
 //! On the CPU the profiler times tiles inside real steps and takes the cores' sharing back out
 //! (see the crate docs). A GPU times its own work: a marker (a CUDA event) before a tile's forward
-//! tasks, one between them and its backward tasks and one after, recorded on an otherwise idle
-//! stream, give each phase's GPU time with no host scheduling in it. The tasks are the runtime's
-//! own (`StepPlan`'s programs, run through the same kernel seam), over instances filled with a
-//! fixed pattern: kernel times do not depend on the values.
+//! tasks, one between them and its backward tasks and one after, recorded on a stream of its own,
+//! give each phase's time on the GPU's clock, with no other device's work in it. What the host
+//! does between the markers counts where it holds the stream, as it does in a step: the input
+//! layer's images and the loss's labels are copied from pageable memory (the driver waits for the
+//! stream first), and a tile of kernels shorter than their launches waits on the host. The tasks
+//! are the runtime's own (`StepPlan`'s programs, run through the same kernel seam), over instances
+//! filled with a fixed pattern: kernel times do not depend on the values.
 //!
 //! A tile is timed once per profile key (the same op over the same shapes is the same kernel,
 //! whichever strategy or device asked for it), after `warmup` untimed runs (cuDNN's algorithm

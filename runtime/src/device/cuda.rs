@@ -22,6 +22,13 @@
 //!
 //! The step ends with `Finish`: the submitter waits for the stream (on its own thread), reads the
 //! losses and the trace's timing events, and tells the actor ([`GpuStepDone`]).
+//!
+//! A failure fails its step, never the device: an op's error or panic is kept for the step's
+//! report, instances are lent to ops in place (a panic cannot lose one), a send that failed still
+//! hands its receiver zeros of the right size (so no device waits forever), and the next step
+//! starts with the stream's kept failure cleared. Errors cudarc records on the context the
+//! devices of a GPU share (from drops and event records) are reported by whichever of them
+//! synchronizes next.
 
 use super::{Arrived, DeviceActor, GpuStepDone, OpEvent};
 use crate::exec::{self, ExecContext, StepInput, TaskOutcome};
@@ -141,18 +148,18 @@ struct Outgoing {
 }
 
 /// The sender: waits for each outgoing copy, in the order enqueued, hands its data to the
-/// transport and the staging buffer back to the submitter.
+/// transport and the staging buffer back to the submitter. Whatever goes wrong, the receiver gets
+/// a slice of the right size (zeros, with the submitter's step failing), never nothing.
 fn send_staged(
     to_send: Receiver<Outgoing>,
     give_back: Sender<(u32, Staging)>,
     transport: Arc<dyn Transport>,
 ) {
     while let Ok(out) = to_send.recv() {
-        let data = out.staging.read().unwrap_or_else(|e| {
-            // The submitter's stream failed too and its step reports the error; the receiver
-            // still gets a slice of the right size rather than waiting forever.
+        let (dtype, len) = (out.staging.dtype(), out.staging.len());
+        let data = caught(|| out.staging.read().map_err(|e| e.to_string())).unwrap_or_else(|e| {
             tracing::error!(copy = out.copy, "staged slice unreadable: {e}");
-            cpu::Buffer::zeros(out.staging.dtype(), out.staging.len())
+            cpu::Buffer::zeros(dtype, len)
         });
         transport.send(SliceMessage {
             step: out.step,
@@ -174,6 +181,10 @@ struct Step {
     losses: Vec<PendingLoss>,
     error: Option<String>,
     trace: Option<Trace>,
+    /// Slices other devices on this GPU handed over, kept until the stream has run the step: a
+    /// slice dropped earlier would make its sender's stream wait for this one (cudarc frees a
+    /// buffer on its own stream once its last reader is done).
+    received: Vec<Buffer>,
 }
 
 /// Timing events around each op of a traced step.
@@ -188,7 +199,7 @@ struct Trace {
 struct Links {
     /// The devices on this GPU: slices to them stay in its memory.
     neighbours: Arc<[DeviceId]>,
-    /// Hands those over.
+    /// Hands those over, and the zeros a failed send leaves its receiver.
     transport: Arc<dyn Transport>,
     /// The rest go to the sender, staged.
     outgoing: Sender<Outgoing>,
@@ -203,7 +214,8 @@ struct Submitter {
     graph: Arc<Graph>,
     seed: u64,
     sgd: Sgd,
-    instances: Vec<Option<Buffer>>,
+    /// Lent to ops in place (never taken out), so that a failing op cannot lose one.
+    instances: Vec<Buffer>,
     /// Per op: the device buffer it gathers into or stages through, kept across steps.
     scratch: Vec<Option<Buffer>>,
     /// Per `Recv` op: its inbound staging buffer.
@@ -233,10 +245,7 @@ impl Submitter {
         let instances = program
             .instances
             .iter()
-            .map(|i| {
-                cuda.alloc_zeros(&mut stream, i.dtype, i.rect.volume())
-                    .map(Some)
-            })
+            .map(|i| cuda.alloc_zeros(&mut stream, i.dtype, i.rect.volume()))
             .collect::<Result<Vec<_>, _>>()?;
         cuda.synchronize(&mut stream)?;
         let ops = program.ops.len();
@@ -260,17 +269,7 @@ impl Submitter {
 
     fn serve(mut self, inbox: Receiver<Command>) {
         while let Ok(command) = inbox.recv() {
-            // A panic in one op fails the step, not the device: the actor still hears of the end.
-            let outcome =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(command)));
-            if let Err(panic) = outcome {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                self.fail(format!("panicked: {what}"));
-            }
+            self.handle(command);
         }
     }
 
@@ -283,6 +282,9 @@ impl Submitter {
                 trace,
                 actor,
             } => {
+                // A failure fails its step; the next one starts afresh (an error that broke the
+                // context comes back at once).
+                self.stream.clear_failure();
                 let trace = trace.then(|| {
                     let start_at = epoch.elapsed().as_secs_f64();
                     self.cuda.mark(&self.stream).map(|start| Trace {
@@ -302,31 +304,36 @@ impl Submitter {
                     losses: Vec::new(),
                     error,
                     trace,
+                    received: Vec::new(),
                 });
             }
             Command::Run(op) => self.timed(op, |s| s.run(op)),
             Command::Store { op, data } => self.timed(op, |s| s.store(op, data)),
             Command::Finish => self.finish(),
             Command::Load(pieces, reply) => {
-                let _ = reply.send(self.load(pieces).map_err(|e| e.to_string()));
+                let loaded = caught(|| self.load(pieces).map_err(|e| e.to_string()));
+                let _ = reply.send(loaded);
             }
             Command::Read {
                 instance,
                 rect,
                 reply,
             } => {
-                let _ = reply.send(self.read(instance, &rect).map_err(|e| e.to_string()));
+                let read = caught(|| self.read(instance, &rect).map_err(|e| e.to_string()));
+                let _ = reply.send(read);
             }
         }
     }
 
-    /// Enqueues op `op` with `enqueue`, between timing markers when the step is traced.
+    /// Enqueues op `op` with `enqueue`, between timing markers when the step is traced. A failure
+    /// (an error or a panic) fails the step, and a send that failed still delivers zeros, so
+    /// that its receiver ends the step too rather than wait for it.
     fn timed(&mut self, op: u32, enqueue: impl FnOnce(&mut Self) -> Result<(), String>) {
         let traced = self.step.as_ref().is_some_and(|s| s.trace.is_some());
         let before = traced.then(|| self.cuda.mark(&self.stream));
-        let result = enqueue(self);
-        if let Err(e) = result {
-            self.fail(e);
+        if let Err(e) = caught(|| enqueue(self)) {
+            self.fail(format!("{}: {e}", self.describe(op)));
+            self.send_zeros(op);
         }
         if let Some(before) = before {
             match (before, self.cuda.mark(&self.stream)) {
@@ -337,6 +344,40 @@ impl Submitter {
                 (Err(e), _) | (_, Err(e)) => self.fail(e.to_string()),
             }
         }
+    }
+
+    fn describe(&self, op: u32) -> String {
+        match &self.program.ops[op as usize].kind {
+            LocalOpKind::Task { task, .. } => task.label(&self.graph),
+            LocalOpKind::Copy { .. } => format!("copy (op {op})"),
+            LocalOpKind::Fold { .. } => format!("fold (op {op})"),
+            LocalOpKind::Send { copy, to, .. } => format!("send of copy {copy} to device {to}"),
+            LocalOpKind::Recv { copy, .. } => format!("receive of copy {copy}"),
+        }
+    }
+
+    /// If op `op` is a send, hands its receiver zeros of the slice's size.
+    fn send_zeros(&self, op: u32) {
+        let LocalOpKind::Send {
+            copy,
+            src,
+            rect,
+            to,
+            ..
+        } = &self.program.ops[op as usize].kind
+        else {
+            return;
+        };
+        let Some(step) = &self.step else {
+            return;
+        };
+        let dtype = self.program.instances[*src as usize].dtype;
+        self.links.transport.send(SliceMessage {
+            step: step.step,
+            copy: *copy,
+            to: *to,
+            data: Arc::new(cpu::Buffer::zeros(dtype, rect.volume())),
+        });
     }
 
     fn fail(&mut self, error: String) {
@@ -350,12 +391,6 @@ impl Submitter {
 
     fn rect(&self, instance: u32) -> Rect {
         self.program.instances[instance as usize].rect
-    }
-
-    fn take(&mut self, instance: u32) -> Buffer {
-        self.instances[instance as usize]
-            .take()
-            .unwrap_or_else(|| panic!("instance {instance} taken twice"))
     }
 
     /// Op `op`'s scratch buffer, `len` values of `dtype` (allocated on first use).
@@ -378,13 +413,17 @@ impl Submitter {
         let program = Arc::clone(&self.program);
         match &program.ops[op as usize].kind {
             LocalOpKind::Task { task, instances } => {
-                let mut written: Vec<(u32, Buffer)> = task
+                let wanted: Vec<(u32, bool)> = task
                     .requirements
                     .iter()
                     .zip(instances)
-                    .filter(|(req, _)| req.privilege.writes())
-                    .map(|(_, &i)| (i, self.take(i)))
+                    .map(|(req, &i)| (i, req.privilege.writes()))
                     .collect();
+                let mut lent = lend(&mut self.instances, &wanted);
+                let access = wanted
+                    .iter()
+                    .map(|&(i, _)| lent.access(i))
+                    .collect::<Vec<_>>();
                 let step = self.step.as_mut().expect("ops run inside a step");
                 let ctx = ExecContext {
                     graph: &self.graph,
@@ -392,41 +431,16 @@ impl Submitter {
                     sgd: self.sgd,
                     input: &step.input,
                 };
-                let mut writes = written.iter_mut();
-                let access = task
-                    .requirements
-                    .iter()
-                    .zip(instances)
-                    .map(|(req, &i)| {
-                        if req.privilege.writes() {
-                            Access::Write(&mut writes.next().unwrap().1)
-                        } else {
-                            Access::Read(held(&self.instances, i))
-                        }
-                    })
-                    .collect();
-                let result = exec::enqueue(&*self.cuda, &mut self.stream, &ctx, task, access);
-                for (i, b) in written {
-                    self.instances[i as usize] = Some(b);
-                }
-                match result {
-                    Ok(Some(loss)) => step.losses.push(loss),
-                    Ok(None) => {}
-                    Err(e) => return Err(format!("{}: {e}", task.label(&self.graph))),
-                }
+                let loss = exec::enqueue(&*self.cuda, &mut self.stream, &ctx, task, access)
+                    .map_err(|e| e.to_string())?;
+                step.losses.extend(loss);
             }
             LocalOpKind::Copy { src, dst, rect } => {
                 let (src_layout, dst_layout) = (self.rect(*src), self.rect(*dst));
-                let mut to = self.take(*dst);
-                self.cuda.copy_rect(
-                    &mut self.stream,
-                    held(&self.instances, *src),
-                    &src_layout,
-                    &mut to,
-                    &dst_layout,
-                    rect,
-                );
-                self.instances[*dst as usize] = Some(to);
+                let mut lent = lend(&mut self.instances, &[(*src, false), (*dst, true)]);
+                let (from, to) = (lent.read(*src), lent.write(*dst));
+                self.cuda
+                    .copy_rect(&mut self.stream, from, &src_layout, to, &dst_layout, rect);
             }
             LocalOpKind::Fold {
                 srcs,
@@ -435,46 +449,49 @@ impl Submitter {
                 accumulate,
             } => {
                 let layout = self.rect(*dst);
-                let mut to = self.take(*dst);
+                // Fallible allocation first: nothing is lent yet.
+                let zeros = match (*accumulate, srcs.is_empty(), *rect == layout) {
+                    (false, true, false) => {
+                        let dtype = self.program.instances[*dst as usize].dtype;
+                        Some(self.scratch(op, dtype, rect.volume())?)
+                    }
+                    _ => None,
+                };
+                let mut wanted: Vec<(u32, bool)> = srcs.iter().map(|&s| (s, false)).collect();
+                wanted.push((*dst, true));
+                let mut lent = lend(&mut self.instances, &wanted);
+                let to = lent.write(*dst);
+                let rect_of = |i: u32| program.instances[i as usize].rect;
                 let mut terms = srcs.iter();
                 if !accumulate {
-                    match terms.next() {
-                        Some(&first) => self.cuda.copy_rect(
+                    match (terms.next(), zeros) {
+                        (Some(&first), _) => self.cuda.copy_rect(
                             &mut self.stream,
-                            held(&self.instances, first),
-                            &program.instances[first as usize].rect,
-                            &mut to,
+                            lent.read(first),
+                            &rect_of(first),
+                            to,
                             &layout,
                             rect,
                         ),
-                        None if *rect == layout => self.cuda.zero(&mut self.stream, &mut to),
-                        None => {
-                            let dtype = self.program.instances[*dst as usize].dtype;
-                            let mut zeros = self.scratch(op, dtype, rect.volume())?;
+                        (None, Some(mut zeros)) => {
                             self.cuda.zero(&mut self.stream, &mut zeros);
-                            self.cuda.copy_rect(
-                                &mut self.stream,
-                                &zeros,
-                                rect,
-                                &mut to,
-                                &layout,
-                                rect,
-                            );
+                            self.cuda
+                                .copy_rect(&mut self.stream, &zeros, rect, to, &layout, rect);
                             self.scratch[op as usize] = Some(zeros);
                         }
+                        (None, None) => self.cuda.zero(&mut self.stream, to),
                     }
                 }
                 for &term in terms {
                     self.cuda.add_rect(
                         &mut self.stream,
-                        held(&self.instances, term),
-                        &program.instances[term as usize].rect,
-                        &mut to,
+                        lent.read(term),
+                        &rect_of(term),
+                        to,
                         &layout,
                         rect,
                     );
                 }
-                self.instances[*dst as usize] = Some(to);
             }
             LocalOpKind::Send {
                 copy,
@@ -486,20 +503,15 @@ impl Submitter {
                 let layout = self.rect(*src);
                 let step = self.step.as_ref().expect("ops run inside a step").step;
                 if self.links.neighbours.contains(to) {
-                    // A buffer of its own each step: the receiver holds it until its copy out of
-                    // it has run (cudarc frees it only then).
+                    // A buffer of its own each step: the receiver holds it until its stream has
+                    // run the copy out of it (cudarc frees it only then).
                     let mut slice = self
                         .cuda
                         .alloc_zeros(&mut self.stream, dtype, rect.volume())
                         .map_err(|e| e.to_string())?;
-                    self.cuda.copy_rect(
-                        &mut self.stream,
-                        held(&self.instances, *src),
-                        &layout,
-                        &mut slice,
-                        rect,
-                        rect,
-                    );
+                    let from = &self.instances[*src as usize];
+                    self.cuda
+                        .copy_rect(&mut self.stream, from, &layout, &mut slice, rect, rect);
                     let msg = GpuSliceMessage {
                         step,
                         copy: *copy,
@@ -514,25 +526,31 @@ impl Submitter {
                     return Ok(());
                 }
                 let mut staging = self.outbound(op, dtype, rect.volume())?;
-                if *rect == layout {
-                    self.cuda.stage_out(
-                        &mut self.stream,
-                        held(&self.instances, *src),
-                        &mut staging,
-                    );
-                } else {
-                    let mut gathered = self.scratch(op, dtype, rect.volume())?;
-                    self.cuda.copy_rect(
-                        &mut self.stream,
-                        held(&self.instances, *src),
-                        &layout,
-                        &mut gathered,
-                        rect,
-                        rect,
-                    );
-                    self.cuda
-                        .stage_out(&mut self.stream, &gathered, &mut staging);
-                    self.scratch[op as usize] = Some(gathered);
+                let gathered = match *rect == layout {
+                    true => None,
+                    false => Some(self.scratch(op, dtype, rect.volume())?),
+                };
+                let from = &self.instances[*src as usize];
+                match gathered {
+                    None => self.cuda.stage_out(&mut self.stream, from, &mut staging),
+                    Some(mut gathered) => {
+                        self.cuda.copy_rect(
+                            &mut self.stream,
+                            from,
+                            &layout,
+                            &mut gathered,
+                            rect,
+                            rect,
+                        );
+                        self.cuda
+                            .stage_out(&mut self.stream, &gathered, &mut staging);
+                        self.scratch[op as usize] = Some(gathered);
+                    }
+                }
+                // A copy the failed stream skipped would ship the buffer's old contents.
+                if let Some(failure) = self.stream.failure() {
+                    self.outbound[op as usize] = Some(staging);
+                    return Err(format!("the stream failed before it: {failure}"));
                 }
                 self.lent[op as usize] = true;
                 let out = Outgoing {
@@ -543,6 +561,7 @@ impl Submitter {
                     staging,
                 };
                 if self.links.outgoing.send(out).is_err() {
+                    self.lent[op as usize] = false;
                     return Err("the device's sender is gone".into());
                 }
             }
@@ -592,10 +611,11 @@ impl Submitter {
         let layout = self.rect(*dst);
         let data = match data {
             Arrived::Gpu(slice) => {
-                let mut to = self.take(*dst);
+                let to = &mut self.instances[*dst as usize];
                 self.cuda
-                    .copy_rect(&mut self.stream, &slice, rect, &mut to, &layout, rect);
-                self.instances[*dst as usize] = Some(to);
+                    .copy_rect(&mut self.stream, &slice, rect, to, &layout, rect);
+                let step = self.step.as_mut().expect("ops run inside a step");
+                step.received.push(slice);
                 return Ok(());
             }
             Arrived::Host(data) => data,
@@ -608,23 +628,27 @@ impl Submitter {
                 .staging(dtype, rect.volume(), Direction::ToDevice)
                 .map_err(|e| e.to_string())?,
         };
-        staging.write(&data).map_err(|e| e.to_string())?;
+        let landed = match *rect == layout {
+            true => None,
+            false => Some(self.scratch(op, dtype, rect.volume())),
+        };
+        let written = staging.write(&data).map_err(|e| e.to_string());
         self.buffers.give(data);
-        if *rect == layout {
-            let mut to = self.take(*dst);
-            self.cuda.stage_in(&mut self.stream, &staging, &mut to);
-            self.instances[*dst as usize] = Some(to);
-        } else {
-            let mut landed = self.scratch(op, dtype, rect.volume())?;
-            self.cuda.stage_in(&mut self.stream, &staging, &mut landed);
-            let mut to = self.take(*dst);
-            self.cuda
-                .copy_rect(&mut self.stream, &landed, rect, &mut to, &layout, rect);
-            self.instances[*dst as usize] = Some(to);
-            self.scratch[op as usize] = Some(landed);
-        }
+        let stored = written.and_then(|()| {
+            let to = &mut self.instances[*dst as usize];
+            match landed.transpose()? {
+                None => self.cuda.stage_in(&mut self.stream, &staging, to),
+                Some(mut landed) => {
+                    self.cuda.stage_in(&mut self.stream, &staging, &mut landed);
+                    self.cuda
+                        .copy_rect(&mut self.stream, &landed, rect, to, &layout, rect);
+                    self.scratch[op as usize] = Some(landed);
+                }
+            }
+            Ok(())
+        });
         self.inbound[op as usize] = Some(staging);
-        Ok(())
+        stored
     }
 
     fn finish(&mut self) {
@@ -632,36 +656,38 @@ impl Submitter {
             tracing::error!("a GPU device was told to finish outside a step");
             return;
         };
-        let synced = self.cuda.synchronize(&mut self.stream);
-        let mut outcome = TaskOutcome::default();
-        let mut events = Vec::new();
-        match synced {
+        // Whatever happens here, the actor hears of the step's end.
+        let read = caught(|| {
+            self.cuda
+                .synchronize(&mut self.stream)
+                .map_err(|e| e.to_string())?;
+            let mut outcome = TaskOutcome::default();
+            for loss in step.losses.drain(..) {
+                let sums = self.cuda.read_loss(loss);
+                outcome.loss_sum += sums.loss_sum;
+                outcome.correct += sums.correct;
+            }
+            let mut events = Vec::new();
+            if let Some(trace) = &step.trace {
+                for (op, before, after) in &trace.ops {
+                    let at = |m: &Marker| m.seconds_since(&trace.start).map_err(|e| e.to_string());
+                    events.push(OpEvent {
+                        op: *op,
+                        start: trace.start_at + at(before)?,
+                        end: trace.start_at + at(after)?,
+                    });
+                }
+            }
+            Ok((outcome, events))
+        });
+        step.received.clear();
+        let (outcome, events) = match read {
+            Ok(read) => read,
             Err(e) => {
-                step.error.get_or_insert(e.to_string());
+                step.error.get_or_insert(e);
+                Default::default()
             }
-            Ok(()) => {
-                for loss in step.losses.drain(..) {
-                    let sums = self.cuda.read_loss(loss);
-                    outcome.loss_sum += sums.loss_sum;
-                    outcome.correct += sums.correct;
-                }
-                if let Some(trace) = &step.trace {
-                    for (op, before, after) in &trace.ops {
-                        let at = |m: &Marker| m.seconds_since(&trace.start);
-                        match (at(before), at(after)) {
-                            (Ok(start), Ok(end)) => events.push(OpEvent {
-                                op: *op,
-                                start: trace.start_at + start,
-                                end: trace.start_at + end,
-                            }),
-                            (Err(e), _) | (_, Err(e)) => {
-                                step.error.get_or_insert(e.to_string());
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        };
         let done = GpuStepDone {
             step: step.step,
             outcome,
@@ -674,42 +700,140 @@ impl Submitter {
     }
 
     fn load(&mut self, pieces: Vec<(u32, Rect, cpu::Buffer)>) -> Result<(), KernelError> {
+        self.stream.clear_failure();
         // Every piece's upload stays alive until the one wait at the end: its copy must have run.
         let mut uploaded = Vec::with_capacity(pieces.len());
         for (instance, rect, data) in pieces {
             let layout = self.rect(instance);
             let piece = self.cuda.upload(&mut self.stream, &data)?;
-            let mut to = self.take(instance);
+            let to = &mut self.instances[instance as usize];
             self.cuda
-                .copy_rect(&mut self.stream, &piece, &rect, &mut to, &layout, &rect);
-            self.instances[instance as usize] = Some(to);
+                .copy_rect(&mut self.stream, &piece, &rect, to, &layout, &rect);
             uploaded.push(piece);
         }
         self.cuda.synchronize(&mut self.stream)
     }
 
     fn read(&mut self, instance: u32, rect: &Rect) -> Result<cpu::Buffer, KernelError> {
+        self.stream.clear_failure();
         let layout = self.rect(instance);
         let dtype = self.program.instances[instance as usize].dtype;
         let mut piece = self
             .cuda
             .alloc_zeros(&mut self.stream, dtype, rect.volume())?;
-        self.cuda.copy_rect(
-            &mut self.stream,
-            held(&self.instances, instance),
-            &layout,
-            &mut piece,
-            rect,
-            rect,
-        );
+        let from = &self.instances[instance as usize];
+        self.cuda
+            .copy_rect(&mut self.stream, from, &layout, &mut piece, rect, rect);
         self.cuda.synchronize(&mut self.stream)?;
         self.cuda.download(&mut self.stream, &piece)
     }
 }
 
-/// Instance `instance`, which no op is writing.
-fn held(instances: &[Option<Buffer>], instance: u32) -> &Buffer {
-    instances[instance as usize]
-        .as_ref()
-        .unwrap_or_else(|| panic!("instance {instance} is being written"))
+/// Instances lent to one op, in place.
+struct Lent<'a, T> {
+    shared: Vec<(u32, &'a T)>,
+    exclusive: Vec<(u32, Option<&'a mut T>)>,
+}
+
+impl<'a, T> Lent<'a, T> {
+    fn read(&self, i: u32) -> &'a T {
+        let found = self.shared.iter().find(|(j, _)| *j == i);
+        found
+            .unwrap_or_else(|| panic!("instance {i} was not lent to read"))
+            .1
+    }
+
+    fn write(&mut self, i: u32) -> &'a mut T {
+        let found = self.exclusive.iter_mut().find(|(j, _)| *j == i);
+        let slot = found.unwrap_or_else(|| panic!("instance {i} was not lent to write"));
+        slot.1
+            .take()
+            .unwrap_or_else(|| panic!("instance {i} written twice"))
+    }
+
+    fn access(&mut self, i: u32) -> Access<'a, T> {
+        match self.shared.iter().any(|(j, _)| *j == i) {
+            true => Access::Read(self.read(i)),
+            false => Access::Write(self.write(i)),
+        }
+    }
+}
+
+/// Lends the instances `wanted` names, `(index, writes)`, all at once and in place: a panic in the
+/// op that uses them leaves every instance in the table. An op never reads and writes one
+/// instance (the analysis orders every access; checked here).
+fn lend<'a, T>(instances: &'a mut [T], wanted: &[(u32, bool)]) -> Lent<'a, T> {
+    let mut order: Vec<(u32, bool)> = wanted.to_vec();
+    order.sort_unstable();
+    order.dedup();
+    let mut lent = Lent {
+        shared: Vec::with_capacity(order.len()),
+        exclusive: Vec::with_capacity(order.len()),
+    };
+    let mut rest: &'a mut [T] = instances;
+    let mut next = 0u32;
+    for (k, &(i, writes)) in order.iter().enumerate() {
+        assert!(
+            order.get(k + 1).is_none_or(|&(j, _)| j != i),
+            "instance {i} both read and written by one op"
+        );
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((i - next) as usize);
+        let (one, tail) = tail
+            .split_first_mut()
+            .unwrap_or_else(|| panic!("no instance {i}"));
+        rest = tail;
+        next = i + 1;
+        match writes {
+            true => lent.exclusive.push((i, Some(one))),
+            false => lent.shared.push((i, &*one)),
+        }
+    }
+    lent
+}
+
+/// `f`, its panic turned into an error (the device lives on).
+fn caught<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(format!("panicked: {what}"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_op_reads_and_writes_several_instances_at_once_in_place() {
+        let mut table: Vec<String> = (0..6).map(|i| format!("i{i}")).collect();
+        {
+            let mut lent = lend(&mut table, &[(4, true), (1, false), (1, false), (3, true)]);
+            // A read lent twice is one shared borrow; writes are exclusive, once each.
+            assert_eq!(lent.read(1), "i1");
+            lent.write(4).push_str(" written");
+            lent.write(3).push_str(" too");
+            assert!(matches!(lent.access(1), Access::Read(s) if s == "i1"));
+        }
+        assert_eq!(table, ["i0", "i1", "i2", "i3 too", "i4 written", "i5"]);
+    }
+
+    #[test]
+    #[should_panic(expected = "instance 2 both read and written by one op")]
+    fn an_instance_read_and_written_by_one_op_is_refused() {
+        let mut table = vec![0u8; 4];
+        lend(&mut table, &[(2, false), (2, true)]);
+    }
+
+    #[test]
+    #[should_panic(expected = "instance 3 written twice")]
+    fn an_instance_is_written_once_per_op() {
+        let mut table = vec![0u8; 4];
+        let mut lent = lend(&mut table, &[(3, true)]);
+        lent.write(3);
+        lent.write(3);
+    }
 }
