@@ -15,8 +15,9 @@
 # LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps), single-GPU training throughput side by
 # side with PyTorch in the same run (strict FP32, then TF32: legion-rs --tf32, torch's allow_tf32)
 # for AlexNet 224 b128, VGG-16 224 b64, Inception-v3 299 b64, AlexNet's step on 4 devices sharing
-# the GPU under data, owt and optcnn, and a GPU profile of the three models ($OUT/profile-*.json,
-# tiles of 4 devices at 32 samples each, for `plan --profile`).
+# the GPU under data, owt and optcnn, and a GPU profile of the three models for the paper's
+# machine ($OUT/profile-paper.json: every tile shape of 16 devices at 32 samples each, for
+# `plan --machine paper --profile`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -107,15 +108,6 @@ PY
             failures+=("alexnet 4 devices $strategy")
         fi
     done
-    echo "=== GPU profile: every tile of 4 devices at 32 samples each, alone, CUDA events"
-    for run in alexnet:224 vgg16:224 inception_v3:299; do
-        IFS=: read -r model image <<<"$run"
-        if ! timeout 300 "$dir/legion-rs" profile --device cuda --model "$model" --image-size "$image" \
-            --batch 128 --classes 1000 --devices 4 --strategies data,model,owt,optcnn \
-            --warmup 2 --repeats 5 --out "$out/profile-$model.json" 2>&1 | tee "$out/profile-$model.log"; then
-            failures+=("profile $model")
-        fi
-    done
     echo "=== throughput, PyTorch on the same GPU (strict FP32, then TF32)"
     for tf32 in "" --tf32; do
         "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 inception_v3:299:64 $tf32 \
@@ -138,6 +130,22 @@ for key in sorted(set(ours) | set(peer)):
     fmt = lambda v: f"{v:.1f}" if v else "-"
     print(f"| {key[0]} | {'TF32' if key[1] else 'FP32'} | {fmt(a)} | {fmt(b)} | {ratio} |")
 PY
+    echo "=== GPU profile for the paper's machine: every tile shape the searches may give each layer on"
+    echo "    16 devices at 32 samples each, alone, CUDA events; one file for the three models"
+    for run in alexnet:224 vgg16:224 inception_v3:299; do
+        IFS=: read -r model image <<<"$run"
+        if ! timeout 300 "$dir/legion-rs" profile --device cuda --machine paper --strategies space \
+            --model "$model" --image-size "$image" --batch 512 --classes 1000 --warmup 1 \
+            --repeats 3 --merge --out "$out/profile-paper.json" 2>&1 | tee "$out/profile-$model.log"; then
+            failures+=("profile $model")
+        fi
+    done
+    for run in alexnet:224 vgg16:224 inception_v3:299; do
+        IFS=: read -r model image <<<"$run"
+        "$dir/legion-rs" plan --model "$model" --image-size "$image" --batch 512 --classes 1000 \
+            --machine paper --search all --profile "$out/profile-paper.json" 2>&1 \
+            | tail -14 | tee -a "$out/plan-paper-profiled.txt"
+    done
     if [ ${#failures[@]} -gt 0 ]; then
         echo "FAILED: ${failures[*]}"
         exit 1

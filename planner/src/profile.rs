@@ -58,6 +58,11 @@
 //! the size of the thread pool the actors share. [`ProfileDb::apply_to`] puts them into the machine
 //! model, where the simulator reads them.
 //!
+//! `measured_on` is optional: where and when the times were taken (`{"device": "...", "software":
+//! "...", "date": "2026-11-26", "command": "..."}`), as the GPU profiler records it. Entries measured
+//! on one GPU may be stored under another machine's device kind (`profile --device-kind p100`), so
+//! that the paper's machine is priced with this GPU's kernels; `measured_on` says which GPU it was.
+//!
 //! [`fold_bytes`]: crate::machine::fold_bytes
 //! [`update_bytes`]: crate::machine::update_bytes
 //! [`OpSpec::project`]: legion_ops::op::OpSpec::project
@@ -90,6 +95,30 @@ pub struct ProfileEntry {
 
 fn one() -> u32 {
     1
+}
+
+impl ProfileEntry {
+    /// The measured times of tile `tile_out` of `layer` on a device of kind `device_kind`.
+    pub fn for_tile(
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device_kind: &str,
+        times: PhaseTimes,
+        samples: u32,
+    ) -> ProfileEntry {
+        let key = ProfileKey::for_tile(layer, inputs, tile_out, device_kind);
+        ProfileEntry {
+            op: key.op,
+            attrs: op_attrs(layer),
+            inputs: key.inputs,
+            tile: key.tile,
+            device_kind: key.device_kind,
+            forward_s: times.forward,
+            backward_s: times.backward,
+            samples,
+        }
+    }
 }
 
 impl ProfileEntry {
@@ -258,6 +287,23 @@ pub struct ProfileDb {
     /// The measured cost of the runtime's dispatch, folds and updates.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<RuntimeCosts>,
+    /// Where and when the entries were measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_on: Option<MeasuredOn>,
+}
+
+/// Where and when a profile was measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeasuredOn {
+    /// The device (`cuda:0 NVIDIA H100 80GB HBM3, 79.2 GiB, sm_90`).
+    pub device: String,
+    /// Driver and library versions.
+    pub software: String,
+    /// `YYYY-MM-DD`, UTC.
+    pub date: String,
+    /// The command that measured it, to regenerate it.
+    pub command: String,
 }
 
 impl Default for ProfileDb {
@@ -268,11 +314,33 @@ impl Default for ProfileDb {
             links: None,
             compute_threads: None,
             runtime: None,
+            measured_on: None,
         }
     }
 }
 
 impl ProfileDb {
+    /// Adds measurements, each replacing an earlier one with the same key: one pass over the
+    /// entries however many are added ([`ProfileDb::insert`] looks each one up).
+    pub fn insert_all(&mut self, entries: impl IntoIterator<Item = ProfileEntry>) {
+        let mut at: HashMap<ProfileKey, usize> = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.key(), i))
+            .collect();
+        for entry in entries {
+            let key = entry.key();
+            match at.get(&key) {
+                Some(&i) => self.entries[i] = entry,
+                None => {
+                    at.insert(key, self.entries.len());
+                    self.entries.push(entry);
+                }
+            }
+        }
+    }
+
     /// Adds a measurement, replacing an earlier one with the same key.
     pub fn insert(&mut self, entry: ProfileEntry) {
         let key = entry.key();
@@ -292,17 +360,14 @@ impl ProfileDb {
         times: PhaseTimes,
         samples: u32,
     ) {
-        let key = ProfileKey::for_tile(layer, inputs, tile_out, device_kind);
-        self.insert(ProfileEntry {
-            op: key.op,
-            attrs: op_attrs(layer),
-            inputs: key.inputs,
-            tile: key.tile,
-            device_kind: key.device_kind,
-            forward_s: times.forward,
-            backward_s: times.backward,
+        self.insert(ProfileEntry::for_tile(
+            layer,
+            inputs,
+            tile_out,
+            device_kind,
+            times,
             samples,
-        });
+        ));
     }
 
     pub fn to_json(&self) -> String {
@@ -539,6 +604,34 @@ mod tests {
         let roofline = RooflineCost::new(&machine).compute_time(layer, &inputs, &other, 1);
         assert_eq!(t, roofline);
         assert_eq!((cost.hits(), cost.misses()), (2, 1));
+    }
+
+    #[test]
+    fn inserting_many_at_once_equals_inserting_each() {
+        let g = conv_graph();
+        let c = g.find("c").unwrap();
+        let (layer, inputs) = (g.layer(c), g.input_shapes(c));
+        let entry = |rows: usize, forward: f64| {
+            let tile = Rect::new(&[0, 0, 0, 0], &[8, 16, rows, 32]);
+            let times = PhaseTimes {
+                forward,
+                backward: 2.0 * forward,
+            };
+            ProfileEntry::for_tile(layer, &inputs, &tile, "h100", times, 3)
+        };
+        let batch = [entry(8, 1.0), entry(16, 2.0), entry(8, 3.0), entry(32, 4.0)];
+        let mut each = ProfileDb::default();
+        each.insert(entry(16, 9.0));
+        let mut all = each.clone();
+        for e in batch.clone() {
+            each.insert(e);
+        }
+        all.insert_all(batch);
+        assert_eq!(all, each);
+        // the later of two equal keys wins, in the first one's place
+        assert_eq!(all.entries.len(), 3);
+        assert_eq!(all.entries[1].forward_s, 3.0);
+        assert_eq!(all.entries[0].forward_s, 2.0);
     }
 
     #[test]

@@ -159,3 +159,84 @@ fn bad_profile_arguments_name_the_flag() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("/nonexistent-dir/p.json"), "{err}");
 }
+
+/// `space` covers every configuration the searches may give each layer on `--machine`, so that a
+/// plan there is priced from the profile alone; `--merge` keeps several models in one file.
+#[test]
+fn a_profile_of_the_space_prices_every_strategy_and_merges_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let db_path = dir.path().join("space.json");
+    let db_file = db_path.to_str().unwrap();
+    let profile = |model: &str, extra: &[&str]| {
+        let mut args = vec![
+            "profile",
+            "--model",
+            model,
+            "--machine",
+            "local-cpu:2",
+            "--batch",
+            "8",
+            "--strategies",
+            "space",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            db_file,
+        ];
+        args.extend(extra);
+        legion(&args)
+    };
+    let out = profile("lenet5", &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lenet = ProfileDb::load(&db_path).unwrap().entries.len();
+    // Every strategy the planner finds for that machine is priced from measured tiles only.
+    for search in ["optcnn", "data", "model", "owt"] {
+        let out = legion(&[
+            "plan",
+            "--model",
+            "lenet5",
+            "--batch",
+            "8",
+            "--machine",
+            "local-cpu:2",
+            "--search",
+            search,
+            "--profile",
+            db_file,
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains(" 0 priced by the roofline model"),
+            "{search}: {}",
+            stderr(&out)
+        );
+    }
+    let out = profile("alexnet", &["--image-size", "64", "--merge"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let merged = ProfileDb::load(&db_path).unwrap();
+    // AlexNet's conv1 (11×11) beside LeNet-5's tiles.
+    let conv1 = merged
+        .entries
+        .iter()
+        .any(|e| e.op == "conv2d" && e.attrs["kernel"] == serde_json::json!([11, 11]));
+    assert!(
+        conv1 && merged.entries.len() > lenet,
+        "{} entries",
+        merged.entries.len()
+    );
+
+    let out = profile("lenet5", &["--devices", "3"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--devices 3 but --machine local-cpu:2 has 2 devices"));
+    let out = profile("lenet5", &["--tiles-only"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--tiles-only: on the CPU"),
+        "{}",
+        stderr(&out)
+    );
+}

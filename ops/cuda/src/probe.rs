@@ -228,6 +228,31 @@ pub fn nvrtc_version() -> Result<(i32, i32), ProbeError> {
     }
 }
 
+/// The CUDA driver's, cuDNN's and NVRTC's versions in one line (`CUDA driver 13.0, cuDNN
+/// 9.13.0, NVRTC 13.0`), once [`probe`] has found them; what the profiles measured on a GPU record.
+pub fn software_versions() -> Result<String, ProbeError> {
+    require(Library::Driver)?;
+    require(Library::Cudnn)?;
+    let mut driver = 0;
+    // SAFETY: the library is present; the call only writes the integer.
+    let status = unsafe { driver_sys::cuDriverGetVersion(&mut driver) };
+    if status != driver_sys::CUresult::CUDA_SUCCESS {
+        return Err(ProbeError::DriverInit(format!(
+            "cuDriverGetVersion: {status:?}"
+        )));
+    }
+    let cudnn = cudarc::cudnn::result::get_version();
+    let (nvrtc_major, nvrtc_minor) = nvrtc_version()?;
+    Ok(format!(
+        "CUDA driver {}.{}, cuDNN {}.{}.{}, NVRTC {nvrtc_major}.{nvrtc_minor}",
+        driver / 1000,
+        driver % 1000 / 10,
+        cudnn / 10000,
+        cudnn % 10000 / 100,
+        cudnn % 100
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

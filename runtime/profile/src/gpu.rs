@@ -25,7 +25,7 @@ use legion_cuda::{Cuda, Direction, Marker, Stream};
 use legion_ops::backend::{Access, Backend, DType, KernelError, cpu};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
-use legion_planner::profile::ProfileKey;
+use legion_planner::profile::{ProfileEntry, ProfileKey};
 use legion_planner::{ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::{DeviceProgram, LocalOpKind};
@@ -56,13 +56,16 @@ pub struct GpuProfile {
     pub copies: CopyRates,
 }
 
-/// Profiles `graph` on `devices` devices sharing GPU `cuda` under each named strategy.
+/// Profiles the tiles of `graph` that `devices` devices compute under each named strategy, each
+/// tile alone on GPU `cuda`; with `run_steps`, also each strategy's steps on `devices` GPU device
+/// actors sharing that GPU (its `StrategyRun::step_s`; empty without).
 pub fn profile_on_gpu(
     graph: &Graph,
     devices: usize,
     strategies: &[(String, Vec<ParallelConfig>)],
     cuda: &Arc<Cuda>,
     settings: &crate::ProfileSettings,
+    run_steps: bool,
 ) -> Result<GpuProfile, ProfileRunError> {
     if settings.repeats == 0 {
         return Err(ProfileRunError::NoRepeats);
@@ -71,7 +74,7 @@ pub fn profile_on_gpu(
     let (images, labels) = synthetic_batch(graph, settings.seed)?;
     let input = StepInput::whole(0, images.clone(), labels.clone(), graph.batch());
     let mut stream = cuda.new_stream().map_err(device)?;
-    let mut db = ProfileDb::default();
+    let mut entries: Vec<ProfileEntry> = Vec::new();
     let mut seen: HashSet<ProfileKey> = HashSet::new();
     let params = ParamStore::init(graph, settings.seed);
     let placement = Placement::Gpus(vec![Arc::clone(cuda)]);
@@ -111,16 +114,24 @@ pub fn profile_on_gpu(
                 let times = run
                     .time(&mut stream, &forward, &backward, settings)
                     .map_err(|e| ProfileRunError::Gpu(format!("{name}: {}: {e}", l.name)))?;
-                db.record(
+                entries.push(ProfileEntry::for_tile(
                     l,
                     &inputs,
                     &tile,
                     &settings.device_kind,
                     times,
                     settings.repeats as u32,
-                );
+                ));
                 tiles += 1;
             }
+        }
+        if !run_steps {
+            runs.push(StrategyRun {
+                name: name.clone(),
+                step_s: Vec::new(),
+                tasks: tiles,
+            });
+            continue;
         }
         // The strategy's whole step on GPU device actors, for comparison with the simulation.
         let state = legion_ops::train::TrainingState::start(params.clone());
@@ -154,6 +165,8 @@ pub fn profile_on_gpu(
         });
     }
     let copies = copy_rates(cuda, &mut stream).map_err(device)?;
+    let mut db = ProfileDb::default();
+    db.insert_all(entries);
     Ok(GpuProfile { db, runs, copies })
 }
 

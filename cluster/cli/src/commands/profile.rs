@@ -27,13 +27,29 @@ pub struct ProfileArgs {
     /// Number of classes for zoo models (default: the model's own).
     #[arg(long)]
     classes: Option<usize>,
-    /// Embedded devices to profile on (tiles are timed while this many devices share the cores).
+    /// Embedded devices to profile on (tiles are timed while this many devices share the cores);
+    /// with --machine, that machine's device count.
     #[arg(long)]
-    devices: usize,
+    devices: Option<usize>,
+    /// The machine whose strategies' tiles to profile (a preset or machine file, as `plan
+    /// --machine`): searches plan for it, and `space` covers its configurations. Default: the
+    /// embedded cluster of --devices devices.
+    #[arg(long)]
+    machine: Option<String>,
     /// Strategies to run, comma-separated: searches (data, model, owt, optcnn) or strategy files.
-    /// Each contributes the tiles its configs use.
+    /// Each contributes the tiles its configs use. `space` stands for every degree vector the
+    /// searches may give each layer (strategy k gives every layer its k-th), so that a profile
+    /// prices any strategy the planner finds.
     #[arg(long, value_delimiter = ',', default_value = "data,model,owt,optcnn")]
     strategies: Vec<String>,
+    /// On a GPU: time the tiles only, not the strategies' steps (always so for `space`, whose
+    /// strategies are not meant to run).
+    #[arg(long)]
+    tiles_only: bool,
+    /// Keep the entries of an existing --out file (a measured tile replaces its entry there), so
+    /// that one file can hold the profiles of several models.
+    #[arg(long)]
+    merge: bool,
     /// Untimed steps per strategy before measuring.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
@@ -63,42 +79,60 @@ pub struct ProfileArgs {
 }
 
 pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
-    if a.devices == 0 {
-        bail!("--devices must be at least 1");
-    }
     if a.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
     if a.strategies.iter().any(|s| s.is_empty()) {
         bail!("--strategies: empty name in '{}'", a.strategies.join(","));
     }
+    let machine = match (&a.machine, a.devices) {
+        (Some(spec), devices) => {
+            let machine = legion_planner::machine_file::resolve_machine(spec)?;
+            if let Some(d) = devices.filter(|&d| d != machine.num_devices()) {
+                bail!(
+                    "--devices {d} but --machine {spec} has {} devices; leave --devices out",
+                    machine.num_devices()
+                );
+            }
+            machine
+        }
+        (None, Some(0)) => bail!("--devices must be at least 1"),
+        (None, Some(devices)) => embedded_machine(devices)?,
+        (None, None) => bail!("give --devices N (the embedded cluster) or --machine"),
+    };
     let graph = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
-    let machine = embedded_machine(a.devices)?;
-    let strategies = a
-        .strategies
-        .iter()
-        .map(|s| {
-            Ok((
+    let mut strategies = Vec::new();
+    for s in &a.strategies {
+        if s == "space" {
+            strategies.extend(space_strategies(&graph, &machine));
+        } else {
+            strategies.push((
                 s.clone(),
                 choose_strategy_for("--strategies", &graph, &machine, s)?,
-            ))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut choice = device::choose(a.device, a.devices, false, legion_cuda::probe)?;
+            ));
+        }
+    }
+    let devices = machine.num_devices();
+    let mut choice = device::choose(a.device, devices, false, legion_cuda::probe)?;
     let math = match a.tf32 {
         true => legion_cuda::Math::Tf32,
         false => legion_cuda::Math::StrictFp32,
     };
-    let gpus = device::start_gpus(&mut choice, a.device, a.devices, math)?;
+    let gpus = device::start_gpus(&mut choice, a.device, devices, math)?;
     if !a.json {
         println!("{}", choice.line);
     }
     if let Some(gpus) = gpus {
-        return profile_on_gpu(&a, &graph, &strategies, gpus);
+        return profile_on_gpu(&a, &graph, &machine, &strategies, gpus);
+    }
+    if a.tiles_only {
+        bail!(
+            "--tiles-only: on the CPU tiles are timed inside the strategies' steps (a GPU times them alone)"
+        );
     }
     // each strategy's cluster, one at a time, before any of them allocates
     for (_, configs) in &strategies {
-        legion_cluster::memory::check_this_host(&graph, Some((configs, a.devices)))?;
+        legion_cluster::memory::check_this_host(&graph, Some((configs, devices)))?;
     }
     let settings = ProfileSettings {
         warmup: a.warmup,
@@ -109,9 +143,9 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|| machine.device(0).kind.clone()),
         seed: a.seed,
     };
-    let measured = profile::profile(&graph, a.devices, &strategies, &settings)
-        .with_context(|| format!("profiling {} on {} device(s)", graph.name, a.devices))?;
-    measured.db.save(&a.out)?;
+    let measured = profile::profile(&graph, devices, &strategies, &settings)
+        .with_context(|| format!("profiling {} on {} device(s)", graph.name, devices))?;
+    save(&a, measured.db.clone())?;
 
     let db = &measured.db;
     let mean_ms = |s: &[f64]| 1e3 * s.iter().sum::<f64>() / s.len().max(1) as f64;
@@ -123,7 +157,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             .collect();
         println!(
             "{}",
-            json!({"model": graph.name, "devices": a.devices, "batch": a.batch,
+            json!({"model": graph.name, "devices": devices, "batch": a.batch,
                    "entries": db.entries.len(), "links": db.links, "strategies": runs,
                    "out": a.out.display().to_string()})
         );
@@ -131,7 +165,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     }
     println!(
         "profiled {} at batch {} on {} embedded device(s), {} warm-up + {} measured step(s) each",
-        graph.name, a.batch, a.devices, a.warmup, a.repeats
+        graph.name, a.batch, devices, a.warmup, a.repeats
     );
     println!(
         "{:<12} {:>14} {:>12}",
@@ -159,39 +193,133 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `profile` on a GPU: the devices share its first GPU, as `train --devices N` runs them.
+/// Every tile shape the searches may give each layer on `machine`, as strategies: strategy k gives
+/// each layer its k-th layout (degree vector; its last where it has fewer) on the first devices.
+/// Where on the machine a layout sits changes no tile's shape, so these tiles price every config.
+fn space_strategies(
+    graph: &legion_ops::Graph,
+    machine: &legion_planner::MachineModel,
+) -> Vec<(String, Vec<legion_planner::ParallelConfig>)> {
+    let layouts: Vec<Vec<legion_planner::ParallelConfig>> = graph
+        .layers()
+        .iter()
+        .map(|l| {
+            let space = legion_planner::ConfigSpace::enumerate(
+                &l.shape,
+                l.op.spec().parallel_dims(&l.shape),
+                machine.num_devices(),
+            );
+            (0..space.layouts().len())
+                .map(|k| space.config(space.layout_configs(k).start))
+                .collect()
+        })
+        .collect();
+    let most = layouts.iter().map(Vec::len).max().unwrap_or(0);
+    (0..most)
+        .map(|k| {
+            let configs = layouts.iter().map(|l| l[k.min(l.len() - 1)]).collect();
+            (format!("space-{k}"), configs)
+        })
+        .collect()
+}
+
+/// Writes `db` to --out, atomically; with --merge, over the entries already there.
+fn save(a: &ProfileArgs, db: legion_planner::ProfileDb) -> anyhow::Result<()> {
+    let db = match a.merge && a.out.exists() {
+        true => {
+            let mut kept = legion_planner::ProfileDb::load(&a.out)?;
+            kept.insert_all(db.entries);
+            kept.links = db.links.or(kept.links);
+            kept.compute_threads = db.compute_threads.or(kept.compute_threads);
+            kept.runtime = db.runtime.or(kept.runtime);
+            kept.measured_on = db.measured_on.or(kept.measured_on);
+            kept
+        }
+        false => db,
+    };
+    db.save(&a.out)?;
+    Ok(())
+}
+
+/// Today, `YYYY-MM-DD` in UTC.
+fn utc_date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    date_of(secs)
+}
+
+/// The civil date (proleptic Gregorian, UTC) of `secs` seconds after 1970-01-01, by counting
+/// 400-year eras from 0000-03-01 (so that leap days end a year).
+fn date_of(secs: u64) -> String {
+    let days = (secs / 86_400) as i64 + 719_468;
+    let era = days.div_euclid(146_097);
+    let day_of_era = days.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let mp = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// `profile` on a GPU: each tile alone, then (unless --tiles-only, or for `space`) each
+/// strategy's steps on its devices sharing the first GPU, as `train --devices N` runs them.
 fn profile_on_gpu(
     a: &ProfileArgs,
     graph: &legion_ops::Graph,
+    machine: &legion_planner::MachineModel,
     strategies: &[(String, Vec<legion_planner::ParallelConfig>)],
     gpus: device::StartedGpus,
 ) -> anyhow::Result<()> {
+    let devices = machine.num_devices();
     let gpu = gpus.info[0].clone();
-    for (_, configs) in strategies {
-        device::check_gpus_fit(graph, configs, a.devices, std::slice::from_ref(&gpu))?;
+    let run_steps = !a.tiles_only && !a.strategies.iter().any(|s| s == "space");
+    if run_steps {
+        for (_, configs) in strategies {
+            device::check_gpus_fit(graph, configs, devices, std::slice::from_ref(&gpu))?;
+        }
     }
     let legion_runtime::Placement::Gpus(cudas) = gpus.into_placement() else {
         unreachable!("started GPUs place devices on GPUs")
     };
+    // Entries price the devices of the machine they are for: that machine's kind with --machine,
+    // else the GPU's own model (H100s are what the project's GPUs are).
+    let device_kind = match (&a.device_kind, &a.machine) {
+        (Some(kind), _) => kind.clone(),
+        (None, Some(_)) => machine.device(0).kind.clone(),
+        (None, None) => "h100".into(),
+    };
     let settings = ProfileSettings {
         warmup: a.warmup,
         repeats: a.repeats,
-        device_kind: a.device_kind.clone().unwrap_or_else(|| "h100".into()),
+        device_kind,
         seed: a.seed,
     };
-    let measured = profile::gpu::profile_on_gpu(graph, a.devices, strategies, &cudas[0], &settings)
-        .with_context(|| format!("profiling {} on {gpu}", graph.name))?;
-    measured.db.save(&a.out)?;
+    let mut measured =
+        profile::gpu::profile_on_gpu(graph, devices, strategies, &cudas[0], &settings, run_steps)
+            .with_context(|| format!("profiling {} on {gpu}", graph.name))?;
+    let software = legion_cuda::probe::software_versions().unwrap_or_else(|e| e.to_string());
+    let math = if a.tf32 { "TF32" } else { "strict FP32" };
+    measured.db.measured_on = Some(legion_planner::profile::MeasuredOn {
+        device: format!("{gpu}, {math}"),
+        software,
+        date: utc_date(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    });
+    save(a, measured.db.clone())?;
     let mean_ms = |s: &[f64]| 1e3 * s.iter().sum::<f64>() / s.len().max(1) as f64;
     if a.json {
         let runs: Vec<_> = measured
             .runs
             .iter()
-            .map(|r| json!({"strategy": r.name, "mean_step_ms": mean_ms(&r.step_s), "tiles": r.tasks}))
+            .map(|r| json!({"strategy": r.name, "mean_step_ms": (!r.step_s.is_empty()).then(|| mean_ms(&r.step_s)), "tiles": r.tasks}))
             .collect();
         println!(
             "{}",
-            json!({"model": graph.name, "devices": a.devices, "batch": a.batch,
+            json!({"model": graph.name, "devices": devices, "batch": a.batch,
                    "gpu": gpu.to_string(), "tf32": a.tf32, "device_kind": settings.device_kind,
                    "entries": measured.db.entries.len(), "copies": measured.copies,
                    "strategies": runs, "out": a.out.display().to_string()})
@@ -199,21 +327,29 @@ fn profile_on_gpu(
         return Ok(());
     }
     println!(
-        "profiled {} at batch {} on {gpu}: each tile alone ({} warm-up + {} timed runs), then \
-         each strategy's steps on {} device(s) sharing the GPU",
-        graph.name, a.batch, a.warmup, a.repeats, a.devices
+        "profiled {} at batch {} on {gpu}: each tile of {} device(s) alone ({} warm-up + {} timed \
+         runs){}",
+        graph.name,
+        a.batch,
+        devices,
+        a.warmup,
+        a.repeats,
+        if run_steps {
+            ", then each strategy's steps on the devices sharing the GPU"
+        } else {
+            ""
+        }
     );
     println!(
         "{:<12} {:>14} {:>12}",
         "strategy", "mean step ms", "new tiles"
     );
     for r in &measured.runs {
-        println!(
-            "{:<12} {:>14.2} {:>12}",
-            r.name,
-            mean_ms(&r.step_s),
-            r.tasks
-        );
+        let step = match r.step_s.is_empty() {
+            true => "-".to_string(),
+            false => format!("{:.2}", mean_ms(&r.step_s)),
+        };
+        println!("{:<12} {:>14} {:>12}", r.name, step, r.tasks);
     }
     let c = measured.copies;
     println!(
@@ -227,4 +363,17 @@ fn profile_on_gpu(
     );
     println!("wrote {}", a.out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_are_civil_utc_dates_leap_days_included() {
+        assert_eq!(date_of(0), "1970-01-01");
+        assert_eq!(date_of(951_782_400), "2000-02-29");
+        assert_eq!(date_of(1_795_651_200 + 86_399), "2026-11-26");
+        assert_eq!(date_of(4_107_542_400), "2100-03-01");
+    }
 }
