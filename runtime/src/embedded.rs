@@ -67,9 +67,16 @@ impl Placement {
     pub fn gpu_of(&self, d: usize, n: usize) -> Option<usize> {
         match self {
             Placement::Cpu => None,
-            Placement::Gpus(gpus) => Some(d * gpus.len() / n.max(1)),
+            Placement::Gpus(gpus) => Some(gpu_of(d, n, gpus.len())),
         }
     }
+}
+
+/// The GPU of device `d` when `devices` devices are spread over `gpus` GPUs: `d·g/n`, so that
+/// consecutive devices (which the planner numbers node by node) share a GPU and every GPU gets
+/// a device where there are at least as many devices as GPUs.
+pub fn gpu_of(d: usize, devices: usize, gpus: usize) -> usize {
+    d * gpus / devices.max(1)
 }
 
 /// What one distributed step measured.

@@ -173,7 +173,7 @@ pub fn check_gpus_fit(
         let on_gpu: Vec<&memory::DeviceMemory> = needs
             .iter()
             .enumerate()
-            .filter(|(d, _)| d * gpus.len() / devices.max(1) == g)
+            .filter(|&(d, _)| legion_runtime::gpu_of(d, devices, gpus.len()) == g)
             .map(|(_, need)| need)
             .collect();
         let bytes: u64 = on_gpu.iter().map(|n| n.bytes).sum();

@@ -7,7 +7,7 @@
 //! so that a caller can show a run its own way.
 
 use crate::device::{self, DeviceKind};
-use crate::machine::{cluster_machine, embedded_machine};
+use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
 use anyhow::{Context, bail};
 use legion_cluster::engine::{self, Engine, JobStart, Place, StepBatch};
 use legion_cluster::launch;
@@ -287,13 +287,28 @@ impl Job {
             Some(gib) => machine.with_device_memory_gib(gib),
             None => Ok(machine),
         };
+        // First: an embedded run on GPUs is planned for them.
+        let mut device =
+            device::choose(opts.device, devices, cluster.is_some(), legion_cuda::probe)?;
+        let math = if opts.tf32 {
+            legion_cuda::Math::Tf32
+        } else {
+            legion_cuda::Math::StrictFp32
+        };
+        let gpus = device::start_gpus(&mut device, opts.device, devices, math)?;
         let (configs, place) = if distributed {
             let (machine, place) = match &cluster {
                 Some((path, hosts, state)) => (
                     cluster_machine(hosts, state)?,
                     format!("{} worker(s) of {}", hosts.hosts.len(), path.display()),
                 ),
-                None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
+                None => match &gpus {
+                    Some(started) => (
+                        gpus_machine(devices, &started.info, opts.tf32)?,
+                        "embedded device(s) on GPUs".to_string(),
+                    ),
+                    None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
+                },
             };
             let machine = with_memory(machine)?;
             let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
@@ -310,14 +325,6 @@ impl Job {
             )?;
             (serial, "one device".to_string())
         };
-        let mut device =
-            device::choose(opts.device, devices, cluster.is_some(), legion_cuda::probe)?;
-        let math = if opts.tf32 {
-            legion_cuda::Math::Tf32
-        } else {
-            legion_cuda::Math::StrictFp32
-        };
-        let gpus = device::start_gpus(&mut device, opts.device, devices, math)?;
         // Before any weight is allocated: a model too large must get an error, not an abort. The
         // workers of a cluster check their own devices when the job reaches them; on a GPU the
         // host keeps only the job's state and the device's share goes to the GPU's memory.

@@ -6,7 +6,7 @@
 
 use crate::device::{self, DeviceKind};
 use crate::job::choose_strategy_for;
-use crate::machine::embedded_machine;
+use crate::machine::{embedded_machine, gpus_machine};
 use anyhow::{Context, bail};
 use clap::Args;
 use legion_profile::{self as profile, ProfileSettings};
@@ -71,9 +71,9 @@ pub struct ProfileArgs {
     /// On a GPU: profile TF32 tensor-core products and convolutions instead of strict FP32.
     #[arg(long)]
     tf32: bool,
-    /// The machine model's device kind the entries are stored under (default: `cpu` on the CPU,
-    /// `h100` on a GPU); `plan --profile` prices a machine's devices with the entries of their
-    /// kind (`p100` for the paper's machine).
+    /// The machine model's device kind the entries are stored under (default: --machine's, else
+    /// `cpu` on the CPU and `h100` on a GPU, `h100-tf32` with --tf32); `plan --profile` prices a
+    /// machine's devices with the entries of their kind (`p100` for the paper's machine).
     #[arg(long)]
     device_kind: Option<String>,
 }
@@ -84,6 +84,23 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     }
     if a.strategies.iter().any(|s| s.is_empty()) {
         bail!("--strategies: empty name in '{}'", a.strategies.join(","));
+    }
+    let devices = match (&a.machine, a.devices) {
+        (Some(spec), _) => legion_planner::machine_file::resolve_machine(spec)?.num_devices(),
+        (None, Some(0)) => bail!("--devices must be at least 1"),
+        (None, Some(devices)) => devices,
+        (None, None) => bail!("give --devices N (the embedded cluster) or --machine"),
+    };
+    // The profile's devices share one GPU: the first.
+    let first_gpu = || legion_cuda::probe().map(|gpus| gpus.into_iter().take(1).collect());
+    let mut choice = device::choose(a.device, devices, false, first_gpu)?;
+    let math = match a.tf32 {
+        true => legion_cuda::Math::Tf32,
+        false => legion_cuda::Math::StrictFp32,
+    };
+    let gpus = device::start_gpus(&mut choice, a.device, devices, math)?;
+    if !a.json {
+        println!("{}", choice.line);
     }
     let machine = match (&a.machine, a.devices) {
         (Some(spec), devices) => {
@@ -96,9 +113,11 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             }
             machine
         }
-        (None, Some(0)) => bail!("--devices must be at least 1"),
-        (None, Some(devices)) => embedded_machine(devices)?,
-        (None, None) => bail!("give --devices N (the embedded cluster) or --machine"),
+        // Planned for the devices sharing the GPU, as `train` plans them.
+        (None, _) => match &gpus {
+            Some(started) => gpus_machine(devices, &started.info, a.tf32)?,
+            None => embedded_machine(devices)?,
+        },
     };
     let graph = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
     let mut strategies = Vec::new();
@@ -111,16 +130,6 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
                 choose_strategy_for("--strategies", &graph, &machine, s)?,
             ));
         }
-    }
-    let devices = machine.num_devices();
-    let mut choice = device::choose(a.device, devices, false, legion_cuda::probe)?;
-    let math = match a.tf32 {
-        true => legion_cuda::Math::Tf32,
-        false => legion_cuda::Math::StrictFp32,
-    };
-    let gpus = device::start_gpus(&mut choice, a.device, devices, math)?;
-    if !a.json {
-        println!("{}", choice.line);
     }
     if let Some(gpus) = gpus {
         return profile_on_gpu(&a, &graph, &machine, &strategies, gpus);
@@ -285,13 +294,12 @@ fn profile_on_gpu(
     let legion_runtime::Placement::Gpus(cudas) = gpus.into_placement() else {
         unreachable!("started GPUs place devices on GPUs")
     };
-    // Entries price the devices of the machine they are for: that machine's kind with --machine,
-    // else the GPU's own model (H100s are what the project's GPUs are).
-    let device_kind = match (&a.device_kind, &a.machine) {
-        (Some(kind), _) => kind.clone(),
-        (None, Some(_)) => machine.device(0).kind.clone(),
-        (None, None) => "h100".into(),
-    };
+    // Entries price the devices of the machine they are for: --machine's, else the GPU's own
+    // (`h100`, `h100-tf32` with --tf32, as `dgx-h100` and its TF32 machine file name them).
+    let device_kind = a
+        .device_kind
+        .clone()
+        .unwrap_or_else(|| machine.device(0).kind.clone());
     let settings = ProfileSettings {
         warmup: a.warmup,
         repeats: a.repeats,
