@@ -68,6 +68,49 @@ fn random(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
         .collect()
 }
 
+/// A random valid strategy in the larger space: a random config per layer and, on a conv2d or
+/// dense layer whose blocks leave devices to spare, a random reduction split (its partials on
+/// the blocks' devices times the split, from device 0).
+fn random_with_reductions(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
+    let mut rng = legion_ops::rng::Rng::new(seed);
+    graph
+        .ids()
+        .map(|id| {
+            let l = graph.layer(id);
+            let space =
+                ConfigSpace::enumerate(&l.shape, l.op.spec().parallel_dims(&l.shape), DEVICES);
+            let config = space.config((rng.next_u64() % space.len() as u64) as usize);
+            let channels = l.op.spec().reduction_channels(&graph.input_shapes(id));
+            let spare = DEVICES / config.total();
+            let choices: Vec<usize> = [1, 2, 4]
+                .into_iter()
+                .filter(|&r| r == 1 || (r <= spare && channels.is_some_and(|c| r <= c)))
+                .collect();
+            let red = choices[(rng.next_u64() % choices.len() as u64) as usize];
+            match red {
+                1 => config,
+                red => config.with_reduction(red).with_first_device(0),
+            }
+        })
+        .collect()
+}
+
+fn reduction_strategies(graph: &Graph) -> Vec<(&'static str, Vec<ParallelConfig>)> {
+    let names = ["red-1", "red-2", "red-3", "red-4"];
+    let strategies: Vec<_> = names
+        .iter()
+        .zip(11..)
+        .map(|(&name, seed)| (name, random_with_reductions(graph, seed)))
+        .collect();
+    let split = strategies
+        .iter()
+        .flat_map(|(_, c)| c)
+        .filter(|c| c.reduction() > 1)
+        .count();
+    assert!(split > 0, "{}: no layer drew a reduction split", graph.name);
+    strategies
+}
+
 /// Largest |a − b| over the largest |b|, per tensor.
 fn relative_error(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
@@ -265,4 +308,20 @@ fn an_op_added_by_the_recipe_trains_the_same_under_every_strategy() {
     m.softmax_cross_entropy("loss", y).unwrap();
     let g = m.finish();
     assert_same_training(&g, &all_strategies(&g));
+}
+
+/// Reduction splits (partial sums over input channels, summed before the activation) on conv2d
+/// and dense layers, with and without batch norm after them: the same network as one device.
+#[test]
+fn reduction_splits_train_the_same_network() {
+    for graph in [model("lenet5", 28), model("alexnet", 64), small_bn_net()] {
+        let strategies = reduction_strategies(&graph);
+        assert_same_training(&graph, &strategies);
+    }
+}
+
+#[test]
+fn inception_with_reduction_splits_matches_one_device() {
+    let g = model("inception_v3_reduced", 32);
+    assert_same_training(&g, &reduction_strategies(&g));
 }

@@ -10,6 +10,7 @@
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.
 
+use crate::op::partial_param_rect;
 use crate::partition::{DeviceId, ParallelConfig, tile_rect};
 use crate::{Graph, LayerId};
 
@@ -78,11 +79,17 @@ pub fn per_device(
 pub fn tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig, tile: usize) -> u64 {
     let l = graph.layer(layer);
     let out = tile_rect(&l.shape, config, tile);
-    let mut bytes = 2 * out.volume() as u64 * F32_BYTES;
-    for p in &graph.layer_params(layer) {
+    // A reduction split's partial holds its block's partial sum and that sum's gradient (the
+    // first partial also the block's output and output gradient), and its channels' weights.
+    let (r, red) = (config.reduction_of(tile), config.reduction());
+    let blocks = if red > 1 && r == 0 { 4 } else { 2 };
+    let mut bytes = blocks * out.volume() as u64 * F32_BYTES;
+    for (i, p) in graph.layer_params(layer).iter().enumerate() {
         let copies = if p.trainable { 3 } else { 1 };
-        let slice = l.op.spec().param_rect(p, &out).volume() as u64;
-        bytes = bytes.saturating_add(copies * slice * F32_BYTES);
+        let Some(slice) = partial_param_rect(l.op.spec(), i, p, &out, r, red) else {
+            continue;
+        };
+        bytes = bytes.saturating_add(copies * slice.volume() as u64 * F32_BYTES);
     }
     bytes
 }

@@ -8,6 +8,13 @@
 //! `first_device` a multiple of the total degree. Tiles are numbered row-major over the dims n, c,
 //! h, w (w fastest).
 //!
+//! A fifth degree, `red` (reduction splits, beyond the paper's space), splits a conv or dense
+//! layer's input channels: each of a block's `red` tiles reads a block of the input channels and
+//! the matching block of the weight, and computes a full-size partial sum of the block's output;
+//! the partials are summed (the runtime's reductions) before the activation. Tile `t` is then the
+//! `t % red`-th partial ([`ParallelConfig::reduction_of`]) of output block `t / red`, so a
+//! block's partials sit on consecutive devices. [`reduction_range`] gives a partial's channels.
+//!
 //! Extents need not be divisible by their degree: block `i` of `d` over an extent `e` is
 //! `[e·i/d, e·(i+1)/d)` (integer division), so blocks differ in size by at most one and none is empty
 //! (a degree never exceeds its extent). [`block_range`] and [`tile_rect`] define this split; the
@@ -25,6 +32,8 @@ pub type DeviceId = usize;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ParallelConfig {
     degrees: [u32; MAX_DIMS],
+    /// Partial sums per output block over the input channels (1: none).
+    red: u32,
     first_device: u32,
 }
 
@@ -39,8 +48,35 @@ impl ParallelConfig {
         let narrow = |v: usize| u32::try_from(v).expect("degrees and devices fit a u32");
         ParallelConfig {
             degrees: degrees.map(narrow),
+            red: 1,
             first_device: narrow(first_device),
         }
+    }
+
+    /// The same blocks, each computed as `red` partial sums over blocks of the input channels.
+    ///
+    /// # Panics
+    /// If `red` does not fit a `u32` (see [`ParallelConfig::new`]).
+    pub fn with_reduction(&self, red: usize) -> ParallelConfig {
+        ParallelConfig {
+            red: u32::try_from(red).expect("degrees fit a u32"),
+            ..*self
+        }
+    }
+
+    /// Partial sums per output block (1: the block is computed whole).
+    pub fn reduction(&self) -> usize {
+        self.red as usize
+    }
+
+    /// Which partial of its block tile `tile` computes, `0..reduction()`.
+    pub fn reduction_of(&self, tile: usize) -> usize {
+        tile % self.reduction()
+    }
+
+    /// Output blocks (the product of the degrees; tiles over `reduction()`).
+    pub fn blocks(&self) -> usize {
+        self.degrees.iter().map(|&d| d as usize).product()
     }
 
     /// The whole layer on one device.
@@ -64,9 +100,9 @@ impl ParallelConfig {
         self.degrees.map(|d| d as usize)
     }
 
-    /// Number of tiles (the product of the degrees).
+    /// Number of tiles (the product of the degrees, times the partials of each block).
     pub fn total(&self) -> usize {
-        self.degrees.iter().map(|&d| d as usize).product()
+        self.blocks() * self.reduction()
     }
 
     pub fn first_device(&self) -> DeviceId {
@@ -82,8 +118,9 @@ impl ParallelConfig {
         self.first_device() + tile
     }
 
-    /// Block index along each axis of tile `tile` (row-major over n, c, h, w).
-    pub fn tile_coords(&self, mut tile: usize) -> [usize; MAX_DIMS] {
+    /// Block index along each axis of tile `tile`'s output block (row-major over n, c, h, w).
+    pub fn tile_coords(&self, tile: usize) -> [usize; MAX_DIMS] {
+        let mut tile = tile / self.reduction();
         let mut coords = [0; MAX_DIMS];
         for axis in (0..MAX_DIMS).rev() {
             let d = self.degrees[axis] as usize;
@@ -93,9 +130,10 @@ impl ParallelConfig {
         coords
     }
 
-    /// The tile at block indices `coords`.
+    /// The tile at block indices `coords` (its first partial).
     pub fn tile_index(&self, coords: [usize; MAX_DIMS]) -> usize {
-        (0..MAX_DIMS).fold(0, |t, axis| t * self.degrees[axis] as usize + coords[axis])
+        let block = (0..MAX_DIMS).fold(0, |t, axis| t * self.degrees[axis] as usize + coords[axis]);
+        block * self.reduction()
     }
 
     /// The same degrees on another device block.
@@ -136,6 +174,10 @@ impl ParallelConfig {
                 });
             }
         }
+        let red = self.reduction();
+        if red == 0 || !red.is_power_of_two() {
+            return Err(ConfigError::ReductionNotPowerOfTwo { red });
+        }
         let total = self.total();
         if total > num_devices {
             return Err(ConfigError::TooManyTiles { total, num_devices });
@@ -151,6 +193,23 @@ impl ParallelConfig {
         Ok(())
     }
 
+    /// Checks the reduction degree against a layer whose op sums over `channels` input channels
+    /// (`None`: an op that cannot be split that way, see `OpSpec::reduction_channels`).
+    pub fn validate_reduction(&self, channels: Option<usize>) -> Result<(), ConfigError> {
+        let red = self.reduction();
+        if red == 0 || !red.is_power_of_two() {
+            return Err(ConfigError::ReductionNotPowerOfTwo { red });
+        }
+        match channels {
+            _ if red == 1 => Ok(()),
+            None => Err(ConfigError::ReductionUnsupported { red }),
+            Some(channels) if red > channels => {
+                Err(ConfigError::ReductionTooLarge { red, channels })
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
     /// `n=2,c=2`-style text listing the degrees above 1, or `1` for a serial layer.
     pub fn describe(&self) -> String {
         self.to_string()
@@ -160,13 +219,16 @@ impl ParallelConfig {
 impl fmt::Display for ParallelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut any = false;
-        for dim in Dim::ALL {
-            let d = self.degree(dim);
+        let named = Dim::ALL
+            .iter()
+            .map(|dim| (dim.name(), self.degree(*dim)))
+            .chain([("red", self.reduction())]);
+        for (name, d) in named {
             if d > 1 {
                 if any {
                     write!(f, ",")?;
                 }
-                write!(f, "{}={d}", dim.name())?;
+                write!(f, "{name}={d}")?;
                 any = true;
             }
         }
@@ -190,6 +252,15 @@ pub enum ConfigError {
         degree: usize,
         extent: usize,
     },
+    #[error("reduction degree {red} is not a power of two")]
+    ReductionNotPowerOfTwo { red: usize },
+    #[error(
+        "reduction degree {red}: only conv2d (without groups) and dense layers sum over input \
+         channels that can be split"
+    )]
+    ReductionUnsupported { red: usize },
+    #[error("reduction degree {red} exceeds the {channels} input channels")]
+    ReductionTooLarge { red: usize, channels: usize },
     #[error("{total} tiles need more than the machine's {num_devices} devices")]
     TooManyTiles { total: usize, num_devices: usize },
     #[error(
@@ -219,7 +290,13 @@ pub fn block_of(extent: usize, degree: usize, x: usize) -> usize {
     ((x + 1) * degree).div_ceil(extent) - 1
 }
 
-/// The rect of tile `tile` of a tensor of `shape` under `config`.
+/// The input channels partial `r` of `red` reads of `channels`: block `r` of them.
+pub fn reduction_range(channels: usize, red: usize, r: usize) -> (usize, usize) {
+    block_range(channels, red, r)
+}
+
+/// The rect of tile `tile` of a tensor of `shape` under `config`: its output block (a block's
+/// partials share it).
 pub fn tile_rect(shape: &Shape, config: &ParallelConfig, tile: usize) -> Rect {
     let coords = config.tile_coords(tile);
     let degrees = config.degrees();
@@ -316,6 +393,37 @@ pub fn owned_blocks(slice: &Rect, devices: &[DeviceId]) -> Vec<(Rect, DeviceId)>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_blocks_partials_are_consecutive_tiles_sharing_its_rect() {
+        let c = ParallelConfig::split(Dim::N, 2, 4).with_reduction(2);
+        assert_eq!((c.blocks(), c.reduction(), c.total()), (2, 2, 4));
+        assert_eq!(c.devices(), 4..8);
+        let shape = Shape::nchw(6, 3, 2, 2);
+        let rects: Vec<Rect> = (0..4).map(|t| tile_rect(&shape, &c, t)).collect();
+        assert_eq!(rects[0], rects[1]);
+        assert_eq!(rects[2], rects[3]);
+        assert_eq!(rects[2].lo[0], 3);
+        let partials: Vec<usize> = (0..4).map(|t| c.reduction_of(t)).collect();
+        assert_eq!(partials, [0, 1, 0, 1]);
+        assert_eq!(c.tile_index([1, 0, 0, 0]), 2, "a block's first partial");
+        assert_eq!(c.to_string(), "n=2,red=2");
+        assert_eq!(reduction_range(3, 2, 0), (0, 1));
+        assert_eq!(reduction_range(3, 2, 1), (1, 3));
+        assert!(c.validate_reduction(Some(3)).is_ok());
+        assert_eq!(
+            c.validate_reduction(Some(1)),
+            Err(ConfigError::ReductionTooLarge {
+                red: 2,
+                channels: 1
+            })
+        );
+        assert_eq!(
+            c.validate_reduction(None),
+            Err(ConfigError::ReductionUnsupported { red: 2 })
+        );
+        assert!(ParallelConfig::serial(0).validate_reduction(None).is_ok());
+    }
 
     #[test]
     fn uneven_blocks_cover_the_extent_once() {

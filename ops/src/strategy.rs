@@ -10,9 +10,11 @@
 //! }
 //! ```
 //!
-//! `degrees` maps dim names (`n`, `c`, `h`, `w`) to degrees (missing dims are 1); `devices` lists the
-//! device of each tile in tile order (row-major over n, c, h, w), an aligned contiguous block
-//! ([`crate::partition`]). `model` is informational.
+//! `degrees` maps dim names (`n`, `c`, `h`, `w`) to degrees (missing dims are 1), and `red` to the
+//! partial sums of each block over the input channels of a conv2d or dense layer (missing: 1);
+//! `devices` lists the device of each tile in tile order (row-major over n, c, h, w, a block's
+//! partials consecutive), an aligned contiguous block ([`crate::partition`]). `model` is
+//! informational.
 //!
 //! A strategy is the contract between the planner, which writes one, and the runtime, which runs
 //! it: it lives here, beside the partition vocabulary both speak, so that a program that only runs
@@ -25,6 +27,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::Path;
+
+/// The key of the reduction degree in a layer's `degrees`.
+pub const RED: &str = "red";
 
 /// One layer's entry.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,6 +95,9 @@ impl Strategy {
                         degrees.insert(d.name().to_string(), c.degree(d));
                     }
                 }
+                if c.reduction() > 1 {
+                    degrees.insert(RED.to_string(), c.reduction());
+                }
                 LayerStrategy {
                     layer: l.name.clone(),
                     op: l.op.kind().to_string(),
@@ -141,20 +149,26 @@ impl Strategy {
                 ));
             }
             let mut degrees = [1; MAX_DIMS];
+            let mut red = 1;
             for (name, &degree) in &entry.degrees {
-                let dim = Dim::parse(name).ok_or_else(|| {
-                    field(
-                        &format!("degrees.{name}"),
-                        "unknown dim (expected n, c, h or w)".into(),
-                    )
-                })?;
+                let dim = match (name.as_str(), Dim::parse(name)) {
+                    (_, Some(dim)) => Some(dim),
+                    (RED, None) => None,
+                    _ => {
+                        return Err(field(
+                            &format!("degrees.{name}"),
+                            "unknown dim (expected n, c, h, w or red)".into(),
+                        ));
+                    }
+                };
                 // Checked against the machine as the file gave it, before it is stored in the
                 // config's narrower fields: a degree past the device count never fits.
                 if degree == 0 || !degree.is_power_of_two() {
-                    return Err(field(
-                        &format!("degrees.{name}"),
-                        ConfigError::NotPowerOfTwo { dim, degree }.to_string(),
-                    ));
+                    let e = match dim {
+                        Some(dim) => ConfigError::NotPowerOfTwo { dim, degree },
+                        None => ConfigError::ReductionNotPowerOfTwo { red: degree },
+                    };
+                    return Err(field(&format!("degrees.{name}"), e.to_string()));
                 }
                 if degree > num_devices {
                     return Err(field(
@@ -165,10 +179,14 @@ impl Strategy {
                         ),
                     ));
                 }
-                degrees[dim.axis()] = degree;
+                match dim {
+                    Some(dim) => degrees[dim.axis()] = degree,
+                    None => red = degree,
+                }
             }
-            // each degree is at most the device count (≤ MAX_DEVICES), so the product fits
-            let total: usize = degrees.iter().product();
+            // each degree is at most the device count (≤ MAX_DEVICES = 2^12), so the product of
+            // the five fits
+            let total: usize = degrees.iter().product::<usize>() * red;
             if let Some(&bad) = entry.devices.iter().find(|&&d| d >= num_devices) {
                 return Err(field(
                     "devices",
@@ -179,13 +197,21 @@ impl Strategy {
                 ));
             }
             let first = entry.devices.first().copied().unwrap_or(0);
-            let config = ParallelConfig::new(degrees, first);
-            let dims = layer.op.spec().parallel_dims(&layer.shape);
-            if let Err(e) = config.validate(&layer.shape, dims, num_devices) {
+            let config = ParallelConfig::new(degrees, first).with_reduction(red);
+            let spec = layer.op.spec();
+            let dims = spec.parallel_dims(&layer.shape);
+            let channels = spec.reduction_channels(&graph.input_shapes(id));
+            let checked = config
+                .validate_reduction(channels)
+                .and_then(|()| config.validate(&layer.shape, dims, num_devices));
+            if let Err(e) = checked {
                 let name = match &e {
                     ConfigError::NotPowerOfTwo { dim, .. }
                     | ConfigError::NotParallelizable { dim, .. }
                     | ConfigError::DegreeTooLarge { dim, .. } => format!("degrees.{}", dim.name()),
+                    ConfigError::ReductionNotPowerOfTwo { .. }
+                    | ConfigError::ReductionUnsupported { .. }
+                    | ConfigError::ReductionTooLarge { .. } => format!("degrees.{RED}"),
                     ConfigError::TooManyTiles { .. } => "degrees".to_string(),
                     ConfigError::BadDeviceBlock { .. } => "devices".to_string(),
                 };
@@ -375,6 +401,48 @@ mod tests {
     }
 
     #[test]
+    fn reduction_splits_round_trip_and_are_checked_against_the_op() {
+        let g = model();
+        let mut with_red = configs();
+        with_red[1] = ParallelConfig::split(Dim::N, 2, 0).with_reduction(2);
+        with_red[3] = ParallelConfig::serial(0).with_reduction(4);
+        let s = Strategy::from_configs(&g, &with_red);
+        assert_eq!(s.layers[1].degrees[RED], 2);
+        assert_eq!(s.layers[1].devices, vec![0, 1, 2, 3]);
+        assert!(s.to_string().contains("n=2,red=2"), "{s}");
+        assert_eq!(
+            s.to_configs(&g, 4).unwrap_or_else(|e| panic!("{e}")),
+            with_red
+        );
+        let red = |layer: usize, red: usize, devices: Vec<usize>| {
+            let mut s = s.clone();
+            s.layers[layer].degrees.insert(RED.into(), red);
+            s.layers[layer].devices = devices;
+            s.to_configs(&g, 4).unwrap_err().to_string()
+        };
+        assert_eq!(
+            red(1, 3, vec![0, 1, 2, 3]),
+            "layer 'conv': degrees.red: reduction degree 3 is not a power of two"
+        );
+        assert_eq!(
+            red(1, 4, vec![0, 1, 2, 3]),
+            "layer 'conv': degrees.red: reduction degree 4 exceeds the 3 input channels"
+        );
+        assert!(
+            red(2, 2, vec![0, 1, 2, 3]).starts_with(
+                "layer 'flat': degrees.red: reduction degree 2: only conv2d (without groups) and \
+                 dense"
+            ),
+            "{}",
+            red(2, 2, vec![0, 1, 2, 3])
+        );
+        assert_eq!(
+            red(3, 2, vec![0, 1, 2]),
+            "layer 'fc': devices: lists 3 device(s), but the degrees make 2 tile(s)"
+        );
+    }
+
+    #[test]
     fn validation_errors_name_layer_and_field() {
         assert_eq!(
             error(|s| s.layers[0].layer = "nope".into()),
@@ -407,7 +475,7 @@ mod tests {
             error(|s| {
                 s.layers[1].degrees.insert("x".into(), 2);
             }),
-            "layer 'conv': degrees.x: unknown dim (expected n, c, h or w)"
+            "layer 'conv': degrees.x: unknown dim (expected n, c, h, w or red)"
         );
         assert!(
             error(|s| {

@@ -72,6 +72,10 @@ fn phase(kind: TaskKind) -> Option<Phase> {
         TaskKind::BnRunning => Phase::BnRunning,
         TaskKind::BnGradSums => Phase::BnGradSums,
         TaskKind::BnInputGrad => Phase::BnInputGrad,
+        TaskKind::PartialForward => Phase::PartialForward,
+        TaskKind::Finish => Phase::Finish,
+        TaskKind::FinishBackward => Phase::FinishBackward,
+        TaskKind::PartialBackward => Phase::PartialBackward,
         TaskKind::Update { param } => Phase::Update { param },
     })
 }

@@ -10,7 +10,7 @@ use crate::analysis::{Analysis, AnalysisError};
 use crate::mapper::{Mapper, Point};
 use crate::region::Regions;
 use crate::task::{Privilege, Role, TaskKind, TaskSpec};
-use legion_ops::op::Op;
+use legion_ops::op::{Op, partial_param_rect, project_partial};
 use legion_ops::partition::DeviceId;
 use legion_ops::{Graph, LayerId, Rect};
 
@@ -126,6 +126,34 @@ impl Lowering<'_> {
                     a.launch(t)?;
                 }
             }
+            _ if self.mapper.config(id).reduction() > 1 => {
+                let (sum, _) = self
+                    .regions
+                    .partial(id)
+                    .expect("a layer split into partials");
+                let spec = layer.op.spec();
+                let inputs = self.graph.input_shapes(id);
+                // Each partial sums its block over its channels into the block's sum...
+                for p in &points {
+                    let (r, red) = p.partial;
+                    let mut t = TaskSpec::new(TaskKind::PartialForward, id, p.tile, p.device);
+                    let rects = project_partial(spec, &inputs, &p.tile, r, red);
+                    for (k, rect) in rects.into_iter().enumerate() {
+                        let src = self.regions.activation(layer.inputs[k]);
+                        t.require(src, rect, ReadOnly, Role::Input(k as u8));
+                    }
+                    self.params(&mut t, p, ReadOnly, |_| true);
+                    t.require(sum, p.tile, Reduce, Role::Output);
+                    a.launch(t)?;
+                }
+                // ... and the first partial's device applies the activation to the sum.
+                for p in points.iter().filter(|p| p.partial.0 == 0) {
+                    let mut t = TaskSpec::new(TaskKind::Finish, id, p.tile, p.device);
+                    t.require(sum, p.tile, ReadOnly, Role::Input(0));
+                    t.require(out, p.tile, WriteDiscard, Role::Output);
+                    a.launch(t)?;
+                }
+            }
             _ => {
                 let spec = layer.op.spec();
                 let inputs = self.graph.input_shapes(id);
@@ -189,6 +217,40 @@ impl Lowering<'_> {
                         t.require(dx, p.tile, Reduce, Role::InputGrad(0));
                         a.launch(t)?;
                     }
+                }
+            }
+            _ if self.mapper.config(id).reduction() > 1 => {
+                let (_, dsum) = self
+                    .regions
+                    .partial(id)
+                    .expect("a layer split into partials");
+                // The gradient before the activation, once per block...
+                for p in points.iter().filter(|p| p.partial.0 == 0) {
+                    let mut t = TaskSpec::new(TaskKind::FinishBackward, id, p.tile, p.device);
+                    t.require(y, p.tile, ReadOnly, Role::Output);
+                    t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
+                    t.require(dsum, p.tile, WriteDiscard, Role::InputGrad(0));
+                    a.launch(t)?;
+                }
+                // ... then each partial's gradients of its channels.
+                for p in &points {
+                    let (r, red) = p.partial;
+                    let mut t = TaskSpec::new(TaskKind::PartialBackward, id, p.tile, p.device);
+                    let rects = project_partial(spec, &inputs, &p.tile, r, red);
+                    for (k, &rect) in rects.iter().enumerate() {
+                        let src = self.regions.activation(layer.inputs[k]);
+                        t.require(src, rect, ReadOnly, Role::Input(k as u8));
+                    }
+                    t.require(dsum, p.tile, ReadOnly, Role::OutputGrad);
+                    self.params(&mut t, p, ReadOnly, |_| true);
+                    self.param_grads(&mut t, p);
+                    for (k, &rect) in rects.iter().enumerate() {
+                        if needs_dx(k) {
+                            let dx = self.regions.gradient(layer.inputs[k]);
+                            t.require(dx, rect, Reduce, Role::InputGrad(k as u8));
+                        }
+                    }
+                    a.launch(t)?;
                 }
             }
             op => {
@@ -275,7 +337,11 @@ impl Lowering<'_> {
             .filter(|(i, _)| which(*i))
         {
             let slot = self.regions.slot(t.layer, i);
-            let rect = spec.param_rect(param, &p.tile);
+            let (r, red) = p.partial;
+            // a partial past the first adds no bias
+            let Some(rect) = partial_param_rect(spec, i, param, &p.tile, r, red) else {
+                continue;
+            };
             t.require(
                 self.regions.param(slot),
                 rect,
@@ -291,8 +357,11 @@ impl Lowering<'_> {
         let spec = self.graph.layer(t.layer).op.spec();
         for (i, param) in spec.params(&inputs).iter().enumerate() {
             let slot = self.regions.slot(t.layer, i);
-            if let Some(grad) = self.regions.param_grad(slot) {
-                let rect = spec.param_rect(param, &p.tile);
+            let (r, red) = p.partial;
+            if let (Some(grad), Some(rect)) = (
+                self.regions.param_grad(slot),
+                partial_param_rect(spec, i, param, &p.tile, r, red),
+            ) {
                 t.require(grad, rect, Reduce, Role::ParamGrad(i as u8));
             }
         }

@@ -10,6 +10,7 @@
 //! first device using it.
 
 use crate::region::Partition;
+use legion_ops::op::partial_param_rect;
 use legion_ops::partition::owned_blocks;
 use legion_ops::partition::{DeviceId, ParallelConfig};
 use legion_ops::{Graph, LayerId, Rect};
@@ -17,8 +18,11 @@ use legion_ops::{Graph, LayerId, Rect};
 /// One point of a layer's launch domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Point {
+    /// The output block (which a reduction split's partials share).
     pub tile: Rect,
     pub device: DeviceId,
+    /// Which partial of its block this point computes, of how many (`(0, 1)`: the whole block).
+    pub partial: (usize, usize),
 }
 
 /// A block of a layer's parameter `param`, its owner and the other devices whose tiles use it.
@@ -71,6 +75,7 @@ impl<'g> Mapper<'g> {
             .map(|(t, tile)| Point {
                 tile,
                 device: config.device_of_tile(t),
+                partial: (config.reduction_of(t), config.reduction()),
             })
             .collect()
     }
@@ -86,7 +91,10 @@ impl<'g> Mapper<'g> {
             // Slices in order of first use; devices ascending, as tiles are.
             let mut slices: Vec<(Rect, Vec<DeviceId>)> = Vec::new();
             for p in &points {
-                let slice = op.param_rect(spec, &p.tile);
+                let (r, red) = p.partial;
+                let Some(slice) = partial_param_rect(op, param, spec, &p.tile, r, red) else {
+                    continue;
+                };
                 match slices.iter_mut().find(|(s, _)| *s == slice) {
                     Some((_, devices)) if !devices.contains(&p.device) => devices.push(p.device),
                     Some(_) => {}

@@ -37,6 +37,11 @@ pub enum RegionKind {
     BnMoments,
     /// Batch-norm backward sums, `[3, C]` f64: element count, Σdy, Σdy·x̂ per channel.
     BnGradSums,
+    /// A conv2d or dense layer's output before its activation, as the sum of a reduction split's
+    /// partials (see `legion_ops::partition`).
+    Partial,
+    /// The gradient w.r.t. that sum: what the partials' backward reads.
+    PartialGrad,
 }
 
 impl RegionKind {
@@ -50,6 +55,7 @@ impl RegionKind {
                 | RegionKind::ParamGrad
                 | RegionKind::BnMoments
                 | RegionKind::BnGradSums
+                | RegionKind::Partial
         )
     }
 
@@ -88,6 +94,9 @@ pub struct Regions {
     velocity: Vec<Option<RegionId>>,
     bn_moments: Vec<Option<RegionId>>,
     bn_grad_sums: Vec<Option<RegionId>>,
+    /// Of layers whose op can be computed as partial sums (after every other region, so that
+    /// adding them renumbered nothing).
+    partial: Vec<Option<(RegionId, RegionId)>>,
     /// First parameter slot of each layer.
     first_slot: Vec<usize>,
 }
@@ -144,6 +153,28 @@ impl Regions {
         }
         let total = r.param.len();
         r.first_slot.resize(graph.layers().len(), total);
+        for id in graph.ids() {
+            let layer = graph.layer(id);
+            let splits = layer
+                .op
+                .spec()
+                .reduction_channels(&graph.input_shapes(id))
+                .is_some();
+            let partial = splits.then(|| {
+                let sum = r.add(
+                    format!("{}.partial", layer.name),
+                    RegionKind::Partial,
+                    layer.shape,
+                );
+                let grad = r.add(
+                    format!("{}.partial.grad", layer.name),
+                    RegionKind::PartialGrad,
+                    layer.shape,
+                );
+                (sum, grad)
+            });
+            r.partial.push(partial);
+        }
         r
     }
 
@@ -163,6 +194,7 @@ impl Regions {
             velocity: Vec::new(),
             bn_moments: Vec::new(),
             bn_grad_sums: Vec::new(),
+            partial: Vec::new(),
             first_slot: Vec::new(),
         }
     }
@@ -214,6 +246,11 @@ impl Regions {
 
     pub fn bn_grad_sums(&self, layer: LayerId) -> Option<RegionId> {
         self.bn_grad_sums[layer.0]
+    }
+
+    /// The sum of a layer's partials and its gradient, where its op can be split so.
+    pub fn partial(&self, layer: LayerId) -> Option<(RegionId, RegionId)> {
+        self.partial.get(layer.0).copied().flatten()
     }
 }
 

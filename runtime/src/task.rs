@@ -61,6 +61,14 @@ pub enum TaskKind {
     BnGradSums,
     /// Batch norm backward phase 2: the input gradient.
     BnInputGrad,
+    /// A reduction split's partial sum of a block (see `legion_ops::backend::Phase`).
+    PartialForward,
+    /// The activation of a block's summed partials.
+    Finish,
+    /// The gradient before that activation.
+    FinishBackward,
+    /// A partial's gradients.
+    PartialBackward,
     /// SGD step of one slice of parameter `param` (index among the layer's parameters).
     Update {
         param: u8,
@@ -83,6 +91,10 @@ impl TaskKind {
             TaskKind::BnRunning => "running",
             TaskKind::BnGradSums => "grad_sums",
             TaskKind::BnInputGrad => "input_grad",
+            TaskKind::PartialForward => "partial",
+            TaskKind::Finish => "finish",
+            TaskKind::FinishBackward => "finish_bwd",
+            TaskKind::PartialBackward => "partial_bwd",
             TaskKind::Update { .. } => "update",
             TaskKind::Empty => "empty",
         }

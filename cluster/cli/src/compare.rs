@@ -101,7 +101,13 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     let strategies = settings
         .strategies
         .iter()
-        .map(|s| Ok((s.to_string(), choose_strategy(graph, &machine, s)?)))
+        .map(|s| {
+            let configs = choose_strategy(graph, &machine, s)?;
+            // each strategy is simulated beside its run
+            legion_planner::plan::check_priced(graph, &configs)
+                .map_err(|e| anyhow::anyhow!("--compare {s}: {e}"))?;
+            Ok((s.to_string(), configs))
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
     if settings.cluster.is_none() {
         for (_, configs) in &strategies {

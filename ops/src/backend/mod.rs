@@ -68,6 +68,18 @@ pub enum Phase {
     Update {
         param: u8,
     },
+    /// A reduction split's partial (conv2d, dense): the tile's output block summed over one block
+    /// of the input channels (`Input(0)` and `Param(0)` cut to it), without the activation; the
+    /// bias (`Param(1)`) added by the first partial only. Written as `Output`, a partial sum.
+    PartialForward,
+    /// The activation of a block whose partials were summed (`Input(0)`) into `Output`.
+    Finish,
+    /// The gradient before the activation (`InputGrad(0)`), from `Output` and `OutputGrad`.
+    FinishBackward,
+    /// A partial's gradients from the block's gradient before the activation (`OutputGrad`): the
+    /// weight's (`ParamGrad(0)`, its channel block), the bias's (`ParamGrad(1)`, first partial
+    /// only) and the input's (`InputGrad(0)`, its channel block).
+    PartialBackward,
 }
 
 /// The element type of a buffer. Batch-norm sums stay in f64 so that every partition computes the

@@ -1,6 +1,6 @@
 use super::{Activation, Flops, Init, OpSpec, ParamSpec, expect_rank, window_in, window_out};
 use super::{BackwardReads, OpKernels};
-use crate::backend::{Backend, KernelCall, KernelError, Role};
+use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
 use crate::shape::{Dim, Rect, Shape, bounded_elements};
 use serde::{Deserialize, Serialize};
 
@@ -167,6 +167,10 @@ impl OpSpec for Conv2d {
         &[Dim::N, Dim::C, Dim::H, Dim::W]
     }
 
+    fn reduction_channels(&self, inputs: &[Shape]) -> Option<usize> {
+        (self.groups == 1).then(|| inputs[0].dim(1))
+    }
+
     fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         let x = inputs[0];
         let (c0, c1) = self.input_channels(x.dim(1), out.lo[1], out.hi[1]);
@@ -193,8 +197,53 @@ impl OpSpec for Conv2d {
     }
 }
 
+impl super::ReductionKernels for Conv2d {
+    fn partial_op(&self, bias: bool) -> Self {
+        Conv2d {
+            bias,
+            activation: Activation::None,
+            ..self.clone()
+        }
+    }
+
+    fn activation(&self) -> Activation {
+        self.activation
+    }
+}
+
 impl OpKernels for Conv2d {
     const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS_AND_OUTPUT;
+
+    fn run<B: Backend>(&self, phase: Phase, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        use super::ReductionKernels;
+        let ran = self.run_reduction(
+            phase,
+            c,
+            |c, op, in_shape, x, w| {
+                let b = c.try_read(Role::Param(1));
+                let y = c.write(Role::Output);
+                c.backend.conv2d_forward(c.stream, op, in_shape, x, w, b, y);
+            },
+            |c, op, in_shape, x, w| {
+                let c0 = c.read(Role::Param(0)).rect.lo[1];
+                let dp = c.read(Role::OutputGrad);
+                let dw = super::rebase_out(c.write(Role::ParamGrad(0)), c0);
+                let db = c.try_write(Role::ParamGrad(1));
+                let dx = c
+                    .try_write(Role::InputGrad(0))
+                    .map(|dx| super::rebase_out(dx, c0));
+                // Without an activation the kernel does not read the output: dp stands in.
+                c.backend
+                    .conv2d_backward(c.stream, op, in_shape, x, w, dp, dp, dx, dw, db);
+            },
+        );
+        match (ran, phase) {
+            (Some(done), _) => done,
+            (None, Phase::Forward) => self.forward(c),
+            (None, Phase::Backward) => self.backward(c),
+            (None, other) => panic!("{} has no {other} phase", "Conv2d"),
+        }
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let b = self.bias.then(|| c.read(Role::Param(1)));

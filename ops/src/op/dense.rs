@@ -1,6 +1,6 @@
 use super::{Activation, Flops, Init, OpSpec, ParamSpec, expect_rank};
 use super::{BackwardReads, OpKernels};
-use crate::backend::{Backend, KernelCall, KernelError, Role};
+use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
 use crate::shape::{Dim, Rect, Shape, bounded_elements};
 use serde::{Deserialize, Serialize};
 
@@ -75,13 +75,62 @@ impl OpSpec for Dense {
         &[Dim::N, Dim::C]
     }
 
+    fn reduction_channels(&self, inputs: &[Shape]) -> Option<usize> {
+        Some(inputs[0].dim(1))
+    }
+
     fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
         rects.push(Rect::new(&[out.lo[0], 0], &[out.hi[0], inputs[0].dim(1)]));
     }
 }
 
+impl super::ReductionKernels for Dense {
+    fn partial_op(&self, bias: bool) -> Self {
+        Dense {
+            bias,
+            activation: Activation::None,
+            ..self.clone()
+        }
+    }
+
+    fn activation(&self) -> Activation {
+        self.activation
+    }
+}
+
 impl OpKernels for Dense {
     const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS_AND_OUTPUT;
+
+    fn run<B: Backend>(&self, phase: Phase, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        use super::ReductionKernels;
+        let ran = self.run_reduction(
+            phase,
+            c,
+            |c, op, _, x, w| {
+                let b = c.try_read(Role::Param(1));
+                let y = c.write(Role::Output);
+                c.backend.dense_forward(c.stream, op, x, w, b, y);
+            },
+            |c, op, _, x, w| {
+                let c0 = c.read(Role::Param(0)).rect.lo[1];
+                let dp = c.read(Role::OutputGrad);
+                let dw = super::rebase_out(c.write(Role::ParamGrad(0)), c0);
+                let db = c.try_write(Role::ParamGrad(1));
+                let dx = c
+                    .try_write(Role::InputGrad(0))
+                    .map(|dx| super::rebase_out(dx, c0));
+                // Without an activation the kernel does not read the output: dp stands in.
+                c.backend
+                    .dense_backward(c.stream, op, x, w, dp, dp, dx, dw, db);
+            },
+        );
+        match (ran, phase) {
+            (Some(done), _) => done,
+            (None, Phase::Forward) => self.forward(c),
+            (None, Phase::Backward) => self.backward(c),
+            (None, other) => panic!("{} has no {other} phase", "Dense"),
+        }
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let b = self.bias.then(|| c.read(Role::Param(1)));

@@ -30,7 +30,7 @@ pub use relu::Relu;
 pub use sigmoid::Sigmoid;
 pub use softmax_ce::SoftmaxCrossEntropy;
 
-use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
+use crate::backend::{Backend, In, KernelCall, KernelError, Out, Phase, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -160,6 +160,135 @@ pub trait OpSpec {
     /// parameters once, not once per tile.
     fn param_rect(&self, param: &ParamSpec, out: &Rect) -> Rect {
         param.shape.full_rect().with_channels_of(out)
+    }
+
+    /// The input channels the op sums over, where a tile may be computed as partial sums over
+    /// blocks of them (a reduction split): axis 1 of input 0 and of parameter 0 (the weight), the
+    /// other parameters (the bias) added once. `None` for every op but conv2d without groups and
+    /// dense.
+    fn reduction_channels(&self, _inputs: &[Shape]) -> Option<usize> {
+        None
+    }
+}
+
+/// What a reduction split's phases compute on top of a conv2d or dense kernel: the partial
+/// phases call the op's own kernel on the channel block as if it were all the input channels
+/// (views rebased to channel 0, an op without activation and, past the first partial, without
+/// bias), so every backend computes partials with the kernels it has.
+pub(crate) trait ReductionKernels: OpKernels + Clone {
+    /// This op over `channels` input channels, without activation, with a bias iff `bias`.
+    fn partial_op(&self, bias: bool) -> Self;
+    fn activation(&self) -> Activation;
+
+    /// `phase` for a reduction split, or `None` for the op's ordinary phases.
+    fn run_reduction<B: Backend>(
+        &self,
+        phase: Phase,
+        c: &mut KernelCall<B>,
+        partial_forward: impl FnOnce(&mut KernelCall<B>, &Self, Shape, In<B::Buffer>, In<B::Buffer>),
+        partial_backward: impl FnOnce(&mut KernelCall<B>, &Self, Shape, In<B::Buffer>, In<B::Buffer>),
+    ) -> Option<Result<(), KernelError>> {
+        match phase {
+            Phase::PartialForward => {
+                let (x, w) = (c.read(Role::Input(0)), c.read(Role::Param(0)));
+                let op = self.partial_op(c.has(Role::Param(1)));
+                let (in_shape, x, w) = rebase(c.input_shape(0), x, w);
+                partial_forward(c, &op, in_shape, x, w);
+            }
+            Phase::PartialBackward => {
+                let (x, w) = (c.read(Role::Input(0)), c.read(Role::Param(0)));
+                let op = self.partial_op(c.has(Role::ParamGrad(1)));
+                let (in_shape, x, w) = rebase(c.input_shape(0), x, w);
+                partial_backward(c, &op, in_shape, x, w);
+            }
+            Phase::Finish => {
+                let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
+                match self.activation() {
+                    Activation::None => c.backend.copy(c.stream, x, y),
+                    Activation::Relu => c.backend.relu_forward(c.stream, x, y),
+                }
+            }
+            Phase::FinishBackward => {
+                let (y, dy) = (c.read(Role::Output), c.read(Role::OutputGrad));
+                let dp = c.write(Role::InputGrad(0));
+                match self.activation() {
+                    Activation::None => c.backend.copy(c.stream, dy, dp),
+                    Activation::Relu => c.backend.relu_backward(c.stream, y, dy, dp),
+                }
+            }
+            _ => return None,
+        }
+        Some(Ok(()))
+    }
+}
+
+/// A partial's input (channels `[c0, c0 + k)` of axis 1) and weight (the same channels of its
+/// axis 1), rebased to channels `[0, k)`: the same memory, seen as all the input channels of an
+/// op over `k` of them (`in_shape` cut to `k`).
+fn rebase<'a, M>(in_shape: Shape, x: In<'a, M>, w: In<'a, M>) -> (Shape, In<'a, M>, In<'a, M>) {
+    let c0 = w.rect.lo[1];
+    let k = w.rect.extent(1);
+    let mut dims = in_shape.dims().to_vec();
+    dims[1] = k;
+    let shift = |rect: Rect| rect.with_axis(1, rect.lo[1] - c0, rect.hi[1] - c0);
+    (
+        Shape::new(&dims),
+        In {
+            rect: shift(x.rect),
+            mem: x.mem,
+        },
+        In {
+            rect: w.rect.with_axis(1, 0, k),
+            mem: w.mem,
+        },
+    )
+}
+
+/// `rect` (an input gradient or weight gradient of a partial) rebased like [`rebase`] rebases the
+/// views of channels starting at `c0`.
+pub(crate) fn rebase_out<M>(out: Out<'_, M>, c0: usize) -> Out<'_, M> {
+    let rect = out
+        .rect
+        .with_axis(1, out.rect.lo[1] - c0, out.rect.hi[1] - c0);
+    Out { rect, mem: out.mem }
+}
+
+/// The input rects partial `r` of `red` of tile `out` reads: the projection, input 0's channels
+/// cut to block `r` (see [`OpSpec::reduction_channels`]).
+pub fn project_partial(
+    spec: &dyn OpSpec,
+    inputs: &[Shape],
+    out: &Rect,
+    r: usize,
+    red: usize,
+) -> Vec<Rect> {
+    let mut rects = spec.project(inputs, out);
+    if red > 1 {
+        let (lo, hi) = crate::partition::reduction_range(inputs[0].dim(1), red, r);
+        rects[0] = rects[0].with_axis(1, lo, hi);
+    }
+    rects
+}
+
+/// The slice of parameter `index` partial `r` of `red` of tile `out` reads: the weight's input
+/// channels cut to block `r`; the other parameters (the bias, added once) by partial 0 only.
+pub fn partial_param_rect(
+    spec: &dyn OpSpec,
+    index: usize,
+    param: &ParamSpec,
+    out: &Rect,
+    r: usize,
+    red: usize,
+) -> Option<Rect> {
+    let rect = spec.param_rect(param, out);
+    match (red, index, r) {
+        (1, _, _) => Some(rect),
+        (_, 0, _) => {
+            let (lo, hi) = crate::partition::reduction_range(param.shape.dim(1), red, r);
+            Some(rect.with_axis(1, lo, hi))
+        }
+        (_, _, 0) => Some(rect),
+        _ => None,
     }
 }
 

@@ -184,10 +184,14 @@ fn tile_tasks(program: &DeviceProgram) -> BTreeMap<LayerId, (Vec<u32>, Vec<u32>)
             | TaskKind::Forward
             | TaskKind::BnMoments
             | TaskKind::BnNormalize
-            | TaskKind::BnRunning => entry.0.push(i as u32),
-            TaskKind::Backward | TaskKind::BnGradSums | TaskKind::BnInputGrad => {
-                entry.1.push(i as u32)
-            }
+            | TaskKind::BnRunning
+            | TaskKind::PartialForward
+            | TaskKind::Finish => entry.0.push(i as u32),
+            TaskKind::Backward
+            | TaskKind::BnGradSums
+            | TaskKind::BnInputGrad
+            | TaskKind::PartialBackward
+            | TaskKind::FinishBackward => entry.1.push(i as u32),
             TaskKind::Update { .. } | TaskKind::Empty => {}
         }
     }

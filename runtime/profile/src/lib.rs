@@ -379,8 +379,14 @@ fn phase(kind: TaskKind) -> Option<Phase> {
         | TaskKind::Forward
         | TaskKind::BnMoments
         | TaskKind::BnNormalize
-        | TaskKind::BnRunning => Some(Phase::Forward),
-        TaskKind::Backward | TaskKind::BnGradSums | TaskKind::BnInputGrad => Some(Phase::Backward),
+        | TaskKind::BnRunning
+        | TaskKind::PartialForward
+        | TaskKind::Finish => Some(Phase::Forward),
+        TaskKind::Backward
+        | TaskKind::BnGradSums
+        | TaskKind::BnInputGrad
+        | TaskKind::PartialBackward
+        | TaskKind::FinishBackward => Some(Phase::Backward),
         TaskKind::Update { .. } | TaskKind::Empty => None,
     }
 }
