@@ -1,7 +1,8 @@
 //! The invariant on a GPU: every strategy, run by GPU device actors (4 devices sharing one GPU, a
 //! stream each), trains the same network as the single-device reference trainer on the CPU.
 //! LeNet-5 at 28×28, AlexNet at 64×64 and Inception-v3 at 75×75, batch 8; data, model, OWT, the
-//! optimised strategy and two random valid ones; 3 steps from one initialisation. Skips, saying
+//! optimised strategy, two random valid ones and one with reduction splits; 3 steps from one
+//! initialisation. Skips, saying
 //! why, where no GPU is usable (CI); `integration/gpu-check.sh` runs it on the lent GPU.
 //!
 //! Tolerance, as in `equivalence.rs`: each tensor within relative 1e-4, or within
@@ -9,110 +10,15 @@
 //! network amplifies rounding (Inception's batch-norm stacks). cuDNN and cuBLAS sum in other
 //! orders than the CPU kernels, which is rounding of exactly that kind.
 
+mod support;
+
 use legion_cuda::Cuda;
-use legion_ops::train::{ParamStore, Sgd, Trainer};
-use legion_ops::{Graph, zoo};
-use legion_planner::search::{self, SearchKind};
-use legion_planner::{
-    ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost,
-};
+use legion_ops::Graph;
+use legion_ops::train::{ParamStore, Sgd};
+use legion_planner::search::SearchKind;
 use legion_runtime::{EmbeddedCluster, Placement};
 use std::sync::Arc;
-
-const DEVICES: usize = 4;
-const STEPS: u64 = 3;
-const TOLERANCE: f32 = 1e-4;
-const ROUNDING_FACTOR: f32 = 10.0;
-
-fn model(name: &str, image_size: usize) -> Graph {
-    let z = zoo::find(name).unwrap();
-    let cfg = zoo::ZooConfig {
-        image_size,
-        classes: 10,
-        ..z.default_config(8)
-    };
-    z.build(&cfg).unwrap()
-}
-
-fn batch(graph: &Graph, step: u64) -> (Vec<f32>, Vec<u32>) {
-    let n = graph.layer(graph.input()).shape.numel();
-    let images = (0..n)
-        .map(|i| ((i as f32) * 0.37 + step as f32).sin())
-        .collect();
-    let labels = (0..graph.batch() as u32)
-        .map(|i| (i * 7 + step as u32) % 10)
-        .collect();
-    (images, labels)
-}
-
-fn searched(graph: &Graph, kind: SearchKind) -> Vec<ParallelConfig> {
-    let machine = MachineModel::preset(&format!("paper:{DEVICES}")).unwrap();
-    let provider = RooflineCost::new(&machine);
-    let cost = CostModel::new(graph, &machine, &provider);
-    let tables = CostTables::build(&cost);
-    search::find(kind, &tables, search::DEFAULT_BUDGET)
-        .unwrap()
-        .configs
-}
-
-fn random(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
-    let mut rng = legion_ops::rng::Rng::new(seed);
-    graph
-        .layers()
-        .iter()
-        .map(|l| {
-            let space =
-                ConfigSpace::enumerate(&l.shape, l.op.spec().parallel_dims(&l.shape), DEVICES);
-            space.config((rng.next_u64() % space.len() as u64) as usize)
-        })
-        .collect()
-}
-
-fn relative_error(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
-fn reference_run(graph: &Graph, init: &ParamStore) -> (ParamStore, Vec<f32>) {
-    let mut reference = Trainer::new(graph.clone(), init.clone(), Sgd::default(), 11);
-    let losses = (0..STEPS)
-        .map(|step| {
-            let (images, labels) = batch(graph, step);
-            reference.step(&images, &labels).unwrap().loss
-        })
-        .collect();
-    (reference.params().unwrap(), losses)
-}
-
-/// How far the reference moves when its initial weights are perturbed by f32 rounding: per tensor
-/// and per step's loss, relative.
-fn rounding_sensitivity(
-    graph: &Graph,
-    init: &ParamStore,
-    trained: &ParamStore,
-    losses: &[f32],
-) -> (Vec<f32>, Vec<f32>) {
-    let mut perturbed = init.clone();
-    let mut rng = legion_ops::rng::Rng::new(3);
-    for v in &mut perturbed.values {
-        for x in v.iter_mut() {
-            *x *= 1.0 + 1e-7 * ((rng.next_u64() % 2001) as f32 / 1000.0 - 1.0);
-        }
-    }
-    let (moved, moved_losses) = reference_run(graph, &perturbed);
-    let tensors = moved
-        .values
-        .iter()
-        .zip(&trained.values)
-        .map(|(a, b)| relative_error(a, b))
-        .collect();
-    let losses = moved_losses
-        .iter()
-        .zip(losses)
-        .map(|(a, b)| (a - b).abs() / b.abs())
-        .collect();
-    (tensors, losses)
-}
+use support::*;
 
 /// The GPU the devices share, or why there is none.
 fn gpu() -> Result<Arc<Cuda>, String> {
@@ -129,10 +35,14 @@ fn check(graph: &Graph, placement: &Placement, failures: &mut Vec<String>) {
         ("optcnn", searched(graph, SearchKind::OptCnn)),
         ("random-1", random(graph, 1)),
         ("random-2", random(graph, 2)),
+        ("red-1", random_with_reductions(graph, 11)),
     ];
     let init = ParamStore::init(graph, 7);
     let (reference, losses) = reference_run(graph, &init);
-    let (sensitivity, loss_sensitivity) = rounding_sensitivity(graph, &init, &reference, &losses);
+    let Sensitivity {
+        tensors: sensitivity,
+        losses: loss_sensitivity,
+    } = rounding_sensitivity(graph, &init, &reference, &losses);
     for (name, configs) in &strategies {
         let started = std::time::Instant::now();
         let state = legion_ops::train::TrainingState::start(init.clone());

@@ -138,10 +138,7 @@ impl Lowering<'_> {
                     let (r, red) = p.partial;
                     let mut t = TaskSpec::new(TaskKind::PartialForward, id, p.tile, p.device);
                     let rects = project_partial(spec, &inputs, &p.tile, r, red);
-                    for (k, rect) in rects.into_iter().enumerate() {
-                        let src = self.regions.activation(layer.inputs[k]);
-                        t.require(src, rect, ReadOnly, Role::Input(k as u8));
-                    }
+                    self.inputs(&mut t, &rects);
                     self.params(&mut t, p, ReadOnly, |_| true);
                     t.require(sum, p.tile, Reduce, Role::Output);
                     a.launch(t)?;
@@ -159,10 +156,7 @@ impl Lowering<'_> {
                 let inputs = self.graph.input_shapes(id);
                 for p in &points {
                     let mut t = TaskSpec::new(TaskKind::Forward, id, p.tile, p.device);
-                    for (k, rect) in spec.project(&inputs, &p.tile).into_iter().enumerate() {
-                        let src = self.regions.activation(layer.inputs[k]);
-                        t.require(src, rect, ReadOnly, Role::Input(k as u8));
-                    }
+                    self.inputs(&mut t, &spec.project(&inputs, &p.tile));
                     self.params(&mut t, p, ReadOnly, |_| true);
                     t.require(out, p.tile, WriteDiscard, Role::Output);
                     a.launch(t)?;
@@ -237,19 +231,11 @@ impl Lowering<'_> {
                     let (r, red) = p.partial;
                     let mut t = TaskSpec::new(TaskKind::PartialBackward, id, p.tile, p.device);
                     let rects = project_partial(spec, &inputs, &p.tile, r, red);
-                    for (k, &rect) in rects.iter().enumerate() {
-                        let src = self.regions.activation(layer.inputs[k]);
-                        t.require(src, rect, ReadOnly, Role::Input(k as u8));
-                    }
+                    self.inputs(&mut t, &rects);
                     t.require(dsum, p.tile, ReadOnly, Role::OutputGrad);
                     self.params(&mut t, p, ReadOnly, |_| true);
                     self.param_grads(&mut t, p);
-                    for (k, &rect) in rects.iter().enumerate() {
-                        if needs_dx(k) {
-                            let dx = self.regions.gradient(layer.inputs[k]);
-                            t.require(dx, rect, Reduce, Role::InputGrad(k as u8));
-                        }
-                    }
+                    self.input_grads(&mut t, &rects);
                     a.launch(t)?;
                 }
             }
@@ -259,10 +245,7 @@ impl Lowering<'_> {
                     let mut t = TaskSpec::new(TaskKind::Backward, id, p.tile, p.device);
                     let rects = spec.project(&inputs, &p.tile);
                     if reads.inputs {
-                        for (k, &rect) in rects.iter().enumerate() {
-                            let src = self.regions.activation(layer.inputs[k]);
-                            t.require(src, rect, ReadOnly, Role::Input(k as u8));
-                        }
+                        self.inputs(&mut t, &rects);
                     }
                     if reads.output {
                         t.require(y, p.tile, ReadOnly, Role::Output);
@@ -272,12 +255,7 @@ impl Lowering<'_> {
                     }
                     self.params(&mut t, p, ReadOnly, |_| true);
                     self.param_grads(&mut t, p);
-                    for (k, &rect) in rects.iter().enumerate() {
-                        if needs_dx(k) {
-                            let dx = self.regions.gradient(layer.inputs[k]);
-                            t.require(dx, rect, Reduce, Role::InputGrad(k as u8));
-                        }
-                    }
+                    self.input_grads(&mut t, &rects);
                     a.launch(t)?;
                 }
             }
@@ -318,6 +296,28 @@ impl Lowering<'_> {
             a.prefetch(self.regions.param(slot), read_slice, device)?;
         }
         Ok(())
+    }
+
+    /// Reads `rects[k]` of the layer's `k`-th input.
+    fn inputs(&self, t: &mut TaskSpec, rects: &[Rect]) {
+        let layer = self.graph.layer(t.layer);
+        for (k, &rect) in rects.iter().enumerate() {
+            let src = self.regions.activation(layer.inputs[k]);
+            t.require(src, rect, ReadOnly, Role::Input(k as u8));
+        }
+    }
+
+    /// Contributes to the gradient of `rects[k]` of the layer's `k`-th input, where one is needed:
+    /// only layers fed by another layer (not the data) need an input gradient.
+    fn input_grads(&self, t: &mut TaskSpec, rects: &[Rect]) {
+        let layer = self.graph.layer(t.layer);
+        for (k, &rect) in rects.iter().enumerate() {
+            let from = layer.inputs[k];
+            if !matches!(self.graph.layer(from).op, Op::Input(_)) {
+                let dx = self.regions.gradient(from);
+                t.require(dx, rect, Reduce, Role::InputGrad(k as u8));
+            }
+        }
     }
 
     /// The tile's slices of the layer's parameters `which(index)` selects.

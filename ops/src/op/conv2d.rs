@@ -216,7 +216,7 @@ impl OpKernels for Conv2d {
 
     fn run<B: Backend>(&self, phase: Phase, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         use super::ReductionKernels;
-        let ran = self.run_reduction(
+        self.run_with_reductions(
             phase,
             c,
             |c, op, in_shape, x, w| {
@@ -236,13 +236,7 @@ impl OpKernels for Conv2d {
                 c.backend
                     .conv2d_backward(c.stream, op, in_shape, x, w, dp, dp, dx, dw, db);
             },
-        );
-        match (ran, phase) {
-            (Some(done), _) => done,
-            (None, Phase::Forward) => self.forward(c),
-            (None, Phase::Backward) => self.backward(c),
-            (None, other) => panic!("{} has no {other} phase", "Conv2d"),
-        }
+        )
     }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {

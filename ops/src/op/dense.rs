@@ -103,7 +103,7 @@ impl OpKernels for Dense {
 
     fn run<B: Backend>(&self, phase: Phase, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         use super::ReductionKernels;
-        let ran = self.run_reduction(
+        self.run_with_reductions(
             phase,
             c,
             |c, op, _, x, w| {
@@ -123,13 +123,7 @@ impl OpKernels for Dense {
                 c.backend
                     .dense_backward(c.stream, op, x, w, dp, dp, dx, dw, db);
             },
-        );
-        match (ran, phase) {
-            (Some(done), _) => done,
-            (None, Phase::Forward) => self.forward(c),
-            (None, Phase::Backward) => self.backward(c),
-            (None, other) => panic!("{} has no {other} phase", "Dense"),
-        }
+        )
     }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {

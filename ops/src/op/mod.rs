@@ -180,14 +180,16 @@ pub(crate) trait ReductionKernels: OpKernels + Clone {
     fn partial_op(&self, bias: bool) -> Self;
     fn activation(&self) -> Activation;
 
-    /// `phase` for a reduction split, or `None` for the op's ordinary phases.
-    fn run_reduction<B: Backend>(
+    /// Runs `phase`: the op's forward and backward, or a reduction split's, whose partials
+    /// `partial_forward` and `partial_backward` compute with the op's kernels (given the rebased
+    /// op, input shape, input and weight).
+    fn run_with_reductions<B: Backend>(
         &self,
         phase: Phase,
         c: &mut KernelCall<B>,
         partial_forward: impl FnOnce(&mut KernelCall<B>, &Self, Shape, In<B::Buffer>, In<B::Buffer>),
         partial_backward: impl FnOnce(&mut KernelCall<B>, &Self, Shape, In<B::Buffer>, In<B::Buffer>),
-    ) -> Option<Result<(), KernelError>> {
+    ) -> Result<(), KernelError> {
         match phase {
             Phase::PartialForward => {
                 let (x, w) = (c.read(Role::Input(0)), c.read(Role::Param(0)));
@@ -216,9 +218,11 @@ pub(crate) trait ReductionKernels: OpKernels + Clone {
                     Activation::Relu => c.backend.relu_backward(c.stream, y, dy, dp),
                 }
             }
-            _ => return None,
+            Phase::Forward => return self.forward(c),
+            Phase::Backward => return self.backward(c),
+            other => panic!("a {} has no {other} phase", std::any::type_name::<Self>()),
         }
-        Some(Ok(()))
+        Ok(())
     }
 }
 

@@ -29,7 +29,6 @@ use legion_planner::profile::{ProfileEntry, ProfileKey};
 use legion_planner::{ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::{DeviceProgram, LocalOpKind};
-use legion_runtime::task::TaskKind;
 use legion_runtime::{EmbeddedCluster, ExecContext, Placement, StepInput};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -179,20 +178,10 @@ fn tile_tasks(program: &DeviceProgram) -> BTreeMap<LayerId, (Vec<u32>, Vec<u32>)
             continue;
         };
         let entry = by_layer.entry(task.layer).or_default();
-        match task.kind {
-            TaskKind::LoadInput
-            | TaskKind::Forward
-            | TaskKind::BnMoments
-            | TaskKind::BnNormalize
-            | TaskKind::BnRunning
-            | TaskKind::PartialForward
-            | TaskKind::Finish => entry.0.push(i as u32),
-            TaskKind::Backward
-            | TaskKind::BnGradSums
-            | TaskKind::BnInputGrad
-            | TaskKind::PartialBackward
-            | TaskKind::FinishBackward => entry.1.push(i as u32),
-            TaskKind::Update { .. } | TaskKind::Empty => {}
+        match crate::phase(task.kind) {
+            Some(crate::Phase::Forward) => entry.0.push(i as u32),
+            Some(crate::Phase::Backward) => entry.1.push(i as u32),
+            None => {}
         }
     }
     by_layer.retain(|_, (f, b)| !f.is_empty() || !b.is_empty());

@@ -373,7 +373,7 @@ fn own_seconds(
 }
 
 /// Which phase of its tile's t_c a task belongs to, if any.
-fn phase(kind: TaskKind) -> Option<Phase> {
+pub(crate) fn phase(kind: TaskKind) -> Option<Phase> {
     match kind {
         TaskKind::LoadInput
         | TaskKind::Forward
@@ -392,7 +392,7 @@ fn phase(kind: TaskKind) -> Option<Phase> {
 }
 
 #[derive(Clone, Copy, PartialEq)]
-enum Phase {
+pub(crate) enum Phase {
     Forward,
     Backward,
 }

@@ -30,7 +30,7 @@
 //! devices of a GPU share (from drops and event records) are reported by whichever of them
 //! synchronizes next.
 
-use super::{Arrived, DeviceActor, GpuStepDone, OpEvent};
+use super::{Arrived, DeviceActor, GpuStepDone, OpEvent, caught};
 use crate::exec::{self, ExecContext, StepInput, TaskOutcome};
 use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
@@ -789,18 +789,6 @@ fn lend<'a, T>(instances: &'a mut [T], wanted: &[(u32, bool)]) -> Lent<'a, T> {
         }
     }
     lent
-}
-
-/// `f`, its panic turned into an error (the device lives on).
-fn caught<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let what = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        Err(format!("panicked: {what}"))
-    })
 }
 
 #[cfg(test)]

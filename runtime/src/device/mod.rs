@@ -589,7 +589,7 @@ impl DeviceActor {
 }
 
 /// Runs a kernel, turning a panic into the task's error (the step then fails, the actor lives on).
-fn caught(f: impl FnOnce() -> Result<TaskOutcome, String>) -> Result<TaskOutcome, String> {
+fn caught<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<String>()

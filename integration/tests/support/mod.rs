@@ -1,0 +1,158 @@
+//! What the equivalence tests share (each test binary uses its part of it): the models, batches
+//! and strategies they train, and the single-device reference they are held to.
+#![allow(dead_code)]
+
+use legion_ops::train::{ParamStore, Sgd, Trainer};
+use legion_ops::{Graph, zoo};
+use legion_planner::search::{self, SearchKind};
+use legion_planner::{
+    ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost,
+};
+
+pub const DEVICES: usize = 4;
+pub const STEPS: u64 = 3;
+pub const TOLERANCE: f32 = 1e-4;
+pub const ROUNDING_FACTOR: f32 = 10.0;
+
+pub fn model(name: &str, image_size: usize) -> Graph {
+    let z = zoo::find(name).unwrap();
+    let cfg = zoo::ZooConfig {
+        image_size,
+        classes: 10,
+        ..z.default_config(8)
+    };
+    z.build(&cfg).unwrap()
+}
+
+pub fn batch(graph: &Graph, step: u64) -> (Vec<f32>, Vec<u32>) {
+    let n = graph.layer(graph.input()).shape.numel();
+    let images = (0..n)
+        .map(|i| ((i as f32) * 0.37 + step as f32).sin())
+        .collect();
+    let labels = (0..graph.batch() as u32)
+        .map(|i| (i * 7 + step as u32) % 10)
+        .collect();
+    (images, labels)
+}
+
+pub fn searched(graph: &Graph, kind: SearchKind) -> Vec<ParallelConfig> {
+    let machine = MachineModel::preset(&format!("paper:{DEVICES}")).unwrap();
+    let provider = RooflineCost::new(&machine);
+    let cost = CostModel::new(graph, &machine, &provider);
+    let tables = CostTables::build(&cost);
+    search::find(kind, &tables, search::DEFAULT_BUDGET)
+        .unwrap()
+        .configs
+}
+
+pub fn random(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
+    let mut rng = legion_ops::rng::Rng::new(seed);
+    graph
+        .layers()
+        .iter()
+        .map(|l| {
+            let space =
+                ConfigSpace::enumerate(&l.shape, l.op.spec().parallel_dims(&l.shape), DEVICES);
+            space.config((rng.next_u64() % space.len() as u64) as usize)
+        })
+        .collect()
+}
+
+/// A random valid strategy in the larger space: a random config per layer and, on a conv2d or
+/// dense layer whose blocks leave devices to spare, a random reduction split (its partials on
+/// the blocks' devices times the split, from device 0).
+pub fn random_with_reductions(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
+    let mut rng = legion_ops::rng::Rng::new(seed);
+    graph
+        .ids()
+        .map(|id| {
+            let l = graph.layer(id);
+            let space =
+                ConfigSpace::enumerate(&l.shape, l.op.spec().parallel_dims(&l.shape), DEVICES);
+            let config = space.config((rng.next_u64() % space.len() as u64) as usize);
+            let channels = l.op.spec().reduction_channels(&graph.input_shapes(id));
+            let spare = DEVICES / config.total();
+            let choices: Vec<usize> = [1, 2, 4]
+                .into_iter()
+                .filter(|&r| r == 1 || (r <= spare && channels.is_some_and(|c| r <= c)))
+                .collect();
+            let red = choices[(rng.next_u64() % choices.len() as u64) as usize];
+            match red {
+                1 => config,
+                red => config.with_reduction(red).with_first_device(0),
+            }
+        })
+        .collect()
+}
+
+pub fn reduction_strategies(graph: &Graph) -> Vec<(&'static str, Vec<ParallelConfig>)> {
+    let names = ["red-1", "red-2", "red-3", "red-4"];
+    let strategies: Vec<_> = names
+        .iter()
+        .zip(11..)
+        .map(|(&name, seed)| (name, random_with_reductions(graph, seed)))
+        .collect();
+    let split = strategies
+        .iter()
+        .flat_map(|(_, c)| c)
+        .filter(|c| c.reduction() > 1)
+        .count();
+    assert!(split > 0, "{}: no layer drew a reduction split", graph.name);
+    strategies
+}
+
+/// Largest |a − b| over the largest |b|, per tensor.
+pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// The reference trained from `init`: its parameters and per-step losses.
+pub fn reference_run(graph: &Graph, init: &ParamStore) -> (ParamStore, Vec<f32>) {
+    let mut reference = Trainer::new(graph.clone(), init.clone(), Sgd::default(), 11);
+    let losses = (0..STEPS)
+        .map(|step| {
+            let (images, labels) = batch(graph, step);
+            reference.step(&images, &labels).unwrap().loss
+        })
+        .collect();
+    (reference.params().unwrap(), losses)
+}
+
+/// How far each tensor of the reference moves when its initial weights are perturbed at the level
+/// of f32 rounding (relative 1e-7): the closest any other summation order can be expected to get.
+pub struct Sensitivity {
+    /// Per tensor, relative.
+    pub tensors: Vec<f32>,
+    /// Per step, relative.
+    pub losses: Vec<f32>,
+}
+
+pub fn rounding_sensitivity(
+    graph: &Graph,
+    init: &ParamStore,
+    trained: &ParamStore,
+    losses: &[f32],
+) -> Sensitivity {
+    let mut perturbed = init.clone();
+    let mut rng = legion_ops::rng::Rng::new(3);
+    for v in &mut perturbed.values {
+        for x in v.iter_mut() {
+            *x *= 1.0 + 1e-7 * ((rng.next_u64() % 2001) as f32 / 1000.0 - 1.0);
+        }
+    }
+    let (moved, moved_losses) = reference_run(graph, &perturbed);
+    Sensitivity {
+        tensors: moved
+            .values
+            .iter()
+            .zip(&trained.values)
+            .map(|(a, b)| relative_error(a, b))
+            .collect(),
+        losses: moved_losses
+            .iter()
+            .zip(losses)
+            .map(|(a, b)| (a - b).abs() / b.abs())
+            .collect(),
+    }
+}
