@@ -106,20 +106,10 @@ impl OpKernels for Dense {
         self.run_with_reductions(
             phase,
             c,
-            |c, op, _, x, w| {
-                let b = c.try_read(Role::Param(1));
-                let y = c.write(Role::Output);
-                c.backend.dense_forward(c.stream, op, x, w, b, y);
-            },
-            |c, op, _, x, w| {
-                let c0 = c.read(Role::Param(0)).rect.lo[1];
-                let dp = c.read(Role::OutputGrad);
-                let dw = super::rebase_out(c.write(Role::ParamGrad(0)), c0);
-                let db = c.try_write(Role::ParamGrad(1));
-                let dx = c
-                    .try_write(Role::InputGrad(0))
-                    .map(|dx| super::rebase_out(dx, c0));
+            |c, op, _, x, w, b, y| c.backend.dense_forward(c.stream, op, x, w, b, y),
+            |c, op, _, x, w, g| {
                 // Without an activation the kernel does not read the output: dp stands in.
+                let (dp, dx, dw, db) = (g.dp, g.dx, g.dw, g.db);
                 c.backend
                     .dense_backward(c.stream, op, x, w, dp, dp, dx, dw, db);
             },

@@ -182,26 +182,49 @@ pub(crate) trait ReductionKernels: OpKernels + Clone {
 
     /// Runs `phase`: the op's forward and backward, or a reduction split's, whose partials
     /// `partial_forward` and `partial_backward` compute with the op's kernels (given the rebased
-    /// op, input shape, input and weight).
+    /// op, input shape, input and weight, and the bias and output or the gradients).
     fn run_with_reductions<B: Backend>(
         &self,
         phase: Phase,
         c: &mut KernelCall<B>,
-        partial_forward: impl FnOnce(&mut KernelCall<B>, &Self, Shape, In<B::Buffer>, In<B::Buffer>),
-        partial_backward: impl FnOnce(&mut KernelCall<B>, &Self, Shape, In<B::Buffer>, In<B::Buffer>),
+        partial_forward: impl FnOnce(
+            &mut KernelCall<B>,
+            &Self,
+            Shape,
+            In<B::Buffer>,
+            In<B::Buffer>,
+            Option<In<B::Buffer>>,
+            Out<B::Buffer>,
+        ),
+        partial_backward: impl FnOnce(
+            &mut KernelCall<B>,
+            &Self,
+            Shape,
+            In<B::Buffer>,
+            In<B::Buffer>,
+            PartialGrads<B::Buffer>,
+        ),
     ) -> Result<(), KernelError> {
         match phase {
             Phase::PartialForward => {
                 let (x, w) = (c.read(Role::Input(0)), c.read(Role::Param(0)));
                 let op = self.partial_op(c.has(Role::Param(1)));
                 let (in_shape, x, w) = rebase(c.input_shape(0), x, w);
-                partial_forward(c, &op, in_shape, x, w);
+                let (b, y) = (c.try_read(Role::Param(1)), c.write(Role::Output));
+                partial_forward(c, &op, in_shape, x, w, b, y);
             }
             Phase::PartialBackward => {
                 let (x, w) = (c.read(Role::Input(0)), c.read(Role::Param(0)));
                 let op = self.partial_op(c.has(Role::ParamGrad(1)));
+                let c0 = w.rect.lo[1];
                 let (in_shape, x, w) = rebase(c.input_shape(0), x, w);
-                partial_backward(c, &op, in_shape, x, w);
+                let grads = PartialGrads {
+                    dp: c.read(Role::OutputGrad),
+                    dw: rebase_out(c.write(Role::ParamGrad(0)), c0),
+                    db: c.try_write(Role::ParamGrad(1)),
+                    dx: c.try_write(Role::InputGrad(0)).map(|dx| rebase_out(dx, c0)),
+                };
+                partial_backward(c, &op, in_shape, x, w, grads);
             }
             Phase::Finish => {
                 let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
@@ -248,9 +271,18 @@ fn rebase<'a, M>(in_shape: Shape, x: In<'a, M>, w: In<'a, M>) -> (Shape, In<'a, 
     )
 }
 
+/// A partial's backward operands: the gradient before the activation, and its weight (rebased),
+/// bias (first partial only) and input (rebased, where needed) gradients.
+pub(crate) struct PartialGrads<'a, M> {
+    pub dp: In<'a, M>,
+    pub dw: Out<'a, M>,
+    pub db: Option<Out<'a, M>>,
+    pub dx: Option<Out<'a, M>>,
+}
+
 /// `rect` (an input gradient or weight gradient of a partial) rebased like [`rebase`] rebases the
 /// views of channels starting at `c0`.
-pub(crate) fn rebase_out<M>(out: Out<'_, M>, c0: usize) -> Out<'_, M> {
+fn rebase_out<M>(out: Out<'_, M>, c0: usize) -> Out<'_, M> {
     let rect = out
         .rect
         .with_axis(1, out.rect.lo[1] - c0, out.rect.hi[1] - c0);
