@@ -15,7 +15,8 @@
 # LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps), single-GPU training throughput side by
 # side with PyTorch in the same run (strict FP32, then TF32: legion-rs --tf32, torch's allow_tf32)
 # for AlexNet 224 b128, VGG-16 224 b64, Inception-v3 299 b64, AlexNet's step on 4 devices sharing
-# the GPU under data, owt and optcnn, and a GPU profile of the three models for the paper's
+# the GPU under data, owt and optcnn against the simulation priced by those devices' measured
+# tiles and copies (`plan --machine one-gpu:4`), and a GPU profile of the three models for the paper's
 # machine ($OUT/profile-paper.json: every tile shape of 16 devices at 32 samples each, for
 # `plan --machine paper --profile`).
 set -uo pipefail
@@ -89,25 +90,24 @@ PY
             fi
         done
     done
-    echo "=== several devices on one GPU: AlexNet 224 b128 on 4 devices, a stream each"
-    for strategy in data owt optcnn; do
-        log="$out/legion-alexnet-4dev-$strategy.jsonl"
-        if timeout 300 "$dir/legion-rs" train --device cuda --devices 4 --strategy "$strategy" \
-            --model alexnet --image-size 224 --batch 128 --classes 1000 --steps 10 --json \
-            >"$log" 2>"$out/legion-alexnet-4dev-$strategy.err"; then
-            "$python" - "$log" "$strategy" <<'PY' | tee -a "$out/several-devices.jsonl"
-import json, statistics, sys
-steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l and '"summary"' not in l]
-ms = statistics.median(s["step_ms"] for s in steps[3:])
-print(json.dumps({"model": "alexnet", "devices": 4, "strategy": sys.argv[2],
-                  "median_step_ms": ms}))
-PY
-        else
-            echo "legion-rs alexnet 4 devices $strategy failed:"
-            tail -5 "$out/legion-alexnet-4dev-$strategy.err"
-            failures+=("alexnet 4 devices $strategy")
-        fi
-    done
+    echo "=== several devices on one GPU: AlexNet 224 b128 on 4 devices, a stream each: measured"
+    echo "    steps against the simulation priced by the tiles just measured (one-gpu:4)"
+    if timeout 300 "$dir/legion-rs" profile --device cuda --devices 4 --model alexnet --image-size 224 \
+        --batch 128 --classes 1000 --strategies data,owt,optcnn --warmup 3 --repeats 10 \
+        --out "$out/profile-one-gpu.json" 2>&1 | tee "$out/several-devices.txt"; then
+        for strategy in data owt optcnn; do
+            "$dir/legion-rs" plan --model alexnet --image-size 224 --batch 128 --classes 1000 \
+                --machine one-gpu:4 --search "$strategy" --profile "$out/profile-one-gpu.json" \
+                --json 2>/dev/null | "$python" -c '
+import json, sys
+doc = json.load(sys.stdin)
+for s in doc["searches"]:
+    print("simulated", s["search"], round(s["simulated_ms"], 2), "ms")
+' | tee -a "$out/several-devices.txt" || failures+=("plan one-gpu:4 $strategy")
+        done
+    else
+        failures+=("several devices on one GPU")
+    fi
     echo "=== throughput, PyTorch on the same GPU (strict FP32, then TF32)"
     for tf32 in "" --tf32; do
         "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 inception_v3:299:64 $tf32 \

@@ -290,6 +290,14 @@ pub fn block_of(extent: usize, degree: usize, x: usize) -> usize {
     ((x + 1) * degree).div_ceil(extent) - 1
 }
 
+/// The GPU of device `d` when `devices` devices are spread over `gpus` GPUs: `d·g/n`, so that
+/// consecutive devices (which the planner numbers node by node) share a GPU, and every GPU gets a
+/// device where there are at least as many devices as GPUs. The runtime places devices so and the
+/// planner models them so.
+pub fn gpu_of(d: DeviceId, devices: usize, gpus: usize) -> usize {
+    d * gpus / devices.max(1)
+}
+
 /// The input channels partial `r` of `red` reads of `channels`: block `r` of them.
 pub fn reduction_range(channels: usize, red: usize, r: usize) -> (usize, usize) {
     block_range(channels, red, r)

@@ -389,6 +389,7 @@ pub const PRESETS: &[&str] = &[
     "dgx-h100:N",
     "local-cpu",
     "local-cpu:N",
+    "one-gpu:N",
 ];
 
 /// NVLink between P100s of one node, per direction (the paper's DGX-style nodes).
@@ -405,6 +406,15 @@ const H100_NVLINK_LATENCY_US: f64 = 2.0;
 const H100_NIC_GBIT: f64 = 400.0;
 const H100_NIC_LATENCY_US: f64 = 5.0;
 const H100_GPUS_PER_NODE: usize = 8;
+/// A device gathering a slice and the receiver copying it in, both within one GPU's memory: two
+/// reads and two writes of the slice at the GPU's memory bandwidth, at best.
+const SAME_GPU_COPIES: f64 = 4.0;
+const SAME_GPU_LATENCY_US: f64 = 10.0;
+/// Page-locked copies between host and GPU over PCIe Gen5 x16, each direction, GB/s (of ~64 in
+/// theory, what a staged copy sees); a staged slice goes device → host → device, two of them.
+const STAGED_GB_PER_S: f64 = 25.0;
+const STAGED_HOPS: f64 = 2.0;
+const STAGED_LATENCY_US: f64 = 30.0;
 
 /// The most threads a machine's runtime may run at once (compute slots, actor threads): more than
 /// any host has cores. The simulator keeps a clock per thread.
@@ -577,6 +587,10 @@ impl MachineModel {
                         Link::from_gbit_per_s(40.0, 2.0),
                         Link::from_gbit_per_s(40.0, 2.0),
                     )
+                } else if let Some(n) =
+                    count("one-gpu:").filter(|&n| (1..=MAX_DEVICES).contains(&n))
+                {
+                    MachineModel::on_gpus(name, n, &[80.0], DeviceSpec::h100())
                 } else if let Some(n) = count("paper:").filter(|&n| paper_count(n)) {
                     MachineModel::paper(name, n, true)
                 } else if let Some(n) = count("paper-pairs:").filter(|&n| paper_count(n)) {
@@ -594,6 +608,49 @@ impl MachineModel {
                 }
             }
         }
+    }
+
+    /// `devices` devices spread over GPUs of `gpu_memory_gib` each (as `partition::gpu_of` spreads
+    /// them: consecutive devices share a GPU), each computing like `device`: one node per GPU; a
+    /// slice within a GPU moves at its memory bandwidth, one between GPUs is staged through
+    /// page-locked host memory; each GPU runs one kernel at a time at full speed (as many at once
+    /// as there are GPUs); each device may use its share of its GPU's memory. What the embedded
+    /// cluster's GPU devices make (`one-gpu:N`: N of them sharing one H100).
+    pub fn on_gpus(
+        name: &str,
+        devices: usize,
+        gpu_memory_gib: &[f64],
+        device: DeviceSpec,
+    ) -> Result<MachineModel, MachineError> {
+        let g = gpu_memory_gib.len().min(devices);
+        if g == 0 {
+            return Err(MachineError::Invalid(format!(
+                "no GPU to place {devices} device(s) on"
+            )));
+        }
+        let nodes: Vec<NodeSpec> = (0..g)
+            .map(|gpu| {
+                let on_gpu = (0..devices)
+                    .filter(|&d| legion_ops::partition::gpu_of(d, devices, g) == gpu)
+                    .count();
+                NodeSpec {
+                    devices: on_gpu,
+                    device: DeviceSpec {
+                        memory_gib: Some(gpu_memory_gib[gpu] / on_gpu as f64),
+                        ..device.clone()
+                    },
+                }
+            })
+            .collect();
+        let same_gpu = Link {
+            bytes_per_s: device.memory_bytes_per_s() / SAME_GPU_COPIES,
+            latency_s: SAME_GPU_LATENCY_US * 1e-6,
+        };
+        let staged = Link {
+            bytes_per_s: STAGED_GB_PER_S * 1e9 / STAGED_HOPS,
+            latency_s: STAGED_LATENCY_US * 1e-6,
+        };
+        MachineModel::new(name, &nodes, same_gpu, staged)?.with_compute_slots(g)
     }
 
     /// The paper's testbed, its first `gpus` GPUs; with `shared_nic`, one NIC per node.
@@ -946,6 +1003,36 @@ impl fmt::Display for MachineModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_sharing_gpus_are_nodes_of_them_one_kernel_each_at_a_time() {
+        let one = MachineModel::preset("one-gpu:4").unwrap();
+        assert_eq!((one.num_devices(), one.num_nodes()), (4, 1));
+        assert_eq!(
+            one.compute_slots(),
+            Some(1),
+            "one kernel at a time on one GPU"
+        );
+        assert_eq!(
+            one.device(3).memory_gib,
+            Some(20.0),
+            "a quarter of its memory each"
+        );
+        assert_eq!(one.device(0).kind, "h100");
+        assert!(one.link(0, 3).unwrap().bytes_per_s > 500e9);
+        // As the runtime places them: 3 devices on 2 GPUs are 2 + 1, staged between them.
+        let two = MachineModel::on_gpus("t", 3, &[80.0, 40.0], DeviceSpec::h100()).unwrap();
+        let nodes: Vec<usize> = (0..3).map(|d| two.node_of(d)).collect();
+        assert_eq!(nodes, [0, 0, 1]);
+        assert!((0..3).all(|d| nodes[d] == legion_ops::partition::gpu_of(d, 3, 2)));
+        assert_eq!(two.device(2).memory_gib, Some(40.0));
+        assert!(two.link(0, 2).unwrap().bytes_per_s < 20e9);
+        assert_eq!(two.compute_slots(), Some(2));
+        // More GPUs than devices: a GPU each, the rest unused.
+        let spare = MachineModel::on_gpus("t", 2, &[80.0; 4], DeviceSpec::h100()).unwrap();
+        assert_eq!(spare.num_nodes(), 2);
+        assert!(MachineModel::on_gpus("t", 2, &[], DeviceSpec::h100()).is_err());
+    }
 
     #[test]
     fn routes_share_a_nodes_nic_across_nodes_and_a_pair_link_inside() {

@@ -18,7 +18,7 @@ use kameo::mailbox;
 use legion_cuda::Cuda;
 use legion_ops::Graph;
 use legion_ops::kernels::softmax_ce::LabelOutOfRange;
-use legion_ops::partition::ParallelConfig;
+use legion_ops::partition::{ParallelConfig, gpu_of};
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
 use std::ops::Range;
 use std::sync::Arc;
@@ -70,13 +70,6 @@ impl Placement {
             Placement::Gpus(gpus) => Some(gpu_of(d, n, gpus.len())),
         }
     }
-}
-
-/// The GPU of device `d` when `devices` devices are spread over `gpus` GPUs: `d·g/n`, so that
-/// consecutive devices (which the planner numbers node by node) share a GPU and every GPU gets
-/// a device where there are at least as many devices as GPUs.
-pub fn gpu_of(d: usize, devices: usize, gpus: usize) -> usize {
-    d * gpus / devices.max(1)
 }
 
 /// What one distributed step measured.

@@ -30,11 +30,12 @@ pub use cpu_share::{CpuMeter, CpuSpan, RuntimeThreadsCpu, StepCpu, alone_seconds
 pub use device::{DeviceActor, Load, OpEvent, Piece, ReadInstance, StepReport};
 pub use embedded::{
     EmbeddedCluster, Placement, RuntimeError, StepResult, actor_threads, check_batch,
-    device_runtime, gpu_of, initial_instances, run_step, spawn_devices, spawn_local_devices,
+    device_runtime, initial_instances, run_step, spawn_devices, spawn_local_devices,
     threads_per_device,
 };
 pub use exec::{BatchView, ExecContext, StepInput, TaskOutcome, enqueue, execute};
 pub use in_process::InProcessTransport;
+pub use legion_ops::partition::gpu_of;
 pub use serial::SerialMemory;
 pub use trace::{chrome_trace, send_ends};
 pub use transport::{SliceMessage, Transport};

@@ -20,56 +20,28 @@ pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
     Ok(MachineModel::preset(&format!("local-cpu:{devices}"))?)
 }
 
-/// A device gathering a slice and the receiver copying it in, both within one GPU's memory: two
-/// reads and two writes of the slice at the GPU's memory bandwidth, at best.
-const SAME_GPU_COPIES: f64 = 4.0;
-/// Page-locked copies between host and GPU over PCIe Gen5 x16, each direction, GB/s (of ~64 in
-/// theory, what a staged copy sees).
-const STAGED_GB_PER_S: f64 = 25.0;
-/// A staged slice goes device → host → device: two such copies, one after the other.
-const STAGED_HOPS: f64 = 2.0;
-
-/// The machine the embedded cluster's `devices` devices make on `gpus` (spread as
-/// `Placement::gpu_of` spreads them: consecutive devices share a GPU), as the planner sees it: one
-/// node per GPU with its devices; a slice within a GPU moves at its memory bandwidth, one between
-/// GPUs is staged through page-locked host memory; each GPU runs one kernel at a time at full
-/// speed (as many at once as there are GPUs); each device may use its share of its GPU's memory.
-/// The devices compute like H100s, in TF32 with `tf32` (the GPUs lent to this project are H100s
-/// and H200s; a profile measured on the GPU, `profile --device cuda`, refines it).
+/// The machine the embedded cluster's `devices` devices make on `gpus` (as the runtime places
+/// them, `Placement::gpu_of`), as the planner sees it (`MachineModel::on_gpus`): devices that
+/// compute like H100s, in TF32 with `tf32` (the GPUs lent to this project are H100s and H200s; a
+/// profile measured on the GPU, `profile --device cuda`, refines it), each with its share of its
+/// GPU's memory.
 pub fn gpus_machine(
     devices: usize,
     gpus: &[CudaDevice],
     tf32: bool,
 ) -> anyhow::Result<MachineModel> {
-    anyhow::ensure!(!gpus.is_empty(), "no GPU to place {devices} device(s) on");
-    let g = gpus.len().min(devices.max(1));
-    let mut nodes = Vec::with_capacity(g);
-    for (gpu, info) in gpus.iter().take(g).enumerate() {
-        let on_gpu = (0..devices)
-            .filter(|&d| legion_runtime::gpu_of(d, devices, g) == gpu)
-            .count();
-        let mut device = DeviceSpec::h100();
-        if tf32 {
-            device.kind = "h100-tf32".into();
-            device.peak_gflops *= TF32_OVER_FP32;
-        }
-        device.memory_gib =
-            Some(info.total_memory_bytes as f64 / (1u64 << 30) as f64 / on_gpu as f64);
-        nodes.push(NodeSpec {
-            devices: on_gpu,
-            device,
-        });
+    let mut device = DeviceSpec::h100();
+    if tf32 {
+        device.kind = "h100-tf32".into();
+        device.peak_gflops *= TF32_OVER_FP32;
     }
-    let same_gpu = Link {
-        bytes_per_s: DeviceSpec::h100().memory_bytes_per_s() / SAME_GPU_COPIES,
-        latency_s: 10e-6,
-    };
-    let staged = Link {
-        bytes_per_s: STAGED_GB_PER_S * 1e9 / STAGED_HOPS,
-        latency_s: 30e-6,
-    };
+    let memory: Vec<f64> = gpus
+        .iter()
+        .map(|g| g.total_memory_bytes as f64 / (1u64 << 30) as f64)
+        .collect();
+    let g = memory.len().min(devices.max(1));
     let name = format!("gpus:{devices}on{g}");
-    Ok(MachineModel::new(&name, &nodes, same_gpu, staged)?.with_compute_slots(g)?)
+    Ok(MachineModel::on_gpus(&name, devices, &memory, device)?)
 }
 
 /// TF32 tensor-core peak over the FP32 peak of an H100 SXM5 (494.7 / 67 TFLOP/s).
@@ -225,37 +197,15 @@ mod tests {
     }
 
     #[test]
-    fn devices_on_gpus_are_nodes_sharing_each_gpu_and_its_memory() {
+    fn the_embedded_gpu_machine_takes_each_gpus_memory_and_the_math() {
         let one = gpus_machine(4, &[gpu(0)], false).unwrap();
         assert_eq!((one.num_devices(), one.num_nodes()), (4, 1));
-        assert_eq!(
-            one.compute_slots(),
-            Some(1),
-            "one kernel at a time on one GPU"
-        );
         assert_eq!(
             one.device(0).memory_gib,
             Some(20.0),
             "a quarter of the GPU each"
         );
-        let within = one.link(0, 3).unwrap();
-        assert!(within.bytes_per_s > 500e9, "{within:?}");
-
-        // As `Placement::gpu_of` spreads them: 3 devices on 2 GPUs are 2 + 1.
-        let two: Vec<CudaDevice> = (0..2).map(gpu).collect();
-        let uneven = gpus_machine(3, &two, false).unwrap();
-        let nodes: Vec<usize> = (0..3).map(|d| uneven.node_of(d)).collect();
-        assert_eq!(nodes, [0, 0, 1]);
-        assert!((0..3).all(|d| nodes[d] == legion_runtime::gpu_of(d, 3, 2)));
-        assert_eq!(uneven.device(2).memory_gib, Some(80.0));
-        let staged = uneven.link(0, 2).unwrap();
-        assert!(
-            staged.bytes_per_s < 20e9,
-            "between GPUs through the host: {staged:?}"
-        );
-        assert_eq!(uneven.compute_slots(), Some(2));
-
-        // More GPUs than devices: a GPU each, the rest unused.
+        assert_eq!(one.compute_slots(), Some(1));
         let four: Vec<CudaDevice> = (0..4).map(gpu).collect();
         assert_eq!(gpus_machine(2, &four, false).unwrap().num_nodes(), 2);
         let tf32 = gpus_machine(1, &[gpu(0)], true).unwrap();

@@ -15,17 +15,17 @@
 //! whichever strategy or device asked for it), after `warmup` untimed runs (cuDNN's algorithm
 //! choice and workspace, lazy module loading), as the median of `repeats` runs.
 //!
-//! The database holds tile times only: its devices' links and runtime costs stay the machine's
-//! own (`plan --machine dgx-h100 --profile` keeps NVLink and the NICs and prices kernels as
-//! measured). The copies a GPU device makes are measured and reported beside it
-//! ([`CopyRates`]).
+//! The copies a GPU device makes are measured too ([`CopyRates`]). The database holds the tile
+//! times, and where the profile is of devices sharing the GPU (not of another machine's tiles,
+//! `profile --machine`) also their link ([`CopyRates::same_gpu_link`]) and one kernel at a time,
+//! so that `plan --machine one-gpu:N --profile` predicts what `train --devices N` measures.
 
 use crate::{ProfileRunError, StrategyRun, synthetic_batch};
 use legion_cuda::{Cuda, Direction, Marker, Stream};
 use legion_ops::backend::{Access, Backend, DType, KernelError, cpu};
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
-use legion_planner::profile::{ProfileEntry, ProfileKey};
+use legion_planner::profile::{LinkProfile, ProfileEntry, ProfileKey};
 use legion_planner::{ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::{DeviceProgram, LocalOpKind};
@@ -43,6 +43,21 @@ pub struct CopyRates {
     pub to_host_bytes_per_s: f64,
     /// From page-locked host memory.
     pub from_host_bytes_per_s: f64,
+    /// Seconds of a copy of one value within the GPU: the fixed cost of every copy.
+    pub copy_latency_s: f64,
+}
+
+impl CopyRates {
+    /// A slice between two devices on this GPU, as the runtime moves it (gathered into a buffer of
+    /// its own, then copied into the receiver's instance): the link `plan --profile` prices the
+    /// devices of `one-gpu:N` with.
+    pub fn same_gpu_link(&self) -> LinkProfile {
+        LinkProfile {
+            bytes_per_s: self.device_bytes_per_s / 2.0,
+            latency_s: 2.0 * self.copy_latency_s,
+            samples: COPY_RUNS as u32,
+        }
+    }
 }
 
 /// What profiling on a GPU measured.
@@ -312,7 +327,10 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
-/// Copy rates of 64 MiB slices, the median of five of each.
+/// Timed copies of each kind.
+const COPY_RUNS: usize = 5;
+
+/// Copy rates of 64 MiB slices and the time of a one-value copy, the median of five of each.
 fn copy_rates(cuda: &Cuda, stream: &mut Stream) -> Result<CopyRates, KernelError> {
     const LEN: usize = 16 << 20; // f32 values: 64 MiB
     let bytes = (LEN * 4) as f64;
@@ -321,8 +339,12 @@ fn copy_rates(cuda: &Cuda, stream: &mut Stream) -> Result<CopyRates, KernelError
     let mut dst = cuda.alloc_zeros(stream, DType::F32, LEN)?;
     let mut out = cuda.staging(DType::F32, LEN, Direction::ToHost)?;
     let into = cuda.staging(DType::F32, LEN, Direction::ToDevice)?;
+    let one = Rect::new(&[0], &[1]);
     let mut rates = [Vec::new(), Vec::new(), Vec::new()];
-    for _ in 0..5 {
+    let mut small = Vec::new();
+    for _ in 0..COPY_RUNS {
+        let tiny = cuda.mark(stream)?;
+        cuda.copy_rect(stream, &src, &whole, &mut dst, &whole, &one);
         let a = cuda.mark(stream)?;
         cuda.copy_rect(stream, &src, &whole, &mut dst, &whole, &whole);
         let b = cuda.mark(stream)?;
@@ -331,6 +353,7 @@ fn copy_rates(cuda: &Cuda, stream: &mut Stream) -> Result<CopyRates, KernelError
         cuda.stage_in(stream, &into, &mut dst);
         let d = cuda.mark(stream)?;
         cuda.synchronize(stream)?;
+        small.push(a.seconds_since(&tiny)?);
         rates[0].push(bytes / b.seconds_since(&a)?);
         rates[1].push(bytes / c.seconds_since(&b)?);
         rates[2].push(bytes / d.seconds_since(&c)?);
@@ -340,5 +363,6 @@ fn copy_rates(cuda: &Cuda, stream: &mut Stream) -> Result<CopyRates, KernelError
         device_bytes_per_s: median(&mut device),
         to_host_bytes_per_s: median(&mut to_host),
         from_host_bytes_per_s: median(&mut from_host),
+        copy_latency_s: median(&mut small),
     })
 }

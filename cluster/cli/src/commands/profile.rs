@@ -309,6 +309,11 @@ fn profile_on_gpu(
     let mut measured =
         profile::gpu::profile_on_gpu(graph, devices, strategies, &cudas[0], &settings, run_steps)
             .with_context(|| format!("profiling {} on {gpu}", graph.name))?;
+    if a.machine.is_none() {
+        // The devices share the GPU (`one-gpu:N`): their link and one kernel at a time.
+        measured.db.links = Some(measured.copies.same_gpu_link());
+        measured.db.compute_threads = Some(1);
+    }
     let software = legion_cuda::probe::software_versions().unwrap_or_else(|e| e.to_string());
     let math = if a.tf32 { "TF32" } else { "strict FP32" };
     measured.db.measured_on = Some(legion_planner::profile::MeasuredOn {
