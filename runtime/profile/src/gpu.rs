@@ -104,10 +104,11 @@ pub fn profile_on_gpu(
         for program in &plan.programs {
             for (layer, (forward, backward)) in tile_tasks(program) {
                 let config = &plan.configs[layer.0];
+                // A reduction split's partial is not its block's whole kernel (see `TileTimes`).
                 let Some(t) = program
                     .device
                     .checked_sub(config.first_device())
-                    .filter(|&t| t < config.total())
+                    .filter(|&t| t < config.total() && config.reduction() == 1)
                 else {
                     continue;
                 };

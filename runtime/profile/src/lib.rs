@@ -441,9 +441,11 @@ impl TileTimes {
             // A device holds at most one tile of a layer (tile t on device first + t), so the device
             // names the tile even for tasks whose own rect is not the tile (running statistics).
             let config = &plan.configs[layer.0];
+            // A reduction split's partial is not its block's whole kernel, and the planner does
+            // not price partials yet: no entry of the block's key for it.
             let Some(t) = device
                 .checked_sub(config.first_device())
-                .filter(|&t| t < config.total())
+                .filter(|&t| t < config.total() && config.reduction() == 1)
             else {
                 continue;
             };
