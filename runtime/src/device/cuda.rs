@@ -120,10 +120,9 @@ impl GpuQueue {
                 }
             })
             .map_err(|e| KernelError::Device(format!("device {device}'s submitter: {e}")))?;
-        let pool = Arc::clone(&transport);
         std::thread::Builder::new()
             .name(format!("legion-gpu-send-{device}"))
-            .spawn(move || send_staged(to_send, give_back, pool))
+            .spawn(move || send_staged(to_send, give_back, transport))
             .map_err(|e| KernelError::Device(format!("device {device}'s sender: {e}")))?;
         start_result
             .recv()
