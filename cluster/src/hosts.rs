@@ -515,12 +515,19 @@ impl Hosts {
                 }
             }
         }
-        let total: Option<usize> = self
+        self.check_device_total()?;
+        Ok(self)
+    }
+
+    /// The hosts' devices together are within what the planner takes: each host's count is,
+    /// but many hosts could add up past it (or past `usize`).
+    fn check_device_total(&self) -> Result<(), String> {
+        let total = self
             .hosts
             .iter()
             .try_fold(0usize, |acc, h| acc.checked_add(h.devices));
         match total {
-            Some(n) if n <= MAX_DEVICES => Ok(self),
+            Some(n) if n <= MAX_DEVICES => Ok(()),
             _ => Err(format!(
                 "expected at most {MAX_DEVICES} devices in all, but the {} hosts have more",
                 self.hosts.len()
@@ -667,23 +674,12 @@ impl Source<'_> {
         }
     }
 
-    /// The hosts, if their devices together are within what the planner takes: each host's count
-    /// is, but many hosts could add up past it (or past `usize`).
+    /// The hosts, if their devices together are within what the planner takes, the error
+    /// located in the file otherwise.
     fn within_device_limit(&self, hosts: Hosts) -> Result<Hosts, HostsError> {
-        let total = hosts
-            .hosts
-            .iter()
-            .try_fold(0usize, |acc, h| acc.checked_add(h.devices));
-        match total {
-            Some(n) if n <= MAX_DEVICES => Ok(hosts),
-            _ => Err(self.at(
-                0,
-                "",
-                &format!(
-                    "expected at most {MAX_DEVICES} devices in all, but the {} hosts have more",
-                    hosts.hosts.len()
-                ),
-            )),
+        match hosts.check_device_total() {
+            Ok(()) => Ok(hosts),
+            Err(message) => Err(self.at(0, "", &message)),
         }
     }
 

@@ -173,8 +173,6 @@ impl Lowering<'_> {
         let dy = self.regions.gradient(id);
         let spec = layer.op.spec();
         let inputs = self.graph.input_shapes(id);
-        // Only layers fed by another layer (not the data) need an input gradient.
-        let needs_dx = |k: usize| !matches!(self.graph.layer(layer.inputs[k]).op, Op::Input(_));
         match &layer.op {
             Op::Input(_) => {}
             Op::BatchNorm(bn) => {
@@ -202,7 +200,7 @@ impl Lowering<'_> {
                     self.param_grads(&mut t, p);
                     a.launch(t)?;
                 }
-                if needs_dx(0) {
+                if self.needs_input_grad(id, 0) {
                     let dx = self.regions.gradient(layer.inputs[0]);
                     for p in &points {
                         let mut t = phase(TaskKind::BnInputGrad, p);
@@ -307,17 +305,21 @@ impl Lowering<'_> {
         }
     }
 
-    /// Contributes to the gradient of `rects[k]` of the layer's `k`-th input, where one is needed:
-    /// only layers fed by another layer (not the data) need an input gradient.
+    /// Contributes to the gradient of `rects[k]` of the layer's `k`-th input, where one is needed.
     fn input_grads(&self, t: &mut TaskSpec, rects: &[Rect]) {
-        let layer = self.graph.layer(t.layer);
         for (k, &rect) in rects.iter().enumerate() {
-            let from = layer.inputs[k];
-            if !matches!(self.graph.layer(from).op, Op::Input(_)) {
-                let dx = self.regions.gradient(from);
+            if self.needs_input_grad(t.layer, k) {
+                let dx = self.regions.gradient(self.graph.layer(t.layer).inputs[k]);
                 t.require(dx, rect, Reduce, Role::InputGrad(k as u8));
             }
         }
+    }
+
+    /// Whether layer `id` computes the gradient of its `k`-th input: only layers fed by another
+    /// layer (not the data) need one.
+    fn needs_input_grad(&self, id: LayerId, k: usize) -> bool {
+        let from = self.graph.layer(id).inputs[k];
+        !matches!(self.graph.layer(from).op, Op::Input(_))
     }
 
     /// The tile's slices of the layer's parameters `which(index)` selects.

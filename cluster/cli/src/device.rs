@@ -91,14 +91,14 @@ pub fn choose(
 pub struct StartedGpus {
     pub info: Vec<CudaDevice>,
     pub cuda: Vec<Cuda>,
+    /// The stream that proved the first GPU's cuBLAS and cuDNN load.
+    first_stream: Stream,
 }
 
 impl StartedGpus {
     /// The one-device trainer's backend and stream: the first GPU's.
-    pub fn into_one(mut self) -> anyhow::Result<(Cuda, Stream)> {
-        let cuda = self.cuda.swap_remove(0);
-        let stream = cuda.new_stream()?;
-        Ok((cuda, stream))
+    pub fn into_one(mut self) -> (Cuda, Stream) {
+        (self.cuda.swap_remove(0), self.first_stream)
     }
 
     /// Where the embedded cluster's devices go.
@@ -122,25 +122,29 @@ pub fn start_gpus(
         }
         return Ok(None);
     };
-    let started: anyhow::Result<Vec<Cuda>> = gpus
+    let started: anyhow::Result<Vec<(Cuda, Stream)>> = gpus
         .iter()
         .map(|gpu| {
             let cuda = Cuda::with_math(gpu.ordinal, math)
                 .map_err(|e| anyhow::Error::from(e).context(gpu.to_string()))?;
-            // A stream proves cuBLAS and cuDNN load; the devices make their own.
-            cuda.new_stream()
+            // A stream proves cuBLAS and cuDNN load (device actors make their own; the
+            // one-device trainer keeps the first GPU's).
+            let stream = cuda
+                .new_stream()
                 .map_err(|e| anyhow::Error::from(e).context(gpu.to_string()))?;
-            Ok(cuda)
+            Ok((cuda, stream))
         })
         .collect();
     match started {
-        Ok(cuda) => {
+        Ok(started) => {
             if math == Math::Tf32 {
                 choice.line += ", TF32 tensor cores for products and convolutions (--tf32)";
             }
+            let (cuda, mut streams): (Vec<Cuda>, Vec<Stream>) = started.into_iter().unzip();
             Ok(Some(StartedGpus {
                 info: gpus.clone(),
                 cuda,
+                first_stream: streams.swap_remove(0),
             }))
         }
         Err(e) if kind == DeviceKind::Auto => {

@@ -350,7 +350,7 @@ impl Job {
         let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)?;
         let engine: Box<dyn Engine> = match gpus {
             Some(started) if !distributed => {
-                let (cuda, stream) = started.into_one()?;
+                let (cuda, stream) = started.into_one();
                 Box::new(Trainer::resume_on(
                     cuda,
                     stream,

@@ -7,21 +7,22 @@ mod common;
 use common::{assert_clean_failure, legion};
 
 /// The probe's verdict on this machine, `Err` when no GPU is usable.
-fn gpu_here() -> Result<String, String> {
+/// What is missing for a GPU here, the probe's message; `None` (saying the test skips) where a
+/// GPU is usable.
+fn no_gpu_here() -> Option<String> {
     match legion_cuda::probe() {
-        Ok(gpus) => Ok(gpus[0].to_string()),
-        Err(missing) => Err(missing.to_string()),
+        Ok(gpus) => {
+            println!("skipped: a GPU is usable here ({})", gpus[0]);
+            None
+        }
+        Err(missing) => Some(missing.to_string()),
     }
 }
 
 #[test]
 fn device_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
-    let missing = match gpu_here() {
-        Ok(gpu) => {
-            println!("skipped: a GPU is usable here ({gpu})");
-            return;
-        }
-        Err(missing) => missing,
+    let Some(missing) = no_gpu_here() else {
+        return;
     };
     let out = legion(&[
         "train", "--model", "lenet5", "--device", "cuda", "--steps", "1",
@@ -48,12 +49,8 @@ fn device_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
 
 #[test]
 fn profile_on_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
-    let missing = match gpu_here() {
-        Ok(gpu) => {
-            println!("skipped: a GPU is usable here ({gpu})");
-            return;
-        }
-        Err(missing) => missing,
+    let Some(missing) = no_gpu_here() else {
+        return;
     };
     let out = legion(&[
         "profile",
@@ -71,8 +68,7 @@ fn profile_on_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
 
 #[test]
 fn device_auto_with_several_devices_and_no_gpu_runs_them_on_the_cpu() {
-    if let Ok(gpu) = gpu_here() {
-        println!("skipped: a GPU is usable here ({gpu})");
+    if no_gpu_here().is_none() {
         return;
     }
     let out = legion(&[
@@ -94,8 +90,7 @@ fn device_auto_with_several_devices_and_no_gpu_runs_them_on_the_cpu() {
 
 #[test]
 fn device_auto_without_a_usable_gpu_trains_on_the_cpu_and_says_why() {
-    if let Ok(gpu) = gpu_here() {
-        println!("skipped: a GPU is usable here ({gpu})");
+    if no_gpu_here().is_none() {
         return;
     }
     let out = legion(&["train", "--model", "lenet5", "--steps", "2"]);
@@ -111,12 +106,8 @@ fn device_auto_without_a_usable_gpu_trains_on_the_cpu_and_says_why() {
 
 #[test]
 fn a_cuda_host_without_a_usable_gpu_fails_up_at_once_naming_what_is_missing() {
-    let missing = match gpu_here() {
-        Ok(gpu) => {
-            println!("skipped: a GPU is usable here ({gpu})");
-            return;
-        }
-        Err(missing) => missing,
+    let Some(missing) = no_gpu_here() else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");

@@ -745,12 +745,11 @@ impl Message<Deliver> for DeviceActor {
     type Reply = ();
 
     async fn handle(&mut self, msg: Deliver, ctx: &mut Context<Self, Self::Reply>) {
-        let actor = ctx.actor_ref().clone();
         let Deliver(SliceMessage {
             step, copy, data, ..
         }) = msg;
         let data = Arrived::Host(data);
-        self.deliver(Incoming { step, copy, data }, &actor);
+        self.deliver(Incoming { step, copy, data }, &ctx.actor_ref().clone());
     }
 }
 
@@ -758,12 +757,11 @@ impl Message<DeliverOnGpu> for DeviceActor {
     type Reply = ();
 
     async fn handle(&mut self, msg: DeliverOnGpu, ctx: &mut Context<Self, Self::Reply>) {
-        let actor = ctx.actor_ref().clone();
         let DeliverOnGpu(GpuSliceMessage {
             step, copy, data, ..
         }) = msg;
         let data = Arrived::Gpu(data);
-        self.deliver(Incoming { step, copy, data }, &actor);
+        self.deliver(Incoming { step, copy, data }, &ctx.actor_ref().clone());
     }
 }
 

@@ -154,7 +154,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     };
     let measured = profile::profile(&graph, devices, &strategies, &settings)
         .with_context(|| format!("profiling {} on {} device(s)", graph.name, devices))?;
-    save(&a, measured.db.clone())?;
+    save(&a, &measured.db)?;
 
     let db = &measured.db;
     let mean_ms = |s: &[f64]| 1e3 * s.iter().sum::<f64>() / s.len().max(1) as f64;
@@ -233,21 +233,17 @@ fn space_strategies(
 }
 
 /// Writes `db` to --out, atomically; with --merge, over the entries already there.
-fn save(a: &ProfileArgs, db: legion_planner::ProfileDb) -> anyhow::Result<()> {
-    let db = match a.merge && a.out.exists() {
-        true => {
-            let mut kept = legion_planner::ProfileDb::load(&a.out)?;
-            kept.insert_all(db.entries);
-            kept.links = db.links.or(kept.links);
-            kept.compute_threads = db.compute_threads.or(kept.compute_threads);
-            kept.runtime = db.runtime.or(kept.runtime);
-            kept.measured_on = db.measured_on.or(kept.measured_on);
-            kept
-        }
-        false => db,
-    };
-    db.save(&a.out)?;
-    Ok(())
+fn save(a: &ProfileArgs, db: &legion_planner::ProfileDb) -> anyhow::Result<()> {
+    if !(a.merge && a.out.exists()) {
+        return Ok(db.save(&a.out)?);
+    }
+    let mut kept = legion_planner::ProfileDb::load(&a.out)?;
+    kept.insert_all(db.entries.iter().cloned());
+    kept.links = db.links.or(kept.links);
+    kept.compute_threads = db.compute_threads.or(kept.compute_threads);
+    kept.runtime = db.runtime.or(kept.runtime);
+    kept.measured_on = db.measured_on.clone().or(kept.measured_on);
+    Ok(kept.save(&a.out)?)
 }
 
 /// Today, `YYYY-MM-DD` in UTC.
@@ -322,7 +318,7 @@ fn profile_on_gpu(
         date: utc_date(),
         command: std::env::args().collect::<Vec<_>>().join(" "),
     });
-    save(a, measured.db.clone())?;
+    save(a, &measured.db)?;
     let mean_ms = |s: &[f64]| 1e3 * s.iter().sum::<f64>() / s.len().max(1) as f64;
     if a.json {
         let runs: Vec<_> = measured
