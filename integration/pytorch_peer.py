@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The peer a user would pick instead: PyTorch training the same zoo model on the same GPU.
 
-Prints one JSON object per model: median step milliseconds over the measured steps, images per
-second, and the settings. Strict FP32 unless --tf32 (TF32 off in cuBLAS and cuDNN, the default
-of legion-rs). SGD with momentum 0.9 and weight decay 5e-4, as legion-rs trains; synthetic data
-resident on the GPU; cudnn.benchmark on.
+Prints one JSON object per model and mode: median step milliseconds over the measured steps,
+images per second, and the settings. Strict FP32 (TF32 off in cuBLAS and cuDNN, the default of
+legion-rs), TF32 with --tf32, both (strict first) with --both. SGD with momentum 0.9 and weight
+decay 5e-4, as legion-rs trains; synthetic data resident on the GPU; cudnn.benchmark on. Models
+are built on the GPU (their initialisation is not what is measured).
 
-usage: pytorch_peer.py MODEL:IMAGE:BATCH [...] [--tf32] [--warmup 5] [--steps 15]
+usage: pytorch_peer.py MODEL:IMAGE:BATCH [...] [--tf32 | --both] [--warmup 5] [--steps 15]
 """
 import argparse
 import json
@@ -35,41 +36,47 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("runs", nargs="+", help="MODEL:IMAGE:BATCH")
     parser.add_argument("--tf32", action="store_true")
+    parser.add_argument("--both", action="store_true", help="strict FP32, then TF32")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--classes", type=int, default=1000)
     args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = args.tf32
-    torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
+    modes = [False, True] if args.both else [args.tf32]
     for run in args.runs:
         name, image, batch = run.split(":")
         image, batch = int(image), int(batch)
-        model = build(name, args.classes).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-        loss_fn = torch.nn.CrossEntropyLoss()
-        x = torch.randn(batch, 3, image, image, device=device)
-        y = torch.randint(0, args.classes, (batch,), device=device)
-        times = []
-        for step in range(args.warmup + args.steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            torch.cuda.synchronize()
-            if step >= args.warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-        median = statistics.median(times)
-        print(json.dumps({
-            "peer": "pytorch", "torch": torch.__version__, "model": name, "image": image,
-            "batch": batch, "tf32": args.tf32, "median_step_ms": median,
-            "images_per_sec": batch / median * 1e3,
-        }), flush=True)
-        del model, opt, x, y
+        for tf32 in modes:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+            median = measure(name, image, batch, args, device)
+            print(json.dumps({
+                "peer": "pytorch", "torch": torch.__version__, "model": name, "image": image,
+                "batch": batch, "tf32": tf32, "median_step_ms": median,
+                "images_per_sec": batch / median * 1e3,
+            }), flush=True)
 
+
+def measure(name: str, image: int, batch: int, args, device) -> float:
+    with device:
+        model = build(name, args.classes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.randn(batch, 3, image, image, device=device)
+    y = torch.randint(0, args.classes, (batch,), device=device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 if __name__ == "__main__":
     main()

@@ -247,6 +247,21 @@ impl Rect {
             || (0..self.ndim).all(|i| self.lo[i] <= other.lo[i] && other.hi[i] <= self.hi[i])
     }
 
+    /// Where this rect's elements lie in a row-major buffer laid out over `outer`, when they are
+    /// one contiguous run (every axis but the first spans `outer`'s whole extent, e.g. a range
+    /// of samples); `None` otherwise or when `outer` does not contain it.
+    pub fn contiguous_in(&self, outer: &Rect) -> Option<std::ops::Range<usize>> {
+        if self.ndim != outer.ndim || !outer.contains(self) || self.is_empty() {
+            return None;
+        }
+        if (1..self.ndim).any(|a| self.lo[a] != outer.lo[a] || self.hi[a] != outer.hi[a]) {
+            return None;
+        }
+        let row: usize = (1..self.ndim).map(|a| outer.extent(a)).product();
+        let start = (self.lo[0] - outer.lo[0]) * row;
+        Some(start..start + self.volume())
+    }
+
     /// This rect with axis `axis` replaced by `[lo, hi)`.
     pub fn with_axis(&self, axis: usize, lo: usize, hi: usize) -> Rect {
         let mut r = *self;
@@ -389,6 +404,33 @@ pub fn for_each_run(region: &Rect, a: &Rect, b: &Rect, mut f: impl FnMut(usize, 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn sample_ranges_are_contiguous_runs_and_other_boxes_are_not() {
+        let whole = Rect::new(&[0, 0, 0, 0], &[8, 3, 4, 4]);
+        let samples = Rect::new(&[2, 0, 0, 0], &[5, 3, 4, 4]);
+        assert_eq!(samples.contiguous_in(&whole), Some(96..240));
+        assert_eq!(whole.contiguous_in(&whole), Some(0..384));
+        let held = Rect::new(&[4, 0, 0, 0], &[8, 3, 4, 4]);
+        assert_eq!(
+            Rect::new(&[5, 0, 0, 0], &[6, 3, 4, 4]).contiguous_in(&held),
+            Some(48..96)
+        );
+        // a channel block, a spatial block, a box outside, an empty one
+        assert_eq!(
+            Rect::new(&[0, 1, 0, 0], &[8, 2, 4, 4]).contiguous_in(&whole),
+            None
+        );
+        assert_eq!(
+            Rect::new(&[0, 0, 0, 0], &[8, 3, 2, 4]).contiguous_in(&whole),
+            None
+        );
+        assert_eq!(samples.contiguous_in(&held), None);
+        assert_eq!(
+            Rect::new(&[2, 0, 0, 0], &[2, 3, 4, 4]).contiguous_in(&whole),
+            None
+        );
+    }
     use super::*;
 
     #[test]

@@ -7,6 +7,7 @@
 //! from pageable host memory (`load_images`, the labels of the loss kernels) return once the driver
 //! has staged the data, which waits for the stream; downloads wait for the copy.
 
+use crate::algos::{AlgorithmChoice, Chosen};
 use crate::kernels::{CompileError, Kernels, REDUCE_THREADS, WARP_ROWS_PER_BLOCK};
 use crate::probe::{Library, ProbeError, require};
 use cudarc::cublas::{CudaBlas, sys as cublas_sys};
@@ -86,6 +87,9 @@ pub struct Stream {
     pub(crate) cudnn: Arc<Cudnn>,
     /// The arithmetic cuBLAS and cuDNN may use on this stream.
     pub(crate) math: Math,
+    /// How convolution algorithms are picked, and those picked so far (see [`crate::algos`]).
+    pub(crate) algorithms: AlgorithmChoice,
+    pub(crate) chosen: Chosen,
     /// The first failure to enqueue, reported by `synchronize`; later work is skipped.
     failure: Option<String>,
 }
@@ -280,6 +284,28 @@ pub(crate) fn per_channel(channels: i64) -> LaunchConfig {
     }
 }
 
+/// Buffers are allocated and freed in stream order (`cuMemAllocAsync`) from the device's default
+/// pool, which by default hands freed memory back to the driver at every synchronisation, so
+/// each step would map its activations afresh. Keeping it pooled (release threshold: never) makes
+/// a step's allocations reuse the last step's memory, as a caching allocator does.
+fn keep_freed_memory_pooled(context: &Arc<CudaContext>) -> Result<(), DriverError> {
+    use cudarc::driver::{result, sys};
+    context.bind_to_thread()?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the context's own device; the attribute takes a u64, passed by pointer.
+    unsafe {
+        let Ok(pool) = result::device::get_default_mem_pool(context.cu_device()) else {
+            // No stream-ordered allocation on this device: cudarc allocates synchronously.
+            return Ok(());
+        };
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut threshold).cast(),
+        )
+    }
+}
+
 /// A null device pointer, for the kernels' optional operands.
 const NULL: u64 = 0;
 
@@ -288,6 +314,7 @@ pub struct Cuda {
     pub(crate) context: Arc<CudaContext>,
     pub(crate) kernels: Kernels,
     math: Math,
+    algorithms: AlgorithmChoice,
 }
 
 /// The arithmetic of matrix products and convolutions.
@@ -322,13 +349,23 @@ impl Cuda {
             ordinal,
             error: e.to_string(),
         };
+        let algorithms =
+            AlgorithmChoice::from_env().map_err(|error| StartError::Device { ordinal, error })?;
         let context = CudaContext::new(ordinal).map_err(device_error)?;
+        // Only speed depends on it: a driver that refuses leaves the default behaviour.
+        let _ = keep_freed_memory_pooled(&context);
         let kernels = Kernels::load(&context)?;
         Ok(Cuda {
             context,
             kernels,
             math,
+            algorithms,
         })
+    }
+
+    /// How this backend's streams pick convolution algorithms.
+    pub fn algorithms(&self) -> AlgorithmChoice {
+        self.algorithms
     }
 
     /// The arithmetic of this backend's streams.
@@ -338,6 +375,37 @@ impl Cuda {
 
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.context
+    }
+
+    /// A new buffer of `len` elements: `pattern` repeated (device-to-device copies, enqueued on
+    /// `s`). Fills many buffers from one uploaded pattern without host work per element.
+    pub fn repeated(
+        &self,
+        s: &mut Stream,
+        pattern: &Buffer,
+        len: usize,
+    ) -> Result<Buffer, KernelError> {
+        fn fill<T: cudarc::driver::DeviceRepr>(
+            stream: &Arc<CudaStream>,
+            pattern: &CudaSlice<T>,
+            len: usize,
+        ) -> Result<CudaSlice<T>, DriverError> {
+            assert!(!pattern.is_empty(), "an empty pattern fills nothing");
+            // SAFETY: every element is written below before the buffer is handed out.
+            let mut out = unsafe { stream.alloc::<T>(len) }?;
+            let mut at = 0;
+            while at < len {
+                let n = pattern.len().min(len - at);
+                stream.memcpy_dtod(&pattern.slice(..n), &mut out.slice_mut(at..at + n))?;
+                at += n;
+            }
+            Ok(out)
+        }
+        let out = match pattern {
+            Buffer::F32(p) => fill(&s.stream, p, len).map(Buffer::F32),
+            Buffer::F64(p) => fill(&s.stream, p, len).map(Buffer::F64),
+        };
+        out.map_err(|e| KernelError::Device(format!("repeated pattern of {len}: {e}")))
     }
 
     /// A new stream with its own cuBLAS and cuDNN handles, both set to the backend's [`Math`].
@@ -366,6 +434,8 @@ impl Cuda {
             blas,
             cudnn,
             math: self.math,
+            algorithms: self.algorithms,
+            chosen: Chosen::default(),
             failure: None,
         })
     }
@@ -748,15 +818,25 @@ impl Backend for Cuda {
         y: Out<Buffer>,
     ) {
         self.enqueue(s, "load_images", |s| {
-            let mut host = vec![0.0f32; tile.volume()];
-            copy_rect(images, held, &mut host, tile, tile);
+            // A range of samples (the usual tile) is one run of the host batch: copied from
+            // there, with no host copy first.
+            let gathered;
+            let host = match tile.contiguous_in(held) {
+                Some(run) => &images[run],
+                None => {
+                    let mut buffer = vec![0.0f32; tile.volume()];
+                    copy_rect(images, held, &mut buffer, tile, tile);
+                    gathered = buffer;
+                    &gathered[..]
+                }
+            };
             let y_layout = Box4::of(&y.rect);
             let dst = y.mem.f32_mut();
             if y.rect == *tile {
-                s.stream.memcpy_htod(&host, dst)?;
+                s.stream.memcpy_htod(host, dst)?;
                 return Ok(());
             }
-            let staged = s.stream.clone_htod(&host)?;
+            let staged = s.stream.clone_htod(host)?;
             let tile = Box4::of(tile);
             self.region_f32(
                 s,

@@ -14,6 +14,10 @@
 //! Results differ from the CPU's im2col GEMM by the order of the sums. With [`Math::Tf32`]
 //! (`--tf32`) it is tensor-op math, which computes FP32 convolutions in TF32.
 
+use crate::algos::{
+    AlgorithmChoice, DATA_CANDIDATES, FILTER_CANDIDATES, FORWARD_CANDIDATES, Problem,
+    WORKSPACE_CAP, fastest,
+};
 use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Math, Stream};
 use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
 use cudarc::cudnn::{
@@ -184,6 +188,8 @@ struct Descriptors {
     w: FilterDescriptor<f32>,
     y: TensorDescriptor<f32>,
     conv: ConvDescriptor<f32>,
+    /// The problem they describe: the key of the stream's chosen algorithms.
+    problem: Problem,
 }
 
 fn descriptors(
@@ -195,18 +201,23 @@ fn descriptors(
 ) -> Result<Descriptors, Failure> {
     let nchw = cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
     let cudnn = &s.cudnn;
-    let x_desc = cudnn.create_4d_tensor::<f32>(nchw, dims(&source.dims(x)))?;
-    let w_desc = cudnn.create_4d_filter::<f32>(
-        nchw,
-        [
+    let problem = Problem {
+        x: dims(&source.dims(x)),
+        w: [
             segment.out_count as c_int,
             geo.in_per_group as c_int,
             geo.kernel[0] as c_int,
             geo.kernel[1] as c_int,
         ],
-    )?;
-    let y_desc = cudnn.create_4d_tensor::<f32>(nchw, dims(&geo.output(segment)))?;
-    let pad = source.pad();
+        y: dims(&geo.output(segment)),
+        pad: source.pad(),
+        stride: geo.stride,
+        groups: segment.groups,
+    };
+    let x_desc = cudnn.create_4d_tensor::<f32>(nchw, problem.x)?;
+    let w_desc = cudnn.create_4d_filter::<f32>(nchw, problem.w)?;
+    let y_desc = cudnn.create_4d_tensor::<f32>(nchw, problem.y)?;
+    let pad = problem.pad;
     let mut conv = cudnn.create_conv2d::<f32>(
         [pad[0] as c_int, pad[1] as c_int],
         [geo.stride[0] as c_int, geo.stride[1] as c_int],
@@ -225,14 +236,15 @@ fn descriptors(
         w: w_desc,
         y: y_desc,
         conv,
+        problem,
     })
 }
 
-/// cuDNN's workspace for one call (stream-ordered, freed when dropped).
 /// cuDNN's heuristic (cudarc's `pick_algorithm`, its first answer) may pick a backward algorithm
 /// that sums with atomics, whose order varies from run to run. Those are replaced by algorithm 1,
-/// deterministic and valid for every convolution, so that two runs of a strategy, or a run and
-/// its `--resume`, give the same bits. Forward algorithms are all deterministic.
+/// deterministic and valid for every convolution, so that with the heuristic
+/// (`LEGION_CUDNN_ALGOS=heuristic`) two runs of a strategy, or a run and its `--resume`, give the
+/// same bits. Forward algorithms are all deterministic. (Timed choices: [`crate::algos`].)
 fn deterministic_filter_algo(
     picked: sys::cudnnConvolutionBwdFilterAlgo_t,
 ) -> sys::cudnnConvolutionBwdFilterAlgo_t {
@@ -261,11 +273,22 @@ fn deterministic_data_algo(
     }
 }
 
+/// cuDNN's scratch for one call (stream-ordered, freed when dropped; cuDNN writes before it
+/// reads, so it is not zeroed).
 fn workspace(s: &Stream, bytes: usize) -> Result<Option<CudaSlice<u8>>, Failure> {
     if bytes == 0 {
         return Ok(None);
     }
-    Ok(Some(s.stream.alloc_zeros::<u8>(bytes)?))
+    // SAFETY: u8 has no invalid bit patterns, and cuDNN only reads what it wrote.
+    Ok(Some(unsafe { s.stream.alloc::<u8>(bytes) }?))
+}
+
+/// A workspace for a candidate being timed: refused past [`WORKSPACE_CAP`].
+fn capped_workspace(s: &Stream, bytes: usize) -> Result<Option<CudaSlice<u8>>, Failure> {
+    if bytes > WORKSPACE_CAP {
+        return Err(Failure(format!("{bytes} bytes of workspace")));
+    }
+    workspace(s, bytes)
 }
 
 /// The segment's input: `None` when cuDNN reads the view itself, else the gathered window.
@@ -331,27 +354,41 @@ pub(crate) fn forward(
             w: &d.w,
             y: &d.y,
         };
-        let algo = conv.pick_algorithm()?;
-        let mut ws = workspace(s, conv.get_workspace_size(algo)?)?;
         let out = geo.output(segment);
-        if segments.len() == 1 {
-            // SAFETY: the descriptors describe exactly these buffers.
-            unsafe { conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, y_mem) }?;
-        } else {
-            let mut scratch = s.stream.alloc_zeros::<f32>(out.volume() as usize)?;
-            // SAFETY: as above, the segment's output into packed scratch.
-            unsafe {
-                conv.launch(
-                    algo,
-                    ws.as_mut(),
-                    (1.0, 0.0),
-                    &x_view,
-                    &w_view,
-                    &mut scratch,
-                )
-            }?;
+        // One segment writes the output tile itself; several go through packed scratch.
+        let mut scratch = match segments.len() {
+            1 => None,
+            _ => Some(s.stream.alloc_zeros::<f32>(out.volume() as usize)?),
+        };
+        let target = match &mut scratch {
+            Some(scratch) => scratch,
+            None => &mut *y_mem,
+        };
+        let algo = match s.chosen.forward.get(&d.problem) {
+            Some(&algo) => algo,
+            None => {
+                let mut algo = conv.pick_algorithm()?;
+                if s.algorithms == AlgorithmChoice::Timed {
+                    let timed = fastest(&s.stream, &FORWARD_CANDIDATES, |algo| {
+                        let mut ws = capped_workspace(s, conv.get_workspace_size(algo)?)?;
+                        // SAFETY: the descriptors describe exactly these buffers.
+                        unsafe {
+                            conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, target)
+                        }?;
+                        Ok(())
+                    });
+                    algo = timed.unwrap_or(algo);
+                }
+                s.chosen.forward.insert(d.problem, algo);
+                algo
+            }
+        };
+        let mut ws = workspace(s, conv.get_workspace_size(algo)?)?;
+        // SAFETY: the descriptors describe exactly these buffers.
+        unsafe { conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, target) }?;
+        if let Some(scratch) = &scratch {
             let copy = &cuda.kernels.copy_region_f32;
-            cuda.region_f32(s, copy, &scratch, out, y_mem, tile, out)?;
+            cuda.region_f32(s, copy, scratch, out, y_mem, tile, out)?;
         }
     }
     cuda.bias_activation(s, y_mem, tile, b, op.activation == Activation::Relu)
@@ -434,9 +471,34 @@ pub(crate) fn backward(
             dw: &d.w,
             dy: &d.y,
         };
-        let algo = deterministic_filter_algo(filter.pick_algorithm()?);
-        let mut ws = workspace(s, filter.get_workspace_size(algo)?)?;
         let mut dw_rows = dw_mem.slice_mut(rows);
+        let algo = match s.chosen.filter.get(&d.problem) {
+            Some(&algo) => algo,
+            None => {
+                let mut algo = deterministic_filter_algo(filter.pick_algorithm()?);
+                if s.algorithms == AlgorithmChoice::Timed {
+                    let timed = fastest(&s.stream, &FILTER_CANDIDATES, |algo| {
+                        let mut ws = capped_workspace(s, filter.get_workspace_size(algo)?)?;
+                        // SAFETY: the descriptors describe exactly these buffers.
+                        unsafe {
+                            filter.launch(
+                                algo,
+                                ws.as_mut(),
+                                (1.0, 0.0),
+                                &x_view,
+                                &mut dw_rows,
+                                &dz_view,
+                            )
+                        }?;
+                        Ok(())
+                    });
+                    algo = timed.unwrap_or(algo);
+                }
+                s.chosen.filter.insert(d.problem, algo);
+                algo
+            }
+        };
+        let mut ws = workspace(s, filter.get_workspace_size(algo)?)?;
         // SAFETY: the descriptors describe exactly these buffers.
         unsafe {
             filter.launch(
@@ -456,37 +518,51 @@ pub(crate) fn backward(
             w: &d.w,
             dy: &d.y,
         };
-        let algo = deterministic_data_algo(data.pick_algorithm()?);
-        let mut ws = workspace(s, data.get_workspace_size(algo)?)?;
         let w_view = w
             .mem
             .f32()
             .slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
         let dx_mem = dx.mem.f32_mut();
-        match source {
-            Source::View { .. } => {
-                // SAFETY: as above; dx is laid out like x.
-                unsafe { data.launch(algo, ws.as_mut(), (1.0, 0.0), dx_mem, &w_view, &dz_view) }?;
-            }
+        // A view's gradient is dx itself (laid out like x); a gathered window's goes through
+        // scratch laid out over the window.
+        let mut dwindow = match source {
+            Source::View { .. } => None,
             Source::Gathered { window } => {
-                let mut dwindow = s.stream.alloc_zeros::<f32>(window.volume() as usize)?;
-                // SAFETY: as above, into scratch laid out over the window.
-                unsafe {
-                    data.launch(
-                        algo,
-                        ws.as_mut(),
-                        (1.0, 0.0),
-                        &mut dwindow,
-                        &w_view,
-                        &dz_view,
-                    )
-                }?;
-                // The part of the window inside dx; padding positions are dropped. Segments read
-                // disjoint input channels, so copying (not adding) is exact.
-                let region = window.intersect(&x_layout);
-                let copy = &cuda.kernels.copy_region_f32;
-                cuda.region_f32(s, copy, &dwindow, window, dx_mem, x_layout, region)?;
+                Some(s.stream.alloc_zeros::<f32>(window.volume() as usize)?)
             }
+        };
+        let target = match &mut dwindow {
+            Some(dwindow) => dwindow,
+            None => &mut *dx_mem,
+        };
+        let algo = match s.chosen.data.get(&d.problem) {
+            Some(&algo) => algo,
+            None => {
+                let mut algo = deterministic_data_algo(data.pick_algorithm()?);
+                if s.algorithms == AlgorithmChoice::Timed {
+                    let timed = fastest(&s.stream, &DATA_CANDIDATES, |algo| {
+                        let mut ws = capped_workspace(s, data.get_workspace_size(algo)?)?;
+                        // SAFETY: the descriptors describe exactly these buffers.
+                        unsafe {
+                            data.launch(algo, ws.as_mut(), (1.0, 0.0), target, &w_view, &dz_view)
+                        }?;
+                        Ok(())
+                    });
+                    algo = timed.unwrap_or(algo);
+                }
+                s.chosen.data.insert(d.problem, algo);
+                algo
+            }
+        };
+        let mut ws = workspace(s, data.get_workspace_size(algo)?)?;
+        // SAFETY: the descriptors describe exactly these buffers.
+        unsafe { data.launch(algo, ws.as_mut(), (1.0, 0.0), target, &w_view, &dz_view) }?;
+        if let (Some(dwindow), Source::Gathered { window }) = (&dwindow, source) {
+            // The part of the window inside dx; padding positions are dropped. Segments read
+            // disjoint input channels, so copying (not adding) is exact.
+            let region = window.intersect(&x_layout);
+            let copy = &cuda.kernels.copy_region_f32;
+            cuda.region_f32(s, copy, dwindow, window, dx_mem, x_layout, region)?;
         }
     }
     Ok(())

@@ -4,6 +4,8 @@
 //! - [`Cuda`]: `legion_ops::backend::Backend` on one GPU: convolutions through cuDNN, dense layers
 //!   through cuBLAS SGEMM, everything else through the CUDA C++ kernels of `kernels.cu`, compiled
 //!   once per process by NVRTC ([`kernels`]).
+//! - [`AlgorithmChoice`]: convolution algorithms timed once per problem (the default) or cuDNN's
+//!   heuristic (`LEGION_CUDNN_ALGOS=heuristic`).
 //! - [`Staging`], [`Marker`]: page-locked host buffers and timing events, for the runtime's GPU
 //!   device actors (copies to and from the host that never hold the submitting thread).
 //!
@@ -16,6 +18,7 @@
 //! only by the order of their sums. [`Math::Tf32`] (`--tf32`) lets cuBLAS and cuDNN use TF32
 //! tensor cores for products and convolutions; the element-wise kernels stay strict.
 
+mod algos;
 mod backend;
 mod conv;
 mod dense;
@@ -23,6 +26,7 @@ pub mod kernels;
 pub mod probe;
 mod staging;
 
+pub use algos::AlgorithmChoice;
 pub use backend::{Buffer, Cuda, Math, PendingLoss, StartError, Stream};
 pub use probe::{CudaDevice, ProbeError, probe};
 pub use staging::{Direction, Marker, Staging};

@@ -80,6 +80,18 @@ fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     if scale > 0.0 { diff / scale } else { diff }
 }
 
+/// The starting weights, each moved by at most a few ulps (relative 1e-7).
+fn perturbed_by_rounding(start: &TrainingState) -> TrainingState {
+    let mut params = start.params.clone();
+    let mut rng = Rng::new(3);
+    for values in &mut params.values {
+        for x in values.iter_mut() {
+            *x *= 1.0 + 1e-7 * (rng.uniform(-1.0, 1.0));
+        }
+    }
+    TrainingState::start(params)
+}
+
 #[test]
 fn a_tiny_model_trains_three_steps_on_the_gpu_as_on_the_cpu() {
     let cuda = match Cuda::new(0) {
@@ -97,12 +109,27 @@ fn a_tiny_model_trains_three_steps_on_the_gpu_as_on_the_cpu() {
         Trainer::resume(graph.clone(), start.clone(), Sgd::default(), SEED),
         &data,
     );
+    // How far f32 rounding alone moves each tensor: the CPU run again from weights moved by a
+    // few ulps. conv1's bias feeds batch norm, which removes its mean, so its gradient is a sum
+    // that cancels to rounding noise: there only "within rounding" can be asked of another
+    // summation order (the suite's rule, as in integration/tests/equivalence.rs).
+    let rounded = train(
+        Trainer::resume(
+            graph.clone(),
+            perturbed_by_rounding(&start),
+            Sgd::default(),
+            SEED,
+        ),
+        &data,
+    );
     let on_gpu = Trainer::resume_on(cuda, stream, graph.clone(), start, Sgd::default(), SEED)
         .unwrap_or_else(|e| panic!("{e}"));
     let gpu = train(on_gpu, &data);
     // Convolutions and GEMMs sum in another order than the CPU; three steps of SGD keep the
-    // difference at rounding level.
+    // difference at rounding level: within relative 1e-4, or within ROUNDING_FACTOR times what
+    // rounding alone moves the tensor by.
     const TOLERANCE: f64 = 1e-4;
+    const ROUNDING_FACTOR: f64 = 10.0;
     let mut failures = Vec::new();
     for (step, (g, c)) in gpu.stats.iter().zip(&cpu.stats).enumerate() {
         let error = (g.loss as f64 - c.loss as f64).abs() / (c.loss as f64).abs().max(1e-12);
@@ -114,16 +141,32 @@ fn a_tiny_model_trains_three_steps_on_the_gpu_as_on_the_cpu() {
         }
     }
     let names = &cpu.state.params.params;
-    let pairs = [
-        ("", &gpu.state.params.values, &cpu.state.params.values),
-        ("velocity of ", &gpu.state.momentum, &cpu.state.momentum),
+    let triples = [
+        (
+            "",
+            &gpu.state.params.values,
+            &cpu.state.params.values,
+            &rounded.state.params.values,
+        ),
+        (
+            "velocity of ",
+            &gpu.state.momentum,
+            &cpu.state.momentum,
+            &rounded.state.momentum,
+        ),
     ];
-    for (what, gpu_values, cpu_values) in pairs {
-        for (slot, (g, c)) in gpu_values.iter().zip(cpu_values).enumerate() {
+    for (what, gpu_values, cpu_values, rounded_values) in triples {
+        for (slot, ((g, c), r)) in gpu_values
+            .iter()
+            .zip(cpu_values)
+            .zip(rounded_values)
+            .enumerate()
+        {
             let error = relative_error(g, c);
-            if error > TOLERANCE {
+            let allowed = TOLERANCE.max(ROUNDING_FACTOR * relative_error(r, c));
+            if error > allowed {
                 failures.push(format!(
-                    "{what}{} ({slot}): relative error {error:.3e}",
+                    "{what}{} ({slot}): relative error {error:.3e} (allowed {allowed:.3e})",
                     names[slot].name
                 ));
             }

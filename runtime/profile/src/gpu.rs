@@ -68,11 +68,15 @@ pub struct GpuProfile {
     /// added to the database (`tasks`).
     pub runs: Vec<StrategyRun>,
     pub copies: CopyRates,
+    /// Whether the deadline stopped it before every strategy's tiles were timed (`runs` then
+    /// holds the strategies reached).
+    pub stopped_early: bool,
 }
 
 /// Profiles the tiles of `graph` that `devices` devices compute under each named strategy, each
 /// tile alone on GPU `cuda`; with `run_steps`, also each strategy's steps on `devices` GPU device
-/// actors sharing that GPU (its `StrategyRun::step_s`; empty without).
+/// actors sharing that GPU (its `StrategyRun::step_s`; empty without). Past `deadline` no new
+/// tile is timed: what was measured is returned, marked `stopped_early`.
 pub fn profile_on_gpu(
     graph: &Graph,
     devices: usize,
@@ -80,6 +84,7 @@ pub fn profile_on_gpu(
     cuda: &Arc<Cuda>,
     settings: &crate::ProfileSettings,
     run_steps: bool,
+    deadline: Option<Instant>,
 ) -> Result<GpuProfile, ProfileRunError> {
     if settings.repeats == 0 {
         return Err(ProfileRunError::NoRepeats);
@@ -89,11 +94,14 @@ pub fn profile_on_gpu(
     let input = StepInput::whole(0, images.clone(), labels.clone(), graph.batch());
     let mut stream = cuda.new_stream().map_err(device)?;
     let mut entries: Vec<ProfileEntry> = Vec::new();
+    let mut patterns = Patterns::default();
     let mut seen: HashSet<ProfileKey> = HashSet::new();
     let params = ParamStore::init(graph, settings.seed);
     let placement = Placement::Gpus(vec![Arc::clone(cuda)]);
     let mut runs = Vec::new();
-    for (name, configs) in strategies {
+    let past_deadline = || deadline.is_some_and(|d| Instant::now() >= d);
+    let mut stopped_early = false;
+    'strategies: for (name, configs) in strategies {
         let in_strategy = |source| ProfileRunError::Strategy {
             strategy: name.clone(),
             source,
@@ -116,9 +124,14 @@ pub fn profile_on_gpu(
                 let tile = tile_rect(&l.shape, config, t);
                 let inputs = graph.input_shapes(layer);
                 let key = ProfileKey::for_tile(l, &inputs, &tile, &settings.device_kind);
-                if !seen.insert(key) {
+                if seen.contains(&key) {
                     continue;
                 }
+                if past_deadline() {
+                    stopped_early = true;
+                    break 'strategies;
+                }
+                seen.insert(key);
                 let run = TileRun {
                     cuda,
                     graph,
@@ -127,7 +140,7 @@ pub fn profile_on_gpu(
                     seed: settings.seed,
                 };
                 let times = run
-                    .time(&mut stream, &forward, &backward, settings)
+                    .time(&mut stream, &mut patterns, &forward, &backward, settings)
                     .map_err(|e| ProfileRunError::Gpu(format!("{name}: {}: {e}", l.name)))?;
                 entries.push(ProfileEntry::for_tile(
                     l,
@@ -182,7 +195,12 @@ pub fn profile_on_gpu(
     let copies = copy_rates(cuda, &mut stream).map_err(device)?;
     let mut db = ProfileDb::default();
     db.insert_all(entries);
-    Ok(GpuProfile { db, runs, copies })
+    Ok(GpuProfile {
+        db,
+        runs,
+        copies,
+        stopped_early,
+    })
 }
 
 /// A program's compute tasks by layer, forward and backward (updates and folds are not a tile's
@@ -217,11 +235,12 @@ impl TileRun<'_> {
     fn time(
         &self,
         stream: &mut Stream,
+        patterns: &mut Patterns,
         forward: &[u32],
         backward: &[u32],
         settings: &crate::ProfileSettings,
     ) -> Result<PhaseTimes, KernelError> {
-        let mut instances = self.instances(stream, forward.iter().chain(backward))?;
+        let mut instances = self.instances(stream, patterns, forward.iter().chain(backward))?;
         for _ in 0..settings.warmup.max(1) {
             self.run(stream, &mut instances, forward)?;
             self.run(stream, &mut instances, backward)?;
@@ -248,10 +267,12 @@ impl TileRun<'_> {
         })
     }
 
-    /// Every instance the tasks use, in device memory, filled with a fixed pattern.
+    /// Every instance the tasks use, in device memory, filled with a fixed pattern: copied on
+    /// the device from `patterns`, so that thousands of tiles cost no host work per element.
     fn instances<'o>(
         &self,
         stream: &mut Stream,
+        patterns: &mut Patterns,
         ops: impl Iterator<Item = &'o u32>,
     ) -> Result<HashMap<u32, legion_cuda::Buffer>, KernelError> {
         let mut out = HashMap::new();
@@ -264,8 +285,9 @@ impl TileRun<'_> {
                     continue;
                 }
                 let local = &self.program.instances[i as usize];
-                let host = pattern(local.dtype, local.rect.volume());
-                out.insert(i, self.cuda.upload(stream, &host)?);
+                let buffer =
+                    patterns.filled(self.cuda, stream, local.dtype, local.rect.volume())?;
+                out.insert(i, buffer);
             }
         }
         Ok(out)
@@ -320,6 +342,39 @@ fn pattern(dtype: DType, len: usize) -> cpu::Buffer {
     match dtype {
         DType::F32 => cpu::Buffer::F32((0..len).map(|i| 0.1 * (i as f32 * 0.37).sin()).collect()),
         DType::F64 => cpu::Buffer::F64(vec![1.0; len]),
+    }
+}
+
+/// The timing pattern on the device, per dtype (uploaded once): each instance is the pattern
+/// repeated, by device copies.
+#[derive(Default)]
+struct Patterns {
+    f32: Option<legion_cuda::Buffer>,
+    f64: Option<legion_cuda::Buffer>,
+}
+
+impl Patterns {
+    /// Elements in the uploaded pattern (16 Mi: 64 MiB of f32).
+    const LEN: usize = 1 << 24;
+
+    fn filled(
+        &mut self,
+        cuda: &Cuda,
+        stream: &mut Stream,
+        dtype: DType,
+        len: usize,
+    ) -> Result<legion_cuda::Buffer, KernelError> {
+        let source = match dtype {
+            DType::F32 => &mut self.f32,
+            DType::F64 => &mut self.f64,
+        };
+        if len == 0 {
+            return cuda.upload(stream, &pattern(dtype, 0));
+        }
+        if source.is_none() {
+            *source = Some(cuda.upload(stream, &pattern(dtype, Self::LEN))?);
+        }
+        cuda.repeated(stream, source.as_ref().expect("just made"), len)
     }
 }
 

@@ -50,6 +50,10 @@ pub struct ProfileArgs {
     /// that one file can hold the profiles of several models.
     #[arg(long)]
     merge: bool,
+    /// On a GPU: stop timing new tiles after this many seconds and save what was measured
+    /// (`plan --profile` prices the rest by the roofline, and counts them).
+    #[arg(long, value_name = "SECONDS")]
+    time_limit: Option<f64>,
     /// Untimed steps per strategy before measuring.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
@@ -205,6 +209,8 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
 /// Every tile shape the searches may give each layer on `machine`, as strategies: strategy k gives
 /// each layer its k-th layout (degree vector; its last where it has fewer) on the first devices.
 /// Where on the machine a layout sits changes no tile's shape, so these tiles price every config.
+/// Layouts over the most devices come first: their tiles are the smallest (quickest to time) and
+/// the ones a search over the whole machine uses most, so a `--time-limit` cuts the largest.
 fn space_strategies(
     graph: &legion_ops::Graph,
     machine: &legion_planner::MachineModel,
@@ -218,9 +224,11 @@ fn space_strategies(
                 l.op.spec().parallel_dims(&l.shape),
                 machine.num_devices(),
             );
-            (0..space.layouts().len())
+            let mut layouts: Vec<legion_planner::ParallelConfig> = (0..space.layouts().len())
                 .map(|k| space.config(space.layout_configs(k).start))
-                .collect()
+                .collect();
+            layouts.sort_by_key(|c| std::cmp::Reverse(c.total()));
+            layouts
         })
         .collect();
     let most = layouts.iter().map(Vec::len).max().unwrap_or(0);
@@ -302,9 +310,13 @@ fn profile_on_gpu(
         device_kind,
         seed: a.seed,
     };
-    let mut measured =
-        profile::gpu::profile_on_gpu(graph, devices, strategies, &cudas[0], &settings, run_steps)
-            .with_context(|| format!("profiling {} on {gpu}", graph.name))?;
+    let deadline = a
+        .time_limit
+        .map(|s| std::time::Instant::now() + std::time::Duration::from_secs_f64(s.max(0.0)));
+    let mut measured = profile::gpu::profile_on_gpu(
+        graph, devices, strategies, &cudas[0], &settings, run_steps, deadline,
+    )
+    .with_context(|| format!("profiling {} on {gpu}", graph.name))?;
     if a.machine.is_none() {
         // The devices share the GPU (`one-gpu:N`): their link and one kernel at a time.
         measured.db.links = Some(measured.copies.same_gpu_link());
@@ -313,7 +325,7 @@ fn profile_on_gpu(
     let software = legion_cuda::probe::software_versions().unwrap_or_else(|e| e.to_string());
     let math = if a.tf32 { "TF32" } else { "strict FP32" };
     measured.db.measured_on = Some(legion_planner::profile::MeasuredOn {
-        device: format!("{gpu}, {math}"),
+        device: format!("{gpu}, {math}, cuDNN algorithms {}", cudas[0].algorithms()),
         software,
         date: utc_date(),
         command: std::env::args().collect::<Vec<_>>().join(" "),
@@ -331,7 +343,8 @@ fn profile_on_gpu(
             json!({"model": graph.name, "devices": devices, "batch": a.batch,
                    "gpu": gpu.to_string(), "tf32": a.tf32, "device_kind": settings.device_kind,
                    "entries": measured.db.entries.len(), "copies": measured.copies,
-                   "strategies": runs, "out": a.out.display().to_string()})
+                   "strategies": runs, "stopped_early": measured.stopped_early,
+                   "out": a.out.display().to_string()})
         );
         return Ok(());
     }
@@ -359,6 +372,14 @@ fn profile_on_gpu(
             false => format!("{:.2}", mean_ms(&r.step_s)),
         };
         println!("{:<12} {:>14} {:>12}", r.name, step, r.tasks);
+    }
+    if measured.stopped_early {
+        println!(
+            "stopped at --time-limit: the tiles of {} of {} strategies timed (the rest are not in \
+             the profile)",
+            measured.runs.len(),
+            strategies.len()
+        );
     }
     let c = measured.copies;
     println!(
