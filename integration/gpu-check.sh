@@ -213,7 +213,7 @@ PY
         echo "=== GPU profile for the paper's machine: every tile shape the searches may give each layer"
         echo "    on 16 devices at 32 samples each, alone, CUDA events; one file for the three models"
         # Each model gets a share of the time left (and at most its own limit); a model cut short
-        # keeps what was timed, and `plan` counts what it priced by the roofline instead.
+        # keeps what was timed, and `plan` scales the tiles it lacks from measured ones, counting them.
         for run in alexnet:224:35 vgg16:224:50 inception_v3:299:90; do
             IFS=: read -r model image most <<<"$run"
             # The process needs some seconds beyond timing tiles: start, the copy rates, saving.

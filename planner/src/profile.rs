@@ -1,5 +1,9 @@
 //! Measured compute times: the profile database the runtime's profiler writes, and [`ProfiledCost`],
-//! the cost provider that reads it (falling back to the roofline for tiles it has not measured).
+//! the cost provider that reads it. A tile it has not measured is scaled from the measured tile of
+//! the same op nearest in size (the roofline gives the ratio between the two shapes, the
+//! measurement the level), and priced by the roofline alone only where the op has no measured
+//! tile at all: a search must not favour the configurations a partial profile left out because
+//! the roofline, which ignores kernel efficiency, prices them optimistically.
 //!
 //! File format (JSON):
 //!
@@ -498,25 +502,62 @@ impl ProfileDb {
     }
 }
 
-/// Compute times from a profile database, and from the roofline where it has no entry.
+/// Compute times from a profile database; tiles it lacks are scaled from a measured tile of the
+/// same op (see the module docs), or priced by the roofline where the op has none.
 #[derive(Debug)]
 pub struct ProfiledCost {
     kinds: Vec<String>,
     measured: HashMap<ProfileKey, PhaseTimes>,
+    /// The measured tiles by op, attributes and device kind: what a missing tile is scaled from.
+    by_op: HashMap<OpKey, Vec<MeasuredTile>>,
     fallback: RooflineCost,
     hits: AtomicU64,
+    scaled: AtomicU64,
     misses: AtomicU64,
+}
+
+/// Op kind, canonical attributes, device kind.
+type OpKey = (String, String, String);
+
+#[derive(Debug)]
+struct MeasuredTile {
+    tile: Vec<usize>,
+    /// The channel extent (axis 1, else axis 0) of each input the tile reads: a convolution's or
+    /// dense layer's tile is scaled only from tiles with the same input channels.
+    channels: Vec<usize>,
+    times: PhaseTimes,
+}
+
+fn channels_of(inputs: &[Vec<usize>]) -> Vec<usize> {
+    inputs
+        .iter()
+        .map(|dims| dims.get(1).or(dims.first()).copied().unwrap_or(0))
+        .collect()
 }
 
 impl ProfiledCost {
     pub fn new(db: &ProfileDb, machine: &MachineModel) -> ProfiledCost {
+        let mut by_op: HashMap<OpKey, Vec<MeasuredTile>> = HashMap::new();
+        for e in &db.entries {
+            let key = e.key();
+            by_op
+                .entry((key.op, key.attrs, key.device_kind))
+                .or_default()
+                .push(MeasuredTile {
+                    channels: channels_of(&key.inputs),
+                    tile: key.tile,
+                    times: e.times(),
+                });
+        }
         ProfiledCost {
             kinds: (0..machine.num_devices())
                 .map(|d| machine.device(d).kind.clone())
                 .collect(),
             measured: db.entries.iter().map(|e| (e.key(), e.times())).collect(),
+            by_op,
             fallback: RooflineCost::new(machine),
             hits: AtomicU64::new(0),
+            scaled: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         }
     }
@@ -526,9 +567,64 @@ impl ProfiledCost {
         self.hits.load(Ordering::Relaxed)
     }
 
-    /// Lookups that fell back to the roofline.
+    /// Lookups scaled from a measured tile of the same op.
+    pub fn scaled(&self) -> u64 {
+        self.scaled.load(Ordering::Relaxed)
+    }
+
+    /// Lookups priced by the roofline alone (no tile of their op measured).
     pub fn misses(&self) -> u64 {
         self.misses.load(Ordering::Relaxed)
+    }
+
+    /// `tile_out`'s times scaled from the measured tile of its op nearest in roofline time, if
+    /// any fits `layer` (within its output shape; with the same input channels where it sums
+    /// over them).
+    fn scaled_from_nearest(
+        &self,
+        key: ProfileKey,
+        layer: &Layer,
+        inputs: &[Shape],
+        tile_out: &Rect,
+        device: DeviceId,
+    ) -> Option<PhaseTimes> {
+        let candidates = self.by_op.get(&(key.op, key.attrs, key.device_kind))?;
+        // An op that sums over its input's channels costs per output element in proportion to
+        // them, which a tile's shape does not show: scale only between equal channel counts.
+        let reduces = layer.op.spec().reduction_channels(inputs).is_some();
+        let channels = channels_of(&key.inputs);
+        let shape = layer.shape.dims();
+        let target = self.fallback.phase_times(layer, inputs, tile_out, device);
+        let (ratio, base, nearest) = candidates
+            .iter()
+            .filter(|c| {
+                (!reduces || c.channels == channels)
+                    && c.tile.len() == shape.len()
+                    && c.tile.iter().zip(shape).all(|(t, s)| t <= s)
+            })
+            .filter_map(|c| {
+                let base = self.fallback.phase_times(
+                    layer,
+                    inputs,
+                    &Rect::new(&vec![0; c.tile.len()], &c.tile),
+                    device,
+                );
+                let ratio = target.total() / base.total();
+                ratio.is_finite().then_some((ratio, base, c))
+            })
+            .min_by(|a, b| a.0.ln().abs().total_cmp(&b.0.ln().abs()))?;
+        // Per phase where the roofline prices both; else the whole tile's ratio.
+        let scale = |measured: f64, target: f64, base: f64| {
+            if base > 0.0 {
+                measured * target / base
+            } else {
+                measured * ratio
+            }
+        };
+        Some(PhaseTimes {
+            forward: scale(nearest.times.forward, target.forward, base.forward),
+            backward: scale(nearest.times.backward, target.backward, base.backward),
+        })
     }
 }
 
@@ -541,16 +637,16 @@ impl CostProvider for ProfiledCost {
         device: DeviceId,
     ) -> PhaseTimes {
         let key = ProfileKey::for_tile(layer, inputs, tile_out, &self.kinds[device]);
-        match self.measured.get(&key) {
-            Some(t) => {
-                self.hits.fetch_add(1, Ordering::Relaxed);
-                *t
-            }
-            None => {
-                self.misses.fetch_add(1, Ordering::Relaxed);
-                self.fallback.phase_times(layer, inputs, tile_out, device)
-            }
+        if let Some(t) = self.measured.get(&key) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            return *t;
         }
+        if let Some(t) = self.scaled_from_nearest(key, layer, inputs, tile_out, device) {
+            self.scaled.fetch_add(1, Ordering::Relaxed);
+            return t;
+        }
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        self.fallback.phase_times(layer, inputs, tile_out, device)
     }
 }
 
@@ -598,12 +694,58 @@ mod tests {
         // the other samples' tile has the same shapes: the same measurement applies
         let samples = Rect::new(&[4, 0, 0, 0], &[8, 16, 16, 32]);
         assert_eq!(cost.compute_time(layer, &inputs, &samples, 0), 3e-3);
-        // a quarter of the rows reads 9 input rows: not measured
+        // a quarter of the rows reads 9 input rows: not measured, so scaled from the measured
+        // tile by the roofline's ratio between the two, phase by phase
         let other = Rect::new(&[0, 0, 0, 0], &[4, 16, 8, 32]);
-        let t = cost.compute_time(layer, &inputs, &other, 1);
-        let roofline = RooflineCost::new(&machine).compute_time(layer, &inputs, &other, 1);
-        assert_eq!(t, roofline);
-        assert_eq!((cost.hits(), cost.misses()), (2, 1));
+        let t = cost.phase_times(layer, &inputs, &other, 1);
+        let roofline = RooflineCost::new(&machine);
+        let (want, base) = (
+            roofline.phase_times(layer, &inputs, &other, 1),
+            roofline.phase_times(layer, &inputs, &tile, 1),
+        );
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+        assert!(
+            close(t.forward, 1e-3 * want.forward / base.forward),
+            "{t:?}"
+        );
+        assert!(
+            close(t.backward, 2e-3 * want.backward / base.backward),
+            "{t:?}"
+        );
+        assert!(t.total() < 3e-3 && t.total() > 0.0);
+        assert_eq!((cost.hits(), cost.scaled(), cost.misses()), (2, 1, 0));
+    }
+
+    #[test]
+    fn only_an_op_with_no_measured_tile_falls_back_to_the_roofline() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 3, 32, 32)).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(16, 3).padding(1)).unwrap();
+        let d = m.conv2d("d", c, Conv2d::new(16, 3).padding(1)).unwrap();
+        let g = m.finish();
+        let (c_inputs, d_inputs) = (g.input_shapes(c), g.input_shapes(d));
+        let (c, d) = (g.layer(c), g.layer(d));
+        let tile = Rect::new(&[0, 0, 0, 0], &[8, 16, 32, 32]);
+        let mut db = ProfileDb::default();
+        let times = PhaseTimes {
+            forward: 1e-3,
+            backward: 2e-3,
+        };
+        // c's tile measured; d has the same attributes but 16 input channels, not 3
+        db.record(c, &c_inputs, &tile, "p100", times, 5);
+        let machine = MachineModel::preset("paper:2").unwrap();
+        let cost = ProfiledCost::new(&db, &machine);
+        let t = cost.compute_time(d, &d_inputs, &tile, 0);
+        assert_eq!(
+            t,
+            RooflineCost::new(&machine).compute_time(d, &d_inputs, &tile, 0)
+        );
+        assert_eq!((cost.hits(), cost.scaled(), cost.misses()), (0, 0, 1));
+        // half of c's samples: scaled from the measured tile
+        let half = Rect::new(&[0, 0, 0, 0], &[4, 16, 32, 32]);
+        let t = cost.compute_time(c, &c_inputs, &half, 0);
+        assert!(t > 0.0 && t < 3e-3, "{t}");
+        assert_eq!((cost.hits(), cost.scaled(), cost.misses()), (0, 1, 1));
     }
 
     #[test]

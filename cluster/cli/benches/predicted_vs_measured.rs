@@ -228,7 +228,7 @@ fn main() -> anyhow::Result<()> {
                 note += &format!(
                     " {}/{} tiles measured;",
                     cost.hits(),
-                    cost.hits() + cost.misses()
+                    cost.hits() + cost.scaled() + cost.misses()
                 );
             }
             notes.push(note);

@@ -210,7 +210,9 @@ fn a_profile_of_the_space_prices_every_strategy_and_merges_models() {
         ]);
         assert!(out.status.success(), "{}", stderr(&out));
         assert!(
-            stderr(&out).contains(" 0 priced by the roofline model"),
+            stderr(&out).contains(
+                " 0 scaled from a measured tile of their op, 0 priced by the roofline model"
+            ),
             "{search}: {}",
             stderr(&out)
         );
