@@ -5,9 +5,12 @@
 //! ```
 //!
 //! - t_c: forward + backward of the layer's slowest tile ([`CostProvider`]); tiles of one layer run in
-//!   parallel on distinct devices;
+//!   parallel on distinct devices. Under a reduction split a tile is one partial: the op over its
+//!   block of the input channels;
 //! - t_s: parameter synchronisation ([`crate::sync`]);
-//! - t_x: input movement, forward and backward ([`crate::transfer`]).
+//! - t_x: input movement, forward and backward ([`crate::transfer`]). A reduction split adds its
+//!   own, counted with the layer as t_r: each partial sum to its block's first partial, and the
+//!   block's output gradient back to every partial ([`partial_sum_messages`]).
 //!
 //! [`CostModel::evaluate`] computes Eq. 1 for any strategy straight from the geometry; searches read
 //! the same numbers from [`crate::tables::CostTables`].
@@ -17,7 +20,8 @@ use crate::machine::MachineModel;
 use crate::provider::CostProvider;
 use crate::sync::{layer_link_loads, sync_time};
 use crate::transfer::{
-    Edge, TileOverlap, edge_overlaps, graph_edges, transfer_bytes, transfer_time,
+    Edge, TileOverlap, edge_overlaps, graph_edges, partial_sum_messages, transfer_bytes,
+    transfer_time,
 };
 use legion_ops::{Graph, LayerId, Shape};
 
@@ -39,6 +43,10 @@ pub struct LayerCost {
     pub sync: f64,
     /// Bytes moved by the parameter synchronisation.
     pub sync_bytes: u64,
+    /// t_r, seconds: a reduction split's partial sums and output gradients (0 without one).
+    pub reduce: f64,
+    /// Bytes they move.
+    pub reduce_bytes: u64,
 }
 
 /// Eq. 1 term of one edge.
@@ -102,20 +110,29 @@ impl<'a> CostModel<'a> {
         &self.inputs[layer.0]
     }
 
-    /// t_c: the slowest tile's forward + backward time.
+    /// t_c: the slowest tile's forward + backward time (a reduction split's partial computes the
+    /// op over its block of the input channels).
     pub fn compute_time(&self, layer: LayerId, config: &ParallelConfig) -> f64 {
         let l = self.graph.layer(layer);
+        let inputs = self.input_shapes(layer);
+        let red = config.reduction();
         (0..config.total())
             .map(|t| {
                 let rect = tile_rect(&l.shape, config, t);
-                self.provider.compute_time(
-                    l,
-                    self.input_shapes(layer),
-                    &rect,
-                    config.device_of_tile(t),
-                )
+                let device = config.device_of_tile(t);
+                if red == 1 {
+                    return self.provider.compute_time(l, inputs, &rect, device);
+                }
+                let partial = partial_inputs(inputs, config.reduction_of(t), red);
+                self.provider.compute_time(l, &partial, &rect, device)
             })
             .fold(0.0, f64::max)
+    }
+
+    /// t_r of a layer under a config: its reduction split's own messages, forward and back.
+    pub fn reduce_time(&self, layer: LayerId, config: &ParallelConfig) -> f64 {
+        let messages = partial_sum_messages(self.graph, layer, config);
+        transfer_time(&messages, self.machine, true)
     }
 
     /// t_s of a layer under a config.
@@ -147,11 +164,22 @@ impl<'a> CostModel<'a> {
                 .filter(|l| self.machine.node_of(l.owner) != self.machine.node_of(l.replica))
                 .map(|l| 2 * l.bytes)
                 .sum::<u64>();
+            let messages = partial_sum_messages(self.graph, id, config);
+            let across: Vec<TileOverlap> = messages
+                .iter()
+                .filter(|o| {
+                    self.machine.node_of(o.src_device) != self.machine.node_of(o.dst_device)
+                })
+                .copied()
+                .collect();
+            out.inter_node_bytes += transfer_bytes(&across, true);
             out.layers.push(LayerCost {
                 compute: self.compute_time(id, config),
                 sync: sync_time(&loads, self.machine),
                 // each replica's gradient in, its updated block out
                 sync_bytes: loads.iter().map(|l| 2 * l.bytes).sum(),
+                reduce: transfer_time(&messages, self.machine, true),
+                reduce_bytes: transfer_bytes(&messages, true),
             });
         }
         for e in &self.edges {
@@ -171,7 +199,11 @@ impl<'a> CostModel<'a> {
             });
         }
         out.total = total(&out.layers, &out.edges);
-        out.comm_bytes = out.layers.iter().map(|l| l.sync_bytes).sum::<u64>()
+        out.comm_bytes = out
+            .layers
+            .iter()
+            .map(|l| l.sync_bytes + l.reduce_bytes)
+            .sum::<u64>()
             + out.edges.iter().map(|e| e.bytes).sum::<u64>();
         out
     }
@@ -182,10 +214,20 @@ impl<'a> CostModel<'a> {
     }
 }
 
+/// The input shapes partial `r` of `red` computes over: its block of the first input's channels.
+fn partial_inputs(inputs: &[Shape], r: usize, red: usize) -> Vec<Shape> {
+    let mut out = inputs.to_vec();
+    let (lo, hi) = legion_ops::partition::reduction_range(inputs[0].dim(1), red, r);
+    let mut dims = inputs[0].dims().to_vec();
+    dims[1] = hi - lo;
+    out[0] = Shape::new(&dims);
+    out
+}
+
 fn total(layers: &[LayerCost], edges: &[EdgeCost]) -> f64 {
     let mut t = 0.0;
     for l in layers {
-        t += l.compute + l.sync;
+        t += l.compute + l.sync + l.reduce;
     }
     for e in edges {
         t += e.time;
@@ -225,5 +267,31 @@ mod tests {
         let one_node = model.evaluate(&[on(0), on(0), on(0), on(0)]);
         assert_eq!(one_node.inter_node_bytes, 0);
         assert!(one_node.comm_bytes > 0);
+    }
+
+    /// A dense layer split in two partial sums computes half its product per tile: under the
+    /// roofline, where it is compute-bound, t_c halves; t_r prices the partial sum and gradient.
+    #[test]
+    fn a_reduction_split_partial_computes_its_channel_block() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(512, 4096)).unwrap();
+        let x = m.dense("fc", x, Dense::new(4096)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        let g = m.finish();
+        let machine = MachineModel::preset("paper:2").unwrap();
+        let provider = RooflineCost::new(&machine);
+        let model = CostModel::new(&g, &machine, &provider);
+        let fc = g.find("fc").unwrap();
+        let whole = model.compute_time(fc, &ParallelConfig::serial(0));
+        let halves = model.compute_time(fc, &ParallelConfig::serial(0).with_reduction(2));
+        assert!((halves / whole - 0.5).abs() < 0.02, "{halves} vs {whole}");
+        assert_eq!(model.reduce_time(fc, &ParallelConfig::serial(0)), 0.0);
+        let cost = model.evaluate(&[
+            ParallelConfig::serial(0),
+            ParallelConfig::serial(0).with_reduction(2),
+            ParallelConfig::serial(0),
+        ]);
+        assert_eq!(cost.layers[fc.0].reduce_bytes, 2 * 512 * 4096 * 4);
+        assert!(cost.layers[fc.0].reduce > 0.0);
     }
 }

@@ -122,13 +122,14 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
 }
 
 /// Whether the planner prices `configs`: not yet where a layer is split into partial sums over its
-/// input channels (`ParallelConfig::reduction`), which the runtime runs but the cost model, the
-/// tables and the simulator do not model yet. Names the first such layer.
+/// input channels (`ParallelConfig::reduction`), which the runtime runs and Eq. 1
+/// ([`CostModel::evaluate`]) prices, but the simulator, the cost tables and so the searches do not
+/// model yet. Names the first such layer.
 pub fn check_priced(graph: &legion_ops::Graph, configs: &[ParallelConfig]) -> Result<(), String> {
     match graph.ids().zip(configs).find(|(_, c)| c.reduction() > 1) {
         Some((id, c)) => Err(format!(
-            "layer '{}' ({c}): reduction splits are run by the runtime (`train`) but not priced \
-             by the planner yet",
+            "layer '{}' ({c}): reduction splits are run by the runtime (`train`) but not \
+             simulated by the planner yet",
             graph.layer(id).name
         )),
         None => Ok(()),

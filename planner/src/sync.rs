@@ -46,7 +46,7 @@ pub use legion_ops::partition::owned_blocks;
 use crate::config::{ParallelConfig, block_range, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
 use crate::transfer::Loads;
-use legion_ops::op::{OpSpec, ParamSpec};
+use legion_ops::op::{OpSpec, ParamSpec, partial_param_rect};
 use legion_ops::{Graph, LayerId, Rect};
 use std::collections::BTreeMap;
 
@@ -93,7 +93,12 @@ pub fn param_slices(
         }
         let mut by_slice: Vec<SliceUsers> = Vec::new();
         for (t, tile) in tiles.iter().enumerate() {
-            let slice = op.param_rect(spec, tile);
+            // A reduction split's partial holds its block of the input channels, and only the
+            // first partial the bias.
+            let (r, red) = (config.reduction_of(t), config.reduction());
+            let Some(slice) = partial_param_rect(op, param, spec, tile, r, red) else {
+                continue;
+            };
             let device = config.device_of_tile(t);
             match by_slice.iter_mut().find(|(s, _)| *s == slice) {
                 Some((_, devices)) => devices.push(device),
@@ -178,7 +183,7 @@ pub fn layer_link_loads(graph: &Graph, layer: LayerId, config: &ParallelConfig) 
         .map(|t| tile_rect(&l.shape, config, t))
         .collect();
     let mut buffers = LinkLoadBuffers::default();
-    buffers.share(op, &params, &tiles);
+    buffers.share(op, &params, &tiles, config.reduction());
     buffers.link_loads(config.first_device()).to_vec()
 }
 
@@ -195,11 +200,15 @@ pub(crate) struct SharingPattern {
     /// (rows, elements) of each distinct slice, in order of first use, parameter by parameter: all
     /// that its blocks and messages depend on.
     slices: Vec<(usize, usize)>,
-    /// Per parameter, then per tile: the index of the tile's slice among its parameter's slices.
+    /// Per parameter, then per tile: the index of the tile's slice among its parameter's slices
+    /// ([`NO_SLICE`] where the tile holds none of it).
     /// A layout has at most as many tiles as the machine has devices, which `MachineModel` keeps
     /// within `u16`; the narrow type makes the pattern quicker to hash.
     slice_of_tile: Vec<u16>,
 }
+
+/// A tile's slice index where it holds none of the parameter.
+const NO_SLICE: u16 = u16::MAX;
 
 /// Working memory of [`layer_link_loads`]: the sharing pattern of the last layout given to
 /// [`LinkLoadBuffers::share`], and buffers kept between layouts so that pricing many of them
@@ -218,22 +227,28 @@ pub(crate) struct LinkLoadBuffers {
 
 impl LinkLoadBuffers {
     /// The sharing pattern of a layout of a layer whose op is `op`, with parameters `params`
-    /// (buffers are skipped) and output tiles `tiles`.
+    /// (buffers are skipped) and output tiles `tiles`, in partial sums over `red` blocks of the
+    /// input channels (1: none; tile `t` is then partial `t % red` of its block).
     pub(crate) fn share(
         &mut self,
         op: &dyn OpSpec,
         params: &[ParamSpec],
         tiles: &[Rect],
+        red: usize,
     ) -> &SharingPattern {
         let pattern = &mut self.pattern;
         pattern.tiles = tiles.len();
         pattern.slices_per_param.clear();
         pattern.slices.clear();
         pattern.slice_of_tile.clear();
-        for spec in params.iter().filter(|p| p.trainable) {
+        for (param, spec) in params.iter().enumerate().filter(|(_, p)| p.trainable) {
             self.distinct.clear();
-            for tile in tiles {
-                let slice = op.param_rect(spec, tile);
+            for (t, tile) in tiles.iter().enumerate() {
+                let Some(slice) = partial_param_rect(op, param, spec, tile, t % red, red) else {
+                    // a partial past the first holds no bias
+                    pattern.slice_of_tile.push(NO_SLICE);
+                    continue;
+                };
                 let index = match self.distinct.iter().position(|s| *s == slice) {
                     Some(i) => i,
                     None => {
@@ -464,7 +479,7 @@ mod tests {
             let config = ParallelConfig::new(degrees, 0);
             let tiles: Vec<Rect> = tile_rects(&l.shape, &config).collect();
             let mut buffers = LinkLoadBuffers::default();
-            buffers.share(op, &params, &tiles).clone()
+            buffers.share(op, &params, &tiles, 1).clone()
         };
         // a conv's slices follow the channel split alone: every 4-tile layout without one
         // replicates both parameters on all four tiles

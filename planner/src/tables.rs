@@ -310,7 +310,7 @@ fn node_costs(
         // prices as the first block of its class.
         let range = space.layout_configs(li);
         let class_of = |block| blocks.class_of(total, block);
-        let pattern = loads.share(op, &params, tiles);
+        let pattern = loads.share(op, &params, tiles, base.reduction());
         match sync_of_pattern.get(pattern) {
             Some(known) => sync[range.clone()].copy_from_slice(known),
             None => {

@@ -24,6 +24,7 @@
 use crate::config::{ParallelConfig, tile_rect};
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, MachineModel, Route};
+use legion_ops::op::project_partial;
 use legion_ops::{Graph, LayerId, Op, Rect};
 
 /// The output of `src` read as input number `input` of `dst`.
@@ -82,6 +83,10 @@ impl TileOverlap {
 
 /// Every non-empty (producer tile, consumer tile) overlap of `edge` under the two configs, local ones
 /// included, by consumer tile and then producer tile.
+///
+/// Under a reduction split ([`ParallelConfig::reduction`]) a producer's block is finished, and so
+/// held, by its first partial's tile alone, and a consumer's partial reads only its block of the
+/// input channels ([`project_partial`]), as the runtime lowers them.
 pub fn edge_overlaps(
     graph: &Graph,
     edge: &Edge,
@@ -91,17 +96,21 @@ pub fn edge_overlaps(
     let producer = graph.layer(edge.src);
     let consumer = graph.layer(edge.dst);
     let inputs = graph.input_shapes(edge.dst);
-    let src_tiles: Vec<Rect> = (0..src_config.total())
-        .map(|t| tile_rect(&producer.shape, src_config, t))
+    let src_tiles: Vec<(usize, Rect)> = (0..src_config.total())
+        .filter(|&t| src_config.reduction_of(t) == 0)
+        .map(|t| (t, tile_rect(&producer.shape, src_config, t)))
         .collect();
+    let red = dst_config.reduction();
     let mut out = Vec::new();
     for dst_tile in 0..dst_config.total() {
         let out_rect = tile_rect(&consumer.shape, dst_config, dst_tile);
-        let needed = consumer.op.spec().project(&inputs, &out_rect)[edge.input];
+        let partial = dst_config.reduction_of(dst_tile);
+        let needed =
+            project_partial(consumer.op.spec(), &inputs, &out_rect, partial, red)[edge.input];
         if needed.is_empty() {
             continue;
         }
-        for (src_tile, r) in src_tiles.iter().enumerate() {
+        for &(src_tile, ref r) in &src_tiles {
             let rect = r.intersect(&needed);
             if !rect.is_empty() {
                 out.push(TileOverlap {
@@ -115,6 +124,30 @@ pub fn edge_overlaps(
         }
     }
     out
+}
+
+/// A reduction split's own messages, as overlaps from each partial past the first to its block's
+/// first partial: forward, the partial sum it folds there; backward (the reverse), the block's
+/// output gradient that every partial needs. Empty without a reduction split.
+pub fn partial_sum_messages(
+    graph: &Graph,
+    layer: LayerId,
+    config: &ParallelConfig,
+) -> Vec<TileOverlap> {
+    let shape = &graph.layer(layer).shape;
+    (0..config.total())
+        .filter(|&t| config.reduction_of(t) > 0)
+        .map(|t| {
+            let first = t - config.reduction_of(t);
+            TileOverlap {
+                src_tile: t,
+                dst_tile: first,
+                src_device: config.device_of_tile(t),
+                dst_device: config.device_of_tile(first),
+                rect: tile_rect(shape, config, t),
+            }
+        })
+        .collect()
 }
 
 /// t_x of a set of overlaps (forward activations plus, with `gradient`, backward gradients), as
@@ -354,6 +387,38 @@ mod tests {
         assert_eq!(
             transfer_time(&inside, &shared, false),
             transfer_time(&inside, &pairs, false)
+        );
+    }
+
+    /// fc1 (serial on device 0) → fc2 split in two partial sums over its 256 input features on
+    /// devices 0 and 1: each partial reads its half of the features (the second half crosses to
+    /// device 1, and its gradient back); the partial on device 1 folds its 64 × 100 partial sum
+    /// into device 0's and receives the block's output gradient back.
+    #[test]
+    fn a_reduction_split_reads_its_channel_block_and_exchanges_its_partial_sums() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(64, 128)).unwrap();
+        let a = m.dense("fc1", x, Dense::new(256)).unwrap();
+        let b = m.dense("fc2", a, Dense::new(100)).unwrap();
+        m.relu("r", b).unwrap();
+        let g = m.finish();
+        let red = ParallelConfig::serial(0).with_reduction(2);
+        let overlaps = edge_overlaps(&g, &edge(&g, "fc2"), &ParallelConfig::serial(0), &red);
+        let moved: Vec<_> = overlaps.iter().filter(|o| !o.is_local()).collect();
+        assert_eq!(moved.len(), 1);
+        assert_eq!((moved[0].src_device, moved[0].dst_device), (0, 1));
+        assert_eq!((moved[0].rect.lo[1], moved[0].rect.hi[1]), (128, 256));
+        assert_eq!(transfer_bytes(&overlaps, true), 2 * 64 * 128 * 4);
+        let sums = partial_sum_messages(&g, g.find("fc2").unwrap(), &red);
+        assert_eq!(sums.len(), 1);
+        assert_eq!((sums[0].src_device, sums[0].dst_device), (1, 0));
+        assert_eq!(transfer_bytes(&sums, true), 2 * 64 * 100 * 4);
+        // a consumer of the split layer reads the finished block from its first partial only
+        let after = edge_overlaps(&g, &edge(&g, "r"), &red, &ParallelConfig::serial(1));
+        assert_eq!(after.len(), 1);
+        assert_eq!((after[0].src_device, after[0].dst_device), (0, 1));
+        assert!(
+            partial_sum_messages(&g, g.find("fc1").unwrap(), &ParallelConfig::serial(0)).is_empty()
         );
     }
 }
