@@ -1,7 +1,7 @@
-//! Eq. 1 counts the bytes the runtime moves: for every strategy tried here, the cost model's
-//! communication (edge transfers, parameter synchronisation, and a reduction split's partial sums
-//! and output gradients) equals, byte for byte, what the runtime's step plan sends between
-//! devices in one step. Strategies: data, model, OWT, random ones, and random ones with
+//! Eq. 1 and the simulator count the bytes the runtime moves: for every strategy tried here, the
+//! cost model's communication (edge transfers, parameter synchronisation, and a reduction split's
+//! partial sums and output gradients) and the simulated iteration's messages each equal, byte for
+//! byte, what the runtime's step plan sends between devices in one step. Strategies: data, model, OWT, random ones, and random ones with
 //! reduction splits (`red` 2 or 4 on conv and dense layers), on LeNet-5 and AlexNet at 64×64, 4
 //! devices. Models without batch norm: its per-channel statistics, exchanged between the tiles of
 //! a layer split over samples or space, are not part of Eq. 1.
@@ -10,6 +10,7 @@ mod support;
 
 use legion_ops::Graph;
 use legion_planner::search::SearchKind;
+use legion_planner::simulate::{TaskKind, simulate};
 use legion_planner::{CostModel, MachineModel, ParallelConfig, RooflineCost};
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::LocalOpKind;
@@ -30,7 +31,7 @@ fn sent_by_runtime(graph: &Graph, configs: &[ParallelConfig]) -> u64 {
 }
 
 #[test]
-fn eq1_moves_what_the_runtime_sends_reduction_splits_included() {
+fn eq1_and_the_simulator_move_what_the_runtime_sends_reduction_splits_included() {
     let machine = MachineModel::preset(&format!("paper:{DEVICES}")).unwrap();
     let provider = RooflineCost::new(&machine);
     let mut failures = Vec::new();
@@ -57,6 +58,22 @@ fn eq1_moves_what_the_runtime_sends_reduction_splits_included() {
             if priced != sent {
                 failures.push(format!(
                     "{name} {strategy}: Eq. 1 {priced} bytes, runtime {sent}"
+                ));
+            }
+            let simulated: u64 = simulate(&cost, configs)
+                .tasks
+                .iter()
+                .filter(|t| {
+                    matches!(
+                        t.kind,
+                        TaskKind::Copy | TaskKind::GradientCopy | TaskKind::Sync
+                    )
+                })
+                .map(|t| t.bytes)
+                .sum();
+            if simulated != sent {
+                failures.push(format!(
+                    "{name} {strategy}: simulated {simulated} bytes, runtime {sent}"
                 ));
             }
         }

@@ -10,6 +10,8 @@
 //! prices a batch-norm tile as one forward and one backward task and does not model that
 //! exchange yet.
 
+mod support;
+
 use legion_ops::{Graph, zoo};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::simulate::{TaskKind, simulate};
@@ -62,6 +64,12 @@ fn strategies(graph: &Graph, machine: &MachineModel) -> Vec<(String, Vec<Paralle
             })
             .collect();
         out.push((format!("random-{seed}"), configs));
+    }
+    for seed in 1..=6 {
+        out.push((
+            format!("red-{seed}"),
+            support::random_with_reductions(graph, seed),
+        ));
     }
     out
 }

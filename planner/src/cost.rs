@@ -215,7 +215,7 @@ impl<'a> CostModel<'a> {
 }
 
 /// The input shapes partial `r` of `red` computes over: its block of the first input's channels.
-fn partial_inputs(inputs: &[Shape], r: usize, red: usize) -> Vec<Shape> {
+pub(crate) fn partial_inputs(inputs: &[Shape], r: usize, red: usize) -> Vec<Shape> {
     let mut out = inputs.to_vec();
     let (lo, hi) = legion_ops::partition::reduction_range(inputs[0].dim(1), red, r);
     let mut dims = inputs[0].dims().to_vec();

@@ -121,21 +121,6 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
     }
 }
 
-/// Whether the planner prices `configs`: not yet where a layer is split into partial sums over its
-/// input channels (`ParallelConfig::reduction`), which the runtime runs and Eq. 1
-/// ([`CostModel::evaluate`]) prices, but the simulator, the cost tables and so the searches do not
-/// model yet. Names the first such layer.
-pub fn check_priced(graph: &legion_ops::Graph, configs: &[ParallelConfig]) -> Result<(), String> {
-    match graph.ids().zip(configs).find(|(_, c)| c.reduction() > 1) {
-        Some((id, c)) => Err(format!(
-            "layer '{}' ({c}): reduction splits are run by the runtime (`train`) but not \
-             simulated by the planner yet",
-            graph.layer(id).name
-        )),
-        None => Ok(()),
-    }
-}
-
 /// Prices and simulates a given strategy.
 pub fn evaluate(model: &CostModel, configs: Vec<ParallelConfig>) -> Evaluated {
     let peak = crate::memory::per_device(model.graph(), &configs, model.machine().num_devices())
@@ -154,25 +139,6 @@ pub fn evaluate(model: &CostModel, configs: Vec<ParallelConfig>) -> Evaluated {
 mod tests {
     use super::*;
 
-    #[test]
-    fn reduction_splits_are_refused_by_name_until_priced() {
-        let g = legion_ops::zoo::find("lenet5")
-            .unwrap()
-            .build(&legion_ops::zoo::ZooConfig {
-                classes: 10,
-                ..legion_ops::zoo::find("lenet5").unwrap().default_config(8)
-            })
-            .unwrap();
-        let mut configs = vec![ParallelConfig::serial(0); g.layers().len()];
-        assert!(check_priced(&g, &configs).is_ok());
-        let fc = g.find("fc4").unwrap();
-        configs[fc.0] = ParallelConfig::serial(0).with_reduction(2);
-        let e = check_priced(&g, &configs).unwrap_err();
-        assert!(
-            e.starts_with("layer 'fc4' (red=2): reduction splits"),
-            "{e}"
-        );
-    }
     use crate::machine::MachineModel;
     use crate::provider::RooflineCost;
 

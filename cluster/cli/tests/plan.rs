@@ -318,3 +318,60 @@ fn bad_inputs_fail_with_located_errors() {
     ]);
     assert_clean_failure(&out, "exceeded its budget of 10");
 }
+
+#[test]
+fn a_strategy_with_reduction_splits_is_priced_and_simulated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.json");
+    let s = path.to_str().unwrap();
+    let saved = legion(&[
+        "plan",
+        "--model",
+        "lenet5",
+        "--machine",
+        "paper:4",
+        "--search",
+        "model",
+        "--out",
+        s,
+    ]);
+    assert!(
+        saved.status.success(),
+        "{}",
+        String::from_utf8_lossy(&saved.stderr)
+    );
+    let mut strategy: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let fc4 = strategy["layers"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|l| l["layer"] == "fc4")
+        .unwrap();
+    // fc4's output channels over 2 blocks, each summed from 2 partials over its input features
+    fc4["degrees"] = serde_json::json!({"n": 1, "c": 2, "red": 2});
+    std::fs::write(&path, strategy.to_string()).unwrap();
+    let evaluate = |json: bool| {
+        let mut args = vec!["plan", "--model", "lenet5", "--machine", "paper:4"];
+        args.extend(["--strategy", s, "--evaluate"]);
+        if json {
+            args.push("--json");
+        }
+        legion(&args)
+    };
+    let human = evaluate(false);
+    assert!(
+        human.status.success(),
+        "{}",
+        String::from_utf8_lossy(&human.stderr)
+    );
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains("c=2,red=2") && text.contains("Σ t_r"),
+        "{text}"
+    );
+    let doc = json(&evaluate(true));
+    let search = &doc["searches"][0];
+    assert!(search["simulated_ms"].as_f64().unwrap() > 0.0, "{doc}");
+    assert!(search["eq1_ms"].as_f64().unwrap() > 0.0, "{doc}");
+}

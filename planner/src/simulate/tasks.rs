@@ -25,6 +25,13 @@
 //!   transfer and both have finished;
 //! - backward compute of every tile but the input layer's, after its forward and its fold
 //!   (gradient copies run on the reverse links; none go to the input layer);
+//! - under a reduction split, as the runtime lowers one: each tile's forward is its partial (the
+//!   op over its block of the input channels); each partial past a block's first sends its
+//!   partial sum to the first's device, which folds the block's partials and applies the
+//!   activation (a forward task, `finish`), and consumers read the finished block there; in
+//!   backward the block's output gradient is folded there and taken through the activation
+//!   (`finish bwd`), sent to the block's other partials, and then every partial runs its
+//!   backward;
 //! - parameter synchronisation per replica group exactly as [`crate::sync`] describes: gradient
 //!   messages replica → owner, the owner's fold of the k replicas' gradients and its SGD update,
 //!   updated slices owner → replica (a block that is part of the replicas' whole slice is gathered
@@ -39,12 +46,13 @@
 //! embedded CPU runtime's costs. How tasks share threads and cores is [`super::cpu_host`]'s.
 
 use crate::config::{ParallelConfig, tile_rect};
-use crate::cost::CostModel;
+use crate::cost::{CostModel, partial_inputs};
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
 use crate::sync::{SyncPlan, param_slices};
 use crate::transfer::edge_overlaps;
-use legion_ops::{Graph, LayerId, Rect};
+use legion_ops::op::{partial_param_rect, project_partial};
+use legion_ops::{Graph, Layer, LayerId, Rect};
 
 /// What a task does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -343,23 +351,38 @@ pub(super) fn build_tasks(
     let graph = model.graph();
     let machine = model.machine();
     let provider = model.provider();
-    // forward[l][t], backward[l][t]
+    // forward[l][t] reads the tile's inputs; output[l][t] makes its output: the same task but
+    // under a reduction split, where the block's first partial finishes the summed block
     let mut forward: Vec<Vec<usize>> = Vec::new();
+    let mut output: Vec<Vec<usize>> = Vec::new();
     let mut backward_time: Vec<Vec<f64>> = Vec::new();
     for id in graph.ids() {
         let layer = graph.layer(id);
         let config = &configs[id.0];
+        let red = config.reduction();
         let mut f = Vec::new();
         let mut b = Vec::new();
         for t in 0..config.total() {
             let rect = tile_rect(&layer.shape, config, t);
             let device = config.device_of_tile(t);
-            let times = provider.phase_times(layer, model.input_shapes(id), &rect, device);
+            let times = match red {
+                1 => provider.phase_times(layer, model.input_shapes(id), &rect, device),
+                _ => {
+                    let inputs =
+                        partial_inputs(model.input_shapes(id), config.reduction_of(t), red);
+                    provider.phase_times(layer, &inputs, &rect, device)
+                }
+            };
             let task = TaskSpec::on_device(TaskKind::Forward, device, times.forward);
             f.push(tasks.push(task, || format!("{} fwd {t}", layer.name), &[]));
             b.push(times.backward);
         }
+        let out = match red {
+            1 => f.clone(),
+            _ => finish_partial_sums(tasks, machine, layer, config, &f),
+        };
         forward.push(f);
+        output.push(out);
         backward_time.push(b);
     }
     let edges: Vec<_> = model
@@ -375,7 +398,7 @@ pub(super) fn build_tasks(
     for (e, overlaps) in &edges {
         let (src_tiles, needed) = edge_rects(graph, e, &configs[e.src.0], &configs[e.dst.0]);
         for o in overlaps {
-            let mut from = forward[e.src.0][o.src_tile];
+            let mut from = output[e.src.0][o.src_tile];
             let to = forward[e.dst.0][o.dst_tile];
             // The producer's instance is its tile, the consumer's its whole input rect: a piece of
             // either is copied out of or into it on the device's actor.
@@ -438,12 +461,29 @@ pub(super) fn build_tasks(
     // Backward in reverse layer order (the order the runtime launches them); the input layer has
     // none.
     let mut backward: Vec<Vec<usize>> = vec![Vec::new(); graph.layers().len()];
+    // Under a reduction split, per tile: the first partial's finish of the block's gradient
+    // (what the block's output-gradient fold feeds), `usize::MAX` elsewhere.
+    let mut finish_backward: Vec<Vec<usize>> = vec![Vec::new(); graph.layers().len()];
     for id in (0..graph.layers().len()).rev().map(LayerId) {
         if id == graph.input() {
             continue;
         }
         let layer = graph.layer(id);
         let config = &configs[id.0];
+        if config.reduction() > 1 {
+            let (finishes, partials) = partial_backward(
+                tasks,
+                machine,
+                layer,
+                config,
+                (&forward[id.0], &output[id.0]),
+                &backward_time[id.0],
+            );
+            // the block's output gradient is folded before its first partial's finish
+            finish_backward[id.0] = finishes;
+            backward[id.0] = partials;
+            continue;
+        }
         for t in 0..config.total() {
             let device = config.device_of_tile(t);
             let task = TaskSpec::on_device(TaskKind::Backward, device, backward_time[id.0][t]);
@@ -545,7 +585,11 @@ pub(super) fn build_tasks(
                     name,
                     &deps,
                 );
-                tasks.depend(backward[id.0][t], fold);
+                let reader = match finish_backward[id.0].get(t) {
+                    Some(&finish) => finish,
+                    None => backward[id.0][t],
+                };
+                tasks.depend(reader, fold);
             }
         }
     }
@@ -563,8 +607,18 @@ pub(super) fn build_tasks(
             // Every replica holds the whole slice; the owner updates its block in an instance of
             // its own. A block that is not the whole slice is gathered out of it on each replica
             // and stored back into it on each replica and on the owner.
-            let owner_tile = tile_rect(&layer.shape, config, g.owner - config.first_device());
-            let partial = layer.op.spec().param_rect(&params[g.param], &owner_tile) != g.slice;
+            let owner_at = g.owner - config.first_device();
+            let owner_tile = tile_rect(&layer.shape, config, owner_at);
+            let (r, red) = (config.reduction_of(owner_at), config.reduction());
+            let owner_slice = partial_param_rect(
+                layer.op.spec(),
+                g.param,
+                &params[g.param],
+                &owner_tile,
+                r,
+                red,
+            );
+            let partial = owner_slice != Some(g.slice);
             gathers.clear();
             for &r in &g.replicas {
                 let bytes = g.bytes();
@@ -621,6 +675,108 @@ pub(super) fn build_tasks(
             );
         }
     }
+}
+
+/// A reduction split's forward after its partials (`partials[t]`, tile by tile), as the runtime
+/// lowers it: each partial past a block's first sends its partial sum to the first's device,
+/// which folds the block's partials and applies the activation (`Finish`). Returns, per tile, the
+/// task after which the tile's output is complete (the finish, on a block's first partial).
+fn finish_partial_sums(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    layer: &Layer,
+    config: &ParallelConfig,
+    partials: &[usize],
+) -> Vec<usize> {
+    let red = config.reduction();
+    let mut out = partials.to_vec();
+    for first in (0..config.total()).step_by(red) {
+        let block = tile_rect(&layer.shape, config, first);
+        let bytes = 4 * block.volume() as u64;
+        let device = config.device_of_tile(first);
+        let mut terms = vec![partials[first]];
+        for (t, &partial) in partials
+            .iter()
+            .enumerate()
+            .take(first + red)
+            .skip(first + 1)
+        {
+            let names = || format!("{} partial sum {t} → {first}", layer.name);
+            let from = (config.device_of_tile(t), device);
+            let arrived = message(tasks, machine, names, TaskKind::Copy, from, bytes, partial);
+            terms.extend_from_slice(arrived.tasks());
+        }
+        let duration = fold_time(machine, device, fold_bytes(red, bytes));
+        let fold = tasks.push(
+            TaskSpec::on_device(TaskKind::Fold, device, duration),
+            || format!("{} partial sums {first}", layer.name),
+            &terms,
+        );
+        let finish = TaskSpec::on_device(
+            TaskKind::Forward,
+            device,
+            elementwise_time(machine, device, bytes),
+        );
+        out[first] = tasks.push(finish, || format!("{} finish {first}", layer.name), &[fold]);
+    }
+    out
+}
+
+/// A reduction split's backward: on each block's first partial the gradient through the
+/// activation (`FinishBackward`, after the block's finish), sent to the block's other partials,
+/// then every partial's backward. Returns (per tile the finish-backward, `usize::MAX` past a
+/// block's first partial; per tile its partial backward).
+fn partial_backward(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    layer: &Layer,
+    config: &ParallelConfig,
+    (partials, outputs): (&[usize], &[usize]),
+    backward_time: &[f64],
+) -> (Vec<usize>, Vec<usize>) {
+    let red = config.reduction();
+    let mut finishes = vec![usize::MAX; config.total()];
+    let mut backward = Vec::with_capacity(config.total());
+    for first in (0..config.total()).step_by(red) {
+        let block = tile_rect(&layer.shape, config, first);
+        let bytes = 4 * block.volume() as u64;
+        let device = config.device_of_tile(first);
+        let duration = elementwise_time(machine, device, bytes);
+        let finish = tasks.push(
+            TaskSpec::on_device(TaskKind::Backward, device, duration),
+            || format!("{} finish bwd {first}", layer.name),
+            &[outputs[first]],
+        );
+        finishes[first] = finish;
+        for t in first..first + red {
+            let to = config.device_of_tile(t);
+            let mut deps = vec![partials[t]];
+            if t == first {
+                deps.push(finish);
+            } else {
+                let names = || format!("{} block grad {first} → {t}", layer.name);
+                let arrived = message(
+                    tasks,
+                    machine,
+                    names,
+                    TaskKind::GradientCopy,
+                    (device, to),
+                    bytes,
+                    finish,
+                );
+                deps.extend_from_slice(arrived.tasks());
+            }
+            let task = TaskSpec::on_device(TaskKind::Backward, to, backward_time[t]);
+            backward.push(tasks.push(task, || format!("{} bwd {t}", layer.name), &deps));
+        }
+    }
+    (finishes, backward)
+}
+
+/// Seconds of an element-wise pass over `bytes` (read and written) on `device`: a reduction
+/// split's activation and its gradient, at the rate the runtime folds at.
+fn elementwise_time(machine: &MachineModel, device: DeviceId, bytes: u64) -> f64 {
+    fold_time(machine, device, 2 * bytes)
 }
 
 /// The owner's fold of a slice's `terms` gradients (its own and the replicas'), after `deps`, then
@@ -685,10 +841,12 @@ fn edge_rects(
     let src = (0..src_config.total())
         .map(|t| tile_rect(&producer.shape, src_config, t))
         .collect();
+    let red = dst_config.reduction();
     let needed = (0..dst_config.total())
         .map(|t| {
             let out = tile_rect(&consumer.shape, dst_config, t);
-            consumer.op.spec().project(&inputs, &out)[edge.input]
+            let r = dst_config.reduction_of(t);
+            project_partial(consumer.op.spec(), &inputs, &out, r, red)[edge.input]
         })
         .collect();
     (src, needed)

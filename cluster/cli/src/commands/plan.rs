@@ -183,8 +183,6 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         let configs = Strategy::load(path)?
             .to_configs(&graph, machine.num_devices())
             .with_context(|| format!("{}", path.display()))?;
-        plan::check_priced(&graph, &configs)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let evaluated = plan::evaluate(&model, configs);
         if args.json {
             let doc = PlanJson {

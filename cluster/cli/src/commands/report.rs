@@ -52,13 +52,19 @@ pub fn layer_table(
         );
     }
     let t_x: f64 = cost.edges.iter().map(|e| e.time).sum();
-    let _ = writeln!(
+    let t_r: f64 = cost.layers.iter().map(|l| l.reduce).sum();
+    let _ = write!(
         out,
         "Σ t_c {:.3} ms, Σ t_s {:.3} ms, Σ t_x {:.3} ms",
         cost.layers.iter().map(|l| l.compute).sum::<f64>() * 1e3,
         cost.layers.iter().map(|l| l.sync).sum::<f64>() * 1e3,
         t_x * 1e3
     );
+    if configs.iter().any(|c| c.reduction() > 1) {
+        // the partial sums and output gradients of the layers split over their input channels
+        let _ = write!(out, ", Σ t_r {:.3} ms", t_r * 1e3);
+    }
+    out.push('\n');
     out
 }
 
