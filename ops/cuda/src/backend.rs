@@ -974,8 +974,27 @@ impl Backend for Cuda {
             }
             let tile = Box4::of(&dy.rect);
             let pool = PoolParams::new(op, in_shape);
+            // Max pooling: each window's argmax first, once per output (average pooling reads
+            // none; the kernel is given a one-element buffer it never reads).
+            let outputs = match op.kind {
+                PoolKind::Max => tile.volume().max(0),
+                PoolKind::Avg => 0,
+            };
+            // SAFETY: the argmax kernel writes every element before the gather reads it.
+            let mut argmax = unsafe { s.stream.alloc::<i64>(outputs.max(1) as usize) }?;
+            if outputs > 0 {
+                let mut b = s.stream.launch_builder(&self.kernels.pool2d_argmax);
+                b.arg(x.mem.f32())
+                    .arg(&x_layout)
+                    .arg(&tile)
+                    .arg(&mut argmax)
+                    .arg(&pool)
+                    .arg(&outputs);
+                // SAFETY: the arguments match the kernel's signature; argmax covers the tile.
+                unsafe { b.launch(grid(outputs)) }?;
+            }
             let mut b = s.stream.launch_builder(&self.kernels.pool2d_backward);
-            b.arg(x.mem.f32())
+            b.arg(&argmax)
                 .arg(&x_layout)
                 .arg(dy.mem.f32())
                 .arg(&tile)

@@ -310,10 +310,28 @@ __device__ void window_argmax(const float* x, const Box4& x_layout, i64 sample, 
     }
 }
 
+// Max pooling's argmax, once per output of the tile: the input position (h · W + w, W the input
+// width) of the window's first maximum, which the backward gather then reads instead of scanning
+// every window again for every input element it covers.
+extern "C" __global__ void pool2d_argmax(const float* x, Box4 x_layout, Box4 tile, i64* argmax,
+                                         Pool pool, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(tile, i, p);
+        i64 h0, h1, w0, w1;
+        clipped_window(p[2], pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
+        clipped_window(p[3], pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
+        i64 best_h, best_w;
+        window_argmax(x, x_layout, p[0], p[1], h0, h1, w0, w1, best_h, best_w);
+        argmax[i] = best_h * pool.in_size[1] + best_w;
+    }
+}
+
 // dx over the input view (dx laid out over x_layout): each element gathers, in the output order
 // the CPU scatters in (rows, then columns, of the tile), the gradients of the tile's windows that
-// route to it, so every sum is the CPU's, term by term. Planes (n, c) outside the tile get zero.
-extern "C" __global__ void pool2d_backward(const float* x, Box4 x_layout, const float* dy,
+// route to it, so every sum is the CPU's, term by term. Max pooling reads each window's argmax
+// (`pool2d_argmax`, laid out over the tile). Planes (n, c) outside the tile get zero.
+extern "C" __global__ void pool2d_backward(const i64* argmax, Box4 x_layout, const float* dy,
                                            Box4 tile, float* dx, Pool pool, i64 n) {
     GRID_STRIDE(i, n) {
         i64 p[4];
@@ -334,18 +352,14 @@ extern "C" __global__ void pool2d_backward(const float* x, Box4 x_layout, const 
                 if (first[a] < tile_lo) first[a] = tile_lo;
                 if (last[a] > tile_hi) last[a] = tile_hi;
             }
+            i64 here = p[2] * pool.in_size[1] + p[3];
             for (i64 oh = first[0]; oh <= last[0]; ++oh) {
-                i64 h0, h1;
-                clipped_window(oh, pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
                 for (i64 ow = first[1]; ow <= last[1]; ++ow) {
-                    i64 w0, w1;
-                    clipped_window(ow, pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
                     i64 o[4] = {p[0], p[1], oh, ow};
-                    float g = dy[offset_in(tile, o)];
+                    i64 at = offset_in(tile, o);
+                    float g = dy[at];
                     if (pool.is_max) {
-                        i64 best_h, best_w;
-                        window_argmax(x, x_layout, p[0], p[1], h0, h1, w0, w1, best_h, best_w);
-                        if (best_h == p[2] && best_w == p[3]) grad = grad + g;
+                        if (argmax[at] == here) grad = grad + g;
                     } else {
                         grad = grad + g * pool.inv_area;
                     }

@@ -408,8 +408,10 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
     // ---- pooling
     {
         type PF = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Pool, i64);
-        type PB = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Pool, i64);
+        type PA = unsafe extern "C" fn(*const f32, Box4, Box4, *mut i64, Pool, i64);
+        type PB = unsafe extern "C" fn(*const i64, Box4, *const f32, Box4, *mut f32, Pool, i64);
         let pf: Symbol<PF> = emu.sym("pool2d_forward");
+        let pa: Symbol<PA> = emu.sym("pool2d_argmax");
         let pb: Symbol<PB> = emu.sym("pool2d_backward");
         let in_shape = Shape::nchw(2, 3, 11, 9);
         let ops = [
@@ -495,11 +497,26 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     )
                 });
                 report.check(&format!("pool fwd {i} tile {j}"), &gy, y.f32(), 0.0);
+                // max pooling's argmax per output first (average pooling reads none)
+                let mut argmax = vec![-1i64; tile.volume().max(1)];
+                if matches!(op.kind, PoolKind::Max) {
+                    let n = tile.volume() as i64;
+                    emu.launch(1, 1, || unsafe {
+                        pa(
+                            x.f32().as_ptr(),
+                            box4(&view),
+                            box4(&tile),
+                            argmax.as_mut_ptr(),
+                            pool,
+                            n,
+                        )
+                    });
+                }
                 let mut gdx = vec![-5.0; view.volume()];
                 let n = view.volume() as i64;
                 emu.launch(1, 1, || unsafe {
                     pb(
-                        x.f32().as_ptr(),
+                        argmax.as_ptr(),
                         box4(&view),
                         dy.f32().as_ptr(),
                         box4(&tile),
