@@ -15,10 +15,10 @@
 # device: LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps), `throughput` (one GPU, strict
 # FP32, TF32, and strict FP32 with cuDNN's heuristic algorithms, for AlexNet 224 b128, VGG-16 224
 # b64, Inception-v3 299 b64, side by side with PyTorch in the same run), `trace` (AlexNet's step,
-# op by op), `profile` (the three models' tiles for the paper's machine, 16 devices at 32 samples
-# each: $OUT/profile-paper.json for `plan --machine paper --profile`), `several` (AlexNet on 4
-# devices sharing the GPU under data, owt and optcnn against the simulation priced by those
-# devices' measured tiles and copies, `plan --machine one-gpu:4`).
+# op by op), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
+# the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),
+# `profile` (the three models' tiles for the paper's machine, 16 devices at 32 samples each, as
+# many as the time left allows: $OUT/profile-paper.json for `plan --machine paper --profile`).
 #
 # Device time is scarce, so the run keeps to GPU_CHECK_SECONDS (default 540: each command gets
 # the smaller of its own limit and what is left, and a section reached with no time left fails
@@ -74,7 +74,7 @@ run)
     # smaller of its own limit and what is left; a section with no time left is reported as
     # skipped, which fails the run), and GPU_CHECK_ONLY picks sections for a rerun.
     deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540}))
-    sections="${GPU_CHECK_ONLY:-kernels equivalence throughput trace profile several}"
+    sections="${GPU_CHECK_ONLY:-kernels equivalence throughput trace several profile}"
     failures=()
     want() { [[ " $sections " == *" $1 "* ]]; }
     # limit SECONDS: what a command may take now; fails when the time is up (then `skip` it:
@@ -209,29 +209,6 @@ PY
             fi
         done
     fi
-    if want profile; then
-        echo "=== GPU profile for the paper's machine: every tile shape the searches may give each layer"
-        echo "    on 16 devices at 32 samples each, alone, CUDA events; one file for the three models"
-        # Each model gets a share of the time left (and at most its own limit); a model cut short
-        # keeps what was timed, and `plan` scales the tiles it lacks from measured ones, counting them.
-        for run in alexnet:224:35 vgg16:224:50 inception_v3:299:90; do
-            IFS=: read -r model image most <<<"$run"
-            # The process needs some seconds beyond timing tiles: start, the copy rates, saving.
-            t=$(limit "$most") && [ "$t" -ge 25 ] || { skip "profile $model"; continue; }
-            start=$SECONDS
-            if ! timeout "$t" "$dir/legion-rs" profile --device cuda --machine paper \
-                --strategies space --model "$model" --image-size "$image" --batch 512 \
-                --classes 1000 --warmup 1 --repeats 2 --time-limit $((t - 15)) --merge \
-                --out "$out/profile-paper.json" >"$out/profile-$model.log" 2>&1; then
-                failures+=("profile $model")
-            fi
-            tail -3 "$out/profile-$model.log"
-            echo "    $((SECONDS - start)) s"
-        done
-        # Planning with it is CPU work, for after the run (the device time is the scarce part):
-        echo "    then, on any machine: legion-rs plan --machine paper --search all --batch 512 \\"
-        echo "        --model MODEL --image-size SIZE --profile profile-paper.json"
-    fi
     if want several; then
         echo "=== several devices on one GPU: AlexNet 224 b128 on 4 devices, a stream each: every tile"
         echo "    the search may choose timed, optcnn planned with them, then data, owt and that"
@@ -261,6 +238,29 @@ for s in doc["searches"]:
             failures+=("several devices on one GPU")
             tail -3 "$out/several-space.txt"
         fi
+    fi
+    if want profile; then
+        echo "=== GPU profile for the paper's machine: every tile shape the searches may give each layer"
+        echo "    on 16 devices at 32 samples each, alone, CUDA events; one file for the three models"
+        # Each model gets a share of the time left (and at most its own limit); a model cut short
+        # keeps what was timed, and `plan` scales the tiles it lacks from measured ones, counting them.
+        for run in alexnet:224:60 vgg16:224:120 inception_v3:299:180; do
+            IFS=: read -r model image most <<<"$run"
+            # The process needs some seconds beyond timing tiles: start, the copy rates, saving.
+            t=$(limit "$most") && [ "$t" -ge 25 ] || { skip "profile $model"; continue; }
+            start=$SECONDS
+            if ! timeout "$t" "$dir/legion-rs" profile --device cuda --machine paper \
+                --strategies space --model "$model" --image-size "$image" --batch 512 \
+                --classes 1000 --warmup 1 --repeats 2 --time-limit $((t - 15)) --merge \
+                --out "$out/profile-paper.json" >"$out/profile-$model.log" 2>&1; then
+                failures+=("profile $model")
+            fi
+            tail -3 "$out/profile-$model.log"
+            echo "    $((SECONDS - start)) s"
+        done
+        # Planning with it is CPU work, for after the run (the device time is the scarce part):
+        echo "    then, on any machine: legion-rs plan --machine paper --search all --batch 512 \\"
+        echo "        --model MODEL --image-size SIZE --profile profile-paper.json"
     fi
     if [ ${#failures[@]} -gt 0 ]; then
         echo "FAILED: ${failures[*]}"
