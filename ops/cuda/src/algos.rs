@@ -22,7 +22,7 @@
 //! - a workspace of at most [`WORKSPACE_CAP`] bytes while timing (the heuristic's own choice is
 //!   used whatever its workspace).
 
-use crate::backend::Failure;
+use crate::backend::{Failure, Stream};
 use cudarc::cudnn::sys::{
     cudnnConvolutionBwdDataAlgo_t as DataAlgo, cudnnConvolutionBwdFilterAlgo_t as FilterAlgo,
     cudnnConvolutionFwdAlgo_t as ForwardAlgo,
@@ -139,9 +139,36 @@ pub(crate) const FILTER_CANDIDATES: [FilterAlgo; 4] = {
     ]
 };
 
+/// Runs a convolution through `launch` with the algorithm for `problem` on stream `s`: the one
+/// chosen there before, else cuDNN's `heuristic` or, when timing, the fastest of `candidates` as
+/// `launch` runs them (`timing` true; the heuristic's where none ran), kept in the stream's
+/// `table` for every later call.
+pub(crate) fn launch_chosen<A: Copy>(
+    s: &mut Stream,
+    table: fn(&mut Chosen) -> &mut HashMap<Problem, A>,
+    problem: Problem,
+    candidates: &[A],
+    heuristic: impl FnOnce() -> Result<A, Failure>,
+    mut launch: impl FnMut(&Stream, A, bool) -> Result<(), Failure>,
+) -> Result<(), Failure> {
+    let algo = match table(&mut s.chosen).get(&problem) {
+        Some(&algo) => algo,
+        None => {
+            let mut algo = heuristic()?;
+            if s.algorithms == AlgorithmChoice::Timed {
+                let on = &*s;
+                algo = fastest(&on.stream, candidates, |a| launch(on, a, true)).unwrap_or(algo);
+            }
+            table(&mut s.chosen).insert(problem, algo);
+            algo
+        }
+    };
+    launch(s, algo, false)
+}
+
 /// The fastest of `candidates` that runs, or `None` when none did: each launched once to warm
 /// (an unsupported one fails there, synchronously) and once between events on `stream`.
-pub(crate) fn fastest<A: Copy>(
+fn fastest<A: Copy>(
     stream: &Arc<CudaStream>,
     candidates: &[A],
     mut launch: impl FnMut(A) -> Result<(), Failure>,

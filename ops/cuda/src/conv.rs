@@ -15,8 +15,7 @@
 //! (`--tf32`) it is tensor-op math, which computes FP32 convolutions in TF32.
 
 use crate::algos::{
-    AlgorithmChoice, DATA_CANDIDATES, FILTER_CANDIDATES, FORWARD_CANDIDATES, Problem,
-    WORKSPACE_CAP, fastest,
+    DATA_CANDIDATES, FILTER_CANDIDATES, FORWARD_CANDIDATES, Problem, WORKSPACE_CAP, launch_chosen,
 };
 use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Math, Stream};
 use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
@@ -274,21 +273,17 @@ fn deterministic_data_algo(
 }
 
 /// cuDNN's scratch for one call (stream-ordered, freed when dropped; cuDNN writes before it
-/// reads, so it is not zeroed).
-fn workspace(s: &Stream, bytes: usize) -> Result<Option<CudaSlice<u8>>, Failure> {
+/// reads, so it is not zeroed). While `timing` candidates, refused past [`WORKSPACE_CAP`] (the
+/// algorithm then is not a candidate); the chosen one gets what it asks.
+fn workspace(s: &Stream, bytes: usize, timing: bool) -> Result<Option<CudaSlice<u8>>, Failure> {
+    if timing && bytes > WORKSPACE_CAP {
+        return Err(Failure(format!("{bytes} bytes of workspace")));
+    }
     if bytes == 0 {
         return Ok(None);
     }
     // SAFETY: u8 has no invalid bit patterns, and cuDNN only reads what it wrote.
     Ok(Some(unsafe { s.stream.alloc::<u8>(bytes) }?))
-}
-
-/// A workspace for a candidate being timed: refused past [`WORKSPACE_CAP`].
-fn capped_workspace(s: &Stream, bytes: usize) -> Result<Option<CudaSlice<u8>>, Failure> {
-    if bytes > WORKSPACE_CAP {
-        return Err(Failure(format!("{bytes} bytes of workspace")));
-    }
-    workspace(s, bytes)
 }
 
 /// The segment's input: `None` when cuDNN reads the view itself, else the gathered window.
@@ -364,28 +359,19 @@ pub(crate) fn forward(
             Some(scratch) => scratch,
             None => &mut *y_mem,
         };
-        let algo = match s.chosen.forward.get(&d.problem) {
-            Some(&algo) => algo,
-            None => {
-                let mut algo = conv.pick_algorithm()?;
-                if s.algorithms == AlgorithmChoice::Timed {
-                    let timed = fastest(&s.stream, &FORWARD_CANDIDATES, |algo| {
-                        let mut ws = capped_workspace(s, conv.get_workspace_size(algo)?)?;
-                        // SAFETY: the descriptors describe exactly these buffers.
-                        unsafe {
-                            conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, target)
-                        }?;
-                        Ok(())
-                    });
-                    algo = timed.unwrap_or(algo);
-                }
-                s.chosen.forward.insert(d.problem, algo);
-                algo
-            }
-        };
-        let mut ws = workspace(s, conv.get_workspace_size(algo)?)?;
-        // SAFETY: the descriptors describe exactly these buffers.
-        unsafe { conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, target) }?;
+        launch_chosen(
+            s,
+            |c| &mut c.forward,
+            d.problem,
+            &FORWARD_CANDIDATES,
+            || Ok(conv.pick_algorithm()?),
+            |s, algo, timing| {
+                let mut ws = workspace(s, conv.get_workspace_size(algo)?, timing)?;
+                // SAFETY: the descriptors describe exactly these buffers.
+                unsafe { conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, target) }?;
+                Ok(())
+            },
+        )?;
         if let Some(scratch) = &scratch {
             let copy = &cuda.kernels.copy_region_f32;
             cuda.region_f32(s, copy, scratch, out, y_mem, tile, out)?;
@@ -472,44 +458,28 @@ pub(crate) fn backward(
             dy: &d.y,
         };
         let mut dw_rows = dw_mem.slice_mut(rows);
-        let algo = match s.chosen.filter.get(&d.problem) {
-            Some(&algo) => algo,
-            None => {
-                let mut algo = deterministic_filter_algo(filter.pick_algorithm()?);
-                if s.algorithms == AlgorithmChoice::Timed {
-                    let timed = fastest(&s.stream, &FILTER_CANDIDATES, |algo| {
-                        let mut ws = capped_workspace(s, filter.get_workspace_size(algo)?)?;
-                        // SAFETY: the descriptors describe exactly these buffers.
-                        unsafe {
-                            filter.launch(
-                                algo,
-                                ws.as_mut(),
-                                (1.0, 0.0),
-                                &x_view,
-                                &mut dw_rows,
-                                &dz_view,
-                            )
-                        }?;
-                        Ok(())
-                    });
-                    algo = timed.unwrap_or(algo);
-                }
-                s.chosen.filter.insert(d.problem, algo);
-                algo
-            }
-        };
-        let mut ws = workspace(s, filter.get_workspace_size(algo)?)?;
-        // SAFETY: the descriptors describe exactly these buffers.
-        unsafe {
-            filter.launch(
-                algo,
-                ws.as_mut(),
-                (1.0, 0.0),
-                &x_view,
-                &mut dw_rows,
-                &dz_view,
-            )
-        }?;
+        launch_chosen(
+            s,
+            |c| &mut c.filter,
+            d.problem,
+            &FILTER_CANDIDATES,
+            || Ok(deterministic_filter_algo(filter.pick_algorithm()?)),
+            |s, algo, timing| {
+                let mut ws = workspace(s, filter.get_workspace_size(algo)?, timing)?;
+                // SAFETY: the descriptors describe exactly these buffers.
+                unsafe {
+                    filter.launch(
+                        algo,
+                        ws.as_mut(),
+                        (1.0, 0.0),
+                        &x_view,
+                        &mut dw_rows,
+                        &dz_view,
+                    )
+                }?;
+                Ok(())
+            },
+        )?;
 
         let Some(dx) = dx.as_mut() else { continue };
         let data = ConvBackwardData {
@@ -535,28 +505,19 @@ pub(crate) fn backward(
             Some(dwindow) => dwindow,
             None => &mut *dx_mem,
         };
-        let algo = match s.chosen.data.get(&d.problem) {
-            Some(&algo) => algo,
-            None => {
-                let mut algo = deterministic_data_algo(data.pick_algorithm()?);
-                if s.algorithms == AlgorithmChoice::Timed {
-                    let timed = fastest(&s.stream, &DATA_CANDIDATES, |algo| {
-                        let mut ws = capped_workspace(s, data.get_workspace_size(algo)?)?;
-                        // SAFETY: the descriptors describe exactly these buffers.
-                        unsafe {
-                            data.launch(algo, ws.as_mut(), (1.0, 0.0), target, &w_view, &dz_view)
-                        }?;
-                        Ok(())
-                    });
-                    algo = timed.unwrap_or(algo);
-                }
-                s.chosen.data.insert(d.problem, algo);
-                algo
-            }
-        };
-        let mut ws = workspace(s, data.get_workspace_size(algo)?)?;
-        // SAFETY: the descriptors describe exactly these buffers.
-        unsafe { data.launch(algo, ws.as_mut(), (1.0, 0.0), target, &w_view, &dz_view) }?;
+        launch_chosen(
+            s,
+            |c| &mut c.data,
+            d.problem,
+            &DATA_CANDIDATES,
+            || Ok(deterministic_data_algo(data.pick_algorithm()?)),
+            |s, algo, timing| {
+                let mut ws = workspace(s, data.get_workspace_size(algo)?, timing)?;
+                // SAFETY: the descriptors describe exactly these buffers.
+                unsafe { data.launch(algo, ws.as_mut(), (1.0, 0.0), target, &w_view, &dz_view) }?;
+                Ok(())
+            },
+        )?;
         if let (Some(dwindow), Source::Gathered { window }) = (&dwindow, source) {
             // The part of the window inside dx; padding positions are dropped. Segments read
             // disjoint input channels, so copying (not adding) is exact.
