@@ -41,7 +41,7 @@ for model in "${MODELS[@]}"; do
     for n in 1 2 4 8 16; do
         batch=$((32 * n))
         json=$("$BIN" plan --model "$model" --machine "$FAMILY:$n" --batch "$batch" \
-            "${PROFILE[@]}" --search all --json)
+            "${PROFILE[@]}" --paper-space --search all --json)
         field() { jq -r --arg s "$1" ".searches[] | select(.search == \$s) | .$2 // empty" <<<"$json"; }
         ips() { local ms; ms=$(field "$1" simulated_ms); [ -n "$ms" ] && jq -n "$batch * 1000 / $ms" || echo 0; }
         row="| $n"

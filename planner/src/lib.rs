@@ -41,4 +41,4 @@ pub use profile::{LinkProfile, ProfileDb, ProfiledCost};
 pub use provider::{CostProvider, PhaseTimes, RooflineCost};
 pub use search::SearchKind;
 pub use strategy::Strategy;
-pub use tables::CostTables;
+pub use tables::{CostTables, SearchSpace};

@@ -83,7 +83,7 @@ fn eq1(s: &SearchRun) -> f64 {
 /// strategies of the searches before it where they ran (its time then leaves theirs out).
 pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) -> PlanRun {
     let t0 = Instant::now();
-    let tables = CostTables::build(model);
+    let tables = CostTables::build_in(model, options.space);
     let tables_seconds = t0.elapsed().as_secs_f64();
     let mut searches: Vec<SearchRun> = Vec::with_capacity(kinds.len());
     for &kind in kinds {
@@ -158,6 +158,7 @@ mod tests {
                 seed: 3,
                 work: None,
             },
+            space: Default::default(),
         };
         let run = plan(&model, &[SearchKind::OptCnn, SearchKind::Refine], &options);
         let result = |i: usize| run.searches[i].result.as_ref().unwrap();

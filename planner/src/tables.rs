@@ -7,7 +7,7 @@
 //! - Layers and edges with identical op, shapes and parallel dims share their tables.
 
 use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
-use crate::cost::CostModel;
+use crate::cost::{CostModel, partial_inputs};
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
@@ -23,6 +23,8 @@ pub struct CostTables<'m> {
     spaces: Vec<ConfigSpace>,
     compute: Vec<Vec<f64>>,
     sync: Vec<Vec<f64>>,
+    /// t_r per config (0 without a reduction split).
+    reduce: Vec<Vec<f64>>,
     node: Vec<Vec<f64>>,
     /// Shared with tables that differ only in node costs ([`CostTables::with_node_penalty`]): the
     /// per-message tables of a large machine take hundreds of megabytes to build.
@@ -30,22 +32,48 @@ pub struct CostTables<'m> {
     edge_class: Vec<usize>,
 }
 
+/// What an edge's t_x table depends on: the producer's output shape, dims and reduction
+/// channels (its space), the consumer's layer class, the input it reads, and whether gradients
+/// flow back.
+type EdgeKey<'g> = (Shape, &'g [Dim], Option<usize>, usize, usize, bool);
+
+/// Which configurations the searches choose from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SearchSpace {
+    /// OptCNN's: degrees over samples, channels, height and width (the paper's numbers).
+    #[default]
+    Paper,
+    /// Those and, for conv2d and dense layers, each split into partial sums over blocks of its
+    /// input channels ([`ConfigSpace::enumerate_with_reductions`]).
+    WithReductions,
+}
+
 impl<'m> CostTables<'m> {
-    /// Enumerates every layer's configs and computes t_c and t_s for each. Edge tables are computed
-    /// on request ([`CostTables::edge_table`]): they are large, and a search needs each only briefly.
+    /// Enumerates every layer's configs in the paper's space and computes t_c and t_s for each.
+    /// Edge tables are computed on request ([`CostTables::edge_table`]): they are large, and a
+    /// search needs each only briefly.
     pub fn build(model: &'m CostModel<'m>) -> CostTables<'m> {
+        CostTables::build_in(model, SearchSpace::Paper)
+    }
+
+    /// [`CostTables::build`] over `space`: with reduction splits, a layer's node cost adds t_r.
+    pub fn build_in(model: &'m CostModel<'m>, search_space: SearchSpace) -> CostTables<'m> {
         let graph = model.graph();
         let machine = model.machine();
         let devices = machine.num_devices();
         let mut spaces: Vec<ConfigSpace> = Vec::new();
         let mut compute: Vec<Vec<f64>> = Vec::new();
         let mut sync: Vec<Vec<f64>> = Vec::new();
+        let mut reduce: Vec<Vec<f64>> = Vec::new();
+        // per layer, the input channels its reduction splits cut (`None`: it has none)
+        let mut reduction_channels: Vec<Option<usize>> = Vec::new();
         // Layers with equal op, input shapes and dims share their tables: the first such layer's
         // id is the class of each layer.
         let mut layer_classes: HashMap<(String, &[Shape], &[Dim]), usize> = HashMap::new();
         let mut layer_class: Vec<usize> = Vec::with_capacity(graph.layers().len());
-        // layers with equal output shapes and dims have equal config spaces: the first one's id
-        let mut same_space: HashMap<(Shape, &[Dim]), usize> = HashMap::new();
+        // layers with equal output shapes, dims and reduction channels have equal config spaces:
+        // the first one's id
+        let mut same_space: HashMap<(Shape, &[Dim], Option<usize>), usize> = HashMap::new();
         let blocks = BlockClasses::new(machine);
         let mut scratch = NodeScratch::default();
         for id in graph.ids() {
@@ -56,30 +84,54 @@ impl<'m> CostTables<'m> {
                 .entry((op, model.input_shapes(id), dims))
                 .or_insert(id.0);
             layer_class.push(class);
+            reduction_channels.push(match search_space {
+                SearchSpace::Paper => None,
+                SearchSpace::WithReductions => {
+                    layer.op.spec().reduction_channels(model.input_shapes(id))
+                }
+            });
             if class != id.0 {
                 spaces.push(spaces[class].clone());
                 compute.push(compute[class].clone());
                 sync.push(sync[class].clone());
+                reduce.push(reduce[class].clone());
                 continue;
             }
-            let space = match same_space.get(&(layer.shape, dims)) {
+            let channels = reduction_channels[id.0];
+            let space = match same_space.get(&(layer.shape, dims, channels)) {
                 Some(&other) => spaces[other].clone(),
                 None => {
-                    same_space.insert((layer.shape, dims), id.0);
-                    ConfigSpace::enumerate(&layer.shape, dims, devices)
+                    same_space.insert((layer.shape, dims, channels), id.0);
+                    ConfigSpace::enumerate_with_reductions(&layer.shape, dims, devices, channels)
                 }
             };
             let (c, s) = node_costs(model, id, &space, &blocks, &mut scratch);
+            let r = space
+                .configs()
+                .iter()
+                .map(|config| match config.reduction() {
+                    1 => 0.0,
+                    _ => model.reduce_time(id, config),
+                })
+                .collect();
             spaces.push(space);
             compute.push(c);
             sync.push(s);
+            reduce.push(r);
         }
         let node = compute
             .iter()
             .zip(&sync)
-            .map(|(c, s)| c.iter().zip(s).map(|(c, s)| c + s).collect())
+            .zip(&reduce)
+            .map(|((c, s), r)| {
+                c.iter()
+                    .zip(s)
+                    .zip(r)
+                    .map(|((c, s), r)| c + s + r)
+                    .collect()
+            })
             .collect();
-        let mut edge_memo: HashMap<(Shape, &[Dim], usize, usize, bool), usize> = HashMap::new();
+        let mut edge_memo: HashMap<EdgeKey, usize> = HashMap::new();
         let edge_class = model
             .edges()
             .iter()
@@ -92,6 +144,8 @@ impl<'m> CostTables<'m> {
                 let key = (
                     src.shape,
                     src.op.spec().parallel_dims(&src.shape),
+                    // the producer's space: its reduction splits too
+                    reduction_channels[e.src.0],
                     layer_class[e.dst.0],
                     e.input,
                     e.carries_gradient(graph),
@@ -104,6 +158,7 @@ impl<'m> CostTables<'m> {
             spaces,
             compute,
             sync,
+            reduce,
             node,
             transfers: Arc::new(TransferTables::new(machine)),
             edge_class,
@@ -136,23 +191,17 @@ impl<'m> CostTables<'m> {
     /// t_c, t_s and the edge tables are unchanged.
     pub fn with_node_penalty(&self, weight: f64, bytes: &[Vec<f64>]) -> CostTables<'m> {
         let node = self
-            .compute
+            .node
             .iter()
-            .zip(&self.sync)
             .zip(bytes)
-            .map(|((c, s), b)| {
-                c.iter()
-                    .zip(s)
-                    .zip(b)
-                    .map(|((c, s), b)| c + s + weight * b)
-                    .collect()
-            })
+            .map(|(n, b)| n.iter().zip(b).map(|(n, b)| n + weight * b).collect())
             .collect();
         CostTables {
             model: self.model,
             spaces: self.spaces.clone(),
             compute: self.compute.clone(),
             sync: self.sync.clone(),
+            reduce: self.reduce.clone(),
             node,
             transfers: Arc::clone(&self.transfers),
             edge_class: self.edge_class.clone(),
@@ -214,6 +263,7 @@ impl<'m> CostTables<'m> {
             self.model.graph(),
             self.model.input_shapes(e.dst),
             &e,
+            &self.spaces[e.src.0],
             &self.spaces[e.dst.0],
         )
     }
@@ -301,11 +351,12 @@ fn node_costs(
         loads,
         sync_of_pattern,
     } = scratch;
-    for (li, layout) in space.layouts().iter().enumerate() {
-        let base = ParallelConfig::new(*layout, 0);
-        let total = base.total();
+    for li in 0..space.layouts().len() {
+        let base = space.layout_config(li);
+        let (total, red) = (base.total(), base.reduction());
         tiles.clear();
-        tiles.extend(tile_rects(&layer.shape, &base));
+        // a reduction split's partials are consecutive tiles of one block each
+        tiles.extend(tile_rects(&layer.shape, &base).flat_map(|r| std::iter::repeat_n(r, red)));
         // The configs of a layout are its aligned blocks, by ascending first device. A block
         // prices as the first block of its class.
         let range = space.layout_configs(li);
@@ -343,7 +394,14 @@ fn node_costs(
             for (t, rect) in tiles.iter().enumerate() {
                 let device = block * total + t;
                 let slot = &mut priced[t * specs + machine.spec_index(device)];
-                let time = *slot.get_or_insert_with(|| price(rect, device));
+                let time = *slot.get_or_insert_with(|| match red {
+                    1 => price(rect, device),
+                    // a partial: the op over its block of the input channels
+                    _ => {
+                        let partial = partial_inputs(inputs, t % red, red);
+                        model.provider().compute_time(layer, &partial, rect, device)
+                    }
+                });
                 worst = worst.max(time);
             }
             compute[ci] = worst;

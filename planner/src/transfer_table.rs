@@ -25,6 +25,7 @@ use crate::config::{ConfigSpace, ParallelConfig, block_of, block_range, tile_rec
 use crate::fast_hash::FastHashMap;
 use crate::machine::{Lane, Link, MachineModel};
 use crate::transfer::Edge;
+use legion_ops::op::project_partial;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Graph, Rect, Shape};
 use std::cell::RefCell;
@@ -123,12 +124,14 @@ impl TransferTables {
         }
     }
 
-    /// The geometry of `edge` for consumer configs from `dst_space`.
+    /// The geometry of `edge` for producer configs from `src_space` and consumer configs from
+    /// `dst_space`.
     pub(crate) fn geometry(
         &self,
         graph: &Graph,
         inputs: &[Shape],
         edge: &Edge,
+        src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
     ) -> EdgeGeometry {
         let producer = graph.layer(edge.src).shape;
@@ -145,9 +148,13 @@ impl TransferTables {
                 projected[edge.input]
             })
         };
+        // A reduction split's tiles are not products of per-axis blocks (a block's partials read
+        // channel blocks of its input, and only a block's first partial holds its output): such
+        // edges take the per-message tables.
+        let reductions = src_space.has_reductions() || dst_space.has_reductions();
         // The per-axis form straight from the projections; the rects themselves are kept only
         // for the per-message tables (irregular machines or projections).
-        let axes = self.regular.as_ref().and_then(|_| {
+        let axes = self.regular.as_ref().filter(|_| !reductions).and_then(|_| {
             AxisNeeds::separable(
                 &producer,
                 dst_space,
@@ -156,10 +163,15 @@ impl TransferTables {
         });
         let needs: Vec<Vec<Rect>> = match axes {
             Some(_) if self.factorized_exact => Vec::new(),
-            _ => dst_space
-                .layouts()
-                .iter()
-                .map(|h| layout_needs(h).collect())
+            _ => (0..dst_space.layouts().len())
+                .map(|hi| {
+                    let red = dst_space.layout_reduction(hi);
+                    let base = dst_space.layout_config(hi);
+                    tile_rects(&consumer.shape, &base)
+                        .flat_map(|out| (0..red).map(move |r| (out, r)))
+                        .map(|(out, r)| project_partial(spec, inputs, &out, r, red)[edge.input])
+                        .collect()
+                })
                 .collect(),
         };
         EdgeGeometry {
@@ -1475,9 +1487,11 @@ impl DevicePairs {
         let slots = self.routes.as_ref().map_or(0, |r| r.slots);
         let mut loads = [SlotLoads::new(slots), SlotLoads::new(slots)];
         for (gi, g) in src_space.layouts().iter().enumerate() {
-            let src_total: usize = g.iter().product();
+            // under a reduction split a block's output is on its first partial's device
+            let src_red = src_space.layout_reduction(gi);
+            let src_total: usize = g.iter().product::<usize>() * src_red;
             for (hi, h) in dst_space.layouts().iter().enumerate() {
-                let dst_total: usize = h.iter().product();
+                let dst_total: usize = h.iter().product::<usize>() * dst_space.layout_reduction(hi);
                 // a pair the bounded search ruled out, or whose configs are all outside `only`:
                 // never read, as in the factorised path
                 let unread = only.is_some_and(|o| {
@@ -1516,7 +1530,7 @@ impl DevicePairs {
                         let bytes = (4 * volume) as f64;
                         largest = largest.max(bytes);
                         messages.push(Message {
-                            src_tile,
+                            src_tile: src_tile * src_red,
                             dst_tile,
                             bytes,
                         });

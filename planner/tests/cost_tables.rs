@@ -1,11 +1,14 @@
-//! The cost tables the searches read agree with Eq. 1 computed straight from the geometry.
+//! The cost tables the searches read agree with Eq. 1 computed straight from the geometry, in the
+//! paper's space and in the larger one with reduction splits.
 
 mod common;
 
 use common::{FAMILIES, random_graph};
 use legion_ops::rng::Rng;
 use legion_planner::machine::{IntraTopology, NodeSpec};
-use legion_planner::{CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost};
+use legion_planner::{
+    CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost, SearchSpace,
+};
 
 fn machines() -> Vec<MachineModel> {
     vec![
@@ -56,18 +59,28 @@ fn machines() -> Vec<MachineModel> {
 #[test]
 fn tables_match_direct_evaluation() {
     let mut rng = Rng::new(11);
+    let mut reduction_configs = 0;
     for machine in machines() {
         let provider = RooflineCost::new(&machine);
         for (f, family) in FAMILIES.iter().enumerate() {
             for seed in 0..3 {
                 let g = random_graph(*family, seed * 10 + f as u64, 5);
                 let model = CostModel::new(&g, &machine, &provider);
-                let tables = CostTables::build(&model);
+                let space = match seed {
+                    0 => SearchSpace::Paper,
+                    _ => SearchSpace::WithReductions,
+                };
+                let tables = CostTables::build_in(&model, space);
                 for id in g.ids() {
                     let space = tables.space(id);
                     for (i, c) in space.configs().iter().enumerate() {
-                        assert_eq!(tables.compute(id)[i], model.compute_time(id, c));
-                        assert_eq!(tables.sync(id)[i], model.sync_time(id, c));
+                        reduction_configs += usize::from(c.reduction() > 1);
+                        assert_eq!(tables.compute(id)[i], model.compute_time(id, c), "{c}");
+                        assert_eq!(tables.sync(id)[i], model.sync_time(id, c), "{c}");
+                        let node = model.compute_time(id, c)
+                            + model.sync_time(id, c)
+                            + model.reduce_time(id, c);
+                        assert_eq!(tables.node_cost(id)[i], node, "{c}");
                     }
                 }
                 for (e, edge) in model.edges().iter().enumerate() {
@@ -100,4 +113,8 @@ fn tables_match_direct_evaluation() {
             }
         }
     }
+    assert!(
+        reduction_configs > 1000,
+        "{reduction_configs} configs split a reduction"
+    );
 }

@@ -1,13 +1,16 @@
 //! Algorithm 1 is exact under Eq. 1: on random small DAGs (chains, fork-joins, Inception-like and
-//! residual blocks) and 2–8 devices, OptCNN finds the exhaustive search's optimum, and its strategy,
-//! re-priced with Eq. 1 from the geometry, costs exactly that.
+//! residual blocks) and 2–8 devices, in the paper's space and in the larger one with reduction
+//! splits, OptCNN finds the exhaustive search's optimum, and its strategy, re-priced with Eq. 1
+//! from the geometry, costs exactly that.
 
 mod common;
 
 use common::{FAMILIES, random_graph};
 use legion_planner::machine::IntraTopology;
 use legion_planner::search::{exhaustive, optcnn};
-use legion_planner::{CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost};
+use legion_planner::{
+    CostModel, CostTables, DeviceSpec, Link, MachineModel, RooflineCost, SearchSpace,
+};
 use proptest::prelude::*;
 
 /// Devices slow enough and links balanced so that compute, transfers and synchronisation of these
@@ -47,6 +50,7 @@ fn machine(devices: usize, two_nodes: bool, link_speed: f64, sharing: usize) -> 
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check(
     family: usize,
     seed: u64,
@@ -55,12 +59,13 @@ fn check(
     two_nodes: bool,
     link_speed: f64,
     sharing: usize,
+    space: SearchSpace,
 ) -> Result<(), TestCaseError> {
     let g = random_graph(FAMILIES[family], seed, layers);
     let machine = machine(devices, two_nodes, link_speed, sharing);
     let provider = RooflineCost::new(&machine);
     let model = CostModel::new(&g, &machine, &provider);
-    let tables = CostTables::build(&model);
+    let tables = CostTables::build_in(&model, space);
     let fast = optcnn(&tables).unwrap();
     let slow = exhaustive(&tables, 20_000_000).unwrap();
     let tolerance = 1e-9 * slow.cost;
@@ -100,8 +105,13 @@ proptest! {
         two_nodes in any::<bool>(),
         link_speed in prop::sample::select(vec![0.1, 1.0, 10.0]),
         sharing in 0usize..3,
+        reductions in any::<bool>(),
     ) {
-        check(family, seed, layers, devices, two_nodes, link_speed, sharing)?;
+        let space = match reductions {
+            true => SearchSpace::WithReductions,
+            false => SearchSpace::Paper,
+        };
+        check(family, seed, layers, devices, two_nodes, link_speed, sharing, space)?;
     }
 }
 
@@ -111,7 +121,9 @@ fn every_family_on_two_to_eight_devices() {
     for family in 0..FAMILIES.len() {
         for (seed, devices) in [(1, 2), (2, 4), (3, 8)] {
             for sharing in 0..3 {
-                check(family, seed, 3, devices, true, 1.0, sharing).unwrap();
+                for space in [SearchSpace::Paper, SearchSpace::WithReductions] {
+                    check(family, seed, 3, devices, true, 1.0, sharing, space).unwrap();
+                }
             }
         }
     }

@@ -16,7 +16,9 @@ use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::train::{ParamStore, Sgd, Trainer, TrainingState};
 use legion_planner::search::{self, SearchKind};
-use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, Strategy};
+use legion_planner::{
+    CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, SearchSpace, Strategy,
+};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -143,7 +145,8 @@ pub fn choose_strategy_for(
         Some(kind) => {
             let provider = RooflineCost::new(machine);
             let cost = CostModel::new(graph, machine, &provider);
-            let tables = CostTables::build(&cost);
+            // the space `plan` searches by default: reduction splits included
+            let tables = CostTables::build_in(&cost, SearchSpace::WithReductions);
             Ok(search::find(kind, &tables, search::DEFAULT_BUDGET)
                 .with_context(|| format!("{flag} {choice}"))?
                 .configs)

@@ -40,7 +40,7 @@ use crate::cost::CostBreakdown;
 use crate::machine::MachineModel;
 use crate::memory::{DoesNotFit, check_fits};
 use crate::simulate::simulated_step_time;
-use crate::tables::CostTables;
+use crate::tables::{CostTables, SearchSpace};
 use std::fmt;
 
 /// Every search [`find`] runs; `legion-rs plan --search` offers [`SearchKind::ALL`].
@@ -164,6 +164,8 @@ pub struct SearchOptions {
     pub exhaustive_budget: u64,
     /// Simulations and seed of the refinement.
     pub refine: RefineOptions,
+    /// The configurations searched ([`plan`](crate::plan::plan) builds its tables over them).
+    pub space: SearchSpace,
 }
 
 impl SearchOptions {
@@ -172,6 +174,7 @@ impl SearchOptions {
         SearchOptions {
             exhaustive_budget,
             refine: RefineOptions::default(),
+            space: SearchSpace::Paper,
         }
     }
 }
@@ -613,6 +616,7 @@ mod tests {
                 seed: 1,
                 work: None,
             },
+            space: Default::default(),
         };
         let refined = |earlier: &[(SearchKind, &[ParallelConfig])]| {
             find_with(SearchKind::Refine, &tables, &options, earlier)
@@ -651,6 +655,7 @@ mod tests {
                 let options = SearchOptions {
                     exhaustive_budget: 300_000,
                     refine: RefineOptions { budget: 10, ..RefineOptions::default() },
+                    space: Default::default(),
                 };
                 match find_with(kind, &tables, &options, &[]) {
                     Ok(found) => {

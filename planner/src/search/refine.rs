@@ -718,6 +718,7 @@ mod tests {
             let options = SearchOptions {
                 exhaustive_budget: 0,
                 refine: RefineOptions { budget: 60, seed: refine_seed, work: None },
+                space: Default::default(),
             };
             let found = find_with(SearchKind::Refine, &tables, &options, &[]).unwrap();
             let report = found.refined.expect("a refinement reports");

@@ -19,7 +19,7 @@ use legion_planner::simulate::simulate;
 use legion_planner::trace::chrome_trace;
 use legion_planner::{
     CostModel, CostProvider, MachineModel, ParallelConfig, ProfileDb, ProfiledCost, RooflineCost,
-    SearchKind, Strategy,
+    SearchKind, SearchSpace, Strategy,
 };
 use std::path::{Path, PathBuf};
 
@@ -94,6 +94,11 @@ pub struct PlanArgs {
     /// Seed of the refine search's visiting order and kicks.
     #[arg(long, default_value_t = DEFAULT_REFINE_SEED)]
     refine_seed: u64,
+    /// Search the paper's space (degrees over samples, channels, height and width), as OptCNN
+    /// did, to reproduce its numbers. Without it the searches also consider splitting conv2d and
+    /// dense layers into partial sums over blocks of their input channels (`red`).
+    #[arg(long)]
+    paper_space: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -176,7 +181,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         None => &roofline,
     };
     let model = CostModel::new(&graph, &machine, provider);
-    let counts = config_counts(&graph, machine.num_devices());
+    let counts = config_counts(&graph, machine.num_devices(), !args.paper_space);
 
     let chosen: Evaluated = if args.evaluate {
         let path = args.strategy.as_deref().expect("clap requires --strategy");
@@ -225,6 +230,10 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
                     seed: args.refine_seed,
                     ..RefineOptions::default()
                 },
+            },
+            space: match args.paper_space {
+                true => SearchSpace::Paper,
+                false => SearchSpace::WithReductions,
             },
         };
         let run = plan::plan(&model, &args.search.kinds(), &options);
