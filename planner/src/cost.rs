@@ -165,14 +165,7 @@ impl<'a> CostModel<'a> {
                 .map(|l| 2 * l.bytes)
                 .sum::<u64>();
             let messages = partial_sum_messages(self.graph, id, config);
-            let across: Vec<TileOverlap> = messages
-                .iter()
-                .filter(|o| {
-                    self.machine.node_of(o.src_device) != self.machine.node_of(o.dst_device)
-                })
-                .copied()
-                .collect();
-            out.inter_node_bytes += transfer_bytes(&across, true);
+            out.inter_node_bytes += self.inter_node_bytes(&messages, true);
             out.layers.push(LayerCost {
                 compute: self.compute_time(id, config),
                 sync: sync_time(&loads, self.machine),
@@ -185,14 +178,7 @@ impl<'a> CostModel<'a> {
         for e in &self.edges {
             let overlaps = edge_overlaps(self.graph, e, &configs[e.src.0], &configs[e.dst.0]);
             let gradient = e.carries_gradient(self.graph);
-            let across: Vec<TileOverlap> = overlaps
-                .iter()
-                .filter(|o| {
-                    self.machine.node_of(o.src_device) != self.machine.node_of(o.dst_device)
-                })
-                .copied()
-                .collect();
-            out.inter_node_bytes += transfer_bytes(&across, gradient);
+            out.inter_node_bytes += self.inter_node_bytes(&overlaps, gradient);
             out.edges.push(EdgeCost {
                 time: transfer_time(&overlaps, self.machine, gradient),
                 bytes: transfer_bytes(&overlaps, gradient),
@@ -206,6 +192,16 @@ impl<'a> CostModel<'a> {
             .sum::<u64>()
             + out.edges.iter().map(|e| e.bytes).sum::<u64>();
         out
+    }
+
+    /// The bytes of `overlaps` (forward and, with `gradient`, backward) that cross between nodes.
+    fn inter_node_bytes(&self, overlaps: &[TileOverlap], gradient: bool) -> u64 {
+        let across: Vec<TileOverlap> = overlaps
+            .iter()
+            .filter(|o| self.machine.node_of(o.src_device) != self.machine.node_of(o.dst_device))
+            .copied()
+            .collect();
+        transfer_bytes(&across, gradient)
     }
 
     /// t_o alone.
