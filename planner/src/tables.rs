@@ -1,9 +1,12 @@
-//! Eq. 1 as tables for the searches: t_c + t_s per (layer, config) and t_x per (edge, config pair),
-//! each computed once. The numbers are the same as [`CostModel`]'s (tested), computed faster:
+//! Eq. 1 as tables for the searches: t_c + t_s (+ t_r under a reduction split) per (layer,
+//! config) and t_x per (edge, config pair), each computed once, over the paper's space or the one
+//! with reduction splits ([`SearchSpace`]). The numbers are the same as [`CostModel`]'s (tested),
+//! computed faster:
 //!
 //! - t_c is priced once per (tile, device spec) and t_s once per layout, then spread over the device
 //!   blocks.
-//! - t_x tables come from the `transfer_table` module (factorized over axes on regular machines).
+//! - t_x tables come from the `transfer_table` module (factorized over axes on regular machines,
+//!   message by message where a layout splits a reduction).
 //! - Layers and edges with identical op, shapes and parallel dims share their tables.
 
 use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
