@@ -23,6 +23,7 @@ use crate::transfer::{
     Edge, TileOverlap, edge_overlaps, graph_edges, partial_sum_messages, transfer_bytes,
     transfer_time,
 };
+use legion_ops::op::partial_input_shapes;
 use legion_ops::{Graph, LayerId, Shape};
 
 /// A model graph on a machine with a source of compute times.
@@ -123,7 +124,7 @@ impl<'a> CostModel<'a> {
                 if red == 1 {
                     return self.provider.compute_time(l, inputs, &rect, device);
                 }
-                let partial = partial_inputs(inputs, config.reduction_of(t), red);
+                let partial = partial_input_shapes(inputs, config.reduction_of(t), red);
                 self.provider.compute_time(l, &partial, &rect, device)
             })
             .fold(0.0, f64::max)
@@ -208,16 +209,6 @@ impl<'a> CostModel<'a> {
     pub fn total(&self, configs: &[ParallelConfig]) -> f64 {
         self.evaluate(configs).total
     }
-}
-
-/// The input shapes partial `r` of `red` computes over: its block of the first input's channels.
-pub(crate) fn partial_inputs(inputs: &[Shape], r: usize, red: usize) -> Vec<Shape> {
-    let mut out = inputs.to_vec();
-    let (lo, hi) = legion_ops::partition::reduction_range(inputs[0].dim(1), red, r);
-    let mut dims = inputs[0].dims().to_vec();
-    dims[1] = hi - lo;
-    out[0] = Shape::new(&dims);
-    out
 }
 
 fn total(layers: &[LayerCost], edges: &[EdgeCost]) -> f64 {

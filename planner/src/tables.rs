@@ -10,12 +10,13 @@
 //! - Layers and edges with identical op, shapes and parallel dims share their tables.
 
 use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
-use crate::cost::{CostModel, partial_inputs};
+use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, Link, MachineModel};
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, PairBuffers, TransferTables};
+use legion_ops::op::partial_input_shapes;
 use legion_ops::{Dim, LayerId, Rect, Shape};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -401,7 +402,7 @@ fn node_costs(
                     1 => price(rect, device),
                     // a partial: the op over its block of the input channels
                     _ => {
-                        let partial = partial_inputs(inputs, t % red, red);
+                        let partial = partial_input_shapes(inputs, t % red, red);
                         model.provider().compute_time(layer, &partial, rect, device)
                     }
                 });

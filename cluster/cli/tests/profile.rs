@@ -193,9 +193,8 @@ fn a_profile_of_the_space_prices_every_strategy_and_merges_models() {
     let out = profile("lenet5", &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     let lenet = ProfileDb::load(&db_path).unwrap().entries.len();
-    // Every strategy the planner finds for that machine in the paper's space is priced from
-    // measured tiles only (profiles time no reduction split's partials yet: the larger space's
-    // are priced by the roofline, and counted).
+    // Every strategy the planner finds for that machine is priced from measured tiles only,
+    // reduction splits' partials included.
     for search in ["optcnn", "data", "model", "owt"] {
         let out = legion(&[
             "plan",
@@ -205,7 +204,6 @@ fn a_profile_of_the_space_prices_every_strategy_and_merges_models() {
             "8",
             "--machine",
             "local-cpu:2",
-            "--paper-space",
             "--search",
             search,
             "--profile",

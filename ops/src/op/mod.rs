@@ -306,6 +306,19 @@ pub fn project_partial(
     rects
 }
 
+/// The input shapes partial `r` of `red` computes over: its block of the first input's channels
+/// (the shapes a reduction split's partial is priced and profiled with).
+pub fn partial_input_shapes(inputs: &[Shape], r: usize, red: usize) -> Vec<Shape> {
+    let mut out = inputs.to_vec();
+    if red > 1 {
+        let (lo, hi) = crate::partition::reduction_range(inputs[0].dim(1), red, r);
+        let mut dims = inputs[0].dims().to_vec();
+        dims[1] = hi - lo;
+        out[0] = Shape::new(&dims);
+    }
+    out
+}
+
 /// The slice of parameter `index` partial `r` of `red` of tile `out` reads: the weight's input
 /// channels cut to block `r`; the other parameters (the bias, added once) by partial 0 only.
 pub fn partial_param_rect(

@@ -46,12 +46,12 @@
 //! embedded CPU runtime's costs. How tasks share threads and cores is [`super::cpu_host`]'s.
 
 use crate::config::{ParallelConfig, tile_rect};
-use crate::cost::{CostModel, partial_inputs};
+use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
 use crate::sync::{SyncPlan, param_slices};
 use crate::transfer::edge_overlaps;
-use legion_ops::op::{partial_param_rect, project_partial};
+use legion_ops::op::{partial_input_shapes, partial_param_rect, project_partial};
 use legion_ops::{Graph, Layer, LayerId, Rect};
 
 /// What a task does.
@@ -369,7 +369,7 @@ pub(super) fn build_tasks(
                 1 => provider.phase_times(layer, model.input_shapes(id), &rect, device),
                 _ => {
                     let inputs =
-                        partial_inputs(model.input_shapes(id), config.reduction_of(t), red);
+                        partial_input_shapes(model.input_shapes(id), config.reduction_of(t), red);
                     provider.phase_times(layer, &inputs, &rect, device)
                 }
             };

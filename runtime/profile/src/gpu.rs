@@ -23,6 +23,7 @@
 use crate::{ProfileRunError, StrategyRun, synthetic_batch};
 use legion_cuda::{Cuda, Direction, Marker, Stream};
 use legion_ops::backend::{Access, Backend, DType, KernelError, cpu};
+use legion_ops::op::partial_input_shapes;
 use legion_ops::train::{ParamStore, Sgd};
 use legion_ops::{Graph, LayerId, Rect};
 use legion_planner::profile::{LinkProfile, ProfileEntry, ProfileKey};
@@ -112,17 +113,22 @@ pub fn profile_on_gpu(
         for program in &plan.programs {
             for (layer, (forward, backward)) in tile_tasks(program) {
                 let config = &plan.configs[layer.0];
-                // A reduction split's partial is not its block's whole kernel (see `TileTimes`).
                 let Some(t) = program
                     .device
                     .checked_sub(config.first_device())
-                    .filter(|&t| t < config.total() && config.reduction() == 1)
+                    .filter(|&t| t < config.total())
                 else {
                     continue;
                 };
                 let l = graph.layer(layer);
                 let tile = tile_rect(&l.shape, config, t);
-                let inputs = graph.input_shapes(layer);
+                // a reduction split's partial: over its block of the input channels (see
+                // `TileTimes`)
+                let inputs = partial_input_shapes(
+                    &graph.input_shapes(layer),
+                    config.reduction_of(t),
+                    config.reduction(),
+                );
                 let key = ProfileKey::for_tile(l, &inputs, &tile, &settings.device_kind);
                 if seen.contains(&key) {
                     continue;

@@ -74,8 +74,9 @@
 pub mod gpu;
 
 use legion_ops::data::{DataError, Dataset, Synthetic};
+use legion_ops::op::partial_input_shapes;
 use legion_ops::train::{ParamStore, Sgd};
-use legion_ops::{Graph, LayerId, Rect};
+use legion_ops::{Graph, LayerId, Rect, Shape};
 use legion_planner::machine::RuntimeCosts;
 use legion_planner::machine::{fold_bytes, update_bytes};
 use legion_planner::profile::{LinkProfile, ProfileKey};
@@ -401,8 +402,8 @@ pub(crate) enum Phase {
 #[derive(Default)]
 struct TileTimes {
     index: HashMap<ProfileKey, usize>,
-    /// (layer, tile, summed times, samples)
-    sums: Vec<(LayerId, Rect, PhaseTimes, u32)>,
+    /// (layer, the input shapes the tile computes over, tile, summed times, samples)
+    sums: Vec<(LayerId, Vec<Shape>, Rect, PhaseTimes, u32)>,
 }
 
 impl TileTimes {
@@ -441,27 +442,30 @@ impl TileTimes {
             // A device holds at most one tile of a layer (tile t on device first + t), so the device
             // names the tile even for tasks whose own rect is not the tile (running statistics).
             let config = &plan.configs[layer.0];
-            // A reduction split's partial is not its block's whole kernel, and the planner does
-            // not price partials yet: no entry of the block's key for it.
             let Some(t) = device
                 .checked_sub(config.first_device())
-                .filter(|&t| t < config.total() && config.reduction() == 1)
+                .filter(|&t| t < config.total())
             else {
                 continue;
             };
             let tile = tile_rect(&graph.layer(layer).shape, config, t);
-            let key = ProfileKey::for_tile(
-                graph.layer(layer),
+            // A reduction split's partial is the op over its block of the input channels, which
+            // is how the planner prices it (its block's first partial also finishes the block:
+            // an element-wise pass, counted with it).
+            let inputs = partial_input_shapes(
                 &graph.input_shapes(layer),
-                &tile,
-                &settings.device_kind,
+                config.reduction_of(t),
+                config.reduction(),
             );
+            let key =
+                ProfileKey::for_tile(graph.layer(layer), &inputs, &tile, &settings.device_kind);
             let next = self.sums.len();
             let i = *self.index.entry(key).or_insert(next);
             if i == next {
-                self.sums.push((layer, tile, PhaseTimes::default(), 0));
+                self.sums
+                    .push((layer, inputs, tile, PhaseTimes::default(), 0));
             }
-            let (_, _, sum, n) = &mut self.sums[i];
+            let (_, _, _, sum, n) = &mut self.sums[i];
             sum.forward += times.forward;
             sum.backward += times.backward;
             *n += 1;
@@ -471,19 +475,12 @@ impl TileTimes {
 
     fn into_db(self, graph: &Graph, device_kind: &str) -> ProfileDb {
         let mut db = ProfileDb::default();
-        for (layer, tile, sum, n) in self.sums {
+        for (layer, inputs, tile, sum, n) in self.sums {
             let mean = PhaseTimes {
                 forward: sum.forward / n as f64,
                 backward: sum.backward / n as f64,
             };
-            db.record(
-                graph.layer(layer),
-                &graph.input_shapes(layer),
-                &tile,
-                device_kind,
-                mean,
-                n,
-            );
+            db.record(graph.layer(layer), &inputs, &tile, device_kind, mean, n);
         }
         db
     }

@@ -207,7 +207,8 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
 }
 
 /// Every tile shape the searches may give each layer on `machine`, as strategies: strategy k gives
-/// each layer its k-th layout (degree vector; its last where it has fewer) on the first devices.
+/// each layer its k-th layout (degree vector and reduction split, as `plan` searches them; its
+/// last where it has fewer) on the first devices.
 /// Where on the machine a layout sits changes no tile's shape, so these tiles price every config.
 /// Layouts over the most devices come first: their tiles are the smallest (quickest to time) and
 /// the ones a search over the whole machine uses most, so a `--time-limit` cuts the largest.
@@ -216,13 +217,15 @@ fn space_strategies(
     machine: &legion_planner::MachineModel,
 ) -> Vec<(String, Vec<legion_planner::ParallelConfig>)> {
     let layouts: Vec<Vec<legion_planner::ParallelConfig>> = graph
-        .layers()
-        .iter()
-        .map(|l| {
-            let space = legion_planner::ConfigSpace::enumerate(
+        .ids()
+        .map(|id| {
+            let l = graph.layer(id);
+            // the space `plan` searches by default: reduction splits included
+            let space = legion_planner::ConfigSpace::enumerate_with_reductions(
                 &l.shape,
                 l.op.spec().parallel_dims(&l.shape),
                 machine.num_devices(),
+                l.op.spec().reduction_channels(&graph.input_shapes(id)),
             );
             let mut layouts: Vec<legion_planner::ParallelConfig> = (0..space.layouts().len())
                 .map(|k| space.config(space.layout_configs(k).start))
