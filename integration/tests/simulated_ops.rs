@@ -15,14 +15,12 @@ mod support;
 use legion_ops::{Graph, zoo};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::simulate::{TaskKind, simulate};
-use legion_planner::{
-    ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost,
-};
+use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost};
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::LocalOpKind;
 use legion_runtime::region::RegionKind;
 
-const DEVICES: usize = 4;
+use support::DEVICES;
 
 fn model(name: &str, image_size: usize, batch: usize) -> Graph {
     let z = zoo::find(name).unwrap();
@@ -53,17 +51,7 @@ fn strategies(graph: &Graph, machine: &MachineModel) -> Vec<(String, Vec<Paralle
     })
     .collect();
     for seed in 1..=6 {
-        let mut rng = legion_ops::rng::Rng::new(seed);
-        let configs = graph
-            .layers()
-            .iter()
-            .map(|l| {
-                let space =
-                    ConfigSpace::enumerate(&l.shape, l.op.spec().parallel_dims(&l.shape), DEVICES);
-                space.config((rng.next_u64() % space.len() as u64) as usize)
-            })
-            .collect();
-        out.push((format!("random-{seed}"), configs));
+        out.push((format!("random-{seed}"), support::random(graph, seed)));
     }
     for seed in 1..=6 {
         out.push((

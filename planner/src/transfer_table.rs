@@ -164,13 +164,13 @@ impl TransferTables {
         let needs: Vec<Vec<Rect>> = match axes {
             Some(_) if self.factorized_exact => Vec::new(),
             _ => (0..dst_space.layouts().len())
-                .map(|hi| {
-                    let red = dst_space.layout_reduction(hi);
-                    let base = dst_space.layout_config(hi);
-                    tile_rects(&consumer.shape, &base)
+                .map(|hi| match dst_space.layout_reduction(hi) {
+                    1 => layout_needs(&dst_space.layouts()[hi]).collect(),
+                    // a block's partials, each reading its channel block
+                    red => tile_rects(&consumer.shape, &dst_space.layout_config(hi))
                         .flat_map(|out| (0..red).map(move |r| (out, r)))
                         .map(|(out, r)| project_partial(spec, inputs, &out, r, red)[edge.input])
-                        .collect()
+                        .collect(),
                 })
                 .collect(),
         };

@@ -310,15 +310,20 @@ mod tests {
         assert!(err.to_string().contains("device = \"cuda\""), "{err}");
     }
 
-    #[test]
-    fn a_model_larger_than_the_gpu_is_refused_naming_its_largest_layer() {
+    /// AlexNet at 64×64, batch 8.
+    fn alexnet_64() -> legion_ops::Graph {
         let alexnet = legion_ops::zoo::find("alexnet").unwrap();
-        let graph = alexnet
+        alexnet
             .build(&legion_ops::zoo::ZooConfig {
                 image_size: 64,
                 ..alexnet.default_config(8)
             })
-            .unwrap();
+            .unwrap()
+    }
+
+    #[test]
+    fn a_model_larger_than_the_gpu_is_refused_naming_its_largest_layer() {
+        let graph = alexnet_64();
         let configs = vec![ParallelConfig::serial(0); graph.layers().len()];
         let small = CudaDevice {
             total_memory_bytes: 1 << 20,
@@ -332,13 +337,7 @@ mod tests {
 
     #[test]
     fn devices_sharing_a_gpu_must_fit_it_together() {
-        let alexnet = legion_ops::zoo::find("alexnet").unwrap();
-        let graph = alexnet
-            .build(&legion_ops::zoo::ZooConfig {
-                image_size: 64,
-                ..alexnet.default_config(8)
-            })
-            .unwrap();
+        let graph = alexnet_64();
         // Data parallelism: every device holds all the weights.
         let configs: Vec<ParallelConfig> = graph
             .layers()

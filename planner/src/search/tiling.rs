@@ -106,8 +106,9 @@ impl Split {
         }
     }
 
-    /// Our config for this split, starting at device 0. Our space has no reduction split: the
-    /// `red` degree becomes more channel split where the layer's channels allow it (the kernel
+    /// Our config for this split, starting at device 0. The mapping predates our reduction
+    /// split (`ParallelConfig::reduction`) and still folds the `red` degree into more channel
+    /// split where the layer's channels allow it (the kernel
     /// stays divided over the group, as the reduction split divides it, but the input is
     /// replicated and the output split instead of the reverse), else replication (the layer runs
     /// on fewer devices). Each planner's `LOSSY` note says so.

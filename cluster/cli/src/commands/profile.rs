@@ -51,7 +51,8 @@ pub struct ProfileArgs {
     #[arg(long)]
     merge: bool,
     /// On a GPU: stop timing new tiles after this many seconds and save what was measured
-    /// (`plan --profile` prices the rest by the roofline, and counts them).
+    /// (`plan --profile` scales the tiles it lacks from measured ones of their op, and counts
+    /// them).
     #[arg(long, value_name = "SECONDS")]
     time_limit: Option<f64>,
     /// Untimed steps per strategy before measuring.
