@@ -116,6 +116,26 @@ impl Graph {
         self.layer(self.input()).shape.dim(0)
     }
 
+    /// By layer, whether a training step computes the gradient of its output: the loss and every
+    /// layer upstream of it except the input.
+    pub fn layers_with_gradient(&self) -> Vec<bool> {
+        let mut has = vec![false; self.layers.len()];
+        for id in self.ids().rev() {
+            has[id.0] = match self.layer(id).op {
+                Op::Input(_) => false,
+                Op::SoftmaxCrossEntropy(_) => true,
+                _ => self.consumers(id).iter().any(|c| has[c.0]),
+            };
+        }
+        has
+    }
+
+    /// Whether layer `id`'s backward computes the gradient of its `k`-th input: only an input fed
+    /// by another layer (not the data) needs one.
+    pub fn input_needs_gradient(&self, id: LayerId, k: usize) -> bool {
+        !matches!(self.layer(self.layer(id).inputs[k]).op, Op::Input(_))
+    }
+
     pub fn layer_params(&self, id: LayerId) -> Vec<ParamSpec> {
         self.layer(id).op.spec().params(&self.input_shapes(id))
     }

@@ -1,18 +1,28 @@
 //! What a training step keeps in each device's memory under a strategy, computed from shapes alone
 //! so that a run can be refused (and a plan warned about) before anything is allocated.
 //!
-//! Per layer and device, the tile the device computes holds its output and that output's gradient,
-//! and the slice of every parameter the tile reads with, for a trainable one, its gradient and SGD
-//! momentum (all f32). The runtime allocates at least this: it also keeps the input slices it
-//! receives from other devices and transient kernel buffers, which depend on placement and are left
-//! out, so the figure is a lower bound that never refuses a run that would fit.
+//! [`per_device`] counts, instance by instance, the buffers the runtime's device actors allocate
+//! for a job: it walks a step as the runtime lowers it (`runtime/src/lower.rs`: every layer's
+//! forward, then from the loss back each layer's backward and its parameters' update) and counts
+//! - one buffer per tensor, device and rect that a task reads or writes: a tile's output and its
+//!   gradient, the input rects it reads (a producer's own buffer when the rect is the same, a
+//!   received copy otherwise, halos included), its parameter slices, each owner's block of a
+//!   parameter with its momentum and summed gradient, the updated slices sent back to replicas;
+//! - one buffer per term of a sum: each tile's contribution to an input gradient, a parameter
+//!   gradient, a reduction split's partial sum or a batch norm's statistics;
+//! - where a sum is first read, one staging buffer per term from another device (its overlap with
+//!   what is read), which the reader folds.
+//!
+//! The figure equals the runtime's `StepPlan::device_bytes` (`integration/tests/device_memory.rs`
+//! keeps the two equal on every strategy family). Kernels' scratch (cuDNN workspaces) and slices
+//! in flight between processes come on top.
 //!
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.
 
-use crate::op::partial_param_rect;
-use crate::partition::{DeviceId, ParallelConfig, tile_rect};
-use crate::{Graph, LayerId};
+use crate::op::{Op, OpSpec, ParamSpec, partial_param_rect, project_partial};
+use crate::partition::{DeviceId, ParallelConfig, param_homes, tile_rect};
+use crate::{Graph, LayerId, Rect, Shape};
 
 /// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
 pub fn human_bytes(b: u64) -> String {
@@ -37,45 +47,408 @@ pub struct DeviceMemory {
     pub largest_layer: Option<(LayerId, u64)>,
 }
 
-/// The memory of every device `0..num_devices` when `graph` runs with `configs` (one per layer).
-/// Element counts are bounded by the graph builder, so the byte counts cannot overflow; the sums
-/// saturate all the same.
+/// The memory of every device `0..num_devices` when `graph` runs with `configs` (one per layer):
+/// every buffer its actor allocates for a step, as the module docs list them. Instances on devices
+/// past `num_devices` are not counted. Element counts are bounded by the graph builder, so the
+/// byte counts cannot overflow; the sums saturate all the same.
 pub fn per_device(
     graph: &Graph,
     configs: &[ParallelConfig],
     num_devices: usize,
 ) -> Vec<DeviceMemory> {
-    let mut devices: Vec<DeviceMemory> = (0..num_devices)
-        .map(|device| DeviceMemory {
-            device,
-            bytes: 0,
-            largest_layer: None,
-        })
-        .collect();
-    let mut layer_bytes = vec![0u64; num_devices];
-    for (id, config) in graph.ids().zip(configs) {
-        for tile in 0..config.total() {
-            let device = config.device_of_tile(tile);
-            if device >= num_devices {
-                continue;
-            }
-            let bytes = tile_bytes(graph, id, config, tile);
-            layer_bytes[device] = layer_bytes[device].saturating_add(bytes);
+    assert_eq!(graph.layers().len(), configs.len(), "one config per layer");
+    let mut step = StepBuffers::new(graph, num_devices);
+    for id in graph.ids() {
+        step.forward(graph, id, &configs[id.0]);
+    }
+    let has_gradient = graph.layers_with_gradient();
+    for id in graph.ids().rev() {
+        if has_gradient[id.0] {
+            step.backward(graph, id, &configs[id.0]);
+            step.update(graph, id, &configs[id.0]);
         }
-        for (device, bytes) in devices.iter_mut().zip(&mut layer_bytes) {
-            let taken = std::mem::take(bytes);
-            device.bytes = device.bytes.saturating_add(taken);
-            if taken > 0 && device.largest_layer.is_none_or(|(_, most)| taken > most) {
-                device.largest_layer = Some((id, taken));
+    }
+    step.devices()
+}
+
+/// A tensor of a training step: what the runtime keeps a region for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tensor {
+    Activation(LayerId),
+    Gradient(LayerId),
+    Param(LayerId, usize),
+    ParamGrad(LayerId, usize),
+    Velocity(LayerId, usize),
+    /// Batch norm's per-channel count, Σx, Σx² (f64).
+    Moments(LayerId),
+    /// Batch norm's per-channel count, Σdy, Σdy·x̂ (f64).
+    GradSums(LayerId),
+    /// A reduction split's sum of partials, and its gradient.
+    Partial(LayerId),
+    PartialGrad(LayerId),
+}
+
+impl Tensor {
+    fn element_bytes(self) -> u64 {
+        match self {
+            Tensor::Moments(_) | Tensor::GradSums(_) => 8,
+            _ => F32_BYTES,
+        }
+    }
+
+    /// A dense index: `stride` slots per layer, six for the layer's own tensors and three per
+    /// parameter.
+    fn slot(self, stride: usize) -> usize {
+        let (layer, offset) = match self {
+            Tensor::Activation(l) => (l, 0),
+            Tensor::Gradient(l) => (l, 1),
+            Tensor::Moments(l) => (l, 2),
+            Tensor::GradSums(l) => (l, 3),
+            Tensor::Partial(l) => (l, 4),
+            Tensor::PartialGrad(l) => (l, 5),
+            Tensor::Param(l, i) => (l, 6 + 3 * i),
+            Tensor::ParamGrad(l, i) => (l, 7 + 3 * i),
+            Tensor::Velocity(l, i) => (l, 8 + 3 * i),
+        };
+        layer.0 * stride + offset
+    }
+}
+
+/// The buffers of a step so far, by device and by the layer whose tasks made them. Keyed by
+/// [`Tensor::slot`], with short lists per tensor rather than hashing: the exhaustive search and
+/// refine check the memory of every strategy they accept.
+struct StepBuffers {
+    num_devices: usize,
+    stride: usize,
+    /// `[layer * num_devices + device]`
+    bytes: Vec<u64>,
+    /// Per tensor, its buffers as the runtime keys them: one per device and rect.
+    buffers: Vec<Vec<(DeviceId, Rect)>>,
+    /// Per sum, its terms: the device and rect of each contribution.
+    terms: Vec<Vec<(DeviceId, Rect)>>,
+    /// Per sum, the rects already folded: later readers copy the folded value.
+    folded: Vec<Vec<Rect>>,
+}
+
+impl StepBuffers {
+    fn new(graph: &Graph, num_devices: usize) -> StepBuffers {
+        let params = graph
+            .ids()
+            .map(|id| graph.layer_params(id).len())
+            .max()
+            .unwrap_or(0);
+        let stride = 6 + 3 * params;
+        let slots = graph.layers().len() * stride;
+        StepBuffers {
+            num_devices,
+            stride,
+            bytes: vec![0; graph.layers().len() * num_devices],
+            buffers: vec![Vec::new(); slots],
+            terms: vec![Vec::new(); slots],
+            folded: vec![Vec::new(); slots],
+        }
+    }
+
+    /// `elements` of `tensor` on `device`, made by `layer`'s tasks.
+    fn add(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, elements: usize) {
+        if device < self.num_devices {
+            let b = &mut self.bytes[layer.0 * self.num_devices + device];
+            *b = b.saturating_add(tensor.element_bytes() * elements as u64);
+        }
+    }
+
+    /// The buffer of `tensor[rect]` on `device`, read or written there.
+    fn buffer(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, rect: Rect) {
+        let held = &mut self.buffers[tensor.slot(self.stride)];
+        if !held.contains(&(device, rect)) {
+            held.push((device, rect));
+            self.add(layer, device, tensor, rect.volume());
+        }
+    }
+
+    /// A term of the sum `tensor`: a buffer of its own.
+    fn contribute(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, rect: Rect) {
+        self.add(layer, device, tensor, rect.volume());
+        self.terms[tensor.slot(self.stride)].push((device, rect));
+    }
+
+    /// `tensor[rect]`, a sum, read on `device`: its buffer there and, where it is first read, a
+    /// staging buffer for each term from another device.
+    fn read_sum(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, rect: Rect) {
+        self.buffer(layer, device, tensor, rect);
+        let slot = tensor.slot(self.stride);
+        if self.folded[slot].contains(&rect) {
+            return;
+        }
+        self.folded[slot].push(rect);
+        let staged = self.terms[slot]
+            .iter()
+            .filter(|(d, term)| *d != device && term.overlaps(&rect))
+            .map(|(_, term)| term.intersect(&rect).volume())
+            .sum();
+        self.add(layer, device, tensor, staged);
+    }
+
+    fn forward(&mut self, graph: &Graph, id: LayerId, config: &ParallelConfig) {
+        let layer = graph.layer(id);
+        let tiles = Tiles::of(graph, id, config);
+        let (spec, inputs) = (tiles.spec, &tiles.inputs);
+        let out = Tensor::Activation(id);
+        match &layer.op {
+            Op::Input(_) => {
+                for (tile, device, _) in tiles.iter() {
+                    self.buffer(id, device, out, tile);
+                }
+            }
+            Op::BatchNorm(_) => {
+                let x = Tensor::Activation(layer.inputs[0]);
+                for (tile, device, _) in tiles.iter() {
+                    self.buffer(id, device, x, tile);
+                    self.contribute(id, device, Tensor::Moments(id), channel_sums(&tile));
+                }
+                for (tile, device, partial) in tiles.iter() {
+                    self.read_sum(id, device, Tensor::Moments(id), channel_sums(&tile));
+                    self.params(&tiles, device, &tile, partial, |i| i < 2);
+                    self.buffer(id, device, out, tile);
+                }
+                // the running statistics, by the first device of each channel slice
+                for home in param_homes(graph, id, config) {
+                    let sums = Rect::new(&[0, home.slice.lo[0]], &[3, home.slice.hi[0]]);
+                    if home.param == 2 {
+                        self.read_sum(id, home.owner, Tensor::Moments(id), sums);
+                    }
+                    if home.param >= 2 {
+                        self.buffer(id, home.owner, Tensor::Param(id, home.param), home.slice);
+                    }
+                }
+            }
+            _ if config.reduction() > 1 => {
+                // each partial sums its block over its channels, the first applies the activation
+                let sum = Tensor::Partial(id);
+                for (tile, device, (r, red)) in tiles.iter() {
+                    let rects = project_partial(spec, inputs, &tile, r, red);
+                    self.inputs(graph, id, device, &rects);
+                    self.params(&tiles, device, &tile, (r, red), |_| true);
+                    self.contribute(id, device, sum, tile);
+                }
+                for (tile, device, _) in tiles.iter().filter(|(_, _, (r, _))| *r == 0) {
+                    self.read_sum(id, device, sum, tile);
+                    self.buffer(id, device, out, tile);
+                }
+            }
+            _ => {
+                for (tile, device, partial) in tiles.iter() {
+                    self.inputs(graph, id, device, &spec.project(inputs, &tile));
+                    self.params(&tiles, device, &tile, partial, |_| true);
+                    self.buffer(id, device, out, tile);
+                }
             }
         }
     }
-    devices
+
+    fn backward(&mut self, graph: &Graph, id: LayerId, config: &ParallelConfig) {
+        let layer = graph.layer(id);
+        let tiles = Tiles::of(graph, id, config);
+        let (spec, inputs) = (tiles.spec, &tiles.inputs);
+        let (y, dy) = (Tensor::Activation(id), Tensor::Gradient(id));
+        match &layer.op {
+            Op::Input(_) => {}
+            Op::BatchNorm(bn) => {
+                let x = Tensor::Activation(layer.inputs[0]);
+                let phase = |s: &mut StepBuffers, tile: Rect, device: DeviceId| {
+                    s.buffer(id, device, x, tile);
+                    if bn.relu {
+                        s.buffer(id, device, y, tile);
+                    }
+                    s.read_sum(id, device, dy, tile);
+                    s.read_sum(id, device, Tensor::Moments(id), channel_sums(&tile));
+                };
+                for (tile, device, partial) in tiles.iter() {
+                    phase(self, tile, device);
+                    self.contribute(id, device, Tensor::GradSums(id), channel_sums(&tile));
+                    self.param_grads(&tiles, device, &tile, partial);
+                }
+                if graph.input_needs_gradient(id, 0) {
+                    let dx = Tensor::Gradient(layer.inputs[0]);
+                    for (tile, device, partial) in tiles.iter() {
+                        phase(self, tile, device);
+                        self.params(&tiles, device, &tile, partial, |i| i == 0);
+                        self.read_sum(id, device, Tensor::GradSums(id), channel_sums(&tile));
+                        self.contribute(id, device, dx, tile);
+                    }
+                }
+            }
+            _ if config.reduction() > 1 => {
+                // the gradient before the activation, once per block, then each partial's
+                let dsum = Tensor::PartialGrad(id);
+                for (tile, device, _) in tiles.iter().filter(|(_, _, (r, _))| *r == 0) {
+                    self.buffer(id, device, y, tile);
+                    self.read_sum(id, device, dy, tile);
+                    self.buffer(id, device, dsum, tile);
+                }
+                for (tile, device, (r, red)) in tiles.iter() {
+                    let rects = project_partial(spec, inputs, &tile, r, red);
+                    self.inputs(graph, id, device, &rects);
+                    self.buffer(id, device, dsum, tile);
+                    self.params(&tiles, device, &tile, (r, red), |_| true);
+                    self.param_grads(&tiles, device, &tile, (r, red));
+                    self.input_grads(graph, id, device, &rects);
+                }
+            }
+            op => {
+                let reads = op.backward_reads();
+                for (tile, device, partial) in tiles.iter() {
+                    let rects = spec.project(inputs, &tile);
+                    if reads.inputs {
+                        self.inputs(graph, id, device, &rects);
+                    }
+                    if reads.output {
+                        self.buffer(id, device, y, tile);
+                    }
+                    if reads.output_grad {
+                        self.read_sum(id, device, dy, tile);
+                    }
+                    self.params(&tiles, device, &tile, partial, |_| true);
+                    self.param_grads(&tiles, device, &tile, partial);
+                    self.input_grads(graph, id, device, &rects);
+                }
+            }
+        }
+    }
+
+    /// Each trainable block's owner sums its gradient, keeps it with its momentum and updates it;
+    /// the new values go to every device reading the slice.
+    fn update(&mut self, graph: &Graph, id: LayerId, config: &ParallelConfig) {
+        let specs = graph.layer_params(id);
+        for home in param_homes(graph, id, config) {
+            if !specs[home.param].trainable {
+                continue;
+            }
+            let (owner, k) = (home.owner, home.param);
+            self.read_sum(id, owner, Tensor::ParamGrad(id, k), home.slice);
+            self.buffer(id, owner, Tensor::Param(id, k), home.slice);
+            self.buffer(id, owner, Tensor::Velocity(id, k), home.slice);
+            for device in std::iter::once(owner).chain(home.replicas) {
+                self.buffer(id, device, Tensor::Param(id, k), home.read_slice);
+            }
+        }
+    }
+
+    fn inputs(&mut self, graph: &Graph, id: LayerId, device: DeviceId, rects: &[Rect]) {
+        for (&from, &rect) in graph.layer(id).inputs.iter().zip(rects) {
+            self.buffer(id, device, Tensor::Activation(from), rect);
+        }
+    }
+
+    fn input_grads(&mut self, graph: &Graph, id: LayerId, device: DeviceId, rects: &[Rect]) {
+        for (k, (&from, &rect)) in graph.layer(id).inputs.iter().zip(rects).enumerate() {
+            if graph.input_needs_gradient(id, k) {
+                self.contribute(id, device, Tensor::Gradient(from), rect);
+            }
+        }
+    }
+
+    /// The tile's slices of the parameters `which(index)` selects.
+    fn params(
+        &mut self,
+        layer: &Tiles,
+        device: DeviceId,
+        tile: &Rect,
+        (r, red): (usize, usize),
+        which: impl Fn(usize) -> bool,
+    ) {
+        for (i, param) in layer.params.iter().enumerate().filter(|(i, _)| which(*i)) {
+            if let Some(rect) = partial_param_rect(layer.spec, i, param, tile, r, red) {
+                self.buffer(layer.id, device, Tensor::Param(layer.id, i), rect);
+            }
+        }
+    }
+
+    /// The tile's term of each trainable parameter's gradient.
+    fn param_grads(
+        &mut self,
+        layer: &Tiles,
+        device: DeviceId,
+        tile: &Rect,
+        (r, red): (usize, usize),
+    ) {
+        for (i, param) in layer.params.iter().enumerate().filter(|(_, p)| p.trainable) {
+            if let Some(rect) = partial_param_rect(layer.spec, i, param, tile, r, red) {
+                self.contribute(layer.id, device, Tensor::ParamGrad(layer.id, i), rect);
+            }
+        }
+    }
+
+    /// Every device's total and the layer that takes most of it.
+    fn devices(&self) -> Vec<DeviceMemory> {
+        (0..self.num_devices)
+            .map(|device| {
+                let mut memory = DeviceMemory {
+                    device,
+                    bytes: 0,
+                    largest_layer: None,
+                };
+                for (l, by_device) in self.bytes.chunks(self.num_devices.max(1)).enumerate() {
+                    let taken = by_device[device];
+                    memory.bytes = memory.bytes.saturating_add(taken);
+                    if taken > 0 && memory.largest_layer.is_none_or(|(_, most)| taken > most) {
+                        memory.largest_layer = Some((LayerId(l), taken));
+                    }
+                }
+                memory
+            })
+            .collect()
+    }
 }
 
-/// What tile `tile` of `layer` under `config` keeps on its device: its output and that output's
-/// gradient, and the slice of every parameter it reads with, for a trainable one, its gradient
-/// and momentum.
+/// What the walk needs of a layer, computed once: its op, input shapes and parameters, and its
+/// tiles under its config in launch order (rect, device, `(partial, of how many)`).
+struct Tiles<'g> {
+    id: LayerId,
+    spec: &'g dyn OpSpec,
+    inputs: Vec<Shape>,
+    params: Vec<ParamSpec>,
+    tiles: Vec<(Rect, DeviceId, (usize, usize))>,
+}
+
+impl<'g> Tiles<'g> {
+    fn of(graph: &'g Graph, id: LayerId, config: &ParallelConfig) -> Tiles<'g> {
+        let layer = graph.layer(id);
+        Tiles {
+            id,
+            spec: layer.op.spec(),
+            inputs: graph.input_shapes(id),
+            params: graph.layer_params(id),
+            tiles: (0..config.total())
+                .map(|t| {
+                    let partial = (config.reduction_of(t), config.reduction());
+                    (
+                        tile_rect(&layer.shape, config, t),
+                        config.device_of_tile(t),
+                        partial,
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (Rect, DeviceId, (usize, usize))> + '_ {
+        self.tiles.iter().copied()
+    }
+}
+
+/// The `[3, C]` batch-norm sums rect of a tile's channels.
+fn channel_sums(tile: &Rect) -> Rect {
+    Rect::new(&[0, tile.lo[1]], &[3, tile.hi[1]])
+}
+
+/// What tile `tile` of `layer` under `config` keeps on its device that its own config decides:
+/// its output and that output's gradient, its term of each input's gradient, and for every
+/// parameter slice it reads, four slices' worth for a trainable one (the slice, its gradient term,
+/// and the device's share of the owners' work: summed gradient, the other devices' terms, the
+/// updated block and its momentum, at most two more slices) or the slice of a buffer. A function
+/// of the layer's config alone: the searches' per-layer proxy of memory, where [`per_device`]
+/// counts the step exactly (received input slices and folds depend on the neighbours' configs).
 pub fn tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig, tile: usize) -> u64 {
     let l = graph.layer(layer);
     let out = tile_rect(&l.shape, config, tile);
@@ -83,15 +456,23 @@ pub fn tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig, tile: 
     // first partial also the block's output and output gradient), and its channels' weights.
     let (r, red) = (config.reduction_of(tile), config.reduction());
     let blocks = if red > 1 && r == 0 { 4 } else { 2 };
-    let mut bytes = blocks * out.volume() as u64 * F32_BYTES;
-    for (i, p) in graph.layer_params(layer).iter().enumerate() {
-        let copies = if p.trainable { 3 } else { 1 };
-        let Some(slice) = partial_param_rect(l.op.spec(), i, p, &out, r, red) else {
-            continue;
-        };
-        bytes = bytes.saturating_add(copies * slice.volume() as u64 * F32_BYTES);
+    let mut elements = blocks * out.volume() as u64;
+    let inputs = graph.input_shapes(layer);
+    for (k, rect) in project_partial(l.op.spec(), &inputs, &out, r, red)
+        .iter()
+        .enumerate()
+    {
+        if graph.input_needs_gradient(layer, k) {
+            elements += rect.volume() as u64;
+        }
     }
-    bytes
+    for (i, p) in graph.layer_params(layer).iter().enumerate() {
+        let copies = if p.trainable { 4 } else { 1 };
+        if let Some(slice) = partial_param_rect(l.op.spec(), i, p, &out, r, red) {
+            elements += copies * slice.volume() as u64;
+        }
+    }
+    elements.saturating_mul(F32_BYTES)
 }
 
 /// The most any one device keeps for `layer` under `config`: its largest tile's
@@ -123,51 +504,77 @@ mod tests {
     use crate::op::{Conv2d, Dense};
     use crate::{GraphBuilder, Shape};
 
-    fn small() -> Graph {
-        let mut m = GraphBuilder::new("small");
-        let x = m.input("data", Shape::nchw(4, 3, 8, 8)).unwrap();
-        let x = m.conv2d("conv", x, Conv2d::new(16, 3).padding(1)).unwrap();
-        let x = m.flatten("flat", x).unwrap();
+    /// x [4, 8] → fc (10 outputs: weight [10, 8], bias [10]) → loss [4, 1].
+    fn mlp() -> Graph {
+        let mut m = GraphBuilder::new("mlp");
+        let x = m.input("x", Shape::nc(4, 8)).unwrap();
         let x = m.dense("fc", x, Dense::new(10)).unwrap();
         m.softmax_cross_entropy("loss", x).unwrap();
         m.finish()
     }
 
+    /// On one device, in f32 elements: the activations x 32, fc 40, loss 4; fc's output gradient
+    /// twice (the loss's term and the sum fc's backward reads, 40 each); the 90 weights four
+    /// times (the weights, their gradient term, the summed gradient the update reads, momentum).
     #[test]
-    fn one_device_holds_every_tensor_once_and_three_copies_of_each_weight() {
-        let g = small();
-        let serial = vec![ParallelConfig::serial(0); g.layers().len()];
+    fn one_device_holds_each_buffer_of_the_step_once() {
+        let g = mlp();
+        let serial = vec![ParallelConfig::serial(0); 3];
         let mem = per_device(&g, &serial, 1);
-        let activations: u64 = g.layers().iter().map(|l| l.shape.numel() as u64).sum();
-        let weights: u64 = g.param_count();
-        assert_eq!(mem[0].bytes, 4 * (2 * activations + 3 * weights));
-        // fc's weight, 10 × 1024, is the largest
-        let fc = g.find("fc").unwrap();
-        assert_eq!(mem[0].largest_layer.map(|(l, _)| l), Some(fc));
-        assert_eq!(job_state_bytes(&g), 4 * 2 * weights);
+        assert_eq!(mem[0].bytes, 4 * ((32 + 40 + 4) + 2 * 40 + 4 * 90));
+        assert_eq!(mem[0].largest_layer.map(|(l, _)| l), g.find("fc"));
+        assert_eq!(job_state_bytes(&g), 4 * 2 * 90);
     }
 
+    /// Data parallelism on 2 devices: each holds half of every activation and of fc's output
+    /// gradient (term and sum, the loss's tile being on the same device), the whole weights and
+    /// a whole gradient term; each owns half the rows of the weight and bias (45 elements), for
+    /// which it keeps the summed gradient, the other device's term of it (staged), the updated
+    /// block and its momentum.
     #[test]
-    fn data_parallel_splits_activations_and_replicates_weights() {
-        let g = small();
-        let serial = per_device(&g, &[ParallelConfig::serial(0); 5], 1)[0].bytes;
-        let data = vec![ParallelConfig::split(Dim::N, 2, 0); g.layers().len()];
+    fn data_parallelism_stages_the_other_replicas_gradient_terms_on_each_owner() {
+        let g = mlp();
+        let data = vec![ParallelConfig::split(Dim::N, 2, 0); 3];
         let mem = per_device(&g, &data, 2);
-        let weights = 4 * 3 * g.param_count();
-        assert_eq!(mem[0].bytes, mem[1].bytes);
-        assert_eq!(mem[0].bytes, (serial - weights) / 2 + weights);
+        let each = (16 + 20 + 2) + 2 * 20 + 2 * 90 + 4 * 45;
+        assert_eq!([mem[0].bytes, mem[1].bytes], [4 * each, 4 * each]);
     }
 
+    /// A 3×3 convolution `b` (padding 1, 1 channel, 8×8, 10 weights) split over height on 2
+    /// devices, every other layer on device 0, in f32 elements.
+    ///
+    /// Device 1 computes rows 4..8: it receives rows 3..8 of its input (40), writes its output
+    /// rows (32), sums its output gradient's rows there (32) from a staged copy of the flatten's
+    /// term on device 0 (32), reads the weights (10), contributes a gradient term of them (10)
+    /// and of its input rows (40): 196.
+    ///
+    /// Device 0, against the serial run: b's input rows 0..5 are a copy of their own (+40), its
+    /// output and output-gradient sum shrink to rows 0..4 (−32, −32), the flatten reads the whole
+    /// output in a buffer of its own (+64), b's input-gradient term shrinks to rows 0..5 (−24), a
+    /// folds device 1's term of rows 3..8 (+40), and the owner of b's weights stages device 1's
+    /// term of them (+10): +66.
     #[test]
-    fn channel_split_divides_the_weights() {
-        let g = small();
-        let fc = g.find("fc").unwrap();
-        let mut configs = vec![ParallelConfig::serial(0); g.layers().len()];
-        configs[fc.0] = ParallelConfig::split(Dim::C, 2, 0);
-        let mem = per_device(&g, &configs, 2);
-        let fc_weight = 4 * 3 * (10 * 1024 + 10);
-        let fc_out = 4 * 2 * (4 * 10);
-        assert_eq!(mem[1].bytes, (fc_weight + fc_out) / 2);
-        assert_eq!(mem[1].largest_layer, Some((fc, (fc_weight + fc_out) / 2)));
+    fn a_spatial_split_receives_its_halo_and_stages_the_terms_it_folds() {
+        let mut m = GraphBuilder::new("halo");
+        let x = m.input("x", Shape::nchw(1, 1, 8, 8)).unwrap();
+        let x = m.conv2d("a", x, Conv2d::new(1, 1)).unwrap();
+        let x = m.conv2d("b", x, Conv2d::new(1, 3).padding(1)).unwrap();
+        let x = m.flatten("flat", x).unwrap();
+        let x = m.dense("fc", x, Dense::new(2)).unwrap();
+        m.softmax_cross_entropy("loss", x).unwrap();
+        let g = m.finish();
+        let b = g.find("b").unwrap();
+        let serial = vec![ParallelConfig::serial(0); g.layers().len()];
+        let mut split = serial.clone();
+        split[b.0] = ParallelConfig::split(Dim::H, 2, 0);
+        let one = per_device(&g, &serial, 2);
+        let two = per_device(&g, &split, 2);
+        assert_eq!(one[1].bytes, 0);
+        assert_eq!(two[1].bytes, 4 * (40 + 32 + 32 + 32 + 10 + 10 + 40));
+        assert_eq!(two[1].largest_layer, Some((b, two[1].bytes)));
+        assert_eq!(
+            two[0].bytes,
+            (one[0].bytes as i64 + 4 * (40 - 32 - 32 + 64 - 24 + 40 + 10)) as u64
+        );
     }
 }

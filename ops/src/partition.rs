@@ -20,8 +20,9 @@
 //! (a degree never exceeds its extent). [`block_range`] and [`tile_rect`] define this split; the
 //! planner prices it and the runtime partitions tensors with the same functions.
 
+use crate::op::partial_param_rect;
 use crate::shape::MAX_DIMS;
-use crate::{Dim, Rect, Shape};
+use crate::{Dim, Graph, LayerId, Rect, Shape};
 use std::fmt;
 use std::ops::Range;
 
@@ -396,6 +397,85 @@ pub fn owned_blocks(slice: &Rect, devices: &[DeviceId]) -> Vec<(Rect, DeviceId)>
             (slice.with_axis(0, lo + a, lo + b), devices[j])
         })
         .collect()
+}
+
+/// A parameter slice and the devices of the tiles that use it, ascending.
+pub type SliceUsers = (Rect, Vec<DeviceId>);
+
+/// For each parameter and buffer of `layer` under `config` (by index), its distinct slices in
+/// order of first use, each with the devices of the tiles that use it, ascending (tiles run on
+/// devices in ascending order). A reduction split's partial uses its block of the input channels'
+/// weights, and only the first partial the bias.
+pub fn param_slices(
+    graph: &Graph,
+    layer: LayerId,
+    config: &ParallelConfig,
+) -> Vec<(usize, Vec<SliceUsers>)> {
+    let l = graph.layer(layer);
+    let op = l.op.spec();
+    let red = config.reduction();
+    let tiles: Vec<Rect> = (0..config.total())
+        .map(|t| tile_rect(&l.shape, config, t))
+        .collect();
+    let mut out = Vec::new();
+    for (param, spec) in graph.layer_params(layer).iter().enumerate() {
+        let mut slices: Vec<SliceUsers> = Vec::new();
+        for (t, tile) in tiles.iter().enumerate() {
+            let Some(slice) =
+                partial_param_rect(op, param, spec, tile, config.reduction_of(t), red)
+            else {
+                continue;
+            };
+            let device = config.device_of_tile(t);
+            match slices.iter_mut().find(|(s, _)| *s == slice) {
+                Some((_, devices)) if !devices.contains(&device) => devices.push(device),
+                Some(_) => {}
+                None => slices.push((slice, vec![device])),
+            }
+        }
+        out.push((param, slices));
+    }
+    out
+}
+
+/// A block of a layer's parameter `param`, its owner and the other devices whose tiles use it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamHome {
+    pub param: usize,
+    /// The block the owner keeps and updates.
+    pub slice: Rect,
+    /// The slice the tiles read, which `slice` is a block of.
+    pub read_slice: Rect,
+    pub owner: DeviceId,
+    /// The other devices using the slice, ascending.
+    pub replicas: Vec<DeviceId>,
+}
+
+/// Every block of every parameter and buffer of `layer` under `config`, trainable or not: a
+/// trainable slice several devices use is cut into [`owned_blocks`]; any other slice is one block,
+/// kept by the first device using it.
+pub fn param_homes(graph: &Graph, layer: LayerId, config: &ParallelConfig) -> Vec<ParamHome> {
+    let specs = graph.layer_params(layer);
+    let mut homes = Vec::new();
+    for (param, slices) in param_slices(graph, layer, config) {
+        for (read_slice, devices) in slices {
+            let blocks = if specs[param].trainable && devices.len() > 1 && !read_slice.is_empty() {
+                owned_blocks(&read_slice, &devices)
+            } else {
+                vec![(read_slice, devices[0])]
+            };
+            for (slice, owner) in blocks {
+                homes.push(ParamHome {
+                    param,
+                    slice,
+                    read_slice,
+                    owner,
+                    replicas: devices.iter().copied().filter(|&d| d != owner).collect(),
+                });
+            }
+        }
+    }
+    homes
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@
 //!
 //! [`OpSpec::param_rect`]: legion_ops::op::OpSpec::param_rect
 
-pub use legion_ops::partition::owned_blocks;
+pub use legion_ops::partition::{SliceUsers, owned_blocks};
 
 use crate::config::{ParallelConfig, block_range, tile_rect};
 use crate::machine::{DeviceId, MachineModel};
@@ -70,44 +70,19 @@ impl ReplicaGroup {
     }
 }
 
-/// A parameter slice and the devices of the tiles that use it, ascending.
-pub type SliceUsers = (Rect, Vec<DeviceId>);
-
 /// For each trainable parameter of `layer` under `config` (by index), its distinct slices in order
-/// of first use, each with the devices of the tiles that use it, ascending (tiles run on devices
-/// in ascending order).
+/// of first use, each with the devices of the tiles that use it, ascending
+/// ([`legion_ops::partition::param_slices`] less the buffers).
 pub fn param_slices(
     graph: &Graph,
     layer: LayerId,
     config: &ParallelConfig,
 ) -> Vec<(usize, Vec<SliceUsers>)> {
-    let l = graph.layer(layer);
-    let op = l.op.spec();
-    let tiles: Vec<Rect> = (0..config.total())
-        .map(|t| tile_rect(&l.shape, config, t))
-        .collect();
-    let mut out = Vec::new();
-    for (param, spec) in op.params(&graph.input_shapes(layer)).iter().enumerate() {
-        if !spec.trainable {
-            continue;
-        }
-        let mut by_slice: Vec<SliceUsers> = Vec::new();
-        for (t, tile) in tiles.iter().enumerate() {
-            // A reduction split's partial holds its block of the input channels, and only the
-            // first partial the bias.
-            let (r, red) = (config.reduction_of(t), config.reduction());
-            let Some(slice) = partial_param_rect(op, param, spec, tile, r, red) else {
-                continue;
-            };
-            let device = config.device_of_tile(t);
-            match by_slice.iter_mut().find(|(s, _)| *s == slice) {
-                Some((_, devices)) => devices.push(device),
-                None => by_slice.push((slice, vec![device])),
-            }
-        }
-        out.push((param, by_slice));
-    }
-    out
+    let specs = graph.layer_params(layer);
+    legion_ops::partition::param_slices(graph, layer, config)
+        .into_iter()
+        .filter(|(param, _)| specs[*param].trainable)
+        .collect()
 }
 
 /// The replica groups of one layer under one config (only groups with other replicas).

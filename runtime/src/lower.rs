@@ -16,21 +16,6 @@ use legion_ops::{Graph, LayerId, Rect};
 
 use Privilege::{ReadOnly, ReadWrite, Reduce, WriteDiscard};
 
-/// Layers whose output gradient is needed: the loss and everything upstream of it except the
-/// input (as in the single-device trainer).
-pub fn layers_with_gradient(graph: &Graph) -> Vec<bool> {
-    let n = graph.layers().len();
-    let mut has = vec![false; n];
-    for id in graph.ids().rev() {
-        has[id.0] = match graph.layer(id).op {
-            Op::Input(_) => false,
-            Op::SoftmaxCrossEntropy(_) => true,
-            _ => graph.consumers(id).iter().any(|c| has[c.0]),
-        };
-    }
-    has
-}
-
 /// Places the persistent data where a first step expects it: every parameter slice and momentum
 /// slice on its owner.
 pub fn place_on_owners(analysis: &mut Analysis, regions: &Regions, mapper: &Mapper) {
@@ -53,7 +38,7 @@ pub fn lower_step(
     mapper: &Mapper,
 ) -> Result<(), AnalysisError> {
     let graph = mapper.graph();
-    let has_grad = layers_with_gradient(graph);
+    let has_grad = graph.layers_with_gradient();
     let lower = Lowering {
         graph,
         regions,
@@ -200,7 +185,7 @@ impl Lowering<'_> {
                     self.param_grads(&mut t, p);
                     a.launch(t)?;
                 }
-                if self.needs_input_grad(id, 0) {
+                if self.graph.input_needs_gradient(id, 0) {
                     let dx = self.regions.gradient(layer.inputs[0]);
                     for p in &points {
                         let mut t = phase(TaskKind::BnInputGrad, p);
@@ -308,18 +293,11 @@ impl Lowering<'_> {
     /// Contributes to the gradient of `rects[k]` of the layer's `k`-th input, where one is needed.
     fn input_grads(&self, t: &mut TaskSpec, rects: &[Rect]) {
         for (k, &rect) in rects.iter().enumerate() {
-            if self.needs_input_grad(t.layer, k) {
+            if self.graph.input_needs_gradient(t.layer, k) {
                 let dx = self.regions.gradient(self.graph.layer(t.layer).inputs[k]);
                 t.require(dx, rect, Reduce, Role::InputGrad(k as u8));
             }
         }
-    }
-
-    /// Whether layer `id` computes the gradient of its `k`-th input: only layers fed by another
-    /// layer (not the data) need one.
-    fn needs_input_grad(&self, id: LayerId, k: usize) -> bool {
-        let from = self.graph.layer(id).inputs[k];
-        !matches!(self.graph.layer(from).op, Op::Input(_))
     }
 
     /// The tile's slices of the layer's parameters `which(index)` selects.

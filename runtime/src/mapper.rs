@@ -10,10 +10,10 @@
 //! first device using it.
 
 use crate::region::Partition;
-use legion_ops::op::partial_param_rect;
-use legion_ops::partition::owned_blocks;
-use legion_ops::partition::{DeviceId, ParallelConfig};
+use legion_ops::partition::{DeviceId, ParallelConfig, param_homes};
 use legion_ops::{Graph, LayerId, Rect};
+
+pub use legion_ops::partition::ParamHome;
 
 /// One point of a layer's launch domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,19 +23,6 @@ pub struct Point {
     pub device: DeviceId,
     /// Which partial of its block this point computes, of how many (`(0, 1)`: the whole block).
     pub partial: (usize, usize),
-}
-
-/// A block of a layer's parameter `param`, its owner and the other devices whose tiles use it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ParamHome {
-    pub param: usize,
-    /// The block the owner keeps and updates.
-    pub slice: Rect,
-    /// The slice the tiles read, which `slice` is a block of.
-    pub read_slice: Rect,
-    pub owner: DeviceId,
-    /// The other devices using the slice, ascending.
-    pub replicas: Vec<DeviceId>,
 }
 
 pub struct Mapper<'g> {
@@ -80,44 +67,9 @@ impl<'g> Mapper<'g> {
             .collect()
     }
 
-    /// Every block of every parameter and buffer of `layer`, trainable or not.
+    /// Every block of every parameter and buffer of `layer`, trainable or not
+    /// ([`legion_ops::partition::param_homes`]).
     pub fn param_homes(&self, layer: LayerId) -> Vec<ParamHome> {
-        let l = self.graph.layer(layer);
-        let inputs = self.graph.input_shapes(layer);
-        let op = l.op.spec();
-        let points = self.points(layer);
-        let mut homes: Vec<ParamHome> = Vec::new();
-        for (param, spec) in op.params(&inputs).iter().enumerate() {
-            // Slices in order of first use; devices ascending, as tiles are.
-            let mut slices: Vec<(Rect, Vec<DeviceId>)> = Vec::new();
-            for p in &points {
-                let (r, red) = p.partial;
-                let Some(slice) = partial_param_rect(op, param, spec, &p.tile, r, red) else {
-                    continue;
-                };
-                match slices.iter_mut().find(|(s, _)| *s == slice) {
-                    Some((_, devices)) if !devices.contains(&p.device) => devices.push(p.device),
-                    Some(_) => {}
-                    None => slices.push((slice, vec![p.device])),
-                }
-            }
-            for (read_slice, devices) in slices {
-                let blocks = if spec.trainable && devices.len() > 1 && !read_slice.is_empty() {
-                    owned_blocks(&read_slice, &devices)
-                } else {
-                    vec![(read_slice, devices[0])]
-                };
-                for (slice, owner) in blocks {
-                    homes.push(ParamHome {
-                        param,
-                        slice,
-                        read_slice,
-                        owner,
-                        replicas: devices.iter().copied().filter(|&d| d != owner).collect(),
-                    });
-                }
-            }
-        }
-        homes
+        param_homes(self.graph, layer, &self.configs[layer.0])
     }
 }

@@ -85,44 +85,20 @@ impl Default for TrainOptions {
 }
 
 /// Refuses `configs` (the strategy `choice`) where a device of `machine` with memory of its own
-/// (`--memory-gib`) cannot hold its share, before anything is allocated: first the shape
-/// estimate the searches use (`legion_planner::memory::check_fits`, which names the layer), then,
-/// for a run on `devices` device actors, every instance they will allocate (the step plan's
-/// `device_bytes`: besides outputs, gradients and parameters, the slices each receives, stages
-/// and folds).
+/// (`--memory-gib`) cannot hold its share, before anything is allocated: the memory model the
+/// searches use (`legion_planner::memory::check_fits`) counts every buffer the device actors will
+/// allocate, and the error names the device, what it needs and the layer that needs most.
 fn check_device_memory(
     graph: &Graph,
     machine: &MachineModel,
     configs: &[ParallelConfig],
     choice: &str,
-    devices: Option<usize>,
 ) -> anyhow::Result<()> {
-    let refuse = |detail: String| {
+    legion_planner::memory::check_fits(graph, machine, configs).map_err(|e| {
         anyhow::anyhow!(
-            "the {choice} strategy does not fit the devices' memory (--memory-gib): {detail}"
+            "the {choice} strategy does not fit the devices' memory (--memory-gib): {e}"
         )
-    };
-    legion_planner::memory::check_fits(graph, machine, configs)
-        .map_err(|e| refuse(e.to_string()))?;
-    let (Some(devices), Some(capacity)) = (devices, machine.device(0).memory_bytes()) else {
-        return Ok(());
-    };
-    let plan = legion_runtime::plan::StepPlan::build(graph, configs, devices)?;
-    let held = plan.device_bytes();
-    if let Some((device, &bytes)) = held
-        .iter()
-        .enumerate()
-        .filter(|(_, b)| **b > capacity)
-        .max_by_key(|(d, b)| (**b, std::cmp::Reverse(*d)))
-    {
-        return Err(refuse(format!(
-            "device {device}'s instances take {} of its {} (its outputs, gradients and \
-             parameters, and the slices it receives, stages and folds)",
-            legion_planner::memory::human_bytes(bytes),
-            legion_planner::memory::human_bytes(capacity)
-        )));
-    }
-    Ok(())
+    })
 }
 
 /// The configs of `choice` (a search name or a strategy file) for `graph` on `machine`.
@@ -315,7 +291,7 @@ impl Job {
             };
             let machine = with_memory(machine)?;
             let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
-            check_device_memory(&graph, &machine, &configs, &opts.strategy, Some(devices))?;
+            check_device_memory(&graph, &machine, &configs, &opts.strategy)?;
             (configs, place)
         } else {
             let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
@@ -324,7 +300,6 @@ impl Job {
                 &with_memory(embedded_machine(1)?)?,
                 &serial,
                 "serial",
-                None,
             )?;
             (serial, "one device".to_string())
         };

@@ -35,15 +35,21 @@ pub const SIDE_BY_SIDE_BUDGET: u64 = 100_000;
 /// Searches every strategy of the tables' model; fails when more than `budget` partial strategies
 /// would be tried.
 pub fn exhaustive(tables: &CostTables, budget: u64) -> Result<ExhaustiveResult, SearchError> {
-    exhaustive_where(tables, budget, &|_| true)
+    exhaustive_where(tables, budget, &|_| true, None)
 }
 
 /// [`exhaustive`] over the strategies `accept` takes (per layer, config indices): the exact
 /// optimum among them, `cost` infinite when there is none.
+///
+/// `incumbent`, a strategy `accept` takes, starts the search as the best so far: only strategies
+/// strictly cheaper are then visited to the end and offered to `accept`. Without one, while no
+/// leaf is accepted nothing is pruned and every leaf reached is offered, which is slow where
+/// `accept` is (a memory check of the whole strategy).
 pub fn exhaustive_where(
     tables: &CostTables,
     budget: u64,
     accept: &Accept<'_>,
+    incumbent: Option<&[usize]>,
 ) -> Result<ExhaustiveResult, SearchError> {
     let n = tables.num_layers();
     let mut by_class: HashMap<usize, Rc<Vec<f64>>> = HashMap::new();
@@ -59,6 +65,11 @@ pub fn exhaustive_where(
     let sizes: Vec<usize> = (0..n).map(|l| tables.space(LayerId(l)).len()).collect();
     let mut dfs = Dfs::new(&costs, &sizes, &incoming, budget);
     dfs.accept = Some(accept);
+    if let Some(start) = incumbent {
+        debug_assert!(accept(start), "the incumbent is a strategy `accept` takes");
+        dfs.best = dfs.cost_of(start);
+        dfs.best_choice = start.to_vec();
+    }
     dfs.visit(0, 0.0)?;
     Ok(ExhaustiveResult {
         indices: dfs.best_choice,
@@ -135,6 +146,18 @@ impl<'a> Dfs<'a> {
             budget,
             accept: None,
         }
+    }
+
+    /// The cost of a complete strategy, summed as [`Self::visit`] sums it.
+    fn cost_of(&self, choice: &[usize]) -> f64 {
+        (0..self.costs.len()).fold(0.0, |so_far, p| {
+            let size = self.sizes[p];
+            let mut step = self.costs[p][choice[p]];
+            for (src, table) in &self.incoming[p] {
+                step += table[choice[*src] * size + choice[p]];
+            }
+            so_far + step
+        })
     }
 
     fn visit(&mut self, p: usize, so_far: f64) -> Result<(), SearchError> {

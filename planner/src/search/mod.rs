@@ -276,7 +276,10 @@ pub fn find_with(
                 let fits = |indices: &[usize]| {
                     check_fits(graph, machine, &tables.configs(indices)).is_ok()
                 };
-                exhaustive_where(tables, budget, &fits)?
+                // optcnn's strategy within memory, where it finds one, bounds the search from
+                // the start: then only cheaper strategies have their memory checked
+                let incumbent = optcnn_within_memory(tables).ok().map(|(r, _)| r.indices);
+                exhaustive_where(tables, budget, &fits, incumbent.as_deref())?
             } else {
                 exhaustive(tables, budget)?
             };
@@ -352,8 +355,8 @@ const PENALTY_BISECTIONS: usize = 6;
 
 /// Algorithm 1 under the devices' memory. Where Eq. 1's optimum fits, it is the result. Where it
 /// does not, memory gets a price: each config's node cost gains `weight` seconds per byte of its
-/// largest tile (a Lagrangian penalty: the sum over layers of a config's largest tile bounds what
-/// any one device keeps from above), starting at one step's cost per device's worth of memory,
+/// largest tile (a Lagrangian penalty on a per-layer proxy: what a tile keeps of its own, while
+/// [`check_fits`] judges the whole count, received and staged buffers included), starting at one step's cost per device's worth of memory,
 /// then ×4 up until an optimum of the penalised Eq. 1 fits (or ÷4 down while one still does);
 /// the weight is then bisected between the last that did not fit and the lowest that did, and the
 /// cheapest (under Eq. 1) strategy that fit is the result. It fits, but is not necessarily the cheapest that does (the
@@ -481,11 +484,12 @@ mod tests {
     use legion_ops::{GraphBuilder, LayerId, Shape};
     use proptest::prelude::*;
 
-    /// Three wide dense layers over a large batch: on 4 P100s data parallelism is Eq. 1's optimum,
-    /// and replicates ~100 MB of weights, gradients and momentum on every device.
+    /// Three wide dense layers over a batch of 2048: on 4 P100s data parallelism replicates their
+    /// weights with gradient terms and momentum on every device (~140 MiB each), Eq. 1's optimum
+    /// splits their channels (~123 MiB: every device also receives the whole input of each).
     fn wide_mlp() -> legion_ops::Graph {
         let mut m = GraphBuilder::new("wide");
-        let x = m.input("x", Shape::nc(4096, 2048)).unwrap();
+        let x = m.input("x", Shape::nc(2048, 2048)).unwrap();
         let x = m.dense("fc1", x, Dense::new(2048).relu()).unwrap();
         let x = m.dense("fc2", x, Dense::new(2048).relu()).unwrap();
         let x = m.dense("fc3", x, Dense::new(10)).unwrap();
@@ -501,10 +505,9 @@ mod tests {
             .unwrap()
     }
 
-    /// 4 P100s limited to 0.8 of what Eq. 1's optimum (data parallelism, at this batch) keeps on
-    /// a device: data parallelism is refused, naming the device and the layer; optcnn, refine and
-    /// the exhaustive search return strategies that fit, the exhaustive one the cheapest of them;
-    /// at 1 MiB nothing fits and optcnn says so.
+    /// 4 P100s limited to 0.9 of what data parallelism keeps on a device: it is refused, naming
+    /// the device and the layer; optcnn, refine and the exhaustive search return strategies that
+    /// fit, the exhaustive one the cheapest of them; at 1 MiB nothing fits and optcnn says so.
     #[test]
     fn under_a_memory_limit_searches_return_strategies_that_fit_or_say_none_does() {
         let g = wide_mlp();
@@ -512,15 +515,10 @@ mod tests {
         let provider = RooflineCost::new(&free);
         let model = CostModel::new(&g, &free, &provider);
         let tables = CostTables::build(&model);
-        let unconstrained = find(SearchKind::OptCnn, &tables, DEFAULT_BUDGET).unwrap();
         let data = find(SearchKind::Data, &tables, 0).unwrap();
-        assert_eq!(
-            unconstrained.configs, data.configs,
-            "data parallelism is Eq. 1's optimum"
-        );
         let data_peak = peak(&g, &data.configs, 4);
 
-        let gib = 0.8 * data_peak as f64 / (1u64 << 30) as f64;
+        let gib = 0.9 * data_peak as f64 / (1u64 << 30) as f64;
         let limited = free.clone().with_device_memory_gib(gib).unwrap();
         let capacity = limited.device(0).memory_bytes().unwrap();
         let provider = RooflineCost::new(&limited);

@@ -1,0 +1,63 @@
+//! The per-device memory model counts what the runtime allocates: for every strategy tried here,
+//! `legion_ops::memory::per_device` (shapes alone, what the planner and `train` check against a
+//! device's memory) equals, byte for byte and device by device, the instances the runtime's step
+//! plan gives each device actor (`StepPlan::device_bytes`): outputs and gradients, received input
+//! slices, parameter slices, owners' blocks with momentum, gradient terms, staging buffers and
+//! partial sums. Strategies: data, model, OWT, random ones and random ones with reduction splits,
+//! on LeNet-5, AlexNet at 64×64 and the reduced Inception-v3 (batch norm, concatenations), 4
+//! devices.
+
+mod support;
+
+use legion_ops::memory::per_device;
+use legion_planner::ParallelConfig;
+use legion_planner::search::SearchKind;
+use legion_runtime::plan::StepPlan;
+use support::*;
+
+#[test]
+fn the_memory_model_counts_every_buffer_the_runtime_allocates() {
+    let mut failures = Vec::new();
+    let mut tried = 0;
+    for (name, image) in [
+        ("lenet5", 28),
+        ("alexnet", 64),
+        ("inception_v3_reduced", 32),
+    ] {
+        let graph = model(name, image);
+        let mut strategies: Vec<(String, Vec<ParallelConfig>)> =
+            [SearchKind::Data, SearchKind::Model, SearchKind::Owt]
+                .into_iter()
+                .map(|kind| (format!("{kind:?}"), searched(&graph, kind)))
+                .collect();
+        strategies.push((
+            "serial".into(),
+            vec![ParallelConfig::serial(0); graph.layers().len()],
+        ));
+        for seed in 1..=3 {
+            strategies.push((format!("random-{seed}"), random(&graph, seed)));
+            strategies.push((format!("red-{seed}"), random_with_reductions(&graph, seed)));
+        }
+        for (strategy, configs) in &strategies {
+            tried += 1;
+            let allocated = StepPlan::build(&graph, configs, DEVICES)
+                .unwrap()
+                .device_bytes();
+            let modelled: Vec<u64> = per_device(&graph, configs, DEVICES)
+                .iter()
+                .map(|d| d.bytes)
+                .collect();
+            if modelled != allocated {
+                failures.push(format!(
+                    "{name} {strategy}: modelled {modelled:?}, allocated {allocated:?}"
+                ));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {tried} strategies:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
