@@ -9,7 +9,8 @@
 #   dgx-h100     nodes of 8 H100, NVSwitch ports inside, a 400 Gb/s NIC per GPU
 # Throughput = global batch / simulated step time; communication = bytes moved per step (the
 # paper's Fig. 8 counts the same). One `plan --search all --json` per model and GPU count.
-# Prints one markdown table per model, then the summary row BENCHMARKS.md keeps.
+# Prints one markdown table per model, then the summary row BENCHMARKS.md keeps. A baseline that
+# does not fit the devices' memory shows "–" and is no competitor.
 #
 # Usage: integration/paper_scale.sh [--machine paper|paper-pairs|dgx-h100] [--profile FILE]
 #            [--bin path/to/legion-rs] [MODEL ...]      (needs jq)
@@ -47,10 +48,13 @@ for model in "${MODELS[@]}"; do
         row="| $n"
         best=0 best_eq1=1e18 best_here=""
         for s in $BASELINES; do
+            # a baseline the devices' memory cannot hold reports an error and no times: "–"
+            eq1=$(field "$s" eq1_ms)
+            [ -n "$eq1" ] || { row+=" | –"; continue; }
             v=$(ips "$s")
             row+=" | $(printf '%.0f' "$v")"
             if jq -e -n "$v > $best" >/dev/null; then best=$v best_here=$s; fi
-            best_eq1=$(jq -n "[$best_eq1, $(field "$s" eq1_ms)] | min")
+            best_eq1=$(jq -n "[$best_eq1, $eq1] | min")
         done
         opt=$(ips optcnn) refine=$(ips refine)
         row+=" | $(printf '%.0f' "$opt") | $(printf '%.0f' "$refine")"

@@ -15,8 +15,8 @@ mod support;
 
 use legion_ops::Graph;
 use legion_ops::train::{ParamStore, Sgd};
-use legion_planner::ParallelConfig;
 use legion_planner::search::SearchKind;
+use legion_planner::{ParallelConfig, SearchSpace};
 use legion_runtime::EmbeddedCluster;
 use support::*;
 
@@ -165,12 +165,31 @@ fn an_op_added_by_the_recipe_trains_the_same_under_every_strategy() {
 
 /// Reduction splits (partial sums over input channels, summed before the activation) on conv2d
 /// and dense layers, with and without batch norm after them: the same network as one device.
+/// Random ones, and the seed planners' where they map a reduction cut onto ours (the space with
+/// reduction splits).
 #[test]
 fn reduction_splits_train_the_same_network() {
+    let mut seeds_with_reductions = 0;
     for graph in [model("lenet5", 28), model("alexnet", 64), small_bn_net()] {
-        let strategies = reduction_strategies(&graph);
+        let mut strategies = reduction_strategies(&graph);
+        for (name, kind) in [
+            ("soybean", SearchKind::Soybean),
+            ("tofu", SearchKind::Tofu),
+            ("hypar", SearchKind::Hypar),
+            ("spartan", SearchKind::Spartan),
+        ] {
+            let configs = searched_in(&graph, kind, SearchSpace::WithReductions);
+            if configs.iter().any(|c| c.reduction() > 1) {
+                seeds_with_reductions += 1;
+                strategies.push((name, configs));
+            }
+        }
         assert_same_training(&graph, &strategies);
     }
+    assert!(
+        seeds_with_reductions > 0,
+        "no seed planner mapped a reduction cut onto a reduction split"
+    );
 }
 
 #[test]

@@ -24,6 +24,7 @@ use std::sync::Arc;
 /// Per-config and per-config-pair costs of a model on a machine.
 pub struct CostTables<'m> {
     model: &'m CostModel<'m>,
+    search_space: SearchSpace,
     spaces: Vec<ConfigSpace>,
     compute: Vec<Vec<f64>>,
     sync: Vec<Vec<f64>>,
@@ -159,6 +160,7 @@ impl<'m> CostTables<'m> {
             .collect();
         CostTables {
             model,
+            search_space,
             spaces,
             compute,
             sync,
@@ -171,6 +173,11 @@ impl<'m> CostTables<'m> {
 
     pub fn model(&self) -> &'m CostModel<'m> {
         self.model
+    }
+
+    /// The space the tables' configs were enumerated in.
+    pub fn search_space(&self) -> SearchSpace {
+        self.search_space
     }
 
     /// Per layer and config, the bytes the config's largest tile keeps on its device
@@ -202,6 +209,7 @@ impl<'m> CostTables<'m> {
             .collect();
         CostTables {
             model: self.model,
+            search_space: self.search_space,
             spaces: self.spaces.clone(),
             compute: self.compute.clone(),
             sync: self.sync.clone(),

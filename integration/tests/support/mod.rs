@@ -6,7 +6,7 @@ use legion_ops::train::{ParamStore, Sgd, Trainer};
 use legion_ops::{Graph, zoo};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{
-    ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost,
+    ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, SearchSpace,
 };
 
 pub const DEVICES: usize = 4;
@@ -36,10 +36,15 @@ pub fn batch(graph: &Graph, step: u64) -> (Vec<f32>, Vec<u32>) {
 }
 
 pub fn searched(graph: &Graph, kind: SearchKind) -> Vec<ParallelConfig> {
+    searched_in(graph, kind, SearchSpace::Paper)
+}
+
+/// The strategy `kind` finds for `graph` on 4 P100s, choosing from `space`.
+pub fn searched_in(graph: &Graph, kind: SearchKind, space: SearchSpace) -> Vec<ParallelConfig> {
     let machine = MachineModel::preset(&format!("paper:{DEVICES}")).unwrap();
     let provider = RooflineCost::new(&machine);
     let cost = CostModel::new(graph, &machine, &provider);
-    let tables = CostTables::build(&cost);
+    let tables = CostTables::build_in(&cost, space);
     search::find(kind, &tables, search::DEFAULT_BUDGET)
         .unwrap()
         .configs

@@ -16,24 +16,25 @@
 //!   are that DP on a chain and exact on fork-joins), and Algorithm 2, level by level from the
 //!   top, com(H) = com_top + 2·com(H - 1).
 //!
-//! Lossy ([`LOSSY`]): mp's input-channel split maps to our output-channel split (or replication
-//! where channels run out): our space has no reduction split yet; layers without weights that
+//! Lossy ([`LOSSY`]): mp's input-channel split maps to our reduction split (in OptCNN's space to
+//! our output-channel split, or replication where channels run out); layers without weights that
 //! follow an mp layer, whole in HyPar, take a channel split too where they can, to stay aligned
 //! with it; topology is ignored, as in the paper.
 
 use super::tiling::{
-    Cut, CutPlan, LayerKind, Split, StepCosts, cut_steps, cuts_of_configs, elements, price_cuts,
-    recursive_cuts, weight_elements,
+    Cut, CutPlan, LayerKind, Split, StepCosts, configs_of_splits, cut_steps, cuts_of_configs,
+    elements, price_cuts, recursive_cuts, weight_elements,
 };
 use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
+use crate::tables::SearchSpace;
 use crate::transfer::Edge;
 use legion_ops::{Graph, LayerId, Op};
 
 /// What our configuration space loses of HyPar's plans.
 pub const LOSSY: &str = "HyPar's model parallelism (kernel split on input channels, output \
-     summed) maps to our output-channel split, or replication where channels run out: our space \
-     has no reduction split yet; layers without weights after it split channels instead of \
+     summed) maps to our reduction split (with --paper-space, OptCNN's space, to an \
+     output-channel split, or replication where channels run out); layers without weights after it split channels instead of \
      holding the whole tensor";
 
 /// HyPar's plan for `graph` on `machine`.
@@ -83,23 +84,35 @@ pub fn hypar_native_bytes(
     4.0 * price_cuts(graph, &cuts, &HyparCosts { graph }).total()
 }
 
-/// Our configs: weighted layers through [`Split::to_config`] (mp → channels); layers without
-/// weights turn their whole levels into channel splits where they fit.
+impl HyparPlan {
+    /// Our configs for the plan in `space`: mp maps to a reduction split where the space has
+    /// them, else to an output-channel split ([`Split::to_config_in`]).
+    pub fn configs_in(&self, graph: &Graph, space: SearchSpace) -> Vec<ParallelConfig> {
+        configs_of_splits(graph, &hypar_splits(graph, &self.levels), space)
+    }
+}
+
+/// Our configs in OptCNN's space: weighted layers through [`Split::to_config`] (mp → channels).
 fn hypar_configs(graph: &Graph, levels: &CutPlan) -> Vec<ParallelConfig> {
+    configs_of_splits(graph, &hypar_splits(graph, levels), SearchSpace::Paper)
+}
+
+/// Each layer's split: its levels' cuts, where a layer without weights turns its whole levels
+/// into channel splits where they fit.
+fn hypar_splits(graph: &Graph, levels: &CutPlan) -> Vec<Split> {
     graph
         .ids()
         .map(|id| {
             let layer = graph.layer(id);
             let inputs = graph.input_shapes(id);
             let weighted = LayerKind::of(layer).is_weighted();
-            let split = levels.cuts[id.0].iter().fold(Split::WHOLE, |s, &c| {
+            levels.cuts[id.0].iter().fold(Split::WHOLE, |s, &c| {
                 if c == Cut::Replicate && !weighted && s.admits(layer, &inputs, Cut::C) {
                     s.after(Cut::C)
                 } else {
                     s.after(c)
                 }
-            });
-            split.to_config(layer)
+            })
         })
         .collect()
 }

@@ -305,25 +305,27 @@ pub fn find_with(
         SearchKind::Data => data_parallel(graph, machine),
         SearchKind::Model => model_parallel(graph, machine),
         SearchKind::Owt => one_weird_trick(graph, machine),
+        // the seed planners' plans in the tables' space: their reduction splits map exactly
+        // where it has ours
         SearchKind::Soybean => {
             let plan = soybean(graph, machine);
             found.native_bytes = Some(plan.native_bytes);
-            plan.configs
+            plan.configs_in(graph, tables.search_space())
         }
         SearchKind::Tofu => {
             let plan = tofu(graph, machine);
             found.native_bytes = Some(plan.native_bytes);
-            plan.configs
+            plan.configs_in(graph, tables.search_space())
         }
         SearchKind::Hypar => {
             let plan = hypar(graph, machine);
             found.native_bytes = Some(plan.native_bytes);
-            plan.configs
+            plan.configs_in(graph, tables.search_space())
         }
         SearchKind::Spartan => {
             let plan = spartan(graph, machine);
             found.native_bytes = Some(plan.native_bytes);
-            plan.configs
+            plan.configs_in(graph, machine, tables.search_space())
         }
     };
     // searches of their own (optcnn, exhaustive, refine) only return strategies that fit; a fixed

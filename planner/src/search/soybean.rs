@@ -13,8 +13,8 @@
 //!   OptCNN's eliminations over ≤ 3 choices per layer (the paper's BFS-level DP finds the same
 //!   optimum), then recursively on one group's half, `c_k = δ_k + 2·c_(k-1)` (Thm. 1).
 //!
-//! Lossy ([`LOSSY`]): the reduction form becomes a channel split (or replication where channels
-//! run out); SOYBEAN tiles each tensor separately (an activation and its gradient, the forward and
+//! Lossy ([`LOSSY`]): the reduction form becomes our reduction split (in OptCNN's space a channel
+//! split, or replication where channels run out); SOYBEAN tiles each tensor separately (an activation and its gradient, the forward and
 //! backward multiplications may differ) where one config of ours fixes all; and its first cut is
 //! the most significant device bit whatever it splits, where our tiles number n, c, h, w row-major.
 
@@ -29,9 +29,9 @@ use crate::transfer::Edge;
 use legion_ops::{Graph, LayerId};
 
 /// What our configuration space loses of SOYBEAN's plans.
-pub const LOSSY: &str = "SOYBEAN's reduction form (partial sums) maps to a channel split, or \
-     replication where channels run out: our space has no reduction split yet; one config per \
-     layer fixes the tilings SOYBEAN chooses per tensor and per multiplication; its cut order is \
+pub const LOSSY: &str = "SOYBEAN's reduction form (partial sums) maps to our reduction split \
+     (with --paper-space, OptCNN's space, to a channel split, or replication where channels run \
+     out); one config per layer fixes the tilings SOYBEAN chooses per tensor and per multiplication; its cut order is \
      not our n,c,h,w device order";
 
 /// SOYBEAN's plan for `graph` on `machine`.

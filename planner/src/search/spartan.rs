@@ -18,20 +18,24 @@
 //!   (to its fixed choice once fixed). Greedy, not optimal: the problem is NP-complete (App. A).
 //!   [`SpartanOrder::Size`] orders by size instead (Tofu §7.3's "Spartan").
 //!
-//! Lossy ([`LOSSY`]): form (b) maps to a channel split (or duplication where channels run out):
-//! our space has no reduction split yet; duplication, an extra replica on every worker in
+//! Lossy ([`LOSSY`]): form (b) maps to our reduction split (in OptCNN's space to a channel split,
+//! or duplication where channels run out); duplication, an extra replica on every worker in
 //! Spartan, becomes one device holding the whole layer; there is nothing between one dimension
 //! over all workers and a balanced block, as in the paper.
 
-use super::tiling::{Split, elements, largest_power_of_two_at_most, weight_elements};
+use super::tiling::{
+    Split, configs_of_splits, elements, largest_power_of_two_at_most, weight_elements,
+};
 use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
+use crate::tables::SearchSpace;
 use crate::transfer::{Edge, graph_edges};
 use legion_ops::{Dim, Graph, Layer, LayerId};
 
 /// What our configuration space loses of Spartan's plans.
-pub const LOSSY: &str = "Spartan's reduction form (b) maps to a channel split, or duplication \
-     where channels run out: our space has no reduction split yet; a duplicated array runs on \
+pub const LOSSY: &str = "Spartan's reduction form (b) maps to our reduction split (with \
+     --paper-space, OptCNN's space, to a channel split, or duplication where channels run out); \
+     a duplicated array runs on \
      one device instead of being replicated on every worker";
 
 /// One Spartan tiling of a layer's output over all workers (and a join's form).
@@ -71,6 +75,21 @@ pub struct SpartanPlan {
     pub native_bytes: f64,
 }
 
+impl SpartanPlan {
+    /// Our configs for the plan in `space`: the reduction form maps to a reduction split where
+    /// the space has them ([`Split::to_config_in`]).
+    pub fn configs_in(
+        &self,
+        graph: &Graph,
+        machine: &MachineModel,
+        space: SearchSpace,
+    ) -> Vec<ParallelConfig> {
+        let p = workers(machine);
+        let splits: Vec<Split> = self.tiles.iter().map(|&t| split_of(t, p)).collect();
+        configs_of_splits(graph, &splits, space)
+    }
+}
+
 /// The greedy search of Fig. 8 over all P devices (rounded down to a power of two).
 pub fn spartan(graph: &Graph, machine: &MachineModel) -> SpartanPlan {
     spartan_ordered(graph, machine, SpartanOrder::Connectivity)
@@ -102,12 +121,16 @@ pub fn spartan_native_bytes(
     4.0 * costs.total(&tiles)
 }
 
-/// The Spartan tiling nearest to one of our configs: nothing split is duplication, samples and
-/// channels both split a block, otherwise the dimension of the largest degree (samples first).
+/// The Spartan tiling nearest to one of our configs: nothing split is duplication, a reduction
+/// split at least as large as every other degree the reduction form, samples and channels both
+/// split a block, otherwise the dimension of the largest degree (samples first).
 pub fn tile_of_config(config: &ParallelConfig) -> Tile {
     let d = config.degrees();
     if config.total() == 1 {
         return Tile::Duplicate;
+    }
+    if config.reduction() >= d.iter().copied().max().unwrap_or(1) {
+        return Tile::Reduce;
     }
     if d[0] > 1 && d[1] > 1 {
         return Tile::Block;
@@ -301,39 +324,42 @@ impl<'g> SpartanCosts<'g> {
             .collect()
     }
 
-    /// Our config for a layer's tiling, on devices from 0.
+    /// Our config for a layer's tiling, on devices from 0, in OptCNN's space.
     pub(crate) fn config(&self, layer: &Layer, tile: Tile) -> ParallelConfig {
-        let p = self.workers;
-        let k = p.trailing_zeros();
-        let split = match tile {
-            Tile::Rows => Split {
-                n: p,
-                ..Split::WHOLE
-            },
-            Tile::Cols => Split {
-                c: p,
-                ..Split::WHOLE
-            },
-            Tile::Height => Split {
-                h: p,
-                ..Split::WHOLE
-            },
-            Tile::Width => Split {
-                w: p,
-                ..Split::WHOLE
-            },
-            Tile::Block => Split {
-                n: 1 << k.div_ceil(2),
-                c: 1 << (k / 2),
-                ..Split::WHOLE
-            },
-            Tile::Reduce => Split {
-                red: p,
-                ..Split::WHOLE
-            },
-            Tile::Duplicate => Split::WHOLE,
-        };
-        split.to_config(layer)
+        split_of(tile, self.workers).to_config(layer)
+    }
+}
+
+/// A tiling over `p` workers as a split.
+fn split_of(tile: Tile, p: usize) -> Split {
+    let k = p.trailing_zeros();
+    match tile {
+        Tile::Rows => Split {
+            n: p,
+            ..Split::WHOLE
+        },
+        Tile::Cols => Split {
+            c: p,
+            ..Split::WHOLE
+        },
+        Tile::Height => Split {
+            h: p,
+            ..Split::WHOLE
+        },
+        Tile::Width => Split {
+            w: p,
+            ..Split::WHOLE
+        },
+        Tile::Block => Split {
+            n: 1 << k.div_ceil(2),
+            c: 1 << (k / 2),
+            ..Split::WHOLE
+        },
+        Tile::Reduce => Split {
+            red: p,
+            ..Split::WHOLE
+        },
+        Tile::Duplicate => Split::WHOLE,
     }
 }
 

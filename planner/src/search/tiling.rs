@@ -2,8 +2,9 @@
 //! searching its own space under its own byte count) share:
 //!
 //! - [`Cut`] and [`Split`]: a layer's partition as its papers describe it, with the reduction
-//!   (input-channel) split that our [`ParallelConfig`] does not have yet, and [`Split::to_config`],
-//!   the lossy mapping back into our configuration space;
+//!   (input-channel) split, and [`Split::to_config_in`], the mapping back into our configuration
+//!   space: exact for reduction splits where the space has them ([`SearchSpace::WithReductions`]),
+//!   folded into channel splits in OptCNN's;
 //! - [`Tiling`] and [`conversion`]: the bytes a pair of worker groups moves to turn one tiling of a
 //!   tensor into another (SOYBEAN's c(t1 → t2), Tofu's Lemma 1);
 //! - [`recursive_cuts`] and [`price_cuts`]: the recursion SOYBEAN (Algorithm 1), Tofu (§5.2) and
@@ -16,6 +17,7 @@
 
 use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
+use crate::tables::SearchSpace;
 use crate::transfer::{Edge, graph_edges};
 use legion_ops::{Dim, Graph, Layer, LayerId, Op, Shape};
 use std::collections::BTreeMap;
@@ -106,10 +108,24 @@ impl Split {
         }
     }
 
-    /// Our config for this split, starting at device 0. The mapping predates our reduction
-    /// split (`ParallelConfig::reduction`) and still folds the `red` degree into more channel
-    /// split where the layer's channels allow it (the kernel
-    /// stays divided over the group, as the reduction split divides it, but the input is
+    /// Our config for this split in `space`, starting at device 0: where the space has reduction
+    /// splits and the layer takes this one (a conv2d or dense layer with at least `red` input
+    /// channels), the `red` degree maps to ours exactly; otherwise as [`Split::to_config`].
+    pub fn to_config_in(&self, graph: &Graph, id: LayerId, space: SearchSpace) -> ParallelConfig {
+        let layer = graph.layer(id);
+        if space == SearchSpace::WithReductions && self.red > 1 {
+            let channels = layer.op.spec().reduction_channels(&graph.input_shapes(id));
+            if channels.is_some_and(|c| self.red <= c) {
+                let blocks = Split { red: 1, ..*self }.to_config(layer);
+                return blocks.with_reduction(self.red);
+            }
+        }
+        self.to_config(layer)
+    }
+
+    /// Our config for this split in OptCNN's space (no reduction splits), starting at device 0:
+    /// the `red` degree folds into more channel split where the layer's channels allow it (the
+    /// kernel stays divided over the group, as the reduction split divides it, but the input is
     /// replicated and the output split instead of the reverse), else replication (the layer runs
     /// on fewer devices). Each planner's `LOSSY` note says so.
     pub fn to_config(&self, layer: &Layer) -> ParallelConfig {
@@ -134,7 +150,8 @@ impl Split {
     }
 
     /// The cuts of our `config` in a canonical order (n, then c, h, w: the order of our tile
-    /// numbering, most significant device bit first), padded with replication to `steps`.
+    /// numbering, most significant device bit first, then a reduction split's), padded with
+    /// replication to `steps`.
     pub fn cuts_of(config: &ParallelConfig, steps: usize) -> Vec<Cut> {
         let mut cuts = Vec::with_capacity(steps);
         for (dim, cut) in [
@@ -146,6 +163,9 @@ impl Split {
             for _ in 0..config.degree(dim).trailing_zeros() {
                 cuts.push(cut);
             }
+        }
+        for _ in 0..config.reduction().trailing_zeros() {
+            cuts.push(Cut::Red);
         }
         cuts.resize(steps.max(cuts.len()), Cut::Replicate);
         cuts
@@ -329,13 +349,14 @@ impl CutPlan {
             .collect()
     }
 
-    /// Our configs for the plan ([`Split::to_config`]).
+    /// Our configs for the plan in OptCNN's space ([`Split::to_config`]).
     pub fn configs(&self, graph: &Graph) -> Vec<ParallelConfig> {
-        self.splits()
-            .iter()
-            .zip(graph.layers())
-            .map(|(s, l)| s.to_config(l))
-            .collect()
+        self.configs_in(graph, SearchSpace::Paper)
+    }
+
+    /// Our configs for the plan in `space` ([`Split::to_config_in`]).
+    pub fn configs_in(&self, graph: &Graph, space: SearchSpace) -> Vec<ParallelConfig> {
+        configs_of_splits(graph, &self.splits(), space)
     }
 }
 
@@ -349,6 +370,27 @@ pub struct RecursivePlan {
     pub cuts: CutPlan,
     /// The plan's bytes (f32) under the planner's own accounting, before mapping into our space.
     pub native_bytes: f64,
+}
+
+impl RecursivePlan {
+    /// Our configs for the plan in `space` ([`Split::to_config_in`]); `configs` holds them in
+    /// OptCNN's.
+    pub fn configs_in(&self, graph: &Graph, space: SearchSpace) -> Vec<ParallelConfig> {
+        self.cuts.configs_in(graph, space)
+    }
+}
+
+/// Per layer, our config for its split in `space` ([`Split::to_config_in`]).
+pub fn configs_of_splits(
+    graph: &Graph,
+    splits: &[Split],
+    space: SearchSpace,
+) -> Vec<ParallelConfig> {
+    graph
+        .ids()
+        .zip(splits)
+        .map(|(id, s)| s.to_config_in(graph, id, space))
+        .collect()
 }
 
 /// Runs [`recursive_cuts`] with one step per halving of the machine's devices and maps the cuts
@@ -709,6 +751,7 @@ pub fn argmin(values: &[f64]) -> usize {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::config::ConfigSpace;
     use legion_ops::GraphBuilder;
     use legion_ops::op::{Conv2d, Dense, Pool2d};
     use proptest::prelude::*;
@@ -846,6 +889,48 @@ pub(crate) mod tests {
         assert_eq!(
             Split::cuts_of(&ParallelConfig::new([2, 4, 1, 1], 0), 4),
             vec![Cut::N, Cut::C, Cut::C, Cut::Replicate]
+        );
+    }
+
+    /// Where the space has reduction splits, a dense layer's `red` maps onto ours exactly (d's 128
+    /// input features take 4 partials), and back to the same cuts; in OptCNN's space it folds
+    /// into the channel split as before.
+    #[test]
+    fn reduction_cuts_map_to_reduction_splits_where_the_space_has_them() {
+        let g = small_cnn(8, 4, 8);
+        let d = g.find("d").unwrap();
+        let split = Split {
+            n: 2,
+            c: 2,
+            h: 1,
+            w: 1,
+            red: 4,
+        };
+        let paper = split.to_config_in(&g, d, SearchSpace::Paper);
+        assert_eq!((paper.degrees(), paper.reduction()), ([2, 8, 1, 1], 1));
+        let exact = split.to_config_in(&g, d, SearchSpace::WithReductions);
+        assert_eq!((exact.degrees(), exact.reduction()), ([2, 2, 1, 1], 4));
+        let l = g.layer(d);
+        let space = ConfigSpace::enumerate_with_reductions(
+            &l.shape,
+            l.op.spec().parallel_dims(&l.shape),
+            16,
+            l.op.spec().reduction_channels(&g.input_shapes(d)),
+        );
+        assert!(space.configs().contains(&exact), "{exact}");
+        assert_eq!(
+            Split::cuts_of(&exact, 4),
+            vec![Cut::N, Cut::C, Cut::Red, Cut::Red]
+        );
+        // a layer without reduction splits (the pooling) folds them whatever the space
+        let p = g.find("p").unwrap();
+        let folded = Split {
+            red: 2,
+            ..Split::WHOLE
+        };
+        assert_eq!(
+            folded.to_config_in(&g, p, SearchSpace::WithReductions),
+            folded.to_config(g.layer(p))
         );
     }
 

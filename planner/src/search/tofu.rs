@@ -35,8 +35,9 @@ use crate::transfer::Edge;
 use legion_ops::{Graph, LayerId, Op};
 
 /// What our configuration space loses of Tofu's plans.
-pub const LOSSY: &str = "Tofu's reduction partitions map to channel splits, or replication where \
-     channels run out: our space has no reduction split yet; weights Tofu shards are replicated \
+pub const LOSSY: &str = "Tofu's reduction partitions map to our reduction splits (with \
+     --paper-space, OptCNN's space, to channel splits, or replication where channels run out); \
+     weights Tofu shards are replicated \
      under our sample and spatial splits; one config per layer fixes what Tofu splits per tensor, \
      gradient and op";
 
