@@ -95,9 +95,9 @@ impl SearchKind {
         }
     }
 
-    /// What mapping this search's plans into our configuration space loses (the seed planners'
-    /// reduction splits above all), for the CLI to print beside its results; `None` for the
-    /// searches of our own space.
+    /// What mapping this search's plans into our configuration space loses (in OptCNN's space,
+    /// the seed planners' reduction splits above all), for the CLI to print beside its results;
+    /// `None` for the searches of our own space.
     pub fn lossy(self) -> Option<&'static str> {
         match self {
             SearchKind::Soybean => Some(soybean::LOSSY),
