@@ -873,17 +873,20 @@ pub(crate) mod tests {
         b.finish()
     }
 
+    /// Samples and output channels halved twice in all, input channels quartered.
+    const N2_C2_RED4: Split = Split {
+        n: 2,
+        c: 2,
+        h: 1,
+        w: 1,
+        red: 4,
+    };
+
     #[test]
     fn configs_are_in_their_layers_spaces() {
         let g = small_cnn(8, 4, 8);
         let l = g.layer(g.find("d").unwrap());
-        let split = Split {
-            n: 2,
-            c: 2,
-            h: 1,
-            w: 1,
-            red: 4,
-        };
+        let split = N2_C2_RED4;
         // red 4 on c: c 2·4 = 8 ≤ 10 channels rounds to 8
         assert_eq!(split.to_config(l).degrees(), [2, 8, 1, 1]);
         assert_eq!(
@@ -899,13 +902,7 @@ pub(crate) mod tests {
     fn reduction_cuts_map_to_reduction_splits_where_the_space_has_them() {
         let g = small_cnn(8, 4, 8);
         let d = g.find("d").unwrap();
-        let split = Split {
-            n: 2,
-            c: 2,
-            h: 1,
-            w: 1,
-            red: 4,
-        };
+        let split = N2_C2_RED4;
         let paper = split.to_config_in(&g, d, SearchSpace::Paper);
         assert_eq!((paper.degrees(), paper.reduction()), ([2, 8, 1, 1], 1));
         let exact = split.to_config_in(&g, d, SearchSpace::WithReductions);
