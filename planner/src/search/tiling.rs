@@ -873,7 +873,7 @@ pub(crate) mod tests {
         b.finish()
     }
 
-    /// Samples and output channels halved twice in all, input channels quartered.
+    /// Samples and output channels halved once each, input channels quartered.
     const N2_C2_RED4: Split = Split {
         n: 2,
         c: 2,
