@@ -184,13 +184,13 @@ PY
     if want trace; then
         echo "=== where one step's time goes: AlexNet 224 b128, one device, the last of 3 steps"
         echo "    traced (CUDA events around each op), strict FP32"
-        for tf32 in ""; do
-            name="trace-alexnet${tf32}"
-            t=$(limit 40) || { skip "$name"; continue; }
-            if timeout "$t" "$dir/legion-rs" train --device cuda --devices 1 --model alexnet \
-                --image-size 224 --batch 128 --classes 1000 --steps 3 $tf32 \
-                --trace "$out/$name.json" >"$out/$name.log" 2>&1; then
-                "$python" - "$out/$name.json" <<'PY' | tee "$out/$name.txt"
+        name="trace-alexnet"
+        if ! t=$(limit 40); then
+            skip "$name"
+        elif timeout "$t" "$dir/legion-rs" train --device cuda --devices 1 --model alexnet \
+            --image-size 224 --batch 128 --classes 1000 --steps 3 \
+            --trace "$out/$name.json" >"$out/$name.log" 2>&1; then
+            "$python" - "$out/$name.json" <<'PY' | tee "$out/$name.txt"
 import collections, json, sys
 doc = json.load(open(sys.argv[1]))
 spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
@@ -203,11 +203,10 @@ print(f"{len(spans)} ops, {sum(by.values()):.2f} ms of op time in {(last - first
 for (cat, name), ms in sorted(by.items(), key=lambda kv: -kv[1])[:30]:
     print(f"{ms:9.3f} ms  {cat:8} {name}")
 PY
-            else
-                failures+=("$name")
-                tail -5 "$out/$name.log"
-            fi
-        done
+        else
+            failures+=("$name")
+            tail -5 "$out/$name.log"
+        fi
     fi
     if want several; then
         echo "=== several devices on one GPU: AlexNet 224 b128 on 4 devices, a stream each: every tile"

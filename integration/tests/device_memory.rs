@@ -11,7 +11,6 @@ mod support;
 
 use legion_ops::memory::per_device;
 use legion_planner::ParallelConfig;
-use legion_planner::search::SearchKind;
 use legion_runtime::plan::StepPlan;
 use support::*;
 
@@ -25,19 +24,11 @@ fn the_memory_model_counts_every_buffer_the_runtime_allocates() {
         ("inception_v3_reduced", 32),
     ] {
         let graph = model(name, image);
-        let mut strategies: Vec<(String, Vec<ParallelConfig>)> =
-            [SearchKind::Data, SearchKind::Model, SearchKind::Owt]
-                .into_iter()
-                .map(|kind| (format!("{kind:?}"), searched(&graph, kind)))
-                .collect();
+        let mut strategies = strategy_families(&graph, 3, 3);
         strategies.push((
             "serial".into(),
             vec![ParallelConfig::serial(0); graph.layers().len()],
         ));
-        for seed in 1..=3 {
-            strategies.push((format!("random-{seed}"), random(&graph, seed)));
-            strategies.push((format!("red-{seed}"), random_with_reductions(&graph, seed)));
-        }
         for (strategy, configs) in &strategies {
             tried += 1;
             let allocated = StepPlan::build(&graph, configs, DEVICES)

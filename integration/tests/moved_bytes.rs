@@ -9,7 +9,6 @@
 mod support;
 
 use legion_ops::Graph;
-use legion_planner::search::SearchKind;
 use legion_planner::simulate::{TaskKind, simulate};
 use legion_planner::{CostModel, MachineModel, ParallelConfig, RooflineCost};
 use legion_runtime::plan::StepPlan;
@@ -39,19 +38,11 @@ fn eq1_and_the_simulator_move_what_the_runtime_sends_reduction_splits_included()
     for (name, image) in [("lenet5", 28), ("alexnet", 64)] {
         let graph = model(name, image);
         let cost = CostModel::new(&graph, &machine, &provider);
-        let mut strategies: Vec<(String, Vec<ParallelConfig>)> =
-            [SearchKind::Data, SearchKind::Model, SearchKind::Owt]
-                .into_iter()
-                .map(|kind| (format!("{kind:?}"), searched(&graph, kind)))
-                .collect();
-        for seed in 1..=3 {
-            strategies.push((format!("random-{seed}"), random(&graph, seed)));
-        }
-        for seed in 1..=6 {
-            let configs = random_with_reductions(&graph, seed);
-            with_reductions += usize::from(configs.iter().any(|c| c.reduction() > 1));
-            strategies.push((format!("red-{seed}"), configs));
-        }
+        let strategies = strategy_families(&graph, 3, 6);
+        with_reductions += strategies
+            .iter()
+            .filter(|(_, configs)| configs.iter().any(|c| c.reduction() > 1))
+            .count();
         for (strategy, configs) in &strategies {
             let priced = cost.evaluate(configs).comm_bytes;
             let sent = sent_by_runtime(&graph, configs);

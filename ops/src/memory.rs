@@ -20,8 +20,10 @@
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.
 
-use crate::op::{Op, OpSpec, ParamSpec, partial_param_rect, project_partial};
-use crate::partition::{DeviceId, ParallelConfig, param_homes, tile_rect};
+use crate::op::{Op, OpSpec, ParamSpec, batch_norm_sums_rect, partial_param_rect, project_partial};
+use crate::partition::{
+    DeviceId, ParallelConfig, ParamHome, Point, param_homes, points, tile_rect,
+};
 use crate::{Graph, LayerId, Rect, Shape};
 
 /// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
@@ -57,16 +59,18 @@ pub fn per_device(
     num_devices: usize,
 ) -> Vec<DeviceMemory> {
     assert_eq!(graph.layers().len(), configs.len(), "one config per layer");
-    let mut step = StepBuffers::new(graph, num_devices);
-    for id in graph.ids() {
-        step.forward(graph, id, &configs[id.0]);
+    let layers: Vec<LayerTiles> = graph
+        .ids()
+        .map(|id| LayerTiles::of(graph, id, &configs[id.0]))
+        .collect();
+    let mut step = StepBuffers::new(&layers, num_devices);
+    for layer in &layers {
+        step.forward(graph, layer);
     }
     let has_gradient = graph.layers_with_gradient();
-    for id in graph.ids().rev() {
-        if has_gradient[id.0] {
-            step.backward(graph, id, &configs[id.0]);
-            step.update(graph, id, &configs[id.0]);
-        }
+    for layer in layers.iter().rev().filter(|l| has_gradient[l.id.0]) {
+        step.backward(graph, layer);
+        step.update(layer);
     }
     step.devices()
 }
@@ -131,18 +135,14 @@ struct StepBuffers {
 }
 
 impl StepBuffers {
-    fn new(graph: &Graph, num_devices: usize) -> StepBuffers {
-        let params = graph
-            .ids()
-            .map(|id| graph.layer_params(id).len())
-            .max()
-            .unwrap_or(0);
+    fn new(layers: &[LayerTiles], num_devices: usize) -> StepBuffers {
+        let params = layers.iter().map(|l| l.params.len()).max().unwrap_or(0);
         let stride = 6 + 3 * params;
-        let slots = graph.layers().len() * stride;
+        let slots = layers.len() * stride;
         StepBuffers {
             num_devices,
             stride,
-            bytes: vec![0; graph.layers().len() * num_devices],
+            bytes: vec![0; layers.len() * num_devices],
             buffers: vec![Vec::new(); slots],
             terms: vec![Vec::new(); slots],
             folded: vec![Vec::new(); slots],
@@ -189,10 +189,9 @@ impl StepBuffers {
         self.add(layer, device, tensor, staged);
     }
 
-    fn forward(&mut self, graph: &Graph, id: LayerId, config: &ParallelConfig) {
+    fn forward(&mut self, graph: &Graph, tiles: &LayerTiles) {
+        let (id, spec, inputs) = (tiles.id, tiles.spec, &tiles.inputs);
         let layer = graph.layer(id);
-        let tiles = Tiles::of(graph, id, config);
-        let (spec, inputs) = (tiles.spec, &tiles.inputs);
         let out = Tensor::Activation(id);
         match &layer.op {
             Op::Input(_) => {
@@ -204,31 +203,39 @@ impl StepBuffers {
                 let x = Tensor::Activation(layer.inputs[0]);
                 for (tile, device, _) in tiles.iter() {
                     self.buffer(id, device, x, tile);
-                    self.contribute(id, device, Tensor::Moments(id), channel_sums(&tile));
+                    self.contribute(
+                        id,
+                        device,
+                        Tensor::Moments(id),
+                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                    );
                 }
                 for (tile, device, partial) in tiles.iter() {
-                    self.read_sum(id, device, Tensor::Moments(id), channel_sums(&tile));
-                    self.params(&tiles, device, &tile, partial, |i| i < 2);
+                    self.read_sum(
+                        id,
+                        device,
+                        Tensor::Moments(id),
+                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                    );
+                    self.params(tiles, device, &tile, partial, |i| i < 2);
                     self.buffer(id, device, out, tile);
                 }
                 // the running statistics, by the first device of each channel slice
-                for home in param_homes(graph, id, config) {
-                    let sums = Rect::new(&[0, home.slice.lo[0]], &[3, home.slice.hi[0]]);
-                    if home.param == 2 {
-                        self.read_sum(id, home.owner, Tensor::Moments(id), sums);
-                    }
-                    if home.param >= 2 {
-                        self.buffer(id, home.owner, Tensor::Param(id, home.param), home.slice);
+                for home in tiles.homes.iter().filter(|h| h.param == 2) {
+                    let sums = batch_norm_sums_rect(home.slice.lo[0]..home.slice.hi[0]);
+                    self.read_sum(id, home.owner, Tensor::Moments(id), sums);
+                    for k in [2, 3] {
+                        self.buffer(id, home.owner, Tensor::Param(id, k), home.slice);
                     }
                 }
             }
-            _ if config.reduction() > 1 => {
+            _ if tiles.reduction > 1 => {
                 // each partial sums its block over its channels, the first applies the activation
                 let sum = Tensor::Partial(id);
                 for (tile, device, (r, red)) in tiles.iter() {
                     let rects = project_partial(spec, inputs, &tile, r, red);
                     self.inputs(graph, id, device, &rects);
-                    self.params(&tiles, device, &tile, (r, red), |_| true);
+                    self.params(tiles, device, &tile, (r, red), |_| true);
                     self.contribute(id, device, sum, tile);
                 }
                 for (tile, device, _) in tiles.iter().filter(|(_, _, (r, _))| *r == 0) {
@@ -239,17 +246,16 @@ impl StepBuffers {
             _ => {
                 for (tile, device, partial) in tiles.iter() {
                     self.inputs(graph, id, device, &spec.project(inputs, &tile));
-                    self.params(&tiles, device, &tile, partial, |_| true);
+                    self.params(tiles, device, &tile, partial, |_| true);
                     self.buffer(id, device, out, tile);
                 }
             }
         }
     }
 
-    fn backward(&mut self, graph: &Graph, id: LayerId, config: &ParallelConfig) {
+    fn backward(&mut self, graph: &Graph, tiles: &LayerTiles) {
+        let (id, spec, inputs) = (tiles.id, tiles.spec, &tiles.inputs);
         let layer = graph.layer(id);
-        let tiles = Tiles::of(graph, id, config);
-        let (spec, inputs) = (tiles.spec, &tiles.inputs);
         let (y, dy) = (Tensor::Activation(id), Tensor::Gradient(id));
         match &layer.op {
             Op::Input(_) => {}
@@ -261,24 +267,39 @@ impl StepBuffers {
                         s.buffer(id, device, y, tile);
                     }
                     s.read_sum(id, device, dy, tile);
-                    s.read_sum(id, device, Tensor::Moments(id), channel_sums(&tile));
+                    s.read_sum(
+                        id,
+                        device,
+                        Tensor::Moments(id),
+                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                    );
                 };
                 for (tile, device, partial) in tiles.iter() {
                     phase(self, tile, device);
-                    self.contribute(id, device, Tensor::GradSums(id), channel_sums(&tile));
-                    self.param_grads(&tiles, device, &tile, partial);
+                    self.contribute(
+                        id,
+                        device,
+                        Tensor::GradSums(id),
+                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                    );
+                    self.param_grads(tiles, device, &tile, partial);
                 }
                 if graph.input_needs_gradient(id, 0) {
                     let dx = Tensor::Gradient(layer.inputs[0]);
                     for (tile, device, partial) in tiles.iter() {
                         phase(self, tile, device);
-                        self.params(&tiles, device, &tile, partial, |i| i == 0);
-                        self.read_sum(id, device, Tensor::GradSums(id), channel_sums(&tile));
+                        self.params(tiles, device, &tile, partial, |i| i == 0);
+                        self.read_sum(
+                            id,
+                            device,
+                            Tensor::GradSums(id),
+                            batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                        );
                         self.contribute(id, device, dx, tile);
                     }
                 }
             }
-            _ if config.reduction() > 1 => {
+            _ if tiles.reduction > 1 => {
                 // the gradient before the activation, once per block, then each partial's
                 let dsum = Tensor::PartialGrad(id);
                 for (tile, device, _) in tiles.iter().filter(|(_, _, (r, _))| *r == 0) {
@@ -290,8 +311,8 @@ impl StepBuffers {
                     let rects = project_partial(spec, inputs, &tile, r, red);
                     self.inputs(graph, id, device, &rects);
                     self.buffer(id, device, dsum, tile);
-                    self.params(&tiles, device, &tile, (r, red), |_| true);
-                    self.param_grads(&tiles, device, &tile, (r, red));
+                    self.params(tiles, device, &tile, (r, red), |_| true);
+                    self.param_grads(tiles, device, &tile, (r, red));
                     self.input_grads(graph, id, device, &rects);
                 }
             }
@@ -308,8 +329,8 @@ impl StepBuffers {
                     if reads.output_grad {
                         self.read_sum(id, device, dy, tile);
                     }
-                    self.params(&tiles, device, &tile, partial, |_| true);
-                    self.param_grads(&tiles, device, &tile, partial);
+                    self.params(tiles, device, &tile, partial, |_| true);
+                    self.param_grads(tiles, device, &tile, partial);
                     self.input_grads(graph, id, device, &rects);
                 }
             }
@@ -318,17 +339,17 @@ impl StepBuffers {
 
     /// Each trainable block's owner sums its gradient, keeps it with its momentum and updates it;
     /// the new values go to every device reading the slice.
-    fn update(&mut self, graph: &Graph, id: LayerId, config: &ParallelConfig) {
-        let specs = graph.layer_params(id);
-        for home in param_homes(graph, id, config) {
-            if !specs[home.param].trainable {
+    fn update(&mut self, tiles: &LayerTiles) {
+        let id = tiles.id;
+        for home in &tiles.homes {
+            if !tiles.params[home.param].trainable {
                 continue;
             }
             let (owner, k) = (home.owner, home.param);
             self.read_sum(id, owner, Tensor::ParamGrad(id, k), home.slice);
             self.buffer(id, owner, Tensor::Param(id, k), home.slice);
             self.buffer(id, owner, Tensor::Velocity(id, k), home.slice);
-            for device in std::iter::once(owner).chain(home.replicas) {
+            for &device in std::iter::once(&owner).chain(&home.replicas) {
                 self.buffer(id, device, Tensor::Param(id, k), home.read_slice);
             }
         }
@@ -351,7 +372,7 @@ impl StepBuffers {
     /// The tile's slices of the parameters `which(index)` selects.
     fn params(
         &mut self,
-        layer: &Tiles,
+        layer: &LayerTiles,
         device: DeviceId,
         tile: &Rect,
         (r, red): (usize, usize),
@@ -367,7 +388,7 @@ impl StepBuffers {
     /// The tile's term of each trainable parameter's gradient.
     fn param_grads(
         &mut self,
-        layer: &Tiles,
+        layer: &LayerTiles,
         device: DeviceId,
         tile: &Rect,
         (r, red): (usize, usize),
@@ -401,45 +422,36 @@ impl StepBuffers {
     }
 }
 
-/// What the walk needs of a layer, computed once: its op, input shapes and parameters, and its
-/// tiles under its config in launch order (rect, device, `(partial, of how many)`).
-struct Tiles<'g> {
+/// What the walk needs of a layer, computed once: its op, input shapes and parameters, its
+/// points under its config in launch order, and who owns each block of its parameters.
+struct LayerTiles<'g> {
     id: LayerId,
     spec: &'g dyn OpSpec,
     inputs: Vec<Shape>,
     params: Vec<ParamSpec>,
-    tiles: Vec<(Rect, DeviceId, (usize, usize))>,
+    reduction: usize,
+    points: Vec<Point>,
+    homes: Vec<ParamHome>,
 }
 
-impl<'g> Tiles<'g> {
-    fn of(graph: &'g Graph, id: LayerId, config: &ParallelConfig) -> Tiles<'g> {
+impl<'g> LayerTiles<'g> {
+    fn of(graph: &'g Graph, id: LayerId, config: &ParallelConfig) -> LayerTiles<'g> {
         let layer = graph.layer(id);
-        Tiles {
+        LayerTiles {
             id,
             spec: layer.op.spec(),
             inputs: graph.input_shapes(id),
             params: graph.layer_params(id),
-            tiles: (0..config.total())
-                .map(|t| {
-                    let partial = (config.reduction_of(t), config.reduction());
-                    (
-                        tile_rect(&layer.shape, config, t),
-                        config.device_of_tile(t),
-                        partial,
-                    )
-                })
-                .collect(),
+            reduction: config.reduction(),
+            points: points(&layer.shape, config),
+            homes: param_homes(graph, id, config),
         }
     }
 
+    /// Each point as (tile, device, (partial, of how many)).
     fn iter(&self) -> impl Iterator<Item = (Rect, DeviceId, (usize, usize))> + '_ {
-        self.tiles.iter().copied()
+        self.points.iter().map(|p| (p.tile, p.device, p.partial))
     }
-}
-
-/// The `[3, C]` batch-norm sums rect of a tile's channels.
-fn channel_sums(tile: &Rect) -> Rect {
-    Rect::new(&[0, tile.lo[1]], &[3, tile.hi[1]])
 }
 
 /// What tile `tile` of `layer` under `config` keeps on its device that its own config decides:
@@ -452,10 +464,11 @@ fn channel_sums(tile: &Rect) -> Rect {
 pub fn tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig, tile: usize) -> u64 {
     let l = graph.layer(layer);
     let out = tile_rect(&l.shape, config, tile);
-    // A reduction split's partial holds its block's partial sum and that sum's gradient (the
-    // first partial also the block's output and output gradient), and its channels' weights.
+    // A reduction split's partial holds its term of the block's sum and that sum's gradient; the
+    // first partial also the folded sum, the other partials' terms staged for it, the block's
+    // output and output gradient: `red + 4` blocks.
     let (r, red) = (config.reduction_of(tile), config.reduction());
-    let blocks = if red > 1 && r == 0 { 4 } else { 2 };
+    let blocks = if red > 1 && r == 0 { red as u64 + 4 } else { 2 };
     let mut elements = blocks * out.volume() as u64;
     let inputs = graph.input_shapes(layer);
     for (k, rect) in project_partial(l.op.spec(), &inputs, &out, r, red)
@@ -524,6 +537,21 @@ mod tests {
         assert_eq!(mem[0].bytes, 4 * ((32 + 40 + 4) + 2 * 40 + 4 * 90));
         assert_eq!(mem[0].largest_layer.map(|(l, _)| l), g.find("fc"));
         assert_eq!(job_state_bytes(&g), 4 * 2 * 90);
+    }
+
+    /// fc split into 2 partial sums over x's 8 features, in f32 elements: the first partial keeps
+    /// its term of the sum, the folded sum, the second's term staged, the output, its gradient
+    /// and the sum's gradient (6 × 40), and four slices' worth of its weight block and the bias
+    /// (4 × (10 × 4 + 10)); the second its term and the sum's gradient (2 × 40) and four of its
+    /// weight block (4 × 40). The data layer needs no input gradient.
+    #[test]
+    fn a_reduction_splits_first_partial_keeps_the_folded_sum_and_the_staged_terms() {
+        let g = mlp();
+        let fc = g.find("fc").unwrap();
+        let split = ParallelConfig::serial(0).with_reduction(2);
+        assert_eq!(tile_bytes(&g, fc, &split, 0), 4 * (6 * 40 + 4 * 50));
+        assert_eq!(tile_bytes(&g, fc, &split, 1), 4 * (2 * 40 + 4 * 40));
+        assert_eq!(largest_tile_bytes(&g, fc, &split), 4 * (6 * 40 + 4 * 50));
     }
 
     /// Data parallelism on 2 devices: each holds half of every activation and of fc's output

@@ -399,6 +399,27 @@ pub fn owned_blocks(slice: &Rect, devices: &[DeviceId]) -> Vec<(Rect, DeviceId)>
         .collect()
 }
 
+/// One point of a layer's launch domain: a tile and where it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Point {
+    /// The output block (which a reduction split's partials share).
+    pub tile: Rect,
+    pub device: DeviceId,
+    /// Which partial of its block this point computes, of how many (`(0, 1)`: the whole block).
+    pub partial: (usize, usize),
+}
+
+/// The points of a layer of output `shape` under `config`, in tile order.
+pub fn points(shape: &Shape, config: &ParallelConfig) -> Vec<Point> {
+    (0..config.total())
+        .map(|t| Point {
+            tile: tile_rect(shape, config, t),
+            device: config.device_of_tile(t),
+            partial: (config.reduction_of(t), config.reduction()),
+        })
+        .collect()
+}
+
 /// A parameter slice and the devices of the tiles that use it, ascending.
 pub type SliceUsers = (Rect, Vec<DeviceId>);
 
@@ -413,20 +434,19 @@ pub fn param_slices(
 ) -> Vec<(usize, Vec<SliceUsers>)> {
     let l = graph.layer(layer);
     let op = l.op.spec();
-    let red = config.reduction();
-    let tiles: Vec<Rect> = (0..config.total())
-        .map(|t| tile_rect(&l.shape, config, t))
-        .collect();
+    let points = points(&l.shape, config);
     let mut out = Vec::new();
     for (param, spec) in graph.layer_params(layer).iter().enumerate() {
         let mut slices: Vec<SliceUsers> = Vec::new();
-        for (t, tile) in tiles.iter().enumerate() {
-            let Some(slice) =
-                partial_param_rect(op, param, spec, tile, config.reduction_of(t), red)
-            else {
+        for &Point {
+            tile,
+            device,
+            partial: (r, red),
+        } in &points
+        {
+            let Some(slice) = partial_param_rect(op, param, spec, &tile, r, red) else {
                 continue;
             };
-            let device = config.device_of_tile(t);
             match slices.iter_mut().find(|(s, _)| *s == slice) {
                 Some((_, devices)) if !devices.contains(&device) => devices.push(device),
                 Some(_) => {}

@@ -257,8 +257,7 @@ impl Rect {
         if (1..self.ndim).any(|a| self.lo[a] != outer.lo[a] || self.hi[a] != outer.hi[a]) {
             return None;
         }
-        let row: usize = (1..self.ndim).map(|a| outer.extent(a)).product();
-        let start = (self.lo[0] - outer.lo[0]) * row;
+        let start = outer.offset_of(&self.lo);
         Some(start..start + self.volume())
     }
 
@@ -404,6 +403,7 @@ pub fn for_each_run(region: &Rect, a: &Rect, b: &Rect, mut f: impl FnMut(usize, 
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn sample_ranges_are_contiguous_runs_and_other_boxes_are_not() {
@@ -431,7 +431,6 @@ mod tests {
             None
         );
     }
-    use super::*;
 
     #[test]
     fn intersect_and_contains() {

@@ -6,6 +6,7 @@ pub use legion_ops::partition::{
     ConfigError, ParallelConfig, TileRects, block_of, block_range, tile_rect, tile_rects,
 };
 
+use crate::tables::SearchSpace;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Dim, Shape};
 use std::ops::Range;
@@ -28,6 +29,22 @@ impl ConfigSpace {
     /// ascending total degree, then lexicographically.
     pub fn enumerate(shape: &Shape, dims: &[Dim], num_devices: usize) -> ConfigSpace {
         ConfigSpace::enumerate_with_reductions(shape, dims, num_devices, None)
+    }
+
+    /// Layer `id`'s configs on `num_devices` devices in `space`.
+    pub fn of_layer(
+        graph: &legion_ops::Graph,
+        id: legion_ops::LayerId,
+        num_devices: usize,
+        space: SearchSpace,
+    ) -> ConfigSpace {
+        let l = graph.layer(id);
+        ConfigSpace::enumerate_with_reductions(
+            &l.shape,
+            l.op.spec().parallel_dims(&l.shape),
+            num_devices,
+            space.reduction_channels(graph, id),
+        )
     }
 
     /// [`ConfigSpace::enumerate`] and, for a layer that sums over `reduction_channels` input
@@ -150,23 +167,15 @@ impl ConfigSpace {
     }
 }
 
-/// How many configs each layer of `graph` has on `num_devices` devices, by layer id, with
-/// reduction splits where `reductions` (see [`ConfigSpace::enumerate_with_reductions`]).
+/// How many configs each layer of `graph` has on `num_devices` devices in `space`, by layer id.
 pub fn config_counts(
     graph: &legion_ops::Graph,
     num_devices: usize,
-    reductions: bool,
+    space: SearchSpace,
 ) -> Vec<usize> {
     graph
         .ids()
-        .map(|id| {
-            let l = graph.layer(id);
-            let channels = reductions
-                .then(|| l.op.spec().reduction_channels(&graph.input_shapes(id)))
-                .flatten();
-            let dims = l.op.spec().parallel_dims(&l.shape);
-            ConfigSpace::enumerate_with_reductions(&l.shape, dims, num_devices, channels).len()
-        })
+        .map(|id| ConfigSpace::of_layer(graph, id, num_devices, space).len())
         .collect()
 }
 

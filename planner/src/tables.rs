@@ -17,7 +17,7 @@ use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, PairBuffers, TransferTables};
 use legion_ops::op::partial_input_shapes;
-use legion_ops::{Dim, LayerId, Rect, Shape};
+use legion_ops::{Dim, Graph, LayerId, Rect, Shape};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -28,8 +28,6 @@ pub struct CostTables<'m> {
     spaces: Vec<ConfigSpace>,
     compute: Vec<Vec<f64>>,
     sync: Vec<Vec<f64>>,
-    /// t_r per config (0 without a reduction split).
-    reduce: Vec<Vec<f64>>,
     node: Vec<Vec<f64>>,
     /// Shared with tables that differ only in node costs ([`CostTables::with_node_penalty`]): the
     /// per-message tables of a large machine take hundreds of megabytes to build.
@@ -53,6 +51,21 @@ pub enum SearchSpace {
     WithReductions,
 }
 
+impl SearchSpace {
+    /// The input channels the reduction splits of layer `id` cut in this space (`None`: it has
+    /// none here).
+    pub fn reduction_channels(self, graph: &Graph, id: LayerId) -> Option<usize> {
+        match self {
+            SearchSpace::Paper => None,
+            SearchSpace::WithReductions => graph
+                .layer(id)
+                .op
+                .spec()
+                .reduction_channels(&graph.input_shapes(id)),
+        }
+    }
+}
+
 impl<'m> CostTables<'m> {
     /// Enumerates every layer's configs in the paper's space and computes t_c and t_s for each.
     /// Edge tables are computed on request ([`CostTables::edge_table`]): they are large, and a
@@ -69,6 +82,7 @@ impl<'m> CostTables<'m> {
         let mut spaces: Vec<ConfigSpace> = Vec::new();
         let mut compute: Vec<Vec<f64>> = Vec::new();
         let mut sync: Vec<Vec<f64>> = Vec::new();
+        // t_r per config (0 without a reduction split)
         let mut reduce: Vec<Vec<f64>> = Vec::new();
         // per layer, the input channels its reduction splits cut (`None`: it has none)
         let mut reduction_channels: Vec<Option<usize>> = Vec::new();
@@ -89,12 +103,7 @@ impl<'m> CostTables<'m> {
                 .entry((op, model.input_shapes(id), dims))
                 .or_insert(id.0);
             layer_class.push(class);
-            reduction_channels.push(match search_space {
-                SearchSpace::Paper => None,
-                SearchSpace::WithReductions => {
-                    layer.op.spec().reduction_channels(model.input_shapes(id))
-                }
-            });
+            reduction_channels.push(search_space.reduction_channels(graph, id));
             if class != id.0 {
                 spaces.push(spaces[class].clone());
                 compute.push(compute[class].clone());
@@ -164,7 +173,6 @@ impl<'m> CostTables<'m> {
             spaces,
             compute,
             sync,
-            reduce,
             node,
             transfers: Arc::new(TransferTables::new(machine)),
             edge_class,
@@ -213,7 +221,6 @@ impl<'m> CostTables<'m> {
             spaces: self.spaces.clone(),
             compute: self.compute.clone(),
             sync: self.sync.clone(),
-            reduce: self.reduce.clone(),
             node,
             transfers: Arc::clone(&self.transfers),
             edge_class: self.edge_class.clone(),

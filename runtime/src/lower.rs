@@ -10,7 +10,7 @@ use crate::analysis::{Analysis, AnalysisError};
 use crate::mapper::{Mapper, Point};
 use crate::region::Regions;
 use crate::task::{Privilege, Role, TaskKind, TaskSpec};
-use legion_ops::op::{Op, partial_param_rect, project_partial};
+use legion_ops::op::{Op, batch_norm_sums_rect, partial_param_rect, project_partial};
 use legion_ops::partition::DeviceId;
 use legion_ops::{Graph, LayerId, Rect};
 
@@ -83,13 +83,23 @@ impl Lowering<'_> {
                 for p in &points {
                     let mut t = TaskSpec::new(TaskKind::BnMoments, id, p.tile, p.device);
                     t.require(x, p.tile, ReadOnly, Role::Input(0));
-                    t.require(moments, channel_sums(&p.tile), Reduce, Role::Moments);
+                    t.require(
+                        moments,
+                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        Reduce,
+                        Role::Moments,
+                    );
                     a.launch(t)?;
                 }
                 for p in &points {
                     let mut t = TaskSpec::new(TaskKind::BnNormalize, id, p.tile, p.device);
                     t.require(x, p.tile, ReadOnly, Role::Input(0));
-                    t.require(moments, channel_sums(&p.tile), ReadOnly, Role::Moments);
+                    t.require(
+                        moments,
+                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        ReadOnly,
+                        Role::Moments,
+                    );
                     self.params(&mut t, p, ReadOnly, |i| i < 2);
                     t.require(out, p.tile, WriteDiscard, Role::Output);
                     a.launch(t)?;
@@ -97,7 +107,7 @@ impl Lowering<'_> {
                 // Running statistics: once per channel slice, by its owner (the first tile using it).
                 for home in self.mapper.param_homes(id).iter().filter(|h| h.param == 2) {
                     let mut t = TaskSpec::new(TaskKind::BnRunning, id, home.slice, home.owner);
-                    let sums = Rect::new(&[0, home.slice.lo[0]], &[3, home.slice.hi[0]]);
+                    let sums = batch_norm_sums_rect(home.slice.lo[0]..home.slice.hi[0]);
                     t.require(moments, sums, ReadOnly, Role::Moments);
                     for k in [2, 3] {
                         let slot = self.regions.slot(id, k);
@@ -176,12 +186,22 @@ impl Lowering<'_> {
                         t.require(y, p.tile, ReadOnly, Role::Output);
                     }
                     t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
-                    t.require(moments, channel_sums(&p.tile), ReadOnly, Role::Moments);
+                    t.require(
+                        moments,
+                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        ReadOnly,
+                        Role::Moments,
+                    );
                     t
                 };
                 for p in &points {
                     let mut t = phase(TaskKind::BnGradSums, p);
-                    t.require(sums, channel_sums(&p.tile), Reduce, Role::GradSums);
+                    t.require(
+                        sums,
+                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        Reduce,
+                        Role::GradSums,
+                    );
                     self.param_grads(&mut t, p);
                     a.launch(t)?;
                 }
@@ -190,7 +210,12 @@ impl Lowering<'_> {
                     for p in &points {
                         let mut t = phase(TaskKind::BnInputGrad, p);
                         self.params(&mut t, p, ReadOnly, |i| i == 0);
-                        t.require(sums, channel_sums(&p.tile), ReadOnly, Role::GradSums);
+                        t.require(
+                            sums,
+                            batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                            ReadOnly,
+                            Role::GradSums,
+                        );
                         t.require(dx, p.tile, Reduce, Role::InputGrad(0));
                         a.launch(t)?;
                     }
@@ -346,9 +371,4 @@ impl Lowering<'_> {
             }
         }
     }
-}
-
-/// The `[3, C]` batch-norm sums rect of a tile's channels.
-fn channel_sums(tile: &Rect) -> Rect {
-    Rect::new(&[0, tile.lo[1]], &[3, tile.hi[1]])
 }

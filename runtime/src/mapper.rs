@@ -9,21 +9,10 @@
 //! step. Buffers (batch-norm running statistics) are not synchronised: each slice is kept by the
 //! first device using it.
 
-use crate::region::Partition;
-use legion_ops::partition::{DeviceId, ParallelConfig, param_homes};
-use legion_ops::{Graph, LayerId, Rect};
+use legion_ops::partition::{ParallelConfig, param_homes, points};
+use legion_ops::{Graph, LayerId};
 
-pub use legion_ops::partition::ParamHome;
-
-/// One point of a layer's launch domain.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Point {
-    /// The output block (which a reduction split's partials share).
-    pub tile: Rect,
-    pub device: DeviceId,
-    /// Which partial of its block this point computes, of how many (`(0, 1)`: the whole block).
-    pub partial: (usize, usize),
-}
+pub use legion_ops::partition::{ParamHome, Point};
 
 pub struct Mapper<'g> {
     graph: &'g Graph,
@@ -54,17 +43,7 @@ impl<'g> Mapper<'g> {
     }
 
     pub fn points(&self, layer: LayerId) -> Vec<Point> {
-        let config = &self.configs[layer.0];
-        Partition::blocks(&self.graph.layer(layer).shape, config)
-            .rects
-            .into_iter()
-            .enumerate()
-            .map(|(t, tile)| Point {
-                tile,
-                device: config.device_of_tile(t),
-                partial: (config.reduction_of(t), config.reduction()),
-            })
-            .collect()
+        points(&self.graph.layer(layer).shape, &self.configs[layer.0])
     }
 
     /// Every block of every parameter and buffer of `layer`, trainable or not

@@ -232,11 +232,11 @@ fn corrupt_inputs_fail_cleanly() {
     }
 }
 
-/// `--memory-gib`: AlexNet 64×64 on 4 embedded devices. Data parallelism keeps up to ~273 MiB on a
-/// device (device 1, which owns a block of the weights) and optcnn's strategy less than 0.1 GiB (every buffer the device actors allocate): at 0.1 GiB
-/// each, `--strategy data` is refused and optcnn trains; at 0.01 GiB nothing fits. A refusal
-/// names the device, what it needs and the layer, and comes before anything is allocated or
-/// trained.
+/// `--memory-gib`: AlexNet 64×64 on 4 embedded devices, counting every buffer the device actors
+/// allocate. Data parallelism keeps most on device 1, which owns a block of the weights (272.91
+/// MiB when this was written); optcnn's strategy fits in 0.1 GiB. At 0.1 GiB each, `--strategy
+/// data` is refused and optcnn trains; at 0.01 GiB nothing fits. A refusal names the device, what
+/// it needs and the layer, and comes before anything is allocated or trained.
 #[test]
 fn a_memory_limit_refuses_strategies_that_do_not_fit_before_allocating() {
     let run = |memory: &str, strategy: &str| {

@@ -6,7 +6,6 @@ mod common;
 
 use common::{assert_clean_failure, legion};
 
-/// The probe's verdict on this machine, `Err` when no GPU is usable.
 /// What is missing for a GPU here, the probe's message; `None` (saying the test skips) where a
 /// GPU is usable.
 fn no_gpu_here() -> Option<String> {

@@ -1,14 +1,10 @@
 //! End-to-end tests of `legion-rs plan`: real processes, real files.
 
-use serde_json::Value;
-use std::process::{Command, Output};
+mod common;
 
-fn legion(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_legion-rs"))
-        .args(args)
-        .output()
-        .expect("legion-rs runs")
-}
+use common::{legion, ok};
+use serde_json::Value;
+use std::process::Output;
 
 /// What `--search all` runs, in order: our space's searches, then the other papers' planners.
 const ALL_SEARCHES: [&str; 10] = [
@@ -334,7 +330,7 @@ fn a_strategy_with_reduction_splits_is_priced_and_simulated() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.json");
     let s = path.to_str().unwrap();
-    let saved = legion(&[
+    ok(legion(&[
         "plan",
         "--model",
         "lenet5",
@@ -344,12 +340,7 @@ fn a_strategy_with_reduction_splits_is_priced_and_simulated() {
         "model",
         "--out",
         s,
-    ]);
-    assert!(
-        saved.status.success(),
-        "{}",
-        String::from_utf8_lossy(&saved.stderr)
-    );
+    ]));
     let mut strategy: Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let fc4 = strategy["layers"]
@@ -369,12 +360,7 @@ fn a_strategy_with_reduction_splits_is_priced_and_simulated() {
         }
         legion(&args)
     };
-    let human = evaluate(false);
-    assert!(
-        human.status.success(),
-        "{}",
-        String::from_utf8_lossy(&human.stderr)
-    );
+    let human = ok(evaluate(false));
     let text = String::from_utf8_lossy(&human.stdout);
     assert!(
         text.contains("c=2,red=2") && text.contains("Σ t_r"),

@@ -90,6 +90,35 @@ pub fn random_with_reductions(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
         .collect()
 }
 
+/// The strategy families the cross-checks try on `graph` (4 P100s): data, model and OWT as the
+/// searches give them, `random` random strategies (seeds 1, 2, …) and `reductions` random ones
+/// with reduction splits.
+pub fn strategy_families(
+    graph: &Graph,
+    random: u64,
+    reductions: u64,
+) -> Vec<(String, Vec<ParallelConfig>)> {
+    let machine = MachineModel::preset(&format!("paper:{DEVICES}")).unwrap();
+    let provider = RooflineCost::new(&machine);
+    let cost = CostModel::new(graph, &machine, &provider);
+    let tables = CostTables::build(&cost);
+    let mut out: Vec<(String, Vec<ParallelConfig>)> =
+        [SearchKind::Data, SearchKind::Model, SearchKind::Owt]
+            .into_iter()
+            .map(|kind| {
+                let found = search::find(kind, &tables, search::DEFAULT_BUDGET).unwrap();
+                (format!("{kind:?}"), found.configs)
+            })
+            .collect();
+    for seed in 1..=random {
+        out.push((format!("random-{seed}"), self::random(graph, seed)));
+    }
+    for seed in 1..=reductions {
+        out.push((format!("red-{seed}"), random_with_reductions(graph, seed)));
+    }
+    out
+}
+
 pub fn reduction_strategies(graph: &Graph) -> Vec<(&'static str, Vec<ParallelConfig>)> {
     let names = ["red-1", "red-2", "red-3", "red-4"];
     let strategies: Vec<_> = names

@@ -1,12 +1,13 @@
 //! Which cuDNN algorithm runs each convolution.
 //!
 //! cuDNN's heuristic (its first answer to `cudnnGetConvolution*Algorithm_v7`) guesses from the
-//! problem's shape; on the lent H200 its guesses for AlexNet's and VGG-16's layers ran several
-//! times slower than the fastest algorithm. So, by default, each distinct problem (shapes,
-//! padding, stride, groups, direction) is **timed** once on its stream: every candidate algorithm
-//! launched on the real operands, once to warm and once between CUDA events, the fastest kept for
-//! every later call (what PyTorch's `cudnn.benchmark` does). Timing blocks the submitting thread
-//! once per problem, never per step. `LEGION_CUDNN_ALGOS=heuristic` keeps cuDNN's heuristic.
+//! problem's shape. By default, each distinct problem (shapes, padding, stride, groups,
+//! direction) is **timed** once on its stream: every candidate algorithm launched on the real
+//! operands, once to warm and once between CUDA events, the fastest kept for every later call
+//! (what PyTorch's `cudnn.benchmark` does). Timing blocks the submitting thread once per problem,
+//! never per step. `LEGION_CUDNN_ALGOS=heuristic` keeps cuDNN's heuristic. On the lent H200, with
+//! fewer candidates than now (no FFT or Winograd in strict FP32), the timed choice was slower than
+//! the heuristic's on AlexNet (BENCHMARKS.md, GPU); the current candidates are not measured yet.
 //!
 //! Candidates keep the backend's promises:
 //! - **deterministic**: no backward algorithm that sums with atomics (data algorithm 0, filter

@@ -873,13 +873,12 @@ impl Backend for Cuda {
                     Some(p) if p.len() == host.len() => p,
                     slot => {
                         *slot = None;
-                        // SAFETY: every element is written below before the copy reads it.
-                        let fresh = unsafe {
-                            self.context.alloc_pinned_with_flags::<f32>(
-                                host.len(),
-                                cudarc::driver::sys::CU_MEMHOSTALLOC_WRITECOMBINED,
-                            )
-                        }?;
+                        // every element is written below before the copy reads it
+                        let fresh = crate::staging::pinned::<f32>(
+                            self,
+                            host.len(),
+                            crate::staging::Direction::ToDevice,
+                        )?;
                         slot.insert(fresh)
                     }
                 };

@@ -355,10 +355,7 @@ pub(crate) fn forward(
             1 => None,
             _ => Some(s.stream.alloc_zeros::<f32>(out.volume() as usize)?),
         };
-        let target = match &mut scratch {
-            Some(scratch) => scratch,
-            None => &mut *y_mem,
-        };
+        let target = scratch.as_mut().unwrap_or(&mut *y_mem);
         launch_chosen(
             s,
             |c| &mut c.forward,
@@ -501,10 +498,7 @@ pub(crate) fn backward(
                 Some(s.stream.alloc_zeros::<f32>(window.volume() as usize)?)
             }
         };
-        let target = match &mut dwindow {
-            Some(dwindow) => dwindow,
-            None => &mut *dx_mem,
-        };
+        let target = dwindow.as_mut().unwrap_or(&mut *dx_mem);
         launch_chosen(
             s,
             |c| &mut c.data,

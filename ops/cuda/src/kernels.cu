@@ -255,16 +255,22 @@ __device__ __forceinline__ void clipped_window(i64 o, i64 kernel, i64 stride, i6
     if (hi < lo) hi = lo;
 }
 
+// Output point `i` of `tile` (its coordinates in `p`) and its input window clipped to the input:
+// rows [h0, h1), columns [w0, w1).
+__device__ void output_window(const Box4& tile, i64 i, const Pool& pool, i64 p[4], i64& h0,
+                              i64& h1, i64& w0, i64& w1) {
+    point_of(tile, i, p);
+    clipped_window(p[2], pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
+    clipped_window(p[3], pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
+}
+
 // Max: the largest value, first in row-major window order (`v > best`, as the CPU); avg: each
 // window row summed left to right, the row sums added top to bottom, times 1/(kh·kw), as the CPU.
 extern "C" __global__ void pool2d_forward(const float* x, Box4 x_layout, float* y, Box4 tile,
                                           Pool pool, i64 n) {
     GRID_STRIDE(i, n) {
-        i64 p[4];
-        point_of(tile, i, p);
-        i64 h0, h1, w0, w1;
-        clipped_window(p[2], pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
-        clipped_window(p[3], pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
+        i64 p[4], h0, h1, w0, w1;
+        output_window(tile, i, pool, p, h0, h1, w0, w1);
         i64 q[4] = {p[0], p[1], 0, 0};
         if (pool.is_max) {
             float best = NEG_INF;
@@ -316,11 +322,8 @@ __device__ void window_argmax(const float* x, const Box4& x_layout, i64 sample, 
 extern "C" __global__ void pool2d_argmax(const float* x, Box4 x_layout, Box4 tile, i64* argmax,
                                          Pool pool, i64 n) {
     GRID_STRIDE(i, n) {
-        i64 p[4];
-        point_of(tile, i, p);
-        i64 h0, h1, w0, w1;
-        clipped_window(p[2], pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
-        clipped_window(p[3], pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
+        i64 p[4], h0, h1, w0, w1;
+        output_window(tile, i, pool, p, h0, h1, w0, w1);
         i64 best_h, best_w;
         window_argmax(x, x_layout, p[0], p[1], h0, h1, w0, w1, best_h, best_w);
         argmax[i] = best_h * pool.in_size[1] + best_w;

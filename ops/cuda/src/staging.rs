@@ -36,7 +36,9 @@ fn device_error(what: &str) -> impl Fn(DriverError) -> KernelError + '_ {
     move |e| KernelError::Device(format!("{what}: {e}"))
 }
 
-fn pinned<T: DeviceRepr>(
+/// Page-locked host memory of `len` elements for copies in `direction` (write-combined toward the
+/// device). Uninitialised: the caller writes it before a copy reads it.
+pub(crate) fn pinned<T: DeviceRepr>(
     cuda: &Cuda,
     len: usize,
     direction: Direction,

@@ -4,6 +4,12 @@ use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
+/// The `[3, C]` rect of a batch norm's per-channel sums (count, Σ, Σ of squares) for channels
+/// `channels`: what a tile of those channels contributes to and reads.
+pub fn sums_rect(channels: std::ops::Range<usize>) -> Rect {
+    Rect::new(&[0, channels.start], &[3, channels.end])
+}
+
 /// Batch normalisation over N (and H, W for images) per channel, using the statistics of the whole
 /// batch in training whatever the partition: tiles reduce partial sums before normalising.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -18,7 +18,7 @@ mod sigmoid;
 mod softmax_ce;
 
 pub use add::Add;
-pub use batch_norm::BatchNorm;
+pub use batch_norm::{BatchNorm, sums_rect as batch_norm_sums_rect};
 pub use concat::Concat;
 pub use conv2d::Conv2d;
 pub use dense::Dense;

@@ -73,19 +73,19 @@ pub struct SpartanPlan {
     pub tiles: Vec<Tile>,
     /// Bytes under Spartan's accounting (f32 array sizes).
     pub native_bytes: f64,
+    /// The workers the tilings split over.
+    pub workers: usize,
 }
 
 impl SpartanPlan {
     /// Our configs for the plan in `space`: the reduction form maps to a reduction split where
     /// the space has them ([`Split::to_config_in`]).
-    pub fn configs_in(
-        &self,
-        graph: &Graph,
-        machine: &MachineModel,
-        space: SearchSpace,
-    ) -> Vec<ParallelConfig> {
-        let p = workers(machine);
-        let splits: Vec<Split> = self.tiles.iter().map(|&t| split_of(t, p)).collect();
+    pub fn configs_in(&self, graph: &Graph, space: SearchSpace) -> Vec<ParallelConfig> {
+        let splits: Vec<Split> = self
+            .tiles
+            .iter()
+            .map(|&t| split_of(t, self.workers))
+            .collect();
         configs_of_splits(graph, &splits, space)
     }
 }
@@ -106,6 +106,7 @@ pub fn spartan_ordered(graph: &Graph, machine: &MachineModel, order: SpartanOrde
             .collect(),
         native_bytes: 4.0 * costs.total(&tiles),
         tiles,
+        workers: costs.workers,
     }
 }
 

@@ -113,8 +113,8 @@ impl Split {
     /// channels), the `red` degree maps to ours exactly; otherwise as [`Split::to_config`].
     pub fn to_config_in(&self, graph: &Graph, id: LayerId, space: SearchSpace) -> ParallelConfig {
         let layer = graph.layer(id);
-        if space == SearchSpace::WithReductions && self.red > 1 {
-            let channels = layer.op.spec().reduction_channels(&graph.input_shapes(id));
+        if self.red > 1 {
+            let channels = space.reduction_channels(graph, id);
             if channels.is_some_and(|c| self.red <= c) {
                 let blocks = Split { red: 1, ..*self }.to_config(layer);
                 return blocks.with_reduction(self.red);

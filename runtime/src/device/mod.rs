@@ -749,7 +749,7 @@ impl Message<Deliver> for DeviceActor {
             step, copy, data, ..
         }) = msg;
         let data = Arrived::Host(data);
-        self.deliver(Incoming { step, copy, data }, &ctx.actor_ref().clone());
+        self.deliver(Incoming { step, copy, data }, ctx.actor_ref());
     }
 }
 
@@ -761,7 +761,7 @@ impl Message<DeliverOnGpu> for DeviceActor {
             step, copy, data, ..
         }) = msg;
         let data = Arrived::Gpu(data);
-        self.deliver(Incoming { step, copy, data }, &ctx.actor_ref().clone());
+        self.deliver(Incoming { step, copy, data }, ctx.actor_ref());
     }
 }
 

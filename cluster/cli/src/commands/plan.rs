@@ -181,7 +181,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         None => &roofline,
     };
     let model = CostModel::new(&graph, &machine, provider);
-    let counts = config_counts(&graph, machine.num_devices(), !args.paper_space);
+    let space = match args.paper_space {
+        true => SearchSpace::Paper,
+        false => SearchSpace::WithReductions,
+    };
+    let counts = config_counts(&graph, machine.num_devices(), space);
 
     let chosen: Evaluated = if args.evaluate {
         let path = args.strategy.as_deref().expect("clap requires --strategy");
@@ -231,10 +235,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
                     ..RefineOptions::default()
                 },
             },
-            space: match args.paper_space {
-                true => SearchSpace::Paper,
-                false => SearchSpace::WithReductions,
-            },
+            space,
         };
         let run = plan::plan(&model, &args.search.kinds(), &options);
         if args.search != SearchChoice::All

@@ -220,13 +220,12 @@ fn space_strategies(
     let layouts: Vec<Vec<legion_planner::ParallelConfig>> = graph
         .ids()
         .map(|id| {
-            let l = graph.layer(id);
             // the space `plan` searches by default: reduction splits included
-            let space = legion_planner::ConfigSpace::enumerate_with_reductions(
-                &l.shape,
-                l.op.spec().parallel_dims(&l.shape),
+            let space = legion_planner::ConfigSpace::of_layer(
+                graph,
+                id,
                 machine.num_devices(),
-                l.op.spec().reduction_channels(&graph.input_shapes(id)),
+                legion_planner::SearchSpace::WithReductions,
             );
             let mut layouts: Vec<legion_planner::ParallelConfig> = (0..space.layouts().len())
                 .map(|k| space.config(space.layout_configs(k).start))
