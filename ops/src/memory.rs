@@ -20,7 +20,10 @@
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.
 
-use crate::op::{Op, OpSpec, ParamSpec, batch_norm_sums_rect, partial_param_rect, project_partial};
+use crate::op::{
+    Op, OpSpec, ParamSpec, batch_norm_sums_rect, batch_norm_tile_sums_rect, partial_param_rect,
+    project_partial,
+};
 use crate::partition::{
     DeviceId, ParallelConfig, ParamHome, Point, param_homes, points, tile_rect,
 };
@@ -207,7 +210,7 @@ impl StepBuffers {
                         id,
                         device,
                         Tensor::Moments(id),
-                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                        batch_norm_tile_sums_rect(&tile),
                     );
                 }
                 for (tile, device, partial) in tiles.iter() {
@@ -215,7 +218,7 @@ impl StepBuffers {
                         id,
                         device,
                         Tensor::Moments(id),
-                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                        batch_norm_tile_sums_rect(&tile),
                     );
                     self.params(tiles, device, &tile, partial, |i| i < 2);
                     self.buffer(id, device, out, tile);
@@ -271,7 +274,7 @@ impl StepBuffers {
                         id,
                         device,
                         Tensor::Moments(id),
-                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                        batch_norm_tile_sums_rect(&tile),
                     );
                 };
                 for (tile, device, partial) in tiles.iter() {
@@ -280,7 +283,7 @@ impl StepBuffers {
                         id,
                         device,
                         Tensor::GradSums(id),
-                        batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                        batch_norm_tile_sums_rect(&tile),
                     );
                     self.param_grads(tiles, device, &tile, partial);
                 }
@@ -293,7 +296,7 @@ impl StepBuffers {
                             id,
                             device,
                             Tensor::GradSums(id),
-                            batch_norm_sums_rect(tile.lo[1]..tile.hi[1]),
+                            batch_norm_tile_sums_rect(&tile),
                         );
                         self.contribute(id, device, dx, tile);
                     }

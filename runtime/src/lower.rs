@@ -10,7 +10,9 @@ use crate::analysis::{Analysis, AnalysisError};
 use crate::mapper::{Mapper, Point};
 use crate::region::Regions;
 use crate::task::{Privilege, Role, TaskKind, TaskSpec};
-use legion_ops::op::{Op, batch_norm_sums_rect, partial_param_rect, project_partial};
+use legion_ops::op::{
+    Op, batch_norm_sums_rect, batch_norm_tile_sums_rect, partial_param_rect, project_partial,
+};
 use legion_ops::partition::DeviceId;
 use legion_ops::{Graph, LayerId, Rect};
 
@@ -85,7 +87,7 @@ impl Lowering<'_> {
                     t.require(x, p.tile, ReadOnly, Role::Input(0));
                     t.require(
                         moments,
-                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        batch_norm_tile_sums_rect(&p.tile),
                         Reduce,
                         Role::Moments,
                     );
@@ -96,7 +98,7 @@ impl Lowering<'_> {
                     t.require(x, p.tile, ReadOnly, Role::Input(0));
                     t.require(
                         moments,
-                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        batch_norm_tile_sums_rect(&p.tile),
                         ReadOnly,
                         Role::Moments,
                     );
@@ -188,7 +190,7 @@ impl Lowering<'_> {
                     t.require(dy, p.tile, ReadOnly, Role::OutputGrad);
                     t.require(
                         moments,
-                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        batch_norm_tile_sums_rect(&p.tile),
                         ReadOnly,
                         Role::Moments,
                     );
@@ -198,7 +200,7 @@ impl Lowering<'_> {
                     let mut t = phase(TaskKind::BnGradSums, p);
                     t.require(
                         sums,
-                        batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                        batch_norm_tile_sums_rect(&p.tile),
                         Reduce,
                         Role::GradSums,
                     );
@@ -212,7 +214,7 @@ impl Lowering<'_> {
                         self.params(&mut t, p, ReadOnly, |i| i == 0);
                         t.require(
                             sums,
-                            batch_norm_sums_rect(p.tile.lo[1]..p.tile.hi[1]),
+                            batch_norm_tile_sums_rect(&p.tile),
                             ReadOnly,
                             Role::GradSums,
                         );

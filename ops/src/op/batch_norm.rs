@@ -10,6 +10,11 @@ pub fn sums_rect(channels: std::ops::Range<usize>) -> Rect {
     Rect::new(&[0, channels.start], &[3, channels.end])
 }
 
+/// [`sums_rect`] of the channels of `tile`, an `[N, C, …]` block of a batch norm's output.
+pub fn tile_sums_rect(tile: &Rect) -> Rect {
+    sums_rect(tile.lo[1]..tile.hi[1])
+}
+
 /// Batch normalisation over N (and H, W for images) per channel, using the statistics of the whole
 /// batch in training whatever the partition: tiles reduce partial sums before normalising.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

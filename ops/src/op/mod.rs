@@ -18,7 +18,9 @@ mod sigmoid;
 mod softmax_ce;
 
 pub use add::Add;
-pub use batch_norm::{BatchNorm, sums_rect as batch_norm_sums_rect};
+pub use batch_norm::{
+    BatchNorm, sums_rect as batch_norm_sums_rect, tile_sums_rect as batch_norm_tile_sums_rect,
+};
 pub use concat::Concat;
 pub use conv2d::Conv2d;
 pub use dense::Dense;
