@@ -10,11 +10,13 @@
 #                                          $OUT (or DIR/out)
 #
 # The checks, in sections: `kernels` (every Backend primitive on the GPU against the CPU
-# kernels, a small model trained three steps on the GPU as on the CPU, the NVRTC compile test),
+# kernels, a small model trained three steps on the GPU as on the CPU with the next batch staged
+# ahead, `fastest` convolution algorithms against `precise` ones, the NVRTC compile test),
 # `equivalence` (every strategy on 4 GPU device actors sharing the GPU against the CPU's single
-# device: LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps), `throughput` (one GPU, strict
-# FP32, TF32, and strict FP32 with cuDNN's heuristic algorithms, for AlexNet 224 b128, VGG-16 224
-# b64, Inception-v3 299 b64, side by side with PyTorch in the same run), `trace` (AlexNet's step,
+# device, `precise` algorithms: LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps),
+# `throughput` (one GPU, strict FP32 and TF32 for AlexNet 224 b128, VGG-16 224 b64, Inception-v3
+# 299 b64 and ResNet-50 224 b64, side by side with PyTorch in the same run; AlexNet again with
+# each default turned off: `precise` and `heuristic` algorithms, no prefetch), `trace` (AlexNet's step,
 # op by op), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
 # the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),
 # `profile` (the three models' tiles for the paper's machine, 16 devices at 32 samples each, as
@@ -115,24 +117,28 @@ run)
         done
     fi
     if want throughput; then
-        # mode: strict FP32 or TF32, convolution algorithms timed (the default) or cuDNN's
-        # heuristic (LEGION_CUDNN_ALGOS=heuristic, strict FP32 only: the comparison of the two).
-        for mode in fp32 tf32 fp32-heuristic; do
-            tf32=""
-            [ "$mode" = tf32 ] && tf32=--tf32
-            algos=timed
-            [ "$mode" = fp32-heuristic ] && algos=heuristic
+        # mode: strict FP32 or TF32 with the defaults (the `fastest` convolution algorithms, the
+        # next batch staged while a step computes), then AlexNet with each default turned off in
+        # turn: `--conv-algos precise` and `heuristic`, `--no-prefetch`.
+        for mode in fp32 tf32 fp32-precise fp32-heuristic fp32-no-prefetch; do
+            flags=()
+            case "$mode" in
+            tf32) flags=(--tf32) ;;
+            fp32-precise) flags=(--conv-algos precise) ;;
+            fp32-heuristic) flags=(--conv-algos heuristic) ;;
+            fp32-no-prefetch) flags=(--no-prefetch) ;;
+            esac
             echo "=== throughput, legion-rs --device cuda (one GPU, $mode)"
-            runs="alexnet:224:128 vgg16:224:64 inception_v3:299:64"
-            [ "$mode" = fp32-heuristic ] && runs="alexnet:224:128"
+            runs="alexnet:224:128 vgg16:224:64 inception_v3:299:64 resnet50:224:64"
+            [[ "$mode" == fp32-* ]] && runs="alexnet:224:128"
             for run in $runs; do
                 IFS=: read -r model image batch <<<"$run"
                 log="$out/legion-$model-$mode.jsonl"
                 t=$(limit 60) || { skip "legion-rs $model $mode"; continue; }
                 start=$SECONDS
-                if LEGION_CUDNN_ALGOS=$algos timeout "$t" "$dir/legion-rs" train --device cuda \
+                if timeout "$t" "$dir/legion-rs" train --device cuda \
                     --devices 1 --model "$model" --image-size "$image" --batch "$batch" \
-                    --classes 1000 --steps 15 --json $tf32 >"$log" 2>"$out/legion-$model-$mode.err"
+                    --classes 1000 --steps 15 --json "${flags[@]}" >"$log" 2>"$out/legion-$model-$mode.err"
                 then
                     "$python" - "$log" "$model" "$image" "$batch" "$mode" <<'PY' | tee -a "$out/throughput-legion.jsonl"
 import json, statistics, sys
@@ -153,9 +159,9 @@ PY
         done
         echo "=== throughput, PyTorch on the same GPU (strict FP32, then TF32)"
         start=$SECONDS
-        if t=$(limit 120); then
+        if t=$(limit 150); then
             timeout "$t" "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 \
-                inception_v3:299:64 --both | tee -a "$out/throughput-pytorch.jsonl" \
+                inception_v3:299:64 resnet50:224:64 --both | tee -a "$out/throughput-pytorch.jsonl" \
                 || failures+=("pytorch")
         else
             skip pytorch

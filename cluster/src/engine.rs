@@ -46,7 +46,7 @@ pub struct StepBatch<'a> {
     pub images: Vec<f32>,
     pub labels: Vec<u32>,
     /// The following step's batch, if there is one: a cluster job delivers it to the workers
-    /// while this step runs.
+    /// while this step runs, the one-device trainer stages it on its device.
     pub next: Option<(&'a [f32], &'a [u32])>,
     /// Whether to report each device's timeline of this step.
     pub trace: bool,
@@ -98,10 +98,9 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
 /// link CUDA).
 impl<B: Backend> Engine for Trainer<B> {
     fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
-        Ok((
-            Trainer::step(self, &batch.images, &batch.labels)?,
-            Vec::new(),
-        ))
+        // The next batch is staged on the device while this step computes.
+        let stats = self.step_ahead(&batch.images, &batch.labels, batch.next)?;
+        Ok((stats, Vec::new()))
     }
 
     fn state(&mut self) -> anyhow::Result<TrainingState> {

@@ -86,6 +86,10 @@ pub struct ExampleArgs {
     /// On a GPU, TF32 tensor cores for products and convolutions: see `legion-rs train --help`.
     #[arg(long)]
     pub tf32: bool,
+    /// On a GPU, how convolution algorithms are picked (`fastest`, `precise`, `heuristic`): see
+    /// `legion-rs train --help`.
+    #[arg(long, default_value_t = legion_cli::ConvAlgos::default())]
+    pub conv_algos: legion_cli::ConvAlgos,
 }
 
 /// An example's sizes and learning rate when the flags leave them out.
@@ -188,6 +192,7 @@ pub fn run(
         resume: args.resume.clone(),
         device: args.device,
         tf32: args.tf32,
+        conv_algos: args.conv_algos,
         ..TrainOptions::default()
     };
     job::train(graph, &opts).context("training")?;

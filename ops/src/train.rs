@@ -274,6 +274,37 @@ pub struct Trainer<B: Backend = Cpu> {
     sgd: Sgd,
     seed: u64,
     step: u64,
+    /// The next step's batch, staged while this one computed (see [`Trainer::step_ahead`]).
+    ahead: Option<Ahead<B::Staged>>,
+    /// Whether [`Trainer::step_ahead`] stages the next batch during the step (the default).
+    prefetch: bool,
+}
+
+/// A batch staged for a later step, with what identifies it: its labels and its length.
+struct Ahead<S> {
+    staged: S,
+    labels: Vec<u32>,
+    images: usize,
+    /// A few of its image values, spread over the batch: a staged batch that is not the one
+    /// the step is given is dropped (and that one staged), not trained on.
+    probe: [f32; 4],
+}
+
+/// Four image values spread over a batch, for telling a staged batch from another.
+fn probe_of(images: &[f32]) -> [f32; 4] {
+    let n = images.len();
+    if n == 0 {
+        return [0.0; 4];
+    }
+    [0, n / 3, 2 * n / 3, n - 1].map(|i| images[i])
+}
+
+impl<S> Ahead<S> {
+    fn is_of(&self, images: &[f32], labels: &[u32]) -> bool {
+        self.images == images.len()
+            && self.labels == labels
+            && self.probe.map(f32::to_bits) == probe_of(images).map(f32::to_bits)
+    }
 }
 
 impl Trainer<Cpu> {
@@ -302,6 +333,8 @@ impl Trainer<Cpu> {
             sgd,
             seed,
             step,
+            ahead: None,
+            prefetch: true,
         }
     }
 }
@@ -335,7 +368,19 @@ impl<B: Backend> Trainer<B> {
             sgd,
             seed,
             step: state.step,
+            ahead: None,
+            prefetch: true,
         })
+    }
+
+    /// Whether [`Trainer::step_ahead`] stages the next batch while a step computes (on by
+    /// default; off, each step moves its own batch first, as a measurement of what prefetching
+    /// saves).
+    pub fn set_prefetch(&mut self, on: bool) {
+        self.prefetch = on;
+        if !on {
+            self.ahead = None;
+        }
     }
 
     /// The state to checkpoint (copied from the device).
@@ -371,7 +416,31 @@ impl<B: Backend> Trainer<B> {
     /// One forward, backward and update on a batch of `graph.batch()` samples (host memory).
     /// Labels are checked first, so a bad batch leaves the trainer as it was.
     pub fn step(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, KernelError> {
+        self.step_ahead(images, labels, None)
+    }
+
+    /// [`Trainer::step`], staging `next` (the following step's batch) on the device while this
+    /// step computes: on a GPU its copy then runs beside the kernels instead of before the next
+    /// step's first one. A next step given another batch than the staged one stages its own.
+    pub fn step_ahead(
+        &mut self,
+        images: &[f32],
+        labels: &[u32],
+        next: Option<(&[f32], &[u32])>,
+    ) -> Result<StepStats, KernelError> {
         check_labels(&self.graph, labels)?;
+        let expected = self.graph.layer(self.graph.input()).shape.numel();
+        assert_eq!(
+            images.len(),
+            expected,
+            "batch images do not match the input shape"
+        );
+        let (b, stream) = (&self.backend, &mut self.stream);
+        let staged = match self.ahead.take() {
+            Some(ahead) if ahead.is_of(images, labels) => ahead.staged,
+            _ => b.stage_batch(stream, images, labels)?,
+        };
+        let input = b.take_staged(stream, staged)?;
         let pass = Pass::new(
             &self.graph,
             &self.params,
@@ -382,8 +451,7 @@ impl<B: Backend> Trainer<B> {
             self.seed,
             self.step,
         );
-        let (b, stream) = (&self.backend, &mut self.stream);
-        let (acts, loss, saved) = pass.forward(b, stream, &mut self.weights)?;
+        let (acts, loss, saved) = pass.forward(b, stream, &mut self.weights, input)?;
         let grads = pass.backward(b, stream, &self.weights, &acts, &saved)?;
         for (slot, grad) in grads.into_iter().enumerate() {
             let Some(grad) = grad else { continue };
@@ -398,6 +466,21 @@ impl<B: Backend> Trainer<B> {
             KernelCall::new(b, stream, &self.graph, p.layer, rect, &pass.ctx, operands)
                 .run(Phase::Update { param })?;
         }
+        // The step is enqueued: stage the next batch into the other buffers while it runs, then
+        // give this one's images back for the step after.
+        if let Some((next_images, next_labels)) = next.filter(|_| self.prefetch)
+            && next_images.len() == expected
+            && check_labels(&self.graph, next_labels).is_ok()
+        {
+            self.ahead = Some(Ahead {
+                staged: b.stage_batch(stream, next_images, next_labels)?,
+                labels: next_labels.to_vec(),
+                images: next_images.len(),
+                probe: probe_of(next_images),
+            });
+        }
+        let mut acts = acts;
+        b.recycle_staged(stream, acts.swap_remove(self.graph.input().0));
         b.synchronize(stream)?;
         let stats = match loss {
             Some((loss, samples)) => {
@@ -575,18 +658,17 @@ impl<'a> Pass<'a> {
     /// Every layer's output, the pending loss with the number of samples it sums over, and what
     /// backward needs.
     #[allow(clippy::type_complexity)]
+    /// `input` holds the batch's images (a taken [`Backend::stage_batch`]): the input layer's
+    /// output, never copied.
     fn forward<B: Backend>(
         &self,
         b: &B,
         stream: &mut B::Stream,
         weights: &mut [B::Buffer],
+        input: B::Buffer,
     ) -> Result<(Vec<B::Buffer>, Option<(B::Loss, usize)>, Saved<B::Buffer>), KernelError> {
         let g = self.graph;
-        assert_eq!(
-            self.ctx.batch.images.len(),
-            g.layer(g.input()).shape.numel(),
-            "batch images do not match the input shape"
-        );
+        let mut input = Some(input);
         let mut acts: Vec<B::Buffer> = Vec::with_capacity(g.layers().len());
         let mut saved = Saved {
             moments: BTreeMap::new(),
@@ -595,6 +677,10 @@ impl<'a> Pass<'a> {
         for id in g.ids() {
             let layer = g.layer(id);
             let tile = self.full(id);
+            if id == g.input() {
+                acts.push(input.take().expect("one input layer"));
+                continue;
+            }
             let mut y = b.alloc_zeros(stream, DType::F32, layer.shape.numel())?;
             let mut operands: Vec<Operand<'_, B::Buffer>> = layer
                 .inputs
@@ -799,7 +885,10 @@ mod tests {
         );
         let mut stream = CpuStream;
         let mut buffers: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
-        let (acts, _, saved) = pass.forward(&Cpu, &mut stream, &mut buffers).unwrap();
+        let input = Buffer::F32(images.clone());
+        let (acts, _, saved) = pass
+            .forward(&Cpu, &mut stream, &mut buffers, input)
+            .unwrap();
         let grads = pass
             .backward(&Cpu, &mut stream, &buffers, &acts, &saved)
             .unwrap();
@@ -807,7 +896,10 @@ mod tests {
         let loss_at = |slot: usize, w: &[f32]| {
             let mut probe: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
             probe[slot] = Buffer::F32(w.to_vec());
-            let (_, loss, _) = pass.forward(&Cpu, &mut CpuStream, &mut probe).unwrap();
+            let input = Buffer::F32(images.clone());
+            let (_, loss, _) = pass
+                .forward(&Cpu, &mut CpuStream, &mut probe, input)
+                .unwrap();
             let (sums, samples) = loss.expect("the graph has a loss");
             sums.loss_sum / samples as f64
         };
@@ -888,5 +980,62 @@ mod tests {
         let rm = after.slot(graph.find("a_bn").unwrap(), 2);
         assert_ne!(after.values[rm], before.values[rm]);
         assert_eq!(t.steps(), 31);
+    }
+
+    #[test]
+    fn a_staged_next_batch_trains_as_the_batch_itself_and_a_wrong_one_is_not_trained_on() {
+        let graph = branchy(8);
+        let pixels = graph.layer(graph.input()).shape.numel();
+        let data: Vec<(Vec<f32>, Vec<u32>)> = (0..3)
+            .map(|k| {
+                let labels = (0..8).map(|i| ((i + k) % 3) as u32).collect();
+                (check::random(pixels, 10 + k as u64), labels)
+            })
+            .collect();
+        let run = |next_of: &dyn Fn(usize) -> Option<usize>, prefetch: bool| {
+            let mut t = Trainer::new(
+                graph.clone(),
+                ParamStore::init(&graph, 1),
+                Sgd::default(),
+                1,
+            );
+            t.set_prefetch(prefetch);
+            let losses: Vec<f32> = (0..data.len())
+                .map(|step| {
+                    let next = next_of(step).map(|n| (&data[n].0[..], &data[n].1[..]));
+                    t.step_ahead(&data[step].0, &data[step].1, next)
+                        .unwrap()
+                        .loss
+                })
+                .collect();
+            (losses, t.params().unwrap().values)
+        };
+        let plain = run(&|_| None, true);
+        // each step given the following batch, as a job gives it
+        assert_eq!(run(&|s| Some(s + 1).filter(|&n| n < 3), true), plain);
+        // step 0 given the last batch: step 1 drops it and stages its own
+        assert_eq!(
+            run(
+                &|s| Some(if s == 0 { 2 } else { s + 1 }).filter(|&n| n < 3),
+                true
+            ),
+            plain
+        );
+        // a batch differing only in its images (same labels) is told apart too
+        let mut lookalike = data[1].0.clone();
+        lookalike[pixels / 3] += 1.0;
+        let mut t = Trainer::new(
+            graph.clone(),
+            ParamStore::init(&graph, 1),
+            Sgd::default(),
+            1,
+        );
+        t.step_ahead(&data[0].0, &data[0].1, Some((&lookalike, &data[1].1)))
+            .unwrap();
+        for (images, labels) in &data[1..] {
+            t.step(images, labels).unwrap();
+        }
+        assert_eq!(t.params().unwrap().values, plain.1);
+        assert_eq!(run(&|s| Some(s + 1).filter(|&n| n < 3), false), plain);
     }
 }

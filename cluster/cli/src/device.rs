@@ -3,7 +3,7 @@
 //! a GPU; the job starts the engine it names.
 
 use legion_cluster::memory::human_bytes;
-use legion_cuda::{Cuda, CudaDevice, Math, ProbeError, Stream};
+use legion_cuda::{Cuda, CudaDevice, Math, ProbeError, Settings, Stream};
 use legion_ops::Graph;
 use legion_ops::memory;
 use legion_ops::partition::ParallelConfig;
@@ -114,8 +114,9 @@ pub fn start_gpus(
     choice: &mut DeviceChoice,
     kind: DeviceKind,
     devices: usize,
-    math: Math,
+    settings: Settings,
 ) -> anyhow::Result<Option<StartedGpus>> {
+    let math = settings.math;
     let Chosen::Cuda(gpus) = &choice.chosen else {
         if math == Math::Tf32 {
             choice.line += "; --tf32 applies to GPUs only";
@@ -125,7 +126,7 @@ pub fn start_gpus(
     let started: anyhow::Result<Vec<(Cuda, Stream)>> = gpus
         .iter()
         .map(|gpu| {
-            let cuda = Cuda::with_math(gpu.ordinal, math)
+            let cuda = Cuda::with_settings(gpu.ordinal, settings)
                 .map_err(|e| anyhow::Error::from(e).context(gpu.to_string()))?;
             // A stream proves cuBLAS and cuDNN load (device actors make their own; the
             // one-device trainer keeps the first GPU's).

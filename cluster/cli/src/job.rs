@@ -58,6 +58,11 @@ pub struct TrainOptions {
     pub memory_gib: Option<f64>,
     /// `--tf32`: a GPU's products and convolutions may use TF32 tensor cores.
     pub tf32: bool,
+    /// `--conv-algos`: how a GPU picks its convolution algorithms.
+    pub conv_algos: legion_cuda::ConvAlgos,
+    /// Whether the one-device trainer stages the next batch while a step computes
+    /// (`--no-prefetch` turns it off, to measure what it saves).
+    pub prefetch: bool,
 }
 
 impl Default for TrainOptions {
@@ -80,6 +85,8 @@ impl Default for TrainOptions {
             cluster_state: None,
             memory_gib: None,
             tf32: false,
+            conv_algos: legion_cuda::ConvAlgos::default(),
+            prefetch: true,
         }
     }
 }
@@ -274,7 +281,17 @@ impl Job {
         } else {
             legion_cuda::Math::StrictFp32
         };
-        let gpus = device::start_gpus(&mut device, opts.device, devices, math)?;
+        let settings = legion_cuda::Settings {
+            math,
+            conv_algos: opts.conv_algos,
+            // One device's buffers never leave its stream; device actors sharing a GPU hand
+            // theirs to each other.
+            sharing: match distributed {
+                false => legion_cuda::Sharing::WithinStreams,
+                true => legion_cuda::Sharing::AcrossStreams,
+            },
+        };
+        let gpus = device::start_gpus(&mut device, opts.device, devices, settings)?;
         let (configs, place) = if distributed {
             let (machine, place) = match &cluster {
                 Some((path, hosts, state)) => (
@@ -329,14 +346,10 @@ impl Job {
         let engine: Box<dyn Engine> = match gpus {
             Some(started) if !distributed => {
                 let (cuda, stream) = started.into_one();
-                Box::new(Trainer::resume_on(
-                    cuda,
-                    stream,
-                    graph.clone(),
-                    state,
-                    opts.sgd,
-                    opts.seed,
-                )?)
+                let mut trainer =
+                    Trainer::resume_on(cuda, stream, graph.clone(), state, opts.sgd, opts.seed)?;
+                trainer.set_prefetch(opts.prefetch);
+                Box::new(trainer)
             }
             gpus => {
                 let engine_place = match &cluster {

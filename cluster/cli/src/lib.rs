@@ -17,6 +17,8 @@ pub mod machine;
 mod progress;
 
 pub use commands::{Cli, Command, load_model, run};
+/// The GPU convolution-algorithm policy of `TrainOptions::conv_algos`.
+pub use legion_cuda::ConvAlgos;
 
 /// Lets a closed stdout end the process quietly, as it does for C tools (`legion-rs train | head`):
 /// Rust ignores SIGPIPE and then panics in `println!` on the broken pipe.

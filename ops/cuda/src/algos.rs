@@ -1,25 +1,27 @@
-//! Which cuDNN algorithm runs each convolution.
+//! Which cuDNN algorithm runs each convolution: the user's [`ConvAlgos`] policy.
 //!
-//! cuDNN's heuristic (its first answer to `cudnnGetConvolution*Algorithm_v7`) guesses from the
-//! problem's shape. By default, each distinct problem (shapes, padding, stride, groups,
-//! direction) is **timed** once on its stream: every candidate algorithm launched on the real
-//! operands, once to warm and once between CUDA events, the fastest kept for every later call
-//! (what PyTorch's `cudnn.benchmark` does). Timing blocks the submitting thread once per problem,
-//! never per step. `LEGION_CUDNN_ALGOS=heuristic` keeps cuDNN's heuristic. On the lent H200, with
-//! fewer candidates than now (no FFT or Winograd in strict FP32), the timed choice was slower than
-//! the heuristic's on AlexNet (BENCHMARKS.md, GPU); the current candidates are not measured yet.
+//! - **fastest** (the default): each distinct problem (shapes, padding, stride, groups,
+//!   direction) is **timed** once on its stream: every deterministic algorithm launched on the
+//!   real operands, once to warm and once between CUDA events, the fastest kept for every later
+//!   call (what PyTorch's `cudnn.benchmark` does). FFT and Winograd algorithms compete: they
+//!   compute in FP32 but round differently from a direct sum, by more than reordering a sum does
+//!   (on the lent H200 a LeNet-5 weight gradient moved 1.1e-4 relative where reordering alone
+//!   moves it 1.4e-7).
+//! - **precise**: timed the same way among the direct algorithms only (implicit GEMM, GEMM,
+//!   direct; no FFT, no Winograd), so results differ from the CPU's only by the order of the
+//!   sums. The GPU equivalence tests run this policy at their tight tolerance, and a test bounds
+//!   fastest against it.
+//! - **heuristic**: cuDNN's first answer to `cudnnGetConvolution*Algorithm_v7`, untimed, with
+//!   atomic backward algorithms replaced: the same choice in every process, so runs that must
+//!   repeat bit for bit (a run against its `--resume`) use it.
 //!
-//! Candidates keep the backend's promises:
+//! Timing blocks the submitting thread once per problem, never per step. Every policy keeps the
+//! backend's other promises:
 //! - **deterministic**: no backward algorithm that sums with atomics (data algorithm 0, filter
 //!   algorithms 0 and 3), so an algorithm gives the same bits every time it runs. Which candidate
-//!   wins the timing can differ from one process to the next (as with PyTorch's
-//!   `cudnn.benchmark`), and so can the last bits of the sums: runs that must repeat bit for bit
-//!   (a run against its `--resume`) use `LEGION_CUDNN_ALGOS=heuristic`;
+//!   wins a timing can differ from one process to the next, and so can the last bits of the sums;
 //! - **the stream's math**: the convolution descriptor's math type (FMA math for
-//!   [`crate::Math::StrictFp32`]) holds for every candidate, so no TF32 unless asked for. FFT and
-//!   Winograd algorithms compete in both modes: they compute in FP32, rounding differently from a
-//!   direct sum, which is the kind of difference the equivalence tests allow (on the lent H200
-//!   the heuristic's picks, these included, trained every strategy as the CPU does);
+//!   [`crate::Math::StrictFp32`]) holds for every candidate, so no TF32 unless asked for;
 //! - a workspace of at most [`WORKSPACE_CAP`] bytes while timing (the heuristic's own choice is
 //!   used whatever its workspace).
 
@@ -34,49 +36,99 @@ use std::collections::HashMap;
 use std::ffi::c_int;
 use std::sync::Arc;
 
-/// How the backend picks convolution algorithms.
+/// How the backend picks convolution algorithms (`--conv-algos`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum AlgorithmChoice {
-    /// Each problem's candidates timed once on the stream, the fastest kept (the default).
+pub enum ConvAlgos {
+    /// Each problem's deterministic algorithms timed once on the stream, the fastest kept.
     #[default]
-    Timed,
+    Fastest,
+    /// As `Fastest`, among the algorithms that sum directly (no FFT, no Winograd).
+    Precise,
     /// cuDNN's heuristic, with atomic backward algorithms replaced by deterministic ones.
     Heuristic,
 }
 
-impl AlgorithmChoice {
-    /// The environment variable that overrides the default.
-    pub const VARIABLE: &'static str = "LEGION_CUDNN_ALGOS";
+impl ConvAlgos {
+    pub const NAMES: [&'static str; 3] = ["fastest", "precise", "heuristic"];
 
-    /// From `LEGION_CUDNN_ALGOS` (`timed` or `heuristic`; unset: timed).
-    pub fn from_env() -> Result<AlgorithmChoice, String> {
-        match std::env::var(Self::VARIABLE) {
-            Err(_) => Ok(AlgorithmChoice::default()),
-            Ok(v) => v.parse(),
-        }
+    /// Whether the policy times candidates (rather than taking cuDNN's heuristic).
+    fn timed(self) -> bool {
+        self != ConvAlgos::Heuristic
+    }
+
+    /// Whether `algo` may run under this policy.
+    fn admits(self, algo: impl Transform) -> bool {
+        self != ConvAlgos::Precise || !algo.is_transform()
     }
 }
 
-impl std::str::FromStr for AlgorithmChoice {
+impl std::str::FromStr for ConvAlgos {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "timed" => Ok(AlgorithmChoice::Timed),
-            "heuristic" => Ok(AlgorithmChoice::Heuristic),
+            "fastest" => Ok(ConvAlgos::Fastest),
+            "precise" => Ok(ConvAlgos::Precise),
+            "heuristic" => Ok(ConvAlgos::Heuristic),
             other => Err(format!(
-                "{}={other:?}: expected \"timed\" or \"heuristic\"",
-                AlgorithmChoice::VARIABLE
+                "convolution algorithms {other:?}: expected one of {}",
+                ConvAlgos::NAMES.join(", ")
             )),
         }
     }
 }
 
-impl std::fmt::Display for AlgorithmChoice {
+impl std::fmt::Display for ConvAlgos {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            AlgorithmChoice::Timed => "timed",
-            AlgorithmChoice::Heuristic => "heuristic",
+            ConvAlgos::Fastest => "fastest",
+            ConvAlgos::Precise => "precise",
+            ConvAlgos::Heuristic => "heuristic",
         })
+    }
+}
+
+/// Algorithms that compute a convolution through a transform of its operands (FFT, Winograd)
+/// rather than by summing products directly.
+pub(crate) trait Transform: Copy {
+    fn is_transform(self) -> bool;
+}
+
+impl Transform for ForwardAlgo {
+    fn is_transform(self) -> bool {
+        use ForwardAlgo::*;
+        matches!(
+            self,
+            CUDNN_CONVOLUTION_FWD_ALGO_FFT
+                | CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING
+                | CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD
+                | CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED
+        )
+    }
+}
+
+impl Transform for DataAlgo {
+    fn is_transform(self) -> bool {
+        use DataAlgo::*;
+        matches!(
+            self,
+            CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT
+                | CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING
+                | CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD
+                | CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED
+        )
+    }
+}
+
+impl Transform for FilterAlgo {
+    fn is_transform(self) -> bool {
+        use FilterAlgo::*;
+        matches!(
+            self,
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT
+                | CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING
+                | CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD
+                | CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED
+        )
     }
 }
 
@@ -144,7 +196,7 @@ pub(crate) const FILTER_CANDIDATES: [FilterAlgo; 4] = {
 /// chosen there before, else cuDNN's `heuristic` or, when timing, the fastest of `candidates` as
 /// `launch` runs them (`timing` true; the heuristic's where none ran), kept in the stream's
 /// `table` for every later call.
-pub(crate) fn launch_chosen<A: Copy>(
+pub(crate) fn launch_chosen<A: Transform>(
     s: &mut Stream,
     table: fn(&mut Chosen) -> &mut HashMap<Problem, A>,
     problem: Problem,
@@ -156,9 +208,15 @@ pub(crate) fn launch_chosen<A: Copy>(
         Some(&algo) => algo,
         None => {
             let mut algo = heuristic()?;
-            if s.algorithms == AlgorithmChoice::Timed {
+            let policy = s.algorithms;
+            if policy.timed() {
                 let on = &*s;
-                algo = fastest(&on.stream, candidates, |a| launch(on, a, true)).unwrap_or(algo);
+                let admitted: Vec<A> = candidates
+                    .iter()
+                    .copied()
+                    .filter(|&a| policy.admits(a))
+                    .collect();
+                algo = fastest(&on.stream, &admitted, |a| launch(on, a, true)).unwrap_or(algo);
             }
             table(&mut s.chosen).insert(problem, algo);
             algo
@@ -221,13 +279,38 @@ mod tests {
     }
 
     #[test]
-    fn the_choice_reads_timed_or_heuristic_and_names_the_variable_otherwise() {
-        assert_eq!("timed".parse(), Ok(AlgorithmChoice::Timed));
-        assert_eq!("heuristic".parse(), Ok(AlgorithmChoice::Heuristic));
-        let e = "fast".parse::<AlgorithmChoice>().unwrap_err();
-        assert!(
-            e.contains("LEGION_CUDNN_ALGOS") && e.contains("heuristic"),
-            "{e}"
+    fn the_policy_reads_its_three_names_and_lists_them_otherwise() {
+        for name in ConvAlgos::NAMES {
+            let policy: ConvAlgos = name.parse().unwrap();
+            assert_eq!(policy.to_string(), name);
+        }
+        assert_eq!(ConvAlgos::default(), ConvAlgos::Fastest);
+        let e = "timed".parse::<ConvAlgos>().unwrap_err();
+        assert!(e.contains("fastest, precise, heuristic"), "{e}");
+    }
+
+    #[test]
+    fn precise_admits_the_direct_algorithms_only_and_fastest_every_candidate() {
+        let direct = |c: &[ForwardAlgo]| c.iter().filter(|a| !a.is_transform()).count();
+        assert_eq!(
+            direct(&FORWARD_CANDIDATES),
+            4,
+            "implicit GEMM x2, GEMM, direct"
         );
+        for a in FORWARD_CANDIDATES {
+            assert!(ConvAlgos::Fastest.admits(a));
+            assert_eq!(ConvAlgos::Precise.admits(a), !a.is_transform());
+        }
+        let data: Vec<_> = DATA_CANDIDATES
+            .into_iter()
+            .filter(|&a| ConvAlgos::Precise.admits(a))
+            .collect();
+        assert_eq!(data, [DataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_1]);
+        let filter: Vec<_> = FILTER_CANDIDATES
+            .into_iter()
+            .filter(|&a| ConvAlgos::Precise.admits(a))
+            .collect();
+        assert_eq!(filter, [FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1]);
+        assert!(!ConvAlgos::Heuristic.timed() && ConvAlgos::Precise.timed());
     }
 }

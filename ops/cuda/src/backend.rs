@@ -7,7 +7,7 @@
 //! from pageable host memory (`load_images`, the labels of the loss kernels) return once the driver
 //! has staged the data, which waits for the stream; downloads wait for the copy.
 
-use crate::algos::{AlgorithmChoice, Chosen};
+use crate::algos::{Chosen, ConvAlgos};
 use crate::kernels::{CompileError, Kernels, REDUCE_THREADS, WARP_ROWS_PER_BLOCK};
 use crate::probe::{Library, ProbeError, require};
 use cudarc::cublas::{CudaBlas, sys as cublas_sys};
@@ -88,13 +88,20 @@ pub struct Stream {
     /// The arithmetic cuBLAS and cuDNN may use on this stream.
     pub(crate) math: Math,
     /// How convolution algorithms are picked, and those picked so far (see [`crate::algos`]).
-    pub(crate) algorithms: AlgorithmChoice,
+    pub(crate) algorithms: ConvAlgos,
     pub(crate) chosen: Chosen,
     /// Page-locked host memory the batch's images are staged through (`load_images`), kept
     /// from step to step while the batch size stays.
-    input_staging: Option<cudarc::driver::PinnedHostSlice<f32>>,
+    input_staging: Option<(
+        cudarc::driver::PinnedHostSlice<f32>,
+        Option<cudarc::driver::CudaEvent>,
+    )>,
+    /// The copy stream and buffers of batches staged ahead (`stage_batch`), once one is.
+    pub(crate) batches: Option<crate::batches::BatchCopies>,
+    /// The labels of the batch the step being enqueued took (`take_staged`).
+    pub(crate) labels: Option<crate::batches::DeviceLabels>,
     /// The first failure to enqueue, reported by `synchronize`; later work is skipped.
-    failure: Option<String>,
+    pub(crate) failure: Option<String>,
 }
 
 // SAFETY: cudarc leaves `Cudnn` !Send to keep a handle from being used by two threads at once;
@@ -311,7 +318,7 @@ fn keep_freed_memory_pooled(context: &Arc<CudaContext>) -> Result<(), DriverErro
 
 /// `dst.copy_from_slice(src)` on several threads when there is enough to share: one thread
 /// copies a few GB/s, the memory system several times that.
-fn parallel_copy(src: &[f32], dst: &mut [f32]) {
+pub(crate) fn parallel_copy(src: &[f32], dst: &mut [f32]) {
     /// Below this many elements (16 MiB) one thread is as quick as starting others.
     const PER_THREAD: usize = 1 << 22;
     let threads = std::thread::available_parallelism()
@@ -337,8 +344,7 @@ const NULL: u64 = 0;
 pub struct Cuda {
     pub(crate) context: Arc<CudaContext>,
     pub(crate) kernels: Kernels,
-    math: Math,
-    algorithms: AlgorithmChoice,
+    settings: Settings,
 }
 
 /// The arithmetic of matrix products and convolutions.
@@ -353,15 +359,49 @@ pub enum Math {
     Tf32,
 }
 
+/// Whether buffers move between the streams of this backend's context.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharing {
+    /// Devices sharing a GPU hand buffers to each other's streams: cudarc records an event at
+    /// every use of every buffer and makes another stream wait for it (the default).
+    #[default]
+    AcrossStreams,
+    /// Every buffer is used on the stream that allocated it, and the backend orders its copy
+    /// streams with events of its own (`crate::batches`): cudarc's two event calls per operand
+    /// of every launch and two event creations per allocation are saved. The one-device
+    /// trainer's setting; device actors that exchange buffers must not use it.
+    WithinStreams,
+}
+
+/// How a [`Cuda`] backend computes and orders its work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Settings {
+    pub math: Math,
+    pub conv_algos: ConvAlgos,
+    pub sharing: Sharing,
+}
+
 impl Cuda {
-    /// The backend on GPU `ordinal`: checks the libraries first (see [`crate::probe`]), then
-    /// creates the context and loads the kernels (compiled once per process).
+    /// The backend on GPU `ordinal` with the default [`Settings`]: checks the libraries first
+    /// (see [`crate::probe`]), then creates the context and loads the kernels (compiled once per
+    /// process).
     pub fn new(ordinal: usize) -> Result<Cuda, StartError> {
-        Cuda::with_math(ordinal, Math::StrictFp32)
+        Cuda::with_settings(ordinal, Settings::default())
     }
 
     /// [`Cuda::new`] whose streams compute with `math`.
     pub fn with_math(ordinal: usize, math: Math) -> Result<Cuda, StartError> {
+        Cuda::with_settings(
+            ordinal,
+            Settings {
+                math,
+                ..Settings::default()
+            },
+        )
+    }
+
+    /// [`Cuda::new`] with `settings`.
+    pub fn with_settings(ordinal: usize, settings: Settings) -> Result<Cuda, StartError> {
         let devices = crate::probe::probe()?;
         if ordinal >= devices.len() {
             return Err(StartError::Device {
@@ -373,28 +413,34 @@ impl Cuda {
             ordinal,
             error: e.to_string(),
         };
-        let algorithms =
-            AlgorithmChoice::from_env().map_err(|error| StartError::Device { ordinal, error })?;
         let context = CudaContext::new(ordinal).map_err(device_error)?;
+        if settings.sharing == Sharing::WithinStreams {
+            // SAFETY: before any buffer of this context exists; every buffer is then used on the
+            // stream that allocated it, and copy streams wait for explicit events (`Sharing`).
+            unsafe { context.disable_event_tracking() };
+        }
         // Only speed depends on it: a driver that refuses leaves the default behaviour.
         let _ = keep_freed_memory_pooled(&context);
         let kernels = Kernels::load(&context)?;
         Ok(Cuda {
             context,
             kernels,
-            math,
-            algorithms,
+            settings,
         })
     }
 
+    pub fn settings(&self) -> Settings {
+        self.settings
+    }
+
     /// How this backend's streams pick convolution algorithms.
-    pub fn algorithms(&self) -> AlgorithmChoice {
-        self.algorithms
+    pub fn conv_algos(&self) -> ConvAlgos {
+        self.settings.conv_algos
     }
 
     /// The arithmetic of this backend's streams.
     pub fn math(&self) -> Math {
-        self.math
+        self.settings.math
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -444,7 +490,7 @@ impl Cuda {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device(format!("cuBLAS: {e}")))?;
         // Default math is plain FP32 SGEMM; TF32 tensor cores need CUBLAS_TF32_TENSOR_OP_MATH,
         // set only when asked for. Stated explicitly so that an inherited default cannot change it.
-        let mode = match self.math {
+        let mode = match self.settings.math {
             Math::StrictFp32 => cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
             Math::Tf32 => cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
         };
@@ -457,10 +503,12 @@ impl Cuda {
             stream,
             blas,
             cudnn,
-            math: self.math,
-            algorithms: self.algorithms,
+            math: self.settings.math,
+            algorithms: self.settings.conv_algos,
             chosen: Chosen::default(),
             input_staging: None,
+            batches: None,
+            labels: None,
             failure: None,
         })
     }
@@ -730,14 +778,15 @@ impl Cuda {
         Ok(())
     }
 
-    /// Uploads a tile's labels after checking them against the class count, as the CPU does.
-    fn labels(
+    /// A tile's labels on the device, after checking them against the class count as the CPU
+    /// does: those of the staged batch the step took where they are the same, else uploaded.
+    fn labels<'s>(
         &self,
-        s: &Stream,
+        s: &'s Stream,
         labels: &[u32],
         first_row: usize,
         classes: usize,
-    ) -> Result<Result<CudaSlice<u32>, Failure>, LabelOutOfRange> {
+    ) -> Result<Result<TileLabels<'s>, Failure>, LabelOutOfRange> {
         if let Some(i) = labels.iter().position(|&l| l as usize >= classes) {
             return Err(LabelOutOfRange {
                 sample: first_row + i,
@@ -745,7 +794,15 @@ impl Cuda {
                 classes,
             });
         }
-        Ok(s.stream.clone_htod(labels).map_err(Failure::from))
+        if let Some(staged) = &s.labels
+            && let Some(rows) = staged.rows(labels, first_row)
+        {
+            return Ok(Ok(TileLabels::Staged(staged.device.slice(rows))));
+        }
+        Ok(s.stream
+            .clone_htod(labels)
+            .map(TileLabels::Uploaded)
+            .map_err(Failure::from))
     }
 
     fn check_loss_tile(logits: &Rect, labels: &[u32], out: &Rect, out_columns: usize) {
@@ -766,6 +823,22 @@ impl Cuda {
     }
 }
 
+/// A loss tile's labels on the device.
+enum TileLabels<'s> {
+    /// Rows of the staged batch's labels.
+    Staged(cudarc::driver::CudaView<'s, u32>),
+    Uploaded(CudaSlice<u32>),
+}
+
+impl TileLabels<'_> {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        match self {
+            TileLabels::Staged(view) => b.arg(view),
+            TileLabels::Uploaded(slice) => b.arg(slice),
+        };
+    }
+}
+
 /// The statistics operands of the batch-norm kernels: `[3, C]` sums over channels `[lo, lo + C)`.
 fn sums_range(sums: &In<Buffer>) -> (i64, i64) {
     (sums.rect.lo[1] as i64, sums.rect.extent(1) as i64)
@@ -775,6 +848,7 @@ impl Backend for Cuda {
     type Buffer = Buffer;
     type Stream = Stream;
     type Loss = PendingLoss;
+    type Staged = crate::batches::StagedBatch;
 
     /// A zeroed buffer of `len` elements.
     fn alloc_zeros(&self, s: &mut Stream, dtype: DType, len: usize) -> Result<Buffer, KernelError> {
@@ -834,6 +908,30 @@ impl Backend for Cuda {
         }
     }
 
+    fn stage_batch(
+        &self,
+        s: &mut Stream,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<crate::batches::StagedBatch, KernelError> {
+        self.stage_batch_on(s, images, labels)
+    }
+
+    fn take_staged(
+        &self,
+        s: &mut Stream,
+        staged: crate::batches::StagedBatch,
+    ) -> Result<Buffer, KernelError> {
+        self.take_staged_on(s, staged).map(Buffer::F32)
+    }
+
+    fn recycle_staged(&self, s: &mut Stream, images: Buffer) {
+        match images {
+            Buffer::F32(images) => self.recycle_staged_on(s, images),
+            Buffer::F64(_) => panic!("a batch's images are f32"),
+        }
+    }
+
     fn load_images(
         &self,
         s: &mut Stream,
@@ -869,8 +967,8 @@ impl Backend for Cuda {
                     input_staging,
                     ..
                 } = s;
-                let staging = match input_staging {
-                    Some(p) if p.len() == host.len() => p,
+                let (staging, copied_out) = match input_staging {
+                    Some((p, _)) if p.len() == host.len() => input_staging.as_mut().unwrap(),
                     slot => {
                         *slot = None;
                         // every element is written below before the copy reads it
@@ -879,12 +977,17 @@ impl Backend for Cuda {
                             host.len(),
                             crate::staging::Direction::ToDevice,
                         )?;
-                        slot.insert(fresh)
+                        slot.insert((fresh, None))
                     }
                 };
-                // waits for the last copy out of it
+                // waits for the last copy out of it (an event of our own: cudarc records one
+                // only while it tracks buffer uses)
+                if let Some(event) = copied_out.take() {
+                    event.synchronize()?;
+                }
                 parallel_copy(host, staging.as_mut_slice()?);
                 stream.memcpy_htod(staging, dst)?;
+                *copied_out = Some(stream.record_event(None)?);
                 return Ok(());
             }
             let staged = s.stream.clone_htod(host)?;
@@ -1213,14 +1316,9 @@ impl Backend for Cuda {
                     (logits.rect.lo[0] as i64, classes as i64, first_row as i64);
                 let loss = y.mem.f32_mut();
                 let mut b = s.stream.launch_builder(&self.kernels.softmax_ce_rows);
-                b.arg(logits.mem.f32())
-                    .arg(&logits_row0)
-                    .arg(&classes)
-                    .arg(&labels)
-                    .arg(&row0)
-                    .arg(&rows)
-                    .arg(&mut *loss)
-                    .arg(&mut correct);
+                b.arg(logits.mem.f32()).arg(&logits_row0).arg(&classes);
+                labels.push(&mut b);
+                b.arg(&row0).arg(&rows).arg(&mut *loss).arg(&mut correct);
                 // SAFETY: the arguments match the kernel's signature; rows lie in the logits.
                 unsafe { b.launch(softmax_rows(rows)) }?;
                 let mut b = s.stream.launch_builder(&self.kernels.loss_totals);
@@ -1267,11 +1365,9 @@ impl Backend for Cuda {
             let (logits_row0, classes, row0) =
                 (logits.rect.lo[0] as i64, classes as i64, first_row as i64);
             let mut b = s.stream.launch_builder(&self.kernels.softmax_ce_backward);
-            b.arg(logits.mem.f32())
-                .arg(&logits_row0)
-                .arg(&classes)
-                .arg(&labels)
-                .arg(&row0)
+            b.arg(logits.mem.f32()).arg(&logits_row0).arg(&classes);
+            labels.push(&mut b);
+            b.arg(&row0)
                 .arg(&rows)
                 .arg(&scale)
                 .arg(dlogits.mem.f32_mut());

@@ -4,8 +4,10 @@
 //! - [`Cuda`]: `legion_ops::backend::Backend` on one GPU: convolutions through cuDNN, dense layers
 //!   through cuBLAS SGEMM, everything else through the CUDA C++ kernels of `kernels.cu`, compiled
 //!   once per process by NVRTC ([`kernels`]).
-//! - [`AlgorithmChoice`]: convolution algorithms timed once per problem (the default) or cuDNN's
-//!   heuristic (`LEGION_CUDNN_ALGOS=heuristic`).
+//! - [`ConvAlgos`]: the convolution-algorithm policy (`--conv-algos`): the fastest deterministic
+//!   algorithm timed once per problem (the default), the fastest that sums directly (precise),
+//!   or cuDNN's heuristic.
+//! - [`Settings`]: math, that policy, and whether buffers move between streams ([`Sharing`]).
 //! - [`Staging`], [`Marker`]: page-locked host buffers and timing events, for the runtime's GPU
 //!   device actors (copies to and from the host that never hold the submitting thread).
 //!
@@ -20,13 +22,15 @@
 
 mod algos;
 mod backend;
+mod batches;
 mod conv;
 mod dense;
 pub mod kernels;
 pub mod probe;
 mod staging;
 
-pub use algos::AlgorithmChoice;
-pub use backend::{Buffer, Cuda, Math, PendingLoss, StartError, Stream};
+pub use algos::ConvAlgos;
+pub use backend::{Buffer, Cuda, Math, PendingLoss, Settings, Sharing, StartError, Stream};
+pub use batches::StagedBatch;
 pub use probe::{CudaDevice, ProbeError, probe};
 pub use staging::{Direction, Marker, Staging};

@@ -203,6 +203,8 @@ pub trait Backend {
     type Stream;
     /// A loss kernel's report, readable with [`Backend::read_loss`] once its stream synchronized.
     type Loss;
+    /// A step's whole batch on its way to the device (see [`Backend::stage_batch`]).
+    type Staged;
 
     /// `len` zeros of `dtype` in device memory (enqueued on `s`).
     fn alloc_zeros(
@@ -228,6 +230,31 @@ pub trait Backend {
     fn synchronize(&self, stream: &mut Self::Stream) -> Result<(), KernelError>;
     /// A loss report, after its stream synchronized.
     fn read_loss(&self, loss: Self::Loss) -> LossSums;
+
+    /// Starts moving a step's whole batch to the device: `images` laid out as the input layer's
+    /// output, and the labels with them. Work on `s` is not ordered after it, so a batch staged
+    /// while the previous step computes is on the device when its step begins (on a GPU the
+    /// copies run on a copy stream of their own, from page-locked memory). The host data may be
+    /// dropped once this returns.
+    fn stage_batch(
+        &self,
+        s: &mut Self::Stream,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<Self::Staged, KernelError>;
+
+    /// Takes a staged batch for the step about to be enqueued on `s`: work enqueued on `s` from
+    /// now on waits for its copies, its images come back as the input layer's output, and the
+    /// loss kernels of the step find its labels on the device.
+    fn take_staged(
+        &self,
+        s: &mut Self::Stream,
+        staged: Self::Staged,
+    ) -> Result<Self::Buffer, KernelError>;
+
+    /// Hands back the images of a taken batch once its step is enqueued: a later
+    /// [`Backend::stage_batch`] may refill them after `s` has run what is enqueued now.
+    fn recycle_staged(&self, s: &mut Self::Stream, images: Self::Buffer);
 
     /// Copies `tile` of the step's host images (laid out over `held`) into `y`.
     fn load_images(

@@ -76,6 +76,9 @@ pub struct ProfileArgs {
     /// On a GPU: profile TF32 tensor-core products and convolutions instead of strict FP32.
     #[arg(long)]
     tf32: bool,
+    /// On a GPU, how convolution algorithms are picked (as `train --conv-algos`).
+    #[arg(long, default_value_t = legion_cuda::ConvAlgos::default())]
+    conv_algos: legion_cuda::ConvAlgos,
     /// The machine model's device kind the entries are stored under (default: --machine's, else
     /// `cpu` on the CPU and `h100` on a GPU, `h100-tf32` with --tf32); `plan --profile` prices a
     /// machine's devices with the entries of their kind (`p100` for the paper's machine).
@@ -103,7 +106,12 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         true => legion_cuda::Math::Tf32,
         false => legion_cuda::Math::StrictFp32,
     };
-    let gpus = device::start_gpus(&mut choice, a.device, devices, math)?;
+    let settings = legion_cuda::Settings {
+        math,
+        conv_algos: a.conv_algos,
+        sharing: legion_cuda::Sharing::AcrossStreams,
+    };
+    let gpus = device::start_gpus(&mut choice, a.device, devices, settings)?;
     if !a.json {
         println!("{}", choice.line);
     }
@@ -328,7 +336,7 @@ fn profile_on_gpu(
     let software = legion_cuda::probe::software_versions().unwrap_or_else(|e| e.to_string());
     let math = if a.tf32 { "TF32" } else { "strict FP32" };
     measured.db.measured_on = Some(legion_planner::profile::MeasuredOn {
-        device: format!("{gpu}, {math}, cuDNN algorithms {}", cudas[0].algorithms()),
+        device: format!("{gpu}, {math}, cuDNN algorithms {}", cudas[0].conv_algos()),
         software,
         date: utc_date(),
         command: std::env::args().collect::<Vec<_>>().join(" "),

@@ -81,6 +81,16 @@ pub struct TrainArgs {
     /// (several times faster, ~1e-3 relative error per product); strict FP32 without it.
     #[arg(long)]
     tf32: bool,
+    /// On a GPU, how convolution algorithms are picked: `fastest` times each problem's
+    /// deterministic algorithms once and keeps the fastest; `precise` does so among those that
+    /// sum directly (no FFT or Winograd, whose rounding differs more from the CPU's);
+    /// `heuristic` takes cuDNN's pick untimed (the same in every run).
+    #[arg(long, default_value_t = legion_cuda::ConvAlgos::default())]
+    conv_algos: legion_cuda::ConvAlgos,
+    /// On one device, do not stage the next batch on the device while a step computes (each
+    /// step then moves its own batch first): to measure what prefetching saves.
+    #[arg(long)]
+    no_prefetch: bool,
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -107,6 +117,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         device: a.device,
         memory_gib: a.memory_gib,
         tf32: a.tf32,
+        conv_algos: a.conv_algos,
+        prefetch: !a.no_prefetch,
     };
     job::train(graph, &opts)?;
     Ok(())

@@ -88,11 +88,12 @@ fn placement(
             .len(),
     };
     let mut choice = choose(DeviceKind::Cuda, devices, false, legion_cuda::probe)?;
+    // A worker's devices exchange slices through the GPUs' streams: cudarc orders the uses.
     let started = start_gpus(
         &mut choice,
         DeviceKind::Cuda,
         devices,
-        legion_cuda::Math::StrictFp32,
+        legion_cuda::Settings::default(),
     )?
     .expect("--device cuda starts GPUs or fails");
     eprintln!("{}", choice.line);

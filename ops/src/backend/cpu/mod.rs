@@ -74,6 +74,8 @@ impl Backend for Cpu {
     type Buffer = Buffer;
     type Stream = CpuStream;
     type Loss = LossSums;
+    /// Host memory is the device's: staging is the copy `load_images` would make.
+    type Staged = Buffer;
 
     fn alloc_zeros(
         &self,
@@ -107,6 +109,21 @@ impl Backend for Cpu {
     fn read_loss(&self, loss: LossSums) -> LossSums {
         loss
     }
+
+    fn stage_batch(
+        &self,
+        _: &mut CpuStream,
+        images: &[f32],
+        _labels: &[u32],
+    ) -> Result<Buffer, KernelError> {
+        Ok(Buffer::F32(images.to_vec()))
+    }
+
+    fn take_staged(&self, _: &mut CpuStream, staged: Buffer) -> Result<Buffer, KernelError> {
+        Ok(staged)
+    }
+
+    fn recycle_staged(&self, _: &mut CpuStream, _images: Buffer) {}
 
     fn load_images(
         &self,

@@ -1,0 +1,234 @@
+//! Batches staged ahead of their step: the GPU's side of `Backend::stage_batch`.
+//!
+//! A step's batch (AlexNet 224 b128: 77 MB of images) takes milliseconds to cross the bus, and
+//! longer to be written into page-locked memory first. Done at the start of a step, both hold
+//! the GPU idle; done while the previous step computes, neither does. So a stream has a **copy
+//! stream** beside it and two of everything a batch needs:
+//! - page-locked host buffers (images, labels), filled on the caller's thread by several threads
+//!   and copied from in turn: filling one waits only for the copy out of it two batches ago;
+//! - device image buffers: a taken batch's buffer is handed back once its step is enqueued
+//!   (`recycle_staged`) with an event recorded on the compute stream, and the copy stream waits
+//!   for that event before refilling it, so a copy never overtakes the step that reads the
+//!   buffer, and never waits for the step that runs beside it.
+//!
+//! The compute stream waits for the batch's copies (an event recorded behind them) when the step
+//! takes it; the labels it holds from then on serve that step's loss kernels without an upload.
+//! Every buffer is allocated on the compute stream, which frees it, so the ordering holds whether
+//! or not cudarc tracks buffer uses across streams.
+
+use crate::backend::{Cuda, Failure, Stream};
+use crate::staging::{Direction, pinned};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use legion_ops::backend::KernelError;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// A batch on its way to the device: `Backend::Staged` of the CUDA backend.
+#[derive(Debug)]
+pub struct StagedBatch {
+    /// Both taken by `take_staged`.
+    images: Option<CudaSlice<f32>>,
+    labels: Option<CudaSlice<u32>>,
+    host_labels: Vec<u32>,
+    /// Recorded on the copy stream behind both copies.
+    copied: CudaEvent,
+    /// The stream that allocated the buffers and frees them.
+    compute: Arc<CudaStream>,
+}
+
+impl Drop for StagedBatch {
+    /// A batch dropped untaken (its step was given another) must not be freed while its copy
+    /// may still write it: the compute stream, which frees it, waits for the copy first.
+    fn drop(&mut self) {
+        if self.images.is_some() || self.labels.is_some() {
+            let waited = self.compute.wait(&self.copied);
+            self.compute.context().record_err(waited);
+        }
+    }
+}
+
+/// The labels of the step being enqueued, on the device, and the host values they hold.
+#[derive(Debug)]
+pub(crate) struct DeviceLabels {
+    pub(crate) host: Vec<u32>,
+    pub(crate) device: CudaSlice<u32>,
+}
+
+impl DeviceLabels {
+    /// Where `labels`, the labels of rows `first_row..` of the batch, already are on the device.
+    pub(crate) fn rows(&self, labels: &[u32], first_row: usize) -> Option<Range<usize>> {
+        rows_holding(&self.host, labels, first_row)
+    }
+}
+
+/// The rows of `held` that hold `labels` at `first_row`, if they do.
+fn rows_holding(held: &[u32], labels: &[u32], first_row: usize) -> Option<Range<usize>> {
+    let rows = first_row..first_row.checked_add(labels.len())?;
+    (held.get(rows.clone())? == labels).then_some(rows)
+}
+
+/// One of the two host-side sets a batch is copied from.
+struct HostSlot {
+    images: PinnedHostSlice<f32>,
+    labels: PinnedHostSlice<u32>,
+    /// Recorded behind the last copies out of them: cudarc records its own only while it
+    /// tracks buffer uses (`Sharing::AcrossStreams`).
+    copied_out: Option<CudaEvent>,
+}
+
+/// A stream's copy stream and the buffers batches move through.
+pub(crate) struct BatchCopies {
+    copy: Arc<CudaStream>,
+    slots: [Option<HostSlot>; 2],
+    next_slot: usize,
+    /// Device image buffers of enqueued steps, each with the compute-stream event after which
+    /// nothing reads it.
+    free: Vec<(CudaSlice<f32>, CudaEvent)>,
+}
+
+impl std::fmt::Debug for BatchCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchCopies")
+            .field("free", &self.free.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn record(stream: &CudaStream) -> Result<CudaEvent, Failure> {
+    Ok(stream.record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?)
+}
+
+impl Cuda {
+    pub(crate) fn stage_batch_on(
+        &self,
+        s: &mut Stream,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<StagedBatch, KernelError> {
+        let failed = |Failure(e)| KernelError::Device(format!("staging a batch: {e}"));
+        self.context
+            .bind_to_thread()
+            .map_err(|e| failed(e.into()))?;
+        self.stage(s, images, labels).map_err(failed)
+    }
+
+    fn stage(
+        &self,
+        s: &mut Stream,
+        images: &[f32],
+        labels: &[u32],
+    ) -> Result<StagedBatch, Failure> {
+        let compute = s.stream.clone();
+        if s.batches.is_none() {
+            s.batches = Some(BatchCopies {
+                copy: self.context.new_stream()?,
+                slots: [None, None],
+                next_slot: 0,
+                free: Vec::new(),
+            });
+        }
+        let copies = s.batches.as_mut().expect("made above");
+        let slot = &mut copies.slots[copies.next_slot];
+        copies.next_slot = (copies.next_slot + 1) % 2;
+        if slot
+            .as_ref()
+            .is_none_or(|h| h.images.len() != images.len() || h.labels.len() != labels.len())
+        {
+            *slot = None;
+            *slot = Some(HostSlot {
+                images: pinned(self, images.len(), Direction::ToDevice)?,
+                labels: pinned(self, labels.len(), Direction::ToDevice)?,
+                copied_out: None,
+            });
+        }
+        let host = slot.as_mut().expect("made above");
+        // Waits for the copies out of it two batches ago, then every element is written.
+        if let Some(copied_out) = host.copied_out.take() {
+            copied_out.synchronize()?;
+        }
+        crate::backend::parallel_copy(images, host.images.as_mut_slice()?);
+        host.labels.as_mut_slice()?.copy_from_slice(labels);
+
+        // A device buffer no enqueued step reads after its event, or a new one; both the images
+        // and the labels are allocated on the compute stream, which frees them.
+        let reusable = copies
+            .free
+            .iter()
+            .position(|(b, _)| b.len() == images.len());
+        let (mut device_images, free_after) = match reusable {
+            Some(i) => copies.free.swap_remove(i),
+            None => {
+                // SAFETY: the copy below writes every element before any kernel reads it.
+                let fresh = unsafe { compute.alloc::<f32>(images.len()) }?;
+                (fresh, record(&compute)?)
+            }
+        };
+        // SAFETY: as above, the labels' copy writes every element.
+        let mut device_labels = unsafe { compute.alloc::<u32>(labels.len()) }?;
+        let allocated = record(&compute)?;
+        copies.copy.wait(&free_after)?;
+        copies.copy.wait(&allocated)?;
+        copies.copy.memcpy_htod(&host.images, &mut device_images)?;
+        copies.copy.memcpy_htod(&host.labels, &mut device_labels)?;
+        let copied = record(&copies.copy)?;
+        host.copied_out = Some(record(&copies.copy)?);
+        Ok(StagedBatch {
+            images: Some(device_images),
+            labels: Some(device_labels),
+            host_labels: labels.to_vec(),
+            copied,
+            compute,
+        })
+    }
+
+    pub(crate) fn take_staged_on(
+        &self,
+        s: &mut Stream,
+        mut staged: StagedBatch,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        s.stream
+            .wait(&staged.copied)
+            .map_err(|e| KernelError::Device(format!("waiting for a staged batch: {e}")))?;
+        let (Some(images), Some(labels)) = (staged.images.take(), staged.labels.take()) else {
+            unreachable!("a staged batch is taken once: take_staged consumes it")
+        };
+        s.labels = Some(DeviceLabels {
+            host: std::mem::take(&mut staged.host_labels),
+            device: labels,
+        });
+        Ok(images)
+    }
+
+    pub(crate) fn recycle_staged_on(&self, s: &mut Stream, images: CudaSlice<f32>) {
+        let Some(copies) = s.batches.as_mut() else {
+            return;
+        };
+        // Two buffers alternate; a third (a batch staged and then not used) is let go.
+        if copies.free.len() >= 2 {
+            return;
+        }
+        match record(&s.stream) {
+            Ok(event) => copies.free.push((images, event)),
+            Err(Failure(e)) => {
+                s.failure.get_or_insert(format!("recycling a batch: {e}"));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staged_labels_serve_the_rows_they_hold_and_no_others() {
+        let held = [3u32, 1, 4, 1, 5];
+        assert_eq!(rows_holding(&held, &[3, 1, 4, 1, 5], 0), Some(0..5));
+        assert_eq!(rows_holding(&held, &[4, 1], 2), Some(2..4));
+        assert_eq!(rows_holding(&held, &[4, 2], 2), None, "other values");
+        assert_eq!(rows_holding(&held, &[5, 9], 4), None, "past the batch");
+        assert_eq!(rows_holding(&held, &[1], usize::MAX), None, "no overflow");
+        assert_eq!(rows_holding(&held, &[], 5), Some(5..5), "an empty tile");
+    }
+}
