@@ -16,8 +16,9 @@
 # device, `precise` algorithms: LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps),
 # `throughput` (one GPU, strict FP32 and TF32 for AlexNet 224 b128, VGG-16 224 b64, Inception-v3
 # 299 b64 and ResNet-50 224 b64, side by side with PyTorch in the same run; AlexNet again with
-# each default turned off: `precise` and `heuristic` algorithms, no prefetch), `trace` (AlexNet's step,
-# op by op), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
+# each default turned off: `precise` and `heuristic` algorithms, no prefetch; with the host's
+# split of each step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's
+# and ResNet-50's one-device step call by call, and PyTorch's kernels in one step), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
 # the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),
 # `profile` (the three models' tiles for the paper's machine, 16 devices at 32 samples each, as
 # many as the time left allows: $OUT/profile-paper.json for `plan --machine paper --profile`).
@@ -144,10 +145,12 @@ run)
 import json, statistics, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l and '"summary"' not in l]
 ms = statistics.median(s["step_ms"] for s in steps[5:])
+host = {k: statistics.median(s.get(k, 0.0) for s in steps[5:])
+        for k in ("enqueue_ms", "stage_ms", "wait_ms")}
 print(json.dumps({"peer": "legion-rs", "model": sys.argv[2], "image": int(sys.argv[3]),
                   "batch": int(sys.argv[4]), "mode": sys.argv[5], "tf32": sys.argv[5] == "tf32",
                   "first_step_ms": steps[0]["step_ms"], "median_step_ms": ms,
-                  "images_per_sec": int(sys.argv[4]) / ms * 1e3}))
+                  "images_per_sec": int(sys.argv[4]) / ms * 1e3, **host}))
 PY
                 else
                     echo "legion-rs $model $mode failed:"
@@ -177,26 +180,31 @@ def rows(path):
         return []
 ours, peer = rows(sys.argv[1]), rows(sys.argv[2])
 torch = {(r["model"], r["tf32"]): r["median_step_ms"] for r in peer}
-print("| model | mode | legion-rs ms | PyTorch ms | ratio | legion-rs first step ms |")
-print("|---|---|---:|---:|---:|---:|")
+print("| model | mode | legion-rs ms | PyTorch ms | ratio | legion-rs first step ms "
+      "| host: enqueue / stage / wait ms |")
+print("|---|---|---:|---:|---:|---:|---:|")
 for r in sorted(ours, key=lambda r: (r["model"], r["mode"])):
     b = torch.get((r["model"], r["tf32"]))
     ratio = f"{r['median_step_ms'] / b:.2f}" if b else "-"
     peer_ms = f"{b:.1f}" if b else "-"
+    host = " / ".join(f"{r.get(k, 0):.1f}" for k in ("enqueue_ms", "stage_ms", "wait_ms"))
     print(f"| {r['model']} | {r['mode']} | {r['median_step_ms']:.1f} | {peer_ms} | {ratio} | "
-          f"{r['first_step_ms']:.0f} |")
+          f"{r['first_step_ms']:.0f} | {host} |")
 PY
     fi
     if want trace; then
-        echo "=== where one step's time goes: AlexNet 224 b128, one device, the last of 3 steps"
-        echo "    traced (CUDA events around each op), strict FP32"
-        name="trace-alexnet"
-        if ! t=$(limit 40); then
-            skip "$name"
-        elif timeout "$t" "$dir/legion-rs" train --device cuda --devices 1 --model alexnet \
-            --image-size 224 --batch 128 --classes 1000 --steps 3 \
-            --trace "$out/$name.json" >"$out/$name.log" 2>&1; then
-            "$python" - "$out/$name.json" <<'PY' | tee "$out/$name.txt"
+        echo "=== where one step's time goes: one device (the trainer `throughput` measures), the last"
+        echo "    of 3 steps traced with CUDA events around each call, strict FP32; then PyTorch's"
+        echo "    kernels in one step of the same model (torch.profiler)"
+        for run in alexnet:224:128 resnet50:224:64; do
+            IFS=: read -r model image batch <<<"$run"
+            name="trace-$model"
+            if ! t=$(limit 40); then
+                skip "$name"
+            elif timeout "$t" "$dir/legion-rs" train --device cuda --devices 1 --model "$model" \
+                --image-size "$image" --batch "$batch" --classes 1000 --steps 3 \
+                --trace "$out/$name.json" >"$out/$name.log" 2>&1; then
+                "$python" - "$out/$name.json" <<'PY' | tee "$out/$name.txt"
 import collections, json, sys
 doc = json.load(open(sys.argv[1]))
 spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
@@ -205,13 +213,25 @@ for e in spans:
     by[(e.get("cat", "?"), e.get("name", "?"))] += e.get("dur", 0) / 1e3
 first = min(e["ts"] for e in spans)
 last = max(e["ts"] + e["dur"] for e in spans)
-print(f"{len(spans)} ops, {sum(by.values()):.2f} ms of op time in {(last - first) / 1e3:.2f} ms")
+print(f"{len(spans)} calls, {sum(by.values()):.2f} ms of device time in a {(last - first) / 1e3:.2f} ms span")
+kinds = collections.defaultdict(float)
+for (cat, name), ms in by.items():
+    kinds[name.split(".")[-1] if cat == "compute" else cat] += ms
+print("by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:8]))
 for (cat, name), ms in sorted(by.items(), key=lambda kv: -kv[1])[:30]:
     print(f"{ms:9.3f} ms  {cat:8} {name}")
 PY
+            else
+                failures+=("$name")
+                tail -5 "$out/$name.log"
+            fi
+        done
+        if t=$(limit 60); then
+            timeout "$t" "$python" "$dir/pytorch_peer.py" alexnet:224:128 resnet50:224:64 \
+                --warmup 3 --steps 1 --profile "$out/pytorch-kernels.txt" >/dev/null \
+                && head -12 "$out/pytorch-kernels.txt" || failures+=("pytorch --profile")
         else
-            failures+=("$name")
-            tail -5 "$out/$name.log"
+            skip "pytorch --profile"
         fi
     fi
     if want several; then

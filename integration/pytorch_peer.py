@@ -7,7 +7,12 @@ legion-rs), TF32 with --tf32, both (strict first) with --both. SGD with momentum
 decay 5e-4, as legion-rs trains; synthetic data resident on the GPU; cudnn.benchmark on. Models
 are built on the GPU (their initialisation is not what is measured).
 
+With --profile FILE, one more step after the measured ones runs under torch.profiler, and FILE
+gets its CUDA kernels grouped by name (milliseconds of device time in that step), the peer's side
+of legion-rs's one-device `--trace`.
+
 usage: pytorch_peer.py MODEL:IMAGE:BATCH [...] [--tf32 | --both] [--warmup 5] [--steps 15]
+                       [--profile FILE]
 """
 import argparse
 import json
@@ -40,6 +45,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--profile", help="write one profiled step's kernels here")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
@@ -76,7 +82,36 @@ def measure(name: str, image: int, batch: int, args, device) -> float:
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append((time.perf_counter() - start) * 1e3)
+    if args.profile:
+        profile_step(name, image, batch, args.profile, lambda: train_step(model, opt, loss_fn, x, y))
     return statistics.median(times)
+
+
+def train_step(model, opt, loss_fn, x, y) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+
+def profile_step(name: str, image: int, batch: int, path: str, step) -> None:
+    """One step under torch.profiler: its CUDA kernels by name, appended to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3
+    total = sum(kernels.values())
+    tf32 = torch.backends.cudnn.allow_tf32
+    with open(path, "a") as out:
+        out.write(f"== PyTorch {name} {image} b{batch} {'tf32' if tf32 else 'fp32'}: "
+                  f"{total:.2f} ms of kernels in one step\n")
+        for kernel, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]:
+            out.write(f"{ms:9.3f} ms  {kernel[:150]}\n")
 
 if __name__ == "__main__":
     main()

@@ -62,6 +62,12 @@ pub trait Engine {
 
     /// The step plan the devices replay, where there are devices.
     fn plan(&self) -> Option<&StepPlan>;
+
+    /// The last traced step as a Chrome/Perfetto trace, where the engine times its steps itself
+    /// (the one-device trainer; the others report per-device timelines from [`Engine::step`]).
+    fn own_trace(&mut self) -> Option<serde_json::Value> {
+        None
+    }
 }
 
 /// Starts the engine of `place` on `job`.
@@ -98,6 +104,9 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
 /// link CUDA).
 impl<B: Backend> Engine for Trainer<B> {
     fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+        if batch.trace {
+            self.trace_next_step();
+        }
         // The next batch is staged on the device while this step computes.
         let stats = self.step_ahead(&batch.images, &batch.labels, batch.next)?;
         Ok((stats, Vec::new()))
@@ -109,6 +118,21 @@ impl<B: Backend> Engine for Trainer<B> {
 
     fn plan(&self) -> Option<&StepPlan> {
         None
+    }
+
+    fn own_trace(&mut self) -> Option<serde_json::Value> {
+        let calls = self.take_trace()?;
+        let mut events = vec![serde_json::json!({
+            "name": "process_name", "ph": "M", "pid": 0, "tid": 0,
+            "args": {"name": "device 0 (one-device trainer)"},
+        })];
+        events.extend(calls.iter().map(|c| {
+            serde_json::json!({
+                "name": c.name, "cat": c.category, "ph": "X", "pid": 0, "tid": 0,
+                "ts": c.start * 1e6, "dur": c.seconds * 1e6,
+            })
+        }));
+        Some(serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }))
     }
 }
 

@@ -520,6 +520,7 @@ impl RemoteCluster {
             stats: StepStats {
                 loss: (loss_sum / batch as f64) as f32,
                 correct,
+                host: None,
             },
             reports: if trace {
                 reports

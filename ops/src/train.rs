@@ -15,6 +15,7 @@ use crate::kernels::softmax_ce::LabelOutOfRange;
 use crate::op::{Init, Op};
 use crate::rng::{self, Rng};
 use crate::shape::{Rect, Shape};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 /// Stochastic gradient descent with PyTorch's momentum and (coupled) weight decay:
@@ -256,6 +257,18 @@ pub struct StepStats {
     pub loss: f32,
     /// Samples whose arg-max logit is the label.
     pub correct: usize,
+    /// Where the one-device trainer's thread spent the step (`None` elsewhere).
+    pub host: Option<HostTiming>,
+}
+
+/// Where a one-device step's time went on the submitting thread, seconds: enqueuing the step's
+/// work, staging the next batch (filling page-locked memory, enqueuing its copies), and waiting
+/// for the device to finish. A wait near zero means the device idled for the host.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HostTiming {
+    pub enqueue: f64,
+    pub stage: f64,
+    pub wait: f64,
 }
 
 /// Trains a graph on one device of any backend: the single-device reference every strategy is
@@ -276,8 +289,44 @@ pub struct Trainer<B: Backend = Cpu> {
     step: u64,
     /// The next step's batch, staged while this one computed (see [`Trainer::step_ahead`]).
     ahead: Option<Ahead<B::Staged>>,
+    /// Whether the next step is traced, and the last traced step's timeline.
+    trace_next: bool,
+    trace: Option<Vec<TracedCall>>,
     /// Whether [`Trainer::step_ahead`] stages the next batch during the step (the default).
     prefetch: bool,
+}
+
+/// One kernel call of a traced step: `start` seconds after the step's first marker, lasting
+/// `seconds` on the device's stream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TracedCall {
+    /// Layer and phase, e.g. `conv1.fwd`, `conv1.bwd`, `fc6.update.0`, `sum pool1.grad`.
+    pub name: String,
+    /// `compute`, `fold` (a gradient summed over consumers), `update` or `copy`.
+    pub category: &'static str,
+    pub start: f64,
+    pub seconds: f64,
+}
+
+/// The spans of a traced step, timed once its stream has run them.
+fn timeline<B: Backend>(
+    backend: &B,
+    spans: Vec<MarkedSpan<B::Marker>>,
+) -> Result<Vec<TracedCall>, KernelError> {
+    let Some((_, _, origin, _)) = spans.first() else {
+        return Ok(Vec::new());
+    };
+    spans
+        .iter()
+        .map(|(name, category, before, after)| {
+            Ok(TracedCall {
+                name: name.clone(),
+                category,
+                start: backend.seconds_between(origin, before)?,
+                seconds: backend.seconds_between(before, after)?,
+            })
+        })
+        .collect()
 }
 
 /// A batch staged for a later step, with what identifies it: its labels and its length.
@@ -335,6 +384,8 @@ impl Trainer<Cpu> {
             step,
             ahead: None,
             prefetch: true,
+            trace_next: false,
+            trace: None,
         }
     }
 }
@@ -370,7 +421,20 @@ impl<B: Backend> Trainer<B> {
             step: state.step,
             ahead: None,
             prefetch: true,
+            trace_next: false,
+            trace: None,
         })
+    }
+
+    /// Times every kernel call of the next step on the device (a pair of the backend's markers
+    /// around each), for [`Trainer::take_trace`].
+    pub fn trace_next_step(&mut self) {
+        self.trace_next = true;
+    }
+
+    /// The timeline of the last traced step, in the order its calls were enqueued.
+    pub fn take_trace(&mut self) -> Option<Vec<TracedCall>> {
+        self.trace.take()
     }
 
     /// Whether [`Trainer::step_ahead`] stages the next batch while a step computes (on by
@@ -429,6 +493,7 @@ impl<B: Backend> Trainer<B> {
         next: Option<(&[f32], &[u32])>,
     ) -> Result<StepStats, KernelError> {
         check_labels(&self.graph, labels)?;
+        let started = std::time::Instant::now();
         let expected = self.graph.layer(self.graph.input()).shape.numel();
         assert_eq!(
             images.len(),
@@ -436,11 +501,6 @@ impl<B: Backend> Trainer<B> {
             "batch images do not match the input shape"
         );
         let (b, stream) = (&self.backend, &mut self.stream);
-        let staged = match self.ahead.take() {
-            Some(ahead) if ahead.is_of(images, labels) => ahead.staged,
-            _ => b.stage_batch(stream, images, labels)?,
-        };
-        let input = b.take_staged(stream, staged)?;
         let pass = Pass::new(
             &self.graph,
             &self.params,
@@ -450,7 +510,15 @@ impl<B: Backend> Trainer<B> {
             labels,
             self.seed,
             self.step,
-        );
+        )
+        .traced(std::mem::take(&mut self.trace_next));
+        let before = pass.mark(b, stream)?;
+        let staged = match self.ahead.take() {
+            Some(ahead) if ahead.is_of(images, labels) => ahead.staged,
+            _ => b.stage_batch(stream, images, labels)?,
+        };
+        let input = b.take_staged(stream, staged)?;
+        pass.record(b, stream, before, "data.wait".into(), "copy")?;
         let (acts, loss, saved) = pass.forward(b, stream, &mut self.weights, input)?;
         let grads = pass.backward(b, stream, &self.weights, &acts, &saved)?;
         for (slot, grad) in grads.into_iter().enumerate() {
@@ -463,11 +531,11 @@ impl<B: Backend> Trainer<B> {
                 write(Role::Param(param), rect, &mut self.weights[slot]),
                 write(Role::Velocity(param), rect, &mut self.velocity[slot]),
             ];
-            KernelCall::new(b, stream, &self.graph, p.layer, rect, &pass.ctx, operands)
-                .run(Phase::Update { param })?;
+            pass.run(b, stream, p.layer, rect, Phase::Update { param }, operands)?;
         }
         // The step is enqueued: stage the next batch into the other buffers while it runs, then
         // give this one's images back for the step after.
+        let enqueued = std::time::Instant::now();
         if let Some((next_images, next_labels)) = next.filter(|_| self.prefetch)
             && next_images.len() == expected
             && check_labels(&self.graph, next_labels).is_ok()
@@ -481,18 +549,29 @@ impl<B: Backend> Trainer<B> {
         }
         let mut acts = acts;
         b.recycle_staged(stream, acts.swap_remove(self.graph.input().0));
+        let staged = std::time::Instant::now();
         b.synchronize(stream)?;
+        let host = Some(HostTiming {
+            enqueue: (enqueued - started).as_secs_f64(),
+            stage: (staged - enqueued).as_secs_f64(),
+            wait: staged.elapsed().as_secs_f64(),
+        });
+        if let Some(spans) = pass.spans {
+            self.trace = Some(timeline(b, spans.into_inner())?);
+        }
         let stats = match loss {
             Some((loss, samples)) => {
                 let sums = b.read_loss(loss);
                 StepStats {
                     loss: (sums.loss_sum / samples as f64) as f32,
                     correct: sums.correct,
+                    host,
                 }
             }
             None => StepStats {
                 loss: 0.0,
                 correct: 0,
+                host,
             },
         };
         self.step += 1;
@@ -582,14 +661,19 @@ struct Saved<M> {
 }
 
 /// One forward/backward pass over the whole batch: every layer is one tile, the whole tensor.
-struct Pass<'a> {
+/// Traced, it keeps a pair of the backend's markers `K` around each kernel call.
+struct Pass<'a, K> {
     graph: &'a Graph,
     params: &'a [GraphParam],
     first: &'a [usize],
     ctx: StepContext<'a>,
+    spans: Option<RefCell<Vec<MarkedSpan<K>>>>,
 }
 
-impl<'a> Pass<'a> {
+/// A traced call: its name, category and the markers before and after it.
+type MarkedSpan<M> = (String, &'static str, M, M);
+
+impl<'a, K> Pass<'a, K> {
     #[allow(clippy::too_many_arguments)]
     fn new(
         graph: &'a Graph,
@@ -600,7 +684,7 @@ impl<'a> Pass<'a> {
         labels: &'a [u32],
         seed: u64,
         step: u64,
-    ) -> Pass<'a> {
+    ) -> Pass<'a, K> {
         let batch = graph.batch();
         Pass {
             graph,
@@ -612,7 +696,13 @@ impl<'a> Pass<'a> {
                 sgd,
                 batch: BatchView::whole(images, labels, batch),
             },
+            spans: None,
         }
+    }
+
+    fn traced(mut self, on: bool) -> Self {
+        self.spans = on.then(|| RefCell::new(Vec::new()));
+        self
     }
 
     fn full(&self, layer: LayerId) -> Rect {
@@ -639,7 +729,7 @@ impl<'a> Pass<'a> {
             .collect()
     }
 
-    fn run<B: Backend>(
+    fn run<B: Backend<Marker = K>>(
         &self,
         backend: &B,
         stream: &mut B::Stream,
@@ -648,19 +738,56 @@ impl<'a> Pass<'a> {
         phase: Phase,
         operands: Vec<Operand<'_, B::Buffer>>,
     ) -> Result<Option<B::Loss>, KernelError> {
+        let before = self.mark(backend, stream)?;
         let mut call = KernelCall::new(
             backend, stream, self.graph, layer, tile, &self.ctx, operands,
         );
         call.run(phase)?;
-        Ok(call.loss.take())
+        let loss = call.loss.take();
+        let (category, what) = match phase {
+            Phase::Forward => ("compute", "fwd".to_string()),
+            Phase::Backward => ("compute", "bwd".to_string()),
+            Phase::Update { param } => ("update", format!("update.{param}")),
+            other => ("compute", format!("{other:?}")),
+        };
+        let name = format!("{}.{what}", self.graph.layer(layer).name);
+        self.record(backend, stream, before, name, category)?;
+        Ok(loss)
+    }
+
+    /// A marker on the stream when this pass is traced.
+    fn mark<B: Backend<Marker = K>>(
+        &self,
+        backend: &B,
+        stream: &mut B::Stream,
+    ) -> Result<Option<K>, KernelError> {
+        match &self.spans {
+            Some(_) => backend.mark(stream).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Keeps the span from `before` to now under `name`, when traced.
+    fn record<B: Backend<Marker = K>>(
+        &self,
+        backend: &B,
+        stream: &mut B::Stream,
+        before: Option<K>,
+        name: String,
+        category: &'static str,
+    ) -> Result<(), KernelError> {
+        if let (Some(spans), Some(before)) = (&self.spans, before) {
+            let after = backend.mark(stream)?;
+            spans.borrow_mut().push((name, category, before, after));
+        }
+        Ok(())
     }
 
     /// Every layer's output, the pending loss with the number of samples it sums over, and what
-    /// backward needs.
+    /// backward needs. `input` holds the batch's images (a taken [`Backend::stage_batch`]): the
+    /// input layer's output, never copied.
     #[allow(clippy::type_complexity)]
-    /// `input` holds the batch's images (a taken [`Backend::stage_batch`]): the input layer's
-    /// output, never copied.
-    fn forward<B: Backend>(
+    fn forward<B: Backend<Marker = K>>(
         &self,
         b: &B,
         stream: &mut B::Stream,
@@ -681,7 +808,7 @@ impl<'a> Pass<'a> {
                 acts.push(input.take().expect("one input layer"));
                 continue;
             }
-            let mut y = b.alloc_zeros(stream, DType::F32, layer.shape.numel())?;
+            let mut y = b.alloc(stream, DType::F32, layer.shape.numel())?;
             let mut operands: Vec<Operand<'_, B::Buffer>> = layer
                 .inputs
                 .iter()
@@ -691,7 +818,7 @@ impl<'a> Pass<'a> {
             if let Op::BatchNorm(_) = layer.op {
                 let channels = layer.shape.dim(1);
                 let sums = sums_rect(channels);
-                let mut moments = b.alloc_zeros(stream, DType::F64, 3 * channels)?;
+                let mut moments = b.alloc(stream, DType::F64, 3 * channels)?;
                 let x = read(Role::Input(0), tile, &acts[layer.inputs[0].0]);
                 let first = vec![x, write(Role::Moments, sums, &mut moments)];
                 self.run(b, stream, id, tile, Phase::BnMoments, first)?;
@@ -721,7 +848,7 @@ impl<'a> Pass<'a> {
     }
 
     /// The gradient of every trainable parameter, by slot.
-    fn backward<B: Backend>(
+    fn backward<B: Backend<Marker = K>>(
         &self,
         b: &B,
         stream: &mut B::Stream,
@@ -749,7 +876,7 @@ impl<'a> Pass<'a> {
             for (k, src) in layer.inputs.iter().enumerate() {
                 let len = g.layer(*src).shape.numel();
                 dxs.push(if needs_dx(k) {
-                    Some(b.alloc_zeros(stream, DType::F32, len)?)
+                    Some(b.alloc(stream, DType::F32, len)?)
                 } else {
                     None
                 });
@@ -759,7 +886,7 @@ impl<'a> Pass<'a> {
             for p in &param_specs {
                 let len = p.shape.numel();
                 grads.push(if p.trainable {
-                    Some(b.alloc_zeros(stream, DType::F32, len)?)
+                    Some(b.alloc(stream, DType::F32, len)?)
                 } else {
                     None
                 });
@@ -782,7 +909,7 @@ impl<'a> Pass<'a> {
             if let Op::BatchNorm(_) = layer.op {
                 let channels = layer.shape.dim(1);
                 let moments = || read(Role::Moments, sums_rect(channels), &saved.moments[&id.0]);
-                let mut sums = b.alloc_zeros(stream, DType::F64, 3 * channels)?;
+                let mut sums = b.alloc(stream, DType::F64, 3 * channels)?;
                 let mut first = common();
                 first.push(moments());
                 first.extend(writes(Role::ParamGrad, &param_rects, &mut grads));
@@ -811,7 +938,10 @@ impl<'a> Pass<'a> {
                 let rect = input_rects[k];
                 match &mut dout[layer.inputs[k].0] {
                     Some(acc) => {
-                        b.accumulate(stream, Out { rect, mem: acc }, In { rect, mem: &dx })
+                        let before = self.mark(b, stream)?;
+                        b.accumulate(stream, Out { rect, mem: acc }, In { rect, mem: &dx });
+                        let name = format!("sum {}.grad", g.layer(layer.inputs[k]).name);
+                        self.record(b, stream, before, name, "fold")?;
                     }
                     slot => *slot = Some(dx),
                 }

@@ -233,6 +233,7 @@ impl EmbeddedCluster {
             stats: StepStats {
                 loss: (loss_sum / self.graph.batch() as f64) as f32,
                 correct,
+                host: None,
             },
             reports: if trace { reports } else { Vec::new() },
         })

@@ -184,6 +184,8 @@ pub struct StepDone {
     pub accuracy: f64,
     pub seconds: f64,
     pub images_per_sec: f64,
+    /// The one-device trainer's split of the step on its thread.
+    pub host: Option<legion_ops::train::HostTiming>,
 }
 
 /// What a finished run reports.
@@ -268,7 +270,7 @@ impl Job {
         let devices = cluster
             .as_ref()
             .map_or(opts.devices, |(_, h, _)| h.num_devices());
-        let distributed = devices > 1 || opts.trace.is_some() || cluster.is_some();
+        let distributed = devices > 1 || cluster.is_some();
         let with_memory = |machine: MachineModel| match opts.memory_gib {
             Some(gib) => machine.with_device_memory_gib(gib),
             None => Ok(machine),
@@ -448,10 +450,17 @@ impl Job {
                 next: upcoming.as_ref().map(|b| (&b.images[..], &b.labels[..])),
                 trace: traced,
             })?;
-            if traced && let (Some(path), Some(step_plan)) = (&opts.trace, engine.plan()) {
-                let trace = legion_runtime::chrome_trace(step_plan, &graph, &reports);
-                legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
-                    .with_context(|| format!("writing the trace {}", path.display()))?;
+            if traced && let Some(path) = &opts.trace {
+                let trace = match engine.plan() {
+                    Some(step_plan) => {
+                        Some(legion_runtime::chrome_trace(step_plan, &graph, &reports))
+                    }
+                    None => engine.own_trace(),
+                };
+                if let Some(trace) = trace {
+                    legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
+                        .with_context(|| format!("writing the trace {}", path.display()))?;
+                }
             }
             let seconds = t.elapsed().as_secs_f64();
             if !stats.loss.is_finite() {
@@ -471,6 +480,7 @@ impl Job {
                 accuracy: stats.correct as f64 / batch as f64,
                 seconds,
                 images_per_sec: batch as f64 / seconds,
+                host: stats.host,
             }));
         }
         let wall_secs = started.elapsed().as_secs_f64();

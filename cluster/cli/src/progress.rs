@@ -50,11 +50,14 @@ impl Printer {
 
     fn step(&mut self, s: &StepDone) {
         if self.json {
-            println!(
-                "{}",
-                json!({"step": s.step, "loss": s.loss, "accuracy": s.accuracy,
-                       "step_ms": s.seconds * 1e3, "images_per_sec": s.images_per_sec})
-            );
+            let mut line = json!({"step": s.step, "loss": s.loss, "accuracy": s.accuracy,
+                                  "step_ms": s.seconds * 1e3, "images_per_sec": s.images_per_sec});
+            if let Some(host) = s.host {
+                line["enqueue_ms"] = json!(host.enqueue * 1e3);
+                line["stage_ms"] = json!(host.stage * 1e3);
+                line["wait_ms"] = json!(host.wait * 1e3);
+            }
+            println!("{line}");
             return;
         }
         if self.progress.is_none() && std::io::stderr().is_terminal() {

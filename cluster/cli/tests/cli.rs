@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{ALEXNET_64, assert_clean_failure, legion};
+use common::{ALEXNET_64, assert_clean_failure, legion, ok};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Output;
@@ -68,6 +68,60 @@ fn lenet5_learns_the_synthetic_task() {
     let last: f64 = losses[50..].iter().sum::<f64>() / 10.0;
     assert!(last < 0.7 * first, "loss {first} -> {last}: not learning");
     assert_eq!(lines.last().unwrap()["summary"], true);
+    // The one-device trainer reports how its thread spent each step.
+    for key in ["enqueue_ms", "stage_ms", "wait_ms"] {
+        assert!(
+            lines[0][key].as_f64().is_some_and(|ms| ms >= 0.0),
+            "{key} in {}",
+            lines[0]
+        );
+    }
+}
+
+/// `--trace` on one device times the trainer's own step: every layer's forward and backward (and
+/// the staged batch) on the device's timeline, in the order they were enqueued, without planning
+/// a strategy for the runtime.
+#[test]
+fn a_traced_one_device_step_times_every_layer_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("one.trace.json");
+    let out = ok(legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--devices",
+        "1",
+        "--steps",
+        "2",
+        "--json",
+        "--trace",
+        path.to_str().unwrap(),
+    ]));
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("\"plan\":{"),
+        "one device plans no strategy"
+    );
+    let trace: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let spans: Vec<&Value> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .collect();
+    let names: Vec<&str> = spans.iter().map(|e| e["name"].as_str().unwrap()).collect();
+    assert_eq!(names[0], "data.wait");
+    let at = |name: &str| {
+        names
+            .iter()
+            .position(|n| *n == name)
+            .unwrap_or_else(|| panic!("{name} in {names:?}"))
+    };
+    assert!(at("conv1.fwd") < at("fc3.fwd") && at("fc3.fwd") < at("loss.fwd"));
+    assert!(at("loss.bwd") < at("fc3.bwd") && at("fc3.bwd") < at("conv1.bwd"));
+    assert!(at("conv1.bwd") < at("conv1.update.0"));
+    let starts: Vec<f64> = spans.iter().map(|e| e["ts"].as_f64().unwrap()).collect();
+    assert!(starts.windows(2).all(|w| w[0] <= w[1]), "{starts:?}");
+    assert!(spans.iter().all(|e| e["dur"].as_f64().unwrap() >= 0.0));
 }
 
 #[test]

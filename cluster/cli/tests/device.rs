@@ -27,7 +27,7 @@ fn device_cuda_without_a_usable_gpu_exits_1_naming_what_is_missing() {
         "train", "--model", "lenet5", "--device", "cuda", "--steps", "1",
     ]);
     assert_clean_failure(&out, &["--device cuda: ", &missing]);
-    // Several devices (the GPU device actors) and a traced run (the runtime on one device) too.
+    // Several devices (the GPU device actors) and a traced run on one device too.
     for devices in ["4", "1"] {
         let out = legion(&[
             "train",

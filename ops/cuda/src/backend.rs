@@ -741,7 +741,8 @@ impl Cuda {
         dy: In<Buffer>,
         tile: &Rect,
     ) -> Result<CudaSlice<f32>, Failure> {
-        let mut dz = Buffer::F32(s.stream.alloc_zeros::<f32>(tile.volume())?);
+        // SAFETY: the kernel writes every element of the tile.
+        let mut dz = Buffer::F32(unsafe { s.stream.alloc::<f32>(tile.volume()) }?);
         self.binary(
             s,
             &self.kernels.relu_backward,
@@ -849,12 +850,41 @@ impl Backend for Cuda {
     type Stream = Stream;
     type Loss = PendingLoss;
     type Staged = crate::batches::StagedBatch;
+    type Marker = crate::staging::Marker;
 
     /// A zeroed buffer of `len` elements.
     fn alloc_zeros(&self, s: &mut Stream, dtype: DType, len: usize) -> Result<Buffer, KernelError> {
         let out = match dtype {
             DType::F32 => s.stream.alloc_zeros::<f32>(len).map(Buffer::F32),
             DType::F64 => s.stream.alloc_zeros::<f64>(len).map(Buffer::F64),
+        };
+        out.map_err(|e| KernelError::Device(format!("alloc {len} × {dtype:?}: {e}")))
+    }
+
+    /// Stream-ordered memory from the device's pool, not filled (NaN with debug assertions).
+    fn alloc(&self, s: &mut Stream, dtype: DType, len: usize) -> Result<Buffer, KernelError> {
+        fn fresh<T: cudarc::driver::DeviceRepr>(
+            stream: &Arc<CudaStream>,
+            len: usize,
+        ) -> Result<CudaSlice<T>, DriverError> {
+            // SAFETY: the caller's kernel writes every element before anything reads it (the
+            // contract of `Backend::alloc`); any bit pattern is a valid f32 or f64 meanwhile.
+            let mut out = unsafe { stream.alloc::<T>(len) }?;
+            if cfg!(debug_assertions) && len > 0 {
+                use cudarc::driver::DevicePtrMut;
+                let bytes = out.num_bytes();
+                let (ptr, _record) = out.device_ptr_mut(stream);
+                // SAFETY: `bytes` bytes at `ptr` belong to `out`; all-ones bytes are NaN in both
+                // element types.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream())
+                }?;
+            }
+            Ok(out)
+        }
+        let out = match dtype {
+            DType::F32 => fresh::<f32>(&s.stream, len).map(Buffer::F32),
+            DType::F64 => fresh::<f64>(&s.stream, len).map(Buffer::F64),
         };
         out.map_err(|e| KernelError::Device(format!("alloc {len} × {dtype:?}: {e}")))
     }
@@ -881,6 +911,18 @@ impl Backend for Cuda {
     fn accumulate(&self, s: &mut Stream, acc: Out<Buffer>, term: In<Buffer>) {
         let rect = acc.rect;
         self.add_rect(s, term.mem, &term.rect, acc.mem, &rect, &rect);
+    }
+
+    fn mark(&self, s: &mut Stream) -> Result<crate::staging::Marker, KernelError> {
+        Cuda::mark(self, s)
+    }
+
+    fn seconds_between(
+        &self,
+        earlier: &crate::staging::Marker,
+        later: &crate::staging::Marker,
+    ) -> Result<f64, KernelError> {
+        later.seconds_since(earlier)
     }
 
     fn synchronize(&self, s: &mut Stream) -> Result<(), KernelError> {

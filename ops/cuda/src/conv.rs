@@ -394,10 +394,18 @@ pub(crate) fn backward(
     let tile = Box4::of(&y.rect);
     let x_layout = Box4::of(&x.rect);
     let dw_mem = dw.mem.f32_mut();
+    let geo = Geometry::new(op, in_shape, tile);
+    let segments = geo.segments();
     if let Some(dx) = &mut dx {
         assert_eq!(dx.rect, x.rect, "dx must cover the input view");
-        // positions no window of the tile reads keep this zero
-        s.stream.memset_zeros(dx.mem.f32_mut())?;
+        // One segment convolving the view itself writes all of dx (cuDNN's β = 0, zeros where
+        // no window reads); otherwise positions no window of the tile reads keep this zero.
+        let whole = tile.volume() > 0
+            && segments.len() == 1
+            && matches!(geo.source(&segments[0], &x_layout), Source::View { .. });
+        if !whole {
+            s.stream.memset_zeros(dx.mem.f32_mut())?;
+        }
     }
     if tile.volume() == 0 {
         s.stream.memset_zeros(dw_mem)?;
@@ -410,7 +418,8 @@ pub(crate) fn backward(
     let dz_owned = if op.activation == Activation::Relu {
         Some(cuda.relu_mask(s, y, dy, &y.rect)?)
     } else if dy.rect != y.rect {
-        let mut packed = s.stream.alloc_zeros::<f32>(tile.volume() as usize)?;
+        // SAFETY: the region copy below writes all of the tile.
+        let mut packed = unsafe { s.stream.alloc::<f32>(tile.volume() as usize) }?;
         let copy = &cuda.kernels.copy_region_f32;
         cuda.region_f32(
             s,
@@ -429,8 +438,6 @@ pub(crate) fn backward(
     if let Some(db) = db {
         cuda.channel_sum(s, dz, tile, db)?;
     }
-    let geo = Geometry::new(op, in_shape, tile);
-    let segments = geo.segments();
     for segment in &segments {
         let out = geo.output(segment);
         let dz_segment = if segments.len() == 1 {

@@ -1,4 +1,5 @@
-//! A small model (conv, batch norm, ReLU, pooling, dropout, dense, softmax cross-entropy) trains
+//! A small model (conv, batch norm, ReLU, pooling, add, concat, dropout, dense, softmax
+//! cross-entropy) trains
 //! three steps on the GPU as it does on the CPU: the reference trainer (`legion_ops::train`) is
 //! generic over the backend, so both runs are the same driver over different devices. The GPU
 //! runs as `legion-rs train` runs one device: each step staging the next batch on a copy stream
@@ -24,7 +25,11 @@ fn tiny_model(batch: usize) -> Graph {
     let c2 = m
         .conv2d("conv2", p1, Conv2d::new(6, 3).stride(2).padding(1).relu())
         .unwrap();
-    let b2 = m.batch_norm("bn2", c2, BatchNorm::default()).unwrap();
+    // a branch, summed and concatenated, so that every op the zoo uses runs here
+    let c2b = m.conv2d("conv2b", p1, Conv2d::new(6, 1).stride(2)).unwrap();
+    let sum = m.add("sum", c2, c2b).unwrap();
+    let cat = m.concat("cat", &[c2, sum]).unwrap();
+    let b2 = m.batch_norm("bn2", cat, BatchNorm::default()).unwrap();
     let r2 = m.relu("relu2", b2).unwrap();
     let p2 = m
         .pool2d("pool2", r2, Pool2d::avg(3).stride(1).padding(1))

@@ -205,9 +205,21 @@ pub trait Backend {
     type Loss;
     /// A step's whole batch on its way to the device (see [`Backend::stage_batch`]).
     type Staged;
+    /// A point in a stream's work, for timing the work between two points.
+    type Marker;
 
     /// `len` zeros of `dtype` in device memory (enqueued on `s`).
     fn alloc_zeros(
+        &self,
+        s: &mut Self::Stream,
+        dtype: DType,
+        len: usize,
+    ) -> Result<Self::Buffer, KernelError>;
+    /// `len` elements of `dtype` whose values are unspecified, for an operand that its kernel
+    /// overwrites whole (every output of a whole-tensor call): no fill to wait for. (A GPU
+    /// backend built with debug assertions fills it with NaN, so that an element a kernel leaves
+    /// unwritten shows in the tests.)
+    fn alloc(
         &self,
         s: &mut Self::Stream,
         dtype: DType,
@@ -225,6 +237,16 @@ pub trait Backend {
     /// `acc += term` elementwise, both laid out over the same rect (gradients summed over a
     /// layer's consumers).
     fn accumulate(&self, s: &mut Self::Stream, acc: Out<Self::Buffer>, term: In<Self::Buffer>);
+
+    /// A marker at the current end of `s`'s work.
+    fn mark(&self, s: &mut Self::Stream) -> Result<Self::Marker, KernelError>;
+    /// Seconds of device time from `earlier` to `later`, once their stream has synchronized past
+    /// both.
+    fn seconds_between(
+        &self,
+        earlier: &Self::Marker,
+        later: &Self::Marker,
+    ) -> Result<f64, KernelError>;
 
     /// Waits until everything enqueued on `stream` has run.
     fn synchronize(&self, stream: &mut Self::Stream) -> Result<(), KernelError>;

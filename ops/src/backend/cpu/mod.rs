@@ -76,6 +76,8 @@ impl Backend for Cpu {
     type Loss = LossSums;
     /// Host memory is the device's: staging is the copy `load_images` would make.
     type Staged = Buffer;
+    /// Work has run when its primitive returns: the host's clock times it.
+    type Marker = std::time::Instant;
 
     fn alloc_zeros(
         &self,
@@ -84,6 +86,11 @@ impl Backend for Cpu {
         len: usize,
     ) -> Result<Buffer, KernelError> {
         Ok(Buffer::zeros(dtype, len))
+    }
+
+    /// Zeros: host memory comes zeroed from the allocator at no cost worth saving.
+    fn alloc(&self, s: &mut CpuStream, dtype: DType, len: usize) -> Result<Buffer, KernelError> {
+        self.alloc_zeros(s, dtype, len)
     }
 
     fn upload(&self, _: &mut CpuStream, host: &Buffer) -> Result<Buffer, KernelError> {
@@ -100,6 +107,18 @@ impl Backend for Cpu {
         for (a, b) in acc.mem.f32_mut().iter_mut().zip(term.mem.f32()) {
             *a += *b;
         }
+    }
+
+    fn mark(&self, _: &mut CpuStream) -> Result<std::time::Instant, KernelError> {
+        Ok(std::time::Instant::now())
+    }
+
+    fn seconds_between(
+        &self,
+        earlier: &std::time::Instant,
+        later: &std::time::Instant,
+    ) -> Result<f64, KernelError> {
+        Ok(later.saturating_duration_since(*earlier).as_secs_f64())
     }
 
     fn synchronize(&self, _: &mut CpuStream) -> Result<(), KernelError> {
