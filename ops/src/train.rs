@@ -7,7 +7,7 @@
 use crate::backend::cpu::{Buffer, Cpu, CpuStream};
 use crate::backend::{
     Access, Backend, BatchView, DType, In, KernelCall, KernelError, Operand, Out, Phase, Role,
-    StepContext,
+    StepContext, fill_host_batch,
 };
 use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
@@ -519,32 +519,59 @@ impl<B: Backend> Trainer<B> {
         };
         let input = b.take_staged(stream, staged)?;
         pass.record(b, stream, before, "data.wait".into(), "copy")?;
-        let (acts, loss, saved) = pass.forward(b, stream, &mut self.weights, input)?;
-        let grads = pass.backward(b, stream, &self.weights, &acts, &saved)?;
-        for (slot, grad) in grads.into_iter().enumerate() {
-            let Some(grad) = grad else { continue };
-            let p = &self.params[slot];
-            let rect = p.spec.shape.full_rect();
-            let param = (slot - self.first[p.layer.0]) as u8;
-            let operands = vec![
-                read(Role::ParamGrad(param), rect, &grad),
-                write(Role::Param(param), rect, &mut self.weights[slot]),
-                write(Role::Velocity(param), rect, &mut self.velocity[slot]),
-            ];
-            pass.run(b, stream, p.layer, rect, Phase::Update { param }, operands)?;
-        }
-        // The step is enqueued: stage the next batch into the other buffers while it runs, then
-        // give this one's images back for the step after.
-        let enqueued = std::time::Instant::now();
-        if let Some((next_images, next_labels)) = next.filter(|_| self.prefetch)
-            && next_images.len() == expected
-            && check_labels(&self.graph, next_labels).is_ok()
-        {
+        // The next batch goes into the other host buffers on another thread while this one
+        // enqueues the step; its copies are enqueued once both are done.
+        let next = next.filter(|(i, l)| {
+            self.prefetch && i.len() == expected && check_labels(&self.graph, l).is_ok()
+        });
+        let mut host_next = match next {
+            Some((i, l)) => Some((b.begin_stage(stream, i.len(), l.len())?, i, l)),
+            None => None,
+        };
+        let (weights, velocity) = (&mut self.weights, &mut self.velocity);
+        let (params, first) = (&self.params, &self.first);
+        let enqueue = |stream: &mut B::Stream| {
+            let (acts, loss, saved) = pass.forward(b, stream, weights, input)?;
+            let grads = pass.backward(b, stream, weights, &acts, &saved)?;
+            for (slot, grad) in grads.into_iter().enumerate() {
+                let Some(grad) = grad else { continue };
+                let p = &params[slot];
+                let rect = p.spec.shape.full_rect();
+                let param = (slot - first[p.layer.0]) as u8;
+                let operands = vec![
+                    read(Role::ParamGrad(param), rect, &grad),
+                    write(Role::Param(param), rect, &mut weights[slot]),
+                    write(Role::Velocity(param), rect, &mut velocity[slot]),
+                ];
+                pass.run(b, stream, p.layer, rect, Phase::Update { param }, operands)?;
+            }
+            Ok::<_, KernelError>((acts, loss))
+        };
+        let (enqueued, filled) = std::thread::scope(|scope| {
+            let filler = match &mut host_next {
+                Some((host, i, l)) => {
+                    let slices = B::host_slices(host)?;
+                    Some(scope.spawn(move || fill_host_batch(slices, i, l)))
+                }
+                None => None,
+            };
+            let enqueued = enqueue(stream);
+            let filled = std::time::Instant::now();
+            if let Some(filler) = filler
+                && let Err(panic) = filler.join()
+            {
+                std::panic::resume_unwind(panic);
+            }
+            Ok::<_, KernelError>((enqueued, filled))
+        })?;
+        let (acts, loss) = enqueued?;
+        let enqueued = filled;
+        if let Some((host, i, l)) = host_next {
             self.ahead = Some(Ahead {
-                staged: b.stage_batch(stream, next_images, next_labels)?,
-                labels: next_labels.to_vec(),
-                images: next_images.len(),
-                probe: probe_of(next_images),
+                staged: b.finish_stage(stream, host)?,
+                labels: l.to_vec(),
+                images: i.len(),
+                probe: probe_of(i),
             });
         }
         let mut acts = acts;

@@ -1,29 +1,28 @@
 //! Which cuDNN algorithm runs each convolution: the user's [`ConvAlgos`] policy.
 //!
 //! - **fastest** (the default): each distinct problem (shapes, padding, stride, groups,
-//!   direction) is **timed** once on its stream: every deterministic algorithm launched on the
-//!   real operands, once to warm and once between CUDA events, the fastest kept for every later
-//!   call (what PyTorch's `cudnn.benchmark` does). FFT and Winograd algorithms compete: they
-//!   compute in FP32 but round differently from a direct sum, by more than reordering a sum does
-//!   (on the lent H200 a LeNet-5 weight gradient moved 1.1e-4 relative where reordering alone
-//!   moves it 1.4e-7).
-//! - **precise**: timed the same way among the direct algorithms only (implicit GEMM, GEMM,
-//!   direct; no FFT, no Winograd), so results differ from the CPU's only by the order of the
-//!   sums. The GPU equivalence tests run this policy at their tight tolerance, and a test bounds
-//!   fastest against it.
+//!   direction) is **timed** once on its stream: every algorithm cuDNN has launched on the real
+//!   operands, once to warm and once between CUDA events, the fastest kept for every later call
+//!   (what PyTorch's `cudnn.benchmark` does, without its deterministic mode). Two kinds of
+//!   candidate round differently from a direct sum in fixed order: FFT and Winograd algorithms
+//!   (by more than reordering a sum does: on the lent H200 a LeNet-5 weight gradient moved 1.1e-4
+//!   relative where reordering alone moves it 1.4e-7), and the backward algorithms that sum with
+//!   atomics (data algorithm 0, filter algorithms 0 and 3: the order of their sums, and so their
+//!   last bits, changes from run to run; PyTorch's fastest backward kernels on AlexNet and
+//!   ResNet-50 are these).
+//! - **precise**: timed the same way among the deterministic direct algorithms only (implicit
+//!   GEMM, GEMM, direct; data and filter algorithm 1), so results differ from the CPU's only by
+//!   the order of the sums, the same order every run. The GPU equivalence tests run this policy
+//!   at their tight tolerance, and a test bounds fastest against it.
 //! - **heuristic**: cuDNN's first answer to `cudnnGetConvolution*Algorithm_v7`, untimed, with
-//!   atomic backward algorithms replaced: the same choice in every process, so runs that must
-//!   repeat bit for bit (a run against its `--resume`) use it.
+//!   atomic backward algorithms replaced: the same choice and the same bits in every process, so
+//!   runs that must repeat bit for bit (a run against its `--resume`) use it.
 //!
 //! Timing blocks the submitting thread once per problem, never per step. Every policy keeps the
-//! backend's other promises:
-//! - **deterministic**: no backward algorithm that sums with atomics (data algorithm 0, filter
-//!   algorithms 0 and 3), so an algorithm gives the same bits every time it runs. Which candidate
-//!   wins a timing can differ from one process to the next, and so can the last bits of the sums;
-//! - **the stream's math**: the convolution descriptor's math type (FMA math for
-//!   [`crate::Math::StrictFp32`]) holds for every candidate, so no TF32 unless asked for;
-//! - a workspace of at most [`WORKSPACE_CAP`] bytes while timing (the heuristic's own choice is
-//!   used whatever its workspace).
+//! stream's math: the convolution descriptor's math type (FMA math for
+//! [`crate::Math::StrictFp32`]) holds for every candidate, so no TF32 unless asked for; and a
+//! candidate's workspace is at most [`WORKSPACE_CAP`] bytes while timing (the heuristic's own
+//! choice is used whatever its workspace).
 
 use crate::backend::{Failure, Stream};
 use cudarc::cudnn::sys::{
@@ -39,10 +38,11 @@ use std::sync::Arc;
 /// How the backend picks convolution algorithms (`--conv-algos`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ConvAlgos {
-    /// Each problem's deterministic algorithms timed once on the stream, the fastest kept.
+    /// Each problem's algorithms timed once on the stream, the fastest kept.
     #[default]
     Fastest,
-    /// As `Fastest`, among the algorithms that sum directly (no FFT, no Winograd).
+    /// As `Fastest`, among the deterministic algorithms that sum directly (no FFT, no Winograd,
+    /// no atomics).
     Precise,
     /// cuDNN's heuristic, with atomic backward algorithms replaced by deterministic ones.
     Heuristic,
@@ -58,7 +58,11 @@ impl ConvAlgos {
 
     /// Whether `algo` may run under this policy.
     fn admits(self, algo: impl Transform) -> bool {
-        self != ConvAlgos::Precise || !algo.is_transform()
+        match self {
+            ConvAlgos::Fastest => true,
+            ConvAlgos::Precise => !algo.is_transform() && !algo.sums_with_atomics(),
+            ConvAlgos::Heuristic => !algo.sums_with_atomics(),
+        }
     }
 }
 
@@ -87,10 +91,13 @@ impl std::fmt::Display for ConvAlgos {
     }
 }
 
-/// Algorithms that compute a convolution through a transform of its operands (FFT, Winograd)
-/// rather than by summing products directly.
+/// How an algorithm sums: through a transform of its operands (FFT, Winograd) rather than
+/// products directly, and with atomics (in an order that changes from run to run).
 pub(crate) trait Transform: Copy {
     fn is_transform(self) -> bool;
+    fn sums_with_atomics(self) -> bool {
+        false
+    }
 }
 
 impl Transform for ForwardAlgo {
@@ -107,6 +114,10 @@ impl Transform for ForwardAlgo {
 }
 
 impl Transform for DataAlgo {
+    fn sums_with_atomics(self) -> bool {
+        self == DataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0
+    }
+
     fn is_transform(self) -> bool {
         use DataAlgo::*;
         matches!(
@@ -120,6 +131,14 @@ impl Transform for DataAlgo {
 }
 
 impl Transform for FilterAlgo {
+    fn sums_with_atomics(self) -> bool {
+        matches!(
+            self,
+            FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0
+                | FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3
+        )
+    }
+
     fn is_transform(self) -> bool {
         use FilterAlgo::*;
         matches!(
@@ -169,10 +188,11 @@ pub(crate) const FORWARD_CANDIDATES: [ForwardAlgo; 8] = {
     ]
 };
 
-/// Data-gradient candidates (algorithm 0 sums with atomics: never).
-pub(crate) const DATA_CANDIDATES: [DataAlgo; 5] = {
+/// Data-gradient candidates (algorithm 0 sums with atomics: `fastest` only).
+pub(crate) const DATA_CANDIDATES: [DataAlgo; 6] = {
     use DataAlgo::*;
     [
+        CUDNN_CONVOLUTION_BWD_DATA_ALGO_0,
         CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
         CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT,
         CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING,
@@ -181,11 +201,13 @@ pub(crate) const DATA_CANDIDATES: [DataAlgo; 5] = {
     ]
 };
 
-/// Filter-gradient candidates (algorithms 0 and 3 sum with atomics: never).
-pub(crate) const FILTER_CANDIDATES: [FilterAlgo; 4] = {
+/// Filter-gradient candidates (algorithms 0 and 3 sum with atomics: `fastest` only).
+pub(crate) const FILTER_CANDIDATES: [FilterAlgo; 6] = {
     use FilterAlgo::*;
     [
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
         CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+        CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3,
         CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
         CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING,
         CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED,
@@ -262,20 +284,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn no_candidate_sums_with_atomics_and_every_other_algorithm_competes() {
+    fn every_algorithm_is_a_candidate_and_only_fastest_admits_atomics() {
         assert_eq!(
             FORWARD_CANDIDATES.len(),
             ForwardAlgo::CUDNN_CONVOLUTION_FWD_ALGO_COUNT as usize
         );
-        assert!(!DATA_CANDIDATES.contains(&DataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0));
         assert_eq!(
             DATA_CANDIDATES.len(),
-            DataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT as usize - 1
+            DataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT as usize
         );
-        assert!(!FILTER_CANDIDATES.contains(&FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0));
-        assert!(!FILTER_CANDIDATES.contains(&FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3));
         // 7 algorithms, one of which (WINOGRAD) cuDNN does not implement for filters
-        assert!(FILTER_CANDIDATES.contains(&FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1));
+        assert_eq!(
+            FILTER_CANDIDATES.len(),
+            FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT as usize - 1
+        );
+        let atomic_data = DataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0;
+        let atomic_filters = [
+            FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+            FilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3,
+        ];
+        assert!(ConvAlgos::Fastest.admits(atomic_data));
+        assert!(!ConvAlgos::Precise.admits(atomic_data));
+        assert!(!ConvAlgos::Heuristic.admits(atomic_data));
+        for f in atomic_filters {
+            assert!(ConvAlgos::Fastest.admits(f) && !ConvAlgos::Precise.admits(f));
+        }
     }
 
     #[test]

@@ -950,13 +950,29 @@ impl Backend for Cuda {
         }
     }
 
-    fn stage_batch(
+    type HostBatch = crate::batches::HostBatch;
+
+    fn begin_stage(
         &self,
         s: &mut Stream,
-        images: &[f32],
-        labels: &[u32],
+        images: usize,
+        labels: usize,
+    ) -> Result<crate::batches::HostBatch, KernelError> {
+        self.begin_stage_on(s, images, labels)
+    }
+
+    fn host_slices(
+        batch: &mut crate::batches::HostBatch,
+    ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
+        Cuda::host_slices_of(batch)
+    }
+
+    fn finish_stage(
+        &self,
+        s: &mut Stream,
+        batch: crate::batches::HostBatch,
     ) -> Result<crate::batches::StagedBatch, KernelError> {
-        self.stage_batch_on(s, images, labels)
+        self.finish_stage_on(s, batch)
     }
 
     fn take_staged(

@@ -99,27 +99,42 @@ fn record(stream: &CudaStream) -> Result<CudaEvent, Failure> {
     Ok(stream.record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?)
 }
 
+/// Page-locked host memory taken for one batch (`Backend::HostBatch` of the CUDA backend):
+/// filled on any thread, then copied by [`Cuda::finish_stage_on`].
+pub struct HostBatch {
+    slot: HostSlot,
+    index: usize,
+}
+
+impl std::fmt::Debug for HostBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBatch")
+            .field("images", &self.slot.images.len())
+            .field("labels", &self.slot.labels.len())
+            .finish()
+    }
+}
+
+fn failed(Failure(e): Failure) -> KernelError {
+    KernelError::Device(format!("staging a batch: {e}"))
+}
+
 impl Cuda {
-    pub(crate) fn stage_batch_on(
+    /// The next page-locked slot, sized for `images` and `labels` values, once the copies out of
+    /// it two batches ago have run.
+    pub(crate) fn begin_stage_on(
         &self,
         s: &mut Stream,
-        images: &[f32],
-        labels: &[u32],
-    ) -> Result<StagedBatch, KernelError> {
-        let failed = |Failure(e)| KernelError::Device(format!("staging a batch: {e}"));
+        images: usize,
+        labels: usize,
+    ) -> Result<HostBatch, KernelError> {
         self.context
             .bind_to_thread()
             .map_err(|e| failed(e.into()))?;
-        self.stage(s, images, labels).map_err(failed)
+        self.begin(s, images, labels).map_err(failed)
     }
 
-    fn stage(
-        &self,
-        s: &mut Stream,
-        images: &[f32],
-        labels: &[u32],
-    ) -> Result<StagedBatch, Failure> {
-        let compute = s.stream.clone();
+    fn begin(&self, s: &mut Stream, images: usize, labels: usize) -> Result<HostBatch, Failure> {
         if s.batches.is_none() {
             s.batches = Some(BatchCopies {
                 copy: self.context.new_stream()?,
@@ -129,54 +144,85 @@ impl Cuda {
             });
         }
         let copies = s.batches.as_mut().expect("made above");
-        let slot = &mut copies.slots[copies.next_slot];
-        copies.next_slot = (copies.next_slot + 1) % 2;
-        if slot
-            .as_ref()
-            .is_none_or(|h| h.images.len() != images.len() || h.labels.len() != labels.len())
-        {
-            *slot = None;
-            *slot = Some(HostSlot {
-                images: pinned(self, images.len(), Direction::ToDevice)?,
-                labels: pinned(self, labels.len(), Direction::ToDevice)?,
-                copied_out: None,
-            });
-        }
-        let host = slot.as_mut().expect("made above");
-        // Waits for the copies out of it two batches ago, then every element is written.
-        if let Some(copied_out) = host.copied_out.take() {
-            copied_out.synchronize()?;
-        }
-        crate::backend::parallel_copy(images, host.images.as_mut_slice()?);
-        host.labels.as_mut_slice()?.copy_from_slice(labels);
+        let index = copies.next_slot;
+        copies.next_slot = (index + 1) % 2;
+        let slot = match copies.slots[index].take() {
+            Some(slot) if slot.images.len() == images && slot.labels.len() == labels => {
+                if let Some(copied_out) = &slot.copied_out {
+                    copied_out.synchronize()?;
+                }
+                slot
+            }
+            stale => {
+                drop(stale);
+                HostSlot {
+                    images: pinned(self, images, Direction::ToDevice)?,
+                    labels: pinned(self, labels, Direction::ToDevice)?,
+                    copied_out: None,
+                }
+            }
+        };
+        Ok(HostBatch { slot, index })
+    }
 
+    /// Where a batch is written: its images and its labels.
+    pub(crate) fn host_slices_of(
+        batch: &mut HostBatch,
+    ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
+        let HostSlot { images, labels, .. } = &mut batch.slot;
+        let images = images.as_mut_slice().map_err(|e| failed(e.into()))?;
+        let labels = labels.as_mut_slice().map_err(|e| failed(e.into()))?;
+        Ok((images, labels))
+    }
+
+    /// Enqueues the copies of a filled batch on the copy stream.
+    pub(crate) fn finish_stage_on(
+        &self,
+        s: &mut Stream,
+        batch: HostBatch,
+    ) -> Result<StagedBatch, KernelError> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| failed(e.into()))?;
+        self.finish(s, batch).map_err(failed)
+    }
+
+    fn finish(&self, s: &mut Stream, batch: HostBatch) -> Result<StagedBatch, Failure> {
+        let compute = s.stream.clone();
+        let HostBatch { mut slot, index } = batch;
+        let copies = s
+            .batches
+            .as_mut()
+            .expect("a batch is finished on the stream that began it");
+        let (images, labels) = (slot.images.len(), slot.labels.len());
         // A device buffer no enqueued step reads after its event, or a new one; both the images
         // and the labels are allocated on the compute stream, which frees them.
-        let reusable = copies
-            .free
-            .iter()
-            .position(|(b, _)| b.len() == images.len());
+        let reusable = copies.free.iter().position(|(b, _)| b.len() == images);
         let (mut device_images, free_after) = match reusable {
             Some(i) => copies.free.swap_remove(i),
             None => {
                 // SAFETY: the copy below writes every element before any kernel reads it.
-                let fresh = unsafe { compute.alloc::<f32>(images.len()) }?;
+                let fresh = unsafe { compute.alloc::<f32>(images) }?;
                 (fresh, record(&compute)?)
             }
         };
         // SAFETY: as above, the labels' copy writes every element.
-        let mut device_labels = unsafe { compute.alloc::<u32>(labels.len()) }?;
+        let mut device_labels = unsafe { compute.alloc::<u32>(labels) }?;
         let allocated = record(&compute)?;
         copies.copy.wait(&free_after)?;
         copies.copy.wait(&allocated)?;
-        copies.copy.memcpy_htod(&host.images, &mut device_images)?;
-        copies.copy.memcpy_htod(&host.labels, &mut device_labels)?;
+        // Read before the copies, which a read would wait for (write-combined memory is slow to
+        // read, but a batch has few labels).
+        let host_labels = slot.labels.as_slice()?.to_vec();
+        copies.copy.memcpy_htod(&slot.images, &mut device_images)?;
+        copies.copy.memcpy_htod(&slot.labels, &mut device_labels)?;
         let copied = record(&copies.copy)?;
-        host.copied_out = Some(record(&copies.copy)?);
+        slot.copied_out = Some(record(&copies.copy)?);
+        copies.slots[index] = Some(slot);
         Ok(StagedBatch {
             images: Some(device_images),
             labels: Some(device_labels),
-            host_labels: labels.to_vec(),
+            host_labels,
             copied,
             compute,
         })

@@ -31,6 +31,6 @@ mod staging;
 
 pub use algos::ConvAlgos;
 pub use backend::{Buffer, Cuda, Math, PendingLoss, Settings, Sharing, StartError, Stream};
-pub use batches::StagedBatch;
+pub use batches::{HostBatch, StagedBatch};
 pub use probe::{CudaDevice, ProbeError, probe};
 pub use staging::{Direction, Marker, Staging};

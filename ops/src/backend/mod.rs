@@ -205,6 +205,8 @@ pub trait Backend {
     type Loss;
     /// A step's whole batch on its way to the device (see [`Backend::stage_batch`]).
     type Staged;
+    /// Host memory taken for one batch to be staged from (page-locked on a GPU).
+    type HostBatch;
     /// A point in a stream's work, for timing the work between two points.
     type Marker;
 
@@ -263,6 +265,28 @@ pub trait Backend {
         s: &mut Self::Stream,
         images: &[f32],
         labels: &[u32],
+    ) -> Result<Self::Staged, KernelError> {
+        let mut host = self.begin_stage(s, images.len(), labels.len())?;
+        fill_host_batch(Self::host_slices(&mut host)?, images, labels);
+        self.finish_stage(s, host)
+    }
+
+    /// [`Backend::stage_batch`] in three parts, so that another thread can fill the host memory
+    /// while this one enqueues a step: host memory for a batch of `images` and `labels` values
+    /// (once no earlier copy reads it)...
+    fn begin_stage(
+        &self,
+        s: &mut Self::Stream,
+        images: usize,
+        labels: usize,
+    ) -> Result<Self::HostBatch, KernelError>;
+    /// ...where the batch is written (images, labels), from any thread...
+    fn host_slices(batch: &mut Self::HostBatch) -> Result<(&mut [f32], &mut [u32]), KernelError>;
+    /// ...and the copies of the filled batch, enqueued.
+    fn finish_stage(
+        &self,
+        s: &mut Self::Stream,
+        batch: Self::HostBatch,
     ) -> Result<Self::Staged, KernelError>;
 
     /// Takes a staged batch for the step about to be enqueued on `s`: work enqueued on `s` from
@@ -496,6 +520,23 @@ pub trait Backend {
         w: Out<Self::Buffer>,
         velocity: Out<Self::Buffer>,
     );
+}
+
+/// Writes a batch into the host memory [`Backend::host_slices`] lends, on the rayon pool: one
+/// thread copies a few GB/s, the memory system several times that.
+pub fn fill_host_batch(
+    (host_images, host_labels): (&mut [f32], &mut [u32]),
+    images: &[f32],
+    labels: &[u32],
+) {
+    use rayon::prelude::*;
+    /// 4 MiB a task: large enough that scheduling costs nothing beside it.
+    const CHUNK: usize = 1 << 20;
+    host_images
+        .par_chunks_mut(CHUNK)
+        .zip(images.par_chunks(CHUNK))
+        .for_each(|(to, from)| to.copy_from_slice(from));
+    host_labels.copy_from_slice(labels);
 }
 
 /// One phase of one layer over one tile, with the buffers its driver lends it. `Op::run` reads

@@ -129,13 +129,29 @@ impl Backend for Cpu {
         loss
     }
 
-    fn stage_batch(
+    type HostBatch = (Vec<f32>, Vec<u32>);
+
+    fn begin_stage(
         &self,
         _: &mut CpuStream,
-        images: &[f32],
-        _labels: &[u32],
+        images: usize,
+        labels: usize,
+    ) -> Result<(Vec<f32>, Vec<u32>), KernelError> {
+        Ok((vec![0.0; images], vec![0; labels]))
+    }
+
+    fn host_slices(
+        batch: &mut (Vec<f32>, Vec<u32>),
+    ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
+        Ok((&mut batch.0, &mut batch.1))
+    }
+
+    fn finish_stage(
+        &self,
+        _: &mut CpuStream,
+        (images, _labels): (Vec<f32>, Vec<u32>),
     ) -> Result<Buffer, KernelError> {
-        Ok(Buffer::F32(images.to_vec()))
+        Ok(Buffer::F32(images))
     }
 
     fn take_staged(&self, _: &mut CpuStream, staged: Buffer) -> Result<Buffer, KernelError> {
