@@ -840,6 +840,24 @@ impl TileLabels<'_> {
     }
 }
 
+/// How many elements each channel of a batch-norm tile has, and into how many parts its sums
+/// are split: one block per ~8k elements (at most 256 parts), so that a layer with few channels
+/// of many elements each still fills the GPU.
+fn channel_parts(tile: &Box4) -> Result<(i64, i64), Failure> {
+    /// Elements a block sums: enough that a part's block is busy, few enough for many blocks.
+    const PER_PART: i64 = 8192;
+    let per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
+    if per_channel > u32::MAX as i64 {
+        return Err(Failure(format!(
+            "batch-norm tile {tile:?}: {per_channel} elements a channel, more than the kernels' 2^32"
+        )));
+    }
+    Ok((
+        per_channel,
+        ((per_channel + PER_PART - 1) / PER_PART).clamp(1, 256),
+    ))
+}
+
 /// The statistics operands of the batch-norm kernels: `[3, C]` sums over channels `[lo, lo + C)`.
 fn sums_range(sums: &In<Buffer>) -> (i64, i64) {
     (sums.rect.lo[1] as i64, sums.rect.extent(1) as i64)
@@ -1455,13 +1473,26 @@ impl Backend for Cuda {
                 return Ok(());
             }
             let x_layout = Box4::of(&x.rect);
+            let (count, parts) = channel_parts(&tile_box)?;
+            // SAFETY: the first kernel writes every partial sum before the second reads it.
+            let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
             let mut b = s.stream.launch_builder(&self.kernels.bn_moments);
             b.arg(x.mem.f32())
                 .arg(&x_layout)
                 .arg(&tile_box)
+                .arg(&parts)
+                .arg(&mut partial);
+            // SAFETY: the arguments match the kernel's signature; x contains the tile, and a
+            // block of each part of each channel writes its two partial sums.
+            unsafe { b.launch(per_channel(channels * parts)) }?;
+            let mut b = s.stream.launch_builder(&self.kernels.bn_sums_finish);
+            b.arg(&partial)
+                .arg(&parts)
+                .arg(&channels)
+                .arg(&count)
                 .arg(moments.mem.f64_mut());
-            // SAFETY: the arguments match the kernel's signature; x contains the tile.
-            unsafe { b.launch(per_channel(channels)) }?;
+            // SAFETY: as above; the moments are [3, channels].
+            unsafe { b.launch(grid(channels)) }?;
             Ok(())
         });
     }
@@ -1487,12 +1518,11 @@ impl Backend for Cuda {
             let (m_lo, m_channels) = sums_range(&moments);
             let (gamma_lo, beta_lo) = (gamma.rect.lo[0] as i64, beta.rect.lo[0] as i64);
             let relu = op.relu as i32;
-            let mut b = s.stream.launch_builder(&self.kernels.bn_normalize);
-            b.arg(x.mem.f32())
-                .arg(&x_layout)
-                .arg(y.mem.f32_mut())
-                .arg(&tile)
-                .arg(moments.mem.f64())
+            let (c_lo, channels) = (tile.lo[1], tile.ext[1]);
+            // SAFETY: bn_affine writes every coefficient before bn_normalize reads it.
+            let mut coef = unsafe { s.stream.alloc::<f32>(3 * channels as usize) }?;
+            let mut b = s.stream.launch_builder(&self.kernels.bn_affine);
+            b.arg(moments.mem.f64())
                 .arg(&m_lo)
                 .arg(&m_channels)
                 .arg(gamma.mem.f32())
@@ -1500,11 +1530,22 @@ impl Backend for Cuda {
                 .arg(beta.mem.f32())
                 .arg(&beta_lo)
                 .arg(&op.eps)
+                .arg(&c_lo)
+                .arg(&channels)
+                .arg(&mut coef);
+            // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
+            // the tile's channels.
+            unsafe { b.launch(grid(channels)) }?;
+            let mut b = s.stream.launch_builder(&self.kernels.bn_normalize);
+            b.arg(x.mem.f32())
+                .arg(&x_layout)
+                .arg(y.mem.f32_mut())
+                .arg(&tile)
+                .arg(&coef)
                 .arg(&relu)
                 .arg(&n)
                 .arg(&packed);
-            // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
-            // the tile's channels.
+            // SAFETY: as above; the coefficients cover the tile's channels.
             unsafe { b.launch(grid(n)) }?;
             Ok(())
         });
@@ -1571,6 +1612,9 @@ impl Backend for Cuda {
             let y_layout = y.map_or(x_layout, |y| Box4::of(&y.rect));
             let (m_lo, m_channels) = sums_range(&moments);
             let (dgamma_lo, dbeta_lo) = (dgamma.rect.lo[0] as i64, dbeta.rect.lo[0] as i64);
+            let (count, parts) = channel_parts(&tile_box)?;
+            // SAFETY: the first kernel writes every partial sum before the second reads it.
+            let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
             let mut b = s.stream.launch_builder(&self.kernels.bn_grad_sums);
             b.arg(x.mem.f32()).arg(&x_layout);
             match &y {
@@ -1585,13 +1629,29 @@ impl Backend for Cuda {
                 .arg(&m_lo)
                 .arg(&m_channels)
                 .arg(&op.eps)
+                .arg(&parts)
+                .arg(&mut partial);
+            // SAFETY: the arguments match the kernel's signature; the views contain the tile,
+            // and a block of each part of each channel writes its two partial sums.
+            unsafe { b.launch(per_channel(channels * parts)) }?;
+            let c_lo = tile_box.lo[1];
+            let mut b = s.stream.launch_builder(&self.kernels.bn_grad_sums_finish);
+            b.arg(&partial)
+                .arg(&parts)
+                .arg(&channels)
+                .arg(&count)
+                .arg(&c_lo)
+                .arg(moments.mem.f64())
+                .arg(&m_lo)
+                .arg(&m_channels)
+                .arg(&op.eps)
                 .arg(dgamma.mem.f32_mut())
                 .arg(&dgamma_lo)
                 .arg(dbeta.mem.f32_mut())
                 .arg(&dbeta_lo)
                 .arg(grad_sums.mem.f64_mut());
-            // SAFETY: the arguments match the kernel's signature; the views contain the tile.
-            unsafe { b.launch(per_channel(channels)) }?;
+            // SAFETY: as above; the sums are [3, channels], the gradients cover the channels.
+            unsafe { b.launch(grid(channels)) }?;
             Ok(())
         });
     }
@@ -1620,6 +1680,25 @@ impl Backend for Cuda {
             let (m_lo, m_channels) = sums_range(&moments);
             let (s_lo, s_channels) = sums_range(&grad_sums);
             let gamma_lo = gamma.rect.lo[0] as i64;
+            let (c_lo, channels) = (tile.lo[1], tile.ext[1]);
+            // SAFETY: bn_input_coef writes every coefficient before bn_input_grad reads it.
+            let mut coef = unsafe { s.stream.alloc::<f32>(5 * channels as usize) }?;
+            let mut b = s.stream.launch_builder(&self.kernels.bn_input_coef);
+            b.arg(moments.mem.f64())
+                .arg(&m_lo)
+                .arg(&m_channels)
+                .arg(gamma.mem.f32())
+                .arg(&gamma_lo)
+                .arg(grad_sums.mem.f64())
+                .arg(&s_lo)
+                .arg(&s_channels)
+                .arg(&op.eps)
+                .arg(&c_lo)
+                .arg(&channels)
+                .arg(&mut coef);
+            // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
+            // the tile's channels.
+            unsafe { b.launch(grid(channels)) }?;
             let mut b = s.stream.launch_builder(&self.kernels.bn_input_grad);
             b.arg(x.mem.f32()).arg(&x_layout);
             match &y {
@@ -1631,15 +1710,7 @@ impl Backend for Cuda {
                 .arg(&dy_layout)
                 .arg(dx.mem.f32_mut())
                 .arg(&tile)
-                .arg(moments.mem.f64())
-                .arg(&m_lo)
-                .arg(&m_channels)
-                .arg(gamma.mem.f32())
-                .arg(&gamma_lo)
-                .arg(grad_sums.mem.f64())
-                .arg(&s_lo)
-                .arg(&s_channels)
-                .arg(&op.eps)
+                .arg(&coef)
                 .arg(&n)
                 .arg(&packed);
             // SAFETY: the arguments match the kernel's signature; the views contain the tile.

@@ -492,41 +492,100 @@ __device__ __forceinline__ Stats stats_of(const double* moments, i64 m_lo, i64 m
     return s;
 }
 
-// Σx and Σx² per channel of the tile (one block per channel), in f64.
-extern "C" __global__ void bn_moments(const float* x, Box4 x_layout, Box4 tile, double* out) {
-    i64 c_local = blockIdx.x;
-    i64 plane = tile.ext[2] * tile.ext[3];
-    i64 per_channel = tile.ext[0] * plane;
+// The per-channel sums are split over several blocks per channel, so that a layer with few
+// channels and many elements a channel still fills the GPU: channel c's elements (n, then h, w:
+// `per_channel` of them) are cut into `parts` contiguous ranges, block b sums range b % parts of
+// channel b / parts into `partial` ([parts][2][C] f64), and a second kernel adds each channel's
+// parts in order. The split and both trees are fixed, so the sums are the same every run.
+
+// The global point of element j of channel c's elements of `tile`. The host checks that a
+// channel has fewer than 2^32 elements, so 32-bit division (several times cheaper) indexes it.
+__device__ __forceinline__ void channel_point(const Box4& tile, i64 c, i64 j, i64 q[4]) {
+    unsigned width = (unsigned)tile.ext[3];
+    unsigned plane = (unsigned)(tile.ext[2] * tile.ext[3]);
+    unsigned jj = (unsigned)j;
+    unsigned n = jj / plane;
+    unsigned s = jj - n * plane;
+    unsigned h = s / width;
+    q[0] = tile.lo[0] + n;
+    q[1] = c;
+    q[2] = tile.lo[2] + h;
+    q[3] = tile.lo[3] + (s - h * width);
+}
+
+// Σx and Σx² of one part of one channel of the tile, in f64.
+extern "C" __global__ void bn_moments(const float* x, Box4 x_layout, Box4 tile, i64 parts,
+                                      double* partial) {
+    i64 channels = tile.ext[1];
+    i64 c_local = blockIdx.x / parts, part = blockIdx.x % parts;
+    i64 per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
+    i64 lo = per_channel * part / parts, hi = per_channel * (part + 1) / parts;
     double sum = 0.0, sum_sq = 0.0;
-    for (i64 j = threadIdx.x; j < per_channel; j += blockDim.x) {
-        i64 s = j % plane;
-        i64 q[4] = {tile.lo[0] + j / plane, tile.lo[1] + c_local, tile.lo[2] + s / tile.ext[3],
-                    tile.lo[3] + s % tile.ext[3]};
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        i64 q[4];
+        channel_point(tile, tile.lo[1] + c_local, j, q);
         double v = (double)x[offset_in(x_layout, q)];
         sum += v;
         sum_sq += v * v;
     }
     block_sum2(sum, sum_sq);
     if (threadIdx.x == 0) {
-        i64 channels = tile.ext[1];
-        out[c_local] = (double)per_channel;
-        out[channels + c_local] = sum;
-        out[2 * channels + c_local] = sum_sq;
+        partial[2 * part * channels + c_local] = sum;
+        partial[(2 * part + 1) * channels + c_local] = sum_sq;
     }
 }
 
-// y = (x − mean)·(γ·invstd) + β, then max(·, 0) when `relu`; mean and γ·invstd rounded to f32 as
-// the CPU's Affine.
-extern "C" __global__ void bn_normalize(const float* x, Box4 x_layout, float* y, Box4 tile,
-                                        const double* moments, i64 m_lo, i64 m_channels,
-                                        const float* gamma, i64 gamma_lo, const float* beta,
-                                        i64 beta_lo, float eps, int relu, i64 n, int packed) {
-    GRID_STRIDE(i, n) {
-        i64 c = channel_of(tile, i);
+// out ([3, C]): the count, then each channel's two sums over its parts, added in order.
+extern "C" __global__ void bn_sums_finish(const double* partial, i64 parts, i64 channels,
+                                          i64 count, double* out) {
+    GRID_STRIDE(c, channels) {
+        double a = 0.0, b = 0.0;
+        for (i64 p = 0; p < parts; ++p) {
+            a += partial[2 * p * channels + c];
+            b += partial[(2 * p + 1) * channels + c];
+        }
+        out[c] = (double)count;
+        out[channels + c] = a;
+        out[2 * channels + c] = b;
+    }
+}
+
+// The element-wise batch-norm kernels read per-channel coefficients that a kernel of one thread
+// per channel computes first (the f64 statistics, divisions and square roots once a channel,
+// not once an element), rounded to f32 as the CPU's.
+
+// Channel of element i of a region, with 32-bit division where the indices fit.
+__device__ __forceinline__ i64 channel_at(const Box4& region, i64 i) {
+    i64 plane = region.ext[2] * region.ext[3];
+    if (i <= 0xffffffffLL && plane <= 0xffffffffLL)
+        return region.lo[1] + (i64)(((unsigned)i / (unsigned)plane) % (unsigned)region.ext[1]);
+    return channel_of(region, i);
+}
+
+// coef ([3][channels] f32): mean, γ·invstd and β of channels [c_lo, c_lo + channels), as the
+// CPU's Affine.
+extern "C" __global__ void bn_affine(const double* moments, i64 m_lo, i64 m_channels,
+                                     const float* gamma, i64 gamma_lo, const float* beta,
+                                     i64 beta_lo, float eps, i64 c_lo, i64 channels,
+                                     float* coef) {
+    GRID_STRIDE(j, channels) {
+        i64 c = c_lo + j;
         Stats s = stats_of(moments, m_lo, m_channels, c, eps);
-        float mean = (float)s.mean;
-        float scale = (float)((double)gamma[c - gamma_lo] * s.inv_std);
-        float z = (x[at(x_layout, tile, i, packed)] - mean) * scale + beta[c - beta_lo];
+        coef[j] = (float)s.mean;
+        coef[channels + j] = (float)((double)gamma[c - gamma_lo] * s.inv_std);
+        coef[2 * channels + j] = beta[c - beta_lo];
+    }
+}
+
+// y = (x − mean)·(γ·invstd) + β, then max(·, 0) when `relu`, with bn_affine's coefficients of
+// the tile's channels.
+extern "C" __global__ void bn_normalize(const float* x, Box4 x_layout, float* y, Box4 tile,
+                                        const float* coef, int relu, i64 n, int packed) {
+    i64 channels = tile.ext[1];
+    GRID_STRIDE(i, n) {
+        i64 j = channel_at(tile, i) - tile.lo[1];
+        float z = (x[at(x_layout, tile, i, packed)] - coef[j]) * coef[channels + j] +
+                  coef[2 * channels + j];
         y[i] = (relu && z < 0.0f) ? 0.0f : z;
     }
 }
@@ -548,24 +607,22 @@ extern "C" __global__ void bn_running(const double* moments, i64 m_lo, i64 m_cha
     }
 }
 
-// Σdy and Σdy·x̂ per channel of the tile (dy masked by y > 0 when `y` is given: the fused ReLU),
-// into out ([3, C] over the tile's channels), and the tile's dγ = Σdy·x̂, dβ = Σdy. One block per
-// channel.
+// Σdy and Σdy·(x − mean) of one part of one channel of the tile (dy masked by y > 0 when `y`
+// is given: the fused ReLU), into `partial` as bn_moments; bn_grad_sums_finish adds the parts.
 extern "C" __global__ void bn_grad_sums(const float* x, Box4 x_layout, const float* y,
                                         Box4 y_layout, const float* dy, Box4 dy_layout, Box4 tile,
                                         const double* moments, i64 m_lo, i64 m_channels, float eps,
-                                        float* dgamma, i64 dgamma_lo, float* dbeta, i64 dbeta_lo,
-                                        double* out) {
-    i64 c_local = blockIdx.x;
+                                        i64 parts, double* partial) {
+    i64 channels = tile.ext[1];
+    i64 c_local = blockIdx.x / parts, part = blockIdx.x % parts;
     i64 c = tile.lo[1] + c_local;
     Stats s = stats_of(moments, m_lo, m_channels, c, eps);
-    i64 plane = tile.ext[2] * tile.ext[3];
-    i64 per_channel = tile.ext[0] * plane;
+    i64 per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
+    i64 lo = per_channel * part / parts, hi = per_channel * (part + 1) / parts;
     double sum_dy = 0.0, sum_dy_centered = 0.0;
-    for (i64 j = threadIdx.x; j < per_channel; j += blockDim.x) {
-        i64 sp = j % plane;
-        i64 q[4] = {tile.lo[0] + j / plane, c, tile.lo[2] + sp / tile.ext[3],
-                    tile.lo[3] + sp % tile.ext[3]};
+    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        i64 q[4];
+        channel_point(tile, c, j, q);
         float g = dy[offset_in(dy_layout, q)];
         if (y && !(y[offset_in(y_layout, q)] > 0.0f)) g = 0.0f;
         double gd = (double)g;
@@ -574,9 +631,28 @@ extern "C" __global__ void bn_grad_sums(const float* x, Box4 x_layout, const flo
     }
     block_sum2(sum_dy, sum_dy_centered);
     if (threadIdx.x == 0) {
-        i64 channels = tile.ext[1];
+        partial[2 * part * channels + c_local] = sum_dy;
+        partial[(2 * part + 1) * channels + c_local] = sum_dy_centered;
+    }
+}
+
+// The tile's sums ([3, C] over its channels: count, Σdy, Σdy·x̂) from the parts, and its
+// dγ = Σdy·x̂, dβ = Σdy.
+extern "C" __global__ void bn_grad_sums_finish(const double* partial, i64 parts, i64 channels,
+                                               i64 count, i64 c_lo, const double* moments,
+                                               i64 m_lo, i64 m_channels, float eps,
+                                               float* dgamma, i64 dgamma_lo, float* dbeta,
+                                               i64 dbeta_lo, double* out) {
+    GRID_STRIDE(c_local, channels) {
+        i64 c = c_lo + c_local;
+        Stats s = stats_of(moments, m_lo, m_channels, c, eps);
+        double sum_dy = 0.0, sum_dy_centered = 0.0;
+        for (i64 p = 0; p < parts; ++p) {
+            sum_dy += partial[2 * p * channels + c_local];
+            sum_dy_centered += partial[(2 * p + 1) * channels + c_local];
+        }
         double sum_dy_xhat = sum_dy_centered * s.inv_std;
-        out[c_local] = (double)per_channel;
+        out[c_local] = (double)count;
         out[channels + c_local] = sum_dy;
         out[2 * channels + c_local] = sum_dy_xhat;
         dgamma[c - dgamma_lo] = (float)sum_dy_xhat;
@@ -584,28 +660,39 @@ extern "C" __global__ void bn_grad_sums(const float* x, Box4 x_layout, const flo
     }
 }
 
-// dx = γ·invstd·(dy − Σdy/M − x̂·Σ(dy·x̂)/M) over the tile, with the CPU's f32 coefficients
-// (InputGrad); dy masked by y > 0 when `y` is given.
-extern "C" __global__ void bn_input_grad(const float* x, Box4 x_layout, const float* y,
-                                         Box4 y_layout, const float* dy, Box4 dy_layout,
-                                         float* dx, Box4 tile, const double* moments, i64 m_lo,
-                                         i64 m_channels, const float* gamma, i64 gamma_lo,
-                                         const double* sums, i64 s_lo, i64 s_channels, float eps,
-                                         i64 n, int packed) {
-    GRID_STRIDE(i, n) {
-        i64 c = channel_of(tile, i);
+// coef ([5][channels] f32) of channels [c_lo, c_lo + channels) for bn_input_grad: mean, invstd,
+// γ·invstd, Σdy/M and Σ(dy·x̂)/M, the CPU's f32 coefficients (InputGrad).
+extern "C" __global__ void bn_input_coef(const double* moments, i64 m_lo, i64 m_channels,
+                                         const float* gamma, i64 gamma_lo, const double* sums,
+                                         i64 s_lo, i64 s_channels, float eps, i64 c_lo,
+                                         i64 channels, float* coef) {
+    GRID_STRIDE(j, channels) {
+        i64 c = c_lo + j;
         Stats s = stats_of(moments, m_lo, m_channels, c, eps);
         i64 k = c - s_lo;
         double count = sums[0];
-        float mean = (float)s.mean;
-        float inv_std = (float)s.inv_std;
-        float scale = (float)((double)gamma[c - gamma_lo] * s.inv_std);
-        float mean_dy = (float)(sums[s_channels + k] / count);
-        float mean_dy_xhat = (float)(sums[2 * s_channels + k] / count);
+        coef[j] = (float)s.mean;
+        coef[channels + j] = (float)s.inv_std;
+        coef[2 * channels + j] = (float)((double)gamma[c - gamma_lo] * s.inv_std);
+        coef[3 * channels + j] = (float)(sums[s_channels + k] / count);
+        coef[4 * channels + j] = (float)(sums[2 * s_channels + k] / count);
+    }
+}
+
+// dx = γ·invstd·(dy − Σdy/M − x̂·Σ(dy·x̂)/M) over the tile, with bn_input_coef's coefficients of
+// the tile's channels; dy masked by y > 0 when `y` is given.
+extern "C" __global__ void bn_input_grad(const float* x, Box4 x_layout, const float* y,
+                                         Box4 y_layout, const float* dy, Box4 dy_layout,
+                                         float* dx, Box4 tile, const float* coef, i64 n,
+                                         int packed) {
+    i64 channels = tile.ext[1];
+    GRID_STRIDE(i, n) {
+        i64 j = channel_at(tile, i) - tile.lo[1];
         float g = dy[at(dy_layout, tile, i, packed)];
         if (y && !(y[at(y_layout, tile, i, packed)] > 0.0f)) g = 0.0f;
-        float xhat = (x[at(x_layout, tile, i, packed)] - mean) * inv_std;
-        dx[i] = scale * (g - mean_dy - xhat * mean_dy_xhat);
+        float xhat = (x[at(x_layout, tile, i, packed)] - coef[j]) * coef[channels + j];
+        dx[i] = coef[2 * channels + j] *
+                (g - coef[3 * channels + j] - xhat * coef[4 * channels + j]);
     }
 }
 

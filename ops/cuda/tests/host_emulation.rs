@@ -635,12 +635,9 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
 
     // ---- batch norm
     {
-        type M = unsafe extern "C" fn(*const f32, Box4, Box4, *mut f64);
-        type N = unsafe extern "C" fn(
-            *const f32,
-            Box4,
-            *mut f32,
-            Box4,
+        type M = unsafe extern "C" fn(*const f32, Box4, Box4, i64, *mut f64);
+        type MF = unsafe extern "C" fn(*const f64, i64, i64, i64, *mut f64);
+        type AF = unsafe extern "C" fn(
             *const f64,
             i64,
             i64,
@@ -649,9 +646,24 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             *const f32,
             i64,
             f32,
-            i32,
             i64,
-            i32,
+            i64,
+            *mut f32,
+        );
+        type N = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, *const f32, i32, i64, i32);
+        type IC = unsafe extern "C" fn(
+            *const f64,
+            i64,
+            i64,
+            *const f32,
+            i64,
+            *const f64,
+            i64,
+            i64,
+            f32,
+            i64,
+            i64,
+            *mut f32,
         );
         type RN = unsafe extern "C" fn(*const f64, i64, i64, *mut f32, i64, *mut f32, i64, f32);
         type GS = unsafe extern "C" fn(
@@ -662,6 +674,19 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             *const f32,
             Box4,
             Box4,
+            *const f64,
+            i64,
+            i64,
+            f32,
+            i64,
+            *mut f64,
+        );
+        type GF = unsafe extern "C" fn(
+            *const f64,
+            i64,
+            i64,
+            i64,
+            i64,
             *const f64,
             i64,
             i64,
@@ -681,19 +706,15 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             Box4,
             *mut f32,
             Box4,
-            *const f64,
-            i64,
-            i64,
             *const f32,
-            i64,
-            *const f64,
-            i64,
-            i64,
-            f32,
             i64,
             i32,
         );
         let mk: Symbol<M> = emu.sym("bn_moments");
+        let mf: Symbol<MF> = emu.sym("bn_sums_finish");
+        let gf: Symbol<GF> = emu.sym("bn_grad_sums_finish");
+        let af: Symbol<AF> = emu.sym("bn_affine");
+        let ic: Symbol<IC> = emu.sym("bn_input_coef");
         let nk: Symbol<N> = emu.sym("bn_normalize");
         let rk: Symbol<RN> = emu.sym("bn_running");
         let gk: Symbol<GS> = emu.sym("bn_grad_sums");
@@ -737,16 +758,37 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         mem: &mut want_m,
                     },
                 );
-                let mut got_m = vec![0f64; 3 * tc];
-                emu.launch(tc as u32, 1, || unsafe {
-                    mk(
-                        x.f32().as_ptr(),
-                        box4(&fullr),
-                        box4(&tile),
-                        got_m.as_mut_ptr(),
-                    )
-                });
-                report.check_f64(&format!("bn moments {ci}"), &got_m, want_m.f64(), 1e-12);
+                // a channel's sums in one part, and split into three (every split the GPU makes
+                // adds its parts in the same way)
+                let count = (tile.extent(0) * tile.extent(2) * tile.extent(3)) as i64;
+                for parts in [1i64, 3] {
+                    let mut partial = vec![f64::NAN; 2 * parts as usize * tc];
+                    emu.launch(tc as u32 * parts as u32, 1, || unsafe {
+                        mk(
+                            x.f32().as_ptr(),
+                            box4(&fullr),
+                            box4(&tile),
+                            parts,
+                            partial.as_mut_ptr(),
+                        )
+                    });
+                    let mut got_m = vec![0f64; 3 * tc];
+                    emu.launch(1, 1, || unsafe {
+                        mf(
+                            partial.as_ptr(),
+                            parts,
+                            tc as i64,
+                            count,
+                            got_m.as_mut_ptr(),
+                        )
+                    });
+                    report.check_f64(
+                        &format!("bn moments {ci} in {parts} part(s)"),
+                        &got_m,
+                        want_m.f64(),
+                        1e-12,
+                    );
+                }
                 // whole-group moments
                 let group = fullr.with_axis(1, g0, g1);
                 let mut m = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
@@ -792,12 +834,10 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 );
                 let mut gy = vec![0f32; tile.volume()];
                 let n = tile.volume() as i64;
+                let tc_tile = tile.extent(1);
+                let mut coef = vec![f32::NAN; 3 * tc_tile];
                 emu.launch(1, 1, || unsafe {
-                    nk(
-                        x.f32().as_ptr(),
-                        box4(&fullr),
-                        gy.as_mut_ptr(),
-                        box4(&tile),
+                    af(
                         m.f64().as_ptr(),
                         g0 as i64,
                         (g1 - g0) as i64,
@@ -806,6 +846,18 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         beta.f32().as_ptr(),
                         0,
                         op.eps,
+                        tile.lo[1] as i64,
+                        tc_tile as i64,
+                        coef.as_mut_ptr(),
+                    )
+                });
+                emu.launch(1, 1, || unsafe {
+                    nk(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        gy.as_mut_ptr(),
+                        box4(&tile),
+                        coef.as_ptr(),
                         relu as i32,
                         n,
                         0,
@@ -906,37 +958,51 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         mem: &mut sums,
                     },
                 );
-                let (mut gdg, mut gdb) = (vec![-2.0f32; c], vec![-2.0f32; c]);
-                let mut gsums = vec![0f64; 3 * tc];
                 let yptr = if relu { yg.f32().as_ptr() } else { NULL };
-                emu.launch(tc as u32, 1, || unsafe {
-                    gk(
-                        x.f32().as_ptr(),
-                        box4(&fullr),
-                        yptr,
-                        box4(&group),
-                        dy.f32().as_ptr(),
-                        box4(&fullr),
-                        box4(&tile),
-                        m.f64().as_ptr(),
-                        g0 as i64,
-                        (g1 - g0) as i64,
-                        op.eps,
-                        gdg.as_mut_ptr(),
-                        0,
-                        gdb.as_mut_ptr(),
-                        0,
-                        gsums.as_mut_ptr(),
-                    )
-                });
-                report.check(&format!("bn dgamma {ci} relu {relu}"), &gdg, dg.f32(), 1e-6);
-                report.check(&format!("bn dbeta {ci} relu {relu}"), &gdb, db.f32(), 1e-6);
-                report.check_f64(
-                    &format!("bn grad sums {ci} relu {relu}"),
-                    &gsums,
-                    sums.f64(),
-                    1e-10,
-                );
+                for parts in [1i64, 3] {
+                    let (mut gdg, mut gdb) = (vec![-2.0f32; c], vec![-2.0f32; c]);
+                    let mut gsums = vec![0f64; 3 * tc];
+                    let mut partial = vec![f64::NAN; 2 * parts as usize * tc];
+                    emu.launch(tc as u32 * parts as u32, 1, || unsafe {
+                        gk(
+                            x.f32().as_ptr(),
+                            box4(&fullr),
+                            yptr,
+                            box4(&group),
+                            dy.f32().as_ptr(),
+                            box4(&fullr),
+                            box4(&tile),
+                            m.f64().as_ptr(),
+                            g0 as i64,
+                            (g1 - g0) as i64,
+                            op.eps,
+                            parts,
+                            partial.as_mut_ptr(),
+                        )
+                    });
+                    emu.launch(1, 1, || unsafe {
+                        gf(
+                            partial.as_ptr(),
+                            parts,
+                            tc as i64,
+                            count,
+                            tile.lo[1] as i64,
+                            m.f64().as_ptr(),
+                            g0 as i64,
+                            (g1 - g0) as i64,
+                            op.eps,
+                            gdg.as_mut_ptr(),
+                            0,
+                            gdb.as_mut_ptr(),
+                            0,
+                            gsums.as_mut_ptr(),
+                        )
+                    });
+                    let what = format!("{ci} relu {relu} in {parts} part(s)");
+                    report.check(&format!("bn dgamma {what}"), &gdg, dg.f32(), 1e-6);
+                    report.check(&format!("bn dbeta {what}"), &gdb, db.f32(), 1e-6);
+                    report.check_f64(&format!("bn grad sums {what}"), &gsums, sums.f64(), 1e-10);
+                }
                 // input grad from whole-group sums
                 let mut gsum_group = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
                 let (mut t1, mut t2) = (Buffer::F32(vec![0.0; c]), Buffer::F32(vec![0.0; c]));
@@ -995,6 +1061,23 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     },
                 );
                 let mut gdx = vec![0f32; tile.volume()];
+                let mut coef = vec![f32::NAN; 5 * tc];
+                emu.launch(1, 1, || unsafe {
+                    ic(
+                        m.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        gamma.f32().as_ptr(),
+                        0,
+                        gsum_group.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        op.eps,
+                        tile.lo[1] as i64,
+                        tc as i64,
+                        coef.as_mut_ptr(),
+                    )
+                });
                 emu.launch(1, 1, || unsafe {
                     ik(
                         x.f32().as_ptr(),
@@ -1005,15 +1088,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         box4(&fullr),
                         gdx.as_mut_ptr(),
                         box4(&tile),
-                        m.f64().as_ptr(),
-                        g0 as i64,
-                        (g1 - g0) as i64,
-                        gamma.f32().as_ptr(),
-                        0,
-                        gsum_group.f64().as_ptr(),
-                        g0 as i64,
-                        (g1 - g0) as i64,
-                        op.eps,
+                        coef.as_ptr(),
                         n,
                         0,
                     )
