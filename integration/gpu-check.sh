@@ -17,8 +17,9 @@
 # `throughput` (one GPU, strict FP32 and TF32 for AlexNet 224 b128, VGG-16 224 b64, Inception-v3
 # 299 b64 and ResNet-50 224 b64, side by side with PyTorch in the same run; AlexNet again with
 # each default turned off: `precise` and `heuristic` algorithms, no prefetch; with the host's
-# split of each step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's
-# and ResNet-50's one-device step call by call, and PyTorch's kernels in one step), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
+# split of each step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's,
+# ResNet-50's and Inception-v3's one-device step call by call, and PyTorch's kernels in one
+# step), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
 # the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),
 # `profile` (the three models' tiles for the paper's machine, 16 devices at 32 samples each, as
 # many as the time left allows: $OUT/profile-paper.json for `plan --machine paper --profile`).
@@ -193,10 +194,10 @@ for r in sorted(ours, key=lambda r: (r["model"], r["mode"])):
 PY
     fi
     if want trace; then
-        echo "=== where one step's time goes: one device (the trainer `throughput` measures), the last"
+        echo "=== where one step's time goes: one device (the trainer that throughput measures), the last"
         echo "    of 3 steps traced with CUDA events around each call, strict FP32; then PyTorch's"
         echo "    kernels in one step of the same model (torch.profiler)"
-        for run in alexnet:224:128 resnet50:224:64; do
+        for run in alexnet:224:128 resnet50:224:64 inception_v3:299:64; do
             IFS=: read -r model image batch <<<"$run"
             name="trace-$model"
             if ! t=$(limit 40); then

@@ -96,6 +96,11 @@ pub struct Stream {
         cudarc::driver::PinnedHostSlice<f32>,
         Option<cudarc::driver::CudaEvent>,
     )>,
+    /// The cuDNN descriptors of each convolution problem met on this stream.
+    pub(crate) descriptors:
+        std::collections::HashMap<crate::algos::Problem, std::rc::Rc<crate::conv::Descriptors>>,
+    /// cuDNN's workspace, kept and grown to the largest a chosen algorithm asked for.
+    pub(crate) workspace: std::cell::RefCell<Option<CudaSlice<u8>>>,
     /// The copy stream and buffers of batches staged ahead (`stage_batch`), once one is.
     pub(crate) batches: Option<crate::batches::BatchCopies>,
     /// The labels of the batch the step being enqueued took (`take_staged`).
@@ -107,8 +112,9 @@ pub struct Stream {
 // SAFETY: cudarc leaves `Cudnn` !Send to keep a handle from being used by two threads at once;
 // cuDNN allows a handle on any thread as long as calls do not overlap, and its context is made
 // current on the calling thread before every primitive (`Cuda::enqueue`). A `Stream` owns its
-// handle (the descriptors holding clones live only inside one primitive) and is only used through
-// `&mut`, so moving it to another thread (a device actor's) cannot overlap calls.
+// handle (the descriptors holding clones, kept per problem behind `Rc`s that never leave it, are
+// used only by its own primitives) and is only used through `&mut`, so moving it to another
+// thread (a device actor's) cannot overlap calls.
 unsafe impl Send for Stream {}
 
 impl Stream {
@@ -316,27 +322,6 @@ fn keep_freed_memory_pooled(context: &Arc<CudaContext>) -> Result<(), DriverErro
     }
 }
 
-/// `dst.copy_from_slice(src)` on several threads when there is enough to share: one thread
-/// copies a few GB/s, the memory system several times that.
-pub(crate) fn parallel_copy(src: &[f32], dst: &mut [f32]) {
-    /// Below this many elements (16 MiB) one thread is as quick as starting others.
-    const PER_THREAD: usize = 1 << 22;
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(8)
-        .min(src.len().div_ceil(PER_THREAD));
-    if threads <= 1 {
-        dst.copy_from_slice(src);
-        return;
-    }
-    let chunk = src.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (from, to) in src.chunks(chunk).zip(dst.chunks_mut(chunk)) {
-            scope.spawn(move || to.copy_from_slice(from));
-        }
-    });
-}
-
 /// A null device pointer, for the kernels' optional operands.
 const NULL: u64 = 0;
 
@@ -507,6 +492,8 @@ impl Cuda {
             algorithms: self.settings.conv_algos,
             chosen: Chosen::default(),
             input_staging: None,
+            descriptors: Default::default(),
+            workspace: Default::default(),
             batches: None,
             labels: None,
             failure: None,
@@ -1061,7 +1048,7 @@ impl Backend for Cuda {
                 if let Some(event) = copied_out.take() {
                     event.synchronize()?;
                 }
-                parallel_copy(host, staging.as_mut_slice()?);
+                legion_ops::backend::fill_host_batch((staging.as_mut_slice()?, &mut []), host, &[]);
                 stream.memcpy_htod(staging, dst)?;
                 *copied_out = Some(stream.record_event(None)?);
                 return Ok(());
@@ -1823,15 +1810,5 @@ mod tests {
         owned::<Stream>();
         owned::<Buffer>();
         owned::<PendingLoss>();
-    }
-
-    #[test]
-    fn a_parallel_copy_is_a_copy_of_any_length() {
-        for len in [0, 5, (1 << 22) - 1, 3 * (1 << 22) + 5] {
-            let src: Vec<f32> = (0..len).map(|i| i as f32).collect();
-            let mut dst = vec![-1.0; len];
-            parallel_copy(&src, &mut dst);
-            assert!(dst == src, "{len}");
-        }
     }
 }

@@ -28,6 +28,7 @@ use legion_ops::backend::{In, Out};
 use legion_ops::op::{Activation, Conv2d};
 use legion_ops::shape::Shape;
 use std::ffi::c_int;
+use std::rc::Rc;
 
 /// Where a tile sits and how its windows map onto the input.
 struct Geometry {
@@ -181,8 +182,10 @@ fn dims(b: &Box4) -> [c_int; 4] {
     b.ext.map(|e| e as c_int)
 }
 
-/// The cuDNN descriptors of one segment.
-struct Descriptors {
+/// The cuDNN descriptors of one segment, made once per problem on a stream and kept (making and
+/// destroying five descriptors a call cost host time the GPU waited for on ResNet-50's and
+/// Inception-v3's many small convolutions).
+pub(crate) struct Descriptors {
     x: TensorDescriptor<f32>,
     w: FilterDescriptor<f32>,
     y: TensorDescriptor<f32>,
@@ -192,14 +195,13 @@ struct Descriptors {
 }
 
 fn descriptors(
-    s: &Stream,
+    s: &mut Stream,
     geo: &Geometry,
     segment: &Segment,
     source: &Source,
     x: &Box4,
-) -> Result<Descriptors, Failure> {
+) -> Result<Rc<Descriptors>, Failure> {
     let nchw = cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
-    let cudnn = &s.cudnn;
     let problem = Problem {
         x: dims(&source.dims(x)),
         w: [
@@ -213,6 +215,10 @@ fn descriptors(
         stride: geo.stride,
         groups: segment.groups,
     };
+    if let Some(kept) = s.descriptors.get(&problem) {
+        return Ok(Rc::clone(kept));
+    }
+    let cudnn = &s.cudnn;
     let x_desc = cudnn.create_4d_tensor::<f32>(nchw, problem.x)?;
     let w_desc = cudnn.create_4d_filter::<f32>(nchw, problem.w)?;
     let y_desc = cudnn.create_4d_tensor::<f32>(nchw, problem.y)?;
@@ -230,13 +236,15 @@ fn descriptors(
         Math::Tf32 => cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
     })?;
     conv.set_group_count(segment.groups as c_int)?;
-    Ok(Descriptors {
+    let made = Rc::new(Descriptors {
         x: x_desc,
         w: w_desc,
         y: y_desc,
         conv,
         problem,
-    })
+    });
+    s.descriptors.insert(problem, Rc::clone(&made));
+    Ok(made)
 }
 
 /// cuDNN's heuristic (cudarc's `pick_algorithm`, its first answer) may pick a backward algorithm
@@ -272,18 +280,41 @@ fn deterministic_data_algo(
     }
 }
 
-/// cuDNN's scratch for one call (stream-ordered, freed when dropped; cuDNN writes before it
-/// reads, so it is not zeroed). While `timing` candidates, refused past [`WORKSPACE_CAP`] (the
-/// algorithm then is not a candidate); the chosen one gets what it asks.
-fn workspace(s: &Stream, bytes: usize, timing: bool) -> Result<Option<CudaSlice<u8>>, Failure> {
-    if timing && bytes > WORKSPACE_CAP {
-        return Err(Failure(format!("{bytes} bytes of workspace")));
+/// cuDNN's scratch for one call (cuDNN writes before it reads, so it is not zeroed). While
+/// `timing` candidates, a fresh one, refused past [`WORKSPACE_CAP`] (the algorithm then is not a
+/// candidate); for the chosen algorithm, the stream's kept workspace, grown to the largest asked
+/// for (calls on one stream run in order, so they can share it).
+fn workspace(s: &Stream, bytes: usize, timing: bool) -> Result<Workspace<'_>, Failure> {
+    // SAFETY (both allocations): u8 has no invalid bit patterns, and cuDNN only reads what it
+    // wrote.
+    if timing {
+        if bytes > WORKSPACE_CAP {
+            return Err(Failure(format!("{bytes} bytes of workspace")));
+        }
+        let fresh = (bytes > 0).then(|| unsafe { s.stream.alloc::<u8>(bytes) });
+        return Ok(Workspace::Fresh(fresh.transpose()?));
     }
-    if bytes == 0 {
-        return Ok(None);
+    let mut kept = s.workspace.borrow_mut();
+    if bytes > kept.as_ref().map_or(0, |w| w.len()) {
+        *kept = None;
+        *kept = Some(unsafe { s.stream.alloc::<u8>(bytes) }?);
     }
-    // SAFETY: u8 has no invalid bit patterns, and cuDNN only reads what it wrote.
-    Ok(Some(unsafe { s.stream.alloc::<u8>(bytes) }?))
+    Ok(Workspace::Kept(kept))
+}
+
+/// A call's workspace: the stream's kept one, or a fresh one while timing.
+enum Workspace<'s> {
+    Kept(std::cell::RefMut<'s, Option<CudaSlice<u8>>>),
+    Fresh(Option<CudaSlice<u8>>),
+}
+
+impl Workspace<'_> {
+    fn as_mut(&mut self) -> Option<&mut CudaSlice<u8>> {
+        match self {
+            Workspace::Kept(kept) => kept.as_mut(),
+            Workspace::Fresh(fresh) => fresh.as_mut(),
+        }
+    }
 }
 
 /// The segment's input: `None` when cuDNN reads the view itself, else the gathered window.

@@ -522,21 +522,32 @@ pub trait Backend {
     );
 }
 
-/// Writes a batch into the host memory [`Backend::host_slices`] lends, on the rayon pool: one
-/// thread copies a few GB/s, the memory system several times that.
+/// Writes a batch into the host memory [`Backend::host_slices`] lends, on several threads of its
+/// own: one thread copies a few GB/s, the memory system several times that. Not on the rayon
+/// pool, where the data loader builds the batches after it (measured on the lent H200: AlexNet's
+/// 77 MB took 12 ms there, beside the loader, against 4.5–8 ms on threads of its own).
 pub fn fill_host_batch(
     (host_images, host_labels): (&mut [f32], &mut [u32]),
     images: &[f32],
     labels: &[u32],
 ) {
-    use rayon::prelude::*;
-    /// 4 MiB a task: large enough that scheduling costs nothing beside it.
-    const CHUNK: usize = 1 << 20;
-    host_images
-        .par_chunks_mut(CHUNK)
-        .zip(images.par_chunks(CHUNK))
-        .for_each(|(to, from)| to.copy_from_slice(from));
+    /// Below this many elements (8 MiB) a thread is as quick as starting another.
+    const PER_THREAD: usize = 1 << 21;
     host_labels.copy_from_slice(labels);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8)
+        .min(images.len().div_ceil(PER_THREAD));
+    if threads <= 1 {
+        host_images.copy_from_slice(images);
+        return;
+    }
+    let chunk = images.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (to, from) in host_images.chunks_mut(chunk).zip(images.chunks(chunk)) {
+            scope.spawn(move || to.copy_from_slice(from));
+        }
+    });
 }
 
 /// One phase of one layer over one tile, with the buffers its driver lends it. `Op::run` reads
@@ -678,5 +689,21 @@ impl<'c, 'a, B: Backend> KernelCall<'c, 'a, B> {
 impl fmt::Display for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fill_host_batch;
+
+    #[test]
+    fn a_filled_batch_is_a_copy_of_any_length() {
+        for len in [0, 5, (1 << 21) - 1, 3 * (1 << 21) + 5] {
+            let images: Vec<f32> = (0..len).map(|i| i as f32).collect();
+            let labels = [3u32, 1, 4];
+            let (mut host_images, mut host_labels) = (vec![-1.0; len], [0u32; 3]);
+            fill_host_batch((&mut host_images, &mut host_labels), &images, &labels);
+            assert!(host_images == images && host_labels == labels, "{len}");
+        }
     }
 }
