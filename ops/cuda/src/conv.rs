@@ -250,7 +250,7 @@ fn descriptors(
 /// cuDNN's heuristic (cudarc's `pick_algorithm`, its first answer) may pick a backward algorithm
 /// that sums with atomics, whose order varies from run to run. Those are replaced by algorithm 1,
 /// deterministic and valid for every convolution, so that with the heuristic
-/// (`LEGION_CUDNN_ALGOS=heuristic`) two runs of a strategy, or a run and its `--resume`, give the
+/// (`--conv-algos heuristic`) two runs of a strategy, or a run and its `--resume`, give the
 /// same bits. Forward algorithms are all deterministic. (Timed choices: [`crate::algos`].)
 fn deterministic_filter_algo(
     picked: sys::cudnnConvolutionBwdFilterAlgo_t,
