@@ -72,6 +72,8 @@ run)
     fi
     export LD_LIBRARY_PATH="/usr/lib/x86_64-linux-gnu:/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export RUST_BACKTRACE=1
+    # This machine has a GPU, NVRTC and a C++ compiler: a test that skips for want of one fails.
+    export LEGION_REQUIRE=gpu,nvrtc,cxx
     python=/opt/torch/.venv/bin/python
     [ -x "$python" ] || python=python3
     # Device time is scarce: the whole run keeps to GPU_CHECK_SECONDS (each command gets the

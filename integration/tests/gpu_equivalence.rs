@@ -131,8 +131,10 @@ fn every_strategy_on_gpu_devices_trains_the_same_network_as_one_cpu_device() {
     let gpu = match gpu() {
         Ok(gpu) => gpu,
         Err(why) => {
-            println!("skipped: no usable GPU: {why}");
-            return;
+            return legion_ops::require::skip(
+                legion_ops::require::Need::Gpu,
+                format!("no usable GPU: {why}"),
+            );
         }
     };
     let placement = Placement::Gpus(vec![gpu]);

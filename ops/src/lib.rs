@@ -13,6 +13,7 @@ pub mod located;
 pub mod memory;
 pub mod op;
 pub mod partition;
+pub mod require;
 pub mod rng;
 pub mod shape;
 pub mod strategy;

@@ -109,8 +109,10 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
     let net = match ShapedNet::new(2) {
         Ok(net) => net,
         Err(e) => {
-            println!("SKIPPED: cannot build network namespaces here ({e})");
-            return;
+            return legion_ops::require::skip(
+                legion_ops::require::Need::Netns,
+                format!("cannot build network namespaces here ({e})"),
+            );
         }
     };
     let dir = tempfile::tempdir().unwrap();

@@ -100,8 +100,10 @@ fn up_through_ssh_trains_and_down_stops_the_workers() {
     let sshd = match start_sshd(dir.path()) {
         Ok(s) => s,
         Err(e) => {
-            println!("SKIPPED: cannot run an ssh server here ({e})");
-            return;
+            return legion_ops::require::skip(
+                legion_ops::require::Need::Ssh,
+                format!("cannot run an ssh server here ({e})"),
+            );
         }
     };
     let ssh = format!(

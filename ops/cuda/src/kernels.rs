@@ -177,12 +177,12 @@ impl Kernels {
 mod tests {
     use super::*;
     use crate::probe::nvrtc_version;
+    use legion_ops::require::{Need, skip};
 
     #[test]
     fn every_kernel_source_compiles_to_ptx() {
         if let Err(missing) = require(Library::Nvrtc) {
-            println!("skipped: {missing}");
-            return;
+            return skip(Need::Nvrtc, missing);
         }
         let (major, minor) = nvrtc_version().expect("NVRTC version");
         let ptx = match ptx() {

@@ -6,7 +6,8 @@
 //! Each case is written once, generic over the backend, and run on both; outputs start as the same
 //! sentinel, so positions a kernel must not write are compared too. A case passes when
 //! `max |gpu − cpu| / max |cpu| ≤ 1e-5` for every output. All failing cases are reported at the
-//! end, not only the first. Without a usable GPU the test prints `skipped: <reason>` and passes.
+//! end, not only the first. Without a usable GPU the test prints `skipped: <reason>` and passes
+//! (fails where `LEGION_REQUIRE` lists `gpu`).
 
 use legion_cuda::{Cuda, Math, Stream};
 use legion_ops::backend::cpu::{self, Cpu, CpuStream};
@@ -210,7 +211,7 @@ impl Harness {
         let cuda = match Cuda::with_math(0, math) {
             Ok(cuda) => cuda,
             Err(reason) => {
-                println!("skipped: {reason}");
+                legion_ops::require::skip(legion_ops::require::Need::Gpu, reason);
                 return None;
             }
         };

@@ -9,6 +9,7 @@
 
 use legion_cuda::{ConvAlgos, Cuda, Settings, Sharing};
 use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
+use legion_ops::require::{Need, skip};
 use legion_ops::rng::Rng;
 use legion_ops::shape::Shape;
 use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer, TrainingState};
@@ -136,8 +137,7 @@ fn a_tiny_model_trains_three_steps_on_the_gpu_as_on_the_cpu() {
     let on_gpu = match gpu_trainer(ConvAlgos::Precise, &graph, start.clone()) {
         Ok(trainer) => trainer,
         Err(reason) => {
-            println!("skipped: {reason}");
-            return;
+            return skip(Need::Gpu, reason);
         }
     };
     let cpu = train(
@@ -244,8 +244,7 @@ fn the_fastest_convolution_algorithms_stay_within_a_bound_of_the_precise_ones() 
         match gpu_trainer(policy, &graph, start.clone()) {
             Ok(trainer) => runs.push(train(trainer, &data)),
             Err(reason) => {
-                println!("skipped: {reason}");
-                return;
+                return skip(Need::Gpu, reason);
             }
         }
     }
