@@ -238,7 +238,15 @@ pub(crate) fn launch_chosen<A: Transform>(
                     .copied()
                     .filter(|&a| policy.admits(a))
                     .collect();
-                algo = fastest(&on.stream, &admitted, |a| launch(on, a, true)).unwrap_or(algo);
+                algo = fastest(&on.stream, &admitted, |a| launch(on, a, true))
+                    .or_else(|| {
+                        // None ran (out of memory for a fresh workspace, say): the heuristic's
+                        // pick where the policy admits it, else the first candidate that it does.
+                        (!policy.admits(algo))
+                            .then(|| admitted.first().copied())
+                            .flatten()
+                    })
+                    .unwrap_or(algo);
             }
             table(&mut s.chosen).insert(problem, algo);
             algo

@@ -4,12 +4,15 @@
 //! longer to be written into page-locked memory first. Done at the start of a step, both hold
 //! the GPU idle; done while the previous step computes, neither does. So a stream has a **copy
 //! stream** beside it and two of everything a batch needs:
-//! - page-locked host buffers (images, labels), filled on the caller's thread by several threads
-//!   and copied from in turn: filling one waits only for the copy out of it two batches ago;
+//! - page-locked host buffers (images, labels), filled by several threads (the trainer's, while
+//!   it enqueues the step) and copied from in turn: filling one waits only for the copy out of it
+//!   two batches ago (its `copied_out` event; a slot let go waits for it too);
 //! - device image buffers: a taken batch's buffer is handed back once its step is enqueued
-//!   (`recycle_staged`) with an event recorded on the compute stream, and the copy stream waits
-//!   for that event before refilling it, so a copy never overtakes the step that reads the
-//!   buffer, and never waits for the step that runs beside it.
+//!   (`recycle_staged`). The next batch's buffers are taken, and a `fillable` event recorded on
+//!   the compute stream, when the batch is begun (`begin_stage`): before the step its copies run
+//!   beside is enqueued, after the release of the buffer they refill. The copy stream waits for
+//!   that event, so a copy never overtakes the step that reads its buffer, and never waits for
+//!   the step that runs beside it.
 //!
 //! The compute stream waits for the batch's copies (an event recorded behind them) when the step
 //! takes it; the labels it holds from then on serve that step's loss kernels without an upload.
@@ -77,6 +80,17 @@ struct HostSlot {
     copied_out: Option<CudaEvent>,
 }
 
+impl Drop for HostSlot {
+    /// Page-locked memory must outlive the copies out of it (cudarc's own event is not recorded
+    /// without tracking): a slot let go waits for them.
+    fn drop(&mut self) {
+        if let Some(copied_out) = &self.copied_out {
+            let waited = copied_out.synchronize();
+            copied_out.context().record_err(waited);
+        }
+    }
+}
+
 /// A stream's copy stream and the buffers batches move through.
 pub(crate) struct BatchCopies {
     copy: Arc<CudaStream>,
@@ -99,11 +113,17 @@ fn record(stream: &CudaStream) -> Result<CudaEvent, Failure> {
     Ok(stream.record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?)
 }
 
-/// Page-locked host memory taken for one batch (`Backend::HostBatch` of the CUDA backend):
-/// filled on any thread, then copied by [`Cuda::finish_stage_on`].
+/// Page-locked host memory taken for one batch (`Backend::HostBatch` of the CUDA backend),
+/// filled on any thread, and the device buffers its copies will fill: taken by
+/// [`Cuda::begin_stage_on`] before the step that runs beside the copies is enqueued, so that
+/// nothing the copies wait for on the compute stream comes after that step.
 pub struct HostBatch {
     slot: HostSlot,
     index: usize,
+    images: CudaSlice<f32>,
+    labels: CudaSlice<u32>,
+    /// Recorded on the compute stream once the device buffers are free to fill.
+    fillable: CudaEvent,
 }
 
 impl std::fmt::Debug for HostBatch {
@@ -121,7 +141,7 @@ fn failed(Failure(e): Failure) -> KernelError {
 
 impl Cuda {
     /// The next page-locked slot, sized for `images` and `labels` values, once the copies out of
-    /// it two batches ago have run.
+    /// it two batches ago have run; and the device buffers for the batch.
     pub(crate) fn begin_stage_on(
         &self,
         s: &mut Stream,
@@ -135,6 +155,7 @@ impl Cuda {
     }
 
     fn begin(&self, s: &mut Stream, images: usize, labels: usize) -> Result<HostBatch, Failure> {
+        let compute = s.stream.clone();
         if s.batches.is_none() {
             s.batches = Some(BatchCopies {
                 copy: self.context.new_stream()?,
@@ -162,7 +183,31 @@ impl Cuda {
                 }
             }
         };
-        Ok(HostBatch { slot, index })
+        // A device buffer that no step enqueued after its release reads, or a new one. Both the
+        // images and the labels come from the compute stream, which frees them, and now: before
+        // the step that the copies run beside is enqueued, so `fillable` does not wait for it.
+        let reusable = copies.free.iter().position(|(b, _)| b.len() == images);
+        let (device_images, freed) = match reusable {
+            Some(i) => {
+                let (buffer, freed) = copies.free.swap_remove(i);
+                (buffer, Some(freed))
+            }
+            // SAFETY: the copy writes every element before any kernel reads it.
+            None => (unsafe { compute.alloc::<f32>(images) }?, None),
+        };
+        // SAFETY: as above, the labels' copy writes every element.
+        let device_labels = unsafe { compute.alloc::<u32>(labels) }?;
+        // Recorded after the reused buffer's release on the same stream: waiting for it waits for
+        // both.
+        let fillable = record(&compute)?;
+        drop(freed);
+        Ok(HostBatch {
+            slot,
+            index,
+            images: device_images,
+            labels: device_labels,
+            fillable,
+        })
     }
 
     /// Where a batch is written: its images and its labels.
@@ -189,39 +234,40 @@ impl Cuda {
 
     fn finish(&self, s: &mut Stream, batch: HostBatch) -> Result<StagedBatch, Failure> {
         let compute = s.stream.clone();
-        let HostBatch { mut slot, index } = batch;
+        let HostBatch {
+            mut slot,
+            index,
+            mut images,
+            mut labels,
+            fillable,
+        } = batch;
         let copies = s
             .batches
             .as_mut()
             .expect("a batch is finished on the stream that began it");
-        let (images, labels) = (slot.images.len(), slot.labels.len());
-        // A device buffer no enqueued step reads after its event, or a new one; both the images
-        // and the labels are allocated on the compute stream, which frees them.
-        let reusable = copies.free.iter().position(|(b, _)| b.len() == images);
-        let (mut device_images, free_after) = match reusable {
-            Some(i) => copies.free.swap_remove(i),
-            None => {
-                // SAFETY: the copy below writes every element before any kernel reads it.
-                let fresh = unsafe { compute.alloc::<f32>(images) }?;
-                (fresh, record(&compute)?)
-            }
-        };
-        // SAFETY: as above, the labels' copy writes every element.
-        let mut device_labels = unsafe { compute.alloc::<u32>(labels) }?;
-        let allocated = record(&compute)?;
-        copies.copy.wait(&free_after)?;
-        copies.copy.wait(&allocated)?;
         // Read before the copies, which a read would wait for (write-combined memory is slow to
         // read, but a batch has few labels).
         let host_labels = slot.labels.as_slice()?.to_vec();
-        copies.copy.memcpy_htod(&slot.images, &mut device_images)?;
-        copies.copy.memcpy_htod(&slot.labels, &mut device_labels)?;
-        let copied = record(&copies.copy)?;
-        slot.copied_out = Some(record(&copies.copy)?);
+        let copy = &copies.copy;
+        let enqueued = (|| -> Result<(CudaEvent, CudaEvent), Failure> {
+            copy.wait(&fillable)?;
+            copy.memcpy_htod(&slot.images, &mut images)?;
+            copy.memcpy_htod(&slot.labels, &mut labels)?;
+            Ok((record(copy)?, record(copy)?))
+        })();
+        let (copied, copied_out) = match enqueued {
+            Ok(events) => events,
+            Err(e) => {
+                // Nothing of the batch may be freed while a copy that was enqueued still runs.
+                let _ = copy.synchronize();
+                return Err(e);
+            }
+        };
+        slot.copied_out = Some(copied_out);
         copies.slots[index] = Some(slot);
         Ok(StagedBatch {
-            images: Some(device_images),
-            labels: Some(device_labels),
+            images: Some(images),
+            labels: Some(labels),
             host_labels,
             copied,
             compute,

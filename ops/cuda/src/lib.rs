@@ -4,9 +4,10 @@
 //! - [`Cuda`]: `legion_ops::backend::Backend` on one GPU: convolutions through cuDNN, dense layers
 //!   through cuBLAS SGEMM, everything else through the CUDA C++ kernels of `kernels.cu`, compiled
 //!   once per process by NVRTC ([`kernels`]).
-//! - [`ConvAlgos`]: the convolution-algorithm policy (`--conv-algos`): the fastest deterministic
-//!   algorithm timed once per problem (the default), the fastest that sums directly (precise),
-//!   or cuDNN's heuristic.
+//! - [`ConvAlgos`]: the convolution-algorithm policy (`--conv-algos`): the fastest algorithm
+//!   timed once per problem (the default; FFT, Winograd and atomic sums included), the fastest
+//!   deterministic one that sums directly (precise), or cuDNN's heuristic.
+//! - [`StagedBatch`], [`HostBatch`]: batches staged on the device ahead of their step.
 //! - [`Settings`]: math, that policy, and whether buffers move between streams ([`Sharing`]).
 //! - [`Staging`], [`Marker`]: page-locked host buffers and timing events, for the runtime's GPU
 //!   device actors (copies to and from the host that never hold the submitting thread).
@@ -16,8 +17,9 @@
 //!
 //! Arithmetic is strict FP32 by default, as on the CPU backend: no fast math, no TF32 (cuBLAS
 //! default math, cuDNN FMA math), no FMA contraction in the kernels (`--fmad=false`), so that the
-//! element-wise kernels reproduce the CPU's results bit for bit and GEMMs and convolutions differ
-//! only by the order of their sums. [`Math::Tf32`] (`--tf32`) lets cuBLAS and cuDNN use TF32
+//! element-wise kernels reproduce the CPU's results bit for bit and GEMMs differ only by the
+//! order of their sums; so do convolutions under `--conv-algos precise` (the default `fastest`
+//! may pick FFT, Winograd or atomic-sum algorithms, which round differently). [`Math::Tf32`] (`--tf32`) lets cuBLAS and cuDNN use TF32
 //! tensor cores for products and convolutions; the element-wise kernels stay strict.
 
 mod algos;

@@ -25,7 +25,8 @@ pub struct TrainArgs {
     /// --out` writes).
     #[arg(long, default_value = "optcnn")]
     strategy: String,
-    /// Write a Chrome/Perfetto trace (JSON) of the last step; runs on the embedded cluster.
+    /// Write a Chrome/Perfetto trace (JSON) of the last step: each device's timeline with several
+    /// devices, each call of the step timed on the device with one.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Training steps (batches).
@@ -82,9 +83,10 @@ pub struct TrainArgs {
     #[arg(long)]
     tf32: bool,
     /// On a GPU, how convolution algorithms are picked: `fastest` times each problem's
-    /// deterministic algorithms once and keeps the fastest; `precise` does so among those that
-    /// sum directly (no FFT or Winograd, whose rounding differs more from the CPU's);
-    /// `heuristic` takes cuDNN's pick untimed (the same in every run).
+    /// algorithms once and keeps the fastest (FFT, Winograd and atomic sums included);
+    /// `precise` does so among the deterministic ones that sum directly, whose results differ
+    /// from the CPU's by the order of the sums alone; `heuristic` takes cuDNN's pick untimed
+    /// (the same bits in every run).
     #[arg(long, default_value_t = legion_cuda::ConvAlgos::default())]
     conv_algos: legion_cuda::ConvAlgos,
     /// On one device, do not stage the next batch on the device while a step computes (each
