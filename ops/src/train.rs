@@ -524,7 +524,7 @@ impl<B: Backend> Trainer<B> {
             _ => b.stage_batch(stream, images, labels)?,
         };
         let input = b.take_staged(stream, staged)?;
-        pass.record(b, stream, before, "data.wait".into(), "copy")?;
+        pass.record(b, stream, before, || "data.wait".into(), "copy")?;
         // The next batch goes into the other host buffers on another thread while this one
         // enqueues the step; its copies are enqueued once both are done.
         let next = next.filter(|(i, l)| {
@@ -777,13 +777,19 @@ impl<'a, K> Pass<'a, K> {
         );
         call.run(phase)?;
         let loss = call.loss.take();
-        let (category, what) = match phase {
-            Phase::Forward => ("compute", "fwd".to_string()),
-            Phase::Backward => ("compute", "bwd".to_string()),
-            Phase::Update { param } => ("update", format!("update.{param}")),
-            other => ("compute", format!("{other:?}")),
+        let category = match phase {
+            Phase::Update { .. } => "update",
+            _ => "compute",
         };
-        let name = format!("{}.{what}", self.graph.layer(layer).name);
+        let name = || {
+            let what = match phase {
+                Phase::Forward => "fwd".to_string(),
+                Phase::Backward => "bwd".to_string(),
+                Phase::Update { param } => format!("update.{param}"),
+                other => format!("{other:?}"),
+            };
+            format!("{}.{what}", self.graph.layer(layer).name)
+        };
         self.record(backend, stream, before, name, category)?;
         Ok(loss)
     }
@@ -800,18 +806,19 @@ impl<'a, K> Pass<'a, K> {
         }
     }
 
-    /// Keeps the span from `before` to now under `name`, when traced.
+    /// Keeps the span from `before` to now under `name()`, when traced (the name is made only
+    /// then: an untraced step formats nothing).
     fn record<B: Backend<Marker = K>>(
         &self,
         backend: &B,
         stream: &mut B::Stream,
         before: Option<K>,
-        name: String,
+        name: impl FnOnce() -> String,
         category: &'static str,
     ) -> Result<(), KernelError> {
         if let (Some(spans), Some(before)) = (&self.spans, before) {
             let after = backend.mark(stream)?;
-            spans.borrow_mut().push((name, category, before, after));
+            spans.borrow_mut().push((name(), category, before, after));
         }
         Ok(())
     }
@@ -828,6 +835,7 @@ impl<'a, K> Pass<'a, K> {
         input: B::Buffer,
     ) -> Result<(Vec<B::Buffer>, Option<(B::Loss, usize)>, Saved<B::Buffer>), KernelError> {
         let g = self.graph;
+        let input_layer = g.input();
         let mut input = Some(input);
         let mut acts: Vec<B::Buffer> = Vec::with_capacity(g.layers().len());
         let mut saved = Saved {
@@ -837,7 +845,7 @@ impl<'a, K> Pass<'a, K> {
         for id in g.ids() {
             let layer = g.layer(id);
             let tile = self.full(id);
-            if id == g.input() {
+            if id == input_layer {
                 acts.push(input.take().expect("one input layer"));
                 continue;
             }
@@ -973,7 +981,7 @@ impl<'a, K> Pass<'a, K> {
                     Some(acc) => {
                         let before = self.mark(b, stream)?;
                         b.accumulate(stream, Out { rect, mem: acc }, In { rect, mem: &dx });
-                        let name = format!("sum {}.grad", g.layer(layer.inputs[k]).name);
+                        let name = || format!("sum {}.grad", g.layer(layer.inputs[k]).name);
                         self.record(b, stream, before, name, "fold")?;
                     }
                     slot => *slot = Some(dx),

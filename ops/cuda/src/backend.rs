@@ -414,10 +414,6 @@ impl Cuda {
         })
     }
 
-    pub fn settings(&self) -> Settings {
-        self.settings
-    }
-
     /// How this backend's streams pick convolution algorithms.
     pub fn conv_algos(&self) -> ConvAlgos {
         self.settings.conv_algos
@@ -1030,19 +1026,20 @@ impl Backend for Cuda {
                     input_staging,
                     ..
                 } = s;
-                let (staging, copied_out) = match input_staging {
-                    Some((p, _)) if p.len() == host.len() => input_staging.as_mut().unwrap(),
-                    slot => {
-                        *slot = None;
-                        // every element is written below before the copy reads it
-                        let fresh = crate::staging::pinned::<f32>(
-                            self,
-                            host.len(),
-                            crate::staging::Direction::ToDevice,
-                        )?;
-                        slot.insert((fresh, None))
-                    }
-                };
+                if input_staging
+                    .as_ref()
+                    .is_none_or(|(p, _)| p.len() != host.len())
+                {
+                    *input_staging = None;
+                    // every element is written below before the copy reads it
+                    let fresh = crate::staging::pinned::<f32>(
+                        self,
+                        host.len(),
+                        crate::staging::Direction::ToDevice,
+                    )?;
+                    *input_staging = Some((fresh, None));
+                }
+                let (staging, copied_out) = input_staging.as_mut().expect("made above");
                 // waits for the last copy out of it (an event of our own: cudarc records one
                 // only while it tracks buffer uses)
                 if let Some(event) = copied_out.take() {

@@ -10,7 +10,7 @@
 //! - device image buffers: a taken batch's buffer is handed back once its step is enqueued
 //!   (`recycle_staged`). The next batch's buffers are taken, and a `fillable` event recorded on
 //!   the compute stream, when the batch is begun (`begin_stage`): before the step its copies run
-//!   beside is enqueued, after the release of the buffer they refill. The copy stream waits for
+//!   beside is enqueued, after the last reader of the buffer they refill. The copy stream waits for
 //!   that event, so a copy never overtakes the step that reads its buffer, and never waits for
 //!   the step that runs beside it.
 //!
@@ -96,9 +96,9 @@ pub(crate) struct BatchCopies {
     copy: Arc<CudaStream>,
     slots: [Option<HostSlot>; 2],
     next_slot: usize,
-    /// Device image buffers of enqueued steps, each with the compute-stream event after which
-    /// nothing reads it.
-    free: Vec<(CudaSlice<f32>, CudaEvent)>,
+    /// Device image buffers of enqueued steps, handed back after their last reader was
+    /// enqueued on the compute stream (a later `fillable` event orders a refill after it).
+    free: Vec<CudaSlice<f32>>,
 }
 
 impl std::fmt::Debug for BatchCopies {
@@ -186,21 +186,16 @@ impl Cuda {
         // A device buffer that no step enqueued after its release reads, or a new one. Both the
         // images and the labels come from the compute stream, which frees them, and now: before
         // the step that the copies run beside is enqueued, so `fillable` does not wait for it.
-        let reusable = copies.free.iter().position(|(b, _)| b.len() == images);
-        let (device_images, freed) = match reusable {
-            Some(i) => {
-                let (buffer, freed) = copies.free.swap_remove(i);
-                (buffer, Some(freed))
-            }
+        let reusable = copies.free.iter().position(|b| b.len() == images);
+        let device_images = match reusable {
+            Some(i) => copies.free.swap_remove(i),
             // SAFETY: the copy writes every element before any kernel reads it.
-            None => (unsafe { compute.alloc::<f32>(images) }?, None),
+            None => unsafe { compute.alloc::<f32>(images) }?,
         };
         // SAFETY: as above, the labels' copy writes every element.
         let device_labels = unsafe { compute.alloc::<u32>(labels) }?;
-        // Recorded after the reused buffer's release on the same stream: waiting for it waits for
-        // both.
+        // Behind the last reader of a reused buffer on the compute stream, and the allocations.
         let fillable = record(&compute)?;
-        drop(freed);
         Ok(HostBatch {
             slot,
             index,
@@ -293,18 +288,11 @@ impl Cuda {
     }
 
     pub(crate) fn recycle_staged_on(&self, s: &mut Stream, images: CudaSlice<f32>) {
-        let Some(copies) = s.batches.as_mut() else {
-            return;
-        };
         // Two buffers alternate; a third (a batch staged and then not used) is let go.
-        if copies.free.len() >= 2 {
-            return;
-        }
-        match record(&s.stream) {
-            Ok(event) => copies.free.push((images, event)),
-            Err(Failure(e)) => {
-                s.failure.get_or_insert(format!("recycling a batch: {e}"));
-            }
+        if let Some(copies) = s.batches.as_mut()
+            && copies.free.len() < 2
+        {
+            copies.free.push(images);
         }
     }
 }
