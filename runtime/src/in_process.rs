@@ -1,9 +1,9 @@
 //! The in-process transport of the embedded cluster and of a worker's local devices: a slice is
 //! moved (not copied) into the receiving device actor's mailbox.
 
-use crate::device::{Deliver, DeliverOnGpu, DeviceActor};
+use crate::device::{Deliver, DeviceActor};
 use crate::recycle::BufferPool;
-use crate::transport::{GpuSliceMessage, SliceMessage, Transport};
+use crate::transport::{DeviceSliceMessage, SliceData, SliceMessage, Transport};
 use kameo::actor::ActorRef;
 use legion_ops::partition::DeviceId;
 use std::sync::{Arc, OnceLock};
@@ -74,7 +74,12 @@ impl Transport for InProcessTransport {
         let to = msg.to;
         match (self.local(to), &self.remote) {
             (Some(actor), _) => {
-                if let Err(e) = actor.tell(Deliver(msg)).try_send() {
+                let deliver = Deliver {
+                    step: msg.step,
+                    copy: msg.copy,
+                    data: SliceData::Host(msg.data),
+                };
+                if let Err(e) = actor.tell(deliver).try_send() {
                     tracing::error!(device = to, "slice not delivered: {e}");
                 }
             }
@@ -83,11 +88,16 @@ impl Transport for InProcessTransport {
         }
     }
 
-    fn send_on_gpu(&self, msg: GpuSliceMessage) -> Result<(), GpuSliceMessage> {
+    fn send_in_device_memory(&self, msg: DeviceSliceMessage) -> Result<(), DeviceSliceMessage> {
         let Some(actor) = self.local(msg.to) else {
             return Err(msg);
         };
-        if let Err(e) = actor.tell(DeliverOnGpu(msg)).try_send() {
+        let deliver = Deliver {
+            step: msg.step,
+            copy: msg.copy,
+            data: SliceData::Device(msg.data),
+        };
+        if let Err(e) = actor.tell(deliver).try_send() {
             tracing::error!("slice not delivered: {e}");
         }
         Ok(())

@@ -62,6 +62,17 @@ impl LocalOp {
         )
     }
 
+    /// What the op is, for errors: `index` is its place in its program.
+    pub fn describe(&self, index: u32, graph: &legion_ops::Graph) -> String {
+        match &self.kind {
+            LocalOpKind::Task { task, .. } => task.label(graph),
+            LocalOpKind::Copy { .. } => format!("copy (op {index})"),
+            LocalOpKind::Fold { .. } => format!("fold (op {index})"),
+            LocalOpKind::Send { copy, to, .. } => format!("send of copy {copy} to device {to}"),
+            LocalOpKind::Recv { copy, .. } => format!("receive of copy {copy}"),
+        }
+    }
+
     /// Whether the op is a task without requirements (only the overhead probe's empty tasks are).
     /// It can neither conflict with the kernel a device is running nor need its instances, so the
     /// actor runs it inline rather than paying two thread hand-offs to the pool and back.

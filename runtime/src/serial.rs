@@ -1,12 +1,19 @@
 //! Runs a step graph on one thread, op by op in program order (a valid order: every op depends
-//! only on earlier ones). The reference the device actors are checked against, and a debugging aid:
-//! no actors, no messages, the same kernels.
+//! only on earlier ones). The reference the device actors are checked against, and a debugging aid.
+//!
+//! Its independence is in the order of things, which is what the devices get wrong when they go
+//! wrong: no actors, no messages, no split into per-device programs, no sharing of buffers, no
+//! early or late slices. What each op computes is deliberately the devices' own (the same kernels,
+//! the same region primitives and `moves::fold`): a second copy of the arithmetic would only be
+//! checked against itself.
 
 use crate::analysis::{OpKind, StepGraph};
-use crate::buffer::{self, Buffer};
+use crate::buffer::Buffer;
 use crate::exec::{self, Access, ExecContext, TaskOutcome};
+use crate::moves;
 use crate::region::Regions;
-use legion_ops::backend::KernelError;
+use legion_ops::backend::cpu::{Cpu, CpuStream};
+use legion_ops::backend::{Backend, In, KernelError, Out};
 
 /// Every instance of a step graph, by global id.
 pub struct SerialMemory {
@@ -74,9 +81,19 @@ impl SerialMemory {
                     total.correct += outcome.correct;
                 }
                 OpKind::Copy { src, dst, rect, .. } => {
-                    let (s, d) = (*src as usize, *dst as usize);
-                    let data = self.buffers[s].gather(&graph.instances[s].rect, rect);
-                    self.buffers[d].copy_from(&graph.instances[d].rect, &data, rect, rect);
+                    let d = *dst as usize;
+                    let mut out = std::mem::replace(&mut self.buffers[d], Buffer::F32(Vec::new()));
+                    let s = *src as usize;
+                    let from = In {
+                        rect: graph.instances[s].rect,
+                        mem: &self.buffers[s],
+                    };
+                    let to = Out {
+                        rect: graph.instances[d].rect,
+                        mem: &mut out,
+                    };
+                    Cpu.copy_rect(&mut CpuStream, from, to, rect);
+                    self.buffers[d] = out;
                 }
                 OpKind::Fold {
                     srcs,
@@ -86,17 +103,18 @@ impl SerialMemory {
                 } => {
                     let d = *dst as usize;
                     let mut out = std::mem::replace(&mut self.buffers[d], Buffer::F32(Vec::new()));
-                    let terms: Vec<(&Buffer, legion_ops::Rect)> = srcs
+                    let terms: Vec<In<Buffer>> = srcs
                         .iter()
-                        .map(|&s| (&self.buffers[s as usize], graph.instances[s as usize].rect))
+                        .map(|&s| In {
+                            rect: graph.instances[s as usize].rect,
+                            mem: &self.buffers[s as usize],
+                        })
                         .collect();
-                    buffer::fold(
-                        &mut out,
-                        &graph.instances[d].rect,
-                        &terms,
-                        rect,
-                        *accumulate,
-                    );
+                    let to = Out {
+                        rect: graph.instances[d].rect,
+                        mem: &mut out,
+                    };
+                    moves::fold(&Cpu, &mut CpuStream, to, &terms, rect, *accumulate);
                     self.buffers[d] = out;
                 }
             }

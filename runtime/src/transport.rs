@@ -21,23 +21,50 @@ pub struct SliceMessage {
     pub data: Arc<Buffer>,
 }
 
-/// The data of one copy between two devices that share a GPU: it stays in that GPU's memory. The
+/// A slice that stays in the memory of a device the sender shares with its receiver (two devices
+/// of this process on one GPU). Opaque to transports: only the device drivers read it. The
 /// receiver's stream waits for the sender's copy into it before reading it (cudarc orders every
 /// use of a buffer across the streams of one context).
-pub struct GpuSliceMessage {
+pub struct DeviceSlice(pub(crate) legion_cuda::Buffer);
+
+impl DeviceSlice {
+    pub(crate) fn shape(&self) -> (legion_ops::backend::DType, usize) {
+        (self.0.dtype(), self.0.len())
+    }
+}
+
+/// The data of one copy between two devices that share device memory.
+pub struct DeviceSliceMessage {
     pub step: u64,
     pub copy: OpId,
     pub to: DeviceId,
-    pub data: legion_cuda::Buffer,
+    pub data: DeviceSlice,
 }
 
 pub trait Transport: Send + Sync + 'static {
     /// Hands a slice to the transport; it must reach device `msg.to` eventually. Never blocks.
     fn send(&self, msg: SliceMessage);
 
-    /// Hands a slice in GPU memory to device `msg.to`, a device of this process on the same GPU;
-    /// gives it back where this transport cannot (the sender then stages it through the host).
-    fn send_on_gpu(&self, msg: GpuSliceMessage) -> Result<(), GpuSliceMessage> {
+    /// Hands a slice in device memory to device `msg.to`, a device of this process that shares
+    /// that memory; gives it back where this transport cannot reach such a device.
+    fn send_in_device_memory(&self, msg: DeviceSliceMessage) -> Result<(), DeviceSliceMessage> {
         Err(msg)
+    }
+}
+
+/// The data of a slice as it reaches a device: host memory, or (between devices sharing a GPU)
+/// that GPU's memory.
+pub enum SliceData {
+    Host(Arc<Buffer>),
+    Device(DeviceSlice),
+}
+
+impl SliceData {
+    /// Element type and length.
+    pub(crate) fn shape(&self) -> (legion_ops::backend::DType, usize) {
+        match self {
+            SliceData::Host(b) => (b.dtype(), b.len()),
+            SliceData::Device(b) => b.shape(),
+        }
     }
 }

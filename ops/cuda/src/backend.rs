@@ -914,6 +914,44 @@ impl Backend for Cuda {
         self.add_rect(s, term.mem, &term.rect, acc.mem, &rect, &rect);
     }
 
+    fn copy_rect(&self, s: &mut Stream, from: In<Buffer>, to: Out<Buffer>, rect: &Rect) {
+        Cuda::copy_rect(self, s, from.mem, &from.rect, to.mem, &to.rect, rect);
+    }
+
+    fn add_rect(&self, s: &mut Stream, from: In<Buffer>, to: Out<Buffer>, rect: &Rect) {
+        Cuda::add_rect(self, s, from.mem, &from.rect, to.mem, &to.rect, rect);
+    }
+
+    fn zero_rect(&self, s: &mut Stream, to: Out<Buffer>, rect: &Rect) {
+        if *rect == to.rect {
+            return self.zero(s, to.mem);
+        }
+        let (layout, region) = (Box4::of(&to.rect), Box4::of(rect));
+        let n = region.volume();
+        if n == 0 {
+            return;
+        }
+        self.enqueue(s, "zero_rect", |s| {
+            let k = &self.kernels;
+            let mut b = match to.mem {
+                Buffer::F32(d) => {
+                    let mut b = s.stream.launch_builder(&k.zero_region_f32);
+                    b.arg(d);
+                    b
+                }
+                Buffer::F64(d) => {
+                    let mut b = s.stream.launch_builder(&k.zero_region_f64);
+                    b.arg(d);
+                    b
+                }
+            };
+            b.arg(&layout).arg(&region).arg(&n);
+            // SAFETY: the arguments match the kernel's signature; region lies in the layout.
+            unsafe { b.launch(grid(n)) }?;
+            Ok(())
+        });
+    }
+
     fn mark(&self, s: &mut Stream) -> Result<crate::staging::Marker, KernelError> {
         Cuda::mark(self, s)
     }

@@ -127,6 +127,23 @@ extern "C" __global__ void add_region_f64(const double* src, Box4 src_layout, do
     }
 }
 
+// A fold with no terms over part of its instance: `dst[region] = 0`.
+extern "C" __global__ void zero_region_f32(float* dst, Box4 dst_layout, Box4 region, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(region, i, p);
+        dst[offset_in(dst_layout, p)] = 0.0f;
+    }
+}
+
+extern "C" __global__ void zero_region_f64(double* dst, Box4 dst_layout, Box4 region, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 p[4];
+        point_of(region, i, p);
+        dst[offset_in(dst_layout, p)] = 0.0;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element-wise ops over an output tile (the output laid out over the tile).
 

@@ -240,6 +240,27 @@ pub trait Backend {
     /// layer's consumers).
     fn accumulate(&self, s: &mut Self::Stream, acc: Out<Self::Buffer>, term: In<Self::Buffer>);
 
+    /// `to[rect] = from[rect]`, each operand laid out over its own rect (`rect` lies in both):
+    /// a runtime's local copies, gathers and scatters.
+    fn copy_rect(
+        &self,
+        s: &mut Self::Stream,
+        from: In<Self::Buffer>,
+        to: Out<Self::Buffer>,
+        rect: &Rect,
+    );
+    /// `to[rect] += from[rect]`, laid out as for [`Backend::copy_rect`]: a runtime's sums of
+    /// partial results.
+    fn add_rect(
+        &self,
+        s: &mut Self::Stream,
+        from: In<Self::Buffer>,
+        to: Out<Self::Buffer>,
+        rect: &Rect,
+    );
+    /// `to[rect] = 0` (`rect` lies in `to.rect`).
+    fn zero_rect(&self, s: &mut Self::Stream, to: Out<Self::Buffer>, rect: &Rect);
+
     /// A marker at the current end of `s`'s work.
     fn mark(&self, s: &mut Self::Stream) -> Result<Self::Marker, KernelError>;
     /// Seconds of device time from `earlier` to `later`, once their stream has synchronized past

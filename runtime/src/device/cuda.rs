@@ -1,14 +1,15 @@
 //! A device on a GPU: its instances live in device memory, and its ops run on one CUDA stream.
 //!
 //! The actor (`super`) keeps deciding what is ready, as for a CPU device, but never touches the
-//! GPU: it hands each ready op to this device's **submitter**, a thread that owns the stream and
-//! the instances and only enqueues. A stream runs its work in the order enqueued, so an op is
+//! GPU: this driver hands each ready op to the device's **submitter**, a thread that owns the
+//! stream and the instances and only enqueues. A stream runs its work in the order enqueued, so an op is
 //! handed over as soon as its local dependences have been *handed over* (not finished): the
 //! actor counts it done at once, and the GPU runs a whole step's ops back to back with no host
 //! round trip between kernels.
 //!
 //! A slice for a device on the same GPU stays in its memory: the submitter gathers it into a
-//! buffer of its own and hands that to the receiver through the transport (`send_on_gpu`); the
+//! buffer of its own and hands that to the receiver through the transport
+//! (`send_in_device_memory`); the
 //! receiver's stream waits for the gather before copying out of it (cudarc orders the uses of a
 //! buffer across the streams of one context, and frees it only after its last use). Other slices
 //! leave and enter through page-locked staging buffers (`legion_cuda::Staging`), one per `Send`
@@ -21,7 +22,7 @@
 //! Between GPUs of one process slices are staged through the host too (no peer copies yet).
 //!
 //! The step ends with `Finish`: the submitter waits for the stream (on its own thread), reads the
-//! losses and the trace's timing events, and tells the actor ([`GpuStepDone`]).
+//! losses and the trace's timing events, and tells the actor ([`DriverEvent::StepDone`]).
 //!
 //! A failure fails its step, never the device: an op's error or panic is kept for the step's
 //! report, instances are lent to ops in place (a panic cannot lose one), a send that failed still
@@ -30,15 +31,17 @@
 //! devices of a GPU share (from drops and event records) are reported by whichever of them
 //! synchronizes next.
 
-use super::{Arrived, DeviceActor, GpuStepDone, OpEvent, caught};
+use super::driver::{Driver, DriverEvent, Handed, StepEnd, StepStart};
+use super::{DeviceActor, DeviceSetup, OpEvent, caught};
 use crate::exec::{self, ExecContext, StepInput, TaskOutcome};
+use crate::moves;
 use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
-use crate::transport::{GpuSliceMessage, SliceMessage, Transport};
+use crate::transport::{DeviceSlice, DeviceSliceMessage, SliceData, SliceMessage, Transport};
 use crossbeam_channel::{Receiver, Sender};
 use kameo::actor::ActorRef;
 use legion_cuda::{Buffer, Cuda, Direction, Marker, PendingLoss, Staging, Stream};
-use legion_ops::backend::{Access, Backend, KernelError, cpu};
+use legion_ops::backend::{Access, Backend, In, KernelError, Out, cpu};
 use legion_ops::partition::DeviceId;
 use legion_ops::train::Sgd;
 use legion_ops::{Graph, Rect};
@@ -58,7 +61,7 @@ pub(crate) enum Command {
     /// Enqueue op `i` (a task, a fold, a local copy or a send).
     Run(u32),
     /// Enqueue `Recv` op `op` with the data that arrived for it.
-    Store { op: u32, data: Arrived },
+    Store { op: u32, data: SliceData },
     /// Every op of the step has been handed over: report once the stream has run them.
     Finish,
     /// Writes `(instance, rect, data laid out over rect)` into instances (initial values).
@@ -74,25 +77,25 @@ pub(crate) enum Command {
     },
 }
 
-/// The actor's handle on its submitter; dropping it stops the submitter and the sender.
-pub(crate) struct GpuQueue {
+/// The driver of a device on a GPU: the actor's handle on its submitter. Dropping it stops the
+/// submitter and the sender.
+pub(crate) struct GpuDriver {
     commands: Sender<Command>,
 }
 
-impl GpuQueue {
-    /// Starts the submitter of `program`'s device on `cuda` (its own stream, its instances
+impl GpuDriver {
+    /// Starts the submitter of `setup`'s device on `cuda` (its own stream, its instances
     /// allocated and zeroed), and its sender. Fails if the stream or the instances cannot be had.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
+        setup: &DeviceSetup,
         cuda: Arc<Cuda>,
         neighbours: Arc<[DeviceId]>,
-        program: Arc<DeviceProgram>,
-        graph: Arc<Graph>,
-        seed: u64,
-        sgd: Sgd,
-        transport: Arc<dyn Transport>,
-        buffers: Arc<BufferPool>,
-    ) -> Result<GpuQueue, KernelError> {
+    ) -> Result<GpuDriver, KernelError> {
+        let program = Arc::clone(&setup.program);
+        let graph = Arc::clone(&setup.graph);
+        let (seed, sgd) = (setup.seed, setup.sgd);
+        let transport = Arc::clone(&setup.transport);
+        let buffers = Arc::clone(&setup.buffers);
         let device = program.device;
         let (commands, inbox) = crossbeam_channel::unbounded();
         let (outgoing, to_send) = crossbeam_channel::unbounded::<Outgoing>();
@@ -127,13 +130,65 @@ impl GpuQueue {
         start_result
             .recv()
             .map_err(|_| KernelError::Device(format!("device {device}'s submitter died")))??;
-        Ok(GpuQueue { commands })
+        Ok(GpuDriver { commands })
     }
 
-    pub(crate) fn submit(&self, command: Command) {
+    fn submit(&self, command: Command) {
         if self.commands.send(command).is_err() {
             tracing::error!("a GPU device's submitter is gone");
         }
+    }
+}
+
+impl Driver for GpuDriver {
+    fn start_step(&mut self, start: &StepStart) {
+        self.submit(Command::Start {
+            step: start.step,
+            input: Arc::clone(&start.input),
+            epoch: start.epoch,
+            trace: start.trace,
+            actor: start.actor.clone(),
+        });
+    }
+
+    /// Handed over in an order that respects every local dependence, and the stream runs them in
+    /// that order: what depends on this op may be handed over now.
+    fn run(&mut self, op: u32, slice: Option<SliceData>) -> Handed {
+        self.submit(match slice {
+            Some(data) => Command::Store { op, data },
+            None => Command::Run(op),
+        });
+        Handed::Queued
+    }
+
+    /// Every op is enqueued, not necessarily run: the submitter says when
+    /// ([`DriverEvent::StepDone`]).
+    fn end_step(&mut self) -> Option<StepEnd> {
+        self.submit(Command::Finish);
+        None
+    }
+
+    fn load(
+        &mut self,
+        pieces: Vec<(u32, Rect, cpu::Buffer)>,
+    ) -> oneshot::Receiver<Result<(), String>> {
+        let (reply, loaded) = oneshot::channel();
+        self.submit(Command::Load(pieces, reply));
+        loaded
+    }
+
+    fn read(
+        &mut self,
+        instance: u32,
+        rect: Rect,
+    ) -> oneshot::Receiver<Result<cpu::Buffer, String>> {
+        let (reply, read) = oneshot::channel();
+        self.submit(Command::Read {
+            instance,
+            rect,
+            reply,
+        });
+        read
     }
 }
 
@@ -331,7 +386,8 @@ impl Submitter {
         let traced = self.step.as_ref().is_some_and(|s| s.trace.is_some());
         let before = traced.then(|| self.cuda.mark(&self.stream));
         if let Err(e) = caught(|| enqueue(self)) {
-            self.fail(format!("{}: {e}", self.describe(op)));
+            let what = self.program.ops[op as usize].describe(op, &self.graph);
+            self.fail(format!("{what}: {e}"));
             self.send_zeros(op);
         }
         if let Some(before) = before {
@@ -342,16 +398,6 @@ impl Submitter {
                 }
                 (Err(e), _) | (_, Err(e)) => self.fail(e.to_string()),
             }
-        }
-    }
-
-    fn describe(&self, op: u32) -> String {
-        match &self.program.ops[op as usize].kind {
-            LocalOpKind::Task { task, .. } => task.label(&self.graph),
-            LocalOpKind::Copy { .. } => format!("copy (op {op})"),
-            LocalOpKind::Fold { .. } => format!("fold (op {op})"),
-            LocalOpKind::Send { copy, to, .. } => format!("send of copy {copy} to device {to}"),
-            LocalOpKind::Recv { copy, .. } => format!("receive of copy {copy}"),
         }
     }
 
@@ -437,9 +483,15 @@ impl Submitter {
             LocalOpKind::Copy { src, dst, rect } => {
                 let (src_layout, dst_layout) = (self.rect(*src), self.rect(*dst));
                 let mut lent = lend(&mut self.instances, &[(*src, false), (*dst, true)]);
-                let (from, to) = (lent.read(*src), lent.write(*dst));
-                self.cuda
-                    .copy_rect(&mut self.stream, from, &src_layout, to, &dst_layout, rect);
+                let from = In {
+                    rect: src_layout,
+                    mem: lent.read(*src),
+                };
+                let to = Out {
+                    rect: dst_layout,
+                    mem: lent.write(*dst),
+                };
+                Backend::copy_rect(&*self.cuda, &mut self.stream, from, to, rect);
             }
             LocalOpKind::Fold {
                 srcs,
@@ -447,50 +499,21 @@ impl Submitter {
                 rect,
                 accumulate,
             } => {
-                let layout = self.rect(*dst);
-                // Fallible allocation first: nothing is lent yet.
-                let zeros = match (*accumulate, srcs.is_empty(), *rect == layout) {
-                    (false, true, false) => {
-                        let dtype = self.program.instances[*dst as usize].dtype;
-                        Some(self.scratch(op, dtype, rect.volume())?)
-                    }
-                    _ => None,
-                };
                 let mut wanted: Vec<(u32, bool)> = srcs.iter().map(|&s| (s, false)).collect();
                 wanted.push((*dst, true));
                 let mut lent = lend(&mut self.instances, &wanted);
-                let to = lent.write(*dst);
-                let rect_of = |i: u32| program.instances[i as usize].rect;
-                let mut terms = srcs.iter();
-                if !accumulate {
-                    match (terms.next(), zeros) {
-                        (Some(&first), _) => self.cuda.copy_rect(
-                            &mut self.stream,
-                            lent.read(first),
-                            &rect_of(first),
-                            to,
-                            &layout,
-                            rect,
-                        ),
-                        (None, Some(mut zeros)) => {
-                            self.cuda.zero(&mut self.stream, &mut zeros);
-                            self.cuda
-                                .copy_rect(&mut self.stream, &zeros, rect, to, &layout, rect);
-                            self.scratch[op as usize] = Some(zeros);
-                        }
-                        (None, None) => self.cuda.zero(&mut self.stream, to),
-                    }
-                }
-                for &term in terms {
-                    self.cuda.add_rect(
-                        &mut self.stream,
-                        lent.read(term),
-                        &rect_of(term),
-                        to,
-                        &layout,
-                        rect,
-                    );
-                }
+                let terms: Vec<In<Buffer>> = srcs
+                    .iter()
+                    .map(|&s| In {
+                        rect: program.instances[s as usize].rect,
+                        mem: lent.read(s),
+                    })
+                    .collect();
+                let to = Out {
+                    rect: program.instances[*dst as usize].rect,
+                    mem: lent.write(*dst),
+                };
+                moves::fold(&*self.cuda, &mut self.stream, to, &terms, rect, *accumulate);
             }
             LocalOpKind::Send {
                 copy,
@@ -511,13 +534,13 @@ impl Submitter {
                     let from = &self.instances[*src as usize];
                     self.cuda
                         .copy_rect(&mut self.stream, from, &layout, &mut slice, rect, rect);
-                    let msg = GpuSliceMessage {
+                    let msg = DeviceSliceMessage {
                         step,
                         copy: *copy,
                         to: *to,
-                        data: slice,
+                        data: DeviceSlice(slice),
                     };
-                    if self.links.transport.send_on_gpu(msg).is_err() {
+                    if self.links.transport.send_in_device_memory(msg).is_err() {
                         return Err(format!(
                             "device {to} shares this GPU but is not in this process"
                         ));
@@ -602,14 +625,14 @@ impl Submitter {
         self.outbound[op as usize] = Some(staging);
     }
 
-    fn store(&mut self, op: u32, data: Arrived) -> Result<(), String> {
+    fn store(&mut self, op: u32, data: SliceData) -> Result<(), String> {
         let program = Arc::clone(&self.program);
         let LocalOpKind::Recv { dst, rect, .. } = &program.ops[op as usize].kind else {
             unreachable!("stores serve receives")
         };
         let layout = self.rect(*dst);
         let data = match data {
-            Arrived::Gpu(slice) => {
+            SliceData::Device(DeviceSlice(slice)) => {
                 let to = &mut self.instances[*dst as usize];
                 self.cuda
                     .copy_rect(&mut self.stream, &slice, rect, to, &layout, rect);
@@ -617,7 +640,7 @@ impl Submitter {
                 step.received.push(slice);
                 return Ok(());
             }
-            Arrived::Host(data) => data,
+            SliceData::Host(data) => data,
         };
         let dtype = self.program.instances[*dst as usize].dtype;
         let mut staging = match self.inbound[op as usize].take() {
@@ -687,11 +710,13 @@ impl Submitter {
                 Default::default()
             }
         };
-        let done = GpuStepDone {
+        let done = DriverEvent::StepDone {
             step: step.step,
-            outcome,
-            error: step.error,
-            events,
+            end: StepEnd {
+                outcome,
+                error: step.error,
+                events,
+            },
         };
         if let Err(e) = step.actor.tell(done).try_send() {
             tracing::error!("device actor gone: {e}");

@@ -1,5 +1,5 @@
 //! The storage of a physical instance, and the moves between instances (copy, gather, scatter,
-//! fold) over rects in global coordinates.
+//! sum) over rects in global coordinates.
 
 use crate::backend::DType;
 use crate::shape::Rect;
@@ -147,36 +147,12 @@ impl Buffer {
     }
 }
 
-/// `dst[rect] = (accumulate ? dst[rect] : 0) + Σ terms[rect]`, in the order of `terms`
-/// (each with its layout).
-pub fn fold(
-    dst: &mut Buffer,
-    layout: &Rect,
-    terms: &[(&Buffer, Rect)],
-    rect: &Rect,
-    accumulate: bool,
-) {
-    let mut rest = terms;
-    if !accumulate {
-        match terms.split_first() {
-            Some(((first, first_layout), tail)) => {
-                dst.copy_from(layout, first, first_layout, rect);
-                rest = tail;
-            }
-            None => dst.zero(layout, rect),
-        }
-    }
-    for (term, term_layout) in rest {
-        dst.add_from(layout, term, term_layout, rect);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn gather_and_fold_sub_rects() {
+    fn gather_sub_rects() {
         let layout = Rect::new(&[0, 0], &[2, 3]);
         let a = Buffer::F32(vec![1., 2., 3., 4., 5., 6.]);
         let piece = Rect::new(&[0, 1], &[2, 3]);
@@ -194,17 +170,5 @@ mod tests {
             c.gather(&cube, &mids),
             Buffer::F64(vec![2., 3., 6., 7., 10., 11.])
         );
-        let b = Buffer::F32(vec![10., 20., 30., 40.]);
-        let mut dst = Buffer::F32(vec![-1.0; 6]);
-        fold(
-            &mut dst,
-            &layout,
-            &[(&a, layout), (&b, piece)],
-            &piece,
-            false,
-        );
-        assert_eq!(dst, Buffer::F32(vec![-1., 12., 23., -1., 35., 46.]));
-        fold(&mut dst, &layout, &[], &Rect::new(&[1, 0], &[2, 1]), false);
-        assert_eq!(dst, Buffer::F32(vec![-1., 12., 23., 0., 35., 46.]));
     }
 }

@@ -4,7 +4,7 @@
 
 pub mod buffer;
 
-pub use buffer::{Buffer, fold};
+pub use buffer::Buffer;
 
 use super::{Backend, DType, In, KernelError, LossSums, Out};
 use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
@@ -107,6 +107,18 @@ impl Backend for Cpu {
         for (a, b) in acc.mem.f32_mut().iter_mut().zip(term.mem.f32()) {
             *a += *b;
         }
+    }
+
+    fn copy_rect(&self, _: &mut CpuStream, from: In<Buffer>, to: Out<Buffer>, rect: &Rect) {
+        to.mem.copy_from(&to.rect, from.mem, &from.rect, rect);
+    }
+
+    fn add_rect(&self, _: &mut CpuStream, from: In<Buffer>, to: Out<Buffer>, rect: &Rect) {
+        to.mem.add_from(&to.rect, from.mem, &from.rect, rect);
+    }
+
+    fn zero_rect(&self, _: &mut CpuStream, to: Out<Buffer>, rect: &Rect) {
+        to.mem.zero(&to.rect, rect);
     }
 
     fn mark(&self, _: &mut CpuStream) -> Result<std::time::Instant, KernelError> {

@@ -1,0 +1,129 @@
+//! The device driver: what differs between a device on host cores and one on a GPU. The actor
+//! (`super`) decides *when* an op may run (with its [`Schedule`](super::schedule::Schedule)); a
+//! driver owns the instances and decides *how* an op runs on them. The actor never learns which
+//! kind it drives.
+//!
+//! Two implementations: [`host`](super::host) (instances in host memory, kernels on this process's
+//! cores) and [`cuda`](super::cuda) (instances in GPU memory, every op enqueued on a stream by a
+//! submitter thread). [`start`] is the one place that picks between them.
+
+use super::{DeviceActor, DeviceSetup, OpEvent};
+use crate::buffer::Buffer;
+use crate::exec::{StepInput, TaskOutcome};
+use crate::transport::SliceData;
+use kameo::actor::ActorRef;
+use legion_ops::Rect;
+use legion_ops::backend::KernelError;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// Where a device's instances live and its kernels run.
+#[derive(Clone)]
+pub enum Compute {
+    /// Host memory, kernels on this process's cores (see `compute`).
+    Cores(crate::compute::ComputePool),
+    /// Device memory of this GPU, kernels on a stream of the device's own. `neighbours`: the
+    /// devices of this process on the same GPU (this one included), whose slices stay in its memory.
+    Gpu {
+        cuda: Arc<legion_cuda::Cuda>,
+        neighbours: Arc<[legion_ops::partition::DeviceId]>,
+    },
+}
+
+/// The driver of `setup`'s device, its instances allocated and zeroed. Fails where a GPU cannot
+/// hold them or give the device a stream.
+pub(crate) fn start(setup: &DeviceSetup) -> Result<Box<dyn Driver>, KernelError> {
+    Ok(match &setup.compute {
+        Compute::Cores(pool) => Box::new(super::host::HostDriver::new(setup, pool.clone())),
+        Compute::Gpu { cuda, neighbours } => Box::new(super::cuda::GpuDriver::start(
+            setup,
+            Arc::clone(cuda),
+            Arc::clone(neighbours),
+        )?),
+    })
+}
+
+/// A step as it starts on a device.
+pub(crate) struct StepStart {
+    pub step: u64,
+    pub input: Arc<StepInput>,
+    /// Where the step's clock starts (for traces).
+    pub epoch: Instant,
+    pub trace: bool,
+    /// Where the work that ends later is reported.
+    pub actor: ActorRef<DeviceActor>,
+}
+
+/// What became of an op handed to a driver.
+pub(crate) enum Handed {
+    /// It ran at once, on the actor's thread, between `start` and `end`.
+    Ran {
+        result: Result<TaskOutcome, String>,
+        start: Instant,
+        end: Instant,
+    },
+    /// It is queued on the device's in-order stream behind everything it depends on: it counts
+    /// as done now, so that its dependents can be queued behind it; it is timed with the step's
+    /// end ([`StepEnd`]).
+    Queued,
+    /// It runs later; [`DriverEvent::OpDone`] says when.
+    Pending,
+}
+
+/// What a driver adds to a step's report at its end.
+#[derive(Default)]
+pub(crate) struct StepEnd {
+    pub outcome: TaskOutcome,
+    pub error: Option<String>,
+    /// The queued ops' times, on the step's clock.
+    pub events: Vec<OpEvent>,
+}
+
+/// What a driver's threads tell the actor.
+pub(crate) enum DriverEvent {
+    /// Op `op`, handed over as [`Handed::Pending`], has run.
+    OpDone {
+        op: u32,
+        result: Result<TaskOutcome, String>,
+        start: Instant,
+        end: Instant,
+    },
+    /// Every op of step `step` has run (after [`Driver::end_step`] said it would end later).
+    StepDone { step: u64, end: StepEnd },
+}
+
+/// A device kind, as the actor drives it. No method blocks: work that takes time is handed to
+/// the driver's own threads, which report back with a [`DriverEvent`].
+pub(crate) trait Driver: Send + 'static {
+    /// A step begins.
+    fn start_step(&mut self, start: &StepStart);
+
+    /// Hands over a ready op (`slice`: a receive's data); tasks that touch no data never come
+    /// here (the actor runs them itself).
+    fn run(&mut self, op: u32, slice: Option<SliceData>) -> Handed;
+
+    /// Every ready op has been handed over: start what is queued.
+    fn pump(&mut self) {}
+
+    /// Pending op `op` has run (its [`DriverEvent::OpDone`] reached the actor): take back what
+    /// it held.
+    fn reclaim(&mut self, _op: u32) {}
+
+    /// Every op of the step is done or queued: its end now, or `None` when it comes later as
+    /// [`DriverEvent::StepDone`].
+    fn end_step(&mut self) -> Option<StepEnd>;
+
+    /// Writes `(instance, rect, data laid out over rect)` into instances (initial values).
+    fn load(&mut self, pieces: Vec<(u32, Rect, Buffer)>) -> oneshot::Receiver<Result<(), String>>;
+
+    /// Reads `rect` of an instance back to host memory.
+    fn read(&mut self, instance: u32, rect: Rect) -> oneshot::Receiver<Result<Buffer, String>>;
+}
+
+/// A reply that is ready now.
+pub(crate) fn answered<T>(value: T) -> oneshot::Receiver<T> {
+    let (reply, answer) = oneshot::channel();
+    let _ = reply.send(value);
+    answer
+}
