@@ -458,6 +458,10 @@ impl GraphBuilder {
         self.layer(name, Op::Sigmoid(op::Sigmoid {}), &[x])
     }
 
+    pub fn tanh(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
+        self.layer(name, Op::Tanh(op::Tanh {}), &[x])
+    }
+
     pub fn flatten(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
         self.layer(name, Op::Flatten(op::Flatten {}), &[x])
     }

@@ -1283,6 +1283,18 @@ impl Backend for Cuda {
         });
     }
 
+    fn tanh_forward(&self, s: &mut Stream, x: In<Buffer>, y: Out<Buffer>) {
+        self.enqueue(s, "tanh_forward", |s| {
+            self.unary(s, &self.kernels.tanh_forward, x, y)
+        });
+    }
+
+    fn tanh_backward(&self, s: &mut Stream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
+        self.enqueue(s, "tanh_backward", |s| {
+            self.binary(s, &self.kernels.tanh_backward, y, dy, dx)
+        });
+    }
+
     fn add_forward(&self, s: &mut Stream, a: In<Buffer>, b: In<Buffer>, y: Out<Buffer>) {
         self.enqueue(s, "add_forward", |s| {
             self.binary(s, &self.kernels.add_forward, a, b, y)

@@ -185,6 +185,23 @@ extern "C" __global__ void sigmoid_backward(const float* y, Box4 y_layout, const
     }
 }
 
+// tanhf may differ from the CPU's tanh in the last bit or two.
+extern "C" __global__ void tanh_forward(const float* x, Box4 x_layout, float* y, Box4 tile, i64 n,
+                                        int packed) {
+    GRID_STRIDE(i, n) {
+        y[i] = tanhf(x[at(x_layout, tile, i, packed)]);
+    }
+}
+
+extern "C" __global__ void tanh_backward(const float* y, Box4 y_layout, const float* dy,
+                                         Box4 dy_layout, float* dx, Box4 tile, i64 n, int packed) {
+    GRID_STRIDE(i, n) {
+        float yv = y[at(y_layout, tile, i, packed)];
+        float g = dy[at(dy_layout, tile, i, packed)];
+        dx[i] = g * (1.0f - yv * yv);
+    }
+}
+
 extern "C" __global__ void add_forward(const float* a, Box4 a_layout, const float* b,
                                        Box4 b_layout, float* y, Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {

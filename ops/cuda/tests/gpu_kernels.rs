@@ -314,6 +314,7 @@ macro_rules! both {
 enum Unary {
     Relu,
     Sigmoid,
+    Tanh,
 }
 
 fn unary_forward<D: Device>(
@@ -328,6 +329,7 @@ fn unary_forward<D: Device>(
     match kind {
         Unary::Relu => d.relu_forward(s, x.read(), y.write()),
         Unary::Sigmoid => d.sigmoid_forward(s, x.read(), y.write()),
+        Unary::Tanh => d.tanh_forward(s, x.read(), y.write()),
     }
     vec![("y", d.get(s, &y.mem))]
 }
@@ -345,6 +347,7 @@ fn unary_backward<D: Device>(
     match kind {
         Unary::Relu => d.relu_backward(s, y.read(), dy.read(), dx.write()),
         Unary::Sigmoid => d.sigmoid_backward(s, y.read(), dy.read(), dx.write()),
+        Unary::Tanh => d.tanh_backward(s, y.read(), dy.read(), dx.write()),
     }
     vec![("dx", d.get(s, &dx.mem))]
 }
@@ -929,7 +932,7 @@ fn elementwise_cases(h: &mut Harness) {
         let x = Host::random(view, seed);
         let dy = Host::random(view, seed + 1);
         let b = Host::random(view, seed + 2);
-        for kind in [Unary::Relu, Unary::Sigmoid] {
+        for kind in [Unary::Relu, Unary::Sigmoid, Unary::Tanh] {
             both!(
                 h,
                 format!("{kind:?} forward, {what}"),

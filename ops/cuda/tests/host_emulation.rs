@@ -247,7 +247,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
         let packed = (box4(&view) == box4(&tile)) as i32;
         type U = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, i64, i32);
         type B = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Box4, i64, i32);
-        for name in ["relu_forward", "sigmoid_forward"] {
+        for name in ["relu_forward", "sigmoid_forward", "tanh_forward"] {
             let f: Symbol<U> = emu.sym(name);
             let mut want = Buffer::F32(vec![0.0; tile.volume()]);
             let o = Out {
@@ -258,10 +258,10 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 rect: view,
                 mem: &x,
             };
-            if name == "relu_forward" {
-                Cpu.relu_forward(&mut CpuStream, i, o)
-            } else {
-                Cpu.sigmoid_forward(&mut CpuStream, i, o)
+            match name {
+                "relu_forward" => Cpu.relu_forward(&mut CpuStream, i, o),
+                "sigmoid_forward" => Cpu.sigmoid_forward(&mut CpuStream, i, o),
+                _ => Cpu.tanh_forward(&mut CpuStream, i, o),
             }
             let mut got = vec![0.0; tile.volume()];
             emu.launch(1, 1, || unsafe {
@@ -276,7 +276,12 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             });
             report.check(&format!("{name} {what}"), &got, want.f32(), 1e-6);
         }
-        for name in ["relu_backward", "sigmoid_backward", "add_forward"] {
+        for name in [
+            "relu_backward",
+            "sigmoid_backward",
+            "tanh_backward",
+            "add_forward",
+        ] {
             let f: Symbol<B> = emu.sym(name);
             let mut want = Buffer::F32(vec![0.0; tile.volume()]);
             let o = Out {
@@ -296,6 +301,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             match name {
                 "relu_backward" => Cpu.relu_backward(&mut CpuStream, a, b, o),
                 "sigmoid_backward" => Cpu.sigmoid_backward(&mut CpuStream, a, b, o),
+                "tanh_backward" => Cpu.tanh_backward(&mut CpuStream, a, b, o),
                 _ => Cpu.add_forward(&mut CpuStream, a, b, o),
             }
             let mut got = vec![0.0; tile.volume()];

@@ -414,6 +414,15 @@ pub trait Backend {
         dy: In<Self::Buffer>,
         dx: Out<Self::Buffer>,
     );
+    fn tanh_forward(&self, s: &mut Self::Stream, x: In<Self::Buffer>, y: Out<Self::Buffer>);
+    /// From the output `y` and its gradient: `dx = dy·(1 − y²)`.
+    fn tanh_backward(
+        &self,
+        s: &mut Self::Stream,
+        y: In<Self::Buffer>,
+        dy: In<Self::Buffer>,
+        dx: Out<Self::Buffer>,
+    );
     fn add_forward(
         &self,
         s: &mut Self::Stream,

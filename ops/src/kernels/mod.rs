@@ -28,6 +28,7 @@ pub mod pool2d;
 pub mod relu;
 pub mod sigmoid;
 pub mod softmax_ce;
+pub mod tanh;
 
 use crate::shape::Rect;
 

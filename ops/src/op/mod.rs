@@ -16,6 +16,7 @@ mod pool2d;
 mod relu;
 mod sigmoid;
 mod softmax_ce;
+mod tanh;
 
 pub use add::Add;
 pub use batch_norm::{
@@ -31,6 +32,7 @@ pub use pool2d::{Pool2d, PoolKind};
 pub use relu::Relu;
 pub use sigmoid::Sigmoid;
 pub use softmax_ce::SoftmaxCrossEntropy;
+pub use tanh::Tanh;
 
 use crate::backend::{Backend, In, KernelCall, KernelError, Out, Phase, Role};
 use crate::shape::{Dim, Rect, Shape};
@@ -425,6 +427,7 @@ pub enum Op {
     Dense(Dense),
     Relu(Relu),
     Sigmoid(Sigmoid),
+    Tanh(Tanh),
     Flatten(Flatten),
     Concat(Concat),
     Add(Add),
@@ -443,6 +446,7 @@ impl Op {
             Op::Dense(_) => "dense",
             Op::Relu(_) => "relu",
             Op::Sigmoid(_) => "sigmoid",
+            Op::Tanh(_) => "tanh",
             Op::Flatten(_) => "flatten",
             Op::Concat(_) => "concat",
             Op::Add(_) => "add",
@@ -460,6 +464,7 @@ impl Op {
             Op::Dense(o) => o,
             Op::Relu(o) => o,
             Op::Sigmoid(o) => o,
+            Op::Tanh(o) => o,
             Op::Flatten(o) => o,
             Op::Concat(o) => o,
             Op::Add(o) => o,
@@ -491,6 +496,7 @@ impl Op {
             Op::Dense(o) => o.run(phase, call),
             Op::Relu(o) => o.run(phase, call),
             Op::Sigmoid(o) => o.run(phase, call),
+            Op::Tanh(o) => o.run(phase, call),
             Op::Flatten(o) => o.run(phase, call),
             Op::Concat(o) => o.run(phase, call),
             Op::Add(o) => o.run(phase, call),
@@ -509,6 +515,7 @@ impl Op {
             Op::Dense(_) => Dense::BACKWARD_READS,
             Op::Relu(_) => Relu::BACKWARD_READS,
             Op::Sigmoid(_) => Sigmoid::BACKWARD_READS,
+            Op::Tanh(_) => Tanh::BACKWARD_READS,
             Op::Flatten(_) => Flatten::BACKWARD_READS,
             Op::Concat(_) => Concat::BACKWARD_READS,
             Op::Add(_) => Add::BACKWARD_READS,

@@ -190,7 +190,7 @@ pub enum LayerKind {
     /// Conv or dense: a matrix multiplication with a weight.
     Weighted,
     Pool,
-    /// relu, sigmoid, dropout, batch norm, add, concat: one tiling for all operands.
+    /// relu, sigmoid, tanh, dropout, batch norm, add, concat: one tiling for all operands.
     Elementwise,
     Flatten,
     Loss,
@@ -206,6 +206,7 @@ impl LayerKind {
             Op::SoftmaxCrossEntropy(_) => LayerKind::Loss,
             Op::Relu(_)
             | Op::Sigmoid(_)
+            | Op::Tanh(_)
             | Op::Dropout(_)
             | Op::BatchNorm(_)
             | Op::Add(_)

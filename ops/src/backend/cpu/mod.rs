@@ -301,6 +301,14 @@ impl Backend for Cpu {
         kernels::sigmoid::sigmoid_backward(view(y), view(dy), view_mut(dx));
     }
 
+    fn tanh_forward(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
+        kernels::tanh::tanh_forward(view(x), view_mut(y));
+    }
+
+    fn tanh_backward(&self, _: &mut CpuStream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
+        kernels::tanh::tanh_backward(view(y), view(dy), view_mut(dx));
+    }
+
     fn add_forward(&self, _: &mut CpuStream, a: In<Buffer>, b: In<Buffer>, y: Out<Buffer>) {
         kernels::add::add_forward(view(a), view(b), view_mut(y));
     }
