@@ -3,9 +3,10 @@
 //! Runs training steps of a step plan.
 
 use crate::buffer::Buffer;
-use crate::compute::{ComputePool, kernel_threads};
+use crate::compute::kernel_threads;
 use crate::cpu_share::ACTOR_THREAD_NAME;
-use crate::device::{Compute, DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
+pub use crate::device::Placement;
+use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepReport};
 use crate::exec::{BatchView, StepInput};
 use crate::in_process::InProcessTransport;
 use crate::plan::{PlanError, SamplesRead, StepPlan};
@@ -15,10 +16,9 @@ use crate::region::RegionKind;
 use crate::transport::Transport;
 use kameo::actor::{ActorRef, Spawn};
 use kameo::mailbox;
-use legion_cuda::Cuda;
 use legion_ops::Graph;
 use legion_ops::kernels::softmax_ce::LabelOutOfRange;
-use legion_ops::partition::{ParallelConfig, gpu_of};
+use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
 use std::ops::Range;
 use std::sync::Arc;
@@ -49,27 +49,6 @@ pub enum RuntimeError {
         need: Range<usize>,
         batch: usize,
     },
-}
-
-/// Where a process's devices run.
-#[derive(Clone, Default)]
-pub enum Placement {
-    /// On this process's cores, in host memory.
-    #[default]
-    Cpu,
-    /// On these GPUs: device `d` of `n` on GPU `d·g/n` of the `g` given (consecutive devices
-    /// share a GPU), each device with a stream of its own.
-    Gpus(Vec<Arc<Cuda>>),
-}
-
-impl Placement {
-    /// The GPU (index into `Gpus`) of local device `d` of `n`, if on GPUs.
-    pub fn gpu_of(&self, d: usize, n: usize) -> Option<usize> {
-        match self {
-            Placement::Cpu => None,
-            Placement::Gpus(gpus) => Some(gpu_of(d, n, gpus.len())),
-        }
-    }
 }
 
 /// What one distributed step measured.
@@ -449,27 +428,7 @@ pub fn spawn_local_devices(
     placement: &Placement,
 ) -> Result<Vec<ActorRef<DeviceActor>>, RuntimeError> {
     let n = programs.len();
-    let computes: Vec<Compute> = match placement {
-        Placement::Cpu => ComputePool::for_devices(n, rayon::current_num_threads())
-            .into_iter()
-            .map(Compute::Cores)
-            .collect(),
-        Placement::Gpus(gpus) => {
-            let gpu_of = |d: usize| placement.gpu_of(d, n).expect("placed on GPUs");
-            (0..n)
-                .map(|d| {
-                    let neighbours: Arc<[usize]> = (0..n)
-                        .filter(|&e| gpu_of(e) == gpu_of(d))
-                        .map(|e| programs[e].device)
-                        .collect();
-                    Compute::Gpu {
-                        cuda: Arc::clone(&gpus[gpu_of(d)]),
-                        neighbours,
-                    }
-                })
-                .collect()
-        }
-    };
+    let computes = placement.computes(programs);
     let buffers = Arc::new(BufferPool::for_programs(programs));
     let mut actors: Vec<ActorRef<DeviceActor>> = Vec::with_capacity(n);
     for (program, compute) in programs.iter().zip(computes) {

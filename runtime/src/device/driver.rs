@@ -18,6 +18,55 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
 
+/// Where a process's devices run.
+#[derive(Clone, Default)]
+pub enum Placement {
+    /// On this process's cores, in host memory.
+    #[default]
+    Cpu,
+    /// On these GPUs: device `d` of `n` on GPU `d·g/n` of the `g` given (consecutive devices
+    /// share a GPU), each device with a stream of its own.
+    Gpus(Vec<Arc<legion_cuda::Cuda>>),
+}
+
+impl Placement {
+    /// The GPU (index into `Gpus`) of local device `d` of `n`, if on GPUs.
+    pub fn gpu_of(&self, d: usize, n: usize) -> Option<usize> {
+        match self {
+            Placement::Cpu => None,
+            Placement::Gpus(gpus) => Some(legion_ops::partition::gpu_of(d, n, gpus.len())),
+        }
+    }
+
+    /// Where each of `programs` (this process's devices, in order) runs.
+    pub(crate) fn computes(&self, programs: &[Arc<crate::program::DeviceProgram>]) -> Vec<Compute> {
+        let n = programs.len();
+        match self {
+            Placement::Cpu => {
+                crate::compute::ComputePool::for_devices(n, rayon::current_num_threads())
+                    .into_iter()
+                    .map(Compute::Cores)
+                    .collect()
+            }
+            Placement::Gpus(gpus) => {
+                let gpu_of = |d: usize| self.gpu_of(d, n).expect("placed on GPUs");
+                (0..n)
+                    .map(|d| {
+                        let neighbours: Arc<[usize]> = (0..n)
+                            .filter(|&e| gpu_of(e) == gpu_of(d))
+                            .map(|e| programs[e].device)
+                            .collect();
+                        Compute::Gpu {
+                            cuda: Arc::clone(&gpus[gpu_of(d)]),
+                            neighbours,
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 /// Where a device's instances live and its kernels run.
 #[derive(Clone)]
 pub enum Compute {

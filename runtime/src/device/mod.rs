@@ -14,7 +14,7 @@ mod driver;
 mod host;
 mod schedule;
 
-pub use driver::Compute;
+pub use driver::{Compute, Placement};
 
 use crate::buffer::Buffer;
 use crate::exec::{self, ExecContext, StepInput, TaskOutcome};
