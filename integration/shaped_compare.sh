@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Shaped-network benchmark (issue 6): N hosts in network namespaces on this machine, joined through
+# Shaped-network benchmark (strategies over links of known bandwidth): N hosts in network namespaces on this machine, joined through
 # a bridge by veth pairs shaped with `tc tbf` at RATE in both directions; `legion-rs up` starts a
 # worker in each (run_with = ip netns exec), then `--compare` runs data, model, owt and optcnn on
 # that cluster for each model, then `down`. Every namespace, veth and the bridge are removed on

@@ -1,4 +1,4 @@
-//! The runtime's overhead (issue 4), measured side by side in one run because the machine is shared
+//! The runtime's overhead (what its actors, messages and copies add to the kernels), measured side by side in one run because the machine is shared
 //! and noisy: compare the ratios, not the absolute figures.
 //!
 //! ```text

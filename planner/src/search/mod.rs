@@ -1,8 +1,9 @@
 //! Strategy searches: OptCNN's Algorithm 1, the exhaustive baseline, the three fixed strategies
 //! the paper compares with, a refinement of their strategies under the simulated step time
-//! ([`refine`]), and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan),
-//! each searching its own space under its own byte count ([`native_bytes`]) and mapped into ours,
-//! with what the mapping loses in [`Found::lossy`]. Each returns per-layer configs; [`run`] prices
+//! ([`refine`]), and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan), called the
+//! **seed planners** throughout (they seed the comparison with other systems' answers, priced
+//! by our cost model), each searching its own space under its own byte count
+//! ([`native_bytes`]) and mapped into ours, with what the mapping loses in [`Found::lossy`]. Each returns per-layer configs; [`run`] prices
 //! them with Eq. 1.
 
 mod data;

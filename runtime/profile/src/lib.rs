@@ -51,13 +51,13 @@
 //!   seconds counts too: each runs one op at a time, and what it spends around the kernel (taking
 //!   the job, timing it, telling the actor, a brief spin before parking) is per op; left out, the
 //!   simulator under-predicted LeNet-5 owt and optcnn by 3.6–4.4%, counted, it was within 2.5%
-//!   (`git log -p BENCHMARKS.md`, fifteenth session). On a pool per device it is left out: it is mostly idle threads
+//!   (BENCHMARKS.md, "predicted vs measured"). On a pool per device it is left out: it is mostly idle threads
 //!   spinning for more work (`sched_yield` rounds before a thread parks), which gives way to a
 //!   thread with work on the same core; charged, with kernels timed by their threads' CPU clocks,
-//!   it fitted AlexNet and over-predicted LeNet-5 by 6–18% (thirteenth session). Where the pools
+//!   it fitted AlexNet and over-predicted LeNet-5 by 6–18%. Where the pools
 //!   used less CPU than those own seconds, the difference is taken off:
 //!   the actors' threads took that time from the kernels, so the own seconds hold it already. A
-//!   real share of a step of many small ops, nothing beside large kernels (`git log -p BENCHMARKS.md`,
+//!   real share of a step of many small ops, nothing beside large kernels (BENCHMARKS.md,
 //!   "predicted vs measured"). Where the OS keeps no per-thread statistics, the process's CPU less
 //!   every timed op's stands in. The simulator has it hold a core at the end of each compute op's
 //!   dispatch;
