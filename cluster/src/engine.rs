@@ -1,6 +1,7 @@
-//! Where a training job's steps run, behind one trait: the single-device reference trainer, the
-//! embedded cluster of this process, or the worker processes of a cluster. A job and `--compare`
-//! start one with [`start`] and drive it through [`Engine`] without knowing which it is.
+//! Where a training job's steps run, behind one trait: the single-device trainer (on the CPU or a
+//! GPU), the embedded cluster of this process, or the worker processes of a cluster. A job and
+//! `--compare` start one with [`start`], the one way in, and drive it through [`Engine`] without
+//! knowing which it is.
 
 use crate::hosts::Hosts;
 use crate::remote::RemoteCluster;
@@ -15,8 +16,16 @@ use std::path::Path;
 
 /// Where the steps run.
 pub enum Place<'a> {
-    /// The single-device reference trainer (the configs are ignored).
+    /// The single-device reference trainer on the CPU (the configs are ignored).
     OneDevice,
+    /// The single-device trainer on a GPU the caller started (the configs are ignored): its
+    /// backend, the stream that proved its libraries load, and whether the next batch is staged
+    /// while a step computes.
+    OneGpu {
+        cuda: legion_cuda::Cuda,
+        stream: legion_cuda::Stream,
+        prefetch: bool,
+    },
     /// `devices` device actors in this process, placed on its cores or GPUs.
     Embedded {
         devices: usize,
@@ -79,6 +88,16 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.sgd,
             job.seed,
         )),
+        Place::OneGpu {
+            cuda,
+            stream,
+            prefetch,
+        } => {
+            let mut trainer =
+                Trainer::resume_on(cuda, stream, job.graph.clone(), job.state, job.sgd, job.seed)?;
+            trainer.set_prefetch(prefetch);
+            Box::new(trainer)
+        }
         Place::Embedded { devices, placement } => Box::new(EmbeddedCluster::resume_on(
             job.graph,
             job.configs,
@@ -121,8 +140,7 @@ fn retire(images: Vec<f32>) {
     }
 }
 
-/// The one-device trainer on any backend (the CLI starts it on a GPU itself: this crate does not
-/// link CUDA).
+/// The one-device trainer on any backend.
 impl<B: Backend> Engine for Trainer<B> {
     fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
         if batch.trace {
