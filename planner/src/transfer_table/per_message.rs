@@ -80,7 +80,8 @@ impl SharedRoutes {
     }
 }
 
-/// Seconds per slot of [`SharedRoutes`], the same sums as [`Loads`] in a dense array.
+/// Seconds per slot of [`SharedRoutes`], the same sums as [`crate::transfer::Loads`] in a dense
+/// array.
 struct SlotLoads {
     seconds: Vec<f64>,
     touched: Vec<u32>,
