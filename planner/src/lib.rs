@@ -2,7 +2,10 @@
 //! and a simulator. Everything here is deterministic and free of I/O except the clearly named
 //! `load`/`save` functions.
 //!
-//! - [`machine`], [`machine_file`]: devices, nodes and links; presets, flags and TOML files.
+//! - [`machine`], [`machine_presets`], [`machine_file`]: devices, nodes and links; the named
+//!   machines and the flags' machine; TOML files.
+//! - [`runtime_costs`]: what the runtime's own work costs (dispatch, folds, updates, copies), as
+//!   profiled, for the simulator.
 //! - [`config`]: [`ParallelConfig`], the tile split [`tile_rect`] (shared with the runtime) and the
 //!   enumeration of a layer's configs.
 //! - [`provider`], [`profile`]: compute times (t_c) — roofline or measured.
@@ -20,10 +23,12 @@ pub mod cost;
 mod fast_hash;
 pub mod machine;
 pub mod machine_file;
+pub mod machine_presets;
 pub mod memory;
 pub mod plan;
 pub mod profile;
 pub mod provider;
+pub mod runtime_costs;
 pub mod search;
 pub mod simulate;
 /// Strategy files, the planner's output, live beside the partition vocabulary in `legion_ops`.

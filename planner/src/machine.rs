@@ -15,7 +15,12 @@
 //!
 //! Eq. 1's t_x and t_s, and the simulator, price a message on its route: loads add up on every
 //! lane they share.
+//!
+//! This file holds the model and its topology. The named machines (`paper`, `dgx-h100`, …) and
+//! the devices they are made of are in [`crate::machine_presets`]; what the runtime's own work
+//! costs, which a profiled machine carries for the simulator, is in [`crate::runtime_costs`].
 
+use crate::runtime_costs::RuntimeCosts;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -39,40 +44,6 @@ pub struct DeviceSpec {
 }
 
 impl DeviceSpec {
-    /// An NVIDIA Tesla P100 (SXM2) as in the OptCNN paper's cluster.
-    pub fn p100() -> DeviceSpec {
-        DeviceSpec {
-            kind: "p100".into(),
-            peak_gflops: 9300.0,
-            memory_gb_per_s: 732.0,
-            task_overhead_us: 10.0,
-            memory_gib: Some(16.0),
-        }
-    }
-
-    /// An NVIDIA H100 SXM5 at strict FP32 (no tensor cores: TF32 is opt-in), as in a current
-    /// DGX/HGX node.
-    pub fn h100() -> DeviceSpec {
-        DeviceSpec {
-            kind: "h100".into(),
-            peak_gflops: 67000.0,
-            memory_gb_per_s: 3350.0,
-            task_overhead_us: 5.0,
-            memory_gib: Some(80.0),
-        }
-    }
-
-    /// One CPU "device" of this development machine (a thread running the gemm kernels).
-    pub fn local_cpu() -> DeviceSpec {
-        DeviceSpec {
-            kind: "cpu".into(),
-            peak_gflops: 100.0,
-            memory_gb_per_s: 10.0,
-            task_overhead_us: 5.0,
-            memory_gib: None,
-        }
-    }
-
     pub fn peak_flops_per_s(&self) -> f64 {
         self.peak_gflops * 1e9
     }
@@ -199,116 +170,6 @@ impl Link {
     }
 }
 
-/// What the runtime's device actors cost besides kernels and transfers, as the profiler measured
-/// them on the embedded cluster (`legion_runtime::profile`). The simulator prices its dispatch,
-/// fold and update tasks with these; without them (a machine nobody profiled) dispatch is free and
-/// folds and updates stream at the device's memory bandwidth.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RuntimeCosts {
-    /// Seconds from a compute op being able to start on its device (its dependences done, the
-    /// device's previous compute op finished, a core free of other kernels and copies, and an
-    /// actor thread free) to its kernel starting, its actor's own copies left out: the actor's
-    /// message handling, the hand-off to the device's pool and waking its thread (the profiler's
-    /// mean). Paid once per compute op (kernel, fold, update); on a machine whose devices share
-    /// their cores, only by one that becomes startable with a core idle.
-    pub dispatch_s: f64,
-    /// CPU seconds the runtime spends per compute op besides the kernels and copies it times: the
-    /// actors' message handling, handing ops to the pools, waking and parking their threads (the
-    /// profiler's CPU time of the actors' threads less their copies' own seconds, and of workers
-    /// the devices share beyond their ops' own seconds, per compute op; see
-    /// `legion_runtime::profile`). On a machine whose devices share their cores it is the end
-    /// of the op's dispatch and holds a core: with the cores busy, each op's kernel waits for it
-    /// after a core frees, and for nothing else. 0 in profiles from before it was measured.
-    #[serde(default)]
-    pub runtime_cpu_s: f64,
-    /// How those delays spread: the mean of each sixteenth of them, in ascending order (their mean
-    /// is `dispatch_s`). When present, the simulator draws each op's delay from them and reports
-    /// the expected step time over many draws: a step of many small ops waits on the slowest of
-    /// its parallel paths, so varying delays cost more than their mean paid by every op.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dispatch_bins_s: Option<[f64; DISPATCH_BINS]>,
-    /// Throughput of folds (sums of gradient terms), in bytes of [`fold_bytes`] per second.
-    pub fold_bytes_per_s: f64,
-    /// Throughput of SGD updates, in bytes of [`update_bytes`] per second.
-    pub update_bytes_per_s: f64,
-    /// Throughput of the copies a device's actor makes itself (gathering a piece of an instance to
-    /// send, storing a received piece into a larger instance, local copies), bytes per second.
-    /// The actor does nothing else meanwhile: its device's next kernel waits.
-    pub copy_bytes_per_s: f64,
-    /// Threads the device actors share (the embedded cluster runs its N actors on a small tokio
-    /// pool): at most this many actors copy at once, and an actor needs one to dispatch.
-    pub actor_threads: usize,
-}
-
-/// The bytes a fold of `terms` terms over a rect of `rect_bytes` streams: every term read once and
-/// the result written once. The profiler measures fold throughput in these bytes and the simulator
-/// prices folds with them, so both count alike.
-pub fn fold_bytes(terms: usize, rect_bytes: u64) -> u64 {
-    (terms as u64 + 1) * rect_bytes
-}
-
-/// The bytes an SGD update of a slice of `slice_bytes` streams: gradient, weights and momentum
-/// read, weights and momentum written.
-pub fn update_bytes(slice_bytes: u64) -> u64 {
-    5 * slice_bytes
-}
-
-/// Equal-probability bins of [`RuntimeCosts::dispatch_bins_s`].
-pub const DISPATCH_BINS: usize = 16;
-
-impl RuntimeCosts {
-    /// The bin means of `delays` ([`RuntimeCosts::dispatch_bins_s`]); `None` with fewer delays than
-    /// bins. Each bin holds an equal share of the sorted delays, to within one.
-    pub fn dispatch_bins(delays: &[f64]) -> Option<[f64; DISPATCH_BINS]> {
-        if delays.len() < DISPATCH_BINS {
-            return None;
-        }
-        let mut sorted = delays.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        Some(std::array::from_fn(|b| {
-            let bin =
-                &sorted[b * sorted.len() / DISPATCH_BINS..(b + 1) * sorted.len() / DISPATCH_BINS];
-            bin.iter().sum::<f64>() / bin.len() as f64
-        }))
-    }
-
-    /// Every time zero or positive, every throughput positive (all finite).
-    pub fn validate(&self) -> Result<(), String> {
-        for (field, v) in [
-            ("dispatch_s", self.dispatch_s),
-            ("runtime_cpu_s", self.runtime_cpu_s),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{field} must be zero or positive, got {v}"));
-            }
-        }
-        if let Some(bins) = &self.dispatch_bins_s
-            && let Some(bad) = bins.iter().find(|b| !(b.is_finite() && **b >= 0.0))
-        {
-            return Err(format!(
-                "dispatch_bins_s must be zero or positive, got {bad}"
-            ));
-        }
-        for (field, v) in [
-            ("fold_bytes_per_s", self.fold_bytes_per_s),
-            ("update_bytes_per_s", self.update_bytes_per_s),
-            ("copy_bytes_per_s", self.copy_bytes_per_s),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(format!("{field} must be a positive number, got {v}"));
-            }
-        }
-        if !(1..=MAX_THREADS).contains(&self.actor_threads) {
-            return Err(format!(
-                "actor_threads must be in 1..={MAX_THREADS}, got {}",
-                self.actor_threads
-            ));
-        }
-        Ok(())
-    }
-}
-
 /// A node: a number of identical devices sharing the intra-node interconnect.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NodeSpec {
@@ -375,46 +236,6 @@ pub struct NetworkCpu {
     pub send_s_per_byte: f64,
     pub recv_s_per_byte: f64,
 }
-
-/// Names accepted by [`MachineModel::preset`].
-pub const PRESETS: &[&str] = &[
-    "paper",
-    "paper:1",
-    "paper:2",
-    "paper:4",
-    "paper:8",
-    "paper:16",
-    "paper-pairs:N",
-    "dgx-h100",
-    "dgx-h100:N",
-    "local-cpu",
-    "local-cpu:N",
-    "one-gpu:N",
-];
-
-/// NVLink between P100s of one node, per direction (the paper's DGX-style nodes).
-const PAPER_NVLINK_GBIT: f64 = 160.0;
-const PAPER_NVLINK_LATENCY_US: f64 = 5.0;
-/// 100 Gb/s EDR InfiniBand between nodes.
-const PAPER_IB_GBIT: f64 = 100.0;
-const PAPER_IB_LATENCY_US: f64 = 10.0;
-const PAPER_GPUS_PER_NODE: usize = 4;
-/// NVLink 4 through NVSwitch: 900 GB/s per H100, both directions together.
-const H100_NVLINK_GBIT: f64 = 3600.0;
-const H100_NVLINK_LATENCY_US: f64 = 2.0;
-/// One 400 Gb/s NDR InfiniBand NIC per GPU.
-const H100_NIC_GBIT: f64 = 400.0;
-const H100_NIC_LATENCY_US: f64 = 5.0;
-const H100_GPUS_PER_NODE: usize = 8;
-/// A device gathering a slice and the receiver copying it in, both within one GPU's memory: two
-/// reads and two writes of the slice at the GPU's memory bandwidth, at best.
-const SAME_GPU_COPIES: f64 = 4.0;
-const SAME_GPU_LATENCY_US: f64 = 10.0;
-/// Page-locked copies between host and GPU over PCIe Gen5 x16, each direction, GB/s (of ~64 in
-/// theory, what a staged copy sees); a staged slice goes device → host → device, two of them.
-const STAGED_GB_PER_S: f64 = 25.0;
-const STAGED_HOPS: f64 = 2.0;
-const STAGED_LATENCY_US: f64 = 30.0;
 
 /// The most threads a machine's runtime may run at once (compute slots, actor threads): more than
 /// any host has cores. The simulator keeps a clock per thread.
@@ -522,166 +343,6 @@ impl MachineModel {
             device,
         };
         MachineModel::new(name, &vec![node; nodes], intra_node, inter_node)
-    }
-
-    /// The machine described by command-line flags: P100-class devices (the paper's), NVLink-class
-    /// links inside a node and InfiniBand-class links across nodes unless the bandwidths (Gbit/s) are
-    /// given.
-    pub fn from_flags(
-        nodes: usize,
-        devices_per_node: usize,
-        intra_gbit_per_s: Option<f64>,
-        inter_gbit_per_s: Option<f64>,
-    ) -> Result<MachineModel, MachineError> {
-        let intra = intra_gbit_per_s.unwrap_or(PAPER_NVLINK_GBIT);
-        let inter = inter_gbit_per_s.unwrap_or(PAPER_IB_GBIT);
-        MachineModel::uniform(
-            &format!("{nodes}x{devices_per_node}"),
-            nodes,
-            devices_per_node,
-            DeviceSpec::p100(),
-            Link::from_gbit_per_s(intra, PAPER_NVLINK_LATENCY_US),
-            Link::from_gbit_per_s(inter, PAPER_IB_LATENCY_US),
-        )
-    }
-
-    /// A named preset:
-    /// - `paper`: the OptCNN paper's testbed, 4 nodes × 4 P100, NVLink between each two GPUs of a
-    ///   node, one 100 Gb/s EDR InfiniBand NIC per node that its four GPUs share; `paper:N` its
-    ///   first N GPUs (N = 1, 2, 4, 8, 16);
-    /// - `paper-pairs:N`: the same GPUs with a private 100 Gb/s link per GPU pair across nodes (the
-    ///   paper's own device graph, which gives a node one link per remote GPU);
-    /// - `dgx-h100`: 2 nodes × 8 H100 SXM, NVLink 4 through NVSwitch (one port per GPU), one
-    ///   400 Gb/s NDR NIC per GPU; `dgx-h100:N` N GPUs in nodes of 8 (N = 1, 2, 4, 8 or a
-    ///   multiple of 8);
-    /// - `local-cpu` (this machine: one node with 2 CPU devices exchanging tensors by in-process
-    ///   copies) and `local-cpu:N` (the embedded cluster's N CPU devices, sharing this machine's
-    ///   cores).
-    pub fn preset(name: &str) -> Result<MachineModel, MachineError> {
-        let unknown = || MachineError::UnknownPreset {
-            name: name.to_string(),
-            known: PRESETS.join(", "),
-        };
-        let count =
-            |prefix: &str| -> Option<usize> { name.strip_prefix(prefix)?.parse::<usize>().ok() };
-        let paper_count = |n: usize| matches!(n, 1 | 2 | 4 | 8 | 16);
-        match name {
-            "local-cpu" => MachineModel::uniform(
-                name,
-                1,
-                2,
-                DeviceSpec::local_cpu(),
-                // ~5 GB/s memcpy between threads' buffers
-                Link::from_gbit_per_s(40.0, 2.0),
-                Link::from_gbit_per_s(40.0, 2.0),
-            ),
-            "paper" => MachineModel::paper(name, 16, true),
-            "dgx-h100" => MachineModel::dgx_h100(name, 16),
-            _ => {
-                if let Some(n) = count("local-cpu:").filter(|&n| n >= 1) {
-                    MachineModel::uniform(
-                        name,
-                        1,
-                        n,
-                        DeviceSpec::local_cpu(),
-                        Link::from_gbit_per_s(40.0, 2.0),
-                        Link::from_gbit_per_s(40.0, 2.0),
-                    )
-                } else if let Some(n) =
-                    count("one-gpu:").filter(|&n| (1..=MAX_DEVICES).contains(&n))
-                {
-                    MachineModel::on_gpus(name, n, &[80.0], DeviceSpec::h100())
-                } else if let Some(n) = count("paper:").filter(|&n| paper_count(n)) {
-                    MachineModel::paper(name, n, true)
-                } else if let Some(n) = count("paper-pairs:").filter(|&n| paper_count(n)) {
-                    MachineModel::paper(name, n, false)
-                } else if let Some(n) = count("dgx-h100:")
-                    .filter(|&n| (1..=MAX_DEVICES).contains(&n))
-                    .filter(|&n| {
-                        n < H100_GPUS_PER_NODE && n.is_power_of_two()
-                            || n.is_multiple_of(H100_GPUS_PER_NODE)
-                    })
-                {
-                    MachineModel::dgx_h100(name, n)
-                } else {
-                    Err(unknown())
-                }
-            }
-        }
-    }
-
-    /// `devices` devices spread over GPUs of `gpu_memory_gib` each (as `partition::gpu_of` spreads
-    /// them: consecutive devices share a GPU), each computing like `device`: one node per GPU; a
-    /// slice within a GPU moves at its memory bandwidth, one between GPUs is staged through
-    /// page-locked host memory; each GPU runs one kernel at a time at full speed (as many at once
-    /// as there are GPUs); each device may use its share of its GPU's memory. What the embedded
-    /// cluster's GPU devices make (`one-gpu:N`: N of them sharing one H100).
-    pub fn on_gpus(
-        name: &str,
-        devices: usize,
-        gpu_memory_gib: &[f64],
-        device: DeviceSpec,
-    ) -> Result<MachineModel, MachineError> {
-        let g = gpu_memory_gib.len().min(devices);
-        if g == 0 {
-            return Err(MachineError::Invalid(format!(
-                "no GPU to place {devices} device(s) on"
-            )));
-        }
-        let nodes: Vec<NodeSpec> = (0..g)
-            .map(|gpu| {
-                let on_gpu = (0..devices)
-                    .filter(|&d| legion_ops::partition::gpu_of(d, devices, g) == gpu)
-                    .count();
-                NodeSpec {
-                    devices: on_gpu,
-                    device: DeviceSpec {
-                        memory_gib: Some(gpu_memory_gib[gpu] / on_gpu as f64),
-                        ..device.clone()
-                    },
-                }
-            })
-            .collect();
-        let same_gpu = Link {
-            bytes_per_s: device.memory_bytes_per_s() / SAME_GPU_COPIES,
-            latency_s: SAME_GPU_LATENCY_US * 1e-6,
-        };
-        let staged = Link {
-            bytes_per_s: STAGED_GB_PER_S * 1e9 / STAGED_HOPS,
-            latency_s: STAGED_LATENCY_US * 1e-6,
-        };
-        MachineModel::new(name, &nodes, same_gpu, staged)?.with_compute_slots(g)
-    }
-
-    /// The paper's testbed, its first `gpus` GPUs; with `shared_nic`, one NIC per node.
-    fn paper(name: &str, gpus: usize, shared_nic: bool) -> Result<MachineModel, MachineError> {
-        let per_node = gpus.min(PAPER_GPUS_PER_NODE);
-        let machine = MachineModel::uniform(
-            name,
-            gpus / per_node,
-            per_node,
-            DeviceSpec::p100(),
-            Link::from_gbit_per_s(PAPER_NVLINK_GBIT, PAPER_NVLINK_LATENCY_US),
-            Link::from_gbit_per_s(PAPER_IB_GBIT, PAPER_IB_LATENCY_US),
-        )?;
-        match shared_nic {
-            true => machine.with_nics(1),
-            false => Ok(machine),
-        }
-    }
-
-    fn dgx_h100(name: &str, gpus: usize) -> Result<MachineModel, MachineError> {
-        let per_node = gpus.min(H100_GPUS_PER_NODE);
-        Ok(MachineModel::uniform(
-            name,
-            gpus / per_node,
-            per_node,
-            DeviceSpec::h100(),
-            Link::from_gbit_per_s(H100_NVLINK_GBIT, H100_NVLINK_LATENCY_US),
-            Link::from_gbit_per_s(H100_NIC_GBIT, H100_NIC_LATENCY_US),
-        )?
-        .with_nics(H100_GPUS_PER_NODE)?
-        .with_intra_topology(IntraTopology::Switch))
     }
 
     /// The same devices with every link, inside and across nodes, replaced by `link` (a measured
@@ -1005,36 +666,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn devices_sharing_gpus_are_nodes_of_them_one_kernel_each_at_a_time() {
-        let one = MachineModel::preset("one-gpu:4").unwrap();
-        assert_eq!((one.num_devices(), one.num_nodes()), (4, 1));
-        assert_eq!(
-            one.compute_slots(),
-            Some(1),
-            "one kernel at a time on one GPU"
-        );
-        assert_eq!(
-            one.device(3).memory_gib,
-            Some(20.0),
-            "a quarter of its memory each"
-        );
-        assert_eq!(one.device(0).kind, "h100");
-        assert!(one.link(0, 3).unwrap().bytes_per_s > 500e9);
-        // As the runtime places them: 3 devices on 2 GPUs are 2 + 1, staged between them.
-        let two = MachineModel::on_gpus("t", 3, &[80.0, 40.0], DeviceSpec::h100()).unwrap();
-        let nodes: Vec<usize> = (0..3).map(|d| two.node_of(d)).collect();
-        assert_eq!(nodes, [0, 0, 1]);
-        assert!((0..3).all(|d| nodes[d] == legion_ops::partition::gpu_of(d, 3, 2)));
-        assert_eq!(two.device(2).memory_gib, Some(40.0));
-        assert!(two.link(0, 2).unwrap().bytes_per_s < 20e9);
-        assert_eq!(two.compute_slots(), Some(2));
-        // More GPUs than devices: a GPU each, the rest unused.
-        let spare = MachineModel::on_gpus("t", 2, &[80.0; 4], DeviceSpec::h100()).unwrap();
-        assert_eq!(spare.num_nodes(), 2);
-        assert!(MachineModel::on_gpus("t", 2, &[], DeviceSpec::h100()).is_err());
-    }
-
-    #[test]
     fn routes_share_a_nodes_nic_across_nodes_and_a_pair_link_inside() {
         let lanes = |m: &MachineModel, a, b| m.route(a, b).unwrap().lanes;
         // paper:8: two nodes of 4, NVLink pairs inside, one NIC per node
@@ -1079,65 +710,6 @@ mod tests {
     }
 
     #[test]
-    fn current_hardware_preset() {
-        for (name, devices, nodes) in [
-            ("dgx-h100", 16, 2),
-            ("dgx-h100:1", 1, 1),
-            ("dgx-h100:4", 4, 1),
-            ("dgx-h100:8", 8, 1),
-            ("dgx-h100:64", 64, 8),
-        ] {
-            let m = MachineModel::preset(name).unwrap();
-            assert_eq!((m.num_devices(), m.num_nodes()), (devices, nodes), "{name}");
-            assert_eq!(m.device(0).kind, "h100");
-            assert_eq!(m.intra_topology(), IntraTopology::Switch);
-        }
-        for bad in ["dgx-h100:3", "dgx-h100:12", "dgx-h100:0", "paper-pairs:3"] {
-            assert!(MachineModel::preset(bad).is_err(), "{bad}");
-        }
-        let h = MachineModel::preset("dgx-h100").unwrap();
-        assert_eq!(h.bandwidth(0, 1), 450e9);
-        assert_eq!(h.bandwidth(0, 8), 50e9);
-    }
-
-    #[test]
-    fn paper_preset_has_nvlink_inside_and_infiniband_across_nodes() {
-        let m = MachineModel::preset("paper").unwrap();
-        assert_eq!(m.num_devices(), 16);
-        assert_eq!(m.num_nodes(), 4);
-        assert_eq!(m.node_of(5), 1);
-        assert_eq!(m.bandwidth(0, 3), 20e9);
-        assert_eq!(m.bandwidth(3, 4), 12.5e9);
-        assert_eq!(m.bandwidth(7, 7), f64::INFINITY);
-        assert_eq!(m.latency(7, 7), 0.0);
-        assert_eq!(m.device(9).kind, "p100");
-    }
-
-    #[test]
-    fn paper_subsets_take_the_first_gpus() {
-        for (name, devices, nodes) in [
-            ("paper:1", 1, 1),
-            ("paper:2", 2, 1),
-            ("paper:4", 4, 1),
-            ("paper:8", 8, 2),
-            ("paper:16", 16, 4),
-        ] {
-            let m = MachineModel::preset(name).unwrap();
-            assert_eq!((m.num_devices(), m.num_nodes()), (devices, nodes), "{name}");
-        }
-        let e = MachineModel::preset("paper:3").unwrap_err().to_string();
-        assert!(e.contains("unknown machine preset 'paper:3'") && e.contains("local-cpu"));
-    }
-
-    #[test]
-    fn local_cpu_is_one_node_of_two_devices() {
-        let m = MachineModel::preset("local-cpu").unwrap();
-        assert_eq!((m.num_devices(), m.num_nodes()), (2, 1));
-        assert_eq!(m.bandwidth(0, 1), 5e9);
-        assert_eq!(m.device(1).peak_gflops, 100.0);
-    }
-
-    #[test]
     fn flags_and_overrides() {
         let m = MachineModel::from_flags(2, 3, Some(80.0), Some(8.0))
             .unwrap()
@@ -1155,66 +727,6 @@ mod tests {
             .with_link(0, 6, Link::from_gbit_per_s(1.0, 0.0))
             .unwrap_err();
         assert!(e.to_string().contains("devices 0..6"), "{e}");
-    }
-
-    #[test]
-    fn runtime_costs_are_validated() {
-        let m = MachineModel::preset("local-cpu:4").unwrap();
-        assert_eq!(m.runtime_costs(), None);
-        let costs = RuntimeCosts {
-            dispatch_s: 50e-6,
-            runtime_cpu_s: 0.0,
-            fold_bytes_per_s: 4e9,
-            update_bytes_per_s: 2e9,
-            copy_bytes_per_s: 5e9,
-            dispatch_bins_s: None,
-            actor_threads: 2,
-        };
-        let m = m.with_runtime_costs(costs).unwrap();
-        assert_eq!(m.runtime_costs(), Some(&costs));
-        assert!(m.to_string().contains("dispatch 50.0 us"), "{m}");
-        let e = m
-            .clone()
-            .with_runtime_costs(RuntimeCosts {
-                fold_bytes_per_s: 0.0,
-                ..costs
-            })
-            .unwrap_err();
-        assert!(e.to_string().contains("fold_bytes_per_s must be"), "{e}");
-        assert!(
-            m.clone()
-                .with_runtime_costs(RuntimeCosts {
-                    dispatch_s: -1.0,
-                    ..costs
-                })
-                .is_err()
-        );
-        let e = m
-            .with_runtime_costs(RuntimeCosts {
-                dispatch_bins_s: Some([f64::NAN; DISPATCH_BINS]),
-                ..costs
-            })
-            .unwrap_err();
-        assert!(e.to_string().contains("dispatch_bins_s must be"), "{e}");
-        assert_eq!(fold_bytes(3, 100), 400);
-        assert_eq!(update_bytes(100), 500);
-    }
-
-    #[test]
-    fn dispatch_bins_are_means_of_equal_shares_of_the_sorted_delays() {
-        assert_eq!(RuntimeCosts::dispatch_bins(&[1.0; DISPATCH_BINS - 1]), None);
-        // 0..32 shuffled: each bin holds two neighbours
-        let delays: Vec<f64> = (0..32).map(|i| ((i * 7) % 32) as f64).collect();
-        let bins = RuntimeCosts::dispatch_bins(&delays).unwrap();
-        assert_eq!(bins, std::array::from_fn(|b| 2.0 * b as f64 + 0.5));
-        // uneven shares: bins of two or three, in order
-        let delays: Vec<f64> = (0..37).map(|i| (i * i) as f64).collect();
-        let bins = RuntimeCosts::dispatch_bins(&delays).unwrap();
-        assert!(bins.windows(2).all(|w| w[0] <= w[1]));
-        assert_eq!(
-            bins[DISPATCH_BINS - 1],
-            (34.0 * 34.0 + 35.0 * 35.0 + 36.0 * 36.0) / 3.0
-        );
     }
 
     #[test]

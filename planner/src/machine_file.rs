@@ -45,14 +45,15 @@
 pub use legion_ops::located::{Number, key_at, line_column};
 
 use crate::machine::{
-    DeviceSpec, IntraTopology, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec, PRESETS,
+    DeviceSpec, IntraTopology, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec,
 };
+use crate::machine_presets::PRESETS;
 use serde::Deserialize;
 use std::ops::Range;
 use std::path::Path;
 use toml::Spanned;
 
-/// A machine from a `--machine` argument: a preset name ([`crate::machine::PRESETS`]) or the path of
+/// A machine from a `--machine` argument: a preset name ([`crate::machine_presets::PRESETS`]) or the path of
 /// a machine file.
 pub fn resolve_machine(spec: &str) -> Result<MachineModel, MachineError> {
     let path = Path::new(spec);

@@ -67,12 +67,13 @@
 //! on one GPU may be stored under another machine's device kind (`profile --device-kind p100`), so
 //! that the paper's machine is priced with this GPU's kernels; `measured_on` says which GPU it was.
 //!
-//! [`fold_bytes`]: crate::machine::fold_bytes
-//! [`update_bytes`]: crate::machine::update_bytes
+//! [`fold_bytes`]: crate::runtime_costs::fold_bytes
+//! [`update_bytes`]: crate::runtime_costs::update_bytes
 //! [`OpSpec::project`]: legion_ops::op::OpSpec::project
 
-use crate::machine::{DeviceId, Link, MAX_THREADS, MachineModel, RuntimeCosts};
+use crate::machine::{DeviceId, Link, MAX_THREADS, MachineModel};
 use crate::provider::{CostProvider, PhaseTimes, RooflineCost};
+use crate::runtime_costs::RuntimeCosts;
 use legion_ops::{Layer, Rect, Shape};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;

@@ -391,7 +391,7 @@ pub fn chart(rows: &[CompareRow], title: &str, path: &Path) -> anyhow::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-    use legion_planner::machine::RuntimeCosts;
+    use legion_planner::runtime_costs::RuntimeCosts;
 
     /// Equal states are 0 apart; a changed weight by its share of the tensor's largest value; a
     /// weight that diverged to NaN is infinitely far, never passed over.

@@ -24,7 +24,8 @@
 //! candidate's workspace is at most [`WORKSPACE_CAP`] bytes while timing (the heuristic's own
 //! choice is used whatever its workspace).
 
-use crate::backend::{Failure, Stream};
+use crate::backend::Failure;
+use crate::memory::Stream;
 use cudarc::cudnn::sys::{
     cudnnConvolutionBwdDataAlgo_t as DataAlgo, cudnnConvolutionBwdFilterAlgo_t as FilterAlgo,
     cudnnConvolutionFwdAlgo_t as ForwardAlgo,

@@ -19,7 +19,8 @@
 //! Every buffer is allocated on the compute stream, which frees it, so the ordering holds whether
 //! or not cudarc tracks buffer uses across streams.
 
-use crate::backend::{Cuda, Failure, Stream};
+use crate::backend::{Cuda, Failure};
+use crate::memory::Stream;
 use crate::staging::{Direction, pinned};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};

@@ -17,7 +17,9 @@
 use crate::algos::{
     DATA_CANDIDATES, FILTER_CANDIDATES, FORWARD_CANDIDATES, Problem, WORKSPACE_CAP, launch_chosen,
 };
-use crate::backend::{Box4, Buffer, Cuda, Failure, Launch, Math, Stream};
+use crate::backend::{Cuda, Failure, Launch, Math};
+use crate::launch::Box4;
+use crate::memory::{Buffer, Stream};
 use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
 use cudarc::cudnn::{
     ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, FilterDescriptor,

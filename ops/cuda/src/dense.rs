@@ -4,7 +4,9 @@
 //! leading dimension `C`. Each product below is written for the transposes, which keeps every
 //! operand where it lies (no copies).
 
-use crate::backend::{Box4, Buffer, Cuda, Launch, Stream};
+use crate::backend::{Cuda, Launch};
+use crate::launch::Box4;
+use crate::memory::{Buffer, Stream};
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::{Gemm, GemmConfig};
 use cudarc::driver::CudaSlice;

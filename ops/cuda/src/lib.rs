@@ -24,15 +24,26 @@
 
 mod algos;
 mod backend;
+mod batch_norm;
 mod batches;
+mod concat;
 mod conv;
 mod dense;
+mod elementwise;
 pub mod kernels;
+mod launch;
+mod memory;
+mod pool2d;
 pub mod probe;
+mod regions;
+mod sgd;
+mod softmax_ce;
 mod staging;
 
 pub use algos::ConvAlgos;
-pub use backend::{Buffer, Cuda, Math, PendingLoss, Settings, Sharing, StartError, Stream};
+pub use backend::{Cuda, Math, Settings, Sharing, StartError};
 pub use batches::{HostBatch, StagedBatch};
+pub use memory::{Buffer, Stream};
 pub use probe::{CudaDevice, ProbeError, probe};
+pub use softmax_ce::PendingLoss;
 pub use staging::{Direction, Marker, Staging};

@@ -10,7 +10,8 @@
 //!
 //! [`Backend`]: legion_ops::backend::Backend
 
-use crate::backend::{Buffer, Cuda, Stream};
+use crate::backend::Cuda;
+use crate::memory::{Buffer, Stream};
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_WRITECOMBINED, CUevent_flags};
 use cudarc::driver::{CudaEvent, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits};
 use legion_ops::backend::{DType, KernelError, cpu};

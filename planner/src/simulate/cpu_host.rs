@@ -29,7 +29,7 @@ use super::schedule::{DedicatedHost, Host, HostWork, Schedulable, Scheduled, sch
 use super::tasks::{CompactTasks, Task};
 use crate::machine::MachineModel;
 #[cfg(doc)]
-use crate::machine::RuntimeCosts;
+use crate::runtime_costs::RuntimeCosts;
 use legion_ops::rng::Rng;
 
 /// The thread pools a schedule shares between devices, and the dispatch cost (see the module docs).

@@ -40,7 +40,7 @@ pub struct Simulation {
     pub start: Vec<f64>,
     pub finish: Vec<f64>,
     /// The simulated step time. With a measured spread of dispatch delays
-    /// ([`crate::machine::RuntimeCosts::dispatch_bins_s`]) it is the mean over
+    /// ([`crate::runtime_costs::RuntimeCosts::dispatch_bins_s`]) it is the mean over
     /// [`DISPATCH_DRAWS`] schedules, each op's delay drawn from the spread, and `start` and
     /// `finish` are the draw closest to it.
     pub makespan: f64,
@@ -80,8 +80,9 @@ pub fn task_count(model: &CostModel, configs: &[ParallelConfig]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::{MachineModel, NetworkCpu, RuntimeCosts};
+    use crate::machine::{MachineModel, NetworkCpu};
     use crate::provider::RooflineCost;
+    use crate::runtime_costs::RuntimeCosts;
     use legion_ops::op::{Conv2d, Dense, Pool2d};
     use legion_ops::{Dim, Graph, GraphBuilder, Shape};
     use std::collections::BTreeMap;
@@ -496,7 +497,7 @@ mod tests {
     fn measured_cpu_spread(
         devices: usize,
         dispatch_s: f64,
-        dispatch_bins_s: Option<[f64; crate::machine::DISPATCH_BINS]>,
+        dispatch_bins_s: Option<[f64; crate::runtime_costs::DISPATCH_BINS]>,
     ) -> MachineModel {
         MachineModel::preset(&format!("local-cpu:{devices}"))
             .unwrap()
@@ -716,7 +717,7 @@ mod tests {
             let provider = RooflineCost::new(&machine);
             simulate(&CostModel::new(&g, &machine, &provider), configs)
         };
-        let mut spread = [0.0; crate::machine::DISPATCH_BINS];
+        let mut spread = [0.0; crate::runtime_costs::DISPATCH_BINS];
         spread[8..].fill(2e-3);
         // one chain on one device: drawn delays add up to about their mean times the ops
         let serial = vec![ParallelConfig::serial(0); 3];
@@ -737,7 +738,7 @@ mod tests {
         let last = drawn.finish.iter().copied().fold(0.0, f64::max);
         assert!((last - drawn.makespan).abs() < 2e-3);
         // no spread: the schedule with the mean delay (up to the rounding of averaging)
-        let flat = run(&split, Some([1e-3; crate::machine::DISPATCH_BINS]));
+        let flat = run(&split, Some([1e-3; crate::runtime_costs::DISPATCH_BINS]));
         assert!((flat.makespan - mean.makespan).abs() < 1e-12);
         assert_eq!((flat.start, flat.finish), (mean.start, mean.finish));
     }

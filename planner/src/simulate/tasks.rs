@@ -48,7 +48,8 @@
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
-use crate::machine::{DeviceId, Lane, MachineModel, RuntimeCosts, fold_bytes, update_bytes};
+use crate::machine::{DeviceId, Lane, MachineModel};
+use crate::runtime_costs::{RuntimeCosts, fold_bytes, update_bytes};
 use crate::sync::{SyncPlan, param_slices};
 use crate::transfer::edge_overlaps;
 use legion_ops::op::{partial_input_shapes, partial_param_rect, project_partial};

@@ -1,0 +1,297 @@
+//! Batch normalisation: per-channel moments (each channel's sums split into parts, so that a layer
+//! with few channels still fills the GPU, then finished in f64), the normalisation with its
+//! optional ReLU, the running statistics, and the backward pass's sums and input gradient.
+
+use crate::backend::{Cuda, Failure, Launch};
+use crate::launch::{Box4, NULL, grid, per_channel};
+use crate::memory::{Buffer, Stream};
+use cudarc::driver::PushKernelArg;
+use legion_ops::backend::{In, Out};
+use legion_ops::op::BatchNorm;
+use legion_ops::shape::Rect;
+
+/// How many elements each channel of a batch-norm tile has, and into how many parts its sums
+/// are split: one block per ~8k elements (at most 256 parts), so that a layer with few channels
+/// of many elements each still fills the GPU.
+fn channel_parts(tile: &Box4) -> Result<(i64, i64), Failure> {
+    /// Elements a block sums: enough that a part's block is busy, few enough for many blocks.
+    const PER_PART: i64 = 8192;
+    let per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
+    if per_channel > u32::MAX as i64 {
+        return Err(Failure(format!(
+            "batch-norm tile {tile:?}: {per_channel} elements a channel, more than the kernels' 2^32"
+        )));
+    }
+    Ok((
+        per_channel,
+        ((per_channel + PER_PART - 1) / PER_PART).clamp(1, 256),
+    ))
+}
+
+/// The statistics operands of the batch-norm kernels: `[3, C]` sums over channels `[lo, lo + C)`.
+fn sums_range(sums: &In<Buffer>) -> (i64, i64) {
+    (sums.rect.lo[1] as i64, sums.rect.extent(1) as i64)
+}
+
+/// What `Backend::bn_moments` enqueues.
+pub(crate) fn moments(
+    cuda: &Cuda,
+    s: &Stream,
+    x: In<Buffer>,
+    tile: &Rect,
+    moments: Out<Buffer>,
+) -> Launch {
+    let tile_box = Box4::of(tile);
+    let channels = tile_box.ext[1];
+    assert_eq!(
+        moments.mem.len(),
+        3 * channels as usize,
+        "moments must be [3, tile channels]"
+    );
+    if channels == 0 {
+        return Ok(());
+    }
+    let x_layout = Box4::of(&x.rect);
+    let (count, parts) = channel_parts(&tile_box)?;
+    // SAFETY: the first kernel writes every partial sum before the second reads it.
+    let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_moments);
+    b.arg(x.mem.f32())
+        .arg(&x_layout)
+        .arg(&tile_box)
+        .arg(&parts)
+        .arg(&mut partial);
+    // SAFETY: the arguments match the kernel's signature; x contains the tile, and a
+    // block of each part of each channel writes its two partial sums.
+    unsafe { b.launch(per_channel(channels * parts)) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_sums_finish);
+    b.arg(&partial)
+        .arg(&parts)
+        .arg(&channels)
+        .arg(&count)
+        .arg(moments.mem.f64_mut());
+    // SAFETY: as above; the moments are [3, channels].
+    unsafe { b.launch(grid(channels)) }?;
+    Ok(())
+}
+
+/// What `Backend::bn_normalize` enqueues.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn normalize(
+    cuda: &Cuda,
+    s: &Stream,
+    op: &BatchNorm,
+    x: In<Buffer>,
+    moments: In<Buffer>,
+    gamma: In<Buffer>,
+    beta: In<Buffer>,
+    y: Out<Buffer>,
+) -> Launch {
+    let tile = Box4::of(&y.rect);
+    let n = tile.volume();
+    if n == 0 {
+        return Ok(());
+    }
+    let x_layout = Box4::of(&x.rect);
+    let packed = (x_layout == tile) as i32;
+    let (m_lo, m_channels) = sums_range(&moments);
+    let (gamma_lo, beta_lo) = (gamma.rect.lo[0] as i64, beta.rect.lo[0] as i64);
+    let relu = op.relu as i32;
+    let (c_lo, channels) = (tile.lo[1], tile.ext[1]);
+    // SAFETY: bn_affine writes every coefficient before bn_normalize reads it.
+    let mut coef = unsafe { s.stream.alloc::<f32>(3 * channels as usize) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_affine);
+    b.arg(moments.mem.f64())
+        .arg(&m_lo)
+        .arg(&m_channels)
+        .arg(gamma.mem.f32())
+        .arg(&gamma_lo)
+        .arg(beta.mem.f32())
+        .arg(&beta_lo)
+        .arg(&op.eps)
+        .arg(&c_lo)
+        .arg(&channels)
+        .arg(&mut coef);
+    // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
+    // the tile's channels.
+    unsafe { b.launch(grid(channels)) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_normalize);
+    b.arg(x.mem.f32())
+        .arg(&x_layout)
+        .arg(y.mem.f32_mut())
+        .arg(&tile)
+        .arg(&coef)
+        .arg(&relu)
+        .arg(&n)
+        .arg(&packed);
+    // SAFETY: as above; the coefficients cover the tile's channels.
+    unsafe { b.launch(grid(n)) }?;
+    Ok(())
+}
+
+/// What `Backend::bn_running` enqueues.
+pub(crate) fn running(
+    cuda: &Cuda,
+    s: &Stream,
+    op: &BatchNorm,
+    moments: In<Buffer>,
+    running_mean: Out<Buffer>,
+    running_var: Out<Buffer>,
+) -> Launch {
+    let (m_lo, m_channels) = sums_range(&moments);
+    if m_channels == 0 {
+        return Ok(());
+    }
+    let (mean_lo, var_lo) = (
+        running_mean.rect.lo[0] as i64,
+        running_var.rect.lo[0] as i64,
+    );
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_running);
+    b.arg(moments.mem.f64())
+        .arg(&m_lo)
+        .arg(&m_channels)
+        .arg(running_mean.mem.f32_mut())
+        .arg(&mean_lo)
+        .arg(running_var.mem.f32_mut())
+        .arg(&var_lo)
+        .arg(&op.momentum);
+    // SAFETY: the arguments match the kernel's signature; the running statistics cover
+    // the moments' channels.
+    unsafe { b.launch(grid(m_channels)) }?;
+    Ok(())
+}
+
+/// What `Backend::bn_grad_sums` enqueues.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn grad_sums(
+    cuda: &Cuda,
+    s: &Stream,
+    op: &BatchNorm,
+    x: In<Buffer>,
+    y: Option<In<Buffer>>,
+    dy: In<Buffer>,
+    moments: In<Buffer>,
+    tile: &Rect,
+    dgamma: Out<Buffer>,
+    dbeta: Out<Buffer>,
+    grad_sums: Out<Buffer>,
+) -> Launch {
+    let tile_box = Box4::of(tile);
+    let channels = tile_box.ext[1];
+    assert_eq!(
+        grad_sums.mem.len(),
+        3 * channels as usize,
+        "grad sums must be [3, tile channels]"
+    );
+    if channels == 0 {
+        return Ok(());
+    }
+    let (x_layout, dy_layout) = (Box4::of(&x.rect), Box4::of(&dy.rect));
+    let y_layout = y.map_or(x_layout, |y| Box4::of(&y.rect));
+    let (m_lo, m_channels) = sums_range(&moments);
+    let (dgamma_lo, dbeta_lo) = (dgamma.rect.lo[0] as i64, dbeta.rect.lo[0] as i64);
+    let (count, parts) = channel_parts(&tile_box)?;
+    // SAFETY: the first kernel writes every partial sum before the second reads it.
+    let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_grad_sums);
+    b.arg(x.mem.f32()).arg(&x_layout);
+    match &y {
+        Some(y) => b.arg(y.mem.f32()),
+        None => b.arg(&NULL),
+    };
+    b.arg(&y_layout)
+        .arg(dy.mem.f32())
+        .arg(&dy_layout)
+        .arg(&tile_box)
+        .arg(moments.mem.f64())
+        .arg(&m_lo)
+        .arg(&m_channels)
+        .arg(&op.eps)
+        .arg(&parts)
+        .arg(&mut partial);
+    // SAFETY: the arguments match the kernel's signature; the views contain the tile,
+    // and a block of each part of each channel writes its two partial sums.
+    unsafe { b.launch(per_channel(channels * parts)) }?;
+    let c_lo = tile_box.lo[1];
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_grad_sums_finish);
+    b.arg(&partial)
+        .arg(&parts)
+        .arg(&channels)
+        .arg(&count)
+        .arg(&c_lo)
+        .arg(moments.mem.f64())
+        .arg(&m_lo)
+        .arg(&m_channels)
+        .arg(&op.eps)
+        .arg(dgamma.mem.f32_mut())
+        .arg(&dgamma_lo)
+        .arg(dbeta.mem.f32_mut())
+        .arg(&dbeta_lo)
+        .arg(grad_sums.mem.f64_mut());
+    // SAFETY: as above; the sums are [3, channels], the gradients cover the channels.
+    unsafe { b.launch(grid(channels)) }?;
+    Ok(())
+}
+
+/// What `Backend::bn_input_grad` enqueues.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn input_grad(
+    cuda: &Cuda,
+    s: &Stream,
+    op: &BatchNorm,
+    x: In<Buffer>,
+    y: Option<In<Buffer>>,
+    dy: In<Buffer>,
+    moments: In<Buffer>,
+    gamma: In<Buffer>,
+    grad_sums: In<Buffer>,
+    dx: Out<Buffer>,
+) -> Launch {
+    let tile = Box4::of(&dx.rect);
+    let n = tile.volume();
+    if n == 0 {
+        return Ok(());
+    }
+    let (x_layout, dy_layout) = (Box4::of(&x.rect), Box4::of(&dy.rect));
+    let y_layout = y.map_or(tile, |y| Box4::of(&y.rect));
+    let packed = (x_layout == tile && dy_layout == tile && y_layout == tile) as i32;
+    let (m_lo, m_channels) = sums_range(&moments);
+    let (s_lo, s_channels) = sums_range(&grad_sums);
+    let gamma_lo = gamma.rect.lo[0] as i64;
+    let (c_lo, channels) = (tile.lo[1], tile.ext[1]);
+    // SAFETY: bn_input_coef writes every coefficient before bn_input_grad reads it.
+    let mut coef = unsafe { s.stream.alloc::<f32>(5 * channels as usize) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_input_coef);
+    b.arg(moments.mem.f64())
+        .arg(&m_lo)
+        .arg(&m_channels)
+        .arg(gamma.mem.f32())
+        .arg(&gamma_lo)
+        .arg(grad_sums.mem.f64())
+        .arg(&s_lo)
+        .arg(&s_channels)
+        .arg(&op.eps)
+        .arg(&c_lo)
+        .arg(&channels)
+        .arg(&mut coef);
+    // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
+    // the tile's channels.
+    unsafe { b.launch(grid(channels)) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_input_grad);
+    b.arg(x.mem.f32()).arg(&x_layout);
+    match &y {
+        Some(y) => b.arg(y.mem.f32()),
+        None => b.arg(&NULL),
+    };
+    b.arg(&y_layout)
+        .arg(dy.mem.f32())
+        .arg(&dy_layout)
+        .arg(dx.mem.f32_mut())
+        .arg(&tile)
+        .arg(&coef)
+        .arg(&n)
+        .arg(&packed);
+    // SAFETY: the arguments match the kernel's signature; the views contain the tile.
+    unsafe { b.launch(grid(n)) }?;
+    Ok(())
+}

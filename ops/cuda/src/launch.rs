@@ -1,0 +1,102 @@
+//! How the kernels of `kernels.cu` are launched: the rect they take ([`Box4`]) and the launch
+//! shapes (a grid-stride grid over elements, a reduction block per channel, a warp per softmax
+//! row), in one place so that every kernel family launches as the kernels assume.
+
+use crate::kernels::{REDUCE_THREADS, WARP_ROWS_PER_BLOCK};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+use legion_ops::shape::Rect;
+
+/// A rect as the kernels see it (`Box4` in kernels.cu): four axes, lower corner and extents.
+/// `Rect` keeps axes past its rank as `[0, 1)`, which is the padding the kernels expect.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Box4 {
+    pub lo: [i64; 4],
+    pub ext: [i64; 4],
+}
+
+// SAFETY: plain old data with the C layout of `Box4` in kernels.cu.
+unsafe impl DeviceRepr for Box4 {}
+
+impl Box4 {
+    pub fn of(rect: &Rect) -> Box4 {
+        let mut b = Box4 {
+            lo: [0; 4],
+            ext: [1; 4],
+        };
+        for axis in 0..4 {
+            b.lo[axis] = rect.lo[axis] as i64;
+            b.ext[axis] = rect.hi[axis].saturating_sub(rect.lo[axis]) as i64;
+        }
+        b
+    }
+
+    pub fn volume(&self) -> i64 {
+        self.ext.iter().product()
+    }
+
+    pub fn hi(&self, axis: usize) -> i64 {
+        self.lo[axis] + self.ext[axis]
+    }
+
+    pub fn intersect(&self, other: &Box4) -> Box4 {
+        let mut b = *self;
+        for axis in 0..4 {
+            let lo = self.lo[axis].max(other.lo[axis]);
+            let hi = self.hi(axis).min(other.hi(axis)).max(lo);
+            b.lo[axis] = lo;
+            b.ext[axis] = hi - lo;
+        }
+        b
+    }
+
+    /// This box moved by `delta` along `axis`.
+    pub fn shifted(mut self, axis: usize, delta: i64) -> Box4 {
+        self.lo[axis] += delta;
+        self
+    }
+
+    /// This box with `axis` set to `[lo, lo + ext)`.
+    pub fn with_axis(mut self, axis: usize, lo: i64, ext: i64) -> Box4 {
+        self.lo[axis] = lo;
+        self.ext[axis] = ext;
+        self
+    }
+}
+
+const THREADS: u32 = 256;
+
+/// A grid-stride launch over `n` elements.
+pub(crate) fn grid(n: i64) -> LaunchConfig {
+    let blocks = (n.max(1) as u64).div_ceil(THREADS as u64).min(1 << 20) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One reduction block per channel.
+pub(crate) fn per_channel(channels: i64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (channels as u32, 1, 1),
+        block_dim: (REDUCE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per sample row.
+pub(crate) fn softmax_rows(rows: i64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            (rows as u64).div_ceil(WARP_ROWS_PER_BLOCK as u64) as u32,
+            1,
+            1,
+        ),
+        block_dim: (WARP_ROWS_PER_BLOCK * 32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A null device pointer, for the kernels' optional operands.
+pub(crate) const NULL: u64 = 0;

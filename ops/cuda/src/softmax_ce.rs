@@ -1,0 +1,177 @@
+//! Softmax cross-entropy: each row's loss and whether its prediction was right, their sums kept on
+//! the device until read ([`PendingLoss`]), and the gradient of the logits. A tile's labels are
+//! checked as the CPU checks them, then taken from the staged batch where the step took one, or
+//! uploaded.
+
+use crate::backend::{Cuda, Failure};
+use crate::launch::{per_channel, softmax_rows};
+use crate::memory::{Buffer, Stream};
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use legion_ops::backend::{In, KernelError, LabelOutOfRange, Out};
+use legion_ops::shape::Rect;
+
+/// A loss kernel's report: `[loss sum, correct count]` in device memory until read.
+pub struct PendingLoss {
+    pub(crate) totals: Option<CudaSlice<f64>>,
+}
+
+impl Cuda {
+    /// A tile's labels on the device, after checking them against the class count as the CPU
+    /// does: those of the staged batch the step took where they are the same, else uploaded.
+    fn labels<'s>(
+        &self,
+        s: &'s Stream,
+        labels: &[u32],
+        first_row: usize,
+        classes: usize,
+    ) -> Result<Result<TileLabels<'s>, Failure>, LabelOutOfRange> {
+        if let Some(i) = labels.iter().position(|&l| l as usize >= classes) {
+            return Err(LabelOutOfRange {
+                sample: first_row + i,
+                label: labels[i],
+                classes,
+            });
+        }
+        if let Some(staged) = &s.labels
+            && let Some(rows) = staged.rows(labels, first_row)
+        {
+            return Ok(Ok(TileLabels::Staged(staged.device.slice(rows))));
+        }
+        Ok(s.stream
+            .clone_htod(labels)
+            .map(TileLabels::Uploaded)
+            .map_err(Failure::from))
+    }
+
+    fn check_loss_tile(logits: &Rect, labels: &[u32], out: &Rect, out_columns: usize) {
+        assert_eq!(logits.ndim(), 2, "logits must be (N, classes)");
+        assert_eq!(
+            logits.lo[1], 0,
+            "logits view {logits} must hold all classes"
+        );
+        assert!(
+            out.lo[1] == 0 && out.hi[1] == out_columns,
+            "output tile {out} has the wrong columns"
+        );
+        assert!(
+            out.lo[0] >= logits.lo[0] && out.hi[0] <= logits.hi[0],
+            "logits view {logits} does not contain the rows of {out}"
+        );
+        assert_eq!(labels.len(), out.extent(0), "one label per row of {out}");
+    }
+}
+
+/// A loss tile's labels on the device.
+enum TileLabels<'s> {
+    /// Rows of the staged batch's labels.
+    Staged(cudarc::driver::CudaView<'s, u32>),
+    Uploaded(CudaSlice<u32>),
+}
+
+impl TileLabels<'_> {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        match self {
+            TileLabels::Staged(view) => b.arg(view),
+            TileLabels::Uploaded(slice) => b.arg(slice),
+        };
+    }
+}
+
+/// The loss of each row of the tile into `y`, and its sums (loss, correct count) on the device
+/// until read.
+pub(crate) fn forward(
+    cuda: &Cuda,
+    s: &mut Stream,
+    logits: In<Buffer>,
+    labels: &[u32],
+    y: Out<Buffer>,
+) -> Result<PendingLoss, KernelError> {
+    Cuda::check_loss_tile(&logits.rect, labels, &y.rect, 1);
+    let classes = logits.rect.hi[1];
+    let first_row = y.rect.lo[0];
+    let mut pending = PendingLoss { totals: None };
+    let mut label_error = None;
+    cuda.enqueue(s, "softmax_ce_forward", |s| {
+        let rows = y.rect.extent(0) as i64;
+        let labels = match cuda.labels(s, labels, first_row, classes) {
+            Ok(uploaded) => uploaded?,
+            Err(e) => {
+                label_error = Some(e);
+                return Ok(());
+            }
+        };
+        let mut totals = s.stream.alloc_zeros::<f64>(2)?;
+        if rows > 0 {
+            let mut correct = s.stream.alloc_zeros::<u32>(rows as usize)?;
+            let (logits_row0, classes, row0) =
+                (logits.rect.lo[0] as i64, classes as i64, first_row as i64);
+            let loss = y.mem.f32_mut();
+            let mut b = s.stream.launch_builder(&cuda.kernels.softmax_ce_rows);
+            b.arg(logits.mem.f32()).arg(&logits_row0).arg(&classes);
+            labels.push(&mut b);
+            b.arg(&row0).arg(&rows).arg(&mut *loss).arg(&mut correct);
+            // SAFETY: the arguments match the kernel's signature; rows lie in the logits.
+            unsafe { b.launch(softmax_rows(rows)) }?;
+            let mut b = s.stream.launch_builder(&cuda.kernels.loss_totals);
+            b.arg(&*loss).arg(&correct).arg(&rows).arg(&mut totals);
+            // SAFETY: as above; one block of REDUCE_THREADS threads.
+            unsafe { b.launch(per_channel(1)) }?;
+        }
+        pending.totals = Some(totals);
+        Ok(())
+    });
+    if let Some(e) = label_error {
+        return Err(e.into());
+    }
+    match (&s.failure, pending.totals.is_some()) {
+        (Some(failure), _) => Err(KernelError::Device(failure.clone())),
+        (None, _) => Ok(pending),
+    }
+}
+
+/// The gradient of the logits over the tile's rows, times `scale`.
+pub(crate) fn backward(
+    cuda: &Cuda,
+    s: &mut Stream,
+    logits: In<Buffer>,
+    labels: &[u32],
+    scale: f32,
+    dlogits: Out<Buffer>,
+) -> Result<(), KernelError> {
+    let classes = logits.rect.hi[1];
+    Cuda::check_loss_tile(&logits.rect, labels, &dlogits.rect, classes);
+    let first_row = dlogits.rect.lo[0];
+    let mut label_error = None;
+    cuda.enqueue(s, "softmax_ce_backward", |s| {
+        let rows = dlogits.rect.extent(0) as i64;
+        let labels = match cuda.labels(s, labels, first_row, classes) {
+            Ok(uploaded) => uploaded?,
+            Err(e) => {
+                label_error = Some(e);
+                return Ok(());
+            }
+        };
+        if rows == 0 {
+            return Ok(());
+        }
+        let (logits_row0, classes, row0) =
+            (logits.rect.lo[0] as i64, classes as i64, first_row as i64);
+        let mut b = s.stream.launch_builder(&cuda.kernels.softmax_ce_backward);
+        b.arg(logits.mem.f32()).arg(&logits_row0).arg(&classes);
+        labels.push(&mut b);
+        b.arg(&row0)
+            .arg(&rows)
+            .arg(&scale)
+            .arg(dlogits.mem.f32_mut());
+        // SAFETY: the arguments match the kernel's signature; rows lie in the logits.
+        unsafe { b.launch(softmax_rows(rows)) }?;
+        Ok(())
+    });
+    if let Some(e) = label_error {
+        return Err(e.into());
+    }
+    match &s.failure {
+        Some(failure) => Err(KernelError::Device(failure.clone())),
+        None => Ok(()),
+    }
+}
