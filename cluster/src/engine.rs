@@ -93,8 +93,14 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             stream,
             prefetch,
         } => {
-            let mut trainer =
-                Trainer::resume_on(cuda, stream, job.graph.clone(), job.state, job.sgd, job.seed)?;
+            let mut trainer = Trainer::resume_on(
+                cuda,
+                stream,
+                job.graph.clone(),
+                job.state,
+                job.sgd,
+                job.seed,
+            )?;
             trainer.set_prefetch(prefetch);
             Box::new(trainer)
         }

@@ -260,33 +260,7 @@ impl Backend for Cuda {
     }
 
     fn zero_rect(&self, s: &mut Stream, to: Out<Buffer>, rect: &Rect) {
-        if *rect == to.rect {
-            return self.zero(s, to.mem);
-        }
-        let (layout, region) = (Box4::of(&to.rect), Box4::of(rect));
-        let n = region.volume();
-        if n == 0 {
-            return;
-        }
-        self.enqueue(s, "zero_rect", |s| {
-            let k = &self.kernels;
-            let mut b = match to.mem {
-                Buffer::F32(d) => {
-                    let mut b = s.stream.launch_builder(&k.zero_region_f32);
-                    b.arg(d);
-                    b
-                }
-                Buffer::F64(d) => {
-                    let mut b = s.stream.launch_builder(&k.zero_region_f64);
-                    b.arg(d);
-                    b
-                }
-            };
-            b.arg(&layout).arg(&region).arg(&n);
-            // SAFETY: the arguments match the kernel's signature; region lies in the layout.
-            unsafe { b.launch(grid(n)) }?;
-            Ok(())
-        });
+        Cuda::zero_rect(self, s, to.mem, &to.rect, rect);
     }
 
     fn mark(&self, s: &mut Stream) -> Result<crate::staging::Marker, KernelError> {
@@ -535,10 +509,8 @@ impl Backend for Cuda {
         self.enqueue(s, "add_backward", |s| {
             for grad in [da, db].into_iter().flatten() {
                 let layout = Box4::of(&grad.rect);
-                let f = &self.kernels.copy_region_f32;
-                self.region_f32(
+                self.copy_f32(
                     s,
-                    f,
                     dy.mem.f32(),
                     Box4::of(&dy.rect),
                     grad.mem.f32_mut(),

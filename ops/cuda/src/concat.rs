@@ -31,8 +31,7 @@ pub(crate) fn forward(
         let offset = offset as i64;
         let src_layout = Box4::of(&x.rect).shifted(1, offset);
         let region = Box4::of(slice).shifted(1, offset);
-        let f = &cuda.kernels.copy_region_f32;
-        cuda.region_f32(s, f, x.mem.f32(), src_layout, dst, y_layout, region)?;
+        cuda.copy_f32(s, x.mem.f32(), src_layout, dst, y_layout, region)?;
     }
     Ok(())
 }
@@ -50,10 +49,8 @@ pub(crate) fn backward(
         let Some(dx) = dx else { continue };
         // the gradient's own rect, moved to where its input sits in the output
         let layout = Box4::of(&dx.rect).shifted(1, offset as i64);
-        let f = &cuda.kernels.copy_region_f32;
-        cuda.region_f32(
+        cuda.copy_f32(
             s,
-            f,
             dy.mem.f32(),
             Box4::of(&dy.rect),
             dx.mem.f32_mut(),

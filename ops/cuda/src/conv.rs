@@ -332,8 +332,7 @@ fn gather_input(
     };
     let mut scratch = s.stream.alloc_zeros::<f32>(window.volume() as usize)?;
     let region = window.intersect(&x_layout);
-    let copy = &cuda.kernels.copy_region_f32;
-    cuda.region_f32(s, copy, x, x_layout, &mut scratch, *window, region)?;
+    cuda.copy_f32(s, x, x_layout, &mut scratch, *window, region)?;
     Ok(Some(scratch))
 }
 
@@ -403,8 +402,7 @@ pub(crate) fn forward(
             },
         )?;
         if let Some(scratch) = &scratch {
-            let copy = &cuda.kernels.copy_region_f32;
-            cuda.region_f32(s, copy, scratch, out, y_mem, tile, out)?;
+            cuda.copy_f32(s, scratch, out, y_mem, tile, out)?;
         }
     }
     cuda.bias_activation(s, y_mem, tile, b, op.activation == Activation::Relu)
@@ -453,16 +451,7 @@ pub(crate) fn backward(
     } else if dy.rect != y.rect {
         // SAFETY: the region copy below writes all of the tile.
         let mut packed = unsafe { s.stream.alloc::<f32>(tile.volume() as usize) }?;
-        let copy = &cuda.kernels.copy_region_f32;
-        cuda.region_f32(
-            s,
-            copy,
-            dy.mem.f32(),
-            Box4::of(&dy.rect),
-            &mut packed,
-            tile,
-            tile,
-        )?;
+        cuda.copy_f32(s, dy.mem.f32(), Box4::of(&dy.rect), &mut packed, tile, tile)?;
         Some(packed)
     } else {
         None
@@ -477,8 +466,7 @@ pub(crate) fn backward(
             None
         } else {
             let mut packed = s.stream.alloc_zeros::<f32>(out.volume() as usize)?;
-            let copy = &cuda.kernels.copy_region_f32;
-            cuda.region_f32(s, copy, dz, tile, &mut packed, out, out)?;
+            cuda.copy_f32(s, dz, tile, &mut packed, out, out)?;
             Some(packed)
         };
         let dz_view = view(&dz_segment, dz);
@@ -556,8 +544,7 @@ pub(crate) fn backward(
             // The part of the window inside dx; padding positions are dropped. Segments read
             // disjoint input channels, so copying (not adding) is exact.
             let region = window.intersect(&x_layout);
-            let copy = &cuda.kernels.copy_region_f32;
-            cuda.region_f32(s, copy, dwindow, window, dx_mem, x_layout, region)?;
+            cuda.copy_f32(s, dwindow, window, dx_mem, x_layout, region)?;
         }
     }
     Ok(())

@@ -127,6 +127,16 @@ extern "C" __global__ void add_region_f64(const double* src, Box4 src_layout, do
     }
 }
 
+// `dst[i] += src[i]` over n consecutive elements: a sum between regions that are one run in both
+// layouts, with no index arithmetic.
+extern "C" __global__ void add_runs_f32(const float* src, float* dst, i64 n) {
+    GRID_STRIDE(i, n) { dst[i] += src[i]; }
+}
+
+extern "C" __global__ void add_runs_f64(const double* src, double* dst, i64 n) {
+    GRID_STRIDE(i, n) { dst[i] += src[i]; }
+}
+
 // A fold with no terms over part of its instance: `dst[region] = 0`.
 extern "C" __global__ void zero_region_f32(float* dst, Box4 dst_layout, Box4 region, i64 n) {
     GRID_STRIDE(i, n) {

@@ -56,6 +56,23 @@ impl Box4 {
         self
     }
 
+    /// Where this box (inside `layout`) starts in `layout`'s row-major order, if its elements are
+    /// consecutive there: every axis after the first one it cuts is whole, and every axis before
+    /// it has one element.
+    pub fn run_in(&self, layout: &Box4) -> Option<i64> {
+        let cut = (0..4).rev().find(|&a| self.ext[a] != layout.ext[a]);
+        if let Some(cut) = cut {
+            if self.ext[..cut].iter().any(|&e| e != 1) {
+                return None;
+            }
+        }
+        let mut offset = 0;
+        for axis in 0..4 {
+            offset = offset * layout.ext[axis] + (self.lo[axis] - layout.lo[axis]);
+        }
+        Some(offset)
+    }
+
     /// This box with `axis` set to `[lo, lo + ext)`.
     pub fn with_axis(mut self, axis: usize, lo: i64, ext: i64) -> Box4 {
         self.lo[axis] = lo;
@@ -100,3 +117,62 @@ pub(crate) fn softmax_rows(rows: i64) -> LaunchConfig {
 
 /// A null device pointer, for the kernels' optional operands.
 pub(crate) const NULL: u64 = 0;
+
+#[cfg(test)]
+mod tests {
+    use super::Box4;
+
+    fn b(lo: [i64; 4], ext: [i64; 4]) -> Box4 {
+        Box4 { lo, ext }
+    }
+
+    /// The offsets a box's elements have in a layout, in the box's row-major order.
+    fn offsets(region: &Box4, layout: &Box4) -> Vec<i64> {
+        let mut out = Vec::new();
+        for i in 0..region.volume() {
+            let (mut rest, mut p) = (i, [0i64; 4]);
+            for axis in (0..4).rev() {
+                p[axis] = region.lo[axis] + rest % region.ext[axis];
+                rest /= region.ext[axis];
+            }
+            let mut at = 0;
+            for axis in 0..4 {
+                at = at * layout.ext[axis] + (p[axis] - layout.lo[axis]);
+            }
+            out.push(at);
+        }
+        out
+    }
+
+    #[test]
+    fn a_run_is_found_exactly_where_the_elements_are_consecutive() {
+        let layout = b([2, 0, 1, 0], [3, 4, 2, 5]);
+        let mut runs = 0;
+        // Every sub-box of the layout: the answer agrees with the offsets, element by element.
+        for lo0 in 2..5 {
+            for e0 in 1..=(5 - lo0) {
+                for lo1 in 0..4 {
+                    for e1 in 1..=(4 - lo1) {
+                        for (lo2, e2) in [(1, 1), (2, 1), (1, 2)] {
+                            for (lo3, e3) in [(0, 5), (1, 3), (4, 1)] {
+                                let region = b([lo0, lo1, lo2, lo3], [e0, e1, e2, e3]);
+                                let at = offsets(&region, &layout);
+                                let consecutive = at.windows(2).all(|w| w[1] == w[0] + 1);
+                                let found = region.run_in(&layout);
+                                assert_eq!(found.is_some(), consecutive, "{region:?}");
+                                if let Some(start) = found {
+                                    assert_eq!(start, at[0], "{region:?}");
+                                    runs += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(runs > 10, "{runs}");
+        // The whole layout, and whole samples of a batch, are runs.
+        assert_eq!(layout.run_in(&layout), Some(0));
+        assert_eq!(b([3, 0, 1, 0], [2, 4, 2, 5]).run_in(&layout), Some(40));
+    }
+}

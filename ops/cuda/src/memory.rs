@@ -297,13 +297,5 @@ pub(crate) fn load_images(
     }
     let staged = s.stream.clone_htod(host)?;
     let tile = Box4::of(tile);
-    cuda.region_f32(
-        s,
-        &cuda.kernels.copy_region_f32,
-        &staged,
-        tile,
-        dst,
-        y_layout,
-        tile,
-    )
+    cuda.copy_f32(s, &staged, tile, dst, y_layout, tile)
 }

@@ -26,6 +26,23 @@ struct Box4 {
     lo: [i64; 4],
     ext: [i64; 4],
 }
+/// Calls `f` with the offset in `layout` of every point of `region`.
+fn for_each_point(region: &Rect, layout: &Rect, mut f: impl FnMut(usize)) {
+    let (r, l) = (box4(region), box4(layout));
+    for i in 0..r.ext.iter().product::<i64>() {
+        let (mut rest, mut at) = (i, 0);
+        let mut p = [0i64; 4];
+        for axis in (0..4).rev() {
+            p[axis] = r.lo[axis] + rest % r.ext[axis];
+            rest /= r.ext[axis];
+        }
+        for axis in 0..4 {
+            at = at * l.ext[axis] + (p[axis] - l.lo[axis]);
+        }
+        f(at as usize);
+    }
+}
+
 fn box4(r: &Rect) -> Box4 {
     let mut b = Box4 {
         lo: [0; 4],
@@ -228,6 +245,27 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             )
         });
         report.check("copy_region", &got, &want, 0.0);
+
+        // The same region zeroed, and summed in: what the runtime's folds do.
+        type Z = unsafe extern "C" fn(*mut f32, Box4, Box4, i64);
+        let zero: Symbol<Z> = emu.sym("zero_region_f32");
+        let mut want = src.clone();
+        for_each_point(&region, &src_rect, |at| want[at] = 0.0);
+        let mut got = src.clone();
+        emu.launch(1, 1, || unsafe {
+            zero(got.as_mut_ptr(), box4(&src_rect), box4(&region), n)
+        });
+        report.check("zero_region", &got, &want, 0.0);
+        type A = unsafe extern "C" fn(*const f32, *mut f32, i64);
+        let add_runs: Symbol<A> = emu.sym("add_runs_f32");
+        let term = random(src.len(), 2);
+        let want: Vec<f32> = src.iter().zip(&term).map(|(a, b)| a + b).collect();
+        let mut got = src.clone();
+        let len = src.len() as i64;
+        emu.launch(1, 1, || unsafe {
+            add_runs(term.as_ptr(), got.as_mut_ptr(), len)
+        });
+        report.check("add_runs", &got, &want, 0.0);
     }
 
     // ---- element-wise
