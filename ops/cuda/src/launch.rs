@@ -61,10 +61,10 @@ impl Box4 {
     /// it has one element.
     pub fn run_in(&self, layout: &Box4) -> Option<i64> {
         let cut = (0..4).rev().find(|&a| self.ext[a] != layout.ext[a]);
-        if let Some(cut) = cut {
-            if self.ext[..cut].iter().any(|&e| e != 1) {
-                return None;
-            }
+        if let Some(cut) = cut
+            && self.ext[..cut].iter().any(|&e| e != 1)
+        {
+            return None;
         }
         let mut offset = 0;
         for axis in 0..4 {
