@@ -23,7 +23,7 @@ pub enum Place<'a> {
     /// while a step computes.
     OneGpu {
         cuda: legion_cuda::Cuda,
-        stream: legion_cuda::Stream,
+        stream: Box<legion_cuda::Stream>,
         prefetch: bool,
     },
     /// `devices` device actors in this process, placed on its cores or GPUs.
