@@ -95,7 +95,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
         } => {
             let mut trainer = Trainer::resume_on(
                 cuda,
-                stream,
+                *stream,
                 job.graph.clone(),
                 job.state,
                 job.sgd,
