@@ -18,14 +18,8 @@ use std::path::Path;
 pub enum Place<'a> {
     /// The single-device reference trainer on the CPU (the configs are ignored).
     OneDevice,
-    /// The single-device trainer on a GPU the caller started (the configs are ignored): its
-    /// backend, the stream that proved its libraries load, and whether the next batch is staged
-    /// while a step computes.
-    OneGpu {
-        cuda: legion_cuda::Cuda,
-        stream: Box<legion_cuda::Stream>,
-        prefetch: bool,
-    },
+    /// The single-device trainer on a GPU the caller started (the configs are ignored).
+    OneGpu(Box<OneGpu>),
     /// `devices` device actors in this process, placed on its cores or GPUs.
     Embedded {
         devices: usize,
@@ -36,6 +30,15 @@ pub enum Place<'a> {
         hosts: &'a Hosts,
         state_dir: &'a Path,
     },
+}
+
+/// A GPU for the single-device trainer.
+pub struct OneGpu {
+    pub cuda: legion_cuda::Cuda,
+    /// The stream that proved the GPU's libraries load.
+    pub stream: legion_cuda::Stream,
+    /// Whether the next batch is staged while a step computes.
+    pub prefetch: bool,
 }
 
 /// What every engine starts from.
@@ -88,14 +91,15 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.sgd,
             job.seed,
         )),
-        Place::OneGpu {
-            cuda,
-            stream,
-            prefetch,
-        } => {
+        Place::OneGpu(gpu) => {
+            let OneGpu {
+                cuda,
+                stream,
+                prefetch,
+            } = *gpu;
             let mut trainer = Trainer::resume_on(
                 cuda,
-                *stream,
+                stream,
                 job.graph.clone(),
                 job.state,
                 job.sgd,
