@@ -26,6 +26,7 @@ struct Box4 {
     lo: [i64; 4],
     ext: [i64; 4],
 }
+
 /// Calls `f` with the offset in `layout` of every point of `region`.
 fn for_each_point(region: &Rect, layout: &Rect, mut f: impl FnMut(usize)) {
     let (r, l) = (box4(region), box4(layout));
@@ -36,8 +37,8 @@ fn for_each_point(region: &Rect, layout: &Rect, mut f: impl FnMut(usize)) {
             p[axis] = r.lo[axis] + rest % r.ext[axis];
             rest /= r.ext[axis];
         }
-        for axis in 0..4 {
-            at = at * l.ext[axis] + (p[axis] - l.lo[axis]);
+        for ((&p, &lo), &ext) in p.iter().zip(&l.lo).zip(&l.ext) {
+            at = at * ext + (p - lo);
         }
         f(at as usize);
     }
