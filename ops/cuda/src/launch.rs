@@ -136,8 +136,8 @@ mod tests {
                 rest /= region.ext[axis];
             }
             let mut at = 0;
-            for axis in 0..4 {
-                at = at * layout.ext[axis] + (p[axis] - layout.lo[axis]);
+            for ((&p, &lo), &ext) in p.iter().zip(&layout.lo).zip(&layout.ext) {
+                at = at * ext + (p - lo);
             }
             out.push(at);
         }
