@@ -73,6 +73,39 @@ impl DeviceSpec {
         }
     }
 
+    /// An NVIDIA H200 SXM at strict FP32: an H100's compute with HBM3e (4.8 TB/s, 141 GB).
+    pub fn h200() -> DeviceSpec {
+        DeviceSpec {
+            kind: "h200".into(),
+            memory_gb_per_s: 4800.0,
+            memory_gib: Some(141.0),
+            ..DeviceSpec::h100()
+        }
+    }
+
+    /// The device a GPU of this name is (as the driver names it, `NVIDIA H200`), with
+    /// `memory_gib` of memory: an H200 or an H100 by their figures, any other GPU under a kind of
+    /// its own made from its name, so that a profile measured on it is looked up as its own, with
+    /// an H100's figures standing in for the roofline until a profile measures it.
+    pub fn for_gpu(name: &str, memory_gib: f64) -> DeviceSpec {
+        let words: Vec<String> = name
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty() && !w.eq_ignore_ascii_case("nvidia"))
+            .map(|w| w.to_ascii_lowercase())
+            .collect();
+        let mut device = match words.first().map(String::as_str) {
+            Some("h200") => DeviceSpec::h200(),
+            Some("h100") => DeviceSpec::h100(),
+            _ if words.is_empty() => DeviceSpec::h100(),
+            _ => DeviceSpec {
+                kind: words.join("-"),
+                ..DeviceSpec::h100()
+            },
+        };
+        device.memory_gib = Some(memory_gib);
+        device
+    }
+
     /// One CPU "device" of this development machine (a thread running the gemm kernels).
     pub fn local_cpu() -> DeviceSpec {
         DeviceSpec {
@@ -338,5 +371,20 @@ mod tests {
         assert_eq!((m.num_devices(), m.num_nodes()), (2, 1));
         assert_eq!(m.bandwidth(0, 1), 5e9);
         assert_eq!(m.device(1).peak_gflops, 100.0);
+    }
+
+    #[test]
+    fn a_gpu_is_the_device_its_name_says() {
+        let h200 = DeviceSpec::for_gpu("NVIDIA H200", 139.8);
+        assert_eq!((h200.kind.as_str(), h200.memory_gib), ("h200", Some(139.8)));
+        assert!(h200.memory_gb_per_s > DeviceSpec::h100().memory_gb_per_s);
+        assert_eq!(
+            DeviceSpec::for_gpu("NVIDIA H100 80GB HBM3", 79.2).kind,
+            "h100"
+        );
+        let other = DeviceSpec::for_gpu("NVIDIA A100-SXM4-80GB", 79.3);
+        assert_eq!(other.kind, "a100-sxm4-80gb");
+        assert_eq!(other.peak_gflops, DeviceSpec::h100().peak_gflops);
+        assert_eq!(DeviceSpec::for_gpu("", 1.0).kind, "h100");
     }
 }
