@@ -392,10 +392,12 @@ fn stop_started(
             continue;
         }
         if let Some(child) = children.get_mut(i).and_then(Option::as_mut) {
-            // Killing one that already exited fails harmlessly; either way it is reaped here.
-            let _ = child.kill();
-            let _ = child.wait();
-            stopped.push(name.clone());
+            // One that exited on its own (the failure, often) needs no stopping.
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+                stopped.push(name.clone());
+            }
             continue;
         }
         let shut_down = row.welcome.is_some()

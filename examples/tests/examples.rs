@@ -70,8 +70,9 @@ fn alexnet_learns_in_its_default_run_at_a_reduced_size() {
     // What the README says the main job runs on.
     assert_eq!(summary["devices"], 4, "{summary}");
     assert_eq!(summary["plan"]["strategy"], "optcnn", "{summary}");
-    let first = summary["first10_loss"].as_f64().unwrap();
-    let last = summary["last10_loss"].as_f64().unwrap();
+    assert_eq!(summary["loss_window"], 10, "{summary}");
+    let first = summary["first_losses_mean"].as_f64().unwrap();
+    let last = summary["last_losses_mean"].as_f64().unwrap();
     assert!(
         last <= 0.8 * first,
         "loss {first} -> {last} over {} steps: not learning",

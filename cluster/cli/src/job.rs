@@ -200,7 +200,7 @@ fn strategy_file_configs(
     let batch = graph.batch();
     if let Some((layer, degree)) = strategy.layers.iter().find_map(|l| {
         let degree = l.degrees.get("n").copied().unwrap_or(1);
-        (degree > batch).then(|| (l.layer.as_str(), degree))
+        (degree > batch).then_some((l.layer.as_str(), degree))
     }) {
         bail!(
             "{flag} {choice}: layer '{layer}' splits the batch {degree} ways, more than --batch \
