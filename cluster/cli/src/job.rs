@@ -185,31 +185,35 @@ fn strategy_file_configs(
             graph.name
         );
     }
-    let needs = strategy
-        .layers
-        .iter()
-        .flat_map(|l| l.devices.iter().map(|&d| d + 1))
-        .max()
-        .unwrap_or(1);
-    if needs > devices {
-        bail!(
-            "{flag} {choice} places layers on {needs} devices, but the run has {devices} \
-             (--devices {devices}); give --devices {needs}"
-        );
-    }
-    let batch = graph.batch();
-    if let Some((layer, degree)) = strategy.layers.iter().find_map(|l| {
-        let degree = l.degrees.get("n").copied().unwrap_or(1);
-        (degree > batch).then_some((l.layer.as_str(), degree))
-    }) {
-        bail!(
-            "{flag} {choice}: layer '{layer}' splits the batch {degree} ways, more than --batch \
-             {batch}; give --batch {degree} or more"
-        );
-    }
-    strategy
-        .to_configs(graph, devices)
-        .with_context(|| format!("{flag} {choice} (for model '{}')", graph.name))
+    strategy.to_configs(graph, devices).map_err(|e| {
+        let needs = strategy
+            .layers
+            .iter()
+            .flat_map(|l| l.devices.iter().map(|&d| d.saturating_add(1)))
+            .max()
+            .unwrap_or(1);
+        let batch = graph.batch();
+        let short_batch = strategy.layers.iter().find_map(|l| {
+            let degree = l.degrees.get("n").copied().unwrap_or(1);
+            (degree > batch).then_some((l.layer.as_str(), degree))
+        });
+        // What to change, where the flags can fix it: a device count the planner could run, or a
+        // batch the sample splits divide.
+        let fix = match short_batch {
+            _ if needs > devices && needs <= legion_cluster::hosts::MAX_DEVICES => {
+                format!("; it places layers on {needs} devices: give --devices {needs}")
+            }
+            Some((layer, degree)) if degree <= devices => format!(
+                "; layer '{layer}' splits the batch (--batch {batch}) {degree} ways: give --batch \
+                 {degree} or more"
+            ),
+            _ => String::new(),
+        };
+        anyhow::anyhow!(
+            "{flag} {choice} (for model '{}' on {devices} device(s)): {e}{fix}",
+            graph.name
+        )
+    })
 }
 
 /// The devices of `0..devices` that no layer of `configs` uses.
@@ -359,9 +363,6 @@ impl Job {
         if let Some(path) = &opts.trace {
             check_output_path("--trace", path)?;
         }
-        let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)
-            .with_context(|| format!("--data {}", opts.data))?;
-        check_data_classes(dataset.as_ref(), &opts.data, &graph, shape.classes)?;
         let cluster = match &opts.cluster {
             Some(path) => {
                 let state = launch::state_dir(path, opts.cluster_state.as_deref())?;
@@ -452,6 +453,11 @@ impl Job {
             }
         }
 
+        // After the model is known to fit (a synthetic dataset is sized by its classes), before
+        // the weights are loaded and the engine started.
+        let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)
+            .with_context(|| format!("--data {}", opts.data))?;
+        check_data_classes(dataset.as_ref(), &opts.data, &graph, shape.classes)?;
         let state = initial_state(&graph, opts)?;
         let first_step = state.step;
         if first_step > opts.steps {

@@ -14,7 +14,7 @@ use serde_json::json;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
-#[command(group(ArgGroup::new("devices_source").required(true).args(["devices", "machine"])))]
+#[command(group(ArgGroup::new("devices_source").required(true).multiple(true).args(["devices", "machine"])))]
 pub struct ProfileArgs {
     /// A zoo model name (see `legion-rs models`) or a JSON model file.
     #[arg(long)]
