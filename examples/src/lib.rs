@@ -123,6 +123,10 @@ pub fn run(
             graph.param_count()
         );
     }
+    // Checked before the strategies are measured, which takes minutes.
+    if let Some(path) = &args.chart {
+        job::check_output_path("--chart", path)?;
+    }
     if args.compare {
         let cluster = match &args.cluster {
             Some(path) => {

@@ -170,3 +170,31 @@ fn compare_measures_every_strategy_and_draws_a_chart() {
     let svg = std::fs::read_to_string(chart).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("optcnn"));
 }
+
+/// The chart's path is checked before any strategy is measured.
+#[test]
+fn compare_refuses_a_chart_it_could_not_write_before_measuring() {
+    let dir = tempfile::tempdir().unwrap();
+    let chart = dir.path().join("no/such/folder/compare.svg");
+    let out = Command::new(env!("CARGO_BIN_EXE_lenet5"))
+        .args([
+            "--compare",
+            "--steps",
+            "1",
+            "--chart",
+            chart.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--chart") && err.contains("does not exist"),
+        "{err}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !text.contains("measured ms"),
+        "measured before refusing: {text}"
+    );
+}
