@@ -455,9 +455,31 @@ impl Job {
 
         // After the model is known to fit (a synthetic dataset is sized by its classes), before
         // the weights are loaded and the engine started.
-        let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)
-            .with_context(|| format!("--data {}", opts.data))?;
-        check_data_classes(dataset.as_ref(), &opts.data, &graph, shape.classes)?;
+        let dataset = match data::open(&opts.data, shape.image, shape.classes, opts.seed) {
+            Err(data::DataError::TooManyClasses {
+                dataset,
+                dataset_classes,
+                ..
+            }) => {
+                return Err(classes_mismatch(
+                    &opts.data,
+                    &dataset,
+                    dataset_classes,
+                    &graph,
+                    shape.classes,
+                ));
+            }
+            opened => opened.with_context(|| format!("--data {}", opts.data))?,
+        };
+        if dataset.num_classes() != shape.classes {
+            return Err(classes_mismatch(
+                &opts.data,
+                &dataset.describe(),
+                dataset.num_classes(),
+                &graph,
+                shape.classes,
+            ));
+        }
         let state = initial_state(&graph, opts)?;
         let first_step = state.step;
         if first_step > opts.steps {
@@ -695,27 +717,23 @@ pub fn check_output_path(flag: &str, path: &std::path::Path) -> anyhow::Result<(
     }
 }
 
-/// Refuses data whose classes do not match the model's head: more classes than it has outputs
-/// (labels past them), or fewer (outputs no label trains), naming the flag to change.
-fn check_data_classes(
-    dataset: &dyn data::Dataset,
+/// The error for data whose classes do not match the model's head: more classes than it has
+/// outputs (labels past them), or fewer (outputs no label trains), naming the flag to change.
+fn classes_mismatch(
     spec: &str,
+    dataset: &str,
+    found: usize,
     graph: &Graph,
     head: usize,
-) -> anyhow::Result<()> {
-    let found = dataset.num_classes();
-    if found == head {
-        return Ok(());
-    }
+) -> anyhow::Error {
     let fix = match legion_ops::zoo::find(&graph.name) {
         Some(_) => format!("give --classes {found}"),
         None => format!(
             "give the model's last dense layer {found} out_features (a JSON model fixes its head)"
         ),
     };
-    bail!(
-        "--data {spec}: {} has {found} classes, but model '{}' has {head} outputs; {fix}",
-        dataset.describe(),
+    anyhow::anyhow!(
+        "--data {spec}: {dataset} has {found} classes, but model '{}' has {head} outputs; {fix}",
         graph.name
     )
 }

@@ -470,6 +470,21 @@ fn errors_name_the_flag_to_change() {
         &["--data", "has 2 classes", "10 outputs", "--classes 2"],
     );
     assert!(stdout(&out).is_empty(), "trained: {}", stdout(&out));
+    // and for a head with fewer outputs than the folder has classes
+    let out = legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--image-size",
+        "32",
+        "--classes",
+        "1",
+        "--steps",
+        "1",
+        "--data",
+        &data,
+    ]);
+    assert_clean_failure(&out, &["has 2 classes", "1 outputs", "--classes 2"]);
     ok(legion(&[
         "train",
         "--model",
