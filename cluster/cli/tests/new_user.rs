@@ -614,7 +614,7 @@ fn help_and_output_say_what_they_mean() {
     let table = legion_cli::compare::table(&[row]);
     assert!(table.contains("max rel diff vs 1"), "{table}");
     assert!(
-        table.contains("(a fraction: 1e-2 is 1%)") && table.contains("grow with every step"),
+        table.contains("(a fraction: 1e-2 is 1%)") && table.contains("grow with the steps"),
         "{table}"
     );
 }
