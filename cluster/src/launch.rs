@@ -228,6 +228,9 @@ pub struct UpOptions {
 }
 
 /// `legion-rs up`: starts the workers that are not running, waits for all, measures links.
+///
+/// An `up` that fails part-way stops the workers it started (those already running are left as
+/// they were), and its error says which it stopped and what, if anything, is left running.
 pub fn up(
     hosts_file: &Path,
     hosts: &Hosts,
@@ -239,10 +242,41 @@ pub fn up(
     ensure_identities(hosts, state)?;
     let mut client = WorkerClient::new(hosts, state)?;
     let mut table = Vec::new();
-    // The processes of the workers started here on this machine, to notice one that exits.
+    // The processes of the workers started here on this machine, to notice one that exits, and
+    // to stop if `up` fails.
     let mut children = Vec::new();
+    let started = start_and_register(
+        hosts_file,
+        hosts,
+        state,
+        options,
+        &mut client,
+        &mut table,
+        &mut children,
+    );
+    if let Err(e) = started {
+        let cleanup = stop_started(hosts_file, state, &mut client, &table, &mut children);
+        client.close();
+        return Err(anyhow::anyhow!("{e:#}\n{cleanup}"));
+    }
+    client.close();
+    Ok(table)
+}
+
+/// The work of [`up`] that may fail once workers run: starts each worker that does not answer
+/// (recording it in `table` and `children` as soon as it is started), waits for all to register,
+/// records GPU device counts and measures the links.
+fn start_and_register(
+    hosts_file: &Path,
+    hosts: &Hosts,
+    state: &Path,
+    options: &UpOptions,
+    client: &mut WorkerClient,
+    table: &mut Vec<HostStatus>,
+    children: &mut Vec<Option<std::process::Child>>,
+) -> anyhow::Result<()> {
     for (i, host) in hosts.hosts.iter().enumerate() {
-        let welcome = greet(&mut client, i, Duration::from_millis(500));
+        let welcome = greet(client, i, Duration::from_millis(500));
         // A host that runs one device per GPU has the count its worker found.
         if let Some(w) = &welcome
             && !host.devices_from_gpus
@@ -259,10 +293,11 @@ pub fn up(
             );
         }
         let started = welcome.is_none();
-        children.push(match started {
+        let child = match started {
             true => start_worker(host, state)?,
             false => None,
-        });
+        };
+        children.push(child);
         table.push(HostStatus {
             host: host.clone(),
             welcome,
@@ -299,14 +334,14 @@ pub fn up(
                     log.display()
                 );
             }
-            row.welcome = greet(&mut client, i, Duration::from_millis(500));
+            row.welcome = greet(client, i, Duration::from_millis(500));
             if row.welcome.is_none() {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
     }
     let mut gpu_counts: BTreeMap<String, usize> = BTreeMap::new();
-    for row in &mut table {
+    for row in table.iter_mut() {
         if let (true, Some(w)) = (row.host.devices_from_gpus, &row.welcome) {
             row.host.devices = w.devices as usize;
             gpu_counts.insert(row.host.name.clone(), row.host.devices);
@@ -320,7 +355,7 @@ pub fn up(
     }
     let any_started = table.iter().any(|r| r.started);
     if hosts.hosts.len() > 1 && (any_started || options.measure || !links_path(state).exists()) {
-        let (links, nics) = measure(&client, hosts)?;
+        let (links, nics) = measure(client, hosts)?;
         for (path, text) in [
             (
                 links_path(state),
@@ -335,8 +370,64 @@ pub fn up(
                 .with_context(|| format!("writing {}", path.display()))?;
         }
     }
-    client.close();
-    Ok(table)
+    Ok(())
+}
+
+/// After a failed `up`: stops the workers this `up` started, and says what it stopped and what is
+/// left. A local worker is killed through its process; a remote one is asked to shut down if it
+/// registered, and otherwise (it may still be starting) named with the command that stops it.
+fn stop_started(
+    hosts_file: &Path,
+    state: &Path,
+    client: &mut WorkerClient,
+    table: &[HostStatus],
+    children: &mut [Option<std::process::Child>],
+) -> String {
+    let mut stopped = Vec::new();
+    let mut left = Vec::new();
+    for (i, row) in table.iter().enumerate() {
+        let name = &row.host.name;
+        if !row.started {
+            left.push(format!("{name} (running before this `up`)"));
+            continue;
+        }
+        if let Some(child) = children.get_mut(i).and_then(Option::as_mut) {
+            // One that exited on its own (the failure, often) needs no stopping.
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+                stopped.push(name.clone());
+            }
+            continue;
+        }
+        let shut_down = row.welcome.is_some()
+            && client
+                .request(i, &Control::Shutdown, Some(Duration::from_secs(3)))
+                .is_ok();
+        match shut_down {
+            true => stopped.push(name.clone()),
+            false => left.push(format!(
+                "{name} (on {}, started over ssh, did not answer)",
+                row.host.address
+            )),
+        }
+    }
+    let mut note = match stopped.is_empty() {
+        true => "up started no worker before it failed".to_string(),
+        false => format!(
+            "up stopped the worker(s) it had started: {}",
+            stopped.join(", ")
+        ),
+    };
+    if !left.is_empty() {
+        note += &format!(
+            "; still running or starting: {}; stop them with `legion-rs down {} --state {}`",
+            left.join(", "),
+            hosts_file.display(),
+            state.display()
+        );
+    }
+    note
 }
 
 /// Every worker probes every other one, then all of them at once.

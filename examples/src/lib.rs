@@ -37,8 +37,7 @@ pub struct ExampleArgs {
     /// The cluster's state directory, if `up` was given one.
     #[arg(long, requires = "cluster")]
     pub state: Option<PathBuf>,
-    /// `optcnn`, `data`, `model`, `owt` or a strategy JSON file.
-    #[arg(long, default_value = "optcnn")]
+    #[arg(long, default_value = "optcnn", help = job::strategy_help())]
     pub strategy: String,
     /// `synthetic`, `synthetic:N`, `cifar10:DIR`, `folder:DIR`.
     #[arg(long, default_value = "synthetic")]
@@ -81,7 +80,7 @@ pub struct ExampleArgs {
     #[arg(long)]
     pub json: bool,
     /// Where to train (`auto`, `cpu`, `cuda`): see `legion-rs train --help`.
-    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
     /// On a GPU, TF32 tensor cores for products and convolutions: see `legion-rs train --help`.
     #[arg(long)]
@@ -123,6 +122,10 @@ pub fn run(
             args.classes,
             graph.param_count()
         );
+    }
+    // Checked before the strategies are measured, which takes minutes.
+    if let Some(path) = &args.chart {
+        job::check_output_path("--chart", path)?;
     }
     if args.compare {
         let cluster = match &args.cluster {

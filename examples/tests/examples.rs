@@ -70,8 +70,9 @@ fn alexnet_learns_in_its_default_run_at_a_reduced_size() {
     // What the README says the main job runs on.
     assert_eq!(summary["devices"], 4, "{summary}");
     assert_eq!(summary["plan"]["strategy"], "optcnn", "{summary}");
-    let first = summary["first10_loss"].as_f64().unwrap();
-    let last = summary["last10_loss"].as_f64().unwrap();
+    assert_eq!(summary["loss_window"], 10, "{summary}");
+    let first = summary["first_losses_mean"].as_f64().unwrap();
+    let last = summary["last_losses_mean"].as_f64().unwrap();
     assert!(
         last <= 0.8 * first,
         "loss {first} -> {last} over {} steps: not learning",
@@ -168,4 +169,32 @@ fn compare_measures_every_strategy_and_draws_a_chart() {
     assert_eq!(rows[0]["speedup_over_data"], 1.0);
     let svg = std::fs::read_to_string(chart).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("optcnn"));
+}
+
+/// The chart's path is checked before any strategy is measured.
+#[test]
+fn compare_refuses_a_chart_it_could_not_write_before_measuring() {
+    let dir = tempfile::tempdir().unwrap();
+    let chart = dir.path().join("no/such/folder/compare.svg");
+    let out = Command::new(env!("CARGO_BIN_EXE_lenet5"))
+        .args([
+            "--compare",
+            "--steps",
+            "1",
+            "--chart",
+            chart.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--chart") && err.contains("does not exist"),
+        "{err}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !text.contains("measured ms"),
+        "measured before refusing: {text}"
+    );
 }

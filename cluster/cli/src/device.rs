@@ -45,6 +45,23 @@ pub struct DeviceChoice {
     pub line: String,
 }
 
+impl DeviceKind {
+    /// The parser of `--device`: `auto`, `cpu` or `cuda`, any other value refused with the three
+    /// named and, for a GPU by another name (`gpu`, `nvidia`), `cuda` pointed to. (Clap's own
+    /// suggestion goes by spelling, and `gpu` is closest to `cpu`.)
+    pub fn parse_flag(value: &str) -> Result<DeviceKind, String> {
+        match value.to_ascii_lowercase().as_str() {
+            "auto" => Ok(DeviceKind::Auto),
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda),
+            "gpu" | "gpus" | "nvidia" => {
+                Err("the GPU is `cuda` (--device cuda); expected auto, cpu or cuda".into())
+            }
+            _ => Err("expected auto, cpu or cuda (the GPU)".into()),
+        }
+    }
+}
+
 /// Why a run on a cluster's workers ignores `--device`: each host's `device` says where its
 /// devices run.
 const ON_WORKERS: &str = "each host of the hosts file runs its devices where its `device` says";

@@ -108,6 +108,26 @@ fn check_device_memory(
     })
 }
 
+/// Every name `--strategy` (and `profile --strategies`, `--compare --strategies`) accepts for a
+/// search, in the order help and errors list them: the searches of our space, then the other
+/// papers' planners. Parsing, help and errors all use this list.
+pub fn strategy_names() -> Vec<&'static str> {
+    SearchKind::ALL
+        .into_iter()
+        .chain(SearchKind::SEEDS)
+        .map(SearchKind::name)
+        .collect()
+}
+
+/// The help of a `--strategy` flag, naming every search [`strategy_names`] lists.
+pub fn strategy_help() -> String {
+    format!(
+        "How to parallelise each layer over the devices: a search ({}; refine with its default \
+         budget and seed) or a strategy JSON file (as `legion-rs plan --out` writes)",
+        strategy_names().join(", ")
+    )
+}
+
 /// The configs of `choice` (a search name or a strategy file) for `graph` on `machine`.
 pub fn choose_strategy(
     graph: &Graph,
@@ -134,17 +154,79 @@ pub fn choose_strategy_for(
                 .with_context(|| format!("{flag} {choice}"))?
                 .configs)
         }
-        None => {
-            let path = std::path::Path::new(choice);
-            if !path.exists() {
-                bail!(
-                    "{flag} '{choice}' is neither a search (optcnn, refine, data, model, \
-                     owt, exhaustive) nor an existing strategy file"
-                );
+        None => strategy_file_configs(flag, graph, machine.num_devices(), choice),
+    }
+}
+
+/// The configs of the strategy file `choice` for `graph` on `devices` devices, checked against
+/// the model it was made for, the devices it places layers on and the batch its sample splits
+/// need, each error naming the file and the flag to change.
+fn strategy_file_configs(
+    flag: &str,
+    graph: &Graph,
+    devices: usize,
+    choice: &str,
+) -> anyhow::Result<Vec<ParallelConfig>> {
+    let path = std::path::Path::new(choice);
+    if !path.exists() {
+        bail!(
+            "{flag} '{choice}' is neither a search ({}) nor an existing strategy file",
+            strategy_names().join(", ")
+        );
+    }
+    let strategy = Strategy::load(path)?;
+    if let Some(made_for) = &strategy.model
+        && made_for != &graph.name
+    {
+        bail!(
+            "{flag} {choice}: the strategy was made for model '{made_for}', but --model is '{}' \
+             (plan one for it: `legion-rs plan --model {} ... --out FILE`)",
+            graph.name,
+            graph.name
+        );
+    }
+    strategy.to_configs(graph, devices).map_err(|e| {
+        let needs = strategy
+            .layers
+            .iter()
+            .flat_map(|l| l.devices.iter().map(|&d| d.saturating_add(1)))
+            .max()
+            .unwrap_or(1);
+        let batch = graph.batch();
+        let short_batch = strategy.layers.iter().find_map(|l| {
+            let degree = l.degrees.get("n").copied().unwrap_or(1);
+            (degree > batch).then_some((l.layer.as_str(), degree))
+        });
+        // What to change, where the flags can fix it: a device count the planner could run, or a
+        // batch the sample splits divide.
+        let fix = match short_batch {
+            _ if needs > devices && needs <= legion_cluster::hosts::MAX_DEVICES => {
+                format!("; it places layers on {needs} devices: give --devices {needs}")
             }
-            Ok(Strategy::load(path)?.to_configs(graph, machine.num_devices())?)
+            Some((layer, degree)) if degree <= devices => format!(
+                "; layer '{layer}' splits the batch (--batch {batch}) {degree} ways: give --batch \
+                 {degree} or more"
+            ),
+            _ => String::new(),
+        };
+        anyhow::anyhow!(
+            "{flag} {choice} (for model '{}' on {devices} device(s)): {e}{fix}",
+            graph.name
+        )
+    })
+}
+
+/// The devices of `0..devices` that no layer of `configs` uses.
+fn idle_devices(configs: &[ParallelConfig], devices: usize) -> Vec<usize> {
+    let mut used = vec![false; devices];
+    for c in configs {
+        for d in c.devices() {
+            if let Some(u) = used.get_mut(d) {
+                *u = true;
+            }
         }
     }
+    (0..devices).filter(|&d| !used[d]).collect()
 }
 
 /// What a running job reports, in order: its plan (distributed runs only), each step, the end.
@@ -171,6 +253,8 @@ pub struct PlannedRun {
     /// Bytes moved between devices per step.
     pub remote_bytes: u64,
     pub strategy: Strategy,
+    /// The devices no layer of the strategy uses: they stay idle.
+    pub idle_devices: Vec<usize>,
 }
 
 /// One finished step.
@@ -197,26 +281,46 @@ pub struct TrainSummary {
     pub plan: Option<PlannedRun>,
     /// The step the run ended at, counted from the start (a resumed run's earlier steps too).
     pub steps: u64,
+    /// The step this run started from: 0, or the step of the checkpoint it resumed.
+    pub first_step: u64,
     pub batch: usize,
     /// One per step this run took.
     pub losses: Vec<f32>,
-    /// Over `steps` steps: a resumed run counts the steps it did not take, as it always has.
-    pub images_per_sec: f64,
+    /// Over the steps this run took; `None` when it took none.
+    pub images_per_sec: Option<f64>,
     pub wall_secs: f64,
     pub saved: Option<PathBuf>,
 }
 
+/// How the loss moved over a run: the means of its first and its last `window` losses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossTrend {
+    pub first: f64,
+    pub last: f64,
+    /// At most 10, and at most half the steps taken, so that the two windows never share a step.
+    pub window: usize,
+}
+
 impl TrainSummary {
-    /// The means of the first and the last `window` losses, and `window` (at most 10).
-    pub fn loss_trend(&self) -> (f64, f64, usize) {
+    /// The steps this run took (a resumed run's earlier steps not counted).
+    pub fn steps_taken(&self) -> usize {
+        self.losses.len()
+    }
+
+    /// The loss trend over the steps this run took; `None` with fewer than two, where there is
+    /// nothing to compare.
+    pub fn loss_trend(&self) -> Option<LossTrend> {
         let losses = &self.losses;
-        let window = losses.len().min(10);
-        let mean = |xs: &[f32]| xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64;
-        (
-            mean(&losses[..window]),
-            mean(&losses[losses.len() - window..]),
+        let window = (losses.len() / 2).min(10);
+        if window == 0 {
+            return None;
+        }
+        let mean = |xs: &[f32]| xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len() as f64;
+        Some(LossTrend {
+            first: mean(&losses[..window]),
+            last: mean(&losses[losses.len() - window..]),
             window,
-        )
+        })
     }
 }
 
@@ -251,6 +355,14 @@ impl Job {
     /// loads the weights it starts from and starts its engine.
     pub fn start(graph: Graph, opts: &TrainOptions) -> anyhow::Result<Job> {
         let shape = check_options(&graph, opts)?;
+        // The run's outputs are checked before any work, so that a run is never lost to an
+        // output it cannot write.
+        if let Some(path) = &opts.save {
+            check_output_path("--save", path)?;
+        }
+        if let Some(path) = &opts.trace {
+            check_output_path("--trace", path)?;
+        }
         let cluster = match &opts.cluster {
             Some(path) => {
                 let state = launch::state_dir(path, opts.cluster_state.as_deref())?;
@@ -313,6 +425,11 @@ impl Job {
             check_device_memory(&graph, &machine, &configs, &opts.strategy)?;
             (configs, place)
         } else {
+            // One device runs every layer serially; a strategy file given is still checked
+            // against the model and the device count, so that a wrong one is never ignored.
+            if SearchKind::parse(&opts.strategy).is_none() {
+                strategy_file_configs("--strategy", &graph, devices, &opts.strategy)?;
+            }
             let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
             check_device_memory(
                 &graph,
@@ -336,6 +453,33 @@ impl Job {
             }
         }
 
+        // After the model is known to fit (a synthetic dataset is sized by its classes), before
+        // the weights are loaded and the engine started.
+        let dataset = match data::open(&opts.data, shape.image, shape.classes, opts.seed) {
+            Err(data::DataError::TooManyClasses {
+                dataset,
+                dataset_classes,
+                ..
+            }) => {
+                return Err(classes_mismatch(
+                    &opts.data,
+                    &dataset,
+                    dataset_classes,
+                    &graph,
+                    shape.classes,
+                ));
+            }
+            opened => opened.with_context(|| format!("--data {}", opts.data))?,
+        };
+        if dataset.num_classes() != shape.classes {
+            return Err(classes_mismatch(
+                &opts.data,
+                &dataset.describe(),
+                dataset.num_classes(),
+                &graph,
+                shape.classes,
+            ));
+        }
         let state = initial_state(&graph, opts)?;
         let first_step = state.step;
         if first_step > opts.steps {
@@ -344,7 +488,6 @@ impl Job {
                 opts.steps
             );
         }
-        let dataset = data::open(&opts.data, shape.image, shape.classes, opts.seed)?;
         let engine: Box<dyn Engine> = match gpus {
             Some(started) if !distributed => {
                 let (cuda, stream) = started.into_one();
@@ -382,6 +525,7 @@ impl Job {
             place,
             remote_bytes: engine.plan().expect("a distributed engine").remote_bytes(),
             strategy: Strategy::from_configs(&graph, &configs),
+            idle_devices: idle_devices(&configs, devices),
         });
         Ok(Job {
             graph,
@@ -486,14 +630,16 @@ impl Job {
         let wall_secs = started.elapsed().as_secs_f64();
         save(engine.as_mut())?;
 
+        let images = (losses.len() * batch) as f64;
         let summary = TrainSummary {
             model: graph.name.clone(),
             devices,
             plan,
             steps: opts.steps,
+            first_step,
             batch,
+            images_per_sec: (!losses.is_empty()).then(|| images / wall_secs),
             losses,
-            images_per_sec: (opts.steps as f64 * batch as f64) / wall_secs,
             wall_secs,
             saved: opts.save.clone(),
         };
@@ -530,6 +676,66 @@ fn check_options(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<ModelShap
         image: [input.dim(1), input.dim(2), input.dim(3)],
         classes: graph.layer(logits).shape.dim(1),
     })
+}
+
+/// Refuses an output path the run could not write, naming `flag`: its folder must exist and be
+/// writable, and the path must not be a folder itself. Checked by creating (and removing) a file
+/// beside it, which is what writing it atomically will do.
+pub fn check_output_path(flag: &str, path: &std::path::Path) -> anyhow::Result<()> {
+    if path.is_dir() {
+        bail!(
+            "{flag} {}: is a folder; expected a file path",
+            path.display()
+        );
+    }
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if !folder.is_dir() {
+        bail!(
+            "{flag} {}: the folder {} does not exist",
+            path.display(),
+            folder.display()
+        );
+    }
+    let probe = folder.join(format!(".legion-rs-write-check-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => bail!(
+            "{flag} {}: cannot write in the folder {}: {e}",
+            path.display(),
+            folder.display()
+        ),
+    }
+}
+
+/// The error for data whose classes do not match the model's head: more classes than it has
+/// outputs (labels past them), or fewer (outputs no label trains), naming the flag to change.
+fn classes_mismatch(
+    spec: &str,
+    dataset: &str,
+    found: usize,
+    graph: &Graph,
+    head: usize,
+) -> anyhow::Error {
+    let fix = match legion_ops::zoo::find(&graph.name) {
+        Some(_) => format!("give --classes {found}"),
+        None => format!(
+            "give the model's last dense layer {found} out_features (a JSON model fixes its head)"
+        ),
+    };
+    anyhow::anyhow!(
+        "--data {spec}: {dataset} has {found} classes, but model '{}' has {head} outputs; {fix}",
+        graph.name
+    )
 }
 
 /// The weights, momentum and step the run starts from: a checkpoint to resume, one's weights to

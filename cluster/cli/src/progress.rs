@@ -25,9 +25,9 @@ impl Printer {
 
     pub fn show(&mut self, event: JobEvent<'_>) {
         match event {
-            // JSON output is one object per step and a summary: the device line is for people.
-            JobEvent::Device(line) if !self.json => println!("{line}"),
-            JobEvent::Device(_) => {}
+            // Always the first line: JSON output gives it as an object of its own.
+            JobEvent::Device(line) if self.json => println!("{}", json!({ "device": line })),
+            JobEvent::Device(line) => println!("{line}"),
             JobEvent::Planned(plan) => self.planned(plan),
             JobEvent::Step(step) => self.step(step),
             JobEvent::Finished(summary) => self.finished(summary),
@@ -35,6 +35,15 @@ impl Printer {
     }
 
     fn planned(&self, plan: &PlannedRun) {
+        if !plan.idle_devices.is_empty() {
+            let used = plan.devices - plan.idle_devices.len();
+            eprintln!(
+                "warning: the {} strategy uses {used} of the {} devices; device(s) {} stay idle",
+                plan.choice,
+                plan.devices,
+                describe_list(&plan.idle_devices)
+            );
+        }
         // JSON output gives the plan once, in the summary.
         if !self.json {
             println!(
@@ -84,10 +93,11 @@ impl Printer {
         if let Some(bar) = self.progress.take() {
             bar.finish();
         }
-        let (first, last, window) = summary.loss_trend();
+        let trend = summary.loss_trend();
         let TrainSummary {
             model,
             steps,
+            first_step,
             batch,
             images_per_sec,
             wall_secs,
@@ -99,6 +109,7 @@ impl Printer {
                     "strategy": p.choice,
                     "layers": p.strategy.layers,
                     "comm_bytes_per_step": p.remote_bytes,
+                    "idle_devices": p.idle_devices,
                 }),
                 None => serde_json::Value::Null,
             };
@@ -106,19 +117,79 @@ impl Printer {
                 "{}",
                 json!({"summary": true, "model": model, "devices": summary.devices,
                        "plan": plan,
-                       "steps": steps, "batch": batch, "first10_loss": first,
-                       "last10_loss": last, "final_loss": summary.losses.last(),
+                       "steps": steps, "first_step": first_step,
+                       "steps_taken": summary.steps_taken(), "batch": batch,
+                       "first_losses_mean": trend.map(|t| t.first),
+                       "last_losses_mean": trend.map(|t| t.last),
+                       "loss_window": trend.map(|t| t.window),
+                       "final_loss": summary.losses.last(),
                        "images_per_sec": images_per_sec, "wall_s": wall_secs,
                        "saved": summary.saved.as_ref().map(|p| p.display().to_string())})
             );
         } else {
-            println!(
-                "trained {model} for {steps} steps at batch {batch}: loss {first:.4} -> {last:.4} \
-                 (means of the first and last {window}), {images_per_sec:.1} img/s, {wall_secs:.1} s"
-            );
+            println!("{}", summary_line(summary));
             if let Some(path) = &summary.saved {
                 println!("saved {}", path.display());
             }
         }
     }
+}
+
+/// The text summary of a run, right at any step count: no steps, one, a few, many, resumed.
+pub fn summary_line(summary: &TrainSummary) -> String {
+    let TrainSummary {
+        model,
+        steps,
+        first_step,
+        batch,
+        wall_secs,
+        ..
+    } = summary;
+    let taken = summary.steps_taken();
+    if taken == 0 {
+        return match first_step {
+            0 => format!("{model}: no steps to train (--steps 0)"),
+            _ => format!(
+                "{model}: nothing to train: the run is already at step {first_step} of --steps \
+                 {steps} (raise --steps to train on)"
+            ),
+        };
+    }
+    let which = match first_step {
+        0 => format!("{taken} step(s)"),
+        _ => format!(
+            "{taken} step(s), {} to {steps} (resumed at step {first_step})",
+            first_step + 1
+        ),
+    };
+    let loss = match summary.loss_trend() {
+        Some(t) => format!(
+            "loss {:.4} -> {:.4} (means of the first and last {} step(s))",
+            t.first, t.last, t.window
+        ),
+        // one step: nothing to compare its loss with
+        None => format!("loss {:.4}", summary.losses[taken - 1]),
+    };
+    let throughput = summary
+        .images_per_sec
+        .map_or(String::new(), |ips| format!(", {ips:.1} img/s"));
+    format!("trained {model} for {which} at batch {batch}: {loss}{throughput}, {wall_secs:.1} s")
+}
+
+/// `2`, `1, 3`, `4-7`: device lists as people write them.
+fn describe_list(devices: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < devices.len() {
+        let mut j = i;
+        while j + 1 < devices.len() && devices[j + 1] == devices[j] + 1 {
+            j += 1;
+        }
+        parts.push(match j - i {
+            0 => devices[i].to_string(),
+            _ => format!("{}-{}", devices[i], devices[j]),
+        });
+        i = j + 1;
+    }
+    parts.join(", ")
 }

@@ -73,7 +73,16 @@ pub fn load_model(
         if let Some(c) = classes {
             cfg.classes = c;
         }
-        return Ok(z.build(&cfg)?);
+        // A zoo model fails to build only for the sizes the flags gave it: say which.
+        return z.build(&cfg).with_context(|| {
+            format!(
+                "--model {model} at --image-size {} (its default: {}), --batch {batch}, \
+                 --classes {}",
+                cfg.image_size,
+                z.default_config(batch).image_size,
+                cfg.classes
+            )
+        });
     }
     let path = std::path::Path::new(model);
     if !path.exists() {

@@ -48,13 +48,15 @@ pub fn run(args: ModelsArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    // as wide as the longest name, so that every column lines up whatever the zoo holds
+    let width = infos.iter().map(|i| i.name.len()).max().unwrap_or(0).max(5);
     println!(
-        "{:<14} {:>7} {:>7} {:>15} {:>12} {:>12}",
+        "{:<width$} {:>7} {:>7} {:>15} {:>12} {:>12}",
         "model", "input", "layers", "params", "fwd FLOPs", "train FLOPs"
     );
     for i in &infos {
         println!(
-            "{:<14} {:>7} {:>7} {:>15} {:>12} {:>12}",
+            "{:<width$} {:>7} {:>7} {:>15} {:>12} {:>12}",
             i.name,
             format!("{}x{}", i.image_size, i.image_size),
             i.layers,

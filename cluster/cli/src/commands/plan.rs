@@ -3,6 +3,7 @@
 //! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
 
 use super::report::{self, PlanJson, SearchJson};
+use crate::job::check_output_path;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use legion_cluster::memory::human_bytes;
@@ -154,6 +155,11 @@ impl SearchChoice {
 }
 
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    for (flag, path) in [("--out", &args.out), ("--trace", &args.trace)] {
+        if let Some(path) = path {
+            check_output_path(flag, path)?;
+        }
+    }
     let machine = match (&args.machine, args.nodes, args.devices_per_node) {
         (Some(spec), _, _) => resolve_machine(spec)?,
         (None, Some(nodes), Some(per_node)) => {
@@ -243,7 +249,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         {
             bail!("{} search: {e}", run.searches[0].kind);
         }
-        let best_at = run.best_index().context("no search succeeded")?;
+        let best_at = run
+            .best_index()
+            .with_context(|| no_search_succeeded(&run))?;
         let best = &run.searches[best_at];
         let evaluated = best.result.as_ref().expect("best is a success");
         if args.json {
@@ -368,6 +376,17 @@ fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelC
             largest(worst)
         );
     }
+}
+
+/// Why every search of `run` failed, one search a line.
+fn no_search_succeeded(run: &plan::PlanRun) -> String {
+    let mut why = String::from("no search succeeded:");
+    for s in &run.searches {
+        if let Err(e) = &s.result {
+            why.push_str(&format!("\n  {}: {e}", s.kind.name()));
+        }
+    }
+    why
 }
 
 /// Where t_c comes from, for `--json`.

@@ -5,15 +5,16 @@
 //! with CUDA events and runs each strategy's steps on GPU device actors.
 
 use crate::device::{self, DeviceKind};
-use crate::job::choose_strategy_for;
+use crate::job::{check_output_path, choose_strategy_for};
 use crate::machine::{embedded_machine, gpus_machine};
 use anyhow::{Context, bail};
-use clap::Args;
+use clap::{ArgGroup, Args};
 use legion_profile::{self as profile, ProfileSettings};
 use serde_json::json;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
+#[command(group(ArgGroup::new("devices_source").required(true).multiple(true).args(["devices", "machine"])))]
 pub struct ProfileArgs {
     /// A zoo model name (see `legion-rs models`) or a JSON model file.
     #[arg(long)]
@@ -36,8 +37,8 @@ pub struct ProfileArgs {
     /// embedded cluster of --devices devices.
     #[arg(long)]
     machine: Option<String>,
-    /// Strategies to run, comma-separated: searches (data, model, owt, optcnn) or strategy files.
-    /// Each contributes the tiles its configs use. `space` stands for every degree vector the
+    /// Strategies to run, comma-separated: searches (see `train --help`'s --strategy) or strategy
+    /// files. Each contributes the tiles its configs use. `space` stands for every degree vector the
     /// searches may give each layer (strategy k gives every layer its k-th), so that a profile
     /// prices any strategy the planner finds.
     #[arg(long, value_delimiter = ',', default_value = "data,model,owt,optcnn")]
@@ -70,8 +71,9 @@ pub struct ProfileArgs {
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
-    /// Where to profile: `auto` uses a GPU when one is usable, else the CPU, saying which.
-    #[arg(long, default_value_t = DeviceKind::Auto)]
+    /// Where to profile (auto, cpu, cuda): `auto` uses a GPU when one is usable, else the CPU,
+    /// saying which.
+    #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
     device: DeviceKind,
     /// On a GPU: profile TF32 tensor-core products and convolutions instead of strict FP32.
     #[arg(long)]
@@ -90,6 +92,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     if a.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
+    check_output_path("--out", &a.out)?;
     if a.strategies.iter().any(|s| s.is_empty()) {
         bail!("--strategies: empty name in '{}'", a.strategies.join(","));
     }
@@ -97,7 +100,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         (Some(spec), _) => legion_planner::machine_file::resolve_machine(spec)?.num_devices(),
         (None, Some(0)) => bail!("--devices must be at least 1"),
         (None, Some(devices)) => devices,
-        (None, None) => bail!("give --devices N (the embedded cluster) or --machine"),
+        (None, None) => unreachable!("clap requires --devices or --machine"),
     };
     // The profile's devices share one GPU: the first.
     let first_gpu = || legion_cuda::probe().map(|gpus| gpus.into_iter().take(1).collect());

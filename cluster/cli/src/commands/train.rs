@@ -20,10 +20,7 @@ pub struct TrainArgs {
     /// The cluster's state directory, if `up` was given one.
     #[arg(long, requires = "cluster")]
     state: Option<PathBuf>,
-    /// How to parallelise each layer over the devices: a search (`optcnn`, `data`, `model`, `owt`;
-    /// `refine` with its default budget and seed) or a strategy JSON file (as `legion-rs plan
-    /// --out` writes).
-    #[arg(long, default_value = "optcnn")]
+    #[arg(long, default_value = "optcnn", help = job::strategy_help())]
     strategy: String,
     /// Write a Chrome/Perfetto trace (JSON) of the last step: each device's timeline with several
     /// devices, each call of the step timed on the device with one.
@@ -57,10 +54,13 @@ pub struct TrainArgs {
     /// (--steps counts from the start of the run).
     #[arg(long, conflicts_with = "init")]
     resume: Option<PathBuf>,
+    /// SGD learning rate: the step size of each update (lower it if the loss turns NaN).
     #[arg(long, default_value_t = Sgd::default().lr)]
     lr: f32,
+    /// SGD momentum: the fraction of the previous update each update keeps (0: plain SGD).
     #[arg(long, default_value_t = Sgd::default().momentum)]
     momentum: f32,
+    /// L2 weight decay: the multiple of each weight added to its gradient (0: none).
     #[arg(long, default_value_t = Sgd::default().weight_decay)]
     weight_decay: f32,
     /// Seed of the initialisation, data order and dropout masks.
@@ -69,10 +69,10 @@ pub struct TrainArgs {
     /// One JSON object per step (`step`, `loss`, ...) and a final summary object.
     #[arg(long)]
     json: bool,
-    /// Where to train: `auto` uses the GPUs when one is usable (N devices spread over them, a
+    /// Where to train (auto, cpu, cuda): `auto` uses the GPUs when one is usable (N devices spread over them, a
     /// stream each), else the CPU, saying which; `cuda` fails with what is missing rather than use
     /// the CPU. With --cluster, each host's `device` decides.
-    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
     device: DeviceKind,
     /// Memory of each device, GiB: the strategy must fit it (a search returns only strategies
     /// that do; a named strategy that does not is refused), checked before anything is allocated.
