@@ -9,12 +9,12 @@
 use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
 use anyhow::{Context, bail};
-use legion_cluster::engine::{self, Engine, JobStart, Place, StepBatch};
+use legion_cluster::engine::{self, Engine, JobStart, OneGpu, Place, StepBatch};
 use legion_cluster::launch;
 use legion_ops::Graph;
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
-use legion_ops::train::{ParamStore, Sgd, Trainer, TrainingState};
+use legion_ops::train::{ParamStore, Sgd, TrainingState};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{
     CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, SearchSpace, Strategy,
@@ -488,37 +488,34 @@ impl Job {
                 opts.steps
             );
         }
-        let engine: Box<dyn Engine> = match gpus {
-            Some(started) if !distributed => {
+        let engine_place = match (&cluster, gpus) {
+            (Some((_, hosts, state_dir)), _) => Place::Cluster { hosts, state_dir },
+            (None, gpus) if distributed => Place::Embedded {
+                devices,
+                placement: gpus
+                    .map(device::StartedGpus::into_placement)
+                    .unwrap_or_default(),
+            },
+            (None, Some(started)) => {
                 let (cuda, stream) = started.into_one();
-                let mut trainer =
-                    Trainer::resume_on(cuda, stream, graph.clone(), state, opts.sgd, opts.seed)?;
-                trainer.set_prefetch(opts.prefetch);
-                Box::new(trainer)
+                Place::OneGpu(Box::new(OneGpu {
+                    cuda,
+                    stream,
+                    prefetch: opts.prefetch,
+                }))
             }
-            gpus => {
-                let engine_place = match &cluster {
-                    Some((_, hosts, state_dir)) => Place::Cluster { hosts, state_dir },
-                    None if distributed => Place::Embedded {
-                        devices,
-                        placement: gpus
-                            .map(device::StartedGpus::into_placement)
-                            .unwrap_or_default(),
-                    },
-                    None => Place::OneDevice,
-                };
-                engine::start(
-                    engine_place,
-                    JobStart {
-                        graph: &graph,
-                        configs: &configs,
-                        state,
-                        sgd: opts.sgd,
-                        seed: opts.seed,
-                    },
-                )?
-            }
+            (None, None) => Place::OneDevice,
         };
+        let engine = engine::start(
+            engine_place,
+            JobStart {
+                graph: &graph,
+                configs: &configs,
+                state,
+                sgd: opts.sgd,
+                seed: opts.seed,
+            },
+        )?;
         let plan = distributed.then(|| PlannedRun {
             choice: opts.strategy.clone(),
             devices,
