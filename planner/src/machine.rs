@@ -435,6 +435,14 @@ impl MachineModel {
         Ok(self)
     }
 
+    /// The same machine whose devices are of kind `kind` (the key profiles are looked up under).
+    pub fn with_device_kind(mut self, kind: &str) -> MachineModel {
+        for spec in &mut self.specs {
+            spec.kind = kind.to_string();
+        }
+        self
+    }
+
     /// The same machine with a private link per device pair across nodes (no shared NICs).
     pub fn without_nics(self) -> MachineModel {
         MachineModel {

@@ -57,9 +57,15 @@ use toml::Spanned;
 /// a machine file.
 pub fn resolve_machine(spec: &str) -> Result<MachineModel, MachineError> {
     let path = Path::new(spec);
-    let counted_preset = ["paper:", "paper-pairs:", "dgx-h100:", "local-cpu:"]
-        .iter()
-        .any(|prefix| spec.starts_with(prefix));
+    let counted_preset = [
+        "paper:",
+        "paper-pairs:",
+        "dgx-h100:",
+        "local-cpu:",
+        "one-gpu:",
+    ]
+    .iter()
+    .any(|prefix| spec.starts_with(prefix));
     if PRESETS.contains(&spec) || counted_preset || !path.exists() {
         return MachineModel::preset(spec).map_err(|e| match e {
             MachineError::UnknownPreset { name, known } => MachineError::UnknownPreset {

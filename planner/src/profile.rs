@@ -464,8 +464,15 @@ impl ProfileDb {
     }
 
     /// `machine` as this profile measured it: every link priced by the measured transport and the
-    /// devices sharing the measured compute pool, where the profile has them.
+    /// devices sharing the measured compute pool, where the profile has them. A `one-gpu:N`
+    /// machine (N devices sharing one GPU, whichever GPU that is) takes the kind of the GPU the
+    /// profile measured, so that an H200's profile prices `one-gpu:N` as the H200 it ran on.
     pub fn apply_to(&self, mut machine: MachineModel) -> MachineModel {
+        if machine.name().starts_with("one-gpu:")
+            && let Some(kind) = self.only_device_kind()
+        {
+            machine = machine.with_device_kind(kind);
+        }
         // Both were validated on load (or come from the profiler), so neither can be refused.
         if let Some(l) = &self.links {
             machine = machine
@@ -483,6 +490,15 @@ impl ProfileDb {
                 .expect("validated runtime costs");
         }
         machine
+    }
+
+    /// The one device kind every entry was measured on, if there is exactly one.
+    pub fn only_device_kind(&self) -> Option<&str> {
+        let first = self.entries.first()?.device_kind.as_str();
+        self.entries
+            .iter()
+            .all(|e| e.device_kind == first)
+            .then_some(first)
     }
 
     pub fn load(path: &Path) -> Result<ProfileDb, ProfileError> {
@@ -866,6 +882,37 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert_eq!(e, "p.json: compute_threads: must be in 1..=4096, got 0");
+    }
+
+    #[test]
+    fn one_gpu_takes_the_kind_of_the_gpu_its_profile_measured() {
+        let entry = |kind: &str| ProfileEntry {
+            op: "relu".into(),
+            attrs: Value::Null,
+            inputs: vec![vec![2, 2]],
+            tile: vec![2, 2],
+            device_kind: kind.into(),
+            forward_s: 1e-6,
+            backward_s: 1e-6,
+            samples: 1,
+        };
+        let h200 = ProfileDb {
+            entries: vec![entry("h200"), entry("h200")],
+            ..ProfileDb::default()
+        };
+        assert_eq!(h200.only_device_kind(), Some("h200"));
+        let one_gpu = h200.apply_to(MachineModel::preset("one-gpu:2").unwrap());
+        assert_eq!(one_gpu.device(1).kind, "h200");
+        // Other machines keep their devices; a profile of several kinds retags nothing.
+        let paper = h200.apply_to(MachineModel::preset("paper:2").unwrap());
+        assert_eq!(paper.device(0).kind, "p100");
+        let mixed = ProfileDb {
+            entries: vec![entry("h200"), entry("h100")],
+            ..ProfileDb::default()
+        };
+        assert_eq!(mixed.only_device_kind(), None);
+        let kept = mixed.apply_to(MachineModel::preset("one-gpu:2").unwrap());
+        assert_eq!(kept.device(0).kind, "h100");
     }
 
     #[test]

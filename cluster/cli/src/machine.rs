@@ -21,24 +21,25 @@ pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
 }
 
 /// The machine the embedded cluster's `devices` devices make on `gpus` (as the runtime places
-/// them, `Placement::gpu_of`), as the planner sees it (`MachineModel::on_gpus`): devices that
-/// compute like H100s, in TF32 with `tf32` (the GPUs lent to this project are H100s and H200s; a
-/// profile measured on the GPU, `profile --device cuda`, refines it), each with its share of its
-/// GPU's memory.
+/// them, `Placement::gpu_of`), as the planner sees it (`MachineModel::on_gpus`): devices of the
+/// first GPU's kind, from its name (`DeviceSpec::for_gpu`: an H200 is `h200`, and a profile
+/// measured on it, `profile --device cuda`, is stored and looked up under that kind), `-tf32`
+/// with `tf32`, each with its share of its GPU's memory.
 pub fn gpus_machine(
     devices: usize,
     gpus: &[CudaDevice],
     tf32: bool,
 ) -> anyhow::Result<MachineModel> {
-    let mut device = DeviceSpec::h100();
-    if tf32 {
-        device.kind = "h100-tf32".into();
-        device.peak_gflops *= TF32_OVER_FP32;
-    }
     let memory: Vec<f64> = gpus
         .iter()
         .map(|g| g.total_memory_bytes as f64 / (1u64 << 30) as f64)
         .collect();
+    let first = gpus.first().map_or("", |g| g.name.as_str());
+    let mut device = DeviceSpec::for_gpu(first, memory.first().copied().unwrap_or_default());
+    if tf32 {
+        device.kind = format!("{}-tf32", device.kind);
+        device.peak_gflops *= TF32_OVER_FP32;
+    }
     let g = memory.len().min(devices.max(1));
     let name = format!("gpus:{devices}on{g}");
     Ok(MachineModel::on_gpus(&name, devices, &memory, device)?)
@@ -211,6 +212,15 @@ mod tests {
         let tf32 = gpus_machine(1, &[gpu(0)], true).unwrap();
         assert!(tf32.device(0).peak_gflops > 7.0 * DeviceSpec::h100().peak_gflops);
         assert_eq!(tf32.device(0).kind, "h100-tf32");
+        // The kind is the GPU's, from its name: an H200's profile is its own.
+        let h200 = CudaDevice {
+            name: "NVIDIA H200".into(),
+            total_memory_bytes: 140 << 30,
+            ..gpu(0)
+        };
+        let on_h200 = gpus_machine(2, &[h200], false).unwrap();
+        assert_eq!(on_h200.device(0).kind, "h200");
+        assert_eq!(on_h200.device(0).memory_gib, Some(70.0));
     }
 
     /// The hosts module's example: node0 (2 devices, port 7401) and 10.0.0.2, with a link.
