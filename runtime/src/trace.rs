@@ -18,7 +18,7 @@ pub fn chrome_trace(plan: &StepPlan, graph: &Graph, reports: &[StepReport]) -> V
     for d in 0..devices {
         events.push(json!({
             "name": "process_name", "ph": "M", "pid": d, "tid": 0,
-            "args": {"name": format!("device {d} (cpu)")},
+            "args": {"name": format!("device {d}")},
         }));
     }
     let mut links: BTreeMap<(usize, usize), usize> = BTreeMap::new();
