@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_clean_failure, free_udp_port, legion, ok};
+use common::{ALEXNET_64, assert_clean_failure, free_udp_port, legion, ok};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -223,17 +223,7 @@ fn outputs_that_cannot_be_written_are_refused_before_any_work() {
 #[test]
 fn strategy_files_name_their_model_and_idle_devices_are_named() {
     let dir = tempfile::tempdir().unwrap();
-    let alexnet = [
-        "--model",
-        "alexnet",
-        "--image-size",
-        "64",
-        "--classes",
-        "10",
-        "--batch",
-        "8",
-    ];
-    let for_alexnet = data_strategy_file(dir.path(), &alexnet, 4);
+    let for_alexnet = data_strategy_file(dir.path(), &ALEXNET_64, 4);
     let out = legion(
         &[
             &["train"][..],
