@@ -912,7 +912,85 @@ fn sgd_case<D: Device>(
 }
 
 // ---------------------------------------------------------------------------------------------
+/// The runtime's region primitives from `src` (laid out over its rect) into a destination laid out
+/// over `dst_layout` that starts as `dst`'s values: copy, add and zero of `region`, each into its
+/// own destination.
+fn region_case<D: Device>(
+    d: &D,
+    s: &mut D::Stream,
+    src: &Host,
+    dst: &cpu::Buffer,
+    dst_layout: Rect,
+    region: Rect,
+) -> Outputs {
+    let src = put(d, s, src);
+    let start = Host {
+        rect: dst_layout,
+        data: dst.clone(),
+    };
+    let (mut copied, mut added, mut zeroed) =
+        (put(d, s, &start), put(d, s, &start), put(d, s, &start));
+    d.copy_rect(s, src.read(), copied.write(), &region);
+    d.add_rect(s, src.read(), added.write(), &region);
+    d.zero_rect(s, zeroed.write(), &region);
+    vec![
+        ("copied", d.get(s, &copied.mem)),
+        ("added", d.get(s, &added.mem)),
+        ("zeroed", d.get(s, &zeroed.mem)),
+    ]
+}
+
 // The cases.
+
+/// Whole tensors and whole samples are one run of elements in both layouts (the GPU moves them
+/// with a device copy, a flat add or a memset); the rest are located element by element.
+fn region_cases(h: &mut Harness) {
+    let full = Shape::nchw(3, 4, 5, 6).full_rect();
+    let samples = r(&[1, 0, 0, 0], &[3, 4, 5, 6]);
+    let cut = r(&[0, 1, 1, 2], &[3, 3, 4, 6]);
+    let one_sample_channels = r(&[2, 1, 0, 0], &[3, 3, 5, 6]);
+    let wider = Shape::nchw(3, 4, 5, 8).full_rect();
+    let cases = [
+        ("whole", full, full, full),
+        (
+            "whole samples into their own layout",
+            full,
+            samples,
+            samples,
+        ),
+        ("whole samples between larger layouts", full, full, samples),
+        (
+            "channels of one sample (a run)",
+            full,
+            one_sample_channels,
+            one_sample_channels,
+        ),
+        ("cut in the inner axes", full, full, cut),
+        (
+            "a run in the source, not in the destination",
+            samples,
+            wider,
+            samples,
+        ),
+    ];
+    for (i, (what, src_layout, dst_layout, region)) in cases.into_iter().enumerate() {
+        let seed = 900 + 10 * i as u64;
+        let src = Host::random(src_layout, seed);
+        let dst = random(&dst_layout, seed + 1);
+        both!(h, format!("regions f32, {what}"), |d, s| region_case(
+            d, s, &src, &dst, dst_layout, region
+        ));
+        let widen = |b: &cpu::Buffer| cpu::Buffer::F64(b.f32().iter().map(|&x| x as f64).collect());
+        let src64 = Host {
+            rect: src_layout,
+            data: widen(&src.data),
+        };
+        let dst64 = widen(&dst);
+        both!(h, format!("regions f64, {what}"), |d, s| region_case(
+            d, s, &src64, &dst64, dst_layout, region
+        ));
+    }
+}
 
 fn elementwise_cases(h: &mut Harness) {
     let shape = Shape::nchw(2, 3, 5, 7);
@@ -1434,6 +1512,7 @@ fn every_primitive_matches_the_cpu_backend() {
     let Some(mut h) = Harness::start() else {
         return;
     };
+    region_cases(&mut h);
     elementwise_cases(&mut h);
     load_images_cases(&mut h);
     conv_cases(&mut h);
