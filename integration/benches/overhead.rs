@@ -1,5 +1,6 @@
-//! The runtime's overhead (what its actors, messages and copies add to the kernels), measured side by side in one run because the machine is shared
-//! and noisy: compare the ratios, not the absolute figures.
+//! The runtime's overhead (what its actors, messages and copies add to the kernels), measured side
+//! by side in one run because the machine is shared and noisy: compare the ratios, not the
+//! absolute figures.
 //!
 //! ```text
 //! cargo bench -p legion-integration --bench overhead                # all three sections
