@@ -413,7 +413,8 @@ fn stop_started(
         }
     }
     let mut note = match stopped.is_empty() {
-        true => "up started no worker before it failed".to_string(),
+        // Those it started had exited on their own, or it started none.
+        true => "no worker this up started is left running".to_string(),
         false => format!(
             "up stopped the worker(s) it had started: {}",
             stopped.join(", ")

@@ -95,9 +95,8 @@ impl DeviceSpec {
             .collect();
         let mut device = match words.first().map(String::as_str) {
             Some("h200") => DeviceSpec::h200(),
-            Some("h100") => DeviceSpec::h100(),
-            _ if words.is_empty() => DeviceSpec::h100(),
-            _ => DeviceSpec {
+            Some("h100") | None => DeviceSpec::h100(),
+            Some(_) => DeviceSpec {
                 kind: words.join("-"),
                 ..DeviceSpec::h100()
             },

@@ -89,18 +89,22 @@ impl Cuda {
         let k = &self.kernels;
         match (src, dst) {
             (Buffer::F32(src), Buffer::F32(dst)) => {
-                let kernels = match add {
-                    true => (&k.add_region_f32, &k.add_runs_f32),
-                    false => (&k.copy_region_f32, &k.add_runs_f32),
+                let (by_point, add_runs) = match add {
+                    true => (&k.add_region_f32, Some(&k.add_runs_f32)),
+                    false => (&k.copy_region_f32, None),
                 };
-                move_typed(s, add, kernels, src, src_layout, dst, dst_layout, region)
+                move_typed(
+                    s, by_point, add_runs, src, src_layout, dst, dst_layout, region,
+                )
             }
             (Buffer::F64(src), Buffer::F64(dst)) => {
-                let kernels = match add {
-                    true => (&k.add_region_f64, &k.add_runs_f64),
-                    false => (&k.copy_region_f64, &k.add_runs_f64),
+                let (by_point, add_runs) = match add {
+                    true => (&k.add_region_f64, Some(&k.add_runs_f64)),
+                    false => (&k.copy_region_f64, None),
                 };
-                move_typed(s, add, kernels, src, src_layout, dst, dst_layout, region)
+                move_typed(
+                    s, by_point, add_runs, src, src_layout, dst, dst_layout, region,
+                )
             }
             _ => panic!("copy between buffers of different element types"),
         }
@@ -117,13 +121,13 @@ impl Cuda {
         dst_layout: Box4,
         region: Box4,
     ) -> Launch {
-        let k = &self.kernels;
-        let kernels = (&k.copy_region_f32, &k.add_runs_f32);
-        move_typed(s, false, kernels, src, src_layout, dst, dst_layout, region)
+        let by_point = &self.kernels.copy_region_f32;
+        move_typed(s, by_point, None, src, src_layout, dst, dst_layout, region)
     }
 }
 
-/// `dst[region] (+)= src[region]`. Where the region is one run of consecutive elements in both
+/// `dst[region] = src[region]` with the copy kernel `by_point`, or `+=` with the sum kernels
+/// `by_point` and `add_runs`. Where the region is one run of consecutive elements in both
 /// layouts (whole tensors, blocks of whole samples), a device-to-device copy or the flat `add_runs`
 /// kernel moves it; only a region cut across inner axes pays the kernel that finds each element's
 /// place in both layouts (four 64-bit divisions an element: on an H200 a 51 M-element copy took
@@ -131,8 +135,8 @@ impl Cuda {
 #[allow(clippy::too_many_arguments)]
 fn move_typed<T: DeviceRepr>(
     s: &Stream,
-    add: bool,
-    (by_point, add_runs): (&CudaFunction, &CudaFunction),
+    by_point: &CudaFunction,
+    add_runs: Option<&CudaFunction>,
     src: &CudaSlice<T>,
     src_layout: Box4,
     dst: &mut CudaSlice<T>,
@@ -149,10 +153,10 @@ fn move_typed<T: DeviceRepr>(
         let (from, to, len) = (from as usize, to as usize, n as usize);
         let src = src.slice(from..from + len);
         let mut dst = dst.slice_mut(to..to + len);
-        if !add {
+        let Some(add_runs) = add_runs else {
             s.stream.memcpy_dtod(&src, &mut dst)?;
             return Ok(());
-        }
+        };
         let mut b = s.stream.launch_builder(add_runs);
         b.arg(&src).arg(&mut dst).arg(&n);
         // SAFETY: the arguments match the kernel's signature; both views hold n elements.

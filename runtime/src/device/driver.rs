@@ -129,14 +129,20 @@ pub(crate) struct StepEnd {
     pub events: Vec<OpEvent>,
 }
 
+/// Instances an op held while it ran elsewhere, handed back with its end: `(instance, buffer,
+/// whether the op overwrote all of it)`. Only a driver that lends its instances out (the host
+/// driver, to its compute pool) fills it.
+pub(crate) type Lent = Vec<(u32, Arc<Buffer>, bool)>;
+
 /// What a driver's threads tell the actor.
 pub(crate) enum DriverEvent {
-    /// Op `op`, handed over as [`Handed::Pending`], has run.
+    /// Op `op`, handed over as [`Handed::Pending`], has run; `lent` goes back to the driver.
     OpDone {
         op: u32,
         result: Result<TaskOutcome, String>,
         start: Instant,
         end: Instant,
+        lent: Lent,
     },
     /// Every op of step `step` has run (after [`Driver::end_step`] said it would end later).
     StepDone { step: u64, end: StepEnd },
@@ -155,9 +161,10 @@ pub(crate) trait Driver: Send + 'static {
     /// Every ready op has been handed over: start what is queued.
     fn pump(&mut self) {}
 
-    /// Pending op `op` has run (its [`DriverEvent::OpDone`] reached the actor): take back what
-    /// it held.
-    fn reclaim(&mut self, _op: u32) {}
+    /// A pending op has run (its [`DriverEvent::OpDone`] reached the actor): take back the
+    /// instances it held. The message carries them, so that the pool's thread and the actor
+    /// share nothing but the actor's mailbox.
+    fn reclaim(&mut self, _lent: Lent) {}
 
     /// Every op of the step is done or queued: its end now, or `None` when it comes later as
     /// [`DriverEvent::StepDone`].

@@ -8,7 +8,7 @@
 //! adopts its buffer instead of copying it; whoever writes to a shared buffer next copies it
 //! first.
 
-use super::driver::{Driver, DriverEvent, Handed, StepEnd, StepStart, answered};
+use super::driver::{Driver, DriverEvent, Handed, Lent, StepEnd, StepStart, answered};
 use super::{DeviceActor, DeviceSetup, caught};
 use crate::buffer::Buffer;
 use crate::compute::ComputePool;
@@ -18,7 +18,6 @@ use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
 use crate::task::Privilege;
 use crate::transport::{SliceData, SliceMessage, Transport};
-use crossbeam_channel::{Receiver, Sender};
 use kameo::actor::ActorRef;
 use legion_ops::backend::cpu::{Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, Out};
@@ -29,9 +28,6 @@ use std::collections::BinaryHeap;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
-
-/// The instances a compute op writes: `(instance, buffer, whether the op overwrites all of it)`.
-type Writes = Vec<(u32, Arc<Buffer>, bool)>;
 
 pub(crate) struct HostDriver {
     program: Arc<DeviceProgram>,
@@ -49,8 +45,6 @@ pub(crate) struct HostDriver {
     queue: BinaryHeap<Reverse<u32>>,
     /// Whether a compute op is on the pool.
     busy: bool,
-    /// The pool hands the instances an op wrote back here before it tells the actor.
-    written: (Sender<Writes>, Receiver<Writes>),
     step: Option<Running>,
 }
 
@@ -79,7 +73,6 @@ impl HostDriver {
             instances,
             queue: BinaryHeap::new(),
             busy: false,
-            written: crossbeam_channel::unbounded(),
             step: None,
         }
     }
@@ -278,7 +271,6 @@ impl Driver for HostDriver {
         let actor = running.actor.clone();
         let graph = Arc::clone(&self.graph);
         let (seed, sgd) = (self.seed, self.sgd);
-        let written = self.written.0.clone();
         self.pool.spawn(move || {
             let start = Instant::now();
             let mut writes = writes;
@@ -287,13 +279,12 @@ impl Driver for HostDriver {
             // Readers let go before the actor hears of it, so a writer after us finds them gone.
             drop(reads);
             let end = Instant::now();
-            // The instances go back first: the actor takes them when it hears of the op.
-            let _ = written.send(writes);
             let done = DriverEvent::OpDone {
                 op: i,
                 result,
                 start,
                 end,
+                lent: writes,
             };
             if let Err(e) = actor.tell(done).try_send() {
                 tracing::error!("device actor gone: {e}");
@@ -301,14 +292,8 @@ impl Driver for HostDriver {
         });
     }
 
-    fn reclaim(&mut self, _op: u32) {
-        // One compute op runs at a time, and its writes were sent before its `OpDone`.
-        let writes = self
-            .written
-            .1
-            .try_recv()
-            .expect("a compute op's instances come back before its end is told");
-        for (i, b, _) in writes {
+    fn reclaim(&mut self, lent: Lent) {
+        for (i, b, _) in lent {
             self.instances[i as usize] = Some(b);
         }
         self.busy = false;

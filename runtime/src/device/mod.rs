@@ -82,7 +82,6 @@ pub struct DeviceActor {
 
 /// The report of the running step, as it fills.
 struct StepState {
-    step: u64,
     input: Arc<StepInput>,
     epoch: Instant,
     outcome: TaskOutcome,
@@ -111,7 +110,6 @@ impl DeviceActor {
 
     fn start_step(&mut self, msg: RunStep, actor: &kameo::actor::ActorRef<DeviceActor>) {
         self.step = Some(StepState {
-            step: msg.step,
             input: Arc::clone(&msg.input),
             epoch: msg.epoch,
             outcome: TaskOutcome::default(),
@@ -151,7 +149,9 @@ impl DeviceActor {
             Arrival::Duplicate => tracing::error!(device, step, "duplicate slice ignored"),
             Arrival::Unexpected => tracing::error!(device, step, "slice for no receive dropped"),
             Arrival::Misshapen { error } => {
-                if let Some(state) = self.step.as_mut().filter(|s| s.step == step) {
+                if let Some(state) = self.step.as_mut()
+                    && self.schedule.step() == Some(step)
+                {
                     state.error.get_or_insert(error);
                 }
             }
@@ -328,13 +328,14 @@ impl Message<DriverEvent> for DeviceActor {
                 result,
                 start,
                 end,
+                lent,
             } => {
-                self.driver.reclaim(op);
+                self.driver.reclaim(lent);
                 self.finished(op, result, start, end);
                 self.run_ready();
             }
             DriverEvent::StepDone { step, end } => {
-                if self.step.as_ref().map(|s| s.step) != Some(step) {
+                if self.step.is_none() || self.schedule.step() != Some(step) {
                     tracing::error!(step, "a step ended that is not running");
                     return;
                 }
