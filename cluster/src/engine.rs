@@ -7,6 +7,7 @@ use crate::hosts::Hosts;
 use crate::remote::RemoteCluster;
 use legion_ops::Graph;
 use legion_ops::backend::Backend;
+use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{Sgd, StepStats, Trainer, TrainingState};
 use legion_runtime::StepReport;
@@ -39,6 +40,8 @@ pub struct OneGpu {
     pub stream: legion_cuda::Stream,
     /// Whether the next batch is staged while a step computes.
     pub prefetch: bool,
+    /// Whether steps after the first are recorded as a CUDA graph and replayed.
+    pub capture: CaptureSetting,
 }
 
 /// What every engine starts from.
@@ -80,6 +83,12 @@ pub trait Engine {
     fn own_trace(&mut self) -> Option<serde_json::Value> {
         None
     }
+
+    /// Whether steps are recorded and replayed, where the engine records them itself (the
+    /// one-device trainer).
+    fn capture_status(&self) -> Option<CaptureStatus> {
+        None
+    }
 }
 
 /// Starts the engine of `place` on `job`.
@@ -96,6 +105,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
                 cuda,
                 stream,
                 prefetch,
+                capture,
             } = *gpu;
             let mut trainer = Trainer::resume_on(
                 cuda,
@@ -106,6 +116,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
                 job.seed,
             )?;
             trainer.set_prefetch(prefetch);
+            trainer.set_capture(capture);
             Box::new(trainer)
         }
         Place::Embedded { devices, placement } => Box::new(EmbeddedCluster::resume_on(
@@ -168,6 +179,10 @@ impl<B: Backend> Engine for Trainer<B> {
 
     fn plan(&self) -> Option<&StepPlan> {
         None
+    }
+
+    fn capture_status(&self) -> Option<CaptureStatus> {
+        Some(Trainer::capture_status(self))
     }
 
     fn own_trace(&mut self) -> Option<serde_json::Value> {

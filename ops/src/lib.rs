@@ -5,6 +5,7 @@
 
 pub mod atomic_file;
 pub mod backend;
+pub mod capture;
 pub mod checkpoint;
 pub mod data;
 pub mod graph;

@@ -9,6 +9,7 @@ use crate::backend::{
     Access, Backend, BatchView, DType, In, KernelCall, KernelError, Operand, Out, Phase, Role,
     StepContext, fill_host_batch,
 };
+use crate::capture::{CaptureSetting, CaptureStatus, Recorded, StepCapture, StepRun};
 use crate::checkpoint::{self, TensorRef};
 use crate::graph::{Graph, GraphParam, LayerId};
 use crate::kernels::softmax_ce::LabelOutOfRange;
@@ -295,6 +296,8 @@ pub struct Trainer<B: Backend = Cpu> {
     trace: Option<Vec<TracedCall>>,
     /// Whether [`Trainer::step_ahead`] stages the next batch during the step (the default).
     prefetch: bool,
+    /// Whether steps are recorded and replayed, and the recording.
+    capture: StepCapture<B::Graph, B::Buffer>,
 }
 
 /// One kernel call of a traced step: `start` seconds after the step's first marker, lasting
@@ -388,6 +391,8 @@ impl Trainer<Cpu> {
             step,
             ahead: None,
             prefetch: true,
+            // The CPU runs each kernel when it is called: nothing to record.
+            capture: StepCapture::new(CaptureSetting::Off),
             trace_next: false,
             trace: None,
         }
@@ -425,6 +430,7 @@ impl<B: Backend> Trainer<B> {
             step: state.step,
             ahead: None,
             prefetch: true,
+            capture: StepCapture::new(CaptureSetting::On),
             trace_next: false,
             trace: None,
         })
@@ -506,6 +512,8 @@ impl<B: Backend> Trainer<B> {
             expected,
             "batch images do not match the input shape"
         );
+        let traced = std::mem::take(&mut self.trace_next);
+        let run = self.capture.plan(traced);
         let (b, stream) = (&self.backend, &mut self.stream);
         let pass = Pass::new(
             &self.graph,
@@ -517,14 +525,31 @@ impl<B: Backend> Trainer<B> {
             self.seed,
             self.step,
         )
-        .traced(std::mem::take(&mut self.trace_next));
+        .traced(traced);
         let before = pass.mark(b, stream)?;
         let staged = match self.ahead.take() {
             Some(ahead) if ahead.is_of(images, labels) => ahead.staged,
             _ => b.stage_batch(stream, images, labels)?,
         };
-        let input = b.take_staged(stream, staged)?;
+        let taken = b.take_staged(stream, staged)?;
         pass.record(b, stream, before, || "data.wait".into(), "copy")?;
+        // A step recorded or replayed reads its images where the recording does: they move there
+        // (a device copy), and the staged buffer goes back at once.
+        let mut staged_images = None;
+        let mut fresh_fixed = None;
+        if run == StepRun::Enqueued {
+            staged_images = Some(taken);
+        } else {
+            let rect = self.graph.layer(self.graph.input()).shape.full_rect();
+            let fixed = match (run, self.capture.recording_mut()) {
+                (StepRun::Replay, Some(recorded)) => &mut recorded.images,
+                _ => fresh_fixed.insert(b.alloc(stream, DType::F32, expected)?),
+            };
+            let from = In { rect, mem: &taken };
+            let moved = b.fix_step(stream, self.step, from, Out { rect, mem: fixed });
+            b.recycle_staged(stream, taken);
+            moved?;
+        }
         // The next batch goes into the other host buffers on another thread while this one
         // enqueues the step; its copies are enqueued once both are done.
         let next = next.filter(|(i, l)| {
@@ -536,8 +561,11 @@ impl<B: Backend> Trainer<B> {
         };
         let (weights, velocity) = (&mut self.weights, &mut self.velocity);
         let (params, first) = (&self.params, &self.first);
-        let enqueue = |stream: &mut B::Stream| {
-            let (acts, loss, saved) = pass.forward(b, stream, weights, input)?;
+        // Enqueues the step's kernels on the images: the loss, with the samples it averages over.
+        // Every buffer the step allocates is dropped before this returns (freed in stream order
+        // after its last reader; while recording, within the recording).
+        let mut enqueue = |stream: &mut B::Stream, images: &B::Buffer| {
+            let (acts, loss, saved) = pass.forward(b, stream, weights, images)?;
             let grads = pass.backward(b, stream, weights, &acts, &saved)?;
             for (slot, grad) in grads.into_iter().enumerate() {
                 let Some(grad) = grad else { continue };
@@ -551,7 +579,61 @@ impl<B: Backend> Trainer<B> {
                 ];
                 pass.run(b, stream, p.layer, rect, Phase::Update { param }, operands)?;
             }
-            Ok::<_, KernelError>((acts, loss))
+            Ok::<_, KernelError>(loss)
+        };
+        let recording = self.capture.recording();
+        let (staged_ref, fixed_ref) = (staged_images.as_ref(), fresh_fixed.as_ref());
+        let mut work = |stream: &mut B::Stream| -> (Result<_, KernelError>, CaptureEvent<_>) {
+            match run {
+                StepRun::Enqueued => {
+                    let images = staged_ref.expect("an enqueued step reads its staged images");
+                    (enqueue(stream, images), CaptureEvent::None)
+                }
+                StepRun::Replay => {
+                    let recorded = recording.expect("a replay is planned with a recording");
+                    match b.replay(stream, &recorded.graph) {
+                        Ok(losses) => (
+                            Ok(losses.into_iter().last().zip(recorded.loss_samples)),
+                            CaptureEvent::None,
+                        ),
+                        Err(e) => {
+                            let why = format!("replaying the recorded step failed: {e}");
+                            (Err(e), CaptureEvent::GaveUp(why))
+                        }
+                    }
+                }
+                StepRun::Record => {
+                    let images = fixed_ref.expect("a recorded step has its fixed images");
+                    let recorded = b.begin_capture(stream).and_then(|()| {
+                        // The loss kernels report into the stream's own totals while recording:
+                        // replays read them (the report enqueued here is empty).
+                        let samples = enqueue(stream, images).map(|loss| loss.map(|(_, n)| n));
+                        samples.and_then(|loss_samples| {
+                            let graph = b.end_capture(stream)?;
+                            Ok((graph, loss_samples))
+                        })
+                    });
+                    let (graph, loss_samples) = match recorded {
+                        Ok(recorded) => recorded,
+                        Err(e) => {
+                            // The step runs as enqueued after all.
+                            b.abandon_capture(stream);
+                            let why = format!("recording the step failed: {e}");
+                            return (enqueue(stream, images), CaptureEvent::GaveUp(why));
+                        }
+                    };
+                    match b.replay(stream, &graph) {
+                        Ok(losses) => (
+                            Ok(losses.into_iter().last().zip(loss_samples)),
+                            CaptureEvent::Recorded(graph, loss_samples),
+                        ),
+                        Err(e) => {
+                            let why = format!("launching the recorded step failed: {e}");
+                            (Err(e), CaptureEvent::GaveUp(why))
+                        }
+                    }
+                }
+            }
         };
         let (enqueued, filled) = std::thread::scope(|scope| {
             let filler = match &mut host_next {
@@ -561,7 +643,7 @@ impl<B: Backend> Trainer<B> {
                 }
                 None => None,
             };
-            let enqueued = enqueue(stream);
+            let enqueued = work(stream);
             let filled = std::time::Instant::now();
             if let Some(filler) = filler
                 && let Err(panic) = filler.join()
@@ -570,7 +652,32 @@ impl<B: Backend> Trainer<B> {
             }
             Ok::<_, KernelError>((enqueued, filled))
         })?;
-        let (acts, loss) = enqueued?;
+        let (loss, event) = enqueued;
+        let ran_enqueued = match event {
+            CaptureEvent::None => run == StepRun::Enqueued,
+            CaptureEvent::Recorded(graph, loss_samples) => {
+                let images = fresh_fixed
+                    .take()
+                    .expect("a recorded step has its fixed images");
+                self.capture.recorded(Recorded {
+                    graph,
+                    images,
+                    loss_samples,
+                });
+                false
+            }
+            CaptureEvent::GaveUp(why) => {
+                self.capture.give_up(why);
+                run == StepRun::Record
+            }
+        };
+        let (b, stream) = (&self.backend, &mut self.stream);
+        if let Some(images) = staged_images {
+            b.recycle_staged(stream, images);
+        }
+        // Dropped in stream order after the step's last reader.
+        drop(fresh_fixed);
+        let loss = loss?;
         let enqueued = filled;
         if let Some((host, i, l)) = host_next {
             self.ahead = Some(Ahead {
@@ -580,8 +687,6 @@ impl<B: Backend> Trainer<B> {
                 probe: probe_of(i),
             });
         }
-        let mut acts = acts;
-        b.recycle_staged(stream, acts.swap_remove(self.graph.input().0));
         let staged = std::time::Instant::now();
         b.synchronize(stream)?;
         let host = Some(HostTiming {
@@ -591,6 +696,9 @@ impl<B: Backend> Trainer<B> {
         });
         if let Some(spans) = pass.spans {
             self.trace = Some(timeline(b, spans.into_inner())?);
+        }
+        if ran_enqueued {
+            self.capture.ran_enqueued(traced);
         }
         let stats = match loss {
             Some((loss, samples)) => {
@@ -610,6 +718,26 @@ impl<B: Backend> Trainer<B> {
         self.step += 1;
         Ok(stats)
     }
+
+    /// Whether steps are recorded and replayed ([`crate::capture`]): on by default on a device
+    /// (`resume_on`), off for the CPU reference (`new`, `resume`), which cannot record. Off,
+    /// every step's kernels are enqueued one by one.
+    pub fn set_capture(&mut self, setting: CaptureSetting) {
+        self.capture.set(setting);
+    }
+
+    /// Where capture stands: off, warming up, replaying, or given up and why.
+    pub fn capture_status(&self) -> CaptureStatus {
+        self.capture.status()
+    }
+}
+
+/// What became of capture in a step.
+enum CaptureEvent<G> {
+    None,
+    /// The step was recorded (the graph, and the samples its loss averages over).
+    Recorded(G, Option<usize>),
+    GaveUp(String),
 }
 
 /// Every label below the class count of every loss layer (its input's channels).
@@ -685,6 +813,25 @@ fn two_mut<T>(items: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
 /// The `[3, C]` f64 sums of a batch-norm layer with `channels` channels, whole.
 fn sums_rect(channels: usize) -> Rect {
     Shape::new(&[3, channels]).full_rect()
+}
+
+/// Every layer's output in a pass: the input layer's is the batch's images, borrowed.
+struct Acts<'i, M> {
+    images: &'i M,
+    input: usize,
+    /// By layer index; `None` at the input layer.
+    outputs: Vec<Option<M>>,
+}
+
+impl<M> Acts<'_, M> {
+    fn of(&self, layer: LayerId) -> &M {
+        match layer.0 == self.input {
+            true => self.images,
+            false => self.outputs[layer.0]
+                .as_ref()
+                .expect("a layer's output is computed before it is read"),
+        }
+    }
 }
 
 /// Per-layer state the backward pass needs from the forward pass: the batch statistics (`[3, C]`
@@ -824,20 +971,30 @@ impl<'a, K> Pass<'a, K> {
     }
 
     /// Every layer's output, the pending loss with the number of samples it sums over, and what
-    /// backward needs. `input` holds the batch's images (a taken [`Backend::stage_batch`]): the
-    /// input layer's output, never copied.
+    /// backward needs. `images` holds the batch (a taken [`Backend::stage_batch`], or the
+    /// buffer a recorded step reads): the input layer's output, borrowed and never copied.
     #[allow(clippy::type_complexity)]
-    fn forward<B: Backend<Marker = K>>(
+    fn forward<'i, B: Backend<Marker = K>>(
         &self,
         b: &B,
         stream: &mut B::Stream,
         weights: &mut [B::Buffer],
-        input: B::Buffer,
-    ) -> Result<(Vec<B::Buffer>, Option<(B::Loss, usize)>, Saved<B::Buffer>), KernelError> {
+        images: &'i B::Buffer,
+    ) -> Result<
+        (
+            Acts<'i, B::Buffer>,
+            Option<(B::Loss, usize)>,
+            Saved<B::Buffer>,
+        ),
+        KernelError,
+    > {
         let g = self.graph;
         let input_layer = g.input();
-        let mut input = Some(input);
-        let mut acts: Vec<B::Buffer> = Vec::with_capacity(g.layers().len());
+        let mut acts = Acts {
+            images,
+            input: input_layer.0,
+            outputs: Vec::with_capacity(g.layers().len()),
+        };
         let mut saved = Saved {
             moments: BTreeMap::new(),
         };
@@ -846,7 +1003,7 @@ impl<'a, K> Pass<'a, K> {
             let layer = g.layer(id);
             let tile = self.full(id);
             if id == input_layer {
-                acts.push(input.take().expect("one input layer"));
+                acts.outputs.push(None);
                 continue;
             }
             let mut y = b.alloc(stream, DType::F32, layer.shape.numel())?;
@@ -854,13 +1011,13 @@ impl<'a, K> Pass<'a, K> {
                 .inputs
                 .iter()
                 .enumerate()
-                .map(|(k, &src)| read(Role::Input(k as u8), self.full(src), &acts[src.0]))
+                .map(|(k, &src)| read(Role::Input(k as u8), self.full(src), acts.of(src)))
                 .collect();
             if let Op::BatchNorm(_) = layer.op {
                 let channels = layer.shape.dim(1);
                 let sums = sums_rect(channels);
                 let mut moments = b.alloc(stream, DType::F64, 3 * channels)?;
-                let x = read(Role::Input(0), tile, &acts[layer.inputs[0].0]);
+                let x = read(Role::Input(0), tile, acts.of(layer.inputs[0]));
                 let first = vec![x, write(Role::Moments, sums, &mut moments)];
                 self.run(b, stream, id, tile, Phase::BnMoments, first)?;
                 operands.push(read(Role::Moments, sums, &moments));
@@ -883,7 +1040,7 @@ impl<'a, K> Pass<'a, K> {
                     loss = Some((pending, layer.shape.numel()));
                 }
             }
-            acts.push(y);
+            acts.outputs.push(Some(y));
         }
         Ok((acts, loss, saved))
     }
@@ -894,7 +1051,7 @@ impl<'a, K> Pass<'a, K> {
         b: &B,
         stream: &mut B::Stream,
         weights: &[B::Buffer],
-        acts: &[B::Buffer],
+        acts: &Acts<'_, B::Buffer>,
         saved: &Saved<B::Buffer>,
     ) -> Result<Vec<Option<B::Buffer>>, KernelError> {
         let g = self.graph;
@@ -936,9 +1093,9 @@ impl<'a, K> Pass<'a, K> {
             let common = || {
                 let mut operands: Vec<Operand<'_, B::Buffer>> = Vec::new();
                 for (k, src) in layer.inputs.iter().enumerate() {
-                    operands.push(read(Role::Input(k as u8), self.full(*src), &acts[src.0]));
+                    operands.push(read(Role::Input(k as u8), self.full(*src), acts.of(*src)));
                 }
-                operands.push(read(Role::Output, tile, &acts[id.0]));
+                operands.push(read(Role::Output, tile, acts.of(id)));
                 if let Some(dy) = &dy {
                     operands.push(read(Role::OutputGrad, tile, dy));
                 }
@@ -1017,6 +1174,61 @@ mod tests {
     }
 
     #[test]
+    fn a_backend_that_cannot_record_gives_up_capture_saying_why_and_trains_the_same() {
+        let mut m = GraphBuilder::new("dropped");
+        let x = m.input("data", Shape::nchw(4, 2, 6, 6)).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(3, 3).padding(1)).unwrap();
+        let d = m.dropout("drop", c, 0.5).unwrap();
+        let f = m.flatten("flat", d).unwrap();
+        let y = m.dense("fc", f, Dense::new(3)).unwrap();
+        m.softmax_cross_entropy("loss", y).unwrap();
+        let graph = m.finish();
+        let pixels = graph.layer(graph.input()).shape.numel();
+        let batches: Vec<(Vec<f32>, Vec<u32>)> = (0..4)
+            .map(|k| (check::random(pixels, 30 + k), vec![0, 1, 2, k as u32 % 3]))
+            .collect();
+        let run = |setting: CaptureSetting| {
+            let mut t = Trainer::new(
+                graph.clone(),
+                ParamStore::init(&graph, 2),
+                Sgd::default(),
+                7,
+            );
+            t.set_capture(setting);
+            let mut statuses = vec![t.capture_status()];
+            let losses: Vec<f32> = (0..batches.len())
+                .map(|k| {
+                    let next = batches.get(k + 1).map(|(i, l)| (&i[..], &l[..]));
+                    let loss = t
+                        .step_ahead(&batches[k].0, &batches[k].1, next)
+                        .unwrap()
+                        .loss;
+                    statuses.push(t.capture_status());
+                    loss
+                })
+                .collect();
+            (losses, t.state().unwrap(), statuses)
+        };
+        let (off_losses, off_state, off_statuses) = run(CaptureSetting::Off);
+        assert!(off_statuses.iter().all(|s| *s == CaptureStatus::Off));
+        let (losses, state, statuses) = run(CaptureSetting::On);
+        // The first step warms up; the second would be recorded: the CPU refuses, the step runs
+        // as enqueued on the images moved for the recording, and so does every later step.
+        assert_eq!(
+            statuses[..2],
+            [CaptureStatus::Warming, CaptureStatus::Warming]
+        );
+        for status in &statuses[2..] {
+            let CaptureStatus::GaveUp(why) = status else {
+                panic!("capture not given up: {status:?}")
+            };
+            assert!(why.contains("CPU runs each kernel"), "{why}");
+        }
+        assert_eq!(losses, off_losses);
+        assert_eq!(state, off_state, "same weights, momentum and step");
+    }
+
+    #[test]
     fn training_state_round_trips_and_rejects_a_bad_step() {
         let g = branchy(2);
         let mut t = Trainer::new(g.clone(), ParamStore::init(&g, 3), Sgd::default(), 5);
@@ -1058,7 +1270,7 @@ mod tests {
         let mut buffers: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
         let input = Buffer::F32(images.clone());
         let (acts, _, saved) = pass
-            .forward(&Cpu, &mut stream, &mut buffers, input)
+            .forward(&Cpu, &mut stream, &mut buffers, &input)
             .unwrap();
         let grads = pass
             .backward(&Cpu, &mut stream, &buffers, &acts, &saved)
@@ -1069,7 +1281,7 @@ mod tests {
             probe[slot] = Buffer::F32(w.to_vec());
             let input = Buffer::F32(images.clone());
             let (_, loss, _) = pass
-                .forward(&Cpu, &mut CpuStream, &mut probe, input)
+                .forward(&Cpu, &mut CpuStream, &mut probe, &input)
                 .unwrap();
             let (sums, samples) = loss.expect("the graph has a loss");
             sums.loss_sum / samples as f64

@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use legion_cluster::engine::{self, Engine, JobStart, OneGpu, Place, StepBatch};
 use legion_cluster::launch;
 use legion_ops::Graph;
+use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::train::{ParamStore, Sgd, TrainingState};
@@ -63,6 +64,9 @@ pub struct TrainOptions {
     /// Whether the one-device trainer stages the next batch while a step computes
     /// (`--no-prefetch` turns it off, to measure what it saves).
     pub prefetch: bool,
+    /// Whether the one-device trainer on a GPU records its step as a CUDA graph after the first
+    /// and replays it (`--no-capture` turns it off, to measure what it saves).
+    pub capture: CaptureSetting,
 }
 
 impl Default for TrainOptions {
@@ -87,6 +91,7 @@ impl Default for TrainOptions {
             tf32: false,
             conv_algos: legion_cuda::ConvAlgos::default(),
             prefetch: true,
+            capture: CaptureSetting::On,
         }
     }
 }
@@ -290,6 +295,8 @@ pub struct TrainSummary {
     pub images_per_sec: Option<f64>,
     pub wall_secs: f64,
     pub saved: Option<PathBuf>,
+    /// Whether the one-device trainer recorded and replayed its steps (`None` elsewhere).
+    pub capture: Option<CaptureStatus>,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.
@@ -502,6 +509,7 @@ impl Job {
                     cuda,
                     stream,
                     prefetch: opts.prefetch,
+                    capture: opts.capture,
                 }))
             }
             (None, None) => Place::OneDevice,
@@ -639,6 +647,7 @@ impl Job {
             losses,
             wall_secs,
             saved: opts.save.clone(),
+            capture: engine.capture_status(),
         };
         on_event(JobEvent::Finished(&summary));
         Ok(summary)

@@ -4,6 +4,7 @@
 use crate::job::{JobEvent, PlannedRun, StepDone, TrainSummary};
 use indicatif::{ProgressBar, ProgressStyle};
 use legion_cluster::memory::human_bytes;
+use legion_ops::capture::CaptureStatus;
 use serde_json::json;
 use std::io::IsTerminal;
 
@@ -124,10 +125,16 @@ impl Printer {
                        "loss_window": trend.map(|t| t.window),
                        "final_loss": summary.losses.last(),
                        "images_per_sec": images_per_sec, "wall_s": wall_secs,
-                       "saved": summary.saved.as_ref().map(|p| p.display().to_string())})
+                       "saved": summary.saved.as_ref().map(|p| p.display().to_string()),
+                       "capture": summary.capture.as_ref().map(|c| c.to_string())})
             );
         } else {
             println!("{}", summary_line(summary));
+            // Said where it is news: a GPU that replays its steps, or gave up doing so.
+            match &summary.capture {
+                Some(CaptureStatus::Off) | None => {}
+                Some(status) => println!("step capture: {status}"),
+            }
             if let Some(path) = &summary.saved {
                 println!("saved {}", path.display());
             }

@@ -78,6 +78,34 @@ fn lenet5_learns_the_synthetic_task() {
     }
 }
 
+/// `--no-capture` parses, and the summary says where capture stands: off on the CPU, which
+/// runs each kernel as it is called (on a GPU the replayed steps are checked bit for bit against
+/// enqueued ones by legion-cuda's `gpu_training`).
+#[test]
+fn the_summary_says_whether_steps_were_captured() {
+    for flags in [&[][..], &["--no-capture"][..]] {
+        let mut args = vec![
+            "train", "--model", "lenet5", "--device", "cpu", "--steps", "3", "--json",
+        ];
+        args.extend_from_slice(flags);
+        let out = legion(&args);
+        assert!(
+            out.status.success(),
+            "{flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let summary = stdout_json_lines(&out).pop().unwrap();
+        assert_eq!(summary["capture"], "off", "{flags:?}: {summary}");
+    }
+    let out = legion(&["train", "--no-capture=yes"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--no-capture"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `--trace` on one device times the trainer's own step: every layer's forward and backward (and
 /// the staged batch) on the device's timeline, in the order they were enqueued, without planning
 /// a strategy for the runtime.

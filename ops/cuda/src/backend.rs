@@ -340,6 +340,38 @@ impl Backend for Cuda {
         }
     }
 
+    type Graph = crate::capture::StepGraph;
+
+    fn fix_step(
+        &self,
+        s: &mut Stream,
+        step: u64,
+        images: In<Buffer>,
+        fixed: Out<Buffer>,
+    ) -> Result<(), KernelError> {
+        self.fix_step_on(s, step, images, fixed)
+    }
+
+    fn begin_capture(&self, s: &mut Stream) -> Result<(), KernelError> {
+        self.begin_capture_on(s)
+    }
+
+    fn end_capture(&self, s: &mut Stream) -> Result<crate::capture::StepGraph, KernelError> {
+        self.end_capture_on(s)
+    }
+
+    fn abandon_capture(&self, s: &mut Stream) {
+        self.abandon_capture_on(s);
+    }
+
+    fn replay(
+        &self,
+        s: &mut Stream,
+        graph: &crate::capture::StepGraph,
+    ) -> Result<Vec<PendingLoss>, KernelError> {
+        self.replay_on(s, graph)
+    }
+
     fn load_images(
         &self,
         s: &mut Stream,
@@ -679,5 +711,6 @@ mod tests {
         owned::<Stream>();
         owned::<Buffer>();
         owned::<PendingLoss>();
+        owned::<crate::capture::StepGraph>();
     }
 }

@@ -289,6 +289,22 @@ fn deterministic_data_algo(
 fn workspace(s: &Stream, bytes: usize, timing: bool) -> Result<Workspace<'_>, Failure> {
     // SAFETY (both allocations): u8 has no invalid bit patterns, and cuDNN only reads what it
     // wrote.
+    if s.fixed.recording {
+        // Timing runs and waits for candidates; a kept workspace grown now would be freed with
+        // the recording. The step run as enqueued before a recording does both.
+        if timing {
+            return Err(Failure(
+                "a convolution met for the first time while recording: its algorithms are timed \
+                 as enqueued"
+                    .into(),
+            ));
+        }
+        if bytes > s.workspace.borrow().as_ref().map_or(0, |w| w.len()) {
+            return Err(Failure(format!(
+                "cuDNN asked for a larger workspace ({bytes} bytes) while recording"
+            )));
+        }
+    }
     if timing {
         if bytes > WORKSPACE_CAP {
             return Err(Failure(format!("{bytes} bytes of workspace")));

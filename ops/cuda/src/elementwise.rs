@@ -8,7 +8,6 @@ use crate::memory::{Buffer, Stream};
 use cudarc::driver::{CudaFunction, CudaSlice, PushKernelArg};
 use legion_ops::backend::{In, Out};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::rng;
 use legion_ops::shape::Rect;
 
 impl Cuda {
@@ -145,7 +144,7 @@ impl Cuda {
     /// `y = x·mask/(1 − rate)` over `y.rect`, the mask drawn as kernels::dropout draws it.
     pub(crate) fn dropout(
         &self,
-        s: &Stream,
+        s: &mut Stream,
         mask: &DropoutMask,
         x: In<Buffer>,
         y: Out<Buffer>,
@@ -167,8 +166,8 @@ impl Cuda {
         if n == 0 {
             return Ok(());
         }
-        // hash folds its words left to right: the per-step prefix once, the index in the kernel
-        let key = rng::hash(&[mask.seed, mask.step, mask.layer_salt]);
+        self.write_step(s, mask.step)?;
+        let (step, _) = s.step.as_ref().expect("written above");
         let (x_layout, full) = (Box4::of(&x.rect), Box4::of(&full_rect));
         let scale = mask.keep_scale();
         let mut b = s.stream.launch_builder(&self.kernels.dropout_apply);
@@ -177,7 +176,9 @@ impl Cuda {
             .arg(y.mem.f32_mut())
             .arg(&tile)
             .arg(&full)
-            .arg(&key)
+            .arg(&mask.seed)
+            .arg(step)
+            .arg(&mask.layer_salt)
             .arg(&mask.rate)
             .arg(&scale)
             .arg(&n);

@@ -260,10 +260,11 @@ extern "C" __global__ void channel_sum(const float* dz, Box4 tile, float* out, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout: kept iff unit_f32(mix64(key ^ index)) >= rate, with key = hash(seed, step, salt)
-// computed on the host and index the element's flat row-major index in the FULL tensor
-// (legion_ops::rng and kernels::dropout). Integer arithmetic and one exact float product: the
-// mask is bit-identical to the CPU's.
+// Dropout: kept iff unit_f32(mix64(key ^ index)) >= rate, with key = hash(seed, step, salt) and
+// index the element's flat row-major index in the FULL tensor (legion_ops::rng and
+// kernels::dropout). The step is read from device memory, so that a recorded step replayed later
+// draws the mask of the step it replays (crate::capture). Integer arithmetic and one exact float
+// product: the mask is bit-identical to the CPU's.
 
 __device__ __forceinline__ u64 mix64(u64 z) {
     z = z + 0x9E3779B97F4A7C15ull;
@@ -276,8 +277,18 @@ __device__ __forceinline__ float unit_f32(u64 h) {
     return (float)(h >> 40) * (1.0f / 16777216.0f);
 }
 
+// rng::hash of three words: folded left to right from the same initial value.
+__device__ __forceinline__ u64 hash3(u64 a, u64 b, u64 c) {
+    u64 h = 0x6A09E667F3BCC909ull;
+    h = mix64(h ^ a);
+    h = mix64(h ^ b);
+    return mix64(h ^ c);
+}
+
 extern "C" __global__ void dropout_apply(const float* x, Box4 x_layout, float* y, Box4 tile,
-                                         Box4 full, u64 key, float rate, float scale, i64 n) {
+                                         Box4 full, u64 seed, const u64* step, u64 salt,
+                                         float rate, float scale, i64 n) {
+    u64 key = hash3(seed, *step, salt);
     GRID_STRIDE(i, n) {
         i64 p[4];
         point_of(tile, i, p);
@@ -285,6 +296,11 @@ extern "C" __global__ void dropout_apply(const float* x, Box4 x_layout, float* y
         float v = x[offset_in(x_layout, p)];
         y[i] = unit_f32(mix64(key ^ index)) >= rate ? v * scale : 0.0f;
     }
+}
+
+// Writes the step number kernels read on the device (one thread).
+extern "C" __global__ void store_step(u64* at, u64 step) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *at = step;
 }
 
 // ---------------------------------------------------------------------------------------------

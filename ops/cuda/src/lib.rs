@@ -8,6 +8,7 @@
 //!   timed once per problem (the default; FFT, Winograd and atomic sums included), the fastest
 //!   deterministic one that sums directly (precise), or cuDNN's heuristic.
 //! - [`StagedBatch`], [`HostBatch`]: batches staged on the device ahead of their step.
+//! - [`StepGraph`]: a training step recorded as a CUDA graph and replayed (`capture`).
 //! - [`Settings`]: math, that policy, and whether buffers move between streams ([`Sharing`]).
 //! - [`Staging`], [`Marker`]: page-locked host buffers and timing events, for the runtime's GPU
 //!   device actors (copies to and from the host that never hold the submitting thread).
@@ -26,6 +27,7 @@ mod algos;
 mod backend;
 mod batch_norm;
 mod batches;
+mod capture;
 mod concat;
 mod conv;
 mod dense;
@@ -43,6 +45,7 @@ mod staging;
 pub use algos::ConvAlgos;
 pub use backend::{Cuda, Math, Settings, Sharing, StartError};
 pub use batches::{HostBatch, StagedBatch};
+pub use capture::StepGraph;
 pub use memory::{Buffer, Stream};
 pub use probe::{CudaDevice, ProbeError, probe};
 pub use softmax_ce::PendingLoss;

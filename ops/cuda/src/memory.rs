@@ -97,6 +97,11 @@ pub struct Stream {
     pub(crate) labels: Option<crate::batches::DeviceLabels>,
     /// The first failure to enqueue, reported by `synchronize`; later work is skipped.
     pub(crate) failure: Option<String>,
+    /// The step number that kernels drawing from it (dropout) read on the device, and the value
+    /// last written there.
+    pub(crate) step: Option<(CudaSlice<u64>, u64)>,
+    /// What a recorded or replayed step reads at fixed addresses (see `crate::capture`).
+    pub(crate) fixed: crate::capture::Fixed,
 }
 
 // SAFETY: cudarc leaves `Cudnn` !Send to keep a handle from being used by two threads at once;
@@ -232,6 +237,8 @@ impl Cuda {
             batches: None,
             labels: None,
             failure: None,
+            step: None,
+            fixed: Default::default(),
         })
     }
 }

@@ -1,7 +1,7 @@
 //! Softmax cross-entropy: each row's loss and whether its prediction was right, their sums kept on
 //! the device until read ([`PendingLoss`]), and the gradient of the logits. A tile's labels are
-//! checked as the CPU checks them, then taken from the staged batch where the step took one, or
-//! uploaded.
+//! checked as the CPU checks them, then taken from the staged batch where the step took one (or
+//! from the stream's copy of it in a recorded step, `crate::capture`), or uploaded.
 
 use crate::backend::{Cuda, Failure};
 use crate::launch::{per_channel, softmax_rows};
@@ -31,6 +31,11 @@ impl Cuda {
                 label: labels[i],
                 classes,
             });
+        }
+        if s.fixed.active
+            && let Some(fixed) = s.fixed.labels(labels, first_row)
+        {
+            return Ok(Ok(TileLabels::Staged(fixed)));
         }
         if let Some(staged) = &s.labels
             && let Some(rows) = staged.rows(labels, first_row)
@@ -117,7 +122,12 @@ pub(crate) fn forward(
             // SAFETY: as above; one block of REDUCE_THREADS threads.
             unsafe { b.launch(per_channel(1)) }?;
         }
-        pending.totals = Some(totals);
+        drop(labels);
+        match s.fixed.active {
+            // A recorded step's totals are read from the stream's slots after each replay.
+            true => cuda.keep_fixed_totals(s, &totals)?,
+            false => pending.totals = Some(totals),
+        }
         Ok(())
     });
     if let Some(e) = label_error {

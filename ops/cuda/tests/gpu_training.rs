@@ -5,9 +5,11 @@
 //! runs as `legion-rs train` runs one device: each step staging the next batch on a copy stream
 //! (`Trainer::step_ahead`), buffers ordered by the backend's own events (`Sharing::WithinStreams`),
 //! and here the `precise` convolution algorithms; the `fastest` ones are held to a looser bound
-//! against those.
+//! against those. Steps after the first are recorded as a CUDA graph and replayed (the trainer's
+//! default); a test holds replayed steps to the enqueued ones bit for bit.
 
 use legion_cuda::{ConvAlgos, Cuda, Settings, Sharing};
+use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
 use legion_ops::require::{Need, skip};
 use legion_ops::rng::Rng;
@@ -207,6 +209,51 @@ fn a_tiny_model_trains_three_steps_on_the_gpu_as_on_the_cpu() {
     }
     println!("losses: GPU {:?}, CPU {:?}", gpu.stats, cpu.stats);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A step recorded as a CUDA graph and replayed trains exactly as its kernels enqueued one by one:
+/// same losses, weights and momentum, bit for bit (the same kernels on the same data, dropout's
+/// step read on the device), a traced step among the replays included.
+#[test]
+fn replayed_steps_train_exactly_as_enqueued_ones() {
+    let graph = tiny_model(4);
+    let data = batches(&graph, 6);
+    let start = TrainingState::start(ParamStore::init(&graph, SEED));
+    let run = |setting: CaptureSetting| -> Result<(Trained, Vec<CaptureStatus>), String> {
+        let mut trainer = gpu_trainer(ConvAlgos::Precise, &graph, start.clone())?;
+        trainer.set_capture(setting);
+        let mut statuses = Vec::new();
+        let mut stats = Vec::new();
+        for (step, (images, labels)) in data.iter().enumerate() {
+            if step == 3 {
+                trainer.trace_next_step();
+            }
+            let next = data.get(step + 1).map(|(i, l)| (&i[..], &l[..]));
+            let stat = trainer.step_ahead(images, labels, next);
+            stats.push(stat.unwrap_or_else(|e| panic!("step {step}: {e}")));
+            statuses.push(trainer.capture_status());
+        }
+        let state = trainer.state().unwrap_or_else(|e| panic!("{e}"));
+        Ok((Trained { stats, state }, statuses))
+    };
+    let (enqueued, statuses) = match run(CaptureSetting::Off) {
+        Ok(run) => run,
+        Err(reason) => return skip(Need::Gpu, reason),
+    };
+    assert!(statuses.iter().all(|s| *s == CaptureStatus::Off));
+    let (replayed, statuses) = run(CaptureSetting::On).expect("a GPU was found above");
+    for (step, status) in statuses.iter().enumerate() {
+        let want = match step {
+            0 => CaptureStatus::Warming,
+            _ => CaptureStatus::Replaying,
+        };
+        assert_eq!(*status, want, "after step {step}");
+    }
+    let losses = |t: &Trained| -> Vec<(f32, usize)> {
+        t.stats.iter().map(|s| (s.loss, s.correct)).collect()
+    };
+    assert_eq!(losses(&replayed), losses(&enqueued));
+    assert_eq!(replayed.state, enqueued.state, "weights, momentum and step");
 }
 
 /// Convolutions wide enough for cuDNN's FFT and Winograd algorithms to compete.

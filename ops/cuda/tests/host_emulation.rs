@@ -13,7 +13,7 @@ use legion_ops::backend::cpu::{Buffer, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, Out};
 use legion_ops::kernels::dropout::DropoutMask;
 use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind};
-use legion_ops::rng::{self, Rng};
+use legion_ops::rng::Rng;
 use legion_ops::shape::{Rect, Shape, copy_rect};
 use legion_ops::train::Sgd;
 use libloading::{Library, Symbol};
@@ -360,8 +360,19 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
         }
         // dropout
         {
-            type D =
-                unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Box4, u64, f32, f32, i64);
+            type D = unsafe extern "C" fn(
+                *const f32,
+                Box4,
+                *mut f32,
+                Box4,
+                Box4,
+                u64,
+                *const u64,
+                u64,
+                f32,
+                f32,
+                i64,
+            );
             let f: Symbol<D> = emu.sym("dropout_apply");
             let tshape = if view.ndim() == 4 {
                 shape
@@ -388,7 +399,9 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     mem: &mut want,
                 },
             );
-            let key = rng::hash(&[42, 7, 3]);
+            // The step is read from device memory (a recorded step replays with the step
+            // written before it), the key hashed in the kernel as rng::hash hashes it.
+            let step = 7u64;
             let mut got = vec![0.0; tile.volume()];
             emu.launch(1, 1, || unsafe {
                 f(
@@ -397,7 +410,9 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     got.as_mut_ptr(),
                     box4(&tile),
                     box4(&tshape.full_rect()),
-                    key,
+                    42,
+                    &step,
+                    3,
                     0.3,
                     mask.keep_scale(),
                     n,

@@ -209,6 +209,9 @@ pub trait Backend {
     type HostBatch;
     /// A point in a stream's work, for timing the work between two points.
     type Marker;
+    /// A training step's work recorded once and then replayed whole, as one launch (a CUDA
+    /// graph): see [`crate::capture`].
+    type Graph;
 
     /// `len` zeros of `dtype` in device memory (enqueued on `s`).
     fn alloc_zeros(
@@ -322,6 +325,36 @@ pub trait Backend {
     /// Hands back the images of a taken batch once its step is enqueued: a later
     /// [`Backend::stage_batch`] may refill them after `s` has run what is enqueued now.
     fn recycle_staged(&self, s: &mut Self::Stream, images: Self::Buffer);
+
+    /// Readies `s` for a step that is captured or replayed ([`Backend::begin_capture`],
+    /// [`Backend::replay`]): what differs from step to step goes where such a step reads it, at
+    /// addresses that stay. `step` (which dropout masks draw from) into the stream's own memory,
+    /// the labels of the batch the step took ([`Backend::take_staged`]) into the stream's own
+    /// buffer, and its `images` into `fixed`, a buffer the caller keeps from step to step. Until
+    /// the capture ends, loss kernels report into the stream's own totals.
+    fn fix_step(
+        &self,
+        s: &mut Self::Stream,
+        step: u64,
+        images: In<Self::Buffer>,
+        fixed: Out<Self::Buffer>,
+    ) -> Result<(), KernelError>;
+    /// Starts recording the work enqueued on `s` instead of running it (after
+    /// [`Backend::fix_step`]). A backend that runs each kernel as it is called says why it cannot.
+    fn begin_capture(&self, s: &mut Self::Stream) -> Result<(), KernelError>;
+    /// Ends the recording: the step's work, ready to [`Backend::replay`]. Every buffer allocated
+    /// while recording must have been dropped (it is freed within the recording).
+    fn end_capture(&self, s: &mut Self::Stream) -> Result<Self::Graph, KernelError>;
+    /// Drops a recording that failed (or whose step failed to enqueue): `s` runs work as it is
+    /// enqueued again, with no failure kept.
+    fn abandon_capture(&self, s: &mut Self::Stream);
+    /// Enqueues a captured step's work on `s` (after [`Backend::fix_step`] for this step), and
+    /// the reports of its loss kernels, in the order they were captured.
+    fn replay(
+        &self,
+        s: &mut Self::Stream,
+        graph: &Self::Graph,
+    ) -> Result<Vec<Self::Loss>, KernelError>;
 
     /// Copies `tile` of the step's host images (laid out over `held`) into `y`.
     fn load_images(

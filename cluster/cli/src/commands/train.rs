@@ -1,6 +1,7 @@
 use crate::device::DeviceKind;
 use crate::job::{self, TrainOptions};
 use clap::Args;
+use legion_ops::capture::CaptureSetting;
 use legion_ops::train::Sgd;
 use std::path::PathBuf;
 
@@ -93,6 +94,10 @@ pub struct TrainArgs {
     /// step then moves its own batch first): to measure what prefetching saves.
     #[arg(long)]
     no_prefetch: bool,
+    /// On one GPU device, enqueue every step's kernels one by one instead of recording the
+    /// step as a CUDA graph after the first and replaying it: to measure what capture saves.
+    #[arg(long)]
+    no_capture: bool,
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -121,6 +126,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         tf32: a.tf32,
         conv_algos: a.conv_algos,
         prefetch: !a.no_prefetch,
+        capture: match a.no_capture {
+            true => CaptureSetting::Off,
+            false => CaptureSetting::On,
+        },
     };
     job::train(graph, &opts)?;
     Ok(())

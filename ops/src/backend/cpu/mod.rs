@@ -172,6 +172,37 @@ impl Backend for Cpu {
 
     fn recycle_staged(&self, _: &mut CpuStream, _images: Buffer) {}
 
+    type Graph = std::convert::Infallible;
+
+    fn fix_step(
+        &self,
+        s: &mut CpuStream,
+        _step: u64,
+        images: In<Buffer>,
+        fixed: Out<Buffer>,
+    ) -> Result<(), KernelError> {
+        self.copy(s, images, fixed);
+        Ok(())
+    }
+
+    fn begin_capture(&self, _: &mut CpuStream) -> Result<(), KernelError> {
+        Err(KernelError::Device(
+            "the CPU runs each kernel when it is called: there is no queue to record".into(),
+        ))
+    }
+
+    fn end_capture(&self, _: &mut CpuStream) -> Result<Self::Graph, KernelError> {
+        Err(KernelError::Device(
+            "no capture was begun on the CPU".into(),
+        ))
+    }
+
+    fn abandon_capture(&self, _: &mut CpuStream) {}
+
+    fn replay(&self, _: &mut CpuStream, graph: &Self::Graph) -> Result<Vec<LossSums>, KernelError> {
+        match *graph {}
+    }
+
     fn load_images(
         &self,
         _: &mut CpuStream,
