@@ -197,6 +197,10 @@ impl Cuda {
             .map_err(|e| failed(e.into()))?
             .ok_or_else(|| failed(Failure("nothing was recorded".into())))?;
         graph.upload().map_err(|e| failed(e.into()))?;
+        // The recording allocates from a pool of its own: the memory the steps run as enqueued
+        // kept pooled (`keep_freed_memory_pooled`) goes back, rather than be held twice. Only
+        // memory no buffer holds is returned, so a refusal costs nothing but that.
+        let _ = self.trim_default_pool();
         Ok(StepGraph {
             graph,
             losses: s.fixed.losses,
@@ -258,6 +262,17 @@ impl Cuda {
         let kept = s.fixed.totals.as_mut().expect("allocated by fix_step");
         s.stream.memcpy_dtod(totals, &mut kept.slice_mut(slot))?;
         Ok(())
+    }
+}
+
+impl Cuda {
+    fn trim_default_pool(&self) -> Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::result;
+        // SAFETY: the context's own device's default pool; trimming frees only unused memory.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(self.context.cu_device())?;
+            result::mem_pool::trim_to(pool, 0)
+        }
     }
 }
 
