@@ -79,14 +79,16 @@ fn eq1(s: &SearchRun) -> f64 {
     s.result.as_ref().map_or(f64::INFINITY, |e| e.cost.total)
 }
 
-/// Runs `kinds` (in that order) on `model` within `options`. A refinement starts from the
-/// strategies of the searches before it where they ran (its time then leaves theirs out).
+/// Runs `kinds` on `model` within `options`, reported in that order. A refinement runs after the
+/// others and starts from their strategies too (its time then leaves theirs out).
 pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) -> PlanRun {
     let t0 = Instant::now();
     let tables = CostTables::build_in(model, options.space);
     let tables_seconds = t0.elapsed().as_secs_f64();
+    let mut order: Vec<usize> = (0..kinds.len()).collect();
+    order.sort_by_key(|&i| kinds[i] == SearchKind::Refine);
     let mut searches: Vec<SearchRun> = Vec::with_capacity(kinds.len());
-    for &kind in kinds {
+    for &kind in order.iter().map(|&i| &kinds[i]) {
         let earlier: Vec<(SearchKind, &[ParallelConfig])> = searches
             .iter()
             .filter_map(|s| Some((s.kind, s.result.as_ref().ok()?.configs.as_slice())))
@@ -112,6 +114,16 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
             lossy: kind.lossy(),
             refined,
         });
+    }
+    // back to the order asked for
+    let mut ran: Vec<Option<SearchRun>> = searches.into_iter().map(Some).collect();
+    let mut searches: Vec<SearchRun> = Vec::with_capacity(kinds.len());
+    for i in 0..kinds.len() {
+        let at = order
+            .iter()
+            .position(|&o| o == i)
+            .expect("every search ran");
+        searches.push(ran[at].take().expect("each once"));
     }
     PlanRun {
         model: model.graph().name.clone(),

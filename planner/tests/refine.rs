@@ -67,3 +67,60 @@ fn refine_beside_optcnn_and_the_baselines_on_16_gpus() {
         );
     }
 }
+
+/// On the zoo and the machines users plan for, refine (beside every other search, as `plan
+/// --search all` runs it) is never slower in simulation than any of them: it starts from all of
+/// their strategies. A small budget, since the guarantee holds by construction at any budget.
+#[test]
+fn refine_is_never_slower_in_simulation_than_any_other_search() {
+    let kinds = [
+        SearchKind::OptCnn,
+        SearchKind::Refine,
+        SearchKind::Data,
+        SearchKind::Model,
+        SearchKind::Owt,
+        SearchKind::Soybean,
+        SearchKind::Tofu,
+        SearchKind::Hypar,
+        SearchKind::Spartan,
+    ];
+    let options = SearchOptions {
+        exhaustive_budget: 0,
+        refine: search::RefineOptions {
+            budget: 12,
+            seed: 1,
+            work: None,
+        },
+        space: Default::default(),
+    };
+    for machine_name in ["paper", "local-cpu:4", "dgx-h100"] {
+        let machine = MachineModel::preset(machine_name).unwrap();
+        let provider = RooflineCost::new(&machine);
+        for name in ["alexnet", "vgg16", "inception_v3", "resnet50"] {
+            let g = zoo(name, 8 * machine.num_devices());
+            let model = CostModel::new(&g, &machine, &provider);
+            let run = legion_planner::plan::plan(&model, &kinds, &options);
+            let ran: Vec<(SearchKind, f64)> = run
+                .searches
+                .iter()
+                .filter_map(|s| Some((s.kind, s.result.as_ref().ok()?.simulated_s)))
+                .collect();
+            let refined = ran
+                .iter()
+                .find(|(k, _)| *k == SearchKind::Refine)
+                .unwrap_or_else(|| panic!("{name} on {machine_name}: refine failed"))
+                .1;
+            assert_eq!(
+                run.searches.iter().map(|s| s.kind).collect::<Vec<_>>(),
+                kinds,
+                "reported in the order asked for"
+            );
+            for (kind, simulated) in &ran {
+                assert!(
+                    refined <= *simulated,
+                    "{name} on {machine_name}: refine {refined} > {kind} {simulated}"
+                );
+            }
+        }
+    }
+}

@@ -224,6 +224,13 @@ pub fn find_with(
                 };
                 starts.push((start, configs));
             }
+            // and whatever else ran before it (the exhaustive search's optimum, which may differ
+            // from optcnn's among equals under Eq. 1)
+            for (kind, configs) in earlier {
+                if !starts.iter().any(|(k, _)| k == kind) && *kind != SearchKind::Refine {
+                    starts.push((*kind, configs.to_vec()));
+                }
+            }
             let starts: Vec<(SearchKind, &[ParallelConfig])> =
                 starts.iter().map(|(k, c)| (*k, c.as_slice())).collect();
             // the default budget is also held to a number of simulated tasks, counted at the start
@@ -355,6 +362,11 @@ fn unconstrained(
         SearchKind::Data => data_parallel(graph, machine),
         SearchKind::Model => model_parallel(graph, machine),
         SearchKind::Owt => one_weird_trick(graph, machine),
+        // their plans in the tables' space, as `find_with` maps them
+        SearchKind::Soybean => soybean(graph, machine).configs_in(graph, tables.search_space()),
+        SearchKind::Tofu => tofu(graph, machine).configs_in(graph, tables.search_space()),
+        SearchKind::Hypar => hypar(graph, machine).configs_in(graph, tables.search_space()),
+        SearchKind::Spartan => spartan(graph, machine).configs_in(graph, tables.search_space()),
         other => unreachable!("{other} is no refine start"),
     })
 }
@@ -674,7 +686,8 @@ mod tests {
     }
 
     /// Refine starts from a strategy another search found before it instead of searching again:
-    /// given data parallelism as optcnn's, the two starts are one strategy, simulated once.
+    /// given data parallelism as optcnn's, the two starts are one strategy, simulated once; and
+    /// from what other searches found (the exhaustive one's).
     #[test]
     fn refine_starts_from_strategies_found_earlier() {
         let g = super::tiling::tests::small_cnn(8, 4, 8);
@@ -697,11 +710,37 @@ mod tests {
                 .refined
                 .unwrap()
         };
-        // a budget of 0 simulates the starts alone
-        assert_eq!(refined(&[]).simulations, REFINE_STARTS.len() as u64);
+        // The distinct strategies among the starts, optcnn's replaced by `optcnn` where given: a
+        // budget of 0 simulates each once, and nothing else.
+        let distinct = |optcnn: Option<&[ParallelConfig]>| {
+            let mut seen: Vec<Vec<ParallelConfig>> = Vec::new();
+            for kind in REFINE_STARTS {
+                let configs = match (kind, optcnn) {
+                    (SearchKind::OptCnn, Some(given)) => given.to_vec(),
+                    _ => find(kind, &tables, 0).unwrap().configs,
+                };
+                if !seen.contains(&configs) {
+                    seen.push(configs);
+                }
+            }
+            seen.len() as u64
+        };
+        assert_eq!(refined(&[]).simulations, distinct(None));
         let data = data_parallel(&g, &machine);
         let reused = refined(&[(SearchKind::OptCnn, &data)]);
-        assert_eq!(reused.simulations, REFINE_STARTS.len() as u64 - 1);
+        assert_eq!(reused.simulations, distinct(Some(&data)));
+        assert_ne!(distinct(Some(&data)), distinct(None), "the test must tell");
+        // a strategy another search found (here: data parallelism but the last layer on one
+        // device, which no start is) is a start too
+        let mut other = data.clone();
+        *other.last_mut().unwrap() = ParallelConfig::serial(0);
+        assert!(
+            REFINE_STARTS
+                .iter()
+                .all(|&k| find(k, &tables, 0).unwrap().configs != other)
+        );
+        let with_it = refined(&[(SearchKind::Exhaustive, &other)]);
+        assert_eq!(with_it.simulations, distinct(None) + 1);
     }
 
     proptest! {
