@@ -55,6 +55,8 @@ pub enum CaptureStatus {
     Replaying,
     /// Recording failed; every step runs as enqueued.
     GaveUp(String),
+    /// The engine does not record its steps, for this reason.
+    NotApplied(String),
 }
 
 impl std::fmt::Display for CaptureStatus {
@@ -64,6 +66,7 @@ impl std::fmt::Display for CaptureStatus {
             CaptureStatus::Warming => write!(f, "on, nothing recorded yet"),
             CaptureStatus::Replaying => write!(f, "on, steps replay the recorded step"),
             CaptureStatus::GaveUp(why) => write!(f, "given up ({why}): steps run as enqueued"),
+            CaptureStatus::NotApplied(why) => write!(f, "not applied ({why})"),
         }
     }
 }

@@ -348,6 +348,8 @@ pub struct Job {
     first_step: u64,
     /// `device: ...`, the line that says where the steps run.
     device: String,
+    /// Whether the devices are actors on GPUs (which do not record their steps).
+    actors_on_gpus: bool,
 }
 
 /// What training needs of a model, from its shapes.
@@ -495,6 +497,8 @@ impl Job {
                 opts.steps
             );
         }
+        // Device actors on GPUs enqueue op by op: said in the summary, as a recording's fallback is.
+        let actors_on_gpus = cluster.is_none() && distributed && gpus.is_some();
         let engine_place = match (&cluster, gpus) {
             (Some((_, hosts, state_dir)), _) => Place::Cluster { hosts, state_dir },
             (None, gpus) if distributed => Place::Embedded {
@@ -541,6 +545,7 @@ impl Job {
             devices,
             first_step,
             device: device.line,
+            actors_on_gpus,
         })
     }
 
@@ -556,6 +561,7 @@ impl Job {
             devices,
             first_step,
             device,
+            actors_on_gpus,
         } = self;
         on_event(JobEvent::Device(&device));
         if let Some(plan) = &plan {
@@ -647,7 +653,13 @@ impl Job {
             losses,
             wall_secs,
             saved: opts.save.clone(),
-            capture: engine.capture_status(),
+            capture: match actors_on_gpus {
+                true => Some(CaptureStatus::NotApplied(
+                    "several devices exchange slices in mid-step: their actors enqueue op by op"
+                        .into(),
+                )),
+                false => engine.capture_status(),
+            },
         };
         on_event(JobEvent::Finished(&summary));
         Ok(summary)
