@@ -87,7 +87,7 @@ impl Located {
     /// How messages name the cluster.
     pub fn label(&self) -> String {
         match &self.slurm {
-            Some(_) => format!("the Slurm job's cluster in {}", self.state.display()),
+            Some(_) => "the Slurm job's nodes".to_string(),
             None => self.hosts_file.display().to_string(),
         }
     }

@@ -37,8 +37,8 @@ pub fn job_id(env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<String> {
         Some(id) if id.bytes().all(|b| b.is_ascii_digit()) => Ok(id),
         Some(id) => bail!("{JOB_ID}={id:?}: expected a job number"),
         None => bail!(
-            "not inside a Slurm allocation ({JOB_ID} is not set): run `legion-rs up --slurm` in \
-             an `salloc` shell or an `sbatch` script"
+            "not inside a Slurm allocation ({JOB_ID} is not set): a Slurm job's cluster is \
+             started and used in an `salloc` shell or an `sbatch` script"
         ),
     }
 }

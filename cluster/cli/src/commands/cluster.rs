@@ -59,11 +59,11 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
             measure: a.measure,
         },
     )?;
-    println!(
-        "cluster {} (state in {})",
-        cluster.label(),
-        cluster.state.display()
-    );
+    let name = match &cluster.slurm {
+        Some(_) => format!("of {}", cluster.label()),
+        None => cluster.label(),
+    };
+    println!("cluster {name} (state in {})", cluster.state.display());
     print!(
         "{}",
         launch::format_table(
