@@ -469,13 +469,19 @@ fn start_and_register(
         });
     }
     if let Launcher::SlurmStep { job } = launcher {
-        let missing: Vec<String> = table
+        let missing: Vec<&Host> = table
             .iter()
             .filter(|r| r.started)
-            .map(|r| r.host.name.clone())
+            .map(|r| &r.host)
             .collect();
-        if !missing.is_empty() {
-            *step = Some(start_slurm_step(job, &missing, state)?);
+        if let Some(first) = missing.first() {
+            // Every node's entry names the same binary (`[slurm]`'s, or this one's path).
+            let binary = match &first.binary {
+                Some(path) => PathBuf::from(path),
+                None => std::env::current_exe().context("locating the legion-rs binary")?,
+            };
+            let names: Vec<String> = missing.iter().map(|h| h.name.clone()).collect();
+            *step = Some(start_slurm_step(job, &names, state, &binary)?);
         }
     }
     let deadline = Instant::now() + options.timeout;
@@ -579,20 +585,20 @@ fn last_line(path: &Path) -> Option<String> {
         .map(|l| l.trim().trim_start_matches("error: ").to_string())
 }
 
-/// Starts `srun` for the workers of `nodes` of Slurm job `job` (see [`slurm::srun_args`]) and
-/// records the job for `down`. `srun` stays in the background after `up` exits: the step lives
-/// as long as it does.
+/// Starts `srun` for the workers of `nodes` of Slurm job `job`, running `binary` there (see
+/// [`slurm::srun_args`]), and records the job for `down`. `srun` stays in the background after
+/// `up` exits: the step lives as long as it does.
 fn start_slurm_step(
     job: &str,
     nodes: &[String],
     state: &Path,
+    binary: &Path,
 ) -> anyhow::Result<std::process::Child> {
-    let binary = std::env::current_exe().context("locating the legion-rs binary")?;
     let log_path = state.join("logs").join("srun.log");
     let log = std::fs::File::create(&log_path)
         .with_context(|| format!("creating {}", log_path.display()))?;
     let child = Command::new("srun")
-        .args(slurm::srun_args(job, nodes, state, &binary))
+        .args(slurm::srun_args(job, nodes, state, binary))
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -639,11 +645,15 @@ fn stop_started(
             .filter(|r| r.started)
             .map(|r| r.host.name.clone())
             .collect();
+        // An srun that exited (the failure, often) has ended its step: nothing to stop.
+        let running = matches!(srun.try_wait(), Ok(None));
         match slurm::end_steps(job, Duration::from_secs(10)) {
             Ok(_) => {
                 let _ = srun.kill();
                 let _ = srun.wait();
-                stopped.extend(started);
+                if running {
+                    stopped.extend(started);
+                }
             }
             Err(e) => left.push(format!(
                 "{} (in a step of job {job}: {e:#})",

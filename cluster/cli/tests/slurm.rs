@@ -580,6 +580,28 @@ fn up_slurm_trains_in_an_allocation_names_a_killed_worker_and_down_leaves_nothin
     );
     assert_eq!(worker_steps(&slurm, &job), Vec::<String>::new());
     assert_eq!(processes_mentioning(&state_text), Vec::<String>::new());
+
+    // A binary the nodes do not have: `up` fails at once, saying what the node said.
+    let bad = work.join("bad.toml");
+    std::fs::write(
+        &bad,
+        format!("[slurm]\nport = {port}\nbinary = \"/nonexistent/legion-rs\"\n"),
+    )
+    .unwrap();
+    let out = alloc
+        .legion(&work)
+        .args(["up", bad.to_str().unwrap(), "--state", "bad-state"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("up with a binary the node lacks: {}", stderr.trim());
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("before worker {node}"))
+            && stderr.contains("/nonexistent/legion-rs"),
+        "{stderr}"
+    );
+    assert_eq!(worker_steps(&slurm, &job), Vec::<String>::new());
     drop(alloc);
 
     // The sbatch example, small: AlexNet on the one node, for 2 steps.
