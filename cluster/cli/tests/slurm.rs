@@ -214,6 +214,7 @@ fn start_slurm(dir: &Path) -> Result<Slurm, String> {
         .iter()
         .map(|f| format!("--{f}={}", path(&format!("munged.{f}"))))
         .collect();
+    // --force: munged otherwise refuses its files under /tmp, a folder others may write to.
     let mut munged_args = vec!["--foreground", "--force", &key_arg, &socket_arg];
     munged_args.extend(munge_files.iter().map(String::as_str));
     slurm.daemons.push(("munged", spawn(MUNGED, &munged_args)?));
