@@ -38,6 +38,19 @@
 //! latency_us = 20.0      # optional, default 50
 //! ```
 //!
+//! A TOML file may instead describe the nodes of a Slurm allocation, found inside it when
+//! `legion-rs up` runs there (see `crate::slurm`); it has a `[slurm]` table, with the keys of
+//! `[defaults]` for every node, and no `[defaults]`, `[[host]]` or `[[link]]`:
+//!
+//! ```toml
+//! [slurm]                # the allocation's nodes, one worker each, started by `srun`
+//! port = 7400            # optional, as in [defaults]
+//! devices = 2            # optional; default: each node's GPUs where the job has GPUs, else
+//!                        # its CPUs in the job
+//! device = "cuda"        # optional; default: "cuda" where the job has GPUs, else "cpu"
+//! binary = "/shared/bin/legion-rs"   # optional: the binary every node runs
+//! ```
+//!
 //! The other is the MPI / DeepSpeed hostfile, one `hostname slots=N` line per host (`slots` is the
 //! device count, default 1), `#` comments and blank lines. It is chosen for a file not named
 //! `*.toml` whose first line of content does not look like TOML (a `[table]` or `key = value`).
@@ -70,6 +83,87 @@ pub const DEVICE_KINDS: &[&str] = &["cpu", "cuda", "p100"];
 
 /// The device kind whose worker runs its devices on the host's GPUs.
 pub const GPU_KIND: &str = "cuda";
+
+/// A hosts file: hosts listed in it, or the nodes of the Slurm allocation it is used in.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ClusterFile {
+    Hosts(Hosts),
+    /// A `[slurm]` table: the nodes come from the allocation (`crate::slurm`).
+    Slurm(SlurmNodes),
+}
+
+/// How every node of a Slurm allocation runs its worker: a `[slurm]` table, or `up --slurm`
+/// (all defaults). `None`: found in the allocation (see the module docs).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SlurmNodes {
+    /// The workers' QUIC port; `None`: [`DEFAULT_PORT`].
+    pub port: Option<u16>,
+    pub devices: Option<usize>,
+    /// One of [`DEVICE_KINDS`].
+    pub device: Option<String>,
+    pub binary: Option<String>,
+}
+
+impl ClusterFile {
+    /// Reads and parses a hosts file in either format, `[slurm]` included.
+    pub fn load(path: impl AsRef<Path>) -> Result<ClusterFile, HostsError> {
+        let path = path.as_ref();
+        let text = read(path)?;
+        ClusterFile::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses hosts-file text, `[slurm]` included (see [`Hosts::parse`]).
+    pub fn parse(text: &str, file: &str) -> Result<ClusterFile, HostsError> {
+        if !(file.ends_with(".toml") || looks_like_toml(text)) {
+            return Hosts::parse_hostfile(text, file).map(ClusterFile::Hosts);
+        }
+        let src = Source { text, file };
+        let doc = src.toml_doc()?;
+        let Some(slurm) = doc.slurm else {
+            return Hosts::parse_toml(text, file).map(ClusterFile::Hosts);
+        };
+        // Hosts and links name hosts, which are not known before the allocation is; defaults
+        // would be a second place for what `[slurm]` says.
+        let beside = [
+            (doc.defaults.map(|d| d.span().start), "defaults"),
+            (doc.host.first().map(|h| h.span().start), "host"),
+            (doc.link.first().map(|l| l.span().start), "link"),
+        ];
+        if let Some((Some(at), table)) = beside.into_iter().find(|(at, _)| at.is_some()) {
+            return Err(src.at(
+                at,
+                table,
+                "expected no [defaults], [[host]] or [[link]] beside [slurm] (the hosts are the                  allocation's nodes; [slurm] takes the keys of [defaults])",
+            ));
+        }
+        let slurm = slurm.into_inner();
+        Ok(ClusterFile::Slurm(SlurmNodes {
+            port: match &slurm.port {
+                Some(p) => Some(src.port(p, "slurm.port")?),
+                None => None,
+            },
+            devices: match &slurm.devices {
+                Some(d) => Some(src.count(d, "slurm.devices")?),
+                None => None,
+            },
+            device: match &slurm.device {
+                Some(k) => Some(src.device_kind(k, "slurm.device")?),
+                None => None,
+            },
+            binary: match &slurm.binary {
+                Some(b) => Some(src.binary(b, "slurm.binary")?),
+                None => None,
+            },
+        }))
+    }
+}
+
+fn read(path: &Path) -> Result<String, HostsError> {
+    std::fs::read_to_string(path).map_err(|e| HostsError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
 
 /// One host: a worker process owning `devices` devices.
 #[derive(Clone, Debug, PartialEq)]
@@ -158,10 +252,7 @@ impl Hosts {
     /// Reads and parses a hosts file in either format (see the module docs).
     pub fn load(path: impl AsRef<Path>) -> Result<Hosts, HostsError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| HostsError::Io {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+        let text = read(path)?;
         Hosts::parse(&text, &path.display().to_string())
     }
 
@@ -175,13 +266,19 @@ impl Hosts {
         }
     }
 
-    /// Parses the TOML format.
+    /// Parses the TOML format. A `[slurm]` file is an error here: its hosts are known only
+    /// inside the allocation ([`ClusterFile::parse`] reads it).
     pub fn parse_toml(text: &str, file: &str) -> Result<Hosts, HostsError> {
         let src = Source { text, file };
-        let doc: HostsDoc = toml::from_str(text).map_err(|e| match e.span() {
-            Some(span) => src.at(span.start, &field_at(text, span.start), e.message().trim()),
-            None => src.at(0, "", e.message().trim()),
-        })?;
+        let doc = src.toml_doc()?;
+        if let Some(slurm) = &doc.slurm {
+            return Err(src.at(
+                slurm.span().start,
+                "slurm",
+                "this file describes the nodes of a Slurm allocation, known only inside it: \
+                 give it to `legion-rs up`, `status`, `down` or `train --cluster` there",
+            ));
+        }
 
         let defaults = doc.defaults.map(Spanned::into_inner).unwrap_or_default();
         let default_port = match &defaults.port {
@@ -202,7 +299,8 @@ impl Hosts {
         };
 
         if doc.host.is_empty() {
-            return Err(src.at(0, "host", "expected at least one [[host]] table"));
+            return Err(src.at(0, "host", "expected at least one [[host]] table (or [slurm] for the nodes of a Slurm allocation)",
+            ));
         }
         // Names are filled in once all addresses are known (the default depends on them); the
         // spans are kept to locate the uniqueness errors.
@@ -649,6 +747,18 @@ struct Source<'a> {
 }
 
 impl Source<'_> {
+    /// The TOML document, or the located error of its syntax or of an unknown key.
+    fn toml_doc(&self) -> Result<HostsDoc, HostsError> {
+        toml::from_str(self.text).map_err(|e| match e.span() {
+            Some(span) => self.at(
+                span.start,
+                &field_at(self.text, span.start),
+                e.message().trim(),
+            ),
+            None => self.at(0, "", e.message().trim()),
+        })
+    }
+
     fn at(&self, offset: usize, field: &str, message: &str) -> HostsError {
         let (line, column) = line_column(self.text, offset);
         HostsError::File {
@@ -741,6 +851,8 @@ impl Source<'_> {
 #[serde(deny_unknown_fields)]
 struct HostsDoc {
     defaults: Option<Spanned<DefaultsDoc>>,
+    /// The same keys as `[defaults]`, for every node of the allocation.
+    slurm: Option<Spanned<DefaultsDoc>>,
     #[serde(default)]
     host: Vec<Spanned<HostDoc>>,
     #[serde(default)]
@@ -1014,10 +1126,56 @@ ssh = "me@localhost"
     }
 
     #[test]
+    fn a_slurm_table_stands_for_the_allocations_nodes() {
+        let file = |text: &str| ClusterFile::parse(text, "s.toml");
+        assert_eq!(
+            file("[slurm]\n").unwrap(),
+            ClusterFile::Slurm(SlurmNodes::default())
+        );
+        assert_eq!(
+            file(
+                "[slurm]\nport = 7500\ndevices = 2\ndevice = \"cuda\"\nbinary = \"/b/legion-rs\"\n"
+            )
+            .unwrap(),
+            ClusterFile::Slurm(SlurmNodes {
+                port: Some(7500),
+                devices: Some(2),
+                device: Some("cuda".into()),
+                binary: Some("/b/legion-rs".into()),
+            })
+        );
+        assert!(matches!(file(DOC).unwrap(), ClusterFile::Hosts(_)));
+        assert_eq!(
+            file("[slurm]\ndevices = 0\n").unwrap_err().to_string(),
+            "s.toml:2:11: slurm.devices: expected an integer in 1..=4096, got 0"
+        );
+        let e = file("[slurm]\nhosts = 2\n").unwrap_err().to_string();
+        assert!(
+            e.starts_with("s.toml:2:1: slurm.hosts: unknown field `hosts`"),
+            "{e}"
+        );
+        let e = file("[slurm]\n[[host]]\naddress = \"10.0.0.1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(
+                "s.toml:2:1: host: expected no [defaults], [[host]] or [[link]] beside [slurm]"
+            ),
+            "{e}"
+        );
+        // Its hosts are known only inside the allocation.
+        let e = Hosts::parse("[slurm]\n", "s.toml").unwrap_err().to_string();
+        assert!(
+            e.starts_with("s.toml:1:1: slurm: this file describes the nodes of a Slurm allocation"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn structural_errors_are_located() {
         assert_eq!(
             err("[defaults]\nport = 7400\n"),
-            "h.toml:1:1: host: expected at least one [[host]] table"
+            "h.toml:1:1: host: expected at least one [[host]] table (or [slurm] for the nodes of a Slurm allocation)"
         );
         assert_eq!(
             err_with("address = \"10.0.0.2\"\n", ""),

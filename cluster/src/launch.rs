@@ -15,6 +15,10 @@
 //!                                      its GPU count, as its worker found it
 //! ```
 //!
+//! Slurm: the nodes of the allocation `up` runs in (see [`crate::slurm`]): `up` writes them as
+//! `<state>/hosts.toml` and starts their workers in one `srun` step, recorded in
+//! `<state>/slurm.json`; `down` also ends that step.
+//!
 //! Remote hosts: `up` runs `ssh DEST sh -s` (the command in `LEGION_RS_SSH`, default `ssh -o
 //! BatchMode=yes`; a destination may be `ssh://user@host:port`), feeding it a script that writes
 //! the host's certificate files and starts the worker in the background. The `legion-rs` binary
@@ -22,9 +26,10 @@
 //! launchers); the script checks that it exists before starting it.
 
 use crate::control::{Control, LinkMeasurement, PeerAddress};
-use crate::hosts::{Host, Hosts};
+use crate::hosts::{ClusterFile, Host, Hosts, SlurmNodes};
 use crate::net::tls::{ClusterCa, NodeIdentity, node_name};
 use crate::remote::{LAUNCHER_NAME, WorkerClient};
+use crate::slurm;
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -65,6 +70,98 @@ pub fn state_dir(hosts_file: &Path, state: Option<&Path>) -> anyhow::Result<Path
         "{stem}-{:016x}",
         fnv1a(absolute.as_os_str().as_encoded_bytes())
     )))
+}
+
+/// The cluster a command is pointed at, and where its state is.
+#[derive(Clone, Debug)]
+pub struct Located {
+    /// The hosts file to read: the one given, or for a Slurm job's cluster the one `up` wrote in
+    /// its state directory.
+    pub hosts_file: PathBuf,
+    pub state: PathBuf,
+    /// For a Slurm job's cluster: how its nodes run their workers (`up` reads the allocation).
+    pub slurm: Option<SlurmNodes>,
+}
+
+impl Located {
+    /// How messages name the cluster.
+    pub fn label(&self) -> String {
+        match &self.slurm {
+            Some(_) => "the Slurm job's nodes".to_string(),
+            None => self.hosts_file.display().to_string(),
+        }
+    }
+
+    /// Its hosts as listed (a host that runs one device per GPU without the count `up`
+    /// recorded); for a Slurm job's cluster, the nodes `up` found, or an error saying to run
+    /// `up` first.
+    pub fn hosts(&self) -> anyhow::Result<Hosts> {
+        if self.slurm.is_some() && !self.hosts_file.exists() {
+            bail!(
+                "no cluster was started in this Slurm job ({} does not exist): run `legion-rs up \
+                 --slurm` first{}",
+                self.hosts_file.display(),
+                match std::env::current_dir() {
+                    Ok(dir) => format!(" (in {}, or pass --state)", dir.display()),
+                    Err(_) => String::new(),
+                }
+            );
+        }
+        Ok(Hosts::load(&self.hosts_file)?)
+    }
+
+    /// Its hosts with every device count known ([`load_hosts`]), as a job needs them.
+    pub fn load_hosts(&self) -> anyhow::Result<Hosts> {
+        self.hosts()?;
+        load_hosts(&self.hosts_file, &self.state)
+    }
+
+    /// The command line flags that name this cluster to `legion-rs down` (in messages).
+    fn down_command(&self) -> String {
+        match &self.slurm {
+            Some(_) => format!("legion-rs down --slurm --state {}", self.state.display()),
+            None => format!(
+                "legion-rs down {} --state {}",
+                self.hosts_file.display(),
+                self.state.display()
+            ),
+        }
+    }
+}
+
+/// The cluster `hosts_file` describes, with its state directory (`state` where given): a hosts
+/// file as it is, or, for `None` (`--slurm`) or a file with `[slurm]`, the Slurm job this
+/// process runs in, whose state directory is `legion-rs-slurm-<job>` in the current folder (the
+/// job's working folder, which its nodes share).
+pub fn locate(hosts_file: Option<&Path>, state: Option<&Path>) -> anyhow::Result<Located> {
+    let settings = match hosts_file {
+        None => SlurmNodes::default(),
+        Some(path) => match ClusterFile::load(path) {
+            Ok(ClusterFile::Slurm(settings)) => settings,
+            // An unreadable or invalid file is reported by whoever loads its hosts.
+            Ok(ClusterFile::Hosts(_)) | Err(_) => {
+                return Ok(Located {
+                    hosts_file: path.to_path_buf(),
+                    state: state_dir(path, state)?,
+                    slurm: None,
+                });
+            }
+        },
+    };
+    let state = match state {
+        Some(s) => std::path::absolute(s)
+            .with_context(|| format!("{}: resolving the path", s.display()))?,
+        None => {
+            let job = slurm::job_id(&|k| std::env::var(k).ok())?;
+            let folder = std::env::current_dir().context("finding the current folder")?;
+            slurm::state_dir(&folder, &job)
+        }
+    };
+    Ok(Located {
+        hosts_file: state.join("hosts.toml"),
+        state,
+        slurm: Some(settings),
+    })
 }
 
 /// A stable hash (unlike std's), so the default state directory survives a rebuild.
@@ -227,6 +324,42 @@ pub struct UpOptions {
     pub measure: bool,
 }
 
+/// `legion-rs up` for a cluster [`locate`] found: a hosts file's, or a Slurm job's, whose nodes
+/// it reads from the allocation first and writes to `cluster.hosts_file`. Returns the table
+/// and the hosts.
+pub fn up_located(
+    cluster: &Located,
+    options: &UpOptions,
+) -> anyhow::Result<(Vec<HostStatus>, Hosts)> {
+    let Some(settings) = &cluster.slurm else {
+        let hosts = Hosts::load(&cluster.hosts_file)?;
+        return Ok((
+            up(&cluster.hosts_file, &hosts, &cluster.state, options)?,
+            hosts,
+        ));
+    };
+    let allocation = slurm::Allocation::read(&|k| std::env::var(k).ok(), &mut |args| {
+        slurm::run("scontrol", args)
+    })?;
+    std::fs::create_dir_all(cluster.state.join("logs"))
+        .with_context(|| format!("creating the state directory {}", cluster.state.display()))?;
+    let binary = std::env::current_exe().context("locating the legion-rs binary")?;
+    let text = allocation.hosts_toml(settings, &binary)?;
+    // Checked as any hosts file is, so that what the workers read is valid.
+    let hosts = Hosts::parse(&text, &cluster.hosts_file.display().to_string())?;
+    legion_ops::atomic_file::write(&cluster.hosts_file, text.as_bytes())
+        .with_context(|| format!("writing {}", cluster.hosts_file.display()))?;
+    let table = up_with(
+        cluster,
+        &hosts,
+        options,
+        Launcher::SlurmStep {
+            job: &allocation.job_id,
+        },
+    )?;
+    Ok((table, hosts))
+}
+
 /// `legion-rs up`: starts the workers that are not running, waits for all, measures links.
 ///
 /// An `up` that fails part-way stops the workers it started (those already running are left as
@@ -237,6 +370,30 @@ pub fn up(
     state: &Path,
     options: &UpOptions,
 ) -> anyhow::Result<Vec<HostStatus>> {
+    let cluster = Located {
+        hosts_file: hosts_file.to_path_buf(),
+        state: state.to_path_buf(),
+        slurm: None,
+    };
+    up_with(&cluster, hosts, options, Launcher::PerHost)
+}
+
+/// How `up` starts the workers that are not running.
+#[derive(Clone, Copy)]
+enum Launcher<'a> {
+    /// Each host's own way: a child process, or ssh.
+    PerHost,
+    /// One `srun` step of this job for all of them (Slurm nodes).
+    SlurmStep { job: &'a str },
+}
+
+fn up_with(
+    cluster: &Located,
+    hosts: &Hosts,
+    options: &UpOptions,
+    launcher: Launcher,
+) -> anyhow::Result<Vec<HostStatus>> {
+    let state = cluster.state.as_path();
     std::fs::create_dir_all(state.join("logs"))
         .with_context(|| format!("creating the state directory {}", state.display()))?;
     ensure_identities(hosts, state)?;
@@ -245,17 +402,20 @@ pub fn up(
     // The processes of the workers started here on this machine, to notice one that exits, and
     // to stop if `up` fails.
     let mut children = Vec::new();
+    // The `srun` of the step that runs them, on Slurm.
+    let mut step = None;
     let started = start_and_register(
-        hosts_file,
+        cluster,
         hosts,
-        state,
         options,
+        launcher,
         &mut client,
         &mut table,
         &mut children,
+        &mut step,
     );
     if let Err(e) = started {
-        let cleanup = stop_started(hosts_file, state, &mut client, &table, &mut children);
+        let cleanup = stop_started(cluster, &mut client, &table, &mut children, step, launcher);
         client.close();
         return Err(anyhow::anyhow!("{e:#}\n{cleanup}"));
     }
@@ -266,15 +426,18 @@ pub fn up(
 /// The work of [`up`] that may fail once workers run: starts each worker that does not answer
 /// (recording it in `table` and `children` as soon as it is started), waits for all to register,
 /// records GPU device counts and measures the links.
+#[allow(clippy::too_many_arguments)]
 fn start_and_register(
-    hosts_file: &Path,
+    cluster: &Located,
     hosts: &Hosts,
-    state: &Path,
     options: &UpOptions,
+    launcher: Launcher,
     client: &mut WorkerClient,
     table: &mut Vec<HostStatus>,
     children: &mut Vec<Option<std::process::Child>>,
+    step: &mut Option<std::process::Child>,
 ) -> anyhow::Result<()> {
+    let (hosts_file, state) = (cluster.hosts_file.as_path(), cluster.state.as_path());
     for (i, host) in hosts.hosts.iter().enumerate() {
         let welcome = greet(client, i, Duration::from_millis(500));
         // A host that runs one device per GPU has the count its worker found.
@@ -283,19 +446,20 @@ fn start_and_register(
             && w.devices as usize != host.devices
         {
             bail!(
-                "{}: worker {} runs with {} device(s) but {} says {}; stop it first (`legion-rs down {}`)",
+                "{}: worker {} runs with {} device(s) but {} says {}; stop it first (`{}`)",
                 host.endpoint(),
                 host.name,
                 w.devices,
                 hosts_file.display(),
                 host.devices,
-                hosts_file.display()
+                cluster.down_command()
             );
         }
         let started = welcome.is_none();
-        let child = match started {
-            true => start_worker(host, state)?,
-            false => None,
+        let child = match (started, launcher) {
+            (true, Launcher::PerHost) => start_worker(host, state)?,
+            // Started below, all in one step.
+            (true, Launcher::SlurmStep { .. }) | (false, _) => None,
         };
         children.push(child);
         table.push(HostStatus {
@@ -304,10 +468,49 @@ fn start_and_register(
             started,
         });
     }
+    if let Launcher::SlurmStep { job } = launcher {
+        let missing: Vec<&Host> = table
+            .iter()
+            .filter(|r| r.started)
+            .map(|r| &r.host)
+            .collect();
+        if let Some(first) = missing.first() {
+            // Every node's entry names the same binary (`[slurm]`'s, or this one's path).
+            let binary = match &first.binary {
+                Some(path) => PathBuf::from(path),
+                None => std::env::current_exe().context("locating the legion-rs binary")?,
+            };
+            let names: Vec<String> = missing.iter().map(|h| h.name.clone()).collect();
+            *step = Some(start_slurm_step(job, &names, state, &binary)?);
+        }
+    }
     let deadline = Instant::now() + options.timeout;
     for (i, row) in table.iter_mut().enumerate() {
         while row.welcome.is_none() {
             let log = state.join("logs").join(format!("{}.log", row.host.name));
+            if let Some(srun) = step
+                && let Ok(Some(status)) = srun.try_wait()
+            {
+                let srun_log = state.join("logs").join("srun.log");
+                let said = [&log, &srun_log]
+                    .iter()
+                    .filter_map(|p| last_line(p))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                bail!(
+                    "the srun step of the workers exited ({status}) before worker {} ({}) \
+                     registered: {}; see {} and {}",
+                    row.host.name,
+                    row.host.endpoint(),
+                    if said.is_empty() {
+                        "it wrote nothing"
+                    } else {
+                        &said
+                    },
+                    log.display(),
+                    srun_log.display()
+                );
+            }
             if let Some(child) = &mut children[i]
                 && let Ok(Some(status)) = child.try_wait()
             {
@@ -373,22 +576,98 @@ fn start_and_register(
     Ok(())
 }
 
+/// The last line with content of a log, without its `error: ` prefix.
+fn last_line(path: &Path) -> Option<String> {
+    let said = std::fs::read_to_string(path).ok()?;
+    said.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .map(|l| l.trim().trim_start_matches("error: ").to_string())
+}
+
+/// Starts `srun` for the workers of `nodes` of Slurm job `job`, running `binary` there (see
+/// [`slurm::srun_args`]), and records the job for `down`. `srun` stays in the background after
+/// `up` exits: the step lives as long as it does.
+fn start_slurm_step(
+    job: &str,
+    nodes: &[String],
+    state: &Path,
+    binary: &Path,
+) -> anyhow::Result<std::process::Child> {
+    let log_path = state.join("logs").join("srun.log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let child = Command::new("srun")
+        .args(slurm::srun_args(job, nodes, state, binary))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        // Its own process group: a Ctrl-C meant for the shell that ran `up` does not end the
+        // step (srun ends it on SIGINT).
+        .process_group(0)
+        .spawn()
+        .context("starting `srun` (are Slurm's client commands installed here?)")?;
+    slurm::record_job(
+        state,
+        &slurm::RecordedJob {
+            job_id: job.to_string(),
+            srun_pid: child.id(),
+            srun_host: this_host(),
+        },
+    )?;
+    Ok(child)
+}
+
+/// This machine's host name, to tell whether a recorded process is on it.
+fn this_host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// After a failed `up`: stops the workers this `up` started, and says what it stopped and what is
 /// left. A local worker is killed through its process; a remote one is asked to shut down if it
 /// registered, and otherwise (it may still be starting) named with the command that stops it.
+/// A Slurm step it started is ended as a whole.
 fn stop_started(
-    hosts_file: &Path,
-    state: &Path,
+    cluster: &Located,
     client: &mut WorkerClient,
     table: &[HostStatus],
     children: &mut [Option<std::process::Child>],
+    step: Option<std::process::Child>,
+    launcher: Launcher,
 ) -> String {
     let mut stopped = Vec::new();
     let mut left = Vec::new();
+    if let (Launcher::SlurmStep { job }, Some(mut srun)) = (launcher, step) {
+        let started: Vec<String> = table
+            .iter()
+            .filter(|r| r.started)
+            .map(|r| r.host.name.clone())
+            .collect();
+        // An srun that exited (the failure, often) has ended its step: nothing to stop.
+        let running = matches!(srun.try_wait(), Ok(None));
+        match slurm::end_steps(job, Duration::from_secs(10)) {
+            Ok(_) => {
+                let _ = srun.kill();
+                let _ = srun.wait();
+                if running {
+                    stopped.extend(started);
+                }
+            }
+            Err(e) => left.push(format!(
+                "{} (in a step of job {job}: {e:#})",
+                started.join(", ")
+            )),
+        }
+    }
     for (i, row) in table.iter().enumerate() {
         let name = &row.host.name;
         if !row.started {
             left.push(format!("{name} (running before this `up`)"));
+            continue;
+        }
+        if let Launcher::SlurmStep { .. } = launcher {
             continue;
         }
         if let Some(child) = children.get_mut(i).and_then(Option::as_mut) {
@@ -422,10 +701,9 @@ fn stop_started(
     };
     if !left.is_empty() {
         note += &format!(
-            "; still running or starting: {}; stop them with `legion-rs down {} --state {}`",
+            "; still running or starting: {}; stop them with `{}`",
             left.join(", "),
-            hosts_file.display(),
-            state.display()
+            cluster.down_command()
         );
     }
     note
@@ -633,9 +911,18 @@ pub fn status(hosts: &Hosts, state: &Path) -> anyhow::Result<Vec<HostStatus>> {
     Ok(table)
 }
 
+/// What `down` stopped.
+pub struct Stopped {
+    /// The hosts whose workers were running.
+    pub workers: Vec<String>,
+    /// The Slurm steps it ended (`JOB.STEP`): those whose workers had not all exited.
+    pub slurm_steps: Vec<String>,
+}
+
 /// `legion-rs down`: asks every worker to exit and waits until local ones are gone (killing
-/// those that do not exit within `timeout`). Returns the names of the hosts that were running.
-pub fn down(hosts: &Hosts, state: &Path, timeout: Duration) -> anyhow::Result<Vec<String>> {
+/// those that do not exit within `timeout`); on a Slurm job's cluster, ends its workers' steps
+/// and waits for the `srun` that `up` started here.
+pub fn down(hosts: &Hosts, state: &Path, timeout: Duration) -> anyhow::Result<Stopped> {
     let mut client = WorkerClient::new(hosts, state)?;
     let mut stopped = Vec::new();
     let mut local_pids = Vec::new();
@@ -666,7 +953,22 @@ pub fn down(hosts: &Hosts, state: &Path, timeout: Duration) -> anyhow::Result<Ve
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }
     }
-    Ok(stopped)
+    let mut slurm_steps = Vec::new();
+    if let Some(job) = slurm::recorded_job(state)? {
+        // Workers that exited end their tasks, and srun its step, on their own; this ends
+        // what did not (a worker that did not answer, one still starting).
+        slurm_steps = slurm::end_steps(&job.job_id, timeout)?;
+        if job.srun_host == this_host() {
+            let deadline = Instant::now() + timeout;
+            while process_exists(job.srun_pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    Ok(Stopped {
+        workers: stopped,
+        slurm_steps,
+    })
 }
 
 /// Whether a process with this pid exists (and is not a zombie we could reap: `up` does not wait

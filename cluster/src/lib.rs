@@ -1,6 +1,7 @@
-//! legion-cluster: training on worker processes. A hosts file ([`hosts`]) names the workers,
-//! [`launch`] starts, greets and stops them, each runs its devices' share of every step, and the
-//! driver reaches them as a [`RemoteCluster`]. Region slices travel over mutually authenticated
+//! legion-cluster: training on worker processes. A hosts file ([`hosts`]) names the workers (or,
+//! inside a Slurm allocation, [`slurm`] finds them), [`launch`] starts, greets and stops them,
+//! each runs its devices' share of every step, and the driver reaches them as a
+//! [`RemoteCluster`]. Region slices travel over mutually authenticated
 //! QUIC ([`net`]). [`engine`] puts the workers, the embedded cluster and the single-device trainer
 //! behind one [`Engine`] trait; [`memory`] refuses a job a host cannot hold.
 //!
@@ -15,6 +16,7 @@ pub mod launch;
 pub mod memory;
 pub mod net;
 mod remote;
+pub mod slurm;
 mod worker;
 
 pub use engine::{Engine, JobStart, Place, StepBatch};

@@ -34,8 +34,12 @@ pub struct ExampleArgs {
     /// one; its devices replace --devices.
     #[arg(long, value_name = "HOSTS")]
     pub cluster: Option<PathBuf>,
+    /// Train on the workers `legion-rs up --slurm` started in the Slurm job this runs in; its
+    /// devices replace --devices.
+    #[arg(long, conflicts_with = "cluster")]
+    pub slurm: bool,
     /// The cluster's state directory, if `up` was given one.
-    #[arg(long, requires = "cluster")]
+    #[arg(long)]
     pub state: Option<PathBuf>,
     #[arg(long, default_value = "optcnn", help = job::strategy_help())]
     pub strategy: String,
@@ -128,15 +132,16 @@ pub fn run(
         job::check_output_path("--chart", path)?;
     }
     if args.compare {
-        let cluster = match &args.cluster {
-            Some(path) => {
-                let state = legion_cluster::launch::state_dir(path, args.state.as_deref())?;
+        let cluster = match (&args.cluster, args.slurm) {
+            (None, false) => None,
+            (path, _) => {
+                let located =
+                    legion_cluster::launch::locate(path.as_deref(), args.state.as_deref())?;
                 Some(ClusterTarget {
-                    hosts: legion_cluster::launch::load_hosts(path, &state)?,
-                    state,
+                    hosts: located.load_hosts()?,
+                    state: located.state,
                 })
             }
-            None => None,
         };
         let settings = CompareSettings {
             devices: args.devices,
@@ -160,9 +165,10 @@ pub fn run(
             print!("{}", compare::table(&rows));
         }
         if let Some(path) = &args.chart {
-            let title = match &args.cluster {
-                Some(path) => format!("{} on the cluster {}", graph.name, path.display()),
-                None => format!("{} on {} embedded devices", graph.name, args.devices),
+            let title = match (&args.cluster, args.slurm) {
+                (Some(path), _) => format!("{} on the cluster {}", graph.name, path.display()),
+                (None, true) => format!("{} on the Slurm job's cluster", graph.name),
+                (None, false) => format!("{} on {} embedded devices", graph.name, args.devices),
             };
             compare::chart(&rows, &title, path)?;
             if !args.json {
@@ -173,12 +179,13 @@ pub fn run(
     }
     let steps = args.steps.unwrap_or(defaults.steps);
     let opts = TrainOptions {
-        devices: if args.cluster.is_some() {
+        devices: if args.cluster.is_some() || args.slurm {
             1
         } else {
             args.devices
         },
         cluster: args.cluster.clone(),
+        slurm: args.slurm,
         cluster_state: args.state.clone(),
         steps,
         data: args.data.clone(),

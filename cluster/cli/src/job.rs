@@ -51,7 +51,9 @@ pub struct TrainOptions {
     pub resume: Option<PathBuf>,
     /// Train on the workers of this cluster (started by `legion-rs up`) instead of in-process.
     pub cluster: Option<PathBuf>,
-    /// The cluster's state directory, if not the default of its hosts file.
+    /// Train on the workers `legion-rs up --slurm` started in the Slurm job this runs in.
+    pub slurm: bool,
+    /// The cluster's state directory, if not the default of its hosts file (or Slurm job).
     pub cluster_state: Option<PathBuf>,
     /// `--device`: a GPU where the run can use one (`auto`), the CPU, or a GPU or an error.
     pub device: DeviceKind,
@@ -86,6 +88,7 @@ impl Default for TrainOptions {
             device: DeviceKind::Auto,
             resume: None,
             cluster: None,
+            slurm: false,
             cluster_state: None,
             memory_gib: None,
             tf32: false,
@@ -372,19 +375,27 @@ impl Job {
         if let Some(path) = &opts.trace {
             check_output_path("--trace", path)?;
         }
-        let cluster = match &opts.cluster {
-            Some(path) => {
-                let state = launch::state_dir(path, opts.cluster_state.as_deref())?;
-                let hosts = launch::load_hosts(path, &state)?;
+        let located = match (&opts.cluster, opts.slurm) {
+            (Some(_), true) => bail!("--cluster and --slurm: give one of them"),
+            (Some(path), false) => Some(launch::locate(Some(path), opts.cluster_state.as_deref())?),
+            (None, true) => Some(launch::locate(None, opts.cluster_state.as_deref())?),
+            (None, false) if opts.cluster_state.is_some() => {
+                bail!("--state is the state directory of a --cluster or --slurm cluster; give one")
+            }
+            (None, false) => None,
+        };
+        let cluster = match located {
+            Some(located) => {
+                let hosts = located.load_hosts()?;
                 if opts.devices != 1 && opts.devices != hosts.num_devices() {
                     bail!(
                         "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
                         opts.devices,
-                        path.display(),
+                        located.label(),
                         hosts.num_devices()
                     );
                 }
-                Some((path, hosts, state))
+                Some((located.label(), hosts, located.state))
             }
             None => None,
         };
@@ -417,9 +428,9 @@ impl Job {
         let gpus = device::start_gpus(&mut device, opts.device, devices, settings)?;
         let (configs, place) = if distributed {
             let (machine, place) = match &cluster {
-                Some((path, hosts, state)) => (
+                Some((label, hosts, state)) => (
                     cluster_machine(hosts, state)?,
-                    format!("{} worker(s) of {}", hosts.hosts.len(), path.display()),
+                    format!("{} worker(s) of {label}", hosts.hosts.len()),
                 ),
                 None => match &gpus {
                     Some(started) => (

@@ -85,6 +85,9 @@ enum How {
     AfterCuda(&'static str, &'static [(&'static str, &'static str)]),
     /// Not a `legion-rs` command: run elsewhere, as this says.
     Elsewhere(&'static str),
+    /// A command for inside a Slurm allocation: `cluster/cli/tests/slurm.rs` runs it in one of a
+    /// Slurm it starts; here, outside any, it must exit 1 saying so in one line.
+    InSlurm,
 }
 
 const SMALL_ALEXNET: &[(&str, &str)] = &[("--batch", "4"), ("--steps", "1")];
@@ -255,6 +258,17 @@ const TOUR: &[(&str, How)] = &[
         EXAMPLES,
     ),
     ("legion-rs down examples/hosts.toml", How::Run(&[])),
+    ("legion-rs up --slurm", How::InSlurm),
+    ("legion-rs status --slurm", How::InSlurm),
+    (
+        "legion-rs train --model alexnet --image-size 64 --batch 16 --steps 10 --slurm",
+        How::InSlurm,
+    ),
+    ("legion-rs down --slurm", How::InSlurm),
+    (
+        "sbatch --nodes=4 examples/slurm/alexnet.sbatch",
+        How::Elsewhere("cluster/cli/tests/slurm.rs submits it to a Slurm it starts"),
+    ),
     (
         "legion-rs train --model my_model.json --batch 8 --steps 20 --lr 0.01",
         How::Run(&[]),
@@ -430,6 +444,22 @@ fn every_readme_command_runs_at_a_small_size() {
                     describe(&args, &out)
                 );
             }
+            How::InSlurm => {
+                let out = Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+                    .args(&args)
+                    .current_dir(dir.path())
+                    .env_remove("SLURM_JOB_ID")
+                    .output()
+                    .unwrap();
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert!(
+                    out.status.code() == Some(1)
+                        && err.lines().count() == 1
+                        && err.starts_with("error: not inside a Slurm allocation"),
+                    "{}",
+                    describe(&args, &out)
+                );
+            }
             How::AfterCuda(file, set) => {
                 if !dir.path().join(file).exists() {
                     eprintln!("{command}: not run, {file} is written only on a GPU");
@@ -476,6 +506,13 @@ fn the_readme_hosts_file_examples_parse() {
             .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(hostfile.hosts.len(), 3);
     assert_eq!(hostfile.num_devices(), 2 + 4 + 4);
+    let slurm =
+        legion_cluster::hosts::ClusterFile::parse(body("slurm-example.toml"), "slurm-example.toml")
+            .unwrap_or_else(|e| panic!("{e}"));
+    let legion_cluster::hosts::ClusterFile::Slurm(nodes) = slurm else {
+        panic!("slurm-example.toml is not a [slurm] file: {slurm:?}");
+    };
+    assert_eq!((nodes.port, nodes.devices), (Some(7400), Some(2)));
 }
 
 /// The README's op table names every op a model file may use: those the parser lists when it

@@ -1,19 +1,32 @@
 //! `legion-rs up`, `status` and `down`.
 
 use clap::Args;
-use legion_cluster::hosts::Hosts;
-use legion_cluster::launch::{self, UpOptions};
+use legion_cluster::launch::{self, Located, UpOptions};
 use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct ClusterArgs {
-    /// The cluster: a hosts.toml or an MPI-style hostfile.
-    hosts: PathBuf,
+    /// The cluster: a hosts.toml or an MPI-style hostfile (a hosts.toml with a [slurm] table: the
+    /// nodes of the Slurm allocation this runs in, as --slurm).
+    #[arg(required_unless_present = "slurm", conflicts_with = "slurm")]
+    hosts: Option<PathBuf>,
+    /// The nodes of the Slurm allocation this runs in (an `salloc` shell, an `sbatch` script):
+    /// one worker per node, started by `srun` in a step of the job; its state in
+    /// `./legion-rs-slurm-<job id>`, which every node must read (the job's working folder).
+    #[arg(long)]
+    slurm: bool,
     /// The cluster's state directory (certificates, logs, measured links); default:
-    /// `$XDG_STATE_HOME/legion-rs/<hosts file name>-<hash of its path>`.
+    /// `$XDG_STATE_HOME/legion-rs/<hosts file name>-<hash of its path>`, or with --slurm
+    /// `./legion-rs-slurm-<job id>`.
     #[arg(long)]
     state: Option<PathBuf>,
+}
+
+impl ClusterArgs {
+    fn locate(&self) -> anyhow::Result<Located> {
+        launch::locate(self.hosts.as_deref(), self.state.as_deref())
+    }
 }
 
 #[derive(Args, Debug)]
@@ -26,49 +39,52 @@ pub struct UpArgs {
     /// Measure the links again even if no worker was started.
     #[arg(long)]
     measure: bool,
+    /// With --slurm: the workers' QUIC port on every node (default 7400).
+    #[arg(long, requires = "slurm", value_parser = clap::value_parser!(u16).range(1..))]
+    port: Option<u16>,
 }
 
 pub fn up(a: UpArgs) -> anyhow::Result<()> {
-    let hosts = Hosts::load(&a.cluster.hosts)?;
-    let state = launch::state_dir(&a.cluster.hosts, a.cluster.state.as_deref())?;
     if !(a.timeout > 0.0 && a.timeout.is_finite()) {
         anyhow::bail!("--timeout must be a positive number of seconds");
     }
-    let table = launch::up(
-        &a.cluster.hosts,
-        &hosts,
-        &state,
+    let mut cluster = a.cluster.locate()?;
+    if let Some(settings) = &mut cluster.slurm {
+        settings.port = a.port.or(settings.port);
+    }
+    let (table, _) = launch::up_located(
+        &cluster,
         &UpOptions {
             timeout: Duration::from_secs_f64(a.timeout),
             measure: a.measure,
         },
     )?;
-    println!(
-        "cluster {} (state in {})",
-        a.cluster.hosts.display(),
-        state.display()
-    );
+    let name = match &cluster.slurm {
+        Some(_) => format!("of {}", cluster.label()),
+        None => cluster.label(),
+    };
+    println!("cluster {name} (state in {})", cluster.state.display());
     print!(
         "{}",
         launch::format_table(
             &table,
-            &launch::load_links(&state)?,
-            &launch::load_nics(&state)?,
+            &launch::load_links(&cluster.state)?,
+            &launch::load_nics(&cluster.state)?,
         )
     );
     Ok(())
 }
 
 pub fn status(a: ClusterArgs) -> anyhow::Result<()> {
-    let hosts = Hosts::load(&a.hosts)?;
-    let state = launch::state_dir(&a.hosts, a.state.as_deref())?;
-    let table = launch::status(&hosts, &state)?;
+    let cluster = a.locate()?;
+    let hosts = cluster.hosts()?;
+    let table = launch::status(&hosts, &cluster.state)?;
     print!(
         "{}",
         launch::format_table(
             &table,
-            &launch::load_links(&state)?,
-            &launch::load_nics(&state)?,
+            &launch::load_links(&cluster.state)?,
+            &launch::load_nics(&cluster.state)?,
         )
     );
     let down = table.iter().filter(|r| r.welcome.is_none()).count();
@@ -79,13 +95,16 @@ pub fn status(a: ClusterArgs) -> anyhow::Result<()> {
 }
 
 pub fn down(a: ClusterArgs) -> anyhow::Result<()> {
-    let hosts = Hosts::load(&a.hosts)?;
-    let state = launch::state_dir(&a.hosts, a.state.as_deref())?;
-    let stopped = launch::down(&hosts, &state, Duration::from_secs(5))?;
-    if stopped.is_empty() {
-        println!("no worker of {} was running", a.hosts.display());
+    let cluster = a.locate()?;
+    let hosts = cluster.hosts()?;
+    let stopped = launch::down(&hosts, &cluster.state, Duration::from_secs(5))?;
+    if stopped.workers.is_empty() {
+        println!("no worker of {} was running", cluster.label());
     } else {
-        println!("stopped {}", stopped.join(", "));
+        println!("stopped {}", stopped.workers.join(", "));
+    }
+    if !stopped.slurm_steps.is_empty() {
+        println!("ended Slurm step(s) {}", stopped.slurm_steps.join(", "));
     }
     Ok(())
 }

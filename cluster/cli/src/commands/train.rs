@@ -18,8 +18,12 @@ pub struct TrainArgs {
     /// the links `up` measured.
     #[arg(long, value_name = "HOSTS")]
     cluster: Option<PathBuf>,
+    /// Train on the workers `legion-rs up --slurm` started in the Slurm job this runs in (an
+    /// `salloc` shell, an `sbatch` script), planned as --cluster is.
+    #[arg(long, conflicts_with = "cluster")]
+    slurm: bool,
     /// The cluster's state directory, if `up` was given one.
-    #[arg(long, requires = "cluster")]
+    #[arg(long)]
     state: Option<PathBuf>,
     #[arg(long, default_value = "optcnn", help = job::strategy_help())]
     strategy: String,
@@ -120,6 +124,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         checkpoint_every: a.checkpoint_every,
         resume: a.resume,
         cluster: a.cluster,
+        slurm: a.slurm,
         cluster_state: a.state,
         device: a.device,
         memory_gib: a.memory_gib,

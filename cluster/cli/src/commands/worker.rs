@@ -9,11 +9,15 @@ pub struct WorkerArgs {
     #[arg(long)]
     state: PathBuf,
     /// This host's name in the hosts file.
-    #[arg(long)]
-    name: String,
+    #[arg(long, required_unless_present = "slurm")]
+    name: Option<String>,
     /// Address and port to listen on (UDP, QUIC).
-    #[arg(long)]
-    listen: String,
+    #[arg(long, required_unless_present = "slurm")]
+    listen: Option<String>,
+    /// A task of the step `up --slurm` started: name, address, port and devices are this node's
+    /// (`SLURMD_NODENAME`) in the hosts file `up` wrote in the state directory.
+    #[arg(long, conflicts_with_all = ["name", "listen", "devices", "device"])]
+    slurm: bool,
     /// Devices this worker runs: a count, or `gpus` (with `--device cuda`): one per GPU it finds.
     #[arg(long, default_value = "1", value_parser = parse_devices)]
     devices: WorkerDevices,
@@ -53,13 +57,34 @@ fn parse_devices(s: &str) -> Result<WorkerDevices, String> {
 
 pub fn run(a: WorkerArgs) -> anyhow::Result<()> {
     use anyhow::Context;
-    let listen: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&a.listen)
-        .with_context(|| format!("--listen {}: expected ADDRESS:PORT", a.listen))?
+    let (name, listen, device, devices) = match a.slurm {
+        true => {
+            let host =
+                legion_cluster::slurm::this_node(&a.state, std::env::var("SLURMD_NODENAME").ok())?;
+            let devices = match host.devices_from_gpus {
+                true => WorkerDevices::Gpus,
+                false => WorkerDevices::Count(host.devices),
+            };
+            let device = match host.device_kind == legion_cluster::hosts::GPU_KIND {
+                true => WorkerDevice::Cuda,
+                false => WorkerDevice::Cpu,
+            };
+            (host.name.clone(), host.endpoint(), device, devices)
+        }
+        false => (
+            a.name.expect("clap requires --name without --slurm"),
+            a.listen.expect("clap requires --listen without --slurm"),
+            a.device,
+            a.devices,
+        ),
+    };
+    let listen: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(&listen)
+        .with_context(|| format!("--listen {listen}: expected ADDRESS:PORT"))?
         .next()
-        .with_context(|| format!("--listen {}: resolves to no address", a.listen))?;
-    let (devices, placement) = placement(a.device, a.devices)?;
+        .with_context(|| format!("--listen {listen}: resolves to no address"))?;
+    let (devices, placement) = placement(device, devices)?;
     run_worker(WorkerConfig {
-        name: a.name,
+        name,
         listen,
         state: a.state,
         devices,
