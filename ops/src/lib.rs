@@ -8,6 +8,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod data;
 pub mod graph;
+pub mod infer;
 pub mod kernels;
 pub mod located;
 pub mod memory;
