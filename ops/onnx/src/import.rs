@@ -94,6 +94,15 @@ pub fn import(bytes: &[u8], model_name: &str, source_name: &str) -> Result<Impor
         .graph
         .as_ref()
         .ok_or_else(|| err("model", "the model has no graph".into()))?;
+    if graph.output.len() != 1 {
+        return Err(err(
+            "graph",
+            format!(
+                "the graph has {} outputs; a model to train has one, its logits",
+                graph.output.len()
+            ),
+        ));
+    }
     let mut importer = Importer::new(graph, opset, model_name, source_name)?;
     importer.inputs()?;
     for (index, node) in graph.node.iter().enumerate() {
@@ -435,6 +444,10 @@ impl<'g> Importer<'g> {
                 let (a, b) = match (a, b) {
                     (Ok(a), Ok(b)) => (a, b),
                     _ => {
+                        // a missing input is named as such, before the constant is refused
+                        for k in 0..2 {
+                            self.value(input_name(node, k)?)?;
+                        }
                         return Err(
                             "Add of a constant is supported only as the bias right after a \
                              MatMul; expected two layers' outputs"
