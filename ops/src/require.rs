@@ -2,7 +2,7 @@
 //! test instead of skipping it.
 //!
 //! Some tests need what a machine may lack: a GPU, an ssh server, network namespaces, NVRTC, a
-//! C++ compiler. Where it is missing they skip with a printed reason ([`skip`]), so that the suite
+//! C++ compiler, onnxruntime. Where it is missing they skip with a printed reason ([`skip`]), so that the suite
 //! passes on any machine. A machine that is meant to have them says so, and there a skip fails:
 //! `LEGION_REQUIRE=gpu,nvrtc,cxx` on the lent GPU machine (`integration/gpu-check.sh`), and in CI
 //! what `.ci/run` installed or found (`ssh,netns` as root, `nvrtc`, `cxx`).
@@ -25,10 +25,20 @@ pub enum Need {
     Nvrtc,
     /// A C++ compiler, for the host emulation of the CUDA kernels.
     Cxx,
+    /// Python with onnxruntime, to run exported ONNX files (`LEGION_ONNXRUNTIME_PATH` may name
+    /// the folder it was installed into).
+    Onnxruntime,
 }
 
 impl Need {
-    pub const ALL: [Need; 5] = [Need::Gpu, Need::Ssh, Need::Netns, Need::Nvrtc, Need::Cxx];
+    pub const ALL: [Need; 6] = [
+        Need::Gpu,
+        Need::Ssh,
+        Need::Netns,
+        Need::Nvrtc,
+        Need::Cxx,
+        Need::Onnxruntime,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -37,6 +47,7 @@ impl Need {
             Need::Netns => "netns",
             Need::Nvrtc => "nvrtc",
             Need::Cxx => "cxx",
+            Need::Onnxruntime => "onnxruntime",
         }
     }
 }
@@ -102,7 +113,7 @@ mod tests {
         assert_eq!(parse("gpu,cxx"), Ok(vec![Need::Gpu, Need::Cxx]));
         let e = parse("gpu,sshd").unwrap_err();
         assert!(
-            e.contains("\"sshd\"") && e.contains("gpu, ssh, netns, nvrtc, cxx"),
+            e.contains("\"sshd\"") && e.contains("gpu, ssh, netns, nvrtc, cxx, onnxruntime"),
             "{e}"
         );
         for need in Need::ALL {
