@@ -145,7 +145,7 @@ mod tests {
         let (w, b) = (params.get(conv, 0), params.get(conv, 1));
         let mut expected = Vec::new();
         for n in 0..2 {
-            let mut pooled = vec![f32::MIN; 3 * 3 * 3];
+            let mut pooled = [f32::MIN; 3 * 3 * 3];
             for (o, bias) in b.iter().enumerate() {
                 for h in 0..6 {
                     for wi in 0..6 {

@@ -367,7 +367,7 @@ impl<'g> Importer<'g> {
         match values {
             Some(data) => self.weights.push(NamedTensor::new(
                 format!("{layer}.{suffix}"),
-                Shape::new(&c.dims_for_checkpoint()),
+                Shape::new(&c.dims),
                 data,
             )),
             None => self.valueless.push(c.name.clone()),
@@ -790,9 +790,9 @@ impl<'g> Importer<'g> {
             return Err("storage_order 1 (column-major indices) is not supported".into());
         }
         if int_attribute(node, "ceil_mode")?.unwrap_or(0) != 0 {
-            for axis in 0..2 {
+            let per_axis = kernel.iter().zip(window.stride).zip(window.padding);
+            for (axis, ((&k, s), p)) in per_axis.enumerate() {
                 let extent = input.dim(2 + axis);
-                let (k, s, p) = (kernel[axis], window.stride[axis], window.padding[axis]);
                 if pool_extent(extent, k, s, p, false) != pool_extent(extent, k, s, p, true) {
                     return Err(format!(
                         "ceil_mode 1 changes the output size of axis {} ({extent} wide); only \
@@ -926,11 +926,6 @@ impl Constant {
             Some(Data::F32(v)) => Some(v.clone()),
             _ => None,
         }
-    }
-
-    /// The dims as a checkpoint shape (at most 4, as every parameter has).
-    fn dims_for_checkpoint(&self) -> Vec<usize> {
-        self.dims.clone()
     }
 }
 

@@ -10,6 +10,7 @@
 mod export;
 mod import;
 #[allow(clippy::all, missing_docs)]
+#[rustfmt::skip]
 pub mod proto;
 
 pub use export::{export, save};

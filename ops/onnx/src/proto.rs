@@ -41,7 +41,17 @@ pub struct AttributeProto {
 }
 /// Nested message and enum types in `AttributeProto`.
 pub mod attribute_proto {
-    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+    #[derive(
+        Clone,
+        Copy,
+        Debug,
+        PartialEq,
+        Eq,
+        Hash,
+        PartialOrd,
+        Ord,
+        ::prost::Enumeration
+    )]
     #[repr(i32)]
     pub enum AttributeType {
         Undefined = 0,
@@ -318,7 +328,17 @@ pub mod tensor_proto {
         #[prost(int64, optional, tag = "2")]
         pub end: ::core::option::Option<i64>,
     }
-    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+    #[derive(
+        Clone,
+        Copy,
+        Debug,
+        PartialEq,
+        Eq,
+        Hash,
+        PartialOrd,
+        Ord,
+        ::prost::Enumeration
+    )]
     #[repr(i32)]
     pub enum DataType {
         Undefined = 0,
@@ -425,7 +445,17 @@ pub mod tensor_proto {
             }
         }
     }
-    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+    #[derive(
+        Clone,
+        Copy,
+        Debug,
+        PartialEq,
+        Eq,
+        Hash,
+        PartialOrd,
+        Ord,
+        ::prost::Enumeration
+    )]
     #[repr(i32)]
     pub enum DataLocation {
         Default = 0,
@@ -505,19 +535,25 @@ pub mod type_proto {
     #[derive(Clone, PartialEq, ::prost::Message)]
     pub struct Sequence {
         #[prost(message, optional, boxed, tag = "1")]
-        pub elem_type: ::core::option::Option<::prost::alloc::boxed::Box<super::TypeProto>>,
+        pub elem_type: ::core::option::Option<
+            ::prost::alloc::boxed::Box<super::TypeProto>,
+        >,
     }
     #[derive(Clone, PartialEq, ::prost::Message)]
     pub struct Map {
         #[prost(int32, optional, tag = "1")]
         pub key_type: ::core::option::Option<i32>,
         #[prost(message, optional, boxed, tag = "2")]
-        pub value_type: ::core::option::Option<::prost::alloc::boxed::Box<super::TypeProto>>,
+        pub value_type: ::core::option::Option<
+            ::prost::alloc::boxed::Box<super::TypeProto>,
+        >,
     }
     #[derive(Clone, PartialEq, ::prost::Message)]
     pub struct Optional {
         #[prost(message, optional, boxed, tag = "1")]
-        pub elem_type: ::core::option::Option<::prost::alloc::boxed::Box<super::TypeProto>>,
+        pub elem_type: ::core::option::Option<
+            ::prost::alloc::boxed::Box<super::TypeProto>,
+        >,
     }
     #[derive(Clone, PartialEq, ::prost::Message)]
     pub struct SparseTensor {

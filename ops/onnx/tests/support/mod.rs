@@ -171,9 +171,9 @@ pub fn small_weights() -> Vec<(&'static str, Vec<i64>, Vec<f32>)> {
     ]
 }
 
-/// A small CNN with weights as PyTorch's exporter writes one (opset 17): Conv + Relu, batch norm
-/// + Relu, a 1×1 branch added back and concatenated, max and average pooling, Flatten, Gemm +
-/// Relu, Dropout, MatMul + Add, Softmax. Its JSON twin is [`SMALL_JSON`].
+/// A small CNN with weights as PyTorch's exporter writes one (opset 17): Conv and Relu, batch
+/// norm and Relu, a 1×1 branch added back and concatenated, max and average pooling, Flatten,
+/// Gemm and Relu, Dropout, MatMul and Add, Softmax. Its JSON twin is [`SMALL_JSON`].
 pub fn small_model() -> OnnxModel {
     let mut m = OnnxModel::new(17);
     m.input("data", &[None, Some(3), Some(8), Some(8)]);
