@@ -627,7 +627,14 @@ impl<'g> Importer<'g> {
             ));
         }
         let window = window_attributes(node)?;
-        check_bias(b.as_ref(), out_channels)?;
+        if let Some(b) = &b
+            && b.dims != [out_channels]
+        {
+            return Err(format!(
+                "bias '{}' has shape {:?}; expected [{out_channels}]",
+                b.name, b.dims
+            ));
+        }
         let (output, activation) = self.fuse_relu(output);
         let name = layer_name(node, &[("weight", Some(&w)), ("bias", b.as_ref())]);
         let conv = op::Conv2d {

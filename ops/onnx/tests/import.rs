@@ -339,6 +339,20 @@ fn refusals_name_the_node_its_op_and_what_is_supported() {
         "{e}"
     );
 
+    let e = refusal(|m| m.graph.initializer[1].dims = vec![1, 4]);
+    assert!(
+        e.contains("(Conv): bias 'conv1.bias' has shape [1, 4]; expected [4]"),
+        "{e}"
+    );
+
+    // Gemm's bias may be [1, out] (it broadcasts); the layer's is [out]
+    let mut m = small_model();
+    m.graph.initializer[8].dims = vec![1, 16];
+    let imported = import(&m.bytes(), "small", "small.onnx").unwrap();
+    let bias = imported.weights.as_ref().unwrap().get("fc1.bias").unwrap();
+    assert_eq!(bias.shape, Shape::new(&[16]));
+    ParamStore::from_checkpoint(&imported.graph, imported.weights.unwrap()).unwrap();
+
     // a Relu reading a layer that something else reads too stays a layer of its own
     let mut m = small_model();
     m.node("Relu", "extra", &["c1"], &["unused"], vec![]);
