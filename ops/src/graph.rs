@@ -354,6 +354,11 @@ impl GraphBuilder {
         self.layers[id.0].shape
     }
 
+    /// Whether a layer of this name was added.
+    pub fn contains(&self, name: &str) -> bool {
+        self.names.contains_key(name)
+    }
+
     /// Adds a layer of any op; the typed helpers below call this.
     pub fn layer(&mut self, name: &str, op: Op, inputs: &[LayerId]) -> Result<LayerId, ModelError> {
         let err = |message: String| ModelError::Layer {

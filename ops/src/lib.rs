@@ -9,6 +9,7 @@ pub mod capture;
 pub mod checkpoint;
 pub mod data;
 pub mod graph;
+pub mod infer;
 pub mod kernels;
 pub mod located;
 pub mod memory;

@@ -2,11 +2,11 @@
 //! test instead of skipping it.
 //!
 //! Some tests need what a machine may lack: a GPU, an ssh server, network namespaces, NVRTC, a
-//! C++ compiler, a Slurm the test can start. Where it is missing they skip with a printed reason
-//! ([`skip`]), so that the suite passes on any machine. A machine that is meant to have them says
-//! so, and there a skip fails: `LEGION_REQUIRE=gpu,nvrtc,cxx` on the lent GPU machine
-//! (`integration/gpu-check.sh`), and in CI what `.ci/run` installed or found (`ssh,netns,slurm`
-//! as root, `nvrtc`, `cxx`).
+//! C++ compiler, a Slurm the test can start, onnxruntime. Where it is missing they skip with a
+//! printed reason ([`skip`]), so that the suite passes on any machine. A machine that is meant to
+//! have them says so, and there a skip fails: `LEGION_REQUIRE=gpu,nvrtc,cxx` on the lent GPU
+//! machine (`integration/gpu-check.sh`), and in CI what `.ci/run` installed or found
+//! (`ssh,netns,slurm` as root, `nvrtc`, `cxx`, `onnxruntime`).
 
 use std::fmt;
 
@@ -28,16 +28,20 @@ pub enum Need {
     Cxx,
     /// A one-host Slurm the test starts itself (slurmctld, slurmd, munge; root).
     Slurm,
+    /// Python with onnxruntime, to run exported ONNX files (`LEGION_ONNXRUNTIME_PATH` may name
+    /// the folder it was installed into).
+    Onnxruntime,
 }
 
 impl Need {
-    pub const ALL: [Need; 6] = [
+    pub const ALL: [Need; 7] = [
         Need::Gpu,
         Need::Ssh,
         Need::Netns,
         Need::Nvrtc,
         Need::Cxx,
         Need::Slurm,
+        Need::Onnxruntime,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,7 +51,7 @@ impl Need {
             Need::Netns => "netns",
             Need::Nvrtc => "nvrtc",
             Need::Cxx => "cxx",
-            Need::Slurm => "slurm",
+            e.contains("\"sshd\"") && e.contains("gpu, ssh, netns, nvrtc, cxx, slurm, onnxruntime"),
         }
     }
 }
@@ -114,6 +118,7 @@ mod tests {
         let e = parse("gpu,sshd").unwrap_err();
         assert!(
             e.contains("\"sshd\"") && e.contains("gpu, ssh, netns, nvrtc, cxx, slurm"),
+            e.contains("\"sshd\"") && e.contains("gpu, ssh, netns, nvrtc, cxx, onnxruntime"),
             "{e}"
         );
         for need in Need::ALL {

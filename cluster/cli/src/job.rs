@@ -34,6 +34,9 @@ pub struct TrainOptions {
     /// `synthetic`, `synthetic:N`, `cifar10:DIR`, `folder:DIR`.
     pub data: String,
     pub init: Option<PathBuf>,
+    /// The weights the model file carried (an ONNX file's initializers): the run starts from them
+    /// unless `init` or `resume` says otherwise.
+    pub model_weights: Option<checkpoint::Checkpoint>,
     pub save: Option<PathBuf>,
     pub sgd: Sgd,
     pub seed: u64,
@@ -78,6 +81,7 @@ impl Default for TrainOptions {
             steps: 100,
             data: "synthetic".into(),
             init: None,
+            model_weights: None,
             save: None,
             sgd: Sgd::default(),
             seed: 1,
@@ -768,7 +772,7 @@ fn classes_mismatch(
 }
 
 /// The weights, momentum and step the run starts from: a checkpoint to resume, one's weights to
-/// start afresh from, or the seeded initialisation.
+/// start afresh from, the model file's weights, or the seeded initialisation.
 fn initial_state(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<TrainingState> {
     let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
         let ckpt = checkpoint::load(path)?;
@@ -779,7 +783,14 @@ fn initial_state(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<TrainingS
         (None, Some(path)) => load_state(path)?,
         // Weights only: a fresh run from them.
         (Some(path), _) => TrainingState::start(load_state(path)?.params),
-        (None, None) => TrainingState::start(ParamStore::init(graph, opts.seed)),
+        (None, None) => match &opts.model_weights {
+            Some(weights) => TrainingState::start(
+                ParamStore::from_checkpoint(graph, weights.clone()).with_context(|| {
+                    format!("the weights of model '{}' do not fit it", graph.name)
+                })?,
+            ),
+            None => TrainingState::start(ParamStore::init(graph, opts.seed)),
+        },
     })
 }
 

@@ -3,7 +3,7 @@
 //! `legion-cluster`, so that the workers need neither the planner nor plotting.
 //!
 //! - [`Cli`], [`run`]: the command line, one module per subcommand; [`load_model`] resolves
-//!   `--model`.
+//!   `--model` (`load_model_and_weights`: with an ONNX file's weights).
 //! - [`job`]: a training run, shared by `legion-rs train` and the example programs: a loop that
 //!   reports events, and the printer that shows them.
 //! - [`compare`]: `--compare`, strategies measured and simulated side by side, and their chart.
@@ -16,7 +16,7 @@ pub mod job;
 pub mod machine;
 mod progress;
 
-pub use commands::{Cli, Command, load_model, run};
+pub use commands::{Cli, Command, load_model, load_model_and_weights, run};
 /// The GPU convolution-algorithm policy of `TrainOptions::conv_algos`.
 pub use legion_cuda::ConvAlgos;
 

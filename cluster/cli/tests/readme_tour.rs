@@ -247,6 +247,22 @@ const TOUR: &[(&str, How)] = &[
         "legion-rs train --model my_model.json --steps 20",
         How::Run(&[("--steps", "2")]),
     ),
+    (
+        "legion-rs plan --model integration/onnx/resnet50.onnx --batch 64 --machine paper:4",
+        How::Run(&[]),
+    ),
+    (
+        "legion-rs train --model integration/onnx/alexnet.onnx --batch 16 --steps 5 --save alex-onnx.safetensors",
+        How::Run(&[("--batch", "2"), ("--steps", "1")]),
+    ),
+    (
+        "legion-rs export --onnx alexnet-trained.onnx --model integration/onnx/alexnet.onnx --init alex-onnx.safetensors",
+        How::Run(&[]),
+    ),
+    (
+        "legion-rs train --model alexnet-trained.onnx --batch 16 --steps 5",
+        How::Run(&[("--batch", "2"), ("--steps", "1")]),
+    ),
     ("legion-rs up examples/hosts.toml", How::Run(&[])),
     ("legion-rs status examples/hosts.toml", How::Run(&[])),
     (
@@ -332,6 +348,16 @@ fn prepare(dir: &Path, text: &str) {
             false => format!("{l}\n"),
         })
         .collect();
+    // The graph-only ONNX exports of torchvision's models the README names.
+    let onnx = dir.join("integration/onnx");
+    std::fs::create_dir_all(&onnx).unwrap();
+    for model in ["alexnet", "resnet50"] {
+        let name = format!("{model}.onnx");
+        let from = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../integration/onnx")
+            .join(&name);
+        std::fs::copy(from, onnx.join(name)).unwrap();
+    }
     std::fs::create_dir_all(dir.join("examples")).unwrap();
     std::fs::write(dir.join("examples/hosts.toml"), hosts).unwrap();
 }

@@ -1,6 +1,7 @@
 //! The `legion-rs` command line: argument parsing and one module per subcommand.
 
 mod cluster;
+mod export;
 mod models;
 mod plan;
 mod profile;
@@ -39,6 +40,8 @@ pub enum Command {
     Down(cluster::ClusterArgs),
     /// Run a worker (started by `up`; not usually run by hand).
     Worker(worker::WorkerArgs),
+    /// Write a model's inference graph with its weights as an ONNX file.
+    Export(export::ExportArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -51,16 +54,32 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Status(a) => cluster::status(a),
         Command::Down(a) => cluster::down(a),
         Command::Worker(a) => worker::run(a),
+        Command::Export(a) => export::run(a),
     }
 }
 
-/// Resolves `--model` (a zoo name or a JSON file) at the given batch / image size / classes.
+/// Resolves `--model` (a zoo name, a JSON model file or an ONNX file) at the given batch / image
+/// size / classes.
 pub fn load_model(
     model: &str,
     batch: usize,
     image_size: Option<usize>,
     classes: Option<usize>,
 ) -> anyhow::Result<legion_ops::Graph> {
+    Ok(load_model_and_weights(model, batch, image_size, classes)?.0)
+}
+
+/// [`load_model`], with the initial weights the model file carries: an ONNX file's initializers
+/// (`None` for zoo and JSON models, and for ONNX files exported without weights).
+pub fn load_model_and_weights(
+    model: &str,
+    batch: usize,
+    image_size: Option<usize>,
+    classes: Option<usize>,
+) -> anyhow::Result<(
+    legion_ops::Graph,
+    Option<legion_ops::checkpoint::Checkpoint>,
+)> {
     use anyhow::Context;
     if batch == 0 {
         anyhow::bail!("--batch must be at least 1");
@@ -74,7 +93,7 @@ pub fn load_model(
             cfg.classes = c;
         }
         // A zoo model fails to build only for the sizes the flags gave it: say which.
-        return z.build(&cfg).with_context(|| {
+        let graph = z.build(&cfg).with_context(|| {
             format!(
                 "--model {model} at --image-size {} (its default: {}), --batch {batch}, \
                  --classes {}",
@@ -82,21 +101,36 @@ pub fn load_model(
                 z.default_config(batch).image_size,
                 cfg.classes
             )
-        });
+        })?;
+        return Ok((graph, None));
     }
     let path = std::path::Path::new(model);
     if !path.exists() {
         anyhow::bail!(
-            "--model '{model}' is neither a zoo model ({}) nor an existing JSON file",
+            "--model '{model}' is neither a zoo model ({}) nor an existing JSON or ONNX file",
             legion_ops::zoo::names().join(", ")
         );
     }
     if image_size.is_some() || classes.is_some() {
         anyhow::bail!(
-            "--image-size and --classes apply to zoo models; a JSON model fixes its own shapes"
+            "--image-size and --classes apply to zoo models; a JSON or ONNX model fixes its own \
+             shapes"
         );
     }
-    let g = legion_ops::Graph::load_json(path)?;
-    g.with_batch(batch)
-        .with_context(|| format!("{model}: re-inferring shapes at batch {batch}"))
+    let (graph, weights) = if is_onnx(path) {
+        let imported = legion_onnx::load(path)?;
+        (imported.graph, imported.weights)
+    } else {
+        (legion_ops::Graph::load_json(path)?, None)
+    };
+    let graph = graph
+        .with_batch(batch)
+        .with_context(|| format!("{model}: re-inferring shapes at batch {batch}"))?;
+    Ok((graph, weights))
+}
+
+/// Whether `--model` names an ONNX file (by its extension; anything else is read as JSON).
+fn is_onnx(path: &std::path::Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
 }

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 #[derive(Args, Debug)]
 #[command(group(ArgGroup::new("machine_source").required(true).args(["machine", "nodes"])))]
 pub struct PlanArgs {
-    /// Zoo model name or model JSON file.
+    /// Zoo model name, model JSON file or ONNX file.
     #[arg(long)]
     model: String,
     /// Global batch size (default: 32 per device, the paper's per-GPU batch).

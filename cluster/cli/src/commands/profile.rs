@@ -16,7 +16,7 @@ use std::path::PathBuf;
 #[derive(Args, Debug)]
 #[command(group(ArgGroup::new("devices_source").required(true).multiple(true).args(["devices", "machine"])))]
 pub struct ProfileArgs {
-    /// A zoo model name (see `legion-rs models`) or a JSON model file.
+    /// A zoo model name (see `legion-rs models`), a JSON model file or an ONNX file.
     #[arg(long)]
     model: String,
     /// Global batch size.

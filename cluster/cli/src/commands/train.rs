@@ -7,7 +7,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    /// A zoo model name (see `legion-rs models`) or a JSON model file.
+    /// A zoo model name (see `legion-rs models`), a JSON model file or an ONNX file (its
+    /// initializers, if it has them, are the initial weights).
     #[arg(long)]
     model: String,
     /// Number of devices to train on (more than one: the embedded cluster, N device actors in this
@@ -105,8 +106,10 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
-    let graph = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
+    let (graph, model_weights) =
+        super::load_model_and_weights(&a.model, a.batch, a.image_size, a.classes)?;
     let opts = TrainOptions {
+        model_weights,
         devices: a.devices,
         steps: a.steps,
         data: a.data,

@@ -1,0 +1,288 @@
+//! `Graph` → ONNX: the inference graph (every layer up to the logits; the loss is left out) with
+//! its weights as initializers named as the graph names its parameters, so that importing the
+//! file gives the same graph and weights back. Batch norm is written as an inference node (its
+//! running statistics) and dropout as a Dropout node, which a runtime passes through.
+
+use crate::OnnxError;
+use crate::proto::tensor_proto::DataType;
+use crate::proto::tensor_shape_proto::{Dimension, dimension};
+use crate::proto::{
+    AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
+    TensorShapeProto, TypeProto, ValueInfoProto, attribute_proto, type_proto,
+};
+use legion_ops::op::{Activation, Op, PoolKind};
+use legion_ops::train::ParamStore;
+use legion_ops::{Graph, LayerId, Shape};
+use prost::Message;
+use std::path::Path;
+
+/// The operator set the export targets: Dropout's ratio as an input (12+), the attributes every
+/// runtime of the last years reads.
+const OPSET: i64 = 17;
+/// IR version 8 goes with opset 17 (onnxruntime reads it from 1.12 on).
+const IR_VERSION: i64 = 8;
+/// The name of the data input's first dimension: the batch is left to the runtime.
+const BATCH: &str = "batch";
+
+/// The model's inference graph with `params` (in `Graph::params` order) as an ONNX file's bytes.
+pub fn export(graph: &Graph, params: &ParamStore) -> Vec<u8> {
+    model(graph, params).encode_to_vec()
+}
+
+/// [`export`] written to `path` atomically (a temporary file beside it, renamed over it).
+pub fn save(path: &Path, graph: &Graph, params: &ParamStore) -> Result<(), OnnxError> {
+    legion_ops::atomic_file::write(path, &export(graph, params)).map_err(|e| OnnxError {
+        source_name: path.display().to_string(),
+        location: "writing".into(),
+        message: e.to_string(),
+    })
+}
+
+fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
+    let mut g = GraphProto {
+        name: Some(graph.name.clone()),
+        ..Default::default()
+    };
+    let output = graph
+        .logits()
+        .unwrap_or_else(|| LayerId(graph.layers().len() - 1));
+    for id in graph.ids() {
+        let layer = graph.layer(id);
+        let name = layer.name.as_str();
+        let inputs: Vec<String> = layer
+            .inputs
+            .iter()
+            .map(|&i| graph.layer(i).name.clone())
+            .collect();
+        let mut weights = Vec::new();
+        for (k, p) in graph.layer_params(id).iter().enumerate() {
+            let tensor_name = format!("{name}.{}", p.suffix);
+            g.initializer.push(float_tensor(
+                &tensor_name,
+                p.shape.dims(),
+                params.get(id, k),
+            ));
+            weights.push(tensor_name);
+        }
+        let all_inputs = || inputs.iter().chain(&weights).cloned().collect::<Vec<_>>();
+        match &layer.op {
+            Op::Input(_) => g.input.push(value_info(name, &layer.shape)),
+            Op::Conv2d(c) => {
+                let attrs = vec![
+                    ints("kernel_shape", &c.kernel),
+                    ints("strides", &c.stride),
+                    ints(
+                        "pads",
+                        &[c.padding[0], c.padding[1], c.padding[0], c.padding[1]],
+                    ),
+                    ints("dilations", &[1, 1]),
+                    int("group", c.groups as i64),
+                ];
+                with_activation(&mut g, "Conv", name, all_inputs(), attrs, c.activation);
+            }
+            Op::Dense(d) => {
+                let attrs = vec![float("alpha", 1.0), float("beta", 1.0), int("transB", 1)];
+                with_activation(&mut g, "Gemm", name, all_inputs(), attrs, d.activation);
+            }
+            Op::BatchNorm(bn) => {
+                let attrs = vec![
+                    float("epsilon", bn.eps),
+                    float("momentum", onnx_momentum(bn.momentum)),
+                ];
+                let relu = if bn.relu {
+                    Activation::Relu
+                } else {
+                    Activation::None
+                };
+                with_activation(
+                    &mut g,
+                    "BatchNormalization",
+                    name,
+                    all_inputs(),
+                    attrs,
+                    relu,
+                );
+            }
+            Op::Pool2d(p) => {
+                let p_ = &p.padding;
+                let mut attrs = vec![
+                    ints("kernel_shape", &p.kernel),
+                    ints("strides", &p.stride),
+                    ints("pads", &[p_[0], p_[1], p_[0], p_[1]]),
+                ];
+                let op_type = match p.kind {
+                    PoolKind::Max => "MaxPool",
+                    PoolKind::Avg => {
+                        attrs.push(int("count_include_pad", 1));
+                        "AveragePool"
+                    }
+                };
+                g.node.push(node(op_type, name, inputs, name, attrs));
+            }
+            Op::Relu(_) => g.node.push(node("Relu", name, inputs, name, vec![])),
+            Op::Sigmoid(_) => g.node.push(node("Sigmoid", name, inputs, name, vec![])),
+            Op::Tanh(_) => g.node.push(node("Tanh", name, inputs, name, vec![])),
+            Op::Flatten(_) => {
+                g.node
+                    .push(node("Flatten", name, inputs, name, vec![int("axis", 1)]))
+            }
+            Op::Concat(_) => g
+                .node
+                .push(node("Concat", name, inputs, name, vec![int("axis", 1)])),
+            Op::Add(_) => g.node.push(node("Add", name, inputs, name, vec![])),
+            Op::Dropout(d) => {
+                let ratio = format!("{name}.ratio");
+                g.initializer.push(float_tensor(&ratio, &[], &[d.rate]));
+                let inputs = inputs.into_iter().chain([ratio]).collect();
+                g.node.push(node("Dropout", name, inputs, name, vec![]));
+            }
+            Op::SoftmaxCrossEntropy(_) => {}
+        }
+        if id == output {
+            g.output.push(value_info(name, &layer.shape));
+        }
+    }
+    ModelProto {
+        ir_version: Some(IR_VERSION),
+        opset_import: vec![OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(OPSET),
+        }],
+        producer_name: Some("legion-rs".into()),
+        producer_version: Some(env!("CARGO_PKG_VERSION").into()),
+        graph: Some(g),
+        ..Default::default()
+    }
+}
+
+/// The node `op_type` named and writing `name`, followed by a Relu where `activation` fuses one
+/// (the node then writes `<name>.pre_relu` and the Relu `name`).
+fn with_activation(
+    g: &mut GraphProto,
+    op_type: &str,
+    name: &str,
+    inputs: Vec<String>,
+    attrs: Vec<AttributeProto>,
+    activation: Activation,
+) {
+    match activation {
+        Activation::None => g.node.push(node(op_type, name, inputs, name, attrs)),
+        Activation::Relu => {
+            let pre = format!("{name}.pre_relu");
+            g.node.push(node(op_type, name, inputs, &pre, attrs));
+            g.node.push(node(
+                "Relu",
+                &format!("{name}.relu"),
+                vec![pre],
+                name,
+                vec![],
+            ));
+        }
+    }
+}
+
+/// ONNX's batch-norm momentum (the weight of the running statistics) from legion-rs's, through
+/// the shortest decimal form as the import does, so that 0.1 is written as 0.9 and read back as
+/// 0.1.
+fn onnx_momentum(momentum: f32) -> f32 {
+    let decimal: f64 = momentum
+        .to_string()
+        .parse()
+        .expect("a float's display parses");
+    (1.0 - decimal) as f32
+}
+
+fn node(
+    op_type: &str,
+    name: &str,
+    inputs: Vec<String>,
+    output: &str,
+    attribute: Vec<AttributeProto>,
+) -> NodeProto {
+    NodeProto {
+        input: inputs,
+        output: vec![output.to_string()],
+        name: Some(name.to_string()),
+        op_type: Some(op_type.to_string()),
+        domain: Some(String::new()),
+        attribute,
+        ..Default::default()
+    }
+}
+
+fn ints(name: &str, values: &[usize]) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(attribute_proto::AttributeType::Ints as i32),
+        ints: values.iter().map(|&v| v as i64).collect(),
+        ..Default::default()
+    }
+}
+
+fn int(name: &str, value: i64) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(attribute_proto::AttributeType::Int as i32),
+        i: Some(value),
+        ..Default::default()
+    }
+}
+
+fn float(name: &str, value: f32) -> AttributeProto {
+    AttributeProto {
+        name: Some(name.into()),
+        r#type: Some(attribute_proto::AttributeType::Float as i32),
+        f: Some(value),
+        ..Default::default()
+    }
+}
+
+fn float_tensor(name: &str, dims: &[usize], values: &[f32]) -> TensorProto {
+    TensorProto {
+        name: Some(name.into()),
+        dims: dims.iter().map(|&d| d as i64).collect(),
+        data_type: Some(DataType::Float as i32),
+        raw_data: Some(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        ..Default::default()
+    }
+}
+
+/// A FLOAT tensor's type and shape, its first dimension the symbolic batch.
+fn value_info(name: &str, shape: &Shape) -> ValueInfoProto {
+    let dim = shape
+        .dims()
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| Dimension {
+            value: Some(if i == 0 {
+                dimension::Value::DimParam(BATCH.into())
+            } else {
+                dimension::Value::DimValue(d as i64)
+            }),
+            ..Default::default()
+        })
+        .collect();
+    ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(DataType::Float as i32),
+                shape: Some(TensorShapeProto { dim }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn momentum_is_written_as_its_decimal_complement() {
+        assert_eq!(onnx_momentum(0.1), 0.9);
+        assert_eq!(crate::import::bn_momentum(onnx_momentum(0.1)), 0.1);
+        assert_eq!(crate::import::bn_momentum(onnx_momentum(0.03)), 0.03);
+    }
+}

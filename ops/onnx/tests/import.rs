@@ -1,0 +1,425 @@
+//! ONNX import against the JSON model it should equal, export round trips, refusals and hostile
+//! bytes.
+
+mod support;
+
+use legion_onnx::{Imported, import};
+use legion_ops::checkpoint::{self, NamedTensor};
+use legion_ops::train::{ParamStore, Sgd, Trainer};
+use legion_ops::{Graph, Shape};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use support::{OnnxModel, SMALL_JSON, float, int, ints, small_model, small_weights};
+
+fn import_small(bytes: &[u8]) -> Imported {
+    import(bytes, "small", "small.onnx").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The small model's weights in the graph's layout (fc2's transposed to `[out, in]`).
+fn graph_layout_weights() -> Vec<NamedTensor> {
+    small_weights()
+        .into_iter()
+        .map(|(name, dims, v)| {
+            let dims: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+            if name == "fc2.weight" {
+                let (rows, cols) = (dims[0], dims[1]);
+                let t = (0..rows * cols)
+                    .map(|i| v[(i % rows) * cols + i / rows])
+                    .collect();
+                NamedTensor::new(name, Shape::new(&[cols, rows]), t)
+            } else {
+                NamedTensor::new(name, Shape::new(&dims), v)
+            }
+        })
+        .collect()
+}
+
+fn by_name(tensors: &[NamedTensor]) -> BTreeMap<&str, &NamedTensor> {
+    tensors.iter().map(|t| (t.name.as_str(), t)).collect()
+}
+
+#[test]
+fn one_training_step_from_the_initializers_equals_the_json_models_from_the_same_safetensors() {
+    let batch = 4;
+    let imported = import_small(&small_model().bytes());
+    let onnx_graph = imported.graph.with_batch(batch).unwrap();
+    let json_graph = Graph::from_json(SMALL_JSON, "small.json")
+        .unwrap()
+        .with_batch(batch)
+        .unwrap();
+    assert_eq!(
+        onnx_graph, json_graph,
+        "the import is the JSON model's graph"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("init.safetensors");
+    let tensors = graph_layout_weights();
+    let views: Vec<_> = tensors.iter().map(NamedTensor::view).collect();
+    checkpoint::save(&init, &views, &BTreeMap::new()).unwrap();
+    let json_params =
+        ParamStore::from_checkpoint(&json_graph, checkpoint::load(&init).unwrap()).unwrap();
+    let onnx_params =
+        ParamStore::from_checkpoint(&onnx_graph, imported.weights.expect("weights")).unwrap();
+    assert_eq!(onnx_params.values, json_params.values);
+
+    let images = support::values(batch * 3 * 8 * 8, 99);
+    let labels = [0, 3, 1, 4];
+    let step = |graph: Graph, params: ParamStore| {
+        let mut t = Trainer::new(graph, params, Sgd::default(), 7);
+        let stats = t.step(&images, &labels).unwrap();
+        (stats.loss, t.params().unwrap().values)
+    };
+    let (onnx_loss, onnx_after) = step(onnx_graph, onnx_params);
+    let (json_loss, json_after) = step(json_graph, json_params);
+    assert_eq!(onnx_loss.to_bits(), json_loss.to_bits());
+    assert_eq!(onnx_after, json_after);
+    assert_ne!(
+        onnx_after,
+        ParamStore::init(&Graph::from_json(SMALL_JSON, "s").unwrap(), 7).values
+    );
+}
+
+#[test]
+fn initializers_keep_their_names_and_a_graph_only_file_has_no_weights() {
+    let imported = import_small(&small_model().bytes());
+    let weights = imported.weights.unwrap();
+    let expected = graph_layout_weights();
+    assert_eq!(by_name(&weights.tensors), by_name(&expected));
+
+    // the same graph with every weight a graph input of its shape (export_params=False)
+    let mut m = small_model();
+    let shapes: Vec<_> = m
+        .graph
+        .initializer
+        .drain(..)
+        .filter(|t| t.name.as_deref() != Some("/drop/ratio"))
+        .collect();
+    m.initializer("/drop/ratio", &[], &[0.25]);
+    for t in &shapes {
+        let dims: Vec<Option<i64>> = t.dims.iter().map(|&d| Some(d)).collect();
+        m.input(t.name.as_deref().unwrap(), &dims);
+    }
+    let graph_only = import_small(&m.bytes());
+    assert_eq!(graph_only.graph, imported.graph);
+    assert!(graph_only.weights.is_none());
+}
+
+#[test]
+fn import_export_import_gives_the_same_graph_and_weights() {
+    let first = import_small(&small_model().bytes());
+    let params = ParamStore::from_checkpoint(&first.graph, first.weights.clone().unwrap()).unwrap();
+    let bytes = legion_onnx::export(&first.graph, &params);
+    let second = import_small(&bytes);
+    assert_eq!(second.graph, first.graph);
+    let (a, b) = (first.weights.unwrap(), second.weights.unwrap());
+    assert_eq!(by_name(&a.tensors), by_name(&b.tensors));
+
+    // graph-only torchvision exports, with the seeded weights
+    for model in ["alexnet", "resnet50", "inception_v3"] {
+        let path = format!(
+            "{}/../../integration/onnx/{model}.onnx",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let graph = legion_onnx::load(path.as_ref()).unwrap().graph;
+        let params = ParamStore::init(&graph, 3);
+        let again = import(&legion_onnx::export(&graph, &params), model, model).unwrap();
+        assert_eq!(again.graph, graph, "{model}");
+        let back = ParamStore::from_checkpoint(&graph, again.weights.unwrap()).unwrap();
+        assert_eq!(back.values, params.values, "{model}");
+    }
+}
+
+#[test]
+fn export_is_written_atomically_and_reads_back() {
+    let first = import_small(&small_model().bytes());
+    let params = ParamStore::from_checkpoint(&first.graph, first.weights.unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("small.onnx");
+    legion_onnx::save(&path, &first.graph, &params).unwrap();
+    assert_eq!(legion_onnx::load(&path).unwrap().graph, first.graph);
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["small.onnx"], "no temporary file is left");
+    let e = legion_onnx::save(
+        &dir.path().join("no/such/dir/x.onnx"),
+        &first.graph,
+        &params,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no/such/dir/x.onnx: writing:"), "{e}");
+}
+
+/// The error of importing `small_model` after `change`.
+#[track_caller]
+fn refusal(change: impl FnOnce(&mut OnnxModel)) -> String {
+    let mut m = small_model();
+    change(&mut m);
+    match import(&m.bytes(), "small", "small.onnx") {
+        Ok(_) => panic!("the changed model imported"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn node<'m>(m: &'m mut OnnxModel, name: &str) -> &'m mut legion_onnx::proto::NodeProto {
+    m.graph
+        .node
+        .iter_mut()
+        .find(|n| n.name.as_deref() == Some(name))
+        .unwrap()
+}
+
+#[test]
+fn refusals_name_the_node_its_op_and_what_is_supported() {
+    let e = refusal(|m| node(m, "relu").op_type = Some("LeakyRelu".into()));
+    assert!(e.starts_with("small.onnx: node 6 'relu' (LeakyRelu): op 'LeakyRelu' is not supported; supported: Conv, Gemm"), "{e}");
+
+    let e = refusal(|m| {
+        node(m, "/conv1/Conv")
+            .attribute
+            .push(ints("dilations", &[2, 2]))
+    });
+    assert!(
+        e.starts_with(
+            "small.onnx: node 0 '/conv1/Conv' (Conv): dilations [2, 2] are not supported"
+        ),
+        "{e}"
+    );
+
+    let e = refusal(|m| node(m, "/conv1/Conv").attribute.push(int("bogus", 1)));
+    assert!(
+        e.contains(
+            "(Conv): attribute 'bogus' is not supported; supported: auto_pad, dilations, group"
+        ),
+        "{e}"
+    );
+
+    let e = refusal(|m| {
+        *node(m, "/conv1/Conv")
+            .attribute
+            .iter_mut()
+            .find(|a| a.name.as_deref() == Some("pads"))
+            .unwrap() = ints("pads", &[0, 0, 1, 1])
+    });
+    assert!(
+        e.contains("(Conv): pads [0, 0, 1, 1] pad the two sides of an axis differently"),
+        "{e}"
+    );
+
+    // 3×3 windows of stride 2 over 8: 3 with floor rounding, 4 with ceil
+    let e = refusal(|m| {
+        let pool = node(m, "pool");
+        pool.attribute = vec![
+            ints("kernel_shape", &[3, 3]),
+            ints("strides", &[2, 2]),
+            int("ceil_mode", 1),
+        ];
+    });
+    assert!(
+        e.contains("'pool' (MaxPool): ceil_mode 1 changes the output size of axis 2 (8 wide)"),
+        "{e}"
+    );
+    // where both roundings agree, ceil_mode is accepted
+    let mut m = small_model();
+    node(&mut m, "avg").attribute.push(int("ceil_mode", 1));
+    assert!(import(&m.bytes(), "small", "small.onnx").is_ok());
+
+    let e =
+        refusal(|m| *node(m, "avg").attribute.last_mut().unwrap() = int("count_include_pad", 0));
+    assert!(
+        e.contains("'avg' (AveragePool): count_include_pad 0 with padding is not supported"),
+        "{e}"
+    );
+
+    let e = refusal(|m| node(m, "cat").attribute = vec![int("axis", 2)]);
+    assert!(
+        e.contains("'cat' (Concat): axis 2 over inputs of rank 4: only the channel axis"),
+        "{e}"
+    );
+
+    let e = refusal(|m| node(m, "/fc1/Gemm").attribute.push(int("transA", 1)));
+    assert!(
+        e.contains("'/fc1/Gemm' (Gemm): transA 1 is not supported"),
+        "{e}"
+    );
+
+    let e = refusal(|m| node(m, "/fc1/Gemm").domain = Some("com.microsoft".into()));
+    assert!(
+        e.contains("(Gemm): domain 'com.microsoft' is not supported"),
+        "{e}"
+    );
+
+    let e = refusal(|m| m.node("Relu", "reads_mask", &["mask"], &["x"], vec![]));
+    assert!(
+        e.contains(
+            "'drop' (Dropout): output 'mask' (the mask) is read; only the first output is supported"
+        ),
+        "{e}"
+    );
+
+    let e = refusal(|m| {
+        m.graph.input[0] = support::value_info("data", &[None, Some(3), None, Some(8)]);
+    });
+    assert_eq!(
+        e,
+        "small.onnx: graph input 'data': dimension 2 is dynamic ('batch'); only the batch \
+         (dimension 0) may be: export with a fixed image size"
+    );
+
+    let e = refusal(|m| {
+        m.graph
+            .node
+            .retain(|n| n.name.as_deref() != Some("/branch/Conv"))
+    });
+    assert!(e.contains("'add' (Add): input 'bc' is neither a graph input, an initializer nor an earlier node's output"), "{e}");
+
+    let e = refusal(|m| m.graph.initializer[0].dims = vec![4, 3, 5, 3]);
+    assert!(
+        e.contains("(Conv): kernel_shape [3, 3] differs from the weight's [5, 3]")
+            || e.contains("conv1.weight"),
+        "{e}"
+    );
+
+    let e = refusal(|m| {
+        m.graph.initializer[0]
+            .raw_data
+            .as_mut()
+            .unwrap()
+            .pop()
+            .map(drop)
+            .unwrap()
+    });
+    assert!(e.starts_with("small.onnx: initializer 'conv1.weight': holds 431 raw bytes; its shape needs 108 values of 4 bytes"), "{e}");
+
+    let e = refusal(|m| {
+        m.graph.node.pop();
+        m.graph.output[0] = support::value_info("logits", &[None, Some(5)]);
+        m.node(
+            "Softmax",
+            "prob",
+            &["logits"],
+            &["prob"],
+            vec![int("axis", 1)],
+        );
+        m.node("Relu", "after", &["prob"], &["out"], vec![]);
+        m.graph.output[0] = support::value_info("out", &[None, Some(5)]);
+    });
+    assert!(
+        e.contains("'prob' (Softmax): Softmax is supported only as the model's output"),
+        "{e}"
+    );
+
+    let e = refusal(|m| m.output("c1", &[None, Some(4), Some(8), Some(8)]));
+    assert!(
+        e.contains("graph: the graph has 2 outputs; a model to train has one, its logits"),
+        "{e}"
+    );
+
+    let e = refusal(|m| m.opset = 6);
+    assert!(
+        e.contains("opset_import: operator set 6 is older than the oldest supported, 7"),
+        "{e}"
+    );
+
+    // some weights with values and others with a shape alone
+    let e = refusal(|m| {
+        let t = m.graph.initializer.remove(0);
+        m.input(
+            t.name.as_deref().unwrap(),
+            &[Some(4), Some(3), Some(3), Some(3)],
+        );
+    });
+    assert!(
+        e.contains(
+            "initializers: 10 weight(s) have values and 1 have only a shape (e.g. 'conv1.weight')"
+        ),
+        "{e}"
+    );
+
+    let e = refusal(|m| m.graph.initializer[1].dims = vec![1, 4]);
+    assert!(
+        e.contains("(Conv): bias 'conv1.bias' has shape [1, 4]; expected [4]"),
+        "{e}"
+    );
+
+    // Gemm's bias may be [1, out] (it broadcasts); the layer's is [out]
+    let mut m = small_model();
+    m.graph.initializer[8].dims = vec![1, 16];
+    let imported = import(&m.bytes(), "small", "small.onnx").unwrap();
+    let bias = imported.weights.as_ref().unwrap().get("fc1.bias").unwrap();
+    assert_eq!(bias.shape, Shape::new(&[16]));
+    ParamStore::from_checkpoint(&imported.graph, imported.weights.unwrap()).unwrap();
+
+    // a Relu reading a layer that something else reads too stays a layer of its own
+    let mut m = small_model();
+    m.node("Relu", "extra", &["c1"], &["unused"], vec![]);
+    let g = import(&m.bytes(), "small", "small.onnx").unwrap().graph;
+    assert!(g.find("/relu1/Relu").is_some() && g.find("extra").is_some());
+}
+
+#[test]
+fn malformed_files_get_a_located_error() {
+    let bytes = small_model().bytes();
+    let e = import(&bytes[..bytes.len() / 2], "small", "small.onnx")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("small.onnx: protobuf: not a valid ONNX model file: "),
+        "{e}"
+    );
+    assert!(
+        e.contains("ModelProto.graph"),
+        "the error names the message it failed in: {e}"
+    );
+    let e = import(b"not a model", "m", "m.onnx")
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("m.onnx: protobuf: "), "{e}");
+    let e = import(&[], "m", "m.onnx").unwrap_err().to_string();
+    assert!(e.contains("opset_import"), "{e}");
+    let e = legion_onnx::load("/no/such/file.onnx".as_ref())
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("/no/such/file.onnx: reading: "), "{e}");
+    let _ = float("unused", 0.0);
+}
+
+/// Every file the tests know, as bytes to mutate: the small model and torchvision's exports.
+fn seeds() -> Vec<Vec<u8>> {
+    let dir = format!("{}/../../integration/onnx", env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![small_model().bytes()];
+    for model in ["alexnet", "resnet50"] {
+        files.push(std::fs::read(format!("{dir}/{model}.onnx")).unwrap());
+    }
+    files
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// Hostile bytes: flipped, overwritten, inserted and cut bytes of valid files import or fail
+    /// with an error, never a panic (the decoder's limits and the mapping's checked sizes).
+    #[test]
+    fn mutated_files_never_panic(
+        seed in 0usize..3,
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..4), 1..12),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut bytes = seeds().swap_remove(seed);
+        for (at, byte, kind) in edits {
+            let i = at.index(bytes.len());
+            match kind {
+                0 => bytes[i] ^= byte | 1,
+                1 => bytes[i] = byte,
+                2 => bytes.insert(i, byte),
+                _ => { bytes.remove(i); }
+            }
+        }
+        let _ = import(&bytes, "m", "m.onnx");
+        let end = cut.index(bytes.len() + 1);
+        let _ = import(&bytes[..end], "m", "m.onnx");
+    }
+}
