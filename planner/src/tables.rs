@@ -282,7 +282,6 @@ impl<'m> CostTables<'m> {
             self.model.graph(),
             self.model.input_shapes(e.dst),
             &e,
-            &self.spaces[e.src.0],
             &self.spaces[e.dst.0],
         )
     }
