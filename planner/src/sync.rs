@@ -193,8 +193,13 @@ pub(crate) struct LinkLoadBuffers {
     pattern: SharingPattern,
     /// The distinct slices of one parameter, in order of first use.
     distinct: Vec<Rect>,
-    /// (bytes, messages) per (owner, replica), indexed by their positions in the device block.
+    /// (bytes, messages) per (owner, replica), indexed by their positions in the device block:
+    /// `[owner * tiles + replica]`. All zero between calls (only the rows `owners` marks are
+    /// written, and they are zeroed again after use), so a layout whose slices few tiles share
+    /// does not clear and scan a square of its whole block: at a thousand devices that is 16 MB.
     matrix: Vec<(u64, u32)>,
+    /// Per owner position, whether its row of `matrix` holds anything.
+    owners: Vec<bool>,
     /// The tiles sharing one slice, ascending.
     positions: Vec<usize>,
     loads: Vec<LinkLoad>,
@@ -249,13 +254,18 @@ impl LinkLoadBuffers {
         let LinkLoadBuffers {
             pattern,
             matrix,
+            owners,
             positions,
             loads,
             ..
         } = self;
         let total = pattern.tiles;
-        matrix.clear();
-        matrix.resize(total * total, (0, 0));
+        let cells = total.checked_mul(total).expect("tiles within u16");
+        if matrix.len() < cells {
+            matrix.resize(cells, (0, 0));
+        }
+        owners.clear();
+        owners.resize(total, false);
         let mut slices = pattern.slices.iter();
         for (param, &count) in pattern.slices_per_param.iter().enumerate() {
             let slice_of_tile = &pattern.slice_of_tile[param * total..(param + 1) * total];
@@ -270,6 +280,7 @@ impl LinkLoadBuffers {
                 for j in 0..blocks {
                     let (a, b) = block_range(rows, blocks, j);
                     let owner = positions[j];
+                    owners[owner] = true;
                     for &replica in positions.iter().filter(|&&p| p != owner) {
                         let cell = &mut matrix[owner * total + replica];
                         cell.0 += row_bytes * (b - a) as u64;
@@ -280,8 +291,10 @@ impl LinkLoadBuffers {
         }
         loads.clear();
         // row by row rather than dividing each cell's index: the divisions dominated this loop
-        for (owner, row) in matrix.chunks_exact(total).enumerate() {
-            for (replica, &(bytes, messages)) in row.iter().enumerate() {
+        for owner in (0..total).filter(|&o| owners[o]) {
+            let row = &mut matrix[owner * total..(owner + 1) * total];
+            for (replica, cell) in row.iter_mut().enumerate() {
+                let (bytes, messages) = std::mem::take(cell);
                 if messages > 0 {
                     loads.push(LinkLoad {
                         owner: first + owner,
