@@ -20,6 +20,7 @@
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.
 
+use crate::fast_hash::FastHashSet;
 use crate::op::{
     Op, OpSpec, ParamSpec, batch_norm_sums_rect, batch_norm_tile_sums_rect, partial_param_rect,
     project_partial,
@@ -28,7 +29,6 @@ use crate::partition::{
     DeviceId, ParallelConfig, ParamHome, Point, param_homes, points, tile_rect,
 };
 use crate::{Graph, LayerId, Rect, Shape};
-use crate::fast_hash::FastHashSet;
 
 /// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
 pub fn human_bytes(b: u64) -> String {
@@ -165,7 +165,10 @@ impl StepBuffers {
 
     /// The buffer of `tensor[rect]` on `device`, read or written there.
     fn buffer(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, rect: Rect) {
-        if self.buffers.insert((tensor.slot(self.stride), device, rect)) {
+        if self
+            .buffers
+            .insert((tensor.slot(self.stride), device, rect))
+        {
             self.add(layer, device, tensor, rect.volume());
         }
     }

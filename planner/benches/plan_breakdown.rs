@@ -71,10 +71,13 @@ const MACHINES: [&str; 4] = ["paper", "4x4", "16x16", "64x16"];
 
 fn machine(name: &str) -> MachineModel {
     match name.split_once('x') {
-        Some((nodes, per_node)) => {
-            MachineModel::from_flags(nodes.parse().unwrap(), per_node.parse().unwrap(), None, None)
-                .unwrap()
-        }
+        Some((nodes, per_node)) => MachineModel::from_flags(
+            nodes.parse().unwrap(),
+            per_node.parse().unwrap(),
+            None,
+            None,
+        )
+        .unwrap(),
         None => MachineModel::preset(name).unwrap(),
     }
 }

@@ -13,8 +13,8 @@
 
 use super::{ConfigSubset, EdgeGeometry};
 use crate::config::{ConfigSpace, ParallelConfig, block_range};
-use legion_ops::partition::reduction_range;
 use crate::machine::{Link, MachineModel};
+use legion_ops::partition::reduction_range;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Rect, Shape};
 
@@ -828,7 +828,11 @@ impl AxisNeeds {
         self.producer_factors_of(&space.layouts()[layout], space.layout_reduction(layout))
     }
 
-    fn producer_factors_of(&self, degrees: &[usize; MAX_DIMS], reduction: usize) -> [usize; FACTORS] {
+    fn producer_factors_of(
+        &self,
+        degrees: &[usize; MAX_DIMS],
+        reduction: usize,
+    ) -> [usize; FACTORS] {
         std::array::from_fn(|f| match f {
             PARTIAL => reduction,
             a if a < self.producer_dims => degrees[a],
@@ -841,7 +845,11 @@ impl AxisNeeds {
         self.consumer_factors_of(&space.layouts()[layout], space.layout_reduction(layout))
     }
 
-    fn consumer_factors_of(&self, degrees: &[usize; MAX_DIMS], reduction: usize) -> [usize; FACTORS] {
+    fn consumer_factors_of(
+        &self,
+        degrees: &[usize; MAX_DIMS],
+        reduction: usize,
+    ) -> [usize; FACTORS] {
         std::array::from_fn(|f| match self.consumer_digit[f] {
             PARTIAL => reduction,
             a => degrees[a],
