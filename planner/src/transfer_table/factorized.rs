@@ -55,15 +55,7 @@ impl Factorized {
     /// The tables of `machine`; `None` where it is not regular.
     pub(super) fn for_machine(machine: &MachineModel) -> Option<Factorized> {
         let devices = machine.num_devices();
-        let nodes = machine.num_nodes();
-        if !machine.link_overrides().is_empty() || !devices.is_multiple_of(nodes) {
-            return None;
-        }
-        let node_size = devices / nodes;
-        let equal_nodes = (0..devices).all(|d| machine.node_of(d) == d / node_size);
-        if !(node_size.is_power_of_two() && equal_nodes) {
-            return None;
-        }
+        let (node_size, ..) = machine.uniform_nodes()?;
         let levels = devices.ilog2() as usize + 1;
         let mut factorized = Factorized {
             devices,
