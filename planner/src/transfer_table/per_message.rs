@@ -340,9 +340,7 @@ impl PerMessage {
         }
     }
 
-    /// The per-message table: overlaps enumerated box by box for every layout pair. Entries the
-    /// caller does not read (layout pairs outside `keep_pairs`, configs outside `only`) are +∞ and
-    /// never priced.
+    /// The per-message table: overlaps enumerated box by box for every layout pair.
     pub(super) fn edge_table(
         &self,
         geometry: &EdgeGeometry,
@@ -352,26 +350,13 @@ impl PerMessage {
         only: Option<&ConfigSubset>,
     ) -> Vec<f64> {
         let (producer, needs, gradient) = (&geometry.producer, &geometry.needs, geometry.gradient);
-        // every config where the caller reads them all
-        let (all_rows, all_columns): (Vec<usize>, Vec<usize>);
-        let only = match only {
-            Some(subset) => *subset,
-            None => {
-                all_rows = (0..src_space.len()).collect();
-                all_columns = (0..dst_space.len()).collect();
-                ConfigSubset {
-                    rows: &all_rows,
-                    columns: &all_columns,
-                }
-            }
-        };
         let nd = producer.ndim();
         let extents = producer.dims();
         let columns = dst_space.len();
         let layouts = dst_space.layouts().len();
-        let mut table = vec![f64::INFINITY; src_space.len() * columns];
+        let mut table = vec![0.0; src_space.len() * columns];
         let mut messages: Vec<Message> = Vec::new();
-        let mut values: Vec<Option<f64>> = Vec::new();
+        let mut values: Vec<f64> = Vec::new();
         let slots = self.routes.as_ref().map_or(0, |r| r.slots);
         let mut loads = [SlotLoads::new(slots), SlotLoads::new(slots)];
         for (gi, g) in src_space.layouts().iter().enumerate() {
@@ -382,11 +367,16 @@ impl PerMessage {
                 let dst_total: usize = h.iter().product::<usize>() * dst_space.layout_reduction(hi);
                 // a pair the bounded search ruled out, or whose configs are all outside `only`:
                 // never read, as in the factorised path
-                let unread = ConfigSubset::positions(only.rows, src_space.layout_configs(gi))
-                    .is_empty()
-                    || ConfigSubset::positions(only.columns, dst_space.layout_configs(hi))
-                        .is_empty();
+                let unread = only.is_some_and(|o| {
+                    ConfigSubset::positions(o.rows, src_space.layout_configs(gi)).is_empty()
+                        || ConfigSubset::positions(o.columns, dst_space.layout_configs(hi))
+                            .is_empty()
+                });
                 if unread || keep_pairs.is_some_and(|keep| !keep[gi * layouts + hi]) {
+                    let dst_configs = dst_space.layout_configs(hi);
+                    for row in src_space.layout_configs(gi) {
+                        table[row * columns..][dst_configs.clone()].fill(f64::INFINITY);
+                    }
                     continue;
                 }
                 messages.clear();
@@ -433,30 +423,21 @@ impl PerMessage {
                     }
                 }
                 let classes = self.classes(src_total, dst_total);
-                // each class priced when a block pair the caller reads first needs it: with
-                // `only`, most classes of a big machine are read by no kept config pair
                 values.clear();
-                values.resize(classes.classes.len(), None);
+                values.extend(
+                    classes
+                        .classes
+                        .iter()
+                        .map(|c| self.class_time(c, &messages, largest, gradient, &mut loads)),
+                );
                 let src_configs = src_space.layout_configs(gi);
                 let dst_configs = dst_space.layout_configs(hi);
-                let rows = &only.rows[ConfigSubset::positions(only.rows, src_configs.clone())];
-                let cols =
-                    &only.columns[ConfigSubset::positions(only.columns, dst_configs.clone())];
-                for &row in rows {
-                    let si = row - src_configs.start;
-                    let class_row = &classes.class_of[si * classes.dst_blocks..];
-                    for &col in cols {
-                        let c = class_row[col - dst_configs.start] as usize;
-                        let value = *values[c].get_or_insert_with(|| {
-                            self.class_time(
-                                &classes.classes[c],
-                                &messages,
-                                largest,
-                                gradient,
-                                &mut loads,
-                            )
-                        });
-                        table[row * columns + col] = value;
+                let per_row = dst_configs.len();
+                for (si, row) in src_configs.enumerate() {
+                    let out = &mut table[row * columns + dst_configs.start..][..per_row];
+                    let class_row = &classes.class_of[si * classes.dst_blocks..][..per_row];
+                    for (o, &c) in out.iter_mut().zip(class_row) {
+                        *o = values[c as usize];
                     }
                 }
             }
