@@ -362,10 +362,10 @@ impl LinkLoadBuffers {
                 };
                 let blocks = positions.len().min(rows);
                 let row_bytes = 4 * (volume / rows) as u64;
-                for j in 0..blocks {
+                for (j, &owner) in positions.iter().enumerate().take(blocks) {
                     let (a, b) = block_range(rows, blocks, j);
                     shares.push(OwnedShare {
-                        owner: positions[j],
+                        owner,
                         sharers,
                         bytes: row_bytes * (b - a) as u64,
                         messages: 1,
@@ -665,14 +665,16 @@ mod tests {
     /// replica by replica, still the listed links' t_s.
     #[test]
     fn rows_of_several_sharer_sets_are_summed_out() {
-        let mut buffers = LinkLoadBuffers::default();
         // two parameters over 8 tiles: the first in two halves, the second shared by tiles 0
         // and 1 (owners 0 and 1 of both) and by tiles 2 to 5
-        buffers.pattern = SharingPattern {
-            tiles: 8,
-            slices_per_param: vec![2, 2],
-            slices: vec![(4, 40), (4, 40), (2, 6), (3, 9)],
-            slice_of_tile: vec![0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, NO_SLICE, NO_SLICE],
+        let mut buffers = LinkLoadBuffers {
+            pattern: SharingPattern {
+                tiles: 8,
+                slices_per_param: vec![2, 2],
+                slices: vec![(4, 40), (4, 40), (2, 6), (3, 9)],
+                slice_of_tile: vec![0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, NO_SLICE, NO_SLICE],
+            },
+            ..LinkLoadBuffers::default()
         };
         for machine in [
             MachineModel::from_flags(4, 2, Some(30.0), Some(3.0)).unwrap(),
