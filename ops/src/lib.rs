@@ -8,6 +8,7 @@ pub mod backend;
 pub mod capture;
 pub mod checkpoint;
 pub mod data;
+pub mod fast_hash;
 pub mod graph;
 pub mod infer;
 pub mod kernels;

@@ -20,6 +20,7 @@
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.
 
+use crate::fast_hash::FastHashSet;
 use crate::op::{
     Op, OpSpec, ParamSpec, batch_norm_sums_rect, batch_norm_tile_sums_rect, partial_param_rect,
     project_partial,
@@ -122,19 +123,21 @@ impl Tensor {
 }
 
 /// The buffers of a step so far, by device and by the layer whose tasks made them. Keyed by
-/// [`Tensor::slot`], with short lists per tensor rather than hashing: the exhaustive search and
-/// refine check the memory of every strategy they accept.
+/// [`Tensor::slot`]: the exhaustive search and refine check the memory of every strategy they
+/// accept.
 struct StepBuffers {
     num_devices: usize,
     stride: usize,
     /// `[layer * num_devices + device]`
     bytes: Vec<u64>,
-    /// Per tensor, its buffers as the runtime keys them: one per device and rect.
-    buffers: Vec<Vec<(DeviceId, Rect)>>,
+    /// Every tensor's buffers as the runtime keys them: one per (tensor slot, device, rect).
+    /// Hashed, not a list per tensor: a parameter replicated on a thousand devices has a thousand
+    /// buffers, and looking each up in a list took seconds per strategy there.
+    buffers: FastHashSet<(usize, DeviceId, Rect)>,
     /// Per sum, its terms: the device and rect of each contribution.
     terms: Vec<Vec<(DeviceId, Rect)>>,
-    /// Per sum, the rects already folded: later readers copy the folded value.
-    folded: Vec<Vec<Rect>>,
+    /// The (sum's slot, rect)s already folded: later readers copy the folded value.
+    folded: FastHashSet<(usize, Rect)>,
 }
 
 impl StepBuffers {
@@ -146,9 +149,9 @@ impl StepBuffers {
             num_devices,
             stride,
             bytes: vec![0; layers.len() * num_devices],
-            buffers: vec![Vec::new(); slots],
+            buffers: FastHashSet::default(),
             terms: vec![Vec::new(); slots],
-            folded: vec![Vec::new(); slots],
+            folded: FastHashSet::default(),
         }
     }
 
@@ -162,9 +165,10 @@ impl StepBuffers {
 
     /// The buffer of `tensor[rect]` on `device`, read or written there.
     fn buffer(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, rect: Rect) {
-        let held = &mut self.buffers[tensor.slot(self.stride)];
-        if !held.contains(&(device, rect)) {
-            held.push((device, rect));
+        if self
+            .buffers
+            .insert((tensor.slot(self.stride), device, rect))
+        {
             self.add(layer, device, tensor, rect.volume());
         }
     }
@@ -180,10 +184,9 @@ impl StepBuffers {
     fn read_sum(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, rect: Rect) {
         self.buffer(layer, device, tensor, rect);
         let slot = tensor.slot(self.stride);
-        if self.folded[slot].contains(&rect) {
+        if !self.folded.insert((slot, rect)) {
             return;
         }
-        self.folded[slot].push(rect);
         let staged = self.terms[slot]
             .iter()
             .filter(|(d, term)| *d != device && term.overlaps(&rect))

@@ -4,8 +4,9 @@
 //! (`simulated_step_time`: building the task graph and list-scheduling it).
 //!
 //! ```text
-//! cargo bench -p legion-planner --bench plan_breakdown                    # vgg16, inception_v3 at 16, 1024
-//! cargo bench -p legion-planner --bench plan_breakdown -- vgg16 1024      # filters: models, devices
+//! cargo bench -p legion-planner --bench plan_breakdown                    # every model and machine
+//! cargo bench -p legion-planner --bench plan_breakdown -- vgg16 64x16     # filters: models, machines
+//! cargo bench -p legion-planner --bench plan_breakdown -- paper-space     # OptCNN's space instead
 //! ```
 //!
 //! Each phase's column is the process's CPU seconds over it (user and system, from
@@ -13,12 +14,13 @@
 //! CPU is steadier than wall. Then wall seconds of the whole, and the peak resident memory
 //! (`VmHWM`) before the simulation and after it: later cases start from an earlier one's peak.
 //!
-//! Machines as `legion-rs plan` builds them: 16 devices is the `paper` preset (4 nodes of 4),
-//! more is nodes of 16 devices (`--nodes N --devices-per-node 16`); 32 samples per device.
+//! Machines as `legion-rs plan` builds them: `paper` (the preset: 4 nodes of 4 sharing a NIC
+//! each), `4x4`, `16x16` and `64x16` (`--nodes N --devices-per-node M`: a link per device pair);
+//! 32 samples per device, and `plan`'s default space (with reduction splits) unless `paper-space`.
 
 use legion_planner::search::{self, DEFAULT_BUDGET, SearchKind};
 use legion_planner::simulate::simulated_step_time;
-use legion_planner::{CostModel, CostTables, MachineModel, RooflineCost};
+use legion_planner::{CostModel, CostTables, MachineModel, RooflineCost, SearchSpace};
 use std::time::Instant;
 
 /// This process's CPU seconds so far (user and system), if `/proc/self/stat` says.
@@ -63,8 +65,22 @@ impl Mark {
     }
 }
 
-const MODELS: [&str; 2] = ["vgg16", "inception_v3"];
-const DEVICES: [usize; 2] = [16, 1024];
+const MODELS: [&str; 3] = ["alexnet", "vgg16", "inception_v3"];
+/// Machines: a preset, or nodes × devices per node.
+const MACHINES: [&str; 4] = ["paper", "4x4", "16x16", "64x16"];
+
+fn machine(name: &str) -> MachineModel {
+    match name.split_once('x') {
+        Some((nodes, per_node)) => MachineModel::from_flags(
+            nodes.parse().unwrap(),
+            per_node.parse().unwrap(),
+            None,
+            None,
+        )
+        .unwrap(),
+        None => MachineModel::preset(name).unwrap(),
+    }
+}
 
 fn main() {
     let filters: Vec<String> = std::env::args()
@@ -76,11 +92,17 @@ fn main() {
         relevant.is_empty() || relevant.iter().any(|f| *f == name)
     };
     let models: Vec<String> = MODELS.iter().map(|m| m.to_string()).collect();
-    let devices: Vec<String> = DEVICES.iter().map(|d| d.to_string()).collect();
+    let machines: Vec<String> = MACHINES.iter().map(|m| m.to_string()).collect();
+    let space = if filters.iter().any(|f| f == "paper-space") {
+        SearchSpace::Paper
+    } else {
+        SearchSpace::WithReductions
+    };
+    println!("space: {space:?}");
     println!(
         "{:<13} {:>7} {:>10} {:>10} {:>10} {:>12} {:>10} {:>18}",
         "model",
-        "devices",
+        "machine",
         "tables s",
         "search s",
         "eq1 s",
@@ -88,14 +110,12 @@ fn main() {
         "wall s",
         "peak MiB pre/post"
     );
-    for d in DEVICES {
-        if !wanted(&d.to_string(), &devices) {
+    for m in MACHINES {
+        if !wanted(m, &machines) {
             continue;
         }
-        let machine = match d {
-            16 => MachineModel::preset("paper").unwrap(),
-            _ => MachineModel::from_flags(d / 16, 16, None, None).unwrap(),
-        };
+        let machine = machine(m);
+        let d = machine.num_devices();
         let provider = RooflineCost::new(&machine);
         for name in MODELS {
             if !wanted(name, &models) {
@@ -105,7 +125,7 @@ fn main() {
             let graph = z.build(&z.default_config(32 * d)).unwrap();
             let model = CostModel::new(&graph, &machine, &provider);
             let t0 = Mark::now();
-            let tables = CostTables::build(&model);
+            let tables = CostTables::build_in(&model, space);
             let t1 = Mark::now();
             let found = search::find(SearchKind::OptCnn, &tables, DEFAULT_BUDGET).unwrap();
             let t2 = Mark::now();
@@ -117,7 +137,7 @@ fn main() {
             let peak_after = peak_rss_mib().unwrap_or(f64::NAN);
             let s = |a: Mark, b: Mark| b.since(&a);
             println!(
-                "{name:<13} {d:>7} {:>10.3} {:>10.3} {:>10.3} {:>12.3} {:>10.3} {:>8.0} / {:>7.0}  (eq1 {:.3} ms, simulated {:.3} ms)",
+                "{name:<13} {m:>7} {:>10.3} {:>10.3} {:>10.3} {:>12.3} {:>10.3} {:>8.0} / {:>7.0}  (eq1 {:.3} ms, simulated {:.3} ms)",
                 s(t0, t1),
                 s(t1, t2),
                 s(t2, t3),

@@ -20,7 +20,8 @@
 
 pub mod config;
 pub mod cost;
-mod fast_hash;
+// where the planner's own lookup tables take their hasher from
+use legion_ops::fast_hash;
 pub mod machine;
 pub mod machine_file;
 pub mod machine_presets;

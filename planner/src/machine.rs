@@ -585,6 +585,24 @@ impl MachineModel {
     }
 
     /// The link `from → to`; `None` for a device and itself (no transfer needed).
+    /// Where every link depends only on whether its two devices share a node: nodes of one
+    /// power-of-two size, numbered in order, and no per-pair overrides. Then the node size and the
+    /// intra- and inter-node links (both directions alike); `None` otherwise.
+    pub(crate) fn uniform_nodes(&self) -> Option<(usize, Link, Link)> {
+        let devices = self.num_devices();
+        let nodes = self.num_nodes();
+        if !self.link_overrides().is_empty() || nodes == 0 || !devices.is_multiple_of(nodes) {
+            return None;
+        }
+        let node_size = devices / nodes;
+        let equal_nodes = (0..devices).all(|d| self.node_of(d) == d / node_size);
+        (node_size.is_power_of_two() && equal_nodes).then_some((
+            node_size,
+            self.intra_node_link(),
+            self.inter_node_link(),
+        ))
+    }
+
     pub fn link(&self, from: DeviceId, to: DeviceId) -> Option<Link> {
         (from != to).then(|| self.links[from * self.num_devices() + to])
     }

@@ -44,7 +44,8 @@
 pub use legion_ops::partition::{SliceUsers, owned_blocks};
 
 use crate::config::{ParallelConfig, block_range, tile_rect};
-use crate::machine::{DeviceId, MachineModel};
+use crate::fast_hash::FastHashMap;
+use crate::machine::{DeviceId, Link, MachineModel};
 use crate::transfer::Loads;
 use legion_ops::op::{OpSpec, ParamSpec, partial_param_rect};
 use legion_ops::{Graph, LayerId, Rect};
@@ -193,8 +194,13 @@ pub(crate) struct LinkLoadBuffers {
     pattern: SharingPattern,
     /// The distinct slices of one parameter, in order of first use.
     distinct: Vec<Rect>,
-    /// (bytes, messages) per (owner, replica), indexed by their positions in the device block.
+    /// (bytes, messages) per (owner, replica), indexed by their positions in the device block:
+    /// `[owner * tiles + replica]`. All zero between calls (only the rows `owners` marks are
+    /// written, and they are zeroed again after use), so a layout whose slices few tiles share
+    /// does not clear and scan a square of its whole block: at a thousand devices that is 16 MB.
     matrix: Vec<(u64, u32)>,
+    /// Per owner position, whether its row of `matrix` holds anything.
+    owners: Vec<bool>,
     /// The tiles sharing one slice, ascending.
     positions: Vec<usize>,
     loads: Vec<LinkLoad>,
@@ -249,13 +255,18 @@ impl LinkLoadBuffers {
         let LinkLoadBuffers {
             pattern,
             matrix,
+            owners,
             positions,
             loads,
             ..
         } = self;
         let total = pattern.tiles;
-        matrix.clear();
-        matrix.resize(total * total, (0, 0));
+        let cells = total.checked_mul(total).expect("tiles within u16");
+        if matrix.len() < cells {
+            matrix.resize(cells, (0, 0));
+        }
+        owners.clear();
+        owners.resize(total, false);
         let mut slices = pattern.slices.iter();
         for (param, &count) in pattern.slices_per_param.iter().enumerate() {
             let slice_of_tile = &pattern.slice_of_tile[param * total..(param + 1) * total];
@@ -270,6 +281,7 @@ impl LinkLoadBuffers {
                 for j in 0..blocks {
                     let (a, b) = block_range(rows, blocks, j);
                     let owner = positions[j];
+                    owners[owner] = true;
                     for &replica in positions.iter().filter(|&&p| p != owner) {
                         let cell = &mut matrix[owner * total + replica];
                         cell.0 += row_bytes * (b - a) as u64;
@@ -280,8 +292,10 @@ impl LinkLoadBuffers {
         }
         loads.clear();
         // row by row rather than dividing each cell's index: the divisions dominated this loop
-        for (owner, row) in matrix.chunks_exact(total).enumerate() {
-            for (replica, &(bytes, messages)) in row.iter().enumerate() {
+        for owner in (0..total).filter(|&o| owners[o]) {
+            let row = &mut matrix[owner * total..(owner + 1) * total];
+            for (replica, cell) in row.iter_mut().enumerate() {
+                let (bytes, messages) = std::mem::take(cell);
                 if messages > 0 {
                     loads.push(LinkLoad {
                         owner: first + owner,
@@ -293,6 +307,135 @@ impl LinkLoadBuffers {
             }
         }
         loads
+    }
+}
+
+/// How one owner's row of link loads is made (see [`LinkLoadBuffers::uniform_sync_time`]).
+#[derive(Clone, Copy, Debug)]
+struct OwnedShare {
+    owner: usize,
+    /// Index of the tiles sharing the slice, in [`LinkLoadBuffers`]' `sharer_sets`.
+    sharers: u32,
+    bytes: u64,
+    messages: u32,
+}
+
+impl LinkLoadBuffers {
+    /// [`sync_time_shifted`] of [`LinkLoadBuffers::link_loads`]`(0)` at offset `first`, the same
+    /// number bit for bit, on a machine without shared lanes whose links depend only on whether
+    /// two devices share a node (`nodes`: [`MachineModel::uniform_nodes`]), without listing every
+    /// (owner, replica) link: a slice replicated on a thousand tiles has a million of them.
+    ///
+    /// An owner's row of loads is the sum, over the blocks it owns, of the block's bytes and one
+    /// message on each other tile sharing the block's slice. Where one set of sharers makes the
+    /// whole row (the usual case: a layer's parameters split alike), every link of the row
+    /// carries the same load, so its largest time is that load over the slower link kind the set
+    /// reaches (another tile in the owner's node, a tile in another node). Other rows are summed
+    /// out one by one.
+    pub(crate) fn uniform_sync_time(
+        &mut self,
+        first: DeviceId,
+        (node_size, intra, inter): (usize, Link, Link),
+    ) -> f64 {
+        let total = self.pattern.tiles;
+        let mut shares: Vec<OwnedShare> = Vec::new();
+        let mut sharer_sets: Vec<Vec<usize>> = Vec::new();
+        let mut set_of: FastHashMap<Vec<usize>, u32> = FastHashMap::default();
+        let mut slices = self.pattern.slices.iter();
+        for (param, &count) in self.pattern.slices_per_param.iter().enumerate() {
+            let slice_of_tile = &self.pattern.slice_of_tile[param * total..(param + 1) * total];
+            for (index, &(rows, volume)) in slices.by_ref().take(count).enumerate() {
+                let positions = &mut self.positions;
+                positions.clear();
+                positions.extend((0..total).filter(|&t| usize::from(slice_of_tile[t]) == index));
+                if positions.len() < 2 || volume == 0 {
+                    continue;
+                }
+                let sharers = match set_of.get(positions.as_slice()) {
+                    Some(&id) => id,
+                    None => {
+                        let id = u32::try_from(sharer_sets.len()).expect("at most u16 tiles");
+                        set_of.insert(positions.clone(), id);
+                        sharer_sets.push(positions.clone());
+                        id
+                    }
+                };
+                let blocks = positions.len().min(rows);
+                let row_bytes = 4 * (volume / rows) as u64;
+                for (j, &owner) in positions.iter().enumerate().take(blocks) {
+                    let (a, b) = block_range(rows, blocks, j);
+                    shares.push(OwnedShare {
+                        owner,
+                        sharers,
+                        bytes: row_bytes * (b - a) as u64,
+                        messages: 1,
+                    });
+                }
+            }
+        }
+        // by owner, one entry per (owner, set of sharers)
+        shares.sort_by_key(|s| (s.owner, s.sharers));
+        shares.dedup_by(|later, earlier| {
+            let same = (later.owner, later.sharers) == (earlier.owner, earlier.sharers);
+            if same {
+                earlier.bytes += later.bytes;
+                earlier.messages += later.messages;
+            }
+            same
+        });
+        // as `sync_time_shifted` prices a link's load
+        let time = |link: Link, bytes: u64, messages: u32| {
+            bytes as f64 * link.seconds_per_byte() + f64::from(messages) * link.latency_s
+        };
+        let node = |position: usize| (first + position) / node_size;
+        let matrix = &mut self.matrix;
+        if matrix.len() < total {
+            matrix.resize(total, (0, 0));
+        }
+        let mut worst = 0.0f64;
+        for row in shares.chunk_by(|a, b| a.owner == b.owner) {
+            let owner = row[0].owner;
+            let own_node = node(owner);
+            let mut busiest = 0.0f64;
+            if let [one] = row {
+                let sharers = &sharer_sets[one.sharers as usize];
+                // the sharers are ascending: those on the owner's node are a run of them
+                let in_node = sharers.partition_point(|&p| node(p) < own_node)
+                    ..sharers.partition_point(|&p| node(p) <= own_node);
+                // the owner is a sharer itself
+                if in_node.len() > 1 {
+                    busiest = busiest.max(time(intra, one.bytes, one.messages));
+                }
+                if in_node.len() < sharers.len() {
+                    busiest = busiest.max(time(inter, one.bytes, one.messages));
+                }
+            } else {
+                // `matrix`'s first `total` cells as this row, zero again afterwards
+                for share in row {
+                    for &replica in sharer_sets[share.sharers as usize].iter() {
+                        if replica != owner {
+                            let cell = &mut matrix[replica];
+                            cell.0 += share.bytes;
+                            cell.1 += share.messages;
+                        }
+                    }
+                }
+                for (replica, cell) in matrix[..total].iter_mut().enumerate() {
+                    let (bytes, messages) = std::mem::take(cell);
+                    if messages > 0 {
+                        let link = if node(replica) == own_node {
+                            intra
+                        } else {
+                            inter
+                        };
+                        busiest = busiest.max(time(link, bytes, messages));
+                    }
+                }
+            }
+            // gathering and broadcasting take the same links both ways
+            worst = worst.max(busiest + busiest);
+        }
+        worst
     }
 }
 
@@ -468,6 +611,84 @@ mod tests {
             "tile order differs"
         );
         assert_eq!(pattern([1, 2, 2, 1]), pattern([1, 2, 1, 2]));
+    }
+
+    /// On machines whose links depend only on sharing a node, t_s without the list of links is
+    /// `sync_time_shifted` of that list, bit for bit, for every layout of a conv and a dense layer
+    /// (reduction splits included: a partial past the first holds no bias) on every device block.
+    #[test]
+    fn uniform_sync_time_equals_the_listed_links() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nchw(8, 5, 6, 6)).unwrap();
+        let c = m.conv2d("c", x, Conv2d::new(12, 3).padding(1)).unwrap();
+        let f = m.flatten("f", c).unwrap();
+        let fc = m.dense("fc", f, Dense::new(3)).unwrap();
+        let g = m.finish();
+        let (mut compared, mut reduced) = (0, 0);
+        for machine in [
+            MachineModel::from_flags(4, 4, Some(30.0), Some(3.0)).unwrap(),
+            MachineModel::from_flags(2, 8, None, None).unwrap(),
+            MachineModel::from_flags(1, 16, None, None).unwrap(),
+        ] {
+            let nodes = machine.uniform_nodes().expect("uniform nodes");
+            for id in [c, fc] {
+                let l = g.layer(id);
+                let op = l.op.spec();
+                let inputs = g.input_shapes(id);
+                let params = op.params(&inputs);
+                let space = crate::config::ConfigSpace::enumerate_with_reductions(
+                    &l.shape,
+                    op.parallel_dims(&l.shape),
+                    machine.num_devices(),
+                    op.reduction_channels(&inputs),
+                );
+                for config in space.configs() {
+                    let red = config.reduction();
+                    let tiles: Vec<Rect> = tile_rects(&l.shape, config)
+                        .flat_map(|r| std::iter::repeat_n(r, red))
+                        .collect();
+                    let mut buffers = LinkLoadBuffers::default();
+                    buffers.share(op, &params, &tiles, red);
+                    let listed =
+                        sync_time_shifted(buffers.link_loads(0), &machine, config.first_device());
+                    let direct = buffers.uniform_sync_time(config.first_device(), nodes);
+                    assert_eq!(direct.to_bits(), listed.to_bits(), "{config} on {machine}");
+                    compared += 1;
+                    reduced += usize::from(red > 1 && listed > 0.0);
+                }
+            }
+        }
+        assert!(compared > 500 && reduced > 10, "{compared} {reduced}");
+    }
+
+    /// An owner whose row sums blocks of slices shared by different sets of tiles: summed out
+    /// replica by replica, still the listed links' t_s.
+    #[test]
+    fn rows_of_several_sharer_sets_are_summed_out() {
+        // two parameters over 8 tiles: the first in two halves, the second shared by tiles 0
+        // and 1 (owners 0 and 1 of both) and by tiles 2 to 5
+        let mut buffers = LinkLoadBuffers {
+            pattern: SharingPattern {
+                tiles: 8,
+                slices_per_param: vec![2, 2],
+                slices: vec![(4, 40), (4, 40), (2, 6), (3, 9)],
+                slice_of_tile: vec![0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, NO_SLICE, NO_SLICE],
+            },
+            ..LinkLoadBuffers::default()
+        };
+        for machine in [
+            MachineModel::from_flags(4, 2, Some(30.0), Some(3.0)).unwrap(),
+            MachineModel::from_flags(2, 4, None, None).unwrap(),
+            MachineModel::from_flags(2, 8, Some(10.0), Some(100.0)).unwrap(),
+        ] {
+            let nodes = machine.uniform_nodes().expect("uniform nodes");
+            for first in (0..machine.num_devices()).step_by(8) {
+                let listed = sync_time_shifted(buffers.link_loads(0), &machine, first);
+                let direct = buffers.uniform_sync_time(first, nodes);
+                assert!(listed > 0.0);
+                assert_eq!(direct.to_bits(), listed.to_bits(), "@{first} on {machine}");
+            }
+        }
     }
 
     #[test]

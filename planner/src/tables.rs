@@ -282,7 +282,6 @@ impl<'m> CostTables<'m> {
             self.model.graph(),
             self.model.input_shapes(e.dst),
             &e,
-            &self.spaces[e.src.0],
             &self.spaces[e.dst.0],
         )
     }
@@ -364,6 +363,10 @@ fn node_costs(
     let mut compute = vec![0.0; space.len()];
     let mut sync = vec![0.0; space.len()];
     let specs = machine.specs().len();
+    // where t_s needs no list of links (see `LinkLoadBuffers::uniform_sync_time`)
+    let uniform_nodes = machine
+        .uniform_nodes()
+        .filter(|_| !machine.has_shared_lanes());
     let NodeScratch {
         tiles,
         priced,
@@ -385,16 +388,32 @@ fn node_costs(
             Some(known) => sync[range.clone()].copy_from_slice(known),
             None => {
                 let pattern = pattern.clone();
-                // by positions in the block; `sync_time_shifted` moves them onto each block's
-                // devices
-                let block_loads = loads.link_loads(0);
-                for (block, ci) in range.clone().enumerate() {
-                    sync[ci] = match class_of(block) {
-                        class if class == block => {
-                            sync_time_shifted(block_loads, machine, block * total)
+                match uniform_nodes {
+                    // the same numbers without listing every link (a million of them for a
+                    // slice replicated on a thousand devices)
+                    Some(nodes) => {
+                        for (block, ci) in range.clone().enumerate() {
+                            sync[ci] = match class_of(block) {
+                                class if class == block => {
+                                    loads.uniform_sync_time(block * total, nodes)
+                                }
+                                class => sync[range.start + class],
+                            };
                         }
-                        class => sync[range.start + class],
-                    };
+                    }
+                    None => {
+                        // by positions in the block; `sync_time_shifted` moves them onto each
+                        // block's devices
+                        let block_loads = loads.link_loads(0);
+                        for (block, ci) in range.clone().enumerate() {
+                            sync[ci] = match class_of(block) {
+                                class if class == block => {
+                                    sync_time_shifted(block_loads, machine, block * total)
+                                }
+                                class => sync[range.start + class],
+                            };
+                        }
+                    }
                 }
                 sync_of_pattern.insert(pattern, sync[range.clone()].to_vec());
             }

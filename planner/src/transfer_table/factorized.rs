@@ -14,8 +14,29 @@
 use super::{ConfigSubset, EdgeGeometry};
 use crate::config::{ConfigSpace, ParallelConfig, block_range};
 use crate::machine::{Link, MachineModel};
+use legion_ops::partition::reduction_range;
 use legion_ops::shape::MAX_DIMS;
 use legion_ops::{Rect, Shape};
+
+/// The factors of a layout pair's message sizes: one per tensor axis, and [`PARTIAL`].
+const FACTORS: usize = MAX_DIMS + 1;
+/// The factor of reduction splits. Its producer digit is the producer's partial: only a block's
+/// first partial holds the block's output. Its consumer digit is the consumer's partial, or where
+/// the partials read blocks of the channels, the consumer's channel block (whose need is then the
+/// same for every block), the partial taking the [`CHANNELS`] factor instead.
+const PARTIAL: usize = MAX_DIMS;
+/// The axis a reduction split's partials cut into blocks: the input's channels.
+const CHANNELS: usize = 1;
+/// The producer's digits: its axes' block indices and then its partial, in factor order.
+const PRODUCER_POSITIONS: [usize; FACTORS] = {
+    let mut positions = [0; FACTORS];
+    let mut f = 0;
+    while f < FACTORS {
+        positions[f] = f;
+        f += 1;
+    }
+    positions
+};
 
 /// The factorized tables of a regular machine: one whose links depend only on whether two devices
 /// share a node, with equal nodes of a power-of-two size.
@@ -34,15 +55,7 @@ impl Factorized {
     /// The tables of `machine`; `None` where it is not regular.
     pub(super) fn for_machine(machine: &MachineModel) -> Option<Factorized> {
         let devices = machine.num_devices();
-        let nodes = machine.num_nodes();
-        if !machine.link_overrides().is_empty() || !devices.is_multiple_of(nodes) {
-            return None;
-        }
-        let node_size = devices / nodes;
-        let equal_nodes = (0..devices).all(|d| machine.node_of(d) == d / node_size);
-        if !(node_size.is_power_of_two() && equal_nodes) {
-            return None;
-        }
+        let (node_size, ..) = machine.uniform_nodes()?;
         let levels = devices.ilog2() as usize + 1;
         let mut factorized = Factorized {
             devices,
@@ -117,12 +130,6 @@ impl Factorized {
             + h.trailing_zeros() as usize
     }
 
-    /// The producer layouts' degrees on every axis (1 past the producer's dims).
-    fn producer_degrees(producer: &Shape, layout: &[usize; MAX_DIMS]) -> [usize; MAX_DIMS] {
-        let nd = producer.ndim();
-        std::array::from_fn(|a| if a < nd { layout[a] } else { 1 })
-    }
-
     /// [`super::TransferTables::least_times`] of an edge that factorizes.
     pub(super) fn least_times(
         &self,
@@ -132,21 +139,22 @@ impl Factorized {
         dst_space: &ConfigSpace,
     ) -> LeastTimes {
         let levels = self.levels;
-        let src: Vec<[usize; MAX_DIMS]> = src_space
-            .layouts()
-            .iter()
-            .map(|g| Self::producer_degrees(&geometry.producer, g))
+        let src: Vec<[usize; FACTORS]> = (0..src_space.layouts().len())
+            .map(|gi| axes.producer_factors(src_space, gi))
             .collect();
-        // per axis, the log2 degrees either side has, as bit sets
-        let level_set = |layouts: &[[usize; MAX_DIMS]], a: usize| {
+        let dst: Vec<[usize; FACTORS]> = (0..dst_space.layouts().len())
+            .map(|hi| axes.consumer_factors(dst_space, hi))
+            .collect();
+        // per factor, the log2 degrees either side has, as bit sets
+        let level_set = |layouts: &[[usize; FACTORS]], a: usize| {
             layouts
                 .iter()
                 .fold(0u64, |set, l| set | 1 << l[a].trailing_zeros())
         };
-        let mut bounds = vec![AxisBound::default(); MAX_DIMS * levels * levels];
+        let mut bounds = vec![AxisBound::default(); FACTORS * levels * levels];
         let mut overlap = Vec::new();
-        for a in 0..MAX_DIMS {
-            let (src_levels, dst_levels) = (level_set(&src, a), level_set(dst_space.layouts(), a));
+        for a in 0..FACTORS {
+            let (src_levels, dst_levels) = (level_set(&src, a), level_set(&dst, a));
             for gl in (0..levels).filter(|l| src_levels >> l & 1 == 1) {
                 for hl in (0..levels).filter(|l| dst_levels >> l & 1 == 1) {
                     let (g, h) = (1 << gl, 1 << hl);
@@ -154,12 +162,12 @@ impl Factorized {
                 }
             }
         }
-        let level = |l: &[usize; MAX_DIMS]| std::array::from_fn(|a| l[a].trailing_zeros() as usize);
+        let level = |l: &[usize; FACTORS]| std::array::from_fn(|a| l[a].trailing_zeros() as usize);
         LeastTimes {
             bounds,
             levels,
             src: src.iter().map(level).collect(),
-            dst: dst_space.layouts().iter().map(level).collect(),
+            dst: dst.iter().map(level).collect(),
             intra: self.intra,
             inter: self.inter,
             gradient: geometry.gradient,
@@ -176,10 +184,15 @@ impl Factorized {
         buffers: &mut PairBuffers,
     ) -> f64 {
         let src_side = Side::new(
-            Self::producer_degrees(&geometry.producer, &src.degrees()),
+            axes.producer_factors_of(&src.degrees(), src.reduction()),
+            PRODUCER_POSITIONS,
             self.node_size,
         );
-        let dst_side = Side::new(dst.degrees(), self.node_size);
+        let dst_side = Side::new(
+            axes.consumer_factors_of(&dst.degrees(), dst.reduction()),
+            axes.consumer_positions(),
+            self.node_size,
+        );
         let (g, h) = (&src_side.degrees, &dst_side.degrees);
         let PairBuffers {
             pairs,
@@ -190,7 +203,7 @@ impl Factorized {
         for (a, pair) in pairs.iter_mut().enumerate() {
             axes.fill_axis_pair(a, g[a], h[a], pair, overlap, column);
         }
-        let axis: [&AxisPair; MAX_DIMS] = std::array::from_fn(|a| &pairs[a]);
+        let axis: [&AxisPair; FACTORS] = std::array::from_fn(|a| &pairs[a]);
         self.layout_pair(&src_side, &dst_side, &axis, geometry.gradient, scratch);
         let (src_total, dst_total) = (src_side.total, dst_side.total);
         let relation = self.relation(src.first_device(), src_total, dst.first_device(), dst_total);
@@ -210,7 +223,7 @@ impl Factorized {
         let gradient = geometry.gradient;
         // built when a layout pair needs them: with `keep_pairs` most are never needed
         let mut pairs: Vec<Option<AxisPair>> = Vec::new();
-        pairs.resize_with(MAX_DIMS * self.levels * self.levels, || None);
+        pairs.resize_with(FACTORS * self.levels * self.levels, || None);
         let all_rows: Vec<usize>;
         let all_columns: Vec<usize>;
         let only = match only {
@@ -247,19 +260,21 @@ impl Factorized {
                     continue;
                 }
                 let src = &*src_sides[gi].get_or_insert_with(|| {
-                    let g = Self::producer_degrees(&geometry.producer, &src_layouts[gi]);
-                    Side::new(g, self.node_size)
+                    let g = axes.producer_factors(src_space, gi);
+                    Side::new(g, PRODUCER_POSITIONS, self.node_size)
                 });
-                let dst = &*dst_sides[hi]
-                    .get_or_insert_with(|| Side::new(dst_layouts[hi], self.node_size));
+                let dst = &*dst_sides[hi].get_or_insert_with(|| {
+                    let h = axes.consumer_factors(dst_space, hi);
+                    Side::new(h, axes.consumer_positions(), self.node_size)
+                });
                 let (g, h) = (&src.degrees, &dst.degrees);
-                for a in 0..MAX_DIMS {
+                for a in 0..FACTORS {
                     let slot = self.slot(a, g[a], h[a]);
                     if pairs[slot].is_none() {
                         pairs[slot] = Some(axes.axis_pair(a, g[a], h[a]));
                     }
                 }
-                let axis: [&AxisPair; MAX_DIMS] = std::array::from_fn(|a| {
+                let axis: [&AxisPair; FACTORS] = std::array::from_fn(|a| {
                     pairs[self.slot(a, g[a], h[a])]
                         .as_ref()
                         .expect("built just above")
@@ -299,7 +314,7 @@ impl Factorized {
         &self,
         src: &Side,
         dst: &Side,
-        axis: &[&AxisPair; MAX_DIMS],
+        axis: &[&AxisPair; FACTORS],
         gradient: bool,
         out: &mut Scratch,
     ) -> bool {
@@ -318,7 +333,7 @@ impl Factorized {
         };
         // axes on which both blocks' groups cover every block contribute a constant factor
         let mut constant = 1u64;
-        let mut varying = [0usize; MAX_DIMS];
+        let mut varying = [0usize; FACTORS];
         let mut n_varying = 0;
         for (a, pair) in axis.iter().enumerate() {
             if big.free[a] && small.free[a] {
@@ -383,7 +398,7 @@ impl Factorized {
         &self,
         src: &Side,
         dst: &Side,
-        axis: &[&AxisPair; MAX_DIMS],
+        axis: &[&AxisPair; FACTORS],
         gradient: bool,
         out: &mut Scratch,
     ) {
@@ -399,7 +414,7 @@ impl Factorized {
         // The larger block's tiles are grouped by node; the smaller block's tiles are visited.
         let producer_big = src.total >= dst.total;
         let (big, small) = if producer_big { (src, dst) } else { (dst, src) };
-        let pyramids: [&[Stats]; MAX_DIMS] = std::array::from_fn(|a| {
+        let pyramids: [&[Stats]; FACTORS] = std::array::from_fn(|a| {
             if producer_big {
                 axis[a].by_consumer.as_slice()
             } else {
@@ -408,14 +423,15 @@ impl Factorized {
         });
         // The group axes' stats depend on a small tile only through its digits on those axes: per
         // such digit combination and group, their stats, and per combination the two groups with
-        // the largest message.
+        // the largest message. A combination numbers the digits row-major in the small tile's
+        // digit order (as the expansion below builds it).
         let combos: usize = big.group_axes().iter().map(|&a| small.degrees[a]).product();
         out.group_stats.clear();
         out.group_top.clear();
         for combo in 0..combos {
             let mut rest = combo;
-            let mut row = [0; MAX_DIMS];
-            for &a in big.group_axes().iter().rev() {
+            let mut row = [0; FACTORS];
+            for &a in small.order.iter().rev().filter(|&&a| !big.free[a]) {
                 row[a] = (rest & (small.degrees[a] - 1)) * big.pyramid_len[a];
                 rest >>= small.degrees[a].trailing_zeros();
             }
@@ -436,10 +452,11 @@ impl Factorized {
             out.group_top.push((first, first_group, second));
         }
         // Per small tile (in tile order): the free axes' stats and its digit combination on the
-        // group axes, expanded axis by axis (tile numbers are row-major over the axes).
+        // group axes, expanded digit by digit (tile numbers are row-major over the digits).
         out.free.clear();
         out.free.push((Stats::ONE, 0));
-        for (a, pyramid) in pyramids.iter().enumerate() {
+        for &a in &small.order {
+            let pyramid = pyramids[a];
             let n = small.degrees[a];
             let free = big.free[a];
             if n == 1 && !free {
@@ -507,29 +524,39 @@ impl Relation {
 }
 
 /// What [`Factorized::layout_pair`] needs of one layout, computed once per edge.
+///
+/// Its tile numbers are row-major over its digits, and each factor takes one of them: in factor
+/// order on the producer's side ([`PRODUCER_POSITIONS`]), and in another order on a consumer's
+/// side whose partials pair with the producer's channel blocks ([`AxisNeeds::consumer_positions`]).
 struct Side {
-    degrees: [usize; MAX_DIMS],
+    /// Per factor, its degree.
+    degrees: [usize; FACTORS],
     total: usize,
-    /// Bit position of each axis's block index in a tile number.
-    shift: [u32; MAX_DIMS],
-    /// Length of the pyramid over this side's blocks of each axis.
-    pyramid_len: [usize; MAX_DIMS],
+    /// The factors by their digit's place in a tile number, most significant first.
+    order: [usize; FACTORS],
+    /// Bit position of each factor's block index in a tile number.
+    shift: [u32; FACTORS],
+    /// Length of the pyramid over this side's blocks of each factor.
+    pyramid_len: [usize; FACTORS],
     /// When this side is the larger block: its tiles form node groups of `2^group_bits` tiles.
-    /// Along each axis a group covers an aligned range of block indices: the trailing axes entirely
-    /// (`free`, alike for every group), then one axis in part, the leading axes at one index.
+    /// Along each factor a group covers an aligned range of block indices: the least significant
+    /// digits' factors entirely (`free`, alike for every group), then one in part, the more
+    /// significant ones at one index.
     group_bits: u32,
-    free: [bool; MAX_DIMS],
-    /// The axes that are not free, in order.
-    group_axes: [usize; MAX_DIMS],
+    free: [bool; FACTORS],
+    /// The factors that are not free.
+    group_axes: [usize; FACTORS],
     n_group_axes: usize,
-    /// Per group, per axis: its range's position in the pyramids.
-    ranges: Vec<[usize; MAX_DIMS]>,
-    /// Per axis: the pyramid position of a free axis's whole range.
-    whole: [usize; MAX_DIMS],
+    /// Per group, per factor: its range's position in the pyramids.
+    ranges: Vec<[usize; FACTORS]>,
+    /// Per factor: the pyramid position of a free factor's whole range.
+    whole: [usize; FACTORS],
 }
 
 impl Side {
-    fn new(degrees: [usize; MAX_DIMS], node_size: usize) -> Side {
+    /// A side of `degrees` per factor whose factor `f` takes digit `positions[f]` of a tile number
+    /// (0 the most significant; `positions` is a permutation).
+    fn new(degrees: [usize; FACTORS], positions: [usize; FACTORS], node_size: usize) -> Side {
         let total: usize = degrees.iter().product();
         let groups = if total > node_size {
             total / node_size
@@ -538,18 +565,28 @@ impl Side {
         };
         let group_size = total / groups;
         let group_bits = group_size.trailing_zeros();
-        let shift = digit_shifts(&degrees);
-        let mut levels = [0; MAX_DIMS];
-        let mut free_bits = group_bits as usize;
-        for a in (0..MAX_DIMS).rev() {
-            levels[a] = (degrees[a].trailing_zeros() as usize).min(free_bits);
-            free_bits -= levels[a];
+        let mut order = [0; FACTORS];
+        for (f, &p) in positions.iter().enumerate() {
+            order[p] = f;
         }
-        let free: [bool; MAX_DIMS] =
+        let mut shift = [0; FACTORS];
+        let mut bits = 0;
+        for &f in order.iter().rev() {
+            shift[f] = bits;
+            bits += degrees[f].trailing_zeros();
+        }
+        // a group's digits: the least significant ones first
+        let mut levels = [0; FACTORS];
+        let mut free_bits = group_bits as usize;
+        for &f in order.iter().rev() {
+            levels[f] = (degrees[f].trailing_zeros() as usize).min(free_bits);
+            free_bits -= levels[f];
+        }
+        let free: [bool; FACTORS] =
             std::array::from_fn(|a| levels[a] == degrees[a].trailing_zeros() as usize);
-        let mut group_axes = [0; MAX_DIMS];
+        let mut group_axes = [0; FACTORS];
         let mut n_group_axes = 0;
-        for a in (0..MAX_DIMS).filter(|&a| !free[a]) {
+        for a in (0..FACTORS).filter(|&a| !free[a]) {
             group_axes[n_group_axes] = a;
             n_group_axes += 1;
         }
@@ -565,6 +602,7 @@ impl Side {
         Side {
             degrees,
             total,
+            order,
             shift,
             pyramid_len: std::array::from_fn(|a| 2 * degrees[a] - 1),
             group_bits,
@@ -584,8 +622,8 @@ impl Side {
 /// What [`super::TransferTables::config_pair_time`] works in, kept between calls.
 #[derive(Default)]
 pub(crate) struct PairBuffers {
-    /// One per axis.
-    pairs: [AxisPair; MAX_DIMS],
+    /// One per factor.
+    pairs: [AxisPair; FACTORS],
     overlap: Vec<u64>,
     column: Vec<u64>,
     scratch: Scratch,
@@ -606,15 +644,6 @@ struct Scratch {
     group_top: Vec<(u64, usize, u64)>,
     /// `[small block's group][large block's group]`: the largest message between them.
     group_max: Vec<u64>,
-}
-
-/// Bit position of each axis's block index in a row-major tile number (degrees are powers of two).
-fn digit_shifts(degrees: &[usize; MAX_DIMS]) -> [u32; MAX_DIMS] {
-    let mut s = [0; MAX_DIMS];
-    for a in (0..MAX_DIMS - 1).rev() {
-        s[a] = s[a + 1] + degrees[a + 1].trailing_zeros();
-    }
-    s
 }
 
 /// Per-axis overlap statistics over aligned ranges of block indices.
@@ -666,26 +695,45 @@ struct AxisBound {
 /// A half-open interval of one axis.
 type Interval = (usize, usize);
 
-/// The needed interval of every consumer block along each producer axis, by consumer degree.
+/// The needed interval of every consumer block along each producer axis, by consumer degree, and
+/// how the factors pair the two sides' digits.
 pub(super) struct AxisNeeds {
-    extents: [usize; MAX_DIMS],
-    /// `[axis][log2 consumer degree]` → interval per consumer block index (empty for degrees no
-    /// layout has). Indexed rather than hashed: this is looked up once per tile and axis.
-    needs: [Vec<Vec<Interval>>; MAX_DIMS],
+    /// The producer's extents (1 past its dims; the [`PARTIAL`] factor has none).
+    extents: [usize; FACTORS],
+    producer_dims: usize,
+    /// `[factor][log2 consumer degree]` → interval per consumer digit (empty for degrees no
+    /// layout has, and for [`PARTIAL`], whose overlaps are fixed). Indexed rather than hashed:
+    /// this is looked up once per tile and axis.
+    needs: [Vec<Vec<Interval>>; FACTORS],
+    /// Per factor, the consumer digit it takes ([`AxisNeeds::consumer_positions`]).
+    consumer_digit: [usize; FACTORS],
 }
 
 impl AxisNeeds {
     /// The per-axis needs if every consumer tile's needed interval along each producer axis depends
-    /// only on the tile's block index along the same axis (and every degree is a power of two, as
-    /// on regular machines); `None` otherwise.
-    /// `needs` yields per consumer layout (in the space's order) the rects its tiles read.
+    /// only on one digit of the tile (and every degree is a power of two, as on regular
+    /// machines); `None` otherwise.
+    ///
+    /// A digit is the tile's block index along an axis, or its partial under a reduction split.
+    /// Without `partials_read_channel_blocks`, the interval along axis `a` must depend on the block
+    /// index along the same axis alone. With it (a reduction-split consumer reading the producer
+    /// through its first input: each partial reads its block of the input channels,
+    /// [`legion_ops::op::project_partial`]), the interval along the channel axis must be the same
+    /// for every block, and the partial picks its block of it: the [`CHANNELS`] factor pairs the
+    /// producer's channel block with the consumer's partial.
+    /// `needs` yields per consumer layout (in the space's order) the rects its blocks read.
     pub(super) fn separable<L: IntoIterator<Item = Rect>>(
         producer: &Shape,
         dst_space: &ConfigSpace,
         needs: impl IntoIterator<Item = L>,
+        partials_read_channel_blocks: bool,
     ) -> Option<Self> {
         let nd = producer.ndim();
-        let mut extents = [1; MAX_DIMS];
+        let crossed = partials_read_channel_blocks && nd > CHANNELS;
+        if partials_read_channel_blocks && !crossed {
+            return None;
+        }
+        let mut extents = [1; FACTORS];
         extents[..nd].copy_from_slice(producer.dims());
         let mut per_axis: [Vec<Vec<Option<Interval>>>; MAX_DIMS] = Default::default();
         for (h, rects) in dst_space.layouts().iter().zip(needs) {
@@ -701,38 +749,126 @@ impl AxisNeeds {
                     } else {
                         (0, 1)
                     };
-                    let level = h[a].trailing_zeros() as usize;
+                    // crossed, the channel interval is one for every block: kept as degree 1's
+                    let (degree, digit) = if crossed && a == CHANNELS {
+                        (1, 0)
+                    } else {
+                        (h[a], coords[a])
+                    };
+                    let level = degree.trailing_zeros() as usize;
                     let by_level = &mut per_axis[a];
                     if by_level.len() <= level {
                         by_level.resize(level + 1, Vec::new());
                     }
                     let slots = &mut by_level[level];
                     if slots.is_empty() {
-                        slots.resize(h[a], None);
+                        slots.resize(degree, None);
                     }
-                    match slots[coords[a]] {
-                        None => slots[coords[a]] = Some(interval),
+                    match slots[digit] {
+                        None => slots[digit] = Some(interval),
                         Some(seen) if seen == interval => {}
                         Some(_) => return None,
                     }
                 }
             }
         }
-        let mut needs: [Vec<Vec<Interval>>; MAX_DIMS] = Default::default();
+        let mut needs: [Vec<Vec<Interval>>; FACTORS] = Default::default();
         for (axis, by_level) in needs.iter_mut().zip(per_axis) {
             for slots in by_level {
                 axis.push(slots.into_iter().collect::<Option<Vec<_>>>()?);
             }
         }
-        Some(AxisNeeds { extents, needs })
+        let mut consumer_digit: [usize; FACTORS] = std::array::from_fn(|f| f);
+        if crossed {
+            // the channel need, cut to each partial's block of the channels, by reduction degree
+            let whole = *needs[CHANNELS].first()?.first()?;
+            let channels = extents[CHANNELS];
+            let mut by_level: Vec<Vec<Interval>> = Vec::new();
+            for hi in 0..dst_space.layouts().len() {
+                let red = dst_space.layout_reduction(hi);
+                let level = red.trailing_zeros() as usize;
+                if !red.is_power_of_two() || red > channels {
+                    return None;
+                }
+                if by_level.len() <= level {
+                    by_level.resize(level + 1, Vec::new());
+                }
+                if by_level[level].is_empty() {
+                    by_level[level] = (0..red)
+                        .map(|p| {
+                            let (lo, hi) = reduction_range(channels, red, p);
+                            let lo = lo.max(whole.0);
+                            (lo, hi.min(whole.1).max(lo))
+                        })
+                        .collect();
+                }
+            }
+            needs[CHANNELS] = by_level;
+            consumer_digit.swap(CHANNELS, PARTIAL);
+        }
+        Some(AxisNeeds {
+            extents,
+            producer_dims: nd,
+            needs,
+            consumer_digit,
+        })
     }
 
-    /// Overlap lengths along `axis` of producer block `i` of `g` with what consumer block `j` of
-    /// `h` reads, at `[i * h + j]`, into `out`.
+    /// Producer layout `layout`'s degree per factor: its degrees on the producer's axes (1 past
+    /// them), then its reduction split.
+    fn producer_factors(&self, space: &ConfigSpace, layout: usize) -> [usize; FACTORS] {
+        self.producer_factors_of(&space.layouts()[layout], space.layout_reduction(layout))
+    }
+
+    fn producer_factors_of(
+        &self,
+        degrees: &[usize; MAX_DIMS],
+        reduction: usize,
+    ) -> [usize; FACTORS] {
+        std::array::from_fn(|f| match f {
+            PARTIAL => reduction,
+            a if a < self.producer_dims => degrees[a],
+            _ => 1,
+        })
+    }
+
+    /// Consumer layout `layout`'s degree per factor: the degree of the digit each factor takes.
+    fn consumer_factors(&self, space: &ConfigSpace, layout: usize) -> [usize; FACTORS] {
+        self.consumer_factors_of(&space.layouts()[layout], space.layout_reduction(layout))
+    }
+
+    fn consumer_factors_of(
+        &self,
+        degrees: &[usize; MAX_DIMS],
+        reduction: usize,
+    ) -> [usize; FACTORS] {
+        std::array::from_fn(|f| match self.consumer_digit[f] {
+            PARTIAL => reduction,
+            a => degrees[a],
+        })
+    }
+
+    /// Per factor, the place of its digit in a consumer tile number (0 the most significant):
+    /// tile numbers are row-major over the axes' block indices and then the partial
+    /// ([`ParallelConfig::reduction_of`]), and each factor takes the digit it pairs with.
+    fn consumer_positions(&self) -> [usize; FACTORS] {
+        self.consumer_digit
+    }
+
+    /// Overlap lengths along factor `axis` of producer digit `i` of `g` with what consumer digit
+    /// `j` of `h` reads, at `[i * h + j]`, into `out`. Along [`PARTIAL`], 1 for the producer's
+    /// first partial (which holds its block's output) and 0 for the others, whatever the consumer
+    /// digit.
     fn overlaps(&self, axis: usize, g: usize, h: usize, out: &mut Vec<u64>) {
+        out.clear();
+        if axis == PARTIAL {
+            for i in 0..g {
+                out.extend(std::iter::repeat_n(u64::from(i == 0), h));
+            }
+            return;
+        }
         let extent = self.extents[axis];
         let needs = &self.needs[axis][h.trailing_zeros() as usize];
-        out.clear();
         for i in 0..g {
             let (lo, hi) = block_range(extent, g, i);
             out.extend(
@@ -903,8 +1039,8 @@ pub(crate) struct LeastTimes {
     bounds: Vec<AxisBound>,
     levels: usize,
     /// Per producer layout, the log2 degree of each axis; likewise per consumer layout.
-    src: Vec<[usize; MAX_DIMS]>,
-    dst: Vec<[usize; MAX_DIMS]>,
+    src: Vec<[usize; FACTORS]>,
+    dst: Vec<[usize; FACTORS]>,
     intra: Link,
     inter: Link,
     gradient: bool,
@@ -924,21 +1060,21 @@ impl LeastTimes {
     /// layouts).
     pub(crate) fn get(&self, src: usize, dst: usize) -> f64 {
         let (g, h) = (&self.src[src], &self.dst[dst]);
-        let axis: [&AxisBound; MAX_DIMS] =
+        let axis: [&AxisBound; FACTORS] =
             std::array::from_fn(|a| &self.bounds[(a * self.levels + g[a]) * self.levels + h[a]]);
         // the product of every axis's largest overlap but axis `a`'s
-        let mut others = [1u64; MAX_DIMS];
+        let mut others = [1u64; FACTORS];
         let mut before = 1;
-        for a in 0..MAX_DIMS {
+        for a in 0..FACTORS {
             others[a] = before;
             before *= axis[a].max;
         }
         let mut after = 1;
-        for a in (0..MAX_DIMS).rev() {
+        for a in (0..FACTORS).rev() {
             others[a] *= after;
             after *= axis[a].max;
         }
-        let elems = (0..MAX_DIMS)
+        let elems = (0..FACTORS)
             .map(|a| axis[a].second * others[a])
             .max()
             .unwrap_or(0);

@@ -78,15 +78,27 @@ impl TransferTables {
         }
     }
 
-    /// The geometry of `edge` for producer configs from `src_space` and consumer configs from
-    /// `dst_space`.
+    /// The geometry of `edge` for consumer configs from `dst_space` (the producer's configs do not
+    /// change what the consumer reads).
     pub(crate) fn geometry(
         &self,
         graph: &Graph,
         inputs: &[Shape],
         edge: &Edge,
-        src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
+    ) -> EdgeGeometry {
+        self.geometry_with(graph, inputs, edge, dst_space, false)
+    }
+
+    /// [`TransferTables::geometry`], with the per-message needs also where the factorized tables
+    /// never read them when `keep_rects` (to test one table against the other).
+    fn geometry_with(
+        &self,
+        graph: &Graph,
+        inputs: &[Shape],
+        edge: &Edge,
+        dst_space: &ConfigSpace,
+        keep_rects: bool,
     ) -> EdgeGeometry {
         let producer = graph.layer(edge.src).shape;
         let consumer = graph.layer(edge.dst);
@@ -102,25 +114,22 @@ impl TransferTables {
                 projected[edge.input]
             })
         };
-        // A reduction split's tiles are not products of per-axis blocks (a block's partials read
-        // channel blocks of its input, and only a block's first partial holds its output): such
-        // edges take the per-message tables.
-        let reductions = src_space.has_reductions() || dst_space.has_reductions();
+        // A reduction split's partials of one block read blocks of the input channels (through
+        // its first input) and only a block's first partial holds its output: still products of
+        // per-axis factors, with the partials as one more (see `factorized::PARTIAL`).
+        let partials_read_channel_blocks = dst_space.has_reductions() && edge.input == 0;
         // The per-axis form straight from the projections; the rects themselves are kept only
-        // for the per-message tables (irregular machines or projections).
-        let axes = self
-            .factorized
-            .as_ref()
-            .filter(|_| !reductions)
-            .and_then(|_| {
-                AxisNeeds::separable(
-                    &producer,
-                    dst_space,
-                    dst_space.layouts().iter().map(layout_needs),
-                )
-            });
+        // for the per-message tables (irregular machines or projections, shared lanes).
+        let axes = self.factorized.as_ref().and_then(|_| {
+            AxisNeeds::separable(
+                &producer,
+                dst_space,
+                dst_space.layouts().iter().map(layout_needs),
+                partials_read_channel_blocks,
+            )
+        });
         let needs: Vec<Vec<Rect>> = match axes {
-            Some(_) if self.factorized_exact => Vec::new(),
+            Some(_) if self.factorized_exact && !keep_rects => Vec::new(),
             _ => (0..dst_space.layouts().len())
                 .map(|hi| match dst_space.layout_reduction(hi) {
                     1 => layout_needs(&dst_space.layouts()[hi]).collect(),
@@ -241,8 +250,8 @@ impl ConfigSubset<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::tile_rect;
     use crate::machine::Link;
+    use crate::tables::SearchSpace;
     use crate::transfer::graph_edges;
     use legion_ops::GraphBuilder;
     use legion_ops::op::{Conv2d, Dense, Pool2d};
@@ -266,11 +275,13 @@ mod tests {
         m.finish()
     }
 
-    /// Both ways of building a table agree entry for entry on regular machines, and the per-axis
-    /// lower bound of each layout pair is at most every entry of its block pairs.
+    /// Both ways of building a table agree entry for entry on regular machines, in the paper's
+    /// space and with reduction splits (producers' and consumers'), and the per-axis lower bound of
+    /// each layout pair is at most every entry of its block pairs.
     #[test]
     fn factorized_equals_per_message() {
         let g = graph();
+        let (mut reduced_consumers, mut reduced_producers) = (0, 0);
         for machine in [
             MachineModel::preset("paper-pairs:16").unwrap(),
             MachineModel::preset("paper-pairs:8").unwrap(),
@@ -283,83 +294,63 @@ mod tests {
         ] {
             let factorized = Factorized::for_machine(&machine).expect("regular machine");
             let per_message = PerMessage::new(&machine);
-            let spaces: Vec<ConfigSpace> = g
-                .layers()
-                .iter()
-                .map(|l| {
-                    ConfigSpace::enumerate(
-                        &l.shape,
-                        l.op.spec().parallel_dims(&l.shape),
-                        machine.num_devices(),
-                    )
-                })
-                .collect();
-            for e in graph_edges(&g) {
-                let consumer = g.layer(e.dst);
-                let inputs = g.input_shapes(e.dst);
-                let dst_space = &spaces[e.dst.0];
-                let needs: Vec<Vec<Rect>> = dst_space
-                    .layouts()
-                    .iter()
-                    .map(|h| {
-                        let cfg = ParallelConfig::new(*h, 0);
-                        (0..cfg.total())
-                            .map(|t| {
-                                let out = tile_rect(&consumer.shape, &cfg, t);
-                                consumer.op.spec().project(&inputs, &out)[e.input]
-                            })
-                            .collect()
-                    })
+            let transfers = TransferTables::new(&machine);
+            for search_space in [SearchSpace::Paper, SearchSpace::WithReductions] {
+                let spaces: Vec<ConfigSpace> = g
+                    .ids()
+                    .map(|id| ConfigSpace::of_layer(&g, id, machine.num_devices(), search_space))
                     .collect();
-                let producer = g.layer(e.src).shape;
-                let axes = AxisNeeds::separable(
-                    &producer,
-                    dst_space,
-                    needs.iter().map(|v| v.iter().copied()),
-                )
-                .expect("the catalogue's projections are separable");
-                let gradient = e.carries_gradient(&g);
-                let (src_space, dst_space) = (&spaces[e.src.0], dst_space);
-                let geometry = EdgeGeometry {
-                    producer,
-                    gradient,
-                    needs: needs.clone(),
-                    axes: None,
-                };
-                let fast =
-                    factorized.edge_table(&geometry, &axes, src_space, dst_space, None, None);
-                let slow = per_message.edge_table(&geometry, src_space, dst_space, None, None);
-                let what = format!("{} → {} on {}", g.layer(e.src).name, consumer.name, machine);
-                assert_eq!(fast, slow, "{what}");
-                // one set of buffers for every pair, as the search keeps them
-                let mut buffers = PairBuffers::default();
-                for (x, entry) in fast.iter().enumerate().step_by(7) {
-                    let (src, dst) = (
-                        src_space.config(x / dst_space.len()),
-                        dst_space.config(x % dst_space.len()),
+                for e in graph_edges(&g) {
+                    let consumer = g.layer(e.dst);
+                    let inputs = g.input_shapes(e.dst);
+                    let (src_space, dst_space) = (&spaces[e.src.0], &spaces[e.dst.0]);
+                    let geometry = transfers.geometry_with(&g, &inputs, &e, dst_space, true);
+                    let axes = geometry
+                        .axes
+                        .as_ref()
+                        .expect("the catalogue's projections are separable");
+                    reduced_consumers += usize::from(dst_space.has_reductions());
+                    reduced_producers += usize::from(src_space.has_reductions());
+                    let fast =
+                        factorized.edge_table(&geometry, axes, src_space, dst_space, None, None);
+                    let slow = per_message.edge_table(&geometry, src_space, dst_space, None, None);
+                    let what = format!(
+                        "{} → {} on {machine} ({search_space:?})",
+                        g.layer(e.src).name,
+                        consumer.name
                     );
-                    let one =
-                        factorized.config_pair_time(&geometry, &axes, &src, &dst, &mut buffers);
-                    assert_eq!(one.to_bits(), entry.to_bits(), "{what}: {src:?} → {dst:?}");
-                }
-                let least = factorized.least_times(&geometry, &axes, src_space, dst_space);
-                let layouts = dst_space.layouts().len();
-                let mut tight = 0;
-                for gi in 0..src_space.layouts().len() {
-                    for hi in 0..layouts {
-                        let bound = least.get(gi, hi);
-                        let entries = src_space.layout_configs(gi).flat_map(|row| {
-                            fast[row * dst_space.len()..][dst_space.layout_configs(hi)].iter()
-                        });
-                        let lowest = entries.copied().fold(f64::INFINITY, f64::min);
-                        assert!(bound <= lowest, "{what}: layouts {gi}, {hi}");
-                        tight += usize::from(bound == lowest && bound > 0.0);
+                    assert_eq!(fast, slow, "{what}");
+                    // one set of buffers for every pair, as the search keeps them
+                    let mut buffers = PairBuffers::default();
+                    for (x, entry) in fast.iter().enumerate().step_by(7) {
+                        let (src, dst) = (
+                            src_space.config(x / dst_space.len()),
+                            dst_space.config(x % dst_space.len()),
+                        );
+                        let one =
+                            factorized.config_pair_time(&geometry, axes, &src, &dst, &mut buffers);
+                        assert_eq!(one.to_bits(), entry.to_bits(), "{what}: {src:?} → {dst:?}");
                     }
+                    let least = factorized.least_times(&geometry, axes, src_space, dst_space);
+                    let layouts = dst_space.layouts().len();
+                    let mut tight = 0;
+                    for gi in 0..src_space.layouts().len() {
+                        for hi in 0..layouts {
+                            let bound = least.get(gi, hi);
+                            let entries = src_space.layout_configs(gi).flat_map(|row| {
+                                fast[row * dst_space.len()..][dst_space.layout_configs(hi)].iter()
+                            });
+                            let lowest = entries.copied().fold(f64::INFINITY, f64::min);
+                            assert!(bound <= lowest, "{what}: layouts {gi}, {hi}");
+                            tight += usize::from(bound == lowest && bound > 0.0);
+                        }
+                    }
+                    // somewhere the bound is exact (a pair whose every tile pair is remote)
+                    assert!(tight > 0, "{what}");
                 }
-                // somewhere the bound is exact (a pair whose every tile pair is remote)
-                assert!(tight > 0, "{what}");
             }
         }
+        assert!(reduced_consumers > 0 && reduced_producers > 0);
     }
 
     #[test]

@@ -1,16 +1,20 @@
-//! A fast hasher for the planner's own lookup tables (sharing patterns, link-kind matrices): the
-//! standard SipHash was a tenth of building AlexNet's cost tables. The keys are computed by the
-//! planner, not chosen by an adversary, so hash flooding is no concern.
+//! A fast hasher for lookup tables keyed by what the code computes itself (the planner's sharing
+//! patterns and link-kind matrices, [`crate::memory`]'s buffers): the standard SipHash was a tenth
+//! of building AlexNet's cost tables. The keys are not chosen by an adversary, so hash flooding is
+//! no concern.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// A `HashMap` hashed with [`FastHasher`].
-pub(crate) type FastHashMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
+pub type FastHashMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
+
+/// A `HashSet` hashed with [`FastHasher`].
+pub type FastHashSet<K> = HashSet<K, BuildHasherDefault<FastHasher>>;
 
 /// FxHash's mixing (rotate, xor, multiply) over 8-byte words.
 #[derive(Default)]
-pub(crate) struct FastHasher(u64);
+pub struct FastHasher(u64);
 
 impl FastHasher {
     fn add(&mut self, word: u64) {
