@@ -6,7 +6,8 @@
 mod common;
 
 use common::{
-    ALEXNET_64, assert_same_tensors, free_udp_port, init_checkpoint, legion, ok, train_from,
+    ALEXNET_64, assert_same_tensors, free_udp_port, init_checkpoint, kill_worker_mid_run, legion,
+    ok, train_from,
 };
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -207,26 +208,8 @@ fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !checkpoint.exists() {
-        assert!(Instant::now() < deadline, "no checkpoint written");
-        assert!(
-            run.try_wait().unwrap().is_none(),
-            "training ended before the kill"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) };
-    let killed = Instant::now();
-    let status = run.wait().unwrap();
-    let noticed = killed.elapsed();
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
-    eprintln!(
-        "the driver stopped {noticed:?} after the kill: {}",
-        stderr.trim()
-    );
+    let (status, noticed, stderr) =
+        kill_worker_mid_run(&mut run, &checkpoint, Duration::from_secs(120), pids[1]);
     assert!(!status.success(), "training survived a killed worker");
     assert!(
         stderr.contains("worker w1"),

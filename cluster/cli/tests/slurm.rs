@@ -11,7 +11,10 @@
 
 mod common;
 
-use common::{assert_same_tensors, free_udp_port, init_checkpoint, train_from};
+use common::{
+    assert_same_tensors, free_tcp_port, free_udp_port, init_checkpoint, kill_worker_mid_run,
+    train_from,
+};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -84,14 +87,6 @@ impl Drop for Slurm {
             let _ = child.wait();
         }
     }
-}
-
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn on_path(program: &str) -> bool {
@@ -519,26 +514,8 @@ fn up_slurm_trains_in_an_allocation_names_a_killed_worker_and_down_leaves_nothin
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !checkpoint.exists() {
-        assert!(Instant::now() < deadline, "no checkpoint written");
-        assert!(
-            run.try_wait().unwrap().is_none(),
-            "training ended before the kill"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    let killed = Instant::now();
-    let status = run.wait().unwrap();
-    let noticed = killed.elapsed();
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
-    eprintln!(
-        "the driver stopped {noticed:?} after the kill: {}",
-        stderr.trim()
-    );
+    let (status, noticed, stderr) =
+        kill_worker_mid_run(&mut run, &checkpoint, Duration::from_secs(60), pid as u32);
     assert!(!status.success(), "training survived a killed worker");
     assert!(
         stderr.contains(&format!("worker {node}")),

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_same_tensors, free_udp_port, init_checkpoint, ok, train_from};
+use common::{assert_same_tensors, free_tcp_port, free_udp_port, init_checkpoint, ok, train_from};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -22,14 +22,6 @@ impl Drop for Sshd {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn keygen(path: &Path) -> Result<(), String> {

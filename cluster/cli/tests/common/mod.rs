@@ -2,7 +2,8 @@
 #![allow(dead_code)]
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Child, Command, ExitStatus, Output};
+use std::time::{Duration, Instant};
 
 /// A UDP port on loopback that nothing is bound to now (a worker's QUIC port).
 pub fn free_udp_port() -> u16 {
@@ -11,6 +12,47 @@ pub fn free_udp_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// A TCP port on loopback that nothing listens on now (an sshd's or a Slurm daemon's).
+pub fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Once `run` (a training run that saves `checkpoint` every few steps) has written its first
+/// checkpoint, kills process `worker` with SIGKILL: how the run ended, how long after the kill,
+/// and its stderr. Fails if the run ends first or writes nothing within `patience`.
+pub fn kill_worker_mid_run(
+    run: &mut Child,
+    checkpoint: &Path,
+    patience: Duration,
+    worker: u32,
+) -> (ExitStatus, Duration, String) {
+    let deadline = Instant::now() + patience;
+    while !checkpoint.exists() {
+        assert!(Instant::now() < deadline, "no checkpoint written");
+        assert!(
+            run.try_wait().unwrap().is_none(),
+            "training ended before the kill"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(worker as i32, libc::SIGKILL) };
+    let killed = Instant::now();
+    let status = run.wait().unwrap();
+    let noticed = killed.elapsed();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
+    eprintln!(
+        "the driver stopped {noticed:?} after the kill: {}",
+        stderr.trim()
+    );
+    (status, noticed, stderr)
 }
 
 /// AlexNet at 64×64, 10 classes, batch 8: the model of the distributed-equality tests.
