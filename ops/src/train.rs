@@ -587,14 +587,14 @@ impl<B: Backend> Trainer<B> {
             match run {
                 StepRun::Enqueued => {
                     let images = staged_ref.expect("an enqueued step reads its staged images");
-                    (enqueue(stream, images), CaptureEvent::None)
+                    (enqueue(stream, images), CaptureEvent::Unchanged)
                 }
                 StepRun::Replay => {
                     let recorded = recording.expect("a replay is planned with a recording");
                     match b.replay(stream, &recorded.graph) {
                         Ok(losses) => (
                             Ok(losses.into_iter().last().zip(recorded.loss_samples)),
-                            CaptureEvent::None,
+                            CaptureEvent::Unchanged,
                         ),
                         Err(e) => {
                             let why = format!("replaying the recorded step failed: {e}");
@@ -654,7 +654,7 @@ impl<B: Backend> Trainer<B> {
         })?;
         let (loss, event) = enqueued;
         let ran_enqueued = match event {
-            CaptureEvent::None => run == StepRun::Enqueued,
+            CaptureEvent::Unchanged => run == StepRun::Enqueued,
             CaptureEvent::Recorded(graph, loss_samples) => {
                 let images = fresh_fixed
                     .take()
@@ -734,7 +734,7 @@ impl<B: Backend> Trainer<B> {
 
 /// What became of capture in a step.
 enum CaptureEvent<G> {
-    None,
+    Unchanged,
     /// The step was recorded (the graph, and the samples its loss averages over).
     Recorded(G, Option<usize>),
     GaveUp(String),

@@ -116,15 +116,9 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
         });
     }
     // back to the order asked for
-    let mut ran: Vec<Option<SearchRun>> = searches.into_iter().map(Some).collect();
-    let mut searches: Vec<SearchRun> = Vec::with_capacity(kinds.len());
-    for i in 0..kinds.len() {
-        let at = order
-            .iter()
-            .position(|&o| o == i)
-            .expect("every search ran");
-        searches.push(ran[at].take().expect("each once"));
-    }
+    let mut asked: Vec<(usize, SearchRun)> = order.into_iter().zip(searches).collect();
+    asked.sort_by_key(|(i, _)| *i);
+    let searches = asked.into_iter().map(|(_, run)| run).collect();
     PlanRun {
         model: model.graph().name.clone(),
         devices: model.machine().num_devices(),

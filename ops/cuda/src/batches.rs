@@ -67,7 +67,7 @@ impl DeviceLabels {
 }
 
 /// The rows of `held` that hold `labels` at `first_row`, if they do.
-fn rows_holding(held: &[u32], labels: &[u32], first_row: usize) -> Option<Range<usize>> {
+pub(crate) fn rows_holding(held: &[u32], labels: &[u32], first_row: usize) -> Option<Range<usize>> {
     let rows = first_row..first_row.checked_add(labels.len())?;
     (held.get(rows.clone())? == labels).then_some(rows)
 }

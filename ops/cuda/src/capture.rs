@@ -52,8 +52,7 @@ impl Fixed {
     /// Where `labels`, of rows `first_row..` of the batch, are held, if they are.
     pub(crate) fn labels(&self, labels: &[u32], first_row: usize) -> Option<CudaView<'_, u32>> {
         let (device, host) = self.labels.as_ref()?;
-        let rows: Range<usize> = first_row..first_row.checked_add(labels.len())?;
-        (host.get(rows.clone())? == labels).then(|| device.slice(rows))
+        crate::batches::rows_holding(host, labels, first_row).map(|rows| device.slice(rows))
     }
 
     /// The next loss kernel's slot in the totals.
