@@ -17,7 +17,8 @@
 # `throughput` (one GPU, strict FP32 and TF32 for AlexNet 224 b128, VGG-16 224 b64, Inception-v3
 # 299 b64 and ResNet-50 224 b64, side by side with PyTorch in the same run; AlexNet again with
 # each default turned off: `precise` and `heuristic` algorithms, no prefetch, no step capture
-# (CUDA graph replay), each row saying whether capture replayed or why it gave up; with the host's
+# (CUDA graph replay), synthetic batches drawn on the host instead of by the GPU, each row saying
+# whether capture replayed or why it gave up and where the batches were drawn; with the host's
 # split of each step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's,
 # ResNet-50's and Inception-v3's one-device step call by call, and PyTorch's kernels in one
 # step), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
@@ -125,8 +126,9 @@ run)
         # mode: strict FP32 or TF32 with the defaults (the `fastest` convolution algorithms, the
         # next batch staged while a step computes, steps after the first replayed as a CUDA
         # graph), then AlexNet with each default turned off in turn: `--conv-algos precise` and
-        # `heuristic`, `--no-prefetch`, `--no-capture`.
-        for mode in fp32 tf32 fp32-precise fp32-heuristic fp32-no-prefetch fp32-no-capture; do
+        # `heuristic`, `--no-prefetch`, `--no-capture`, `--synthetic-on-host`.
+        for mode in fp32 tf32 fp32-precise fp32-heuristic fp32-no-prefetch fp32-no-capture \
+            fp32-synthetic-on-host; do
             flags=()
             case "$mode" in
             tf32) flags=(--tf32) ;;
@@ -134,6 +136,7 @@ run)
             fp32-heuristic) flags=(--conv-algos heuristic) ;;
             fp32-no-prefetch) flags=(--no-prefetch) ;;
             fp32-no-capture) flags=(--no-capture) ;;
+            fp32-synthetic-on-host) flags=(--synthetic-on-host) ;;
             esac
             echo "=== throughput, legion-rs --device cuda (one GPU, $mode)"
             runs="alexnet:224:128 vgg16:224:64 inception_v3:299:64 resnet50:224:64"
@@ -159,7 +162,8 @@ print(json.dumps({"peer": "legion-rs", "model": sys.argv[2], "image": int(sys.ar
                   "batch": int(sys.argv[4]), "mode": sys.argv[5], "tf32": sys.argv[5] == "tf32",
                   "first_step_ms": steps[0]["step_ms"], "median_step_ms": ms,
                   "images_per_sec": int(sys.argv[4]) / ms * 1e3, **host,
-                  "capture": summary.get("capture")}))
+                  "capture": summary.get("capture"),
+                  "synthetic_on_device": summary.get("synthetic_on_device")}))
 PY
                 else
                     echo "legion-rs $model $mode failed:"
@@ -190,15 +194,16 @@ def rows(path):
 ours, peer = rows(sys.argv[1]), rows(sys.argv[2])
 torch = {(r["model"], r["tf32"]): r["median_step_ms"] for r in peer}
 print("| model | mode | legion-rs ms | PyTorch ms | ratio | legion-rs first step ms "
-      "| host: enqueue / stage / wait ms | step capture |")
-print("|---|---|---:|---:|---:|---:|---:|---|")
+      "| host: enqueue / stage / wait ms | step capture | batches drawn on |")
+print("|---|---|---:|---:|---:|---:|---:|---|---|")
 for r in sorted(ours, key=lambda r: (r["model"], r["mode"])):
     b = torch.get((r["model"], r["tf32"]))
     ratio = f"{r['median_step_ms'] / b:.2f}" if b else "-"
     peer_ms = f"{b:.1f}" if b else "-"
     host = " / ".join(f"{r.get(k, 0):.1f}" for k in ("enqueue_ms", "stage_ms", "wait_ms"))
     print(f"| {r['model']} | {r['mode']} | {r['median_step_ms']:.1f} | {peer_ms} | {ratio} | "
-          f"{r['first_step_ms']:.0f} | {host} | {r.get('capture') or '-'} |")
+          f"{r['first_step_ms']:.0f} | {host} | {r.get('capture') or '-'} | "
+          f"{ {True: 'GPU', False: 'host'}.get(r.get('synthetic_on_device'), '-') } |")
 PY
     fi
     if want trace; then

@@ -8,8 +8,9 @@ use crate::remote::RemoteCluster;
 use legion_ops::Graph;
 use legion_ops::backend::Backend;
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
+use legion_ops::data::SyntheticBatch;
 use legion_ops::partition::ParallelConfig;
-use legion_ops::train::{Sgd, StepStats, Trainer, TrainingState};
+use legion_ops::train::{BatchInput, Sgd, StepStats, Trainer, TrainingState};
 use legion_runtime::StepReport;
 use legion_runtime::plan::StepPlan;
 use legion_runtime::{EmbeddedCluster, Placement};
@@ -58,13 +59,43 @@ pub struct JobStart<'a> {
 
 /// One step's batch.
 pub struct StepBatch<'a> {
+    /// Empty where the batch is `synthetic`.
     pub images: Vec<f32>,
     pub labels: Vec<u32>,
+    /// The batch described for the device to draw, instead of `images` (only the one-device
+    /// trainer on a GPU is given such batches).
+    pub synthetic: Option<SyntheticBatch>,
     /// The following step's batch, if there is one: a cluster job delivers it to the workers
     /// while this step runs, the one-device trainer stages it on its device.
-    pub next: Option<(&'a [f32], &'a [u32])>,
+    pub next: Option<NextBatch<'a>>,
     /// Whether to report each device's timeline of this step.
     pub trace: bool,
+}
+
+/// The following step's batch, as [`StepBatch`] holds it.
+#[derive(Clone, Copy, Debug)]
+pub enum NextBatch<'a> {
+    Images(&'a [f32], &'a [u32]),
+    Synthetic(&'a SyntheticBatch),
+}
+
+impl<'a> NextBatch<'a> {
+    /// The images and labels, where they are in host memory.
+    pub fn images(self) -> Option<(&'a [f32], &'a [u32])> {
+        match self {
+            NextBatch::Images(images, labels) => Some((images, labels)),
+            NextBatch::Synthetic(_) => None,
+        }
+    }
+}
+
+/// Refuses a described batch: only the one-device trainer draws batches on its device.
+fn host_images(batch: &StepBatch<'_>) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        batch.synthetic.is_none(),
+        "this engine takes batches as images: only one GPU draws synthetic batches itself"
+    );
+    Ok(())
 }
 
 /// A running engine.
@@ -168,7 +199,18 @@ impl<B: Backend> Engine for Trainer<B> {
             self.trace_next_step();
         }
         // The next batch is staged on the device while this step computes.
-        let stats = self.step_ahead(&batch.images, &batch.labels, batch.next)?;
+        let next = batch.next.map(|next| match next {
+            NextBatch::Images(images, labels) => BatchInput::Images { images, labels },
+            NextBatch::Synthetic(described) => BatchInput::Synthetic(described),
+        });
+        let this = match &batch.synthetic {
+            Some(described) => BatchInput::Synthetic(described),
+            None => BatchInput::Images {
+                images: &batch.images,
+                labels: &batch.labels,
+            },
+        };
+        let stats = self.step_batch(this, next)?;
         retire(batch.images);
         Ok((stats, Vec::new()))
     }
@@ -203,6 +245,7 @@ impl<B: Backend> Engine for Trainer<B> {
 
 impl Engine for EmbeddedCluster {
     fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+        host_images(&batch)?;
         // Every device is in this process: there is nothing to deliver ahead.
         let r = EmbeddedCluster::step(self, batch.images, batch.labels, batch.trace)?;
         Ok((r.stats, r.reports))
@@ -219,7 +262,9 @@ impl Engine for EmbeddedCluster {
 
 impl Engine for RemoteCluster {
     fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
-        let r = RemoteCluster::step(self, &batch.images, &batch.labels, batch.next, batch.trace)?;
+        host_images(&batch)?;
+        let next = batch.next.and_then(NextBatch::images);
+        let r = RemoteCluster::step(self, &batch.images, &batch.labels, next, batch.trace)?;
         Ok((r.stats, r.reports))
     }
 

@@ -34,6 +34,18 @@ impl Rng {
         Rng { state: mix64(seed) }
     }
 
+    /// A generator that continues from `state`, another's [`Rng::state`]: its words are
+    /// `mix64(state + k·γ)` for k = 1, 2, …, each computable on its own (a GPU draws a sample's
+    /// pixel noise that way, one word per thread).
+    pub fn at_state(state: u64) -> Rng {
+        Rng { state }
+    }
+
+    /// Where this generator is: [`Rng::at_state`] continues from here.
+    pub fn state(&self) -> u64 {
+        self.state
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         mix64(self.state)

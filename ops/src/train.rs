@@ -11,6 +11,7 @@ use crate::backend::{
 };
 use crate::capture::{CaptureSetting, CaptureStatus, Recorded, StepCapture, StepRun};
 use crate::checkpoint::{self, TensorRef};
+use crate::data::SyntheticBatch;
 use crate::graph::{Graph, GraphParam, LayerId};
 use crate::kernels::softmax_ce::LabelOutOfRange;
 use crate::op::{Init, Op};
@@ -340,8 +341,18 @@ fn timeline<B: Backend>(
 struct Ahead<S> {
     staged: S,
     labels: Vec<u32>,
-    images: usize,
-    probe: [u32; PROBES],
+    identity: BatchIdentity,
+}
+
+/// What tells a staged batch from another with the same labels.
+// One or two per step, never moved in bulk: the size of the images' probe is no concern.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, PartialEq)]
+enum BatchIdentity {
+    /// Host images: their length and a sample of their values.
+    Images { len: usize, probe: [u32; PROBES] },
+    /// Synthetic samples: each one's noise state, a hash of the dataset's seed and the sample.
+    Synthetic { noise_states: Vec<u64> },
 }
 
 /// Image values sampled from a staged batch, evenly spread over it.
@@ -357,9 +368,58 @@ fn probe_of(images: &[f32]) -> [u32; PROBES] {
     })
 }
 
+/// A step's batch as its caller holds it.
+#[derive(Clone, Copy, Debug)]
+pub enum BatchInput<'a> {
+    /// Images in host memory, laid out as the input layer's output, and their labels.
+    Images {
+        images: &'a [f32],
+        labels: &'a [u32],
+    },
+    /// Synthetic samples described for the device to draw ([`Backend::stage_synthetic`]).
+    Synthetic(&'a SyntheticBatch),
+}
+
+impl<'a> BatchInput<'a> {
+    pub fn labels(&self) -> &'a [u32] {
+        match self {
+            BatchInput::Images { labels, .. } => labels,
+            BatchInput::Synthetic(batch) => &batch.labels,
+        }
+    }
+
+    /// Values of the batch's images.
+    fn images_len(&self) -> usize {
+        match self {
+            BatchInput::Images { images, .. } => images.len(),
+            BatchInput::Synthetic(batch) => batch.len() * batch.sample_len(),
+        }
+    }
+
+    /// The host images, where the caller holds them.
+    fn host_images(&self) -> &'a [f32] {
+        match self {
+            BatchInput::Images { images, .. } => images,
+            BatchInput::Synthetic(_) => &[],
+        }
+    }
+
+    fn identity(&self) -> BatchIdentity {
+        match self {
+            BatchInput::Images { images, .. } => BatchIdentity::Images {
+                len: images.len(),
+                probe: probe_of(images),
+            },
+            BatchInput::Synthetic(batch) => BatchIdentity::Synthetic {
+                noise_states: batch.noise_states.clone(),
+            },
+        }
+    }
+}
+
 impl<S> Ahead<S> {
-    fn is_of(&self, images: &[f32], labels: &[u32]) -> bool {
-        self.images == images.len() && self.labels == labels && self.probe == probe_of(images)
+    fn is_of(&self, batch: &BatchInput<'_>) -> bool {
+        self.labels == batch.labels() && self.identity == batch.identity()
     }
 }
 
@@ -504,14 +564,27 @@ impl<B: Backend> Trainer<B> {
         labels: &[u32],
         next: Option<(&[f32], &[u32])>,
     ) -> Result<StepStats, KernelError> {
+        let next = next.map(|(images, labels)| BatchInput::Images { images, labels });
+        self.step_batch(BatchInput::Images { images, labels }, next)
+    }
+
+    /// [`Trainer::step_ahead`] for batches held either way: synthetic batches described for the
+    /// device to draw, as well as host images.
+    pub fn step_batch(
+        &mut self,
+        batch: BatchInput<'_>,
+        next: Option<BatchInput<'_>>,
+    ) -> Result<StepStats, KernelError> {
+        let labels = batch.labels();
         check_labels(&self.graph, labels)?;
         let started = std::time::Instant::now();
         let expected = self.graph.layer(self.graph.input()).shape.numel();
         assert_eq!(
-            images.len(),
+            batch.images_len(),
             expected,
             "batch images do not match the input shape"
         );
+        let images = batch.host_images();
         let traced = std::mem::take(&mut self.trace_next);
         let run = self.capture.plan(traced);
         let (b, stream) = (&self.backend, &mut self.stream);
@@ -527,9 +600,10 @@ impl<B: Backend> Trainer<B> {
         )
         .traced(traced);
         let before = pass.mark(b, stream)?;
-        let staged = match self.ahead.take() {
-            Some(ahead) if ahead.is_of(images, labels) => ahead.staged,
-            _ => b.stage_batch(stream, images, labels)?,
+        let staged = match (self.ahead.take(), batch) {
+            (Some(ahead), _) if ahead.is_of(&batch) => ahead.staged,
+            (_, BatchInput::Images { images, labels }) => b.stage_batch(stream, images, labels)?,
+            (_, BatchInput::Synthetic(synthetic)) => b.stage_synthetic(stream, synthetic)?,
         };
         let taken = b.take_staged(stream, staged)?;
         pass.record(b, stream, before, || "data.wait".into(), "copy")?;
@@ -552,12 +626,19 @@ impl<B: Backend> Trainer<B> {
         }
         // The next batch goes into the other host buffers on another thread while this one
         // enqueues the step; its copies are enqueued once both are done.
-        let next = next.filter(|(i, l)| {
-            self.prefetch && i.len() == expected && check_labels(&self.graph, l).is_ok()
+        let next = next.filter(|n| {
+            self.prefetch
+                && n.images_len() == expected
+                && check_labels(&self.graph, n.labels()).is_ok()
         });
+        // A synthetic batch is described, not filled: it is staged (and drawn on the device)
+        // once the step is enqueued.
         let mut host_next = match next {
-            Some((i, l)) => Some((b.begin_stage(stream, i.len(), l.len())?, i, l)),
-            None => None,
+            Some(BatchInput::Images {
+                images: i,
+                labels: l,
+            }) => Some((b.begin_stage(stream, i.len(), l.len())?, i, l)),
+            _ => None,
         };
         let (weights, velocity) = (&mut self.weights, &mut self.velocity);
         let (params, first) = (&self.params, &self.first);
@@ -683,8 +764,16 @@ impl<B: Backend> Trainer<B> {
             self.ahead = Some(Ahead {
                 staged: b.finish_stage(stream, host)?,
                 labels: l.to_vec(),
-                images: i.len(),
-                probe: probe_of(i),
+                identity: BatchIdentity::Images {
+                    len: i.len(),
+                    probe: probe_of(i),
+                },
+            });
+        } else if let Some(next @ BatchInput::Synthetic(synthetic)) = next {
+            self.ahead = Some(Ahead {
+                staged: b.stage_synthetic(stream, synthetic)?,
+                labels: synthetic.labels.clone(),
+                identity: next.identity(),
             });
         }
         let staged = std::time::Instant::now();
@@ -1420,5 +1509,58 @@ mod tests {
         }
         assert_eq!(t.params().unwrap().values, plain.1);
         assert_eq!(run(&|s| Some(s + 1).filter(|&n| n < 3), false), plain);
+    }
+
+    /// Synthetic batches handed over described (`BatchInput::Synthetic`, which a GPU draws
+    /// itself) train exactly as their images do, staged ahead or not; a described next batch
+    /// that is not the next step's is not trained on.
+    #[test]
+    fn described_synthetic_batches_train_as_their_images() {
+        use crate::data::{Dataset, Synthetic};
+        let graph = branchy(8);
+        let data = Synthetic::new(5, 64, 3, [2, 8, 8]).unwrap();
+        let described: Vec<SyntheticBatch> = (0..3)
+            .map(|k| {
+                let indices: Vec<usize> = (0..8).map(|i| (7 * k + 3 * i) % 64).collect();
+                data.describe_batch(&indices).unwrap()
+            })
+            .collect();
+        let images: Vec<Vec<f32>> = described
+            .iter()
+            .map(|d| {
+                let mut images = vec![0.0; d.len() * data.sample_len()];
+                d.render(&mut images);
+                images
+            })
+            .collect();
+        let trainer = || {
+            Trainer::new(
+                graph.clone(),
+                ParamStore::init(&graph, 1),
+                Sgd::default(),
+                1,
+            )
+        };
+        let mut t = trainer();
+        let mut drawn = Vec::new();
+        for (images, d) in images.iter().zip(&described) {
+            drawn.push(t.step(images, &d.labels).unwrap().loss);
+        }
+        let drawn = (drawn, t.params().unwrap().values);
+        for next_of in [
+            &(|s: usize| Some(s + 1).filter(|&n| n < 3)) as &dyn Fn(usize) -> Option<usize>,
+            &|_| None,
+            &|s| Some(2 - s.min(2)),
+        ] {
+            let mut t = trainer();
+            let losses: Vec<f32> = (0..3)
+                .map(|step| {
+                    let next = next_of(step).map(|n| BatchInput::Synthetic(&described[n]));
+                    let this = BatchInput::Synthetic(&described[step]);
+                    t.step_batch(this, next).unwrap().loss
+                })
+                .collect();
+            assert_eq!((losses, t.params().unwrap().values), drawn);
+        }
     }
 }

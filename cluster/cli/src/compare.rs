@@ -5,7 +5,7 @@
 use crate::job::choose_strategy;
 use crate::machine::{cluster_machine, embedded_machine};
 use anyhow::Context;
-use legion_cluster::engine::{self, JobStart, Place, StepBatch};
+use legion_cluster::engine::{self, JobStart, NextBatch, Place, StepBatch};
 use legion_cluster::hosts::Hosts;
 use legion_ops::Graph;
 use legion_ops::train::{ParamStore, Sgd, TrainingState};
@@ -124,7 +124,8 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     let batch = |trace| StepBatch {
         images: images.clone(),
         labels: labels.clone(),
-        next: Some((&images[..], &labels[..])),
+        synthetic: None,
+        next: Some(NextBatch::Images(&images, &labels)),
         trace,
     };
     // What every strategy must end with: the single-device trainer after as many steps.

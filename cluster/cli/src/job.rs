@@ -9,7 +9,7 @@
 use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
 use anyhow::{Context, bail};
-use legion_cluster::engine::{self, Engine, JobStart, OneGpu, Place, StepBatch};
+use legion_cluster::engine::{self, Engine, JobStart, NextBatch, OneGpu, Place, StepBatch};
 use legion_cluster::launch;
 use legion_ops::Graph;
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
@@ -72,6 +72,10 @@ pub struct TrainOptions {
     /// Whether the one-device trainer on a GPU records its step as a CUDA graph after the first
     /// and replays it (`--no-capture` turns it off, to measure what it saves).
     pub capture: CaptureSetting,
+    /// Whether the one-device trainer on a GPU draws synthetic batches on the GPU from their
+    /// description (`--synthetic-on-host` draws them on the host and copies them, as other data
+    /// is, to measure what drawing them on the device saves).
+    pub synthetic_on_device: bool,
 }
 
 impl Default for TrainOptions {
@@ -99,6 +103,7 @@ impl Default for TrainOptions {
             conv_algos: legion_cuda::ConvAlgos::default(),
             prefetch: true,
             capture: CaptureSetting::On,
+            synthetic_on_device: true,
         }
     }
 }
@@ -304,6 +309,8 @@ pub struct TrainSummary {
     pub saved: Option<PathBuf>,
     /// Whether the one-device trainer recorded and replayed its steps (`None` elsewhere).
     pub capture: Option<CaptureStatus>,
+    /// Whether the batches were synthetic data that the GPU drew itself from their description.
+    pub synthetic_on_device: bool,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.
@@ -357,6 +364,8 @@ pub struct Job {
     device: String,
     /// Whether the devices are actors on GPUs (which do not record their steps).
     actors_on_gpus: bool,
+    /// Whether synthetic batches come described, for the one GPU to draw.
+    describe_synthetic: bool,
 }
 
 /// What training needs of a model, from its shapes.
@@ -514,6 +523,12 @@ impl Job {
         }
         // Device actors on GPUs enqueue op by op: said in the summary, as a recording's fallback is.
         let actors_on_gpus = cluster.is_none() && distributed && gpus.is_some();
+        // Only the one-device trainer on a GPU draws batches on its device.
+        let describe_synthetic = opts.synthetic_on_device
+            && cluster.is_none()
+            && !distributed
+            && gpus.is_some()
+            && dataset.as_synthetic().is_some();
         let engine_place = match (&cluster, gpus) {
             (Some((_, hosts, state_dir)), _) => Place::Cluster { hosts, state_dir },
             (None, gpus) if distributed => Place::Embedded {
@@ -561,6 +576,7 @@ impl Job {
             first_step,
             device: device.line,
             actors_on_gpus,
+            describe_synthetic,
         })
     }
 
@@ -577,6 +593,7 @@ impl Job {
             first_step,
             device,
             actors_on_gpus,
+            describe_synthetic,
         } = self;
         on_event(JobEvent::Device(&device));
         if let Some(plan) = &plan {
@@ -587,6 +604,7 @@ impl Job {
             dataset.into(),
             LoaderConfig {
                 seed: opts.seed,
+                describe_synthetic,
                 ..LoaderConfig::new(batch)
             },
         )?;
@@ -617,7 +635,11 @@ impl Job {
             let (stats, reports) = engine.step(StepBatch {
                 images: batch_data.images,
                 labels: batch_data.labels,
-                next: upcoming.as_ref().map(|b| (&b.images[..], &b.labels[..])),
+                synthetic: batch_data.synthetic,
+                next: upcoming.as_ref().map(|b| match &b.synthetic {
+                    Some(described) => NextBatch::Synthetic(described),
+                    None => NextBatch::Images(&b.images, &b.labels),
+                }),
                 trace: traced,
             })?;
             if traced && let Some(path) = &opts.trace {
@@ -675,6 +697,7 @@ impl Job {
                 )),
                 false => engine.capture_status(),
             },
+            synthetic_on_device: describe_synthetic,
         };
         on_event(JobEvent::Finished(&summary));
         Ok(summary)

@@ -126,7 +126,8 @@ impl Printer {
                        "final_loss": summary.losses.last(),
                        "images_per_sec": images_per_sec, "wall_s": wall_secs,
                        "saved": summary.saved.as_ref().map(|p| p.display().to_string()),
-                       "capture": summary.capture.as_ref().map(|c| c.to_string())})
+                       "capture": summary.capture.as_ref().map(|c| c.to_string()),
+                       "synthetic_on_device": summary.synthetic_on_device})
             );
         } else {
             println!("{}", summary_line(summary));

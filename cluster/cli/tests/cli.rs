@@ -82,6 +82,32 @@ fn lenet5_learns_the_synthetic_task() {
 /// runs each kernel as it is called (on a GPU the replayed steps are checked bit for bit against
 /// enqueued ones by legion-cuda's `gpu_training`).
 #[test]
+fn the_summary_says_where_synthetic_batches_were_drawn() {
+    // Only one GPU draws them itself: on the CPU they are drawn on the host, flag or not, and
+    // the run is the same.
+    let mut losses = Vec::new();
+    for flags in [&[][..], &["--synthetic-on-host"][..]] {
+        let mut args = vec![
+            "train", "--model", "lenet5", "--device", "cpu", "--steps", "2", "--json",
+        ];
+        args.extend_from_slice(flags);
+        let out = legion(&args);
+        assert!(
+            out.status.success(),
+            "{flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let summary = stdout_json_lines(&out).pop().unwrap();
+        assert_eq!(
+            summary["synthetic_on_device"], false,
+            "{flags:?}: {summary}"
+        );
+        losses.push(summary["final_loss"].clone());
+    }
+    assert_eq!(losses[0], losses[1]);
+}
+
+#[test]
 fn the_summary_says_whether_steps_were_captured() {
     for flags in [&[][..], &["--no-capture"][..]] {
         let mut args = vec![

@@ -333,6 +333,14 @@ impl Backend for Cuda {
         self.take_staged_on(s, staged).map(Buffer::F32)
     }
 
+    fn stage_synthetic(
+        &self,
+        s: &mut Stream,
+        batch: &legion_ops::data::SyntheticBatch,
+    ) -> Result<crate::batches::StagedBatch, KernelError> {
+        self.stage_synthetic_on(s, batch)
+    }
+
     fn recycle_staged(&self, s: &mut Stream, images: Buffer) {
         match images {
             Buffer::F32(images) => self.recycle_staged_on(s, images),

@@ -20,11 +20,13 @@
 //! or not cudarc tracks buffer uses across streams.
 
 use crate::backend::{Cuda, Failure};
+use crate::launch::grid;
 use crate::memory::Stream;
 use crate::staging::{Direction, pinned};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice, PushKernelArg};
 use legion_ops::backend::KernelError;
+use legion_ops::data::SyntheticBatch;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -92,11 +94,36 @@ impl Drop for HostSlot {
     }
 }
 
+/// One of the two sets a described synthetic batch (`Backend::stage_synthetic`) is drawn
+/// from: its description in page-locked memory and on the device. The device buffers belong to
+/// the copy stream, which alone uses them, so a reuse is ordered after the draw that read them.
+struct DescribedSlot {
+    factors: PinnedHostSlice<f32>,
+    states: PinnedHostSlice<u64>,
+    labels: PinnedHostSlice<u32>,
+    device_factors: CudaSlice<f32>,
+    device_states: CudaSlice<u64>,
+    /// Recorded behind the last copies out of the host buffers.
+    copied_out: Option<CudaEvent>,
+}
+
+impl Drop for DescribedSlot {
+    /// As for [`HostSlot`]: the page-locked memory outlives the copies out of it.
+    fn drop(&mut self) {
+        if let Some(copied_out) = &self.copied_out {
+            let waited = copied_out.synchronize();
+            copied_out.context().record_err(waited);
+        }
+    }
+}
+
 /// A stream's copy stream and the buffers batches move through.
 pub(crate) struct BatchCopies {
     copy: Arc<CudaStream>,
     slots: [Option<HostSlot>; 2],
     next_slot: usize,
+    described: [Option<DescribedSlot>; 2],
+    next_described: usize,
     /// Device image buffers of enqueued steps, handed back after their last reader was
     /// enqueued on the compute stream (a later `fillable` event orders a refill after it).
     free: Vec<CudaSlice<f32>>,
@@ -156,16 +183,7 @@ impl Cuda {
     }
 
     fn begin(&self, s: &mut Stream, images: usize, labels: usize) -> Result<HostBatch, Failure> {
-        let compute = s.stream.clone();
-        if s.batches.is_none() {
-            s.batches = Some(BatchCopies {
-                copy: self.context.new_stream()?,
-                slots: [None, None],
-                next_slot: 0,
-                free: Vec::new(),
-            });
-        }
-        let copies = s.batches.as_mut().expect("made above");
+        let copies = self.copies(s)?;
         let index = copies.next_slot;
         copies.next_slot = (index + 1) % 2;
         let slot = match copies.slots[index].take() {
@@ -184,26 +202,54 @@ impl Cuda {
                 }
             }
         };
+        let (images, labels, fillable) = self.device_buffers(s, images, labels)?;
+        Ok(HostBatch {
+            slot,
+            index,
+            images,
+            labels,
+            fillable,
+        })
+    }
+
+    /// The stream's copy stream and batch buffers, made on first use.
+    fn copies<'s>(&self, s: &'s mut Stream) -> Result<&'s mut BatchCopies, Failure> {
+        if s.batches.is_none() {
+            s.batches = Some(BatchCopies {
+                copy: self.context.new_stream()?,
+                slots: [None, None],
+                next_slot: 0,
+                described: [None, None],
+                next_described: 0,
+                free: Vec::new(),
+            });
+        }
+        Ok(s.batches.as_mut().expect("made above"))
+    }
+
+    /// A batch's device buffers, and the event behind which its copies may fill them.
+    fn device_buffers(
+        &self,
+        s: &mut Stream,
+        images: usize,
+        labels: usize,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<u32>, CudaEvent), Failure> {
+        let compute = s.stream.clone();
+        let copies = self.copies(s)?;
         // A device buffer that no step enqueued after its release reads, or a new one. Both the
         // images and the labels come from the compute stream, which frees them, and now: before
         // the step that the copies run beside is enqueued, so `fillable` does not wait for it.
         let reusable = copies.free.iter().position(|b| b.len() == images);
         let device_images = match reusable {
             Some(i) => copies.free.swap_remove(i),
-            // SAFETY: the copy writes every element before any kernel reads it.
+            // SAFETY: the copy (or the draw) writes every element before any kernel reads it.
             None => unsafe { compute.alloc::<f32>(images) }?,
         };
         // SAFETY: as above, the labels' copy writes every element.
         let device_labels = unsafe { compute.alloc::<u32>(labels) }?;
         // Behind the last reader of a reused buffer on the compute stream, and the allocations.
         let fillable = record(&compute)?;
-        Ok(HostBatch {
-            slot,
-            index,
-            images: device_images,
-            labels: device_labels,
-            fillable,
-        })
+        Ok((device_images, device_labels, fillable))
     }
 
     /// Where a batch is written: its images and its labels.
@@ -265,6 +311,113 @@ impl Cuda {
             images: Some(images),
             labels: Some(labels),
             host_labels,
+            copied,
+            compute,
+        })
+    }
+
+    /// Stages a described synthetic batch: its description (about 1/40 of its images at 224 ×
+    /// 224) crosses the bus on the copy stream, and the `synthetic_draw` kernel draws the images
+    /// there, into a device buffer taken as [`Cuda::begin_stage_on`] takes one.
+    pub(crate) fn stage_synthetic_on(
+        &self,
+        s: &mut Stream,
+        batch: &SyntheticBatch,
+    ) -> Result<StagedBatch, KernelError> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| failed(e.into()))?;
+        let images = batch
+            .len()
+            .checked_mul(batch.sample_len())
+            .filter(|&n| i64::try_from(n).is_ok())
+            .ok_or_else(|| KernelError::Device("a synthetic batch too large to draw".into()))?;
+        let per_sample = legion_ops::data::factors_per_sample(batch.image);
+        assert_eq!(
+            (batch.factors.len(), batch.noise_states.len()),
+            (batch.len() * per_sample, batch.len()),
+            "a synthetic batch describes each of its samples"
+        );
+        self.stage_described(s, batch, images).map_err(failed)
+    }
+
+    fn stage_described(
+        &self,
+        s: &mut Stream,
+        batch: &SyntheticBatch,
+        images: usize,
+    ) -> Result<StagedBatch, Failure> {
+        let (mut device_images, mut device_labels, fillable) =
+            self.device_buffers(s, images, batch.len())?;
+        let compute = s.stream.clone();
+        let copies = self.copies(s)?;
+        let index = copies.next_described;
+        copies.next_described = (index + 1) % 2;
+        let copy = copies.copy.clone();
+        let mut slot = match copies.described[index].take() {
+            Some(slot)
+                if slot.factors.len() == batch.factors.len()
+                    && slot.labels.len() == batch.len() =>
+            {
+                if let Some(copied_out) = &slot.copied_out {
+                    copied_out.synchronize()?;
+                }
+                slot
+            }
+            stale => {
+                drop(stale);
+                DescribedSlot {
+                    factors: pinned(self, batch.factors.len(), Direction::ToDevice)?,
+                    states: pinned(self, batch.len(), Direction::ToDevice)?,
+                    labels: pinned(self, batch.len(), Direction::ToDevice)?,
+                    // SAFETY: each draw's copies write every element before the kernel reads.
+                    device_factors: unsafe { copy.alloc::<f32>(batch.factors.len()) }?,
+                    device_states: unsafe { copy.alloc::<u64>(batch.len()) }?,
+                    copied_out: None,
+                }
+            }
+        };
+        slot.factors.as_mut_slice()?.copy_from_slice(&batch.factors);
+        slot.states
+            .as_mut_slice()?
+            .copy_from_slice(&batch.noise_states);
+        slot.labels.as_mut_slice()?.copy_from_slice(&batch.labels);
+        let [_, height, width] = batch.image.map(|e| e as i64);
+        let (samples, channels) = (batch.len() as i64, batch.image[0] as i64);
+        let noise_scale = SyntheticBatch::noise_scale();
+        let enqueued = (|| -> Result<(CudaEvent, CudaEvent), Failure> {
+            copy.wait(&fillable)?;
+            copy.memcpy_htod(&slot.factors, &mut slot.device_factors)?;
+            copy.memcpy_htod(&slot.states, &mut slot.device_states)?;
+            copy.memcpy_htod(&slot.labels, &mut device_labels)?;
+            let copied_out = record(&copy)?;
+            let mut b = copy.launch_builder(&self.kernels.synthetic_draw);
+            b.arg(&mut device_images)
+                .arg(&slot.device_factors)
+                .arg(&slot.device_states)
+                .arg(&noise_scale)
+                .arg(&samples)
+                .arg(&channels)
+                .arg(&height)
+                .arg(&width);
+            // SAFETY: the arguments match the kernel's signature; the buffers hold the batch's
+            // images and description (sizes checked by the caller).
+            unsafe { b.launch(grid(images as i64)) }?;
+            Ok((record(&copy)?, copied_out))
+        })();
+        let (copied, copied_out) = match enqueued {
+            Ok(events) => events,
+            Err(e) => {
+                let _ = copy.synchronize();
+                return Err(e);
+            }
+        };
+        slot.copied_out = Some(copied_out);
+        copies.described[index] = Some(slot);
+        Ok(StagedBatch {
+            images: Some(device_images),
+            labels: Some(device_labels),
+            host_labels: batch.labels.clone(),
             copied,
             compute,
         })

@@ -298,6 +298,45 @@ extern "C" __global__ void dropout_apply(const float* x, Box4 x_layout, float* y
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Synthetic data drawn on the device (legion_ops::data::SyntheticBatch::render, value for value):
+// pixel (s, c, y, x) is the sum over its channel's waves, in order from zero, of
+// a[y]·cos[x] − b[y]·sin[x], plus noise_scale times the approximate normal value of its noise word
+// mix64(state + (k + 1)·γ), k its index in the sample (CHW). Every operation rounds as Rust's do
+// (no fused multiply-adds), so the images are bit-identical to the host's.
+
+#define SYNTHETIC_WAVES 3
+
+// The centred sum of the word's four 16-bit quarters, scaled to unit variance (Irwin–Hall, n = 4).
+__device__ __forceinline__ float approx_standard_normal(u64 bits) {
+    float sum = 0.0f;
+    for (int k = 0; k < 4; ++k) sum += (float)((bits >> (16 * k)) & 0xffffull) * (1.0f / 65536.0f);
+    return (sum - 2.0f) * sqrtf(3.0f);
+}
+
+extern "C" __global__ void synthetic_draw(float* out, const float* factors, const u64* states,
+                                          float noise_scale, i64 samples, i64 channels,
+                                          i64 height, i64 width) {
+    i64 plane = height * width;
+    i64 per_sample = channels * plane;
+    i64 per_wave = 2 * (width + height);
+    GRID_STRIDE(i, samples * per_sample) {
+        i64 s = i / per_sample;
+        i64 k = i - s * per_sample;
+        i64 c = k / plane;
+        i64 y = (k - c * plane) / width;
+        i64 x = k - c * plane - y * width;
+        const float* wave = factors + (s * channels + c) * SYNTHETIC_WAVES * per_wave;
+        float p = 0.0f;
+        for (int w = 0; w < SYNTHETIC_WAVES; ++w, wave += per_wave) {
+            float a = wave[2 * width + y], b = wave[2 * width + height + y];
+            p += a * wave[x] - b * wave[width + x];
+        }
+        u64 word = mix64(states[s] + (u64)(k + 1) * 0x9E3779B97F4A7C15ull);
+        out[i] = p + noise_scale * approx_standard_normal(word);
+    }
+}
+
 // Writes the step number kernels read on the device (one thread).
 extern "C" __global__ void store_step(u64* at, u64 step) {
     if (blockIdx.x == 0 && threadIdx.x == 0) *at = step;

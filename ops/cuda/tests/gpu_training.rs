@@ -10,11 +10,12 @@
 
 use legion_cuda::{ConvAlgos, Cuda, Settings, Sharing};
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
+use legion_ops::data::{Synthetic, SyntheticBatch};
 use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
 use legion_ops::require::{Need, skip};
 use legion_ops::rng::Rng;
 use legion_ops::shape::Shape;
-use legion_ops::train::{ParamStore, Sgd, StepStats, Trainer, TrainingState};
+use legion_ops::train::{BatchInput, ParamStore, Sgd, StepStats, Trainer, TrainingState};
 use legion_ops::{Graph, GraphBuilder};
 
 fn tiny_model(batch: usize) -> Graph {
@@ -257,6 +258,58 @@ fn replayed_steps_train_exactly_as_enqueued_ones() {
 }
 
 /// Convolutions wide enough for cuDNN's FFT and Winograd algorithms to compete.
+/// Synthetic batches drawn by the GPU from their description (`Backend::stage_synthetic`, as
+/// `train` on one GPU does) train bit for bit as the same batches drawn on the host and copied,
+/// staged ahead, recorded and replayed.
+#[test]
+fn synthetic_batches_drawn_on_the_gpu_train_as_those_drawn_on_the_host() {
+    let graph = tiny_model(4);
+    let data = Synthetic::new(SEED, 40, 5, [3, 12, 12]).unwrap();
+    let described: Vec<SyntheticBatch> = (0..5)
+        .map(|k| {
+            data.describe_batch(&[k, 9 + k, 20 + 3 * k, 39 - k])
+                .unwrap()
+        })
+        .collect();
+    let drawn: Vec<Vec<f32>> = described
+        .iter()
+        .map(|d| {
+            let mut images = vec![0.0; d.len() * d.sample_len()];
+            d.render(&mut images);
+            images
+        })
+        .collect();
+    let start = TrainingState::start(ParamStore::init(&graph, SEED));
+    let run = |on_device: bool| -> Result<Trained, String> {
+        let mut trainer = gpu_trainer(ConvAlgos::Precise, &graph, start.clone())?;
+        let mut stats = Vec::new();
+        for step in 0..described.len() {
+            let input = |k: usize| match on_device {
+                true => BatchInput::Synthetic(&described[k]),
+                false => BatchInput::Images {
+                    images: &drawn[k],
+                    labels: &described[k].labels,
+                },
+            };
+            let next = (step + 1 < described.len()).then(|| input(step + 1));
+            let stat = trainer.step_batch(input(step), next);
+            stats.push(stat.unwrap_or_else(|e| panic!("step {step}: {e}")));
+        }
+        let state = trainer.state().unwrap_or_else(|e| panic!("{e}"));
+        Ok(Trained { stats, state })
+    };
+    let on_host = match run(false) {
+        Ok(run) => run,
+        Err(reason) => return skip(Need::Gpu, reason),
+    };
+    let on_device = run(true).expect("a GPU was found above");
+    let losses = |t: &Trained| -> Vec<(f32, usize)> {
+        t.stats.iter().map(|s| (s.loss, s.correct)).collect()
+    };
+    assert_eq!(losses(&on_device), losses(&on_host));
+    assert_eq!(on_device.state, on_host.state, "weights, momentum and step");
+}
+
 fn wide_model(batch: usize) -> Graph {
     let mut m = GraphBuilder::new("wide");
     let x = m.input("data", Shape::nchw(batch, 16, 32, 32)).unwrap();

@@ -11,6 +11,7 @@
 #![allow(clippy::too_many_arguments)]
 use legion_ops::backend::cpu::{Buffer, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, Out};
+use legion_ops::data::{Synthetic, SyntheticBatch};
 use legion_ops::kernels::dropout::DropoutMask;
 use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind};
 use legion_ops::rng::Rng;
@@ -1187,6 +1188,46 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
         });
         report.check("sgd w", &gw, &w, 0.0);
         report.check("sgd v", &gv, &v, 0.0);
+    }
+
+    // ---- synthetic data drawn on the device, against the host's drawing: bit for bit
+    {
+        type F = unsafe extern "C" fn(*mut f32, *const f32, *const u64, f32, i64, i64, i64, i64);
+        let f: Symbol<F> = emu.sym("synthetic_draw");
+        for (image, classes) in [([3usize, 13, 9], 7usize), ([1, 5, 16], 2)] {
+            let data = Synthetic::new(17, 40, classes, image).unwrap();
+            let batch = data.describe_batch(&[3, 0, 39, 3, 21]).unwrap();
+            let mut want = vec![f32::NAN; batch.len() * batch.sample_len()];
+            batch.render(&mut want);
+            let mut got = vec![f32::NAN; want.len()];
+            let [c, h, w] = image.map(|e| e as i64);
+            // A grid smaller than the batch, so the grid-stride loop runs more than once.
+            emu.launch(3, 32, || unsafe {
+                f(
+                    got.as_mut_ptr(),
+                    batch.factors.as_ptr(),
+                    batch.noise_states.as_ptr(),
+                    SyntheticBatch::noise_scale(),
+                    batch.len() as i64,
+                    c,
+                    h,
+                    w,
+                )
+            });
+            let differing = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            if differing == 0 {
+                report.passed += 1;
+            } else {
+                report.failures.push(format!(
+                    "synthetic_draw {image:?}: {differing} of {} values differ from the host's",
+                    want.len()
+                ));
+            }
+        }
     }
 
     println!("{} checks passed", report.passed);

@@ -16,6 +16,7 @@
 
 pub mod cpu;
 
+use crate::data::SyntheticBatch;
 use crate::graph::{Graph, LayerId};
 use crate::kernels::dropout::DropoutMask;
 use crate::op::{BatchNorm, Conv2d, Dense, Pool2d};
@@ -321,6 +322,20 @@ pub trait Backend {
         s: &mut Self::Stream,
         staged: Self::Staged,
     ) -> Result<Self::Buffer, KernelError>;
+
+    /// [`Backend::stage_batch`] for a batch of synthetic data described instead of drawn: a
+    /// GPU draws the images itself (bit-identical to the host's, [`SyntheticBatch::render`]), so
+    /// neither the host's threads nor the bus carry them. By default they are drawn on the host
+    /// and staged.
+    fn stage_synthetic(
+        &self,
+        s: &mut Self::Stream,
+        batch: &SyntheticBatch,
+    ) -> Result<Self::Staged, KernelError> {
+        let mut images = vec![0.0; batch.len() * batch.sample_len()];
+        batch.render(&mut images);
+        self.stage_batch(s, &images, &batch.labels)
+    }
 
     /// Hands back the images of a taken batch once its step is enqueued: a later
     /// [`Backend::stage_batch`] may refill them after `s` has run what is enqueued now.

@@ -13,7 +13,7 @@ mod synthetic;
 
 pub use cifar10::Cifar10;
 pub use folder::ImageFolder;
-pub use synthetic::Synthetic;
+pub use synthetic::{Synthetic, SyntheticBatch, factors_per_sample};
 
 use crate::rng::{Rng, hash};
 use crate::shape::Shape;
@@ -120,6 +120,12 @@ pub trait Dataset: Send + Sync {
     /// A one-line description for logs, e.g. `cifar10 data/cifar (50000 samples)`.
     fn describe(&self) -> String;
 
+    /// The dataset as [`Synthetic`] data, whose batches a device can draw itself
+    /// ([`Synthetic::describe_batch`]).
+    fn as_synthetic(&self) -> Option<&Synthetic> {
+        None
+    }
+
     /// Values in one sample: `C·H·W`.
     fn sample_len(&self) -> usize {
         self.image_shape().iter().product()
@@ -183,8 +189,11 @@ pub fn open(
 /// A batch of consecutive samples in an epoch's order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
-    /// `N·C·H·W` values, sample-major (NCHW).
+    /// `N·C·H·W` values, sample-major (NCHW); empty where the batch is `synthetic`.
     pub images: Vec<f32>,
+    /// The batch described for a device to draw, instead of `images`
+    /// ([`LoaderConfig::describe_synthetic`]).
+    pub synthetic: Option<SyntheticBatch>,
     pub labels: Vec<u32>,
     /// The dataset index of each sample.
     pub indices: Vec<usize>,
@@ -221,6 +230,9 @@ pub struct LoaderConfig {
     pub seed: u64,
     /// Batches assembled ahead of the consumer.
     pub prefetch: usize,
+    /// Batches of [`Synthetic`] data come described ([`Batch::synthetic`]) instead of drawn,
+    /// for a device that draws them itself; other datasets' batches come as images.
+    pub describe_synthetic: bool,
 }
 
 impl LoaderConfig {
@@ -232,6 +244,7 @@ impl LoaderConfig {
             drop_last: true,
             seed: 0,
             prefetch: 2,
+            describe_synthetic: false,
         }
     }
 }
@@ -295,8 +308,8 @@ impl Loader {
         let order = self.epoch_order(epoch);
         assemble_batch(
             self.dataset.as_ref(),
+            &self.config,
             &order,
-            self.config.batch_size,
             epoch,
             batch,
             &AtomicBool::new(false),
@@ -373,8 +386,8 @@ impl Producer {
             }
             let result = assemble_batch(
                 self.loader.dataset.as_ref(),
+                &self.loader.config,
                 &order,
-                self.loader.config.batch_size,
                 epoch,
                 (step % per_epoch) as usize,
                 &self.cancel,
@@ -396,15 +409,29 @@ impl Producer {
 /// failing sample, so the error does not depend on thread timing.
 fn assemble_batch(
     dataset: &dyn Dataset,
+    config: &LoaderConfig,
     order: &[usize],
-    batch_size: usize,
     epoch: u64,
     batch: usize,
     cancel: &AtomicBool,
 ) -> Result<Batch, DataError> {
-    let start = batch * batch_size;
-    let end = (start + batch_size).min(order.len());
+    let start = batch * config.batch_size;
+    let end = (start + config.batch_size).min(order.len());
     let indices = order[start..end].to_vec();
+    if config.describe_synthetic
+        && let Some(synthetic) = dataset.as_synthetic()
+    {
+        let described = synthetic.describe_batch(&indices)?;
+        return Ok(Batch {
+            images: Vec::new(),
+            labels: described.labels.clone(),
+            synthetic: Some(described),
+            indices,
+            epoch,
+            batch,
+            image: dataset.image_shape(),
+        });
+    }
     let sample_len = dataset.sample_len();
     let mut images = vec![0.0f32; indices.len() * sample_len];
     let mut labels = vec![0u32; indices.len()];
@@ -431,6 +458,7 @@ fn assemble_batch(
     Ok(Batch {
         images,
         labels,
+        synthetic: None,
         indices,
         epoch,
         batch,
@@ -799,6 +827,46 @@ mod tests {
             .map(Result::unwrap)
             .collect();
         assert_eq!(again, batches);
+    }
+
+    /// A loader describing synthetic batches yields the batches a drawing one does, described:
+    /// same samples, labels and (rendered) values; other datasets still come as images.
+    #[test]
+    fn described_synthetic_batches_render_to_the_drawn_ones() {
+        let data: Arc<dyn Dataset> = Arc::new(Synthetic::new(3, 40, 5, [2, 7, 6]).unwrap());
+        let drawing = Loader::new(data.clone(), LoaderConfig::new(4)).unwrap();
+        let describing = Loader::new(
+            data,
+            LoaderConfig {
+                describe_synthetic: true,
+                ..LoaderConfig::new(4)
+            },
+        )
+        .unwrap();
+        let drawn: Vec<Batch> = drawing.steps(7).take(4).map(Result::unwrap).collect();
+        let described: Vec<Batch> = describing.steps(7).take(4).map(Result::unwrap).collect();
+        for (drawn, described) in drawn.iter().zip(&described) {
+            assert!(described.images.is_empty());
+            assert_eq!(described.indices, drawn.indices);
+            assert_eq!(described.labels, drawn.labels);
+            assert_eq!(described.shape(), drawn.shape());
+            let batch = described.synthetic.as_ref().expect("described");
+            assert_eq!(batch.labels, drawn.labels);
+            let mut images = vec![f32::NAN; drawn.images.len()];
+            batch.render(&mut images);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&images), bits(&drawn.images));
+        }
+        let counting = loader(
+            Counting::new(10),
+            LoaderConfig {
+                describe_synthetic: true,
+                ..LoaderConfig::new(3)
+            },
+        );
+        let batch = counting.batch(0, 0).unwrap();
+        assert!(batch.synthetic.is_none());
+        assert_eq!(batch.images.len(), 12);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 use super::{DataError, Dataset, ImageShape, check_image_shape, check_sample_args};
 use crate::rng::{Rng, hash};
+use rayon::prelude::*;
 use std::f32::consts::TAU;
 
 const WAVES_PER_CHANNEL: usize = 3;
@@ -94,6 +95,76 @@ impl Synthetic {
         })
     }
 
+    /// The samples at `indices`, described for a device to draw ([`SyntheticBatch`]): what the
+    /// host computes per sample is its label, its noise stream's state and the factors of its
+    /// waves, about 1/40 of the values of its image at 224 × 224.
+    pub fn describe_batch(&self, indices: &[usize]) -> Result<SyntheticBatch, DataError> {
+        let per_sample = factors_per_sample(self.image);
+        let values = indices
+            .len()
+            .checked_mul(per_sample)
+            .ok_or_else(|| DataError::Config("a synthetic batch too large to describe".into()))?;
+        let mut factors = vec![0.0f32; values];
+        let mut labels = vec![0u32; indices.len()];
+        let mut noise_states = vec![0u64; indices.len()];
+        for &index in indices {
+            if index >= self.num_samples {
+                return Err(DataError::IndexOutOfRange {
+                    index,
+                    len: self.num_samples,
+                });
+            }
+        }
+        factors
+            .par_chunks_mut(per_sample)
+            .zip(labels.par_iter_mut())
+            .zip(noise_states.par_iter_mut())
+            .zip(indices.par_iter())
+            .for_each(|(((factors, label), state), &index)| {
+                (*label, *state) = self.draw_factors(index, factors);
+            });
+        Ok(SyntheticBatch {
+            image: self.image,
+            labels,
+            noise_states,
+            factors,
+        })
+    }
+
+    /// Sample `index`'s label, and into `factors` its waves' factors (see [`SyntheticBatch`]);
+    /// returns the label and the state of the generator its pixel noise is drawn from.
+    fn draw_factors(&self, index: usize, factors: &mut [f32]) -> (u32, u64) {
+        let [channels, height, width] = self.image;
+        let mut rng = Rng::new(hash(&[self.seed, SAMPLE_STREAM, index as u64]));
+        let label = rng.below(self.classes);
+        let shift_x = rng.uniform(-MAX_SHIFT, MAX_SHIFT);
+        let shift_y = rng.uniform(-MAX_SHIFT, MAX_SHIFT);
+        let contrast = rng.uniform(CONTRAST_RANGE.0, CONTRAST_RANGE.1);
+        // cos(a + b) = cos a · cos b − sin a · sin b separates each wave into a per-column and a
+        // per-row factor, so trigonometry is evaluated per row and column instead of per pixel.
+        let per_wave = 2 * (width + height);
+        let mut waves = factors.chunks_exact_mut(per_wave);
+        for channel in 0..channels {
+            for wave in self.class_channel_waves(label, channel) {
+                let wave_factors = waves.next().expect("factors sized for every wave");
+                let (columns, rows) = wave_factors.split_at_mut(2 * width);
+                let (column_cos, column_sin) = columns.split_at_mut(width);
+                for (x, (c, s)) in column_cos.iter_mut().zip(column_sin).enumerate() {
+                    let u = (x as f32 + 0.5) / width as f32 + shift_x;
+                    (*s, *c) = (wave.omega_x * u).sin_cos();
+                }
+                let amplitude = wave.amplitude * contrast * gain();
+                let (row_a, row_b) = rows.split_at_mut(height);
+                for (y, (a, b)) in row_a.iter_mut().zip(row_b).enumerate() {
+                    let v = (y as f32 + 0.5) / height as f32 + shift_y;
+                    let (row_sin, row_cos) = (wave.omega_y * v + wave.phase).sin_cos();
+                    (*a, *b) = (amplitude * row_cos, amplitude * row_sin);
+                }
+            }
+        }
+        (label as u32, rng.state())
+    }
+
     fn class_channel_waves(&self, class: usize, channel: usize) -> &[Wave] {
         let start = (class * self.image[0] + channel) * WAVES_PER_CHANNEL;
         &self.waves[start..start + WAVES_PER_CHANNEL]
@@ -115,41 +186,14 @@ impl Dataset for Synthetic {
 
     fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError> {
         check_sample_args(self, index, out)?;
-        let [_, height, width] = self.image;
-        let mut rng = Rng::new(hash(&[self.seed, SAMPLE_STREAM, index as u64]));
-        let label = rng.below(self.classes);
-        let shift_x = rng.uniform(-MAX_SHIFT, MAX_SHIFT);
-        let shift_y = rng.uniform(-MAX_SHIFT, MAX_SHIFT);
-        let contrast = rng.uniform(CONTRAST_RANGE.0, CONTRAST_RANGE.1);
-        // Keeps template + noise at roughly unit variance.
-        let gain = (1.0 + NOISE_STD * NOISE_STD).sqrt().recip();
+        let mut factors = vec![0.0f32; factors_per_sample(self.image)];
+        let (label, noise_state) = self.draw_factors(index, &mut factors);
+        render_sample(self.image, &factors, noise_state, out);
+        Ok(label)
+    }
 
-        // cos(a + b) = cos a · cos b − sin a · sin b separates each wave into a per-column and a per-row
-        // factor, so trigonometry is evaluated per row and column instead of per pixel.
-        let mut column_cos = vec![0.0f32; width];
-        let mut column_sin = vec![0.0f32; width];
-        for (channel, plane) in out.chunks_exact_mut(height * width).enumerate() {
-            plane.fill(0.0);
-            for wave in self.class_channel_waves(label, channel) {
-                for (x, (c, s)) in column_cos.iter_mut().zip(&mut column_sin).enumerate() {
-                    let u = (x as f32 + 0.5) / width as f32 + shift_x;
-                    (*s, *c) = (wave.omega_x * u).sin_cos();
-                }
-                let amplitude = wave.amplitude * contrast * gain;
-                for (y, row) in plane.chunks_exact_mut(width).enumerate() {
-                    let v = (y as f32 + 0.5) / height as f32 + shift_y;
-                    let (row_sin, row_cos) = (wave.omega_y * v + wave.phase).sin_cos();
-                    let (a, b) = (amplitude * row_cos, amplitude * row_sin);
-                    for ((p, &c), &s) in row.iter_mut().zip(&column_cos).zip(&column_sin) {
-                        *p += a * c - b * s;
-                    }
-                }
-            }
-            for p in plane.iter_mut() {
-                *p += NOISE_STD * gain * approx_standard_normal(rng.next_u64());
-            }
-        }
-        Ok(label as u32)
+    fn as_synthetic(&self) -> Option<&Synthetic> {
+        Some(self)
     }
 
     fn describe(&self) -> String {
@@ -157,6 +201,101 @@ impl Dataset for Synthetic {
             "synthetic seed {} ({} samples, {} classes)",
             self.seed, self.num_samples, self.classes
         )
+    }
+}
+
+/// Scales template plus noise back to roughly unit variance.
+fn gain() -> f32 {
+    (1.0 + NOISE_STD * NOISE_STD).sqrt().recip()
+}
+
+/// Values of [`SyntheticBatch::factors`] per sample of shape `image`: per channel and wave, a
+/// `cos` and a `sin` per column and an `a` and a `b` per row.
+pub fn factors_per_sample(image: ImageShape) -> usize {
+    let [channels, height, width] = image;
+    channels * WAVES_PER_CHANNEL * 2 * (width + height)
+}
+
+/// A batch of [`Synthetic`] samples described instead of drawn, so that a device can draw the
+/// images itself (legion-cuda's `synthetic_draw` kernel) and the host neither computes nor copies
+/// them: every value is bit-identical to [`Dataset::sample`]'s, whose arithmetic
+/// [`SyntheticBatch::render`] is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SyntheticBatch {
+    pub image: ImageShape,
+    pub labels: Vec<u32>,
+    /// Per sample, the state of the generator (`Rng::at_state`) whose words, one per pixel in
+    /// CHW order, are the pixels' noise.
+    pub noise_states: Vec<u64>,
+    /// Per sample, channel and wave ([`SyntheticBatch::WAVES_PER_CHANNEL`] per channel): the
+    /// wave's `cos` then `sin` per column (`W` each), then its `a` and `b` per row (`H` each).
+    /// Pixel (y, x) is the sum, in wave order from zero, of `a[y]·cos[x] − b[y]·sin[x]`, plus
+    /// [`SyntheticBatch::noise_scale`] times its noise word's approximate normal value.
+    pub factors: Vec<f32>,
+}
+
+impl SyntheticBatch {
+    pub const WAVES_PER_CHANNEL: usize = WAVES_PER_CHANNEL;
+
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Values of one sample's image: `C·H·W`.
+    pub fn sample_len(&self) -> usize {
+        self.image.iter().product()
+    }
+
+    /// The factor of each pixel's noise value.
+    pub fn noise_scale() -> f32 {
+        NOISE_STD * gain()
+    }
+
+    /// Draws the images on the host, NCHW, exactly as a device does: the reference of the
+    /// device kernel, and the batch of a backend without one. `out` holds `len()·C·H·W` values.
+    pub fn render(&self, out: &mut [f32]) {
+        let sample_len = self.sample_len();
+        assert_eq!(
+            out.len(),
+            self.len() * sample_len,
+            "a synthetic batch renders into one image per sample"
+        );
+        let per_sample = factors_per_sample(self.image);
+        out.par_chunks_mut(sample_len)
+            .zip(self.factors.par_chunks(per_sample))
+            .zip(self.noise_states.par_iter())
+            .for_each(|((image, factors), &state)| {
+                render_sample(self.image, factors, state, image)
+            });
+    }
+}
+
+/// Draws one sample's image from its factors and noise state (see [`SyntheticBatch`]).
+fn render_sample(image: ImageShape, factors: &[f32], noise_state: u64, out: &mut [f32]) {
+    let [_, height, width] = image;
+    let per_wave = 2 * (width + height);
+    let noise_scale = SyntheticBatch::noise_scale();
+    let mut rng = Rng::at_state(noise_state);
+    let planes = out.chunks_exact_mut(height * width);
+    for (plane, channel) in planes.zip(factors.chunks_exact(WAVES_PER_CHANNEL * per_wave)) {
+        plane.fill(0.0);
+        for wave in channel.chunks_exact(per_wave) {
+            let (column_cos, rest) = wave.split_at(width);
+            let (column_sin, rows) = rest.split_at(width);
+            let (row_a, row_b) = rows.split_at(height);
+            for ((row, &a), &b) in plane.chunks_exact_mut(width).zip(row_a).zip(row_b) {
+                for ((p, &c), &s) in row.iter_mut().zip(column_cos).zip(column_sin) {
+                    *p += a * c - b * s;
+                }
+            }
+        }
+        for p in plane.iter_mut() {
+            *p += noise_scale * approx_standard_normal(rng.next_u64());
+        }
     }
 }
 
@@ -216,6 +355,31 @@ mod tests {
         assert!(mean.abs() < 0.15, "mean {mean}");
         assert!((0.7..1.3).contains(&std), "std {std}");
         assert!(seen.iter().all(|&n| n >= 20), "label counts {seen:?}");
+    }
+
+    /// What a device draws from a described batch is the dataset's samples, bit for bit.
+    #[test]
+    fn a_described_batch_renders_the_samples_bit_for_bit() {
+        let ds = Synthetic::new(11, 50, 7, [3, 13, 9]).unwrap();
+        let len = ds.sample_len();
+        let indices = [4, 0, 49, 17, 4];
+        let described = ds.describe_batch(&indices).unwrap();
+        assert_eq!(described.factors.len(), 5 * factors_per_sample([3, 13, 9]));
+        let mut rendered = vec![f32::NAN; indices.len() * len];
+        described.render(&mut rendered);
+        for (k, &i) in indices.iter().enumerate() {
+            let (image, label) = draw(&ds, i);
+            assert_eq!(described.labels[k], label);
+            let same = image
+                .iter()
+                .zip(&rendered[k * len..][..len])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "sample {i} renders other values than it draws");
+        }
+        assert!(matches!(
+            ds.describe_batch(&[3, 50]),
+            Err(DataError::IndexOutOfRange { index: 50, len: 50 })
+        ));
     }
 
     #[test]

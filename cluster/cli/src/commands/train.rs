@@ -103,6 +103,11 @@ pub struct TrainArgs {
     /// step as a CUDA graph after the first and replaying it: to measure what capture saves.
     #[arg(long)]
     no_capture: bool,
+    /// On one GPU device, draw synthetic batches on the host and copy them, as other data is,
+    /// instead of having the GPU draw them from their description (the same values either way):
+    /// to measure what drawing them on the device saves.
+    #[arg(long)]
+    synthetic_on_host: bool,
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -138,6 +143,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             true => CaptureSetting::Off,
             false => CaptureSetting::On,
         },
+        synthetic_on_device: !a.synthetic_on_host,
     };
     job::train(graph, &opts)?;
     Ok(())
