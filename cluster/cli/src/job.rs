@@ -515,7 +515,11 @@ impl Job {
         // Device actors on GPUs enqueue op by op: said in the summary, as a recording's fallback is.
         let actors_on_gpus = cluster.is_none() && distributed && gpus.is_some();
         let engine_place = match (&cluster, gpus) {
-            (Some((_, hosts, state_dir)), _) => Place::Cluster { hosts, state_dir },
+            (Some((_, hosts, state_dir)), _) => Place::Cluster {
+                hosts,
+                state_dir,
+                gpu: settings,
+            },
             (None, gpus) if distributed => Place::Embedded {
                 devices,
                 placement: gpus
