@@ -72,6 +72,9 @@ pub struct TrainOptions {
     /// Whether the one-device trainer on a GPU records its step as a CUDA graph after the first
     /// and replays it (`--no-capture` turns it off, to measure what it saves).
     pub capture: CaptureSetting,
+    /// `--gpus`: the GPUs the devices spread over, by ordinal (one listed twice: logical GPUs on
+    /// one device); `None`: as many of those found as there are devices.
+    pub gpus: Option<Vec<usize>>,
 }
 
 impl Default for TrainOptions {
@@ -99,6 +102,7 @@ impl Default for TrainOptions {
             conv_algos: legion_cuda::ConvAlgos::default(),
             prefetch: true,
             capture: CaptureSetting::On,
+            gpus: None,
         }
     }
 }
@@ -412,8 +416,13 @@ impl Job {
             None => Ok(machine),
         };
         // First: an embedded run on GPUs is planned for them.
-        let mut device =
-            device::choose(opts.device, devices, cluster.is_some(), legion_cuda::probe)?;
+        let mut device = device::choose_listed(
+            opts.device,
+            devices,
+            cluster.is_some(),
+            opts.gpus.as_deref(),
+            legion_cuda::probe,
+        )?;
         let math = if opts.tf32 {
             legion_cuda::Math::Tf32
         } else {
