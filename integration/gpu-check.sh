@@ -405,7 +405,7 @@ for s in doc["searches"]:
             fi
         done
         {
-            echo "| workers | strategy | weights vs CPU (max rel) | step ms (3rd) | run s | trace |"
+            echo "| workers | strategy | weights vs CPU (max rel, tensor) | step ms (2nd-3rd) | run s | trace (last step) |"
             echo "|---|---|---:|---:|---:|---|"
             printf '%s\n' "${rows[@]}"
         } | tee "$cl/equivalence.md"
