@@ -312,7 +312,7 @@ for s in doc["searches"]:
         report=("$python" "$dir/cluster_report.py")
         small=(--model alexnet --image-size 64 --classes 10 --batch 8)
         # the CPU's one device, the equivalence suite's reference, from the seeded weights
-        "$rs" train "${small[@]}" --steps 0 --save "$cl/init.safetensors" >/dev/null 2>&1 \
+        "$rs" train --device cpu "${small[@]}" --steps 0 --save "$cl/init.safetensors" >/dev/null 2>&1 \
             && "$rs" train --device cpu "${small[@]}" --steps 3 --init "$cl/init.safetensors" \
                 --save "$cl/cpu.safetensors" >"$cl/cpu.log" 2>&1 \
             || failures+=("cluster: the CPU reference")
