@@ -82,8 +82,8 @@ pub struct TrainArgs {
     device: DeviceKind,
     /// The GPUs the devices spread over, by CUDA ordinal, in order (`0,1`); a GPU listed twice
     /// is two logical GPUs on it, each with its own streams, whose devices exchange slices
-    /// through page-locked host memory as devices on distinct GPUs do (`0,0`: the multi-GPU path
-    /// on one GPU). Default: the first GPUs found, one per device at most.
+    /// through page-locked host memory as devices on GPUs without peer access do (`0,0`: the
+    /// multi-GPU path on one GPU). Default: the first GPUs found, one per device at most.
     #[arg(long, value_parser = crate::device::GpuList::parse, value_name = "ORDINALS")]
     gpus: Option<crate::device::GpuList>,
     /// Memory of each device, GiB: the strategy must fit it (a search returns only strategies
