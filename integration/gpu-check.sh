@@ -25,6 +25,12 @@
 # the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),
 # `profile` (the three models' tiles for the paper's machine, 16 devices at 32 samples each, as
 # many as the time left allows: $OUT/profile-paper.json for `plan --machine paper --profile`).
+# Not in the default set (the default sections fill the budget: see BENCHMARKS.md), asked for by
+# name: `cluster` (worker processes sharing the GPU: `up` of 2, then 4, local `device = "cuda"`
+# workers, `train --cluster` under data, owt and optcnn for 3 steps with `--trace`, weights
+# against the CPU's one device, `down` leaving no worker process and none holding GPU memory;
+# `--gpus 0,0`, two logical GPUs on the one device, against the CPU too; then AlexNet 224 b128 on
+# the 2 workers measured against `plan --cluster`, priced by a GPU profile's tiles and staging).
 #
 # Device time is scarce, so the run keeps to GPU_CHECK_SECONDS (default 540: each command gets
 # the smaller of its own limit and what is left, and a section reached with no time left fails
@@ -61,6 +67,7 @@ for line in sys.stdin:
     cp target/release/legion-rs "$dir/legion-rs"
     strip "$dir/legion-rs"
     cp integration/pytorch_peer.py "$dir/"
+    cp integration/cluster_report.py "$dir/"
     du -sh "$dir"
     ;;
 run)
@@ -101,7 +108,7 @@ run)
         for test in "$dir"/*; do
             name="$(basename "$test")"
             case "$name" in
-            legion-rs | pytorch_peer.py | out) continue ;;
+            legion-rs | pytorch_peer.py | cluster_report.py | out) continue ;;
             gpu_equivalence) want equivalence || continue ;;
             *) want kernels || continue ;;
             esac
@@ -300,6 +307,162 @@ for s in doc["searches"]:
         # Planning with it is CPU work, for after the run (the device time is the scarce part):
         echo "    then, on any machine: legion-rs plan --machine paper --search all --batch 512 \\"
         echo "        --model MODEL --image-size SIZE --profile profile-paper.json"
+    fi
+    if want cluster; then
+        echo "=== cluster: worker processes sharing the GPU (up, train --cluster, down), two logical"
+        echo "    GPUs on it (--gpus 0,0), and plan --cluster against measured steps"
+        cl="$out/cluster"
+        mkdir -p "$cl"
+        rs="$dir/legion-rs"
+        report=("$python" "$dir/cluster_report.py")
+        small=(--model alexnet --image-size 64 --classes 10 --batch 8)
+        # the CPU's one device, the equivalence suite's reference, from the seeded weights
+        "$rs" train --device cpu "${small[@]}" --steps 0 --save "$cl/init.safetensors" >/dev/null 2>&1 \
+            && "$rs" train --device cpu "${small[@]}" --steps 3 --init "$cl/init.safetensors" \
+                --save "$cl/cpu.safetensors" >"$cl/cpu.log" 2>&1 \
+            || failures+=("cluster: the CPU reference")
+        # gpu_pids: the processes holding GPU memory (nvidia-smi), one per line
+        gpu_pids() { nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' '; }
+        # gpu_mib: the GPU's memory in use, MiB (0 where nvidia-smi cannot say)
+        gpu_mib() {
+            nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null \
+                | head -1 | tr -d ' ' | grep -E '^[0-9]+$' || echo 0
+        }
+        rows=()
+        for n in 2 4; do
+            hosts="$cl/hosts$n.toml"
+            state="$cl/state$n"
+            printf '[defaults]\ndevice = "cuda"\ndevices = 1\n' >"$hosts"
+            for i in $(seq 0 $((n - 1))); do
+                printf '\n[[host]]\nname = "g%d"\naddress = "127.0.0.1"\nport = %d\n' \
+                    "$i" $((7470 + 10 * n + i)) >>"$hosts"
+            done
+            t=$(limit 60) || { skip "cluster up $n"; continue; }
+            before=$(gpu_mib)
+            start=$SECONDS
+            if ! timeout "$t" "$rs" up "$hosts" --state "$state" >"$cl/up$n.txt" 2>&1; then
+                failures+=("cluster up $n")
+                tail -5 "$cl/up$n.txt"
+                timeout 20 "$rs" down "$hosts" --state "$state" >/dev/null 2>&1
+                continue
+            fi
+            pids=$(awk '/^g[0-9]+ / {print $5}' "$cl/up$n.txt")
+            echo "    up $n workers: $((SECONDS - start)) s, pids $(echo $pids)"
+            for strategy in data owt optcnn; do
+                name="n$n-$strategy"
+                t=$(limit 90) || { skip "cluster $name"; continue; }
+                start=$SECONDS
+                if timeout "$t" "$rs" train --cluster "$hosts" --state "$state" "${small[@]}" \
+                    --strategy "$strategy" --conv-algos precise --steps 3 \
+                    --init "$cl/init.safetensors" --save "$cl/$name.safetensors" \
+                    --trace "$cl/$name.trace.json" --json >"$cl/$name.jsonl" 2>"$cl/$name.err"; then
+                    diff=$("${report[@]}" weights "$cl/$name.safetensors" "$cl/cpu.safetensors") \
+                        || failures+=("cluster $name: weights ${diff:-unreadable} from the CPU's")
+                    overlap=$("${report[@]}" trace "$cl/$name.trace.json") || overlap="-"
+                    ms=$("${report[@]}" steps "$cl/$name.jsonl" 1) || ms="-"
+                    rows+=("| $n | $strategy | ${diff:--} | $ms | $((SECONDS - start)) | $overlap |")
+                    echo "    $name: weights ${diff:--} (relative, largest tensor) from the CPU's," \
+                        "step ${ms} ms, $((SECONDS - start)) s; $overlap"
+                else
+                    failures+=("cluster $name")
+                    tail -5 "$cl/$name.err"
+                fi
+            done
+            start=$SECONDS
+            timeout 30 "$rs" down "$hosts" --state "$state" >"$cl/down$n.txt" 2>&1 \
+                || failures+=("cluster down $n")
+            sleep 2
+            left=""
+            held=$(gpu_pids)
+            for p in $pids; do
+                [ -d "/proc/$p" ] && left+=" $p (running)"
+                grep -qx "$p" <<<"$held" && left+=" $p (holding GPU memory)"
+            done
+            after=$(gpu_mib)
+            # the driver may keep a little for itself; a worker's context alone is ~500 MiB
+            [ "$after" -gt $((before + 256)) ] && left+=" GPU memory ${before} -> ${after} MiB"
+            if [ -n "$left" ]; then
+                failures+=("cluster down $n left:$left")
+                echo "    down $n: left$left"
+            else
+                echo "    down $n: $((SECONDS - start)) s, no worker process, none holding GPU" \
+                    "memory (GPU memory used ${before} MiB before up, ${after} MiB after down)"
+            fi
+        done
+        # Two logical GPUs on this one: the multi-GPU path, slices between them staged.
+        for strategy in data owt; do
+            name="gpus00-$strategy"
+            t=$(limit 60) || { skip "cluster $name"; continue; }
+            start=$SECONDS
+            if timeout "$t" "$rs" train --device cuda --devices 2 --gpus 0,0 "${small[@]}" \
+                --strategy "$strategy" --conv-algos precise --steps 3 \
+                --init "$cl/init.safetensors" --save "$cl/$name.safetensors" \
+                --trace "$cl/$name.trace.json" --json >"$cl/$name.jsonl" 2>"$cl/$name.err"; then
+                diff=$("${report[@]}" weights "$cl/$name.safetensors" "$cl/cpu.safetensors") \
+                    || failures+=("cluster $name: weights ${diff:-unreadable} from the CPU's")
+                overlap=$("${report[@]}" trace "$cl/$name.trace.json") || overlap="-"
+                ms=$("${report[@]}" steps "$cl/$name.jsonl" 1) || ms="-"
+                rows+=("| --gpus 0,0 | $strategy | ${diff:--} | $ms | $((SECONDS - start)) | $overlap |")
+                echo "    $name: weights ${diff:--} from the CPU's, step $ms ms; $overlap"
+            else
+                failures+=("cluster $name")
+                tail -5 "$cl/$name.err"
+            fi
+        done
+        {
+            echo "| workers | strategy | weights vs CPU (max rel, tensor) | step ms (2nd-3rd) | run s | trace (last step) |"
+            echo "|---|---|---:|---:|---:|---|"
+            printf '%s\n' "${rows[@]}"
+        } | tee "$cl/equivalence.md"
+        # Measured against planned: AlexNet 224 b128 on 2 workers, 8 steps each (median after
+        # the first 3), and `plan --cluster` priced by a GPU profile of 2 devices' tiles and the
+        # staging copies (`several`'s profile is of 4 devices: this one is the run's own).
+        big=(--model alexnet --image-size 224 --batch 128 --classes 1000)
+        hosts="$cl/hosts2.toml"
+        state="$cl/state2"
+        p="$cl/profile-2.json"
+        if t=$(limit 120) && timeout "$t" "$rs" up "$hosts" --state "$state" >"$cl/up-timing.txt" 2>&1 \
+            && t=$(limit 60) && timeout "$t" "$rs" profile --device cuda --devices 2 "${big[@]}" \
+                --strategies space --warmup 1 --repeats 3 --time-limit 25 --out "$p" \
+                >"$cl/profile-2.log" 2>&1; then
+            timing=("| strategy | measured ms | simulated ms | measured / simulated |" "|---|---:|---:|---:|")
+            for strategy in data owt optcnn; do
+                args=(--strategy "$strategy")
+                if [ "$strategy" = optcnn ]; then
+                    "$rs" plan --cluster "$hosts" --state "$state" "${big[@]}" --search optcnn \
+                        --profile "$p" --out "$cl/optcnn-cluster.json" >/dev/null 2>&1 \
+                        || { failures+=("plan --cluster optcnn"); continue; }
+                    args=(--strategy "$cl/optcnn-cluster.json")
+                fi
+                t=$(limit 90) || { skip "cluster timing $strategy"; continue; }
+                if timeout "$t" "$rs" train --cluster "$hosts" --state "$state" "${big[@]}" \
+                    "${args[@]}" --steps 8 --json >"$cl/timing-$strategy.jsonl" \
+                    2>"$cl/timing-$strategy.err"; then
+                    ms=$("${report[@]}" steps "$cl/timing-$strategy.jsonl" 3) || ms="-"
+                else
+                    failures+=("cluster timing $strategy")
+                    tail -3 "$cl/timing-$strategy.err"
+                    ms="-"
+                fi
+                plan=(--search "$strategy")
+                [ "$strategy" = optcnn ] && plan=(--strategy "$cl/optcnn-cluster.json" --evaluate)
+                sim=$("$rs" plan --cluster "$hosts" --state "$state" "${big[@]}" "${plan[@]}" \
+                    --profile "$p" --json 2>"$cl/plan-$strategy.err" | "$python" -c '
+import json, sys
+print(round(json.load(sys.stdin)["searches"][0]["simulated_ms"], 2))') \
+                    || { failures+=("plan --cluster $strategy"); sim="-"; }
+                ratio=$("$python" -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" \
+                    "$ms" "$sim" 2>/dev/null) || ratio="-"
+                timing+=("| $strategy | $ms | $sim | $ratio |")
+            done
+            "$rs" plan --cluster "$hosts" --state "$state" "${big[@]}" --search data 2>/dev/null \
+                | head -1 | tee "$cl/timing.md"
+            printf '%s\n' "${timing[@]}" | tee -a "$cl/timing.md"
+        else
+            failures+=("cluster timing (up or profile)")
+            tail -3 "$cl/up-timing.txt" "$cl/profile-2.log" 2>/dev/null
+        fi
+        timeout 30 "$rs" down "$hosts" --state "$state" >/dev/null 2>&1 || true
     fi
     if [ ${#failures[@]} -gt 0 ]; then
         echo "FAILED: ${failures[*]}"

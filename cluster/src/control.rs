@@ -57,6 +57,51 @@ pub struct JobSpec {
     pub lr: f32,
     pub momentum: f32,
     pub weight_decay: f32,
+    /// How the job's GPU devices multiply (`fp32`, `tf32`: the driver's `--tf32`); a worker on
+    /// cores ignores it, one on GPUs refuses a value it does not know, naming the field.
+    pub gpu_math: String,
+    /// How they pick convolution algorithms (`fastest`, `precise`, `heuristic`: `--conv-algos`).
+    pub conv_algos: String,
+}
+
+impl JobSpec {
+    /// The GPU settings a job asks for, as [`JobSpec::gpu_math`] and [`JobSpec::conv_algos`]
+    /// carry them.
+    pub fn gpu_fields(settings: legion_cuda::Settings) -> (String, String) {
+        let math = match settings.math {
+            legion_cuda::Math::StrictFp32 => "fp32",
+            legion_cuda::Math::Tf32 => "tf32",
+        };
+        let algos = match settings.conv_algos {
+            legion_cuda::ConvAlgos::Fastest => "fastest",
+            legion_cuda::ConvAlgos::Precise => "precise",
+            legion_cuda::ConvAlgos::Heuristic => "heuristic",
+        };
+        (math.to_string(), algos.to_string())
+    }
+
+    /// The settings of the job's GPU devices (their buffers move between the streams of a GPU);
+    /// an error names the field it cannot read (the bytes came from the network).
+    pub fn gpu_settings(&self) -> Result<legion_cuda::Settings, String> {
+        let math = match self.gpu_math.as_str() {
+            "fp32" => legion_cuda::Math::StrictFp32,
+            "tf32" => legion_cuda::Math::Tf32,
+            other => {
+                return Err(format!(
+                    "job: gpu_math {other:?}: expected \"fp32\" or \"tf32\""
+                ));
+            }
+        };
+        let conv_algos = self
+            .conv_algos
+            .parse()
+            .map_err(|e| format!("job: conv_algos: {e}"))?;
+        Ok(legion_cuda::Settings {
+            math,
+            conv_algos,
+            sharing: legion_cuda::Sharing::AcrossStreams,
+        })
+    }
 }
 
 /// Part of a physical instance: `rect` (as `lo`/`hi` corners) of instance `instance` on `device`.
@@ -353,7 +398,67 @@ mod tests {
             Control::Failed {
                 message: "no".into(),
             },
+            Control::StartJob(job_spec()),
         ]
+    }
+
+    fn job_spec() -> JobSpec {
+        let (gpu_math, conv_algos) = JobSpec::gpu_fields(legion_cuda::Settings {
+            math: legion_cuda::Math::Tf32,
+            conv_algos: legion_cuda::ConvAlgos::Precise,
+            ..Default::default()
+        });
+        JobSpec {
+            graph_json: "{}".into(),
+            strategy_json: "{}".into(),
+            hosts: vec![JobHost {
+                peer: PeerAddress {
+                    name: "w0".into(),
+                    endpoint: "127.0.0.1:7400".into(),
+                },
+                first_device: 0,
+                devices: 2,
+            }],
+            me: 0,
+            seed: 1,
+            lr: 0.01,
+            momentum: 0.9,
+            weight_decay: 0.0,
+            gpu_math,
+            conv_algos,
+        }
+    }
+
+    #[test]
+    fn a_jobs_gpu_settings_round_trip_and_unknown_ones_name_their_field() {
+        let spec = job_spec();
+        let settings = spec.gpu_settings().unwrap();
+        assert_eq!(settings.math, legion_cuda::Math::Tf32);
+        assert_eq!(settings.conv_algos, legion_cuda::ConvAlgos::Precise);
+        // buffers move between the streams of a GPU's devices
+        assert_eq!(settings.sharing, legion_cuda::Sharing::AcrossStreams);
+        for (math, algos) in [("fp32", "fastest"), ("tf32", "heuristic")] {
+            let s = JobSpec {
+                gpu_math: math.into(),
+                conv_algos: algos.into(),
+                ..job_spec()
+            }
+            .gpu_settings()
+            .unwrap();
+            assert_eq!(JobSpec::gpu_fields(s), (math.into(), algos.into()));
+        }
+        let bad_math = JobSpec {
+            gpu_math: "bf17".into(),
+            ..job_spec()
+        };
+        let e = bad_math.gpu_settings().unwrap_err();
+        assert!(e.contains("gpu_math \"bf17\"") && e.contains("tf32"), "{e}");
+        let bad_algos = JobSpec {
+            conv_algos: "".into(),
+            ..job_spec()
+        };
+        let e = bad_algos.gpu_settings().unwrap_err();
+        assert!(e.contains("conv_algos") && e.contains("precise"), "{e}");
     }
 
     #[test]

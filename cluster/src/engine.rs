@@ -27,10 +27,12 @@ pub enum Place<'a> {
         devices: usize,
         placement: Placement,
     },
-    /// The workers `legion-rs up` started for `hosts`, whose certificates are in `state_dir`.
+    /// The workers `legion-rs up` started for `hosts`, whose certificates are in `state_dir`;
+    /// those on GPUs compute as `gpu` says (its math and convolution algorithms).
     Cluster {
         hosts: &'a Hosts,
         state_dir: &'a Path,
+        gpu: legion_cuda::Settings,
     },
 }
 
@@ -159,7 +161,11 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.seed,
             &placement,
         )?),
-        Place::Cluster { hosts, state_dir } => Box::new(RemoteCluster::start(
+        Place::Cluster {
+            hosts,
+            state_dir,
+            gpu,
+        } => Box::new(RemoteCluster::start(
             hosts,
             state_dir,
             job.graph,
@@ -167,6 +173,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             &job.state,
             job.sgd,
             job.seed,
+            gpu,
         )?),
     })
 }

@@ -305,6 +305,7 @@ pub struct RemoteCluster {
 impl RemoteCluster {
     /// Starts a job on the running cluster `hosts` (state in `state`): every worker builds the
     /// plan of `graph` under `configs`, and its devices load their part of `state`.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         hosts: &Hosts,
         cluster_state: &Path,
@@ -313,7 +314,9 @@ impl RemoteCluster {
         state: &TrainingState,
         sgd: Sgd,
         seed: u64,
+        gpu: legion_cuda::Settings,
     ) -> anyhow::Result<RemoteCluster> {
+        let (gpu_math, conv_algos) = JobSpec::gpu_fields(gpu);
         let devices = hosts.num_devices();
         let plan = StepPlan::build(graph, configs, devices)?;
         let mut client = WorkerClient::new(hosts, cluster_state)?;
@@ -367,6 +370,8 @@ impl RemoteCluster {
                     lr: sgd.lr,
                     momentum: sgd.momentum,
                     weight_decay: sgd.weight_decay,
+                    gpu_math: gpu_math.clone(),
+                    conv_algos: conv_algos.clone(),
                 };
                 client.send(i, &Control::StartJob(spec)).await?;
             }

@@ -552,13 +552,14 @@ async fn start_job(
         momentum: spec.momentum,
         weight_decay: spec.weight_decay,
     };
+    let placement = job_placement(&shared.placement, &spec)?;
     let devices = spawn_local_devices(
         &programs,
         &graph,
         spec.seed,
         sgd,
         Arc::clone(&transport),
-        &shared.placement,
+        &placement,
     )?;
     *shared
         .job_devices
@@ -604,6 +605,35 @@ async fn start_job(
         heartbeat,
         watch_driver,
     })
+}
+
+/// Where the job's devices run: the worker's own placement, its GPUs computing as the job asks
+/// (`--tf32`, `--conv-algos` of the driver). A GPU the worker started with other settings gets a
+/// backend of its own for the job (the same device and context; the kernels were compiled when
+/// the worker started). A worker on cores ignores the GPU settings.
+fn job_placement(placement: &Placement, spec: &JobSpec) -> anyhow::Result<Placement> {
+    let Placement::Gpus(gpus) = placement else {
+        return Ok(placement.clone());
+    };
+    let settings = spec.gpu_settings().map_err(anyhow::Error::msg)?;
+    let gpus = gpus
+        .iter()
+        .map(|cuda| {
+            if cuda.math() == settings.math && cuda.conv_algos() == settings.conv_algos {
+                return Ok(Arc::clone(cuda));
+            }
+            let ordinal = cuda.context().ordinal();
+            legion_cuda::Cuda::with_settings(ordinal, settings)
+                .map(Arc::new)
+                .with_context(|| {
+                    format!(
+                        "job: GPU {ordinal} with gpu_math {} and conv_algos {}",
+                        spec.gpu_math, spec.conv_algos
+                    )
+                })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Placement::Gpus(gpus))
 }
 
 /// How long a `Step` without samples waits for the `Stage` that carries them.

@@ -37,6 +37,10 @@
 //! seconds per run, averaged over `samples` runs. [`ProfileKey::for_tile`] builds the key from a
 //! layer and a tile, so writer and reader agree.
 //!
+//! `staged` is optional (a GPU profile writes it): a slice's two staging copies on a GPU, out to
+//! page-locked host memory and in to a device, as one `bytes_per_s`/`latency_s` link; the planner's
+//! model of worker processes sharing a GPU adds it to their network.
+//!
 //! `links` is optional (files written before it existed load unchanged, and a profile of one device
 //! has no transfers to measure): the transport's measured per-message cost, `latency_s +
 //! bytes / bytes_per_s`, a least-squares fit over `samples` transfers. `compute_threads` is optional
@@ -285,6 +289,11 @@ pub struct ProfileDb {
     /// The measured transport, when the profile saw transfers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub links: Option<LinkProfile>,
+    /// On a GPU: a slice's copies out of device memory into page-locked host memory and back
+    /// into another device's, one after the other, as one link (what a slice between processes
+    /// or GPUs pays besides the network).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged: Option<LinkProfile>,
     /// Core-using tasks the profiled devices ran at once at full speed (cores over each device's
     /// pool threads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -317,6 +326,7 @@ impl Default for ProfileDb {
             version: PROFILE_VERSION,
             entries: Vec::new(),
             links: None,
+            staged: None,
             compute_threads: None,
             runtime: None,
             measured_on: None,
@@ -440,6 +450,25 @@ impl ProfileDb {
             if !(l.latency_s.is_finite() && l.latency_s >= 0.0) {
                 return Err(bad(
                     "latency_s",
+                    format!("must be a time in seconds, got {}", l.latency_s),
+                ));
+            }
+        }
+        if let Some(l) = &db.staged {
+            let bad = |field: &'static str, message: String| ProfileError::Field {
+                file: file.to_string(),
+                field,
+                message,
+            };
+            if !(l.bytes_per_s.is_finite() && l.bytes_per_s > 0.0) {
+                return Err(bad(
+                    "staged.bytes_per_s",
+                    format!("must be a positive bandwidth, got {}", l.bytes_per_s),
+                ));
+            }
+            if !(l.latency_s.is_finite() && l.latency_s >= 0.0) {
+                return Err(bad(
+                    "staged.latency_s",
                     format!("must be a time in seconds, got {}", l.latency_s),
                 ));
             }
@@ -849,6 +878,20 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.starts_with("p.json: links.bytes_per_s:"), "{e}");
+        let e = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"staged":{"bytes_per_s":1e9,"latency_s":-1}}"#,
+            "p.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("p.json: staged.latency_s:"), "{e}");
+        let staged = ProfileDb::from_json(
+            r#"{"version":1,"entries":[],"staged":{"bytes_per_s":1e10,"latency_s":2e-5}}"#,
+            "p.json",
+        )
+        .unwrap();
+        assert_eq!(staged.staged.map(|l| l.link().bytes_per_s), Some(1e10));
+        assert!(staged.to_json().contains("\"staged\""));
     }
 
     #[test]

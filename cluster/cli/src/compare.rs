@@ -174,6 +174,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             Some(c) => Place::Cluster {
                 hosts: &c.hosts,
                 state_dir: &c.state,
+                gpu: legion_cuda::Settings::default(),
             },
         };
         let job = JobStart {

@@ -104,6 +104,122 @@ pub fn choose(
     }
 }
 
+/// Most entries `--gpus` takes: one logical GPU per device at most.
+const MAX_LISTED_GPUS: usize = legion_cluster::hosts::MAX_DEVICES;
+
+/// The parser of `--gpus`: the CUDA ordinal of each GPU the devices spread over, in order
+/// (`0,1`: two GPUs; `0,0`: two logical GPUs on GPU 0, each a backend with its own streams, so
+/// that one physical GPU runs the code path of several). Refuses an empty list, an entry that is
+/// not an ordinal, and more entries than a run may have devices, saying which.
+pub fn parse_gpus(value: &str) -> Result<Vec<usize>, String> {
+    let example = "a comma-separated list of GPU ordinals, as 0,1 (two GPUs) or 0,0 (two \
+                   logical GPUs on GPU 0)";
+    if value.trim().is_empty() {
+        return Err(format!("expected {example}"));
+    }
+    let listed = value
+        .split(',')
+        .enumerate()
+        .map(|(i, entry)| {
+            let entry = entry.trim();
+            entry.parse::<usize>().map_err(|_| match entry.is_empty() {
+                true => format!("entry {} is empty; expected {example}", i + 1),
+                false => format!(
+                    "entry {} '{entry}' is not a GPU ordinal; expected {example}",
+                    i + 1
+                ),
+            })
+        })
+        .collect::<Result<Vec<usize>, String>>()?;
+    if listed.len() > MAX_LISTED_GPUS {
+        return Err(format!(
+            "{} GPUs listed; at most {MAX_LISTED_GPUS} (one per device)",
+            listed.len()
+        ));
+    }
+    Ok(listed)
+}
+
+/// `--gpus` as a flag's value (one value, however many GPUs it lists).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuList(pub Vec<usize>);
+
+impl GpuList {
+    /// See [`parse_gpus`].
+    pub fn parse(value: &str) -> Result<GpuList, String> {
+        parse_gpus(value).map(GpuList)
+    }
+}
+
+/// [`choose`], with `--gpus` when given: the devices spread over exactly the GPUs listed, in
+/// order (one listed twice is two logical GPUs on that device: the multi-GPU path, slices
+/// between them staged through page-locked host memory, on one physical GPU). Refused with
+/// `--cluster` (each worker places its own devices), with `--device cpu`, with more GPUs than
+/// devices and with an ordinal this host does not have, each naming the flag.
+pub fn choose_listed(
+    kind: DeviceKind,
+    devices: usize,
+    on_cluster: bool,
+    listed: Option<&[usize]>,
+    probe: impl FnOnce() -> Result<Vec<CudaDevice>, ProbeError>,
+) -> anyhow::Result<DeviceChoice> {
+    let Some(listed) = listed else {
+        return choose(kind, devices, on_cluster, probe);
+    };
+    if on_cluster {
+        anyhow::bail!("--gpus with --cluster: {ON_WORKERS}");
+    }
+    if kind == DeviceKind::Cpu {
+        anyhow::bail!("--gpus places devices on GPUs: drop --device cpu (or --gpus)");
+    }
+    if listed.len() > devices.max(1) {
+        anyhow::bail!(
+            "--gpus lists {} GPUs for {devices} device(s): at most one GPU per device (--devices {} \
+             or more)",
+            listed.len(),
+            listed.len()
+        );
+    }
+    let found = probe().map_err(|missing| anyhow::anyhow!("--gpus: {missing}"))?;
+    let gpus = listed
+        .iter()
+        .map(|&ordinal| {
+            found
+                .iter()
+                .find(|g| g.ordinal == ordinal)
+                .cloned()
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--gpus: no GPU {ordinal} on this host; it has {}",
+                        found
+                            .iter()
+                            .map(|g| g.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut choice = on_gpus(&gpus, devices);
+    let physical = physical_gpus(&gpus);
+    if physical < gpus.len() {
+        choice.line += &format!(
+            "; {} logical GPUs on {physical} physical: each its own streams, slices between \
+             them staged through host memory",
+            gpus.len()
+        );
+    }
+    Ok(choice)
+}
+
+/// How many distinct GPUs `gpus` names (a GPU listed twice by `--gpus` is one).
+pub fn physical_gpus(gpus: &[CudaDevice]) -> usize {
+    let mut ordinals: Vec<usize> = gpus.iter().map(|g| g.ordinal).collect();
+    ordinals.sort_unstable();
+    ordinals.dedup();
+    ordinals.len()
+}
+
 /// The chosen GPUs, started: their descriptions and contexts.
 pub struct StartedGpus {
     pub info: Vec<CudaDevice>,
@@ -192,10 +308,19 @@ pub fn check_gpus_fit(
 ) -> anyhow::Result<()> {
     let needs = memory::per_device(graph, configs, devices);
     for (g, gpu) in gpus.iter().enumerate() {
+        // A GPU listed twice (`--gpus 0,0`) is checked once, with the devices of both entries.
+        if gpus[..g]
+            .iter()
+            .any(|earlier| earlier.ordinal == gpu.ordinal)
+        {
+            continue;
+        }
         let on_gpu: Vec<&memory::DeviceMemory> = needs
             .iter()
             .enumerate()
-            .filter(|&(d, _)| legion_runtime::gpu_of(d, devices, gpus.len()) == g)
+            .filter(|&(d, _)| {
+                gpus[legion_runtime::gpu_of(d, devices, gpus.len())].ordinal == gpu.ordinal
+            })
             .map(|(_, need)| need)
             .collect();
         let bytes: u64 = on_gpu.iter().map(|n| n.bytes).sum();
@@ -377,6 +502,98 @@ mod tests {
             })
             .collect();
         check_gpus_fit(&graph, &configs, 4, &four).unwrap();
+    }
+
+    #[test]
+    fn gpus_parse_as_ordinals_and_bad_lists_say_what_is_wrong() {
+        assert_eq!(parse_gpus("0,0"), Ok(vec![0, 0]));
+        assert_eq!(parse_gpus("1, 0,3"), Ok(vec![1, 0, 3]));
+        assert_eq!(parse_gpus("2"), Ok(vec![2]));
+        let e = parse_gpus("").unwrap_err();
+        assert!(e.contains("comma-separated list of GPU ordinals"), "{e}");
+        let e = parse_gpus("0,,1").unwrap_err();
+        assert!(e.starts_with("entry 2 is empty"), "{e}");
+        let e = parse_gpus("0,gpu1").unwrap_err();
+        assert!(e.starts_with("entry 2 'gpu1' is not a GPU ordinal"), "{e}");
+        let e = parse_gpus("-1").unwrap_err();
+        assert!(e.starts_with("entry 1 '-1'"), "{e}");
+        let many = vec!["0"; MAX_LISTED_GPUS + 1].join(",");
+        assert!(parse_gpus(&many).unwrap_err().contains("at most"));
+    }
+
+    #[test]
+    fn listed_gpus_are_used_in_order_and_logical_ones_are_said() {
+        let second = CudaDevice {
+            ordinal: 1,
+            ..h100()
+        };
+        let found = || Ok(vec![h100(), second.clone()]);
+        let same = choose_listed(DeviceKind::Cuda, 2, false, Some(&[0, 0]), found).unwrap();
+        assert_eq!(same.chosen, Chosen::Cuda(vec![h100(), h100()]));
+        assert!(
+            same.line.contains("2 logical GPUs on 1 physical"),
+            "{}",
+            same.line
+        );
+        let swapped = choose_listed(DeviceKind::Auto, 4, false, Some(&[1, 0]), found).unwrap();
+        assert_eq!(swapped.chosen, Chosen::Cuda(vec![second.clone(), h100()]));
+        assert!(!swapped.line.contains("logical"), "{}", swapped.line);
+        // without the flag, the choice is `choose`'s
+        let plain = choose_listed(DeviceKind::Cuda, 2, false, None, found).unwrap();
+        assert_eq!(plain, choose(DeviceKind::Cuda, 2, false, found).unwrap());
+    }
+
+    #[test]
+    fn listed_gpus_refuse_what_cannot_place_them() {
+        let found = || Ok(vec![h100()]);
+        let e = choose_listed(DeviceKind::Cuda, 2, false, Some(&[0, 1]), found).unwrap_err();
+        assert!(e.to_string().contains("no GPU 1 on this host"), "{e}");
+        let e = choose_listed(DeviceKind::Cuda, 1, false, Some(&[0, 0]), found).unwrap_err();
+        assert!(e.to_string().contains("at most one GPU per device"), "{e}");
+        let e = choose_listed(DeviceKind::Cpu, 2, false, Some(&[0, 0]), || {
+            panic!("probed")
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("--device cpu"), "{e}");
+        let e = choose_listed(DeviceKind::Auto, 2, true, Some(&[0, 0]), || {
+            panic!("probed")
+        })
+        .unwrap_err();
+        assert!(e.to_string().starts_with("--gpus with --cluster"), "{e}");
+        let e = choose_listed(DeviceKind::Auto, 2, false, Some(&[0, 0]), || {
+            Err(missing_driver())
+        })
+        .unwrap_err();
+        assert!(e.to_string().starts_with("--gpus: "), "{e}");
+    }
+
+    #[test]
+    fn logical_gpus_on_one_device_must_fit_it_together() {
+        let graph = alexnet_64();
+        let configs: Vec<ParallelConfig> = graph
+            .layers()
+            .iter()
+            .map(|_| ParallelConfig::split(legion_ops::shape::Dim::N, 4, 0))
+            .collect();
+        let one = memory::per_device(&graph, &configs, 4)[0].bytes as usize;
+        let fits_two = CudaDevice {
+            total_memory_bytes: 2 * one + one / 2,
+            ..h100()
+        };
+        // Two distinct GPUs of that size hold two devices each; one listed twice holds four.
+        let two = vec![
+            fits_two.clone(),
+            CudaDevice {
+                ordinal: 1,
+                ..fits_two.clone()
+            },
+        ];
+        check_gpus_fit(&graph, &configs, 4, &two).unwrap();
+        let logical = vec![fits_two.clone(), fits_two];
+        let err = check_gpus_fit(&graph, &configs, 4, &logical).unwrap_err();
+        assert!(err.to_string().contains("its 4 devices need"), "{err}");
+        assert_eq!(physical_gpus(&logical), 1);
+        assert_eq!(physical_gpus(&two), 2);
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub struct TrainOptions {
     /// description (`--synthetic-on-host` draws them on the host and copies them, as other data
     /// is, to measure what drawing them on the device saves).
     pub synthetic_on_device: bool,
+    /// `--gpus`: the GPUs the devices spread over, by ordinal (one listed twice: logical GPUs on
+    /// one device); `None`: as many of those found as there are devices.
+    pub gpus: Option<Vec<usize>>,
 }
 
 impl Default for TrainOptions {
@@ -104,6 +107,7 @@ impl Default for TrainOptions {
             prefetch: true,
             capture: CaptureSetting::On,
             synthetic_on_device: true,
+            gpus: None,
         }
     }
 }
@@ -421,8 +425,13 @@ impl Job {
             None => Ok(machine),
         };
         // First: an embedded run on GPUs is planned for them.
-        let mut device =
-            device::choose(opts.device, devices, cluster.is_some(), legion_cuda::probe)?;
+        let mut device = device::choose_listed(
+            opts.device,
+            devices,
+            cluster.is_some(),
+            opts.gpus.as_deref(),
+            legion_cuda::probe,
+        )?;
         let math = if opts.tf32 {
             legion_cuda::Math::Tf32
         } else {
@@ -530,7 +539,11 @@ impl Job {
             && gpus.is_some()
             && dataset.as_synthetic().is_some();
         let engine_place = match (&cluster, gpus) {
-            (Some((_, hosts, state_dir)), _) => Place::Cluster { hosts, state_dir },
+            (Some((_, hosts, state_dir)), _) => Place::Cluster {
+                hosts,
+                state_dir,
+                gpu: settings,
+            },
             (None, gpus) if distributed => Place::Embedded {
                 devices,
                 placement: gpus

@@ -4,7 +4,7 @@
 //! tool's to build.
 
 use legion_cluster::hosts::{
-    DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US, DEVICE_KINDS, HostLink, Hosts,
+    DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US, DEVICE_KINDS, GPU_KIND, HostLink, Hosts,
 };
 use legion_cluster::launch::{MeasuredNic, load_links, load_nics};
 use legion_cuda::CudaDevice;
@@ -30,9 +30,13 @@ pub fn gpus_machine(
     gpus: &[CudaDevice],
     tf32: bool,
 ) -> anyhow::Result<MachineModel> {
+    // A GPU listed twice (`--gpus 0,0`) lends each logical GPU its share of its memory.
     let memory: Vec<f64> = gpus
         .iter()
-        .map(|g| g.total_memory_bytes as f64 / (1u64 << 30) as f64)
+        .map(|g| {
+            let sharing = gpus.iter().filter(|o| o.ordinal == g.ordinal).count();
+            g.total_memory_bytes as f64 / (1u64 << 30) as f64 / sharing as f64
+        })
         .collect();
     let first = gpus.first().map_or("", |g| g.name.as_str());
     let mut device = DeviceSpec::for_gpu(first, memory.first().copied().unwrap_or_default());
@@ -42,7 +46,9 @@ pub fn gpus_machine(
     }
     let g = memory.len().min(devices.max(1));
     let name = format!("gpus:{devices}on{g}");
-    Ok(MachineModel::on_gpus(&name, devices, &memory, device)?)
+    // Logical GPUs on one device share its kernels' time: one kernel at a time per physical GPU.
+    let physical = crate::device::physical_gpus(&gpus[..g]);
+    Ok(MachineModel::on_gpus(&name, devices, &memory, device)?.with_compute_slots(physical)?)
 }
 
 /// TF32 tensor-core peak over the FP32 peak of an H100 SXM5 (494.7 / 67 TFLOP/s).
@@ -54,27 +60,105 @@ const TF32_OVER_FP32: f64 = 494.7 / 67.0;
 /// gets that link). Each host reaches the others through one network interface, which all of its
 /// devices' messages to other hosts share in each direction (one NIC per node).
 pub fn hosts_machine(hosts: &Hosts) -> Result<MachineModel, MachineError> {
-    let in_process = MachineModel::preset("local-cpu")?.intra_node_link();
+    hosts_machine_staged(hosts, None)
+}
+
+/// Whether `hosts` are worker processes sharing this machine's GPU: every host started here as
+/// a child process ([`Host::is_local`](legion_cluster::hosts::Host::is_local)) with
+/// `device = "cuda"`. Each such worker puts its devices on the first GPUs it finds, so with one
+/// device each they all share GPU 0; the model assumes one GPU for them whatever their counts
+/// (the GPU machines at hand have one).
+pub fn shares_one_gpu(hosts: &Hosts) -> bool {
+    !hosts.hosts.is_empty()
+        && hosts
+            .hosts
+            .iter()
+            .all(|h| h.is_local() && h.device_kind == GPU_KIND)
+}
+
+/// The GPU memory, GiB, the model gives worker processes sharing one GPU: an H100's, as
+/// `device = "cuda"` prices it.
+const SHARED_GPU_GIB: f64 = 80.0;
+
+/// A slice between worker processes on GPUs: copied to page-locked host memory, sent, copied
+/// into the receiver's device memory, one after the other: the network's time plus `staged`'s.
+pub fn through_staging(network: Link, staged: Link) -> Link {
+    Link {
+        bytes_per_s: 1.0 / (network.seconds_per_byte() + staged.seconds_per_byte()),
+        latency_s: network.latency_s + staged.latency_s,
+    }
+}
+
+/// The staging copies' link when no profile measured them (`staged` of `profile --device
+/// cuda`): what `one-gpu:N` assumes between GPUs, page-locked copies over PCIe at 25 GB/s each
+/// way, one after the other, 30 µs (`MachineModel::on_gpus`).
+pub fn assumed_staging() -> Result<Link, MachineError> {
+    Ok(
+        MachineModel::on_gpus("staged", 2, &[SHARED_GPU_GIB; 2], DeviceSpec::h100())?
+            .inter_node_link(),
+    )
+}
+
+/// [`hosts_machine`], with `staged` (or [`assumed_staging`]) for the staging copies of hosts
+/// that share this machine's GPU ([`shares_one_gpu`]): their devices are GPU devices on one GPU,
+/// each with its share of its memory, one kernel at a time among them all; devices of one host
+/// exchange slices in the GPU's memory (`one-gpu:N`'s link), devices of two hosts through
+/// staging and the network between the processes.
+pub fn hosts_machine_staged(
+    hosts: &Hosts,
+    staged: Option<Link>,
+) -> Result<MachineModel, MachineError> {
+    let shared_gpu = shares_one_gpu(hosts);
+    let staging = match (shared_gpu, staged) {
+        (false, _) => None,
+        (true, Some(link)) => Some(link),
+        (true, None) => Some(assumed_staging()?),
+    };
     let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
+    let (in_process, network) = match staging {
+        None => (
+            MachineModel::preset("local-cpu")?.intra_node_link(),
+            network,
+        ),
+        Some(staged) => (
+            MachineModel::on_gpus("same-gpu", 2, &[SHARED_GPU_GIB], DeviceSpec::h100())?
+                .intra_node_link(),
+            through_staging(network, staged),
+        ),
+    };
+    let share = SHARED_GPU_GIB / hosts.num_devices().max(1) as f64;
     let nodes = hosts
         .hosts
         .iter()
         .map(|h| {
+            let device = device_spec(&h.device_kind).ok_or_else(|| {
+                MachineError::Invalid(format!(
+                    "host {}: unknown device kind '{}' (known: {})",
+                    h.name,
+                    h.device_kind,
+                    DEVICE_KINDS.join(", ")
+                ))
+            })?;
             Ok(NodeSpec {
                 devices: h.devices,
-                device: device_spec(&h.device_kind).ok_or_else(|| {
-                    MachineError::Invalid(format!(
-                        "host {}: unknown device kind '{}' (known: {})",
-                        h.name,
-                        h.device_kind,
-                        DEVICE_KINDS.join(", ")
-                    ))
-                })?,
+                device: match shared_gpu {
+                    true => DeviceSpec {
+                        memory_gib: Some(share),
+                        ..device
+                    },
+                    false => device,
+                },
             })
         })
         .collect::<Result<Vec<_>, MachineError>>()?;
-    let name = format!("hosts:{}", hosts.hosts.len());
+    let name = match shared_gpu {
+        true => format!("hosts:{}on1gpu", hosts.hosts.len()),
+        false => format!("hosts:{}", hosts.hosts.len()),
+    };
     let mut machine = MachineModel::new(&name, &nodes, in_process, network)?.with_nics(1)?;
+    if shared_gpu {
+        machine = machine.with_compute_slots(1)?;
+    }
     let ranges = hosts.device_ranges();
     for l in &hosts.links {
         let (Some(from), Some(to)) = (ranges.get(l.from), ranges.get(l.to)) else {
@@ -85,9 +169,13 @@ pub fn hosts_machine(hosts: &Hosts) -> Result<MachineModel, MachineError> {
                 ranges.len()
             )));
         };
+        let link = match staging {
+            Some(staged) => through_staging(host_link(l), staged),
+            None => host_link(l),
+        };
         for a in from.clone() {
             for b in to.clone() {
-                machine = machine.with_link(a, b, host_link(l))?;
+                machine = machine.with_link(a, b, link)?;
             }
         }
     }
@@ -116,6 +204,22 @@ fn host_link(l: &HostLink) -> Link {
 /// fastest peer alone ([`NIC_SHARED_BELOW`]): then an interface is not what limits the hosts, and
 /// every host pair keeps a link of its own (the model shares NICs machine-wide or not at all).
 pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineModel> {
+    cluster_machine_staged(hosts, state, None)
+}
+
+/// [`cluster_machine`], with `staged` for the staging copies of hosts sharing this machine's GPU
+/// (see [`hosts_machine_staged`]): each measured link between two such hosts is the network part
+/// of their slices, priced [`through_staging`].
+pub fn cluster_machine_staged(
+    hosts: &Hosts,
+    state: &Path,
+    staged: Option<Link>,
+) -> anyhow::Result<MachineModel> {
+    let staging = match (shares_one_gpu(hosts), staged) {
+        (false, _) => None,
+        (true, Some(link)) => Some(link),
+        (true, None) => Some(assumed_staging()?),
+    };
     let links = load_links(state)?;
     let nics = load_nics(state)?;
     let interface_limits = |nic: &MeasuredNic| {
@@ -128,9 +232,9 @@ pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineMod
         nic.peers < 2 || fastest_peer == 0.0 || nic.bytes_per_s < NIC_SHARED_BELOW * fastest_peer
     };
     let mut machine = if nics.iter().all(interface_limits) {
-        hosts_machine(hosts)?
+        hosts_machine_staged(hosts, staging)?
     } else {
-        hosts_machine(hosts)?.without_nics()
+        hosts_machine_staged(hosts, staging)?.without_nics()
     };
     let ranges = hosts.device_ranges();
     let index = |name: &str| hosts.hosts.iter().position(|h| h.name == name);
@@ -172,6 +276,10 @@ pub fn cluster_machine(hosts: &Hosts, state: &Path) -> anyhow::Result<MachineMod
         let link = Link {
             bytes_per_s: l.bytes_per_s,
             latency_s: l.latency_s,
+        };
+        let link = match staging {
+            Some(staged) => through_staging(link, staged),
+            None => link,
         };
         for x in ranges[a].clone() {
             for y in ranges[b].clone() {
@@ -327,6 +435,123 @@ latency_us = 20.0
         let cpu = m.network_cpu().unwrap();
         assert!((cpu.send_s_per_byte - 2e-9).abs() < 1e-24, "{cpu:?}");
         assert!((cpu.recv_s_per_byte - 4e-9).abs() < 1e-24, "{cpu:?}");
+    }
+
+    /// Two local hosts with `device = "cuda"`, one device each (the cluster check's), and a third
+    /// host of two devices: worker processes sharing the machine's GPU.
+    const LOCAL_CUDA: &str = "[defaults]\ndevice = \"cuda\"\ndevices = 1\n\
+        [[host]]\nname = \"g0\"\naddress = \"127.0.0.1\"\nport = 1\n\
+        [[host]]\nname = \"g1\"\naddress = \"127.0.0.1\"\nport = 2\n";
+
+    #[test]
+    fn local_cuda_hosts_are_processes_sharing_one_gpu() {
+        let hosts = Hosts::parse(LOCAL_CUDA, "hosts.toml").unwrap();
+        assert!(shares_one_gpu(&hosts));
+        let m = hosts_machine(&hosts).unwrap();
+        assert_eq!((m.num_devices(), m.num_nodes()), (2, 2));
+        assert_eq!(m.name(), "hosts:2on1gpu");
+        // GPU devices, each with half of the GPU, one kernel at a time between them
+        assert_eq!(m.device(0).kind, "h100");
+        assert_eq!(m.device(1).memory_gib, Some(40.0));
+        assert_eq!(m.compute_slots(), Some(1));
+        // across the processes: staged out, the network, staged in, one after the other
+        let staged = assumed_staging().unwrap();
+        let one_gpu = MachineModel::preset("one-gpu:2").unwrap();
+        assert!(staged.bytes_per_s < one_gpu.intra_node_link().bytes_per_s);
+        let network = Link::from_gbit_per_s(DEFAULT_INTER_HOST_GBPS, DEFAULT_INTER_HOST_LATENCY_US);
+        let across = m.link(0, 1).unwrap();
+        let expected = 1.0 / (1.0 / network.bytes_per_s + 1.0 / staged.bytes_per_s);
+        assert!(
+            (across.bytes_per_s - expected).abs() <= 1e-6 * expected,
+            "{across:?}"
+        );
+        assert_eq!(across.latency_s, network.latency_s + staged.latency_s);
+        assert_eq!(m.link(1, 0), Some(across));
+
+        // a host of two devices: its own pair exchanges slices in the GPU's memory
+        let three = Hosts::parse(
+            &format!("{LOCAL_CUDA}[[host]]\nname = \"g2\"\naddress = \"127.0.0.1\"\nport = 3\ndevices = 2\n"),
+            "hosts.toml",
+        )
+        .unwrap();
+        let m = hosts_machine(&three).unwrap();
+        assert_eq!((m.num_devices(), m.num_nodes()), (4, 3));
+        assert_eq!(m.link(2, 3), Some(one_gpu.intra_node_link()));
+        assert_eq!(m.link(0, 3), Some(across));
+        assert_eq!(m.device(3).memory_gib, Some(20.0));
+
+        // A measured staging link (a GPU profile's) replaces the assumed one.
+        let measured = Link {
+            bytes_per_s: 5e9,
+            latency_s: 4e-5,
+        };
+        let m = hosts_machine_staged(&hosts, Some(measured)).unwrap();
+        assert_eq!(m.link(0, 1), Some(through_staging(network, measured)));
+    }
+
+    #[test]
+    fn measured_links_between_gpu_processes_are_priced_through_staging() {
+        let hosts = Hosts::parse(LOCAL_CUDA, "hosts.toml").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let quic = |from: &str, to: &str| MeasuredLink {
+            from: from.into(),
+            to: to.into(),
+            bytes_per_s: 2e9,
+            latency_s: 5e-5,
+            send_cpu_s_per_byte: 0.0,
+            recv_cpu_s_per_byte: 0.0,
+        };
+        let links = vec![quic("g0", "g1"), quic("g1", "g0")];
+        legion_ops::atomic_file::write(
+            &links_path(dir.path()),
+            serde_json::to_string(&links).unwrap().as_bytes(),
+        )
+        .unwrap();
+        let staged = Link {
+            bytes_per_s: 1e10,
+            latency_s: 2e-5,
+        };
+        let m = cluster_machine_staged(&hosts, dir.path(), Some(staged)).unwrap();
+        let network = Link {
+            bytes_per_s: 2e9,
+            latency_s: 5e-5,
+        };
+        assert_eq!(m.link(0, 1), Some(through_staging(network, staged)));
+        assert_eq!(m.compute_slots(), Some(1));
+        // without a profile: the assumed staging
+        let m = cluster_machine(&hosts, dir.path()).unwrap();
+        assert_eq!(
+            m.link(1, 0),
+            Some(through_staging(network, assumed_staging().unwrap()))
+        );
+
+        // Hosts on cores, or a GPU host elsewhere, are not one shared GPU.
+        let cpu = Hosts::parse(&LOCAL_CUDA.replace("\"cuda\"", "\"cpu\""), "h.toml").unwrap();
+        assert!(!shares_one_gpu(&cpu));
+        assert_eq!(
+            cluster_machine(&cpu, dir.path()).unwrap().link(0, 1),
+            Some(network)
+        );
+        let remote = Hosts::parse(
+            &LOCAL_CUDA.replace("127.0.0.1\"\nport = 2", "10.0.0.2\"\nport = 2"),
+            "h.toml",
+        )
+        .unwrap();
+        assert!(!shares_one_gpu(&remote));
+        assert_eq!(hosts_machine(&remote).unwrap().compute_slots(), None);
+    }
+
+    #[test]
+    fn logical_gpus_share_their_device_in_the_embedded_machine() {
+        let logical = gpus_machine(4, &[gpu(0), gpu(0)], false).unwrap();
+        assert_eq!((logical.num_devices(), logical.num_nodes()), (4, 2));
+        assert_eq!(logical.compute_slots(), Some(1), "one physical GPU");
+        assert_eq!(logical.device(0).memory_gib, Some(20.0), "80 GiB over 4");
+        // between the logical GPUs: staged, as between GPUs
+        assert_eq!(logical.link(0, 2), Some(assumed_staging().unwrap()));
+        let two = gpus_machine(4, &[gpu(0), gpu(1)], false).unwrap();
+        assert_eq!(two.compute_slots(), Some(2));
+        assert_eq!(two.device(0).memory_gib, Some(40.0));
     }
 
     #[test]

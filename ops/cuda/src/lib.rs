@@ -35,6 +35,7 @@ mod elementwise;
 pub mod kernels;
 mod launch;
 mod memory;
+mod peer;
 mod pool2d;
 pub mod probe;
 mod regions;

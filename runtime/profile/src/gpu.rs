@@ -59,6 +59,18 @@ impl CopyRates {
             samples: COPY_RUNS as u32,
         }
     }
+
+    /// A slice leaving one device's memory for another process or GPU, as the runtime moves it
+    /// besides the network: copied into page-locked host memory, then (after the network) from
+    /// page-locked memory into the receiver's device memory, one after the other. The planner's
+    /// model of worker processes sharing a GPU prices it on top of their network link.
+    pub fn staged_link(&self) -> LinkProfile {
+        LinkProfile {
+            bytes_per_s: 1.0 / (1.0 / self.to_host_bytes_per_s + 1.0 / self.from_host_bytes_per_s),
+            latency_s: 2.0 * self.copy_latency_s,
+            samples: COPY_RUNS as u32,
+        }
+    }
 }
 
 /// What profiling on a GPU measured.

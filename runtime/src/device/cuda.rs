@@ -19,7 +19,11 @@
 //!   the buffer; the submitter meanwhile goes on enqueuing, so transfers overlap compute;
 //! - a `Recv`'s data is written into its staging buffer and the copy to the device enqueued.
 //!
-//! Between GPUs of one process slices are staged through the host too (no peer copies yet).
+//! Between GPUs of one process, a slice to a device whose GPU has peer access to this one's
+//! (`Compute::Gpu::peers`) goes as a device buffer too: the receiver's stream copies it GPU to GPU
+//! into a buffer of its own (`Cuda::copy_from_peer`, after waiting for the sender's stream) and
+//! from there into its instance. Without peer access (and between logical GPUs of one device,
+//! `--gpus 0,0`) slices are staged through the host.
 //!
 //! The step ends with `Finish`: the submitter waits for the stream (on its own thread), reads the
 //! losses and the trace's timing events, and tells the actor ([`DriverEvent::StepDone`]).
@@ -90,6 +94,7 @@ impl GpuDriver {
         setup: &DeviceSetup,
         cuda: Arc<Cuda>,
         neighbours: Arc<[DeviceId]>,
+        peers: Arc<[DeviceId]>,
     ) -> Result<GpuDriver, KernelError> {
         let program = Arc::clone(&setup.program);
         let graph = Arc::clone(&setup.graph);
@@ -107,6 +112,7 @@ impl GpuDriver {
             .spawn(move || {
                 let links = Links {
                     neighbours,
+                    peers,
                     transport: on_gpu,
                     outgoing,
                     returned,
@@ -253,6 +259,8 @@ struct Trace {
 struct Links {
     /// The devices on this GPU: slices to them stay in its memory.
     neighbours: Arc<[DeviceId]>,
+    /// The devices on GPUs that copy out of this one's memory directly (peer access).
+    peers: Arc<[DeviceId]>,
     /// Hands those over, and the zeros a failed send leaves its receiver.
     transport: Arc<dyn Transport>,
     /// The rest go to the sender, staged.
@@ -524,7 +532,7 @@ impl Submitter {
                 let dtype = self.program.instances[*src as usize].dtype;
                 let layout = self.rect(*src);
                 let step = self.step.as_ref().expect("ops run inside a step").step;
-                if self.links.neighbours.contains(to) {
+                if self.links.neighbours.contains(to) || self.links.peers.contains(to) {
                     // A buffer of its own each step: the receiver holds it until its stream has
                     // run the copy out of it (cudarc frees it only then).
                     let mut slice = self
@@ -542,7 +550,7 @@ impl Submitter {
                     };
                     if self.links.transport.send_in_device_memory(msg).is_err() {
                         return Err(format!(
-                            "device {to} shares this GPU but is not in this process"
+                            "device {to} is on this process's GPUs but not in this process"
                         ));
                     }
                     return Ok(());
@@ -633,9 +641,22 @@ impl Submitter {
         let layout = self.rect(*dst);
         let data = match data {
             SliceData::Device(DeviceSlice(slice)) => {
-                let to = &mut self.instances[*dst as usize];
-                self.cuda
-                    .copy_rect(&mut self.stream, &slice, rect, to, &layout, rect);
+                if self.cuda.holds(&slice) {
+                    let to = &mut self.instances[*dst as usize];
+                    self.cuda
+                        .copy_rect(&mut self.stream, &slice, rect, to, &layout, rect);
+                } else {
+                    // From a peer GPU: copied into this one's memory first (a kernel of this
+                    // context cannot take the other context's buffer), then into the instance.
+                    let dtype = self.program.instances[*dst as usize].dtype;
+                    let mut local = self.scratch(op, dtype, rect.volume())?;
+                    self.cuda
+                        .copy_from_peer(&mut self.stream, &slice, &mut local);
+                    let to = &mut self.instances[*dst as usize];
+                    self.cuda
+                        .copy_rect(&mut self.stream, &local, rect, to, &layout, rect);
+                    self.scratch[op as usize] = Some(local);
+                }
                 let step = self.step.as_mut().expect("ops run inside a step");
                 step.received.push(slice);
                 return Ok(());

@@ -50,15 +50,26 @@ impl Placement {
             }
             Placement::Gpus(gpus) => {
                 let gpu_of = |d: usize| self.gpu_of(d, n).expect("placed on GPUs");
+                // reaches[r][s]: GPU r copies out of GPU s's memory directly (peer access,
+                // enabled here; never between logical GPUs of one device).
+                let reaches: Vec<Vec<bool>> = gpus
+                    .iter()
+                    .map(|r| gpus.iter().map(|s| r.peer_with(s)).collect())
+                    .collect();
                 (0..n)
                     .map(|d| {
                         let neighbours: Arc<[usize]> = (0..n)
                             .filter(|&e| gpu_of(e) == gpu_of(d))
                             .map(|e| programs[e].device)
                             .collect();
+                        let peers: Arc<[usize]> = (0..n)
+                            .filter(|&e| reaches[gpu_of(e)][gpu_of(d)])
+                            .map(|e| programs[e].device)
+                            .collect();
                         Compute::Gpu {
                             cuda: Arc::clone(&gpus[gpu_of(d)]),
                             neighbours,
+                            peers,
                         }
                     })
                     .collect()
@@ -73,10 +84,13 @@ pub enum Compute {
     /// Host memory, kernels on this process's cores (see `compute`).
     Cores(crate::compute::ComputePool),
     /// Device memory of this GPU, kernels on a stream of the device's own. `neighbours`: the
-    /// devices of this process on the same GPU (this one included), whose slices stay in its memory.
+    /// devices of this process on the same GPU (this one included), whose slices stay in its memory;
+    /// `peers`: those on other GPUs that can copy out of this one's memory (CUDA peer access), to
+    /// which slices go as device buffers too, copied GPU to GPU by the receiver.
     Gpu {
         cuda: Arc<legion_cuda::Cuda>,
         neighbours: Arc<[legion_ops::partition::DeviceId]>,
+        peers: Arc<[legion_ops::partition::DeviceId]>,
     },
 }
 
@@ -85,10 +99,15 @@ pub enum Compute {
 pub(crate) fn start(setup: &DeviceSetup) -> Result<Box<dyn Driver>, KernelError> {
     Ok(match &setup.compute {
         Compute::Cores(pool) => Box::new(super::host::HostDriver::new(setup, pool.clone())),
-        Compute::Gpu { cuda, neighbours } => Box::new(super::cuda::GpuDriver::start(
+        Compute::Gpu {
+            cuda,
+            neighbours,
+            peers,
+        } => Box::new(super::cuda::GpuDriver::start(
             setup,
             Arc::clone(cuda),
             Arc::clone(neighbours),
+            Arc::clone(peers),
         )?),
     })
 }

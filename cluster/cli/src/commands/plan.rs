@@ -25,7 +25,7 @@ use legion_planner::{
 use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug)]
-#[command(group(ArgGroup::new("machine_source").required(true).args(["machine", "nodes"])))]
+#[command(group(ArgGroup::new("machine_source").required(true).args(["machine", "nodes", "cluster"])))]
 pub struct PlanArgs {
     /// Zoo model name, model JSON file or ONNX file.
     #[arg(long)]
@@ -44,6 +44,17 @@ pub struct PlanArgs {
     /// local-cpu, local-cpu:N) or machine TOML file.
     #[arg(long, conflicts_with = "nodes")]
     machine: Option<String>,
+    /// The machine of a hosts file's workers, as `train --cluster` plans for it: with the links
+    /// `legion-rs up` measured (in --state, or where `up` keeps its state by default) where it
+    /// ran. Worker processes sharing this machine's GPU (local hosts, `device = "cuda"`) are GPU
+    /// devices on one GPU, one kernel at a time, whose slices to another process are staged out of
+    /// and into device memory around the network (the staging --profile measured, else 25 GB/s
+    /// each way); --profile then gives their tiles and GPU kind, not its links.
+    #[arg(long, conflicts_with_all = ["machine", "nodes"], value_name = "HOSTS")]
+    cluster: Option<PathBuf>,
+    /// The state directory of --cluster (as `up` was given it).
+    #[arg(long, requires = "cluster")]
+    state: Option<PathBuf>,
     /// Memory of each device, GiB, instead of the machine's (P100s: 16): every search returns only
     /// strategies that fit it, and says so when it finds none.
     #[arg(long)]
@@ -160,12 +171,33 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             check_output_path(flag, path)?;
         }
     }
+    let db = args.profile.as_deref().map(ProfileDb::load).transpose()?;
+    let cluster = match &args.cluster {
+        Some(path) => {
+            let located = legion_cluster::launch::locate(Some(path), args.state.as_deref())?;
+            let hosts = located.load_hosts()?;
+            let staged = db.as_ref().and_then(|db| db.staged).map(|l| l.link());
+            let machine = crate::machine::cluster_machine_staged(&hosts, &located.state, staged)?;
+            // A GPU profile's tiles price the GPU it ran on, whichever that is.
+            let kind = db.as_ref().and_then(|db| db.only_device_kind());
+            Some(match kind {
+                Some(kind) if crate::machine::shares_one_gpu(&hosts) => {
+                    machine.with_device_kind(kind)
+                }
+                _ => machine,
+            })
+        }
+        None => None,
+    };
     let machine = match (&args.machine, args.nodes, args.devices_per_node) {
+        _ if cluster.is_some() => cluster.clone().expect("checked"),
         (Some(spec), _, _) => resolve_machine(spec)?,
         (None, Some(nodes), Some(per_node)) => {
             MachineModel::from_flags(nodes, per_node, args.intra_gbps, args.inter_gbps)?
         }
-        _ => bail!("give --machine PRESET|FILE, or --nodes and --devices-per-node"),
+        _ => {
+            bail!("give --machine PRESET|FILE, --cluster HOSTS, or --nodes and --devices-per-node")
+        }
     };
     let machine = match args.memory_gib {
         Some(gib) => machine.with_device_memory_gib(gib)?,
@@ -173,12 +205,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     };
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
     let graph = super::load_model(&args.model, batch, args.image_size, args.classes)?;
-    let db = args.profile.as_deref().map(ProfileDb::load).transpose()?;
     // The measured links and compute sharing replace the preset's guesses, so transfers and the
-    // schedule are priced like the tiles are.
+    // schedule are priced like the tiles are (a cluster's links are what `up` measured).
     let machine = match &db {
-        Some(db) => db.apply_to(machine),
-        None => machine,
+        Some(db) if cluster.is_none() => db.apply_to(machine),
+        _ => machine,
     };
     let profiled = db.as_ref().map(|db| ProfiledCost::new(db, &machine));
     let roofline = RooflineCost::new(&machine);

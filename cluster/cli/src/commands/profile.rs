@@ -262,6 +262,7 @@ fn save(a: &ProfileArgs, db: &legion_planner::ProfileDb) -> anyhow::Result<()> {
     let mut kept = legion_planner::ProfileDb::load(&a.out)?;
     kept.insert_all(db.entries.iter().cloned());
     kept.links = db.links.or(kept.links);
+    kept.staged = db.staged.or(kept.staged);
     kept.compute_threads = db.compute_threads.or(kept.compute_threads);
     kept.runtime = db.runtime.or(kept.runtime);
     kept.measured_on = db.measured_on.clone().or(kept.measured_on);
@@ -331,6 +332,8 @@ fn profile_on_gpu(
         graph, devices, strategies, &cudas[0], &settings, run_steps, deadline,
     )
     .with_context(|| format!("profiling {} on {gpu}", graph.name))?;
+    // What a slice between processes or GPUs pays besides the network (`plan --cluster`).
+    measured.db.staged = Some(measured.copies.staged_link());
     if a.machine.is_none() {
         // The devices share the GPU (`one-gpu:N`): their link and one kernel at a time.
         measured.db.links = Some(measured.copies.same_gpu_link());

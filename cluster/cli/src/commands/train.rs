@@ -80,6 +80,12 @@ pub struct TrainArgs {
     /// the CPU. With --cluster, each host's `device` decides.
     #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
     device: DeviceKind,
+    /// The GPUs the devices spread over, by CUDA ordinal, in order (`0,1`); a GPU listed twice
+    /// is two logical GPUs on it, each with its own streams, whose devices exchange slices
+    /// through page-locked host memory as devices on GPUs without peer access do (`0,0`: the
+    /// multi-GPU path on one GPU). Default: the first GPUs found, one per device at most.
+    #[arg(long, value_parser = crate::device::GpuList::parse, value_name = "ORDINALS")]
+    gpus: Option<crate::device::GpuList>,
     /// Memory of each device, GiB: the strategy must fit it (a search returns only strategies
     /// that do; a named strategy that does not is refused), checked before anything is allocated.
     #[arg(long)]
@@ -144,6 +150,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             false => CaptureSetting::On,
         },
         synthetic_on_device: !a.synthetic_on_host,
+        gpus: a.gpus.map(|g| g.0),
     };
     job::train(graph, &opts)?;
     Ok(())
