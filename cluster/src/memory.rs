@@ -124,9 +124,81 @@ pub(crate) fn check_fits(graph: &Graph, need: &HostNeed, available: u64) -> anyh
     anyhow::bail!(message)
 }
 
+/// Bytes each GPU must hold for `devices` (a worker's devices, in order) placed on GPUs
+/// `ordinals` as the runtime places them (`gpu_of`): one entry per physical GPU, in first-use
+/// order, so a GPU listed twice (logical GPUs of one device) holds both shares.
+pub(crate) fn per_gpu(devices: &[DeviceMemory], ordinals: &[usize]) -> Vec<(usize, u64)> {
+    let mut needs: Vec<(usize, u64)> = Vec::new();
+    for (d, device) in devices.iter().enumerate() {
+        let ordinal = ordinals[legion_ops::partition::gpu_of(d, devices.len(), ordinals.len())];
+        match needs.iter_mut().find(|(o, _)| *o == ordinal) {
+            Some((_, bytes)) => *bytes = bytes.saturating_add(device.bytes),
+            None => needs.push((ordinal, device.bytes)),
+        }
+    }
+    needs
+}
+
+/// Refuses a GPU worker's devices that its GPUs cannot hold now: each GPU's free memory
+/// (`free_bytes` of its ordinal, after what other processes sharing it hold) must take what the
+/// devices placed on it need, or the run would end in an allocation failure mid-step.
+pub(crate) fn check_gpus_free(
+    graph: &Graph,
+    devices: &[DeviceMemory],
+    ordinals: &[usize],
+    place: &str,
+    free_bytes: impl Fn(usize) -> anyhow::Result<u64>,
+) -> anyhow::Result<()> {
+    for (ordinal, bytes) in per_gpu(devices, ordinals) {
+        let free = free_bytes(ordinal)?;
+        if bytes > free {
+            anyhow::bail!(
+                "model '{}' does not fit on GPU {ordinal}: {place} need {} of GPU memory, and it                  has {} free. Use a smaller batch or image size, or more devices",
+                graph.name,
+                human_bytes(bytes),
+                human_bytes(free)
+            );
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_worker_is_held_to_each_gpus_free_memory() {
+        let mut m = GraphBuilder::new("wide");
+        let x = m.input("data", Shape::nc(8, 4)).unwrap();
+        m.dense("fc", x, Dense::new(16)).unwrap();
+        let g = m.finish();
+        let device = |device, gib: u64| DeviceMemory {
+            device,
+            bytes: gib << 30,
+            largest_layer: None,
+        };
+        let devices = [device(4, 1), device(5, 2), device(6, 3), device(7, 4)];
+        // two devices per GPU; GPU 0 listed twice holds all four
+        assert_eq!(per_gpu(&devices, &[0, 1]), vec![(0, 3 << 30), (1, 7 << 30)]);
+        assert_eq!(per_gpu(&devices, &[0, 0]), vec![(0, 10 << 30)]);
+        let free = |gib: u64| move |_: usize| Ok::<u64, anyhow::Error>(gib << 30);
+        assert!(check_gpus_free(&g, &devices, &[0, 0], "w1's 4 devices", free(10)).is_ok());
+        let e = check_gpus_free(&g, &devices, &[0, 0], "w1's 4 devices", free(9))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("does not fit on GPU 0: w1's 4 devices need 10.00 GiB"),
+            "{e}"
+        );
+        assert!(e.contains("has 9.00 GiB free"), "{e}");
+        let e = check_gpus_free(&g, &devices, &[0, 1], "w1's 4 devices", |o| {
+            Ok(if o == 0 { 3 << 30 } else { 6 << 30 })
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("GPU 1"), "{e}");
+    }
     use legion_ops::op::Dense;
     use legion_ops::{GraphBuilder, LayerId, Shape};
 

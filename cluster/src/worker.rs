@@ -521,8 +521,27 @@ async fn start_job(
         job_state: 0,
         place: format!("worker {}'s {} device(s)", shared.name, shared.devices),
     };
-    if let Some(available) = crate::memory::available() {
-        crate::memory::check_fits(&graph, &need, available)?;
+    match &shared.placement {
+        // Devices on GPUs keep their instances in GPU memory, which workers sharing a GPU share.
+        Placement::Gpus(gpus) => {
+            let ordinals: Vec<usize> = gpus.iter().map(|g| g.context().ordinal()).collect();
+            crate::memory::check_gpus_free(&graph, need.devices, &ordinals, &need.place, |o| {
+                let cuda = gpus
+                    .iter()
+                    .find(|g| g.context().ordinal() == o)
+                    .expect("an ordinal of these GPUs");
+                let (free, _) = cuda
+                    .context()
+                    .mem_get_info()
+                    .with_context(|| format!("reading GPU {o}'s free memory"))?;
+                Ok(free as u64)
+            })?;
+        }
+        _ => {
+            if let Some(available) = crate::memory::available() {
+                crate::memory::check_fits(&graph, &need, available)?;
+            }
+        }
     }
     let plan = Arc::new(StepPlan::build(&graph, &configs, total)?);
     let graph = Arc::new(graph);
