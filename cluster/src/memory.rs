@@ -153,7 +153,8 @@ pub(crate) fn check_gpus_free(
         let free = free_bytes(ordinal)?;
         if bytes > free {
             anyhow::bail!(
-                "model '{}' does not fit on GPU {ordinal}: {place} need {} of GPU memory, and it                  has {} free. Use a smaller batch or image size, or more devices",
+                "model '{}' does not fit on GPU {ordinal}: {place} need {} of GPU memory, and it \
+                 has {} free. Use a smaller batch or image size, or more devices",
                 graph.name,
                 human_bytes(bytes),
                 human_bytes(free)
@@ -188,10 +189,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("does not fit on GPU 0: w1's 4 devices need 10.00 GiB"),
+            e.contains(
+                "does not fit on GPU 0: w1's 4 devices need 10.00 GiB of GPU memory, and it has \
+                 9.00 GiB free."
+            ),
             "{e}"
         );
-        assert!(e.contains("has 9.00 GiB free"), "{e}");
         let e = check_gpus_free(&g, &devices, &[0, 1], "w1's 4 devices", |o| {
             Ok(if o == 0 { 3 << 30 } else { 6 << 30 })
         })

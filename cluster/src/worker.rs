@@ -530,11 +530,8 @@ async fn start_job(
                     .iter()
                     .find(|g| g.context().ordinal() == o)
                     .expect("an ordinal of these GPUs");
-                let (free, _) = cuda
-                    .context()
-                    .mem_get_info()
-                    .with_context(|| format!("reading GPU {o}'s free memory"))?;
-                Ok(free as u64)
+                cuda.available_memory_bytes()
+                    .with_context(|| format!("reading GPU {o}'s free memory"))
             })?;
         }
         _ => {
@@ -774,6 +771,17 @@ fn end_job(shared: &Shared, job: Option<Job>) {
     }
     for p in &job.peers {
         p.close(0u32.into(), b"job ended");
+    }
+    // Other workers sharing the GPU count this process's pooled memory as used: what the ended
+    // job's devices have already freed goes back to the driver (their actors stop on their own
+    // time, so a later job's check also counts this process's pool as its own, see
+    // `Cuda::available_memory_bytes`).
+    if let Placement::Gpus(gpus) = &shared.placement {
+        for cuda in gpus {
+            if let Err(e) = cuda.release_pooled_memory() {
+                tracing::warn!("releasing GPU memory after the job: {e}");
+            }
+        }
     }
     tracing::info!("job ended");
 }

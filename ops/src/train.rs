@@ -631,13 +631,19 @@ impl<B: Backend> Trainer<B> {
                 && n.images_len() == expected
                 && check_labels(&self.graph, n.labels()).is_ok()
         });
-        // A synthetic batch is described, not filled: it is staged (and drawn on the device)
-        // once the step is enqueued.
+        // A synthetic batch is described, not filled: its device buffers are taken now, and it
+        // is drawn (on a GPU, by the device) once the step is enqueued.
         let mut host_next = match next {
             Some(BatchInput::Images {
                 images: i,
                 labels: l,
             }) => Some((b.begin_stage(stream, i.len(), l.len())?, i, l)),
+            _ => None,
+        };
+        let synthetic_next = match next {
+            Some(BatchInput::Synthetic(synthetic)) => {
+                Some((b.begin_synthetic(stream, synthetic)?, synthetic))
+            }
             _ => None,
         };
         let (weights, velocity) = (&mut self.weights, &mut self.velocity);
@@ -769,11 +775,11 @@ impl<B: Backend> Trainer<B> {
                     probe: probe_of(i),
                 },
             });
-        } else if let Some(next @ BatchInput::Synthetic(synthetic)) = next {
+        } else if let Some((host, synthetic)) = synthetic_next {
             self.ahead = Some(Ahead {
-                staged: b.stage_synthetic(stream, synthetic)?,
+                staged: b.finish_synthetic(stream, host, synthetic)?,
                 labels: synthetic.labels.clone(),
-                identity: next.identity(),
+                identity: BatchInput::Synthetic(synthetic).identity(),
             });
         }
         let staged = std::time::Instant::now();

@@ -333,12 +333,21 @@ impl Backend for Cuda {
         self.take_staged_on(s, staged).map(Buffer::F32)
     }
 
-    fn stage_synthetic(
+    fn begin_synthetic(
         &self,
         s: &mut Stream,
         batch: &legion_ops::data::SyntheticBatch,
+    ) -> Result<crate::batches::HostBatch, KernelError> {
+        self.begin_synthetic_on(s, batch)
+    }
+
+    fn finish_synthetic(
+        &self,
+        s: &mut Stream,
+        host: crate::batches::HostBatch,
+        batch: &legion_ops::data::SyntheticBatch,
     ) -> Result<crate::batches::StagedBatch, KernelError> {
-        self.stage_synthetic_on(s, batch)
+        self.finish_synthetic_on(s, host, batch)
     }
 
     fn recycle_staged(&self, s: &mut Stream, images: Buffer) {

@@ -146,7 +146,8 @@ fn record(stream: &CudaStream) -> Result<CudaEvent, Failure> {
 /// [`Cuda::begin_stage_on`] before the step that runs beside the copies is enqueued, so that
 /// nothing the copies wait for on the compute stream comes after that step.
 pub struct HostBatch {
-    slot: HostSlot,
+    /// `None` for a described synthetic batch, which is drawn on the device.
+    slot: Option<HostSlot>,
     index: usize,
     images: CudaSlice<f32>,
     labels: CudaSlice<u32>,
@@ -157,8 +158,8 @@ pub struct HostBatch {
 impl std::fmt::Debug for HostBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostBatch")
-            .field("images", &self.slot.images.len())
-            .field("labels", &self.slot.labels.len())
+            .field("images", &self.slot.as_ref().map(|s| s.images.len()))
+            .field("labels", &self.slot.as_ref().map(|s| s.labels.len()))
             .finish()
     }
 }
@@ -204,7 +205,7 @@ impl Cuda {
         };
         let (images, labels, fillable) = self.device_buffers(s, images, labels)?;
         Ok(HostBatch {
-            slot,
+            slot: Some(slot),
             index,
             images,
             labels,
@@ -256,7 +257,11 @@ impl Cuda {
     pub(crate) fn host_slices_of(
         batch: &mut HostBatch,
     ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
-        let HostSlot { images, labels, .. } = &mut batch.slot;
+        let Some(HostSlot { images, labels, .. }) = &mut batch.slot else {
+            return Err(KernelError::Batch(
+                "a synthetic batch is drawn on the device, not written by the host".into(),
+            ));
+        };
         let images = images.as_mut_slice().map_err(|e| failed(e.into()))?;
         let labels = labels.as_mut_slice().map_err(|e| failed(e.into()))?;
         Ok((images, labels))
@@ -277,12 +282,13 @@ impl Cuda {
     fn finish(&self, s: &mut Stream, batch: HostBatch) -> Result<StagedBatch, Failure> {
         let compute = s.stream.clone();
         let HostBatch {
-            mut slot,
+            slot,
             index,
             mut images,
             mut labels,
             fillable,
         } = batch;
+        let mut slot = slot.expect("a batch begun by begin_stage has host buffers");
         let copies = s
             .batches
             .as_mut()
@@ -316,39 +322,71 @@ impl Cuda {
         })
     }
 
-    /// Stages a described synthetic batch: its description (about 1/40 of its images at 224 ×
-    /// 224) crosses the bus on the copy stream, and the `synthetic_draw` kernel draws the images
-    /// there, into a device buffer taken as [`Cuda::begin_stage_on`] takes one.
-    pub(crate) fn stage_synthetic_on(
+    /// The device buffers of a described synthetic batch, taken as [`Cuda::begin_stage_on`]
+    /// takes them: before the step its drawing runs beside is enqueued.
+    pub(crate) fn begin_synthetic_on(
         &self,
         s: &mut Stream,
         batch: &SyntheticBatch,
-    ) -> Result<StagedBatch, KernelError> {
+    ) -> Result<HostBatch, KernelError> {
+        batch
+            .check()
+            .map_err(|e| KernelError::Batch(e.to_string()))?;
         self.context
             .bind_to_thread()
             .map_err(|e| failed(e.into()))?;
-        let images = batch
-            .len()
-            .checked_mul(batch.sample_len())
-            .filter(|&n| i64::try_from(n).is_ok())
-            .ok_or_else(|| KernelError::Device("a synthetic batch too large to draw".into()))?;
-        let per_sample = legion_ops::data::factors_per_sample(batch.image);
-        assert_eq!(
-            (batch.factors.len(), batch.noise_states.len()),
-            (batch.len() * per_sample, batch.len()),
-            "a synthetic batch describes each of its samples"
-        );
-        self.stage_described(s, batch, images).map_err(failed)
+        let images = batch.len() * batch.sample_len();
+        let (images, labels, fillable) = self
+            .device_buffers(s, images, batch.len())
+            .map_err(failed)?;
+        Ok(HostBatch {
+            slot: None,
+            index: 0,
+            images,
+            labels,
+            fillable,
+        })
+    }
+
+    /// Stages a described synthetic batch into the buffers [`Cuda::begin_synthetic_on`] took:
+    /// its description (about 1/19 of its images at 224 × 224) crosses the bus on the copy
+    /// stream, and the `synthetic_draw` kernel draws the images there.
+    pub(crate) fn finish_synthetic_on(
+        &self,
+        s: &mut Stream,
+        host: HostBatch,
+        batch: &SyntheticBatch,
+    ) -> Result<StagedBatch, KernelError> {
+        batch
+            .check()
+            .map_err(|e| KernelError::Batch(e.to_string()))?;
+        if host.slot.is_some()
+            || host.labels.len() != batch.len()
+            || host.images.len() != batch.len() * batch.sample_len()
+        {
+            return Err(KernelError::Batch(
+                "finish_synthetic takes the buffers begin_synthetic took for the same batch".into(),
+            ));
+        }
+        self.context
+            .bind_to_thread()
+            .map_err(|e| failed(e.into()))?;
+        self.stage_described(s, host, batch).map_err(failed)
     }
 
     fn stage_described(
         &self,
         s: &mut Stream,
+        host: HostBatch,
         batch: &SyntheticBatch,
-        images: usize,
     ) -> Result<StagedBatch, Failure> {
-        let (mut device_images, mut device_labels, fillable) =
-            self.device_buffers(s, images, batch.len())?;
+        let HostBatch {
+            images: mut device_images,
+            labels: mut device_labels,
+            fillable,
+            ..
+        } = host;
+        let images = device_images.len();
         let compute = s.stream.clone();
         let copies = self.copies(s)?;
         let index = copies.next_described;

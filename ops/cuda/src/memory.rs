@@ -172,6 +172,50 @@ pub(crate) fn keep_freed_memory_pooled(context: &Arc<CudaContext>) -> Result<(),
 }
 
 impl Cuda {
+    /// Bytes of this GPU a new allocation of this process can have: what the driver reports
+    /// free, plus what this process's default pool holds without using it (memory freed by
+    /// earlier work stays pooled, `keep_freed_memory_pooled`, and the driver counts it as used).
+    pub fn available_memory_bytes(&self) -> Result<u64, DriverError> {
+        use cudarc::driver::{result, sys};
+        let (free, _total) = self.context.mem_get_info()?;
+        let pooled_unused = (|| {
+            let attribute = |pool, attr| {
+                let mut value = 0u64;
+                // SAFETY: the device's own default pool; these attributes are u64s.
+                unsafe { result::mem_pool::get_attribute(pool, attr, (&raw mut value).cast()) }
+                    .map(|()| value)
+            };
+            // SAFETY: the context's own device.
+            let pool = unsafe { result::device::get_default_mem_pool(self.context.cu_device()) }?;
+            let reserved = attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+            )?;
+            let used = attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+            )?;
+            Ok::<u64, DriverError>(reserved.saturating_sub(used))
+        })()
+        // Without stream-ordered allocation there is no pool holding memory back.
+        .unwrap_or(0);
+        Ok((free as u64).saturating_add(pooled_unused))
+    }
+
+    /// Hands the memory this process's default pool holds unused back to the driver, for other
+    /// processes sharing the GPU (a worker whose job ended).
+    pub fn release_pooled_memory(&self) -> Result<(), DriverError> {
+        use cudarc::driver::result;
+        self.context.bind_to_thread()?;
+        // SAFETY: the context's own device.
+        let Ok(pool) = (unsafe { result::device::get_default_mem_pool(self.context.cu_device()) })
+        else {
+            return Ok(());
+        };
+        // SAFETY: a valid pool; memory in use is never released.
+        unsafe { result::mem_pool::trim_to(pool, 0) }
+    }
+
     /// A new buffer of `len` elements: `pattern` repeated (device-to-device copies, enqueued on
     /// `s`). Fills many buffers from one uploaded pattern without host work per element.
     pub fn repeated(

@@ -190,6 +190,9 @@ pub enum KernelError {
     /// The device refused the work (out of memory, a failed launch, a lost device).
     #[error("device error: {0}")]
     Device(String),
+    /// A batch that does not describe what it claims to (a `SyntheticBatch` of the wrong sizes).
+    #[error("invalid batch: {0}")]
+    Batch(String),
 }
 
 /// A device kind: its memory, its queue, and the primitives every op is made of.
@@ -332,9 +335,35 @@ pub trait Backend {
         s: &mut Self::Stream,
         batch: &SyntheticBatch,
     ) -> Result<Self::Staged, KernelError> {
-        let mut images = vec![0.0; batch.len() * batch.sample_len()];
-        batch.render(&mut images);
-        self.stage_batch(s, &images, &batch.labels)
+        let host = self.begin_synthetic(s, batch)?;
+        self.finish_synthetic(s, host, batch)
+    }
+
+    /// [`Backend::stage_synthetic`] in two parts, as [`Backend::begin_stage`] and
+    /// [`Backend::finish_stage`]: the batch's device buffers, taken before the step that the
+    /// drawing runs beside is enqueued (so the drawing does not wait for that step)...
+    fn begin_synthetic(
+        &self,
+        s: &mut Self::Stream,
+        batch: &SyntheticBatch,
+    ) -> Result<Self::HostBatch, KernelError> {
+        batch
+            .check()
+            .map_err(|e| KernelError::Batch(e.to_string()))?;
+        self.begin_stage(s, batch.len() * batch.sample_len(), batch.len())
+    }
+
+    /// ...and the drawing, enqueued after it.
+    fn finish_synthetic(
+        &self,
+        s: &mut Self::Stream,
+        mut host: Self::HostBatch,
+        batch: &SyntheticBatch,
+    ) -> Result<Self::Staged, KernelError> {
+        let (images, labels) = Self::host_slices(&mut host)?;
+        batch.render(images);
+        labels.copy_from_slice(&batch.labels);
+        self.finish_stage(s, host)
     }
 
     /// Hands back the images of a taken batch once its step is enqueued: a later

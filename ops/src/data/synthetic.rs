@@ -250,6 +250,31 @@ impl SyntheticBatch {
         self.image.iter().product()
     }
 
+    /// Checks that the batch describes each of its samples: a noise state per label and the
+    /// factors of each sample's shape.
+    pub fn check(&self) -> Result<(), DataError> {
+        check_image_shape(self.image)?;
+        let per_sample = factors_per_sample(self.image);
+        let factors = self.len().checked_mul(per_sample);
+        let images = self.len().checked_mul(self.sample_len());
+        if self.noise_states.len() != self.len()
+            || factors != Some(self.factors.len())
+            || images.is_none_or(|n| i64::try_from(n).is_err())
+        {
+            return Err(DataError::Config(format!(
+                "a synthetic batch of {} samples of shape {:?} needs {} noise states and {} \
+                 factors, got {} and {}",
+                self.len(),
+                self.image,
+                self.len(),
+                factors.map_or("too many".to_string(), |n| n.to_string()),
+                self.noise_states.len(),
+                self.factors.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// The factor of each pixel's noise value.
     pub fn noise_scale() -> f32 {
         NOISE_STD * gain()
@@ -257,7 +282,11 @@ impl SyntheticBatch {
 
     /// Draws the images on the host, NCHW, exactly as a device does: the reference of the
     /// device kernel, and the batch of a backend without one. `out` holds `len()·C·H·W` values.
+    /// Panics on a batch that [`SyntheticBatch::check`] refuses.
     pub fn render(&self, out: &mut [f32]) {
+        if let Err(e) = self.check() {
+            panic!("{e}");
+        }
         let sample_len = self.sample_len();
         assert_eq!(
             out.len(),
@@ -380,6 +409,14 @@ mod tests {
             ds.describe_batch(&[3, 50]),
             Err(DataError::IndexOutOfRange { index: 50, len: 50 })
         ));
+        assert!(described.check().is_ok());
+        let mut short = described.clone();
+        short.factors.pop();
+        let e = short.check().unwrap_err().to_string();
+        assert!(e.contains("needs 5 noise states and 1980 factors, got 5 and 1979"), "{e}");
+        let mut unstated = described;
+        unstated.noise_states.pop();
+        assert!(unstated.check().is_err());
     }
 
     #[test]
