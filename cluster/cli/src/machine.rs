@@ -8,6 +8,7 @@ use legion_cluster::hosts::{
 };
 use legion_cluster::launch::{MeasuredNic, load_links, load_nics};
 use legion_cuda::CudaDevice;
+use legion_ops::Precision;
 use legion_planner::machine::{DeviceSpec, Link, MachineError, MachineModel, NetworkCpu, NodeSpec};
 use std::path::Path;
 
@@ -23,30 +24,24 @@ pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
 /// The machine the embedded cluster's `devices` devices make on `gpus` (as the runtime places
 /// them, `Placement::gpu_of`), as the planner sees it (`MachineModel::on_gpus`): devices of the
 /// first GPU's kind, from its name (`DeviceSpec::for_gpu`: an H200 is `h200`, and a profile
-/// measured on it, `profile --device cuda`, is stored and looked up under that kind), `-tf32`
-/// with `tf32`, each with its share of its GPU's memory.
+/// measured on it, `profile --device cuda`, is stored and looked up under that kind), computing
+/// in `precision` (`MachineModel::with_precision`: `h100-tf32`, `h100-bf16`), each with its share
+/// of its GPU's memory.
 pub fn gpus_machine(
     devices: usize,
     gpus: &[CudaDevice],
-    tf32: bool,
+    precision: Precision,
 ) -> anyhow::Result<MachineModel> {
     let memory: Vec<f64> = gpus
         .iter()
         .map(|g| g.total_memory_bytes as f64 / (1u64 << 30) as f64)
         .collect();
     let first = gpus.first().map_or("", |g| g.name.as_str());
-    let mut device = DeviceSpec::for_gpu(first, memory.first().copied().unwrap_or_default());
-    if tf32 {
-        device.kind = format!("{}-tf32", device.kind);
-        device.peak_gflops *= TF32_OVER_FP32;
-    }
+    let device = DeviceSpec::for_gpu(first, memory.first().copied().unwrap_or_default());
     let g = memory.len().min(devices.max(1));
     let name = format!("gpus:{devices}on{g}");
-    Ok(MachineModel::on_gpus(&name, devices, &memory, device)?)
+    Ok(MachineModel::on_gpus(&name, devices, &memory, device)?.with_precision(precision))
 }
-
-/// TF32 tensor-core peak over the FP32 peak of an H100 SXM5 (494.7 / 67 TFLOP/s).
-const TF32_OVER_FP32: f64 = 494.7 / 67.0;
 
 /// The planner's view of the cluster: one node per host; devices of one host exchange data by
 /// in-process copies (the `local-cpu` preset's link), hosts over a `DEFAULT_INTER_HOST_GBPS`
@@ -199,7 +194,7 @@ mod tests {
 
     #[test]
     fn the_embedded_gpu_machine_takes_each_gpus_memory_and_the_math() {
-        let one = gpus_machine(4, &[gpu(0)], false).unwrap();
+        let one = gpus_machine(4, &[gpu(0)], Precision::Fp32).unwrap();
         assert_eq!((one.num_devices(), one.num_nodes()), (4, 1));
         assert_eq!(
             one.device(0).memory_gib,
@@ -208,17 +203,24 @@ mod tests {
         );
         assert_eq!(one.compute_slots(), Some(1));
         let four: Vec<CudaDevice> = (0..4).map(gpu).collect();
-        assert_eq!(gpus_machine(2, &four, false).unwrap().num_nodes(), 2);
-        let tf32 = gpus_machine(1, &[gpu(0)], true).unwrap();
+        assert_eq!(
+            gpus_machine(2, &four, Precision::Fp32).unwrap().num_nodes(),
+            2
+        );
+        let tf32 = gpus_machine(1, &[gpu(0)], Precision::Tf32).unwrap();
         assert!(tf32.device(0).peak_gflops > 7.0 * DeviceSpec::h100().peak_gflops);
         assert_eq!(tf32.device(0).kind, "h100-tf32");
+        let bf16 = gpus_machine(1, &[gpu(0)], Precision::Bf16).unwrap();
+        assert!(bf16.device(0).peak_gflops > 14.0 * DeviceSpec::h100().peak_gflops);
+        assert_eq!(bf16.device(0).kind, "h100-bf16");
+        assert_eq!(bf16.activation_bytes(), 2);
         // The kind is the GPU's, from its name: an H200's profile is its own.
         let h200 = CudaDevice {
             name: "NVIDIA H200".into(),
             total_memory_bytes: 140 << 30,
             ..gpu(0)
         };
-        let on_h200 = gpus_machine(2, &[h200], false).unwrap();
+        let on_h200 = gpus_machine(2, &[h200], Precision::Fp32).unwrap();
         assert_eq!(on_h200.device(0).kind, "h200");
         assert_eq!(on_h200.device(0).memory_gib, Some(70.0));
     }
