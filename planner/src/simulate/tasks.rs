@@ -352,6 +352,8 @@ pub(super) fn build_tasks(
     let graph = model.graph();
     let machine = model.machine();
     let provider = model.provider();
+    // activations and their gradients move at the machine's precision (2 bytes in bf16)
+    let element = machine.activation_bytes();
     // forward[l][t] reads the tile's inputs; output[l][t] makes its output: the same task but
     // under a reduction split, where the block's first partial finishes the summed block
     let mut forward: Vec<Vec<usize>> = Vec::new();
@@ -417,7 +419,7 @@ pub(super) fn build_tasks(
             if o.is_local() {
                 // On one device the runtime copies a piece straight from instance to instance.
                 let dep = if gathered || stored {
-                    let bytes = o.bytes(machine.activation_bytes());
+                    let bytes = o.bytes(element);
                     move_task(tasks, machine, names, o.src_device, bytes, &[from])
                 } else {
                     from
@@ -431,7 +433,7 @@ pub(super) fn build_tasks(
                     machine,
                     || format!("gather {}", names()),
                     o.src_device,
-                    o.bytes(machine.activation_bytes()),
+                    o.bytes(element),
                     &[from],
                 );
             }
@@ -441,7 +443,7 @@ pub(super) fn build_tasks(
                 names,
                 TaskKind::Copy,
                 (o.src_device, o.dst_device),
-                o.bytes(machine.activation_bytes()),
+                o.bytes(element),
                 from,
             );
             if stored {
@@ -450,7 +452,7 @@ pub(super) fn build_tasks(
                     machine,
                     || format!("store {}", names()),
                     o.dst_device,
-                    o.bytes(machine.activation_bytes()),
+                    o.bytes(element),
                     arrived.tasks(),
                 ));
             }
@@ -509,11 +511,7 @@ pub(super) fn build_tasks(
         for o in overlaps {
             let mut from = backward[e.dst.0][o.dst_tile];
             if o.is_local() {
-                terms[e.src.0][o.src_tile].push((
-                    from,
-                    o.bytes(machine.activation_bytes()),
-                    o.rect,
-                ));
+                terms[e.src.0][o.src_tile].push((from, o.bytes(element), o.rect));
                 continue;
             }
             // The consumer's gradient instance is its whole input rect; the producer receives the
@@ -533,7 +531,7 @@ pub(super) fn build_tasks(
                     machine,
                     || format!("gather {}", names()),
                     o.dst_device,
-                    o.bytes(machine.activation_bytes()),
+                    o.bytes(element),
                     &[from],
                 );
             }
@@ -543,12 +541,11 @@ pub(super) fn build_tasks(
                 names,
                 TaskKind::GradientCopy,
                 (o.dst_device, o.src_device),
-                o.bytes(machine.activation_bytes()),
+                o.bytes(element),
                 from,
             );
             // the term's bytes once, with the copy (the rest is the transport's CPU work)
-            let bytes =
-                std::iter::once(o.bytes(machine.activation_bytes())).chain(std::iter::repeat(0));
+            let bytes = std::iter::once(o.bytes(element)).chain(std::iter::repeat(0));
             terms[e.src.0][o.src_tile].extend(
                 arrived
                     .tasks()
@@ -579,7 +576,7 @@ pub(super) fn build_tasks(
                     .collect();
                 // each term once: a message's transport tasks carry no bytes of their own
                 let count = covering.iter().filter(|&&&(_, b, _)| b > 0).count();
-                let bytes = fold_bytes(count, machine.activation_bytes() * cell.volume() as u64);
+                let bytes = fold_bytes(count, element * cell.volume() as u64);
                 let name = || match cells.len() {
                     1 => format!("{} grad sum {t}", layer.name),
                     _ => format!("{} grad sum {t} part {k}", layer.name),
