@@ -15,6 +15,8 @@
 //!                        # "p100": on its cores, priced as P100s (to plan for the paper's GPUs)
 //! binary = "/opt/legion-rs/bin/legion-rs"   # the legion-rs binary on the hosts (default: the
 //!                        # path of the one running `up`)
+//! precision = "fp32"     # what a job on these hosts computes in: "fp32" (default), "tf32" or
+//!                        # "bf16" (GPU hosts only), as `train --precision` (which must agree)
 //!
 //! [[host]]
 //! name = "node0"         # optional; default: the address ("address:port" if hosts share it)
@@ -60,6 +62,7 @@
 //! Every error names the file, the line and column, and the field, and says what was expected:
 //! `hosts.toml:7:11: host[1].devices: expected an integer in 1..=4096, got 0`.
 
+use legion_ops::Precision;
 use legion_ops::located::{Number, key_at, line_column};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -102,6 +105,8 @@ pub struct SlurmNodes {
     /// One of [`DEVICE_KINDS`].
     pub device: Option<String>,
     pub binary: Option<String>,
+    /// What a job on the allocation computes in, if the table says.
+    pub precision: Option<Precision>,
 }
 
 impl ClusterFile {
@@ -152,6 +157,10 @@ impl ClusterFile {
             },
             binary: match &slurm.binary {
                 Some(b) => Some(src.binary(b, "slurm.binary")?),
+                None => None,
+            },
+            precision: match &slurm.precision {
+                Some(p) => Some(src.precision(p, "slurm.precision")?),
                 None => None,
             },
         }))
@@ -222,6 +231,8 @@ pub struct Hosts {
     /// In file order, which is also the order of their global device ids.
     pub hosts: Vec<Host>,
     pub links: Vec<HostLink>,
+    /// `[defaults] precision`: what a job on these hosts computes in, if the file says.
+    pub precision: Option<Precision>,
 }
 
 /// What is wrong with a hosts file.
@@ -295,6 +306,10 @@ impl Hosts {
         };
         let default_binary = match &defaults.binary {
             Some(b) => Some(src.binary(b, "defaults.binary")?),
+            None => None,
+        };
+        let precision = match &defaults.precision {
+            Some(p) => Some(src.precision(p, "defaults.precision")?),
             None => None,
         };
 
@@ -514,7 +529,11 @@ impl Hosts {
                 latency_us,
             });
         }
-        src.within_device_limit(Hosts { hosts, links })
+        src.within_device_limit(Hosts {
+            hosts,
+            links,
+            precision,
+        })
     }
 
     /// Parses the MPI / DeepSpeed hostfile format.
@@ -591,6 +610,7 @@ impl Hosts {
         src.within_device_limit(Hosts {
             hosts,
             links: Vec::new(),
+            precision: None,
         })
     }
 
@@ -820,6 +840,14 @@ impl Source<'_> {
         }
     }
 
+    fn precision(&self, v: &Spanned<String>, field: &str) -> Result<Precision, HostsError> {
+        v.get_ref()
+            .parse()
+            .map_err(|e: legion_ops::precision::UnknownPrecision| {
+                self.at(v.span().start, field, &e.to_string())
+            })
+    }
+
     fn binary(&self, v: &Spanned<String>, field: &str) -> Result<String, HostsError> {
         let path = v.get_ref();
         if path.starts_with('/') && !path.contains(['\n', '\0']) {
@@ -866,6 +894,7 @@ struct DefaultsDoc {
     devices: Option<Spanned<i64>>,
     device: Option<Spanned<String>>,
     binary: Option<Spanned<String>>,
+    precision: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -1055,6 +1084,29 @@ ssh = "me@localhost"
         );
     }
 
+    /// `[defaults] precision` sets a job's precision; a name that is none is refused at its value,
+    /// naming the three; a host cannot set its own (a job computes in one).
+    #[test]
+    fn precision_is_read_and_its_errors_are_located() {
+        assert_eq!(parse(DOC).precision, None);
+        let bf16 = parse(&DOC.replacen(
+            "device = \"cpu\"",
+            "device = \"cpu\"\nprecision = \"bf16\"",
+            1,
+        ));
+        assert_eq!(bf16.precision, Some(Precision::Bf16));
+        assert_eq!(
+            err_with("device = \"cpu\"", "device = \"cpu\"\nprecision = \"fp16\""),
+            "h.toml:5:13: defaults.precision: unknown precision 'fp16': expected one of fp32, \
+             tf32, bf16"
+        );
+        let e = err_with("port = 7401", "port = 7401\nprecision = \"bf16\"");
+        assert!(
+            e.starts_with("h.toml:10:1: host[0].precision:") && e.contains("unknown field"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn string_errors_are_located() {
         assert_eq!(
@@ -1142,9 +1194,17 @@ ssh = "me@localhost"
                 devices: Some(2),
                 device: Some("cuda".into()),
                 binary: Some("/b/legion-rs".into()),
+                precision: None,
             })
         );
         assert!(matches!(file(DOC).unwrap(), ClusterFile::Hosts(_)));
+        assert_eq!(
+            file("[slurm]\nprecision = \"bf16\"\n").unwrap(),
+            ClusterFile::Slurm(SlurmNodes {
+                precision: Some(Precision::Bf16),
+                ..SlurmNodes::default()
+            })
+        );
         assert_eq!(
             file("[slurm]\ndevices = 0\n").unwrap_err().to_string(),
             "s.toml:2:11: slurm.devices: expected an integer in 1..=4096, got 0"

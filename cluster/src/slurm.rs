@@ -129,6 +129,9 @@ impl Allocation {
                 None => " (no GPUs)".to_string(),
             }
         );
+        if let Some(p) = settings.precision {
+            text += &format!("\n[defaults]\nprecision = {}\n", toml_string(p.name()));
+        }
         for node in &self.nodes {
             text += &format!(
                 "\n[[host]]\nname = {}\naddress = {}\nport = {}\ndevice = {}\nbinary = {}\n",
@@ -650,12 +653,14 @@ mod tests {
             devices: Some(2),
             device: Some("cpu".into()),
             binary: Some("/opt/legion-rs".into()),
+            precision: Some(legion_ops::Precision::Tf32),
         };
         let text = alloc.hosts_toml(&settings, binary).unwrap();
         let hosts = crate::hosts::Hosts::parse(&text, "hosts.toml").unwrap();
         assert_eq!(hosts.device_ranges(), [0..2, 2..4, 4..6]);
         assert_eq!(hosts.hosts[0].endpoint(), "10.0.0.1:7500");
         assert_eq!(hosts.hosts[0].binary.as_deref(), Some("/opt/legion-rs"));
+        assert_eq!(hosts.precision, Some(legion_ops::Precision::Tf32));
 
         let e = read("TRES=cpu=12", "4(x2)").unwrap_err().to_string();
         assert!(

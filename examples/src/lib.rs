@@ -86,9 +86,10 @@ pub struct ExampleArgs {
     /// Where to train (`auto`, `cpu`, `cuda`): see `legion-rs train --help`.
     #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
-    /// On a GPU, TF32 tensor cores for products and convolutions: see `legion-rs train --help`.
-    #[arg(long)]
-    pub tf32: bool,
+    /// What the run computes in (`fp32`, `tf32`, `bf16`; `--tf32` is `--precision tf32`): see
+    /// `legion-rs train --help`.
+    #[command(flatten)]
+    pub precision: legion_cli::precision::PrecisionArgs,
     /// On a GPU, how convolution algorithms are picked (`fastest`, `precise`, `heuristic`): see
     /// `legion-rs train --help`.
     #[arg(long, default_value_t = legion_cli::ConvAlgos::default())]
@@ -132,6 +133,14 @@ pub fn run(
         job::check_output_path("--chart", path)?;
     }
     if args.compare {
+        // --compare measures on the CPU (embedded devices or workers' cores), whose products
+        // are fp32: bf16 there would silently be an fp32 comparison.
+        if args.precision.given() == Some(legion_ops::Precision::Bf16) {
+            anyhow::bail!(
+                "{} (--compare measures on the CPU)",
+                legion_cli::precision::BF16_NEEDS_GPU
+            );
+        }
         let cluster = match (&args.cluster, args.slurm) {
             (None, false) => None,
             (path, _) => {
@@ -201,7 +210,7 @@ pub fn run(
         checkpoint_every: args.checkpoint_every,
         resume: args.resume.clone(),
         device: args.device,
-        tf32: args.tf32,
+        precision: args.precision.given(),
         conv_algos: args.conv_algos,
         ..TrainOptions::default()
     };

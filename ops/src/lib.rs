@@ -16,6 +16,7 @@ pub mod located;
 pub mod memory;
 pub mod op;
 pub mod partition;
+pub mod precision;
 pub mod require;
 pub mod rng;
 pub mod shape;
@@ -25,4 +26,5 @@ pub mod zoo;
 
 pub use graph::{Graph, GraphBuilder, Layer, LayerId, ModelError};
 pub use op::Op;
+pub use precision::Precision;
 pub use shape::{Dim, Rect, Shape};

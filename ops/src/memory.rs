@@ -17,6 +17,12 @@
 //! keeps the two equal on every strategy family). Kernels' scratch (cuDNN workspaces) and slices
 //! in flight between processes come on top.
 //!
+//! In bf16 ([`per_device_at`], [`Precision::Bf16`]) activations, their gradients and a
+//! reduction split's partial sums take 2 bytes an element; parameters, their gradients and momentum
+//! stay 4 (batch norm's statistics 8), and every conv2d or dense parameter slice a tile reads also
+//! has a bf16 working copy (2 bytes an element), as a GPU casts it before its products. The
+//! runtime's equality with `device_bytes` is checked in fp32, the only precision it runs yet.
+//!
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.
 
@@ -28,6 +34,7 @@ use crate::op::{
 use crate::partition::{
     DeviceId, ParallelConfig, ParamHome, Point, param_homes, points, tile_rect,
 };
+use crate::precision::Precision;
 use crate::{Graph, LayerId, Rect, Shape};
 
 /// `b` bytes in the largest binary unit that keeps it at least 1 (`1.50 GiB`).
@@ -41,7 +48,7 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
-/// Bytes of one f32 element, the type of every activation and parameter.
+/// Bytes of one f32 element, the type of every activation and parameter in fp32.
 const F32_BYTES: u64 = 4;
 
 /// What one device holds during a step.
@@ -62,12 +69,22 @@ pub fn per_device(
     configs: &[ParallelConfig],
     num_devices: usize,
 ) -> Vec<DeviceMemory> {
+    per_device_at(graph, configs, num_devices, Precision::Fp32)
+}
+
+/// [`per_device`] in `precision`: each tensor at its element size there (the module doc).
+pub fn per_device_at(
+    graph: &Graph,
+    configs: &[ParallelConfig],
+    num_devices: usize,
+    precision: Precision,
+) -> Vec<DeviceMemory> {
     assert_eq!(graph.layers().len(), configs.len(), "one config per layer");
     let layers: Vec<LayerTiles> = graph
         .ids()
         .map(|id| LayerTiles::of(graph, id, &configs[id.0]))
         .collect();
-    let mut step = StepBuffers::new(&layers, num_devices);
+    let mut step = StepBuffers::new(&layers, num_devices, precision);
     for layer in &layers {
         step.forward(graph, layer);
     }
@@ -87,6 +104,8 @@ enum Tensor {
     Param(LayerId, usize),
     ParamGrad(LayerId, usize),
     Velocity(LayerId, usize),
+    /// The bf16 working copy of a conv2d or dense parameter's slice that a kernel reads.
+    ParamCopy(LayerId, usize),
     /// Batch norm's per-channel count, Σx, Σx² (f64).
     Moments(LayerId),
     /// Batch norm's per-channel count, Σdy, Σdy·x̂ (f64).
@@ -97,14 +116,21 @@ enum Tensor {
 }
 
 impl Tensor {
-    fn element_bytes(self) -> u64 {
+    fn element_bytes(self, precision: Precision) -> u64 {
         match self {
             Tensor::Moments(_) | Tensor::GradSums(_) => 8,
-            _ => F32_BYTES,
+            Tensor::Activation(_)
+            | Tensor::Gradient(_)
+            | Tensor::Partial(_)
+            | Tensor::PartialGrad(_) => precision.activation_bytes(),
+            Tensor::Param(..) | Tensor::ParamGrad(..) | Tensor::Velocity(..) => {
+                precision.weight_bytes()
+            }
+            Tensor::ParamCopy(..) => precision.weight_copy_bytes().unwrap_or(F32_BYTES),
         }
     }
 
-    /// A dense index: `stride` slots per layer, six for the layer's own tensors and three per
+    /// A dense index: `stride` slots per layer, six for the layer's own tensors and four per
     /// parameter.
     fn slot(self, stride: usize) -> usize {
         let (layer, offset) = match self {
@@ -114,9 +140,10 @@ impl Tensor {
             Tensor::GradSums(l) => (l, 3),
             Tensor::Partial(l) => (l, 4),
             Tensor::PartialGrad(l) => (l, 5),
-            Tensor::Param(l, i) => (l, 6 + 3 * i),
-            Tensor::ParamGrad(l, i) => (l, 7 + 3 * i),
-            Tensor::Velocity(l, i) => (l, 8 + 3 * i),
+            Tensor::Param(l, i) => (l, 6 + 4 * i),
+            Tensor::ParamGrad(l, i) => (l, 7 + 4 * i),
+            Tensor::Velocity(l, i) => (l, 8 + 4 * i),
+            Tensor::ParamCopy(l, i) => (l, 9 + 4 * i),
         };
         layer.0 * stride + offset
     }
@@ -127,6 +154,7 @@ impl Tensor {
 /// accept.
 struct StepBuffers {
     num_devices: usize,
+    precision: Precision,
     stride: usize,
     /// `[layer * num_devices + device]`
     bytes: Vec<u64>,
@@ -141,12 +169,13 @@ struct StepBuffers {
 }
 
 impl StepBuffers {
-    fn new(layers: &[LayerTiles], num_devices: usize) -> StepBuffers {
+    fn new(layers: &[LayerTiles], num_devices: usize, precision: Precision) -> StepBuffers {
         let params = layers.iter().map(|l| l.params.len()).max().unwrap_or(0);
-        let stride = 6 + 3 * params;
+        let stride = 6 + 4 * params;
         let slots = layers.len() * stride;
         StepBuffers {
             num_devices,
+            precision,
             stride,
             bytes: vec![0; layers.len() * num_devices],
             buffers: FastHashSet::default(),
@@ -159,7 +188,7 @@ impl StepBuffers {
     fn add(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, elements: usize) {
         if device < self.num_devices {
             let b = &mut self.bytes[layer.0 * self.num_devices + device];
-            *b = b.saturating_add(tensor.element_bytes() * elements as u64);
+            *b = b.saturating_add(tensor.element_bytes(self.precision) * elements as u64);
         }
     }
 
@@ -387,6 +416,9 @@ impl StepBuffers {
         for (i, param) in layer.params.iter().enumerate().filter(|(i, _)| which(*i)) {
             if let Some(rect) = partial_param_rect(layer.spec, i, param, tile, r, red) {
                 self.buffer(layer.id, device, Tensor::Param(layer.id, i), rect);
+                if layer.casts_params && self.precision.weight_copy_bytes().is_some() {
+                    self.buffer(layer.id, device, Tensor::ParamCopy(layer.id, i), rect);
+                }
             }
         }
     }
@@ -438,6 +470,8 @@ struct LayerTiles<'g> {
     reduction: usize,
     points: Vec<Point>,
     homes: Vec<ParamHome>,
+    /// A conv2d or dense layer, whose products read a cast copy of its parameters in bf16.
+    casts_params: bool,
 }
 
 impl<'g> LayerTiles<'g> {
@@ -451,6 +485,7 @@ impl<'g> LayerTiles<'g> {
             reduction: config.reduction(),
             points: points(&layer.shape, config),
             homes: param_homes(graph, id, config),
+            casts_params: matches!(layer.op, Op::Conv2d(_) | Op::Dense(_)),
         }
     }
 
@@ -468,6 +503,18 @@ impl<'g> LayerTiles<'g> {
 /// of the layer's config alone: the searches' per-layer proxy of memory, where [`per_device`]
 /// counts the step exactly (received input slices and folds depend on the neighbours' configs).
 pub fn tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig, tile: usize) -> u64 {
+    tile_bytes_at(graph, layer, config, tile, Precision::Fp32)
+}
+
+/// [`tile_bytes`] in `precision`: outputs, gradients and partial sums at its activation size,
+/// parameter slices at 4 bytes plus, for a conv2d or dense layer in bf16, their working copy.
+pub fn tile_bytes_at(
+    graph: &Graph,
+    layer: LayerId,
+    config: &ParallelConfig,
+    tile: usize,
+    precision: Precision,
+) -> u64 {
     let l = graph.layer(layer);
     let out = tile_rect(&l.shape, config, tile);
     // A reduction split's partial holds its term of the block's sum and that sum's gradient; the
@@ -475,30 +522,49 @@ pub fn tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig, tile: 
     // output and output gradient: `red + 4` blocks.
     let (r, red) = (config.reduction_of(tile), config.reduction());
     let blocks = if red > 1 && r == 0 { red as u64 + 4 } else { 2 };
-    let mut elements = blocks * out.volume() as u64;
+    let mut activations = blocks * out.volume() as u64;
     let inputs = graph.input_shapes(layer);
     for (k, rect) in project_partial(l.op.spec(), &inputs, &out, r, red)
         .iter()
         .enumerate()
     {
         if graph.input_needs_gradient(layer, k) {
-            elements += rect.volume() as u64;
+            activations += rect.volume() as u64;
         }
     }
+    let (mut weights, mut copies_read) = (0u64, 0u64);
+    let casts = matches!(l.op, Op::Conv2d(_) | Op::Dense(_));
     for (i, p) in graph.layer_params(layer).iter().enumerate() {
         let copies = if p.trainable { 4 } else { 1 };
         if let Some(slice) = partial_param_rect(l.op.spec(), i, p, &out, r, red) {
-            elements += copies * slice.volume() as u64;
+            weights += copies * slice.volume() as u64;
+            if casts {
+                copies_read += slice.volume() as u64;
+            }
         }
     }
-    elements.saturating_mul(F32_BYTES)
+    let copy_bytes = precision.weight_copy_bytes().map_or(0, |b| b * copies_read);
+    activations
+        .saturating_mul(precision.activation_bytes())
+        .saturating_add(weights.saturating_mul(precision.weight_bytes()))
+        .saturating_add(copy_bytes)
 }
 
 /// The most any one device keeps for `layer` under `config`: its largest tile's
 /// [`tile_bytes`] (a config puts each tile on a device of its own).
 pub fn largest_tile_bytes(graph: &Graph, layer: LayerId, config: &ParallelConfig) -> u64 {
+    largest_tile_bytes_at(graph, layer, config, Precision::Fp32)
+}
+
+/// [`largest_tile_bytes`] in `precision` ([`tile_bytes_at`]).
+pub fn largest_tile_bytes_at(
+    graph: &Graph,
+    layer: LayerId,
+    config: &ParallelConfig,
+    precision: Precision,
+) -> u64 {
     (0..config.total())
-        .map(|tile| tile_bytes(graph, layer, config, tile))
+        .map(|tile| tile_bytes_at(graph, layer, config, tile, precision))
         .max()
         .unwrap_or(0)
 }
@@ -543,6 +609,32 @@ mod tests {
         assert_eq!(mem[0].bytes, 4 * ((32 + 40 + 4) + 2 * 40 + 4 * 90));
         assert_eq!(mem[0].largest_layer.map(|(l, _)| l), g.find("fc"));
         assert_eq!(job_state_bytes(&g), 4 * 2 * 90);
+    }
+
+    /// The same step in bf16: the 76 activation and 80 gradient elements at 2 bytes, the 90
+    /// weights' four fp32 buffers at 4, and one bf16 working copy of the 90 weights fc reads.
+    #[test]
+    fn in_bf16_activations_halve_and_weights_gain_a_working_copy() {
+        let g = mlp();
+        let serial = vec![ParallelConfig::serial(0); 3];
+        let mem = per_device_at(&g, &serial, 1, Precision::Bf16);
+        assert_eq!(
+            mem[0].bytes,
+            2 * ((32 + 40 + 4) + 2 * 40) + 4 * 4 * 90 + 2 * 90
+        );
+        for p in [Precision::Fp32, Precision::Tf32] {
+            assert_eq!(per_device_at(&g, &serial, 1, p), per_device(&g, &serial, 1));
+        }
+        let fc = g.find("fc").unwrap();
+        let split = ParallelConfig::serial(0).with_reduction(2);
+        assert_eq!(
+            tile_bytes_at(&g, fc, &split, 0, Precision::Bf16),
+            2 * 6 * 40 + 4 * 4 * 50 + 2 * 50
+        );
+        assert_eq!(
+            largest_tile_bytes_at(&g, fc, &split, Precision::Tf32),
+            largest_tile_bytes(&g, fc, &split)
+        );
     }
 
     /// fc split into 2 partial sums over x's 8 features, in f32 elements: the first partial keeps

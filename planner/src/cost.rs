@@ -7,7 +7,8 @@
 //! - t_c: forward + backward of the layer's slowest tile ([`CostProvider`]); tiles of one layer run in
 //!   parallel on distinct devices. Under a reduction split a tile is one partial: the op over its
 //!   block of the input channels;
-//! - t_s: parameter synchronisation ([`crate::sync`]);
+//! - t_s: parameter synchronisation ([`crate::sync`]), fp32 gradients and weights in every
+//!   precision;
 //! - t_x: input movement, forward and backward ([`crate::transfer`]). A reduction split adds its
 //!   own, counted with the layer as t_r: each partial sum to its block's first partial, and the
 //!   block's output gradient back to every partial ([`partial_sum_messages`]).
@@ -70,6 +71,13 @@ pub struct CostBreakdown {
     pub total: f64,
     /// All bytes moved between devices (transfers and synchronisation).
     pub comm_bytes: u64,
+    /// The part of `comm_bytes` that is activations and their gradients (t_x, and a reduction
+    /// split's partial sums and output gradients, t_r): at the machine's
+    /// [`MachineModel::activation_bytes`], so half in bf16.
+    pub activation_bytes: u64,
+    /// The part of `comm_bytes` that is parameter synchronisation (t_s): fp32 gradients in and
+    /// updated weights out, the same in every precision.
+    pub sync_bytes: u64,
     /// The part of `comm_bytes` moved between devices of different nodes: what the nodes'
     /// network interfaces carry.
     pub inter_node_bytes: u64,
@@ -173,7 +181,7 @@ impl<'a> CostModel<'a> {
                 // each replica's gradient in, its updated block out
                 sync_bytes: loads.iter().map(|l| 2 * l.bytes).sum(),
                 reduce: transfer_time(&messages, self.machine, true),
-                reduce_bytes: transfer_bytes(&messages, true),
+                reduce_bytes: transfer_bytes(&messages, true, self.machine.activation_bytes()),
             });
         }
         for e in &self.edges {
@@ -182,16 +190,14 @@ impl<'a> CostModel<'a> {
             out.inter_node_bytes += self.inter_node_bytes(&overlaps, gradient);
             out.edges.push(EdgeCost {
                 time: transfer_time(&overlaps, self.machine, gradient),
-                bytes: transfer_bytes(&overlaps, gradient),
+                bytes: transfer_bytes(&overlaps, gradient, self.machine.activation_bytes()),
             });
         }
         out.total = total(&out.layers, &out.edges);
-        out.comm_bytes = out
-            .layers
-            .iter()
-            .map(|l| l.sync_bytes + l.reduce_bytes)
-            .sum::<u64>()
+        out.sync_bytes = out.layers.iter().map(|l| l.sync_bytes).sum::<u64>();
+        out.activation_bytes = out.layers.iter().map(|l| l.reduce_bytes).sum::<u64>()
             + out.edges.iter().map(|e| e.bytes).sum::<u64>();
+        out.comm_bytes = out.sync_bytes + out.activation_bytes;
         out
     }
 
@@ -202,7 +208,7 @@ impl<'a> CostModel<'a> {
             .filter(|o| self.machine.node_of(o.src_device) != self.machine.node_of(o.dst_device))
             .copied()
             .collect();
-        transfer_bytes(&across, gradient)
+        transfer_bytes(&across, gradient, self.machine.activation_bytes())
     }
 
     /// t_o alone.

@@ -21,6 +21,7 @@
 //! costs, which a profiled machine carries for the simulator, is in [`crate::runtime_costs`].
 
 use crate::runtime_costs::RuntimeCosts;
+use legion_ops::Precision;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -225,6 +226,9 @@ pub struct MachineModel {
     intra_topology: IntraTopology,
     /// The transport's CPU work per byte of a message between nodes, when measured.
     network_cpu: Option<NetworkCpu>,
+    /// The arithmetic the devices train in ([`MachineModel::with_precision`]): the element size
+    /// of the activations and gradients that t_x moves and the roofline streams.
+    precision: Precision,
 }
 
 /// CPU seconds per byte the transport spends on a message between nodes (encryption, packets,
@@ -325,6 +329,7 @@ impl MachineModel {
             nics_per_node: None,
             intra_topology: IntraTopology::Pairs,
             network_cpu: None,
+            precision: Precision::Fp32,
         })
     }
 
@@ -441,6 +446,33 @@ impl MachineModel {
             spec.kind = kind.to_string();
         }
         self
+    }
+
+    /// The same machine training in `precision` (`plan --precision`, `train --precision`): every
+    /// device's kind gains the precision's suffix (`h100` → `h100-bf16`: the key its profiles
+    /// are stored under) and its peak the precision's tensor-core speed-up
+    /// ([`DeviceSpec::precision_speedup`]); activations and their gradients take
+    /// [`Precision::activation_bytes`] per element in t_x, the roofline and the memory check,
+    /// while parameter synchronisation moves fp32 gradients and weights in every precision.
+    /// Meant for a machine described in fp32 (a preset, or a file whose kinds name no
+    /// precision); fp32 changes nothing.
+    pub fn with_precision(mut self, precision: Precision) -> MachineModel {
+        for spec in &mut self.specs {
+            spec.peak_gflops *= DeviceSpec::precision_speedup(&spec.kind, precision);
+            spec.kind = precision.device_kind(&spec.kind);
+        }
+        self.precision = precision;
+        self
+    }
+
+    /// The arithmetic the devices train in ([`MachineModel::with_precision`]; fp32 by default).
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Bytes of one activation or activation-gradient element as it moves between devices.
+    pub fn activation_bytes(&self) -> u64 {
+        self.precision.activation_bytes()
     }
 
     /// The same machine with a private link per device pair across nodes (no shared NICs).
@@ -683,6 +715,9 @@ impl fmt::Display for MachineModel {
         if let Some(nics) = self.nics_per_node {
             write!(f, ", {nics} shared NIC(s) per node")?;
         }
+        if self.precision != Precision::Fp32 {
+            write!(f, ", computing in {}", self.precision)?;
+        }
         Ok(())
     }
 }
@@ -690,6 +725,32 @@ impl fmt::Display for MachineModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_precision_renames_the_devices_and_scales_only_tensor_core_peaks() {
+        let h100 = MachineModel::preset("dgx-h100").unwrap();
+        let bf16 = h100.clone().with_precision(Precision::Bf16);
+        assert_eq!(bf16.precision(), Precision::Bf16);
+        assert_eq!(bf16.activation_bytes(), 2);
+        assert_eq!(bf16.device(0).kind, "h100-bf16");
+        let ratio = bf16.device(0).peak_gflops / h100.device(0).peak_gflops;
+        assert!((ratio - 989.4 / 67.0).abs() < 1e-12, "{ratio}");
+        let tf32 = h100.clone().with_precision(Precision::Tf32);
+        assert_eq!(tf32.device(0).kind, "h100-tf32");
+        assert_eq!(tf32.activation_bytes(), 4);
+        assert!(tf32.to_string().ends_with(", computing in tf32"), "{tf32}");
+        // fp32 changes nothing, its description included
+        let fp32 = h100.clone().with_precision(Precision::Fp32);
+        assert_eq!(fp32, h100);
+        assert_eq!(fp32.to_string(), h100.to_string());
+        // a P100 and a CPU have no bf16 tensor cores: renamed, their peak kept
+        for name in ["paper:4", "local-cpu:2"] {
+            let m = MachineModel::preset(name).unwrap();
+            let b = m.clone().with_precision(Precision::Bf16);
+            assert_eq!(b.device(0).peak_gflops, m.device(0).peak_gflops, "{name}");
+            assert_eq!(b.device(0).kind, format!("{}-bf16", m.device(0).kind));
+        }
+    }
 
     #[test]
     fn routes_share_a_nodes_nic_across_nodes_and_a_pair_link_inside() {

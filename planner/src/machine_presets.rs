@@ -8,6 +8,7 @@
 use crate::machine::{
     DeviceSpec, IntraTopology, Link, MAX_DEVICES, MachineError, MachineModel, NodeSpec,
 };
+use legion_ops::Precision;
 
 /// Names accepted by [`MachineModel::preset`].
 pub const PRESETS: &[&str] = &[
@@ -48,6 +49,10 @@ const SAME_GPU_LATENCY_US: f64 = 10.0;
 const STAGED_GB_PER_S: f64 = 25.0;
 const STAGED_HOPS: f64 = 2.0;
 const STAGED_LATENCY_US: f64 = 30.0;
+/// Dense tensor-core peaks of an H100 SXM5 over its FP32 peak (67 TFLOP/s): TF32 494.7 and BF16
+/// 989.4 TFLOP/s. An H200 has the same compute.
+pub const TF32_OVER_FP32: f64 = 494.7 / 67.0;
+pub const BF16_OVER_FP32: f64 = 989.4 / 67.0;
 
 impl DeviceSpec {
     /// An NVIDIA Tesla P100 (SXM2) as in the OptCNN paper's cluster.
@@ -103,6 +108,19 @@ impl DeviceSpec {
         };
         device.memory_gib = Some(memory_gib);
         device
+    }
+
+    /// A device of `kind`'s peak in `precision` over its strict-FP32 peak: the H100's
+    /// tensor-core ratios ([`TF32_OVER_FP32`], [`BF16_OVER_FP32`]) for a GPU (`h100`, `h200`
+    /// and any other kind [`DeviceSpec::for_gpu`] makes, which stand on H100 figures), 1 for a
+    /// CPU (`cpu`: the CPU backend computes in fp32) and for the paper's P100 (no TF32 or BF16
+    /// tensor cores), which keep their FP32 peak and gain only bf16's halved memory traffic.
+    pub fn precision_speedup(kind: &str, precision: Precision) -> f64 {
+        match (kind, precision) {
+            (_, Precision::Fp32) | ("cpu" | "p100", _) => 1.0,
+            (_, Precision::Tf32) => TF32_OVER_FP32,
+            (_, Precision::Bf16) => BF16_OVER_FP32,
+        }
     }
 
     /// One CPU "device" of this development machine (a thread running the gemm kernels).

@@ -2,7 +2,8 @@
 //! rest of what graph and configs alone determine), against what a machine's devices hold.
 
 pub use legion_ops::memory::{
-    DeviceMemory, human_bytes, job_state_bytes, largest_tile_bytes, per_device, tile_bytes,
+    DeviceMemory, human_bytes, job_state_bytes, largest_tile_bytes, largest_tile_bytes_at,
+    per_device, per_device_at, tile_bytes, tile_bytes_at,
 };
 
 use crate::config::ParallelConfig;
@@ -34,8 +35,9 @@ impl std::fmt::Display for DoesNotFit {
     }
 }
 
-/// Whether `configs` fit every device of `machine` that has memory of its own; if not, the device
-/// that needs the most beyond its capacity.
+/// Whether `configs` fit every device of `machine` that has memory of its own, each buffer at its
+/// element size in the machine's precision ([`per_device_at`]); if not, the device that needs the
+/// most beyond its capacity.
 pub fn check_fits(
     graph: &Graph,
     machine: &MachineModel,
@@ -44,7 +46,7 @@ pub fn check_fits(
     if !machine.has_own_memory() {
         return Ok(());
     }
-    let need = per_device(graph, configs, machine.num_devices());
+    let need = per_device_at(graph, configs, machine.num_devices(), machine.precision());
     let over = over_capacity(machine, &need);
     // the most overcommitted; of equals, the first
     match over

@@ -129,10 +129,16 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
 
 /// Prices and simulates a given strategy.
 pub fn evaluate(model: &CostModel, configs: Vec<ParallelConfig>) -> Evaluated {
-    let peak = crate::memory::per_device(model.graph(), &configs, model.machine().num_devices())
-        .into_iter()
-        .max_by_key(|d| (d.bytes, std::cmp::Reverse(d.device)))
-        .map_or((0, 0), |d| (d.device, d.bytes));
+    let machine = model.machine();
+    let peak = crate::memory::per_device_at(
+        model.graph(),
+        &configs,
+        machine.num_devices(),
+        machine.precision(),
+    )
+    .into_iter()
+    .max_by_key(|d| (d.bytes, std::cmp::Reverse(d.device)))
+    .map_or((0, 0), |d| (d.device, d.bytes));
     Evaluated {
         cost: model.evaluate(&configs),
         simulated_s: simulated_step_time(model, &configs),

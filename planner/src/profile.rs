@@ -78,7 +78,7 @@
 use crate::machine::{DeviceId, Link, MAX_THREADS, MachineModel};
 use crate::provider::{CostProvider, PhaseTimes, RooflineCost};
 use crate::runtime_costs::RuntimeCosts;
-use legion_ops::{Layer, Rect, Shape};
+use legion_ops::{Layer, Precision, Rect, Shape};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -334,6 +334,18 @@ impl Default for ProfileDb {
     }
 }
 
+/// Whether a device kind is one measured in `precision`: it ends with the precision's suffix
+/// (`-tf32`, `-bf16`), or for fp32 with neither.
+fn of_precision(kind: &str, precision: Precision) -> bool {
+    match precision.kind_suffix() {
+        Some(suffix) => kind.ends_with(suffix),
+        None => Precision::ALL
+            .iter()
+            .filter_map(|p| p.kind_suffix())
+            .all(|suffix| !kind.ends_with(suffix)),
+    }
+}
+
 impl ProfileDb {
     /// Adds measurements, each replacing an earlier one with the same key: one pass over the
     /// entries however many are added ([`ProfileDb::insert`] looks each one up).
@@ -495,10 +507,14 @@ impl ProfileDb {
     /// `machine` as this profile measured it: every link priced by the measured transport and the
     /// devices sharing the measured compute pool, where the profile has them. A `one-gpu:N`
     /// machine (N devices sharing one GPU, whichever GPU that is) takes the kind of the GPU the
-    /// profile measured, so that an H200's profile prices `one-gpu:N` as the H200 it ran on.
+    /// profile measured, so that an H200's profile prices `one-gpu:N` as the H200 it ran on,
+    /// if it measured the machine's precision (`h200-bf16` for a machine `with_precision` bf16;
+    /// a kind without a precision suffix for fp32): a profile of another precision retags
+    /// nothing, and its tiles are not looked up.
     pub fn apply_to(&self, mut machine: MachineModel) -> MachineModel {
         if machine.name().starts_with("one-gpu:")
             && let Some(kind) = self.only_device_kind()
+            && of_precision(kind, machine.precision())
         {
             machine = machine.with_device_kind(kind);
         }
@@ -956,6 +972,23 @@ mod tests {
         assert_eq!(mixed.only_device_kind(), None);
         let kept = mixed.apply_to(MachineModel::preset("one-gpu:2").unwrap());
         assert_eq!(kept.device(0).kind, "h100");
+        // A machine in bf16 takes the kind of a bf16 profile only: an fp32 profile's tiles are
+        // not bf16's.
+        let bf16 = |db: &ProfileDb| {
+            let m = MachineModel::preset("one-gpu:2").unwrap();
+            db.apply_to(m.with_precision(Precision::Bf16))
+                .device(0)
+                .kind
+                .clone()
+        };
+        assert_eq!(bf16(&h200), "h100-bf16");
+        let h200_bf16 = ProfileDb {
+            entries: vec![entry("h200-bf16")],
+            ..ProfileDb::default()
+        };
+        assert_eq!(bf16(&h200_bf16), "h200-bf16");
+        let fp32 = h200_bf16.apply_to(MachineModel::preset("one-gpu:2").unwrap());
+        assert_eq!(fp32.device(0).kind, "h100");
     }
 
     #[test]

@@ -62,7 +62,8 @@ pub trait CostProvider {
 /// per-task overhead.
 ///
 /// - FLOPs of a tile: the layer's FLOPs times the tile's share of the output volume.
-/// - Bytes of a tile (f32): forward reads the projected input rects and the parameter slices and
+/// - Bytes of a tile (at the machine's [`MachineModel::activation_bytes`] per element: 4 in
+///   fp32, 2 in bf16, where the parameters are read as their bf16 working copy): forward reads the projected input rects and the parameter slices and
 ///   writes the tile; backward reads and writes each of them once more (gradients), i.e. twice the
 ///   forward traffic.
 /// - The input layer costs nothing (data loading is not part of the step model).
@@ -73,6 +74,8 @@ pub struct RooflineCost {
     pub compute_efficiency: f64,
     /// Fraction of peak memory bandwidth a streaming kernel sustains.
     pub memory_efficiency: f64,
+    /// Bytes of each element a kernel streams (the machine's precision).
+    element_bytes: f64,
 }
 
 impl RooflineCost {
@@ -83,6 +86,7 @@ impl RooflineCost {
                 .collect(),
             compute_efficiency: 0.7,
             memory_efficiency: 0.8,
+            element_bytes: machine.activation_bytes() as f64,
         }
     }
 
@@ -144,7 +148,7 @@ impl<'a> LayerWork<'a> {
             .iter()
             .map(|p| op.param_rect(p, tile_out).volume())
             .sum();
-        let forward_bytes = 4.0 * (input_elems + tile_volume + param_elems) as f64;
+        let forward_bytes = cost.element_bytes * (input_elems + tile_volume + param_elems) as f64;
         let flop_rate = spec.peak_flops_per_s() * cost.compute_efficiency;
         let byte_rate = spec.memory_bytes_per_s() * cost.memory_efficiency;
         let phase = |flops: f64, bytes: f64| {
@@ -183,6 +187,31 @@ mod tests {
     use super::*;
     use legion_ops::GraphBuilder;
     use legion_ops::op::{Conv2d, Dense};
+
+    /// In bf16 a memory-bound tile streams half the bytes; on a P100 (no bf16 tensor cores) a
+    /// compute-bound one takes as long as in fp32, on an H100 it runs on the tensor cores.
+    #[test]
+    fn bf16_halves_the_streamed_bytes_and_speeds_up_only_tensor_cores() {
+        let mut m = GraphBuilder::new("t");
+        let x = m.input("x", Shape::nc(512, 4096)).unwrap();
+        let fc = m.dense("fc", x, Dense::new(4096)).unwrap();
+        let r = m.relu("r", fc).unwrap();
+        let g = m.finish();
+        let time = |machine: &MachineModel, id| {
+            let cost = RooflineCost::new(machine);
+            let layer = g.layer(id);
+            cost.compute_time(layer, &g.input_shapes(id), &layer.shape.full_rect(), 0)
+        };
+        let p100 = MachineModel::preset("paper:4").unwrap();
+        let p100_bf16 = p100.clone().with_precision(legion_ops::Precision::Bf16);
+        assert_eq!(time(&p100_bf16, fc), time(&p100, fc));
+        let overhead = 2.0 * p100.device(0).task_overhead_s();
+        let streamed = |m: &MachineModel| time(m, r) - overhead;
+        assert!((streamed(&p100) / streamed(&p100_bf16) - 2.0).abs() < 1e-9);
+        let h100 = MachineModel::preset("dgx-h100").unwrap();
+        let h100_bf16 = h100.clone().with_precision(legion_ops::Precision::Bf16);
+        assert!(time(&h100_bf16, fc) < time(&h100, fc) / 5.0);
+    }
 
     #[test]
     fn dense_tile_is_compute_bound_and_scales_with_its_share() {

@@ -65,7 +65,8 @@ pub struct ReplicaGroup {
 }
 
 impl ReplicaGroup {
-    /// f32 bytes of the slice (one message).
+    /// f32 bytes of the slice (one message): weight gradients and weights are fp32 in every
+    /// precision, bf16's included (`Precision::weight_bytes`).
     pub fn bytes(&self) -> u64 {
         4 * self.slice.volume() as u64
     }

@@ -189,9 +189,10 @@ impl<'m> CostTables<'m> {
     }
 
     /// Per layer and config, the bytes the config's largest tile keeps on its device
-    /// ([`crate::memory::largest_tile_bytes`]).
+    /// ([`crate::memory::largest_tile_bytes_at`], in the machine's precision).
     pub fn largest_tile_bytes(&self) -> Vec<Vec<f64>> {
         let graph = self.model.graph();
+        let precision = self.model.machine().precision();
         self.spaces
             .iter()
             .enumerate()
@@ -199,7 +200,9 @@ impl<'m> CostTables<'m> {
                 space
                     .configs()
                     .iter()
-                    .map(|c| crate::memory::largest_tile_bytes(graph, LayerId(l), c) as f64)
+                    .map(|c| {
+                        crate::memory::largest_tile_bytes_at(graph, LayerId(l), c, precision) as f64
+                    })
                     .collect()
             })
             .collect()

@@ -2,7 +2,8 @@
 //!
 //! For an edge (producer `l_i` under `c_i` → input `k` of consumer `l_j` under `c_j`):
 //! every consumer tile needs `project(inputs of l_j, tile)[k]`; every producer tile that overlaps it
-//! and lives on a *different* device sends the intersection (f32, 4 bytes per element) over the link
+//! and lives on a *different* device sends the intersection (the machine's
+//! [`MachineModel::activation_bytes`] per element: 4 in fp32 and tf32, 2 in bf16) over the link
 //! producer device → consumer device in the forward pass, and the consumer sends the gradient of the
 //! same region back over the reverse link in the backward pass — except when the producer is the
 //! input layer, whose data needs no gradient. Overlaps on the same device are free.
@@ -75,9 +76,10 @@ impl TileOverlap {
         self.src_device == self.dst_device
     }
 
-    /// f32 bytes of the region.
-    pub fn bytes(&self) -> u64 {
-        4 * self.rect.volume() as u64
+    /// Bytes of the region at `element_bytes` per element (an activation's or its gradient's:
+    /// [`MachineModel::activation_bytes`]).
+    pub fn bytes(&self, element_bytes: u64) -> u64 {
+        element_bytes * self.rect.volume() as u64
     }
 }
 
@@ -153,6 +155,7 @@ pub fn partial_sum_messages(
 /// t_x of a set of overlaps (forward activations plus, with `gradient`, backward gradients), as
 /// documented above.
 pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient: bool) -> f64 {
+    let element = machine.activation_bytes();
     let busiest = |reverse: bool| {
         let mut load = Loads::default();
         for o in overlaps.iter().filter(|o| !o.is_local()) {
@@ -161,7 +164,7 @@ pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient:
             } else {
                 (o.src_device, o.dst_device)
             };
-            load.add(machine, from, to, o.bytes() as f64, 1);
+            load.add(machine, from, to, o.bytes(element) as f64, 1);
         }
         load.busiest()
     };
@@ -234,12 +237,12 @@ impl Loads {
 }
 
 /// Bytes moved between devices by a set of overlaps, forward and (with `gradient`) backward.
-pub fn transfer_bytes(overlaps: &[TileOverlap], gradient: bool) -> u64 {
+pub fn transfer_bytes(overlaps: &[TileOverlap], gradient: bool, element_bytes: u64) -> u64 {
     (if gradient { 2 } else { 1 })
         * overlaps
             .iter()
             .filter(|o| !o.is_local())
-            .map(|o| o.bytes())
+            .map(|o| o.bytes(element_bytes))
             .sum::<u64>()
 }
 
@@ -274,9 +277,9 @@ mod tests {
         let moved: Vec<_> = overlaps.iter().filter(|o| !o.is_local()).collect();
         assert_eq!(moved.len(), 2);
         let per_message = 32 * 256 * 4;
-        assert!(moved.iter().all(|o| o.bytes() == per_message));
+        assert!(moved.iter().all(|o| o.bytes(4) == per_message));
         // forward 2 messages + backward 2 messages
-        assert_eq!(transfer_bytes(&overlaps, true), 4 * per_message);
+        assert_eq!(transfer_bytes(&overlaps, true, 4), 4 * per_message);
         let machine = MachineModel::preset("paper:2").unwrap();
         let one = per_message as f64 / 20e9 + 5e-6;
         let t = transfer_time(&overlaps, &machine, true);
@@ -299,8 +302,8 @@ mod tests {
         let halo_row = (n * c * w * 4) as u64;
         let moved: Vec<_> = overlaps.iter().filter(|o| !o.is_local()).collect();
         assert_eq!(moved.len(), 2);
-        assert!(moved.iter().all(|o| o.bytes() == halo_row));
-        assert_eq!(transfer_bytes(&overlaps, true), 4 * halo_row);
+        assert!(moved.iter().all(|o| o.bytes(4) == halo_row));
+        assert_eq!(transfer_bytes(&overlaps, true, 4), 4 * halo_row);
         // rows 7 (to device 1) and 8 (to device 0)
         let rows: Vec<_> = moved.iter().map(|o| (o.rect.lo[2], o.rect.hi[2])).collect();
         assert_eq!(rows, vec![(8, 9), (7, 8)]);
@@ -317,7 +320,7 @@ mod tests {
         let overlaps = edge_overlaps(&g, &edge(&g, "r"), &cfg, &cfg);
         assert_eq!(overlaps.len(), 4);
         assert!(overlaps.iter().all(|o| o.is_local()));
-        assert_eq!(transfer_bytes(&overlaps, true), 0);
+        assert_eq!(transfer_bytes(&overlaps, true, 4), 0);
         let machine = MachineModel::preset("paper:8").unwrap();
         assert_eq!(transfer_time(&overlaps, &machine, true), 0.0);
     }
@@ -408,11 +411,11 @@ mod tests {
         assert_eq!(moved.len(), 1);
         assert_eq!((moved[0].src_device, moved[0].dst_device), (0, 1));
         assert_eq!((moved[0].rect.lo[1], moved[0].rect.hi[1]), (128, 256));
-        assert_eq!(transfer_bytes(&overlaps, true), 2 * 64 * 128 * 4);
+        assert_eq!(transfer_bytes(&overlaps, true, 4), 2 * 64 * 128 * 4);
         let sums = partial_sum_messages(&g, g.find("fc2").unwrap(), &red);
         assert_eq!(sums.len(), 1);
         assert_eq!((sums[0].src_device, sums[0].dst_device), (1, 0));
-        assert_eq!(transfer_bytes(&sums, true), 2 * 64 * 100 * 4);
+        assert_eq!(transfer_bytes(&sums, true, 4), 2 * 64 * 100 * 4);
         // a consumer of the split layer reads the finished block from its first partial only
         let after = edge_overlaps(&g, &edge(&g, "r"), &red, &ParallelConfig::serial(1));
         assert_eq!(after.len(), 1);

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{FAMILIES, random_graph};
+use legion_ops::Precision;
 use legion_ops::rng::Rng;
 use legion_planner::machine::{IntraTopology, NodeSpec};
 use legion_planner::{
@@ -26,6 +27,13 @@ fn machines() -> Vec<MachineModel> {
         MachineModel::preset("paper:4").unwrap(),
         MachineModel::from_flags(4, 2, Some(50.0), Some(10.0)).unwrap(),
         MachineModel::from_flags(1, 8, None, None).unwrap(),
+        // bf16: 2-byte activations in both kinds of t_x tables (factorized, shared lanes)
+        MachineModel::from_flags(4, 2, Some(50.0), Some(10.0))
+            .unwrap()
+            .with_precision(Precision::Bf16),
+        MachineModel::preset("paper:8")
+            .unwrap()
+            .with_precision(Precision::Bf16),
         // irregular: nodes of 3, and an override
         MachineModel::from_flags(2, 3, None, None).unwrap(),
         MachineModel::preset("paper:8")

@@ -8,14 +8,15 @@
 
 use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
+use crate::precision;
 use anyhow::{Context, bail};
 use legion_cluster::engine::{self, Engine, JobStart, NextBatch, OneGpu, Place, StepBatch};
 use legion_cluster::launch;
-use legion_ops::Graph;
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::train::{ParamStore, Sgd, TrainingState};
+use legion_ops::{Graph, Precision};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{
     CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, SearchSpace, Strategy,
@@ -62,8 +63,10 @@ pub struct TrainOptions {
     pub device: DeviceKind,
     /// `--memory-gib`: each device's memory, which the strategy must fit.
     pub memory_gib: Option<f64>,
-    /// `--tf32`: a GPU's products and convolutions may use TF32 tensor cores.
-    pub tf32: bool,
+    /// `--precision` (`--tf32`: tf32): what the run computes in; `None`: a cluster's hosts-file
+    /// `precision`, else fp32. bf16 is refused, naming the flag, where it cannot run as asked
+    /// (`crate::precision`).
+    pub precision: Option<Precision>,
     /// `--conv-algos`: how a GPU picks its convolution algorithms.
     pub conv_algos: legion_cuda::ConvAlgos,
     /// Whether the one-device trainer stages the next batch while a step computes
@@ -102,7 +105,7 @@ impl Default for TrainOptions {
             slurm: false,
             cluster_state: None,
             memory_gib: None,
-            tf32: false,
+            precision: None,
             conv_algos: legion_cuda::ConvAlgos::default(),
             prefetch: true,
             capture: CaptureSetting::On,
@@ -432,11 +435,20 @@ impl Job {
             opts.gpus.as_deref(),
             legion_cuda::probe,
         )?;
-        let math = if opts.tf32 {
-            legion_cuda::Math::Tf32
-        } else {
-            legion_cuda::Math::StrictFp32
+        // A precision the devices cannot compute is refused before a GPU starts.
+        let precision = match &cluster {
+            Some((label, hosts, _)) => {
+                let p = precision::resolve(opts.precision, hosts.precision, label)?;
+                precision::check_hosts(p, hosts)?;
+                p
+            }
+            None => {
+                let p = opts.precision.unwrap_or_default();
+                precision::check_device(p, &device)?;
+                p
+            }
         };
+        let math = precision::gpu_math(precision)?;
         let settings = legion_cuda::Settings {
             math,
             conv_algos: opts.conv_algos,
@@ -456,7 +468,7 @@ impl Job {
                 ),
                 None => match &gpus {
                     Some(started) => (
-                        gpus_machine(devices, &started.info, opts.tf32)?,
+                        gpus_machine(devices, &started.info, precision)?,
                         "embedded device(s) on GPUs".to_string(),
                     ),
                     None => (embedded_machine(devices)?, "embedded device(s)".to_string()),

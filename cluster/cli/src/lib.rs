@@ -14,6 +14,7 @@ pub mod compare;
 pub mod device;
 pub mod job;
 pub mod machine;
+pub mod precision;
 mod progress;
 
 pub use commands::{Cli, Command, load_model, load_model_and_weights, run};

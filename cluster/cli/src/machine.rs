@@ -8,6 +8,7 @@ use legion_cluster::hosts::{
 };
 use legion_cluster::launch::{MeasuredNic, load_links, load_nics};
 use legion_cuda::CudaDevice;
+use legion_ops::Precision;
 use legion_planner::machine::{DeviceSpec, Link, MachineError, MachineModel, NetworkCpu, NodeSpec};
 use std::path::Path;
 
@@ -23,12 +24,13 @@ pub fn embedded_machine(devices: usize) -> anyhow::Result<MachineModel> {
 /// The machine the embedded cluster's `devices` devices make on `gpus` (as the runtime places
 /// them, `Placement::gpu_of`), as the planner sees it (`MachineModel::on_gpus`): devices of the
 /// first GPU's kind, from its name (`DeviceSpec::for_gpu`: an H200 is `h200`, and a profile
-/// measured on it, `profile --device cuda`, is stored and looked up under that kind), `-tf32`
-/// with `tf32`, each with its share of its GPU's memory.
+/// measured on it, `profile --device cuda`, is stored and looked up under that kind), computing
+/// in `precision` (`MachineModel::with_precision`: `h100-tf32`, `h100-bf16`), each with its share
+/// of its GPU's memory.
 pub fn gpus_machine(
     devices: usize,
     gpus: &[CudaDevice],
-    tf32: bool,
+    precision: Precision,
 ) -> anyhow::Result<MachineModel> {
     // A GPU listed twice (`--gpus 0,0`) lends each logical GPU its share of its memory.
     let memory: Vec<f64> = gpus
@@ -39,20 +41,15 @@ pub fn gpus_machine(
         })
         .collect();
     let first = gpus.first().map_or("", |g| g.name.as_str());
-    let mut device = DeviceSpec::for_gpu(first, memory.first().copied().unwrap_or_default());
-    if tf32 {
-        device.kind = format!("{}-tf32", device.kind);
-        device.peak_gflops *= TF32_OVER_FP32;
-    }
+    let device = DeviceSpec::for_gpu(first, memory.first().copied().unwrap_or_default());
     let g = memory.len().min(devices.max(1));
     let name = format!("gpus:{devices}on{g}");
     // Logical GPUs on one device share its kernels' time: one kernel at a time per physical GPU.
     let physical = crate::device::physical_gpus(&gpus[..g]);
-    Ok(MachineModel::on_gpus(&name, devices, &memory, device)?.with_compute_slots(physical)?)
+    Ok(MachineModel::on_gpus(&name, devices, &memory, device)?
+        .with_compute_slots(physical)?
+        .with_precision(precision))
 }
-
-/// TF32 tensor-core peak over the FP32 peak of an H100 SXM5 (494.7 / 67 TFLOP/s).
-const TF32_OVER_FP32: f64 = 494.7 / 67.0;
 
 /// The planner's view of the cluster: one node per host; devices of one host exchange data by
 /// in-process copies (the `local-cpu` preset's link), hosts over a `DEFAULT_INTER_HOST_GBPS`
@@ -307,7 +304,7 @@ mod tests {
 
     #[test]
     fn the_embedded_gpu_machine_takes_each_gpus_memory_and_the_math() {
-        let one = gpus_machine(4, &[gpu(0)], false).unwrap();
+        let one = gpus_machine(4, &[gpu(0)], Precision::Fp32).unwrap();
         assert_eq!((one.num_devices(), one.num_nodes()), (4, 1));
         assert_eq!(
             one.device(0).memory_gib,
@@ -316,17 +313,24 @@ mod tests {
         );
         assert_eq!(one.compute_slots(), Some(1));
         let four: Vec<CudaDevice> = (0..4).map(gpu).collect();
-        assert_eq!(gpus_machine(2, &four, false).unwrap().num_nodes(), 2);
-        let tf32 = gpus_machine(1, &[gpu(0)], true).unwrap();
+        assert_eq!(
+            gpus_machine(2, &four, Precision::Fp32).unwrap().num_nodes(),
+            2
+        );
+        let tf32 = gpus_machine(1, &[gpu(0)], Precision::Tf32).unwrap();
         assert!(tf32.device(0).peak_gflops > 7.0 * DeviceSpec::h100().peak_gflops);
         assert_eq!(tf32.device(0).kind, "h100-tf32");
+        let bf16 = gpus_machine(1, &[gpu(0)], Precision::Bf16).unwrap();
+        assert!(bf16.device(0).peak_gflops > 14.0 * DeviceSpec::h100().peak_gflops);
+        assert_eq!(bf16.device(0).kind, "h100-bf16");
+        assert_eq!(bf16.activation_bytes(), 2);
         // The kind is the GPU's, from its name: an H200's profile is its own.
         let h200 = CudaDevice {
             name: "NVIDIA H200".into(),
             total_memory_bytes: 140 << 30,
             ..gpu(0)
         };
-        let on_h200 = gpus_machine(2, &[h200], false).unwrap();
+        let on_h200 = gpus_machine(2, &[h200], Precision::Fp32).unwrap();
         assert_eq!(on_h200.device(0).kind, "h200");
         assert_eq!(on_h200.device(0).memory_gib, Some(70.0));
     }
@@ -543,13 +547,13 @@ latency_us = 20.0
 
     #[test]
     fn logical_gpus_share_their_device_in_the_embedded_machine() {
-        let logical = gpus_machine(4, &[gpu(0), gpu(0)], false).unwrap();
+        let logical = gpus_machine(4, &[gpu(0), gpu(0)], Precision::Fp32).unwrap();
         assert_eq!((logical.num_devices(), logical.num_nodes()), (4, 2));
         assert_eq!(logical.compute_slots(), Some(1), "one physical GPU");
         assert_eq!(logical.device(0).memory_gib, Some(20.0), "80 GiB over 4");
         // between the logical GPUs: staged, as between GPUs
         assert_eq!(logical.link(0, 2), Some(assumed_staging().unwrap()));
-        let two = gpus_machine(4, &[gpu(0), gpu(1)], false).unwrap();
+        let two = gpus_machine(4, &[gpu(0), gpu(1)], Precision::Fp32).unwrap();
         assert_eq!(two.compute_slots(), Some(2));
         assert_eq!(two.device(0).memory_gib, Some(40.0));
     }

@@ -236,6 +236,10 @@ const TOUR: &[(&str, How)] = &[
         How::Run(&[("--image-size", "64"), ("--batch", "4"), ("--steps", "1")]),
     ),
     (
+        "legion-rs plan --model alexnet --machine paper:4 --search owt --precision bf16",
+        How::Run(&[]),
+    ),
+    (
         "legion-rs train --model resnet50 --image-size 224 --batch 64 --classes 1000 --steps 20 --conv-algos precise",
         How::Run(&[("--image-size", "32"), ("--batch", "2"), ("--steps", "1")]),
     ),

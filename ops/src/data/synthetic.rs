@@ -413,7 +413,10 @@ mod tests {
         let mut short = described.clone();
         short.factors.pop();
         let e = short.check().unwrap_err().to_string();
-        assert!(e.contains("needs 5 noise states and 1980 factors, got 5 and 1979"), "{e}");
+        assert!(
+            e.contains("needs 5 noise states and 1980 factors, got 5 and 1979"),
+            "{e}"
+        );
         let mut unstated = described;
         unstated.noise_states.pop();
         assert!(unstated.check().is_err());

@@ -352,6 +352,8 @@ pub(super) fn build_tasks(
     let graph = model.graph();
     let machine = model.machine();
     let provider = model.provider();
+    // activations and their gradients move at the machine's precision (2 bytes in bf16)
+    let element = machine.activation_bytes();
     // forward[l][t] reads the tile's inputs; output[l][t] makes its output: the same task but
     // under a reduction split, where the block's first partial finishes the summed block
     let mut forward: Vec<Vec<usize>> = Vec::new();
@@ -417,7 +419,7 @@ pub(super) fn build_tasks(
             if o.is_local() {
                 // On one device the runtime copies a piece straight from instance to instance.
                 let dep = if gathered || stored {
-                    let bytes = o.bytes();
+                    let bytes = o.bytes(element);
                     move_task(tasks, machine, names, o.src_device, bytes, &[from])
                 } else {
                     from
@@ -431,7 +433,7 @@ pub(super) fn build_tasks(
                     machine,
                     || format!("gather {}", names()),
                     o.src_device,
-                    o.bytes(),
+                    o.bytes(element),
                     &[from],
                 );
             }
@@ -441,7 +443,7 @@ pub(super) fn build_tasks(
                 names,
                 TaskKind::Copy,
                 (o.src_device, o.dst_device),
-                o.bytes(),
+                o.bytes(element),
                 from,
             );
             if stored {
@@ -450,7 +452,7 @@ pub(super) fn build_tasks(
                     machine,
                     || format!("store {}", names()),
                     o.dst_device,
-                    o.bytes(),
+                    o.bytes(element),
                     arrived.tasks(),
                 ));
             }
@@ -509,7 +511,7 @@ pub(super) fn build_tasks(
         for o in overlaps {
             let mut from = backward[e.dst.0][o.dst_tile];
             if o.is_local() {
-                terms[e.src.0][o.src_tile].push((from, o.bytes(), o.rect));
+                terms[e.src.0][o.src_tile].push((from, o.bytes(element), o.rect));
                 continue;
             }
             // The consumer's gradient instance is its whole input rect; the producer receives the
@@ -529,7 +531,7 @@ pub(super) fn build_tasks(
                     machine,
                     || format!("gather {}", names()),
                     o.dst_device,
-                    o.bytes(),
+                    o.bytes(element),
                     &[from],
                 );
             }
@@ -539,11 +541,11 @@ pub(super) fn build_tasks(
                 names,
                 TaskKind::GradientCopy,
                 (o.dst_device, o.src_device),
-                o.bytes(),
+                o.bytes(element),
                 from,
             );
             // the term's bytes once, with the copy (the rest is the transport's CPU work)
-            let bytes = std::iter::once(o.bytes()).chain(std::iter::repeat(0));
+            let bytes = std::iter::once(o.bytes(element)).chain(std::iter::repeat(0));
             terms[e.src.0][o.src_tile].extend(
                 arrived
                     .tasks()
@@ -574,7 +576,7 @@ pub(super) fn build_tasks(
                     .collect();
                 // each term once: a message's transport tasks carry no bytes of their own
                 let count = covering.iter().filter(|&&&(_, b, _)| b > 0).count();
-                let bytes = fold_bytes(count, 4 * cell.volume() as u64);
+                let bytes = fold_bytes(count, element * cell.volume() as u64);
                 let name = || match cells.len() {
                     1 => format!("{} grad sum {t}", layer.name),
                     _ => format!("{} grad sum {t} part {k}", layer.name),
@@ -693,7 +695,7 @@ fn finish_partial_sums(
     let mut out = partials.to_vec();
     for first in (0..config.total()).step_by(red) {
         let block = tile_rect(&layer.shape, config, first);
-        let bytes = 4 * block.volume() as u64;
+        let bytes = machine.activation_bytes() * block.volume() as u64;
         let device = config.device_of_tile(first);
         let mut terms = vec![partials[first]];
         for (t, &partial) in partials
@@ -740,7 +742,7 @@ fn partial_backward(
     let mut backward = Vec::with_capacity(config.total());
     for first in (0..config.total()).step_by(red) {
         let block = tile_rect(&layer.shape, config, first);
-        let bytes = 4 * block.volume() as u64;
+        let bytes = machine.activation_bytes() * block.volume() as u64;
         let device = config.device_of_tile(first);
         let duration = elementwise_time(machine, device, bytes);
         let finish = tasks.push(

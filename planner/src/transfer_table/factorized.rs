@@ -45,6 +45,8 @@ pub(super) struct Factorized {
     node_size: usize,
     intra: Link,
     inter: Link,
+    /// Bytes of an element that moves ([`MachineModel::activation_bytes`]).
+    element_bytes: u64,
     /// Per (log2 producer total, log2 consumer total): the class of every block pair, its
     /// [`Relation::class`], `[src block * dst blocks + dst block]` (see [`Factorized::class_of`]).
     class_of: Vec<Vec<u16>>,
@@ -62,6 +64,7 @@ impl Factorized {
             node_size,
             intra: machine.intra_node_link(),
             inter: machine.inter_node_link(),
+            element_bytes: machine.activation_bytes(),
             class_of: Vec::new(),
             levels,
         };
@@ -115,7 +118,7 @@ impl Factorized {
             if elems == 0 {
                 0.0
             } else {
-                link.message_time((4 * elems) as f64)
+                link.message_time((self.element_bytes * elems) as f64)
             }
         };
         // a regular machine's links are symmetric, so the backward pass takes as long
@@ -170,6 +173,7 @@ impl Factorized {
             dst: dst.iter().map(level).collect(),
             intra: self.intra,
             inter: self.inter,
+            element_bytes: self.element_bytes,
             gradient: geometry.gradient,
         }
     }
@@ -1043,6 +1047,7 @@ pub(crate) struct LeastTimes {
     dst: Vec<[usize; FACTORS]>,
     intra: Link,
     inter: Link,
+    element_bytes: u64,
     gradient: bool,
 }
 
@@ -1081,7 +1086,7 @@ impl LeastTimes {
         if elems == 0 {
             return 0.0;
         }
-        let bytes = (4 * elems) as f64;
+        let bytes = (self.element_bytes * elems) as f64;
         let one = self
             .intra
             .message_time(bytes)

@@ -133,6 +133,8 @@ pub(super) struct PerMessage {
     /// By `log2(src blocks' size) * levels + log2(dst blocks' size)`.
     classes: Vec<PairClasses>,
     levels: usize,
+    /// Bytes of an element that moves ([`MachineModel::activation_bytes`]).
+    element_bytes: u64,
 }
 
 /// The block pairs of one (producer total, consumer total) that are alike.
@@ -193,6 +195,7 @@ impl PerMessage {
             backward,
             classes: Vec::new(),
             levels: sizes.len(),
+            element_bytes: machine.activation_bytes(),
         };
         for &src in &sizes {
             for &dst in &sizes {
@@ -400,7 +403,7 @@ impl PerMessage {
                             volume *= hi.min(need.hi[a]) - lo.max(need.lo[a]);
                             src_tile = src_tile * g[a] + idx[a];
                         }
-                        let bytes = (4 * volume) as f64;
+                        let bytes = (self.element_bytes * volume as u64) as f64;
                         largest = largest.max(bytes);
                         messages.push(Message {
                             src_tile: src_tile * src_red,

@@ -7,7 +7,7 @@ use crate::job::check_output_path;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use legion_cluster::memory::human_bytes;
-use legion_ops::Graph;
+use legion_ops::{Graph, Precision};
 use legion_planner::config::config_counts;
 use legion_planner::machine_file::resolve_machine;
 use legion_planner::memory;
@@ -111,6 +111,13 @@ pub struct PlanArgs {
     /// dense layers into partial sums over blocks of their input channels (`red`).
     #[arg(long)]
     paper_space: bool,
+    /// What the devices compute in, as `train --precision` runs it: activations and their
+    /// gradients take 2 bytes in bf16 (t_x, memory, the roofline's memory traffic), parameter
+    /// sync stays fp32, a GPU's peak is its tensor cores' (TF32 or BF16; a P100's and a CPU's stay
+    /// FP32), and devices are looked up in a --profile under their kind with the precision's
+    /// suffix (`h100-bf16`, as `profile --precision bf16` stores them).
+    #[arg(long, value_name = "fp32|tf32|bf16", default_value_t = Precision::Fp32)]
+    precision: Precision,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -203,6 +210,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         Some(gib) => machine.with_device_memory_gib(gib)?,
         None => machine,
     };
+    let machine = machine.with_precision(args.precision);
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
     let graph = super::load_model(&args.model, batch, args.image_size, args.classes)?;
     // The measured links and compute sharing replace the preset's guesses, so transfers and the
@@ -234,6 +242,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             let doc = PlanJson {
                 model: graph.name.clone(),
                 devices: machine.num_devices(),
+                precision: args.precision,
                 t_c: t_c_source(&args),
                 searches: vec![SearchJson::of(&graph, "strategy", Ok(&evaluated), 0.0)],
             };
@@ -288,7 +297,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         if args.json {
             println!(
                 "{}",
-                PlanJson::of(&graph, &run, t_c_source(&args)).to_json()
+                PlanJson::of(&graph, &run, t_c_source(&args), args.precision).to_json()
             );
         } else {
             println!("{} on {machine}, batch {batch}", graph.name);
@@ -365,7 +374,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
 /// Warns on stderr when the chosen strategy needs more memory than a device has (or, for devices
 /// sharing this host's memory, than the host has available).
 fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelConfig]) {
-    let need = memory::per_device(graph, configs, machine.num_devices());
+    let need = memory::per_device_at(graph, configs, machine.num_devices(), machine.precision());
     let over = memory::over_capacity(machine, &need);
     let largest = |d: &memory::DeviceMemory| match d.largest_layer {
         Some((layer, bytes)) => format!(

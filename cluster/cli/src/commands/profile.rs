@@ -9,6 +9,7 @@ use crate::job::{check_output_path, choose_strategy_for};
 use crate::machine::{embedded_machine, gpus_machine};
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args};
+use legion_ops::Precision;
 use legion_profile::{self as profile, ProfileSettings};
 use serde_json::json;
 use std::path::PathBuf;
@@ -75,14 +76,17 @@ pub struct ProfileArgs {
     /// saying which.
     #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
     device: DeviceKind,
-    /// On a GPU: profile TF32 tensor-core products and convolutions instead of strict FP32.
-    #[arg(long)]
-    tf32: bool,
+    /// What the kernels compute in (as `train --precision`): a GPU's entries are stored under
+    /// its kind with the precision's suffix (`h100-tf32`, `h100-bf16`), which `plan --precision`
+    /// looks up; bf16 needs a GPU.
+    #[command(flatten)]
+    precision: crate::precision::PrecisionArgs,
     /// On a GPU, how convolution algorithms are picked (as `train --conv-algos`).
     #[arg(long, default_value_t = legion_cuda::ConvAlgos::default())]
     conv_algos: legion_cuda::ConvAlgos,
     /// The machine model's device kind the entries are stored under (default: --machine's, else
-    /// `cpu` on the CPU and `h100` on a GPU, `h100-tf32` with --tf32); `plan --profile` prices a
+    /// `cpu` on the CPU and `h100` on a GPU, `h100-tf32` with --precision tf32, `h100-bf16` with
+    /// bf16); `plan --profile` prices a
     /// machine's devices with the entries of their kind (`p100` for the paper's machine).
     #[arg(long)]
     device_kind: Option<String>,
@@ -105,10 +109,9 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     // The profile's devices share one GPU: the first.
     let first_gpu = || legion_cuda::probe().map(|gpus| gpus.into_iter().take(1).collect());
     let mut choice = device::choose(a.device, devices, false, first_gpu)?;
-    let math = match a.tf32 {
-        true => legion_cuda::Math::Tf32,
-        false => legion_cuda::Math::StrictFp32,
-    };
+    let precision = a.precision.given().unwrap_or_default();
+    crate::precision::check_device(precision, &choice)?;
+    let math = crate::precision::gpu_math(precision)?;
     let settings = legion_cuda::Settings {
         math,
         conv_algos: a.conv_algos,
@@ -131,7 +134,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         }
         // Planned for the devices sharing the GPU, as `train` plans them.
         (None, _) => match &gpus {
-            Some(started) => gpus_machine(devices, &started.info, a.tf32)?,
+            Some(started) => gpus_machine(devices, &started.info, precision)?,
             None => embedded_machine(devices)?,
         },
     };
@@ -314,7 +317,8 @@ fn profile_on_gpu(
         unreachable!("started GPUs place devices on GPUs")
     };
     // Entries price the devices of the machine they are for: --machine's, else the GPU's own
-    // (`h100`, `h100-tf32` with --tf32, as `dgx-h100` and its TF32 machine file name them).
+    // (`h100`, `h100-tf32` with --precision tf32, as `dgx-h100` and its TF32 machine file name
+    // them; `h100-bf16` in bf16).
     let device_kind = a
         .device_kind
         .clone()
@@ -340,7 +344,12 @@ fn profile_on_gpu(
         measured.db.compute_threads = Some(1);
     }
     let software = legion_cuda::probe::software_versions().unwrap_or_else(|e| e.to_string());
-    let math = if a.tf32 { "TF32" } else { "strict FP32" };
+    let precision = a.precision.given().unwrap_or_default();
+    let math = match precision {
+        Precision::Fp32 => "strict FP32",
+        Precision::Tf32 => "TF32",
+        Precision::Bf16 => "bf16 with fp32 accumulation",
+    };
     measured.db.measured_on = Some(legion_planner::profile::MeasuredOn {
         device: format!("{gpu}, {math}, cuDNN algorithms {}", cudas[0].conv_algos()),
         software,
@@ -358,7 +367,8 @@ fn profile_on_gpu(
         println!(
             "{}",
             json!({"model": graph.name, "devices": devices, "batch": a.batch,
-                   "gpu": gpu.to_string(), "tf32": a.tf32, "device_kind": settings.device_kind,
+                   "gpu": gpu.to_string(), "tf32": precision == Precision::Tf32,
+                   "precision": precision, "device_kind": settings.device_kind,
                    "entries": measured.db.entries.len(), "copies": measured.copies,
                    "strategies": runs, "stopped_early": measured.stopped_early,
                    "out": a.out.display().to_string()})

@@ -1,6 +1,6 @@
 //! Human tables and JSON for `legion-rs plan`: presentation, kept out of the planner.
 
-use legion_ops::Graph;
+use legion_ops::{Graph, Precision};
 use legion_planner::ParallelConfig;
 use legion_planner::cost::CostBreakdown;
 use legion_planner::memory::human_bytes;
@@ -138,11 +138,13 @@ pub fn refine_line(r: &RefineReport) -> String {
 /// A summary of one evaluated strategy: Eq. 1, simulated step and bytes.
 pub fn summary(name: &str, e: &Evaluated, search_seconds: Option<f64>) -> String {
     let mut out = format!(
-        "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved ({:.1} MB between nodes), \
-         peak {} on device {}",
+        "{name}: Eq.1 {:.3} ms, simulated {:.3} ms, {:.1} MB moved ({:.1} MB of activations and \
+         their gradients, {:.1} MB of parameter sync; {:.1} MB between nodes), peak {} on device {}",
         e.cost.total * 1e3,
         e.simulated_s * 1e3,
         e.cost.comm_bytes as f64 / 1e6,
+        e.cost.activation_bytes as f64 / 1e6,
+        e.cost.sync_bytes as f64 / 1e6,
         e.cost.inter_node_bytes as f64 / 1e6,
         human_bytes(e.peak_device.1),
         e.peak_device.0
@@ -158,6 +160,8 @@ pub fn summary(name: &str, e: &Evaluated, search_seconds: Option<f64>) -> String
 pub struct PlanJson {
     pub model: String,
     pub devices: usize,
+    /// What the devices compute in (`--precision`): the element size of the activations moved.
+    pub precision: Precision,
     /// Where t_c came from: `roofline`, or `profile <path>` (measured kernel times).
     pub t_c: String,
     pub searches: Vec<SearchJson>,
@@ -172,6 +176,12 @@ pub struct SearchJson {
     pub simulated_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm_bytes: Option<u64>,
+    /// The part of `comm_bytes` that is activations and their gradients (t_x, t_r): half in bf16.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_bytes: Option<u64>,
+    /// The part of `comm_bytes` that is parameter sync (t_s): fp32 in every precision.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_bytes: Option<u64>,
     /// The part of `comm_bytes` between nodes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inter_node_bytes: Option<u64>,
@@ -231,6 +241,8 @@ impl SearchJson {
                 eq1_ms: Some(e.cost.total * 1e3),
                 simulated_ms: Some(e.simulated_s * 1e3),
                 comm_bytes: Some(e.cost.comm_bytes),
+                activation_bytes: Some(e.cost.activation_bytes),
+                sync_bytes: Some(e.cost.sync_bytes),
                 inter_node_bytes: Some(e.cost.inter_node_bytes),
                 peak_device_bytes: Some(e.peak_device.1),
                 search_ms: seconds * 1e3,
@@ -246,6 +258,8 @@ impl SearchJson {
                 eq1_ms: None,
                 simulated_ms: None,
                 comm_bytes: None,
+                activation_bytes: None,
+                sync_bytes: None,
                 inter_node_bytes: None,
                 peak_device_bytes: None,
                 search_ms: seconds * 1e3,
@@ -261,9 +275,10 @@ impl SearchJson {
 }
 
 impl PlanJson {
-    pub fn of(graph: &Graph, run: &PlanRun, t_c: String) -> PlanJson {
+    pub fn of(graph: &Graph, run: &PlanRun, t_c: String, precision: Precision) -> PlanJson {
         PlanJson {
             model: run.model.clone(),
+            precision,
             t_c,
             devices: run.devices,
             searches: run

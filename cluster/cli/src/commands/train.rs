@@ -90,10 +90,8 @@ pub struct TrainArgs {
     /// that do; a named strategy that does not is refused), checked before anything is allocated.
     #[arg(long)]
     memory_gib: Option<f64>,
-    /// On a GPU, let cuBLAS and cuDNN use TF32 tensor cores for products and convolutions
-    /// (several times faster, ~1e-3 relative error per product); strict FP32 without it.
-    #[arg(long)]
-    tf32: bool,
+    #[command(flatten)]
+    precision: crate::precision::PrecisionArgs,
     /// On a GPU, how convolution algorithms are picked: `fastest` times each problem's
     /// algorithms once and keeps the fastest (FFT, Winograd and atomic sums included);
     /// `precise` does so among the deterministic ones that sum directly, whose results differ
@@ -142,7 +140,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         cluster_state: a.state,
         device: a.device,
         memory_gib: a.memory_gib,
-        tf32: a.tf32,
+        precision: a.precision.given(),
         conv_algos: a.conv_algos,
         prefetch: !a.no_prefetch,
         capture: match a.no_capture {
