@@ -74,47 +74,51 @@ pub(crate) fn rows_holding(held: &[u32], labels: &[u32], first_row: usize) -> Op
     (held.get(rows.clone())? == labels).then_some(rows)
 }
 
-/// One of the two host-side sets a batch is copied from.
-struct HostSlot {
-    images: PinnedHostSlice<f32>,
-    labels: PinnedHostSlice<u32>,
-    /// Recorded behind the last copies out of them: cudarc records its own only while it
-    /// tracks buffer uses (`Sharing::AcrossStreams`).
-    copied_out: Option<CudaEvent>,
-}
+/// The event recorded behind the last copies out of a slot's page-locked memory (cudarc records
+/// its own only while it tracks buffer uses, `Sharing::AcrossStreams`). The memory must outlive
+/// those copies: dropping this waits for them, so a slot declares it before its buffers (fields
+/// drop in order).
+#[derive(Default)]
+struct CopiedOut(Option<CudaEvent>);
 
-impl Drop for HostSlot {
-    /// Page-locked memory must outlive the copies out of it (cudarc's own event is not recorded
-    /// without tracking): a slot let go waits for them.
-    fn drop(&mut self) {
-        if let Some(copied_out) = &self.copied_out {
-            let waited = copied_out.synchronize();
-            copied_out.context().record_err(waited);
+impl CopiedOut {
+    /// Waits for the copies out of the slot, before its memory is written again.
+    fn wait(&self) -> Result<(), cudarc::driver::DriverError> {
+        match &self.0 {
+            Some(event) => event.synchronize(),
+            None => Ok(()),
         }
     }
+}
+
+impl Drop for CopiedOut {
+    fn drop(&mut self) {
+        if let Some(event) = &self.0 {
+            let waited = event.synchronize();
+            event.context().record_err(waited);
+        }
+    }
+}
+
+/// One of the two host-side sets a batch is copied from.
+struct HostSlot {
+    /// First: dropped, and so waited for, before the memory it guards.
+    copied_out: CopiedOut,
+    images: PinnedHostSlice<f32>,
+    labels: PinnedHostSlice<u32>,
 }
 
 /// One of the two sets a described synthetic batch (`Backend::stage_synthetic`) is drawn
 /// from: its description in page-locked memory and on the device. The device buffers belong to
 /// the copy stream, which alone uses them, so a reuse is ordered after the draw that read them.
 struct DescribedSlot {
+    /// First: dropped, and so waited for, before the memory it guards.
+    copied_out: CopiedOut,
     factors: PinnedHostSlice<f32>,
     states: PinnedHostSlice<u64>,
     labels: PinnedHostSlice<u32>,
     device_factors: CudaSlice<f32>,
     device_states: CudaSlice<u64>,
-    /// Recorded behind the last copies out of the host buffers.
-    copied_out: Option<CudaEvent>,
-}
-
-impl Drop for DescribedSlot {
-    /// As for [`HostSlot`]: the page-locked memory outlives the copies out of it.
-    fn drop(&mut self) {
-        if let Some(copied_out) = &self.copied_out {
-            let waited = copied_out.synchronize();
-            copied_out.context().record_err(waited);
-        }
-    }
 }
 
 /// A stream's copy stream and the buffers batches move through.
@@ -189,9 +193,7 @@ impl Cuda {
         copies.next_slot = (index + 1) % 2;
         let slot = match copies.slots[index].take() {
             Some(slot) if slot.images.len() == images && slot.labels.len() == labels => {
-                if let Some(copied_out) = &slot.copied_out {
-                    copied_out.synchronize()?;
-                }
+                slot.copied_out.wait()?;
                 slot
             }
             stale => {
@@ -199,7 +201,7 @@ impl Cuda {
                 HostSlot {
                     images: pinned(self, images, Direction::ToDevice)?,
                     labels: pinned(self, labels, Direction::ToDevice)?,
-                    copied_out: None,
+                    copied_out: CopiedOut::default(),
                 }
             }
         };
@@ -311,7 +313,7 @@ impl Cuda {
                 return Err(e);
             }
         };
-        slot.copied_out = Some(copied_out);
+        slot.copied_out = CopiedOut(Some(copied_out));
         copies.slots[index] = Some(slot);
         Ok(StagedBatch {
             images: Some(images),
@@ -397,9 +399,7 @@ impl Cuda {
                 if slot.factors.len() == batch.factors.len()
                     && slot.labels.len() == batch.len() =>
             {
-                if let Some(copied_out) = &slot.copied_out {
-                    copied_out.synchronize()?;
-                }
+                slot.copied_out.wait()?;
                 slot
             }
             stale => {
@@ -411,7 +411,7 @@ impl Cuda {
                     // SAFETY: each draw's copies write every element before the kernel reads.
                     device_factors: unsafe { copy.alloc::<f32>(batch.factors.len()) }?,
                     device_states: unsafe { copy.alloc::<u64>(batch.len()) }?,
-                    copied_out: None,
+                    copied_out: CopiedOut::default(),
                 }
             }
         };
@@ -450,7 +450,7 @@ impl Cuda {
                 return Err(e);
             }
         };
-        slot.copied_out = Some(copied_out);
+        slot.copied_out = CopiedOut(Some(copied_out));
         copies.described[index] = Some(slot);
         Ok(StagedBatch {
             images: Some(device_images),
