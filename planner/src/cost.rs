@@ -19,6 +19,7 @@
 use crate::config::{ParallelConfig, tile_rect};
 use crate::machine::MachineModel;
 use crate::provider::CostProvider;
+use crate::simulate::SyncSimulation;
 use crate::sync::{layer_link_loads, sync_time};
 use crate::transfer::{
     Edge, TileOverlap, edge_overlaps, graph_edges, partial_sum_messages, transfer_bytes,
@@ -34,6 +35,7 @@ pub struct CostModel<'a> {
     provider: &'a dyn CostProvider,
     edges: Vec<Edge>,
     inputs: Vec<Vec<Shape>>,
+    sync_simulation: SyncSimulation,
 }
 
 /// Eq. 1 terms of one layer.
@@ -95,7 +97,20 @@ impl<'a> CostModel<'a> {
             provider,
             edges: graph_edges(graph),
             inputs: graph.ids().map(|id| graph.input_shapes(id)).collect(),
+            sync_simulation: SyncSimulation::default(),
         }
+    }
+
+    /// The same model, its simulations scheduling parameter synchronisation as `detail` says
+    /// (Eq. 1 does not change).
+    pub fn with_sync_simulation(mut self, detail: SyncSimulation) -> CostModel<'a> {
+        self.sync_simulation = detail;
+        self
+    }
+
+    /// How [`crate::simulate`] schedules parameter synchronisation for this model.
+    pub fn sync_simulation(&self) -> SyncSimulation {
+        self.sync_simulation
     }
 
     pub fn graph(&self) -> &'a Graph {

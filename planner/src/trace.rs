@@ -29,7 +29,13 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
             Resource::Network(node) => {
                 networks.entry(node).or_insert(next);
             }
-            Resource::Device(_) => {}
+            Resource::Inbox(d) => {
+                links.entry((usize::MAX, d)).or_insert(next);
+            }
+            Resource::Collective => {
+                links.entry((usize::MAX - 1, 0)).or_insert(next);
+            }
+            Resource::Device(_) | Resource::Join => {}
         }
     }
     let mut events = Vec::new();
@@ -40,9 +46,14 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
         }));
     }
     for (&(a, b), &pid) in &links {
+        let name = match a {
+            usize::MAX => format!("private links → {b}"),
+            x if x == usize::MAX - 1 => "collective transfers on shared lanes".to_string(),
+            _ => format!("link {a} → {b}"),
+        };
         events.push(json!({
             "name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-            "args": {"name": format!("link {a} → {b}")},
+            "args": {"name": name},
         }));
     }
     for (&(out, into), &pid) in &lanes {
@@ -58,7 +69,12 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
         }));
     }
     for (i, t) in sim.tasks.iter().enumerate() {
-        if t.duration <= 0.0 {
+        // a collective transfer takes from its start to its last message's end
+        let duration = match t.collective {
+            Some(_) => sim.finish[i] - sim.start[i],
+            None => t.duration,
+        };
+        if duration <= 0.0 {
             continue;
         }
         let pid = match t.resource {
@@ -66,13 +82,17 @@ pub fn chrome_trace(sim: &Simulation, machine: &MachineModel) -> Value {
             Resource::Link(a, b) => links[&(a, b)],
             Resource::Lanes(out, into) => lanes[&(out, into)],
             Resource::Network(node) => networks[&node],
+            Resource::Inbox(d) => links[&(usize::MAX, d)],
+            // zero-length: left out above
+            Resource::Join => continue,
+            Resource::Collective => links[&(usize::MAX - 1, 0)],
         };
         let mut event = json!({
             "name": t.name,
             "cat": t.kind.name(),
             "ph": "X",
             "ts": sim.start[i] * 1e6,
-            "dur": t.duration * 1e6,
+            "dur": duration * 1e6,
             "pid": pid,
             "tid": 0,
         });

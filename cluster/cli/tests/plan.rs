@@ -371,3 +371,61 @@ fn a_strategy_with_reduction_splits_is_priced_and_simulated() {
     assert!(search["simulated_ms"].as_f64().unwrap() > 0.0, "{doc}");
     assert!(search["eq1_ms"].as_f64().unwrap() > 0.0, "{doc}");
 }
+
+/// `--sync-sim` picks how the step simulates parameter synchronisation: Eq. 1 is the same either
+/// way, the collective step is within 3% of the per-message one on `paper`, `auto` is per message
+/// at 16 devices, and an unknown name is refused with the names it takes.
+#[test]
+fn sync_sim_picks_the_simulation_and_refuses_unknown_names() {
+    let plan = |sim: &str| {
+        let doc = json(&legion(&[
+            "plan",
+            "--model",
+            "alexnet",
+            "--machine",
+            "paper",
+            "--search",
+            "data",
+            "--json",
+            "--sync-sim",
+            sim,
+        ]));
+        let search = &doc["searches"][0];
+        (
+            search["eq1_ms"].as_f64().unwrap(),
+            search["simulated_ms"].as_f64().unwrap(),
+        )
+    };
+    let (eq1, per_message) = plan("per-message");
+    let (collective_eq1, collective) = plan("collective");
+    let (auto_eq1, auto) = plan("auto");
+    assert_eq!(eq1.to_bits(), collective_eq1.to_bits());
+    assert_eq!(eq1.to_bits(), auto_eq1.to_bits());
+    assert_eq!(
+        auto.to_bits(),
+        per_message.to_bits(),
+        "16 devices: per message"
+    );
+    assert!(
+        (collective - per_message).abs() <= 0.03 * per_message,
+        "{collective} vs {per_message}"
+    );
+
+    let out = legion(&[
+        "plan",
+        "--model",
+        "lenet5",
+        "--machine",
+        "paper:2",
+        "--sync-sim",
+        "ring",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains(
+            "unknown sync simulation `ring`; expected one of: per-message, collective, auto"
+        ),
+        "{err}"
+    );
+}

@@ -94,7 +94,7 @@ pub fn list_schedule_dispatched(
 /// that frees first back by its duration.
 pub fn list_schedule_pools(tasks: &[Task], pools: &Pools) -> (Vec<f64>, Vec<f64>) {
     let graph = Schedulable::new(CompactTasks::from_tasks(tasks));
-    let done = schedule(&graph, &mut CpuHost::new(pools, None), true);
+    let done = schedule(&graph, &mut CpuHost::new(pools, None), true, None);
     done.times.expect("recorded")
 }
 
@@ -111,9 +111,14 @@ pub(super) fn schedule_iteration(
     let Some(bins) = machine.runtime_costs().and_then(|c| c.dispatch_bins_s) else {
         if pools == Pools::default() {
             // nothing of the embedded runtime to model: plain device and link timelines
-            return schedule(&tasks, &mut DedicatedHost, record);
+            return schedule(&tasks, &mut DedicatedHost, record, Some(machine));
         }
-        return schedule(&tasks, &mut CpuHost::new(&pools, None), record);
+        return schedule(
+            &tasks,
+            &mut CpuHost::new(&pools, None),
+            record,
+            Some(machine),
+        );
     };
     // Seeded, so a strategy simulates to the same time every run.
     let mut rng = Rng::new(DISPATCH_SEED);
@@ -122,7 +127,12 @@ pub(super) fn schedule_iteration(
             let delays: Vec<f64> = (0..tasks.len())
                 .map(|_| bins[rng.below(bins.len())])
                 .collect();
-            schedule(&tasks, &mut CpuHost::new(&pools, Some(&delays)), record)
+            schedule(
+                &tasks,
+                &mut CpuHost::new(&pools, Some(&delays)),
+                record,
+                Some(machine),
+            )
         })
         .collect();
     let spans: Vec<f64> = draws.iter().map(|d| d.makespan).collect();
@@ -281,12 +291,18 @@ mod tests {
                         bytes: 0,
                         latency: rng.below(2) as f64 * 0.25,
                         deps,
+                        collective: None,
                     }
                 })
                 .collect();
             let graph = Schedulable::new(CompactTasks::from_tasks(&tasks));
-            let dedicated = schedule(&graph, &mut DedicatedHost, true);
-            let pooled = schedule(&graph, &mut CpuHost::new(&Pools::default(), None), true);
+            let dedicated = schedule(&graph, &mut DedicatedHost, true, None);
+            let pooled = schedule(
+                &graph,
+                &mut CpuHost::new(&Pools::default(), None),
+                true,
+                None,
+            );
             assert_eq!(dedicated.makespan.to_bits(), pooled.makespan.to_bits());
             assert_eq!(dedicated.times, pooled.times, "{tasks:?}");
         }
@@ -309,6 +325,7 @@ mod tests {
             bytes: 0,
             latency: 0.0,
             deps,
+            collective: None,
         }
     }
 
@@ -323,6 +340,7 @@ mod tests {
             bytes: 4,
             latency: 0.0,
             deps: vec![0],
+            collective: None,
         };
         let tasks = vec![
             task("a", 0, 1.0, vec![]),
@@ -357,6 +375,7 @@ mod tests {
             bytes: 4,
             latency: 0.0,
             deps: vec![],
+            collective: None,
         };
         // a and b hold both cores from 0.5 to 1.5; c's input arrives at 1.3, d's at 1.7.
         let tasks = vec![
@@ -430,6 +449,7 @@ mod tests {
             bytes: 0,
             latency: 0.0,
             deps,
+            collective: None,
         };
         let tasks = vec![
             task("move 0", TaskKind::Move, 0, 2.0, vec![]),
@@ -499,6 +519,7 @@ mod tests {
             bytes: 0,
             latency: 0.0,
             deps,
+            collective: None,
         };
         // long on device 0, short on device 1; `held` is ready at once but its device is busy
         // until 10; `next` becomes ready at 1, after `held` was placed

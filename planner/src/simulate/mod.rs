@@ -4,6 +4,8 @@
 //! - [`tasks`]: the task graph (kernels, folds, updates, the actors' copies, transfers holding
 //!   links, network CPU) from graph, configs and machine;
 //! - [`schedule`]: the list scheduler over device and link timelines;
+//! - [`collective`]: parameter synchronisation aggregated per lane and phase rather than per
+//!   message ([`SyncSimulation`] picks which);
 //! - [`cpu_host`]: the embedded CPU runtime's threads and cores (actor threads, shared cores,
 //!   dispatch delays, averaged over seeded draws where they spread), which only a machine with
 //!   measured runtime costs or shared cores needs.
@@ -16,6 +18,7 @@
 //! or flat [`CompactTasks`] for what `plan` prints ([`simulated_step_time`]), bit for bit the same
 //! step time.
 
+pub mod collective;
 pub mod cpu_host;
 pub mod schedule;
 pub mod tasks;
@@ -28,9 +31,69 @@ pub use tasks::{CompactTasks, Resource, Task, TaskKind, task_graph};
 
 use crate::config::ParallelConfig;
 use crate::cost::CostModel;
+use crate::machine::MachineModel;
 use cpu_host::schedule_iteration;
 use schedule::Scheduled;
 use tasks::build_tasks;
+
+/// How the simulator schedules parameter synchronisation (every other task is the same either
+/// way).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SyncSimulation {
+    /// One task per message, as the runtime sends them: the reference.
+    PerMessage,
+    /// One task per lane and phase of each replicated slice ([`collective`]): a few tasks per
+    /// device where per message there are as many as devices, within 3% of the reference on the
+    /// zoo (`planner/tests/sync_simulation.rs`).
+    Collective,
+    /// Per message up to [`PER_MESSAGE_UP_TO_DEVICES`] devices, where it costs little and stays the
+    /// reference, collective above.
+    #[default]
+    Auto,
+}
+
+/// The most devices [`SyncSimulation::Auto`] simulates message by message.
+pub const PER_MESSAGE_UP_TO_DEVICES: usize = 64;
+
+impl SyncSimulation {
+    /// The names `plan --sync-sim` takes.
+    pub const NAMES: [(&'static str, SyncSimulation); 3] = [
+        ("per-message", SyncSimulation::PerMessage),
+        ("collective", SyncSimulation::Collective),
+        ("auto", SyncSimulation::Auto),
+    ];
+
+    /// The simulation named `name` (one of [`SyncSimulation::NAMES`]).
+    pub fn parse(name: &str) -> Result<SyncSimulation, String> {
+        SyncSimulation::NAMES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(_, s)| s)
+            .ok_or_else(|| {
+                let known: Vec<&str> = SyncSimulation::NAMES.iter().map(|(n, _)| *n).collect();
+                format!(
+                    "unknown sync simulation `{name}`; expected one of: {}",
+                    known.join(", ")
+                )
+            })
+    }
+
+    /// [`SyncSimulation::PerMessage`] or [`SyncSimulation::Collective`]: what runs on `machine`.
+    /// A machine that charges its transport's CPU per message ([`MachineModel::network_cpu`]: a
+    /// measured cluster) is simulated per message whatever was asked.
+    pub fn resolve(self, machine: &MachineModel) -> SyncSimulation {
+        if machine.network_cpu().is_some() {
+            return SyncSimulation::PerMessage;
+        }
+        match self {
+            SyncSimulation::Auto if machine.num_devices() <= PER_MESSAGE_UP_TO_DEVICES => {
+                SyncSimulation::PerMessage
+            }
+            SyncSimulation::Auto => SyncSimulation::Collective,
+            chosen => chosen,
+        }
+    }
+}
 
 /// A scheduled iteration.
 #[derive(Clone, Debug, PartialEq)]
@@ -314,6 +377,7 @@ mod tests {
             bytes: 4,
             latency: 10.0,
             deps,
+            collective: None,
         };
         let read = |deps: Vec<usize>| Task {
             name: "read".into(),
@@ -323,6 +387,7 @@ mod tests {
             bytes: 0,
             latency: 0.0,
             deps,
+            collective: None,
         };
         // Two messages in a row: the second goes on the wire as soon as the first has left, and
         // each arrives one latency after it left; the reader waits for both.

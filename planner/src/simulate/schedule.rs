@@ -13,8 +13,9 @@
 //! actor threads, dispatch delays) is a `Host` the scheduler asks; `DedicatedHost` adds
 //! nothing, and `cpu_host::CpuHost` models the embedded runtime.
 
-use super::tasks::{CompactTasks, Resource, Task, TaskKind, task_number};
+use super::tasks::{CollectiveTransfer, CompactTasks, Resource, Task, TaskKind, task_number};
 use crate::fast_hash::FastHashMap;
+use crate::machine::{DeviceId, MachineModel};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
@@ -22,7 +23,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 /// task number), each as soon as the resource is free.
 pub fn list_schedule(tasks: &[Task]) -> (Vec<f64>, Vec<f64>) {
     let graph = Schedulable::new(CompactTasks::from_tasks(tasks));
-    let done = schedule(&graph, &mut DedicatedHost, true);
+    let done = schedule(&graph, &mut DedicatedHost, true, None);
     done.times.expect("recorded")
 }
 
@@ -143,7 +144,14 @@ impl Host for DedicatedHost {
 
 /// The list schedule of `graph` on its devices and links, with `host`'s threads and cores; keeps
 /// each task's start and finish only if `record`.
-pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) -> Scheduled {
+///
+/// `machine` routes the messages of collective transfers (a graph with some needs one).
+pub(super) fn schedule(
+    graph: &Schedulable,
+    host: &mut impl Host,
+    record: bool,
+    machine: Option<&MachineModel>,
+) -> Scheduled {
     let tasks = &graph.tasks;
     let n = tasks.len();
     // when each resource is free, by index
@@ -155,8 +163,19 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
         .map(|r| match *r {
             Resource::Device(_) => Some(HostWork::Kernel),
             Resource::Network(_) => Some(HostWork::Network),
-            Resource::Link(..) | Resource::Lanes(..) => None,
+            Resource::Link(..)
+            | Resource::Lanes(..)
+            | Resource::Inbox(_)
+            | Resource::Join
+            | Resource::Collective => None,
         })
+        .collect();
+    // A join holds nothing, and a collective transfer only its messages' lanes: each starts as
+    // soon as it is ready.
+    let holds_nothing: Vec<bool> = tasks
+        .resources
+        .iter()
+        .map(|r| matches!(r, Resource::Join | Resource::Collective))
         .collect();
     // When each shared lane is free, and each resource's lanes (see `Resource::Lanes`).
     let resource_lanes: Vec<Option<(usize, usize)>> = tasks
@@ -175,6 +194,8 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
             .map(|&(out, into)| out.max(into) + 1)
             .max()
             .unwrap_or(0)
+            // a collective transfer's messages may use any lane
+            .max(machine.map_or(0, MachineModel::num_lanes))
     ];
     // (dependencies left, when the last so far arrives) of the tasks with several that some but
     // not all of have finished: few at a time, where a vector per task took 12 bytes of each.
@@ -184,6 +205,8 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
         false => (Vec::new(), Vec::new()),
     };
     let mut makespan = 0.0f64;
+    // Per gather whose senders have started, when each owner's messages have arrived so far.
+    let mut gather_arrivals: FastHashMap<u32, Vec<f64>> = FastHashMap::default();
     let mut ready = ReadyQueue::default();
     for t in (0..n).filter(|&t| graph.dep_count[t] == 0) {
         ready.push(0.0, task_number(t));
@@ -205,9 +228,81 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
             Some(HostWork::Copy) => &mut device_actors[resource],
             _ => &mut resources[resource],
         };
-        let mut begin = at.max(*free);
+        let mut begin = match holds_nothing[resource] {
+            true => at,
+            false => at.max(*free),
+        };
         if work == Some(HostWork::Kernel) {
             begin = begin.max(device_actor);
+        }
+        if let Some(transfer) = tasks.collectives.get(&task_number(t)) {
+            let machine = machine.expect("collective transfers are routed on their machine");
+            match transfer {
+                CollectiveTransfer::Scatter { from, to, bytes } => {
+                    let messages = scatter_messages(machine, (*from, to, *bytes), at);
+                    let (last_end, arrival) = put_on_lanes(&messages, at, &mut lanes, None);
+                    if record {
+                        start[t] = at;
+                        finish[t] = last_end;
+                    }
+                    makespan = makespan.max(arrival);
+                    release(graph, t, arrival, &mut ready, &mut partly_ready);
+                }
+                CollectiveTransfer::GatherFrom { gather, owners, .. } => {
+                    // The gather's other senders ready before this one's last block leaves are
+                    // served with it, their messages interleaved by ready time as the
+                    // per-message tasks' would be.
+                    let until = at + gathering_time(machine, transfer);
+                    let mut batch = vec![(at, t)];
+                    batch.extend(
+                        ready
+                            .take_until(until, |n| {
+                                matches!(tasks.collectives.get(&n),
+                                Some(CollectiveTransfer::GatherFrom { gather: g, .. }) if g == gather)
+                            })
+                            .into_iter()
+                            .map(|(time, n)| (time, n as usize)),
+                    );
+                    let senders: Vec<(f64, &CollectiveTransfer)> = batch
+                        .iter()
+                        .map(|&(time, b)| (time, &tasks.collectives[&task_number(b)]))
+                        .collect();
+                    let messages = gather_messages(machine, &senders, at);
+                    let arrivals = gather_arrivals
+                        .entry(*gather)
+                        .or_insert_with(|| vec![0.0; owners.len()]);
+                    let (last_end, arrival) =
+                        put_on_lanes(&messages, at, &mut lanes, Some(arrivals));
+                    makespan = makespan.max(arrival);
+                    for &(time, b) in &batch {
+                        if record {
+                            start[b] = time;
+                            finish[b] = last_end.max(time);
+                        }
+                        // its gather's end learns the owners' arrivals now
+                        release(graph, b, time, &mut ready, &mut partly_ready);
+                    }
+                }
+                CollectiveTransfer::GatherDone { gather } => {
+                    let arrivals = gather_arrivals.remove(gather).unwrap_or_default();
+                    if record {
+                        start[t] = at;
+                        finish[t] = at;
+                    }
+                    let last = arrivals.iter().copied().fold(at, f64::max);
+                    for &s in
+                        &graph.successors[graph.first[t] as usize..graph.first[t + 1] as usize]
+                    {
+                        // one successor per owner right after it, each waiting for its own
+                        let arrived = match (s as usize).checked_sub(t + 1) {
+                            Some(j) if j < arrivals.len() => arrivals[j].max(at),
+                            _ => last,
+                        };
+                        release_one(graph, s, arrived, &mut ready, &mut partly_ready);
+                    }
+                }
+            }
+            continue;
         }
         let held_lanes = resource_lanes[resource];
         if let Some((out, into)) = held_lanes {
@@ -223,7 +318,9 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
             }
             None => begin + duration,
         };
-        *free = end;
+        if !holds_nothing[resource] {
+            *free = end;
+        }
         if let Some((out, into)) = held_lanes {
             lanes[out] = end;
             lanes[into] = end;
@@ -235,27 +332,205 @@ pub(super) fn schedule(graph: &Schedulable, host: &mut impl Host, record: bool) 
         // the step ends when the last task's result has arrived
         let arrival = end + tasks.latency_of(t);
         makespan = makespan.max(arrival);
-        for &s in &graph.successors[graph.first[t] as usize..graph.first[t + 1] as usize] {
-            if graph.dep_count[s as usize] == 1 {
-                ready.push(arrival, s);
-                continue;
-            }
-            let (left, ready_at) = partly_ready
-                .entry(s)
-                .or_insert((graph.several_deps[&s], 0.0));
-            *ready_at = ready_at.max(arrival);
-            *left -= 1;
-            if *left == 0 {
-                let at = *ready_at;
-                partly_ready.remove(&s);
-                ready.push(at, s);
-            }
-        }
+        release(graph, t, arrival, &mut ready, &mut partly_ready);
     }
     Scheduled {
         makespan,
         times: record.then_some((start, finish)),
     }
+}
+
+/// Task `t`'s result has arrived at `arrival`: its successors with nothing else to wait for are
+/// ready.
+fn release(
+    graph: &Schedulable,
+    t: usize,
+    arrival: f64,
+    ready: &mut ReadyQueue,
+    partly_ready: &mut FastHashMap<u32, (u32, f64)>,
+) {
+    for &s in &graph.successors[graph.first[t] as usize..graph.first[t + 1] as usize] {
+        release_one(graph, s, arrival, ready, partly_ready);
+    }
+}
+
+/// One of successor `s`'s dependencies has arrived at `arrival`.
+fn release_one(
+    graph: &Schedulable,
+    s: u32,
+    arrival: f64,
+    ready: &mut ReadyQueue,
+    partly_ready: &mut FastHashMap<u32, (u32, f64)>,
+) {
+    if graph.dep_count[s as usize] == 1 {
+        ready.push(arrival, s);
+        return;
+    }
+    let (left, ready_at) = partly_ready
+        .entry(s)
+        .or_insert((graph.several_deps[&s], 0.0));
+    *ready_at = ready_at.max(arrival);
+    *left -= 1;
+    if *left == 0 {
+        let at = *ready_at;
+        partly_ready.remove(&s);
+        ready.push(at, s);
+    }
+}
+
+/// One message of a collective transfer, before it is put on its lanes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct LaneMessage {
+    ready: f64,
+    /// The owner's index (a gather's order: block-major, then senders).
+    block: u32,
+    sender: u32,
+    out: usize,
+    into: usize,
+    seconds: f64,
+    latency: f64,
+}
+
+/// The message from `from` to `to` of `bytes` ready at `ready`, if it goes on shared lanes.
+fn lane_message(
+    machine: &MachineModel,
+    (from, to): (DeviceId, DeviceId),
+    bytes: u64,
+    ready: f64,
+    (block, sender): (u32, u32),
+) -> Option<LaneMessage> {
+    let route = machine.route(from, to)?;
+    let (out, into) = route.lanes?;
+    Some(LaneMessage {
+        ready,
+        block,
+        sender,
+        out,
+        into,
+        seconds: bytes as f64 * route.link.seconds_per_byte(),
+        latency: route.link.latency_s,
+    })
+}
+
+/// The messages of a scatter popped at `at`.
+fn scatter_messages(
+    machine: &MachineModel,
+    (from, to, bytes): (DeviceId, &[DeviceId], u64),
+    at: f64,
+) -> Vec<LaneMessage> {
+    to.iter()
+        .filter(|&&peer| peer != from)
+        .filter_map(|&peer| lane_message(machine, (from, peer), bytes, at, (0, 0)))
+        .collect()
+}
+
+/// The messages of gathers' senders popped together at `at`, in the order the per-message tasks
+/// would be served: by ready time (a sender's blocks leave one by one as its actor gathers them
+/// out of its slice, where `gathered`), then block, then sender.
+fn gather_messages(
+    machine: &MachineModel,
+    senders: &[(f64, &CollectiveTransfer)],
+    at: f64,
+) -> Vec<LaneMessage> {
+    let mut messages = Vec::new();
+    for &(sender_ready, transfer) in senders {
+        let CollectiveTransfer::GatherFrom {
+            sender,
+            sender_index,
+            owners,
+            bytes,
+            gathered,
+            ..
+        } = transfer
+        else {
+            unreachable!("only a gather's senders are batched")
+        };
+        let rate = copy_rate(machine, *sender);
+        let mut ready = sender_ready;
+        for (j, (&owner, &b)) in owners.iter().zip(bytes.iter()).enumerate() {
+            if owner == *sender {
+                continue;
+            }
+            if *gathered {
+                ready += b as f64 / rate;
+            }
+            let ends = (*sender, owner);
+            messages.extend(lane_message(
+                machine,
+                ends,
+                b,
+                ready,
+                (j as u32, *sender_index),
+            ));
+        }
+    }
+    if senders.len() > 1 || messages.iter().any(|m| m.ready != at) {
+        // per message: served by ready time, then task number (block-major)
+        messages.sort_by(|a, b| {
+            a.ready
+                .total_cmp(&b.ready)
+                .then(a.block.cmp(&b.block))
+                .then(a.sender.cmp(&b.sender))
+        });
+    }
+    messages
+}
+
+/// Bytes per second `device`'s actor copies at (as `tasks::move_task` prices it).
+fn copy_rate(machine: &MachineModel, device: DeviceId) -> f64 {
+    machine
+        .runtime_costs()
+        .map_or(machine.device(device).memory_bytes_per_s(), |c| {
+            c.copy_bytes_per_s
+        })
+}
+
+/// Seconds a gather's sender takes to gather all its blocks (0 where it sends them whole).
+fn gathering_time(machine: &MachineModel, transfer: &CollectiveTransfer) -> f64 {
+    match transfer {
+        CollectiveTransfer::GatherFrom {
+            sender,
+            owners,
+            bytes,
+            gathered: true,
+            ..
+        } => {
+            let out: u64 = owners
+                .iter()
+                .zip(bytes.iter())
+                .filter(|&(o, _)| o != sender)
+                .map(|(_, &b)| b)
+                .sum();
+            out as f64 / copy_rate(machine, *sender)
+        }
+        _ => 0.0,
+    }
+}
+
+/// Puts `messages` on their lanes in order, each when both its lanes are free (and it is ready),
+/// holding them for its bytes, as message tasks of their own would be. Returns when the last
+/// leaves its lanes and when the last has arrived (`at` where none), and adds each message's
+/// arrival to its block's in `block_arrivals` where given.
+fn put_on_lanes(
+    messages: &[LaneMessage],
+    at: f64,
+    lanes: &mut [f64],
+    mut block_arrivals: Option<&mut Vec<f64>>,
+) -> (f64, f64) {
+    let (mut last_end, mut arrival) = (at, at);
+    for m in messages {
+        let begin = m.ready.max(lanes[m.out]).max(lanes[m.into]);
+        let end = begin + m.seconds;
+        lanes[m.out] = end;
+        lanes[m.into] = end;
+        last_end = last_end.max(end);
+        arrival = arrival.max(end + m.latency);
+        if let Some(arrivals) = block_arrivals.as_deref_mut() {
+            let a = &mut arrivals[m.block as usize];
+            *a = a.max(end + m.latency);
+        }
+    }
+    (last_end, arrival)
 }
 
 /// The tasks whose dependencies have finished, served earliest ready time first, ties by task
@@ -324,6 +599,47 @@ impl ReadyQueue {
         };
         Some((f64::from_bits(self.now_time), task))
     }
+
+    /// Takes out the tasks `wanted` says ready from the time of the last popped up to `until`
+    /// (seconds), with their times: a gather's senders whose messages the per-message tasks
+    /// would interleave.
+    fn take_until(&mut self, until: f64, wanted: impl Fn(u32) -> bool) -> Vec<(f64, u32)> {
+        let mut taken = Vec::new();
+        let now = f64::from_bits(self.now_time);
+        self.now.retain(|&t| match wanted(t) {
+            true => {
+                taken.push((now, t));
+                false
+            }
+            false => true,
+        });
+        let pushed: Vec<Reverse<u32>> = self.now_pushed.drain().collect();
+        for Reverse(t) in pushed {
+            match wanted(t) {
+                true => taken.push((now, t)),
+                false => self.now_pushed.push(Reverse(t)),
+            }
+        }
+        let mut emptied = Vec::new();
+        for (&key, tasks) in self.later.range_mut(..=until.to_bits()) {
+            tasks.retain(|&t| match wanted(t) {
+                true => {
+                    taken.push((f64::from_bits(key), t));
+                    false
+                }
+                false => true,
+            });
+            if tasks.is_empty() {
+                emptied.push(key);
+            }
+        }
+        for key in emptied {
+            if let Some(v) = self.later.remove(&key) {
+                self.spare.push(v);
+            }
+        }
+        taken
+    }
 }
 
 #[cfg(test)]
@@ -371,6 +687,7 @@ mod tests {
             bytes: 0,
             latency: 0.0,
             deps,
+            collective: None,
         };
         let tasks = vec![
             task(TaskKind::Forward, 1.0, vec![]),

@@ -45,15 +45,18 @@
 //! machine was profiled ([`MachineModel::runtime_costs`]); that is all this module reads of the
 //! embedded CPU runtime's costs. How tasks share threads and cores is [`super::cpu_host`]'s.
 
+use super::SyncSimulation;
+use super::collective::{CollectiveScratch, sync_slice};
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, MachineModel};
 use crate::runtime_costs::{RuntimeCosts, fold_bytes, update_bytes};
-use crate::sync::{SyncPlan, param_slices};
+use crate::sync::{SyncPlan, owned_blocks, param_slices};
 use crate::transfer::edge_overlaps;
 use legion_ops::op::{partial_input_shapes, partial_param_rect, project_partial};
 use legion_ops::{Graph, Layer, LayerId, Rect};
+use std::sync::Arc;
 
 /// What a task does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -106,6 +109,13 @@ pub enum Resource {
     /// A node's network threads (by node index): the transport's CPU work for the messages it
     /// sends and receives ([`MachineModel::network_cpu`]).
     Network(usize),
+    /// A device's private links as a collective's messages arrive over them, side by side
+    /// ([`super::collective`]).
+    Inbox(DeviceId),
+    /// Nothing: a zero-length task that waits for several others ([`super::collective`]).
+    Join,
+    /// A [`CollectiveTransfer`]'s messages, each holding its own lanes.
+    Collective,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -123,16 +133,49 @@ pub struct Task {
     pub latency: f64,
     /// Tasks that must finish first.
     pub deps: Vec<usize>,
+    /// A collective transfer's messages ([`Resource::Collective`]), `None` for any other task.
+    pub collective: Option<CollectiveTransfer>,
+}
+
+/// Messages of a parameter's synchronisation on shared lanes, one task for many
+/// ([`super::collective`]); the scheduler puts each message on its two lanes as it would put a
+/// message task of its own, in the order per-message tasks would take, so that lanes queue alike.
+/// Messages between devices with a private link are not in it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CollectiveTransfer {
+    /// `from`'s message of `bytes` to each of `to` (`from` itself skipped), all ready when the
+    /// task is: an owner's updated block back to the replicas.
+    Scatter {
+        from: DeviceId,
+        to: Arc<[DeviceId]>,
+        bytes: u64,
+    },
+    /// One sender's gradient of every block it does not own to the block's owner (`owners[j]`,
+    /// `bytes[j]`), ready when the task is, plus the time the sender takes to gather the blocks
+    /// before it out of its whole slice where `gathered`. `gather` numbers the slice's gather:
+    /// senders ready at one time are served together, their messages interleaved as per-message
+    /// tasks' would be; `sender_index` orders them.
+    GatherFrom {
+        gather: u32,
+        sender: DeviceId,
+        sender_index: u32,
+        owners: Arc<[DeviceId]>,
+        bytes: Arc<[u64]>,
+        gathered: bool,
+    },
+    /// After every [`CollectiveTransfer::GatherFrom`] of `gather`: its successors numbered right
+    /// after it, one per owner, wait for their owner's messages only; any other for all of them.
+    GatherDone { gather: u32 },
 }
 
 /// A task less its name and dependencies.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct TaskSpec {
-    kind: TaskKind,
-    resource: Resource,
-    duration: f64,
-    bytes: u64,
-    latency: f64,
+    pub(super) kind: TaskKind,
+    pub(super) resource: Resource,
+    pub(super) duration: f64,
+    pub(super) bytes: u64,
+    pub(super) latency: f64,
 }
 
 impl TaskSpec {
@@ -156,6 +199,13 @@ pub(super) trait TaskSink {
     fn push(&mut self, task: TaskSpec, name: impl FnOnce() -> String, deps: &[usize]) -> usize;
     /// Makes `task` wait for `dep` as well.
     fn depend(&mut self, task: usize, dep: usize);
+    /// Adds a collective transfer that starts after `deps` and returns its number.
+    fn push_collective(
+        &mut self,
+        transfer: CollectiveTransfer,
+        name: impl FnOnce() -> String,
+        deps: &[usize],
+    ) -> usize;
 }
 
 impl TaskSink for Vec<Task> {
@@ -168,12 +218,31 @@ impl TaskSink for Vec<Task> {
             bytes: task.bytes,
             latency: task.latency,
             deps: deps.to_vec(),
+            collective: None,
         });
         self.len() - 1
     }
 
     fn depend(&mut self, task: usize, dep: usize) {
         self[task].deps.push(dep);
+    }
+
+    fn push_collective(
+        &mut self,
+        transfer: CollectiveTransfer,
+        name: impl FnOnce() -> String,
+        deps: &[usize],
+    ) -> usize {
+        let spec = TaskSpec {
+            kind: TaskKind::Sync,
+            resource: Resource::Collective,
+            duration: 0.0,
+            bytes: 0,
+            latency: 0.0,
+        };
+        let task = TaskSink::push(self, spec, name, deps);
+        self[task].collective = Some(transfer);
+        task
     }
 }
 
@@ -199,6 +268,8 @@ pub struct CompactTasks {
     resource_index: FastHashMap<Resource, u32>,
     /// Devices numbered below this have their resources' places in `dense_places`.
     dense_devices: usize,
+    /// The collective transfers, by task number.
+    pub(super) collectives: FastHashMap<u32, CollectiveTransfer>,
     /// By [`CompactTasks::dense_slot`]: the first place of each resource ([`NO_PLACE`] if none
     /// yet). A link's messages look their place up here: through `place_index`, a table of a
     /// million links, each was a cache miss, a third of building the tasks of a thousand devices.
@@ -276,7 +347,10 @@ impl CompactTasks {
                 bytes: t.bytes,
                 latency: t.latency,
             };
-            TaskSink::push(&mut compact, spec, String::new, &t.deps);
+            match &t.collective {
+                Some(c) => compact.push_collective(c.clone(), String::new, &t.deps),
+                None => TaskSink::push(&mut compact, spec, String::new, &t.deps),
+            };
         }
         compact
     }
@@ -333,6 +407,24 @@ impl TaskSink for CompactTasks {
 
     fn depend(&mut self, task: usize, dep: usize) {
         self.deps.push((task_number(task), task_number(dep)));
+    }
+
+    fn push_collective(
+        &mut self,
+        transfer: CollectiveTransfer,
+        name: impl FnOnce() -> String,
+        deps: &[usize],
+    ) -> usize {
+        let spec = TaskSpec {
+            kind: TaskKind::Sync,
+            resource: Resource::Collective,
+            duration: 0.0,
+            bytes: 0,
+            latency: 0.0,
+        };
+        let task = TaskSink::push(self, spec, name, deps);
+        self.collectives.insert(task_number(task), transfer);
+        task
     }
 }
 
@@ -596,8 +688,30 @@ pub(super) fn build_tasks(
             }
         }
     }
+    let detail = model.sync_simulation().resolve(machine);
+    let mut scratch = match detail {
+        SyncSimulation::Collective => Some(CollectiveScratch::new(machine)),
+        _ => None,
+    };
     for id in (0..graph.layers().len()).rev().map(LayerId) {
         let config = &configs[id.0];
+        if let Some(scratch) = scratch.as_mut() {
+            let name = &graph.layer(id).name;
+            let tile_on = |d: DeviceId| backward[id.0][d - config.first_device()];
+            for (param, slices) in param_slices(graph, id, config) {
+                for (slice, devices) in slices {
+                    if devices.len() > 1 && !slice.is_empty() {
+                        let blocks = owned_blocks(&slice, &devices);
+                        let names = || format!("{name} param {param}");
+                        sync_slice(
+                            tasks, machine, scratch, &names, &slice, &devices, &blocks, &tile_on,
+                        );
+                    }
+                }
+            }
+            sync_unshared_slices(tasks, machine, graph, id, config, &tile_on);
+            continue;
+        }
         let plan = SyncPlan::for_layer(graph, id, config);
         // what each group's fold waits for (one vector, reused)
         let mut gathers = Vec::new();
@@ -666,17 +780,31 @@ pub(super) fn build_tasks(
                 }
             }
         }
-        for (param, device, bytes) in unshared_slices(graph, id, config) {
-            fold_and_update(
-                tasks,
-                machine,
-                || format!("{name} param {param}"),
-                device,
-                1,
-                bytes,
-                &[tile_on(device)],
-            );
-        }
+        sync_unshared_slices(tasks, machine, graph, id, config, &tile_on);
+    }
+}
+
+/// The fold (of its one term) and update of each parameter slice of layer `id` that only one
+/// tile uses, on that tile's device after its backward (`tile_on`).
+fn sync_unshared_slices(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    graph: &Graph,
+    id: LayerId,
+    config: &ParallelConfig,
+    tile_on: &dyn Fn(DeviceId) -> usize,
+) {
+    let name = &graph.layer(id).name;
+    for (param, device, bytes) in unshared_slices(graph, id, config) {
+        fold_and_update(
+            tasks,
+            machine,
+            || format!("{name} param {param}"),
+            device,
+            1,
+            bytes,
+            &[tile_on(device)],
+        );
     }
 }
 
@@ -784,7 +912,7 @@ fn elementwise_time(machine: &MachineModel, device: DeviceId, bytes: u64) -> f64
 
 /// The owner's fold of a slice's `terms` gradients (its own and the replicas'), after `deps`, then
 /// the SGD update of the slice; returns the update. `name` names the slice.
-fn fold_and_update(
+pub(super) fn fold_and_update(
     tasks: &mut impl TaskSink,
     machine: &MachineModel,
     name: impl Fn() -> String,
@@ -809,7 +937,7 @@ fn fold_and_update(
 
 /// Copying `bytes` on `device`'s actor (a gather out of, or a store into, a larger instance), after
 /// `deps`; returns the task.
-fn move_task(
+pub(super) fn move_task(
     tasks: &mut impl TaskSink,
     machine: &MachineModel,
     name: impl FnOnce() -> String,
