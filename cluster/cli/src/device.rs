@@ -252,7 +252,7 @@ pub fn start_gpus(
     let math = settings.math;
     let Chosen::Cuda(gpus) = &choice.chosen else {
         if math == Math::Tf32 {
-            choice.line += "; --tf32 applies to GPUs only";
+            choice.line += "; --precision tf32 applies to GPUs only";
         }
         return Ok(None);
     };
@@ -272,7 +272,8 @@ pub fn start_gpus(
     match started {
         Ok(started) => {
             if math == Math::Tf32 {
-                choice.line += ", TF32 tensor cores for products and convolutions (--tf32)";
+                choice.line +=
+                    ", TF32 tensor cores for products and convolutions (--precision tf32)";
             }
             let (cuda, mut streams): (Vec<Cuda>, Vec<Stream>) = started.into_iter().unzip();
             Ok(Some(StartedGpus {
@@ -285,7 +286,7 @@ pub fn start_gpus(
             let mut line =
                 format!("device: cpu ({devices} device(s)); the GPU did not start: {e:#}");
             if math == Math::Tf32 {
-                line += "; --tf32 applies to GPUs only";
+                line += "; --precision tf32 applies to GPUs only";
             }
             *choice = DeviceChoice {
                 chosen: Chosen::Cpu,

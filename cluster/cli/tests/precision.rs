@@ -104,7 +104,10 @@ fn tf32_on_the_cpu_runs_and_says_it_applies_to_gpus() {
         args.extend(flags);
         let out = ok(legion(&args));
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(text.contains("applies to GPUs only"), "{text}");
+        assert!(
+            text.contains("--precision tf32 applies to GPUs only"),
+            "{text}"
+        );
     }
 }
 
