@@ -141,6 +141,17 @@ impl std::fmt::Debug for BatchCopies {
     }
 }
 
+/// Runs `enqueue`, which enqueues a batch's copies on `copy`; where it fails part way, waits for
+/// what it did enqueue: nothing of the batch may be freed while a copy that was enqueued runs.
+fn drained_on_failure<T>(
+    copy: &CudaStream,
+    enqueue: impl FnOnce() -> Result<T, Failure>,
+) -> Result<T, Failure> {
+    enqueue().inspect_err(|_| {
+        let _ = copy.synchronize();
+    })
+}
+
 fn record(stream: &CudaStream) -> Result<CudaEvent, Failure> {
     Ok(stream.record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?)
 }
@@ -299,20 +310,12 @@ impl Cuda {
         // read, but a batch has few labels).
         let host_labels = slot.labels.as_slice()?.to_vec();
         let copy = &copies.copy;
-        let enqueued = (|| -> Result<(CudaEvent, CudaEvent), Failure> {
+        let (copied, copied_out) = drained_on_failure(copy, || {
             copy.wait(&fillable)?;
             copy.memcpy_htod(&slot.images, &mut images)?;
             copy.memcpy_htod(&slot.labels, &mut labels)?;
             Ok((record(copy)?, record(copy)?))
-        })();
-        let (copied, copied_out) = match enqueued {
-            Ok(events) => events,
-            Err(e) => {
-                // Nothing of the batch may be freed while a copy that was enqueued still runs.
-                let _ = copy.synchronize();
-                return Err(e);
-            }
-        };
+        })?;
         slot.copied_out = CopiedOut(Some(copied_out));
         copies.slots[index] = Some(slot);
         Ok(StagedBatch {
@@ -423,7 +426,7 @@ impl Cuda {
         let [_, height, width] = batch.image.map(|e| e as i64);
         let (samples, channels) = (batch.len() as i64, batch.image[0] as i64);
         let noise_scale = SyntheticBatch::noise_scale();
-        let enqueued = (|| -> Result<(CudaEvent, CudaEvent), Failure> {
+        let (copied, copied_out) = drained_on_failure(&copy, || {
             copy.wait(&fillable)?;
             copy.memcpy_htod(&slot.factors, &mut slot.device_factors)?;
             copy.memcpy_htod(&slot.states, &mut slot.device_states)?;
@@ -442,14 +445,7 @@ impl Cuda {
             // images and description (sizes checked by the caller).
             unsafe { b.launch(grid(images as i64)) }?;
             Ok((record(&copy)?, copied_out))
-        })();
-        let (copied, copied_out) = match enqueued {
-            Ok(events) => events,
-            Err(e) => {
-                let _ = copy.synchronize();
-                return Err(e);
-            }
-        };
+        })?;
         slot.copied_out = CopiedOut(Some(copied_out));
         copies.described[index] = Some(slot);
         Ok(StagedBatch {

@@ -199,13 +199,27 @@ pub(super) trait TaskSink {
     fn push(&mut self, task: TaskSpec, name: impl FnOnce() -> String, deps: &[usize]) -> usize;
     /// Makes `task` wait for `dep` as well.
     fn depend(&mut self, task: usize, dep: usize);
+    /// Gives task `task`, pushed as a collective, its transfer.
+    fn attach_collective(&mut self, task: usize, transfer: CollectiveTransfer);
+
     /// Adds a collective transfer that starts after `deps` and returns its number.
     fn push_collective(
         &mut self,
         transfer: CollectiveTransfer,
         name: impl FnOnce() -> String,
         deps: &[usize],
-    ) -> usize;
+    ) -> usize {
+        let spec = TaskSpec {
+            kind: TaskKind::Sync,
+            resource: Resource::Collective,
+            duration: 0.0,
+            bytes: 0,
+            latency: 0.0,
+        };
+        let task = self.push(spec, name, deps);
+        self.attach_collective(task, transfer);
+        task
+    }
 }
 
 impl TaskSink for Vec<Task> {
@@ -227,22 +241,8 @@ impl TaskSink for Vec<Task> {
         self[task].deps.push(dep);
     }
 
-    fn push_collective(
-        &mut self,
-        transfer: CollectiveTransfer,
-        name: impl FnOnce() -> String,
-        deps: &[usize],
-    ) -> usize {
-        let spec = TaskSpec {
-            kind: TaskKind::Sync,
-            resource: Resource::Collective,
-            duration: 0.0,
-            bytes: 0,
-            latency: 0.0,
-        };
-        let task = TaskSink::push(self, spec, name, deps);
+    fn attach_collective(&mut self, task: usize, transfer: CollectiveTransfer) {
         self[task].collective = Some(transfer);
-        task
     }
 }
 
@@ -409,22 +409,8 @@ impl TaskSink for CompactTasks {
         self.deps.push((task_number(task), task_number(dep)));
     }
 
-    fn push_collective(
-        &mut self,
-        transfer: CollectiveTransfer,
-        name: impl FnOnce() -> String,
-        deps: &[usize],
-    ) -> usize {
-        let spec = TaskSpec {
-            kind: TaskKind::Sync,
-            resource: Resource::Collective,
-            duration: 0.0,
-            bytes: 0,
-            latency: 0.0,
-        };
-        let task = TaskSink::push(self, spec, name, deps);
+    fn attach_collective(&mut self, task: usize, transfer: CollectiveTransfer) {
         self.collectives.insert(task_number(task), transfer);
-        task
     }
 }
 
