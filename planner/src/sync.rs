@@ -479,8 +479,8 @@ pub(crate) fn sync_time_shifted(loads: &[LinkLoad], machine: &MachineModel, offs
         let (mut gather, mut broadcast) = (Loads::default(), Loads::default());
         for l in loads {
             let (o, r) = (l.owner + offset, l.replica + offset);
-            gather.add(machine, r, o, l.bytes as f64, l.messages);
-            broadcast.add(machine, o, r, l.bytes as f64, l.messages);
+            gather.add(machine, r, o, l.bytes, l.messages);
+            broadcast.add(machine, o, r, l.bytes, l.messages);
         }
         worst = worst.max(gather.busiest() + broadcast.busiest());
     }

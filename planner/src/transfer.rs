@@ -164,7 +164,7 @@ pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient:
             } else {
                 (o.src_device, o.dst_device)
             };
-            load.add(machine, from, to, o.bytes(element) as f64, 1);
+            load.add(machine, from, to, o.bytes(element), 1);
         }
         load.busiest()
     };
@@ -178,10 +178,17 @@ pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient:
 
 /// Seconds of messages per directed link and per shared lane: [`transfer_time`]'s and
 /// [`crate::sync::sync_time`]'s sums.
+///
+/// Each link or lane sums its messages' bytes and count exactly (integers) and prices the sums
+/// once, `bytes · seconds_per_byte + messages · latency` per link that loads it, so a load does not
+/// depend on the order its messages were added in: the per-axis tables
+/// (`crate::transfer_table`), which sum over boxes of tile pairs in another order, give the same
+/// bits.
 #[derive(Debug, Default)]
 pub(crate) struct Loads {
-    /// By [`Loads::link_key`] or [`Loads::lane_key`].
-    seconds: FastHashMap<u64, f64>,
+    /// By ([`Loads::link_key`] or [`Loads::lane_key`], the link's seconds per byte and latency as
+    /// bits): (bytes, messages).
+    sums: FastHashMap<(u64, u64, u64), (u64, u64)>,
 }
 
 impl Loads {
@@ -191,7 +198,7 @@ impl Loads {
         machine: &MachineModel,
         from: DeviceId,
         to: DeviceId,
-        bytes: f64,
+        bytes: u64,
         messages: u32,
     ) {
         self.add_route(machine.route(from, to), from, to, bytes, messages);
@@ -203,20 +210,27 @@ impl Loads {
         route: Option<Route>,
         from: DeviceId,
         to: DeviceId,
-        bytes: f64,
+        bytes: u64,
         messages: u32,
     ) {
         let Some(route) = route else {
             return;
         };
-        let seconds =
-            bytes * route.link.seconds_per_byte() + f64::from(messages) * route.link.latency_s;
+        let link = (
+            route.link.seconds_per_byte().to_bits(),
+            route.link.latency_s.to_bits(),
+        );
+        let mut load = |key: u64| {
+            let sum = self.sums.entry((key, link.0, link.1)).or_default();
+            sum.0 += bytes;
+            sum.1 += u64::from(messages);
+        };
         match route.lanes {
-            None => *self.seconds.entry(Self::link_key(from, to)).or_default() += seconds,
+            None => load(Self::link_key(from, to)),
             Some((out, into)) => {
-                *self.seconds.entry(Self::lane_key(out)).or_default() += seconds;
+                load(Self::lane_key(out));
                 if into != out {
-                    *self.seconds.entry(Self::lane_key(into)).or_default() += seconds;
+                    load(Self::lane_key(into));
                 }
             }
         }
@@ -230,10 +244,41 @@ impl Loads {
         (1 << 63) | lane as u64
     }
 
-    /// The busiest link's or lane's seconds (a max: the same whatever the order of the sums).
+    /// The busiest link's or lane's seconds. A lane that messages of several links load (only on
+    /// a machine with per-pair overrides) adds its links' seconds in the order of their bits.
     pub(crate) fn busiest(&self) -> f64 {
-        self.seconds.values().fold(0.0f64, |m, &t| m.max(t))
+        let mut sums: Vec<_> = self.sums.iter().collect();
+        sums.sort_unstable_by_key(|(key, _)| **key);
+        let mut busiest = 0.0f64;
+        let mut i = 0;
+        while i < sums.len() {
+            let key = sums[i].0.0;
+            let mut seconds = 0.0;
+            while i < sums.len() && sums[i].0.0 == key {
+                let (&(_, per_byte, latency), &(bytes, messages)) = sums[i];
+                seconds += lane_seconds(
+                    bytes,
+                    messages,
+                    f64::from_bits(per_byte),
+                    f64::from_bits(latency),
+                );
+                i += 1;
+            }
+            busiest = busiest.max(seconds);
+        }
+        busiest
     }
+}
+
+/// Seconds of `messages` messages of `bytes` in total on one link or lane: every table and sum of
+/// t_x and t_s prices a load with this one formula.
+pub(crate) fn lane_seconds(
+    bytes: u64,
+    messages: u64,
+    seconds_per_byte: f64,
+    latency_s: f64,
+) -> f64 {
+    bytes as f64 * seconds_per_byte + messages as f64 * latency_s
 }
 
 /// Bytes moved between devices by a set of overlaps, forward and (with `gradient`) backward.

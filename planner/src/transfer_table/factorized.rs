@@ -11,6 +11,11 @@
 //! under every relation, which holds where messages share lanes too (where the maxima alone are
 //! not t_x).
 
+mod lanes;
+
+pub(super) use lanes::LaneTopology;
+use lanes::{AxisSums, LaneScratch};
+
 use super::{ConfigSubset, EdgeGeometry};
 use crate::config::{ConfigSpace, ParallelConfig, block_range};
 use crate::machine::{Link, MachineModel};
@@ -186,6 +191,7 @@ impl Factorized {
         src: &ParallelConfig,
         dst: &ParallelConfig,
         buffers: &mut PairBuffers,
+        lanes: Option<&LaneTopology>,
     ) -> f64 {
         let src_side = Side::new(
             axes.producer_factors_of(&src.degrees(), src.reduction()),
@@ -203,6 +209,7 @@ impl Factorized {
             overlap,
             column,
             scratch,
+            lane_scratch,
         } = buffers;
         for (a, pair) in pairs.iter_mut().enumerate() {
             axes.fill_axis_pair(a, g[a], h[a], pair, overlap, column);
@@ -211,10 +218,20 @@ impl Factorized {
         self.layout_pair(&src_side, &dst_side, &axis, geometry.gradient, scratch);
         let (src_total, dst_total) = (src_side.total, dst_side.total);
         let relation = self.relation(src.first_device(), src_total, dst.first_device(), dst_total);
-        scratch.values[relation.class(src_total.min(dst_total)) as usize]
+        let class = relation.class(src_total.min(dst_total)) as usize;
+        let singles = scratch.values[class];
+        let Some(lanes) = lanes else {
+            return singles;
+        };
+        let sums: [AxisSums; FACTORS] = std::array::from_fn(|a| AxisSums::new(axes, a, g[a], h[a]));
+        let sums: [&AxisSums; FACTORS] = std::array::from_fn(|a| &sums[a]);
+        lanes.layout_pair(&src_side, &dst_side, &sums, geometry.gradient, lane_scratch);
+        singles.max(lane_scratch.values[class])
     }
 
-    /// [`super::TransferTables::table`] of an edge that factorizes, where its maxima are t_x.
+    /// [`super::TransferTables::table`] of an edge that factorizes: from its maxima, and where
+    /// messages share `lanes`, from its lanes' loads too.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn edge_table(
         &self,
         geometry: &EdgeGeometry,
@@ -223,11 +240,17 @@ impl Factorized {
         dst_space: &ConfigSpace,
         keep_pairs: Option<&[bool]>,
         only: Option<ConfigSubset>,
+        lanes: Option<&LaneTopology>,
     ) -> Vec<f64> {
         let gradient = geometry.gradient;
         // built when a layout pair needs them: with `keep_pairs` most are never needed
         let mut pairs: Vec<Option<AxisPair>> = Vec::new();
         pairs.resize_with(FACTORS * self.levels * self.levels, || None);
+        let mut sums: Vec<Option<AxisSums>> = Vec::new();
+        if lanes.is_some() {
+            sums.resize_with(FACTORS * self.levels * self.levels, || None);
+        }
+        let mut lane_scratch = LaneScratch::default();
         let all_rows: Vec<usize>;
         let all_columns: Vec<usize>;
         let only = match only {
@@ -284,6 +307,23 @@ impl Factorized {
                         .expect("built just above")
                 });
                 self.layout_pair(src, dst, &axis, gradient, &mut scratch);
+                if let Some(lanes) = lanes {
+                    for a in 0..FACTORS {
+                        let slot = self.slot(a, g[a], h[a]);
+                        if sums[slot].is_none() {
+                            sums[slot] = Some(AxisSums::new(axes, a, g[a], h[a]));
+                        }
+                    }
+                    let axis: [&AxisSums; FACTORS] = std::array::from_fn(|a| {
+                        sums[self.slot(a, g[a], h[a])]
+                            .as_ref()
+                            .expect("built just above")
+                    });
+                    lanes.layout_pair(src, dst, &axis, gradient, &mut lane_scratch);
+                    for (v, &lane) in scratch.values.iter_mut().zip(&lane_scratch.values) {
+                        *v = v.max(lane);
+                    }
+                }
                 let (src_total, dst_total) = (src.total, dst.total);
                 let class_of = self.class_of(src_total, dst_total);
                 let dst_blocks = self.devices / dst_total;
@@ -631,6 +671,7 @@ pub(crate) struct PairBuffers {
     overlap: Vec<u64>,
     column: Vec<u64>,
     scratch: Scratch,
+    lane_scratch: LaneScratch,
 }
 
 /// Reused buffers and results of [`Factorized::layout_pair`].

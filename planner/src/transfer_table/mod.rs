@@ -32,7 +32,7 @@
 mod factorized;
 mod per_message;
 
-use factorized::{AxisNeeds, Factorized};
+use factorized::{AxisNeeds, Factorized, LaneTopology};
 pub(crate) use factorized::{LeastTimes, PairBuffers};
 use per_message::PerMessage;
 
@@ -67,6 +67,9 @@ pub(crate) struct TransferTables {
     /// Whether [`Factorized`]'s per-axis maxima are t_x itself: not where messages share lanes (NICs,
     /// switch ports), whose loads add up. Its lower bounds ([`LeastTimes`]) hold either way.
     factorized_exact: bool,
+    /// Where messages share lanes on a regular machine, how: its tables add the lanes' loads to
+    /// the maxima, from per-axis sums.
+    lanes: Option<LaneTopology>,
 }
 
 impl TransferTables {
@@ -75,6 +78,10 @@ impl TransferTables {
             per_message: OnceLock::new(),
             factorized: Factorized::for_machine(machine),
             factorized_exact: !machine.has_shared_lanes(),
+            lanes: machine
+                .has_shared_lanes()
+                .then(|| LaneTopology::for_machine(machine))
+                .flatten(),
         }
     }
 
@@ -129,7 +136,7 @@ impl TransferTables {
             )
         });
         let needs: Vec<Vec<Rect>> = match axes {
-            Some(_) if self.factorized_exact && !keep_rects => Vec::new(),
+            Some(_) if (self.factorized_exact || self.lanes.is_some()) && !keep_rects => Vec::new(),
             _ => (0..dst_space.layouts().len())
                 .map(|hi| match dst_space.layout_reduction(hi) {
                     1 => layout_needs(&dst_space.layouts()[hi]).collect(),
@@ -182,11 +189,12 @@ impl TransferTables {
         dst: &ParallelConfig,
         buffers: &mut PairBuffers,
     ) -> Option<f64> {
-        if !self.factorized_exact {
+        let lanes = self.lanes.as_ref();
+        if !self.factorized_exact && lanes.is_none() {
             return None;
         }
         let (factorized, axes) = self.factorized_edge(geometry)?;
-        Some(factorized.config_pair_time(geometry, axes, src, dst, buffers))
+        Some(factorized.config_pair_time(geometry, axes, src, dst, buffers, lanes))
     }
 
     /// t_x of the geometry's edge for every (producer config, consumer config): row-major
@@ -206,10 +214,13 @@ impl TransferTables {
         keep_pairs: Option<&[bool]>,
         only: Option<ConfigSubset>,
     ) -> Vec<f64> {
-        if self.factorized_exact
-            && let Some((factorized, axes)) = self.factorized_edge(geometry)
-        {
-            return factorized.edge_table(geometry, axes, src_space, dst_space, keep_pairs, only);
+        if let Some((factorized, axes)) = self.factorized_edge(geometry) {
+            let lanes = self.lanes.as_ref();
+            if self.factorized_exact || lanes.is_some() {
+                return factorized.edge_table(
+                    geometry, axes, src_space, dst_space, keep_pairs, only, lanes,
+                );
+            }
         }
         let whole = self
             .per_message
@@ -311,8 +322,8 @@ mod tests {
                         .expect("the catalogue's projections are separable");
                     reduced_consumers += usize::from(dst_space.has_reductions());
                     reduced_producers += usize::from(src_space.has_reductions());
-                    let fast =
-                        factorized.edge_table(&geometry, axes, src_space, dst_space, None, None);
+                    let fast = factorized
+                        .edge_table(&geometry, axes, src_space, dst_space, None, None, None);
                     let slow = per_message.edge_table(&geometry, src_space, dst_space, None, None);
                     let what = format!(
                         "{} → {} on {machine} ({search_space:?})",
@@ -327,8 +338,14 @@ mod tests {
                             src_space.config(x / dst_space.len()),
                             dst_space.config(x % dst_space.len()),
                         );
-                        let one =
-                            factorized.config_pair_time(&geometry, axes, &src, &dst, &mut buffers);
+                        let one = factorized.config_pair_time(
+                            &geometry,
+                            axes,
+                            &src,
+                            &dst,
+                            &mut buffers,
+                            None,
+                        );
                         assert_eq!(one.to_bits(), entry.to_bits(), "{what}: {src:?} → {dst:?}");
                     }
                     let least = factorized.least_times(&geometry, axes, src_space, dst_space);
@@ -351,6 +368,91 @@ mod tests {
             }
         }
         assert!(reduced_consumers > 0 && reduced_producers > 0);
+    }
+
+    /// Where messages share lanes (one NIC per node or per device; private links, a switch or a
+    /// host bridge within nodes), the tables from per-axis sums equal the per-message ones bit
+    /// for bit, in the paper's space and with reduction splits.
+    #[test]
+    fn lane_loads_from_per_axis_sums_equal_per_message() {
+        use crate::machine::IntraTopology;
+        let g = graph();
+        let mut priced = 0;
+        for machine in [
+            MachineModel::preset("paper:16").unwrap(),
+            MachineModel::preset("paper:8").unwrap(),
+            MachineModel::preset("dgx-h100:16").unwrap(),
+            MachineModel::preset("dgx-h100:4").unwrap(),
+            MachineModel::from_flags(4, 2, Some(30.0), Some(3.0))
+                .unwrap()
+                .with_nics(2)
+                .unwrap()
+                .with_intra_topology(IntraTopology::Bridge),
+            MachineModel::from_flags(2, 8, Some(10.0), Some(30.0))
+                .unwrap()
+                .with_nics(1)
+                .unwrap()
+                .with_intra_topology(IntraTopology::Switch),
+            MachineModel::from_flags(1, 8, None, None)
+                .unwrap()
+                .with_intra_topology(IntraTopology::Bridge),
+            MachineModel::from_flags(8, 2, Some(100.0), Some(1.0))
+                .unwrap()
+                .with_intra_topology(IntraTopology::Switch),
+        ] {
+            let transfers = TransferTables::new(&machine);
+            let lanes = transfers.lanes.as_ref().expect("lanes priced per axis");
+            let factorized = transfers.factorized.as_ref().expect("regular machine");
+            let per_message = PerMessage::new(&machine);
+            for search_space in [SearchSpace::Paper, SearchSpace::WithReductions] {
+                let spaces: Vec<ConfigSpace> = g
+                    .ids()
+                    .map(|id| ConfigSpace::of_layer(&g, id, machine.num_devices(), search_space))
+                    .collect();
+                for e in graph_edges(&g) {
+                    let inputs = g.input_shapes(e.dst);
+                    let (src_space, dst_space) = (&spaces[e.src.0], &spaces[e.dst.0]);
+                    let geometry = transfers.geometry_with(&g, &inputs, &e, dst_space, true);
+                    let axes = geometry.axes.as_ref().expect("separable");
+                    let fast = factorized.edge_table(
+                        &geometry,
+                        axes,
+                        src_space,
+                        dst_space,
+                        None,
+                        None,
+                        Some(lanes),
+                    );
+                    let slow = per_message.edge_table(&geometry, src_space, dst_space, None, None);
+                    let mut buffers = PairBuffers::default();
+                    for (x, entry) in fast.iter().enumerate().step_by(5) {
+                        let (src, dst) = (
+                            src_space.config(x / dst_space.len()),
+                            dst_space.config(x % dst_space.len()),
+                        );
+                        let one = transfers.config_pair_time(&geometry, &src, &dst, &mut buffers);
+                        assert_eq!(
+                            one.map(f64::to_bits),
+                            Some(entry.to_bits()),
+                            "{src:?} → {dst:?}"
+                        );
+                    }
+                    for (x, (f, s)) in fast.iter().zip(&slow).enumerate() {
+                        assert_eq!(
+                            f.to_bits(),
+                            s.to_bits(),
+                            "{} → {} on {machine} ({search_space:?}): {:?} → {:?}: {f} against {s}",
+                            g.layer(e.src).name,
+                            g.layer(e.dst).name,
+                            src_space.config(x / dst_space.len()),
+                            dst_space.config(x % dst_space.len()),
+                        );
+                    }
+                    priced += fast.len();
+                }
+            }
+        }
+        assert!(priced > 0);
     }
 
     #[test]

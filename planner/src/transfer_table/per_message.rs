@@ -11,6 +11,7 @@ use super::{ConfigSubset, EdgeGeometry};
 use crate::config::{ConfigSpace, block_of, block_range};
 use crate::fast_hash::FastHashMap;
 use crate::machine::{Lane, Link, MachineModel};
+use crate::transfer::lane_seconds;
 use legion_ops::shape::MAX_DIMS;
 
 /// One producer-tile → consumer-tile message of a layout pair.
@@ -22,20 +23,40 @@ struct Message {
 }
 
 /// Every ordered device pair's route on a machine with shared lanes, with what its messages load
-/// numbered densely ("slots": the lanes, then the private links routes use).
+/// numbered densely ("slots": one per lane, or private link, and link that loads it).
 struct SharedRoutes {
     /// By `a * n + b`.
     pairs: Vec<PairRoute>,
-    slots: usize,
+    /// Per slot: its lane or private link (numbered densely), and the link's seconds per byte and
+    /// latency.
+    slots: Vec<Slot>,
+    /// Whether some lane is loaded by messages of several links (per-pair overrides): its slots'
+    /// seconds then add up.
+    mixed: bool,
 }
 
-/// A message's cost on one ordered pair: the seconds of `bytes` are `bytes · seconds_per_byte +
-/// latency` (as `Link::message_time`), added to each slot it loads.
 #[derive(Clone, Copy)]
-struct PairRoute {
+struct Slot {
+    lane: u32,
     seconds_per_byte: f64,
     latency_s: f64,
-    /// [`NO_SLOT`] where fewer (a device and itself: none; a private link or a host bridge: one).
+}
+
+impl Slot {
+    /// The order in which a mixed lane adds its links' seconds, as [`crate::transfer::Loads`].
+    fn order(&self) -> (u32, u64, u64) {
+        (
+            self.lane,
+            self.seconds_per_byte.to_bits(),
+            self.latency_s.to_bits(),
+        )
+    }
+}
+
+/// The slots a message on one ordered pair loads: [`NO_SLOT`] where fewer (a device and itself:
+/// none; a private link or a host bridge: one).
+#[derive(Clone, Copy)]
+struct PairRoute {
     slots: [u32; 2],
     lanes: Option<(Lane, Lane)>,
 }
@@ -47,74 +68,113 @@ impl SharedRoutes {
         let n = machine.num_devices();
         let lanes = machine.num_lanes();
         let mut private: FastHashMap<usize, u32> = FastHashMap::default();
+        let mut ids: FastHashMap<(u32, u64, u64), u32> = FastHashMap::default();
+        let mut slots: Vec<Slot> = Vec::new();
         let pairs = (0..n * n)
             .map(|ab| {
                 let Some(route) = machine.route(ab / n, ab % n) else {
                     return PairRoute {
-                        seconds_per_byte: 0.0,
-                        latency_s: 0.0,
                         slots: [NO_SLOT; 2],
                         lanes: None,
                     };
                 };
+                let mut slot = |lane: u32| {
+                    let slot = Slot {
+                        lane,
+                        seconds_per_byte: route.link.seconds_per_byte(),
+                        latency_s: route.link.latency_s,
+                    };
+                    *ids.entry(slot.order()).or_insert_with(|| {
+                        slots.push(slot);
+                        (slots.len() - 1) as u32
+                    })
+                };
                 let slots = match route.lanes {
-                    Some((out, into)) if out == into => [out as u32, NO_SLOT],
-                    Some((out, into)) => [out as u32, into as u32],
+                    Some((out, into)) if out == into => [slot(out as u32), NO_SLOT],
+                    Some((out, into)) => [slot(out as u32), slot(into as u32)],
                     None => {
                         let next = (lanes + private.len()) as u32;
-                        [*private.entry(ab).or_insert(next), NO_SLOT]
+                        let lane = *private.entry(ab).or_insert(next);
+                        [slot(lane), NO_SLOT]
                     }
                 };
                 PairRoute {
-                    seconds_per_byte: route.link.seconds_per_byte(),
-                    latency_s: route.link.latency_s,
                     slots,
                     lanes: route.lanes,
                 }
             })
             .collect();
+        let mut lane_slots: FastHashMap<u32, usize> = FastHashMap::default();
+        for s in &slots {
+            *lane_slots.entry(s.lane).or_default() += 1;
+        }
         SharedRoutes {
             pairs,
-            slots: lanes + private.len(),
+            mixed: lane_slots.values().any(|&n| n > 1),
+            slots,
         }
     }
 }
 
-/// Seconds per slot of [`SharedRoutes`], the same sums as [`crate::transfer::Loads`] in a dense
-/// array.
+/// Bytes and messages per slot of [`SharedRoutes`], summed exactly and priced once, as
+/// [`crate::transfer::Loads`] prices them.
 struct SlotLoads {
-    seconds: Vec<f64>,
+    bytes: Vec<u64>,
+    messages: Vec<u64>,
     touched: Vec<u32>,
 }
 
 impl SlotLoads {
     fn new(slots: usize) -> SlotLoads {
         SlotLoads {
-            seconds: vec![0.0; slots],
+            bytes: vec![0; slots],
+            messages: vec![0; slots],
             touched: Vec::new(),
         }
     }
 
-    fn add(&mut self, route: &PairRoute, bytes: f64) {
-        if route.slots[0] == NO_SLOT {
-            return;
-        }
-        let seconds = bytes * route.seconds_per_byte + route.latency_s;
+    fn add(&mut self, route: &PairRoute, bytes: u64) {
         for slot in route.slots.into_iter().filter(|&s| s != NO_SLOT) {
-            let load = &mut self.seconds[slot as usize];
-            if *load == 0.0 {
-                self.touched.push(slot);
+            let slot = slot as usize;
+            if self.messages[slot] == 0 {
+                self.touched.push(slot as u32);
             }
-            *load += seconds;
+            self.bytes[slot] += bytes;
+            self.messages[slot] += 1;
         }
     }
 
-    /// The busiest slot's seconds; every slot back to zero.
-    fn take_busiest(&mut self) -> f64 {
+    /// The busiest lane's or private link's seconds; every slot back to zero.
+    fn take_busiest(&mut self, routes: &SharedRoutes) -> f64 {
+        let mut seconds = |slot: u32| {
+            let s = &routes.slots[slot as usize];
+            let (bytes, messages) = (
+                std::mem::take(&mut self.bytes[slot as usize]),
+                std::mem::take(&mut self.messages[slot as usize]),
+            );
+            lane_seconds(bytes, messages, s.seconds_per_byte, s.latency_s)
+        };
         let mut busiest = 0.0f64;
-        for slot in self.touched.drain(..) {
-            busiest = busiest.max(std::mem::take(&mut self.seconds[slot as usize]));
+        if !routes.mixed {
+            for slot in std::mem::take(&mut self.touched) {
+                busiest = busiest.max(seconds(slot));
+            }
+            return busiest;
         }
+        let mut touched = std::mem::take(&mut self.touched);
+        touched.sort_unstable_by_key(|&s| routes.slots[s as usize].order());
+        let mut i = 0;
+        while i < touched.len() {
+            let lane = routes.slots[touched[i] as usize].lane;
+            let mut lane_total = 0.0;
+            while i < touched.len() && routes.slots[touched[i] as usize].lane == lane {
+                lane_total += seconds(touched[i]);
+                i += 1;
+            }
+            busiest = busiest.max(lane_total);
+        }
+        touched.clear();
+        self.touched = touched;
         busiest
     }
 }
@@ -335,10 +395,10 @@ impl PerMessage {
                 let [forward, backward] = loads;
                 for m in messages {
                     let (a, b) = (src_first + m.src_tile, dst_first + m.dst_tile);
-                    forward.add(&routes.pairs[a * n + b], m.bytes);
-                    backward.add(&routes.pairs[b * n + a], m.bytes);
+                    forward.add(&routes.pairs[a * n + b], m.bytes as u64);
+                    backward.add(&routes.pairs[b * n + a], m.bytes as u64);
                 }
-                both(forward.take_busiest(), backward.take_busiest())
+                both(forward.take_busiest(routes), backward.take_busiest(routes))
             }
         }
     }
@@ -360,7 +420,7 @@ impl PerMessage {
         let mut table = vec![0.0; src_space.len() * columns];
         let mut messages: Vec<Message> = Vec::new();
         let mut values: Vec<f64> = Vec::new();
-        let slots = self.routes.as_ref().map_or(0, |r| r.slots);
+        let slots = self.routes.as_ref().map_or(0, |r| r.slots.len());
         let mut loads = [SlotLoads::new(slots), SlotLoads::new(slots)];
         for (gi, g) in src_space.layouts().iter().enumerate() {
             // under a reduction split a block's output is on its first partial's device
