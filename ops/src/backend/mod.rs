@@ -112,6 +112,16 @@ impl DType {
             Precision::Bf16 => DType::Bf16,
         }
     }
+
+    /// The element type of `op`'s output (and of its gradient) computed in `precision`: the
+    /// activations' ([`DType::activation`]), but f32 for the per-sample losses of softmax
+    /// cross-entropy, which the loss is summed from (the loss is fp32 in every precision).
+    pub fn output(op: &crate::op::Op, precision: Precision) -> DType {
+        match op {
+            crate::op::Op::SoftmaxCrossEntropy(_) => DType::F32,
+            _ => DType::activation(precision),
+        }
+    }
 }
 
 /// A read operand: memory `mem` on the device, laid out row-major over `rect` (global coordinates
@@ -828,7 +838,24 @@ impl fmt::Display for Phase {
 
 #[cfg(test)]
 mod tests {
-    use super::fill_host_batch;
+    use super::{DType, fill_host_batch};
+    use crate::op::{Conv2d, Op, SoftmaxCrossEntropy};
+    use crate::precision::Precision;
+
+    #[test]
+    fn activations_are_bf16_in_bf16_except_the_per_sample_losses() {
+        let conv = Op::Conv2d(Conv2d::new(4, 3));
+        let loss = Op::SoftmaxCrossEntropy(SoftmaxCrossEntropy::default());
+        assert_eq!(DType::output(&conv, Precision::Bf16), DType::Bf16);
+        assert_eq!(DType::output(&loss, Precision::Bf16), DType::F32);
+        for p in [Precision::Fp32, Precision::Tf32] {
+            assert_eq!(DType::output(&conv, p), DType::F32);
+            assert_eq!(DType::output(&loss, p), DType::F32);
+        }
+        for p in Precision::ALL {
+            assert_eq!(DType::activation(p).size() as u64, p.activation_bytes());
+        }
+    }
 
     #[test]
     fn a_filled_batch_is_a_copy_of_any_length() {
