@@ -14,8 +14,9 @@
 # ahead, `fastest` convolution algorithms against `precise` ones, the NVRTC compile test),
 # `equivalence` (every strategy on 4 GPU device actors sharing the GPU against the CPU's single
 # device, `precise` algorithms: LeNet-5, AlexNet 64, Inception-v3 75, batch 8, 3 steps),
-# `throughput` (one GPU, strict FP32 and TF32 for AlexNet 224 b128, VGG-16 224 b64, Inception-v3
-# 299 b64 and ResNet-50 224 b64, side by side with PyTorch in the same run; AlexNet again with
+# `throughput` (one GPU, strict FP32, TF32 and bf16 mixed precision for AlexNet 224 b128, VGG-16
+# 224 b64, Inception-v3 299 b64 and ResNet-50 224 b64, side by side with PyTorch in the same run,
+# its bf16 being autocast with channels_last; AlexNet again with
 # each default turned off: `precise` and `heuristic` algorithms, no prefetch, no step capture
 # (CUDA graph replay), synthetic batches drawn on the host instead of by the GPU, each row saying
 # whether capture replayed or why it gave up and where the batches were drawn; with the host's
@@ -130,15 +131,17 @@ run)
         done
     fi
     if want throughput; then
-        # mode: strict FP32 or TF32 with the defaults (the `fastest` convolution algorithms, the
-        # next batch staged while a step computes, steps after the first replayed as a CUDA
-        # graph), then AlexNet with each default turned off in turn: `--conv-algos precise` and
-        # `heuristic`, `--no-prefetch`, `--no-capture`, `--synthetic-on-host`.
-        for mode in fp32 tf32 fp32-precise fp32-heuristic fp32-no-prefetch fp32-no-capture \
+        # mode: strict FP32, TF32 or bf16 (mixed precision) with the defaults (the `fastest`
+        # convolution algorithms, the next batch staged while a step computes, steps after the
+        # first replayed as a CUDA graph), then AlexNet with each default turned off in turn:
+        # `--conv-algos precise` and `heuristic`, `--no-prefetch`, `--no-capture`,
+        # `--synthetic-on-host`.
+        for mode in fp32 tf32 bf16 fp32-precise fp32-heuristic fp32-no-prefetch fp32-no-capture \
             fp32-synthetic-on-host; do
             flags=()
             case "$mode" in
             tf32) flags=(--tf32) ;;
+            bf16) flags=(--precision bf16) ;;
             fp32-precise) flags=(--conv-algos precise) ;;
             fp32-heuristic) flags=(--conv-algos heuristic) ;;
             fp32-no-prefetch) flags=(--no-prefetch) ;;
@@ -167,6 +170,7 @@ host = {k: statistics.median(s.get(k, 0.0) for s in steps[5:])
         for k in ("enqueue_ms", "stage_ms", "wait_ms")}
 print(json.dumps({"peer": "legion-rs", "model": sys.argv[2], "image": int(sys.argv[3]),
                   "batch": int(sys.argv[4]), "mode": sys.argv[5], "tf32": sys.argv[5] == "tf32",
+                  "precision": sys.argv[5].split("-")[0],
                   "first_step_ms": steps[0]["step_ms"], "median_step_ms": ms,
                   "images_per_sec": int(sys.argv[4]) / ms * 1e3, **host,
                   "capture": summary.get("capture"),
@@ -180,11 +184,11 @@ PY
                 echo "    $((SECONDS - start)) s"
             done
         done
-        echo "=== throughput, PyTorch on the same GPU (strict FP32, then TF32)"
+        echo "=== throughput, PyTorch on the same GPU (strict FP32, TF32, then bf16 autocast + channels_last)"
         start=$SECONDS
-        if t=$(limit 150); then
+        if t=$(limit 210); then
             timeout "$t" "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 \
-                inception_v3:299:64 resnet50:224:64 --both | tee -a "$out/throughput-pytorch.jsonl" \
+                inception_v3:299:64 resnet50:224:64 --all | tee -a "$out/throughput-pytorch.jsonl" \
                 || failures+=("pytorch")
         else
             skip pytorch
@@ -199,12 +203,14 @@ def rows(path):
     except FileNotFoundError:
         return []
 ours, peer = rows(sys.argv[1]), rows(sys.argv[2])
-torch = {(r["model"], r["tf32"]): r["median_step_ms"] for r in peer}
+# joined on the precision: fp32 (every fp32-* mode too), tf32, bf16 (PyTorch's autocast)
+torch = {(r["model"], r.get("precision", "tf32" if r["tf32"] else "fp32")): r["median_step_ms"]
+         for r in peer}
 print("| model | mode | legion-rs ms | PyTorch ms | ratio | legion-rs first step ms "
       "| host: enqueue / stage / wait ms | step capture | batches drawn on |")
 print("|---|---|---:|---:|---:|---:|---:|---|---|")
 for r in sorted(ours, key=lambda r: (r["model"], r["mode"])):
-    b = torch.get((r["model"], r["tf32"]))
+    b = torch.get((r["model"], r.get("precision", "tf32" if r["tf32"] else "fp32")))
     ratio = f"{r['median_step_ms'] / b:.2f}" if b else "-"
     peer_ms = f"{b:.1f}" if b else "-"
     host = " / ".join(f"{r.get(k, 0):.1f}" for k in ("enqueue_ms", "stage_ms", "wait_ms"))

@@ -3,7 +3,10 @@
 
 Prints one JSON object per model and mode: median step milliseconds over the measured steps,
 images per second, and the settings. Strict FP32 (TF32 off in cuBLAS and cuDNN, the default of
-legion-rs), TF32 with --tf32, both (strict first) with --both. SGD with momentum 0.9 and weight
+legion-rs), TF32 with --tf32, both (strict first) with --both; bf16 with --bf16: autocast to
+bfloat16 with the model and the batch in channels_last (the fast mixed-precision setting a user
+would pick; TF32 allowed for what autocast leaves in fp32, PyTorch's default for convolutions),
+the peer of `legion-rs train --precision bf16`; --all runs strict FP32, TF32, then bf16. SGD with momentum 0.9 and weight
 decay 5e-4, as legion-rs trains; synthetic data resident on the GPU; cudnn.benchmark on. Models
 are built on the GPU (their initialisation is not what is measured).
 
@@ -11,7 +14,8 @@ With --profile FILE, one more step after the measured ones runs under torch.prof
 gets its CUDA kernels grouped by name (milliseconds of device time in that step), the peer's side
 of legion-rs's one-device `--trace`.
 
-usage: pytorch_peer.py MODEL:IMAGE:BATCH [...] [--tf32 | --both] [--warmup 5] [--steps 15]
+usage: pytorch_peer.py MODEL:IMAGE:BATCH [...] [--tf32 | --bf16 | --both | --all] [--warmup 5]
+                       [--steps 15]
                        [--profile FILE]
 """
 import argparse
@@ -42,6 +46,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="MODEL:IMAGE:BATCH")
     parser.add_argument("--tf32", action="store_true")
     parser.add_argument("--both", action="store_true", help="strict FP32, then TF32")
+    parser.add_argument("--bf16", action="store_true", help="autocast bf16 + channels_last")
+    parser.add_argument("--all", action="store_true", help="strict FP32, TF32, then bf16")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--classes", type=int, default=1000)
@@ -49,34 +55,46 @@ def main() -> None:
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
-    modes = [False, True] if args.both else [args.tf32]
+    if args.all:
+        modes = ["fp32", "tf32", "bf16"]
+    elif args.both:
+        modes = ["fp32", "tf32"]
+    else:
+        modes = ["bf16" if args.bf16 else "tf32" if args.tf32 else "fp32"]
     for run in args.runs:
         name, image, batch = run.split(":")
         image, batch = int(image), int(batch)
-        for tf32 in modes:
+        for precision in modes:
+            tf32 = precision != "fp32"
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
-            median = measure(name, image, batch, args, device)
+            median = measure(name, image, batch, args, device, precision == "bf16")
             print(json.dumps({
                 "peer": "pytorch", "torch": torch.__version__, "model": name, "image": image,
-                "batch": batch, "tf32": tf32, "median_step_ms": median,
-                "images_per_sec": batch / median * 1e3,
+                "batch": batch, "tf32": precision == "tf32", "precision": precision,
+                "median_step_ms": median, "images_per_sec": batch / median * 1e3,
             }), flush=True)
 
 
-def measure(name: str, image: int, batch: int, args, device) -> float:
+def measure(name: str, image: int, batch: int, args, device, bf16: bool = False) -> float:
     with device:
         model = build(name, args.classes)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     loss_fn = torch.nn.CrossEntropyLoss()
     x = torch.randn(batch, 3, image, image, device=device)
     y = torch.randint(0, args.classes, (batch,), device=device)
+    if bf16:
+        # fp32 master weights, bf16 convolutions and products on NHWC tensors
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
     times = []
     for step in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
+        with autocast:
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         torch.cuda.synchronize()

@@ -68,10 +68,7 @@ impl JobSpec {
     /// The GPU settings a job asks for, as [`JobSpec::gpu_math`] and [`JobSpec::conv_algos`]
     /// carry them.
     pub fn gpu_fields(settings: legion_cuda::Settings) -> (String, String) {
-        let math = match settings.math {
-            legion_cuda::Math::StrictFp32 => "fp32",
-            legion_cuda::Math::Tf32 => "tf32",
-        };
+        let math = settings.math.precision().name();
         let algos = match settings.conv_algos {
             legion_cuda::ConvAlgos::Fastest => "fastest",
             legion_cuda::ConvAlgos::Precise => "precise",
@@ -86,9 +83,12 @@ impl JobSpec {
         let math = match self.gpu_math.as_str() {
             "fp32" => legion_cuda::Math::StrictFp32,
             "tf32" => legion_cuda::Math::Tf32,
+            // A cluster's devices run the runtime, whose bf16 region moves do not exist yet (the
+            // driver refuses bf16 before a job is sent: `check_hosts`).
             other => {
                 return Err(format!(
-                    "job: gpu_math {other:?}: expected \"fp32\" or \"tf32\""
+                    "job: gpu_math {other:?}: expected \"fp32\" or \"tf32\" (bf16 runs on one \
+                     device only)"
                 ));
             }
         };

@@ -14,12 +14,16 @@
 //!     the update, batch norm's statistics (and its scale and shift) and the loss stay fp32; each
 //!     conv2d or dense parameter slice a kernel reads has a bf16 working copy cast from its fp32
 //!     master;
+//!   - a GPU keeps the working copies of the weights the products read (conv2d's and dense's
+//!     `Param(0)`, [`Precision::working_copy`]); their biases are added in fp32 from the master by
+//!     the product's epilogue, so they need none;
 //!   - checkpoints hold the fp32 master weights, as in the other precisions, so a bf16 run resumes
 //!     from an fp32 one and back.
 //!
 //! [`Precision::activation_bytes`] and [`Precision::weight_bytes`] are the element sizes the
 //! planner prices transfers, synchronisation and memory with.
 
+use crate::op::Op;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -74,6 +78,15 @@ impl Precision {
         }
     }
 
+    /// Whether parameter `index` of `op` is read by the products through a working copy in this
+    /// precision: in bf16, the weights of conv2d and dense (their `Param(0)`), which the tensor
+    /// cores read in bf16; nothing in fp32 and tf32, whose kernels read the masters.
+    pub fn working_copy(self, op: &Op, index: usize) -> bool {
+        self.weight_copy_bytes().is_some()
+            && index == 0
+            && matches!(op, Op::Conv2d(_) | Op::Dense(_))
+    }
+
     /// The suffix of the device kind a profile measured in this precision is stored under
     /// (`h100-bf16`, `h100-tf32`); none for fp32, whose kind is the device's own (`h100`).
     pub fn kind_suffix(self) -> Option<&'static str> {
@@ -121,6 +134,29 @@ impl FromStr for Precision {
     }
 }
 
+/// `x` rounded to the nearest bf16 (ties to even) and back to f32: what storing an f32 in bf16
+/// keeps. NaN stays a (quiet) NaN; values past the largest bf16 round to infinity. The host's
+/// statement of the GPU's cast, for tolerances and references.
+pub fn round_bf16(x: f32) -> f32 {
+    f32::from_bits(u32::from(bf16_bits(x)) << 16)
+}
+
+/// The bf16 bits of `x`, rounded to nearest even: the upper half of the f32 after adding half an
+/// ulp of bf16 (less one when the kept half is even, so that a tie rounds to the even one). A NaN
+/// keeps its sign and upper payload with the quiet bit set, so that it cannot become infinity.
+pub fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return ((bits >> 16) | 0x0040) as u16;
+    }
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(rounding) >> 16) as u16
+}
+
+/// The largest relative error of one value stored in bf16 (8 significant bits, rounded to
+/// nearest): half an ulp, 2^-8 of the value's magnitude (normal values).
+pub const BF16_RELATIVE_ROUNDING: f32 = 1.0 / 256.0;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,6 +199,44 @@ mod tests {
         assert_eq!(sizes(Precision::Fp32), (4, 4, None));
         assert_eq!(sizes(Precision::Tf32), (4, 4, None));
         assert_eq!(sizes(Precision::Bf16), (2, 4, Some(2)));
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_keeps_nan_and_infinity() {
+        // 1 + 2^-8 is half-way between 1 and 1 + 2^-7: even (1) wins; 1 + 3·2^-8 goes up.
+        assert_eq!(round_bf16(1.0 + 1.0 / 256.0), 1.0);
+        assert_eq!(round_bf16(1.0 + 3.0 / 256.0), 1.0 + 4.0 / 256.0);
+        assert_eq!(round_bf16(1.0 + 1.0 / 256.0 + 1e-6), 1.0 + 2.0 / 256.0);
+        assert_eq!(round_bf16(-2.5), -2.5);
+        assert_eq!(round_bf16(f32::INFINITY), f32::INFINITY);
+        assert_eq!(round_bf16(f32::MAX), f32::INFINITY);
+        assert!(round_bf16(f32::NAN).is_nan());
+        // a signalling NaN whose payload lies in the dropped half stays NaN, quiet
+        let signalling = f32::from_bits(0x7f80_0001);
+        assert!(signalling.is_nan() && round_bf16(signalling).is_nan());
+        assert_eq!(bf16_bits(signalling) & 0x0040, 0x0040);
+        // the relative error is within half an ulp
+        let mut x = 1.0e-30f32;
+        while x < 1.0e30 {
+            let r = round_bf16(x);
+            assert!((r - x).abs() <= BF16_RELATIVE_ROUNDING * x, "{x}: {r}");
+            x *= 1.37;
+        }
+    }
+
+    #[test]
+    fn only_the_products_weights_have_working_copies_and_only_in_bf16() {
+        use crate::op::{Conv2d, Dense, Pool2d};
+        let conv = Op::Conv2d(Conv2d::new(4, 3));
+        let dense = Op::Dense(Dense::new(10));
+        let pool = Op::Pool2d(Pool2d::max(2));
+        assert!(Precision::Bf16.working_copy(&conv, 0));
+        assert!(Precision::Bf16.working_copy(&dense, 0));
+        assert!(!Precision::Bf16.working_copy(&conv, 1));
+        assert!(!Precision::Bf16.working_copy(&pool, 0));
+        for p in [Precision::Fp32, Precision::Tf32] {
+            assert!(!p.working_copy(&conv, 0) && !p.working_copy(&dense, 0));
+        }
     }
 
     #[test]

@@ -289,6 +289,10 @@ pub struct Trainer<B: Backend = Cpu> {
     /// Values of `params` on the device, and SGD momentum (zeros for buffers).
     weights: Vec<B::Buffer>,
     velocity: Vec<B::Buffer>,
+    /// By slot, the working copy the products read instead of the master where the backend's
+    /// precision keeps one ([`crate::precision::Precision::working_copy`]: conv2d and dense weights in bf16), cast
+    /// from the master after each update.
+    working: Vec<Option<B::Buffer>>,
     sgd: Sgd,
     seed: u64,
     step: u64,
@@ -441,6 +445,7 @@ impl Trainer<Cpu> {
         Trainer {
             first: params.first,
             params: params.params,
+            working: (0..params.values.len()).map(|_| None).collect(),
             weights: params.values.into_iter().map(Buffer::F32).collect(),
             velocity: momentum.into_iter().map(Buffer::F32).collect(),
             graph,
@@ -477,7 +482,37 @@ impl<B: Backend> Trainer<B> {
         };
         let weights = upload(state.params.values, &mut stream)?;
         let velocity = upload(state.momentum, &mut stream)?;
+        let precision = backend.precision();
+        let first = &state.params.first;
+        let working = state
+            .params
+            .params
+            .iter()
+            .enumerate()
+            .map(|(slot, p)| {
+                let op = &graph.layer(p.layer).op;
+                if !precision.working_copy(op, slot - first[p.layer.0]) {
+                    return Ok(None);
+                }
+                let rect = p.spec.shape.full_rect();
+                let mut copy = backend.alloc(&mut stream, DType::Bf16, rect.volume())?;
+                let master = In {
+                    rect,
+                    mem: &weights[slot],
+                };
+                backend.cast(
+                    &mut stream,
+                    master,
+                    Out {
+                        rect,
+                        mem: &mut copy,
+                    },
+                );
+                Ok(Some(copy))
+            })
+            .collect::<Result<Vec<_>, KernelError>>()?;
         Ok(Trainer {
+            working,
             graph,
             params: state.params.params,
             first: state.params.first,
@@ -647,13 +682,14 @@ impl<B: Backend> Trainer<B> {
             _ => None,
         };
         let (weights, velocity) = (&mut self.weights, &mut self.velocity);
+        let working = &mut self.working;
         let (params, first) = (&self.params, &self.first);
         // Enqueues the step's kernels on the images: the loss, with the samples it averages over.
         // Every buffer the step allocates is dropped before this returns (freed in stream order
         // after its last reader; while recording, within the recording).
         let mut enqueue = |stream: &mut B::Stream, images: &B::Buffer| {
-            let (acts, loss, saved) = pass.forward(b, stream, weights, images)?;
-            let grads = pass.backward(b, stream, weights, &acts, &saved)?;
+            let (acts, loss, saved) = pass.forward(b, stream, weights, working, images)?;
+            let grads = pass.backward(b, stream, weights, working, &acts, &saved)?;
             for (slot, grad) in grads.into_iter().enumerate() {
                 let Some(grad) = grad else { continue };
                 let p = &params[slot];
@@ -665,6 +701,13 @@ impl<B: Backend> Trainer<B> {
                     write(Role::Velocity(param), rect, &mut velocity[slot]),
                 ];
                 pass.run(b, stream, p.layer, rect, Phase::Update { param }, operands)?;
+                if let Some(copy) = &mut working[slot] {
+                    let master = In {
+                        rect,
+                        mem: &weights[slot],
+                    };
+                    b.cast(stream, master, Out { rect, mem: copy });
+                }
             }
             Ok::<_, KernelError>(loss)
         };
@@ -910,7 +953,8 @@ fn sums_rect(channels: usize) -> Rect {
     Shape::new(&[3, channels]).full_rect()
 }
 
-/// Every layer's output in a pass: the input layer's is the batch's images, borrowed.
+/// Every layer's output in a pass: the input layer's is the batch's images, borrowed (or, where
+/// activations are bf16, their cast, at `outputs[input]`).
 struct Acts<'i, M> {
     images: &'i M,
     input: usize,
@@ -919,12 +963,13 @@ struct Acts<'i, M> {
 }
 
 impl<M> Acts<'_, M> {
+    /// A layer's output: the input layer's is the images, or their cast where activations are
+    /// not f32.
     fn of(&self, layer: LayerId) -> &M {
-        match layer.0 == self.input {
-            true => self.images,
-            false => self.outputs[layer.0]
-                .as_ref()
-                .expect("a layer's output is computed before it is read"),
+        match (&self.outputs[layer.0], layer.0 == self.input) {
+            (Some(output), _) => output,
+            (None, true) => self.images,
+            (None, false) => panic!("a layer's output is computed before it is read"),
         }
     }
 }
@@ -988,8 +1033,14 @@ impl<'a, K> Pass<'a, K> {
         self.first[layer.0] + index
     }
 
-    /// Read operands for every parameter (and buffer) of `layer`.
-    fn param_operands<'b, M>(&self, layer: LayerId, weights: &'b [M]) -> Vec<Operand<'b, M>> {
+    /// Read operands for every parameter (and buffer) of `layer`: its working copy where it has
+    /// one, else the master.
+    fn param_operands<'b, M>(
+        &self,
+        layer: LayerId,
+        weights: &'b [M],
+        working: &'b [Option<M>],
+    ) -> Vec<Operand<'b, M>> {
         let end = self
             .first
             .get(layer.0 + 1)
@@ -999,7 +1050,8 @@ impl<'a, K> Pass<'a, K> {
             .map(|slot| {
                 let k = slot - self.first[layer.0];
                 let rect = self.params[slot].spec.shape.full_rect();
-                read(Role::Param(k as u8), rect, &weights[slot])
+                let value = working[slot].as_ref().unwrap_or(&weights[slot]);
+                read(Role::Param(k as u8), rect, value)
             })
             .collect()
     }
@@ -1074,6 +1126,7 @@ impl<'a, K> Pass<'a, K> {
         b: &B,
         stream: &mut B::Stream,
         weights: &mut [B::Buffer],
+        working: &[Option<B::Buffer>],
         images: &'i B::Buffer,
     ) -> Result<
         (
@@ -1094,14 +1147,36 @@ impl<'a, K> Pass<'a, K> {
             moments: BTreeMap::new(),
         };
         let mut loss = None;
+        let precision = b.precision();
         for id in g.ids() {
             let layer = g.layer(id);
             let tile = self.full(id);
             if id == input_layer {
-                acts.outputs.push(None);
+                // The images as the first activation: cast once where activations are not f32.
+                let cast = match DType::activation(precision) {
+                    DType::F32 => None,
+                    dtype => {
+                        let mut cast = b.alloc(stream, dtype, layer.shape.numel())?;
+                        let from = In {
+                            rect: tile,
+                            mem: images,
+                        };
+                        b.cast(
+                            stream,
+                            from,
+                            Out {
+                                rect: tile,
+                                mem: &mut cast,
+                            },
+                        );
+                        Some(cast)
+                    }
+                };
+                acts.outputs.push(cast);
                 continue;
             }
-            let mut y = b.alloc(stream, DType::F32, layer.shape.numel())?;
+            let dtype = DType::output(&layer.op, precision);
+            let mut y = b.alloc(stream, dtype, layer.shape.numel())?;
             let mut operands: Vec<Operand<'_, B::Buffer>> = layer
                 .inputs
                 .iter()
@@ -1116,7 +1191,7 @@ impl<'a, K> Pass<'a, K> {
                 let first = vec![x, write(Role::Moments, sums, &mut moments)];
                 self.run(b, stream, id, tile, Phase::BnMoments, first)?;
                 operands.push(read(Role::Moments, sums, &moments));
-                operands.extend(self.param_operands(id, weights));
+                operands.extend(self.param_operands(id, weights, working));
                 operands.push(write(Role::Output, tile, &mut y));
                 self.run(b, stream, id, tile, Phase::BnNormalize, operands)?;
                 let slice = Shape::new(&[channels]).full_rect();
@@ -1129,7 +1204,7 @@ impl<'a, K> Pass<'a, K> {
                 self.run(b, stream, id, slice, Phase::BnRunning, running)?;
                 saved.moments.insert(id.0, moments);
             } else {
-                operands.extend(self.param_operands(id, weights));
+                operands.extend(self.param_operands(id, weights, working));
                 operands.push(write(Role::Output, tile, &mut y));
                 if let Some(pending) = self.run(b, stream, id, tile, Phase::Forward, operands)? {
                     loss = Some((pending, layer.shape.numel()));
@@ -1146,6 +1221,7 @@ impl<'a, K> Pass<'a, K> {
         b: &B,
         stream: &mut B::Stream,
         weights: &[B::Buffer],
+        working: &[Option<B::Buffer>],
         acts: &Acts<'_, B::Buffer>,
         saved: &Saved<B::Buffer>,
     ) -> Result<Vec<Option<B::Buffer>>, KernelError> {
@@ -1167,9 +1243,12 @@ impl<'a, K> Pass<'a, K> {
             let needs_dx = |k: usize| !matches!(g.layer(layer.inputs[k]).op, Op::Input(_));
             let mut dxs: Vec<Option<B::Buffer>> = Vec::with_capacity(layer.inputs.len());
             for (k, src) in layer.inputs.iter().enumerate() {
-                let len = g.layer(*src).shape.numel();
+                let source = g.layer(*src);
+                let len = source.shape.numel();
+                // A gradient is stored as its activation is.
+                let dtype = DType::output(&source.op, b.precision());
                 dxs.push(if needs_dx(k) {
-                    Some(b.alloc(stream, DType::F32, len)?)
+                    Some(b.alloc(stream, dtype, len)?)
                 } else {
                     None
                 });
@@ -1194,7 +1273,7 @@ impl<'a, K> Pass<'a, K> {
                 if let Some(dy) = &dy {
                     operands.push(read(Role::OutputGrad, tile, dy));
                 }
-                operands.extend(self.param_operands(id, weights));
+                operands.extend(self.param_operands(id, weights, working));
                 operands
             };
             let param_rects: Vec<Rect> = param_specs.iter().map(|p| p.shape.full_rect()).collect();
@@ -1364,11 +1443,13 @@ mod tests {
         let mut stream = CpuStream;
         let mut buffers: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
         let input = Buffer::F32(images.clone());
+        // fp32: no working copies
+        let masters_only: Vec<Option<Buffer>> = buffers.iter().map(|_| None).collect();
         let (acts, _, saved) = pass
-            .forward(&Cpu, &mut stream, &mut buffers, &input)
+            .forward(&Cpu, &mut stream, &mut buffers, &masters_only, &input)
             .unwrap();
         let grads = pass
-            .backward(&Cpu, &mut stream, &buffers, &acts, &saved)
+            .backward(&Cpu, &mut stream, &buffers, &masters_only, &acts, &saved)
             .unwrap();
         // The loss of the step at weights `w` for parameter `slot`.
         let loss_at = |slot: usize, w: &[f32]| {
@@ -1376,7 +1457,7 @@ mod tests {
             probe[slot] = Buffer::F32(w.to_vec());
             let input = Buffer::F32(images.clone());
             let (_, loss, _) = pass
-                .forward(&Cpu, &mut CpuStream, &mut probe, &input)
+                .forward(&Cpu, &mut CpuStream, &mut probe, &masters_only, &input)
                 .unwrap();
             let (sums, samples) = loss.expect("the graph has a loss");
             sums.loss_sum / samples as f64

@@ -444,11 +444,11 @@ impl Job {
             }
             None => {
                 let p = opts.precision.unwrap_or_default();
-                precision::check_device(p, &device)?;
+                precision::check_device(p, &device, devices)?;
                 p
             }
         };
-        let math = precision::gpu_math(precision)?;
+        let math = precision::gpu_math(precision);
         let settings = legion_cuda::Settings {
             math,
             conv_algos: opts.conv_algos,

@@ -1,8 +1,11 @@
 //! `--precision fp32|tf32|bf16` (and `--tf32`, its old spelling of `tf32`) as `train`, `profile`
 //! and the examples take it, and what a run on a device does with it: fp32 and tf32 are
 //! `legion_cuda::Math::{StrictFp32, Tf32}` on a GPU (tf32 is a note on the CPU, whose products
-//! are fp32 anyway); bf16 (the rules in `legion_ops::precision`) is refused with the reason on
-//! the CPU, which computes in fp32, and on a GPU until its bf16 kernels exist, never run as fp32.
+//! are fp32 anyway); bf16 (the rules in `legion_ops::precision`) is `Math::Bf16` for the
+//! one-device trainer on one GPU, and refused with the reason everywhere else, never run as fp32:
+//! on the CPU, which computes in fp32; on several devices and on a cluster's workers, which
+//! exchange activations through the runtime, whose bf16 region moves are not built yet; and in
+//! `profile`, which times the runtime's f32 tasks.
 
 use crate::device::{Chosen, DeviceChoice};
 use legion_ops::Precision;
@@ -33,34 +36,43 @@ impl PrecisionArgs {
     }
 }
 
-/// What `--precision bf16` says while the GPU's bf16 kernels are missing.
-pub const BF16_GPU_MISSING: &str = "--precision bf16: the GPU's bf16 kernels are not built yet (issue 42); \
-     use --precision fp32 or tf32";
+/// What `--precision bf16` says on several devices (or a cluster's workers).
+pub const BF16_ONE_GPU: &str = "--precision bf16 trains on one GPU so far: several devices exchange \
+     activations through the runtime, whose bf16 region moves are not built yet (issue 42); \
+     use --devices 1 on a GPU, or --precision fp32 or tf32";
+
+/// What `profile --precision bf16` says.
+pub const BF16_NO_PROFILE: &str = "--precision bf16: profile times the runtime's tasks, which \
+     compute in fp32 so far (issue 42); profile with --precision fp32 or tf32";
 
 /// What `--precision bf16` says where the devices are CPU cores.
 pub const BF16_NEEDS_GPU: &str =
     "--precision bf16 needs a GPU device; the CPU backend computes in fp32";
 
-/// The math a GPU computes `precision` in: `Ok` for fp32 and tf32; for bf16, the reason it
-/// cannot run yet.
-pub fn gpu_math(precision: Precision) -> anyhow::Result<legion_cuda::Math> {
+/// The math a GPU computes `precision` in (where [`check_device`] let it run).
+pub fn gpu_math(precision: Precision) -> legion_cuda::Math {
     match precision {
-        Precision::Fp32 => Ok(legion_cuda::Math::StrictFp32),
-        Precision::Tf32 => Ok(legion_cuda::Math::Tf32),
-        Precision::Bf16 => anyhow::bail!("{BF16_GPU_MISSING}"),
+        Precision::Fp32 => legion_cuda::Math::StrictFp32,
+        Precision::Tf32 => legion_cuda::Math::Tf32,
+        Precision::Bf16 => legion_cuda::Math::Bf16,
     }
 }
 
-/// Refuses `precision` on the devices `choice` names where it cannot run as asked: bf16 on the
-/// CPU (saying why the CPU was chosen), or on a GPU until its kernels exist. Checked before a GPU
-/// starts or anything is allocated.
-pub fn check_device(precision: Precision, choice: &DeviceChoice) -> anyhow::Result<()> {
+/// Refuses `precision` on `devices` devices of the kind `choice` names where it cannot run as
+/// asked: bf16 on the CPU (saying why the CPU was chosen), or on more than one device. Checked
+/// before a GPU starts or anything is allocated.
+pub fn check_device(
+    precision: Precision,
+    choice: &DeviceChoice,
+    devices: usize,
+) -> anyhow::Result<()> {
     if precision != Precision::Bf16 {
         return Ok(());
     }
     match &choice.chosen {
         Chosen::Cpu => anyhow::bail!("{BF16_NEEDS_GPU} ({})", choice.line),
-        Chosen::Cuda(_) => gpu_math(precision).map(drop),
+        Chosen::Cuda(_) if devices > 1 => anyhow::bail!("{BF16_ONE_GPU} ({devices} devices)"),
+        Chosen::Cuda(_) => Ok(()),
     }
 }
 
@@ -81,7 +93,8 @@ pub fn resolve(
 }
 
 /// Refuses bf16 on a cluster's workers: on a host that runs its devices on its cores (the CPU
-/// backend computes in fp32), and on GPU hosts until the bf16 kernels exist.
+/// backend computes in fp32), and on GPU hosts, whose devices exchange activations through the
+/// runtime (no bf16 region moves yet).
 pub fn check_hosts(
     precision: Precision,
     hosts: &legion_cluster::hosts::Hosts,
@@ -100,7 +113,7 @@ pub fn check_hosts(
             h.device_kind
         );
     }
-    gpu_math(precision).map(drop)
+    anyhow::bail!("{BF16_ONE_GPU} (a cluster's workers)")
 }
 
 #[cfg(test)]
@@ -136,12 +149,14 @@ mod tests {
     }
 
     #[test]
-    fn bf16_is_refused_on_the_cpu_and_until_the_gpu_kernels_exist() {
+    fn bf16_runs_on_one_gpu_and_is_refused_on_the_cpu_and_on_several_devices() {
         let cpu = DeviceChoice {
             chosen: Chosen::Cpu,
             line: "device: cpu (1 device(s))".into(),
         };
-        let e = check_device(Precision::Bf16, &cpu).unwrap_err().to_string();
+        let e = check_device(Precision::Bf16, &cpu, 1)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with(BF16_NEEDS_GPU) && e.contains("device: cpu"),
             "{e}"
@@ -150,17 +165,23 @@ mod tests {
             chosen: Chosen::Cuda(Vec::new()),
             line: String::new(),
         };
-        let e = check_device(Precision::Bf16, &gpu).unwrap_err().to_string();
-        assert_eq!(e, BF16_GPU_MISSING);
-        for p in [Precision::Fp32, Precision::Tf32] {
-            assert!(check_device(p, &cpu).is_ok());
-            assert!(check_device(p, &gpu).is_ok());
-        }
-        assert_eq!(gpu_math(Precision::Tf32).unwrap(), legion_cuda::Math::Tf32);
-        assert_eq!(
-            gpu_math(Precision::Fp32).unwrap(),
-            legion_cuda::Math::StrictFp32
+        assert!(check_device(Precision::Bf16, &gpu, 1).is_ok());
+        let e = check_device(Precision::Bf16, &gpu, 4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(BF16_ONE_GPU) && e.contains("--precision") && e.contains("4 devices"),
+            "{e}"
         );
+        for p in [Precision::Fp32, Precision::Tf32] {
+            for devices in [1, 4] {
+                assert!(check_device(p, &cpu, devices).is_ok());
+                assert!(check_device(p, &gpu, devices).is_ok());
+            }
+        }
+        assert_eq!(gpu_math(Precision::Tf32), legion_cuda::Math::Tf32);
+        assert_eq!(gpu_math(Precision::Fp32), legion_cuda::Math::StrictFp32);
+        assert_eq!(gpu_math(Precision::Bf16), legion_cuda::Math::Bf16);
     }
 
     #[test]
@@ -188,5 +209,12 @@ mod tests {
             "{e}"
         );
         assert!(check_hosts(Tf32, &hosts).is_ok());
+        let gpus = legion_cluster::hosts::Hosts::parse(
+            "[[host]]\naddress = \"127.0.0.2\"\ndevice = \"cuda\"\ndevices = 1\n",
+            "h.toml",
+        )
+        .unwrap();
+        let e = check_hosts(Bf16, &gpus).unwrap_err().to_string();
+        assert!(e.starts_with(BF16_ONE_GPU) && e.contains("cluster"), "{e}");
     }
 }

@@ -160,6 +160,8 @@ pub fn encode_header(header: &FrameHeader) -> [u8; HEADER_LEN] {
             dtype: match dtype {
                 DType::F32 => DTYPE_F32,
                 DType::F64 => DTYPE_F64,
+                // A frame carries a host buffer (`cpu::Buffer`), which stores no bf16.
+                DType::Bf16 => unreachable!("a host buffer is never bf16"),
             },
             copy,
             reserved: 0,

@@ -144,6 +144,8 @@ async fn read_payload<R: AsyncRead + Unpin>(
                     let (v, got) = read_vec::<f64, R>(r, into, elements).await?;
                     (Buffer::F64(v), got)
                 }
+                // `decode_header` reads only the wire's f32 and f64 codes.
+                DType::Bf16 => unreachable!("no frame carries bf16"),
             };
             let payload = Payload::Slice {
                 step,

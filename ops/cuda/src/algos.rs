@@ -155,7 +155,8 @@ impl Transform for FilterAlgo {
 /// The most workspace a candidate may ask for while timing (1 GiB).
 pub(crate) const WORKSPACE_CAP: usize = 1 << 30;
 
-/// One convolution problem as cuDNN sees it (the stream's math is fixed, so not part of it).
+/// One convolution problem as cuDNN sees it (the stream's math is fixed, so not part of it; the
+/// data's element type is, since a bf16 problem has other algorithms than an f32 one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Problem {
     pub x: [c_int; 4],
@@ -164,6 +165,7 @@ pub(crate) struct Problem {
     pub pad: [i64; 2],
     pub stride: [i64; 2],
     pub groups: i64,
+    pub dtype: legion_ops::backend::DType,
 }
 
 /// The algorithms chosen so far on one stream, per direction.

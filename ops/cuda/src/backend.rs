@@ -16,7 +16,7 @@
 use crate::algos::ConvAlgos;
 use crate::kernels::{CompileError, Kernels};
 use crate::launch::Box4;
-use crate::memory::{Buffer, Stream, keep_freed_memory_pooled};
+use crate::memory::{Bf16, Buffer, Stream, keep_freed_memory_pooled};
 use crate::probe::ProbeError;
 use crate::softmax_ce::PendingLoss;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
@@ -24,6 +24,7 @@ use legion_ops::backend::cpu;
 use legion_ops::backend::{Backend, DType, In, KernelError, LossSums, Out};
 use legion_ops::kernels::dropout::DropoutMask;
 use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
+use legion_ops::precision::Precision;
 use legion_ops::shape::{Rect, Shape};
 use legion_ops::train::Sgd;
 use std::sync::Arc;
@@ -45,6 +46,22 @@ pub enum Math {
     /// FP32 accumulation): several times the FP32 throughput on Ampere and later, at ~1e-3
     /// relative error per product. Opt-in (`--tf32`).
     Tf32,
+    /// Mixed precision (`--precision bf16`, the rules in `legion_ops::precision`): convolutions
+    /// and dense products on bf16 operands on the tensor cores with fp32 accumulation,
+    /// activations and their gradients stored in bf16, everything else fp32. The element-wise
+    /// kernels compute in fp32 between a bf16 load and a bf16 store.
+    Bf16,
+}
+
+impl Math {
+    /// The precision a stream of this math computes in.
+    pub fn precision(self) -> Precision {
+        match self {
+            Math::StrictFp32 => Precision::Fp32,
+            Math::Tf32 => Precision::Tf32,
+            Math::Bf16 => Precision::Bf16,
+        }
+    }
 }
 
 /// Whether buffers move between the streams of this backend's context.
@@ -190,11 +207,16 @@ impl Backend for Cuda {
     type Staged = crate::batches::StagedBatch;
     type Marker = crate::staging::Marker;
 
+    fn precision(&self) -> Precision {
+        self.settings.math.precision()
+    }
+
     /// A zeroed buffer of `len` elements.
     fn alloc_zeros(&self, s: &mut Stream, dtype: DType, len: usize) -> Result<Buffer, KernelError> {
         let out = match dtype {
             DType::F32 => s.stream.alloc_zeros::<f32>(len).map(Buffer::F32),
             DType::F64 => s.stream.alloc_zeros::<f64>(len).map(Buffer::F64),
+            DType::Bf16 => s.stream.alloc_zeros::<Bf16>(len).map(Buffer::Bf16),
         };
         out.map_err(|e| KernelError::Device(format!("alloc {len} × {dtype:?}: {e}")))
     }
@@ -212,8 +234,8 @@ impl Backend for Cuda {
                 use cudarc::driver::DevicePtrMut;
                 let bytes = out.num_bytes();
                 let (ptr, _record) = out.device_ptr_mut(stream);
-                // SAFETY: `bytes` bytes at `ptr` belong to `out`; all-ones bytes are NaN in both
-                // element types.
+                // SAFETY: `bytes` bytes at `ptr` belong to `out`; all-ones bytes are NaN in every
+                // element type.
                 unsafe {
                     cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream())
                 }?;
@@ -223,6 +245,7 @@ impl Backend for Cuda {
         let out = match dtype {
             DType::F32 => fresh::<f32>(&s.stream, len).map(Buffer::F32),
             DType::F64 => fresh::<f64>(&s.stream, len).map(Buffer::F64),
+            DType::Bf16 => fresh::<Bf16>(&s.stream, len).map(Buffer::Bf16),
         };
         out.map_err(|e| KernelError::Device(format!("alloc {len} × {dtype:?}: {e}")))
     }
@@ -237,13 +260,23 @@ impl Backend for Cuda {
         out.map_err(|e| KernelError::Device(format!("upload: {e}")))
     }
 
-    /// The buffer's contents on the host, once everything enqueued before on `s` has run.
+    /// The buffer's contents on the host, once everything enqueued before on `s` has run. A bf16
+    /// buffer comes back as the f32 values it holds (exact: the host stores no bf16).
     fn download(&self, s: &mut Stream, buffer: &Buffer) -> Result<cpu::Buffer, KernelError> {
         let out = match buffer {
             Buffer::F32(d) => s.stream.clone_dtoh(d).map(cpu::Buffer::F32),
             Buffer::F64(d) => s.stream.clone_dtoh(d).map(cpu::Buffer::F64),
+            Buffer::Bf16(d) => s
+                .stream
+                .clone_dtoh(d)
+                .map(|v| cpu::Buffer::F32(v.into_iter().map(Bf16::to_f32).collect())),
         };
         out.map_err(|e| KernelError::Device(format!("download: {e}")))
+    }
+
+    fn cast(&self, s: &mut Stream, from: In<Buffer>, to: Out<Buffer>) {
+        assert_eq!(from.rect, to.rect, "cast converts buffers over one rect");
+        self.enqueue(s, "cast", |s| self.cast_slices(s, from.mem, to.mem));
     }
 
     fn accumulate(&self, s: &mut Stream, acc: Out<Buffer>, term: In<Buffer>) {
@@ -353,7 +386,7 @@ impl Backend for Cuda {
     fn recycle_staged(&self, s: &mut Stream, images: Buffer) {
         match images {
             Buffer::F32(images) => self.recycle_staged_on(s, images),
-            Buffer::F64(_) => panic!("a batch's images are f32"),
+            other => panic!("a batch's images are f32, not {:?}", other.dtype()),
         }
     }
 
@@ -404,13 +437,20 @@ impl Backend for Cuda {
 
     fn copy(&self, s: &mut Stream, x: In<Buffer>, y: Out<Buffer>) {
         self.enqueue(s, "copy", |s| {
-            let (src, dst) = (x.mem.f32(), y.mem.f32_mut());
             assert_eq!(
-                src.len(),
-                dst.len(),
+                x.mem.len(),
+                y.mem.len(),
                 "copy between buffers of different sizes"
             );
-            s.stream.memcpy_dtod(src, dst)?;
+            match (x.mem, y.mem) {
+                (Buffer::F32(src), Buffer::F32(dst)) => s.stream.memcpy_dtod(src, dst)?,
+                (Buffer::Bf16(src), Buffer::Bf16(dst)) => s.stream.memcpy_dtod(src, dst)?,
+                (src, dst) => panic!(
+                    "copy from {:?} to {:?}: a reshape keeps the element type",
+                    src.dtype(),
+                    dst.dtype()
+                ),
+            }
             Ok(())
         });
     }
@@ -558,11 +598,12 @@ impl Backend for Cuda {
         self.enqueue(s, "add_backward", |s| {
             for grad in [da, db].into_iter().flatten() {
                 let layout = Box4::of(&grad.rect);
-                self.copy_f32(
+                self.move_region(
                     s,
-                    dy.mem.f32(),
+                    false,
+                    dy.mem,
                     Box4::of(&dy.rect),
-                    grad.mem.f32_mut(),
+                    grad.mem,
                     layout,
                     layout,
                 )?;

@@ -3,6 +3,7 @@
 //! optional ReLU, the running statistics, and the backward pass's sums and input gradient.
 
 use crate::backend::{Cuda, Failure, Launch};
+use crate::elementwise::same_type;
 use crate::launch::{Box4, NULL, grid, per_channel};
 use crate::memory::{Buffer, Stream};
 use cudarc::driver::PushKernelArg;
@@ -55,9 +56,11 @@ pub(crate) fn moments(
     let (count, parts) = channel_parts(&tile_box)?;
     // SAFETY: the first kernel writes every partial sum before the second reads it.
     let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
-    let mut b = s.stream.launch_builder(&cuda.kernels.bn_moments);
-    b.arg(x.mem.f32())
-        .arg(&x_layout)
+    let mut b = s
+        .stream
+        .launch_builder(cuda.kernels.bn_moments.of(x.mem.dtype()));
+    x.mem.push(&mut b);
+    b.arg(&x_layout)
         .arg(&tile_box)
         .arg(&parts)
         .arg(&mut partial);
@@ -115,15 +118,12 @@ pub(crate) fn normalize(
     // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
     // the tile's channels.
     unsafe { b.launch(grid(channels)) }?;
-    let mut b = s.stream.launch_builder(&cuda.kernels.bn_normalize);
-    b.arg(x.mem.f32())
-        .arg(&x_layout)
-        .arg(y.mem.f32_mut())
-        .arg(&tile)
-        .arg(&coef)
-        .arg(&relu)
-        .arg(&n)
-        .arg(&packed);
+    let dtype = same_type(&[x.mem.dtype(), y.mem.dtype()]);
+    let mut b = s.stream.launch_builder(cuda.kernels.bn_normalize.of(dtype));
+    x.mem.push(&mut b);
+    b.arg(&x_layout);
+    y.mem.push_mut(&mut b);
+    b.arg(&tile).arg(&coef).arg(&relu).arg(&n).arg(&packed);
     // SAFETY: as above; the coefficients cover the tile's channels.
     unsafe { b.launch(grid(n)) }?;
     Ok(())
@@ -193,15 +193,21 @@ pub(crate) fn grad_sums(
     let (count, parts) = channel_parts(&tile_box)?;
     // SAFETY: the first kernel writes every partial sum before the second reads it.
     let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
-    let mut b = s.stream.launch_builder(&cuda.kernels.bn_grad_sums);
-    b.arg(x.mem.f32()).arg(&x_layout);
+    let mut types = vec![x.mem.dtype(), dy.mem.dtype()];
+    types.extend(y.map(|y| y.mem.dtype()));
+    let dtype = same_type(&types);
+    let mut b = s.stream.launch_builder(cuda.kernels.bn_grad_sums.of(dtype));
+    x.mem.push(&mut b);
+    b.arg(&x_layout);
     match &y {
-        Some(y) => b.arg(y.mem.f32()),
-        None => b.arg(&NULL),
+        Some(y) => y.mem.push(&mut b),
+        None => {
+            b.arg(&NULL);
+        }
     };
-    b.arg(&y_layout)
-        .arg(dy.mem.f32())
-        .arg(&dy_layout)
+    b.arg(&y_layout);
+    dy.mem.push(&mut b);
+    b.arg(&dy_layout)
         .arg(&tile_box)
         .arg(moments.mem.f64())
         .arg(&m_lo)
@@ -277,20 +283,25 @@ pub(crate) fn input_grad(
     // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
     // the tile's channels.
     unsafe { b.launch(grid(channels)) }?;
-    let mut b = s.stream.launch_builder(&cuda.kernels.bn_input_grad);
-    b.arg(x.mem.f32()).arg(&x_layout);
+    let mut types = vec![x.mem.dtype(), dy.mem.dtype(), dx.mem.dtype()];
+    types.extend(y.map(|y| y.mem.dtype()));
+    let dtype = same_type(&types);
+    let mut b = s
+        .stream
+        .launch_builder(cuda.kernels.bn_input_grad.of(dtype));
+    x.mem.push(&mut b);
+    b.arg(&x_layout);
     match &y {
-        Some(y) => b.arg(y.mem.f32()),
-        None => b.arg(&NULL),
+        Some(y) => y.mem.push(&mut b),
+        None => {
+            b.arg(&NULL);
+        }
     };
-    b.arg(&y_layout)
-        .arg(dy.mem.f32())
-        .arg(&dy_layout)
-        .arg(dx.mem.f32_mut())
-        .arg(&tile)
-        .arg(&coef)
-        .arg(&n)
-        .arg(&packed);
+    b.arg(&y_layout);
+    dy.mem.push(&mut b);
+    b.arg(&dy_layout);
+    dx.mem.push_mut(&mut b);
+    b.arg(&tile).arg(&coef).arg(&n).arg(&packed);
     // SAFETY: the arguments match the kernel's signature; the views contain the tile.
     unsafe { b.launch(grid(n)) }?;
     Ok(())

@@ -22,7 +22,7 @@ pub(crate) fn forward(
     let slices = Concat::default().project(input_shapes, &y.rect);
     let offsets = Concat::offsets(input_shapes);
     let y_layout = Box4::of(&y.rect);
-    let dst = y.mem.f32_mut();
+    let dst = y.mem;
     for ((x, slice), &offset) in xs.iter().zip(&slices).zip(&offsets) {
         if slice.is_empty() {
             continue;
@@ -31,7 +31,7 @@ pub(crate) fn forward(
         let offset = offset as i64;
         let src_layout = Box4::of(&x.rect).shifted(1, offset);
         let region = Box4::of(slice).shifted(1, offset);
-        cuda.copy_f32(s, x.mem.f32(), src_layout, dst, y_layout, region)?;
+        cuda.move_region(s, false, x.mem, src_layout, dst, y_layout, region)?;
     }
     Ok(())
 }
@@ -49,14 +49,7 @@ pub(crate) fn backward(
         let Some(dx) = dx else { continue };
         // the gradient's own rect, moved to where its input sits in the output
         let layout = Box4::of(&dx.rect).shifted(1, offset as i64);
-        cuda.copy_f32(
-            s,
-            dy.mem.f32(),
-            Box4::of(&dy.rect),
-            dx.mem.f32_mut(),
-            layout,
-            layout,
-        )?;
+        cuda.move_region(s, false, dy.mem, Box4::of(&dy.rect), dx.mem, layout, layout)?;
     }
     Ok(())
 }

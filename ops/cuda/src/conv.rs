@@ -12,23 +12,31 @@
 //!
 //! Math is cuDNN's FMA math (`CUDNN_FMA_MATH`) by default: FP32 FMA kernels only, never TF32.
 //! Results differ from the CPU's im2col GEMM by the order of the sums. With [`Math::Tf32`]
-//! (`--tf32`) it is tensor-op math, which computes FP32 convolutions in TF32.
+//! (`--tf32`) it is tensor-op math, which computes FP32 convolutions in TF32. With [`Math::Bf16`]
+//! the activations and the weights' working copies are bf16 (`CUDNN_DATA_BFLOAT16` tensors and
+//! filters) convolved on the tensor cores with fp32 accumulation (a `CUDNN_DATA_FLOAT`
+//! convolution descriptor, tensor-op math); cuDNN writes the weight gradient in the filter's type,
+//! so it goes through bf16 scratch and is cast up into the fp32 gradient the update reads.
+//! Tensors stay NCHW in every precision (cuDNN's bf16 kernels prefer NHWC: a measured follow-up).
 
 use crate::algos::{
     DATA_CANDIDATES, FILTER_CANDIDATES, FORWARD_CANDIDATES, Problem, WORKSPACE_CAP, launch_chosen,
 };
 use crate::backend::{Cuda, Failure, Launch, Math};
 use crate::launch::Box4;
-use crate::memory::{Buffer, Stream};
+use crate::memory::{Bf16, Buffer, Stream};
+use crate::regions::Element;
 use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
 use cudarc::cudnn::{
-    ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, FilterDescriptor,
-    TensorDescriptor,
+    ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, CudnnDataType,
+    FilterDescriptor, TensorDescriptor,
 };
 use cudarc::driver::{CudaSlice, CudaView};
-use legion_ops::backend::{In, Out};
+use legion_ops::backend::{DType, In, Out};
 use legion_ops::op::{Activation, Conv2d};
+use legion_ops::shape::Rect;
 use legion_ops::shape::Shape;
+use std::collections::HashMap;
 use std::ffi::c_int;
 use std::rc::Rc;
 
@@ -186,23 +194,91 @@ fn dims(b: &Box4) -> [c_int; 4] {
 
 /// The cuDNN descriptors of one segment, made once per problem on a stream and kept (making and
 /// destroying five descriptors a call cost host time the GPU waited for on ResNet-50's and
-/// Inception-v3's many small convolutions).
-pub(crate) struct Descriptors {
-    x: TensorDescriptor<f32>,
-    w: FilterDescriptor<f32>,
-    y: TensorDescriptor<f32>,
+/// Inception-v3's many small convolutions). `T` is the data's type (f32, or bf16); the
+/// convolution itself accumulates in f32 for both.
+pub(crate) struct Descriptors<T> {
+    x: TensorDescriptor<T>,
+    w: FilterDescriptor<T>,
+    y: TensorDescriptor<T>,
     conv: ConvDescriptor<f32>,
     /// The problem they describe: the key of the stream's chosen algorithms.
     problem: Problem,
 }
 
-fn descriptors(
+/// The descriptors kept on a stream, per data type.
+#[derive(Default)]
+pub(crate) struct KeptDescriptors {
+    f32: HashMap<Problem, Rc<Descriptors<f32>>>,
+    bf16: HashMap<Problem, Rc<Descriptors<Bf16>>>,
+}
+
+/// An element type cuDNN convolves: its descriptors' map, the operands of that type, and the
+/// math type its convolutions use.
+pub(crate) trait ConvElement: Element + CudnnDataType {
+    /// α = 1 and β = 0 of a launch (cuDNN reads them as f32 for both types).
+    const ONE: Self;
+    const ZERO: Self;
+    fn kept(kept: &mut KeptDescriptors) -> &mut HashMap<Problem, Rc<Descriptors<Self>>>;
+    fn of(buffer: &Buffer) -> &CudaSlice<Self>;
+    fn of_mut(buffer: &mut Buffer) -> &mut CudaSlice<Self>;
+    fn wrap(slice: CudaSlice<Self>) -> Buffer;
+    fn math_type(math: Math) -> cudnnMathType_t;
+}
+
+impl ConvElement for f32 {
+    const ONE: f32 = 1.0;
+    const ZERO: f32 = 0.0;
+    fn kept(kept: &mut KeptDescriptors) -> &mut HashMap<Problem, Rc<Descriptors<f32>>> {
+        &mut kept.f32
+    }
+    fn of(buffer: &Buffer) -> &CudaSlice<f32> {
+        buffer.f32()
+    }
+    fn of_mut(buffer: &mut Buffer) -> &mut CudaSlice<f32> {
+        buffer.f32_mut()
+    }
+    fn wrap(slice: CudaSlice<f32>) -> Buffer {
+        Buffer::F32(slice)
+    }
+    /// Strict FP32: FMA kernels only (CUDNN_DEFAULT_MATH would let cuDNN pick TF32 tensor
+    /// cores). TF32 when asked for: tensor-op math, which cuDNN uses for FP32 data as TF32. (A
+    /// bf16 stream convolves f32 data only if given it, in strict FP32.)
+    fn math_type(math: Math) -> cudnnMathType_t {
+        match math {
+            Math::StrictFp32 | Math::Bf16 => cudnnMathType_t::CUDNN_FMA_MATH,
+            Math::Tf32 => cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        }
+    }
+}
+
+impl ConvElement for Bf16 {
+    const ONE: Bf16 = Bf16(0x3f80);
+    const ZERO: Bf16 = Bf16(0);
+    fn kept(kept: &mut KeptDescriptors) -> &mut HashMap<Problem, Rc<Descriptors<Bf16>>> {
+        &mut kept.bf16
+    }
+    fn of(buffer: &Buffer) -> &CudaSlice<Bf16> {
+        buffer.bf16()
+    }
+    fn of_mut(buffer: &mut Buffer) -> &mut CudaSlice<Bf16> {
+        buffer.bf16_mut()
+    }
+    fn wrap(slice: CudaSlice<Bf16>) -> Buffer {
+        Buffer::Bf16(slice)
+    }
+    /// bf16 data on the tensor cores, whatever the stream's math.
+    fn math_type(_: Math) -> cudnnMathType_t {
+        cudnnMathType_t::CUDNN_TENSOR_OP_MATH
+    }
+}
+
+fn descriptors<T: ConvElement>(
     s: &mut Stream,
     geo: &Geometry,
     segment: &Segment,
     source: &Source,
     x: &Box4,
-) -> Result<Rc<Descriptors>, Failure> {
+) -> Result<Rc<Descriptors<T>>, Failure> {
     let nchw = cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
     let problem = Problem {
         x: dims(&source.dims(x)),
@@ -216,14 +292,15 @@ fn descriptors(
         pad: source.pad(),
         stride: geo.stride,
         groups: segment.groups,
+        dtype: T::DTYPE,
     };
-    if let Some(kept) = s.descriptors.get(&problem) {
+    if let Some(kept) = T::kept(&mut s.descriptors).get(&problem) {
         return Ok(Rc::clone(kept));
     }
     let cudnn = &s.cudnn;
-    let x_desc = cudnn.create_4d_tensor::<f32>(nchw, problem.x)?;
-    let w_desc = cudnn.create_4d_filter::<f32>(nchw, problem.w)?;
-    let y_desc = cudnn.create_4d_tensor::<f32>(nchw, problem.y)?;
+    let x_desc = cudnn.create_4d_tensor::<T>(nchw, problem.x)?;
+    let w_desc = cudnn.create_4d_filter::<T>(nchw, problem.w)?;
+    let y_desc = cudnn.create_4d_tensor::<T>(nchw, problem.y)?;
     let pad = problem.pad;
     let mut conv = cudnn.create_conv2d::<f32>(
         [pad[0] as c_int, pad[1] as c_int],
@@ -231,12 +308,7 @@ fn descriptors(
         [1, 1],
         cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
     )?;
-    // Strict FP32: FMA kernels only (CUDNN_DEFAULT_MATH would let cuDNN pick TF32 tensor cores).
-    // TF32 when asked for: tensor-op math, which cuDNN uses for FP32 data as TF32.
-    conv.set_math_type(match s.math {
-        Math::StrictFp32 => cudnnMathType_t::CUDNN_FMA_MATH,
-        Math::Tf32 => cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
-    })?;
+    conv.set_math_type(T::math_type(s.math))?;
     conv.set_group_count(segment.groups as c_int)?;
     let made = Rc::new(Descriptors {
         x: x_desc,
@@ -245,7 +317,7 @@ fn descriptors(
         conv,
         problem,
     });
-    s.descriptors.insert(problem, Rc::clone(&made));
+    T::kept(&mut s.descriptors).insert(problem, Rc::clone(&made));
     Ok(made)
 }
 
@@ -336,24 +408,35 @@ impl Workspace<'_> {
 }
 
 /// The segment's input: `None` when cuDNN reads the view itself, else the gathered window.
-fn gather_input(
+fn gather_input<T: Element>(
     cuda: &Cuda,
     s: &Stream,
-    x: &CudaSlice<f32>,
+    x: &CudaSlice<T>,
     x_layout: Box4,
     source: &Source,
-) -> Result<Option<CudaSlice<f32>>, Failure> {
+) -> Result<Option<CudaSlice<T>>, Failure> {
     let Source::Gathered { window } = source else {
         return Ok(None);
     };
-    let mut scratch = s.stream.alloc_zeros::<f32>(window.volume() as usize)?;
+    let mut scratch = s.stream.alloc_zeros::<T>(window.volume() as usize)?;
     let region = window.intersect(&x_layout);
-    cuda.copy_f32(s, x, x_layout, &mut scratch, *window, region)?;
+    cuda.copy_slice(s, x, x_layout, &mut scratch, *window, region)?;
     Ok(Some(scratch))
 }
 
-fn view<'a>(owned: &'a Option<CudaSlice<f32>>, otherwise: &'a CudaSlice<f32>) -> CudaView<'a, f32> {
+fn view<'a, T>(owned: &'a Option<CudaSlice<T>>, otherwise: &'a CudaSlice<T>) -> CudaView<'a, T> {
     owned.as_ref().unwrap_or(otherwise).slice(..)
+}
+
+/// The element type a convolution's operands share: f32, or bf16 in a bf16 run (the weight
+/// being its working copy). Mixed operands are a driver's mistake.
+fn data_type(operands: &[DType]) -> DType {
+    let first = operands[0];
+    assert!(
+        operands.iter().all(|&d| d == first),
+        "convolution operands of mixed element types {operands:?}"
+    );
+    first
 }
 
 /// The weight rows of a segment's output channels, within a view whose rows start at `w_lo`.
@@ -374,6 +457,24 @@ pub(crate) fn forward(
     b: Option<In<Buffer>>,
     y: Out<Buffer>,
 ) -> Launch {
+    match data_type(&[x.mem.dtype(), w.mem.dtype(), y.mem.dtype()]) {
+        DType::F32 => forward_typed::<f32>(cuda, s, op, in_shape, x, w, b, y),
+        DType::Bf16 => forward_typed::<Bf16>(cuda, s, op, in_shape, x, w, b, y),
+        DType::F64 => panic!("cuDNN convolutions here are f32 or bf16"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_typed<T: ConvElement>(
+    cuda: &Cuda,
+    s: &mut Stream,
+    op: &Conv2d,
+    in_shape: Shape,
+    x: In<Buffer>,
+    w: In<Buffer>,
+    b: Option<In<Buffer>>,
+    y: Out<Buffer>,
+) -> Launch {
     let tile = Box4::of(&y.rect);
     if tile.volume() == 0 {
         return Ok(());
@@ -381,16 +482,13 @@ pub(crate) fn forward(
     let geo = Geometry::new(op, in_shape, tile);
     let x_layout = Box4::of(&x.rect);
     let segments = geo.segments();
-    let y_mem = y.mem.f32_mut();
+    let (x_mem, w_mem) = (T::of(x.mem), T::of(w.mem));
     for segment in &segments {
         let source = geo.source(segment, &x_layout);
-        let gathered = gather_input(cuda, s, x.mem.f32(), x_layout, &source)?;
-        let x_view = view(&gathered, x.mem.f32());
-        let w_view = w
-            .mem
-            .f32()
-            .slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
-        let d = descriptors(s, &geo, segment, &source, &x_layout)?;
+        let gathered = gather_input(cuda, s, x_mem, x_layout, &source)?;
+        let x_view = view(&gathered, x_mem);
+        let w_view = w_mem.slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
+        let d = descriptors::<T>(s, &geo, segment, &source, &x_layout)?;
         let conv = ConvForward {
             conv: &d.conv,
             x: &d.x,
@@ -401,8 +499,9 @@ pub(crate) fn forward(
         // One segment writes the output tile itself; several go through packed scratch.
         let mut scratch = match segments.len() {
             1 => None,
-            _ => Some(s.stream.alloc_zeros::<f32>(out.volume() as usize)?),
+            _ => Some(s.stream.alloc_zeros::<T>(out.volume() as usize)?),
         };
+        let y_mem = T::of_mut(y.mem);
         let target = scratch.as_mut().unwrap_or(&mut *y_mem);
         launch_chosen(
             s,
@@ -413,15 +512,24 @@ pub(crate) fn forward(
             |s, algo, timing| {
                 let mut ws = workspace(s, conv.get_workspace_size(algo)?, timing)?;
                 // SAFETY: the descriptors describe exactly these buffers.
-                unsafe { conv.launch(algo, ws.as_mut(), (1.0, 0.0), &x_view, &w_view, target) }?;
+                unsafe {
+                    conv.launch(
+                        algo,
+                        ws.as_mut(),
+                        (T::ONE, T::ZERO),
+                        &x_view,
+                        &w_view,
+                        target,
+                    )
+                }?;
                 Ok(())
             },
         )?;
         if let Some(scratch) = &scratch {
-            cuda.copy_f32(s, scratch, out, y_mem, tile, out)?;
+            cuda.copy_slice(s, scratch, out, y_mem, tile, out)?;
         }
     }
-    cuda.bias_activation(s, y_mem, tile, b, op.activation == Activation::Relu)
+    cuda.bias_activation(s, y.mem, tile, b, op.activation == Activation::Relu)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -434,13 +542,48 @@ pub(crate) fn backward(
     w: In<Buffer>,
     y: In<Buffer>,
     dy: In<Buffer>,
-    mut dx: Option<Out<Buffer>>,
+    dx: Option<Out<Buffer>>,
     dw: Out<Buffer>,
+    db: Option<Out<Buffer>>,
+) -> Launch {
+    let mut types = vec![x.mem.dtype(), w.mem.dtype(), y.mem.dtype(), dy.mem.dtype()];
+    types.extend(dx.as_ref().map(|dx| dx.mem.dtype()));
+    match data_type(&types) {
+        DType::F32 => {
+            let dw_mem = dw.mem.f32_mut();
+            backward_typed::<f32>(cuda, s, op, in_shape, x, w, y, dy, dx, dw_mem, dw.rect, db)
+        }
+        DType::Bf16 => {
+            // cuDNN writes the filter gradient in the filter's type: bf16 scratch, cast up into
+            // the fp32 gradient the update reads. Zeroed, as the f32 gradient rows it stands for
+            // are written whole by the segments.
+            let mut dw16 = s.stream.alloc_zeros::<Bf16>(dw.mem.len())?;
+            backward_typed::<Bf16>(
+                cuda, s, op, in_shape, x, w, y, dy, dx, &mut dw16, dw.rect, db,
+            )?;
+            cuda.cast_slices(s, &Buffer::Bf16(dw16), dw.mem)
+        }
+        DType::F64 => panic!("cuDNN convolutions here are f32 or bf16"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_typed<T: ConvElement>(
+    cuda: &Cuda,
+    s: &mut Stream,
+    op: &Conv2d,
+    in_shape: Shape,
+    x: In<Buffer>,
+    w: In<Buffer>,
+    y: In<Buffer>,
+    dy: In<Buffer>,
+    mut dx: Option<Out<Buffer>>,
+    dw_mem: &mut CudaSlice<T>,
+    dw_rect: Rect,
     db: Option<Out<Buffer>>,
 ) -> Launch {
     let tile = Box4::of(&y.rect);
     let x_layout = Box4::of(&x.rect);
-    let dw_mem = dw.mem.f32_mut();
     let geo = Geometry::new(op, in_shape, tile);
     let segments = geo.segments();
     if let Some(dx) = &mut dx {
@@ -451,7 +594,7 @@ pub(crate) fn backward(
             && segments.len() == 1
             && matches!(geo.source(&segments[0], &x_layout), Source::View { .. });
         if !whole {
-            s.stream.memset_zeros(dx.mem.f32_mut())?;
+            s.stream.memset_zeros(T::of_mut(dx.mem))?;
         }
     }
     if tile.volume() == 0 {
@@ -466,31 +609,40 @@ pub(crate) fn backward(
         Some(cuda.relu_mask(s, y, dy, &y.rect)?)
     } else if dy.rect != y.rect {
         // SAFETY: the region copy below writes all of the tile.
-        let mut packed = unsafe { s.stream.alloc::<f32>(tile.volume() as usize) }?;
-        cuda.copy_f32(s, dy.mem.f32(), Box4::of(&dy.rect), &mut packed, tile, tile)?;
-        Some(packed)
+        let mut packed = unsafe { s.stream.alloc::<T>(tile.volume() as usize) }?;
+        cuda.copy_slice(
+            s,
+            T::of(dy.mem),
+            Box4::of(&dy.rect),
+            &mut packed,
+            tile,
+            tile,
+        )?;
+        Some(T::wrap(packed))
     } else {
         None
     };
-    let dz = dz_owned.as_ref().unwrap_or(dy.mem.f32());
+    let dz_buffer = dz_owned.as_ref().unwrap_or(dy.mem);
     if let Some(db) = db {
-        cuda.channel_sum(s, dz, tile, db)?;
+        cuda.channel_sum(s, dz_buffer, tile, db)?;
     }
+    let dz = T::of(dz_buffer);
+    let x_mem = T::of(x.mem);
     for segment in &segments {
         let out = geo.output(segment);
         let dz_segment = if segments.len() == 1 {
             None
         } else {
-            let mut packed = s.stream.alloc_zeros::<f32>(out.volume() as usize)?;
-            cuda.copy_f32(s, dz, tile, &mut packed, out, out)?;
+            let mut packed = s.stream.alloc_zeros::<T>(out.volume() as usize)?;
+            cuda.copy_slice(s, dz, tile, &mut packed, out, out)?;
             Some(packed)
         };
         let dz_view = view(&dz_segment, dz);
         let source = geo.source(segment, &x_layout);
-        let gathered = gather_input(cuda, s, x.mem.f32(), x_layout, &source)?;
-        let x_view = view(&gathered, x.mem.f32());
-        let d = descriptors(s, &geo, segment, &source, &x_layout)?;
-        let rows = weight_rows(&geo, segment, dw.rect.lo[0] as i64);
+        let gathered = gather_input(cuda, s, x_mem, x_layout, &source)?;
+        let x_view = view(&gathered, x_mem);
+        let d = descriptors::<T>(s, &geo, segment, &source, &x_layout)?;
+        let rows = weight_rows(&geo, segment, dw_rect.lo[0] as i64);
 
         let filter = ConvBackwardFilter {
             conv: &d.conv,
@@ -512,7 +664,7 @@ pub(crate) fn backward(
                     filter.launch(
                         algo,
                         ws.as_mut(),
-                        (1.0, 0.0),
+                        (T::ONE, T::ZERO),
                         &x_view,
                         &mut dw_rows,
                         &dz_view,
@@ -529,17 +681,14 @@ pub(crate) fn backward(
             w: &d.w,
             dy: &d.y,
         };
-        let w_view = w
-            .mem
-            .f32()
-            .slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
-        let dx_mem = dx.mem.f32_mut();
+        let w_view = T::of(w.mem).slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
+        let dx_mem = T::of_mut(dx.mem);
         // A view's gradient is dx itself (laid out like x); a gathered window's goes through
         // scratch laid out over the window.
         let mut dwindow = match source {
             Source::View { .. } => None,
             Source::Gathered { window } => {
-                Some(s.stream.alloc_zeros::<f32>(window.volume() as usize)?)
+                Some(s.stream.alloc_zeros::<T>(window.volume() as usize)?)
             }
         };
         let target = dwindow.as_mut().unwrap_or(&mut *dx_mem);
@@ -552,7 +701,16 @@ pub(crate) fn backward(
             |s, algo, timing| {
                 let mut ws = workspace(s, data.get_workspace_size(algo)?, timing)?;
                 // SAFETY: the descriptors describe exactly these buffers.
-                unsafe { data.launch(algo, ws.as_mut(), (1.0, 0.0), target, &w_view, &dz_view) }?;
+                unsafe {
+                    data.launch(
+                        algo,
+                        ws.as_mut(),
+                        (T::ONE, T::ZERO),
+                        target,
+                        &w_view,
+                        &dz_view,
+                    )
+                }?;
                 Ok(())
             },
         )?;
@@ -560,7 +718,7 @@ pub(crate) fn backward(
             // The part of the window inside dx; padding positions are dropped. Segments read
             // disjoint input channels, so copying (not adding) is exact.
             let region = window.intersect(&x_layout);
-            cuda.copy_f32(s, dwindow, window, dx_mem, x_layout, region)?;
+            cuda.copy_slice(s, dwindow, window, dx_mem, x_layout, region)?;
         }
     }
     Ok(())

@@ -1,24 +1,20 @@
 //! Element-wise kernels: the unary and binary launches of ReLU, sigmoid and add, dropout, and the
 //! epilogues that convolutions and dense layers share (bias and ReLU, the gradient's ReLU mask,
-//! per-channel bias gradients).
+//! per-channel bias gradients). Each launches the kernel of its activations' element type
+//! ([`Twin::of`]): f32, or bf16 in a bf16 run.
 
 use crate::backend::{Cuda, Failure, Launch};
+use crate::kernels::Twin;
 use crate::launch::{Box4, NULL, grid, per_channel};
 use crate::memory::{Buffer, Stream};
-use cudarc::driver::{CudaFunction, CudaSlice, PushKernelArg};
-use legion_ops::backend::{In, Out};
+use cudarc::driver::PushKernelArg;
+use legion_ops::backend::{DType, In, Out};
 use legion_ops::kernels::dropout::DropoutMask;
 use legion_ops::shape::Rect;
 
 impl Cuda {
     /// `y = f(x)` over `y.rect` with one of the unary element-wise kernels.
-    pub(crate) fn unary(
-        &self,
-        s: &Stream,
-        f: &CudaFunction,
-        x: In<Buffer>,
-        y: Out<Buffer>,
-    ) -> Launch {
+    pub(crate) fn unary(&self, s: &Stream, f: &Twin, x: In<Buffer>, y: Out<Buffer>) -> Launch {
         let tile = Box4::of(&y.rect);
         let n = tile.volume();
         if n == 0 {
@@ -26,13 +22,12 @@ impl Cuda {
         }
         let x_layout = Box4::of(&x.rect);
         let packed = (x_layout == tile) as i32;
-        let mut b = s.stream.launch_builder(f);
-        b.arg(x.mem.f32())
-            .arg(&x_layout)
-            .arg(y.mem.f32_mut())
-            .arg(&tile)
-            .arg(&n)
-            .arg(&packed);
+        let dtype = same_type(&[x.mem.dtype(), y.mem.dtype()]);
+        let mut b = s.stream.launch_builder(f.of(dtype));
+        x.mem.push(&mut b);
+        b.arg(&x_layout);
+        y.mem.push_mut(&mut b);
+        b.arg(&tile).arg(&n).arg(&packed);
         // SAFETY: the arguments match the kernel's signature; x's rect contains the tile.
         unsafe { b.launch(grid(n)) }?;
         Ok(())
@@ -42,7 +37,7 @@ impl Cuda {
     pub(crate) fn binary(
         &self,
         s: &Stream,
-        f: &CudaFunction,
+        f: &Twin,
         a: In<Buffer>,
         b: In<Buffer>,
         out: Out<Buffer>,
@@ -54,25 +49,25 @@ impl Cuda {
         }
         let (a_layout, b_layout) = (Box4::of(&a.rect), Box4::of(&b.rect));
         let packed = (a_layout == tile && b_layout == tile) as i32;
-        let mut l = s.stream.launch_builder(f);
-        l.arg(a.mem.f32())
-            .arg(&a_layout)
-            .arg(b.mem.f32())
-            .arg(&b_layout)
-            .arg(out.mem.f32_mut())
-            .arg(&tile)
-            .arg(&n)
-            .arg(&packed);
+        let dtype = same_type(&[a.mem.dtype(), b.mem.dtype(), out.mem.dtype()]);
+        let mut l = s.stream.launch_builder(f.of(dtype));
+        a.mem.push(&mut l);
+        l.arg(&a_layout);
+        b.mem.push(&mut l);
+        l.arg(&b_layout);
+        out.mem.push_mut(&mut l);
+        l.arg(&tile).arg(&n).arg(&packed);
         // SAFETY: the arguments match the kernel's signature; both inputs contain the tile.
         unsafe { l.launch(grid(n)) }?;
         Ok(())
     }
 
-    /// `y += bias[c]`, then ReLU when asked, over `y` laid out over `tile`.
+    /// `y += bias[c]`, then ReLU when asked, over `y` laid out over `tile` (the bias is the fp32
+    /// master in every precision).
     pub(crate) fn bias_activation(
         &self,
         s: &Stream,
-        y: &mut CudaSlice<f32>,
+        y: &mut Buffer,
         tile: Box4,
         bias: Option<In<Buffer>>,
         relu: bool,
@@ -82,8 +77,11 @@ impl Cuda {
             return Ok(());
         }
         let relu = relu as i32;
-        let mut b = s.stream.launch_builder(&self.kernels.bias_activation);
-        b.arg(y).arg(&tile);
+        let mut b = s
+            .stream
+            .launch_builder(self.kernels.bias_activation.of(y.dtype()));
+        y.push_mut(&mut b);
+        b.arg(&tile);
         let bias_lo = bias.map_or(0, |b| b.rect.lo[0] as i64);
         match bias {
             Some(bias) => b.arg(bias.mem.f32()),
@@ -95,16 +93,20 @@ impl Cuda {
         Ok(())
     }
 
-    /// `dz = dy·[y > 0]` over `tile`, into a new buffer laid out over the tile.
+    /// `dz = dy·[y > 0]` over `tile`, into a new buffer of dy's element type laid out over the
+    /// tile.
     pub(crate) fn relu_mask(
         &self,
         s: &Stream,
         y: In<Buffer>,
         dy: In<Buffer>,
         tile: &Rect,
-    ) -> Result<CudaSlice<f32>, Failure> {
+    ) -> Result<Buffer, Failure> {
         // SAFETY: the kernel writes every element of the tile.
-        let mut dz = Buffer::F32(unsafe { s.stream.alloc::<f32>(tile.volume()) }?);
+        let mut dz = match dy.mem.dtype() {
+            DType::Bf16 => Buffer::Bf16(unsafe { s.stream.alloc(tile.volume()) }?),
+            _ => Buffer::F32(unsafe { s.stream.alloc(tile.volume()) }?),
+        };
         self.binary(
             s,
             &self.kernels.relu_backward,
@@ -115,17 +117,15 @@ impl Cuda {
                 mem: &mut dz,
             },
         )?;
-        match dz {
-            Buffer::F32(dz) => Ok(dz),
-            Buffer::F64(_) => unreachable!(),
-        }
+        Ok(dz)
     }
 
-    /// `out[c − out_lo] = Σ dz[·, c, ·, ·]` per channel of `tile` (dz laid out over the tile).
+    /// `out[c − out_lo] = Σ dz[·, c, ·, ·]` per channel of `tile` (dz laid out over the tile; the
+    /// sum, a bias gradient, is f32 in every precision).
     pub(crate) fn channel_sum(
         &self,
         s: &Stream,
-        dz: &CudaSlice<f32>,
+        dz: &Buffer,
         tile: Box4,
         out: Out<Buffer>,
     ) -> Launch {
@@ -134,8 +134,11 @@ impl Cuda {
             return Ok(());
         }
         let out_lo = out.rect.lo[0] as i64;
-        let mut b = s.stream.launch_builder(&self.kernels.channel_sum);
-        b.arg(dz).arg(&tile).arg(out.mem.f32_mut()).arg(&out_lo);
+        let mut b = s
+            .stream
+            .launch_builder(self.kernels.channel_sum.of(dz.dtype()));
+        dz.push(&mut b);
+        b.arg(&tile).arg(out.mem.f32_mut()).arg(&out_lo);
         // SAFETY: the arguments match the kernel's signature; `out` covers the tile's channels.
         unsafe { b.launch(per_channel(channels)) }?;
         Ok(())
@@ -170,11 +173,14 @@ impl Cuda {
         let (step, _) = s.step.as_ref().expect("written above");
         let (x_layout, full) = (Box4::of(&x.rect), Box4::of(&full_rect));
         let scale = mask.keep_scale();
-        let mut b = s.stream.launch_builder(&self.kernels.dropout_apply);
-        b.arg(x.mem.f32())
-            .arg(&x_layout)
-            .arg(y.mem.f32_mut())
-            .arg(&tile)
+        let dtype = same_type(&[x.mem.dtype(), y.mem.dtype()]);
+        let mut b = s
+            .stream
+            .launch_builder(self.kernels.dropout_apply.of(dtype));
+        x.mem.push(&mut b);
+        b.arg(&x_layout);
+        y.mem.push_mut(&mut b);
+        b.arg(&tile)
             .arg(&full)
             .arg(&mask.seed)
             .arg(step)
@@ -186,4 +192,15 @@ impl Cuda {
         unsafe { b.launch(grid(n)) }?;
         Ok(())
     }
+}
+
+/// The element type every operand of an element-wise kernel shares: the kernels read and write
+/// one type (mixed operands are a driver's mistake, caught before anything is launched).
+pub(crate) fn same_type(operands: &[DType]) -> DType {
+    let first = operands[0];
+    assert!(
+        operands.iter().all(|&d| d == first),
+        "element-wise operands of mixed element types {operands:?}"
+    );
+    first
 }

@@ -25,6 +25,49 @@ struct Box4 {
 // -inf without math.h (NVRTC has no standard headers).
 #define NEG_INF __int_as_float(0xff800000)
 
+// ---------------------------------------------------------------------------------------------
+// Element types. Activations and their gradients are stored as float, or as bf16 in a bf16 run
+// (legion_ops::precision): the upper half of a float's bits, as cuDNN and cuBLAS read
+// CUDNN_DATA_BFLOAT16 and CUDA_R_16BF. Kernels templated on the storage type T load each element
+// to float, compute in float exactly as before, and store through from_f32<T>; for T = float both
+// are the identity, so fp32 results are bit for bit those of the untemplated kernels. The
+// conversions are written from bit operations (no cuda_bf16.h), so that the host emulation
+// compiles and checks them too.
+
+struct bf16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __uint_as_float((unsigned)v.bits << 16); }
+
+// Round to nearest, ties to even: add half a bf16 ulp (less one when the kept half is even) and
+// keep the upper half; a carry out of the mantissa moves to the next binade, and past the largest
+// finite value to infinity, as IEEE rounding does. A NaN keeps its sign and upper payload with
+// the quiet bit set, so that no NaN rounds to infinity (legion_ops::precision::bf16_bits).
+__device__ __forceinline__ bf16 bf16_of(float v) {
+    unsigned bits = __float_as_uint(v);
+    bf16 out;
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        out.bits = (unsigned short)((bits >> 16) | 0x0040u);
+        return out;
+    }
+    out.bits = (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    return out;
+}
+
+template <class T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float v) { return bf16_of(v); }
+
+// dst += src in the buffer's own type: exact types add as themselves (f64 sums stay f64); bf16
+// adds in float and rounds once.
+__device__ __forceinline__ void add_into(float& dst, float src) { dst += src; }
+__device__ __forceinline__ void add_into(double& dst, double src) { dst += src; }
+__device__ __forceinline__ void add_into(bf16& dst, bf16 src) {
+    dst = bf16_of(to_f32(dst) + to_f32(src));
+}
+
 // Threads of a warp. A macro, so that a host emulation (one thread at a time) can set it to 1,
 // which leaves every warp loop and shuffle a no-op.
 #ifndef WARP
@@ -104,8 +147,9 @@ __device__ void block_sum2(double& a, double& b) {
 // ---------------------------------------------------------------------------------------------
 // Moves between buffers laid out over different rects (gathers, halos, folds, concat, images).
 
-extern "C" __global__ void copy_region_f32(const float* src, Box4 src_layout, float* dst,
-                                           Box4 dst_layout, Box4 region, i64 n) {
+template <class T>
+__device__ void copy_region(const T* src, Box4 src_layout, T* dst, Box4 dst_layout, Box4 region,
+                            i64 n) {
     GRID_STRIDE(i, n) {
         i64 p[4];
         point_of(region, i, p);
@@ -113,151 +157,193 @@ extern "C" __global__ void copy_region_f32(const float* src, Box4 src_layout, fl
     }
 }
 
-extern "C" __global__ void copy_region_f64(const double* src, Box4 src_layout, double* dst,
-                                           Box4 dst_layout, Box4 region, i64 n) {
+template <class T>
+__device__ void add_region(const T* src, Box4 src_layout, T* dst, Box4 dst_layout, Box4 region,
+                           i64 n) {
     GRID_STRIDE(i, n) {
         i64 p[4];
         point_of(region, i, p);
-        dst[offset_in(dst_layout, p)] = src[offset_in(src_layout, p)];
-    }
-}
-
-extern "C" __global__ void add_region_f32(const float* src, Box4 src_layout, float* dst,
-                                          Box4 dst_layout, Box4 region, i64 n) {
-    GRID_STRIDE(i, n) {
-        i64 p[4];
-        point_of(region, i, p);
-        dst[offset_in(dst_layout, p)] += src[offset_in(src_layout, p)];
-    }
-}
-
-extern "C" __global__ void add_region_f64(const double* src, Box4 src_layout, double* dst,
-                                          Box4 dst_layout, Box4 region, i64 n) {
-    GRID_STRIDE(i, n) {
-        i64 p[4];
-        point_of(region, i, p);
-        dst[offset_in(dst_layout, p)] += src[offset_in(src_layout, p)];
+        add_into(dst[offset_in(dst_layout, p)], src[offset_in(src_layout, p)]);
     }
 }
 
 // `dst[i] += src[i]` over n consecutive elements: a sum between regions that are one run in both
 // layouts, with no index arithmetic.
-extern "C" __global__ void add_runs_f32(const float* src, float* dst, i64 n) {
-    GRID_STRIDE(i, n) { dst[i] += src[i]; }
+template <class T> __device__ void add_runs(const T* src, T* dst, i64 n) {
+    GRID_STRIDE(i, n) { add_into(dst[i], src[i]); }
 }
 
-extern "C" __global__ void add_runs_f64(const double* src, double* dst, i64 n) {
-    GRID_STRIDE(i, n) { dst[i] += src[i]; }
-}
-
-// A fold with no terms over part of its instance: `dst[region] = 0`.
-extern "C" __global__ void zero_region_f32(float* dst, Box4 dst_layout, Box4 region, i64 n) {
+// A fold with no terms over part of its instance: `dst[region] = 0` (all-zero bits in every type).
+template <class T> __device__ void zero_region(T* dst, Box4 dst_layout, Box4 region, i64 n) {
     GRID_STRIDE(i, n) {
         i64 p[4];
         point_of(region, i, p);
-        dst[offset_in(dst_layout, p)] = 0.0f;
+        dst[offset_in(dst_layout, p)] = T();
     }
 }
 
-extern "C" __global__ void zero_region_f64(double* dst, Box4 dst_layout, Box4 region, i64 n) {
-    GRID_STRIDE(i, n) {
-        i64 p[4];
-        point_of(region, i, p);
-        dst[offset_in(dst_layout, p)] = 0.0;
+// Each region kernel once per element type, under the names kernels.rs loads.
+#define REGION_KERNELS(T, suffix)                                                              \
+    extern "C" __global__ void copy_region_##suffix(const T* src, Box4 src_layout, T* dst,    \
+                                                    Box4 dst_layout, Box4 region, i64 n) {    \
+        copy_region(src, src_layout, dst, dst_layout, region, n);                              \
+    }                                                                                          \
+    extern "C" __global__ void add_region_##suffix(const T* src, Box4 src_layout, T* dst,     \
+                                                   Box4 dst_layout, Box4 region, i64 n) {     \
+        add_region(src, src_layout, dst, dst_layout, region, n);                               \
+    }                                                                                          \
+    extern "C" __global__ void add_runs_##suffix(const T* src, T* dst, i64 n) {               \
+        add_runs(src, dst, n);                                                                 \
+    }                                                                                          \
+    extern "C" __global__ void zero_region_##suffix(T* dst, Box4 dst_layout, Box4 region,     \
+                                                    i64 n) {                                   \
+        zero_region(dst, dst_layout, region, n);                                               \
     }
+REGION_KERNELS(float, f32)
+REGION_KERNELS(double, f64)
+REGION_KERNELS(bf16, bf16)
+
+// A weight's bf16 working copy from its f32 master, a batch's images as a bf16 run's first
+// activation, and back (a weight gradient cuDNN computed in bf16, for the fp32 update).
+extern "C" __global__ void cast_f32_bf16(const float* src, bf16* dst, i64 n) {
+    GRID_STRIDE(i, n) { dst[i] = bf16_of(src[i]); }
+}
+
+extern "C" __global__ void cast_bf16_f32(const bf16* src, float* dst, i64 n) {
+    GRID_STRIDE(i, n) { dst[i] = to_f32(src[i]); }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Element-wise ops over an output tile (the output laid out over the tile).
 
 // NaN stays NaN (NaN < 0 is false), as on the CPU, so divergence is not hidden.
-extern "C" __global__ void relu_forward(const float* x, Box4 x_layout, float* y, Box4 tile, i64 n,
-                                        int packed) {
+template <class T>
+__device__ void relu_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {
-        float v = x[at(x_layout, tile, i, packed)];
-        y[i] = v < 0.0f ? 0.0f : v;
+        float v = to_f32(x[at(x_layout, tile, i, packed)]);
+        y[i] = from_f32<T>(v < 0.0f ? 0.0f : v);
     }
 }
 
 // dx = dy·[y > 0]; also the fused-ReLU mask of conv and dense backward.
-extern "C" __global__ void relu_backward(const float* y, Box4 y_layout, const float* dy,
-                                         Box4 dy_layout, float* dx, Box4 tile, i64 n, int packed) {
+template <class T>
+__device__ void relu_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_layout, T* dx,
+                              Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {
-        float yv = y[at(y_layout, tile, i, packed)];
-        float g = dy[at(dy_layout, tile, i, packed)];
-        dx[i] = yv > 0.0f ? g : 0.0f;
+        float yv = to_f32(y[at(y_layout, tile, i, packed)]);
+        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
+        dx[i] = from_f32<T>(yv > 0.0f ? g : 0.0f);
     }
 }
 
 // expf may differ from the CPU's exp in the last bit or two.
-extern "C" __global__ void sigmoid_forward(const float* x, Box4 x_layout, float* y, Box4 tile,
-                                           i64 n, int packed) {
+template <class T>
+__device__ void sigmoid_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {
-        float v = x[at(x_layout, tile, i, packed)];
-        y[i] = 1.0f / (1.0f + expf(-v));
+        float v = to_f32(x[at(x_layout, tile, i, packed)]);
+        y[i] = from_f32<T>(1.0f / (1.0f + expf(-v)));
     }
 }
 
-extern "C" __global__ void sigmoid_backward(const float* y, Box4 y_layout, const float* dy,
-                                            Box4 dy_layout, float* dx, Box4 tile, i64 n,
-                                            int packed) {
+template <class T>
+__device__ void sigmoid_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_layout, T* dx,
+                                 Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {
-        float yv = y[at(y_layout, tile, i, packed)];
-        float g = dy[at(dy_layout, tile, i, packed)];
-        dx[i] = g * yv * (1.0f - yv);
+        float yv = to_f32(y[at(y_layout, tile, i, packed)]);
+        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
+        dx[i] = from_f32<T>(g * yv * (1.0f - yv));
     }
 }
 
 // tanhf may differ from the CPU's tanh in the last bit or two.
-extern "C" __global__ void tanh_forward(const float* x, Box4 x_layout, float* y, Box4 tile, i64 n,
-                                        int packed) {
+template <class T>
+__device__ void tanh_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {
-        y[i] = tanhf(x[at(x_layout, tile, i, packed)]);
+        y[i] = from_f32<T>(tanhf(to_f32(x[at(x_layout, tile, i, packed)])));
     }
 }
 
-extern "C" __global__ void tanh_backward(const float* y, Box4 y_layout, const float* dy,
-                                         Box4 dy_layout, float* dx, Box4 tile, i64 n, int packed) {
+template <class T>
+__device__ void tanh_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_layout, T* dx,
+                              Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {
-        float yv = y[at(y_layout, tile, i, packed)];
-        float g = dy[at(dy_layout, tile, i, packed)];
-        dx[i] = g * (1.0f - yv * yv);
+        float yv = to_f32(y[at(y_layout, tile, i, packed)]);
+        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
+        dx[i] = from_f32<T>(g * (1.0f - yv * yv));
     }
 }
 
-extern "C" __global__ void add_forward(const float* a, Box4 a_layout, const float* b,
-                                       Box4 b_layout, float* y, Box4 tile, i64 n, int packed) {
+template <class T>
+__device__ void add_forward_t(const T* a, Box4 a_layout, const T* b, Box4 b_layout, T* y,
+                            Box4 tile, i64 n, int packed) {
     GRID_STRIDE(i, n) {
-        y[i] = a[at(a_layout, tile, i, packed)] + b[at(b_layout, tile, i, packed)];
+        y[i] = from_f32<T>(to_f32(a[at(a_layout, tile, i, packed)]) +
+                           to_f32(b[at(b_layout, tile, i, packed)]));
     }
 }
+
+// The unary (x → y) and binary (a, b → y) element-wise kernels once per activation type.
+#define UNARY_KERNEL(name, T, suffix)                                                          \
+    extern "C" __global__ void name##suffix(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n, \
+                                            int packed) {                                      \
+        name##_t(x, x_layout, y, tile, n, packed);                                                 \
+    }
+#define BINARY_KERNEL(name, T, suffix)                                                         \
+    extern "C" __global__ void name##suffix(const T* a, Box4 a_layout, const T* b,            \
+                                            Box4 b_layout, T* y, Box4 tile, i64 n,             \
+                                            int packed) {                                      \
+        name##_t(a, a_layout, b, b_layout, y, tile, n, packed);                                    \
+    }
+#define ELEMENTWISE_KERNELS(T, suffix)          \
+    UNARY_KERNEL(relu_forward, T, suffix)       \
+    BINARY_KERNEL(relu_backward, T, suffix)     \
+    UNARY_KERNEL(sigmoid_forward, T, suffix)    \
+    BINARY_KERNEL(sigmoid_backward, T, suffix)  \
+    UNARY_KERNEL(tanh_forward, T, suffix)       \
+    BINARY_KERNEL(tanh_backward, T, suffix)     \
+    BINARY_KERNEL(add_forward, T, suffix)
+ELEMENTWISE_KERNELS(float, )
+ELEMENTWISE_KERNELS(bf16, _bf16)
 
 // y = x + bias[c], then max(·, 0) when `relu`: the bias and fused activation after a cuBLAS or
-// cuDNN product. `bias` may be null.
-extern "C" __global__ void bias_activation(float* y, Box4 tile, const float* bias, i64 bias_lo,
-                                           int relu, i64 n) {
+// cuDNN product. `bias` (fp32, the master: a bf16 run adds it before rounding) may be null.
+template <class T>
+__device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_lo, int relu, i64 n) {
     GRID_STRIDE(i, n) {
-        float z = y[i];
+        float z = to_f32(y[i]);
         if (bias) z = z + bias[channel_of(tile, i) - bias_lo];
-        y[i] = (relu && z < 0.0f) ? 0.0f : z;
+        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
     }
 }
 
 // Per channel of `tile`, the sum over samples and positions of `dz` (laid out over the tile), into
-// out[c - out_lo]: the bias gradient. One block per channel; summed in f64, so the result is
-// closer to exact than the CPU's f32 sum and may differ from it in the last bits.
-extern "C" __global__ void channel_sum(const float* dz, Box4 tile, float* out, i64 out_lo) {
+// out[c - out_lo]: the bias gradient (fp32 in every precision). One block per channel; summed in
+// f64, so the result is closer to exact than the CPU's f32 sum and may differ from it in the last
+// bits.
+template <class T> __device__ void channel_sum_t(const T* dz, Box4 tile, float* out, i64 out_lo) {
     i64 c_local = blockIdx.x;
     i64 plane = tile.ext[2] * tile.ext[3];
     i64 per_channel = tile.ext[0] * plane;
     double sum = 0.0, unused = 0.0;
     for (i64 j = threadIdx.x; j < per_channel; j += blockDim.x) {
         i64 sample = j / plane, s = j % plane;
-        sum += (double)dz[(sample * tile.ext[1] + c_local) * plane + s];
+        sum += (double)to_f32(dz[(sample * tile.ext[1] + c_local) * plane + s]);
     }
     block_sum2(sum, unused);
     if (threadIdx.x == 0) out[tile.lo[1] + c_local - out_lo] = (float)sum;
 }
+
+#define EPILOGUE_KERNELS(T, suffix)                                                            \
+    extern "C" __global__ void bias_activation##suffix(T* y, Box4 tile, const float* bias,    \
+                                                       i64 bias_lo, int relu, i64 n) {         \
+        bias_activation_t(y, tile, bias, bias_lo, relu, n);                                      \
+    }                                                                                          \
+    extern "C" __global__ void channel_sum##suffix(const T* dz, Box4 tile, float* out,        \
+                                                   i64 out_lo) {                               \
+        channel_sum_t(dz, tile, out, out_lo);                                                    \
+    }
+EPILOGUE_KERNELS(float, )
+EPILOGUE_KERNELS(bf16, _bf16)
 
 // ---------------------------------------------------------------------------------------------
 // Dropout: kept iff unit_f32(mix64(key ^ index)) >= rate, with key = hash(seed, step, salt) and
@@ -285,18 +371,28 @@ __device__ __forceinline__ u64 hash3(u64 a, u64 b, u64 c) {
     return mix64(h ^ c);
 }
 
-extern "C" __global__ void dropout_apply(const float* x, Box4 x_layout, float* y, Box4 tile,
-                                         Box4 full, u64 seed, const u64* step, u64 salt,
-                                         float rate, float scale, i64 n) {
+template <class T>
+__device__ void dropout_apply_t(const T* x, Box4 x_layout, T* y, Box4 tile, Box4 full, u64 seed,
+                              const u64* step, u64 salt, float rate, float scale, i64 n) {
     u64 key = hash3(seed, *step, salt);
     GRID_STRIDE(i, n) {
         i64 p[4];
         point_of(tile, i, p);
         u64 index = (u64)offset_in(full, p);
-        float v = x[offset_in(x_layout, p)];
-        y[i] = unit_f32(mix64(key ^ index)) >= rate ? v * scale : 0.0f;
+        float v = to_f32(x[offset_in(x_layout, p)]);
+        y[i] = from_f32<T>(unit_f32(mix64(key ^ index)) >= rate ? v * scale : 0.0f);
     }
 }
+
+#define DROPOUT_KERNEL(T, suffix)                                                              \
+    extern "C" __global__ void dropout_apply##suffix(const T* x, Box4 x_layout, T* y,         \
+                                                     Box4 tile, Box4 full, u64 seed,           \
+                                                     const u64* step, u64 salt, float rate,    \
+                                                     float scale, i64 n) {                     \
+        dropout_apply_t(x, x_layout, y, tile, full, seed, step, salt, rate, scale, n);           \
+    }
+DROPOUT_KERNEL(float, )
+DROPOUT_KERNEL(bf16, _bf16)
 
 // ---------------------------------------------------------------------------------------------
 // Synthetic data drawn on the device (legion_ops::data::SyntheticBatch::render, value for value):
@@ -378,8 +474,8 @@ __device__ void output_window(const Box4& tile, i64 i, const Pool& pool, i64 p[4
 
 // Max: the largest value, first in row-major window order (`v > best`, as the CPU); avg: each
 // window row summed left to right, the row sums added top to bottom, times 1/(kh·kw), as the CPU.
-extern "C" __global__ void pool2d_forward(const float* x, Box4 x_layout, float* y, Box4 tile,
-                                          Pool pool, i64 n) {
+template <class T>
+__device__ void pool2d_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, Pool pool, i64 n) {
     GRID_STRIDE(i, n) {
         i64 p[4], h0, h1, w0, w1;
         output_window(tile, i, pool, p, h0, h1, w0, w1);
@@ -389,27 +485,31 @@ extern "C" __global__ void pool2d_forward(const float* x, Box4 x_layout, float* 
             for (i64 h = h0; h < h1; ++h) {
                 q[2] = h;
                 q[3] = w0;
-                const float* row = x + offset_in(x_layout, q);
-                for (i64 w = 0; w < w1 - w0; ++w) best = row[w] > best ? row[w] : best;
+                const T* row = x + offset_in(x_layout, q);
+                for (i64 w = 0; w < w1 - w0; ++w) {
+                    float v = to_f32(row[w]);
+                    best = v > best ? v : best;
+                }
             }
-            y[i] = best;
+            y[i] = from_f32<T>(best);
         } else {
             float total = 0.0f;
             for (i64 h = h0; h < h1; ++h) {
                 q[2] = h;
                 q[3] = w0;
-                const float* row = x + offset_in(x_layout, q);
+                const T* row = x + offset_in(x_layout, q);
                 float row_sum = 0.0f;
-                for (i64 w = 0; w < w1 - w0; ++w) row_sum = row_sum + row[w];
+                for (i64 w = 0; w < w1 - w0; ++w) row_sum = row_sum + to_f32(row[w]);
                 total = total + row_sum;
             }
-            y[i] = total * pool.inv_area;
+            y[i] = from_f32<T>(total * pool.inv_area);
         }
     }
 }
 
 // The (h, w) position of the first maximum of an output's window, in row-major window order.
-__device__ void window_argmax(const float* x, const Box4& x_layout, i64 sample, i64 channel,
+template <class T>
+__device__ void window_argmax(const T* x, const Box4& x_layout, i64 sample, i64 channel,
                               i64 h0, i64 h1, i64 w0, i64 w1, i64& best_h, i64& best_w) {
     float best = NEG_INF;
     best_h = h0;
@@ -417,10 +517,11 @@ __device__ void window_argmax(const float* x, const Box4& x_layout, i64 sample, 
     i64 q[4] = {sample, channel, 0, w0};
     for (i64 h = h0; h < h1; ++h) {
         q[2] = h;
-        const float* row = x + offset_in(x_layout, q);
+        const T* row = x + offset_in(x_layout, q);
         for (i64 w = w0; w < w1; ++w) {
-            if (row[w - w0] > best) {
-                best = row[w - w0];
+            float v = to_f32(row[w - w0]);
+            if (v > best) {
+                best = v;
                 best_h = h;
                 best_w = w;
             }
@@ -431,8 +532,9 @@ __device__ void window_argmax(const float* x, const Box4& x_layout, i64 sample, 
 // Max pooling's argmax, once per output of the tile: the input position (h · W + w, W the input
 // width) of the window's first maximum, which the backward gather then reads instead of scanning
 // every window again for every input element it covers.
-extern "C" __global__ void pool2d_argmax(const float* x, Box4 x_layout, Box4 tile, i64* argmax,
-                                         Pool pool, i64 n) {
+template <class T>
+__device__ void pool2d_argmax_t(const T* x, Box4 x_layout, Box4 tile, i64* argmax, Pool pool,
+                                i64 n) {
     GRID_STRIDE(i, n) {
         i64 p[4], h0, h1, w0, w1;
         output_window(tile, i, pool, p, h0, h1, w0, w1);
@@ -446,8 +548,9 @@ extern "C" __global__ void pool2d_argmax(const float* x, Box4 x_layout, Box4 til
 // the CPU scatters in (rows, then columns, of the tile), the gradients of the tile's windows that
 // route to it, so every sum is the CPU's, term by term. Max pooling reads each window's argmax
 // (`pool2d_argmax`, laid out over the tile). Planes (n, c) outside the tile get zero.
-extern "C" __global__ void pool2d_backward(const i64* argmax, Box4 x_layout, const float* dy,
-                                           Box4 tile, float* dx, Pool pool, i64 n) {
+template <class T>
+__device__ void pool2d_backward_t(const i64* argmax, Box4 x_layout, const T* dy, Box4 tile, T* dx,
+                                  Pool pool, i64 n) {
     GRID_STRIDE(i, n) {
         i64 p[4];
         point_of(x_layout, i, p);
@@ -472,7 +575,7 @@ extern "C" __global__ void pool2d_backward(const i64* argmax, Box4 x_layout, con
                 for (i64 ow = first[1]; ow <= last[1]; ++ow) {
                     i64 o[4] = {p[0], p[1], oh, ow};
                     i64 at = offset_in(tile, o);
-                    float g = dy[at];
+                    float g = to_f32(dy[at]);
                     if (pool.is_max) {
                         if (argmax[at] == here) grad = grad + g;
                     } else {
@@ -481,9 +584,26 @@ extern "C" __global__ void pool2d_backward(const i64* argmax, Box4 x_layout, con
                 }
             }
         }
-        dx[i] = grad;
+        dx[i] = from_f32<T>(grad);
     }
 }
+
+#define POOL_KERNELS(T, suffix)                                                                \
+    extern "C" __global__ void pool2d_forward##suffix(const T* x, Box4 x_layout, T* y,        \
+                                                      Box4 tile, Pool pool, i64 n) {           \
+        pool2d_forward_t(x, x_layout, y, tile, pool, n);                                       \
+    }                                                                                          \
+    extern "C" __global__ void pool2d_argmax##suffix(const T* x, Box4 x_layout, Box4 tile,    \
+                                                     i64* argmax, Pool pool, i64 n) {          \
+        pool2d_argmax_t(x, x_layout, tile, argmax, pool, n);                                   \
+    }                                                                                          \
+    extern "C" __global__ void pool2d_backward##suffix(const i64* argmax, Box4 x_layout,      \
+                                                       const T* dy, Box4 tile, T* dx,          \
+                                                       Pool pool, i64 n) {                     \
+        pool2d_backward_t(argmax, x_layout, dy, tile, dx, pool, n);                            \
+    }
+POOL_KERNELS(float, )
+POOL_KERNELS(bf16, _bf16)
 
 // ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy, one warp per sample row. Logits are laid out over rows
@@ -493,27 +613,30 @@ extern "C" __global__ void pool2d_backward(const i64* argmax, Box4 x_layout, con
 
 // Row maximum and Σ exp(z − max) in f64 (at least 1). The sum is taken lane by lane and then in a
 // tree, an order the CPU does not use: the last bits of the f64 sum may differ.
-__device__ void row_max_sum(const float* z, i64 classes, float& max, double& sum) {
+template <class T>
+__device__ void row_max_sum(const T* z, i64 classes, float& max, double& sum) {
     int lane = threadIdx.x % WARP;
     float m = NEG_INF;
-    for (i64 k = lane; k < classes; k += WARP) m = fmaxf(m, z[k]);
+    for (i64 k = lane; k < classes; k += WARP) m = fmaxf(m, to_f32(z[k]));
     for (int offset = WARP / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     double s = 0.0;
-    for (i64 k = lane; k < classes; k += WARP) s += (double)expf(z[k] - m);
+    for (i64 k = lane; k < classes; k += WARP) s += (double)expf(to_f32(z[k]) - m);
     for (int offset = WARP / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
     max = m;
     sum = s;
 }
 
 // Per-sample loss log Σ exp(z) − z[label] (shifted by the row max), and whether the row's first
-// largest logit is the label (`v > best` scanning in class order, as the CPU).
-extern "C" __global__ void softmax_ce_rows(const float* logits, i64 logits_row0, i64 classes,
-                                           const unsigned int* labels, i64 row0, i64 rows,
-                                           float* loss, unsigned int* correct) {
+// largest logit is the label (`v > best` scanning in class order, as the CPU). The loss is fp32
+// in every precision (bf16 logits are read to float).
+template <class T>
+__device__ void softmax_ce_rows_t(const T* logits, i64 logits_row0, i64 classes,
+                                  const unsigned int* labels, i64 row0, i64 rows, float* loss,
+                                  unsigned int* correct) {
     i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / WARP;
     if (r >= rows) return;  // a whole warp leaves together
     int lane = threadIdx.x % WARP;
-    const float* z = logits + (row0 + r - logits_row0) * classes;
+    const T* z = logits + (row0 + r - logits_row0) * classes;
     float max;
     double sum;
     row_max_sum(z, classes, max, sum);
@@ -521,8 +644,9 @@ extern "C" __global__ void softmax_ce_rows(const float* logits, i64 logits_row0,
     float best = NEG_INF;
     i64 best_k = classes;
     for (i64 k = lane; k < classes; k += WARP) {
-        if (z[k] > best) {
-            best = z[k];
+        float v = to_f32(z[k]);
+        if (v > best) {
+            best = v;
             best_k = k;
         }
     }
@@ -537,7 +661,7 @@ extern "C" __global__ void softmax_ce_rows(const float* logits, i64 logits_row0,
     if (best_k == classes) best_k = 0;  // no logit above -inf: the CPU keeps class 0
     if (lane == 0) {
         unsigned int label = labels[r];
-        loss[r] = (float)(((double)max + log(sum)) - (double)z[label]);
+        loss[r] = (float)(((double)max + log(sum)) - (double)to_f32(z[label]));
         correct[r] = best_k == (i64)label ? 1u : 0u;
     }
 }
@@ -559,24 +683,40 @@ extern "C" __global__ void loss_totals(const float* loss, const unsigned int* co
 }
 
 // dlogits = (softmax(z) − onehot(label))·scale over the tile (laid out over it, all classes).
-extern "C" __global__ void softmax_ce_backward(const float* logits, i64 logits_row0, i64 classes,
-                                               const unsigned int* labels, i64 row0, i64 rows,
-                                               float scale, float* dlogits) {
+template <class T>
+__device__ void softmax_ce_backward_t(const T* logits, i64 logits_row0, i64 classes,
+                                      const unsigned int* labels, i64 row0, i64 rows, float scale,
+                                      T* dlogits) {
     i64 r = (i64)blockIdx.x * WARP_ROWS_PER_BLOCK + threadIdx.x / WARP;
     if (r >= rows) return;
     int lane = threadIdx.x % WARP;
-    const float* z = logits + (row0 + r - logits_row0) * classes;
+    const T* z = logits + (row0 + r - logits_row0) * classes;
     float max;
     double sum;
     row_max_sum(z, classes, max, sum);
     float norm = (float)((double)scale / sum);
     i64 label = labels[r];
-    float* out = dlogits + r * classes;
+    T* out = dlogits + r * classes;
     for (i64 k = lane; k < classes; k += WARP) {
-        float o = expf(z[k] - max) * norm;
-        out[k] = k == label ? o - scale : o;
+        float o = expf(to_f32(z[k]) - max) * norm;
+        out[k] = from_f32<T>(k == label ? o - scale : o);
     }
 }
+
+#define SOFTMAX_KERNELS(T, suffix)                                                             \
+    extern "C" __global__ void softmax_ce_rows##suffix(                                        \
+        const T* logits, i64 logits_row0, i64 classes, const unsigned int* labels, i64 row0,   \
+        i64 rows, float* loss, unsigned int* correct) {                                        \
+        softmax_ce_rows_t(logits, logits_row0, classes, labels, row0, rows, loss, correct);    \
+    }                                                                                          \
+    extern "C" __global__ void softmax_ce_backward##suffix(                                    \
+        const T* logits, i64 logits_row0, i64 classes, const unsigned int* labels, i64 row0,   \
+        i64 rows, float scale, T* dlogits) {                                                   \
+        softmax_ce_backward_t(logits, logits_row0, classes, labels, row0, rows, scale,         \
+                              dlogits);                                                        \
+    }
+SOFTMAX_KERNELS(float, )
+SOFTMAX_KERNELS(bf16, _bf16)
 
 // ---------------------------------------------------------------------------------------------
 // Batch norm phases (kernels::batch_norm). Moments and gradient sums are [3, C] f64 laid out over
@@ -626,8 +766,8 @@ __device__ __forceinline__ void channel_point(const Box4& tile, i64 c, i64 j, i6
 }
 
 // Σx and Σx² of one part of one channel of the tile, in f64.
-extern "C" __global__ void bn_moments(const float* x, Box4 x_layout, Box4 tile, i64 parts,
-                                      double* partial) {
+template <class T>
+__device__ void bn_moments_t(const T* x, Box4 x_layout, Box4 tile, i64 parts, double* partial) {
     i64 channels = tile.ext[1];
     i64 c_local = blockIdx.x / parts, part = blockIdx.x % parts;
     i64 per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
@@ -636,7 +776,7 @@ extern "C" __global__ void bn_moments(const float* x, Box4 x_layout, Box4 tile, 
     for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         i64 q[4];
         channel_point(tile, tile.lo[1] + c_local, j, q);
-        double v = (double)x[offset_in(x_layout, q)];
+        double v = (double)to_f32(x[offset_in(x_layout, q)]);
         sum += v;
         sum_sq += v * v;
     }
@@ -691,14 +831,15 @@ extern "C" __global__ void bn_affine(const double* moments, i64 m_lo, i64 m_chan
 
 // y = (x − mean)·(γ·invstd) + β, then max(·, 0) when `relu`, with bn_affine's coefficients of
 // the tile's channels.
-extern "C" __global__ void bn_normalize(const float* x, Box4 x_layout, float* y, Box4 tile,
-                                        const float* coef, int relu, i64 n, int packed) {
+template <class T>
+__device__ void bn_normalize_t(const T* x, Box4 x_layout, T* y, Box4 tile, const float* coef,
+                               int relu, i64 n, int packed) {
     i64 channels = tile.ext[1];
     GRID_STRIDE(i, n) {
         i64 j = channel_at(tile, i) - tile.lo[1];
-        float z = (x[at(x_layout, tile, i, packed)] - coef[j]) * coef[channels + j] +
+        float z = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j] +
                   coef[2 * channels + j];
-        y[i] = (relu && z < 0.0f) ? 0.0f : z;
+        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
     }
 }
 
@@ -721,10 +862,10 @@ extern "C" __global__ void bn_running(const double* moments, i64 m_lo, i64 m_cha
 
 // Σdy and Σdy·(x − mean) of one part of one channel of the tile (dy masked by y > 0 when `y`
 // is given: the fused ReLU), into `partial` as bn_moments; bn_grad_sums_finish adds the parts.
-extern "C" __global__ void bn_grad_sums(const float* x, Box4 x_layout, const float* y,
-                                        Box4 y_layout, const float* dy, Box4 dy_layout, Box4 tile,
-                                        const double* moments, i64 m_lo, i64 m_channels, float eps,
-                                        i64 parts, double* partial) {
+template <class T>
+__device__ void bn_grad_sums_t(const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy,
+                               Box4 dy_layout, Box4 tile, const double* moments, i64 m_lo,
+                               i64 m_channels, float eps, i64 parts, double* partial) {
     i64 channels = tile.ext[1];
     i64 c_local = blockIdx.x / parts, part = blockIdx.x % parts;
     i64 c = tile.lo[1] + c_local;
@@ -735,11 +876,11 @@ extern "C" __global__ void bn_grad_sums(const float* x, Box4 x_layout, const flo
     for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         i64 q[4];
         channel_point(tile, c, j, q);
-        float g = dy[offset_in(dy_layout, q)];
-        if (y && !(y[offset_in(y_layout, q)] > 0.0f)) g = 0.0f;
+        float g = to_f32(dy[offset_in(dy_layout, q)]);
+        if (y && !(to_f32(y[offset_in(y_layout, q)]) > 0.0f)) g = 0.0f;
         double gd = (double)g;
         sum_dy += gd;
-        sum_dy_centered += gd * ((double)x[offset_in(x_layout, q)] - s.mean);
+        sum_dy_centered += gd * ((double)to_f32(x[offset_in(x_layout, q)]) - s.mean);
     }
     block_sum2(sum_dy, sum_dy_centered);
     if (threadIdx.x == 0) {
@@ -793,20 +934,47 @@ extern "C" __global__ void bn_input_coef(const double* moments, i64 m_lo, i64 m_
 
 // dx = γ·invstd·(dy − Σdy/M − x̂·Σ(dy·x̂)/M) over the tile, with bn_input_coef's coefficients of
 // the tile's channels; dy masked by y > 0 when `y` is given.
-extern "C" __global__ void bn_input_grad(const float* x, Box4 x_layout, const float* y,
-                                         Box4 y_layout, const float* dy, Box4 dy_layout,
-                                         float* dx, Box4 tile, const float* coef, i64 n,
-                                         int packed) {
+template <class T>
+__device__ void bn_input_grad_t(const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy,
+                                Box4 dy_layout, T* dx, Box4 tile, const float* coef, i64 n,
+                                int packed) {
     i64 channels = tile.ext[1];
     GRID_STRIDE(i, n) {
         i64 j = channel_at(tile, i) - tile.lo[1];
-        float g = dy[at(dy_layout, tile, i, packed)];
-        if (y && !(y[at(y_layout, tile, i, packed)] > 0.0f)) g = 0.0f;
-        float xhat = (x[at(x_layout, tile, i, packed)] - coef[j]) * coef[channels + j];
-        dx[i] = coef[2 * channels + j] *
-                (g - coef[3 * channels + j] - xhat * coef[4 * channels + j]);
+        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
+        if (y && !(to_f32(y[at(y_layout, tile, i, packed)]) > 0.0f)) g = 0.0f;
+        float xhat = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j];
+        dx[i] = from_f32<T>(coef[2 * channels + j] *
+                            (g - coef[3 * channels + j] - xhat * coef[4 * channels + j]));
     }
 }
+
+// The batch-norm kernels that read or write activations, once per activation type; the
+// statistics, coefficients, γ, β and their gradients are f32 and f64 in every precision.
+#define BN_KERNELS(T, suffix)                                                                  \
+    extern "C" __global__ void bn_moments##suffix(const T* x, Box4 x_layout, Box4 tile,       \
+                                                  i64 parts, double* partial) {                \
+        bn_moments_t(x, x_layout, tile, parts, partial);                                       \
+    }                                                                                          \
+    extern "C" __global__ void bn_normalize##suffix(const T* x, Box4 x_layout, T* y,          \
+                                                    Box4 tile, const float* coef, int relu,    \
+                                                    i64 n, int packed) {                       \
+        bn_normalize_t(x, x_layout, y, tile, coef, relu, n, packed);                           \
+    }                                                                                          \
+    extern "C" __global__ void bn_grad_sums##suffix(                                           \
+        const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy, Box4 dy_layout,     \
+        Box4 tile, const double* moments, i64 m_lo, i64 m_channels, float eps, i64 parts,      \
+        double* partial) {                                                                     \
+        bn_grad_sums_t(x, x_layout, y, y_layout, dy, dy_layout, tile, moments, m_lo,           \
+                       m_channels, eps, parts, partial);                                       \
+    }                                                                                          \
+    extern "C" __global__ void bn_input_grad##suffix(                                          \
+        const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy, Box4 dy_layout,     \
+        T* dx, Box4 tile, const float* coef, i64 n, int packed) {                              \
+        bn_input_grad_t(x, x_layout, y, y_layout, dy, dy_layout, dx, tile, coef, n, packed);   \
+    }
+BN_KERNELS(float, )
+BN_KERNELS(bf16, _bf16)
 
 // ---------------------------------------------------------------------------------------------
 // SGD with momentum, element-wise: d = g + wd·w; v = μ·v + d; w −= lr·v (train::Sgd::update).

@@ -4,21 +4,28 @@
 use crate::probe::{Library, ProbeError, require};
 use cudarc::driver::{CudaContext, CudaFunction, DriverError};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use legion_ops::backend::DType;
 use std::sync::{Arc, OnceLock};
 
 /// The kernel source, compiled at run time.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
-/// Every `extern "C"` kernel of [`SOURCE`].
+/// Every `extern "C"` kernel of [`SOURCE`] but the bf16 twins of [`BF16_TWINS`].
 pub const KERNEL_NAMES: &[&str] = &[
     "copy_region_f32",
     "copy_region_f64",
+    "copy_region_bf16",
     "add_region_f32",
     "add_region_f64",
+    "add_region_bf16",
     "zero_region_f32",
     "zero_region_f64",
+    "zero_region_bf16",
     "add_runs_f32",
     "add_runs_f64",
+    "add_runs_bf16",
+    "cast_f32_bf16",
+    "cast_bf16_f32",
     "relu_forward",
     "relu_backward",
     "sigmoid_forward",
@@ -47,6 +54,30 @@ pub const KERNEL_NAMES: &[&str] = &[
     "bn_input_coef",
     "bn_input_grad",
     "sgd_update",
+];
+
+/// The kernels that read or write activations, each with a twin `{name}_bf16` that stores them
+/// in bf16 (the same template in `kernels.cu`, instantiated for both types).
+pub const BF16_TWINS: &[&str] = &[
+    "relu_forward",
+    "relu_backward",
+    "sigmoid_forward",
+    "sigmoid_backward",
+    "tanh_forward",
+    "tanh_backward",
+    "add_forward",
+    "bias_activation",
+    "channel_sum",
+    "dropout_apply",
+    "pool2d_forward",
+    "pool2d_argmax",
+    "pool2d_backward",
+    "softmax_ce_rows",
+    "softmax_ce_backward",
+    "bn_moments",
+    "bn_normalize",
+    "bn_grad_sums",
+    "bn_input_grad",
 ];
 
 /// Threads of the reduction kernels' blocks (`REDUCE_THREADS` in the source).
@@ -105,44 +136,68 @@ fn describe_compile_error(error: &cudarc::nvrtc::CompileError) -> String {
     }
 }
 
+/// A kernel over activations in both element types: the f32 one and its bf16 twin.
+#[derive(Debug)]
+pub struct Twin {
+    pub f32: CudaFunction,
+    pub bf16: CudaFunction,
+}
+
+impl Twin {
+    /// The kernel for activations of `dtype` (f32 or bf16; no kernel stores activations in f64).
+    pub fn of(&self, dtype: DType) -> &CudaFunction {
+        match dtype {
+            DType::F32 => &self.f32,
+            DType::Bf16 => &self.bf16,
+            DType::F64 => panic!("no activation kernel stores f64"),
+        }
+    }
+}
+
 /// The kernels, loaded into one context.
 #[derive(Debug)]
 pub struct Kernels {
     pub copy_region_f32: CudaFunction,
     pub copy_region_f64: CudaFunction,
+    pub copy_region_bf16: CudaFunction,
     pub add_region_f32: CudaFunction,
     pub add_region_f64: CudaFunction,
+    pub add_region_bf16: CudaFunction,
     pub zero_region_f32: CudaFunction,
     pub zero_region_f64: CudaFunction,
+    pub zero_region_bf16: CudaFunction,
     pub add_runs_f32: CudaFunction,
     pub add_runs_f64: CudaFunction,
-    pub relu_forward: CudaFunction,
-    pub relu_backward: CudaFunction,
-    pub sigmoid_forward: CudaFunction,
-    pub sigmoid_backward: CudaFunction,
-    pub tanh_forward: CudaFunction,
-    pub tanh_backward: CudaFunction,
-    pub add_forward: CudaFunction,
-    pub bias_activation: CudaFunction,
-    pub channel_sum: CudaFunction,
-    pub dropout_apply: CudaFunction,
+    pub add_runs_bf16: CudaFunction,
+    pub cast_f32_bf16: CudaFunction,
+    pub cast_bf16_f32: CudaFunction,
+    pub relu_forward: Twin,
+    pub relu_backward: Twin,
+    pub sigmoid_forward: Twin,
+    pub sigmoid_backward: Twin,
+    pub tanh_forward: Twin,
+    pub tanh_backward: Twin,
+    pub add_forward: Twin,
+    pub bias_activation: Twin,
+    pub channel_sum: Twin,
+    pub dropout_apply: Twin,
     pub store_step: CudaFunction,
     pub synthetic_draw: CudaFunction,
-    pub pool2d_forward: CudaFunction,
-    pub pool2d_argmax: CudaFunction,
-    pub pool2d_backward: CudaFunction,
-    pub softmax_ce_rows: CudaFunction,
+    pub pool2d_forward: Twin,
+    pub pool2d_argmax: Twin,
+    pub pool2d_backward: Twin,
+    pub softmax_ce_rows: Twin,
     pub loss_totals: CudaFunction,
-    pub softmax_ce_backward: CudaFunction,
-    pub bn_moments: CudaFunction,
+    pub softmax_ce_backward: Twin,
+    pub bn_moments: Twin,
     pub bn_sums_finish: CudaFunction,
     pub bn_affine: CudaFunction,
-    pub bn_normalize: CudaFunction,
+    pub bn_normalize: Twin,
     pub bn_running: CudaFunction,
-    pub bn_grad_sums: CudaFunction,
+    pub bn_grad_sums: Twin,
     pub bn_grad_sums_finish: CudaFunction,
     pub bn_input_coef: CudaFunction,
-    pub bn_input_grad: CudaFunction,
+    pub bn_input_grad: Twin,
     pub sgd_update: CudaFunction,
 }
 
@@ -156,42 +211,54 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e: DriverError| CompileError::Load(format!("{name}: {e}")))
         };
+        let twin = |name: &str| -> Result<Twin, CompileError> {
+            Ok(Twin {
+                f32: f(name)?,
+                bf16: f(&format!("{name}_bf16"))?,
+            })
+        };
         Ok(Kernels {
             copy_region_f32: f("copy_region_f32")?,
             copy_region_f64: f("copy_region_f64")?,
+            copy_region_bf16: f("copy_region_bf16")?,
             add_region_f32: f("add_region_f32")?,
             add_region_f64: f("add_region_f64")?,
+            add_region_bf16: f("add_region_bf16")?,
             zero_region_f32: f("zero_region_f32")?,
             zero_region_f64: f("zero_region_f64")?,
+            zero_region_bf16: f("zero_region_bf16")?,
             add_runs_f32: f("add_runs_f32")?,
             add_runs_f64: f("add_runs_f64")?,
-            relu_forward: f("relu_forward")?,
-            relu_backward: f("relu_backward")?,
-            sigmoid_forward: f("sigmoid_forward")?,
-            sigmoid_backward: f("sigmoid_backward")?,
-            tanh_forward: f("tanh_forward")?,
-            tanh_backward: f("tanh_backward")?,
-            add_forward: f("add_forward")?,
-            bias_activation: f("bias_activation")?,
-            channel_sum: f("channel_sum")?,
-            dropout_apply: f("dropout_apply")?,
+            add_runs_bf16: f("add_runs_bf16")?,
+            cast_f32_bf16: f("cast_f32_bf16")?,
+            cast_bf16_f32: f("cast_bf16_f32")?,
+            relu_forward: twin("relu_forward")?,
+            relu_backward: twin("relu_backward")?,
+            sigmoid_forward: twin("sigmoid_forward")?,
+            sigmoid_backward: twin("sigmoid_backward")?,
+            tanh_forward: twin("tanh_forward")?,
+            tanh_backward: twin("tanh_backward")?,
+            add_forward: twin("add_forward")?,
+            bias_activation: twin("bias_activation")?,
+            channel_sum: twin("channel_sum")?,
+            dropout_apply: twin("dropout_apply")?,
             store_step: f("store_step")?,
             synthetic_draw: f("synthetic_draw")?,
-            pool2d_forward: f("pool2d_forward")?,
-            pool2d_argmax: f("pool2d_argmax")?,
-            pool2d_backward: f("pool2d_backward")?,
-            softmax_ce_rows: f("softmax_ce_rows")?,
+            pool2d_forward: twin("pool2d_forward")?,
+            pool2d_argmax: twin("pool2d_argmax")?,
+            pool2d_backward: twin("pool2d_backward")?,
+            softmax_ce_rows: twin("softmax_ce_rows")?,
             loss_totals: f("loss_totals")?,
-            softmax_ce_backward: f("softmax_ce_backward")?,
-            bn_moments: f("bn_moments")?,
+            softmax_ce_backward: twin("softmax_ce_backward")?,
+            bn_moments: twin("bn_moments")?,
             bn_sums_finish: f("bn_sums_finish")?,
             bn_affine: f("bn_affine")?,
-            bn_normalize: f("bn_normalize")?,
+            bn_normalize: twin("bn_normalize")?,
             bn_running: f("bn_running")?,
-            bn_grad_sums: f("bn_grad_sums")?,
+            bn_grad_sums: twin("bn_grad_sums")?,
             bn_grad_sums_finish: f("bn_grad_sums_finish")?,
             bn_input_coef: f("bn_input_coef")?,
-            bn_input_grad: f("bn_input_grad")?,
+            bn_input_grad: twin("bn_input_grad")?,
             sgd_update: f("sgd_update")?,
         })
     }
@@ -213,14 +280,24 @@ mod tests {
             Ok(ptx) => ptx,
             Err(error) => panic!("{error}"),
         };
-        for name in KERNEL_NAMES {
+        let twins = BF16_TWINS.iter().map(|name| format!("{name}_bf16"));
+        let names: Vec<String> = KERNEL_NAMES
+            .iter()
+            .map(|n| n.to_string())
+            .chain(twins)
+            .collect();
+        for name in &names {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),
                 "kernel {name} missing from the PTX"
             );
         }
         let entries = ptx.matches(".entry ").count();
-        assert_eq!(entries, KERNEL_NAMES.len(), "KERNEL_NAMES is out of date");
+        assert_eq!(
+            entries,
+            names.len(),
+            "KERNEL_NAMES or BF16_TWINS is out of date"
+        );
         let target = ptx
             .lines()
             .find(|line| line.starts_with(".target"))

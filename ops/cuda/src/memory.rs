@@ -15,11 +15,41 @@ use legion_ops::backend::{DType, KernelError, Out};
 use legion_ops::shape::{Rect, copy_rect};
 use std::sync::Arc;
 
-/// Device memory of one operand: f32 data, or f64 for batch-norm sums.
+/// One bf16 element as the device stores it: the upper 16 bits of an f32 (what cuDNN's
+/// `CUDNN_DATA_BFLOAT16` and cuBLAS's `CUDA_R_16BF` read). Only kernels convert it; the host
+/// sees its bits ([`Bf16::to_f32`] for a download's values).
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// The f32 this bf16 stands for (exact: every bf16 is an f32).
+    pub fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+}
+
+// SAFETY: a plain 16-bit value; any bit pattern is a bf16 and all zeros is +0.
+unsafe impl cudarc::driver::DeviceRepr for Bf16 {}
+unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
+
+impl cudarc::cudnn::CudnnDataType for Bf16 {
+    const DATA_TYPE: cudarc::cudnn::sys::cudnnDataType_t =
+        cudarc::cudnn::sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16;
+    /// cuDNN scales bf16 data with float α and β.
+    type Scalar = f32;
+    fn into_scaling_parameter(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Device memory of one operand: f32 data, f64 for batch-norm sums, or bf16 for a bf16 run's
+/// activations, their gradients and the working copies of weights.
 #[derive(Debug)]
 pub enum Buffer {
     F32(CudaSlice<f32>),
     F64(CudaSlice<f64>),
+    Bf16(CudaSlice<Bf16>),
 }
 
 impl Buffer {
@@ -27,6 +57,7 @@ impl Buffer {
         match self {
             Buffer::F32(_) => DType::F32,
             Buffer::F64(_) => DType::F64,
+            Buffer::Bf16(_) => DType::Bf16,
         }
     }
 
@@ -34,6 +65,42 @@ impl Buffer {
         match self {
             Buffer::F32(s) => s.len(),
             Buffer::F64(s) => s.len(),
+            Buffer::Bf16(s) => s.len(),
+        }
+    }
+
+    /// Pushes the buffer as a kernel's pointer argument, whatever its element type (the kernel
+    /// chosen for that type, e.g. by [`crate::kernels::Twin::of`], reads it).
+    pub(crate) fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        use cudarc::driver::PushKernelArg;
+        match self {
+            Buffer::F32(s) => b.arg(s),
+            Buffer::F64(s) => b.arg(s),
+            Buffer::Bf16(s) => b.arg(s),
+        };
+    }
+
+    /// [`Buffer::push`] for a buffer the kernel writes.
+    pub(crate) fn push_mut<'a>(&'a mut self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        use cudarc::driver::PushKernelArg;
+        match self {
+            Buffer::F32(s) => b.arg(s),
+            Buffer::F64(s) => b.arg(s),
+            Buffer::Bf16(s) => b.arg(s),
+        };
+    }
+
+    pub fn bf16(&self) -> &CudaSlice<Bf16> {
+        match self {
+            Buffer::Bf16(s) => s,
+            other => panic!("{:?} buffer used as bf16", other.dtype()),
+        }
+    }
+
+    pub fn bf16_mut(&mut self) -> &mut CudaSlice<Bf16> {
+        match self {
+            Buffer::Bf16(s) => s,
+            other => panic!("{:?} buffer used as bf16", other.dtype()),
         }
     }
 
@@ -44,28 +111,28 @@ impl Buffer {
     pub fn f32(&self) -> &CudaSlice<f32> {
         match self {
             Buffer::F32(s) => s,
-            Buffer::F64(_) => panic!("f64 buffer used as f32"),
+            other => panic!("{:?} buffer used as f32", other.dtype()),
         }
     }
 
     pub fn f32_mut(&mut self) -> &mut CudaSlice<f32> {
         match self {
             Buffer::F32(s) => s,
-            Buffer::F64(_) => panic!("f64 buffer used as f32"),
+            other => panic!("{:?} buffer used as f32", other.dtype()),
         }
     }
 
     pub fn f64(&self) -> &CudaSlice<f64> {
         match self {
             Buffer::F64(s) => s,
-            Buffer::F32(_) => panic!("f32 buffer used as f64"),
+            other => panic!("{:?} buffer used as f64", other.dtype()),
         }
     }
 
     pub fn f64_mut(&mut self) -> &mut CudaSlice<f64> {
         match self {
             Buffer::F64(s) => s,
-            Buffer::F32(_) => panic!("f32 buffer used as f64"),
+            other => panic!("{:?} buffer used as f64", other.dtype()),
         }
     }
 }
@@ -87,8 +154,7 @@ pub struct Stream {
         Option<cudarc::driver::CudaEvent>,
     )>,
     /// The cuDNN descriptors of each convolution problem met on this stream.
-    pub(crate) descriptors:
-        std::collections::HashMap<crate::algos::Problem, std::rc::Rc<crate::conv::Descriptors>>,
+    pub(crate) descriptors: crate::conv::KeptDescriptors,
     /// cuDNN's workspace, kept and grown to the largest a chosen algorithm asked for.
     pub(crate) workspace: std::cell::RefCell<Option<CudaSlice<u8>>>,
     /// The copy stream and buffers of batches staged ahead (`stage_batch`), once one is.
@@ -243,6 +309,7 @@ impl Cuda {
         let out = match pattern {
             Buffer::F32(p) => fill(&s.stream, p, len).map(Buffer::F32),
             Buffer::F64(p) => fill(&s.stream, p, len).map(Buffer::F64),
+            Buffer::Bf16(p) => fill(&s.stream, p, len).map(Buffer::Bf16),
         };
         out.map_err(|e| KernelError::Device(format!("repeated pattern of {len}: {e}")))
     }
@@ -259,8 +326,10 @@ impl Cuda {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| device(format!("cuBLAS: {e}")))?;
         // Default math is plain FP32 SGEMM; TF32 tensor cores need CUBLAS_TF32_TENSOR_OP_MATH,
         // set only when asked for. Stated explicitly so that an inherited default cannot change it.
+        // In bf16 the products are GemmEx calls on bf16 operands, on the tensor cores whatever
+        // the handle's mode: the mode only governs fp32 GEMMs, which stay strict there.
         let mode = match self.math() {
-            Math::StrictFp32 => cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+            Math::StrictFp32 | Math::Bf16 => cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
             Math::Tf32 => cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
         };
         // SAFETY: a live handle and a valid enum value.

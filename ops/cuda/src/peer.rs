@@ -50,6 +50,7 @@ impl Cuda {
         let context = match buffer {
             Buffer::F32(b) => b.stream().context().cu_ctx(),
             Buffer::F64(b) => b.stream().context().cu_ctx(),
+            Buffer::Bf16(b) => b.stream().context().cu_ctx(),
         };
         context == self.context.cu_ctx()
     }
@@ -63,6 +64,9 @@ impl Cuda {
                     s.stream.memcpy_dtod(a, b)?
                 }
                 (Buffer::F64(a), Buffer::F64(b)) if a.len() == b.len() => {
+                    s.stream.memcpy_dtod(a, b)?
+                }
+                (Buffer::Bf16(a), Buffer::Bf16(b)) if a.len() == b.len() => {
                     s.stream.memcpy_dtod(a, b)?
                 }
                 (a, b) => {

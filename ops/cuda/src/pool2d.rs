@@ -3,6 +3,7 @@
 //! first).
 
 use crate::backend::{Cuda, Launch};
+use crate::elementwise::same_type;
 use crate::launch::{Box4, grid};
 use crate::memory::{Buffer, Stream};
 use cudarc::driver::{DeviceRepr, PushKernelArg};
@@ -55,13 +56,14 @@ pub(crate) fn forward(
     }
     let x_layout = Box4::of(&x.rect);
     let pool = PoolParams::new(op, in_shape);
-    let mut b = s.stream.launch_builder(&cuda.kernels.pool2d_forward);
-    b.arg(x.mem.f32())
-        .arg(&x_layout)
-        .arg(y.mem.f32_mut())
-        .arg(&tile)
-        .arg(&pool)
-        .arg(&n);
+    let dtype = same_type(&[x.mem.dtype(), y.mem.dtype()]);
+    let mut b = s
+        .stream
+        .launch_builder(cuda.kernels.pool2d_forward.of(dtype));
+    x.mem.push(&mut b);
+    b.arg(&x_layout);
+    y.mem.push_mut(&mut b);
+    b.arg(&tile).arg(&pool).arg(&n);
     // SAFETY: the arguments match the kernel's signature; x contains the tile's windows.
     unsafe { b.launch(grid(n)) }?;
     Ok(())
@@ -85,6 +87,7 @@ pub(crate) fn backward(
     }
     let tile = Box4::of(&dy.rect);
     let pool = PoolParams::new(op, in_shape);
+    let dtype = same_type(&[x.mem.dtype(), dy.mem.dtype(), dx.mem.dtype()]);
     // Max pooling: each window's argmax first, once per output (average pooling reads
     // none; the kernel is given a one-element buffer it never reads).
     let outputs = match op.kind {
@@ -94,9 +97,11 @@ pub(crate) fn backward(
     // SAFETY: the argmax kernel writes every element before the gather reads it.
     let mut argmax = unsafe { s.stream.alloc::<i64>(outputs.max(1) as usize) }?;
     if outputs > 0 {
-        let mut b = s.stream.launch_builder(&cuda.kernels.pool2d_argmax);
-        b.arg(x.mem.f32())
-            .arg(&x_layout)
+        let mut b = s
+            .stream
+            .launch_builder(cuda.kernels.pool2d_argmax.of(dtype));
+        x.mem.push(&mut b);
+        b.arg(&x_layout)
             .arg(&tile)
             .arg(&mut argmax)
             .arg(&pool)
@@ -104,14 +109,14 @@ pub(crate) fn backward(
         // SAFETY: the arguments match the kernel's signature; argmax covers the tile.
         unsafe { b.launch(grid(outputs)) }?;
     }
-    let mut b = s.stream.launch_builder(&cuda.kernels.pool2d_backward);
-    b.arg(&argmax)
-        .arg(&x_layout)
-        .arg(dy.mem.f32())
-        .arg(&tile)
-        .arg(dx.mem.f32_mut())
-        .arg(&pool)
-        .arg(&n);
+    let mut b = s
+        .stream
+        .launch_builder(cuda.kernels.pool2d_backward.of(dtype));
+    b.arg(&argmax).arg(&x_layout);
+    dy.mem.push(&mut b);
+    b.arg(&tile);
+    dx.mem.push_mut(&mut b);
+    b.arg(&pool).arg(&n);
     // SAFETY: the arguments match the kernel's signature; dx is laid out like x.
     unsafe { b.launch(grid(n)) }?;
     Ok(())

@@ -1,13 +1,36 @@
 //! Region moves: `dst[region] = src[region]` and `dst[region] += src[region]` between buffers laid
-//! out over different rects, in either element type. The runtime's gathers, halos, scatters and
+//! out over different rects, in any element type (bf16 sums add in f32 and round once); and the
+//! casts between f32 and bf16 ([`Cuda::cast_slices`]). The runtime's gathers, halos, scatters and
 //! folds call them ([`Cuda::copy_rect`], [`Cuda::add_rect`]); so do the primitives that move parts
 //! of a tensor (concat, add's gradients, convolution scratch, a batch tile loaded from the host).
 
 use crate::backend::{Cuda, Launch};
+use crate::kernels::Kernels;
 use crate::launch::{Box4, grid};
-use crate::memory::{Buffer, Stream};
+use crate::memory::{Bf16, Buffer, Stream};
 use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, PushKernelArg, ValidAsZeroBits};
+use legion_ops::backend::DType;
 use legion_ops::shape::Rect;
+
+/// An element type the region kernels move: its [`DType`] and its copy kernel.
+pub(crate) trait Element: DeviceRepr + ValidAsZeroBits + Copy + Unpin + 'static {
+    const DTYPE: DType;
+    fn copy_kernel(kernels: &Kernels) -> &CudaFunction;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn copy_kernel(kernels: &Kernels) -> &CudaFunction {
+        &kernels.copy_region_f32
+    }
+}
+
+impl Element for Bf16 {
+    const DTYPE: DType = DType::Bf16;
+    fn copy_kernel(kernels: &Kernels) -> &CudaFunction {
+        &kernels.copy_region_bf16
+    }
+}
 
 impl Cuda {
     /// Enqueues `dst[region] = src[region]` between buffers laid out over different rects (the
@@ -70,6 +93,7 @@ impl Cuda {
             match dst {
                 Buffer::F32(d) => zero_typed(s, &k.zero_region_f32, d, layout, region),
                 Buffer::F64(d) => zero_typed(s, &k.zero_region_f64, d, layout, region),
+                Buffer::Bf16(d) => zero_typed(s, &k.zero_region_bf16, d, layout, region),
             }
         });
     }
@@ -106,7 +130,20 @@ impl Cuda {
                     s, by_point, add_runs, src, src_layout, dst, dst_layout, region,
                 )
             }
-            _ => panic!("copy between buffers of different element types"),
+            (Buffer::Bf16(src), Buffer::Bf16(dst)) => {
+                let (by_point, add_runs) = match add {
+                    true => (&k.add_region_bf16, Some(&k.add_runs_bf16)),
+                    false => (&k.copy_region_bf16, None),
+                };
+                move_typed(
+                    s, by_point, add_runs, src, src_layout, dst, dst_layout, region,
+                )
+            }
+            (src, dst) => panic!(
+                "region move from {:?} to {:?}: a move keeps the element type (cast converts)",
+                src.dtype(),
+                dst.dtype()
+            ),
         }
     }
 
@@ -121,8 +158,50 @@ impl Cuda {
         dst_layout: Box4,
         region: Box4,
     ) -> Launch {
-        let by_point = &self.kernels.copy_region_f32;
+        self.copy_slice(s, src, src_layout, dst, dst_layout, region)
+    }
+
+    /// `dst[region] = src[region]` between slices of one element type.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_slice<T: Element>(
+        &self,
+        s: &Stream,
+        src: &CudaSlice<T>,
+        src_layout: Box4,
+        dst: &mut CudaSlice<T>,
+        dst_layout: Box4,
+        region: Box4,
+    ) -> Launch {
+        let by_point = T::copy_kernel(&self.kernels);
         move_typed(s, by_point, None, src, src_layout, dst, dst_layout, region)
+    }
+
+    /// `dst = src` converted to `dst`'s element type, element for element (f32 to bf16 rounds to
+    /// nearest even; bf16 to f32 is exact; one type to itself is a copy).
+    pub(crate) fn cast_slices(&self, s: &Stream, src: &Buffer, dst: &mut Buffer) -> Launch {
+        let n = src.len() as i64;
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "cast between buffers of different lengths"
+        );
+        if n == 0 {
+            return Ok(());
+        }
+        let kernel = match (src, &mut *dst) {
+            (Buffer::F32(a), Buffer::F32(b)) => return Ok(s.stream.memcpy_dtod(a, b)?),
+            (Buffer::Bf16(a), Buffer::Bf16(b)) => return Ok(s.stream.memcpy_dtod(a, b)?),
+            (Buffer::F32(_), Buffer::Bf16(_)) => &self.kernels.cast_f32_bf16,
+            (Buffer::Bf16(_), Buffer::F32(_)) => &self.kernels.cast_bf16_f32,
+            (src, dst) => panic!("no cast from {:?} to {:?}", src.dtype(), dst.dtype()),
+        };
+        let mut b = s.stream.launch_builder(kernel);
+        src.push(&mut b);
+        dst.push_mut(&mut b);
+        b.arg(&n);
+        // SAFETY: the arguments match the kernel's signature; both buffers hold n elements.
+        unsafe { b.launch(grid(n)) }?;
+        Ok(())
     }
 }
 

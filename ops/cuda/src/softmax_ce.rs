@@ -4,6 +4,7 @@
 //! from the stream's copy of it in a recorded step, `crate::capture`), or uploaded.
 
 use crate::backend::{Cuda, Failure};
+use crate::elementwise::same_type;
 use crate::launch::{per_channel, softmax_rows};
 use crate::memory::{Buffer, Stream};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -110,9 +111,12 @@ pub(crate) fn forward(
             let mut correct = s.stream.alloc_zeros::<u32>(rows as usize)?;
             let (logits_row0, classes, row0) =
                 (logits.rect.lo[0] as i64, classes as i64, first_row as i64);
+            // The per-sample losses are f32 in every precision (bf16 logits are read to f32).
             let loss = y.mem.f32_mut();
-            let mut b = s.stream.launch_builder(&cuda.kernels.softmax_ce_rows);
-            b.arg(logits.mem.f32()).arg(&logits_row0).arg(&classes);
+            let rows_kernel = cuda.kernels.softmax_ce_rows.of(logits.mem.dtype());
+            let mut b = s.stream.launch_builder(rows_kernel);
+            logits.mem.push(&mut b);
+            b.arg(&logits_row0).arg(&classes);
             labels.push(&mut b);
             b.arg(&row0).arg(&rows).arg(&mut *loss).arg(&mut correct);
             // SAFETY: the arguments match the kernel's signature; rows lie in the logits.
@@ -166,13 +170,15 @@ pub(crate) fn backward(
         }
         let (logits_row0, classes, row0) =
             (logits.rect.lo[0] as i64, classes as i64, first_row as i64);
-        let mut b = s.stream.launch_builder(&cuda.kernels.softmax_ce_backward);
-        b.arg(logits.mem.f32()).arg(&logits_row0).arg(&classes);
+        let dtype = same_type(&[logits.mem.dtype(), dlogits.mem.dtype()]);
+        let mut b = s
+            .stream
+            .launch_builder(cuda.kernels.softmax_ce_backward.of(dtype));
+        logits.mem.push(&mut b);
+        b.arg(&logits_row0).arg(&classes);
         labels.push(&mut b);
-        b.arg(&row0)
-            .arg(&rows)
-            .arg(&scale)
-            .arg(dlogits.mem.f32_mut());
+        b.arg(&row0).arg(&rows).arg(&scale);
+        dlogits.mem.push_mut(&mut b);
         // SAFETY: the arguments match the kernel's signature; rows lie in the logits.
         unsafe { b.launch(softmax_rows(rows)) }?;
         Ok(())

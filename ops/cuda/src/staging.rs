@@ -137,6 +137,13 @@ impl Cuda {
         let mut staging = match dtype {
             DType::F32 => Staging::F32(pinned(self, len, direction).map_err(&alloc)?),
             DType::F64 => Staging::F64(pinned(self, len, direction).map_err(&alloc)?),
+            // The runtime's device actors move f32 and f64 regions; bf16 runs are one-device
+            // (the CLI refuses bf16 on several devices until their region moves exist).
+            DType::Bf16 => {
+                return Err(KernelError::Device(
+                    "bf16 regions are not staged through the host (bf16 runs on one device)".into(),
+                ));
+            }
         };
         // Zeroed, so that nothing ever reads it uninitialised (a copy into it that a failed
         // stream skipped leaves zeros, not stale or undefined values).
@@ -192,6 +199,7 @@ impl Cuda {
             match dst {
                 Buffer::F32(d) => stream.memset_zeros(d)?,
                 Buffer::F64(d) => stream.memset_zeros(d)?,
+                Buffer::Bf16(d) => stream.memset_zeros(d)?,
             }
             Ok(())
         });

@@ -6,9 +6,11 @@
 //! (`Trainer::step_ahead`), buffers ordered by the backend's own events (`Sharing::WithinStreams`),
 //! and here the `precise` convolution algorithms; the `fastest` ones are held to a looser bound
 //! against those. Steps after the first are recorded as a CUDA graph and replayed (the trainer's
-//! default); a test holds replayed steps to the enqueued ones bit for bit.
+//! default); a test holds replayed steps to the enqueued ones bit for bit. A bf16 run
+//! (`Math::Bf16`, mixed precision) is held to the fp32 run within a bound derived from bf16's
+//! rounding.
 
-use legion_cuda::{ConvAlgos, Cuda, Settings, Sharing};
+use legion_cuda::{ConvAlgos, Cuda, Math, Settings, Sharing};
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::data::{Synthetic, SyntheticBatch};
 use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
@@ -119,10 +121,20 @@ fn gpu_trainer(
     graph: &Graph,
     start: TrainingState,
 ) -> Result<Trainer<Cuda>, String> {
+    gpu_trainer_in(Math::StrictFp32, conv_algos, graph, start)
+}
+
+/// [`gpu_trainer`] computing in `math`.
+fn gpu_trainer_in(
+    math: Math,
+    conv_algos: ConvAlgos,
+    graph: &Graph,
+    start: TrainingState,
+) -> Result<Trainer<Cuda>, String> {
     let settings = Settings {
+        math,
         conv_algos,
         sharing: Sharing::WithinStreams,
-        ..Settings::default()
     };
     let cuda = Cuda::with_settings(0, settings).map_err(|e| e.to_string())?;
     let stream = cuda.new_stream().unwrap_or_else(|e| panic!("{e}"));
@@ -371,4 +383,131 @@ fn the_fastest_convolution_algorithms_stay_within_a_bound_of_the_precise_ones() 
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Layers on the longest path from the input to the loss: how many stored roundings a value at
+/// the end of the forward pass (or a gradient at the end of the backward pass) has been through.
+fn depth(graph: &Graph) -> usize {
+    let mut depth = vec![0usize; graph.layers().len()];
+    for id in graph.ids() {
+        let layer = graph.layer(id);
+        depth[id.0] = 1 + layer.inputs.iter().map(|i| depth[i.0]).max().unwrap_or(0);
+    }
+    depth.into_iter().max().unwrap_or(0)
+}
+
+/// The bound a bf16 run is held to against the fp32 run from the same start. Every value
+/// stored in bf16 is off by at most 2^-8 of itself (round to nearest: half an ulp of 8
+/// significant bits, `BF16_RELATIVE_ROUNDING`); the products read bf16 operands but accumulate in
+/// fp32, so they add no rounding of their own beyond the stored one. A weight's gradient is made
+/// from activations stored once per layer on the way forward, gradients stored once per layer on
+/// the way back, and the weight's working copy: at most 2·depth + 1 roundings, whose relative
+/// errors add to first order. An update is a sum of such gradients (and the momentum a sum of
+/// updates), so its relative error is bounded by theirs. Losses are computed from the bf16
+/// logits: within depth roundings. A bf16 kernel that reads the wrong elements, a wrong layout
+/// or a cast that does not round to bf16 is off by far more (order 1).
+fn bf16_tolerance(graph: &Graph) -> f64 {
+    let roundings = 2 * depth(graph) + 1;
+    roundings as f64 * f64::from(legion_ops::precision::BF16_RELATIVE_ROUNDING)
+}
+
+/// Every tensor's change over the run: final − start, slot by slot.
+fn changes(end: &[Vec<f32>], start: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    end.iter()
+        .zip(start)
+        .map(|(e, s)| e.iter().zip(s).map(|(a, b)| a - b).collect())
+        .collect()
+}
+
+/// Three steps in bf16 (mixed precision) against the same three in fp32 on the GPU, both with the
+/// `precise` algorithms: losses, the change of every weight and buffer (what training did: the
+/// weights themselves barely move in three steps, so comparing them would prove nothing) and
+/// the momentum within [`bf16_tolerance`]; and the checkpointed weights are fp32 masters that
+/// kept the small updates bf16 could not hold.
+#[test]
+fn a_tiny_model_trains_in_bf16_as_in_fp32_within_bf16_rounding() {
+    let graph = tiny_model(4);
+    let data = batches(&graph, 3);
+    let start = TrainingState::start(ParamStore::init(&graph, SEED));
+    let fp32 = match gpu_trainer_in(Math::StrictFp32, ConvAlgos::Precise, &graph, start.clone()) {
+        Ok(trainer) => train(trainer, &data),
+        Err(reason) => return skip(Need::Gpu, reason),
+    };
+    let bf16 = gpu_trainer_in(Math::Bf16, ConvAlgos::Precise, &graph, start.clone())
+        .expect("a GPU was found above");
+    let bf16 = train(bf16, &data);
+    let tolerance = bf16_tolerance(&graph);
+    let mut failures = Vec::new();
+    let mut worst = 0.0f64;
+    for (step, (b, f)) in bf16.stats.iter().zip(&fp32.stats).enumerate() {
+        let error = (b.loss as f64 - f.loss as f64).abs() / (f.loss as f64).abs().max(1e-12);
+        worst = worst.max(error);
+        if error > tolerance {
+            failures.push(format!("step {step}: loss {} vs {}", b.loss, f.loss));
+        }
+    }
+    let names = &fp32.state.params.params;
+    let bf16_moves = changes(&bf16.state.params.values, &start.params.values);
+    let fp32_moves = changes(&fp32.state.params.values, &start.params.values);
+    let mut moved = 0;
+    for (what, b_all, f_all) in [
+        ("change of ", &bf16_moves, &fp32_moves),
+        ("velocity of ", &bf16.state.momentum, &fp32.state.momentum),
+    ] {
+        for (slot, (b, f)) in b_all.iter().zip(f_all).enumerate() {
+            if f.iter().all(|v| *v == 0.0) {
+                continue;
+            }
+            moved += 1;
+            let error = relative_error(b, f);
+            worst = worst.max(error);
+            println!("bf16 vs fp32, {what}{}: {error:.3e}", names[slot].name);
+            if error > tolerance {
+                failures.push(format!(
+                    "{what}{} ({slot}): relative error {error:.3e} (bound {tolerance:.3e})",
+                    names[slot].name
+                ));
+            }
+        }
+    }
+    assert!(
+        moved > 0,
+        "nothing trained: the comparison would prove nothing"
+    );
+    // The masters keep what bf16 would round away: some weight differs from every bf16 value.
+    let fp32_only = bf16
+        .state
+        .params
+        .values
+        .iter()
+        .flatten()
+        .any(|&w| legion_ops::precision::round_bf16(w) != w);
+    assert!(
+        fp32_only,
+        "the checkpointed weights look rounded to bf16, not fp32 masters"
+    );
+    println!(
+        "bf16 against fp32 over {} steps: worst relative error {worst:.3e}, bound {tolerance:.3e} \
+         (depth {}); losses bf16 {:?}, fp32 {:?}",
+        data.len(),
+        depth(&graph),
+        bf16.stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+        fp32.stats.iter().map(|s| s.loss).collect::<Vec<_>>()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn the_bf16_bound_counts_the_roundings_on_the_longest_path() {
+    // input → conv → flatten → loss: four layers, 2·4 + 1 roundings of 2^-8
+    let mut m = GraphBuilder::new("line");
+    let x = m.input("data", Shape::nchw(2, 1, 4, 4)).unwrap();
+    let c = m.conv2d("conv", x, Conv2d::new(2, 4)).unwrap();
+    let f = m.flatten("flat", c).unwrap();
+    m.softmax_cross_entropy("loss", f).unwrap();
+    let line = m.finish();
+    assert_eq!(depth(&line), 4);
+    assert_eq!(bf16_tolerance(&line), 9.0 / 256.0);
+    // the tiny model's branch is counted along its longer arm
+    assert!(depth(&tiny_model(4)) >= 15);
 }

@@ -165,6 +165,8 @@ extern "C" { extern uint3 threadIdx, blockIdx, blockDim, gridDim; }
 template <class T> T __shfl_down_sync(unsigned, T v, int) { return v; }
 template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
 inline float __int_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 "#;
 
 const LAUNCH: &str = r#"
@@ -1237,4 +1239,278 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
         report.failures.len(),
         report.failures.join("\n")
     );
+}
+
+/// The kernels compiled for the host, or `None` after saying why not (no C++ compiler).
+fn emulator(dir: &Path) -> Option<Emu> {
+    let library = match compile(dir) {
+        Ok(library) => library,
+        Err(reason) if reason.starts_with("no C++ compiler") => {
+            legion_ops::require::skip(legion_ops::require::Need::Cxx, reason);
+            return None;
+        }
+        Err(reason) => panic!("{reason}"),
+    };
+    // SAFETY: a library built just now from our own source; loading runs no initialisers of note.
+    Some(Emu {
+        lib: unsafe { Library::new(&library).unwrap() },
+    })
+}
+
+/// The floats whose bf16 rounding is easiest to get wrong: ties either way, values one bit off a
+/// tie, carries into the next binade and into infinity, the largest finite bf16 and the largest
+/// f32, zeros, f32 and bf16 subnormals, infinities and NaNs (quiet, signalling with a payload
+/// only in the dropped half, negative), then a sweep of random bit patterns over every exponent.
+fn rounding_cases() -> Vec<f32> {
+    let mut bits: Vec<u32> = vec![
+        0x3f80_8000, // 1 + 2^-8: a tie, rounds down to the even 1
+        0x3f81_8000, // 1 + 3·2^-8: a tie, rounds up to the even 1 + 2^-6
+        0xbf80_8000, // a negative tie
+        0x3f80_8001, // just above a tie: up
+        0x3f80_7fff, // just below a tie: down
+        0x3fff_ffff, // carries into the next binade
+        0x7f7f_0000, // the largest finite bf16
+        0x7f7f_7fff, // rounds to it
+        0x7f7f_8000, // a tie at the top: rounds to infinity (even)
+        0x7f7f_ffff, // f32::MAX: infinity
+        0xff7f_ffff, // -f32::MAX: -infinity
+        0x0000_0000,
+        0x8000_0000,
+        0x0000_0001, // the smallest f32 subnormal: rounds to +0
+        0x0000_8000, // a subnormal tie: to the even 0
+        0x0001_8000, // a subnormal tie: up to the even 2
+        0x007f_ffff, // the largest f32 subnormal: carries into the smallest normal
+        0x0040_0000, // a bf16 subnormal, exact
+        0x8000_8001, // a negative subnormal just above a tie
+        0x7f80_0000, // +infinity
+        0xff80_0000, // -infinity
+        0x7fc0_0000, // the quiet NaN
+        0x7f80_0001, // a signalling NaN whose payload lies only in the dropped half
+        0x7f81_0000, // a signalling NaN with an upper payload
+        0xffc0_1234, // a negative NaN
+    ];
+    let mut rng = Rng::new(42);
+    bits.extend((0..200_000).map(|_| (rng.next_u64() >> 32) as u32));
+    bits.into_iter().map(f32::from_bits).collect()
+}
+
+#[test]
+fn bf16_casts_round_to_nearest_even_as_the_reference_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(emu) = emulator(dir.path()) else {
+        return;
+    };
+    type Down = unsafe extern "C" fn(*const f32, *mut u16, i64);
+    type Up = unsafe extern "C" fn(*const u16, *mut f32, i64);
+    let down: Symbol<Down> = emu.sym("cast_f32_bf16");
+    let up: Symbol<Up> = emu.sym("cast_bf16_f32");
+
+    // f32 → bf16: bit for bit what the `half` crate and the CPU's helper make of every case.
+    let cases = rounding_cases();
+    let mut got = vec![0u16; cases.len()];
+    let n = cases.len() as i64;
+    emu.launch(1, 1, || unsafe {
+        down(cases.as_ptr(), got.as_mut_ptr(), n)
+    });
+    let mut wrong = Vec::new();
+    for (x, &bits) in cases.iter().zip(&got) {
+        let reference = half::bf16::from_f32(*x).to_bits();
+        let helper = legion_ops::precision::bf16_bits(*x);
+        if bits != reference || helper != reference {
+            wrong.push(format!(
+                "{:#010x}: kernel {bits:#06x}, helper {helper:#06x}, half {reference:#06x}",
+                x.to_bits()
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} casts differ:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong[..wrong.len().min(20)].join("\n")
+    );
+
+    // bf16 → f32 over all 65,536 patterns: exact (the upper half of the f32). `half` quiets a
+    // signalling NaN on the way; the kernel keeps the bits, and a NaN stays a NaN either way.
+    let every: Vec<u16> = (0..=u16::MAX).collect();
+    let mut wide = vec![0f32; every.len()];
+    let n = every.len() as i64;
+    emu.launch(1, 1, || unsafe { up(every.as_ptr(), wide.as_mut_ptr(), n) });
+    for (&b, w) in every.iter().zip(&wide) {
+        let reference = half::bf16::from_bits(b).to_f32();
+        if reference.is_nan() {
+            assert!(w.is_nan() && w.to_bits() >> 16 == u32::from(b), "{b:#06x}");
+        } else {
+            assert_eq!(w.to_bits(), reference.to_bits(), "{b:#06x}");
+        }
+        // and back, unchanged (a NaN comes back quiet)
+        if !w.is_nan() {
+            assert_eq!(
+                legion_ops::precision::bf16_bits(*w),
+                b,
+                "{b:#06x} round trip"
+            );
+        }
+    }
+    println!(
+        "bf16 casts: {} f32 → bf16 cases and all 65,536 bf16 → f32 patterns match the reference",
+        cases.len()
+    );
+}
+
+#[test]
+fn bf16_twins_compute_in_f32_between_a_bf16_load_and_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(emu) = emulator(dir.path()) else {
+        return;
+    };
+    let bits = |v: &[f32]| -> Vec<u16> {
+        v.iter()
+            .map(|&x| legion_ops::precision::bf16_bits(x))
+            .collect()
+    };
+    let widen = |v: &[u16]| -> Vec<f32> {
+        v.iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect()
+    };
+    let shape = Shape::nchw(2, 3, 5, 7);
+    let view = shape.full_rect();
+    let tile = Rect::new(&[0, 1, 1, 2], &[2, 3, 4, 6]);
+    let n = tile.volume() as i64;
+    let x16 = bits(&random(view.volume(), 5));
+    let x = widen(&x16);
+
+    // unary twins: the CPU's f32 result on the bf16 inputs, rounded once
+    type U = unsafe extern "C" fn(*const u16, Box4, *mut u16, Box4, i64, i32);
+    for name in ["relu_forward", "sigmoid_forward", "tanh_forward"] {
+        let f: Symbol<U> = emu.sym(&format!("{name}_bf16"));
+        let mut want = Buffer::F32(vec![0.0; tile.volume()]);
+        let (i, o) = (
+            In {
+                rect: view,
+                mem: &Buffer::F32(x.clone()),
+            },
+            Out {
+                rect: tile,
+                mem: &mut want,
+            },
+        );
+        match name {
+            "relu_forward" => Cpu.relu_forward(&mut CpuStream, i, o),
+            "sigmoid_forward" => Cpu.sigmoid_forward(&mut CpuStream, i, o),
+            _ => Cpu.tanh_forward(&mut CpuStream, i, o),
+        }
+        let mut got = vec![0u16; tile.volume()];
+        emu.launch(1, 1, || unsafe {
+            f(
+                x16.as_ptr(),
+                box4(&view),
+                got.as_mut_ptr(),
+                box4(&tile),
+                n,
+                0,
+            )
+        });
+        let want: Vec<f32> = want
+            .f32()
+            .iter()
+            .map(|&v| legion_ops::precision::round_bf16(v))
+            .collect();
+        // exp and tanh of the host's C library may differ from Rust's in the last f32 bit,
+        // which can move a bf16 rounding by one ulp: 2^-7 relative.
+        let tol = if name == "relu_forward" {
+            0.0
+        } else {
+            1.0 / 128.0
+        };
+        let got = widen(&got);
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= tol * w.abs(),
+                "{name}_bf16: {g} against {w}"
+            );
+        }
+    }
+
+    // a bf16 fold adds in f32 and rounds once; a region copy moves the bits
+    type A = unsafe extern "C" fn(*const u16, Box4, *mut u16, Box4, Box4, i64);
+    let add: Symbol<A> = emu.sym("add_region_bf16");
+    let copy: Symbol<A> = emu.sym("copy_region_bf16");
+    let term16 = bits(&random(view.volume(), 6));
+    let mut acc = x16.clone();
+    emu.launch(1, 1, || unsafe {
+        add(
+            term16.as_ptr(),
+            box4(&view),
+            acc.as_mut_ptr(),
+            box4(&view),
+            box4(&tile),
+            n,
+        )
+    });
+    let mut want = x16.clone();
+    for_each_point(&tile, &view, |at| {
+        want[at] = legion_ops::precision::bf16_bits(widen(&[x16[at]])[0] + widen(&[term16[at]])[0])
+    });
+    assert_eq!(acc, want, "add_region_bf16");
+    let mut copied = vec![0u16; view.volume()];
+    emu.launch(1, 1, || unsafe {
+        copy(
+            x16.as_ptr(),
+            box4(&view),
+            copied.as_mut_ptr(),
+            box4(&view),
+            box4(&tile),
+            n,
+        )
+    });
+    let mut want = vec![0u16; view.volume()];
+    for_each_point(&tile, &view, |at| want[at] = x16[at]);
+    assert_eq!(copied, want, "copy_region_bf16");
+
+    // the loss of bf16 logits is the f32 loss of their values
+    type L = unsafe extern "C" fn(*const u16, i64, i64, *const u32, i64, i64, *mut f32, *mut u32);
+    let rows: Symbol<L> = emu.sym("softmax_ce_rows_bf16");
+    let (samples, classes) = (4usize, 10usize);
+    let logits16 = bits(&random(samples * classes, 7));
+    let labels: Vec<u32> = vec![3, 0, 9, 5];
+    let mut loss = vec![0f32; samples];
+    let mut correct = vec![0u32; samples];
+    // one block of a warp (here one lane) per row; the rows past the last return
+    emu.launch(1, 8, || unsafe {
+        rows(
+            logits16.as_ptr(),
+            0,
+            classes as i64,
+            labels.as_ptr(),
+            0,
+            samples as i64,
+            loss.as_mut_ptr(),
+            correct.as_mut_ptr(),
+        )
+    });
+    let logits = Buffer::F32(widen(&logits16));
+    let mut want = Buffer::F32(vec![0.0; samples]);
+    let nc = Shape::nc(samples, classes).full_rect();
+    Cpu.softmax_ce_forward(
+        &mut CpuStream,
+        In {
+            rect: nc,
+            mem: &logits,
+        },
+        &labels,
+        Out {
+            rect: Shape::nc(samples, 1).full_rect(),
+            mem: &mut want,
+        },
+    )
+    .unwrap();
+    for (g, w) in loss.iter().zip(want.f32()) {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+            "softmax_ce_rows_bf16: {g} against {w}"
+        );
+    }
 }

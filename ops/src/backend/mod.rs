@@ -20,6 +20,7 @@ use crate::data::SyntheticBatch;
 use crate::graph::{Graph, LayerId};
 use crate::kernels::dropout::DropoutMask;
 use crate::op::{BatchNorm, Conv2d, Dense, Pool2d};
+use crate::precision::Precision;
 use crate::shape::{Rect, Shape};
 use crate::train::Sgd;
 use std::fmt;
@@ -84,11 +85,14 @@ pub enum Phase {
 }
 
 /// The element type of a buffer. Batch-norm sums stay in f64 so that every partition computes the
-/// same statistics as one device, to the last bits that matter.
+/// same statistics as one device, to the last bits that matter. Bf16 (the upper half of an f32,
+/// rounded to nearest even) holds activations and their gradients, and the working copies of
+/// conv2d and dense weights, in a bf16 run (`crate::precision`); only a GPU stores it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     F64,
+    Bf16,
 }
 
 impl DType {
@@ -96,6 +100,26 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F64 => 8,
+            DType::Bf16 => 2,
+        }
+    }
+
+    /// The element type of activations and their gradients computed in `precision`: bf16 in a
+    /// bf16 run, f32 otherwise (the size [`Precision::activation_bytes`] prices).
+    pub fn activation(precision: Precision) -> DType {
+        match precision {
+            Precision::Fp32 | Precision::Tf32 => DType::F32,
+            Precision::Bf16 => DType::Bf16,
+        }
+    }
+
+    /// The element type of `op`'s output (and of its gradient) computed in `precision`: the
+    /// activations' ([`DType::activation`]), but f32 for the per-sample losses of softmax
+    /// cross-entropy, which the loss is summed from (the loss is fp32 in every precision).
+    pub fn output(op: &crate::op::Op, precision: Precision) -> DType {
+        match op {
+            crate::op::Op::SoftmaxCrossEntropy(_) => DType::F32,
+            _ => DType::activation(precision),
         }
     }
 }
@@ -217,6 +241,13 @@ pub trait Backend {
     /// graph): see [`crate::capture`].
     type Graph;
 
+    /// The arithmetic this backend computes in (`crate::precision`): which element types a
+    /// driver gives activations ([`DType::activation`]) and whether conv2d and dense weights get
+    /// working copies ([`Precision::working_copy`]). fp32 unless the backend says otherwise.
+    fn precision(&self) -> Precision {
+        Precision::Fp32
+    }
+
     /// `len` zeros of `dtype` in device memory (enqueued on `s`).
     fn alloc_zeros(
         &self,
@@ -243,6 +274,12 @@ pub trait Backend {
         s: &mut Self::Stream,
         buffer: &Self::Buffer,
     ) -> Result<cpu::Buffer, KernelError>;
+    /// `to = from` elementwise, converted to `to`'s element type (f32 to bf16 rounds to nearest
+    /// even), both laid out over the same rect: a weight's working copy from its master, a
+    /// batch's images as a bf16 run's first activation. A backend without `to`'s element type
+    /// fails the stream.
+    fn cast(&self, s: &mut Self::Stream, from: In<Self::Buffer>, to: Out<Self::Buffer>);
+
     /// `acc += term` elementwise, both laid out over the same rect (gradients summed over a
     /// layer's consumers).
     fn accumulate(&self, s: &mut Self::Stream, acc: Out<Self::Buffer>, term: In<Self::Buffer>);
@@ -801,7 +838,24 @@ impl fmt::Display for Phase {
 
 #[cfg(test)]
 mod tests {
-    use super::fill_host_batch;
+    use super::{DType, fill_host_batch};
+    use crate::op::{Conv2d, Op, SoftmaxCrossEntropy};
+    use crate::precision::Precision;
+
+    #[test]
+    fn activations_are_bf16_in_bf16_except_the_per_sample_losses() {
+        let conv = Op::Conv2d(Conv2d::new(4, 3));
+        let loss = Op::SoftmaxCrossEntropy(SoftmaxCrossEntropy::default());
+        assert_eq!(DType::output(&conv, Precision::Bf16), DType::Bf16);
+        assert_eq!(DType::output(&loss, Precision::Bf16), DType::F32);
+        for p in [Precision::Fp32, Precision::Tf32] {
+            assert_eq!(DType::output(&conv, p), DType::F32);
+            assert_eq!(DType::output(&loss, p), DType::F32);
+        }
+        for p in Precision::ALL {
+            assert_eq!(DType::activation(p).size() as u64, p.activation_bytes());
+        }
+    }
 
     #[test]
     fn a_filled_batch_is_a_copy_of_any_length() {

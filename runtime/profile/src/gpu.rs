@@ -360,6 +360,8 @@ fn pattern(dtype: DType, len: usize) -> cpu::Buffer {
     match dtype {
         DType::F32 => cpu::Buffer::F32((0..len).map(|i| 0.1 * (i as f32 * 0.37).sin()).collect()),
         DType::F64 => cpu::Buffer::F64(vec![1.0; len]),
+        // `Patterns::filled` refuses bf16 before asking for a pattern.
+        DType::Bf16 => unreachable!("no host pattern is bf16"),
     }
 }
 
@@ -385,6 +387,12 @@ impl Patterns {
         let source = match dtype {
             DType::F32 => &mut self.f32,
             DType::F64 => &mut self.f64,
+            // The runtime's regions are f32 and f64 (`RegionKind::dtype`).
+            DType::Bf16 => {
+                return Err(KernelError::Device(
+                    "the profiler times f32 and f64 regions, not bf16".into(),
+                ));
+            }
         };
         if len == 0 {
             return cuda.upload(stream, &pattern(dtype, 0));

@@ -17,6 +17,8 @@ impl Buffer {
         match dtype {
             DType::F32 => Buffer::F32(vec![0.0; len]),
             DType::F64 => Buffer::F64(vec![0.0; len]),
+            // `Cpu::alloc` refuses it before; the runtime's regions are never bf16 on a host.
+            DType::Bf16 => panic!("the CPU backend stores no bf16 (it computes in fp32)"),
         }
     }
 

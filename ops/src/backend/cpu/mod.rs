@@ -85,6 +85,12 @@ impl Backend for Cpu {
         dtype: DType,
         len: usize,
     ) -> Result<Buffer, KernelError> {
+        if dtype == DType::Bf16 {
+            return Err(KernelError::Device(
+                "the CPU backend stores no bf16: it computes in fp32 (--precision bf16 needs a GPU)"
+                    .into(),
+            ));
+        }
         Ok(Buffer::zeros(dtype, len))
     }
 
@@ -99,6 +105,21 @@ impl Backend for Cpu {
 
     fn download(&self, _: &mut CpuStream, buffer: &Buffer) -> Result<Buffer, KernelError> {
         Ok(buffer.clone())
+    }
+
+    /// Between the CPU's two element types (it stores no bf16: `alloc` refuses it).
+    fn cast(&self, _: &mut CpuStream, from: In<Buffer>, to: Out<Buffer>) {
+        debug_assert_eq!(from.rect, to.rect, "cast converts buffers over one rect");
+        match (from.mem, to.mem) {
+            (Buffer::F32(a), Buffer::F32(b)) => b.copy_from_slice(a),
+            (Buffer::F64(a), Buffer::F64(b)) => b.copy_from_slice(a),
+            (Buffer::F32(a), Buffer::F64(b)) => {
+                b.iter_mut().zip(a).for_each(|(b, a)| *b = f64::from(*a))
+            }
+            (Buffer::F64(a), Buffer::F32(b)) => {
+                b.iter_mut().zip(a).for_each(|(b, a)| *b = *a as f32)
+            }
+        }
     }
 
     fn accumulate(&self, _: &mut CpuStream, acc: Out<Buffer>, term: In<Buffer>) {
