@@ -7,6 +7,7 @@
 //! cargo bench -p legion-planner --bench plan_breakdown                    # every model and machine
 //! cargo bench -p legion-planner --bench plan_breakdown -- vgg16 64x16     # filters: models, machines
 //! cargo bench -p legion-planner --bench plan_breakdown -- paper-space     # OptCNN's space instead
+//! cargo bench -p legion-planner --bench plan_breakdown -- alexnet dgx-h100:256  # any sized preset
 //! ```
 //!
 //! Each phase's column is the process's CPU seconds over it (user and system, from
@@ -70,14 +71,11 @@ const MODELS: [&str; 3] = ["alexnet", "vgg16", "inception_v3"];
 const MACHINES: [&str; 4] = ["paper", "4x4", "16x16", "64x16"];
 
 fn machine(name: &str) -> MachineModel {
-    match name.split_once('x') {
-        Some((nodes, per_node)) => MachineModel::from_flags(
-            nodes.parse().unwrap(),
-            per_node.parse().unwrap(),
-            None,
-            None,
-        )
-        .unwrap(),
+    let flags = name
+        .split_once('x')
+        .and_then(|(n, m)| Some((n.parse().ok()?, m.parse().ok()?)));
+    match flags {
+        Some((nodes, per_node)) => MachineModel::from_flags(nodes, per_node, None, None).unwrap(),
         None => MachineModel::preset(name).unwrap(),
     }
 }
@@ -92,7 +90,9 @@ fn main() {
         relevant.is_empty() || relevant.iter().any(|f| *f == name)
     };
     let models: Vec<String> = MODELS.iter().map(|m| m.to_string()).collect();
-    let machines: Vec<String> = MACHINES.iter().map(|m| m.to_string()).collect();
+    // a preset with a size (`dgx-h100:256`) in the filters is run as well
+    let mut machines: Vec<String> = MACHINES.iter().map(|m| m.to_string()).collect();
+    machines.extend(filters.iter().filter(|f| f.contains(':')).cloned());
     let space = if filters.iter().any(|f| f == "paper-space") {
         SearchSpace::Paper
     } else {
@@ -110,7 +110,7 @@ fn main() {
         "wall s",
         "peak MiB pre/post"
     );
-    for m in MACHINES {
+    for m in machines.iter().map(String::as_str) {
         if !wanted(m, &machines) {
             continue;
         }
