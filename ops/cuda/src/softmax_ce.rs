@@ -6,13 +6,135 @@
 use crate::backend::{Cuda, Failure};
 use crate::launch::{per_channel, softmax_rows};
 use crate::memory::{Buffer, Stream};
-use cudarc::driver::{CudaSlice, PushKernelArg};
-use legion_ops::backend::{In, KernelError, LabelOutOfRange, Out};
+use crate::staging::{Direction, pinned};
+use cudarc::driver::{CudaSlice, PinnedHostSlice, PushKernelArg};
+use legion_ops::backend::{In, KernelError, LabelOutOfRange, LossSums, Out};
 use legion_ops::shape::Rect;
+use std::sync::{Arc, Mutex};
 
-/// A loss kernel's report: `[loss sum, correct count]` in device memory until read.
+/// A loss kernel's report: `[loss sum, correct count]` in device memory until read, or, once
+/// sent home (`Backend::send_loss_home`), copied into page-locked memory of its stream's.
 pub struct PendingLoss {
     pub(crate) totals: Option<CudaSlice<f64>>,
+    pub(crate) home: Option<LossHome>,
+}
+
+impl PendingLoss {
+    pub(crate) fn on_device(totals: Option<CudaSlice<f64>>) -> PendingLoss {
+        PendingLoss { totals, home: None }
+    }
+}
+
+/// Page-locked memory a loss report is copied into, lent by its stream's [`LossHomes`] and
+/// handed back when the report is dropped, read or not.
+pub(crate) struct LossHome {
+    memory: Option<PinnedHostSlice<f64>>,
+    homes: LossHomes,
+}
+
+impl LossHome {
+    /// The sums, once the copy into them has run (waits for that copy's event alone).
+    fn read(&self) -> Result<LossSums, cudarc::driver::DriverError> {
+        let memory = self.memory.as_ref().expect("lent until dropped");
+        let [loss_sum, correct] = memory.as_slice()?[..] else {
+            unreachable!("a loss home holds two values")
+        };
+        Ok(LossSums {
+            loss_sum,
+            correct: correct as usize,
+        })
+    }
+}
+
+impl Drop for LossHome {
+    fn drop(&mut self) {
+        if let (Some(memory), Ok(mut kept)) = (self.memory.take(), self.homes.0.lock()) {
+            // A later copy into it waits for this one's event on its stream (cudarc's own
+            // ordering of a pinned slice), so it may go back with its copy still running.
+            if kept.len() < LossHomes::KEPT {
+                kept.push(memory);
+            }
+        }
+    }
+}
+
+/// A stream's page-locked `[loss sum, correct count]` pairs: lent to the reports sent home and
+/// handed back, so that a steady run allocates none (a step or two are read late at most).
+#[derive(Clone, Default)]
+pub(crate) struct LossHomes(Arc<Mutex<Vec<PinnedHostSlice<f64>>>>);
+
+impl LossHomes {
+    /// Pairs kept for reuse; more in use at once are allocated and let go.
+    const KEPT: usize = 4;
+
+    fn lend(&self, cuda: &Cuda) -> Result<LossHome, Failure> {
+        let kept = self.0.lock().ok().and_then(|mut kept| kept.pop());
+        let memory = match kept {
+            Some(memory) => memory,
+            // Written whole by the copy before anything reads it.
+            None => pinned::<f64>(cuda, 2, Direction::ToHost)?,
+        };
+        Ok(LossHome {
+            memory: Some(memory),
+            homes: self.clone(),
+        })
+    }
+}
+
+impl std::fmt::Debug for LossHomes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LossHomes").finish_non_exhaustive()
+    }
+}
+
+impl Cuda {
+    /// `Backend::send_loss_home`: the report's sums copied into page-locked memory on `s`, behind
+    /// the work that computes them; the device totals are freed in stream order after the copy.
+    pub(crate) fn send_loss_home_on(
+        &self,
+        s: &mut Stream,
+        mut loss: PendingLoss,
+    ) -> Result<PendingLoss, KernelError> {
+        // An empty report (a recording's), or one already sent, has nothing to move.
+        let Some(totals) = loss.totals.take() else {
+            return Ok(loss);
+        };
+        let mut sent = None;
+        self.enqueue(s, "sending a loss report home", |s| {
+            let mut home = s.loss_homes.lend(self)?;
+            let memory = home.memory.as_mut().expect("just lent");
+            s.stream.memcpy_dtoh(&totals, memory)?;
+            sent = Some(home);
+            Ok(())
+        });
+        match (&s.failure, sent) {
+            (Some(failure), _) => Err(KernelError::Device(failure.clone())),
+            (None, home) => {
+                loss.home = home;
+                Ok(loss)
+            }
+        }
+    }
+
+    /// `Backend::read_loss`.
+    pub(crate) fn read_loss_of(&self, loss: PendingLoss) -> LossSums {
+        if let Some(home) = &loss.home {
+            return home
+                .read()
+                .unwrap_or_else(|e| panic!("reading a loss sent home failed: {e}"));
+        }
+        let Some(totals) = loss.totals else {
+            return LossSums::default();
+        };
+        let host = totals
+            .stream()
+            .clone_dtoh(&totals)
+            .unwrap_or_else(|e| panic!("reading a loss after synchronize failed: {e}"));
+        LossSums {
+            loss_sum: host[0],
+            correct: host[1] as usize,
+        }
+    }
 }
 
 impl Cuda {
@@ -94,7 +216,7 @@ pub(crate) fn forward(
     Cuda::check_loss_tile(&logits.rect, labels, &y.rect, 1);
     let classes = logits.rect.hi[1];
     let first_row = y.rect.lo[0];
-    let mut pending = PendingLoss { totals: None };
+    let mut pending = PendingLoss::on_device(None);
     let mut label_error = None;
     cuda.enqueue(s, "softmax_ce_forward", |s| {
         let rows = y.rect.extent(0) as i64;
