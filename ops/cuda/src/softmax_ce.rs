@@ -7,7 +7,8 @@ use crate::backend::{Cuda, Failure};
 use crate::launch::{per_channel, softmax_rows};
 use crate::memory::{Buffer, Stream};
 use crate::staging::{Direction, pinned};
-use cudarc::driver::{CudaSlice, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice, PushKernelArg};
 use legion_ops::backend::{In, KernelError, LabelOutOfRange, LossSums, Out};
 use legion_ops::shape::Rect;
 use std::sync::{Arc, Mutex};
@@ -25,18 +26,35 @@ impl PendingLoss {
     }
 }
 
-/// Page-locked memory a loss report is copied into, lent by its stream's [`LossHomes`] and
-/// handed back when the report is dropped, read or not.
+/// Page-locked memory for one report's two sums, and an event of its own recorded behind each
+/// copy into it (cudarc records a pinned slice's event only while it tracks buffer uses, which
+/// the one-device trainer turns off): reading waits for that event, and dropping it too, before
+/// the memory is freed under a copy still running.
+struct HomeSlot {
+    copied: CudaEvent,
+    memory: PinnedHostSlice<f64>,
+}
+
+impl Drop for HomeSlot {
+    fn drop(&mut self) {
+        let waited = self.copied.synchronize();
+        self.copied.context().record_err(waited);
+    }
+}
+
+/// A report's home, lent by its stream's [`LossHomes`] and handed back when the report is
+/// dropped, read or not.
 pub(crate) struct LossHome {
-    memory: Option<PinnedHostSlice<f64>>,
+    slot: Option<HomeSlot>,
     homes: LossHomes,
 }
 
 impl LossHome {
-    /// The sums, once the copy into them has run (waits for that copy's event alone).
+    /// The sums, once the copy into them has run (waits for that copy alone).
     fn read(&self) -> Result<LossSums, cudarc::driver::DriverError> {
-        let memory = self.memory.as_ref().expect("lent until dropped");
-        let [loss_sum, correct] = memory.as_slice()?[..] else {
+        let slot = self.slot.as_ref().expect("lent until dropped");
+        slot.copied.synchronize()?;
+        let [loss_sum, correct] = slot.memory.as_slice()?[..] else {
             unreachable!("a loss home holds two values")
         };
         Ok(LossSums {
@@ -48,34 +66,38 @@ impl LossHome {
 
 impl Drop for LossHome {
     fn drop(&mut self) {
-        if let (Some(memory), Ok(mut kept)) = (self.memory.take(), self.homes.0.lock()) {
-            // A later copy into it waits for this one's event on its stream (cudarc's own
-            // ordering of a pinned slice), so it may go back with its copy still running.
+        if let (Some(slot), Ok(mut kept)) = (self.slot.take(), self.homes.0.lock()) {
+            // A later copy into it is enqueued on the same stream, so runs after this one.
             if kept.len() < LossHomes::KEPT {
-                kept.push(memory);
+                kept.push(slot);
             }
         }
     }
 }
 
-/// A stream's page-locked `[loss sum, correct count]` pairs: lent to the reports sent home and
-/// handed back, so that a steady run allocates none (a step or two are read late at most).
+/// A stream's page-locked homes for loss reports: lent to the reports sent home and handed
+/// back, so that a steady run allocates none (a step or two are read late at most).
 #[derive(Clone, Default)]
-pub(crate) struct LossHomes(Arc<Mutex<Vec<PinnedHostSlice<f64>>>>);
+pub(crate) struct LossHomes(Arc<Mutex<Vec<HomeSlot>>>);
 
 impl LossHomes {
-    /// Pairs kept for reuse; more in use at once are allocated and let go.
+    /// Homes kept for reuse; more in use at once are allocated and let go.
     const KEPT: usize = 4;
 
     fn lend(&self, cuda: &Cuda) -> Result<LossHome, Failure> {
         let kept = self.0.lock().ok().and_then(|mut kept| kept.pop());
-        let memory = match kept {
-            Some(memory) => memory,
-            // Written whole by the copy before anything reads it.
-            None => pinned::<f64>(cuda, 2, Direction::ToHost)?,
+        let slot = match kept {
+            Some(slot) => slot,
+            None => HomeSlot {
+                copied: cuda
+                    .context()
+                    .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
+                // Written whole by the copy before anything reads it.
+                memory: pinned::<f64>(cuda, 2, Direction::ToHost)?,
+            },
         };
         Ok(LossHome {
-            memory: Some(memory),
+            slot: Some(slot),
             homes: self.clone(),
         })
     }
@@ -102,8 +124,9 @@ impl Cuda {
         let mut sent = None;
         self.enqueue(s, "sending a loss report home", |s| {
             let mut home = s.loss_homes.lend(self)?;
-            let memory = home.memory.as_mut().expect("just lent");
-            s.stream.memcpy_dtoh(&totals, memory)?;
+            let slot = home.slot.as_mut().expect("just lent");
+            s.stream.memcpy_dtoh(&totals, &mut slot.memory)?;
+            slot.copied.record(&s.stream)?;
             sent = Some(home);
             Ok(())
         });
