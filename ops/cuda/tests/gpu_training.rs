@@ -315,6 +315,10 @@ fn synthetic_batches_drawn_on_the_gpu_train_as_those_drawn_on_the_host() {
     assert_eq!(on_device.state, on_host.state, "weights, momentum and step");
 }
 
+/// Each step read back (its number, loss and correct count), and the states read mid-run and
+/// at the end.
+type ReadRun = (Vec<(u64, f32, usize)>, Vec<TrainingState>);
+
 /// A step's loss read one step late (the trainer's default: the step returns once enqueued, and
 /// its loss is read after the next step is enqueued, waiting on a marker behind it alone) is the
 /// loss read at the step's end, and the run trains the same weights, bit for bit: over replayed
@@ -331,32 +335,31 @@ fn losses_read_one_step_late_are_those_read_at_each_steps_end() {
         })
         .collect();
     let start = TrainingState::start(ParamStore::init(&graph, SEED));
-    let run =
-        |readback: LossReadback| -> Result<(Vec<(u64, f32, usize)>, Vec<TrainingState>), String> {
-            let mut trainer = gpu_trainer(ConvAlgos::Precise, &graph, start.clone())?;
-            trainer.set_loss_readback(readback);
-            let (mut read, mut states) = (Vec::new(), Vec::new());
-            for step in 0..described.len() {
-                if step == 4 {
-                    trainer.trace_next_step();
-                }
-                let next = described.get(step + 1).map(BatchInput::Synthetic);
-                let this = BatchInput::Synthetic(&described[step]);
-                let back = trainer.step_batch(this, next);
-                let back = back.unwrap_or_else(|e| panic!("step {step}: {e}"));
-                read.extend(back.map(|r| (r.step, r.stats.loss, r.stats.correct)));
-                if step == 2 {
-                    // A checkpoint between steps: every step enqueued is in the state.
-                    states.push(trainer.state().unwrap_or_else(|e| panic!("{e}")));
-                }
+    let run = |readback: LossReadback| -> Result<ReadRun, String> {
+        let mut trainer = gpu_trainer(ConvAlgos::Precise, &graph, start.clone())?;
+        trainer.set_loss_readback(readback);
+        let (mut read, mut states) = (Vec::new(), Vec::new());
+        for step in 0..described.len() {
+            if step == 4 {
+                trainer.trace_next_step();
             }
-            let last = trainer.finish().unwrap_or_else(|e| panic!("{e}"));
-            read.extend(last.map(|r| (r.step, r.stats.loss, r.stats.correct)));
-            assert!(trainer.take_trace().is_some(), "the traced step's timeline");
-            assert_eq!(trainer.capture_status(), CaptureStatus::Replaying);
-            states.push(trainer.state().unwrap_or_else(|e| panic!("{e}")));
-            Ok((read, states))
-        };
+            let next = described.get(step + 1).map(BatchInput::Synthetic);
+            let this = BatchInput::Synthetic(&described[step]);
+            let back = trainer.step_batch(this, next);
+            let back = back.unwrap_or_else(|e| panic!("step {step}: {e}"));
+            read.extend(back.map(|r| (r.step, r.stats.loss, r.stats.correct)));
+            if step == 2 {
+                // A checkpoint between steps: every step enqueued is in the state.
+                states.push(trainer.state().unwrap_or_else(|e| panic!("{e}")));
+            }
+        }
+        let last = trainer.finish().unwrap_or_else(|e| panic!("{e}"));
+        read.extend(last.map(|r| (r.step, r.stats.loss, r.stats.correct)));
+        assert!(trainer.take_trace().is_some(), "the traced step's timeline");
+        assert_eq!(trainer.capture_status(), CaptureStatus::Replaying);
+        states.push(trainer.state().unwrap_or_else(|e| panic!("{e}")));
+        Ok((read, states))
+    };
     let at_end = match run(LossReadback::EveryStep) {
         Ok(run) => run,
         Err(reason) => return skip(Need::Gpu, reason),
