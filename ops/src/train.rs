@@ -885,6 +885,7 @@ impl<B: Backend> Trainer<B> {
             None => None,
         };
         let end = b.mark(stream)?;
+        // Counted once enqueued: the next step's plan is made before this one is read back.
         if ran_enqueued {
             self.capture.ran_enqueued(traced);
         }
