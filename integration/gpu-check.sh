@@ -18,9 +18,10 @@
 # 224 b64, Inception-v3 299 b64 and ResNet-50 224 b64, side by side with PyTorch in the same run,
 # its bf16 being autocast with channels_last; AlexNet again with
 # each default turned off: `precise` and `heuristic` algorithms, no prefetch, no step capture
-# (CUDA graph replay), synthetic batches drawn on the host instead of by the GPU, each row saying
-# whether capture replayed or why it gave up and where the batches were drawn; with the host's
-# split of each step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's,
+# (CUDA graph replay), synthetic batches drawn on the host instead of by the GPU, each step's loss
+# read at its end instead of one step late, each row saying whether capture replayed or why it
+# gave up, where the batches were drawn and when the loss was read; with the host's split of each
+# step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's,
 # ResNet-50's and Inception-v3's one-device step call by call, and PyTorch's kernels in one
 # step), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
 # the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),
@@ -133,11 +134,11 @@ run)
     if want throughput; then
         # mode: strict FP32, TF32 or bf16 (mixed precision) with the defaults (the `fastest`
         # convolution algorithms, the next batch staged while a step computes, steps after the
-        # first replayed as a CUDA graph), then AlexNet with each default turned off in turn:
-        # `--conv-algos precise` and `heuristic`, `--no-prefetch`, `--no-capture`,
-        # `--synthetic-on-host`.
+        # first replayed as a CUDA graph, each step's loss read one step late), then AlexNet with
+        # each default turned off in turn: `--conv-algos precise` and `heuristic`,
+        # `--no-prefetch`, `--no-capture`, `--synthetic-on-host`, `--sync-every-step`.
         for mode in fp32 tf32 bf16 fp32-precise fp32-heuristic fp32-no-prefetch fp32-no-capture \
-            fp32-synthetic-on-host; do
+            fp32-synthetic-on-host fp32-sync-every-step; do
             flags=()
             case "$mode" in
             tf32) flags=(--tf32) ;;
@@ -147,6 +148,7 @@ run)
             fp32-no-prefetch) flags=(--no-prefetch) ;;
             fp32-no-capture) flags=(--no-capture) ;;
             fp32-synthetic-on-host) flags=(--synthetic-on-host) ;;
+            fp32-sync-every-step) flags=(--sync-every-step) ;;
             esac
             echo "=== throughput, legion-rs --device cuda (one GPU, $mode)"
             runs="alexnet:224:128 vgg16:224:64 inception_v3:299:64 resnet50:224:64"
@@ -174,7 +176,8 @@ print(json.dumps({"peer": "legion-rs", "model": sys.argv[2], "image": int(sys.ar
                   "first_step_ms": steps[0]["step_ms"], "median_step_ms": ms,
                   "images_per_sec": int(sys.argv[4]) / ms * 1e3, **host,
                   "capture": summary.get("capture"),
-                  "synthetic_on_device": summary.get("synthetic_on_device")}))
+                  "synthetic_on_device": summary.get("synthetic_on_device"),
+                  "loss_read_late": summary.get("loss_read_late")}))
 PY
                 else
                     echo "legion-rs $model $mode failed:"
@@ -207,8 +210,8 @@ ours, peer = rows(sys.argv[1]), rows(sys.argv[2])
 torch = {(r["model"], r.get("precision", "tf32" if r["tf32"] else "fp32")): r["median_step_ms"]
          for r in peer}
 print("| model | mode | legion-rs ms | PyTorch ms | ratio | legion-rs first step ms "
-      "| host: enqueue / stage / wait ms | step capture | batches drawn on |")
-print("|---|---|---:|---:|---:|---:|---:|---|---|")
+      "| host: enqueue / stage / wait ms | step capture | batches drawn on | loss read |")
+print("|---|---|---:|---:|---:|---:|---:|---|---|---|")
 for r in sorted(ours, key=lambda r: (r["model"], r["mode"])):
     b = torch.get((r["model"], r.get("precision", "tf32" if r["tf32"] else "fp32")))
     ratio = f"{r['median_step_ms'] / b:.2f}" if b else "-"
@@ -216,7 +219,8 @@ for r in sorted(ours, key=lambda r: (r["model"], r["mode"])):
     host = " / ".join(f"{r.get(k, 0):.1f}" for k in ("enqueue_ms", "stage_ms", "wait_ms"))
     print(f"| {r['model']} | {r['mode']} | {r['median_step_ms']:.1f} | {peer_ms} | {ratio} | "
           f"{r['first_step_ms']:.0f} | {host} | {r.get('capture') or '-'} | "
-          f"{ {True: 'GPU', False: 'host'}.get(r.get('synthetic_on_device'), '-') } |")
+          f"{ {True: 'GPU', False: 'host'}.get(r.get('synthetic_on_device'), '-') } | "
+          f"{ {True: 'a step late', False: 'every step'}.get(r.get('loss_read_late'), '-') } |")
 PY
     fi
     if want trace; then

@@ -10,7 +10,7 @@ use legion_ops::backend::Backend;
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::data::SyntheticBatch;
 use legion_ops::partition::ParallelConfig;
-use legion_ops::train::{BatchInput, Sgd, StepStats, Trainer, TrainingState};
+use legion_ops::train::{BatchInput, LossReadback, Sgd, StepStats, Trainer, TrainingState};
 use legion_runtime::StepReport;
 use legion_runtime::plan::StepPlan;
 use legion_runtime::{EmbeddedCluster, Placement};
@@ -18,8 +18,9 @@ use std::path::Path;
 
 /// Where the steps run.
 pub enum Place<'a> {
-    /// The single-device reference trainer on the CPU (the configs are ignored).
-    OneDevice,
+    /// The single-device reference trainer on the CPU (the configs are ignored), reading each
+    /// step's loss back as it says.
+    OneDevice(LossReadback),
     /// The single-device trainer on a GPU the caller started (the configs are ignored).
     OneGpu(Box<OneGpu>),
     /// `devices` device actors in this process, placed on its cores or GPUs.
@@ -45,6 +46,8 @@ pub struct OneGpu {
     pub prefetch: bool,
     /// Whether steps after the first are recorded as a CUDA graph and replayed.
     pub capture: CaptureSetting,
+    /// Whether a step's loss is read after the next step is enqueued, or at its own end.
+    pub readback: LossReadback,
 }
 
 /// What every engine starts from.
@@ -102,8 +105,25 @@ fn host_images(batch: &StepBatch<'_>) -> anyhow::Result<()> {
 
 /// A running engine.
 pub trait Engine {
-    /// Runs one step: its loss and accuracy, and per device its timeline when traced.
-    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)>;
+    /// Runs one step, and returns the loss and accuracy read back meanwhile, and per device its
+    /// timeline when traced. Steps report in order, each once: this step's stats, unless the
+    /// engine reads a step's loss one step late (the one-device trainer, by default), which
+    /// returns the previous step's, or `None` where no step was left to read (its first step).
+    fn step(
+        &mut self,
+        batch: StepBatch<'_>,
+    ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)>;
+
+    /// Waits for the step still in flight, if any, and returns its stats: after the last step,
+    /// and before anything that needs every step's loss read.
+    fn finish(&mut self) -> anyhow::Result<Option<StepStats>> {
+        Ok(None)
+    }
+
+    /// Whether steps return before their loss is read ([`Engine::step`]).
+    fn reads_loss_late(&self) -> bool {
+        false
+    }
 
     /// Weights, momentum and step as they are now (what a checkpoint saves).
     fn state(&mut self) -> anyhow::Result<TrainingState>;
@@ -127,18 +147,18 @@ pub trait Engine {
 /// Starts the engine of `place` on `job`.
 pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engine>> {
     Ok(match place {
-        Place::OneDevice => Box::new(Trainer::resume(
-            job.graph.clone(),
-            job.state,
-            job.sgd,
-            job.seed,
-        )),
+        Place::OneDevice(readback) => {
+            let mut trainer = Trainer::resume(job.graph.clone(), job.state, job.sgd, job.seed);
+            trainer.set_loss_readback(readback);
+            Box::new(trainer)
+        }
         Place::OneGpu(gpu) => {
             let OneGpu {
                 cuda,
                 stream,
                 prefetch,
                 capture,
+                readback,
             } = *gpu;
             let mut trainer = Trainer::resume_on(
                 cuda,
@@ -150,6 +170,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             )?;
             trainer.set_prefetch(prefetch);
             trainer.set_capture(capture);
+            trainer.set_loss_readback(readback);
             Box::new(trainer)
         }
         Place::Embedded { devices, placement } => Box::new(EmbeddedCluster::resume_on(
@@ -201,7 +222,10 @@ fn retire(images: Vec<f32>) {
 
 /// The one-device trainer on any backend.
 impl<B: Backend> Engine for Trainer<B> {
-    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+    fn step(
+        &mut self,
+        batch: StepBatch<'_>,
+    ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
         if batch.trace {
             self.trace_next_step();
         }
@@ -217,9 +241,17 @@ impl<B: Backend> Engine for Trainer<B> {
                 labels: &batch.labels,
             },
         };
-        let stats = self.step_batch(this, next)?;
+        let read = self.step_batch(this, next)?;
         retire(batch.images);
-        Ok((stats, Vec::new()))
+        Ok((read.map(|r| r.stats), Vec::new()))
+    }
+
+    fn finish(&mut self) -> anyhow::Result<Option<StepStats>> {
+        Ok(Trainer::finish(self)?.map(|r| r.stats))
+    }
+
+    fn reads_loss_late(&self) -> bool {
+        self.loss_readback() == LossReadback::OneStepLate
     }
 
     fn state(&mut self) -> anyhow::Result<TrainingState> {
@@ -251,11 +283,14 @@ impl<B: Backend> Engine for Trainer<B> {
 }
 
 impl Engine for EmbeddedCluster {
-    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+    fn step(
+        &mut self,
+        batch: StepBatch<'_>,
+    ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
         host_images(&batch)?;
         // Every device is in this process: there is nothing to deliver ahead.
         let r = EmbeddedCluster::step(self, batch.images, batch.labels, batch.trace)?;
-        Ok((r.stats, r.reports))
+        Ok((Some(r.stats), r.reports))
     }
 
     fn state(&mut self) -> anyhow::Result<TrainingState> {
@@ -268,11 +303,14 @@ impl Engine for EmbeddedCluster {
 }
 
 impl Engine for RemoteCluster {
-    fn step(&mut self, batch: StepBatch<'_>) -> anyhow::Result<(StepStats, Vec<StepReport>)> {
+    fn step(
+        &mut self,
+        batch: StepBatch<'_>,
+    ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
         host_images(&batch)?;
         let next = batch.next.and_then(NextBatch::images);
         let r = RemoteCluster::step(self, &batch.images, &batch.labels, next, batch.trace)?;
-        Ok((r.stats, r.reports))
+        Ok((Some(r.stats), r.reports))
     }
 
     fn state(&mut self) -> anyhow::Result<TrainingState> {

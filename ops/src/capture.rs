@@ -117,7 +117,10 @@ impl<G, M> StepCapture<G, M> {
         }
     }
 
-    /// A step ran as enqueued and succeeded (`traced` or not).
+    /// A step ran as enqueued and was enqueued without error (`traced` or not). What the warm-up
+    /// is for (timing the convolution algorithms, growing cuDNN's workspace) happens as the step
+    /// is enqueued, so it counts before its loss is read back (a step later, by default); a
+    /// failure of its device work is reported by that read.
     pub fn ran_enqueued(&mut self, traced: bool) {
         if let State::Warming { enqueued } = &mut self.state
             && !traced
@@ -201,7 +204,7 @@ mod tests {
     #[test]
     fn a_failed_step_does_not_count_as_the_warm_up() {
         let c = StepCapture::<(), ()>::new(CaptureSetting::On);
-        // `ran_enqueued` is called only for steps that succeeded: none here.
+        // `ran_enqueued` is called only for steps enqueued without error: none here.
         assert_eq!(c.plan(false), StepRun::Enqueued);
     }
 

@@ -265,12 +265,36 @@ pub struct StepStats {
 
 /// Where a one-device step's time went on the submitting thread, seconds: enqueuing the step's
 /// work, staging the next batch (filling page-locked memory, enqueuing its copies), and waiting
-/// for the device to finish. A wait near zero means the device idled for the host.
+/// for the device to finish the step. Read every step ([`LossReadback::EveryStep`]), the wait
+/// follows the step's own enqueue; read one step late, it follows the next step's enqueue and
+/// staging, so the device had that much more work queued. Either way a wait near zero means the
+/// host is the bottleneck: the device ran out of work before the host asked for the step.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct HostTiming {
     pub enqueue: f64,
     pub stage: f64,
     pub wait: f64,
+}
+
+/// When the one-device trainer reads a step's loss back, and so how much the host waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReadback {
+    /// Each step waits for its own work and returns its own stats: the device idles while the
+    /// host reads them and enqueues the next step.
+    EveryStep,
+    /// A step returns once enqueued; its stats are read after the next step is enqueued, waiting
+    /// only for its own work (a marker behind it), or by [`Trainer::finish`]. At most one step is
+    /// in flight, so the batch staged ahead and a replayed step's fixed buffers are reused in
+    /// stream order as before.
+    OneStepLate,
+}
+
+/// A step's stats once read back, and which step they are of.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Readout {
+    /// Counted from 1: the steps taken once this one ran.
+    pub step: u64,
+    pub stats: StepStats,
 }
 
 /// Trains a graph on one device of any backend: the single-device reference every strategy is
@@ -284,6 +308,9 @@ pub struct Trainer<B: Backend = Cpu> {
     /// The next step's batch, staged while this one computed (see [`Trainer::step_ahead`]).
     /// Declared before the stream, so dropped first: its copies may still be running.
     ahead: Option<Ahead<B::Staged>>,
+    /// The step enqueued whose stats are not read yet ([`LossReadback::OneStepLate`]); dropped
+    /// before the stream too.
+    in_flight: Option<InFlight<B>>,
     backend: B,
     stream: B::Stream,
     /// Values of `params` on the device, and SGD momentum (zeros for buffers).
@@ -303,6 +330,21 @@ pub struct Trainer<B: Backend = Cpu> {
     prefetch: bool,
     /// Whether steps are recorded and replayed, and the recording.
     capture: StepCapture<B::Graph, B::Buffer>,
+    /// When a step's loss is read back.
+    readback: LossReadback,
+}
+
+/// A step enqueued whose stats are not read yet: its loss report (sent home), a marker behind
+/// its work, and what the host measured of it so far.
+struct InFlight<B: Backend> {
+    /// Counted from 1.
+    step: u64,
+    loss: Option<(B::Loss, usize)>,
+    end: B::Marker,
+    enqueue: f64,
+    stage: f64,
+    /// A traced step's markers, timed once it has run.
+    spans: Option<Vec<MarkedSpan<B::Marker>>>,
 }
 
 /// One kernel call of a traced step: `start` seconds after the step's first marker, lasting
@@ -460,6 +502,9 @@ impl Trainer<Cpu> {
             capture: StepCapture::new(CaptureSetting::Off),
             trace_next: false,
             trace: None,
+            // The same ordering as on a device, so that the CPU's tests cover it.
+            readback: LossReadback::OneStepLate,
+            in_flight: None,
         }
     }
 }
@@ -528,6 +573,8 @@ impl<B: Backend> Trainer<B> {
             capture: StepCapture::new(CaptureSetting::On),
             trace_next: false,
             trace: None,
+            readback: LossReadback::OneStepLate,
+            in_flight: None,
         })
     }
 
@@ -552,7 +599,22 @@ impl<B: Backend> Trainer<B> {
         }
     }
 
-    /// The state to checkpoint (copied from the device).
+    /// When a step's stats are read back: one step late by default. Switch only with no step
+    /// in flight ([`Trainer::finish`] first).
+    pub fn set_loss_readback(&mut self, readback: LossReadback) {
+        assert!(
+            self.in_flight.is_none(),
+            "the loss readback changed with a step in flight: call Trainer::finish first"
+        );
+        self.readback = readback;
+    }
+
+    pub fn loss_readback(&self) -> LossReadback {
+        self.readback
+    }
+
+    /// The state to checkpoint (copied from the device), after every step enqueued; a step
+    /// still in flight keeps its stats for [`Trainer::finish`] or the next step.
     pub fn state(&mut self) -> Result<TrainingState, KernelError> {
         let params = self.params()?;
         let momentum = download_all(&self.backend, &mut self.stream, &self.velocity)?;
@@ -563,8 +625,11 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
-    /// The parameters and buffers (copied from the device).
+    /// The parameters and buffers (copied from the device), after every step enqueued.
     pub fn params(&mut self) -> Result<ParamStore, KernelError> {
+        // A failure kept on the stream (a step in flight that failed) is reported, not hidden
+        // behind values the failed work left.
+        self.backend.synchronize(&mut self.stream)?;
         let values = download_all(&self.backend, &mut self.stream, &self.weights)?;
         Ok(ParamStore {
             params: self.params.clone(),
@@ -582,8 +647,9 @@ impl<B: Backend> Trainer<B> {
         self.step
     }
 
-    /// One forward, backward and update on a batch of `graph.batch()` samples (host memory).
-    /// Labels are checked first, so a bad batch leaves the trainer as it was.
+    /// One forward, backward and update on a batch of `graph.batch()` samples (host memory),
+    /// waiting for its stats. Labels are checked first, so a bad batch leaves the trainer as it
+    /// was.
     pub fn step(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, KernelError> {
         self.step_ahead(images, labels, None)
     }
@@ -592,24 +658,53 @@ impl<B: Backend> Trainer<B> {
     /// step computes: on a GPU its copy then runs beside the kernels instead of before the next
     /// step's first one. A next step given another batch than the staged one (other labels, other
     /// length, or other values at the sampled positions) stages its own; the caller must not
-    /// change a batch between passing it as `next` and passing it to its step.
+    /// change a batch between passing it as `next` and passing it to its step. Waits for the
+    /// step's stats, whatever the readback: a step of [`Trainer::step_batch`] whose stats are
+    /// still in flight must be read ([`Trainer::finish`]) first.
     pub fn step_ahead(
         &mut self,
         images: &[f32],
         labels: &[u32],
         next: Option<(&[f32], &[u32])>,
     ) -> Result<StepStats, KernelError> {
+        assert!(
+            self.in_flight.is_none(),
+            "Trainer::step_ahead with the stats of an earlier step unread: call Trainer::finish"
+        );
         let next = next.map(|(images, labels)| BatchInput::Images { images, labels });
-        self.step_batch(BatchInput::Images { images, labels }, next)
+        let read = match self.step_batch(BatchInput::Images { images, labels }, next)? {
+            Some(read) => read,
+            None => self.finish()?.expect("the step just enqueued is in flight"),
+        };
+        Ok(read.stats)
     }
 
-    /// [`Trainer::step_ahead`] for batches held either way: synthetic batches described for the
-    /// device to draw, as well as host images.
+    /// Waits for the step in flight, if any, and returns its stats: after a run's last step, or
+    /// wherever the caller needs them now.
+    pub fn finish(&mut self) -> Result<Option<Readout>, KernelError> {
+        match self.in_flight.take() {
+            Some(step) => self.read_back(step).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether a step's stats are still to be read ([`Trainer::finish`]).
+    pub fn has_step_in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// [`Trainer::step_ahead`] for batches held either way (synthetic batches described for the
+    /// device to draw, as well as host images), returning once the step is enqueued, with the
+    /// stats read back meanwhile: read every step, this step's; read one step late (the
+    /// default), the previous step's, or none after a [`Trainer::finish`] (or at the first
+    /// step). Steps are read in order, each once; a step that fails to enqueue leaves the one in
+    /// flight to read. A failure of the device's work is reported by the read that waits for it
+    /// or a later one.
     pub fn step_batch(
         &mut self,
         batch: BatchInput<'_>,
         next: Option<BatchInput<'_>>,
-    ) -> Result<StepStats, KernelError> {
+    ) -> Result<Option<Readout>, KernelError> {
         let labels = batch.labels();
         check_labels(&self.graph, labels)?;
         let started = std::time::Instant::now();
@@ -826,35 +921,60 @@ impl<B: Backend> Trainer<B> {
             });
         }
         let staged = std::time::Instant::now();
-        b.synchronize(stream)?;
-        let host = Some(HostTiming {
-            enqueue: (enqueued - started).as_secs_f64(),
-            stage: (staged - enqueued).as_secs_f64(),
-            wait: staged.elapsed().as_secs_f64(),
-        });
-        if let Some(spans) = pass.spans {
-            self.trace = Some(timeline(b, spans.into_inner())?);
-        }
+        // The report moves to host memory behind the step's work, and a marker goes behind it:
+        // reading the step then waits for this step alone, not for the one enqueued after it.
+        let loss = match loss {
+            Some((loss, samples)) => Some((b.send_loss_home(stream, loss)?, samples)),
+            None => None,
+        };
+        let end = b.mark(stream)?;
+        // Counted once enqueued: the next step's plan is made before this one is read back.
         if ran_enqueued {
             self.capture.ran_enqueued(traced);
         }
-        let stats = match loss {
+        self.step += 1;
+        let this_step = InFlight {
+            step: self.step,
+            loss,
+            end,
+            enqueue: (enqueued - started).as_secs_f64(),
+            stage: (staged - enqueued).as_secs_f64(),
+            spans: pass.spans.map(RefCell::into_inner),
+        };
+        match settle(self.readback, &mut self.in_flight, this_step) {
+            Some(step) => self.read_back(step).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits for a step's work (its marker), then reads its stats and its trace.
+    fn read_back(&mut self, step: InFlight<B>) -> Result<Readout, KernelError> {
+        let waiting = std::time::Instant::now();
+        self.backend.wait_for(&mut self.stream, &step.end)?;
+        let host = Some(HostTiming {
+            enqueue: step.enqueue,
+            stage: step.stage,
+            wait: waiting.elapsed().as_secs_f64(),
+        });
+        if let Some(spans) = step.spans {
+            self.trace = Some(timeline(&self.backend, spans)?);
+        }
+        let (loss, correct) = match step.loss {
             Some((loss, samples)) => {
-                let sums = b.read_loss(loss);
-                StepStats {
-                    loss: (sums.loss_sum / samples as f64) as f32,
-                    correct: sums.correct,
-                    host,
-                }
+                let sums = self.backend.read_loss(loss);
+                ((sums.loss_sum / samples as f64) as f32, sums.correct)
             }
-            None => StepStats {
-                loss: 0.0,
-                correct: 0,
+            // A graph without a loss layer trains nothing to report.
+            None => (0.0, 0),
+        };
+        Ok(Readout {
+            step: step.step,
+            stats: StepStats {
+                loss,
+                correct,
                 host,
             },
-        };
-        self.step += 1;
-        Ok(stats)
+        })
     }
 
     /// Whether steps are recorded and replayed ([`crate::capture`]): on by default on a device
@@ -867,6 +987,18 @@ impl<B: Backend> Trainer<B> {
     /// Where capture stands: off, warming up, replaying, or given up and why.
     pub fn capture_status(&self) -> CaptureStatus {
         self.capture.status()
+    }
+}
+
+/// Which step is read once `enqueued` is: itself, read every step; read one step late, the
+/// one in flight before it (none at the first step), `enqueued` taking its place.
+fn settle<T>(readback: LossReadback, in_flight: &mut Option<T>, enqueued: T) -> Option<T> {
+    match readback {
+        LossReadback::EveryStep => {
+            debug_assert!(in_flight.is_none(), "read every step: none left in flight");
+            Some(enqueued)
+        }
+        LossReadback::OneStepLate => in_flight.replace(enqueued),
     }
 }
 
@@ -1640,14 +1772,163 @@ mod tests {
             &|s| Some(2 - s.min(2)),
         ] {
             let mut t = trainer();
-            let losses: Vec<f32> = (0..3)
-                .map(|step| {
-                    let next = next_of(step).map(|n| BatchInput::Synthetic(&described[n]));
-                    let this = BatchInput::Synthetic(&described[step]);
-                    t.step_batch(this, next).unwrap().loss
-                })
-                .collect();
+            let mut losses: Vec<f32> = Vec::new();
+            for step in 0..3 {
+                let next = next_of(step).map(|n| BatchInput::Synthetic(&described[n]));
+                let this = BatchInput::Synthetic(&described[step]);
+                let read = t.step_batch(this, next).unwrap();
+                losses.extend(read.map(|r| r.stats.loss));
+            }
+            losses.extend(t.finish().unwrap().map(|r| r.stats.loss));
             assert_eq!((losses, t.params().unwrap().values), drawn);
         }
+    }
+
+    /// Which step is read once another is enqueued: the pure ordering both readbacks follow.
+    #[test]
+    fn read_every_step_a_step_is_read_at_once_and_one_step_late_after_the_next() {
+        let mut in_flight = None;
+        assert_eq!(settle(LossReadback::EveryStep, &mut in_flight, 1), Some(1));
+        assert_eq!(in_flight, None);
+        assert_eq!(settle(LossReadback::OneStepLate, &mut in_flight, 1), None);
+        assert_eq!(
+            settle(LossReadback::OneStepLate, &mut in_flight, 2),
+            Some(1)
+        );
+        assert_eq!(
+            settle(LossReadback::OneStepLate, &mut in_flight, 3),
+            Some(2)
+        );
+        assert_eq!(
+            in_flight,
+            Some(3),
+            "the last step waits for Trainer::finish"
+        );
+    }
+
+    /// Stats read one step late are those read at each step's end, each step's once and in
+    /// order, the last one's from `finish`; the weights are the same bit for bit, at a state
+    /// read between steps (a checkpoint, with a step in flight) and at the end. With capture
+    /// asked for, which the CPU gives up at the recording, and batches staged ahead.
+    #[test]
+    fn losses_read_one_step_late_are_those_read_at_each_steps_end() {
+        let graph = branchy(8);
+        let pixels = graph.layer(graph.input()).shape.numel();
+        let data: Vec<(Vec<f32>, Vec<u32>)> = (0..5)
+            .map(|k| {
+                let labels = (0..8).map(|i| ((i * 7 + k) % 3) as u32).collect();
+                (check::random(pixels, 40 + k as u64), labels)
+            })
+            .collect();
+        let run = |readback: LossReadback| {
+            let mut t = Trainer::new(
+                graph.clone(),
+                ParamStore::init(&graph, 4),
+                Sgd::default(),
+                3,
+            );
+            t.set_capture(CaptureSetting::On);
+            t.set_loss_readback(readback);
+            let (mut read, mut states, mut returned) = (Vec::new(), Vec::new(), Vec::new());
+            for (k, (images, labels)) in data.iter().enumerate() {
+                let next = data.get(k + 1).map(|(i, l)| BatchInput::Images {
+                    images: i,
+                    labels: l,
+                });
+                let this = BatchInput::Images { images, labels };
+                let back = t.step_batch(this, next).unwrap();
+                returned.push(back.map(|r| r.step));
+                read.extend(back);
+                if k == 2 {
+                    states.push(t.state().unwrap());
+                }
+            }
+            let last = t.finish().unwrap();
+            read.extend(last);
+            assert_eq!(t.finish().unwrap(), None, "nothing left in flight");
+            assert!(!t.has_step_in_flight());
+            states.push(t.state().unwrap());
+            (read, states, returned)
+        };
+        let (at_end, at_end_states, at_end_returned) = run(LossReadback::EveryStep);
+        let (late, late_states, late_returned) = run(LossReadback::OneStepLate);
+        assert_eq!(at_end_returned, [1, 2, 3, 4, 5].map(Some));
+        assert_eq!(late_returned, [None, Some(1), Some(2), Some(3), Some(4)]);
+        let steps = |read: &[Readout]| read.iter().map(|r| r.step).collect::<Vec<_>>();
+        assert_eq!(steps(&late), [1, 2, 3, 4, 5]);
+        assert_eq!(steps(&at_end), steps(&late));
+        let stats = |read: &[Readout]| {
+            read.iter()
+                .map(|r| (r.stats.loss, r.stats.correct))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(stats(&late), stats(&at_end));
+        assert!(
+            late.iter()
+                .all(|r| r.stats.host.is_some_and(|h| h.wait >= 0.0))
+        );
+        assert_eq!(late_states, at_end_states, "weights, momentum and step");
+        assert_eq!(
+            late_states[0].step, 3,
+            "the state holds every step enqueued"
+        );
+        // And they are what the synchronous `step` reports.
+        let mut t = Trainer::new(
+            graph.clone(),
+            ParamStore::init(&graph, 4),
+            Sgd::default(),
+            3,
+        );
+        let plain: Vec<(f32, usize)> = data
+            .iter()
+            .map(|(i, l)| t.step(i, l).map(|s| (s.loss, s.correct)).unwrap())
+            .collect();
+        assert_eq!(stats(&late), plain);
+    }
+
+    /// A step refused before it is enqueued (a label out of range) leaves the step in flight
+    /// to read, with its own stats, and the trainer where that step left it.
+    #[test]
+    fn a_step_refused_with_one_in_flight_leaves_that_one_to_read() {
+        let g = branchy(2);
+        let images = check::random(g.layer(g.input()).shape.numel(), 9);
+        let mut reference = Trainer::new(g.clone(), ParamStore::init(&g, 3), Sgd::default(), 5);
+        let first = reference.step(&images, &[0, 2]).unwrap();
+        let mut t = Trainer::new(g.clone(), ParamStore::init(&g, 3), Sgd::default(), 5);
+        let batch = BatchInput::Images {
+            images: &images,
+            labels: &[0, 2],
+        };
+        assert_eq!(t.step_batch(batch, None).unwrap(), None);
+        let bad = BatchInput::Images {
+            images: &images,
+            labels: &[0, 3],
+        };
+        let err = t.step_batch(bad, None).unwrap_err();
+        assert!(err.to_string().contains("label 3"), "{err}");
+        let read = t
+            .finish()
+            .unwrap()
+            .expect("the first step is still to read");
+        assert_eq!(read.step, 1);
+        assert_eq!(
+            (read.stats.loss, read.stats.correct),
+            (first.loss, first.correct)
+        );
+        assert_eq!(t.state().unwrap(), reference.state().unwrap());
+    }
+
+    #[test]
+    #[should_panic(expected = "call Trainer::finish")]
+    fn a_synchronous_step_refuses_to_pass_over_unread_stats() {
+        let g = branchy(2);
+        let images = check::random(g.layer(g.input()).shape.numel(), 9);
+        let mut t = Trainer::new(g.clone(), ParamStore::init(&g, 3), Sgd::default(), 5);
+        let batch = BatchInput::Images {
+            images: &images,
+            labels: &[0, 2],
+        };
+        t.step_batch(batch, None).unwrap();
+        let _ = t.step(&images, &[1, 2]);
     }
 }

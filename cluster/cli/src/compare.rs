@@ -8,7 +8,7 @@ use anyhow::Context;
 use legion_cluster::engine::{self, JobStart, NextBatch, Place, StepBatch};
 use legion_cluster::hosts::Hosts;
 use legion_ops::Graph;
-use legion_ops::train::{ParamStore, Sgd, TrainingState};
+use legion_ops::train::{LossReadback, ParamStore, Sgd, TrainingState};
 use legion_planner::profile::ProfileDb;
 use legion_planner::simulate::simulate;
 use legion_planner::{CostModel, MachineModel, ProfiledCost};
@@ -138,7 +138,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             sgd: Sgd::default(),
             seed: settings.seed,
         };
-        let mut one = engine::start(Place::OneDevice, job)?;
+        let mut one = engine::start(Place::OneDevice(LossReadback::OneStepLate), job)?;
         for _ in 0..steps_taken {
             one.step(batch(false))?;
         }

@@ -15,7 +15,7 @@ use legion_cluster::launch;
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::checkpoint;
 use legion_ops::data::{self, Loader, LoaderConfig};
-use legion_ops::train::{ParamStore, Sgd, TrainingState};
+use legion_ops::train::{LossReadback, ParamStore, Sgd, StepStats, TrainingState};
 use legion_ops::{Graph, Precision};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{
@@ -79,6 +79,9 @@ pub struct TrainOptions {
     /// description (`--synthetic-on-host` draws them on the host and copies them, as other data
     /// is, to measure what drawing them on the device saves).
     pub synthetic_on_device: bool,
+    /// Whether the one-device trainer reads a step's loss one step late, while the next step
+    /// runs (`--sync-every-step` reads it at the step's end, to measure what that costs).
+    pub loss_readback: LossReadback,
     /// `--gpus`: the GPUs the devices spread over, by ordinal (one listed twice: logical GPUs on
     /// one device); `None`: as many of those found as there are devices.
     pub gpus: Option<Vec<usize>>,
@@ -110,6 +113,7 @@ impl Default for TrainOptions {
             prefetch: true,
             capture: CaptureSetting::On,
             synthetic_on_device: true,
+            loss_readback: LossReadback::OneStepLate,
             gpus: None,
         }
     }
@@ -318,6 +322,9 @@ pub struct TrainSummary {
     pub capture: Option<CaptureStatus>,
     /// Whether the batches were synthetic data that the GPU drew itself from their description.
     pub synthetic_on_device: bool,
+    /// Whether each step's loss was read one step late, while the next step ran (the one-device
+    /// trainer unless `--sync-every-step`), rather than at the step's end.
+    pub loss_read_late: bool,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.
@@ -569,9 +576,10 @@ impl Job {
                     stream,
                     prefetch: opts.prefetch,
                     capture: opts.capture,
+                    readback: opts.loss_readback,
                 }))
             }
-            (None, None) => Place::OneDevice,
+            (None, None) => Place::OneDevice(opts.loss_readback),
         };
         let engine = engine::start(
             engine_place,
@@ -635,7 +643,13 @@ impl Job {
         )?;
         let mut batches = loader.steps(first_step);
         let started = Instant::now();
-        let mut losses = Vec::with_capacity(opts.steps as usize);
+        let mut reported = Reported {
+            awaiting: std::collections::VecDeque::with_capacity(2),
+            last: started,
+            losses: Vec::with_capacity(opts.steps as usize),
+            batch,
+            total_steps: opts.steps,
+        };
         let save = |engine: &mut dyn Engine| -> anyhow::Result<()> {
             if let Some(path) = &opts.save {
                 let meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
@@ -652,11 +666,12 @@ impl Job {
         let mut upcoming = (first_step < opts.steps)
             .then(&mut next_batch)
             .transpose()?;
+        let mut traced_reports = None;
         for step in first_step + 1..=opts.steps {
             let batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
-            let t = Instant::now();
             let traced = opts.trace.is_some() && step == opts.steps;
+            reported.awaiting.push_back((step, Instant::now()));
             let (stats, reports) = engine.step(StepBatch {
                 images: batch_data.images,
                 labels: batch_data.labels,
@@ -667,42 +682,40 @@ impl Job {
                 }),
                 trace: traced,
             })?;
-            if traced && let Some(path) = &opts.trace {
-                let trace = match engine.plan() {
-                    Some(step_plan) => {
-                        Some(legion_runtime::chrome_trace(step_plan, &graph, &reports))
-                    }
-                    None => engine.own_trace(),
-                };
-                if let Some(trace) = trace {
-                    legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
-                        .with_context(|| format!("writing the trace {}", path.display()))?;
-                }
+            if traced {
+                traced_reports = Some(reports);
             }
-            let seconds = t.elapsed().as_secs_f64();
-            if !stats.loss.is_finite() {
-                bail!(
-                    "step {step}: the loss is {} (try a smaller --lr)",
-                    stats.loss
-                );
+            if let Some(stats) = stats {
+                reported.read(stats, &mut on_event)?;
             }
-            losses.push(stats.loss);
             if opts.checkpoint_every.is_some_and(|k| step % k == 0) && step < opts.steps {
+                // The step's loss is checked before its weights are saved.
+                if let Some(stats) = engine.finish()? {
+                    reported.read(stats, &mut on_event)?;
+                }
                 save(engine.as_mut())?;
             }
-            on_event(JobEvent::Step(&StepDone {
-                step,
-                total_steps: opts.steps,
-                loss: stats.loss,
-                accuracy: stats.correct as f64 / batch as f64,
-                seconds,
-                images_per_sec: batch as f64 / seconds,
-                host: stats.host,
-            }));
+        }
+        if let Some(stats) = engine.finish()? {
+            reported.read(stats, &mut on_event)?;
+        }
+        if let Some(&(step, _)) = reported.awaiting.front() {
+            bail!("step {step}: its loss was never read back");
         }
         let wall_secs = started.elapsed().as_secs_f64();
+        if let (Some(path), Some(reports)) = (&opts.trace, traced_reports) {
+            let trace = match engine.plan() {
+                Some(step_plan) => Some(legion_runtime::chrome_trace(step_plan, &graph, &reports)),
+                None => engine.own_trace(),
+            };
+            if let Some(trace) = trace {
+                legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
+                    .with_context(|| format!("writing the trace {}", path.display()))?;
+            }
+        }
         save(engine.as_mut())?;
 
+        let losses = reported.losses;
         let images = (losses.len() * batch) as f64;
         let summary = TrainSummary {
             model: graph.name.clone(),
@@ -723,9 +736,59 @@ impl Job {
                 false => engine.capture_status(),
             },
             synthetic_on_device: describe_synthetic,
+            loss_read_late: engine.reads_loss_late(),
         };
         on_event(JobEvent::Finished(&summary));
         Ok(summary)
+    }
+}
+
+/// The steps a job gave its engine whose stats are still to come back, matched to the stats as
+/// the engine reads them back (in order: this step's, or one step late the previous step's),
+/// and reported.
+struct Reported {
+    /// Oldest first, each with when its step was given to the engine.
+    awaiting: std::collections::VecDeque<(u64, Instant)>,
+    /// When the last step was reported (the run's start before the first).
+    last: Instant,
+    losses: Vec<f32>,
+    batch: usize,
+    total_steps: u64,
+}
+
+impl Reported {
+    /// Reports `stats` as the oldest awaited step's, refusing a loss that is not finite.
+    fn read(
+        &mut self,
+        stats: StepStats,
+        on_event: &mut impl FnMut(JobEvent<'_>),
+    ) -> anyhow::Result<()> {
+        let (step, given) = self
+            .awaiting
+            .pop_front()
+            .context("the engine read back more steps than it was given")?;
+        let now = Instant::now();
+        // From the later of its start and the last report: each step's own time when it is
+        // read at its end, the run's pace when it is read one step late.
+        let seconds = (now - given.max(self.last)).as_secs_f64();
+        self.last = now;
+        if !stats.loss.is_finite() {
+            bail!(
+                "step {step}: the loss is {} (try a smaller --lr)",
+                stats.loss
+            );
+        }
+        self.losses.push(stats.loss);
+        on_event(JobEvent::Step(&StepDone {
+            step,
+            total_steps: self.total_steps,
+            loss: stats.loss,
+            accuracy: stats.correct as f64 / self.batch as f64,
+            seconds,
+            images_per_sec: self.batch as f64 / seconds,
+            host: stats.host,
+        }));
+        Ok(())
     }
 }
 

@@ -127,7 +127,8 @@ impl Printer {
                        "images_per_sec": images_per_sec, "wall_s": wall_secs,
                        "saved": summary.saved.as_ref().map(|p| p.display().to_string()),
                        "capture": summary.capture.as_ref().map(|c| c.to_string()),
-                       "synthetic_on_device": summary.synthetic_on_device})
+                       "synthetic_on_device": summary.synthetic_on_device,
+                       "loss_read_late": summary.loss_read_late})
             );
         } else {
             println!("{}", summary_line(summary));

@@ -107,6 +107,64 @@ fn the_summary_says_where_synthetic_batches_were_drawn() {
     assert_eq!(losses[0], losses[1]);
 }
 
+/// `--sync-every-step` reads each step's loss at its end instead of one step late: the same
+/// steps are reported, in order, with the same losses, and the same weights are saved (a
+/// checkpoint mid-run included, which reads the step in flight first); the summary says which.
+#[test]
+fn losses_read_one_step_late_are_reported_as_those_read_every_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for (flags, late) in [(&[][..], true), (&["--sync-every-step"][..], false)] {
+        let saved = dir.path().join(format!("late-{late}.safetensors"));
+        let saved_arg = saved.to_str().unwrap().to_string();
+        let mut args = vec![
+            "train",
+            "--model",
+            "lenet5",
+            "--device",
+            "cpu",
+            "--steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--save",
+            &saved_arg,
+            "--json",
+        ];
+        args.extend_from_slice(flags);
+        let out = legion(&args);
+        assert!(
+            out.status.success(),
+            "{flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut lines = stdout_json_lines(&out);
+        let summary = lines.pop().unwrap();
+        assert_eq!(summary["loss_read_late"], late, "{flags:?}: {summary}");
+        let steps: Vec<(u64, f64)> = lines
+            .iter()
+            .filter(|l| l.get("step").is_some())
+            .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
+            .collect();
+        assert_eq!(
+            steps.iter().map(|s| s.0).collect::<Vec<_>>(),
+            [1, 2, 3, 4],
+            "{flags:?}"
+        );
+        assert_eq!(summary["final_loss"].as_f64(), Some(steps[3].1));
+        runs.push((steps, std::fs::read(&saved).unwrap()));
+    }
+    assert_eq!(runs[0].0, runs[1].0, "the same losses");
+    assert!(runs[0].1 == runs[1].1, "the same weights saved");
+    let out = legion(&["train", "--sync-every-step=no"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--sync-every-step"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn the_summary_says_whether_steps_were_captured() {
     for flags in [&[][..], &["--no-capture"][..]] {

@@ -319,18 +319,28 @@ impl Backend for Cuda {
             .map_err(|e| KernelError::Device(format!("CUDA: {e}")))
     }
 
-    fn read_loss(&self, loss: PendingLoss) -> LossSums {
-        let Some(totals) = loss.totals else {
-            return LossSums::default();
-        };
-        let host = totals
-            .stream()
-            .clone_dtoh(&totals)
-            .unwrap_or_else(|e| panic!("reading a loss after synchronize failed: {e}"));
-        LossSums {
-            loss_sum: host[0],
-            correct: host[1] as usize,
+    /// Waits on the marker's event, not the stream: work enqueued after it runs on.
+    fn wait_for(&self, s: &mut Stream, marker: &crate::staging::Marker) -> Result<(), KernelError> {
+        let waited = marker.wait();
+        if let Some(failure) = &s.failure {
+            return Err(KernelError::Device(failure.clone()));
         }
+        waited?;
+        self.context
+            .check_err()
+            .map_err(|e| KernelError::Device(format!("CUDA: {e}")))
+    }
+
+    fn send_loss_home(
+        &self,
+        s: &mut Stream,
+        loss: PendingLoss,
+    ) -> Result<PendingLoss, KernelError> {
+        self.send_loss_home_on(s, loss)
+    }
+
+    fn read_loss(&self, loss: PendingLoss) -> LossSums {
+        self.read_loss_of(loss)
     }
 
     type HostBatch = crate::batches::HostBatch;

@@ -246,9 +246,7 @@ impl Cuda {
                 s.stream
                     .memcpy_dtod(&totals.slice(2 * k..2 * k + 2), &mut report)
                     .map_err(Failure::from)?;
-                Ok(PendingLoss {
-                    totals: Some(report),
-                })
+                Ok(PendingLoss::on_device(Some(report)))
             })
             .collect::<Result<Vec<_>, Failure>>()
             .map_err(failed)

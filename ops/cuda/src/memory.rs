@@ -168,6 +168,8 @@ pub struct Stream {
     pub(crate) step: Option<(CudaSlice<u64>, u64)>,
     /// What a recorded or replayed step reads at fixed addresses (see `crate::capture`).
     pub(crate) fixed: crate::capture::Fixed,
+    /// Page-locked memory loss reports are sent home into (`Backend::send_loss_home`).
+    pub(crate) loss_homes: crate::softmax_ce::LossHomes,
 }
 
 // SAFETY: cudarc leaves `Cudnn` !Send to keep a handle from being used by two threads at once;
@@ -352,6 +354,7 @@ impl Cuda {
             failure: None,
             step: None,
             fixed: Default::default(),
+            loss_homes: Default::default(),
         })
     }
 }

@@ -7,13 +7,158 @@ use crate::backend::{Cuda, Failure};
 use crate::elementwise::same_type;
 use crate::launch::{per_channel, softmax_rows};
 use crate::memory::{Buffer, Stream};
-use cudarc::driver::{CudaSlice, PushKernelArg};
-use legion_ops::backend::{In, KernelError, LabelOutOfRange, Out};
+use crate::staging::{Direction, pinned};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice, PushKernelArg};
+use legion_ops::backend::{In, KernelError, LabelOutOfRange, LossSums, Out};
 use legion_ops::shape::Rect;
+use std::sync::{Arc, Mutex};
 
-/// A loss kernel's report: `[loss sum, correct count]` in device memory until read.
+/// A loss kernel's report: `[loss sum, correct count]` in device memory until read, or, once
+/// sent home (`Backend::send_loss_home`), copied into page-locked memory of its stream's.
 pub struct PendingLoss {
     pub(crate) totals: Option<CudaSlice<f64>>,
+    pub(crate) home: Option<LossHome>,
+}
+
+impl PendingLoss {
+    pub(crate) fn on_device(totals: Option<CudaSlice<f64>>) -> PendingLoss {
+        PendingLoss { totals, home: None }
+    }
+}
+
+/// Page-locked memory for one report's two sums, and an event of its own recorded behind each
+/// copy into it (cudarc records a pinned slice's event only while it tracks buffer uses, which
+/// the one-device trainer turns off): reading waits for that event, and dropping it too, before
+/// the memory is freed under a copy still running.
+struct HomeSlot {
+    copied: CudaEvent,
+    memory: PinnedHostSlice<f64>,
+}
+
+impl Drop for HomeSlot {
+    fn drop(&mut self) {
+        let waited = self.copied.synchronize();
+        self.copied.context().record_err(waited);
+    }
+}
+
+/// A report's home, lent by its stream's [`LossHomes`] and handed back when the report is
+/// dropped, read or not.
+pub(crate) struct LossHome {
+    slot: Option<HomeSlot>,
+    homes: LossHomes,
+}
+
+impl LossHome {
+    /// The sums, once the copy into them has run (waits for that copy alone).
+    fn read(&self) -> Result<LossSums, cudarc::driver::DriverError> {
+        let slot = self.slot.as_ref().expect("lent until dropped");
+        slot.copied.synchronize()?;
+        let [loss_sum, correct] = slot.memory.as_slice()?[..] else {
+            unreachable!("a loss home holds two values")
+        };
+        Ok(LossSums {
+            loss_sum,
+            correct: correct as usize,
+        })
+    }
+}
+
+impl Drop for LossHome {
+    fn drop(&mut self) {
+        if let (Some(slot), Ok(mut kept)) = (self.slot.take(), self.homes.0.lock()) {
+            // A later copy into it is enqueued on the same stream, so runs after this one.
+            if kept.len() < LossHomes::KEPT {
+                kept.push(slot);
+            }
+        }
+    }
+}
+
+/// A stream's page-locked homes for loss reports: lent to the reports sent home and handed
+/// back, so that a steady run allocates none (a step or two are read late at most).
+#[derive(Clone, Default)]
+pub(crate) struct LossHomes(Arc<Mutex<Vec<HomeSlot>>>);
+
+impl LossHomes {
+    /// Homes kept for reuse; more in use at once are allocated and let go.
+    const KEPT: usize = 4;
+
+    fn lend(&self, cuda: &Cuda) -> Result<LossHome, Failure> {
+        let kept = self.0.lock().ok().and_then(|mut kept| kept.pop());
+        let slot = match kept {
+            Some(slot) => slot,
+            None => HomeSlot {
+                copied: cuda
+                    .context()
+                    .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
+                // Written whole by the copy before anything reads it.
+                memory: pinned::<f64>(cuda, 2, Direction::ToHost)?,
+            },
+        };
+        Ok(LossHome {
+            slot: Some(slot),
+            homes: self.clone(),
+        })
+    }
+}
+
+impl std::fmt::Debug for LossHomes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LossHomes").finish_non_exhaustive()
+    }
+}
+
+impl Cuda {
+    /// `Backend::send_loss_home`: the report's sums copied into page-locked memory on `s`, behind
+    /// the work that computes them; the device totals are freed in stream order after the copy.
+    pub(crate) fn send_loss_home_on(
+        &self,
+        s: &mut Stream,
+        mut loss: PendingLoss,
+    ) -> Result<PendingLoss, KernelError> {
+        // An empty report (a recording's), or one already sent, has nothing to move.
+        let Some(totals) = loss.totals.take() else {
+            return Ok(loss);
+        };
+        let mut sent = None;
+        self.enqueue(s, "sending a loss report home", |s| {
+            let mut home = s.loss_homes.lend(self)?;
+            let slot = home.slot.as_mut().expect("just lent");
+            s.stream.memcpy_dtoh(&totals, &mut slot.memory)?;
+            slot.copied.record(&s.stream)?;
+            sent = Some(home);
+            Ok(())
+        });
+        match (&s.failure, sent) {
+            (Some(failure), _) => Err(KernelError::Device(failure.clone())),
+            (None, home) => {
+                loss.home = home;
+                Ok(loss)
+            }
+        }
+    }
+
+    /// `Backend::read_loss`.
+    pub(crate) fn read_loss_of(&self, loss: PendingLoss) -> LossSums {
+        if let Some(home) = &loss.home {
+            return home
+                .read()
+                .unwrap_or_else(|e| panic!("reading a loss sent home failed: {e}"));
+        }
+        let Some(totals) = loss.totals else {
+            return LossSums::default();
+        };
+        let host = totals
+            .stream()
+            .clone_dtoh(&totals)
+            .unwrap_or_else(|e| panic!("reading a loss after synchronize failed: {e}"));
+        LossSums {
+            loss_sum: host[0],
+            correct: host[1] as usize,
+        }
+    }
 }
 
 impl Cuda {
@@ -95,7 +240,7 @@ pub(crate) fn forward(
     Cuda::check_loss_tile(&logits.rect, labels, &y.rect, 1);
     let classes = logits.rect.hi[1];
     let first_row = y.rect.lo[0];
-    let mut pending = PendingLoss { totals: None };
+    let mut pending = PendingLoss::on_device(None);
     let mut label_error = None;
     cuda.enqueue(s, "softmax_ce_forward", |s| {
         let rows = y.rect.extent(0) as i64;

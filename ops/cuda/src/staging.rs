@@ -115,6 +115,13 @@ impl Staging {
 pub struct Marker(CudaEvent);
 
 impl Marker {
+    /// Waits until its stream has run the work enqueued before this marker.
+    pub fn wait(&self) -> Result<(), KernelError> {
+        self.0
+            .synchronize()
+            .map_err(device_error("waiting for a marker"))
+    }
+
     /// Seconds of GPU time from `earlier` to this marker; waits for both to be reached.
     pub fn seconds_since(&self, earlier: &Marker) -> Result<f64, KernelError> {
         let ms = earlier

@@ -17,7 +17,9 @@ use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
 use legion_ops::require::{Need, skip};
 use legion_ops::rng::Rng;
 use legion_ops::shape::Shape;
-use legion_ops::train::{BatchInput, ParamStore, Sgd, StepStats, Trainer, TrainingState};
+use legion_ops::train::{
+    BatchInput, LossReadback, ParamStore, Sgd, StepStats, Trainer, TrainingState,
+};
 use legion_ops::{Graph, GraphBuilder};
 
 fn tiny_model(batch: usize) -> Graph {
@@ -304,9 +306,12 @@ fn synthetic_batches_drawn_on_the_gpu_train_as_those_drawn_on_the_host() {
                 },
             };
             let next = (step + 1 < described.len()).then(|| input(step + 1));
-            let stat = trainer.step_batch(input(step), next);
-            stats.push(stat.unwrap_or_else(|e| panic!("step {step}: {e}")));
+            let read = trainer.step_batch(input(step), next);
+            let read = read.unwrap_or_else(|e| panic!("step {step}: {e}"));
+            stats.extend(read.map(|r| r.stats));
         }
+        let last = trainer.finish().unwrap_or_else(|e| panic!("{e}"));
+        stats.extend(last.map(|r| r.stats));
         let state = trainer.state().unwrap_or_else(|e| panic!("{e}"));
         Ok(Trained { stats, state })
     };
@@ -320,6 +325,69 @@ fn synthetic_batches_drawn_on_the_gpu_train_as_those_drawn_on_the_host() {
     };
     assert_eq!(losses(&on_device), losses(&on_host));
     assert_eq!(on_device.state, on_host.state, "weights, momentum and step");
+}
+
+/// Each step read back (its number, loss and correct count), and the states read mid-run and
+/// at the end.
+type ReadRun = (Vec<(u64, f32, usize)>, Vec<TrainingState>);
+
+/// A step's loss read one step late (the trainer's default: the step returns once enqueued, and
+/// its loss is read after the next step is enqueued, waiting on a marker behind it alone) is the
+/// loss read at the step's end, and the run trains the same weights, bit for bit: over replayed
+/// steps, batches drawn on the device and staged ahead, a traced step, a checkpoint read between
+/// steps with a step in flight, and the last step's loss read by `finish`.
+#[test]
+fn losses_read_one_step_late_are_those_read_at_each_steps_end() {
+    let graph = tiny_model(4);
+    let data = Synthetic::new(SEED, 40, 5, [3, 12, 12]).unwrap();
+    let described: Vec<SyntheticBatch> = (0..6)
+        .map(|k| {
+            data.describe_batch(&[k, 7 + k, 19 + 2 * k, 39 - k])
+                .unwrap()
+        })
+        .collect();
+    let start = TrainingState::start(ParamStore::init(&graph, SEED));
+    let run = |readback: LossReadback| -> Result<ReadRun, String> {
+        let mut trainer = gpu_trainer(ConvAlgos::Precise, &graph, start.clone())?;
+        trainer.set_loss_readback(readback);
+        let (mut read, mut states) = (Vec::new(), Vec::new());
+        for step in 0..described.len() {
+            if step == 4 {
+                trainer.trace_next_step();
+            }
+            let next = described.get(step + 1).map(BatchInput::Synthetic);
+            let this = BatchInput::Synthetic(&described[step]);
+            let back = trainer.step_batch(this, next);
+            let back = back.unwrap_or_else(|e| panic!("step {step}: {e}"));
+            read.extend(back.map(|r| (r.step, r.stats.loss, r.stats.correct)));
+            if step == 2 {
+                // A checkpoint between steps: every step enqueued is in the state.
+                states.push(trainer.state().unwrap_or_else(|e| panic!("{e}")));
+            }
+        }
+        let last = trainer.finish().unwrap_or_else(|e| panic!("{e}"));
+        read.extend(last.map(|r| (r.step, r.stats.loss, r.stats.correct)));
+        assert!(trainer.take_trace().is_some(), "the traced step's timeline");
+        assert_eq!(trainer.capture_status(), CaptureStatus::Replaying);
+        states.push(trainer.state().unwrap_or_else(|e| panic!("{e}")));
+        Ok((read, states))
+    };
+    let at_end = match run(LossReadback::EveryStep) {
+        Ok(run) => run,
+        Err(reason) => return skip(Need::Gpu, reason),
+    };
+    let late = run(LossReadback::OneStepLate).expect("a GPU was found above");
+    let steps: Vec<u64> = late.0.iter().map(|r| r.0).collect();
+    assert_eq!(
+        steps,
+        (1..=6).collect::<Vec<u64>>(),
+        "each step read once, in order"
+    );
+    assert_eq!(late.0, at_end.0, "losses and correct counts");
+    assert_eq!(
+        late.1, at_end.1,
+        "weights, momentum and step, mid-run and at the end"
+    );
 }
 
 fn wide_model(batch: usize) -> Graph {

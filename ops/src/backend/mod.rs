@@ -11,8 +11,10 @@
 //!
 //! A GPU backend returns from a primitive once the work is enqueued: nothing a primitive returns may
 //! be read before [`Backend::synchronize`]. The loss is therefore a [`Backend::Loss`], redeemed
-//! with [`Backend::read_loss`] after the stream has synchronized. The CPU backend runs each
-//! primitive when it is called, so its stream is a marker and synchronizing is free.
+//! with [`Backend::read_loss`] after the stream has synchronized, or, sent home first
+//! ([`Backend::send_loss_home`]), once the stream has passed a marker behind it
+//! ([`Backend::wait_for`]) while later work still runs. The CPU backend runs each primitive when
+//! it is called, so its stream is a marker and synchronizing is free.
 
 pub mod cpu;
 
@@ -315,9 +317,23 @@ pub trait Backend {
         later: &Self::Marker,
     ) -> Result<f64, KernelError>;
 
-    /// Waits until everything enqueued on `stream` has run.
+    /// Waits until everything enqueued on `stream` has run, and reports a failure kept on it.
     fn synchronize(&self, stream: &mut Self::Stream) -> Result<(), KernelError>;
-    /// A loss report, after its stream synchronized.
+    /// Waits until `stream` has run the work enqueued before `marker`, not the work enqueued
+    /// after it, and reports a failure kept on the stream as [`Backend::synchronize`] does (one
+    /// of later work too: a failure is reported at the latest by the next wait).
+    fn wait_for(&self, stream: &mut Self::Stream, marker: &Self::Marker)
+    -> Result<(), KernelError>;
+    /// Enqueues on `stream` the move of a loss report to where the host reads it (page-locked
+    /// memory the stream keeps, on a GPU), so that [`Backend::read_loss`] may read it once the
+    /// stream has passed a marker recorded after this, without waiting for later work.
+    fn send_loss_home(
+        &self,
+        stream: &mut Self::Stream,
+        loss: Self::Loss,
+    ) -> Result<Self::Loss, KernelError>;
+    /// A loss report, after its stream synchronized, or, sent home, after the stream passed a
+    /// marker behind it.
     fn read_loss(&self, loss: Self::Loss) -> LossSums;
 
     /// Starts moving a step's whole batch to the device: `images` laid out as the input layer's

@@ -2,7 +2,7 @@ use crate::device::DeviceKind;
 use crate::job::{self, TrainOptions};
 use clap::Args;
 use legion_ops::capture::CaptureSetting;
-use legion_ops::train::Sgd;
+use legion_ops::train::{LossReadback, Sgd};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -112,6 +112,11 @@ pub struct TrainArgs {
     /// to measure what drawing them on the device saves.
     #[arg(long)]
     synthetic_on_host: bool,
+    /// On one device, wait for every step's work and read its loss before the next step is
+    /// enqueued, instead of reading it one step late while the next step runs (the same losses
+    /// and weights either way): to measure what the late read saves.
+    #[arg(long)]
+    sync_every_step: bool,
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -148,6 +153,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             false => CaptureSetting::On,
         },
         synthetic_on_device: !a.synthetic_on_host,
+        loss_readback: match a.sync_every_step {
+            true => LossReadback::EveryStep,
+            false => LossReadback::OneStepLate,
+        },
         gpus: a.gpus.map(|g| g.0),
     };
     job::train(graph, &opts)?;
