@@ -189,7 +189,7 @@ PY
         done
         echo "=== throughput, PyTorch on the same GPU (strict FP32, TF32, then bf16 autocast + channels_last)"
         start=$SECONDS
-        if t=$(limit 210); then
+        if t=$(limit 300); then
             timeout "$t" "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 \
                 inception_v3:299:64 resnet50:224:64 --all | tee -a "$out/throughput-pytorch.jsonl" \
                 || failures+=("pytorch")

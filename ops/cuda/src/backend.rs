@@ -95,6 +95,17 @@ pub enum StartError {
     Kernels(#[from] CompileError),
     #[error("CUDA device {ordinal}: {error}")]
     Device { ordinal: usize, error: String },
+    /// bf16 convolutions and products (bf16 data with fp32 accumulation) need compute
+    /// capability 8.0 (Ampere) or later.
+    #[error(
+        "CUDA device {ordinal} has compute capability {major}.{minor}: --precision bf16 needs 8.0 \
+         or later (A100, H100, ...); use --precision fp32 or tf32"
+    )]
+    Bf16Unsupported {
+        ordinal: usize,
+        major: i32,
+        minor: i32,
+    },
 }
 
 /// A failure inside a primitive, kept on its stream.
@@ -152,6 +163,16 @@ impl Cuda {
             error: e.to_string(),
         };
         let context = CudaContext::new(ordinal).map_err(device_error)?;
+        if settings.math == Math::Bf16 {
+            let (major, minor) = context.compute_capability().map_err(device_error)?;
+            if major < 8 {
+                return Err(StartError::Bf16Unsupported {
+                    ordinal,
+                    major,
+                    minor,
+                });
+            }
+        }
         if settings.sharing == Sharing::WithinStreams {
             // SAFETY: before any buffer of this context exists; every buffer is then used on the
             // stream that allocated it, and copy streams wait for explicit events (`Sharing`).

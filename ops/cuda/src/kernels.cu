@@ -306,7 +306,8 @@ ELEMENTWISE_KERNELS(float, )
 ELEMENTWISE_KERNELS(bf16, _bf16)
 
 // y = x + bias[c], then max(·, 0) when `relu`: the bias and fused activation after a cuBLAS or
-// cuDNN product. `bias` (fp32, the master: a bf16 run adds it before rounding) may be null.
+// cuDNN product. `bias` (fp32, the master) may be null. In bf16 the product was already rounded
+// to bf16 by the library; the sum is rounded once more (one extra rounding per output).
 template <class T>
 __device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_lo, int relu, i64 n) {
     GRID_STRIDE(i, n) {

@@ -194,6 +194,9 @@ impl Stream {
         };
         Ok(match mode {
             cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH => Math::Tf32,
+            cublas_sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION => {
+                Math::Bf16
+            }
             _ => Math::StrictFp32,
         })
     }
@@ -329,10 +332,14 @@ impl Cuda {
         // Default math is plain FP32 SGEMM; TF32 tensor cores need CUBLAS_TF32_TENSOR_OP_MATH,
         // set only when asked for. Stated explicitly so that an inherited default cannot change it.
         // In bf16 the products are GemmEx calls on bf16 operands, on the tensor cores whatever
-        // the handle's mode: the mode only governs fp32 GEMMs, which stay strict there.
+        // the handle's mode; the mode (the default's bits plus this flag) keeps split-K sums in
+        // fp32 rather than in a bf16 output, and leaves fp32 GEMMs strict.
         let mode = match self.math() {
-            Math::StrictFp32 | Math::Bf16 => cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
+            Math::StrictFp32 => cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH,
             Math::Tf32 => cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+            Math::Bf16 => {
+                cublas_sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION
+            }
         };
         // SAFETY: a live handle and a valid enum value.
         unsafe { cublas_sys::cublasSetMathMode(*blas.handle(), mode) }
