@@ -427,5 +427,5 @@ pub(crate) fn load_images(
     }
     let staged = s.stream.clone_htod(host)?;
     let tile = Box4::of(tile);
-    cuda.copy_f32(s, &staged, tile, dst, y_layout, tile)
+    cuda.copy_slice(s, &staged, tile, dst, y_layout, tile)
 }

@@ -147,20 +147,6 @@ impl Cuda {
         }
     }
 
-    /// `dst[region] = src[region]` between f32 slices.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn copy_f32(
-        &self,
-        s: &Stream,
-        src: &CudaSlice<f32>,
-        src_layout: Box4,
-        dst: &mut CudaSlice<f32>,
-        dst_layout: Box4,
-        region: Box4,
-    ) -> Launch {
-        self.copy_slice(s, src, src_layout, dst, dst_layout, region)
-    }
-
     /// `dst[region] = src[region]` between slices of one element type.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn copy_slice<T: Element>(
