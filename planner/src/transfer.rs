@@ -186,9 +186,35 @@ pub fn transfer_time(overlaps: &[TileOverlap], machine: &MachineModel, gradient:
 /// bits.
 #[derive(Debug, Default)]
 pub(crate) struct Loads {
-    /// By ([`Loads::link_key`] or [`Loads::lane_key`], the link's seconds per byte and latency as
-    /// bits): (bytes, messages).
-    sums: FastHashMap<(u64, u64, u64), (u64, u64)>,
+    /// By [`Loads::link_key`] or [`Loads::lane_key`].
+    sums: FastHashMap<u64, LaneSum>,
+}
+
+/// One link's or lane's messages, per link that carries them (one, unless per-pair overrides
+/// give a shared lane's routes different links).
+#[derive(Debug)]
+struct LaneSum {
+    first: LinkSum,
+    others: Vec<LinkSum>,
+}
+
+/// Bytes and messages of one link (its seconds per byte and latency, as bits).
+#[derive(Clone, Copy, Debug)]
+struct LinkSum {
+    link: (u64, u64),
+    bytes: u64,
+    messages: u64,
+}
+
+impl LinkSum {
+    fn seconds(&self) -> f64 {
+        lane_seconds(
+            self.bytes,
+            self.messages,
+            f64::from_bits(self.link.0),
+            f64::from_bits(self.link.1),
+        )
+    }
 }
 
 impl Loads {
@@ -216,14 +242,37 @@ impl Loads {
         let Some(route) = route else {
             return;
         };
-        let link = (
-            route.link.seconds_per_byte().to_bits(),
-            route.link.latency_s.to_bits(),
-        );
+        let sum = LinkSum {
+            link: (
+                route.link.seconds_per_byte().to_bits(),
+                route.link.latency_s.to_bits(),
+            ),
+            bytes,
+            messages: u64::from(messages),
+        };
         let mut load = |key: u64| {
-            let sum = self.sums.entry((key, link.0, link.1)).or_default();
-            sum.0 += bytes;
-            sum.1 += u64::from(messages);
+            let lane = self.sums.entry(key).or_insert(LaneSum {
+                first: LinkSum {
+                    bytes: 0,
+                    messages: 0,
+                    ..sum
+                },
+                others: Vec::new(),
+            });
+            let into = if lane.first.link == sum.link {
+                &mut lane.first
+            } else if let Some(other) = lane.others.iter_mut().find(|o| o.link == sum.link) {
+                other
+            } else {
+                lane.others.push(LinkSum {
+                    bytes: 0,
+                    messages: 0,
+                    ..sum
+                });
+                lane.others.last_mut().expect("just pushed")
+            };
+            into.bytes += sum.bytes;
+            into.messages += sum.messages;
         };
         match route.lanes {
             None => load(Self::link_key(from, to)),
@@ -247,23 +296,18 @@ impl Loads {
     /// The busiest link's or lane's seconds. A lane that messages of several links load (only on
     /// a machine with per-pair overrides) adds its links' seconds in the order of their bits.
     pub(crate) fn busiest(&self) -> f64 {
-        let mut sums: Vec<_> = self.sums.iter().collect();
-        sums.sort_unstable_by_key(|(key, _)| **key);
         let mut busiest = 0.0f64;
-        let mut i = 0;
-        while i < sums.len() {
-            let key = sums[i].0.0;
-            let mut seconds = 0.0;
-            while i < sums.len() && sums[i].0.0 == key {
-                let (&(_, per_byte, latency), &(bytes, messages)) = sums[i];
-                seconds += lane_seconds(
-                    bytes,
-                    messages,
-                    f64::from_bits(per_byte),
-                    f64::from_bits(latency),
-                );
-                i += 1;
-            }
+        let mut links = Vec::new();
+        for lane in self.sums.values() {
+            let seconds = if lane.others.is_empty() {
+                lane.first.seconds()
+            } else {
+                links.clear();
+                links.push(lane.first);
+                links.extend_from_slice(&lane.others);
+                links.sort_unstable_by_key(|l| l.link);
+                links.iter().map(LinkSum::seconds).sum()
+            };
             busiest = busiest.max(seconds);
         }
         busiest
