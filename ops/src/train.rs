@@ -541,18 +541,7 @@ impl<B: Backend> Trainer<B> {
                 }
                 let rect = p.spec.shape.full_rect();
                 let mut copy = backend.alloc(&mut stream, DType::Bf16, rect.volume())?;
-                let master = In {
-                    rect,
-                    mem: &weights[slot],
-                };
-                backend.cast(
-                    &mut stream,
-                    master,
-                    Out {
-                        rect,
-                        mem: &mut copy,
-                    },
-                );
+                cast_working_copy(&backend, &mut stream, rect, &weights[slot], &mut copy);
                 Ok(Some(copy))
             })
             .collect::<Result<Vec<_>, KernelError>>()?;
@@ -797,11 +786,7 @@ impl<B: Backend> Trainer<B> {
                 ];
                 pass.run(b, stream, p.layer, rect, Phase::Update { param }, operands)?;
                 if let Some(copy) = &mut working[slot] {
-                    let master = In {
-                        rect,
-                        mem: &weights[slot],
-                    };
-                    b.cast(stream, master, Out { rect, mem: copy });
+                    cast_working_copy(b, stream, rect, &weights[slot], copy);
                 }
             }
             Ok::<_, KernelError>(loss)
@@ -988,6 +973,19 @@ impl<B: Backend> Trainer<B> {
     pub fn capture_status(&self) -> CaptureStatus {
         self.capture.status()
     }
+}
+
+/// `copy = master` over `rect`, rounded to the copy's type: a parameter's bf16 working copy from
+/// its fp32 master.
+fn cast_working_copy<B: Backend>(
+    b: &B,
+    stream: &mut B::Stream,
+    rect: Rect,
+    master: &B::Buffer,
+    copy: &mut B::Buffer,
+) {
+    let master = In { rect, mem: master };
+    b.cast(stream, master, Out { rect, mem: copy });
 }
 
 /// Which step is read once `enqueued` is: itself, read every step; read one step late, the

@@ -110,15 +110,17 @@ fn join(tasks: &mut impl TaskSink, name: impl FnOnce() -> String, deps: &[usize]
     if let [one] = deps {
         return *one;
     }
-    let spec = TaskSpec {
-        kind: TaskKind::Sync,
-        resource: Resource::Join,
-        duration: 0.0,
-        bytes: 0,
-        latency: 0.0,
-    };
-    tasks.push(spec, name, deps)
+    tasks.push(JOIN, name, deps)
 }
+
+/// A zero-length task that only orders others.
+const JOIN: TaskSpec = TaskSpec {
+    kind: TaskKind::Sync,
+    resource: Resource::Join,
+    duration: 0.0,
+    bytes: 0,
+    latency: 0.0,
+};
 
 /// Scratch loads for both directions, reused across slices.
 pub(super) struct CollectiveScratch {
@@ -218,15 +220,8 @@ pub(super) fn sync_slice(
         let names = || format!("{} grads sent", name());
         let done = tasks.push_collective(done, names, &senders);
         for (j, (_, o)) in blocks.iter().enumerate() {
-            let spec = TaskSpec {
-                kind: TaskKind::Sync,
-                resource: Resource::Join,
-                duration: 0.0,
-                bytes: 0,
-                latency: 0.0,
-            };
             let names = || format!("{} grads arrived at {o}", name());
-            owner_arrived[j] = Some(tasks.push(spec, names, &[done]));
+            owner_arrived[j] = Some(tasks.push(JOIN, names, &[done]));
         }
     }
     let mut updates = Vec::with_capacity(blocks.len());

@@ -286,6 +286,38 @@ mod tests {
         m.finish()
     }
 
+    /// Calls `f` for every edge of `g` on `machine` in the paper's space and with reduction
+    /// splits: the edge's name, its geometry (the per-message needs kept), its per-axis needs and
+    /// the producer's and consumer's spaces.
+    fn each_edge(
+        g: &Graph,
+        machine: &MachineModel,
+        transfers: &TransferTables,
+        mut f: impl FnMut(&str, &EdgeGeometry, &AxisNeeds, &ConfigSpace, &ConfigSpace),
+    ) {
+        for search_space in [SearchSpace::Paper, SearchSpace::WithReductions] {
+            let spaces: Vec<ConfigSpace> = g
+                .ids()
+                .map(|id| ConfigSpace::of_layer(g, id, machine.num_devices(), search_space))
+                .collect();
+            for e in graph_edges(g) {
+                let inputs = g.input_shapes(e.dst);
+                let (src_space, dst_space) = (&spaces[e.src.0], &spaces[e.dst.0]);
+                let geometry = transfers.geometry_with(g, &inputs, &e, dst_space, true);
+                let axes = geometry
+                    .axes
+                    .as_ref()
+                    .expect("the catalogue's projections are separable");
+                let what = format!(
+                    "{} → {} on {machine} ({search_space:?})",
+                    g.layer(e.src).name,
+                    g.layer(e.dst).name
+                );
+                f(&what, &geometry, axes, src_space, dst_space);
+            }
+        }
+    }
+
     /// Both ways of building a table agree entry for entry on regular machines, in the paper's
     /// space and with reduction splits (producers' and consumers'), and the per-axis lower bound of
     /// each layout pair is at most every entry of its block pairs.
@@ -306,30 +338,16 @@ mod tests {
             let factorized = Factorized::for_machine(&machine).expect("regular machine");
             let per_message = PerMessage::new(&machine);
             let transfers = TransferTables::new(&machine);
-            for search_space in [SearchSpace::Paper, SearchSpace::WithReductions] {
-                let spaces: Vec<ConfigSpace> = g
-                    .ids()
-                    .map(|id| ConfigSpace::of_layer(&g, id, machine.num_devices(), search_space))
-                    .collect();
-                for e in graph_edges(&g) {
-                    let consumer = g.layer(e.dst);
-                    let inputs = g.input_shapes(e.dst);
-                    let (src_space, dst_space) = (&spaces[e.src.0], &spaces[e.dst.0]);
-                    let geometry = transfers.geometry_with(&g, &inputs, &e, dst_space, true);
-                    let axes = geometry
-                        .axes
-                        .as_ref()
-                        .expect("the catalogue's projections are separable");
+            each_edge(
+                &g,
+                &machine,
+                &transfers,
+                |what, geometry, axes, src_space, dst_space| {
                     reduced_consumers += usize::from(dst_space.has_reductions());
                     reduced_producers += usize::from(src_space.has_reductions());
                     let fast = factorized
-                        .edge_table(&geometry, axes, src_space, dst_space, None, None, None);
-                    let slow = per_message.edge_table(&geometry, src_space, dst_space, None, None);
-                    let what = format!(
-                        "{} → {} on {machine} ({search_space:?})",
-                        g.layer(e.src).name,
-                        consumer.name
-                    );
+                        .edge_table(geometry, axes, src_space, dst_space, None, None, None);
+                    let slow = per_message.edge_table(geometry, src_space, dst_space, None, None);
                     assert_eq!(fast, slow, "{what}");
                     // one set of buffers for every pair, as the search keeps them
                     let mut buffers = PairBuffers::default();
@@ -339,7 +357,7 @@ mod tests {
                             dst_space.config(x % dst_space.len()),
                         );
                         let one = factorized.config_pair_time(
-                            &geometry,
+                            geometry,
                             axes,
                             &src,
                             &dst,
@@ -348,7 +366,7 @@ mod tests {
                         );
                         assert_eq!(one.to_bits(), entry.to_bits(), "{what}: {src:?} → {dst:?}");
                     }
-                    let least = factorized.least_times(&geometry, axes, src_space, dst_space);
+                    let least = factorized.least_times(geometry, axes, src_space, dst_space);
                     let layouts = dst_space.layouts().len();
                     let mut tight = 0;
                     for gi in 0..src_space.layouts().len() {
@@ -364,8 +382,8 @@ mod tests {
                     }
                     // somewhere the bound is exact (a pair whose every tile pair is remote)
                     assert!(tight > 0, "{what}");
-                }
-            }
+                },
+            );
         }
         assert!(reduced_consumers > 0 && reduced_producers > 0);
     }
@@ -404,18 +422,13 @@ mod tests {
             let lanes = transfers.lanes.as_ref().expect("lanes priced per axis");
             let factorized = transfers.factorized.as_ref().expect("regular machine");
             let per_message = PerMessage::new(&machine);
-            for search_space in [SearchSpace::Paper, SearchSpace::WithReductions] {
-                let spaces: Vec<ConfigSpace> = g
-                    .ids()
-                    .map(|id| ConfigSpace::of_layer(&g, id, machine.num_devices(), search_space))
-                    .collect();
-                for e in graph_edges(&g) {
-                    let inputs = g.input_shapes(e.dst);
-                    let (src_space, dst_space) = (&spaces[e.src.0], &spaces[e.dst.0]);
-                    let geometry = transfers.geometry_with(&g, &inputs, &e, dst_space, true);
-                    let axes = geometry.axes.as_ref().expect("separable");
+            each_edge(
+                &g,
+                &machine,
+                &transfers,
+                |what, geometry, axes, src_space, dst_space| {
                     let fast = factorized.edge_table(
-                        &geometry,
+                        geometry,
                         axes,
                         src_space,
                         dst_space,
@@ -423,34 +436,29 @@ mod tests {
                         None,
                         Some(lanes),
                     );
-                    let slow = per_message.edge_table(&geometry, src_space, dst_space, None, None);
+                    let slow = per_message.edge_table(geometry, src_space, dst_space, None, None);
                     let mut buffers = PairBuffers::default();
                     for (x, entry) in fast.iter().enumerate().step_by(5) {
                         let (src, dst) = (
                             src_space.config(x / dst_space.len()),
                             dst_space.config(x % dst_space.len()),
                         );
-                        let one = transfers.config_pair_time(&geometry, &src, &dst, &mut buffers);
-                        assert_eq!(
-                            one.map(f64::to_bits),
-                            Some(entry.to_bits()),
-                            "{src:?} → {dst:?}"
-                        );
+                        let one = transfers.config_pair_time(geometry, &src, &dst, &mut buffers);
+                        let one = one.map(f64::to_bits);
+                        assert_eq!(one, Some(entry.to_bits()), "{what}: {src:?} → {dst:?}");
                     }
                     for (x, (f, s)) in fast.iter().zip(&slow).enumerate() {
                         assert_eq!(
                             f.to_bits(),
                             s.to_bits(),
-                            "{} → {} on {machine} ({search_space:?}): {:?} → {:?}: {f} against {s}",
-                            g.layer(e.src).name,
-                            g.layer(e.dst).name,
+                            "{what}: {:?} → {:?}: {f} against {s}",
                             src_space.config(x / dst_space.len()),
                             dst_space.config(x % dst_space.len()),
                         );
                     }
                     priced += fast.len();
-                }
-            }
+                },
+            );
         }
         assert!(priced > 0);
     }

@@ -69,9 +69,6 @@ impl LaneTopology {
     }
 
     fn seconds(&self, link: Link, load: Load) -> f64 {
-        if load.messages == 0 {
-            return 0.0;
-        }
         lane_seconds(
             load.elements.saturating_mul(self.element_bytes),
             load.messages,
@@ -110,50 +107,43 @@ impl LaneTopology {
         // Per node of a block, its busiest NIC when the other block has no tile on it: the
         // larger block's nodes but the smaller one's when nested, every node when disjoint across
         // nodes.
-        let side_groups = |producer: bool, out: &mut LaneScratch, big_side: bool| {
+        let side_groups = |producer: bool| -> Vec<f64> {
             let (side, tiles) = if producer {
                 (src, &out.src_sends)
             } else {
                 (dst, &out.dst_receives)
             };
             let size = side.total.min(self.node_size);
-            let groups = (0..side.total / size).map(|g| match self.nics {
-                Nics::None => 0.0,
-                Nics::PerDevice => tiles[g * size..(g + 1) * size]
-                    .iter()
-                    .fold(0.0f64, |m, &l| m.max(self.seconds(self.inter, l))),
-                Nics::PerNode => {
-                    let load = if producer {
-                        pair.sum(&src.tiles(g * size, size), &dst_all)
-                    } else {
-                        pair.sum(&src_all, &dst.tiles(g * size, size))
-                    };
-                    self.seconds(self.inter, load)
-                }
-            });
-            let mut groups: Vec<f64> = groups.collect();
-            std::mem::swap(
-                if big_side {
-                    &mut out.big_groups
-                } else {
-                    &mut out.small_groups
-                },
-                &mut groups,
-            );
+            (0..side.total / size)
+                .map(|g| match self.nics {
+                    Nics::None => 0.0,
+                    Nics::PerDevice => tiles[g * size..(g + 1) * size]
+                        .iter()
+                        .fold(0.0f64, |m, &l| m.max(self.seconds(self.inter, l))),
+                    Nics::PerNode => {
+                        let load = if producer {
+                            pair.sum(&src.tiles(g * size, size), &dst_all)
+                        } else {
+                            pair.sum(&src_all, &dst.tiles(g * size, size))
+                        };
+                        self.seconds(self.inter, load)
+                    }
+                })
+                .collect()
         };
-        side_groups(producer_big, out, true);
-        side_groups(!producer_big, out, false);
+        let big_groups = side_groups(producer_big);
+        let small_groups = side_groups(!producer_big);
         // maxima of the larger block's groups before and from each group
         out.before.clear();
         out.before.push(0.0);
-        for g in 0..groups {
+        for (g, &v) in big_groups.iter().enumerate() {
             let last = out.before[g];
-            out.before.push(last.max(out.big_groups[g]));
+            out.before.push(last.max(v));
         }
         out.from.clear();
         out.from.resize(groups + 1, 0.0);
         for g in (0..groups).rev() {
-            out.from[g] = out.from[g + 1].max(out.big_groups[g]);
+            out.from[g] = out.from[g + 1].max(big_groups[g]);
         }
 
         let double = |t: f64| if gradient { t + t } else { t };
@@ -171,10 +161,9 @@ impl LaneTopology {
         };
         values.push(double(disjoint_intra));
         // disjoint across nodes: every node holds one block's tiles only
-        let disjoint_inter = out
-            .big_groups
+        let disjoint_inter = big_groups
             .iter()
-            .chain(&out.small_groups)
+            .chain(&small_groups)
             .fold(0.0f64, |m, &v| m.max(v));
         values.push(double(disjoint_inter));
         // nested: the nodes of the smaller block hold tiles of both
@@ -498,8 +487,6 @@ pub(super) struct LaneScratch {
     /// Per tile of a shared node, what it exchanges within the node.
     node_tiles: Vec<Load>,
     spare: Vec<Load>,
-    big_groups: Vec<f64>,
-    small_groups: Vec<f64>,
     before: Vec<f64>,
     from: Vec<f64>,
 }
