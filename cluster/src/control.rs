@@ -139,11 +139,12 @@ impl PieceRef {
     }
 }
 
-/// A piece's data, f32 or f64 (batch-norm statistics) by the instance's type.
+/// A piece's data, f32, f64 (batch-norm statistics) or bf16 bits, by the instance's type.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub enum PieceData {
     F32(Vec<f32>),
     F64(Vec<f64>),
+    Bf16(Vec<u16>),
 }
 
 impl From<Buffer> for PieceData {
@@ -151,6 +152,7 @@ impl From<Buffer> for PieceData {
         match b {
             Buffer::F32(v) => PieceData::F32(v),
             Buffer::F64(v) => PieceData::F64(v),
+            Buffer::Bf16(v) => PieceData::Bf16(v),
         }
     }
 }
@@ -160,6 +162,7 @@ impl From<PieceData> for Buffer {
         match d {
             PieceData::F32(v) => Buffer::F32(v),
             PieceData::F64(v) => Buffer::F64(v),
+            PieceData::Bf16(v) => Buffer::Bf16(v),
         }
     }
 }

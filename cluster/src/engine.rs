@@ -5,12 +5,13 @@
 
 use crate::hosts::Hosts;
 use crate::remote::RemoteCluster;
-use legion_ops::Graph;
 use legion_ops::backend::Backend;
+use legion_ops::backend::cpu::{Cpu, CpuStream};
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::data::SyntheticBatch;
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{BatchInput, LossReadback, Sgd, StepStats, Trainer, TrainingState};
+use legion_ops::{Graph, Precision};
 use legion_runtime::StepReport;
 use legion_runtime::plan::StepPlan;
 use legion_runtime::{EmbeddedCluster, Placement};
@@ -60,6 +61,9 @@ pub struct JobStart<'a> {
     pub state: TrainingState,
     pub sgd: Sgd,
     pub seed: u64,
+    /// What the job computes in. A GPU's devices must have been opened in it; a cluster's
+    /// workers compute in fp32 or tf32 (the driver refuses bf16 on them, `check_hosts`).
+    pub precision: Precision,
 }
 
 /// One step's batch.
@@ -148,7 +152,21 @@ pub trait Engine {
 pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engine>> {
     Ok(match place {
         Place::OneDevice(readback) => {
-            let mut trainer = Trainer::resume(job.graph.clone(), job.state, job.sgd, job.seed);
+            let mut trainer = match job.precision {
+                Precision::Bf16 => {
+                    let cpu = Cpu::new(Precision::Bf16);
+                    let (graph, state) = (job.graph.clone(), job.state);
+                    let mut t =
+                        Trainer::resume_on(cpu, CpuStream, graph, state, job.sgd, job.seed)?;
+                    // The CPU runs each kernel when it is called: nothing to record.
+                    t.set_capture(CaptureSetting::Off);
+                    t
+                }
+                // tf32 is fp32 on the CPU, which has no TF32 units.
+                Precision::Fp32 | Precision::Tf32 => {
+                    Trainer::resume(job.graph.clone(), job.state, job.sgd, job.seed)
+                }
+            };
             trainer.set_loss_readback(readback);
             Box::new(trainer)
         }
@@ -181,6 +199,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.sgd,
             job.seed,
             &placement,
+            job.precision,
         )?),
         Place::Cluster {
             hosts,

@@ -623,13 +623,7 @@ impl RemoteCluster {
                 out[*k].copy_from(&full, &data, &rect, &rect);
             }
         }
-        Ok(out
-            .into_iter()
-            .map(|b| match b {
-                Buffer::F32(v) => v,
-                Buffer::F64(_) => unreachable!("gathered as f32"),
-            })
-            .collect())
+        Ok(out.into_iter().map(Buffer::into_f32).collect())
     }
 }
 

@@ -133,12 +133,12 @@ pub fn run(
         job::check_output_path("--chart", path)?;
     }
     if args.compare {
-        // --compare measures on the CPU (embedded devices or workers' cores), whose products
-        // are fp32: bf16 there would silently be an fp32 comparison.
+        // --compare prices its simulation with a profile, and runs its strategies, in fp32:
+        // bf16 there would silently be an fp32 comparison.
         if args.precision.given() == Some(legion_ops::Precision::Bf16) {
             anyhow::bail!(
-                "{} (--compare measures on the CPU)",
-                legion_cli::precision::BF16_NEEDS_GPU
+                "{} (--compare profiles each strategy)",
+                legion_cli::precision::BF16_NO_PROFILE
             );
         }
         let cluster = match (&args.cluster, args.slurm) {

@@ -12,21 +12,28 @@
 
 mod support;
 
-use legion_cuda::{ConvAlgos, Cuda, Settings};
-use legion_ops::Graph;
+use legion_cuda::{ConvAlgos, Cuda, Math, Settings};
 use legion_ops::train::{ParamStore, Sgd};
+use legion_ops::{Graph, Precision};
 use legion_planner::search::SearchKind;
 use legion_runtime::{EmbeddedCluster, Placement};
 use std::sync::Arc;
+use support::bf16::Bf16Reference;
 use support::*;
 
 /// The GPU the devices share, or why there is none. Its convolutions use the `precise`
 /// algorithms, whose results differ from the CPU's by the order of the sums alone: the
 /// `fastest` ones are bounded against these in `ops/cuda/tests/gpu_training.rs`.
 fn gpu() -> Result<Arc<Cuda>, String> {
+    gpu_in(Math::StrictFp32)
+}
+
+/// [`gpu`] computing in `math`.
+fn gpu_in(math: Math) -> Result<Arc<Cuda>, String> {
     legion_cuda::probe().map_err(|e| e.to_string())?;
     let settings = Settings {
         conv_algos: ConvAlgos::Precise,
+        math,
         ..Settings::default()
     };
     Cuda::with_settings(0, settings)
@@ -62,6 +69,7 @@ fn check(graph: &Graph, placement: &Placement, failures: &mut Vec<String>) {
             Sgd::default(),
             11,
             placement,
+            Precision::Fp32,
         );
         let mut cluster = match cluster {
             Ok(c) => c,
@@ -144,5 +152,81 @@ fn every_strategy_on_gpu_devices_trains_the_same_network_as_one_cpu_device() {
     }
     // The ops added by ARCHITECTURE.md's recipe, through the CUDA backend too.
     check(&recipe_net(), &placement, &mut failures);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The invariant in bf16 on a GPU: every strategy on 4 GPU devices sharing the GPU, computing in
+/// bf16 (cuDNN and cuBLAS on bf16 operands, bf16 slices between the devices), against the
+/// one-device trainer in bf16 on the CPU, within the tolerance `bf16_equivalence.rs` derives from
+/// bf16 rounding (what perturbing the initial weights by half a bf16 ulp moves each update by,
+/// times `ROUNDING_FACTOR`). Skips without a GPU, and on a GPU before compute capability 8.0
+/// (no bf16 tensor cores: refused at start).
+#[test]
+fn every_strategy_on_gpu_devices_in_bf16_trains_the_same_network_as_one_device_in_bf16() {
+    let gpu = match gpu_in(Math::Bf16) {
+        Ok(gpu) => gpu,
+        Err(why) => {
+            return legion_ops::require::skip(
+                legion_ops::require::Need::Gpu,
+                format!("no GPU usable in bf16: {why}"),
+            );
+        }
+    };
+    let placement = Placement::Gpus(vec![gpu]);
+    let mut failures = Vec::new();
+    for graph in [model("lenet5", 28), model("alexnet", 64), recipe_net()] {
+        let reference = Bf16Reference::train(&graph);
+        let mut strategies = vec![
+            ("data", searched(&graph, SearchKind::Data)),
+            ("model", searched(&graph, SearchKind::Model)),
+            ("owt", searched(&graph, SearchKind::Owt)),
+            ("optcnn", searched(&graph, SearchKind::OptCnn)),
+            ("random-1", random(&graph, 1)),
+        ];
+        strategies.extend(reduction_strategies(&graph).into_iter().take(2));
+        for (name, configs) in &strategies {
+            let state = legion_ops::train::TrainingState::start(reference.init.clone());
+            let sgd = Sgd::default();
+            let started = EmbeddedCluster::resume_on(
+                &graph,
+                configs,
+                DEVICES,
+                &state,
+                sgd,
+                11,
+                &placement,
+                Precision::Bf16,
+            );
+            let mut cluster = match started {
+                Ok(c) => c,
+                Err(e) => {
+                    failures.push(format!("{}/{name} in bf16: start: {e}", graph.name));
+                    continue;
+                }
+            };
+            let mut losses = Vec::new();
+            for step in 0..STEPS {
+                let (images, labels) = batch(&graph, step);
+                match cluster.step(images, labels, false) {
+                    Ok(r) => losses.push(r.stats.loss),
+                    Err(e) => {
+                        failures.push(format!("{}/{name} in bf16 step {step}: {e}", graph.name));
+                        break;
+                    }
+                }
+            }
+            if losses.len() < STEPS as usize {
+                continue;
+            }
+            match cluster.params() {
+                Ok(trained) => failures.extend(reference.check(name, &trained, &losses)),
+                Err(e) => failures.push(format!("{}/{name} in bf16: weights: {e}", graph.name)),
+            }
+            println!(
+                "{}/{name}: {STEPS} bf16 steps on {DEVICES} GPU devices",
+                graph.name
+            );
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

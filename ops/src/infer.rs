@@ -34,7 +34,7 @@ pub fn logits(graph: &Graph, params: &ParamStore, images: &[f32]) -> Result<Vec<
         sgd: Sgd::default(),
         batch: BatchView::whole(images, &[], graph.batch()),
     };
-    let (backend, mut stream) = (Cpu, CpuStream);
+    let (backend, mut stream) = (Cpu::default(), CpuStream);
     let mut acts: Vec<Buffer> = Vec::with_capacity(graph.layers().len());
     for id in graph.ids() {
         let layer = graph.layer(id);

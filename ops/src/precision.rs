@@ -138,7 +138,7 @@ impl FromStr for Precision {
 /// keeps. NaN stays a (quiet) NaN; values past the largest bf16 round to infinity. The host's
 /// statement of the GPU's cast, for tolerances and references.
 pub fn round_bf16(x: f32) -> f32 {
-    f32::from_bits(u32::from(bf16_bits(x)) << 16)
+    bf16_value(bf16_bits(x))
 }
 
 /// The bf16 bits of `x`, rounded to nearest even: the upper half of the f32 after adding half an
@@ -151,6 +151,11 @@ pub fn bf16_bits(x: f32) -> u16 {
     }
     let rounding = 0x7fff + ((bits >> 16) & 1);
     (bits.wrapping_add(rounding) >> 16) as u16
+}
+
+/// The f32 that bf16 bits `b` stand for (exact: every bf16 is an f32).
+pub fn bf16_value(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
 }
 
 /// The largest relative error of one value stored in bf16 (8 significant bits, rounded to

@@ -491,7 +491,7 @@ impl Trainer<Cpu> {
             weights: params.values.into_iter().map(Buffer::F32).collect(),
             velocity: momentum.into_iter().map(Buffer::F32).collect(),
             graph,
-            backend: Cpu,
+            backend: Cpu::default(),
             stream: CpuStream,
             sgd,
             seed,
@@ -1576,10 +1576,23 @@ mod tests {
         // fp32: no working copies
         let masters_only: Vec<Option<Buffer>> = buffers.iter().map(|_| None).collect();
         let (acts, _, saved) = pass
-            .forward(&Cpu, &mut stream, &mut buffers, &masters_only, &input)
+            .forward(
+                &Cpu::default(),
+                &mut stream,
+                &mut buffers,
+                &masters_only,
+                &input,
+            )
             .unwrap();
         let grads = pass
-            .backward(&Cpu, &mut stream, &buffers, &masters_only, &acts, &saved)
+            .backward(
+                &Cpu::default(),
+                &mut stream,
+                &buffers,
+                &masters_only,
+                &acts,
+                &saved,
+            )
             .unwrap();
         // The loss of the step at weights `w` for parameter `slot`.
         let loss_at = |slot: usize, w: &[f32]| {
@@ -1587,7 +1600,13 @@ mod tests {
             probe[slot] = Buffer::F32(w.to_vec());
             let input = Buffer::F32(images.clone());
             let (_, loss, _) = pass
-                .forward(&Cpu, &mut CpuStream, &mut probe, &masters_only, &input)
+                .forward(
+                    &Cpu::default(),
+                    &mut CpuStream,
+                    &mut probe,
+                    &masters_only,
+                    &input,
+                )
                 .unwrap();
             let (sums, samples) = loss.expect("the graph has a loss");
             sums.loss_sum / samples as f64

@@ -184,9 +184,7 @@ impl StepGraph {
     /// Bytes that cross between devices per step.
     pub fn remote_bytes(&self, regions: &Regions) -> u64 {
         self.remote_copies()
-            .map(|(_, s, _, rect)| {
-                (rect.volume() * regions.info(s.region).kind.dtype().size()) as u64
-            })
+            .map(|(_, s, _, rect)| (rect.volume() * regions.info(s.region).dtype.size()) as u64)
             .sum()
     }
 }

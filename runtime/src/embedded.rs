@@ -17,6 +17,7 @@ use crate::transport::Transport;
 use kameo::actor::{ActorRef, Spawn};
 use kameo::mailbox;
 use legion_ops::Graph;
+use legion_ops::Precision;
 use legion_ops::kernels::softmax_ce::LabelOutOfRange;
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
@@ -35,6 +36,11 @@ pub enum RuntimeError {
     Device { device: usize, message: String },
     #[error("device {device} stopped responding")]
     DeviceLost { device: usize },
+    #[error(
+        "the step computes in {step} but its GPUs were opened to compute in {gpus}: open them \
+         with the step's precision"
+    )]
+    PrecisionMismatch { step: Precision, gpus: Precision },
     #[error("the batch has {got} image values, the input layer takes {expected} for its samples")]
     BatchSize { got: usize, expected: usize },
     #[error("the batch has {got} labels for {expected} samples")]
@@ -89,6 +95,32 @@ impl EmbeddedCluster {
             seed,
             first_step,
             &Placement::Cpu,
+            Precision::Fp32,
+        )
+    }
+
+    /// [`EmbeddedCluster::start`] computing in `precision` on this process's cores (bf16 stores
+    /// activations and their gradients in bf16, as a GPU does; see `legion_ops::precision`).
+    pub fn start_in(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        devices: usize,
+        params: &ParamStore,
+        sgd: Sgd,
+        seed: u64,
+        precision: Precision,
+    ) -> Result<EmbeddedCluster, RuntimeError> {
+        EmbeddedCluster::start_with(
+            graph,
+            configs,
+            devices,
+            params,
+            None,
+            sgd,
+            seed,
+            0,
+            &Placement::Cpu,
+            precision,
         )
     }
 
@@ -101,10 +133,15 @@ impl EmbeddedCluster {
         sgd: Sgd,
         seed: u64,
     ) -> Result<EmbeddedCluster, RuntimeError> {
-        EmbeddedCluster::resume_on(graph, configs, devices, state, sgd, seed, &Placement::Cpu)
+        let (placement, precision) = (&Placement::Cpu, Precision::Fp32);
+        EmbeddedCluster::resume_on(
+            graph, configs, devices, state, sgd, seed, placement, precision,
+        )
     }
 
-    /// [`EmbeddedCluster::resume`] with the devices placed by `placement`.
+    /// [`EmbeddedCluster::resume`] with the devices placed by `placement`, computing in
+    /// `precision` (GPUs must have been opened to compute in it).
+    #[allow(clippy::too_many_arguments)]
     pub fn resume_on(
         graph: &Graph,
         configs: &[ParallelConfig],
@@ -113,6 +150,7 @@ impl EmbeddedCluster {
         sgd: Sgd,
         seed: u64,
         placement: &Placement,
+        precision: Precision,
     ) -> Result<EmbeddedCluster, RuntimeError> {
         EmbeddedCluster::start_with(
             graph,
@@ -124,6 +162,7 @@ impl EmbeddedCluster {
             seed,
             state.step,
             placement,
+            precision,
         )
     }
 
@@ -138,8 +177,24 @@ impl EmbeddedCluster {
         seed: u64,
         first_step: u64,
         placement: &Placement,
+        precision: Precision,
     ) -> Result<EmbeddedCluster, RuntimeError> {
-        let plan = Arc::new(StepPlan::build(graph, configs, devices)?);
+        if let Placement::Gpus(gpus) = placement {
+            let tf32_as_fp32 = |p| match p {
+                Precision::Tf32 => Precision::Fp32,
+                p => p,
+            };
+            for gpu in gpus {
+                let opened = legion_ops::backend::Backend::precision(&**gpu);
+                if tf32_as_fp32(opened) != tf32_as_fp32(precision) {
+                    return Err(RuntimeError::PrecisionMismatch {
+                        step: precision,
+                        gpus: opened,
+                    });
+                }
+            }
+        }
+        let plan = Arc::new(StepPlan::build_in(graph, configs, devices, precision)?);
         let graph = Arc::new(graph.clone());
         let runtime = device_runtime();
         let programs: Vec<Arc<DeviceProgram>> =
@@ -262,10 +317,8 @@ impl EmbeddedCluster {
             }
             Ok::<_, RuntimeError>(())
         })?;
-        match out {
-            Buffer::F32(v) => Ok(v),
-            Buffer::F64(_) => unreachable!("persistent regions are f32"),
-        }
+        // Persistent regions (masters, momentum) are f32 in every precision.
+        Ok(out.into_f32())
     }
 }
 
@@ -365,9 +418,9 @@ pub fn initial_instances(
             }
             RegionKind::Velocity => match momentum {
                 Some(m) => piece_of(&m[plan.momentum_slot_of(region).expect("momentum region")]),
-                None => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
+                None => Buffer::zeros(info.dtype, at.rect.volume()),
             },
-            _ => Buffer::zeros(info.kind.dtype(), at.rect.volume()),
+            _ => Buffer::zeros(info.dtype, at.rect.volume()),
         };
         per_device[at.device].push((at.instance, at.rect, data));
     }

@@ -4,10 +4,12 @@
 use crate::buffer::Buffer;
 use crate::task::{TaskKind, TaskSpec};
 use legion_ops::Graph;
+use legion_ops::Precision;
 pub use legion_ops::backend::BatchView;
 use legion_ops::backend::cpu::{Cpu, CpuStream};
 use legion_ops::backend::{
-    Backend, KernelCall, KernelError, LossSums, Operand, Phase, StepContext,
+    Access, Backend, DType, In, KernelCall, KernelError, LossSums, Operand, Out, Phase, Role,
+    StepContext,
 };
 use legion_ops::train::Sgd;
 use std::ops::Range;
@@ -50,6 +52,9 @@ impl StepInput {
 /// What the tasks of a run share.
 pub struct ExecContext<'a> {
     pub graph: &'a Graph,
+    /// What the step computes in: in bf16, conv2d and dense read a bf16 working copy of their
+    /// weight (see [`enqueue`]).
+    pub precision: Precision,
     pub seed: u64,
     pub sgd: Sgd,
     pub input: &'a StepInput,
@@ -59,7 +64,7 @@ pub struct ExecContext<'a> {
 pub type TaskOutcome = LossSums;
 
 /// A task's access to the buffer of one requirement.
-pub type Access<'a> = legion_ops::backend::Access<'a, Buffer>;
+pub type HostAccess<'a> = Access<'a, Buffer>;
 
 /// The kernel phase a task runs; `None` for the overhead probe, which computes nothing.
 fn phase(kind: TaskKind) -> Option<Phase> {
@@ -85,26 +90,58 @@ fn phase(kind: TaskKind) -> Option<Phase> {
 pub fn execute(
     ctx: &ExecContext,
     task: &TaskSpec,
-    access: Vec<Access<'_>>,
+    access: Vec<HostAccess<'_>>,
 ) -> Result<TaskOutcome, KernelError> {
-    let mut stream = CpuStream;
-    let loss = enqueue(&Cpu, &mut stream, ctx, task, access)?;
-    Cpu.synchronize(&mut stream)?;
-    Ok(loss.map(|l| Cpu.read_loss(l)).unwrap_or_default())
+    let (cpu, mut stream) = (Cpu::new(ctx.precision), CpuStream);
+    let loss = enqueue(&cpu, &mut stream, ctx, task, access, &mut None)?;
+    cpu.synchronize(&mut stream)?;
+    Ok(loss.map(|l| cpu.read_loss(l)).unwrap_or_default())
 }
 
 /// Enqueues `task`'s kernel on `stream` with `access[i]` for requirement `i`, on any backend.
 /// Returns the loss layer's report, to read once the stream has synchronized.
+///
+/// Where the step's precision reads a parameter through a working copy (conv2d's and dense's
+/// weight in bf16, `Precision::working_copy`), the kernel reads `working` instead, cast from the
+/// fp32 master just before it. `working` is the task's own: allocated here on first use, and
+/// kept by the caller across steps (the task's weight slice never changes size), so a device's
+/// steady state allocates nothing. The update still writes the master.
 pub fn enqueue<'a, B: Backend>(
     backend: &B,
     stream: &mut B::Stream,
     ctx: &ExecContext,
     task: &TaskSpec,
-    access: Vec<legion_ops::backend::Access<'a, B::Buffer>>,
+    mut access: Vec<Access<'a, B::Buffer>>,
+    working: &'a mut Option<B::Buffer>,
 ) -> Result<Option<B::Loss>, KernelError> {
     let Some(phase) = phase(task.kind) else {
         return Ok(None);
     };
+    let op = &ctx.graph.layer(task.layer).op;
+    let through_copy = |role: Role| {
+        !matches!(phase, Phase::Update { .. })
+            && role == Role::Param(0)
+            && ctx.precision.working_copy(op, 0)
+    };
+    if let Some(k) = task.requirements.iter().position(|r| through_copy(r.role)) {
+        let rect = task.requirements[k].rect;
+        let Access::Read(master) = access[k] else {
+            return Err(KernelError::Device(format!(
+                "{}: its weight is lent for writing where a working copy is read",
+                task.label(ctx.graph)
+            )));
+        };
+        if working.is_none() {
+            *working = Some(backend.alloc(stream, DType::Bf16, rect.volume())?);
+        }
+        let copy = Option::as_mut(working).expect("allocated above");
+        let to = Out {
+            rect,
+            mem: &mut *copy,
+        };
+        backend.cast(stream, In { rect, mem: master }, to);
+        access[k] = Access::Read(copy);
+    }
     let operands = task
         .requirements
         .iter()

@@ -51,7 +51,7 @@ mod tests {
             rect: layout,
             mem: dst,
         };
-        fold(&Cpu, &mut CpuStream, to, &terms, &rect, acc);
+        fold(&Cpu::default(), &mut CpuStream, to, &terms, &rect, acc);
     }
 
     #[test]

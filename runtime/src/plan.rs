@@ -14,7 +14,7 @@ use crate::region::{RegionId, RegionKind, Regions};
 use crate::task::TaskKind;
 use legion_ops::op::Op;
 use legion_ops::partition::{DeviceId, ParallelConfig};
-use legion_ops::{Graph, Rect};
+use legion_ops::{Graph, Precision, Rect};
 use std::collections::HashMap;
 use std::ops::Range;
 use thiserror::Error;
@@ -54,6 +54,7 @@ pub struct Located {
 }
 
 pub struct StepPlan {
+    /// Its regions, whose element types say what the step computes in (`Regions::precision`).
     pub regions: Regions,
     pub configs: Vec<ParallelConfig>,
     pub step: StepGraph,
@@ -63,10 +64,22 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
+    /// The plan of a step computed in fp32 (or tf32, which stores the same).
     pub fn build(
         graph: &Graph,
         configs: &[ParallelConfig],
         num_devices: usize,
+    ) -> Result<StepPlan, PlanError> {
+        StepPlan::build_in(graph, configs, num_devices, Precision::Fp32)
+    }
+
+    /// The plan of a step computed in `precision`: in bf16 its activations, their gradients and
+    /// the partial sums are bf16 regions, so every slice of them moves half the bytes.
+    pub fn build_in(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        num_devices: usize,
+        precision: Precision,
     ) -> Result<StepPlan, PlanError> {
         let mapper = Mapper::new(graph, configs);
         if mapper.num_devices() > num_devices {
@@ -75,7 +88,7 @@ impl StepPlan {
                 devices: num_devices,
             });
         }
-        let regions = Regions::for_graph(graph);
+        let regions = Regions::for_graph(graph, precision);
 
         let mut first = Analysis::new(&regions);
         lower::place_on_owners(&mut first, &regions, &mapper);
@@ -215,6 +228,96 @@ impl StepPlan {
             instance: self.programs[device]
                 .local_instance(instance)
                 .expect("every instance belongs to its device's program"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::{DType, RegionKind};
+    use legion_ops::Dim;
+    use legion_ops::zoo;
+
+    /// Bytes that cross between devices per step, split into those of activations, their
+    /// gradients and partial sums, and the rest (weights, their gradients, batch-norm sums).
+    fn remote_bytes_by_kind(plan: &StepPlan) -> (u64, u64) {
+        let (mut activations, mut rest) = (0, 0);
+        for (_, src, _, rect) in plan.step.remote_copies() {
+            let info = plan.regions.info(src.region);
+            let bytes = (rect.volume() * info.dtype.size()) as u64;
+            match info.kind {
+                RegionKind::Activation
+                | RegionKind::Gradient
+                | RegionKind::Partial
+                | RegionKind::PartialGrad => activations += bytes,
+                _ => rest += bytes,
+            }
+        }
+        (activations, rest)
+    }
+
+    /// bf16 plans the same copies as fp32, and the activations' half of them moves exactly half
+    /// the bytes; the masters' (weights, their gradients) stay f32. The per-sample losses are the
+    /// one activation that stays f32.
+    #[test]
+    fn bf16_halves_the_bytes_of_activations_and_keeps_the_weights() {
+        let z = zoo::find("lenet5").unwrap();
+        let g = z.build(&z.default_config(8)).unwrap();
+        for dim in [Dim::N, Dim::C, Dim::H] {
+            let configs: Vec<ParallelConfig> = g
+                .layers()
+                .iter()
+                .map(|l| {
+                    match l.op.spec().parallel_dims(&l.shape).contains(&dim)
+                        && l.shape.dim(dim.axis()) >= 4
+                    {
+                        true => ParallelConfig::split(dim, 4, 0),
+                        false => ParallelConfig::serial(0),
+                    }
+                })
+                .collect();
+            let fp32 = StepPlan::build(&g, &configs, 4).unwrap();
+            let bf16 = StepPlan::build_in(&g, &configs, 4, Precision::Bf16).unwrap();
+            assert_eq!(
+                fp32.step.remote_copies().count(),
+                bf16.step.remote_copies().count()
+            );
+            let ((a32, w32), (a16, w16)) =
+                (remote_bytes_by_kind(&fp32), remote_bytes_by_kind(&bf16));
+            let losses = bf16
+                .step
+                .remote_copies()
+                .filter(|(_, s, _, _)| bf16.regions.info(s.region).dtype == DType::F32)
+                .filter(|(_, s, _, _)| {
+                    matches!(
+                        bf16.regions.info(s.region).kind,
+                        RegionKind::Activation | RegionKind::Gradient
+                    )
+                })
+                .map(|(_, _, _, r)| r.volume() as u64 * 4)
+                .sum::<u64>();
+            // (data parallelism moves only weight gradients and batch-norm sums)
+            assert!(
+                dim == Dim::N || a32 > 0,
+                "{dim:?}: the strategy moves activations"
+            );
+            assert_eq!(a16, (a32 - losses) / 2 + losses, "{dim:?}");
+            assert_eq!(w16, w32, "{dim:?}");
+            assert_eq!(bf16.remote_bytes(), a16 + w16);
+            // Every region keeps its fp32 type but activations, gradients and partial sums.
+            for id in bf16.regions.ids() {
+                let (info, f) = (bf16.regions.info(id), fp32.regions.info(id));
+                match (info.kind, f.dtype) {
+                    (RegionKind::BnMoments | RegionKind::BnGradSums, d) => {
+                        assert_eq!(d, DType::F64)
+                    }
+                    (RegionKind::Param | RegionKind::ParamGrad | RegionKind::Velocity, _) => {
+                        assert_eq!(info.dtype, DType::F32)
+                    }
+                    _ => assert!(info.dtype == DType::Bf16 || info.name.starts_with("loss")),
+                }
+            }
         }
     }
 }

@@ -7,8 +7,8 @@
 use crate::analysis::{InstanceId, OpId, OpKind, StepGraph};
 use crate::region::{DType, Regions};
 use crate::task::TaskSpec;
-use legion_ops::Rect;
 use legion_ops::partition::DeviceId;
+use legion_ops::{Precision, Rect};
 
 /// A physical instance as a device stores it.
 #[derive(Clone, Debug, PartialEq)]
@@ -84,6 +84,8 @@ impl LocalOp {
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceProgram {
     pub device: DeviceId,
+    /// What its tasks compute in (the regions' `Regions::precision`).
+    pub precision: Precision,
     pub instances: Vec<LocalInstance>,
     pub ops: Vec<LocalOp>,
     /// For each op, the local ops that depend on it.
@@ -109,6 +111,7 @@ pub fn split_programs(
     let mut programs: Vec<DeviceProgram> = (0..num_devices)
         .map(|device| DeviceProgram {
             device,
+            precision: regions.precision(),
             instances: Vec::new(),
             ops: Vec::new(),
             dependents: Vec::new(),
@@ -122,7 +125,7 @@ pub fn split_programs(
         p.instances.push(LocalInstance {
             global: g as InstanceId,
             rect: inst.rect,
-            dtype: regions.info(inst.region).kind.dtype(),
+            dtype: regions.info(inst.region).dtype,
         });
     }
     let device_of = |i: InstanceId| graph.instances[i as usize].device;
@@ -312,6 +315,7 @@ pub fn empty_program(
     }
     DeviceProgram {
         device,
+        precision: Precision::Fp32,
         instances,
         ops,
         dependents,

@@ -8,7 +8,7 @@
 use legion_ops::op::{Op, OpSpec};
 use legion_ops::partition::ParallelConfig;
 use legion_ops::partition::tile_rect;
-use legion_ops::{Graph, LayerId, Rect, Shape};
+use legion_ops::{Graph, LayerId, Precision, Rect, Shape};
 use std::fmt;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -64,10 +64,18 @@ impl RegionKind {
         matches!(self, RegionKind::Param | RegionKind::Velocity)
     }
 
-    pub fn dtype(self) -> DType {
+    /// The element type of a region of this kind for a layer computing `op` in `precision`:
+    /// f64 for batch-norm sums; f32 for parameters, their gradients and momentum (the masters, in
+    /// every precision); for activations, their gradients and partial sums, the layer's output
+    /// type ([`DType::output`]: bf16 in a bf16 run, but f32 for the per-sample losses).
+    pub fn dtype(self, op: &Op, precision: Precision) -> DType {
         match self {
             RegionKind::BnMoments | RegionKind::BnGradSums => DType::F64,
-            _ => DType::F32,
+            RegionKind::Param | RegionKind::ParamGrad | RegionKind::Velocity => DType::F32,
+            RegionKind::Activation
+            | RegionKind::Gradient
+            | RegionKind::Partial
+            | RegionKind::PartialGrad => DType::output(op, precision),
         }
     }
 }
@@ -80,6 +88,8 @@ pub struct RegionInfo {
     pub name: String,
     pub kind: RegionKind,
     pub shape: Shape,
+    /// The element type of its instances ([`RegionKind::dtype`]).
+    pub dtype: DType,
 }
 
 /// Every region of a training step of one graph, with lookups by what it holds.
@@ -99,39 +109,59 @@ pub struct Regions {
     partial: Vec<Option<(RegionId, RegionId)>>,
     /// First parameter slot of each layer.
     first_slot: Vec<usize>,
+    /// What the step computes in.
+    precision: Precision,
 }
 
 impl Regions {
-    pub fn for_graph(graph: &Graph) -> Regions {
+    /// What the step these regions belong to computes in.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The regions of a training step of `graph` computed in `precision` (which decides the
+    /// element types of activations and their gradients, [`RegionKind::dtype`]).
+    pub fn for_graph(graph: &Graph, precision: Precision) -> Regions {
         let mut r = Regions::from_infos(Vec::new());
+        r.precision = precision;
         for layer in graph.layers() {
-            let act = r.add(layer.name.clone(), RegionKind::Activation, layer.shape);
+            let op = &layer.op;
+            let act = r.add(layer.name.clone(), RegionKind::Activation, layer.shape, op);
             r.activation.push(act);
             let grad = r.add(
                 format!("{}.grad", layer.name),
                 RegionKind::Gradient,
                 layer.shape,
+                op,
             );
             r.gradient.push(grad);
             let bn = matches!(layer.op, Op::BatchNorm(_)).then(|| Shape::nc(3, layer.shape.dim(1)));
-            let moments =
-                bn.map(|s| r.add(format!("{}.moments", layer.name), RegionKind::BnMoments, s));
+            let moments = bn.map(|s| {
+                r.add(
+                    format!("{}.moments", layer.name),
+                    RegionKind::BnMoments,
+                    s,
+                    op,
+                )
+            });
             let sums = bn.map(|s| {
                 r.add(
                     format!("{}.grad_sums", layer.name),
                     RegionKind::BnGradSums,
                     s,
+                    op,
                 )
             });
             r.bn_moments.push(moments);
             r.bn_grad_sums.push(sums);
         }
         for p in graph.params() {
+            let op = &graph.layer(p.layer).op;
             if r.first_slot.len() <= p.layer.0 {
                 let next = r.param.len();
                 r.first_slot.resize(p.layer.0 + 1, next);
             }
-            let param = r.add(p.name.clone(), RegionKind::Param, p.spec.shape);
+            let param = r.add(p.name.clone(), RegionKind::Param, p.spec.shape, op);
             r.param.push(param);
             let trainable = p.spec.trainable;
             let grad = trainable.then(|| {
@@ -139,6 +169,7 @@ impl Regions {
                     format!("{}.grad", p.name),
                     RegionKind::ParamGrad,
                     p.spec.shape,
+                    op,
                 )
             });
             let velocity = trainable.then(|| {
@@ -146,6 +177,7 @@ impl Regions {
                     format!("{}.velocity", p.name),
                     RegionKind::Velocity,
                     p.spec.shape,
+                    op,
                 )
             });
             r.param_grad.push(grad);
@@ -155,6 +187,7 @@ impl Regions {
         r.first_slot.resize(graph.layers().len(), total);
         for id in graph.ids() {
             let layer = graph.layer(id);
+            let op = &layer.op;
             let splits = layer
                 .op
                 .spec()
@@ -165,11 +198,13 @@ impl Regions {
                     format!("{}.partial", layer.name),
                     RegionKind::Partial,
                     layer.shape,
+                    op,
                 );
                 let grad = r.add(
                     format!("{}.partial.grad", layer.name),
                     RegionKind::PartialGrad,
                     layer.shape,
+                    op,
                 );
                 (sum, grad)
             });
@@ -178,8 +213,15 @@ impl Regions {
         r
     }
 
-    fn add(&mut self, name: String, kind: RegionKind, shape: Shape) -> RegionId {
-        self.infos.push(RegionInfo { name, kind, shape });
+    /// A region of a layer computing `op`.
+    fn add(&mut self, name: String, kind: RegionKind, shape: Shape, op: &Op) -> RegionId {
+        let dtype = kind.dtype(op, self.precision);
+        self.infos.push(RegionInfo {
+            name,
+            kind,
+            shape,
+            dtype,
+        });
         RegionId((self.infos.len() - 1) as u32)
     }
 
@@ -196,6 +238,7 @@ impl Regions {
             bn_grad_sums: Vec::new(),
             partial: Vec::new(),
             first_slot: Vec::new(),
+            precision: Precision::Fp32,
         }
     }
 

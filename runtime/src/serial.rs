@@ -9,7 +9,7 @@
 
 use crate::analysis::{OpKind, StepGraph};
 use crate::buffer::Buffer;
-use crate::exec::{self, Access, ExecContext, TaskOutcome};
+use crate::exec::{self, ExecContext, HostAccess, TaskOutcome};
 use crate::moves;
 use crate::region::Regions;
 use legion_ops::backend::cpu::{Cpu, CpuStream};
@@ -26,7 +26,7 @@ impl SerialMemory {
             buffers: graph
                 .instances
                 .iter()
-                .map(|i| Buffer::zeros(regions.info(i.region).kind.dtype(), i.rect.volume()))
+                .map(|i| Buffer::zeros(regions.info(i.region).dtype, i.rect.volume()))
                 .collect(),
         }
     }
@@ -65,8 +65,8 @@ impl SerialMemory {
                             .into_iter()
                             .zip(instances)
                             .map(|(w, &inst)| match w {
-                                Some(b) => Access::Write(b),
-                                None => Access::Read(&self.buffers[inst as usize]),
+                                Some(b) => HostAccess::Write(b),
+                                None => HostAccess::Read(&self.buffers[inst as usize]),
                             })
                             .collect();
                         exec::execute(ctx, task, access)?
@@ -92,7 +92,7 @@ impl SerialMemory {
                         rect: graph.instances[d].rect,
                         mem: &mut out,
                     };
-                    Cpu.copy_rect(&mut CpuStream, from, to, rect);
+                    Cpu::default().copy_rect(&mut CpuStream, from, to, rect);
                     self.buffers[d] = out;
                 }
                 OpKind::Fold {
@@ -114,7 +114,14 @@ impl SerialMemory {
                         rect: graph.instances[d].rect,
                         mem: &mut out,
                     };
-                    moves::fold(&Cpu, &mut CpuStream, to, &terms, rect, *accumulate);
+                    moves::fold(
+                        &Cpu::default(),
+                        &mut CpuStream,
+                        to,
+                        &terms,
+                        rect,
+                        *accumulate,
+                    );
                     self.buffers[d] = out;
                 }
             }
@@ -154,10 +161,7 @@ impl SerialMemory {
                 &p.rect,
             );
         }
-        match out {
-            Buffer::F32(v) => v,
-            Buffer::F64(_) => unreachable!(),
-        }
+        out.into_f32()
     }
 }
 
@@ -205,6 +209,7 @@ mod tests {
             let input = StepInput::whole(step, images, labels, graph.batch());
             let ctx = ExecContext {
                 graph,
+                precision: plan.regions.precision(),
                 seed: 11,
                 sgd,
                 input: &input,

@@ -13,7 +13,7 @@ use legion_runtime::analysis::{
     Analysis, AnalysisError, Instance, InstanceId, InstanceKind, Op, OpId, OpKind, StepGraph,
 };
 use legion_runtime::program::{LocalOpKind, split_programs};
-use legion_runtime::region::{RegionId, RegionInfo, RegionKind, Regions};
+use legion_runtime::region::{DType, RegionId, RegionInfo, RegionKind, Regions};
 use legion_runtime::task::{Privilege, Role, TaskKind, TaskSpec};
 use legion_runtime::{ExecContext, StepInput};
 use proptest::prelude::*;
@@ -32,6 +32,10 @@ fn regions(specs: &[(RegionKind, &[usize])]) -> Regions {
                 name: format!("r{i}"),
                 kind,
                 shape: Shape::new(dims),
+                dtype: match kind {
+                    RegionKind::BnMoments | RegionKind::BnGradSums => DType::F64,
+                    _ => DType::F32,
+                },
             })
             .collect(),
     )
@@ -162,6 +166,7 @@ fn run_data_movement(
     let graph = b.finish();
     let input = StepInput::whole(0, Vec::new(), Vec::new(), 0);
     let ctx = ExecContext {
+        precision: legion_ops::Precision::Fp32,
         graph: &graph,
         seed: 0,
         sgd: Sgd::default(),

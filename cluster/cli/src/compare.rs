@@ -137,6 +137,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             state: state.clone(),
             sgd: Sgd::default(),
             seed: settings.seed,
+            precision: legion_ops::Precision::Fp32,
         };
         let mut one = engine::start(Place::OneDevice(LossReadback::OneStepLate), job)?;
         for _ in 0..steps_taken {
@@ -184,6 +185,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             state: state.clone(),
             sgd: Sgd::default(),
             seed: settings.seed,
+            precision: legion_ops::Precision::Fp32,
         };
         let mut engine = engine::start(place, job)?;
         for _ in 0..settings.warmup {

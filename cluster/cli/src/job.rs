@@ -325,6 +325,8 @@ pub struct TrainSummary {
     /// Whether each step's loss was read one step late, while the next step ran (the one-device
     /// trainer unless `--sync-every-step`), rather than at the step's end.
     pub loss_read_late: bool,
+    /// What the run computed in.
+    pub precision: Precision,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.
@@ -380,6 +382,8 @@ pub struct Job {
     actors_on_gpus: bool,
     /// Whether synthetic batches come described, for the one GPU to draw.
     describe_synthetic: bool,
+    /// What the steps compute in.
+    precision: Precision,
 }
 
 /// What training needs of a model, from its shapes.
@@ -449,11 +453,7 @@ impl Job {
                 precision::check_hosts(p, hosts)?;
                 p
             }
-            None => {
-                let p = opts.precision.unwrap_or_default();
-                precision::check_device(p, &device, devices)?;
-                p
-            }
+            None => opts.precision.unwrap_or_default(),
         };
         let math = precision::gpu_math(precision);
         let settings = legion_cuda::Settings {
@@ -478,7 +478,11 @@ impl Job {
                         gpus_machine(devices, &started.info, precision)?,
                         "embedded device(s) on GPUs".to_string(),
                     ),
-                    None => (embedded_machine(devices)?, "embedded device(s)".to_string()),
+                    // priced in the run's precision: bf16 slices move half the bytes
+                    None => (
+                        embedded_machine(devices)?.with_precision(precision),
+                        "embedded device(s)".to_string(),
+                    ),
                 },
             };
             let machine = with_memory(machine)?;
@@ -589,6 +593,7 @@ impl Job {
                 state,
                 sgd: opts.sgd,
                 seed: opts.seed,
+                precision,
             },
         )?;
         let plan = distributed.then(|| PlannedRun {
@@ -610,6 +615,7 @@ impl Job {
             device: device.line,
             actors_on_gpus,
             describe_synthetic,
+            precision,
         })
     }
 
@@ -627,6 +633,7 @@ impl Job {
             device,
             actors_on_gpus,
             describe_synthetic,
+            precision,
         } = self;
         on_event(JobEvent::Device(&device));
         if let Some(plan) = &plan {
@@ -737,6 +744,7 @@ impl Job {
             },
             synthetic_on_device: describe_synthetic,
             loss_read_late: engine.reads_loss_late(),
+            precision,
         };
         on_event(JobEvent::Finished(&summary));
         Ok(summary)

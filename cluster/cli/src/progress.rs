@@ -128,7 +128,8 @@ impl Printer {
                        "saved": summary.saved.as_ref().map(|p| p.display().to_string()),
                        "capture": summary.capture.as_ref().map(|c| c.to_string()),
                        "synthetic_on_device": summary.synthetic_on_device,
-                       "loss_read_late": summary.loss_read_late})
+                       "loss_read_late": summary.loss_read_late,
+                       "precision": summary.precision.name()})
             );
         } else {
             println!("{}", summary_line(summary));

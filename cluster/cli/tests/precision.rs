@@ -1,5 +1,6 @@
-//! `--precision fp32|tf32|bf16` through the binary: refusals before any work (bf16 on the CPU,
-//! names that are no precision, `--tf32` beside `--precision`), and `plan --precision bf16`
+//! `--precision fp32|tf32|bf16` through the binary: bf16 training on the CPU and resuming across
+//! precisions, refusals before any work (bf16 in `profile`, names that are no precision,
+//! `--tf32` beside `--precision`), and `plan --precision bf16`
 //! pricing half the activation bytes of fp32 with the same parameter-sync bytes.
 
 mod common;
@@ -24,37 +25,60 @@ fn assert_usage_error(out: &Output, needles: &[&str]) {
     }
 }
 
+/// The last line of a `--json` run: its summary.
+fn summary(out: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(stdout.lines().last().expect("a summary line")).unwrap()
+}
+
+/// bf16 on the CPU is the CPU backend's bf16 arithmetic, on one device and on several (the
+/// runtime's bf16 slices), reported as such; its checkpoint holds the fp32 masters, so an fp32
+/// run resumes from it, and a bf16 run from an fp32 one.
 #[test]
-fn bf16_on_the_cpu_is_refused_naming_the_flag() {
+fn bf16_trains_on_the_cpu_on_one_and_several_devices_and_resumes_across_precisions() {
     let dir = tempfile::tempdir().unwrap();
     let save = dir.path().join("w.safetensors");
-    let mut args = vec!["train"];
-    args.extend(LENET);
-    args.extend(["--device", "cpu", "--precision", "bf16", "--save"]);
-    args.push(save.to_str().unwrap());
-    let out = legion(&args);
-    assert_clean_failure(
-        &out,
-        &[
-            "--precision bf16 needs a GPU device",
-            "the CPU backend computes in fp32",
-        ],
-    );
-    // refused before any work: no step ran, nothing was saved
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("step"));
-    assert!(!save.exists());
-    // on several embedded devices too
-    let mut args = vec!["train"];
-    args.extend(LENET);
-    args.extend(["--devices", "2", "--device", "cpu", "--precision", "bf16"]);
-    assert_clean_failure(&legion(&args), &["--precision bf16 needs a GPU device"]);
-    // `auto` on two devices picks the CPU here, or GPUs, on which bf16 trains one device only so
-    // far: refused either way (one GPU in bf16 is `gpu_training.rs`'s and gpu-check's to run)
-    let mut args = vec!["train"];
-    args.extend(LENET);
-    args.extend(["--devices", "2", "--precision", "bf16"]);
-    assert_clean_failure(&legion(&args), &["--precision bf16"]);
-    // and profile
+    let save = save.to_str().unwrap();
+    let train = |steps: &str, devices: &str, precision: &str, extra: &[&str]| {
+        let mut args = vec![
+            "train", "--model", "lenet5", "--batch", "8", "--steps", steps,
+        ];
+        args.extend([
+            "--devices",
+            devices,
+            "--device",
+            "cpu",
+            "--precision",
+            precision,
+        ]);
+        args.extend(["--json", "--save", save]);
+        args.extend(extra);
+        summary(&ok(legion(&args)))
+    };
+    for devices in ["1", "2"] {
+        let s = train("2", devices, "bf16", &[]);
+        assert_eq!(s["precision"], "bf16", "{s}");
+        assert_eq!(s["steps"], 2, "{s}");
+        assert!(s["final_loss"].as_f64().unwrap().is_finite(), "{s}");
+        // fp32 goes on from the bf16 checkpoint, and bf16 from that fp32 one
+        let s = train("3", devices, "fp32", &["--resume", save]);
+        assert_eq!(
+            (s["precision"].as_str(), s["first_step"].as_u64()),
+            (Some("fp32"), Some(2))
+        );
+        let s = train("4", devices, "bf16", &["--resume", save]);
+        assert_eq!(
+            (s["precision"].as_str(), s["first_step"].as_u64()),
+            (Some("bf16"), Some(3))
+        );
+    }
+}
+
+/// Where bf16 cannot run as asked it is refused before any work, naming the flag: `profile`
+/// (and `--compare`) time fp32 tiles.
+#[test]
+fn bf16_profile_is_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
     let out = legion(&[
         "profile",
         "--model",
@@ -70,7 +94,10 @@ fn bf16_on_the_cpu_is_refused_naming_the_flag() {
         "--out",
         dir.path().join("p.json").to_str().unwrap(),
     ]);
-    assert_clean_failure(&out, &["--precision bf16 needs a GPU device"]);
+    assert_clean_failure(
+        &out,
+        &["--precision bf16: profile times the runtime's tasks in fp32"],
+    );
     assert!(!dir.path().join("p.json").exists());
 }
 

@@ -28,6 +28,8 @@ const KIND_CONTROL: u8 = 2;
 const DTYPE_NONE: u8 = 0;
 const DTYPE_F32: u8 = 1;
 const DTYPE_F64: u8 = 2;
+/// bf16 bits (little-endian u16): a bf16 run's activations and their gradients.
+const DTYPE_BF16: u8 = 3;
 
 /// The header as it is archived. Only fixed-size fields, so the archive has a fixed length and the
 /// receiver can read exactly `HEADER_LEN` bytes before trusting anything.
@@ -160,8 +162,7 @@ pub fn encode_header(header: &FrameHeader) -> [u8; HEADER_LEN] {
             dtype: match dtype {
                 DType::F32 => DTYPE_F32,
                 DType::F64 => DTYPE_F64,
-                // A frame carries a host buffer (`cpu::Buffer`), which stores no bf16.
-                DType::Bf16 => unreachable!("a host buffer is never bf16"),
+                DType::Bf16 => DTYPE_BF16,
             },
             copy,
             reserved: 0,
@@ -225,6 +226,7 @@ pub fn decode_header(bytes: &[u8], limits: &Limits) -> Result<FrameHeader, Frame
             let dtype = match h.dtype {
                 DTYPE_F32 => DType::F32,
                 DTYPE_F64 => DType::F64,
+                DTYPE_BF16 => DType::Bf16,
                 other => return Err(FrameError::DType(other)),
             };
             if elements.checked_mul(dtype.size() as u64) != Some(payload_bytes) {
@@ -318,6 +320,10 @@ impl Payload {
                 data: Buffer::F64(v),
                 ..
             } => cast_slice_mut(v),
+            Payload::Slice {
+                data: Buffer::Bf16(v),
+                ..
+            } => cast_slice_mut(v),
             Payload::Control(v) => v,
         }
     }
@@ -356,6 +362,7 @@ fn from_le_in_place(data: &mut Buffer) {
         Buffer::F64(v) => v
             .iter_mut()
             .for_each(|x| *x = f64::from_bits(u64::from_le(x.to_bits()))),
+        Buffer::Bf16(v) => v.iter_mut().for_each(|x| *x = u16::from_le(*x)),
     }
 }
 
@@ -365,11 +372,13 @@ pub fn payload_bytes(data: &Buffer) -> Cow<'_, [u8]> {
         match data {
             Buffer::F32(v) => Cow::Borrowed(cast_slice(v)),
             Buffer::F64(v) => Cow::Borrowed(cast_slice(v)),
+            Buffer::Bf16(v) => Cow::Borrowed(cast_slice(v)),
         }
     } else {
         match data {
             Buffer::F32(v) => Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
             Buffer::F64(v) => Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Buffer::Bf16(v) => Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
         }
     }
 }
@@ -384,6 +393,7 @@ pub fn payload_bytes_shared(data: &Arc<Buffer>) -> Bytes {
             match &*self.0 {
                 Buffer::F32(v) => cast_slice(v),
                 Buffer::F64(v) => cast_slice(v),
+                Buffer::Bf16(v) => cast_slice(v),
             }
         }
     }
@@ -519,8 +529,8 @@ mod tests {
             FrameError::Kind(9)
         ));
         assert!(matches!(
-            err(with_header(|h| h.dtype = 3)),
-            FrameError::DType(3)
+            err(with_header(|h| h.dtype = 4)),
+            FrameError::DType(4)
         ));
         assert!(matches!(
             err(with_header(|h| h.reserved = 1)),

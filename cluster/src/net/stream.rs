@@ -144,8 +144,14 @@ async fn read_payload<R: AsyncRead + Unpin>(
                     let (v, got) = read_vec::<f64, R>(r, into, elements).await?;
                     (Buffer::F64(v), got)
                 }
-                // `decode_header` reads only the wire's f32 and f64 codes.
-                DType::Bf16 => unreachable!("no frame carries bf16"),
+                DType::Bf16 => {
+                    let into = match reused {
+                        Some(Buffer::Bf16(v)) => v,
+                        _ => Vec::new(),
+                    };
+                    let (v, got) = read_vec::<u16, R>(r, into, elements).await?;
+                    (Buffer::Bf16(v), got)
+                }
             };
             let payload = Payload::Slice {
                 step,

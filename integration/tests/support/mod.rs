@@ -2,8 +2,11 @@
 //! and strategies they train, and the single-device reference they are held to.
 #![allow(dead_code)]
 
-use legion_ops::train::{ParamStore, Sgd, Trainer};
-use legion_ops::{Graph, zoo};
+pub mod bf16;
+
+use legion_ops::backend::cpu::{Cpu, CpuStream};
+use legion_ops::train::{ParamStore, Sgd, Trainer, TrainingState};
+use legion_ops::{Graph, Precision, zoo};
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{
     ConfigSpace, CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, SearchSpace,
@@ -45,6 +48,34 @@ pub fn recipe_net() -> Graph {
     m.finish()
 }
 
+/// Batch norm (plain and fused with ReLU), a residual add and a branch/concat, in a network
+/// shallow enough that f32 rounding is not amplified.
+pub fn small_bn_net() -> Graph {
+    use legion_ops::GraphBuilder;
+    use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
+    let mut m = GraphBuilder::new("bn_branches");
+    let x = m
+        .input("data", legion_ops::Shape::nchw(8, 3, 16, 16))
+        .unwrap();
+    let c = m.conv2d("stem", x, Conv2d::new(16, 3).padding(1)).unwrap();
+    let s = m
+        .batch_norm("stem.bn", c, BatchNorm::default().relu())
+        .unwrap();
+    let a = m.conv2d("a", s, Conv2d::new(8, 1)).unwrap();
+    let a = m.batch_norm("a.bn", a, BatchNorm::default()).unwrap();
+    let b = m.conv2d("b", s, Conv2d::new(8, 3).padding(1)).unwrap();
+    let b = m
+        .batch_norm("b.bn", b, BatchNorm::default().relu())
+        .unwrap();
+    let cat = m.concat("cat", &[a, b]).unwrap();
+    let sum = m.add("residual", cat, s).unwrap();
+    let p = m.pool2d("pool", sum, Pool2d::max(2).stride(2)).unwrap();
+    let f = m.flatten("flatten", p).unwrap();
+    let y = m.dense("fc", f, Dense::new(10)).unwrap();
+    m.softmax_cross_entropy("loss", y).unwrap();
+    m.finish()
+}
+
 pub fn batch(graph: &Graph, step: u64) -> (Vec<f32>, Vec<u32>) {
     let n = graph.layer(graph.input()).shape.numel();
     let images = (0..n)
@@ -69,6 +100,24 @@ pub fn searched_in(graph: &Graph, kind: SearchKind, space: SearchSpace) -> Vec<P
     search::find(kind, &tables, search::DEFAULT_BUDGET)
         .unwrap()
         .configs
+}
+
+/// Every strategy family the suite holds to one device: the searches', the seed planners' and
+/// random valid ones.
+pub fn all_strategies(graph: &Graph) -> Vec<(&'static str, Vec<ParallelConfig>)> {
+    vec![
+        ("data", searched(graph, SearchKind::Data)),
+        ("model", searched(graph, SearchKind::Model)),
+        ("owt", searched(graph, SearchKind::Owt)),
+        ("optcnn", searched(graph, SearchKind::OptCnn)),
+        ("soybean", searched(graph, SearchKind::Soybean)),
+        ("tofu", searched(graph, SearchKind::Tofu)),
+        ("hypar", searched(graph, SearchKind::Hypar)),
+        ("spartan", searched(graph, SearchKind::Spartan)),
+        ("random-1", random(graph, 1)),
+        ("random-2", random(graph, 2)),
+        ("random-3", random(graph, 3)),
+    ]
 }
 
 pub fn random(graph: &Graph, seed: u64) -> Vec<ParallelConfig> {
@@ -164,14 +213,37 @@ pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
 
 /// The reference trained from `init`: its parameters and per-step losses.
 pub fn reference_run(graph: &Graph, init: &ParamStore) -> (ParamStore, Vec<f32>) {
-    let mut reference = Trainer::new(graph.clone(), init.clone(), Sgd::default(), 11);
-    let losses = (0..STEPS)
+    reference_run_in(graph, init, Precision::Fp32, STEPS)
+}
+
+/// [`reference_run`] computing in `precision`, for `steps` steps.
+pub fn reference_run_in(
+    graph: &Graph,
+    init: &ParamStore,
+    precision: Precision,
+    steps: u64,
+) -> (ParamStore, Vec<f32>) {
+    let mut reference = trainer_in(graph, init, precision);
+    let losses = (0..steps)
         .map(|step| {
             let (images, labels) = batch(graph, step);
             reference.step(&images, &labels).unwrap().loss
         })
         .collect();
     (reference.params().unwrap(), losses)
+}
+
+/// The one-device trainer on the CPU from `init`, computing in `precision` (in bf16 the CPU
+/// backend stores bf16 where a GPU does).
+pub fn trainer_in(graph: &Graph, init: &ParamStore, precision: Precision) -> Trainer<Cpu> {
+    if precision != Precision::Bf16 {
+        return Trainer::new(graph.clone(), init.clone(), Sgd::default(), 11);
+    }
+    let (cpu, state) = (Cpu::new(precision), TrainingState::start(init.clone()));
+    let mut trainer =
+        Trainer::resume_on(cpu, CpuStream, graph.clone(), state, Sgd::default(), 11).unwrap();
+    trainer.set_capture(legion_ops::capture::CaptureSetting::Off);
+    trainer
 }
 
 /// How far each tensor of the reference moves when its initial weights are perturbed at the level

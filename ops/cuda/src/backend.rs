@@ -277,12 +277,16 @@ impl Backend for Cuda {
         let out = match host {
             cpu::Buffer::F32(v) => s.stream.clone_htod(v).map(Buffer::F32),
             cpu::Buffer::F64(v) => s.stream.clone_htod(v).map(Buffer::F64),
+            cpu::Buffer::Bf16(v) => {
+                let bits: Vec<Bf16> = v.iter().map(|&b| Bf16(b)).collect();
+                s.stream.clone_htod(&bits).map(Buffer::Bf16)
+            }
         };
         out.map_err(|e| KernelError::Device(format!("upload: {e}")))
     }
 
-    /// The buffer's contents on the host, once everything enqueued before on `s` has run. A bf16
-    /// buffer comes back as the f32 values it holds (exact: the host stores no bf16).
+    /// The buffer's contents on the host, once everything enqueued before on `s` has run (bf16
+    /// as its bits: `cpu::Buffer::to_f32` reads their values).
     fn download(&self, s: &mut Stream, buffer: &Buffer) -> Result<cpu::Buffer, KernelError> {
         let out = match buffer {
             Buffer::F32(d) => s.stream.clone_dtoh(d).map(cpu::Buffer::F32),
@@ -290,7 +294,7 @@ impl Backend for Cuda {
             Buffer::Bf16(d) => s
                 .stream
                 .clone_dtoh(d)
-                .map(|v| cpu::Buffer::F32(v.into_iter().map(Bf16::to_f32).collect())),
+                .map(|v| cpu::Buffer::Bf16(v.into_iter().map(|b| b.0).collect())),
         };
         out.map_err(|e| KernelError::Device(format!("download: {e}")))
     }

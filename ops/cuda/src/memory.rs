@@ -375,6 +375,31 @@ pub(crate) fn load_images(
     tile: &Rect,
     y: Out<Buffer>,
 ) -> Launch {
+    if let Buffer::Bf16(_) = y.mem {
+        // A bf16 run's images (the runtime's input region): loaded as f32 and cast once, as the
+        // one-device trainer casts its staged images.
+        let len = tile.volume();
+        let mut wide = Buffer::F32(s.stream.alloc_zeros::<f32>(len)?);
+        let rect = *tile;
+        load_images(
+            cuda,
+            s,
+            images,
+            held,
+            tile,
+            Out {
+                rect,
+                mem: &mut wide,
+            },
+        )?;
+        if y.rect == *tile {
+            return cuda.cast_slices(s, &wide, y.mem);
+        }
+        let mut narrow = Buffer::Bf16(s.stream.alloc_zeros::<Bf16>(len)?);
+        cuda.cast_slices(s, &wide, &mut narrow)?;
+        let (tile, y_layout) = (Box4::of(tile), Box4::of(&y.rect));
+        return cuda.move_region(s, false, &narrow, tile, y.mem, y_layout, tile);
+    }
     // A range of samples (the usual tile) is one run of the host batch: copied from
     // there, with no host copy first.
     let gathered;

@@ -11,7 +11,7 @@
 //! [`Backend`]: legion_ops::backend::Backend
 
 use crate::backend::Cuda;
-use crate::memory::{Buffer, Stream};
+use crate::memory::{Bf16, Buffer, Stream};
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_WRITECOMBINED, CUevent_flags};
 use cudarc::driver::{CudaEvent, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits};
 use legion_ops::backend::{DType, KernelError, cpu};
@@ -26,11 +26,12 @@ pub enum Direction {
     ToHost,
 }
 
-/// Page-locked host memory for one slice, either element type.
+/// Page-locked host memory for one slice, of any element type.
 #[derive(Debug)]
 pub enum Staging {
     F32(PinnedHostSlice<f32>),
     F64(PinnedHostSlice<f64>),
+    Bf16(PinnedHostSlice<Bf16>),
 }
 
 fn device_error(what: &str) -> impl Fn(DriverError) -> KernelError + '_ {
@@ -58,6 +59,7 @@ impl Staging {
         match self {
             Staging::F32(_) => DType::F32,
             Staging::F64(_) => DType::F64,
+            Staging::Bf16(_) => DType::Bf16,
         }
     }
 
@@ -65,6 +67,7 @@ impl Staging {
         match self {
             Staging::F32(p) => p.len(),
             Staging::F64(p) => p.len(),
+            Staging::Bf16(p) => p.len(),
         }
     }
 
@@ -78,6 +81,9 @@ impl Staging {
         Ok(match self {
             Staging::F32(p) => cpu::Buffer::F32(p.as_slice().map_err(read)?.to_vec()),
             Staging::F64(p) => cpu::Buffer::F64(p.as_slice().map_err(read)?.to_vec()),
+            Staging::Bf16(p) => {
+                cpu::Buffer::Bf16(p.as_slice().map_err(read)?.iter().map(|b| b.0).collect())
+            }
         })
     }
 
@@ -104,6 +110,11 @@ impl Staging {
         match (self, host) {
             (Staging::F32(p), cpu::Buffer::F32(v)) => fill(p, v),
             (Staging::F64(p), cpu::Buffer::F64(v)) => fill(p, v),
+            (Staging::Bf16(p), cpu::Buffer::Bf16(v)) => p.as_mut_slice().map(|to| {
+                to.iter_mut()
+                    .zip(v)
+                    .for_each(|(to, &bits)| *to = Bf16(bits));
+            }),
             _ => unreachable!("types checked above"),
         }
         .map_err(write)
@@ -144,19 +155,14 @@ impl Cuda {
         let mut staging = match dtype {
             DType::F32 => Staging::F32(pinned(self, len, direction).map_err(&alloc)?),
             DType::F64 => Staging::F64(pinned(self, len, direction).map_err(&alloc)?),
-            // The runtime's device actors move f32 and f64 regions; bf16 runs are one-device
-            // (the CLI refuses bf16 on several devices until their region moves exist).
-            DType::Bf16 => {
-                return Err(KernelError::Device(
-                    "bf16 regions are not staged through the host (bf16 runs on one device)".into(),
-                ));
-            }
+            DType::Bf16 => Staging::Bf16(pinned(self, len, direction).map_err(&alloc)?),
         };
         // Zeroed, so that nothing ever reads it uninitialised (a copy into it that a failed
         // stream skipped leaves zeros, not stale or undefined values).
         match &mut staging {
             Staging::F32(p) => p.as_mut_slice().map_err(&alloc)?.fill(0.0),
             Staging::F64(p) => p.as_mut_slice().map_err(&alloc)?.fill(0.0),
+            Staging::Bf16(p) => p.as_mut_slice().map_err(&alloc)?.fill(Bf16(0)),
         }
         Ok(staging)
     }
@@ -171,6 +177,9 @@ impl Cuda {
                     stream.memcpy_dtoh(d, h)?
                 }
                 (Buffer::F64(d), Staging::F64(h)) if d.len() == h.len() => {
+                    stream.memcpy_dtoh(d, h)?
+                }
+                (Buffer::Bf16(d), Staging::Bf16(h)) if d.len() == h.len() => {
                     stream.memcpy_dtoh(d, h)?
                 }
                 (src, staging) => {
@@ -191,6 +200,9 @@ impl Cuda {
                     stream.memcpy_htod(h, d)?
                 }
                 (Staging::F64(h), Buffer::F64(d)) if d.len() == h.len() => {
+                    stream.memcpy_htod(h, d)?
+                }
+                (Staging::Bf16(h), Buffer::Bf16(d)) if d.len() == h.len() => {
                     stream.memcpy_htod(h, d)?
                 }
                 (staging, _) => return Err(mismatch(dtype, len, staging)),

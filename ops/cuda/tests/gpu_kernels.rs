@@ -160,6 +160,7 @@ fn relative_error(gpu: &cpu::Buffer, cpu: &cpu::Buffer) -> f64 {
         match b {
             cpu::Buffer::F32(v) => v.iter().map(|&x| x as f64).collect(),
             cpu::Buffer::F64(v) => v.clone(),
+            bf16 => bf16.to_f32().into_iter().map(f64::from).collect(),
         }
     };
     let (g, c) = (widen(gpu), widen(cpu));
@@ -298,7 +299,7 @@ macro_rules! both {
         $h.compare(
             &name,
             || {
-                let $d = &Cpu;
+                let $d = &Cpu::default();
                 let $s = &mut CpuStream;
                 $body
             },
@@ -442,7 +443,7 @@ impl ConvCase {
             .bias
             .then(|| Host::random(channels(tile.lo[1], tile.hi[1]), seed + 2));
         let mut y = cpu::Buffer::F32(vec![0.0; tile.volume()]);
-        Cpu.conv2d_forward(
+        Cpu::default().conv2d_forward(
             &mut CpuStream,
             &op,
             in_shape,
@@ -538,7 +539,7 @@ impl DenseCase {
             .bias
             .then(|| Host::random(channels(tile.lo[1], tile.hi[1]), seed + 2));
         let mut y = cpu::Buffer::F32(vec![0.0; tile.volume()]);
-        Cpu.dense_forward(
+        Cpu::default().dense_forward(
             &mut CpuStream,
             &op,
             In {
@@ -693,7 +694,7 @@ fn softmax_case<D: Device>(
 fn cpu_moments(x: &Host, c0: usize, c1: usize) -> Host {
     let full = x.rect.with_axis(1, c0, c1);
     let mut moments = sentinel_f64(3 * (c1 - c0));
-    Cpu.bn_moments(
+    Cpu::default().bn_moments(
         &mut CpuStream,
         In {
             rect: x.rect,
@@ -739,7 +740,7 @@ impl BnCase {
         let beta = Host::random(channels(0, c), seed + 2);
         let group_rect = full.with_axis(1, group.0, group.1);
         let mut y = sentinel(&group_rect);
-        Cpu.bn_normalize(
+        Cpu::default().bn_normalize(
             &mut CpuStream,
             &op,
             In {
@@ -770,7 +771,7 @@ impl BnCase {
         let dy = Host::random(full, seed + 3);
         let mut grad_sums = sentinel_f64(3 * (group.1 - group.0));
         let (mut dgamma, mut dbeta) = (sentinel(&channels(0, c)), sentinel(&channels(0, c)));
-        Cpu.bn_grad_sums(
+        Cpu::default().bn_grad_sums(
             &mut CpuStream,
             &op,
             In {

@@ -301,9 +301,9 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 mem: &x,
             };
             match name {
-                "relu_forward" => Cpu.relu_forward(&mut CpuStream, i, o),
-                "sigmoid_forward" => Cpu.sigmoid_forward(&mut CpuStream, i, o),
-                _ => Cpu.tanh_forward(&mut CpuStream, i, o),
+                "relu_forward" => Cpu::default().relu_forward(&mut CpuStream, i, o),
+                "sigmoid_forward" => Cpu::default().sigmoid_forward(&mut CpuStream, i, o),
+                _ => Cpu::default().tanh_forward(&mut CpuStream, i, o),
             }
             let mut got = vec![0.0; tile.volume()];
             emu.launch(1, 1, || unsafe {
@@ -341,10 +341,10 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 },
             );
             match name {
-                "relu_backward" => Cpu.relu_backward(&mut CpuStream, a, b, o),
-                "sigmoid_backward" => Cpu.sigmoid_backward(&mut CpuStream, a, b, o),
-                "tanh_backward" => Cpu.tanh_backward(&mut CpuStream, a, b, o),
-                _ => Cpu.add_forward(&mut CpuStream, a, b, o),
+                "relu_backward" => Cpu::default().relu_backward(&mut CpuStream, a, b, o),
+                "sigmoid_backward" => Cpu::default().sigmoid_backward(&mut CpuStream, a, b, o),
+                "tanh_backward" => Cpu::default().tanh_backward(&mut CpuStream, a, b, o),
+                _ => Cpu::default().add_forward(&mut CpuStream, a, b, o),
             }
             let mut got = vec![0.0; tile.volume()];
             emu.launch(1, 1, || unsafe {
@@ -390,7 +390,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 shape: tshape,
             };
             let mut want = Buffer::F32(vec![0.0; tile.volume()]);
-            Cpu.dropout_forward(
+            Cpu::default().dropout_forward(
                 &mut CpuStream,
                 &mask,
                 In {
@@ -508,7 +508,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 let x = Buffer::F32(random(view.volume(), 100 + 10 * i as u64 + j as u64));
                 let dy = Buffer::F32(random(tile.volume(), 200 + 10 * i as u64 + j as u64));
                 let mut y = Buffer::F32(vec![0.0; tile.volume()]);
-                Cpu.pool2d_forward(
+                Cpu::default().pool2d_forward(
                     &mut CpuStream,
                     op,
                     in_shape,
@@ -522,7 +522,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     },
                 );
                 let mut dx = Buffer::F32(vec![0.0; view.volume()]);
-                Cpu.pool2d_backward(
+                Cpu::default().pool2d_backward(
                     &mut CpuStream,
                     op,
                     in_shape,
@@ -618,7 +618,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             let labels: Vec<u32> = (r0..r1).map(|r| ((r * 7 + 3) % classes) as u32).collect();
             let rows = r1 - r0;
             let mut loss = Buffer::F32(vec![0.0; rows]);
-            let sums = Cpu
+            let sums = Cpu::default()
                 .softmax_ce_forward(
                     &mut CpuStream,
                     In {
@@ -634,20 +634,21 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 .unwrap();
             let scale = 1.0 / n as f32;
             let mut dl = Buffer::F32(vec![0.0; rows * classes]);
-            Cpu.softmax_ce_backward(
-                &mut CpuStream,
-                In {
-                    rect: logits_rect,
-                    mem: &logits,
-                },
-                &labels,
-                scale,
-                Out {
-                    rect: Rect::new(&[r0, 0], &[r1, classes]),
-                    mem: &mut dl,
-                },
-            )
-            .unwrap();
+            Cpu::default()
+                .softmax_ce_backward(
+                    &mut CpuStream,
+                    In {
+                        rect: logits_rect,
+                        mem: &logits,
+                    },
+                    &labels,
+                    scale,
+                    Out {
+                        rect: Rect::new(&[r0, 0], &[r1, classes]),
+                        mem: &mut dl,
+                    },
+                )
+                .unwrap();
             let mut gl = vec![0.0f32; rows];
             let mut correct = vec![0u32; rows];
             let blocks = rows.div_ceil(8) as u32;
@@ -809,7 +810,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 // moments of the tile
                 let tc = tile.extent(1);
                 let mut want_m = Buffer::F64(vec![0.0; 3 * tc]);
-                Cpu.bn_moments(
+                Cpu::default().bn_moments(
                     &mut CpuStream,
                     In {
                         rect: fullr,
@@ -855,7 +856,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 // whole-group moments
                 let group = fullr.with_axis(1, g0, g1);
                 let mut m = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
-                Cpu.bn_moments(
+                Cpu::default().bn_moments(
                     &mut CpuStream,
                     In {
                         rect: fullr,
@@ -874,7 +875,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     rect: srect(g0, g1),
                     mem: &m,
                 };
-                Cpu.bn_normalize(
+                Cpu::default().bn_normalize(
                     &mut CpuStream,
                     &op,
                     In {
@@ -936,7 +937,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 let rm0 = random(c, 502);
                 let rv0: Vec<f32> = random(c, 503).iter().map(|v| v + 1.5).collect();
                 let (mut rm, mut rv) = (Buffer::F32(rm0.clone()), Buffer::F32(rv0.clone()));
-                Cpu.bn_running(
+                Cpu::default().bn_running(
                     &mut CpuStream,
                     &op,
                     mi,
@@ -966,7 +967,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 report.check(&format!("bn running var {ci}"), &grv, rv.f32(), 0.0);
                 // y over the group, for the relu mask
                 let mut yg = Buffer::F32(vec![0.0; group.volume()]);
-                Cpu.bn_normalize(
+                Cpu::default().bn_normalize(
                     &mut CpuStream,
                     &op,
                     In {
@@ -994,7 +995,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     rect: group,
                     mem: &yg,
                 });
-                Cpu.bn_grad_sums(
+                Cpu::default().bn_grad_sums(
                     &mut CpuStream,
                     &op,
                     In {
@@ -1069,7 +1070,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 // input grad from whole-group sums
                 let mut gsum_group = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
                 let (mut t1, mut t2) = (Buffer::F32(vec![0.0; c]), Buffer::F32(vec![0.0; c]));
-                Cpu.bn_grad_sums(
+                Cpu::default().bn_grad_sums(
                     &mut CpuStream,
                     &op,
                     In {
@@ -1097,7 +1098,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     },
                 );
                 let mut dx = Buffer::F32(vec![0.0; tile.volume()]);
-                Cpu.bn_input_grad(
+                Cpu::default().bn_input_grad(
                     &mut CpuStream,
                     &op,
                     In {
@@ -1398,9 +1399,9 @@ fn bf16_twins_compute_in_f32_between_a_bf16_load_and_store() {
             },
         );
         match name {
-            "relu_forward" => Cpu.relu_forward(&mut CpuStream, i, o),
-            "sigmoid_forward" => Cpu.sigmoid_forward(&mut CpuStream, i, o),
-            _ => Cpu.tanh_forward(&mut CpuStream, i, o),
+            "relu_forward" => Cpu::default().relu_forward(&mut CpuStream, i, o),
+            "sigmoid_forward" => Cpu::default().sigmoid_forward(&mut CpuStream, i, o),
+            _ => Cpu::default().tanh_forward(&mut CpuStream, i, o),
         }
         let mut got = vec![0u16; tile.volume()];
         emu.launch(1, 1, || unsafe {
@@ -1494,19 +1495,20 @@ fn bf16_twins_compute_in_f32_between_a_bf16_load_and_store() {
     let logits = Buffer::F32(widen(&logits16));
     let mut want = Buffer::F32(vec![0.0; samples]);
     let nc = Shape::nc(samples, classes).full_rect();
-    Cpu.softmax_ce_forward(
-        &mut CpuStream,
-        In {
-            rect: nc,
-            mem: &logits,
-        },
-        &labels,
-        Out {
-            rect: Shape::nc(samples, 1).full_rect(),
-            mem: &mut want,
-        },
-    )
-    .unwrap();
+    Cpu::default()
+        .softmax_ce_forward(
+            &mut CpuStream,
+            In {
+                rect: nc,
+                mem: &logits,
+            },
+            &labels,
+            Out {
+                rect: Shape::nc(samples, 1).full_rect(),
+                mem: &mut want,
+            },
+        )
+        .unwrap();
     for (g, w) in loss.iter().zip(want.f32()) {
         assert!(
             (g - w).abs() <= 1e-5 * w.abs().max(1.0),

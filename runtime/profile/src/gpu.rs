@@ -189,6 +189,7 @@ pub fn profile_on_gpu(
             Sgd::default(),
             settings.seed,
             &placement,
+            plan.regions.precision(),
         )
         .map_err(in_strategy)?;
         for _ in 0..settings.warmup {
@@ -319,6 +320,7 @@ impl TileRun<'_> {
     ) -> Result<(), KernelError> {
         let ctx = ExecContext {
             graph: self.graph,
+            precision: self.program.precision,
             seed: self.seed,
             sgd: Sgd::default(),
             input: self.input,
@@ -347,7 +349,8 @@ impl TileRun<'_> {
                     }
                 })
                 .collect();
-            let result = legion_runtime::enqueue(self.cuda, stream, &ctx, task, access);
+            // Profiles time fp32 and tf32 tiles (`profile` refuses bf16): no working copies.
+            let result = legion_runtime::enqueue(self.cuda, stream, &ctx, task, access, &mut None);
             buffers.extend(written);
             result?;
         }

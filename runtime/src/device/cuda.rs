@@ -480,12 +480,16 @@ impl Submitter {
                 let step = self.step.as_mut().expect("ops run inside a step");
                 let ctx = ExecContext {
                     graph: &self.graph,
+                    precision: program.precision,
                     seed: self.seed,
                     sgd: self.sgd,
                     input: &step.input,
                 };
-                let loss = exec::enqueue(&*self.cuda, &mut self.stream, &ctx, task, access)
-                    .map_err(|e| e.to_string())?;
+                // A task's scratch slot holds its weight's working copy (bf16), if it reads one.
+                let working = &mut self.scratch[op as usize];
+                let loss =
+                    exec::enqueue(&*self.cuda, &mut self.stream, &ctx, task, access, working)
+                        .map_err(|e| e.to_string())?;
                 step.losses.extend(loss);
             }
             LocalOpKind::Copy { src, dst, rect } => {

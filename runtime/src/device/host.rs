@@ -12,7 +12,7 @@ use super::driver::{Driver, DriverEvent, Handed, Lent, StepEnd, StepStart, answe
 use super::{DeviceActor, DeviceSetup, caught};
 use crate::buffer::Buffer;
 use crate::compute::ComputePool;
-use crate::exec::{self, Access, ExecContext, StepInput, TaskOutcome};
+use crate::exec::{self, ExecContext, HostAccess, StepInput, TaskOutcome};
 use crate::moves;
 use crate::program::{DeviceProgram, LocalOpKind};
 use crate::recycle::BufferPool;
@@ -123,7 +123,7 @@ impl HostDriver {
                 rect: layout,
                 mem: self.instance_mut(dst),
             };
-            Cpu.copy_rect(
+            Cpu::default().copy_rect(
                 &mut CpuStream,
                 In {
                     rect: *rect,
@@ -155,7 +155,7 @@ impl HostDriver {
                 rect: src_layout,
                 mem: &*from,
             };
-            Cpu.copy_rect(&mut CpuStream, from, to, rect);
+            Cpu::default().copy_rect(&mut CpuStream, from, to, rect);
         }
     }
 
@@ -311,7 +311,7 @@ impl Driver for HostDriver {
                 rect: layout,
                 mem: self.instance_mut(i),
             };
-            Cpu.copy_rect(&mut CpuStream, In { rect, mem: &data }, to, &rect);
+            Cpu::default().copy_rect(&mut CpuStream, In { rect, mem: &data }, to, &rect);
         }
         answered(Ok(()))
     }
@@ -353,14 +353,15 @@ fn run_compute(
                 .iter()
                 .map(|req| {
                     if req.privilege.writes() {
-                        Access::Write(writes.next().unwrap())
+                        HostAccess::Write(writes.next().unwrap())
                     } else {
-                        Access::Read(reads.next().unwrap())
+                        HostAccess::Read(reads.next().unwrap())
                     }
                 })
                 .collect();
             let ctx = ExecContext {
                 graph,
+                precision: program.precision,
                 seed,
                 sgd,
                 input,
@@ -385,7 +386,14 @@ fn run_compute(
                 rect: program.instances[*dst as usize].rect,
                 mem: exclusive(&mut writes[0]),
             };
-            moves::fold(&Cpu, &mut CpuStream, to, &terms, rect, *accumulate);
+            moves::fold(
+                &Cpu::default(),
+                &mut CpuStream,
+                to,
+                &terms,
+                rect,
+                *accumulate,
+            );
             Ok(TaskOutcome::default())
         }
         _ => unreachable!("only compute ops run on the pool"),

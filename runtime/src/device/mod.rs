@@ -195,6 +195,7 @@ impl DeviceActor {
         let state = self.step.as_ref().expect("ops run inside a step");
         let ctx = ExecContext {
             graph: &self.graph,
+            precision: self.program.precision,
             seed: self.seed,
             sgd: self.sgd,
             input: &state.input,

@@ -283,6 +283,7 @@ mod tests {
             }
         }
         Arc::new(DeviceProgram {
+            precision: legion_ops::Precision::Fp32,
             device: 0,
             instances: vec![instance(0), instance(1), instance(2)],
             ops,

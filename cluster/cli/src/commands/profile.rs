@@ -110,7 +110,6 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     let first_gpu = || legion_cuda::probe().map(|gpus| gpus.into_iter().take(1).collect());
     let mut choice = device::choose(a.device, devices, false, first_gpu)?;
     let precision = a.precision.given().unwrap_or_default();
-    crate::precision::check_device(precision, &choice, 1)?;
     if precision == legion_ops::Precision::Bf16 {
         bail!("{}", crate::precision::BF16_NO_PROFILE);
     }

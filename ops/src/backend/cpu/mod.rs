@@ -11,23 +11,109 @@ use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
 use crate::kernels::dropout::DropoutMask;
 use crate::kernels::{self, View, ViewMut};
 use crate::op::{BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d};
+use crate::precision::{Precision, bf16_bits, bf16_value};
 use crate::shape::{Rect, Shape, copy_rect};
 use crate::train::Sgd;
+use std::borrow::Cow;
 
-/// Host memory and the CPU kernels.
+/// Host memory and the CPU kernels, computing in `precision`. The kernels compute in f32 whatever
+/// the precision; in bf16 the operands a GPU stores in bf16 (activations, their gradients, the
+/// weights' working copies) are stored in bf16 here too, each value rounded once as the GPU's
+/// bf16 kernels round it. So a bf16 run on the CPU is bf16's arithmetic, slower than fp32 (every
+/// bf16 operand is widened for the kernels), for checking bf16 strategies and runs without a GPU.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
+pub struct Cpu {
+    precision: Precision,
+}
+
+impl Cpu {
+    /// The CPU backend computing in `precision` (tf32 computes as fp32: the CPU has no TF32).
+    pub fn new(precision: Precision) -> Cpu {
+        Cpu { precision }
+    }
+}
 
 /// The CPU's queue: work runs when it is enqueued.
 #[derive(Debug, Default)]
 pub struct CpuStream;
 
-fn view<'a>(x: In<'a, Buffer>) -> View<'a> {
-    View::new(x.rect, x.mem.f32())
+/// A read operand as the f32 kernels see it: borrowed where it is f32, widened (exactly) from
+/// bf16 into a copy where it is bf16.
+struct Wide<'a> {
+    rect: Rect,
+    data: Cow<'a, [f32]>,
 }
 
-fn view_mut<'a>(y: Out<'a, Buffer>) -> ViewMut<'a> {
-    ViewMut::new(y.rect, y.mem.f32_mut())
+impl Wide<'_> {
+    fn view(&self) -> View<'_> {
+        View::new(self.rect, &self.data)
+    }
+}
+
+fn wide(x: In<'_, Buffer>) -> Wide<'_> {
+    let data = match x.mem {
+        Buffer::Bf16(bits) => Cow::Owned(bits.iter().map(|&b| bf16_value(b)).collect()),
+        other => Cow::Borrowed(other.f32()),
+    };
+    Wide { rect: x.rect, data }
+}
+
+/// A written operand as the f32 kernels see it: the buffer itself where it is f32; where it is
+/// bf16, an f32 copy of it that is rounded (to nearest even) back into the buffer when this is
+/// dropped, so a bf16 output is stored once, rounded, as a GPU's bf16 kernels store it.
+struct Narrow<'a> {
+    rect: Rect,
+    target: Target<'a>,
+}
+
+enum Target<'a> {
+    F32(&'a mut [f32]),
+    /// A zeroed gradient for an operand the driver did not lend, dropped unread.
+    Scratch(Vec<f32>),
+    Bf16 {
+        bits: &'a mut [u16],
+        wide: Vec<f32>,
+    },
+}
+
+impl Narrow<'_> {
+    fn data(&mut self) -> &mut [f32] {
+        match &mut self.target {
+            Target::F32(data) => data,
+            Target::Scratch(data) => data,
+            Target::Bf16 { wide, .. } => wide,
+        }
+    }
+
+    fn view_mut(&mut self) -> ViewMut<'_> {
+        let rect = self.rect;
+        ViewMut::new(rect, self.data())
+    }
+}
+
+impl Drop for Narrow<'_> {
+    fn drop(&mut self) {
+        if let Target::Bf16 { bits, wide } = &mut self.target {
+            for (b, &x) in bits.iter_mut().zip(wide.iter()) {
+                *b = bf16_bits(x);
+            }
+        }
+    }
+}
+
+fn narrow(y: Out<'_, Buffer>) -> Narrow<'_> {
+    let target = match y.mem {
+        // Widened first: a kernel that leaves part of its output alone leaves it as it was.
+        Buffer::Bf16(bits) => Target::Bf16 {
+            wide: bits.iter().map(|&b| bf16_value(b)).collect(),
+            bits,
+        },
+        other => Target::F32(other.f32_mut()),
+    };
+    Narrow {
+        rect: y.rect,
+        target,
+    }
 }
 
 /// `[3, C]` sums: a row of counts, then two rows of per-channel sums.
@@ -65,9 +151,40 @@ fn batch_stats(moments: In<Buffer>, eps: f32) -> BatchStats {
     )
 }
 
-/// A zeroed scratch gradient for an operand the driver did not lend.
-fn scratch(rect: Rect) -> Vec<f32> {
-    vec![0.0; rect.volume()]
+/// `to = from` element for element, converted to `to`'s element type (to bf16 rounded to nearest
+/// even; from bf16 exact).
+fn convert(from: &Buffer, to: &mut Buffer) {
+    assert_eq!(
+        from.len(),
+        to.len(),
+        "conversion between buffers of different lengths"
+    );
+    match (from, to) {
+        (Buffer::F32(a), Buffer::F32(b)) => b.copy_from_slice(a),
+        (Buffer::F64(a), Buffer::F64(b)) => b.copy_from_slice(a),
+        (Buffer::Bf16(a), Buffer::Bf16(b)) => b.copy_from_slice(a),
+        (Buffer::F32(a), Buffer::F64(b)) => zip_map(a, b, f64::from),
+        (Buffer::F32(a), Buffer::Bf16(b)) => zip_map(a, b, bf16_bits),
+        (Buffer::F64(a), Buffer::F32(b)) => zip_map(a, b, |a| a as f32),
+        (Buffer::F64(a), Buffer::Bf16(b)) => zip_map(a, b, |a| bf16_bits(a as f32)),
+        (Buffer::Bf16(a), Buffer::F32(b)) => zip_map(a, b, bf16_value),
+        (Buffer::Bf16(a), Buffer::F64(b)) => zip_map(a, b, |a| f64::from(bf16_value(a))),
+    }
+}
+
+fn zip_map<A: Copy, B>(from: &[A], to: &mut [B], f: impl Fn(A) -> B) {
+    to.iter_mut().zip(from).for_each(|(b, &a)| *b = f(a));
+}
+
+/// `out` as [`narrow`] lends it, or a zeroed scratch gradient where the driver lent none.
+fn narrow_or_scratch(out: Option<Out<'_, Buffer>>, rect: Rect) -> Narrow<'_> {
+    match out {
+        Some(out) => narrow(out),
+        None => Narrow {
+            rect,
+            target: Target::Scratch(vec![0.0; rect.volume()]),
+        },
+    }
 }
 
 impl Backend for Cpu {
@@ -79,18 +196,16 @@ impl Backend for Cpu {
     /// Work has run when its primitive returns: the host's clock times it.
     type Marker = std::time::Instant;
 
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
     fn alloc_zeros(
         &self,
         _: &mut CpuStream,
         dtype: DType,
         len: usize,
     ) -> Result<Buffer, KernelError> {
-        if dtype == DType::Bf16 {
-            return Err(KernelError::Device(
-                "the CPU backend stores no bf16: it computes in fp32 (--precision bf16 needs a GPU)"
-                    .into(),
-            ));
-        }
         Ok(Buffer::zeros(dtype, len))
     }
 
@@ -107,27 +222,16 @@ impl Backend for Cpu {
         Ok(buffer.clone())
     }
 
-    /// Between the CPU's two element types (it stores no bf16: `alloc` refuses it).
+    /// Between any two element types; to bf16 rounds to nearest even, from bf16 is exact.
     fn cast(&self, _: &mut CpuStream, from: In<Buffer>, to: Out<Buffer>) {
         debug_assert_eq!(from.rect, to.rect, "cast converts buffers over one rect");
-        match (from.mem, to.mem) {
-            (Buffer::F32(a), Buffer::F32(b)) => b.copy_from_slice(a),
-            (Buffer::F64(a), Buffer::F64(b)) => b.copy_from_slice(a),
-            (Buffer::F32(a), Buffer::F64(b)) => {
-                b.iter_mut().zip(a).for_each(|(b, a)| *b = f64::from(*a))
-            }
-            (Buffer::F64(a), Buffer::F32(b)) => {
-                b.iter_mut().zip(a).for_each(|(b, a)| *b = *a as f32)
-            }
-        }
+        convert(from.mem, to.mem);
     }
 
     fn accumulate(&self, _: &mut CpuStream, acc: Out<Buffer>, term: In<Buffer>) {
         debug_assert_eq!(acc.rect, term.rect, "accumulate sums buffers over one rect");
-        // Element by element, in the order the consumers are visited.
-        for (a, b) in acc.mem.f32_mut().iter_mut().zip(term.mem.f32()) {
-            *a += *b;
-        }
+        // Element by element, in the order the consumers are visited (bf16 rounded once).
+        acc.mem.add_from(&acc.rect, term.mem, &term.rect, &acc.rect);
     }
 
     fn copy_rect(&self, _: &mut CpuStream, from: In<Buffer>, to: Out<Buffer>, rect: &Rect) {
@@ -241,11 +345,13 @@ impl Backend for Cpu {
         tile: &Rect,
         y: Out<Buffer>,
     ) {
-        copy_rect(images, held, y.mem.f32_mut(), &y.rect, tile);
+        let rect = y.rect;
+        copy_rect(images, held, narrow(y).data(), &rect, tile);
     }
 
+    /// A reshape's copy: element for element, whatever the two rects.
     fn copy(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
-        y.mem.f32_mut().copy_from_slice(x.mem.f32());
+        convert(x.mem, y.mem);
     }
 
     fn conv2d_forward(
@@ -258,7 +364,14 @@ impl Backend for Cpu {
         b: Option<In<Buffer>>,
         y: Out<Buffer>,
     ) {
-        kernels::conv2d::conv2d_forward(op, in_shape, view(x), view(w), b.map(view), view_mut(y));
+        kernels::conv2d::conv2d_forward(
+            op,
+            in_shape,
+            wide(x).view(),
+            wide(w).view(),
+            b.map(wide).as_ref().map(Wide::view),
+            narrow(y).view_mut(),
+        );
     }
 
     fn conv2d_backward(
@@ -277,13 +390,13 @@ impl Backend for Cpu {
         kernels::conv2d::conv2d_backward(
             op,
             in_shape,
-            view(x),
-            view(w),
-            view(y),
-            view(dy),
-            dx.map(view_mut),
-            view_mut(dw),
-            db.map(view_mut),
+            wide(x).view(),
+            wide(w).view(),
+            wide(y).view(),
+            wide(dy).view(),
+            dx.map(narrow).as_mut().map(Narrow::view_mut),
+            narrow(dw).view_mut(),
+            db.map(narrow).as_mut().map(Narrow::view_mut),
         );
     }
 
@@ -296,7 +409,13 @@ impl Backend for Cpu {
         b: Option<In<Buffer>>,
         y: Out<Buffer>,
     ) {
-        kernels::dense::dense_forward(op, view(x), view(w), b.map(view), view_mut(y));
+        kernels::dense::dense_forward(
+            op,
+            wide(x).view(),
+            wide(w).view(),
+            b.map(wide).as_ref().map(Wide::view),
+            narrow(y).view_mut(),
+        );
     }
 
     fn dense_backward(
@@ -313,13 +432,13 @@ impl Backend for Cpu {
     ) {
         kernels::dense::dense_backward(
             op,
-            view(x),
-            view(w),
-            view(y),
-            view(dy),
-            dx.map(view_mut),
-            view_mut(dw),
-            db.map(view_mut),
+            wide(x).view(),
+            wide(w).view(),
+            wide(y).view(),
+            wide(dy).view(),
+            dx.map(narrow).as_mut().map(Narrow::view_mut),
+            narrow(dw).view_mut(),
+            db.map(narrow).as_mut().map(Narrow::view_mut),
         );
     }
 
@@ -331,7 +450,7 @@ impl Backend for Cpu {
         x: In<Buffer>,
         y: Out<Buffer>,
     ) {
-        kernels::pool2d::pool2d_forward(op, in_shape, view(x), view_mut(y));
+        kernels::pool2d::pool2d_forward(op, in_shape, wide(x).view(), narrow(y).view_mut());
     }
 
     fn pool2d_backward(
@@ -343,35 +462,41 @@ impl Backend for Cpu {
         dy: In<Buffer>,
         dx: Out<Buffer>,
     ) {
-        kernels::pool2d::pool2d_backward(op, in_shape, view(x), view(dy), view_mut(dx));
+        kernels::pool2d::pool2d_backward(
+            op,
+            in_shape,
+            wide(x).view(),
+            wide(dy).view(),
+            narrow(dx).view_mut(),
+        );
     }
 
     fn relu_forward(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
-        kernels::relu::relu_forward(view(x), view_mut(y));
+        kernels::relu::relu_forward(wide(x).view(), narrow(y).view_mut());
     }
 
     fn relu_backward(&self, _: &mut CpuStream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
-        kernels::relu::relu_backward(view(y), view(dy), view_mut(dx));
+        kernels::relu::relu_backward(wide(y).view(), wide(dy).view(), narrow(dx).view_mut());
     }
 
     fn sigmoid_forward(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
-        kernels::sigmoid::sigmoid_forward(view(x), view_mut(y));
+        kernels::sigmoid::sigmoid_forward(wide(x).view(), narrow(y).view_mut());
     }
 
     fn sigmoid_backward(&self, _: &mut CpuStream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
-        kernels::sigmoid::sigmoid_backward(view(y), view(dy), view_mut(dx));
+        kernels::sigmoid::sigmoid_backward(wide(y).view(), wide(dy).view(), narrow(dx).view_mut());
     }
 
     fn tanh_forward(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
-        kernels::tanh::tanh_forward(view(x), view_mut(y));
+        kernels::tanh::tanh_forward(wide(x).view(), narrow(y).view_mut());
     }
 
     fn tanh_backward(&self, _: &mut CpuStream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
-        kernels::tanh::tanh_backward(view(y), view(dy), view_mut(dx));
+        kernels::tanh::tanh_backward(wide(y).view(), wide(dy).view(), narrow(dx).view_mut());
     }
 
     fn add_forward(&self, _: &mut CpuStream, a: In<Buffer>, b: In<Buffer>, y: Out<Buffer>) {
-        kernels::add::add_forward(view(a), view(b), view_mut(y));
+        kernels::add::add_forward(wide(a).view(), wide(b).view(), narrow(y).view_mut());
     }
 
     fn add_backward(
@@ -381,22 +506,11 @@ impl Backend for Cpu {
         da: Option<Out<Buffer>>,
         db: Option<Out<Buffer>>,
     ) {
-        let (mut scratch_a, mut scratch_b);
-        let da = match da {
-            Some(d) => view_mut(d),
-            None => {
-                scratch_a = scratch(dy.rect);
-                ViewMut::new(dy.rect, &mut scratch_a)
-            }
-        };
-        let db = match db {
-            Some(d) => view_mut(d),
-            None => {
-                scratch_b = scratch(dy.rect);
-                ViewMut::new(dy.rect, &mut scratch_b)
-            }
-        };
-        kernels::add::add_backward(view(dy), da, db);
+        let (mut da, mut db) = (
+            narrow_or_scratch(da, dy.rect),
+            narrow_or_scratch(db, dy.rect),
+        );
+        kernels::add::add_backward(wide(dy).view(), da.view_mut(), db.view_mut());
     }
 
     fn concat_forward(
@@ -406,18 +520,19 @@ impl Backend for Cpu {
         xs: &[Option<In<Buffer>>],
         y: Out<Buffer>,
     ) {
-        let views: Vec<View> = xs
+        let wides: Vec<Option<Wide>> = xs.iter().map(|x| x.map(wide)).collect();
+        let views: Vec<View> = wides
             .iter()
             .zip(input_shapes)
             .map(|(x, shape)| match x {
-                Some(x) => view(*x),
+                Some(x) => x.view(),
                 None => {
                     let zero = vec![0; shape.ndim()];
                     View::new(Rect::new(&zero, &zero), &[])
                 }
             })
             .collect();
-        kernels::concat::concat_forward(input_shapes, &views, view_mut(y));
+        kernels::concat::concat_forward(input_shapes, &views, narrow(y).view_mut());
     }
 
     fn concat_backward(
@@ -428,21 +543,13 @@ impl Backend for Cpu {
         dxs: Vec<Option<Out<Buffer>>>,
     ) {
         let rects = Concat {}.project(input_shapes, &dy.rect);
-        let mut scratches: Vec<Vec<f32>> = dxs
-            .iter()
-            .zip(&rects)
-            .map(|(d, r)| if d.is_some() { Vec::new() } else { scratch(*r) })
-            .collect();
-        let mut views: Vec<ViewMut> = dxs
+        let mut outs: Vec<Narrow> = dxs
             .into_iter()
-            .zip(scratches.iter_mut())
             .zip(&rects)
-            .map(|((d, s), r)| match d {
-                Some(d) => view_mut(d),
-                None => ViewMut::new(*r, s),
-            })
+            .map(|(d, r)| narrow_or_scratch(d, *r))
             .collect();
-        kernels::concat::concat_backward(input_shapes, view(dy), &mut views);
+        let mut views: Vec<ViewMut> = outs.iter_mut().map(Narrow::view_mut).collect();
+        kernels::concat::concat_backward(input_shapes, wide(dy).view(), &mut views);
     }
 
     fn dropout_forward(
@@ -452,7 +559,7 @@ impl Backend for Cpu {
         x: In<Buffer>,
         y: Out<Buffer>,
     ) {
-        kernels::dropout::dropout_forward(mask, view(x), view_mut(y));
+        kernels::dropout::dropout_forward(mask, wide(x).view(), narrow(y).view_mut());
     }
 
     fn dropout_backward(
@@ -462,7 +569,7 @@ impl Backend for Cpu {
         dy: In<Buffer>,
         dx: Out<Buffer>,
     ) {
-        kernels::dropout::dropout_backward(mask, view(dy), view_mut(dx));
+        kernels::dropout::dropout_backward(mask, wide(dy).view(), narrow(dx).view_mut());
     }
 
     fn softmax_ce_forward(
@@ -472,9 +579,11 @@ impl Backend for Cpu {
         labels: &[u32],
         y: Out<Buffer>,
     ) -> Result<LossSums, KernelError> {
-        let logits = view(logits);
+        let logits = wide(logits);
+        let logits = logits.view();
         let rows = y.rect;
-        let loss_sum = kernels::softmax_ce::softmax_ce_forward(logits, labels, view_mut(y))?;
+        let loss_sum =
+            kernels::softmax_ce::softmax_ce_forward(logits, labels, narrow(y).view_mut())?;
         let correct = kernels::softmax_ce::count_correct(logits, labels, &rows);
         Ok(LossSums { loss_sum, correct })
     }
@@ -487,12 +596,17 @@ impl Backend for Cpu {
         scale: f32,
         dlogits: Out<Buffer>,
     ) -> Result<(), KernelError> {
-        kernels::softmax_ce::softmax_ce_backward(view(logits), labels, scale, view_mut(dlogits))?;
+        kernels::softmax_ce::softmax_ce_backward(
+            wide(logits).view(),
+            labels,
+            scale,
+            narrow(dlogits).view_mut(),
+        )?;
         Ok(())
     }
 
     fn bn_moments(&self, _: &mut CpuStream, x: In<Buffer>, tile: &Rect, moments: Out<Buffer>) {
-        let sums = batch_norm::partial_moments(view(x), tile);
+        let sums = batch_norm::partial_moments(wide(x).view(), tile);
         write_sums(moments, sums.count, &sums.sum, &sums.sum_sq);
     }
 
@@ -508,12 +622,12 @@ impl Backend for Cpu {
     ) {
         let stats = batch_stats(moments, op.eps);
         batch_norm::normalize(
-            view(x),
+            wide(x).view(),
             &stats,
-            view(gamma),
-            view(beta),
+            wide(gamma).view(),
+            wide(beta).view(),
             op.relu,
-            view_mut(y),
+            narrow(y).view_mut(),
         );
     }
 
@@ -526,7 +640,11 @@ impl Backend for Cpu {
         running_var: Out<Buffer>,
     ) {
         let stats = batch_stats(moments, op.eps);
-        stats.update_running(op.momentum, view_mut(running_mean), view_mut(running_var));
+        stats.update_running(
+            op.momentum,
+            narrow(running_mean).view_mut(),
+            narrow(running_var).view_mut(),
+        );
     }
 
     fn bn_grad_sums(
@@ -543,8 +661,14 @@ impl Backend for Cpu {
         grad_sums: Out<Buffer>,
     ) {
         let stats = batch_stats(moments, op.eps);
-        let sums = batch_norm::partial_grad_sums(view(x), y.map(view), view(dy), &stats, tile);
-        sums.param_grads(view_mut(dgamma), view_mut(dbeta));
+        let sums = batch_norm::partial_grad_sums(
+            wide(x).view(),
+            y.map(wide).as_ref().map(Wide::view),
+            wide(dy).view(),
+            &stats,
+            tile,
+        );
+        sums.param_grads(narrow(dgamma).view_mut(), narrow(dbeta).view_mut());
         write_sums(grad_sums, sums.count, &sums.sum_dy, &sums.sum_dy_xhat);
     }
 
@@ -569,13 +693,13 @@ impl Backend for Cpu {
             sum_dy_xhat,
         };
         batch_norm::input_grad(
-            view(x),
-            y.map(view),
-            view(dy),
+            wide(x).view(),
+            y.map(wide).as_ref().map(Wide::view),
+            wide(dy).view(),
             &stats,
-            view(gamma),
+            wide(gamma).view(),
             &sums,
-            view_mut(dx),
+            narrow(dx).view_mut(),
         );
     }
 
@@ -588,5 +712,177 @@ impl Backend for Cpu {
         velocity: Out<Buffer>,
     ) {
         sgd.update(w.mem.f32_mut(), grad.mem.f32(), velocity.mem.f32_mut());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect()
+    }
+
+    fn bits(v: &[f32]) -> Buffer {
+        Buffer::Bf16(v.iter().map(|&x| bf16_bits(x)).collect())
+    }
+
+    /// A kernel on bf16 operands computes on their exact f32 values and stores its bf16 output
+    /// rounded once: the f32 kernel on the widened inputs, then one rounding.
+    #[test]
+    fn bf16_operands_compute_in_f32_and_round_once() {
+        let op = Dense::new(5);
+        let (x_rect, w_rect, y_rect) = (
+            Rect::new(&[0, 0], &[3, 7]),
+            Rect::new(&[0, 0], &[5, 7]),
+            Rect::new(&[0, 0], &[3, 5]),
+        );
+        let (x, w, b) = (random(21, 1), random(35, 2), random(5, 3));
+        let (x16, w16) = (bits(&x), bits(&w));
+        let (xw, ww) = (x16.to_f32(), w16.to_f32());
+        let bias = Buffer::F32(b);
+        let cpu = Cpu::new(Precision::Bf16);
+        let mut want = Buffer::F32(vec![0.0; 15]);
+        let f32_in = |rect, mem| In { rect, mem };
+        let (xw, ww) = (Buffer::F32(xw), Buffer::F32(ww));
+        let bias_rect = Rect::new(&[0], &[5]);
+        cpu.dense_forward(
+            &mut CpuStream,
+            &op,
+            f32_in(x_rect, &xw),
+            f32_in(w_rect, &ww),
+            Some(f32_in(bias_rect, &bias)),
+            Out {
+                rect: y_rect,
+                mem: &mut want,
+            },
+        );
+        let mut got = Buffer::zeros(DType::Bf16, 15);
+        cpu.dense_forward(
+            &mut CpuStream,
+            &op,
+            f32_in(x_rect, &x16),
+            f32_in(w_rect, &w16),
+            Some(f32_in(bias_rect, &bias)),
+            Out {
+                rect: y_rect,
+                mem: &mut got,
+            },
+        );
+        assert_eq!(got, bits(want.f32()));
+
+        // A gradient the driver lends in bf16 is rounded once too; the weight's stays f32.
+        let dy = bits(&random(15, 4));
+        let (mut dx, mut dw, mut db) = (
+            Buffer::zeros(DType::Bf16, 21),
+            Buffer::zeros(DType::F32, 35),
+            Buffer::zeros(DType::F32, 5),
+        );
+        let (mut dx32, mut dw32, mut db32) = (
+            Buffer::zeros(DType::F32, 21),
+            Buffer::zeros(DType::F32, 35),
+            Buffer::zeros(DType::F32, 5),
+        );
+        let dyw = Buffer::F32(dy.to_f32());
+        let y = bits(want.f32());
+        let yw = Buffer::F32(y.to_f32());
+        cpu.dense_backward(
+            &mut CpuStream,
+            &op,
+            f32_in(x_rect, &x16),
+            f32_in(w_rect, &w16),
+            f32_in(y_rect, &y),
+            f32_in(y_rect, &dy),
+            Some(Out {
+                rect: x_rect,
+                mem: &mut dx,
+            }),
+            Out {
+                rect: w_rect,
+                mem: &mut dw,
+            },
+            Some(Out {
+                rect: bias_rect,
+                mem: &mut db,
+            }),
+        );
+        cpu.dense_backward(
+            &mut CpuStream,
+            &op,
+            f32_in(x_rect, &xw),
+            f32_in(w_rect, &ww),
+            f32_in(y_rect, &yw),
+            f32_in(y_rect, &dyw),
+            Some(Out {
+                rect: x_rect,
+                mem: &mut dx32,
+            }),
+            Out {
+                rect: w_rect,
+                mem: &mut dw32,
+            },
+            Some(Out {
+                rect: bias_rect,
+                mem: &mut db32,
+            }),
+        );
+        assert_eq!(dx, bits(dx32.f32()));
+        assert_eq!((dw, db), (dw32, db32));
+    }
+
+    #[test]
+    fn casts_and_copies_convert_between_every_element_type() {
+        let cpu = Cpu::default();
+        let rect = Rect::new(&[0], &[4]);
+        let v = vec![1.0f32, -2.5, 1.0 + 1.0 / 256.0, f32::MAX];
+        let mut b = Buffer::zeros(DType::Bf16, 4);
+        cpu.cast(
+            &mut CpuStream,
+            In {
+                rect,
+                mem: &Buffer::F32(v.clone()),
+            },
+            Out { rect, mem: &mut b },
+        );
+        // ties to even; past the largest bf16, infinity
+        assert_eq!(b.to_f32(), vec![1.0, -2.5, 1.0, f32::INFINITY]);
+        let mut d = Buffer::zeros(DType::F64, 4);
+        cpu.cast(
+            &mut CpuStream,
+            In { rect, mem: &b },
+            Out { rect, mem: &mut d },
+        );
+        assert_eq!(d.f64()[1], -2.5);
+        // a reshape's copy keeps the values whatever the rects
+        let (flat, square) = (Rect::new(&[0, 0], &[1, 4]), Rect::new(&[0, 0], &[2, 2]));
+        let mut y = Buffer::zeros(DType::Bf16, 4);
+        cpu.copy(
+            &mut CpuStream,
+            In {
+                rect: flat,
+                mem: &b,
+            },
+            Out {
+                rect: square,
+                mem: &mut y,
+            },
+        );
+        assert_eq!(y, b);
+        // a bf16 sum adds in f32 and rounds once
+        let mut acc = bits(&[256.0, 0.0, 0.0, 0.0]);
+        cpu.accumulate(
+            &mut CpuStream,
+            Out {
+                rect,
+                mem: &mut acc,
+            },
+            In {
+                rect,
+                mem: &bits(&[3.0, 1.0, 0.0, 0.0]),
+            },
+        );
+        assert_eq!(acc.to_f32(), vec![260.0, 1.0, 0.0, 0.0]);
     }
 }
