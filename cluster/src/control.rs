@@ -19,6 +19,7 @@
 //!
 //! Any request may be answered by `Failed` instead.
 
+use legion_ops::Precision;
 use legion_ops::Rect;
 use legion_runtime::Buffer;
 use rkyv::rancor;
@@ -57,8 +58,10 @@ pub struct JobSpec {
     pub lr: f32,
     pub momentum: f32,
     pub weight_decay: f32,
-    /// How the job's GPU devices multiply (`fp32`, `tf32`: the driver's `--tf32`); a worker on
-    /// cores ignores it, one on GPUs refuses a value it does not know, naming the field.
+    /// What the job computes in (`fp32`, `tf32`, `bf16`: the driver's `--precision`). On GPUs it
+    /// is their math; on cores tf32 is fp32, and bf16 is the CPU backend's bf16 storage. A worker
+    /// refuses a value it does not know, naming the field. (Named for its first use, the GPUs'
+    /// math; kept so that the wire format stays one field.)
     pub gpu_math: String,
     /// How they pick convolution algorithms (`fastest`, `precise`, `heuristic`: `--conv-algos`).
     pub conv_algos: String,
@@ -77,20 +80,20 @@ impl JobSpec {
         (math.to_string(), algos.to_string())
     }
 
+    /// What the job computes in ([`JobSpec::gpu_math`]); an error names the field.
+    pub fn precision(&self) -> Result<Precision, String> {
+        self.gpu_math
+            .parse()
+            .map_err(|e| format!("job: gpu_math {:?}: {e}", self.gpu_math))
+    }
+
     /// The settings of the job's GPU devices (their buffers move between the streams of a GPU);
     /// an error names the field it cannot read (the bytes came from the network).
     pub fn gpu_settings(&self) -> Result<legion_cuda::Settings, String> {
-        let math = match self.gpu_math.as_str() {
-            "fp32" => legion_cuda::Math::StrictFp32,
-            "tf32" => legion_cuda::Math::Tf32,
-            // A cluster's devices run the runtime, whose bf16 region moves do not exist yet (the
-            // driver refuses bf16 before a job is sent: `check_hosts`).
-            other => {
-                return Err(format!(
-                    "job: gpu_math {other:?}: expected \"fp32\" or \"tf32\" (bf16 runs on one \
-                     device only)"
-                ));
-            }
+        let math = match self.precision()? {
+            Precision::Fp32 => legion_cuda::Math::StrictFp32,
+            Precision::Tf32 => legion_cuda::Math::Tf32,
+            Precision::Bf16 => legion_cuda::Math::Bf16,
         };
         let conv_algos = self
             .conv_algos
@@ -440,7 +443,11 @@ mod tests {
         assert_eq!(settings.conv_algos, legion_cuda::ConvAlgos::Precise);
         // buffers move between the streams of a GPU's devices
         assert_eq!(settings.sharing, legion_cuda::Sharing::AcrossStreams);
-        for (math, algos) in [("fp32", "fastest"), ("tf32", "heuristic")] {
+        for (math, algos) in [
+            ("fp32", "fastest"),
+            ("tf32", "heuristic"),
+            ("bf16", "precise"),
+        ] {
             let s = JobSpec {
                 gpu_math: math.into(),
                 conv_algos: algos.into(),

@@ -62,7 +62,7 @@ pub struct JobStart<'a> {
     pub sgd: Sgd,
     pub seed: u64,
     /// What the job computes in. A GPU's devices must have been opened in it; a cluster's
-    /// workers compute in fp32 or tf32 (the driver refuses bf16 on them, `check_hosts`).
+    /// workers are told it by `Place::Cluster`'s settings (`JobSpec::gpu_math`).
     pub precision: Precision,
 }
 

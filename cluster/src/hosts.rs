@@ -16,7 +16,7 @@
 //! binary = "/opt/legion-rs/bin/legion-rs"   # the legion-rs binary on the hosts (default: the
 //!                        # path of the one running `up`)
 //! precision = "fp32"     # what a job on these hosts computes in: "fp32" (default), "tf32" or
-//!                        # "bf16" (GPU hosts only), as `train --precision` (which must agree)
+//!                        # "bf16", as `train --precision` (which must agree)
 //!
 //! [[host]]
 //! name = "node0"         # optional; default: the address ("address:port" if hosts share it)

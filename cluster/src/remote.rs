@@ -318,7 +318,8 @@ impl RemoteCluster {
     ) -> anyhow::Result<RemoteCluster> {
         let (gpu_math, conv_algos) = JobSpec::gpu_fields(gpu);
         let devices = hosts.num_devices();
-        let plan = StepPlan::build(graph, configs, devices)?;
+        // The workers plan in the job's precision (`JobSpec::precision`): so does the driver.
+        let plan = StepPlan::build_in(graph, configs, devices, gpu.math.precision())?;
         let mut client = WorkerClient::new(hosts, cluster_state)?;
         client.connect_all()?;
         let ranges = hosts.device_ranges();

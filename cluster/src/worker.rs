@@ -540,7 +540,8 @@ async fn start_job(
             }
         }
     }
-    let plan = Arc::new(StepPlan::build(&graph, &configs, total)?);
+    let precision = spec.precision().map_err(anyhow::Error::msg)?;
+    let plan = Arc::new(StepPlan::build_in(&graph, &configs, total, precision)?);
     let graph = Arc::new(graph);
 
     let quic = Arc::new(QuicTransport::new(tokio::runtime::Handle::current(), None));

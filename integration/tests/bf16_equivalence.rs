@@ -6,22 +6,24 @@
 //! random reduction splits.
 //!
 //! Tolerance, derived from bf16 rounding: a strategy stores some values in bf16 where one device
-//! keeps them in f32 (a model-parallel layer's input gradient is a sum of per-device
-//! contributions, each rounded; a reduction split rounds each partial sum), which perturbs the
-//! network at the level of one bf16 rounding, half an ulp (2^-9, relative). So each tensor's
-//! *update* (trained − initial) may differ from the reference's by `ROUNDING_FACTOR` times what
-//! perturbing every initial weight by up to 2^-9 moves it by. Updates, not weights: a weight
-//! is mostly its initial value, which every run shares, so a weight-relative bound would hide a
-//! wrong update. Measured (2026-11-28): every strategy stays within 0.51 of that tolerance
-//! (reduction splits on LeNet-5 the closest); the perturbation itself moves the updates by up to
-//! 8% (LeNet-5), 31% (AlexNet), 7% (recipe net) and 128% (the batch-norm net at batch 8, whose
-//! bf16 gradients are little more than rounding). The test also checks that the bound is not
-//! vacuous: training on rotated labels (a wrong gradient) must break it on some tensor of every
-//! model; measured, it does by 8× (batch-norm net) to 200×.
+//! keeps them in f32 or rounds them at another point (a model-parallel layer's input gradient is
+//! a sum of per-device contributions, each rounded; a reduction split rounds each partial sum;
+//! each device's conv weight gradient is rounded to bf16 before the f32 sum, as cuDNN writes it),
+//! which perturbs the network at the level of one bf16 rounding, half an ulp (2^-9, relative).
+//! So each tensor's *update* (trained − initial) may differ from the reference's by
+//! `ROUNDING_FACTOR` times what perturbing every initial weight by up to 2^-9 moves it by, and
+//! each step's loss by that factor times the most the perturbation moves any step's loss.
+//! Updates, not weights: a weight is mostly its initial value, which every run shares, so a
+//! weight-relative bound would hide a wrong update. Measured (2026-11-28): every strategy stays
+//! within 0.44 of the update tolerance and 0.16 of the loss tolerance; the perturbation itself
+//! moves the updates by up to 23% (LeNet-5), 38% (AlexNet), 0.6% (recipe net) and 224% (the
+//! batch-norm net at batch 8, whose bf16 gradients are little more than rounding). The test also
+//! checks that the bound is not vacuous: training on rotated labels (a wrong gradient) must break
+//! it on some tensor of every model.
 
 mod support;
 
-use legion_ops::train::{ParamStore, Sgd};
+use legion_ops::train::Sgd;
 use legion_ops::{Graph, Precision};
 use legion_planner::ParallelConfig;
 use legion_runtime::EmbeddedCluster;
@@ -63,28 +65,5 @@ fn bf16_every_strategy_matches_one_device_lenet5_and_alexnet() {
 fn bf16_every_strategy_matches_one_device_recipe_and_batch_norm_nets() {
     for g in [recipe_net(), small_bn_net()] {
         assert_same_training_in_bf16(&g, &every_strategy(&g));
-    }
-}
-
-/// A pure data-parallel run keeps every bf16 rounding where one device has it (each sample's
-/// activations are computed alike; only the f32 weight-gradient sums are split), so it meets the
-/// fp32 suite's 1e-4 on the weights outright.
-#[test]
-fn bf16_data_parallel_meets_the_fp32_bound() {
-    let g = model("lenet5", 28);
-    let init = ParamStore::init(&g, 7);
-    let (reference, _) = reference_run_in(&g, &init, Precision::Bf16, STEPS);
-    let configs = searched(&g, legion_planner::search::SearchKind::Data);
-    let sgd = Sgd::default();
-    let mut cluster =
-        EmbeddedCluster::start_in(&g, &configs, DEVICES, &init, sgd, 11, Precision::Bf16).unwrap();
-    for step in 0..STEPS {
-        let (images, labels) = batch(&g, step);
-        cluster.step(images, labels, false).unwrap();
-    }
-    let trained = cluster.params().unwrap();
-    for (slot, p) in reference.params.iter().enumerate() {
-        let err = relative_error(&trained.values[slot], &reference.values[slot]);
-        assert!(err <= TOLERANCE, "{}: {err:e}", p.name);
     }
 }

@@ -448,11 +448,7 @@ impl Job {
         )?;
         // A precision the devices cannot compute is refused before a GPU starts.
         let precision = match &cluster {
-            Some((label, hosts, _)) => {
-                let p = precision::resolve(opts.precision, hosts.precision, label)?;
-                precision::check_hosts(p, hosts)?;
-                p
-            }
+            Some((label, hosts, _)) => precision::resolve(opts.precision, hosts.precision, label)?,
             None => opts.precision.unwrap_or_default(),
         };
         let math = precision::gpu_math(precision);
@@ -470,7 +466,7 @@ impl Job {
         let (configs, place) = if distributed {
             let (machine, place) = match &cluster {
                 Some((label, hosts, state)) => (
-                    cluster_machine(hosts, state)?,
+                    cluster_machine(hosts, state)?.with_precision(precision),
                     format!("{} worker(s) of {label}", hosts.hosts.len()),
                 ),
                 None => match &gpus {

@@ -2,10 +2,9 @@
 //! and the examples take it, and what a run on a device does with it: fp32 and tf32 are
 //! `legion_cuda::Math::{StrictFp32, Tf32}` on a GPU (tf32 is fp32 on the CPU, which has no TF32
 //! units); bf16 (the rules in `legion_ops::precision`) is `Math::Bf16` on GPUs and the CPU
-//! backend's bf16 storage on cores, on one device or several of this process. It is refused with
-//! the reason where it cannot run as asked, never run as fp32: on a cluster's workers, which
-//! build their step plans in fp32 (a job does not carry its precision to them yet), and in
-//! `profile` and `--compare`, which time fp32 tiles.
+//! backend's bf16 storage on cores, on one device, several of this process or a cluster's
+//! workers (the job carries it, `JobSpec::gpu_math`). It is refused with the reason where it
+//! cannot run as asked, never run as fp32: in `profile` and `--compare`, which time fp32 tiles.
 
 use legion_ops::Precision;
 
@@ -35,12 +34,6 @@ impl PrecisionArgs {
     }
 }
 
-/// What `--precision bf16` says on a cluster's workers.
-pub const BF16_NOT_ON_WORKERS: &str = "--precision bf16 trains on this process's devices so far \
-     (one or several, GPUs or cores): a cluster's workers build their step plans in fp32, as a \
-     job does not carry its precision to them yet (issue 42); run without a cluster, or with \
-     --precision fp32 or tf32";
-
 /// What `profile --precision bf16` (and `--compare`, which profiles) says.
 pub const BF16_NO_PROFILE: &str = "--precision bf16: profile times the runtime's tasks in fp32 \
      so far (issue 42); profile with --precision fp32 or tf32";
@@ -68,20 +61,6 @@ pub fn resolve(
         ),
         (f, h) => Ok(f.or(h).unwrap_or_default()),
     }
-}
-
-/// Refuses bf16 on a cluster's workers (they plan in fp32: [`BF16_NOT_ON_WORKERS`]).
-pub fn check_hosts(
-    precision: Precision,
-    hosts: &legion_cluster::hosts::Hosts,
-) -> anyhow::Result<()> {
-    if precision == Precision::Bf16 {
-        anyhow::bail!(
-            "{BF16_NOT_ON_WORKERS} ({} worker host(s))",
-            hosts.hosts.len()
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -137,18 +116,5 @@ mod tests {
             e.contains("--precision fp32") && e.contains("h.toml"),
             "{e}"
         );
-        let hosts = legion_cluster::hosts::Hosts::parse(
-            "[[host]]\naddress = \"127.0.0.1\"\n[[host]]\naddress = \"127.0.0.2\"\ndevice = \"cuda\"\ndevices = 1\n",
-            "h.toml",
-        )
-        .unwrap();
-        let e = check_hosts(Bf16, &hosts).unwrap_err().to_string();
-        assert!(
-            e.starts_with(BF16_NOT_ON_WORKERS)
-                && e.contains("--precision")
-                && e.contains("2 worker"),
-            "{e}"
-        );
-        assert!(check_hosts(Tf32, &hosts).is_ok());
     }
 }

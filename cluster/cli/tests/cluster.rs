@@ -128,6 +128,34 @@ fn up_train_down_on_three_workers_equals_one_device() {
     train_from(&[], &ALEXNET_64, "3", &init, &single);
     assert_same_tensors(&on_cluster, &single);
 
+    // bf16 on the workers: the job carries its precision, so they plan and compute in bf16 (bf16
+    // slices over QUIC) and train exactly what 4 embedded devices train in bf16 under the same
+    // strategy, bit for bit; and not what fp32 trains.
+    let run = |engine: &[&str], precision: &str, name: &str| {
+        let out = cluster.path(name);
+        let engine = [engine, &["--strategy", "owt", "--precision", precision]].concat();
+        train_from(&engine, &ALEXNET_64, "2", &init, &out);
+        legion_ops::checkpoint::load(&out).unwrap().tensors
+    };
+    let bf16_workers = run(&cluster.engine(), "bf16", "bf16-cluster.safetensors");
+    let bf16_embedded = run(&["--devices", "4"], "bf16", "bf16-embedded.safetensors");
+    let fp32_embedded = run(&["--devices", "4"], "fp32", "fp32-embedded.safetensors");
+    for ((w, e), f) in bf16_workers.iter().zip(&bf16_embedded).zip(&fp32_embedded) {
+        assert_eq!(
+            w.data, e.data,
+            "{}: bf16 on the workers against embedded",
+            w.name
+        );
+        assert_eq!(w.name, f.name);
+    }
+    assert!(
+        bf16_workers
+            .iter()
+            .zip(&fp32_embedded)
+            .any(|(w, f)| w.data != f.data),
+        "the workers trained in fp32"
+    );
+
     // --compare on the cluster: every strategy runs as a job on the same workers.
     let lenet = legion_ops::zoo::find("lenet5").unwrap();
     let graph = lenet.build(&lenet.default_config(8)).unwrap();

@@ -57,11 +57,15 @@ impl Bf16Reference {
             .zip(&want)
             .map(|(m, w)| TOLERANCE.max(ROUNDING_FACTOR * relative_error(m, w)))
             .collect();
-        let loss_tolerance = moved_losses
+        // Per run, not per step: a strategy's extra roundings of the weight gradients (each
+        // device's bf16 gradient before the f32 sum) move the next step's loss, which perturbing
+        // the initial weights moves least; the largest step's sensitivity bounds every step.
+        let loss_sensitivity = moved_losses
             .iter()
             .zip(&losses)
-            .map(|(m, w)| TOLERANCE.max(ROUNDING_FACTOR * (m - w).abs() / w.abs()))
-            .collect();
+            .map(|(m, w)| (m - w).abs() / w.abs())
+            .fold(0f32, f32::max);
+        let loss_tolerance = vec![TOLERANCE.max(ROUNDING_FACTOR * loss_sensitivity); losses.len()];
         let mut wrong = trainer_in(graph, &init, bf16);
         for step in 0..STEPS {
             let (images, labels) = batch(graph, step);

@@ -10,7 +10,7 @@ use super::{Backend, DType, In, KernelError, LossSums, Out};
 use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
 use crate::kernels::dropout::DropoutMask;
 use crate::kernels::{self, View, ViewMut};
-use crate::op::{BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d};
+use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d};
 use crate::precision::{Precision, bf16_bits, bf16_value};
 use crate::shape::{Rect, Shape, copy_rect};
 use crate::train::Sgd;
@@ -149,6 +149,26 @@ fn batch_stats(moments: In<Buffer>, eps: f32) -> BatchStats {
         },
         eps,
     )
+}
+
+/// `y = act(y + b[channel])` over a bf16 output, rounded once more: what a GPU's
+/// `bias_activation` does after a bf16 product (the channel is axis 1 of `y`'s rect; `b` is laid
+/// out over a rect of channels).
+fn bias_activation(y: Out<Buffer>, b: Option<In<Buffer>>, relu: bool) {
+    if b.is_none() && !relu {
+        return;
+    }
+    let rect = y.rect;
+    let channels = rect.hi[1] - rect.lo[1];
+    let inner: usize = (2..rect.ndim()).map(|a| rect.hi[a] - rect.lo[a]).product();
+    let bias = b.map(|b| (b.rect.lo[0], b.mem.f32()));
+    for (i, v) in y.mem.bf16_mut().iter_mut().enumerate() {
+        let mut z = bf16_value(*v);
+        if let Some((lo, bias)) = bias {
+            z += bias[rect.lo[1] + (i / inner) % channels - lo];
+        }
+        *v = bf16_bits(if relu && z < 0.0 { 0.0 } else { z });
+    }
 }
 
 /// `to = from` element for element, converted to `to`'s element type (to bf16 rounded to nearest
@@ -364,6 +384,30 @@ impl Backend for Cpu {
         b: Option<In<Buffer>>,
         y: Out<Buffer>,
     ) {
+        if y.mem.dtype() == DType::Bf16 {
+            // As cuDNN does in bf16: the product rounded to bf16, then the bias and activation
+            // added in f32 and rounded again (`bias_activation`).
+            let plain = Conv2d {
+                activation: Activation::None,
+                ..op.clone()
+            };
+            let rect = y.rect;
+            let (x, w) = (wide(x), wide(w));
+            let product = Out {
+                rect,
+                mem: &mut *y.mem,
+            };
+            let (x, w) = (x.view(), w.view());
+            kernels::conv2d::conv2d_forward(
+                &plain,
+                in_shape,
+                x,
+                w,
+                None,
+                narrow(product).view_mut(),
+            );
+            return bias_activation(y, b, op.activation == Activation::Relu);
+        }
         kernels::conv2d::conv2d_forward(
             op,
             in_shape,
@@ -387,6 +431,10 @@ impl Backend for Cpu {
         dw: Out<Buffer>,
         db: Option<Out<Buffer>>,
     ) {
+        // cuDNN writes a bf16 run's weight gradient in bf16, cast up into the f32 one: rounded
+        // once here too.
+        let dw_through_bf16 = x.mem.dtype() == DType::Bf16;
+        let rect = dw.rect;
         kernels::conv2d::conv2d_backward(
             op,
             in_shape,
@@ -395,9 +443,18 @@ impl Backend for Cpu {
             wide(y).view(),
             wide(dy).view(),
             dx.map(narrow).as_mut().map(Narrow::view_mut),
-            narrow(dw).view_mut(),
+            narrow(Out {
+                rect,
+                mem: &mut *dw.mem,
+            })
+            .view_mut(),
             db.map(narrow).as_mut().map(Narrow::view_mut),
         );
+        if dw_through_bf16 {
+            for g in dw.mem.f32_mut() {
+                *g = bf16_value(bf16_bits(*g));
+            }
+        }
     }
 
     fn dense_forward(
@@ -409,6 +466,27 @@ impl Backend for Cpu {
         b: Option<In<Buffer>>,
         y: Out<Buffer>,
     ) {
+        if y.mem.dtype() == DType::Bf16 {
+            // As cuBLAS's bf16 product and `bias_activation` do: rounded, then biased and rounded.
+            let plain = Dense {
+                activation: Activation::None,
+                ..op.clone()
+            };
+            let rect = y.rect;
+            let (x, w) = (wide(x), wide(w));
+            let product = Out {
+                rect,
+                mem: &mut *y.mem,
+            };
+            kernels::dense::dense_forward(
+                &plain,
+                x.view(),
+                w.view(),
+                None,
+                narrow(product).view_mut(),
+            );
+            return bias_activation(y, b, op.activation == Activation::Relu);
+        }
         kernels::dense::dense_forward(
             op,
             wide(x).view(),
@@ -718,6 +796,7 @@ impl Backend for Cpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::precision::round_bf16;
     use crate::rng::Rng;
 
     fn random(n: usize, seed: u64) -> Vec<f32> {
@@ -730,7 +809,8 @@ mod tests {
     }
 
     /// A kernel on bf16 operands computes on their exact f32 values and stores its bf16 output
-    /// rounded once: the f32 kernel on the widened inputs, then one rounding.
+    /// rounded once; a product's bias is added after that rounding and rounded again, as a GPU's
+    /// `bias_activation` does.
     #[test]
     fn bf16_operands_compute_in_f32_and_round_once() {
         let op = Dense::new(5);
@@ -744,7 +824,7 @@ mod tests {
         let (xw, ww) = (x16.to_f32(), w16.to_f32());
         let bias = Buffer::F32(b);
         let cpu = Cpu::new(Precision::Bf16);
-        let mut want = Buffer::F32(vec![0.0; 15]);
+        let mut product = Buffer::F32(vec![0.0; 15]);
         let f32_in = |rect, mem| In { rect, mem };
         let (xw, ww) = (Buffer::F32(xw), Buffer::F32(ww));
         let bias_rect = Rect::new(&[0], &[5]);
@@ -753,12 +833,17 @@ mod tests {
             &op,
             f32_in(x_rect, &xw),
             f32_in(w_rect, &ww),
-            Some(f32_in(bias_rect, &bias)),
+            None,
             Out {
                 rect: y_rect,
-                mem: &mut want,
+                mem: &mut product,
             },
         );
+        // As a GPU stores it: the product rounded, then the bias added and rounded again.
+        let want: Vec<f32> = (product.f32().iter().enumerate())
+            .map(|(i, &p)| round_bf16(round_bf16(p) + bias.f32()[i % 5]))
+            .collect();
+        let want = Buffer::F32(want);
         let mut got = Buffer::zeros(DType::Bf16, 15);
         cpu.dense_forward(
             &mut CpuStream,
