@@ -32,7 +32,9 @@
 # workers, `train --cluster` under data, owt and optcnn for 3 steps with `--trace`, weights
 # against the CPU's one device, `down` leaving no worker process and none holding GPU memory;
 # `--gpus 0,0`, two logical GPUs on the one device, against the CPU too; then AlexNet 224 b128 on
-# the 2 workers measured against `plan --cluster`, priced by a GPU profile's tiles and staging).
+# the 2 workers measured against `plan --cluster`, priced by a GPU profile's tiles and staging);
+# `several-bf16` (AlexNet 224 b128 on 4 devices sharing the GPU under data and owt, fp32 beside
+# bf16: step time and bytes between devices).
 #
 # Device time is scarce, so the run keeps to GPU_CHECK_SECONDS (default 540: each command gets
 # the smaller of its own limit and what is left, and a section reached with no time left fails
@@ -294,6 +296,31 @@ for s in doc["searches"]:
             failures+=("several devices on one GPU")
             tail -3 "$out/several-space.txt"
         fi
+    fi
+    if want several-bf16; then
+        echo "=== bf16 on several devices: AlexNet 224 b128 on 4 devices sharing the GPU, data and owt,"
+        echo "    fp32 beside bf16 (bf16 slices between the devices): step ms (median of steps 3-6), bytes"
+        for strategy in data owt; do
+            for precision in fp32 bf16; do
+                name="several-$strategy-$precision"
+                t=$(limit 45) || { skip "$name"; continue; }
+                if timeout "$t" "$dir/legion-rs" train --device cuda --devices 4 --model alexnet \
+                    --image-size 224 --batch 128 --classes 1000 --steps 6 --strategy "$strategy" \
+                    --precision "$precision" --json >"$out/$name.jsonl" 2>"$out/$name.log"; then
+                    "$python" -c '
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+steps = [r["step_ms"] for r in rows if "step_ms" in r][2:]
+last = rows[-1]
+print(sys.argv[2], "step", round(statistics.median(steps), 2), "ms,",
+      last["plan"]["comm_bytes_per_step"], "bytes between devices per step")
+' "$out/$name.jsonl" "$name" || failures+=("$name (report)")
+                else
+                    failures+=("$name")
+                    tail -3 "$out/$name.log"
+                fi
+            done
+        done
     fi
     if want profile; then
         echo "=== GPU profile for the paper's machine: every tile shape the searches may give each layer"
