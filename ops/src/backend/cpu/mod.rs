@@ -151,6 +151,26 @@ fn batch_stats(moments: In<Buffer>, eps: f32) -> BatchStats {
     )
 }
 
+/// A bf16 product's output as a GPU's libraries store it: `product` (no bias, no activation)
+/// rounded to bf16 into `y`, then the bias and activation added in f32 and rounded again.
+fn product_then_bias(
+    y: Out<Buffer>,
+    b: Option<In<Buffer>>,
+    relu: bool,
+    product: impl FnOnce(ViewMut),
+) {
+    let rect = y.rect;
+    // rounded when the guard drops, at the end of this statement
+    product(
+        narrow(Out {
+            rect,
+            mem: &mut *y.mem,
+        })
+        .view_mut(),
+    );
+    bias_activation(y, b, relu);
+}
+
 /// `y = act(y + b[channel])` over a bf16 output, rounded once more: what a GPU's
 /// `bias_activation` does after a bf16 product (the channel is axis 1 of `y`'s rect; `b` is laid
 /// out over a rect of channels).
@@ -385,28 +405,16 @@ impl Backend for Cpu {
         y: Out<Buffer>,
     ) {
         if y.mem.dtype() == DType::Bf16 {
-            // As cuDNN does in bf16: the product rounded to bf16, then the bias and activation
-            // added in f32 and rounded again (`bias_activation`).
+            // cuDNN's bf16 product, then `bias_activation`
             let plain = Conv2d {
                 activation: Activation::None,
                 ..op.clone()
             };
-            let rect = y.rect;
             let (x, w) = (wide(x), wide(w));
-            let product = Out {
-                rect,
-                mem: &mut *y.mem,
-            };
-            let (x, w) = (x.view(), w.view());
-            kernels::conv2d::conv2d_forward(
-                &plain,
-                in_shape,
-                x,
-                w,
-                None,
-                narrow(product).view_mut(),
-            );
-            return bias_activation(y, b, op.activation == Activation::Relu);
+            let relu = op.activation == Activation::Relu;
+            return product_then_bias(y, b, relu, |y| {
+                kernels::conv2d::conv2d_forward(&plain, in_shape, x.view(), w.view(), None, y)
+            });
         }
         kernels::conv2d::conv2d_forward(
             op,
@@ -467,25 +475,16 @@ impl Backend for Cpu {
         y: Out<Buffer>,
     ) {
         if y.mem.dtype() == DType::Bf16 {
-            // As cuBLAS's bf16 product and `bias_activation` do: rounded, then biased and rounded.
+            // cuBLAS's bf16 product, then `bias_activation`
             let plain = Dense {
                 activation: Activation::None,
                 ..op.clone()
             };
-            let rect = y.rect;
             let (x, w) = (wide(x), wide(w));
-            let product = Out {
-                rect,
-                mem: &mut *y.mem,
-            };
-            kernels::dense::dense_forward(
-                &plain,
-                x.view(),
-                w.view(),
-                None,
-                narrow(product).view_mut(),
-            );
-            return bias_activation(y, b, op.activation == Activation::Relu);
+            let relu = op.activation == Activation::Relu;
+            return product_then_bias(y, b, relu, |y| {
+                kernels::dense::dense_forward(&plain, x.view(), w.view(), None, y)
+            });
         }
         kernels::dense::dense_forward(
             op,
