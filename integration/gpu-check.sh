@@ -34,7 +34,8 @@
 # `--gpus 0,0`, two logical GPUs on the one device, against the CPU too; then AlexNet 224 b128 on
 # the 2 workers measured against `plan --cluster`, priced by a GPU profile's tiles and staging);
 # `several-bf16` (AlexNet 224 b128 on 4 devices sharing the GPU under data and owt, fp32 beside
-# bf16: step time and bytes between devices).
+# bf16: step time and bytes between devices), `layouts` (PyTorch's bf16 step in NCHW, legion-rs's
+# layout, beside channels_last, for the four models: what NHWC would gain).
 #
 # Device time is scarce, so the run keeps to GPU_CHECK_SECONDS (default 540: each command gets
 # the smaller of its own limit and what is left, and a section reached with no time left fails
@@ -296,6 +297,30 @@ for s in doc["searches"]:
             failures+=("several devices on one GPU")
             tail -3 "$out/several-space.txt"
         fi
+    fi
+    if want layouts; then
+        echo "=== bf16 memory formats: PyTorch autocast bf16 in NCHW (legion-rs's layout) and channels_last"
+        echo "    on the same GPU: what NHWC would gain legion-rs's cuDNN bf16 kernels (issue 42, item 2)"
+        for layout in nchw channels_last; do
+            if t=$(limit 150); then
+                timeout "$t" "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 \
+                    inception_v3:299:64 resnet50:224:64 --bf16 --layout "$layout" \
+                    | tee -a "$out/layouts-pytorch.jsonl" || failures+=("pytorch bf16 $layout")
+            else
+                skip "pytorch bf16 $layout"
+            fi
+        done
+        "$python" - "$out/layouts-pytorch.jsonl" <<'PY' | tee "$out/layouts.md" || true
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+ms = {(r["model"], r["layout"]): r["median_step_ms"] for r in rows}
+print("| model | bf16 NCHW ms | bf16 channels_last ms | NCHW / channels_last |")
+print("|---|---:|---:|---:|")
+for model in dict.fromkeys(r["model"] for r in rows):
+    a, b = ms.get((model, "nchw")), ms.get((model, "channels_last"))
+    ratio = f"{a / b:.2f}" if a and b else "-"
+    print(f"| {model} | {a or '-'} | {b or '-'} | {ratio} |")
+PY
     fi
     if want several-bf16; then
         echo "=== bf16 on several devices: AlexNet 224 b128 on 4 devices sharing the GPU, data and owt,"

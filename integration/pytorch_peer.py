@@ -14,8 +14,11 @@ With --profile FILE, one more step after the measured ones runs under torch.prof
 gets its CUDA kernels grouped by name (milliseconds of device time in that step), the peer's side
 of legion-rs's one-device `--trace`.
 
+With --layout nchw, bf16 keeps PyTorch's default NCHW memory format (legion-rs's layout): beside
+the channels_last run it measures what NHWC gains cuDNN's bf16 kernels on this GPU.
+
 usage: pytorch_peer.py MODEL:IMAGE:BATCH [...] [--tf32 | --bf16 | --both | --all] [--warmup 5]
-                       [--steps 15]
+                       [--steps 15] [--layout channels_last|nchw]
                        [--profile FILE]
 """
 import argparse
@@ -52,6 +55,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--profile", help="write one profiled step's kernels here")
+    parser.add_argument("--layout", choices=["channels_last", "nchw"], default="channels_last",
+                        help="bf16's memory format (NCHW: legion-rs's, to measure what NHWC gains)")
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
@@ -72,6 +77,7 @@ def main() -> None:
             print(json.dumps({
                 "peer": "pytorch", "torch": torch.__version__, "model": name, "image": image,
                 "batch": batch, "tf32": precision == "tf32", "precision": precision,
+                "layout": args.layout if precision == "bf16" else "nchw",
                 "median_step_ms": median, "images_per_sec": batch / median * 1e3,
             }), flush=True)
 
@@ -83,7 +89,7 @@ def measure(name: str, image: int, batch: int, args, device, bf16: bool = False)
     loss_fn = torch.nn.CrossEntropyLoss()
     x = torch.randn(batch, 3, image, image, device=device)
     y = torch.randint(0, args.classes, (batch,), device=device)
-    if bf16:
+    if bf16 and args.layout == "channels_last":
         # fp32 master weights, bf16 convolutions and products on NHWC tensors
         model = model.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
