@@ -25,6 +25,9 @@
 # ResNet-50's and Inception-v3's one-device step call by call, and PyTorch's kernels in one
 # step), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
 # the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),
+# `several-bf16` (AlexNet 224 b128 on 4 devices sharing the GPU under data and owt, fp32 beside
+# bf16: step time and bytes between devices), `layouts` (PyTorch's bf16 step in NCHW, legion-rs's
+# layout, beside channels_last for the four models: what NHWC would gain),
 # `profile` (the three models' tiles for the paper's machine, 16 devices at 32 samples each, as
 # many as the time left allows: $OUT/profile-paper.json for `plan --machine paper --profile`).
 # Not in the default set (the default sections fill the budget: see BENCHMARKS.md), asked for by
@@ -32,10 +35,7 @@
 # workers, `train --cluster` under data, owt and optcnn for 3 steps with `--trace`, weights
 # against the CPU's one device, `down` leaving no worker process and none holding GPU memory;
 # `--gpus 0,0`, two logical GPUs on the one device, against the CPU too; then AlexNet 224 b128 on
-# the 2 workers measured against `plan --cluster`, priced by a GPU profile's tiles and staging);
-# `several-bf16` (AlexNet 224 b128 on 4 devices sharing the GPU under data and owt, fp32 beside
-# bf16: step time and bytes between devices), `layouts` (PyTorch's bf16 step in NCHW, legion-rs's
-# layout, beside channels_last, for the four models: what NHWC would gain).
+# the 2 workers measured against `plan --cluster`, priced by a GPU profile's tiles and staging).
 #
 # Device time is scarce, so the run keeps to GPU_CHECK_SECONDS (default 540: each command gets
 # the smaller of its own limit and what is left, and a section reached with no time left fails
@@ -94,7 +94,7 @@ run)
     # smaller of its own limit and what is left; a section with no time left is reported as
     # skipped, which fails the run), and GPU_CHECK_ONLY picks sections for a rerun.
     deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540}))
-    sections="${GPU_CHECK_ONLY:-kernels equivalence throughput trace several profile}"
+    sections="${GPU_CHECK_ONLY:-kernels equivalence throughput trace several several-bf16 layouts profile}"
     failures=()
     want() { [[ " $sections " == *" $1 "* ]]; }
     # limit SECONDS: what a command may take now; fails when the time is up (then `skip` it:
@@ -299,10 +299,12 @@ for s in doc["searches"]:
         fi
     fi
     if want layouts; then
-        echo "=== bf16 memory formats: PyTorch autocast bf16 in NCHW (legion-rs's layout) and channels_last"
-        echo "    on the same GPU: what NHWC would gain legion-rs's cuDNN bf16 kernels (issue 42, item 2)"
-        for layout in nchw channels_last; do
-            if t=$(limit 150); then
+        echo "=== bf16 memory formats: PyTorch autocast bf16 in NCHW (legion-rs's layout) beside its"
+        echo "    channels_last run (throughput's, or here without it): what NHWC would gain cuDNN's bf16"
+        layouts=nchw
+        want throughput || layouts="nchw channels_last"
+        for layout in $layouts; do
+            if t=$(limit 120); then
                 timeout "$t" "$python" "$dir/pytorch_peer.py" alexnet:224:128 vgg16:224:64 \
                     inception_v3:299:64 resnet50:224:64 --bf16 --layout "$layout" \
                     | tee -a "$out/layouts-pytorch.jsonl" || failures+=("pytorch bf16 $layout")
@@ -310,10 +312,15 @@ for s in doc["searches"]:
                 skip "pytorch bf16 $layout"
             fi
         done
-        "$python" - "$out/layouts-pytorch.jsonl" <<'PY' | tee "$out/layouts.md" || true
+        "$python" - "$out/layouts-pytorch.jsonl" "$out/throughput-pytorch.jsonl" <<'PY' | tee "$out/layouts.md" || true
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-ms = {(r["model"], r["layout"]): r["median_step_ms"] for r in rows}
+rows = []
+for path in sys.argv[1:]:
+    try:
+        rows += [json.loads(l) for l in open(path) if l.strip()]
+    except FileNotFoundError:
+        pass
+ms = {(r["model"], r.get("layout")): r["median_step_ms"] for r in rows if r["precision"] == "bf16"}
 print("| model | bf16 NCHW ms | bf16 channels_last ms | NCHW / channels_last |")
 print("|---|---:|---:|---:|")
 for model in dict.fromkeys(r["model"] for r in rows):

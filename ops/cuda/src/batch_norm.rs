@@ -3,9 +3,8 @@
 //! optional ReLU, the running statistics, and the backward pass's sums and input gradient.
 
 use crate::backend::{Cuda, Failure, Launch};
-use crate::elementwise::same_type;
 use crate::launch::{Box4, NULL, grid, per_channel};
-use crate::memory::{Buffer, Stream};
+use crate::memory::{Buffer, Stream, same_type};
 use cudarc::driver::PushKernelArg;
 use legion_ops::backend::{In, Out};
 use legion_ops::op::BatchNorm;

@@ -24,7 +24,7 @@ use crate::algos::{
 };
 use crate::backend::{Cuda, Failure, Launch, Math};
 use crate::launch::Box4;
-use crate::memory::{Bf16, Buffer, Stream};
+use crate::memory::{Bf16, Buffer, Stream, same_type};
 use crate::regions::Element;
 use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
 use cudarc::cudnn::{
@@ -428,17 +428,6 @@ fn view<'a, T>(owned: &'a Option<CudaSlice<T>>, otherwise: &'a CudaSlice<T>) -> 
     owned.as_ref().unwrap_or(otherwise).slice(..)
 }
 
-/// The element type a convolution's operands share: f32, or bf16 in a bf16 run (the weight
-/// being its working copy). Mixed operands are a driver's mistake.
-fn data_type(operands: &[DType]) -> DType {
-    let first = operands[0];
-    assert!(
-        operands.iter().all(|&d| d == first),
-        "convolution operands of mixed element types {operands:?}"
-    );
-    first
-}
-
 /// The weight rows of a segment's output channels, within a view whose rows start at `w_lo`.
 fn weight_rows(geo: &Geometry, segment: &Segment, w_lo: i64) -> std::ops::Range<usize> {
     let per_row = (geo.in_per_group * geo.kernel[0] * geo.kernel[1]) as usize;
@@ -457,7 +446,7 @@ pub(crate) fn forward(
     b: Option<In<Buffer>>,
     y: Out<Buffer>,
 ) -> Launch {
-    match data_type(&[x.mem.dtype(), w.mem.dtype(), y.mem.dtype()]) {
+    match same_type(&[x.mem.dtype(), w.mem.dtype(), y.mem.dtype()]) {
         DType::F32 => forward_typed::<f32>(cuda, s, op, in_shape, x, w, b, y),
         DType::Bf16 => forward_typed::<Bf16>(cuda, s, op, in_shape, x, w, b, y),
         DType::F64 => panic!("cuDNN convolutions here are f32 or bf16"),
@@ -548,16 +537,17 @@ pub(crate) fn backward(
 ) -> Launch {
     let mut types = vec![x.mem.dtype(), w.mem.dtype(), y.mem.dtype(), dy.mem.dtype()];
     types.extend(dx.as_ref().map(|dx| dx.mem.dtype()));
-    match data_type(&types) {
+    match same_type(&types) {
         DType::F32 => {
             let dw_mem = dw.mem.f32_mut();
             backward_typed::<f32>(cuda, s, op, in_shape, x, w, y, dy, dx, dw_mem, dw.rect, db)
         }
         DType::Bf16 => {
             // cuDNN writes the filter gradient in the filter's type: bf16 scratch, cast up into
-            // the fp32 gradient the update reads. Zeroed, as the f32 gradient rows it stands for
-            // are written whole by the segments.
-            let mut dw16 = s.stream.alloc_zeros::<Bf16>(dw.mem.len())?;
+            // the fp32 gradient the update reads.
+            // SAFETY: `backward_typed` writes all of it, as it writes an f32 gradient (the
+            // segments' rows cover it, or it is zeroed for an empty tile), before the cast reads it.
+            let mut dw16 = unsafe { s.stream.alloc::<Bf16>(dw.mem.len()) }?;
             backward_typed::<Bf16>(
                 cuda, s, op, in_shape, x, w, y, dy, dx, &mut dw16, dw.rect, db,
             )?;

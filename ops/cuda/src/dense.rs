@@ -8,7 +8,7 @@
 
 use crate::backend::{Cuda, Launch};
 use crate::launch::Box4;
-use crate::memory::{Bf16, Buffer, Stream};
+use crate::memory::{Bf16, Buffer, Stream, same_type};
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::sys::{self as cublas_sys, cudaDataType_t};
 use cudarc::cublas::{Gemm, GemmConfig};
@@ -139,16 +139,6 @@ unsafe fn gemm_bf16<C: ProductOut>(
     Ok(())
 }
 
-/// The element type of a dense layer's operands: f32, or bf16 (the weight its working copy).
-fn product_type(operands: &[DType]) -> DType {
-    let first = operands[0];
-    assert!(
-        operands.iter().all(|&d| d == first) && first != DType::F64,
-        "dense operands must all be f32 or all bf16, not {operands:?}"
-    );
-    first
-}
-
 /// `y = x · Wᵀ + b`, then the fused activation: column-major `yᵀ (F × S) = W (F × I) · xᵀ`.
 pub(crate) fn forward(
     cuda: &Cuda,
@@ -161,7 +151,7 @@ pub(crate) fn forward(
 ) -> Launch {
     let tile = Tile::new(&x, &w, &y.rect);
     let tile_box = Box4::of(&y.rect);
-    let dtype = product_type(&[x.mem.dtype(), w.mem.dtype(), y.mem.dtype()]);
+    let dtype = same_type(&[x.mem.dtype(), w.mem.dtype(), y.mem.dtype()]);
     if tile.samples == 0 || tile.features == 0 {
         return Ok(());
     }
@@ -172,7 +162,7 @@ pub(crate) fn forward(
         (tile.inputs, tile.inputs, tile.features),
     );
     match (tile.inputs, dtype) {
-        (0, _) => zero_all(s, y.mem)?,
+        (0, _) => y.mem.memset_zeros(&s.stream)?,
         (_, DType::Bf16) => {
             let x_rows = x.mem.bf16().slice(tile.x_rows());
             let w_rows = w.mem.bf16().slice(tile.w_rows());
@@ -209,10 +199,10 @@ pub(crate) fn backward(
     assert_eq!(dw.rect, w.rect, "dw must cover the weight view");
     let mut types = vec![x.mem.dtype(), w.mem.dtype(), y.mem.dtype(), dy.mem.dtype()];
     types.extend(dx.as_ref().map(|dx| dx.mem.dtype()));
-    let dtype = product_type(&types);
+    let dtype = same_type(&types);
     if let Some(dx) = &mut dx {
         assert_eq!(dx.rect, x.rect, "dx must cover the input view");
-        zero_all(s, dx.mem)?;
+        dx.mem.memset_zeros(&s.stream)?;
     }
     if tile.is_empty() {
         // Nothing flows: every gradient of this tile is zero.
@@ -270,16 +260,6 @@ pub(crate) fn backward(
                 unsafe { s.blas.gemm(dx_cfg, &w_rows, dz, &mut dx_rows) }?;
             }
         }
-    }
-    Ok(())
-}
-
-/// `buffer[..] = 0`, whatever its element type.
-fn zero_all(s: &Stream, buffer: &mut Buffer) -> Launch {
-    match buffer {
-        Buffer::F32(b) => s.stream.memset_zeros(b)?,
-        Buffer::F64(b) => s.stream.memset_zeros(b)?,
-        Buffer::Bf16(b) => s.stream.memset_zeros(b)?,
     }
     Ok(())
 }

@@ -6,7 +6,7 @@
 use crate::backend::{Cuda, Failure, Launch};
 use crate::kernels::Twin;
 use crate::launch::{Box4, NULL, grid, per_channel};
-use crate::memory::{Buffer, Stream};
+use crate::memory::{Buffer, Stream, same_type};
 use cudarc::driver::PushKernelArg;
 use legion_ops::backend::{DType, In, Out};
 use legion_ops::kernels::dropout::DropoutMask;
@@ -192,15 +192,4 @@ impl Cuda {
         unsafe { b.launch(grid(n)) }?;
         Ok(())
     }
-}
-
-/// The element type every operand of an element-wise kernel shares: the kernels read and write
-/// one type (mixed operands are a driver's mistake, caught before anything is launched).
-pub(crate) fn same_type(operands: &[DType]) -> DType {
-    let first = operands[0];
-    assert!(
-        operands.iter().all(|&d| d == first),
-        "element-wise operands of mixed element types {operands:?}"
-    );
-    first
 }

@@ -17,17 +17,10 @@ use std::sync::Arc;
 
 /// One bf16 element as the device stores it: the upper 16 bits of an f32 (what cuDNN's
 /// `CUDNN_DATA_BFLOAT16` and cuBLAS's `CUDA_R_16BF` read). Only kernels convert it; the host
-/// sees its bits ([`Bf16::to_f32`] for a download's values).
+/// sees its bits (`legion_ops::precision::bf16_value` reads them).
 #[repr(transparent)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Bf16(pub u16);
-
-impl Bf16 {
-    /// The f32 this bf16 stands for (exact: every bf16 is an f32).
-    pub fn to_f32(self) -> f32 {
-        f32::from_bits(u32::from(self.0) << 16)
-    }
-}
 
 // SAFETY: a plain 16-bit value; any bit pattern is a bf16 and all zeros is +0.
 unsafe impl cudarc::driver::DeviceRepr for Bf16 {}
@@ -39,8 +32,20 @@ impl cudarc::cudnn::CudnnDataType for Bf16 {
     /// cuDNN scales bf16 data with float α and β.
     type Scalar = f32;
     fn into_scaling_parameter(self) -> f32 {
-        self.to_f32()
+        legion_ops::precision::bf16_value(self.0)
     }
+}
+
+/// The element type every operand of a kernel shares: the kernels (and cuDNN's and cuBLAS's calls
+/// here) read and write one type, f32 or, in a bf16 run, bf16 (a product's weight being its
+/// working copy). Mixed operands are a driver's mistake, caught before anything is launched.
+pub(crate) fn same_type(operands: &[DType]) -> DType {
+    let first = operands[0];
+    assert!(
+        operands.iter().all(|&d| d == first),
+        "kernel operands of mixed element types {operands:?}"
+    );
+    first
 }
 
 /// Device memory of one operand: f32 data, f64 for batch-norm sums, or bf16 for a bf16 run's
@@ -106,6 +111,15 @@ impl Buffer {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Enqueues `self[..] = 0` on `stream`, whatever the element type.
+    pub(crate) fn memset_zeros(&mut self, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
+        match self {
+            Buffer::F32(b) => stream.memset_zeros(b),
+            Buffer::F64(b) => stream.memset_zeros(b),
+            Buffer::Bf16(b) => stream.memset_zeros(b),
+        }
     }
 
     pub fn f32(&self) -> &CudaSlice<f32> {
@@ -379,7 +393,9 @@ pub(crate) fn load_images(
         // A bf16 run's images (the runtime's input region): loaded as f32 and cast once, as the
         // one-device trainer casts its staged images.
         let len = tile.volume();
-        let mut wide = Buffer::F32(s.stream.alloc_zeros::<f32>(len)?);
+        // SAFETY: loaded whole over `tile` below (its layout is the tile, one run of the batch)
+        // before the cast reads it.
+        let mut wide = Buffer::F32(unsafe { s.stream.alloc::<f32>(len) }?);
         let rect = *tile;
         load_images(
             cuda,
@@ -395,7 +411,8 @@ pub(crate) fn load_images(
         if y.rect == *tile {
             return cuda.cast_slices(s, &wide, y.mem);
         }
-        let mut narrow = Buffer::Bf16(s.stream.alloc_zeros::<Bf16>(len)?);
+        // SAFETY: the cast writes all of it before the move reads it.
+        let mut narrow = Buffer::Bf16(unsafe { s.stream.alloc::<Bf16>(len) }?);
         cuda.cast_slices(s, &wide, &mut narrow)?;
         let (tile, y_layout) = (Box4::of(tile), Box4::of(&y.rect));
         return cuda.move_region(s, false, &narrow, tile, y.mem, y_layout, tile);

@@ -3,9 +3,8 @@
 //! first).
 
 use crate::backend::{Cuda, Launch};
-use crate::elementwise::same_type;
 use crate::launch::{Box4, grid};
-use crate::memory::{Buffer, Stream};
+use crate::memory::{Buffer, Stream, same_type};
 use cudarc::driver::{DeviceRepr, PushKernelArg};
 use legion_ops::backend::{In, Out};
 use legion_ops::op::{Pool2d, PoolKind};

@@ -4,9 +4,8 @@
 //! from the stream's copy of it in a recorded step, `crate::capture`), or uploaded.
 
 use crate::backend::{Cuda, Failure};
-use crate::elementwise::same_type;
 use crate::launch::{per_channel, softmax_rows};
-use crate::memory::{Buffer, Stream};
+use crate::memory::{Buffer, Stream, same_type};
 use crate::staging::{Direction, pinned};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice, PushKernelArg};

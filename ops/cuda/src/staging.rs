@@ -214,12 +214,7 @@ impl Cuda {
     /// Enqueues `dst[..] = 0` (all of it).
     pub fn zero(&self, s: &mut Stream, dst: &mut Buffer) {
         self.enqueue(s, "zero", |s| {
-            let stream = s.cuda_stream();
-            match dst {
-                Buffer::F32(d) => stream.memset_zeros(d)?,
-                Buffer::F64(d) => stream.memset_zeros(d)?,
-                Buffer::Bf16(d) => stream.memset_zeros(d)?,
-            }
+            dst.memset_zeros(s.cuda_stream())?;
             Ok(())
         });
     }

@@ -11,7 +11,7 @@ use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
 use crate::kernels::dropout::DropoutMask;
 use crate::kernels::{self, View, ViewMut};
 use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d};
-use crate::precision::{Precision, bf16_bits, bf16_value};
+use crate::precision::{Precision, bf16_bits, bf16_value, round_bf16};
 use crate::shape::{Rect, Shape, copy_rect};
 use crate::train::Sgd;
 use std::borrow::Cow;
@@ -460,7 +460,7 @@ impl Backend for Cpu {
         );
         if dw_through_bf16 {
             for g in dw.mem.f32_mut() {
-                *g = bf16_value(bf16_bits(*g));
+                *g = round_bf16(*g);
             }
         }
     }
@@ -795,7 +795,6 @@ impl Backend for Cpu {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::precision::round_bf16;
     use crate::rng::Rng;
 
     fn random(n: usize, seed: u64) -> Vec<f32> {
