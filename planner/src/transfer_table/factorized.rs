@@ -206,6 +206,7 @@ impl Factorized {
         let (g, h) = (&src_side.degrees, &dst_side.degrees);
         let PairBuffers {
             pairs,
+            sums,
             overlap,
             column,
             scratch,
@@ -213,6 +214,10 @@ impl Factorized {
         } = buffers;
         for (a, pair) in pairs.iter_mut().enumerate() {
             axes.fill_axis_pair(a, g[a], h[a], pair, overlap, column);
+            if lanes.is_some() {
+                // from the same overlaps, left in `overlap`
+                sums[a].fill(overlap, g[a], h[a]);
+            }
         }
         let axis: [&AxisPair; FACTORS] = std::array::from_fn(|a| &pairs[a]);
         self.layout_pair(&src_side, &dst_side, &axis, geometry.gradient, scratch);
@@ -223,7 +228,6 @@ impl Factorized {
         let Some(lanes) = lanes else {
             return singles;
         };
-        let sums: [AxisSums; FACTORS] = std::array::from_fn(|a| AxisSums::new(axes, a, g[a], h[a]));
         let sums: [&AxisSums; FACTORS] = std::array::from_fn(|a| &sums[a]);
         lanes.layout_pair(&src_side, &dst_side, &sums, geometry.gradient, lane_scratch);
         singles.max(lane_scratch.values[class])
@@ -668,6 +672,8 @@ impl Side {
 pub(crate) struct PairBuffers {
     /// One per factor.
     pairs: [AxisPair; FACTORS],
+    /// One per factor, where messages share lanes.
+    sums: [AxisSums; FACTORS],
     overlap: Vec<u64>,
     column: Vec<u64>,
     scratch: Scratch,

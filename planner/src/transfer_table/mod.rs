@@ -20,10 +20,13 @@
 //!   tile pairs. Usually the largest inter-node message alone decides t_x; it needs no exclusion of
 //!   a tile's own device and comes from per-axis range maxima per node group, without visiting
 //!   tiles either ([`Factorized::nested_by_inter_node`]). The same per-axis numbers give
-//!   [`LeastTimes`], lower bounds of t_x per layout pair that hold with shared lanes too.
-//! - [`per_message`] (anything else): tile overlaps are enumerated box by box and evaluated for every
-//!   class of block pairs with identical links (or, with shared lanes, message by message on each
-//!   lane).
+//!   [`LeastTimes`], lower bounds of t_x per layout pair that hold with shared lanes too. Where
+//!   messages share lanes (NICs one per node or per device, a switch's ports, a host bridge), a
+//!   lane's load is the traffic between two boxes of tiles, a product of per-axis prefix sums
+//!   (`factorized/lanes.rs`), and t_x is the larger of the largest message and the busiest lane.
+//! - [`per_message`] (anything else: irregular machines or projections, NICs shared by some of a
+//!   node's devices): tile overlaps are enumerated box by box and evaluated for every class of
+//!   block pairs with identical links (or, with shared lanes, message by message on each lane).
 //!
 //! This file holds what both share and what the searches call: [`EdgeGeometry`] (an edge's needs,
 //! worked out once), [`TransferTables`] (which of the two each table takes) and [`ConfigSubset`]
@@ -126,7 +129,8 @@ impl TransferTables {
         // per-axis factors, with the partials as one more (see `factorized::PARTIAL`).
         let partials_read_channel_blocks = dst_space.has_reductions() && edge.input == 0;
         // The per-axis form straight from the projections; the rects themselves are kept only
-        // for the per-message tables (irregular machines or projections, shared lanes).
+        // for the per-message tables (irregular machines or projections, lanes `LaneTopology`
+        // does not cover).
         let axes = self.factorized.as_ref().and_then(|_| {
             AxisNeeds::separable(
                 &producer,

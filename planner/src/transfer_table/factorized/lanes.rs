@@ -437,25 +437,34 @@ pub(super) struct AxisSums {
 
 impl AxisSums {
     pub(super) fn new(axes: &AxisNeeds, axis: usize, g: usize, h: usize) -> AxisSums {
-        let mut s = AxisSums {
-            h,
-            ..AxisSums::default()
-        };
-        axes.overlaps(axis, g, h, &mut s.overlap);
+        let mut overlap = Vec::new();
+        axes.overlaps(axis, g, h, &mut overlap);
+        let mut s = AxisSums::default();
+        s.fill(&overlap, g, h);
+        s
+    }
+
+    /// The sums of `overlap` (the `g × h` overlaps of one axis, as `AxisNeeds::overlaps` gives
+    /// them), in this value's buffers, which it keeps between calls.
+    pub(super) fn fill(&mut self, overlap: &[u64], g: usize, h: usize) {
+        self.h = h;
+        self.overlap.clear();
+        self.overlap.extend_from_slice(overlap);
         let w = h + 1;
-        s.sums = vec![0; (g + 1) * w];
-        s.counts = vec![0; (g + 1) * w];
+        for v in [&mut self.sums, &mut self.counts] {
+            v.clear();
+            v.resize((g + 1) * w, 0);
+        }
         for i in 0..g {
             let (mut row_sum, mut row_count) = (0u64, 0u64);
             for j in 0..h {
-                let v = s.overlap[i * h + j];
+                let v = self.overlap[i * h + j];
                 row_sum += v;
                 row_count += u64::from(v > 0);
-                s.sums[(i + 1) * w + j + 1] = s.sums[i * w + j + 1] + row_sum;
-                s.counts[(i + 1) * w + j + 1] = s.counts[i * w + j + 1] + row_count;
+                self.sums[(i + 1) * w + j + 1] = self.sums[i * w + j + 1] + row_sum;
+                self.counts[(i + 1) * w + j + 1] = self.counts[i * w + j + 1] + row_count;
             }
         }
-        s
     }
 
     /// (sum of overlaps, number of non-zero ones) over producer digits `rows` and consumer digits
