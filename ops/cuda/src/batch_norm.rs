@@ -1,32 +1,15 @@
 //! Batch normalisation: per-channel moments (each channel's sums split into parts, so that a layer
 //! with few channels still fills the GPU, then finished in f64), the normalisation with its
-//! optional ReLU, the running statistics, and the backward pass's sums and input gradient.
+//! optional ReLU, the running statistics, and the backward pass's sums and input gradient. The
+//! kernels that touch activations run a block per part of a channel ([`ChannelParts`]).
 
-use crate::backend::{Cuda, Failure, Launch};
-use crate::launch::{Box4, NULL, grid, per_channel};
+use crate::backend::{Cuda, Launch};
+use crate::launch::{Box4, ChannelParts, NULL, grid};
 use crate::memory::{Buffer, Stream, same_type};
 use cudarc::driver::PushKernelArg;
 use legion_ops::backend::{In, Out};
 use legion_ops::op::BatchNorm;
 use legion_ops::shape::Rect;
-
-/// How many elements each channel of a batch-norm tile has, and into how many parts its sums
-/// are split: one block per ~8k elements (at most 256 parts), so that a layer with few channels
-/// of many elements each still fills the GPU.
-fn channel_parts(tile: &Box4) -> Result<(i64, i64), Failure> {
-    /// Elements a block sums: enough that a part's block is busy, few enough for many blocks.
-    const PER_PART: i64 = 8192;
-    let per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
-    if per_channel > u32::MAX as i64 {
-        return Err(Failure(format!(
-            "batch-norm tile {tile:?}: {per_channel} elements a channel, more than the kernels' 2^32"
-        )));
-    }
-    Ok((
-        per_channel,
-        ((per_channel + PER_PART - 1) / PER_PART).clamp(1, 256),
-    ))
-}
 
 /// The statistics operands of the batch-norm kernels: `[3, C]` sums over channels `[lo, lo + C)`.
 fn sums_range(sums: &In<Buffer>) -> (i64, i64) {
@@ -52,7 +35,8 @@ pub(crate) fn moments(
         return Ok(());
     }
     let x_layout = Box4::of(&x.rect);
-    let (count, parts) = channel_parts(&tile_box)?;
+    let cut = ChannelParts::of(&tile_box)?;
+    let (count, parts) = (cut.per_channel, cut.parts);
     // SAFETY: the first kernel writes every partial sum before the second reads it.
     let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
     let mut b = s
@@ -65,7 +49,7 @@ pub(crate) fn moments(
         .arg(&mut partial);
     // SAFETY: the arguments match the kernel's signature; x contains the tile, and a
     // block of each part of each channel writes its two partial sums.
-    unsafe { b.launch(per_channel(channels * parts)) }?;
+    unsafe { b.launch(cut.launch()) }?;
     let mut b = s.stream.launch_builder(&cuda.kernels.bn_sums_finish);
     b.arg(&partial)
         .arg(&parts)
@@ -90,12 +74,11 @@ pub(crate) fn normalize(
     y: Out<Buffer>,
 ) -> Launch {
     let tile = Box4::of(&y.rect);
-    let n = tile.volume();
-    if n == 0 {
+    if tile.volume() == 0 {
         return Ok(());
     }
+    let cut = ChannelParts::of(&tile)?;
     let x_layout = Box4::of(&x.rect);
-    let packed = (x_layout == tile) as i32;
     let (m_lo, m_channels) = sums_range(&moments);
     let (gamma_lo, beta_lo) = (gamma.rect.lo[0] as i64, beta.rect.lo[0] as i64);
     let relu = op.relu as i32;
@@ -122,9 +105,9 @@ pub(crate) fn normalize(
     x.mem.push(&mut b);
     b.arg(&x_layout);
     y.mem.push_mut(&mut b);
-    b.arg(&tile).arg(&coef).arg(&relu).arg(&n).arg(&packed);
+    b.arg(&tile).arg(&coef).arg(&relu).arg(&cut.parts);
     // SAFETY: as above; the coefficients cover the tile's channels.
-    unsafe { b.launch(grid(n)) }?;
+    unsafe { b.launch(cut.launch()) }?;
     Ok(())
 }
 
@@ -189,7 +172,8 @@ pub(crate) fn grad_sums(
     let y_layout = y.map_or(x_layout, |y| Box4::of(&y.rect));
     let (m_lo, m_channels) = sums_range(&moments);
     let (dgamma_lo, dbeta_lo) = (dgamma.rect.lo[0] as i64, dbeta.rect.lo[0] as i64);
-    let (count, parts) = channel_parts(&tile_box)?;
+    let cut = ChannelParts::of(&tile_box)?;
+    let (count, parts) = (cut.per_channel, cut.parts);
     // SAFETY: the first kernel writes every partial sum before the second reads it.
     let mut partial = unsafe { s.stream.alloc::<f64>((2 * parts * channels) as usize) }?;
     let mut types = vec![x.mem.dtype(), dy.mem.dtype()];
@@ -216,7 +200,7 @@ pub(crate) fn grad_sums(
         .arg(&mut partial);
     // SAFETY: the arguments match the kernel's signature; the views contain the tile,
     // and a block of each part of each channel writes its two partial sums.
-    unsafe { b.launch(per_channel(channels * parts)) }?;
+    unsafe { b.launch(cut.launch()) }?;
     let c_lo = tile_box.lo[1];
     let mut b = s.stream.launch_builder(&cuda.kernels.bn_grad_sums_finish);
     b.arg(&partial)
@@ -253,13 +237,12 @@ pub(crate) fn input_grad(
     dx: Out<Buffer>,
 ) -> Launch {
     let tile = Box4::of(&dx.rect);
-    let n = tile.volume();
-    if n == 0 {
+    if tile.volume() == 0 {
         return Ok(());
     }
+    let cut = ChannelParts::of(&tile)?;
     let (x_layout, dy_layout) = (Box4::of(&x.rect), Box4::of(&dy.rect));
     let y_layout = y.map_or(tile, |y| Box4::of(&y.rect));
-    let packed = (x_layout == tile && dy_layout == tile && y_layout == tile) as i32;
     let (m_lo, m_channels) = sums_range(&moments);
     let (s_lo, s_channels) = sums_range(&grad_sums);
     let gamma_lo = gamma.rect.lo[0] as i64;
@@ -300,8 +283,8 @@ pub(crate) fn input_grad(
     dy.mem.push(&mut b);
     b.arg(&dy_layout);
     dx.mem.push_mut(&mut b);
-    b.arg(&tile).arg(&coef).arg(&n).arg(&packed);
+    b.arg(&tile).arg(&coef).arg(&cut.parts);
     // SAFETY: the arguments match the kernel's signature; the views contain the tile.
-    unsafe { b.launch(grid(n)) }?;
+    unsafe { b.launch(cut.launch()) }?;
     Ok(())
 }

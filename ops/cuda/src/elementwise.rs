@@ -5,7 +5,7 @@
 
 use crate::backend::{Cuda, Failure, Launch};
 use crate::kernels::Twin;
-use crate::launch::{Box4, NULL, grid, per_channel};
+use crate::launch::{Box4, ChannelParts, NULL, grid};
 use crate::memory::{Buffer, Stream, same_type};
 use cudarc::driver::PushKernelArg;
 use legion_ops::backend::{DType, In, Out};
@@ -72,10 +72,10 @@ impl Cuda {
         bias: Option<In<Buffer>>,
         relu: bool,
     ) -> Launch {
-        let n = tile.volume();
-        if n == 0 || (bias.is_none() && !relu) {
+        if tile.volume() == 0 || (bias.is_none() && !relu) {
             return Ok(());
         }
+        let cut = ChannelParts::of(&tile)?;
         let relu = relu as i32;
         let mut b = s
             .stream
@@ -87,9 +87,9 @@ impl Cuda {
             Some(bias) => b.arg(bias.mem.f32()),
             None => b.arg(&NULL),
         };
-        b.arg(&bias_lo).arg(&relu).arg(&n);
+        b.arg(&bias_lo).arg(&relu).arg(&cut.parts);
         // SAFETY: the arguments match the kernel's signature; the bias covers the tile's channels.
-        unsafe { b.launch(grid(n)) }?;
+        unsafe { b.launch(cut.launch()) }?;
         Ok(())
     }
 
@@ -121,7 +121,8 @@ impl Cuda {
     }
 
     /// `out[c − out_lo] = Σ dz[·, c, ·, ·]` per channel of `tile` (dz laid out over the tile; the
-    /// sum, a bias gradient, is f32 in every precision).
+    /// sum, a bias gradient, is f32 in every precision): each part of each channel summed by a
+    /// block, then the parts added in order.
     pub(crate) fn channel_sum(
         &self,
         s: &Stream,
@@ -133,14 +134,27 @@ impl Cuda {
         if channels == 0 {
             return Ok(());
         }
-        let out_lo = out.rect.lo[0] as i64;
+        let cut = ChannelParts::of(&tile)?;
+        // SAFETY: the first kernel writes every part's sum before the second reads it.
+        let mut partial = unsafe { s.stream.alloc::<f64>((cut.parts * channels) as usize) }?;
         let mut b = s
             .stream
             .launch_builder(self.kernels.channel_sum.of(dz.dtype()));
         dz.push(&mut b);
-        b.arg(&tile).arg(out.mem.f32_mut()).arg(&out_lo);
-        // SAFETY: the arguments match the kernel's signature; `out` covers the tile's channels.
-        unsafe { b.launch(per_channel(channels)) }?;
+        b.arg(&tile).arg(&cut.parts).arg(&mut partial);
+        // SAFETY: the arguments match the kernel's signature; a block of each part of each
+        // channel writes its sum.
+        unsafe { b.launch(cut.launch()) }?;
+        let (c_lo, out_lo) = (tile.lo[1], out.rect.lo[0] as i64);
+        let mut b = s.stream.launch_builder(&self.kernels.channel_sum_finish);
+        b.arg(&partial)
+            .arg(&cut.parts)
+            .arg(&channels)
+            .arg(&c_lo)
+            .arg(out.mem.f32_mut())
+            .arg(&out_lo);
+        // SAFETY: as above; `out` covers the tile's channels.
+        unsafe { b.launch(grid(channels)) }?;
         Ok(())
     }
 

@@ -305,43 +305,156 @@ __device__ void add_forward_t(const T* a, Box4 a_layout, const T* b, Box4 b_layo
 ELEMENTWISE_KERNELS(float, )
 ELEMENTWISE_KERNELS(bf16, _bf16)
 
+// ---------------------------------------------------------------------------------------------
+// Walking one channel of a tile: the per-channel kernels (bias and activation, the bias
+// gradient, batch norm) give each block one part of one channel's elements, in (sample, row,
+// column) order: block b takes part b % parts of channel b / parts, and its threads every
+// blockDim.x-th element of the part. A thread keeps its element's row and column as counters and
+// each operand's offset as a running sum, so an element costs a few additions and no division
+// (locating an element from its index took two to four divisions, more work than moving it).
+// The host checks that a channel of a tile has fewer than 2^32 elements.
+
+// This block's channel (local to the tile, and global) and its part's elements [lo, hi).
+struct ChannelPart {
+    i64 local, c, lo, hi;
+};
+
+__device__ __forceinline__ ChannelPart channel_part(const Box4& tile, i64 parts) {
+    ChannelPart p;
+    i64 per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
+    i64 part = blockIdx.x % parts;
+    p.local = blockIdx.x / parts;
+    p.c = tile.lo[1] + p.local;
+    p.lo = per_channel * part / parts;
+    p.hi = per_channel * (part + 1) / parts;
+    return p;
+}
+
+// A thread's position in its channel: the row and column within the tile, and the stride
+// (blockDim.x elements) as samples, rows and columns. `wrapped` says which counters the last step
+// carried over: 1 the column (to the next row), 2 the row (to the next sample).
+struct Walk {
+    unsigned h, w, height, width, dn, dh, dw;
+    int wrapped;
+};
+
+__device__ __forceinline__ Walk walk_from(const Box4& tile, i64 j, i64& n) {
+    Walk k;
+    // A tile without rows or columns has no element to walk: any nonzero extents will do.
+    k.height = tile.ext[2] > 0 ? (unsigned)tile.ext[2] : 1u;
+    k.width = tile.ext[3] > 0 ? (unsigned)tile.ext[3] : 1u;
+    unsigned plane = k.height * k.width;
+    unsigned jj = (unsigned)j, stride = blockDim.x;
+    n = jj / plane;
+    unsigned r = jj - (unsigned)n * plane;
+    k.h = r / k.width;
+    k.w = r - k.h * k.width;
+    k.dn = stride / plane;
+    r = stride - k.dn * plane;
+    k.dh = r / k.width;
+    k.dw = r - k.dh * k.width;
+    k.wrapped = 0;
+    return k;
+}
+
+__device__ __forceinline__ void walk_step(Walk& k) {
+    k.w += k.dw;
+    k.h += k.dh;
+    k.wrapped = 0;
+    if (k.w >= k.width) {
+        k.w -= k.width;
+        k.h += 1;
+        k.wrapped = 1;
+    }
+    if (k.h >= k.height) {
+        k.h -= k.height;
+        k.wrapped |= 2;
+    }
+}
+
+// One operand's offsets along a walk, in a buffer laid out over `layout`: the current element's,
+// the stride's without carries, and what each carry adds.
+struct Lane {
+    i64 at, step, carry_w, carry_h;
+};
+
+__device__ __forceinline__ Lane lane_of(const Box4& layout, const Box4& tile, i64 c, i64 n,
+                                        const Walk& k) {
+    Lane l;
+    i64 row = layout.ext[3];
+    i64 sample = layout.ext[1] * layout.ext[2] * row;
+    i64 p[4] = {tile.lo[0] + n, c, tile.lo[2] + (i64)k.h, tile.lo[3] + (i64)k.w};
+    l.at = offset_in(layout, p);
+    l.step = (i64)k.dn * sample + (i64)k.dh * row + (i64)k.dw;
+    l.carry_w = row - (i64)k.width;
+    l.carry_h = sample - (i64)k.height * row;
+    return l;
+}
+
+__device__ __forceinline__ void lane_step(Lane& l, const Walk& k) {
+    l.at += l.step;
+    if (k.wrapped & 1) l.at += l.carry_w;
+    if (k.wrapped & 2) l.at += l.carry_h;
+}
+
+
 // y = x + bias[c], then max(·, 0) when `relu`: the bias and fused activation after a cuBLAS or
 // cuDNN product. `bias` (fp32, the master) may be null. In bf16 the product was already rounded
 // to bf16 by the library; the sum is rounded once more (one extra rounding per output).
 template <class T>
-__device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_lo, int relu, i64 n) {
-    GRID_STRIDE(i, n) {
-        float z = to_f32(y[i]);
-        if (bias) z = z + bias[channel_of(tile, i) - bias_lo];
-        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+__device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_lo, int relu,
+                                  i64 parts) {
+    ChannelPart part = channel_part(tile, parts);
+    float b = bias ? bias[part.c - bias_lo] : 0.0f;
+    i64 n;
+    Walk k = walk_from(tile, part.lo + threadIdx.x, n);
+    Lane at = lane_of(tile, tile, part.c, n, k);
+    for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
+        float z = to_f32(y[at.at]);
+        if (bias) z = z + b;
+        y[at.at] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+        walk_step(k);
+        lane_step(at, k);
     }
 }
 
-// Per channel of `tile`, the sum over samples and positions of `dz` (laid out over the tile), into
-// out[c - out_lo]: the bias gradient (fp32 in every precision). One block per channel; summed in
+// Per channel of `tile`, the sum over samples and positions of `dz` (laid out over the tile): the
+// bias gradient. Each part's sum goes into partial[part][channel] (f64), and channel_sum_finish
+// adds the parts in order and rounds to f32 (the gradient is fp32 in every precision). Summed in
 // f64, so the result is closer to exact than the CPU's f32 sum and may differ from it in the last
 // bits.
-template <class T> __device__ void channel_sum_t(const T* dz, Box4 tile, float* out, i64 out_lo) {
-    i64 c_local = blockIdx.x;
-    i64 plane = tile.ext[2] * tile.ext[3];
-    i64 per_channel = tile.ext[0] * plane;
+template <class T> __device__ void channel_sum_t(const T* dz, Box4 tile, i64 parts, double* partial) {
+    ChannelPart part = channel_part(tile, parts);
+    i64 n;
+    Walk k = walk_from(tile, part.lo + threadIdx.x, n);
+    Lane at = lane_of(tile, tile, part.c, n, k);
     double sum = 0.0, unused = 0.0;
-    for (i64 j = threadIdx.x; j < per_channel; j += blockDim.x) {
-        i64 sample = j / plane, s = j % plane;
-        sum += (double)to_f32(dz[(sample * tile.ext[1] + c_local) * plane + s]);
+    for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
+        sum += (double)to_f32(dz[at.at]);
+        walk_step(k);
+        lane_step(at, k);
     }
     block_sum2(sum, unused);
-    if (threadIdx.x == 0) out[tile.lo[1] + c_local - out_lo] = (float)sum;
+    if (threadIdx.x == 0) partial[(blockIdx.x % parts) * tile.ext[1] + part.local] = sum;
+}
+
+extern "C" __global__ void channel_sum_finish(const double* partial, i64 parts, i64 channels,
+                                              i64 c_lo, float* out, i64 out_lo) {
+    GRID_STRIDE(c, channels) {
+        double sum = 0.0;
+        for (i64 p = 0; p < parts; ++p) sum += partial[p * channels + c];
+        out[c_lo + c - out_lo] = (float)sum;
+    }
 }
 
 #define EPILOGUE_KERNELS(T, suffix)                                                            \
     extern "C" __global__ void bias_activation##suffix(T* y, Box4 tile, const float* bias,    \
-                                                       i64 bias_lo, int relu, i64 n) {         \
-        bias_activation_t(y, tile, bias, bias_lo, relu, n);                                      \
+                                                       i64 bias_lo, int relu, i64 parts) {     \
+        bias_activation_t(y, tile, bias, bias_lo, relu, parts);                                \
     }                                                                                          \
-    extern "C" __global__ void channel_sum##suffix(const T* dz, Box4 tile, float* out,        \
-                                                   i64 out_lo) {                               \
-        channel_sum_t(dz, tile, out, out_lo);                                                    \
+    extern "C" __global__ void channel_sum##suffix(const T* dz, Box4 tile, i64 parts,         \
+                                                   double* partial) {                          \
+        channel_sum_t(dz, tile, parts, partial);                                               \
     }
 EPILOGUE_KERNELS(float, )
 EPILOGUE_KERNELS(bf16, _bf16)
@@ -751,40 +864,27 @@ __device__ __forceinline__ Stats stats_of(const double* moments, i64 m_lo, i64 m
 // channel b / parts into `partial` ([parts][2][C] f64), and a second kernel adds each channel's
 // parts in order. The split and both trees are fixed, so the sums are the same every run.
 
-// The global point of element j of channel c's elements of `tile`. The host checks that a
-// channel has fewer than 2^32 elements, so 32-bit division (several times cheaper) indexes it.
-__device__ __forceinline__ void channel_point(const Box4& tile, i64 c, i64 j, i64 q[4]) {
-    unsigned width = (unsigned)tile.ext[3];
-    unsigned plane = (unsigned)(tile.ext[2] * tile.ext[3]);
-    unsigned jj = (unsigned)j;
-    unsigned n = jj / plane;
-    unsigned s = jj - n * plane;
-    unsigned h = s / width;
-    q[0] = tile.lo[0] + n;
-    q[1] = c;
-    q[2] = tile.lo[2] + h;
-    q[3] = tile.lo[3] + (s - h * width);
-}
-
 // Σx and Σx² of one part of one channel of the tile, in f64.
 template <class T>
 __device__ void bn_moments_t(const T* x, Box4 x_layout, Box4 tile, i64 parts, double* partial) {
     i64 channels = tile.ext[1];
-    i64 c_local = blockIdx.x / parts, part = blockIdx.x % parts;
-    i64 per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
-    i64 lo = per_channel * part / parts, hi = per_channel * (part + 1) / parts;
+    ChannelPart part = channel_part(tile, parts);
+    i64 n;
+    Walk k = walk_from(tile, part.lo + threadIdx.x, n);
+    Lane xs = lane_of(x_layout, tile, part.c, n, k);
     double sum = 0.0, sum_sq = 0.0;
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-        i64 q[4];
-        channel_point(tile, tile.lo[1] + c_local, j, q);
-        double v = (double)to_f32(x[offset_in(x_layout, q)]);
+    for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
+        double v = (double)to_f32(x[xs.at]);
         sum += v;
         sum_sq += v * v;
+        walk_step(k);
+        lane_step(xs, k);
     }
     block_sum2(sum, sum_sq);
     if (threadIdx.x == 0) {
-        partial[2 * part * channels + c_local] = sum;
-        partial[(2 * part + 1) * channels + c_local] = sum_sq;
+        i64 p = blockIdx.x % parts;
+        partial[2 * p * channels + part.local] = sum;
+        partial[(2 * p + 1) * channels + part.local] = sum_sq;
     }
 }
 
@@ -807,14 +907,6 @@ extern "C" __global__ void bn_sums_finish(const double* partial, i64 parts, i64 
 // per channel computes first (the f64 statistics, divisions and square roots once a channel,
 // not once an element), rounded to f32 as the CPU's.
 
-// Channel of element i of a region, with 32-bit division where the indices fit.
-__device__ __forceinline__ i64 channel_at(const Box4& region, i64 i) {
-    i64 plane = region.ext[2] * region.ext[3];
-    if (i <= 0xffffffffLL && plane <= 0xffffffffLL)
-        return region.lo[1] + (i64)(((unsigned)i / (unsigned)plane) % (unsigned)region.ext[1]);
-    return channel_of(region, i);
-}
-
 // coef ([3][channels] f32): mean, γ·invstd and β of channels [c_lo, c_lo + channels), as the
 // CPU's Affine.
 extern "C" __global__ void bn_affine(const double* moments, i64 m_lo, i64 m_channels,
@@ -834,13 +926,21 @@ extern "C" __global__ void bn_affine(const double* moments, i64 m_lo, i64 m_chan
 // the tile's channels.
 template <class T>
 __device__ void bn_normalize_t(const T* x, Box4 x_layout, T* y, Box4 tile, const float* coef,
-                               int relu, i64 n, int packed) {
+                               int relu, i64 parts) {
     i64 channels = tile.ext[1];
-    GRID_STRIDE(i, n) {
-        i64 j = channel_at(tile, i) - tile.lo[1];
-        float z = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j] +
-                  coef[2 * channels + j];
-        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+    ChannelPart part = channel_part(tile, parts);
+    float mean = coef[part.local], scale = coef[channels + part.local],
+          shift = coef[2 * channels + part.local];
+    i64 n;
+    Walk k = walk_from(tile, part.lo + threadIdx.x, n);
+    Lane xs = lane_of(x_layout, tile, part.c, n, k);
+    Lane ys = lane_of(tile, tile, part.c, n, k);
+    for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
+        float z = (to_f32(x[xs.at]) - mean) * scale + shift;
+        y[ys.at] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+        walk_step(k);
+        lane_step(xs, k);
+        lane_step(ys, k);
     }
 }
 
@@ -868,25 +968,30 @@ __device__ void bn_grad_sums_t(const T* x, Box4 x_layout, const T* y, Box4 y_lay
                                Box4 dy_layout, Box4 tile, const double* moments, i64 m_lo,
                                i64 m_channels, float eps, i64 parts, double* partial) {
     i64 channels = tile.ext[1];
-    i64 c_local = blockIdx.x / parts, part = blockIdx.x % parts;
-    i64 c = tile.lo[1] + c_local;
-    Stats s = stats_of(moments, m_lo, m_channels, c, eps);
-    i64 per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
-    i64 lo = per_channel * part / parts, hi = per_channel * (part + 1) / parts;
+    ChannelPart part = channel_part(tile, parts);
+    Stats s = stats_of(moments, m_lo, m_channels, part.c, eps);
+    i64 n;
+    Walk k = walk_from(tile, part.lo + threadIdx.x, n);
+    Lane xs = lane_of(x_layout, tile, part.c, n, k);
+    Lane ys = lane_of(y_layout, tile, part.c, n, k);
+    Lane dys = lane_of(dy_layout, tile, part.c, n, k);
     double sum_dy = 0.0, sum_dy_centered = 0.0;
-    for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
-        i64 q[4];
-        channel_point(tile, c, j, q);
-        float g = to_f32(dy[offset_in(dy_layout, q)]);
-        if (y && !(to_f32(y[offset_in(y_layout, q)]) > 0.0f)) g = 0.0f;
+    for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
+        float g = to_f32(dy[dys.at]);
+        if (y && !(to_f32(y[ys.at]) > 0.0f)) g = 0.0f;
         double gd = (double)g;
         sum_dy += gd;
-        sum_dy_centered += gd * ((double)to_f32(x[offset_in(x_layout, q)]) - s.mean);
+        sum_dy_centered += gd * ((double)to_f32(x[xs.at]) - s.mean);
+        walk_step(k);
+        lane_step(xs, k);
+        lane_step(ys, k);
+        lane_step(dys, k);
     }
     block_sum2(sum_dy, sum_dy_centered);
     if (threadIdx.x == 0) {
-        partial[2 * part * channels + c_local] = sum_dy;
-        partial[(2 * part + 1) * channels + c_local] = sum_dy_centered;
+        i64 p = blockIdx.x % parts;
+        partial[2 * p * channels + part.local] = sum_dy;
+        partial[(2 * p + 1) * channels + part.local] = sum_dy_centered;
     }
 }
 
@@ -937,16 +1042,28 @@ extern "C" __global__ void bn_input_coef(const double* moments, i64 m_lo, i64 m_
 // the tile's channels; dy masked by y > 0 when `y` is given.
 template <class T>
 __device__ void bn_input_grad_t(const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy,
-                                Box4 dy_layout, T* dx, Box4 tile, const float* coef, i64 n,
-                                int packed) {
+                                Box4 dy_layout, T* dx, Box4 tile, const float* coef, i64 parts) {
     i64 channels = tile.ext[1];
-    GRID_STRIDE(i, n) {
-        i64 j = channel_at(tile, i) - tile.lo[1];
-        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
-        if (y && !(to_f32(y[at(y_layout, tile, i, packed)]) > 0.0f)) g = 0.0f;
-        float xhat = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j];
-        dx[i] = from_f32<T>(coef[2 * channels + j] *
-                            (g - coef[3 * channels + j] - xhat * coef[4 * channels + j]));
+    ChannelPart part = channel_part(tile, parts);
+    i64 c = part.local;
+    float mean = coef[c], inv_std = coef[channels + c], scale = coef[2 * channels + c],
+          mean_dy = coef[3 * channels + c], mean_dy_xhat = coef[4 * channels + c];
+    i64 n;
+    Walk k = walk_from(tile, part.lo + threadIdx.x, n);
+    Lane xs = lane_of(x_layout, tile, part.c, n, k);
+    Lane ys = lane_of(y_layout, tile, part.c, n, k);
+    Lane dys = lane_of(dy_layout, tile, part.c, n, k);
+    Lane dxs = lane_of(tile, tile, part.c, n, k);
+    for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
+        float g = to_f32(dy[dys.at]);
+        if (y && !(to_f32(y[ys.at]) > 0.0f)) g = 0.0f;
+        float xhat = (to_f32(x[xs.at]) - mean) * inv_std;
+        dx[dxs.at] = from_f32<T>(scale * (g - mean_dy - xhat * mean_dy_xhat));
+        walk_step(k);
+        lane_step(xs, k);
+        lane_step(ys, k);
+        lane_step(dys, k);
+        lane_step(dxs, k);
     }
 }
 
@@ -959,8 +1076,8 @@ __device__ void bn_input_grad_t(const T* x, Box4 x_layout, const T* y, Box4 y_la
     }                                                                                          \
     extern "C" __global__ void bn_normalize##suffix(const T* x, Box4 x_layout, T* y,          \
                                                     Box4 tile, const float* coef, int relu,    \
-                                                    i64 n, int packed) {                       \
-        bn_normalize_t(x, x_layout, y, tile, coef, relu, n, packed);                           \
+                                                    i64 parts) {                               \
+        bn_normalize_t(x, x_layout, y, tile, coef, relu, parts);                               \
     }                                                                                          \
     extern "C" __global__ void bn_grad_sums##suffix(                                           \
         const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy, Box4 dy_layout,     \
@@ -971,8 +1088,8 @@ __device__ void bn_input_grad_t(const T* x, Box4 x_layout, const T* y, Box4 y_la
     }                                                                                          \
     extern "C" __global__ void bn_input_grad##suffix(                                          \
         const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy, Box4 dy_layout,     \
-        T* dx, Box4 tile, const float* coef, i64 n, int packed) {                              \
-        bn_input_grad_t(x, x_layout, y, y_layout, dy, dy_layout, dx, tile, coef, n, packed);   \
+        T* dx, Box4 tile, const float* coef, i64 parts) {                                      \
+        bn_input_grad_t(x, x_layout, y, y_layout, dy, dy_layout, dx, tile, coef, parts);       \
     }
 BN_KERNELS(float, )
 BN_KERNELS(bf16, _bf16)

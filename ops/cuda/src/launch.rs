@@ -1,7 +1,8 @@
 //! How the kernels of `kernels.cu` are launched: the rect they take ([`Box4`]) and the launch
-//! shapes (a grid-stride grid over elements, a reduction block per channel, a warp per softmax
+//! shapes (a grid-stride grid over elements, a block per part of a channel, a warp per softmax
 //! row), in one place so that every kernel family launches as the kernels assume.
 
+use crate::backend::Failure;
 use crate::kernels::{REDUCE_THREADS, WARP_ROWS_PER_BLOCK};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use legion_ops::shape::Rect;
@@ -93,10 +94,57 @@ pub(crate) fn grid(n: i64) -> LaunchConfig {
     }
 }
 
-/// One reduction block per channel.
-pub(crate) fn per_channel(channels: i64) -> LaunchConfig {
+/// How the per-channel kernels (`ChannelPart` in kernels.cu: bias and activation, bias
+/// gradients, batch norm) cut a tile: each channel's elements into `parts` ranges of about
+/// [`PER_PART`] elements (at most [`MAX_PARTS`]), a block of [`REDUCE_THREADS`] threads per part,
+/// so that a layer with few channels of many elements each still fills the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ChannelParts {
+    /// Elements of one channel of the tile (samples × rows × columns).
+    pub per_channel: i64,
+    pub parts: i64,
+    channels: i64,
+}
+
+/// Elements a block of a per-channel kernel takes: enough that the block is busy, few enough for
+/// many blocks.
+const PER_PART: i64 = 8192;
+/// The most parts a channel is cut into (a reduction's finishing kernel adds them in order).
+const MAX_PARTS: i64 = 256;
+
+impl ChannelParts {
+    /// The cut of `tile`, or why its kernels cannot index it: a thread walks its channel with
+    /// 32-bit counters, so a channel (and a block's threads past its end) must stay below 2^32.
+    pub fn of(tile: &Box4) -> Result<ChannelParts, Failure> {
+        let per_channel = tile.ext[0] * tile.ext[2] * tile.ext[3];
+        if per_channel > (u32::MAX - REDUCE_THREADS) as i64 {
+            return Err(Failure(format!(
+                "tile {tile:?}: {per_channel} elements a channel, more than the per-channel \
+                 kernels' 2^32"
+            )));
+        }
+        let parts = ((per_channel + PER_PART - 1) / PER_PART).clamp(1, MAX_PARTS);
+        Ok(ChannelParts {
+            per_channel,
+            parts,
+            channels: tile.ext[1],
+        })
+    }
+
+    /// A block per part of every channel.
+    pub fn launch(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((self.channels * self.parts) as u32, 1, 1),
+            block_dim: (REDUCE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// One reduction block of [`REDUCE_THREADS`] threads.
+pub(crate) fn one_reduction_block() -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (channels as u32, 1, 1),
+        grid_dim: (1, 1, 1),
         block_dim: (REDUCE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     }

@@ -4,7 +4,7 @@
 //! from the stream's copy of it in a recorded step, `crate::capture`), or uploaded.
 
 use crate::backend::{Cuda, Failure};
-use crate::launch::{per_channel, softmax_rows};
+use crate::launch::{one_reduction_block, softmax_rows};
 use crate::memory::{Buffer, Stream, same_type};
 use crate::staging::{Direction, pinned};
 use cudarc::driver::sys::CUevent_flags;
@@ -268,7 +268,7 @@ pub(crate) fn forward(
             let mut b = s.stream.launch_builder(&cuda.kernels.loss_totals);
             b.arg(&*loss).arg(&correct).arg(&rows).arg(&mut totals);
             // SAFETY: as above; one block of REDUCE_THREADS threads.
-            unsafe { b.launch(per_channel(1)) }?;
+            unsafe { b.launch(one_reduction_block()) }?;
         }
         drop(labels);
         match s.fixed.active {

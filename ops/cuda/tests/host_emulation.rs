@@ -415,34 +415,47 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             });
             report.check(&format!("dropout {what}"), &got, want.f32(), 0.0);
         }
-        // bias activation + channel sum
+        // bias activation + channel sum: a block per part of a channel, walked with strides
+        // that wrap rows and samples (1, 3, 7 and 64 threads; several threads of a block run one
+        // after another here, which an element-wise kernel allows)
         {
             type BA = unsafe extern "C" fn(*mut f32, Box4, *const f32, i64, i32, i64);
             let f: Symbol<BA> = emu.sym("bias_activation");
             let c0 = tile.lo[1];
+            let channels = tile.extent(1) as u32;
             let bias = random(10, 5);
-            let mut y = random(tile.volume(), 6);
-            let mut want = y.clone();
+            let y0 = random(tile.volume(), 6);
+            let mut want = y0.clone();
             let plane: usize = (2..tile.ndim()).map(|a| tile.extent(a)).product();
             for (i, v) in want.iter_mut().enumerate() {
                 let c = tile.lo[1] + (i / plane) % tile.extent(1);
                 let z = *v + bias[c + 1 - c0];
                 *v = if z < 0.0 { 0.0 } else { z };
             }
-            emu.launch(1, 1, || unsafe {
-                f(
-                    y.as_mut_ptr(),
-                    box4(&tile),
-                    bias.as_ptr(),
-                    c0 as i64 - 1,
-                    1,
-                    n,
-                )
-            });
-            report.check(&format!("bias_activation {what}"), &y, &want, 0.0);
+            for (parts, threads) in [(1i64, 1u32), (2, 3), (3, 7), (1, 64)] {
+                let mut y = y0.clone();
+                emu.launch(channels * parts as u32, threads, || unsafe {
+                    f(
+                        y.as_mut_ptr(),
+                        box4(&tile),
+                        bias.as_ptr(),
+                        c0 as i64 - 1,
+                        1,
+                        parts,
+                    )
+                });
+                report.check(
+                    &format!("bias_activation {what} in {parts} part(s) of {threads} thread(s)"),
+                    &y,
+                    &want,
+                    0.0,
+                );
+            }
 
-            type CS = unsafe extern "C" fn(*const f32, Box4, *mut f32, i64);
+            type CS = unsafe extern "C" fn(*const f32, Box4, i64, *mut f64);
+            type CF = unsafe extern "C" fn(*const f64, i64, i64, i64, *mut f32, i64);
             let f: Symbol<CS> = emu.sym("channel_sum");
+            let finish: Symbol<CF> = emu.sym("channel_sum_finish");
             let dz = random(tile.volume(), 7);
             let mut want = vec![-3.0f32; 12];
             let mut sums = vec![0f64; tile.extent(1)];
@@ -452,11 +465,29 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             for (k, s) in sums.iter().enumerate() {
                 want[tile.lo[1] + k - c0 + 2] = *s as f32;
             }
-            let mut got = vec![-3.0f32; 12];
-            emu.launch(tile.extent(1) as u32, 1, || unsafe {
-                f(dz.as_ptr(), box4(&tile), got.as_mut_ptr(), c0 as i64 - 2)
-            });
-            report.check(&format!("channel_sum {what}"), &got, &want, 1e-6);
+            for parts in [1i64, 3] {
+                let mut partial = vec![f64::NAN; parts as usize * channels as usize];
+                emu.launch(channels * parts as u32, 1, || unsafe {
+                    f(dz.as_ptr(), box4(&tile), parts, partial.as_mut_ptr())
+                });
+                let mut got = vec![-3.0f32; 12];
+                emu.launch(1, 1, || unsafe {
+                    finish(
+                        partial.as_ptr(),
+                        parts,
+                        channels as i64,
+                        c0 as i64,
+                        got.as_mut_ptr(),
+                        c0 as i64 - 2,
+                    )
+                });
+                report.check(
+                    &format!("channel_sum {what} in {parts} part(s)"),
+                    &got,
+                    &want,
+                    1e-6,
+                );
+            }
         }
     }
 
@@ -706,7 +737,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             i64,
             *mut f32,
         );
-        type N = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, *const f32, i32, i64, i32);
+        type N = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, *const f32, i32, i64);
         type IC = unsafe extern "C" fn(
             *const f64,
             i64,
@@ -764,7 +795,6 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             Box4,
             *const f32,
             i64,
-            i32,
         );
         let mk: Symbol<M> = emu.sym("bn_moments");
         let mf: Symbol<MF> = emu.sym("bn_sums_finish");
@@ -888,8 +918,6 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         mem: &mut want_y,
                     },
                 );
-                let mut gy = vec![0f32; tile.volume()];
-                let n = tile.volume() as i64;
                 let tc_tile = tile.extent(1);
                 let mut coef = vec![f32::NAN; 3 * tc_tile];
                 emu.launch(1, 1, || unsafe {
@@ -907,24 +935,29 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         coef.as_mut_ptr(),
                     )
                 });
-                emu.launch(1, 1, || unsafe {
-                    nk(
-                        x.f32().as_ptr(),
-                        box4(&fullr),
-                        gy.as_mut_ptr(),
-                        box4(&tile),
-                        coef.as_ptr(),
-                        relu as i32,
-                        n,
-                        0,
-                    )
-                });
-                report.check(
-                    &format!("bn normalize {ci} relu {relu}"),
-                    &gy,
-                    want_y.f32(),
-                    0.0,
-                );
+                let channels = tc_tile as u32;
+                for (parts, threads) in [(1i64, 1u32), (2, 3), (3, 7), (1, 64)] {
+                    let mut gy = vec![f32::NAN; tile.volume()];
+                    emu.launch(channels * parts as u32, threads, || unsafe {
+                        nk(
+                            x.f32().as_ptr(),
+                            box4(&fullr),
+                            gy.as_mut_ptr(),
+                            box4(&tile),
+                            coef.as_ptr(),
+                            relu as i32,
+                            parts,
+                        )
+                    });
+                    report.check(
+                        &format!(
+                            "bn normalize {ci} relu {relu} in {parts} part(s) of {threads} thread(s)"
+                        ),
+                        &gy,
+                        want_y.f32(),
+                        0.0,
+                    );
+                }
                 // running
                 let rm0 = random(c, 502);
                 let rv0: Vec<f32> = random(c, 503).iter().map(|v| v + 1.5).collect();
@@ -1116,7 +1149,6 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         mem: &mut dx,
                     },
                 );
-                let mut gdx = vec![0f32; tile.volume()];
                 let mut coef = vec![f32::NAN; 5 * tc];
                 emu.launch(1, 1, || unsafe {
                     ic(
@@ -1134,27 +1166,31 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         coef.as_mut_ptr(),
                     )
                 });
-                emu.launch(1, 1, || unsafe {
-                    ik(
-                        x.f32().as_ptr(),
-                        box4(&fullr),
-                        yptr,
-                        box4(&group),
-                        dy.f32().as_ptr(),
-                        box4(&fullr),
-                        gdx.as_mut_ptr(),
-                        box4(&tile),
-                        coef.as_ptr(),
-                        n,
-                        0,
-                    )
-                });
-                report.check(
-                    &format!("bn input grad {ci} relu {relu}"),
-                    &gdx,
-                    dx.f32(),
-                    0.0,
-                );
+                for (parts, threads) in [(1i64, 1u32), (2, 3), (3, 7), (1, 64)] {
+                    let mut gdx = vec![f32::NAN; tile.volume()];
+                    emu.launch(tc as u32 * parts as u32, threads, || unsafe {
+                        ik(
+                            x.f32().as_ptr(),
+                            box4(&fullr),
+                            yptr,
+                            box4(&group),
+                            dy.f32().as_ptr(),
+                            box4(&fullr),
+                            gdx.as_mut_ptr(),
+                            box4(&tile),
+                            coef.as_ptr(),
+                            parts,
+                        )
+                    });
+                    report.check(
+                        &format!(
+                            "bn input grad {ci} relu {relu} in {parts} part(s) of {threads} thread(s)"
+                        ),
+                        &gdx,
+                        dx.f32(),
+                        0.0,
+                    );
+                }
             }
         }
     }
