@@ -139,9 +139,11 @@ run)
         # convolution algorithms, the next batch staged while a step computes, steps after the
         # first replayed as a CUDA graph, each step's loss read one step late), then AlexNet with
         # each default turned off in turn: `--conv-algos precise` and `heuristic`,
-        # `--no-prefetch`, `--no-capture`, `--synthetic-on-host`, `--sync-every-step`.
+        # `--no-prefetch`, `--no-capture`, `--synthetic-on-host`, `--sync-every-step`, and
+        # `--no-fused-epilogue` (on VGG-16 too, whose convolutions' outputs are 14 times
+        # AlexNet's).
         for mode in fp32 tf32 bf16 fp32-precise fp32-heuristic fp32-no-prefetch fp32-no-capture \
-            fp32-synthetic-on-host fp32-sync-every-step; do
+            fp32-synthetic-on-host fp32-sync-every-step fp32-no-fused-epilogue; do
             flags=()
             case "$mode" in
             tf32) flags=(--tf32) ;;
@@ -152,10 +154,12 @@ run)
             fp32-no-capture) flags=(--no-capture) ;;
             fp32-synthetic-on-host) flags=(--synthetic-on-host) ;;
             fp32-sync-every-step) flags=(--sync-every-step) ;;
+            fp32-no-fused-epilogue) flags=(--no-fused-epilogue) ;;
             esac
             echo "=== throughput, legion-rs --device cuda (one GPU, $mode)"
             runs="alexnet:224:128 vgg16:224:64 inception_v3:299:64 resnet50:224:64"
             [[ "$mode" == fp32-* ]] && runs="alexnet:224:128"
+            [[ "$mode" == fp32-no-fused-epilogue ]] && runs="alexnet:224:128 vgg16:224:64"
             for run in $runs; do
                 IFS=: read -r model image batch <<<"$run"
                 log="$out/legion-$model-$mode.jsonl"

@@ -65,19 +65,27 @@ pub struct JobSpec {
     pub gpu_math: String,
     /// How they pick convolution algorithms (`fastest`, `precise`, `heuristic`: `--conv-algos`).
     pub conv_algos: String,
+    /// Where their convolutions apply bias and ReLU (`fused`, `separate`: `--no-fused-epilogue`).
+    pub conv_epilogue: String,
+}
+
+/// A job's GPU settings as [`JobSpec`] carries them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuFields {
+    pub gpu_math: String,
+    pub conv_algos: String,
+    pub conv_epilogue: String,
 }
 
 impl JobSpec {
-    /// The GPU settings a job asks for, as [`JobSpec::gpu_math`] and [`JobSpec::conv_algos`]
-    /// carry them.
-    pub fn gpu_fields(settings: legion_cuda::Settings) -> (String, String) {
-        let math = settings.math.precision().name();
-        let algos = match settings.conv_algos {
-            legion_cuda::ConvAlgos::Fastest => "fastest",
-            legion_cuda::ConvAlgos::Precise => "precise",
-            legion_cuda::ConvAlgos::Heuristic => "heuristic",
-        };
-        (math.to_string(), algos.to_string())
+    /// The GPU settings a job asks for, as [`JobSpec::gpu_math`], [`JobSpec::conv_algos`] and
+    /// [`JobSpec::conv_epilogue`] carry them.
+    pub fn gpu_fields(settings: legion_cuda::Settings) -> GpuFields {
+        GpuFields {
+            gpu_math: settings.math.precision().name().to_string(),
+            conv_algos: settings.conv_algos.to_string(),
+            conv_epilogue: settings.conv_epilogue.to_string(),
+        }
     }
 
     /// What the job computes in ([`JobSpec::gpu_math`]); an error names the field.
@@ -99,9 +107,14 @@ impl JobSpec {
             .conv_algos
             .parse()
             .map_err(|e| format!("job: conv_algos: {e}"))?;
+        let conv_epilogue = self
+            .conv_epilogue
+            .parse()
+            .map_err(|e| format!("job: conv_epilogue: {e}"))?;
         Ok(legion_cuda::Settings {
             math,
             conv_algos,
+            conv_epilogue,
             sharing: legion_cuda::Sharing::AcrossStreams,
         })
     }
@@ -409,9 +422,14 @@ mod tests {
     }
 
     fn job_spec() -> JobSpec {
-        let (gpu_math, conv_algos) = JobSpec::gpu_fields(legion_cuda::Settings {
+        let GpuFields {
+            gpu_math,
+            conv_algos,
+            conv_epilogue,
+        } = JobSpec::gpu_fields(legion_cuda::Settings {
             math: legion_cuda::Math::Tf32,
             conv_algos: legion_cuda::ConvAlgos::Precise,
+            conv_epilogue: legion_cuda::ConvEpilogue::Separate,
             ..Default::default()
         });
         JobSpec {
@@ -432,6 +450,7 @@ mod tests {
             weight_decay: 0.0,
             gpu_math,
             conv_algos,
+            conv_epilogue,
         }
     }
 
@@ -441,21 +460,28 @@ mod tests {
         let settings = spec.gpu_settings().unwrap();
         assert_eq!(settings.math, legion_cuda::Math::Tf32);
         assert_eq!(settings.conv_algos, legion_cuda::ConvAlgos::Precise);
+        assert_eq!(settings.conv_epilogue, legion_cuda::ConvEpilogue::Separate);
         // buffers move between the streams of a GPU's devices
         assert_eq!(settings.sharing, legion_cuda::Sharing::AcrossStreams);
-        for (math, algos) in [
-            ("fp32", "fastest"),
-            ("tf32", "heuristic"),
-            ("bf16", "precise"),
+        for (math, algos, epilogue) in [
+            ("fp32", "fastest", "fused"),
+            ("tf32", "heuristic", "separate"),
+            ("bf16", "precise", "fused"),
         ] {
+            let fields = GpuFields {
+                gpu_math: math.into(),
+                conv_algos: algos.into(),
+                conv_epilogue: epilogue.into(),
+            };
             let s = JobSpec {
                 gpu_math: math.into(),
                 conv_algos: algos.into(),
+                conv_epilogue: epilogue.into(),
                 ..job_spec()
             }
             .gpu_settings()
             .unwrap();
-            assert_eq!(JobSpec::gpu_fields(s), (math.into(), algos.into()));
+            assert_eq!(JobSpec::gpu_fields(s), fields);
         }
         let bad_math = JobSpec {
             gpu_math: "bf17".into(),
@@ -469,6 +495,12 @@ mod tests {
         };
         let e = bad_algos.gpu_settings().unwrap_err();
         assert!(e.contains("conv_algos") && e.contains("precise"), "{e}");
+        let bad_epilogue = JobSpec {
+            conv_epilogue: "inline".into(),
+            ..job_spec()
+        };
+        let e = bad_epilogue.gpu_settings().unwrap_err();
+        assert!(e.contains("conv_epilogue") && e.contains("separate"), "{e}");
     }
 
     #[test]

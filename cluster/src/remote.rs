@@ -316,7 +316,7 @@ impl RemoteCluster {
         seed: u64,
         gpu: legion_cuda::Settings,
     ) -> anyhow::Result<RemoteCluster> {
-        let (gpu_math, conv_algos) = JobSpec::gpu_fields(gpu);
+        let gpu_fields = JobSpec::gpu_fields(gpu);
         let devices = hosts.num_devices();
         // The workers plan in the job's precision (`JobSpec::precision`): so does the driver.
         let plan = StepPlan::build_in(graph, configs, devices, gpu.math.precision())?;
@@ -371,8 +371,9 @@ impl RemoteCluster {
                     lr: sgd.lr,
                     momentum: sgd.momentum,
                     weight_decay: sgd.weight_decay,
-                    gpu_math: gpu_math.clone(),
-                    conv_algos: conv_algos.clone(),
+                    gpu_math: gpu_fields.gpu_math.clone(),
+                    conv_algos: gpu_fields.conv_algos.clone(),
+                    conv_epilogue: gpu_fields.conv_epilogue.clone(),
                 };
                 client.send(i, &Control::StartJob(spec)).await?;
             }

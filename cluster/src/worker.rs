@@ -625,7 +625,7 @@ async fn start_job(
 }
 
 /// Where the job's devices run: the worker's own placement, its GPUs computing as the job asks
-/// (`--tf32`, `--conv-algos` of the driver). A GPU the worker started with other settings gets a
+/// (`--tf32`, `--conv-algos`, `--no-fused-epilogue` of the driver). A GPU the worker started with other settings gets a
 /// backend of its own for the job (the same device and context; the kernels were compiled when
 /// the worker started). A worker on cores ignores the GPU settings.
 fn job_placement(placement: &Placement, spec: &JobSpec) -> anyhow::Result<Placement> {
@@ -636,7 +636,10 @@ fn job_placement(placement: &Placement, spec: &JobSpec) -> anyhow::Result<Placem
     let gpus = gpus
         .iter()
         .map(|cuda| {
-            if cuda.math() == settings.math && cuda.conv_algos() == settings.conv_algos {
+            if cuda.math() == settings.math
+                && cuda.conv_algos() == settings.conv_algos
+                && cuda.conv_epilogue() == settings.conv_epilogue
+            {
                 return Ok(Arc::clone(cuda));
             }
             let ordinal = cuda.context().ordinal();
@@ -644,8 +647,8 @@ fn job_placement(placement: &Placement, spec: &JobSpec) -> anyhow::Result<Placem
                 .map(Arc::new)
                 .with_context(|| {
                     format!(
-                        "job: GPU {ordinal} with gpu_math {} and conv_algos {}",
-                        spec.gpu_math, spec.conv_algos
+                        "job: GPU {ordinal} with gpu_math {}, conv_algos {} and conv_epilogue {}",
+                        spec.gpu_math, spec.conv_algos, spec.conv_epilogue
                     )
                 })
         })

@@ -69,6 +69,9 @@ pub struct TrainOptions {
     pub precision: Option<Precision>,
     /// `--conv-algos`: how a GPU picks its convolution algorithms.
     pub conv_algos: legion_cuda::ConvAlgos,
+    /// Where a GPU's convolutions apply bias and ReLU (`--no-fused-epilogue`: separately, to
+    /// measure what fusing saves).
+    pub conv_epilogue: legion_cuda::ConvEpilogue,
     /// Whether the one-device trainer stages the next batch while a step computes
     /// (`--no-prefetch` turns it off, to measure what it saves).
     pub prefetch: bool,
@@ -110,6 +113,7 @@ impl Default for TrainOptions {
             memory_gib: None,
             precision: None,
             conv_algos: legion_cuda::ConvAlgos::default(),
+            conv_epilogue: legion_cuda::ConvEpilogue::default(),
             prefetch: true,
             capture: CaptureSetting::On,
             synthetic_on_device: true,
@@ -455,6 +459,7 @@ impl Job {
         let settings = legion_cuda::Settings {
             math,
             conv_algos: opts.conv_algos,
+            conv_epilogue: opts.conv_epilogue,
             // One device's buffers never leave its stream; device actors sharing a GPU hand
             // theirs to each other.
             sharing: match distributed {

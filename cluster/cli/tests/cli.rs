@@ -190,6 +190,35 @@ fn the_summary_says_whether_steps_were_captured() {
     );
 }
 
+/// `--no-fused-epilogue` parses and, on the CPU (whose convolutions always add their bias and
+/// ReLU after the product), trains the same steps; a value after it is refused, naming it. (On a
+/// GPU, legion-cuda's `gpu_training` holds the fused convolution to the separate kernel.)
+#[test]
+fn the_separate_epilogue_flag_parses_and_trains_the_same_network() {
+    let mut losses = Vec::new();
+    for flags in [&[][..], &["--no-fused-epilogue"][..]] {
+        let mut args = vec![
+            "train", "--model", "lenet5", "--device", "cpu", "--steps", "2", "--json",
+        ];
+        args.extend_from_slice(flags);
+        let out = legion(&args);
+        assert!(
+            out.status.success(),
+            "{flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        losses.push(stdout_json_lines(&out).pop().unwrap()["final_loss"].clone());
+    }
+    assert_eq!(losses[0], losses[1]);
+    let out = legion(&["train", "--no-fused-epilogue=yes"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--no-fused-epilogue"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `--trace` on one device times the trainer's own step: every layer's forward and backward (and
 /// the staged batch) on the device's timeline, in the order they were enqueued, without planning
 /// a strategy for the runtime.

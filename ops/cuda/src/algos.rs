@@ -92,6 +92,48 @@ impl std::fmt::Display for ConvAlgos {
     }
 }
 
+/// Where a convolution's bias and ReLU are applied (`--no-fused-epilogue` picks `Separate`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ConvEpilogue {
+    /// In cuDNN's fused convolution (`cudnnConvolutionBiasActivationForward`): an fp32
+    /// convolution with a bias and a ReLU writes its output once, activated. Its algorithms are
+    /// timed with the epilogue, so `fastest` keeps the fastest fused one. Where it cannot apply
+    /// (bf16 data, whose bias cuDNN would read in bf16 rather than the fp32 master; no bias or no
+    /// ReLU; a tile convolved as several segments) and where cuDNN refuses the problem, the
+    /// epilogue runs as `Separate` does.
+    #[default]
+    Fused,
+    /// In a kernel of its own after the convolution, which reads and writes the output again.
+    Separate,
+}
+
+impl ConvEpilogue {
+    pub const NAMES: [&'static str; 2] = ["fused", "separate"];
+}
+
+impl std::str::FromStr for ConvEpilogue {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fused" => Ok(ConvEpilogue::Fused),
+            "separate" => Ok(ConvEpilogue::Separate),
+            other => Err(format!(
+                "convolution epilogue {other:?}: expected one of {}",
+                ConvEpilogue::NAMES.join(", ")
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for ConvEpilogue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConvEpilogue::Fused => "fused",
+            ConvEpilogue::Separate => "separate",
+        })
+    }
+}
+
 /// How an algorithm sums: through a transform of its operands (FFT, Winograd) rather than
 /// products directly, and with atomics (in an order that changes from run to run).
 pub(crate) trait Transform: Copy {
@@ -166,6 +208,9 @@ pub(crate) struct Problem {
     pub stride: [i64; 2],
     pub groups: i64,
     pub dtype: legion_ops::backend::DType,
+    /// Whether the bias and ReLU run inside the convolution ([`ConvEpilogue::Fused`]): its
+    /// algorithms are timed with them.
+    pub fused: bool,
 }
 
 /// The algorithms chosen so far on one stream, per direction.
@@ -320,6 +365,17 @@ mod tests {
         for f in atomic_filters {
             assert!(ConvAlgos::Fastest.admits(f) && !ConvAlgos::Precise.admits(f));
         }
+    }
+
+    #[test]
+    fn the_epilogue_reads_its_two_names_and_lists_them_otherwise() {
+        for name in ConvEpilogue::NAMES {
+            let epilogue: ConvEpilogue = name.parse().unwrap();
+            assert_eq!(epilogue.to_string(), name);
+        }
+        assert_eq!(ConvEpilogue::default(), ConvEpilogue::Fused);
+        let e = "inline".parse::<ConvEpilogue>().unwrap_err();
+        assert!(e.contains("fused, separate"), "{e}");
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! [`crate::regions`] (region moves), [`crate::launch`] (launch shapes) and a file per kernel
 //! family: `conv`, `dense`, `pool2d`, `concat`, `softmax_ce`, `batch_norm`, `elementwise`, `sgd`.
 
-use crate::algos::ConvAlgos;
+use crate::algos::{ConvAlgos, ConvEpilogue};
 use crate::kernels::{CompileError, Kernels};
 use crate::launch::Box4;
 use crate::memory::{Bf16, Buffer, Stream, keep_freed_memory_pooled};
@@ -83,6 +83,7 @@ pub enum Sharing {
 pub struct Settings {
     pub math: Math,
     pub conv_algos: ConvAlgos,
+    pub conv_epilogue: ConvEpilogue,
     pub sharing: Sharing,
 }
 
@@ -191,6 +192,11 @@ impl Cuda {
     /// How this backend's streams pick convolution algorithms.
     pub fn conv_algos(&self) -> ConvAlgos {
         self.settings.conv_algos
+    }
+
+    /// Where this backend's convolutions apply their bias and ReLU.
+    pub fn conv_epilogue(&self) -> ConvEpilogue {
+        self.settings.conv_epilogue
     }
 
     /// The arithmetic of this backend's streams.

@@ -20,25 +20,34 @@
 //! Tensors stay NCHW in every precision (cuDNN's bf16 kernels prefer NHWC: a measured follow-up).
 
 use crate::algos::{
-    DATA_CANDIDATES, FILTER_CANDIDATES, FORWARD_CANDIDATES, Problem, WORKSPACE_CAP, launch_chosen,
+    ConvEpilogue, DATA_CANDIDATES, FILTER_CANDIDATES, FORWARD_CANDIDATES, Problem, WORKSPACE_CAP,
+    launch_chosen,
 };
 use crate::backend::{Cuda, Failure, Launch, Math};
 use crate::launch::Box4;
 use crate::memory::{Bf16, Buffer, Stream, same_type};
 use crate::regions::Element;
-use cudarc::cudnn::sys::{self, cudnnConvolutionMode_t, cudnnMathType_t, cudnnTensorFormat_t};
-use cudarc::cudnn::{
-    ConvBackwardData, ConvBackwardFilter, ConvDescriptor, ConvForward, CudnnDataType,
-    FilterDescriptor, TensorDescriptor,
+use cudarc::cudnn::sys::{
+    self, cudnnActivationMode_t, cudnnConvolutionMode_t, cudnnMathType_t, cudnnNanPropagation_t,
+    cudnnTensorFormat_t,
 };
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::cudnn::{
+    ActivationDescriptor, ConvBackwardData, ConvBackwardFilter, ConvBiasActivationForward,
+    ConvDescriptor, ConvForward, CudnnDataType, FilterDescriptor, TensorDescriptor,
+};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
 use legion_ops::backend::{DType, In, Out};
 use legion_ops::op::{Activation, Conv2d};
 use legion_ops::shape::Rect;
 use legion_ops::shape::Shape;
 use std::collections::HashMap;
 use std::ffi::c_int;
+use std::marker::PhantomData;
 use std::rc::Rc;
+use std::sync::Arc;
 
 /// Where a tile sits and how its windows map onto the input.
 struct Geometry {
@@ -201,6 +210,8 @@ pub(crate) struct Descriptors<T> {
     w: FilterDescriptor<T>,
     y: TensorDescriptor<T>,
     conv: ConvDescriptor<f32>,
+    /// The bias (`[1, K, 1, 1]`) and the ReLU of a fused problem.
+    epilogue: Option<(TensorDescriptor<T>, ActivationDescriptor<f32>)>,
     /// The problem they describe: the key of the stream's chosen algorithms.
     problem: Problem,
 }
@@ -278,6 +289,7 @@ fn descriptors<T: ConvElement>(
     segment: &Segment,
     source: &Source,
     x: &Box4,
+    fused: bool,
 ) -> Result<Rc<Descriptors<T>>, Failure> {
     let nchw = cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
     let problem = Problem {
@@ -293,6 +305,7 @@ fn descriptors<T: ConvElement>(
         stride: geo.stride,
         groups: segment.groups,
         dtype: T::DTYPE,
+        fused,
     };
     if let Some(kept) = T::kept(&mut s.descriptors).get(&problem) {
         return Ok(Rc::clone(kept));
@@ -310,11 +323,24 @@ fn descriptors<T: ConvElement>(
     )?;
     conv.set_math_type(T::math_type(s.math))?;
     conv.set_group_count(segment.groups as c_int)?;
+    let epilogue = match fused {
+        false => None,
+        true => Some((
+            cudnn.create_4d_tensor::<T>(nchw, [1, problem.y[1], 1, 1])?,
+            // NaN propagates, as through the separate kernel's ReLU.
+            cudnn.create_activation::<f32>(
+                cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
+                cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                f64::MAX,
+            )?,
+        )),
+    };
     let made = Rc::new(Descriptors {
         x: x_desc,
         w: w_desc,
         y: y_desc,
         conv,
+        epilogue,
         problem,
     });
     T::kept(&mut s.descriptors).insert(problem, Rc::clone(&made));
@@ -472,12 +498,42 @@ fn forward_typed<T: ConvElement>(
     let x_layout = Box4::of(&x.rect);
     let segments = geo.segments();
     let (x_mem, w_mem) = (T::of(x.mem), T::of(w.mem));
+    let relu = op.activation == Activation::Relu;
+    // The bias and ReLU inside cuDNN's convolution where they can be (see ConvEpilogue).
+    let fusable = s.epilogue == ConvEpilogue::Fused
+        && T::DTYPE == DType::F32
+        && segments.len() == 1
+        && relu
+        && b.is_some();
+    let mut activated = false;
     for segment in &segments {
         let source = geo.source(segment, &x_layout);
         let gathered = gather_input(cuda, s, x_mem, x_layout, &source)?;
         let x_view = view(&gathered, x_mem);
         let w_view = w_mem.slice(weight_rows(&geo, segment, w.rect.lo[0] as i64));
-        let d = descriptors::<T>(s, &geo, segment, &source, &x_layout)?;
+        if fusable {
+            let d = descriptors::<T>(s, &geo, segment, &source, &x_layout, true)?;
+            if !s.unfusable.contains(&d.problem) {
+                let b = b.expect("a fusable convolution has a bias");
+                let first = (tile.lo[1] - b.rect.lo[0] as i64) as usize;
+                let bias = T::of(b.mem).slice(first..first + tile.ext[1] as usize);
+                match forward_fused(s, &d, &x_view, &w_view, &bias, T::of_mut(y.mem)) {
+                    Ok(()) => {
+                        activated = true;
+                        continue;
+                    }
+                    Err(Failure(why)) => {
+                        tracing::warn!(
+                            "convolution {:?}: cuDNN's fused bias and ReLU failed ({why}); they \
+                             run as a kernel of their own for this problem",
+                            d.problem
+                        );
+                        s.unfusable.insert(d.problem);
+                    }
+                }
+            }
+        }
+        let d = descriptors::<T>(s, &geo, segment, &source, &x_layout, false)?;
         let conv = ConvForward {
             conv: &d.conv,
             x: &d.x,
@@ -518,7 +574,103 @@ fn forward_typed<T: ConvElement>(
             cuda.copy_slice(s, scratch, out, y_mem, tile, out)?;
         }
     }
-    cuda.bias_activation(s, y.mem, tile, b, op.activation == Activation::Relu)
+    match activated {
+        true => Ok(()),
+        false => cuda.bias_activation(s, y.mem, tile, b, relu),
+    }
+}
+
+/// `y = ReLU(conv(x, w) + bias)` in one cuDNN call, with the algorithm chosen for the fused
+/// problem (timed with its epilogue).
+fn forward_fused<T: ConvElement>(
+    s: &mut Stream,
+    d: &Descriptors<T>,
+    x: &CudaView<T>,
+    w: &CudaView<T>,
+    bias: &CudaView<T>,
+    y: &mut CudaSlice<T>,
+) -> Launch {
+    let (bias_desc, relu) = d.epilogue.as_ref().expect("a fused problem's descriptors");
+    let fused = ConvBiasActivationForward {
+        conv: &d.conv,
+        act: relu,
+        x: &d.x,
+        w: &d.w,
+        z: &d.y,
+        bias: bias_desc,
+        y: &d.y,
+    };
+    launch_chosen(
+        s,
+        |c| &mut c.forward,
+        d.problem,
+        &FORWARD_CANDIDATES,
+        || Ok(fused.pick_algorithm()?),
+        |s, algo, timing| {
+            let mut ws = workspace(s, fused.get_workspace_size(algo)?, timing)?;
+            let stream = &s.stream;
+            // Each operand's pointer taken as cudarc lends it (the stream waits for its last
+            // write; its use is recorded when the record drops, after the launch).
+            let (x_ptr, _x_use) = x.device_ptr(stream);
+            let (bias_ptr, _bias_use) = bias.device_ptr(stream);
+            let y_len = y.len();
+            let (y_ptr, _y_use) = y.device_ptr_mut(stream);
+            let raw = |ptr, len| Lent::<T> {
+                ptr,
+                len,
+                stream,
+                element: PhantomData,
+            };
+            // z is y itself (cuDNN allows it; with α₂ = 0 it adds nothing), which Rust cannot
+            // lend twice: the operands go to cuDNN as the pointers taken above.
+            let mut y_lent = raw(y_ptr, y_len);
+            // SAFETY: the descriptors describe exactly these buffers, which stay alive (and
+            // their uses unrecorded) until the launch is enqueued.
+            unsafe {
+                fused.launch(
+                    algo,
+                    ws.as_mut(),
+                    (T::ONE, T::ZERO),
+                    &raw(x_ptr, x.len()),
+                    w,
+                    &raw(y_ptr, y_len),
+                    &raw(bias_ptr, bias.len()),
+                    &mut y_lent,
+                )
+            }?;
+            Ok(())
+        },
+    )
+}
+
+/// A device pointer already taken from its buffer (with cudarc's ordering done), lent to a call
+/// as an operand.
+struct Lent<'a, T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+    element: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for Lent<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Lent<'_, T> {
+    fn device_ptr<'a>(&'a self, _: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Lent<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, _: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -631,7 +783,7 @@ fn backward_typed<T: ConvElement>(
         let source = geo.source(segment, &x_layout);
         let gathered = gather_input(cuda, s, x_mem, x_layout, &source)?;
         let x_view = view(&gathered, x_mem);
-        let d = descriptors::<T>(s, &geo, segment, &source, &x_layout)?;
+        let d = descriptors::<T>(s, &geo, segment, &source, &x_layout, false)?;
         let rows = weight_rows(&geo, segment, dw_rect.lo[0] as i64);
 
         let filter = ConvBackwardFilter {

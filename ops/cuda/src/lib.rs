@@ -7,9 +7,11 @@
 //! - [`ConvAlgos`]: the convolution-algorithm policy (`--conv-algos`): the fastest algorithm
 //!   timed once per problem (the default; FFT, Winograd and atomic sums included), the fastest
 //!   deterministic one that sums directly (precise), or cuDNN's heuristic.
+//! - [`ConvEpilogue`]: a convolution's bias and ReLU inside cuDNN's fused convolution (the
+//!   default) or in a kernel of their own (`--no-fused-epilogue`).
 //! - [`StagedBatch`], [`HostBatch`]: batches staged on the device ahead of their step.
 //! - [`StepGraph`]: a training step recorded as a CUDA graph and replayed (`capture`).
-//! - [`Settings`]: math, that policy, and whether buffers move between streams ([`Sharing`]).
+//! - [`Settings`]: math, those two choices, and whether buffers move between streams ([`Sharing`]).
 //! - [`Staging`], [`Marker`]: page-locked host buffers and timing events, for the runtime's GPU
 //!   device actors (copies to and from the host that never hold the submitting thread).
 //!
@@ -43,7 +45,7 @@ mod sgd;
 mod softmax_ce;
 mod staging;
 
-pub use algos::ConvAlgos;
+pub use algos::{ConvAlgos, ConvEpilogue};
 pub use backend::{Cuda, Math, Settings, Sharing, StartError};
 pub use batches::{HostBatch, StagedBatch};
 pub use capture::StepGraph;

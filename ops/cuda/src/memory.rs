@@ -4,7 +4,7 @@
 //! more than one call: a pattern repeated on the device ([`Cuda::repeated`]) and a batch's images
 //! staged through page-locked memory ([`load_images`]).
 
-use crate::algos::{Chosen, ConvAlgos};
+use crate::algos::{Chosen, ConvAlgos, ConvEpilogue, Problem};
 use crate::backend::{Cuda, Launch, Math};
 use crate::launch::Box4;
 use crate::probe::{Library, require};
@@ -161,6 +161,10 @@ pub struct Stream {
     /// How convolution algorithms are picked, and those picked so far (see [`crate::algos`]).
     pub(crate) algorithms: ConvAlgos,
     pub(crate) chosen: Chosen,
+    /// Where convolutions apply their bias and ReLU, and the fused problems cuDNN refused (their
+    /// epilogue then runs separately, said once in the log).
+    pub(crate) epilogue: ConvEpilogue,
+    pub(crate) unfusable: std::collections::HashSet<Problem>,
     /// Page-locked host memory the batch's images are staged through (`load_images`), kept
     /// from step to step while the batch size stays.
     input_staging: Option<(
@@ -367,6 +371,8 @@ impl Cuda {
             math: self.math(),
             algorithms: self.conv_algos(),
             chosen: Chosen::default(),
+            epilogue: self.conv_epilogue(),
+            unfusable: Default::default(),
             input_staging: None,
             descriptors: Default::default(),
             workspace: Default::default(),

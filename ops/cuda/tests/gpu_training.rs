@@ -10,7 +10,7 @@
 //! (`Math::Bf16`, mixed precision) is held to the fp32 run within a bound derived from bf16's
 //! rounding.
 
-use legion_cuda::{ConvAlgos, Cuda, Math, Settings, Sharing};
+use legion_cuda::{ConvAlgos, ConvEpilogue, Cuda, Math, Settings, Sharing};
 use legion_ops::Precision;
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::data::{Synthetic, SyntheticBatch};
@@ -134,11 +134,24 @@ fn gpu_trainer_in(
     graph: &Graph,
     start: TrainingState,
 ) -> Result<Trainer<Cuda>, String> {
-    let settings = Settings {
-        math,
-        conv_algos,
-        sharing: Sharing::WithinStreams,
-    };
+    gpu_trainer_with(
+        Settings {
+            math,
+            conv_algos,
+            sharing: Sharing::WithinStreams,
+            ..Settings::default()
+        },
+        graph,
+        start,
+    )
+}
+
+/// [`gpu_trainer`] on a backend of `settings`.
+fn gpu_trainer_with(
+    settings: Settings,
+    graph: &Graph,
+    start: TrainingState,
+) -> Result<Trainer<Cuda>, String> {
     let cuda = Cuda::with_settings(0, settings).map_err(|e| e.to_string())?;
     let stream = cuda.new_stream().unwrap_or_else(|e| panic!("{e}"));
     Ok(
@@ -448,6 +461,54 @@ fn the_fastest_convolution_algorithms_stay_within_a_bound_of_the_precise_ones() 
             failures.push(format!(
                 "{}: relative error {error:.3e} (bound {BOUND:e})",
                 precise.state.params.params[slot].name
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// cuDNN's fused convolution (bias and ReLU inside it, the default) against the separate kernel,
+/// both with the `precise` algorithms, three steps of a model whose convolutions all have a bias
+/// and a ReLU: within the equivalence tests' 1e-4. The fused epilogue adds the bias to the
+/// unrounded sum, so the two differ by the last bit of an output at most; a fused call that
+/// dropped the bias or the ReLU, or wrote the wrong channels, is off by far more.
+#[test]
+fn the_fused_bias_and_relu_train_as_the_separate_kernel_does() {
+    const BOUND: f64 = 1e-4;
+    let graph = wide_model(16);
+    let data = batches(&graph, 3);
+    let start = TrainingState::start(ParamStore::init(&graph, SEED));
+    let mut runs = Vec::new();
+    for conv_epilogue in [ConvEpilogue::Separate, ConvEpilogue::Fused] {
+        let settings = Settings {
+            conv_algos: ConvAlgos::Precise,
+            conv_epilogue,
+            sharing: Sharing::WithinStreams,
+            ..Settings::default()
+        };
+        match gpu_trainer_with(settings, &graph, start.clone()) {
+            Ok(trainer) => runs.push(train(trainer, &data)),
+            Err(reason) => {
+                return skip(Need::Gpu, reason);
+            }
+        }
+    }
+    let (separate, fused) = (&runs[0], &runs[1]);
+    let mut failures = Vec::new();
+    for (slot, (f, p)) in fused
+        .state
+        .params
+        .values
+        .iter()
+        .zip(&separate.state.params.values)
+        .enumerate()
+    {
+        let error = relative_error(f, p);
+        let name = &separate.state.params.params[slot].name;
+        println!("{name}: fused vs separate {error:.3e}");
+        if error > BOUND {
+            failures.push(format!(
+                "{name}: relative error {error:.3e} (bound {BOUND:e})"
             ));
         }
     }

@@ -117,6 +117,8 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     let settings = legion_cuda::Settings {
         math,
         conv_algos: a.conv_algos,
+        // Tiles are timed as training runs them.
+        conv_epilogue: legion_cuda::ConvEpilogue::default(),
         sharing: legion_cuda::Sharing::AcrossStreams,
     };
     let gpus = device::start_gpus(&mut choice, a.device, devices, settings)?;

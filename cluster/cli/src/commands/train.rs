@@ -99,6 +99,11 @@ pub struct TrainArgs {
     /// (the same bits in every run).
     #[arg(long, default_value_t = legion_cuda::ConvAlgos::default())]
     conv_algos: legion_cuda::ConvAlgos,
+    /// On a GPU, add a convolution's bias and apply its ReLU in a kernel of their own after
+    /// cuDNN's convolution, instead of inside cuDNN's fused convolution (fp32 and tf32): to
+    /// measure what fusing saves.
+    #[arg(long)]
+    no_fused_epilogue: bool,
     /// On one device, do not stage the next batch on the device while a step computes (each
     /// step then moves its own batch first): to measure what prefetching saves.
     #[arg(long)]
@@ -147,6 +152,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         memory_gib: a.memory_gib,
         precision: a.precision.given(),
         conv_algos: a.conv_algos,
+        conv_epilogue: match a.no_fused_epilogue {
+            true => legion_cuda::ConvEpilogue::Separate,
+            false => legion_cuda::ConvEpilogue::Fused,
+        },
         prefetch: !a.no_prefetch,
         capture: match a.no_capture {
             true => CaptureSetting::Off,
