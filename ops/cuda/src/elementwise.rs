@@ -75,14 +75,32 @@ impl Cuda {
         if tile.volume() == 0 || (bias.is_none() && !relu) {
             return Ok(());
         }
-        let cut = ChannelParts::of(&tile)?;
         let relu = relu as i32;
+        let bias_lo = bias.map_or(0, |b| b.rect.lo[0] as i64);
+        if tile.ext[2] * tile.ext[3] == 1 {
+            // [N, C] rows: element i is channel lo + i % C.
+            let n = tile.volume();
+            let mut b = s
+                .stream
+                .launch_builder(self.kernels.bias_activation_rows.of(y.dtype()));
+            y.push_mut(&mut b);
+            b.arg(&tile.lo[1]).arg(&tile.ext[1]);
+            match bias {
+                Some(bias) => b.arg(bias.mem.f32()),
+                None => b.arg(&NULL),
+            };
+            b.arg(&bias_lo).arg(&relu).arg(&n);
+            // SAFETY: the arguments match the kernel's signature; the bias covers the tile's
+            // channels.
+            unsafe { b.launch(grid(n)) }?;
+            return Ok(());
+        }
+        let cut = ChannelParts::of(&tile)?;
         let mut b = s
             .stream
             .launch_builder(self.kernels.bias_activation.of(y.dtype()));
         y.push_mut(&mut b);
         b.arg(&tile);
-        let bias_lo = bias.map_or(0, |b| b.rect.lo[0] as i64);
         match bias {
             Some(bias) => b.arg(bias.mem.f32()),
             None => b.arg(&NULL),

@@ -418,6 +418,22 @@ __device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_l
     }
 }
 
+// As bias_activation_t over a tile of one element per sample and channel (a dense layer's [N, C]
+// output): consecutive threads take consecutive channels of a sample, so that their loads
+// coalesce, where walking a channel would stride a whole row per element.
+template <class T>
+__device__ void bias_activation_rows_t(T* y, i64 c_lo, i64 channels, const float* bias,
+                                       i64 bias_lo, int relu, i64 n) {
+    GRID_STRIDE(i, n) {
+        i64 j = (i <= 0xffffffffLL && channels <= 0xffffffffLL)
+                    ? (i64)((unsigned)i % (unsigned)channels)
+                    : i % channels;
+        float z = to_f32(y[i]);
+        if (bias) z = z + bias[c_lo + j - bias_lo];
+        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+    }
+}
+
 // Per channel of `tile`, the sum over samples and positions of `dz` (laid out over the tile): the
 // bias gradient. Each part's sum goes into partial[part][channel] (f64), and channel_sum_finish
 // adds the parts in order and rounds to f32 (the gradient is fp32 in every precision). Summed in
@@ -451,6 +467,10 @@ extern "C" __global__ void channel_sum_finish(const double* partial, i64 parts, 
     extern "C" __global__ void bias_activation##suffix(T* y, Box4 tile, const float* bias,    \
                                                        i64 bias_lo, int relu, i64 parts) {     \
         bias_activation_t(y, tile, bias, bias_lo, relu, parts);                                \
+    }                                                                                          \
+    extern "C" __global__ void bias_activation_rows##suffix(                                   \
+        T* y, i64 c_lo, i64 channels, const float* bias, i64 bias_lo, int relu, i64 n) {       \
+        bias_activation_rows_t(y, c_lo, channels, bias, bias_lo, relu, n);                     \
     }                                                                                          \
     extern "C" __global__ void channel_sum##suffix(const T* dz, Box4 tile, i64 parts,         \
                                                    double* partial) {                          \

@@ -452,6 +452,26 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 );
             }
 
+            // a tile of one element per sample and channel (a dense layer's rows) runs the
+            // row-major twin, channel i % C
+            if plane == 1 {
+                type BR = unsafe extern "C" fn(*mut f32, i64, i64, *const f32, i64, i32, i64);
+                let f: Symbol<BR> = emu.sym("bias_activation_rows");
+                let mut y = y0.clone();
+                emu.launch(2, 5, || unsafe {
+                    f(
+                        y.as_mut_ptr(),
+                        c0 as i64,
+                        channels as i64,
+                        bias.as_ptr(),
+                        c0 as i64 - 1,
+                        1,
+                        n,
+                    )
+                });
+                report.check(&format!("bias_activation_rows {what}"), &y, &want, 0.0);
+            }
+
             type CS = unsafe extern "C" fn(*const f32, Box4, i64, *mut f64);
             type CF = unsafe extern "C" fn(*const f64, i64, i64, i64, *mut f32, i64);
             let f: Symbol<CS> = emu.sym("channel_sum");
