@@ -244,6 +244,10 @@ const TOUR: &[(&str, How)] = &[
         How::Run(&[("--image-size", "32"), ("--batch", "2"), ("--steps", "1")]),
     ),
     (
+        "legion-rs train --model vgg16 --image-size 224 --batch 64 --classes 1000 --steps 20 --no-fused-epilogue",
+        How::Run(&[("--image-size", "32"), ("--batch", "2"), ("--steps", "1")]),
+    ),
+    (
         "legion-rs train --model alexnet --image-size 224 --batch 128 --classes 1000 --steps 10 --json --trace one.json",
         How::Run(&[("--image-size", "64"), ("--batch", "4"), ("--steps", "1")]),
     ),
