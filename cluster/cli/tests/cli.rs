@@ -78,33 +78,49 @@ fn lenet5_learns_the_synthetic_task() {
     }
 }
 
-/// `--no-capture` parses, and the summary says where capture stands: off on the CPU, which
-/// runs each kernel as it is called (on a GPU the replayed steps are checked bit for bit against
-/// enqueued ones by legion-cuda's `gpu_training`).
+/// `--synthetic-on-host` parses, and the summary says where the batches were drawn.
 #[test]
 fn the_summary_says_where_synthetic_batches_were_drawn() {
     // Only one GPU draws them itself: on the CPU they are drawn on the host, flag or not, and
     // the run is the same.
-    let mut losses = Vec::new();
-    for flags in [&[][..], &["--synthetic-on-host"][..]] {
-        let mut args = vec![
-            "train", "--model", "lenet5", "--device", "cpu", "--steps", "2", "--json",
-        ];
-        args.extend_from_slice(flags);
-        let out = legion(&args);
-        assert!(
-            out.status.success(),
-            "{flags:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let summary = stdout_json_lines(&out).pop().unwrap();
-        assert_eq!(
-            summary["synthetic_on_device"], false,
-            "{flags:?}: {summary}"
-        );
-        losses.push(summary["final_loss"].clone());
+    let summaries = cpu_summaries_without_and_with("--synthetic-on-host", 2);
+    for summary in &summaries {
+        assert_eq!(summary["synthetic_on_device"], false, "{summary}");
     }
-    assert_eq!(losses[0], losses[1]);
+    assert_eq!(summaries[0]["final_loss"], summaries[1]["final_loss"]);
+}
+
+/// The summaries of LeNet-5 trained `steps` steps on the CPU without and then with `flag` (each
+/// run must succeed).
+fn cpu_summaries_without_and_with(flag: &str, steps: usize) -> Vec<Value> {
+    let steps = steps.to_string();
+    [&[][..], &[flag][..]]
+        .into_iter()
+        .map(|flags| {
+            let mut args = vec![
+                "train", "--model", "lenet5", "--device", "cpu", "--steps", &steps, "--json",
+            ];
+            args.extend_from_slice(flags);
+            let out = legion(&args);
+            assert!(
+                out.status.success(),
+                "{flags:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            stdout_json_lines(&out).pop().unwrap()
+        })
+        .collect()
+}
+
+/// A switch given a value (`--flag=yes`) is refused, and the error names it.
+fn refuses_a_value(flag: &str) {
+    let out = legion(&["train", &format!("{flag}=yes")]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(flag),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `--sync-every-step` reads each step's loss at its end instead of one step late: the same
@@ -156,38 +172,18 @@ fn losses_read_one_step_late_are_reported_as_those_read_every_step() {
     }
     assert_eq!(runs[0].0, runs[1].0, "the same losses");
     assert!(runs[0].1 == runs[1].1, "the same weights saved");
-    let out = legion(&["train", "--sync-every-step=no"]);
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--sync-every-step"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    refuses_a_value("--sync-every-step");
 }
 
+/// `--no-capture` parses, and the summary says where capture stands: off on the CPU, which
+/// runs each kernel as it is called (on a GPU the replayed steps are checked bit for bit against
+/// enqueued ones by legion-cuda's `gpu_training`).
 #[test]
 fn the_summary_says_whether_steps_were_captured() {
-    for flags in [&[][..], &["--no-capture"][..]] {
-        let mut args = vec![
-            "train", "--model", "lenet5", "--device", "cpu", "--steps", "3", "--json",
-        ];
-        args.extend_from_slice(flags);
-        let out = legion(&args);
-        assert!(
-            out.status.success(),
-            "{flags:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let summary = stdout_json_lines(&out).pop().unwrap();
-        assert_eq!(summary["capture"], "off", "{flags:?}: {summary}");
+    for summary in cpu_summaries_without_and_with("--no-capture", 3) {
+        assert_eq!(summary["capture"], "off", "{summary}");
     }
-    let out = legion(&["train", "--no-capture=yes"]);
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--no-capture"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    refuses_a_value("--no-capture");
 }
 
 /// `--no-fused-epilogue` parses and, on the CPU (whose convolutions always add their bias and
@@ -195,28 +191,9 @@ fn the_summary_says_whether_steps_were_captured() {
 /// GPU, legion-cuda's `gpu_training` holds the fused convolution to the separate kernel.)
 #[test]
 fn the_separate_epilogue_flag_parses_and_trains_the_same_network() {
-    let mut losses = Vec::new();
-    for flags in [&[][..], &["--no-fused-epilogue"][..]] {
-        let mut args = vec![
-            "train", "--model", "lenet5", "--device", "cpu", "--steps", "2", "--json",
-        ];
-        args.extend_from_slice(flags);
-        let out = legion(&args);
-        assert!(
-            out.status.success(),
-            "{flags:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        losses.push(stdout_json_lines(&out).pop().unwrap()["final_loss"].clone());
-    }
-    assert_eq!(losses[0], losses[1]);
-    let out = legion(&["train", "--no-fused-epilogue=yes"]);
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--no-fused-epilogue"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let summaries = cpu_summaries_without_and_with("--no-fused-epilogue", 2);
+    assert_eq!(summaries[0]["final_loss"], summaries[1]["final_loss"]);
+    refuses_a_value("--no-fused-epilogue");
 }
 
 /// `--trace` on one device times the trainer's own step: every layer's forward and backward (and

@@ -429,42 +429,16 @@ fn wide_model(batch: usize) -> Graph {
 /// computes something else is still caught.
 #[test]
 fn the_fastest_convolution_algorithms_stay_within_a_bound_of_the_precise_ones() {
-    const BOUND: f64 = 1e-3;
-    let graph = wide_model(16);
-    let data = batches(&graph, 3);
-    let start = TrainingState::start(ParamStore::init(&graph, SEED));
-    let mut runs = Vec::new();
-    for policy in [ConvAlgos::Precise, ConvAlgos::Fastest] {
-        match gpu_trainer(policy, &graph, start.clone()) {
-            Ok(trainer) => runs.push(train(trainer, &data)),
-            Err(reason) => {
-                return skip(Need::Gpu, reason);
-            }
-        }
-    }
-    let (precise, fastest) = (&runs[0], &runs[1]);
-    let mut failures = Vec::new();
-    for (slot, (f, p)) in fastest
-        .state
-        .params
-        .values
-        .iter()
-        .zip(&precise.state.params.values)
-        .enumerate()
-    {
-        let error = relative_error(f, p);
-        println!(
-            "{}: fastest vs precise {error:.3e}",
-            precise.state.params.params[slot].name
-        );
-        if error > BOUND {
-            failures.push(format!(
-                "{}: relative error {error:.3e} (bound {BOUND:e})",
-                precise.state.params.params[slot].name
-            ));
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let precise = Settings {
+        conv_algos: ConvAlgos::Precise,
+        sharing: Sharing::WithinStreams,
+        ..Settings::default()
+    };
+    let fastest = Settings {
+        conv_algos: ConvAlgos::Fastest,
+        ..precise
+    };
+    wide_model_trains_alike(("precise", precise), ("fastest", fastest), 1e-3);
 }
 
 /// cuDNN's fused convolution (bias and ReLU inside it, the default) against the separate kernel,
@@ -474,18 +448,27 @@ fn the_fastest_convolution_algorithms_stay_within_a_bound_of_the_precise_ones() 
 /// dropped the bias or the ReLU, or wrote the wrong channels, is off by far more.
 #[test]
 fn the_fused_bias_and_relu_train_as_the_separate_kernel_does() {
-    const BOUND: f64 = 1e-4;
+    let separate = Settings {
+        conv_algos: ConvAlgos::Precise,
+        conv_epilogue: ConvEpilogue::Separate,
+        sharing: Sharing::WithinStreams,
+        ..Settings::default()
+    };
+    let fused = Settings {
+        conv_epilogue: ConvEpilogue::Fused,
+        ..separate
+    };
+    wide_model_trains_alike(("separate", separate), ("fused", fused), 1e-4);
+}
+
+/// Three steps of [`wide_model`] from one start on a GPU backend of each of two settings: every
+/// parameter within relative `bound` of the other run's (each printed); skips without a GPU.
+fn wide_model_trains_alike(a: (&str, Settings), b: (&str, Settings), bound: f64) {
     let graph = wide_model(16);
     let data = batches(&graph, 3);
     let start = TrainingState::start(ParamStore::init(&graph, SEED));
     let mut runs = Vec::new();
-    for conv_epilogue in [ConvEpilogue::Separate, ConvEpilogue::Fused] {
-        let settings = Settings {
-            conv_algos: ConvAlgos::Precise,
-            conv_epilogue,
-            sharing: Sharing::WithinStreams,
-            ..Settings::default()
-        };
+    for settings in [a.1, b.1] {
         match gpu_trainer_with(settings, &graph, start.clone()) {
             Ok(trainer) => runs.push(train(trainer, &data)),
             Err(reason) => {
@@ -493,22 +476,15 @@ fn the_fused_bias_and_relu_train_as_the_separate_kernel_does() {
             }
         }
     }
-    let (separate, fused) = (&runs[0], &runs[1]);
+    let (first, second) = (&runs[0].state.params, &runs[1].state.params);
     let mut failures = Vec::new();
-    for (slot, (f, p)) in fused
-        .state
-        .params
-        .values
-        .iter()
-        .zip(&separate.state.params.values)
-        .enumerate()
-    {
-        let error = relative_error(f, p);
-        let name = &separate.state.params.params[slot].name;
-        println!("{name}: fused vs separate {error:.3e}");
-        if error > BOUND {
+    for (slot, (y, x)) in second.values.iter().zip(&first.values).enumerate() {
+        let error = relative_error(y, x);
+        let name = &first.params[slot].name;
+        println!("{name}: {} vs {} {error:.3e}", b.0, a.0);
+        if error > bound {
             failures.push(format!(
-                "{name}: relative error {error:.3e} (bound {BOUND:e})"
+                "{name}: relative error {error:.3e} (bound {bound:e})"
             ));
         }
     }
