@@ -114,11 +114,6 @@ __device__ __forceinline__ i64 at(const Box4& layout, const Box4& region, i64 i,
     return offset_in(layout, p);
 }
 
-// Global channel (axis 1) of element i of a region.
-__device__ __forceinline__ i64 channel_of(const Box4& region, i64 i) {
-    return region.lo[1] + (i / (region.ext[2] * region.ext[3])) % region.ext[1];
-}
-
 // Sums a and b over the block (REDUCE_THREADS threads); the totals are valid in thread 0. The tree
 // is fixed, so a launch is deterministic.
 __device__ void block_sum2(double& a, double& b) {
