@@ -192,6 +192,11 @@ PY
                     tail -5 "$out/legion-$model-$mode.err"
                     failures+=("legion-rs $model $mode")
                 fi
+                # A convolution cuDNN refused to fuse runs unfused, correctly but without the gain.
+                if grep -q "cuDNN refused the fused bias and ReLU" "$out/legion-$model-$mode.err"; then
+                    grep -m 3 "cuDNN refused the fused" "$out/legion-$model-$mode.err"
+                    failures+=("legion-rs $model $mode: cuDNN refused a fused convolution")
+                fi
                 echo "    $((SECONDS - start)) s"
             done
         done

@@ -33,7 +33,7 @@ use cudarc::cudnn::sys::{
 };
 use cudarc::cudnn::{
     ActivationDescriptor, ConvBackwardData, ConvBackwardFilter, ConvBiasActivationForward,
-    ConvDescriptor, ConvForward, CudnnDataType, FilterDescriptor, TensorDescriptor,
+    ConvDescriptor, ConvForward, CudnnDataType, CudnnError, FilterDescriptor, TensorDescriptor,
 };
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{
@@ -48,6 +48,7 @@ use std::ffi::c_int;
 use std::marker::PhantomData;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Where a tile sits and how its windows map onto the input.
 struct Geometry {
@@ -327,10 +328,10 @@ fn descriptors<T: ConvElement>(
         false => None,
         true => Some((
             cudnn.create_4d_tensor::<T>(nchw, [1, problem.y[1], 1, 1])?,
-            // NaN propagates, as through the separate kernel's ReLU.
+            // The fused call takes a ReLU that does not propagate NaN (see ConvEpilogue).
             cudnn.create_activation::<f32>(
                 cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
-                cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                cudnnNanPropagation_t::CUDNN_NOT_PROPAGATE_NAN,
                 f64::MAX,
             )?,
         )),
@@ -519,17 +520,21 @@ fn forward_typed<T: ConvElement>(
                 let bias = T::of(b.mem).slice(first..first + tile.ext[1] as usize);
                 match forward_fused(s, &d, &x_view, &w_view, &bias, T::of_mut(y.mem)) {
                     Ok(()) => {
+                        FUSED_LAUNCHES.fetch_add(1, Ordering::Relaxed);
                         activated = true;
                         continue;
                     }
-                    Err(Failure(why)) => {
+                    // cuDNN refused the problem: it runs as the separate kernel from now on.
+                    Err(Fused::Refused(why)) => {
                         tracing::warn!(
-                            "convolution {:?}: cuDNN's fused bias and ReLU failed ({why}); they \
-                             run as a kernel of their own for this problem",
+                            "convolution {:?}: cuDNN refused the fused bias and ReLU ({why}); \
+                             they run as a kernel of their own for this problem",
                             d.problem
                         );
+                        FUSIONS_REFUSED.fetch_add(1, Ordering::Relaxed);
                         s.unfusable.insert(d.problem);
                     }
+                    Err(Fused::Failed(failure)) => return Err(failure),
                 }
             }
         }
@@ -580,6 +585,30 @@ fn forward_typed<T: ConvElement>(
     }
 }
 
+/// Fused convolutions launched, and fused problems cuDNN refused, in this process
+/// ([`fused_epilogue_counts`]).
+static FUSED_LAUNCHES: AtomicUsize = AtomicUsize::new(0);
+static FUSIONS_REFUSED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many convolutions ran with cuDNN's fused bias and ReLU in this process, and how many
+/// distinct problems cuDNN refused them for (each then runs the separate kernel, with a warning):
+/// what the GPU tests and the check read to tell that fusion ran rather than fell back.
+pub fn fused_epilogue_counts() -> (usize, usize) {
+    (
+        FUSED_LAUNCHES.load(Ordering::Relaxed),
+        FUSIONS_REFUSED.load(Ordering::Relaxed),
+    )
+}
+
+/// Why a fused convolution did not run: cuDNN refused the problem (a status saying it does not
+/// support it, on the launch of the algorithm chosen for it), or anything else, which fails the
+/// call as an unfused convolution's failure would (out of memory, a recording that cannot time
+/// algorithms or grow the workspace, an execution error).
+enum Fused {
+    Refused(String),
+    Failed(Failure),
+}
+
 /// `y = ReLU(conv(x, w) + bias)` in one cuDNN call, with the algorithm chosen for the fused
 /// problem (timed with its epilogue).
 fn forward_fused<T: ConvElement>(
@@ -589,7 +618,7 @@ fn forward_fused<T: ConvElement>(
     w: &CudaView<T>,
     bias: &CudaView<T>,
     y: &mut CudaSlice<T>,
-) -> Launch {
+) -> Result<(), Fused> {
     let (bias_desc, relu) = d.epilogue.as_ref().expect("a fused problem's descriptors");
     let fused = ConvBiasActivationForward {
         conv: &d.conv,
@@ -600,7 +629,10 @@ fn forward_fused<T: ConvElement>(
         bias: bias_desc,
         y: &d.y,
     };
-    launch_chosen(
+    // The status of a refused launch of the chosen algorithm (a refused candidate while timing
+    // only drops out of the timing).
+    let mut refused = None;
+    let result = launch_chosen(
         s,
         |c| &mut c.forward,
         d.problem,
@@ -615,6 +647,7 @@ fn forward_fused<T: ConvElement>(
             let (bias_ptr, _bias_use) = bias.device_ptr(stream);
             let y_len = y.len();
             let (y_ptr, _y_use) = y.device_ptr_mut(stream);
+            // cuDNN sizes operands by the descriptors; the lengths only satisfy the trait.
             let raw = |ptr, len| Lent::<T> {
                 ptr,
                 len,
@@ -626,7 +659,7 @@ fn forward_fused<T: ConvElement>(
             let mut y_lent = raw(y_ptr, y_len);
             // SAFETY: the descriptors describe exactly these buffers, which stay alive (and
             // their uses unrecorded) until the launch is enqueued.
-            unsafe {
+            let launched = unsafe {
                 fused.launch(
                     algo,
                     ws.as_mut(),
@@ -637,10 +670,26 @@ fn forward_fused<T: ConvElement>(
                     &raw(bias_ptr, bias.len()),
                     &mut y_lent,
                 )
-            }?;
+            };
+            if let Err(CudnnError(status)) = launched
+                && !timing
+                && matches!(
+                    status,
+                    sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED
+                        | sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM
+                )
+            {
+                refused = Some(status);
+            }
+            launched?;
             Ok(())
         },
-    )
+    );
+    match (result, refused) {
+        (Ok(()), _) => Ok(()),
+        (Err(failure), Some(_)) => Err(Fused::Refused(failure.0)),
+        (Err(failure), None) => Err(Fused::Failed(failure)),
+    }
 }
 
 /// A device pointer already taken from its buffer (with cudarc's ordering done), lent to a call

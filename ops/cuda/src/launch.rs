@@ -120,7 +120,8 @@ impl ChannelParts {
         if per_channel > (u32::MAX - REDUCE_THREADS) as i64 {
             return Err(Failure(format!(
                 "tile {tile:?}: {per_channel} elements a channel, more than the per-channel \
-                 kernels' 2^32"
+                 kernels' 2^32 - {} (their threads count a channel's elements in 32 bits)",
+                REDUCE_THREADS + 1
             )));
         }
         let parts = ((per_channel + PER_PART - 1) / PER_PART).clamp(1, MAX_PARTS);

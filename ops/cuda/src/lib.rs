@@ -49,6 +49,7 @@ pub use algos::{ConvAlgos, ConvEpilogue};
 pub use backend::{Cuda, Math, Settings, Sharing, StartError};
 pub use batches::{HostBatch, StagedBatch};
 pub use capture::StepGraph;
+pub use conv::fused_epilogue_counts;
 pub use memory::{Buffer, Stream};
 pub use probe::{CudaDevice, ProbeError, probe};
 pub use softmax_ce::PendingLoss;

@@ -458,12 +458,21 @@ fn the_fused_bias_and_relu_train_as_the_separate_kernel_does() {
         conv_epilogue: ConvEpilogue::Fused,
         ..separate
     };
-    wide_model_trains_alike(("separate", separate), ("fused", fused), 1e-4);
+    if wide_model_trains_alike(("separate", separate), ("fused", fused), 1e-4) {
+        // ... and fused they were: a refused problem would run the separate kernel and pass.
+        let (launched, refused) = legion_cuda::fused_epilogue_counts();
+        println!("fused convolutions launched: {launched}, problems refused: {refused}");
+        assert!(
+            launched > 0 && refused == 0,
+            "{launched} launched, {refused} refused"
+        );
+    }
 }
 
 /// Three steps of [`wide_model`] from one start on a GPU backend of each of two settings: every
-/// parameter within relative `bound` of the other run's (each printed); skips without a GPU.
-fn wide_model_trains_alike(a: (&str, Settings), b: (&str, Settings), bound: f64) {
+/// parameter within relative `bound` of the other run's (each printed). Without a GPU it skips,
+/// saying why, and returns false.
+fn wide_model_trains_alike(a: (&str, Settings), b: (&str, Settings), bound: f64) -> bool {
     let graph = wide_model(16);
     let data = batches(&graph, 3);
     let start = TrainingState::start(ParamStore::init(&graph, SEED));
@@ -472,7 +481,8 @@ fn wide_model_trains_alike(a: (&str, Settings), b: (&str, Settings), bound: f64)
         match gpu_trainer_with(settings, &graph, start.clone()) {
             Ok(trainer) => runs.push(train(trainer, &data)),
             Err(reason) => {
-                return skip(Need::Gpu, reason);
+                skip(Need::Gpu, reason);
+                return false;
             }
         }
     }
@@ -489,6 +499,7 @@ fn wide_model_trains_alike(a: (&str, Settings), b: (&str, Settings), bound: f64)
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    true
 }
 
 /// Layers on the longest path from the input to the loss: how many stored roundings a value at
