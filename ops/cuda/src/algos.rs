@@ -100,9 +100,10 @@ pub enum ConvEpilogue {
     /// timed with the epilogue, so `fastest` keeps the fastest fused one. Where it cannot apply
     /// (bf16 data, whose bias cuDNN would read in bf16 rather than the fp32 master; no bias or no
     /// ReLU; a tile convolved as several segments) and where cuDNN refuses the problem, the
-    /// epilogue runs as `Separate` does. cuDNN's fused ReLU does not propagate NaN (the call
-    /// supports only `CUDNN_NOT_PROPAGATE_NAN`): a NaN sum comes out as 0, where the separate
-    /// kernel keeps it; `Separate` keeps a diverging run's NaNs in the activations.
+    /// epilogue runs as `Separate` does. The fused ReLU is given `CUDNN_NOT_PROPAGATE_NAN` (the
+    /// mode PyTorch's cuDNN descriptors use, which cuDNN has documented as the one this call
+    /// supports): a NaN sum comes out as 0, where the separate kernel keeps it, so `Separate`
+    /// keeps a diverging run's NaNs in the activations.
     #[default]
     Fused,
     /// In a kernel of its own after the convolution, which reads and writes the output again.
