@@ -10,79 +10,6 @@ use std::sync::{Arc, OnceLock};
 /// The kernel source, compiled at run time.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
-/// Every `extern "C"` kernel of [`SOURCE`] but the bf16 twins of [`BF16_TWINS`].
-pub const KERNEL_NAMES: &[&str] = &[
-    "copy_region_f32",
-    "copy_region_f64",
-    "copy_region_bf16",
-    "add_region_f32",
-    "add_region_f64",
-    "add_region_bf16",
-    "zero_region_f32",
-    "zero_region_f64",
-    "zero_region_bf16",
-    "add_runs_f32",
-    "add_runs_f64",
-    "add_runs_bf16",
-    "cast_f32_bf16",
-    "cast_bf16_f32",
-    "relu_forward",
-    "relu_backward",
-    "sigmoid_forward",
-    "sigmoid_backward",
-    "tanh_forward",
-    "tanh_backward",
-    "add_forward",
-    "bias_activation",
-    "bias_activation_rows",
-    "channel_sum",
-    "channel_sum_finish",
-    "dropout_apply",
-    "store_step",
-    "synthetic_draw",
-    "pool2d_forward",
-    "pool2d_argmax",
-    "pool2d_backward",
-    "softmax_ce_rows",
-    "loss_totals",
-    "softmax_ce_backward",
-    "bn_moments",
-    "bn_sums_finish",
-    "bn_affine",
-    "bn_normalize",
-    "bn_running",
-    "bn_grad_sums",
-    "bn_grad_sums_finish",
-    "bn_input_coef",
-    "bn_input_grad",
-    "sgd_update",
-];
-
-/// The kernels that read or write activations, each with a twin `{name}_bf16` that stores them
-/// in bf16 (the same template in `kernels.cu`, instantiated for both types).
-pub const BF16_TWINS: &[&str] = &[
-    "relu_forward",
-    "relu_backward",
-    "sigmoid_forward",
-    "sigmoid_backward",
-    "tanh_forward",
-    "tanh_backward",
-    "add_forward",
-    "bias_activation",
-    "bias_activation_rows",
-    "channel_sum",
-    "dropout_apply",
-    "pool2d_forward",
-    "pool2d_argmax",
-    "pool2d_backward",
-    "softmax_ce_rows",
-    "softmax_ce_backward",
-    "bn_moments",
-    "bn_normalize",
-    "bn_grad_sums",
-    "bn_input_grad",
-];
-
 /// Threads of the reduction kernels' blocks (`REDUCE_THREADS` in the source).
 pub const REDUCE_THREADS: u32 = 256;
 /// Sample rows per block of the softmax kernels: one warp each (`WARP_ROWS_PER_BLOCK`).
@@ -157,118 +84,104 @@ impl Twin {
     }
 }
 
-/// The kernels, loaded into one context.
-#[derive(Debug)]
-pub struct Kernels {
-    pub copy_region_f32: CudaFunction,
-    pub copy_region_f64: CudaFunction,
-    pub copy_region_bf16: CudaFunction,
-    pub add_region_f32: CudaFunction,
-    pub add_region_f64: CudaFunction,
-    pub add_region_bf16: CudaFunction,
-    pub zero_region_f32: CudaFunction,
-    pub zero_region_f64: CudaFunction,
-    pub zero_region_bf16: CudaFunction,
-    pub add_runs_f32: CudaFunction,
-    pub add_runs_f64: CudaFunction,
-    pub add_runs_bf16: CudaFunction,
-    pub cast_f32_bf16: CudaFunction,
-    pub cast_bf16_f32: CudaFunction,
-    pub relu_forward: Twin,
-    pub relu_backward: Twin,
-    pub sigmoid_forward: Twin,
-    pub sigmoid_backward: Twin,
-    pub tanh_forward: Twin,
-    pub tanh_backward: Twin,
-    pub add_forward: Twin,
-    pub bias_activation: Twin,
-    pub bias_activation_rows: Twin,
-    pub channel_sum: Twin,
-    pub channel_sum_finish: CudaFunction,
-    pub dropout_apply: Twin,
-    pub store_step: CudaFunction,
-    pub synthetic_draw: CudaFunction,
-    pub pool2d_forward: Twin,
-    pub pool2d_argmax: Twin,
-    pub pool2d_backward: Twin,
-    pub softmax_ce_rows: Twin,
-    pub loss_totals: CudaFunction,
-    pub softmax_ce_backward: Twin,
-    pub bn_moments: Twin,
-    pub bn_sums_finish: CudaFunction,
-    pub bn_affine: CudaFunction,
-    pub bn_normalize: Twin,
-    pub bn_running: CudaFunction,
-    pub bn_grad_sums: Twin,
-    pub bn_grad_sums_finish: CudaFunction,
-    pub bn_input_coef: CudaFunction,
-    pub bn_input_grad: Twin,
-    pub sgd_update: CudaFunction,
+/// [`Kernels`] (a field per kernel of [`SOURCE`]: a [`Twin`] for those with a bf16 twin), their
+/// loading, [`KERNEL_NAMES`] and [`BF16_TWINS`], all from the one list below.
+macro_rules! kernels {
+    ($($name:ident: $kind:ident,)*) => {
+        /// The kernels, loaded into one context ([`Kernels::load`]).
+        #[derive(Debug)]
+        pub struct Kernels {
+            $(pub $name: kernels!(@type $kind),)*
+        }
+
+        /// Every `extern "C"` kernel of [`SOURCE`] but the bf16 twins (`{name}_bf16` of
+        /// [`BF16_TWINS`]), in source order.
+        pub const KERNEL_NAMES: &[&str] = &[$(stringify!($name)),*];
+
+        /// The kernels that read or write activations, each with a twin `{name}_bf16` that
+        /// stores them in bf16 (the same template in `kernels.cu`, instantiated for both types).
+        pub const BF16_TWINS: &[&str] = &kernels!(@twins [] $($name: $kind,)*);
+
+        impl Kernels {
+            pub fn load(context: &Arc<CudaContext>) -> Result<Kernels, CompileError> {
+                let module = context
+                    .load_module(Ptx::from_src(ptx()?))
+                    .map_err(|e| CompileError::Load(e.to_string()))?;
+                let one = |name: &str| -> Result<CudaFunction, CompileError> {
+                    module
+                        .load_function(name)
+                        .map_err(|e: DriverError| CompileError::Load(format!("{name}: {e}")))
+                };
+                let twin = |name: &str| -> Result<Twin, CompileError> {
+                    Ok(Twin {
+                        f32: one(name)?,
+                        bf16: one(&format!("{name}_bf16"))?,
+                    })
+                };
+                Ok(Kernels {
+                    $($name: kernels!(@load $kind, one, twin, stringify!($name))?,)*
+                })
+            }
+        }
+    };
+    (@type one) => { CudaFunction };
+    (@type twin) => { Twin };
+    (@load one, $one:ident, $twin:ident, $name:expr) => { $one($name) };
+    (@load twin, $one:ident, $twin:ident, $name:expr) => { $twin($name) };
+    (@twins [$($t:expr),*]) => { [$($t),*] };
+    (@twins [$($t:expr),*] $name:ident: twin, $($rest:tt)*) => {
+        kernels!(@twins [$($t,)* stringify!($name)] $($rest)*)
+    };
+    (@twins [$($t:expr),*] $name:ident: one, $($rest:tt)*) => {
+        kernels!(@twins [$($t),*] $($rest)*)
+    };
 }
 
-impl Kernels {
-    pub fn load(context: &Arc<CudaContext>) -> Result<Kernels, CompileError> {
-        let module = context
-            .load_module(Ptx::from_src(ptx()?))
-            .map_err(|e| CompileError::Load(e.to_string()))?;
-        let f = |name: &str| -> Result<CudaFunction, CompileError> {
-            module
-                .load_function(name)
-                .map_err(|e: DriverError| CompileError::Load(format!("{name}: {e}")))
-        };
-        let twin = |name: &str| -> Result<Twin, CompileError> {
-            Ok(Twin {
-                f32: f(name)?,
-                bf16: f(&format!("{name}_bf16"))?,
-            })
-        };
-        Ok(Kernels {
-            copy_region_f32: f("copy_region_f32")?,
-            copy_region_f64: f("copy_region_f64")?,
-            copy_region_bf16: f("copy_region_bf16")?,
-            add_region_f32: f("add_region_f32")?,
-            add_region_f64: f("add_region_f64")?,
-            add_region_bf16: f("add_region_bf16")?,
-            zero_region_f32: f("zero_region_f32")?,
-            zero_region_f64: f("zero_region_f64")?,
-            zero_region_bf16: f("zero_region_bf16")?,
-            add_runs_f32: f("add_runs_f32")?,
-            add_runs_f64: f("add_runs_f64")?,
-            add_runs_bf16: f("add_runs_bf16")?,
-            cast_f32_bf16: f("cast_f32_bf16")?,
-            cast_bf16_f32: f("cast_bf16_f32")?,
-            relu_forward: twin("relu_forward")?,
-            relu_backward: twin("relu_backward")?,
-            sigmoid_forward: twin("sigmoid_forward")?,
-            sigmoid_backward: twin("sigmoid_backward")?,
-            tanh_forward: twin("tanh_forward")?,
-            tanh_backward: twin("tanh_backward")?,
-            add_forward: twin("add_forward")?,
-            bias_activation: twin("bias_activation")?,
-            bias_activation_rows: twin("bias_activation_rows")?,
-            channel_sum: twin("channel_sum")?,
-            channel_sum_finish: f("channel_sum_finish")?,
-            dropout_apply: twin("dropout_apply")?,
-            store_step: f("store_step")?,
-            synthetic_draw: f("synthetic_draw")?,
-            pool2d_forward: twin("pool2d_forward")?,
-            pool2d_argmax: twin("pool2d_argmax")?,
-            pool2d_backward: twin("pool2d_backward")?,
-            softmax_ce_rows: twin("softmax_ce_rows")?,
-            loss_totals: f("loss_totals")?,
-            softmax_ce_backward: twin("softmax_ce_backward")?,
-            bn_moments: twin("bn_moments")?,
-            bn_sums_finish: f("bn_sums_finish")?,
-            bn_affine: f("bn_affine")?,
-            bn_normalize: twin("bn_normalize")?,
-            bn_running: f("bn_running")?,
-            bn_grad_sums: twin("bn_grad_sums")?,
-            bn_grad_sums_finish: f("bn_grad_sums_finish")?,
-            bn_input_coef: f("bn_input_coef")?,
-            bn_input_grad: twin("bn_input_grad")?,
-            sgd_update: f("sgd_update")?,
-        })
-    }
+kernels! {
+    copy_region_f32: one,
+    copy_region_f64: one,
+    copy_region_bf16: one,
+    add_region_f32: one,
+    add_region_f64: one,
+    add_region_bf16: one,
+    zero_region_f32: one,
+    zero_region_f64: one,
+    zero_region_bf16: one,
+    add_runs_f32: one,
+    add_runs_f64: one,
+    add_runs_bf16: one,
+    cast_f32_bf16: one,
+    cast_bf16_f32: one,
+    relu_forward: twin,
+    relu_backward: twin,
+    sigmoid_forward: twin,
+    sigmoid_backward: twin,
+    tanh_forward: twin,
+    tanh_backward: twin,
+    add_forward: twin,
+    bias_activation: twin,
+    bias_activation_rows: twin,
+    channel_sum: twin,
+    channel_sum_finish: one,
+    dropout_apply: twin,
+    store_step: one,
+    synthetic_draw: one,
+    pool2d_forward: twin,
+    pool2d_argmax: twin,
+    pool2d_backward: twin,
+    softmax_ce_rows: twin,
+    loss_totals: one,
+    softmax_ce_backward: twin,
+    bn_moments: twin,
+    bn_sums_finish: one,
+    bn_affine: one,
+    bn_normalize: twin,
+    bn_running: one,
+    bn_grad_sums: twin,
+    bn_grad_sums_finish: one,
+    bn_input_coef: one,
+    bn_input_grad: twin,
+    sgd_update: one,
 }
 
 #[cfg(test)]
