@@ -86,14 +86,16 @@ fn phase(kind: TaskKind) -> Option<Phase> {
 }
 
 /// Runs `task` with `access[i]` for requirement `i`, through the CPU backend: the op's own
-/// `OpKernels` pick the operands by role (see `legion_ops::backend`).
-pub fn execute(
+/// `OpKernels` pick the operands by role (see `legion_ops::backend`). `working` is the task's
+/// working copy of its weight, as [`enqueue`] keeps it.
+pub fn execute<'a>(
     ctx: &ExecContext,
     task: &TaskSpec,
-    access: Vec<HostAccess<'_>>,
+    access: Vec<HostAccess<'a>>,
+    working: &'a mut Option<Buffer>,
 ) -> Result<TaskOutcome, KernelError> {
     let (cpu, mut stream) = (Cpu::new(ctx.precision), CpuStream);
-    let loss = enqueue(&cpu, &mut stream, ctx, task, access, &mut None)?;
+    let loss = enqueue(&cpu, &mut stream, ctx, task, access, working)?;
     cpu.synchronize(&mut stream)?;
     Ok(loss.map(|l| cpu.read_loss(l)).unwrap_or_default())
 }

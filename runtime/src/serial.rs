@@ -69,7 +69,8 @@ impl SerialMemory {
                                 None => HostAccess::Read(&self.buffers[inst as usize]),
                             })
                             .collect();
-                        exec::execute(ctx, task, access)?
+                        // The oracle keeps no working copies: each is made for its call.
+                        exec::execute(ctx, task, access, &mut None)?
                     };
                     let mut taken = taken.into_iter();
                     for (o, &inst) in order.iter().zip(instances) {

@@ -148,10 +148,15 @@ pub(crate) struct StepEnd {
     pub events: Vec<OpEvent>,
 }
 
-/// Instances an op held while it ran elsewhere, handed back with its end: `(instance, buffer,
-/// whether the op overwrote all of it)`. Only a driver that lends its instances out (the host
-/// driver, to its compute pool) fills it.
-pub(crate) type Lent = Vec<(u32, Arc<Buffer>, bool)>;
+/// What an op held while it ran elsewhere, handed back with its end. Only a driver that lends
+/// its instances out (the host driver, to its compute pool) fills it.
+#[derive(Default)]
+pub(crate) struct Lent {
+    /// `(instance, buffer, whether the op overwrote all of it)`.
+    pub instances: Vec<(u32, Arc<Buffer>, bool)>,
+    /// The op's working copy of its weight (bf16), kept for its next run.
+    pub working: Option<Buffer>,
+}
 
 /// What a driver's threads tell the actor.
 pub(crate) enum DriverEvent {
@@ -180,10 +185,10 @@ pub(crate) trait Driver: Send + 'static {
     /// Every ready op has been handed over: start what is queued.
     fn pump(&mut self) {}
 
-    /// A pending op has run (its [`DriverEvent::OpDone`] reached the actor): take back the
-    /// instances it held. The message carries them, so that the pool's thread and the actor
-    /// share nothing but the actor's mailbox.
-    fn reclaim(&mut self, _lent: Lent) {}
+    /// Pending op `op` has run (its [`DriverEvent::OpDone`] reached the actor): take back what
+    /// it held. The message carries it, so that the pool's thread and the actor share nothing
+    /// but the actor's mailbox.
+    fn reclaim(&mut self, _op: u32, _lent: Lent) {}
 
     /// Every op of the step is done or queued: its end now, or `None` when it comes later as
     /// [`DriverEvent::StepDone`].

@@ -40,6 +40,9 @@ pub(crate) struct HostDriver {
     buffers: Arc<BufferPool>,
     /// `None` while a compute op writes it.
     instances: Vec<Option<Arc<Buffer>>>,
+    /// Per op, the working copy (bf16) of the weight it reads, kept across steps: a bf16 step
+    /// allocates none once each op has run (see `exec::enqueue`).
+    working: Vec<Option<Buffer>>,
     /// Compute ops ready to run, lowest first: program order, which puts the forward pass
     /// before the updates that do not block it.
     queue: BinaryHeap<Reverse<u32>>,
@@ -62,6 +65,7 @@ impl HostDriver {
             .iter()
             .map(|i| Some(Arc::new(Buffer::zeros(i.dtype, i.rect.volume()))))
             .collect();
+        let working = (0..program.ops.len()).map(|_| None).collect();
         HostDriver {
             program,
             graph: Arc::clone(&setup.graph),
@@ -70,6 +74,7 @@ impl HostDriver {
             transport: Arc::clone(&setup.transport),
             pool,
             buffers: Arc::clone(&setup.buffers),
+            working,
             instances,
             queue: BinaryHeap::new(),
             busy: false,
@@ -271,11 +276,19 @@ impl Driver for HostDriver {
         let actor = running.actor.clone();
         let graph = Arc::clone(&self.graph);
         let (seed, sgd) = (self.seed, self.sgd);
+        let mut working = self.working[i as usize].take();
         self.pool.spawn(move || {
             let start = Instant::now();
             let mut writes = writes;
-            let result =
-                caught(|| run_compute(&program, i, &graph, seed, sgd, &input, &reads, &mut writes));
+            let result = caught(|| {
+                let run = Compute {
+                    graph: &graph,
+                    seed,
+                    sgd,
+                    input: &input,
+                };
+                run.op(&program, i, &reads, &mut writes, &mut working)
+            });
             // Readers let go before the actor hears of it, so a writer after us finds them gone.
             drop(reads);
             let end = Instant::now();
@@ -284,7 +297,10 @@ impl Driver for HostDriver {
                 result,
                 start,
                 end,
-                lent: writes,
+                lent: Lent {
+                    instances: writes,
+                    working,
+                },
             };
             if let Err(e) = actor.tell(done).try_send() {
                 tracing::error!("device actor gone: {e}");
@@ -292,10 +308,11 @@ impl Driver for HostDriver {
         });
     }
 
-    fn reclaim(&mut self, lent: Lent) {
-        for (i, b, _) in lent {
+    fn reclaim(&mut self, op: u32, lent: Lent) {
+        for (i, b, _) in lent.instances {
             self.instances[i as usize] = Some(b);
         }
+        self.working[op as usize] = lent.working;
         self.busy = false;
     }
 
@@ -333,69 +350,78 @@ fn exclusive((_, b, overwrites): &mut (u32, Arc<Buffer>, bool)) -> &mut Buffer {
     Arc::make_mut(b)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_compute(
-    program: &DeviceProgram,
-    op: u32,
-    graph: &Graph,
+/// What a compute op on the pool runs with, besides its operands.
+struct Compute<'a> {
+    graph: &'a Graph,
     seed: u64,
     sgd: Sgd,
-    input: &StepInput,
-    reads: &[Arc<Buffer>],
-    writes: &mut [(u32, Arc<Buffer>, bool)],
-) -> Result<TaskOutcome, String> {
-    match &program.ops[op as usize].kind {
-        LocalOpKind::Task { task, .. } => {
-            let mut reads = reads.iter();
-            let mut writes = writes.iter_mut().map(exclusive);
-            let access = task
-                .requirements
-                .iter()
-                .map(|req| {
-                    if req.privilege.writes() {
-                        HostAccess::Write(writes.next().unwrap())
-                    } else {
-                        HostAccess::Read(reads.next().unwrap())
-                    }
-                })
-                .collect();
-            let ctx = ExecContext {
-                graph,
-                precision: program.precision,
-                seed,
-                sgd,
-                input,
-            };
-            exec::execute(&ctx, task, access).map_err(|e| e.to_string())
-        }
-        LocalOpKind::Fold {
-            srcs,
-            dst,
-            rect,
-            accumulate,
-        } => {
-            let terms: Vec<In<Buffer>> = reads
-                .iter()
-                .zip(srcs)
-                .map(|(b, &s)| In {
-                    rect: program.instances[s as usize].rect,
-                    mem: &**b,
-                })
-                .collect();
-            let to = Out {
-                rect: program.instances[*dst as usize].rect,
-                mem: exclusive(&mut writes[0]),
-            };
-            moves::fold(
-                &Cpu::default(),
-                &mut CpuStream,
-                to,
-                &terms,
+    input: &'a StepInput,
+}
+
+impl Compute<'_> {
+    /// Runs compute op `op` of `program` on `reads` and `writes` (a task with its weight's
+    /// `working` copy, if it reads one).
+    fn op(
+        &self,
+        program: &DeviceProgram,
+        op: u32,
+        reads: &[Arc<Buffer>],
+        writes: &mut [(u32, Arc<Buffer>, bool)],
+        working: &mut Option<Buffer>,
+    ) -> Result<TaskOutcome, String> {
+        match &program.ops[op as usize].kind {
+            LocalOpKind::Task { task, .. } => {
+                let mut reads = reads.iter();
+                let mut writes = writes.iter_mut().map(exclusive);
+                let access = task
+                    .requirements
+                    .iter()
+                    .map(|req| {
+                        if req.privilege.writes() {
+                            HostAccess::Write(writes.next().unwrap())
+                        } else {
+                            HostAccess::Read(reads.next().unwrap())
+                        }
+                    })
+                    .collect();
+                let ctx = ExecContext {
+                    graph: self.graph,
+                    precision: program.precision,
+                    seed: self.seed,
+                    sgd: self.sgd,
+                    input: self.input,
+                };
+                exec::execute(&ctx, task, access, working).map_err(|e| e.to_string())
+            }
+            LocalOpKind::Fold {
+                srcs,
+                dst,
                 rect,
-                *accumulate,
-            );
-            Ok(TaskOutcome::default())
+                accumulate,
+            } => {
+                let terms: Vec<In<Buffer>> = reads
+                    .iter()
+                    .zip(srcs)
+                    .map(|(b, &s)| In {
+                        rect: program.instances[s as usize].rect,
+                        mem: &**b,
+                    })
+                    .collect();
+                let to = Out {
+                    rect: program.instances[*dst as usize].rect,
+                    mem: exclusive(&mut writes[0]),
+                };
+                moves::fold(
+                    &Cpu::default(),
+                    &mut CpuStream,
+                    to,
+                    &terms,
+                    rect,
+                    *accumulate,
+                );
+                Ok(TaskOutcome::default())
+            }
+            _ => unreachable!("only compute ops run on the pool"),
         }
-        _ => unreachable!("only compute ops run on the pool"),
     }
 }

@@ -201,7 +201,9 @@ impl DeviceActor {
             input: &state.input,
         };
         let start = Instant::now();
-        let result = caught(|| exec::execute(&ctx, task, Vec::new()).map_err(|e| e.to_string()));
+        // No data, so no weight to read through a working copy.
+        let result =
+            caught(|| exec::execute(&ctx, task, Vec::new(), &mut None).map_err(|e| e.to_string()));
         self.finished(op, result, start, Instant::now());
     }
 
@@ -331,7 +333,7 @@ impl Message<DriverEvent> for DeviceActor {
                 end,
                 lent,
             } => {
-                self.driver.reclaim(lent);
+                self.driver.reclaim(op, lent);
                 self.finished(op, result, start, end);
                 self.run_ready();
             }
