@@ -107,15 +107,16 @@ impl LaneTopology {
         // Per node of a block, its busiest NIC when the other block has no tile on it: the
         // larger block's nodes but the smaller one's when nested, every node when disjoint across
         // nodes.
-        let side_groups = |producer: bool| -> Vec<f64> {
+        let side_groups = |producer: bool, into: &mut Vec<f64>| {
             let (side, tiles) = if producer {
                 (src, &out.src_sends)
             } else {
                 (dst, &out.dst_receives)
             };
             let size = side.total.min(self.node_size);
-            (0..side.total / size)
-                .map(|g| match self.nics {
+            into.clear();
+            into.extend((0..side.total / size).map(|g| {
+                match self.nics {
                     Nics::None => 0.0,
                     Nics::PerDevice => tiles[g * size..(g + 1) * size]
                         .iter()
@@ -128,11 +129,14 @@ impl LaneTopology {
                         };
                         self.seconds(self.inter, load)
                     }
-                })
-                .collect()
+                }
+            }));
         };
-        let big_groups = side_groups(producer_big);
-        let small_groups = side_groups(!producer_big);
+        // kept in the scratch between calls (taken out while `out`'s loads are read)
+        let mut big_groups = std::mem::take(&mut out.big_groups);
+        let mut small_groups = std::mem::take(&mut out.small_groups);
+        side_groups(producer_big, &mut big_groups);
+        side_groups(!producer_big, &mut small_groups);
         // maxima of the larger block's groups before and from each group
         out.before.clear();
         out.before.push(0.0);
@@ -196,6 +200,8 @@ impl LaneTopology {
             values.push(double(busiest));
         }
         out.values = values;
+        out.big_groups = big_groups;
+        out.small_groups = small_groups;
     }
 
     /// The busiest lane of a node that holds tiles of both blocks.
@@ -496,6 +502,9 @@ pub(super) struct LaneScratch {
     /// Per tile of a shared node, what it exchanges within the node.
     node_tiles: Vec<Load>,
     spare: Vec<Load>,
+    /// Per node of the larger and of the smaller block, its busiest NIC (`side_groups`).
+    big_groups: Vec<f64>,
+    small_groups: Vec<f64>,
     before: Vec<f64>,
     from: Vec<f64>,
 }
