@@ -11,6 +11,12 @@ use legion_ops::backend::{In, Out};
 use legion_ops::op::BatchNorm;
 use legion_ops::shape::Rect;
 
+/// Whether `tile` has one element per sample and channel (batch norm after a dense layer): its
+/// element-wise phases then run row-major (`*_rows` kernels), so that loads coalesce.
+fn rows(tile: &Box4) -> bool {
+    tile.ext[2] * tile.ext[3] == 1
+}
+
 /// The statistics operands of the batch-norm kernels: `[3, C]` sums over channels `[lo, lo + C)`.
 fn sums_range(sums: &In<Buffer>) -> (i64, i64) {
     (sums.rect.lo[1] as i64, sums.rect.extent(1) as i64)
@@ -101,6 +107,19 @@ pub(crate) fn normalize(
     // the tile's channels.
     unsafe { b.launch(grid(channels)) }?;
     let dtype = same_type(&[x.mem.dtype(), y.mem.dtype()]);
+    if rows(&tile) {
+        let (n, packed) = (tile.volume(), (x_layout == tile) as i32);
+        let mut b = s
+            .stream
+            .launch_builder(cuda.kernels.bn_normalize_rows.of(dtype));
+        x.mem.push(&mut b);
+        b.arg(&x_layout);
+        y.mem.push_mut(&mut b);
+        b.arg(&tile).arg(&coef).arg(&relu).arg(&n).arg(&packed);
+        // SAFETY: as above; the coefficients cover the tile's channels.
+        unsafe { b.launch(grid(n)) }?;
+        return Ok(());
+    }
     let mut b = s.stream.launch_builder(cuda.kernels.bn_normalize.of(dtype));
     x.mem.push(&mut b);
     b.arg(&x_layout);
@@ -268,9 +287,12 @@ pub(crate) fn input_grad(
     let mut types = vec![x.mem.dtype(), dy.mem.dtype(), dx.mem.dtype()];
     types.extend(y.map(|y| y.mem.dtype()));
     let dtype = same_type(&types);
-    let mut b = s
-        .stream
-        .launch_builder(cuda.kernels.bn_input_grad.of(dtype));
+    let row_major = rows(&tile);
+    let kernel = match row_major {
+        true => &cuda.kernels.bn_input_grad_rows,
+        false => &cuda.kernels.bn_input_grad,
+    };
+    let mut b = s.stream.launch_builder(kernel.of(dtype));
     x.mem.push(&mut b);
     b.arg(&x_layout);
     match &y {
@@ -283,8 +305,22 @@ pub(crate) fn input_grad(
     dy.mem.push(&mut b);
     b.arg(&dy_layout);
     dx.mem.push_mut(&mut b);
-    b.arg(&tile).arg(&coef).arg(&cut.parts);
+    b.arg(&tile).arg(&coef);
+    let (n, packed) = (
+        tile.volume(),
+        (x_layout == tile && dy_layout == tile && y_layout == tile) as i32,
+    );
+    let config = match row_major {
+        true => {
+            b.arg(&n).arg(&packed);
+            grid(n)
+        }
+        false => {
+            b.arg(&cut.parts);
+            cut.launch()
+        }
+    };
     // SAFETY: the arguments match the kernel's signature; the views contain the tile.
-    unsafe { b.launch(cut.launch()) }?;
+    unsafe { b.launch(config) }?;
     Ok(())
 }

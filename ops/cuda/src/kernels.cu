@@ -416,13 +416,18 @@ __device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_l
 // As bias_activation_t over a tile of one element per sample and channel (a dense layer's [N, C]
 // output): consecutive threads take consecutive channels of a sample, so that their loads
 // coalesce, where walking a channel would stride a whole row per element.
+// The channel (local to the tile) of element i of an [N, C] tile: one 32-bit remainder where
+// the index fits.
+__device__ __forceinline__ i64 row_channel(i64 i, i64 channels) {
+    return (i <= 0xffffffffLL && channels <= 0xffffffffLL) ? (i64)((unsigned)i % (unsigned)channels)
+                                                           : i % channels;
+}
+
 template <class T>
 __device__ void bias_activation_rows_t(T* y, i64 c_lo, i64 channels, const float* bias,
                                        i64 bias_lo, int relu, i64 n) {
     GRID_STRIDE(i, n) {
-        i64 j = (i <= 0xffffffffLL && channels <= 0xffffffffLL)
-                    ? (i64)((unsigned)i % (unsigned)channels)
-                    : i % channels;
+        i64 j = row_channel(i, channels);
         float z = to_f32(y[i]);
         if (bias) z = z + bias[c_lo + j - bias_lo];
         y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
@@ -1082,6 +1087,37 @@ __device__ void bn_input_grad_t(const T* x, Box4 x_layout, const T* y, Box4 y_la
     }
 }
 
+// bn_normalize_t and bn_input_grad_t over a tile of one element per sample and channel (batch
+// norm after a dense layer, [N, C]): consecutive threads on consecutive channels, so that their
+// loads coalesce, where walking a channel would stride a whole row per element. `packed` says
+// every operand is laid out over exactly the tile.
+template <class T>
+__device__ void bn_normalize_rows_t(const T* x, Box4 x_layout, T* y, Box4 tile, const float* coef,
+                                    int relu, i64 n, int packed) {
+    i64 channels = tile.ext[1];
+    GRID_STRIDE(i, n) {
+        i64 j = row_channel(i, channels);
+        float z = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j] +
+                  coef[2 * channels + j];
+        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+    }
+}
+
+template <class T>
+__device__ void bn_input_grad_rows_t(const T* x, Box4 x_layout, const T* y, Box4 y_layout,
+                                     const T* dy, Box4 dy_layout, T* dx, Box4 tile,
+                                     const float* coef, i64 n, int packed) {
+    i64 channels = tile.ext[1];
+    GRID_STRIDE(i, n) {
+        i64 j = row_channel(i, channels);
+        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
+        if (y && !(to_f32(y[at(y_layout, tile, i, packed)]) > 0.0f)) g = 0.0f;
+        float xhat = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j];
+        dx[i] = from_f32<T>(coef[2 * channels + j] *
+                            (g - coef[3 * channels + j] - xhat * coef[4 * channels + j]));
+    }
+}
+
 // The batch-norm kernels that read or write activations, once per activation type; the
 // statistics, coefficients, γ, β and their gradients are f32 and f64 in every precision.
 #define BN_KERNELS(T, suffix)                                                                  \
@@ -1105,6 +1141,17 @@ __device__ void bn_input_grad_t(const T* x, Box4 x_layout, const T* y, Box4 y_la
         const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy, Box4 dy_layout,     \
         T* dx, Box4 tile, const float* coef, i64 parts) {                                      \
         bn_input_grad_t(x, x_layout, y, y_layout, dy, dy_layout, dx, tile, coef, parts);       \
+    }                                                                                          \
+    extern "C" __global__ void bn_normalize_rows##suffix(const T* x, Box4 x_layout, T* y,     \
+                                                         Box4 tile, const float* coef,         \
+                                                         int relu, i64 n, int packed) {        \
+        bn_normalize_rows_t(x, x_layout, y, tile, coef, relu, n, packed);                      \
+    }                                                                                          \
+    extern "C" __global__ void bn_input_grad_rows##suffix(                                     \
+        const T* x, Box4 x_layout, const T* y, Box4 y_layout, const T* dy, Box4 dy_layout,     \
+        T* dx, Box4 tile, const float* coef, i64 n, int packed) {                              \
+        bn_input_grad_rows_t(x, x_layout, y, y_layout, dy, dy_layout, dx, tile, coef, n,       \
+                             packed);                                                          \
     }
 BN_KERNELS(float, )
 BN_KERNELS(bf16, _bf16)

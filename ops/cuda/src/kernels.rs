@@ -181,6 +181,8 @@ kernels! {
     bn_grad_sums_finish: one,
     bn_input_coef: one,
     bn_input_grad: twin,
+    bn_normalize_rows: twin,
+    bn_input_grad_rows: twin,
     sgd_update: one,
 }
 

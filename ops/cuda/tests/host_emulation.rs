@@ -978,6 +978,39 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         0.0,
                     );
                 }
+                // an [N, C] tile (batch norm after a dense layer) runs the row-major twin
+                if tile.extent(2) * tile.extent(3) == 1 {
+                    type NR = unsafe extern "C" fn(
+                        *const f32,
+                        Box4,
+                        *mut f32,
+                        Box4,
+                        *const f32,
+                        i32,
+                        i64,
+                        i32,
+                    );
+                    let f: Symbol<NR> = emu.sym("bn_normalize_rows");
+                    let mut gy = vec![f32::NAN; tile.volume()];
+                    emu.launch(2, 5, || unsafe {
+                        f(
+                            x.f32().as_ptr(),
+                            box4(&fullr),
+                            gy.as_mut_ptr(),
+                            box4(&tile),
+                            coef.as_ptr(),
+                            relu as i32,
+                            tile.volume() as i64,
+                            0,
+                        )
+                    });
+                    report.check(
+                        &format!("bn normalize rows {ci} relu {relu}"),
+                        &gy,
+                        want_y.f32(),
+                        0.0,
+                    );
+                }
                 // running
                 let rm0 = random(c, 502);
                 let rv0: Vec<f32> = random(c, 503).iter().map(|v| v + 1.5).collect();
@@ -1206,6 +1239,44 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                         &format!(
                             "bn input grad {ci} relu {relu} in {parts} part(s) of {threads} thread(s)"
                         ),
+                        &gdx,
+                        dx.f32(),
+                        0.0,
+                    );
+                }
+                if tile.extent(2) * tile.extent(3) == 1 {
+                    type IR = unsafe extern "C" fn(
+                        *const f32,
+                        Box4,
+                        *const f32,
+                        Box4,
+                        *const f32,
+                        Box4,
+                        *mut f32,
+                        Box4,
+                        *const f32,
+                        i64,
+                        i32,
+                    );
+                    let f: Symbol<IR> = emu.sym("bn_input_grad_rows");
+                    let mut gdx = vec![f32::NAN; tile.volume()];
+                    emu.launch(2, 5, || unsafe {
+                        f(
+                            x.f32().as_ptr(),
+                            box4(&fullr),
+                            yptr,
+                            box4(&group),
+                            dy.f32().as_ptr(),
+                            box4(&fullr),
+                            gdx.as_mut_ptr(),
+                            box4(&tile),
+                            coef.as_ptr(),
+                            tile.volume() as i64,
+                            0,
+                        )
+                    });
+                    report.check(
+                        &format!("bn input grad rows {ci} relu {relu}"),
                         &gdx,
                         dx.f32(),
                         0.0,
