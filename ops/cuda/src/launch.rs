@@ -125,6 +125,13 @@ impl ChannelParts {
             )));
         }
         let parts = ((per_channel + PER_PART - 1) / PER_PART).clamp(1, MAX_PARTS);
+        if tile.ext[1] > i32::MAX as i64 / parts {
+            return Err(Failure(format!(
+                "tile {tile:?}: {} channels in {parts} parts each are more blocks than a launch \
+                 has (2^31 - 1)",
+                tile.ext[1]
+            )));
+        }
         Ok(ChannelParts {
             per_channel,
             parts,
@@ -169,7 +176,8 @@ pub(crate) const NULL: u64 = 0;
 
 #[cfg(test)]
 mod tests {
-    use super::Box4;
+    use super::{Box4, ChannelParts, MAX_PARTS, PER_PART};
+    use crate::kernels::REDUCE_THREADS;
 
     fn b(lo: [i64; 4], ext: [i64; 4]) -> Box4 {
         Box4 { lo, ext }
@@ -191,6 +199,32 @@ mod tests {
             out.push(at);
         }
         out
+    }
+
+    #[test]
+    fn a_channel_is_cut_into_parts_of_about_per_part_elements_and_too_large_tiles_are_refused() {
+        let of = |ext: [i64; 4]| ChannelParts::of(&b([0; 4], ext));
+        // samples × rows × columns of a channel; at least one part, at most MAX_PARTS
+        let small = of([2, 3, 5, 7]).unwrap();
+        assert_eq!((small.per_channel, small.parts), (70, 1));
+        assert_eq!(small.launch().grid_dim, (3, 1, 1));
+        assert_eq!(small.launch().block_dim, (REDUCE_THREADS, 1, 1));
+        // AlexNet's conv1 output at batch 128: 387,200 elements a channel
+        let conv1 = of([128, 64, 55, 55]).unwrap();
+        assert_eq!(conv1.parts, (387_200 + PER_PART - 1) / PER_PART);
+        assert_eq!(conv1.launch().grid_dim.0 as i64, 64 * conv1.parts);
+        let huge = of([1 << 16, 2, 64, 64]).unwrap();
+        assert_eq!(huge.parts, MAX_PARTS);
+        // an empty tile still launches a block per channel, whose sums are zero
+        assert_eq!(of([0, 4, 5, 5]).unwrap().parts, 1);
+        // a channel's elements are counted in 32 bits, with room for a block's threads
+        let limit = (u32::MAX - REDUCE_THREADS) as i64;
+        assert!(of([limit, 1, 1, 1]).is_ok());
+        let e = of([limit + 1, 1, 1, 1]).unwrap_err();
+        assert!(e.0.contains("elements a channel"), "{}", e.0);
+        // and the blocks of a launch fit its grid
+        let e = of([1 << 24, 1 << 24, 1, 1]).unwrap_err();
+        assert!(e.0.contains("blocks"), "{}", e.0);
     }
 
     #[test]
