@@ -101,13 +101,7 @@ fn cpu_summaries_without_and_with(flag: &str, steps: usize) -> Vec<Value> {
                 "train", "--model", "lenet5", "--device", "cpu", "--steps", &steps, "--json",
             ];
             args.extend_from_slice(flags);
-            let out = legion(&args);
-            assert!(
-                out.status.success(),
-                "{flags:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            stdout_json_lines(&out).pop().unwrap()
+            stdout_json_lines(&ok(legion(&args))).pop().unwrap()
         })
         .collect()
 }
@@ -148,13 +142,7 @@ fn losses_read_one_step_late_are_reported_as_those_read_every_step() {
             "--json",
         ];
         args.extend_from_slice(flags);
-        let out = legion(&args);
-        assert!(
-            out.status.success(),
-            "{flags:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let mut lines = stdout_json_lines(&out);
+        let mut lines = stdout_json_lines(&ok(legion(&args)));
         let summary = lines.pop().unwrap();
         assert_eq!(summary["loss_read_late"], late, "{flags:?}: {summary}");
         let steps: Vec<(u64, f64)> = lines
