@@ -20,9 +20,9 @@
 # each default turned off: `precise` and `heuristic` algorithms, no prefetch, no step capture
 # (CUDA graph replay), synthetic batches drawn on the host instead of by the GPU, each step's loss
 # read at its end instead of one step late, the convolutions' bias and ReLU in a kernel of their
-# own instead of cuDNN's fused convolution (VGG-16 too), each row saying whether capture replayed or why it
-# gave up, where the batches were drawn and when the loss was read; with the host's split of each
-# step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's,
+# own instead of cuDNN's fused convolution (VGG-16 too), each row saying whether capture
+# replayed or why it gave up, where the batches were drawn and when the loss was read; with the
+# host's split of each step: enqueuing, staging the next batch, waiting for the GPU), `trace` (AlexNet's,
 # ResNet-50's and Inception-v3's one-device step call by call, and PyTorch's kernels in one
 # step), `several` (AlexNet on 4 devices sharing the GPU under data, owt and optcnn against
 # the simulation priced by those devices' measured tiles and copies, `plan --machine one-gpu:4`),

@@ -625,9 +625,9 @@ async fn start_job(
 }
 
 /// Where the job's devices run: the worker's own placement, its GPUs computing as the job asks
-/// (`--tf32`, `--conv-algos`, `--no-fused-epilogue` of the driver). A GPU the worker started with other settings gets a
-/// backend of its own for the job (the same device and context; the kernels were compiled when
-/// the worker started). A worker on cores ignores the GPU settings.
+/// (`--tf32`, `--conv-algos`, `--no-fused-epilogue` of the driver). A GPU the worker started
+/// with other settings gets a backend of its own for the job (the same device and context; the
+/// kernels were compiled when the worker started). A worker on cores ignores the GPU settings.
 fn job_placement(placement: &Placement, spec: &JobSpec) -> anyhow::Result<Placement> {
     let Placement::Gpus(gpus) = placement else {
         return Ok(placement.clone());

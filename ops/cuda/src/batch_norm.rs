@@ -11,12 +11,6 @@ use legion_ops::backend::{In, Out};
 use legion_ops::op::BatchNorm;
 use legion_ops::shape::Rect;
 
-/// Whether `tile` has one element per sample and channel (batch norm after a dense layer): its
-/// element-wise phases then run row-major (`*_rows` kernels), so that loads coalesce.
-fn rows(tile: &Box4) -> bool {
-    tile.ext[2] * tile.ext[3] == 1
-}
-
 /// The statistics operands of the batch-norm kernels: `[3, C]` sums over channels `[lo, lo + C)`.
 fn sums_range(sums: &In<Buffer>) -> (i64, i64) {
     (sums.rect.lo[1] as i64, sums.rect.extent(1) as i64)
@@ -83,7 +77,6 @@ pub(crate) fn normalize(
     if tile.volume() == 0 {
         return Ok(());
     }
-    let cut = ChannelParts::of(&tile)?;
     let x_layout = Box4::of(&x.rect);
     let (m_lo, m_channels) = sums_range(&moments);
     let (gamma_lo, beta_lo) = (gamma.rect.lo[0] as i64, beta.rect.lo[0] as i64);
@@ -107,7 +100,8 @@ pub(crate) fn normalize(
     // the tile's channels.
     unsafe { b.launch(grid(channels)) }?;
     let dtype = same_type(&[x.mem.dtype(), y.mem.dtype()]);
-    if rows(&tile) {
+    // batch norm after a dense layer: row-major (`Box4::is_rows`)
+    if tile.is_rows() {
         let (n, packed) = (tile.volume(), (x_layout == tile) as i32);
         let mut b = s
             .stream
@@ -120,6 +114,7 @@ pub(crate) fn normalize(
         unsafe { b.launch(grid(n)) }?;
         return Ok(());
     }
+    let cut = ChannelParts::of(&tile)?;
     let mut b = s.stream.launch_builder(cuda.kernels.bn_normalize.of(dtype));
     x.mem.push(&mut b);
     b.arg(&x_layout);
@@ -259,7 +254,11 @@ pub(crate) fn input_grad(
     if tile.volume() == 0 {
         return Ok(());
     }
-    let cut = ChannelParts::of(&tile)?;
+    // batch norm after a dense layer runs row-major (`Box4::is_rows`), else by channel parts
+    let cut = match tile.is_rows() {
+        true => None,
+        false => Some(ChannelParts::of(&tile)?),
+    };
     let (x_layout, dy_layout) = (Box4::of(&x.rect), Box4::of(&dy.rect));
     let y_layout = y.map_or(tile, |y| Box4::of(&y.rect));
     let (m_lo, m_channels) = sums_range(&moments);
@@ -287,10 +286,9 @@ pub(crate) fn input_grad(
     let mut types = vec![x.mem.dtype(), dy.mem.dtype(), dx.mem.dtype()];
     types.extend(y.map(|y| y.mem.dtype()));
     let dtype = same_type(&types);
-    let row_major = rows(&tile);
-    let kernel = match row_major {
-        true => &cuda.kernels.bn_input_grad_rows,
-        false => &cuda.kernels.bn_input_grad,
+    let kernel = match cut {
+        None => &cuda.kernels.bn_input_grad_rows,
+        Some(_) => &cuda.kernels.bn_input_grad,
     };
     let mut b = s.stream.launch_builder(kernel.of(dtype));
     x.mem.push(&mut b);
@@ -310,12 +308,12 @@ pub(crate) fn input_grad(
         tile.volume(),
         (x_layout == tile && dy_layout == tile && y_layout == tile) as i32,
     );
-    let config = match row_major {
-        true => {
+    let config = match &cut {
+        None => {
             b.arg(&n).arg(&packed);
             grid(n)
         }
-        false => {
+        Some(cut) => {
             b.arg(&cut.parts);
             cut.launch()
         }

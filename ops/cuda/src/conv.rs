@@ -629,9 +629,9 @@ fn forward_fused<T: ConvElement>(
         bias: bias_desc,
         y: &d.y,
     };
-    // The status of a refused launch of the chosen algorithm (a refused candidate while timing
+    // Whether cuDNN refused the launch of the chosen algorithm (a refused candidate while timing
     // only drops out of the timing).
-    let mut refused = None;
+    let mut refused = false;
     let result = launch_chosen(
         s,
         |c| &mut c.forward,
@@ -671,24 +671,22 @@ fn forward_fused<T: ConvElement>(
                     &mut y_lent,
                 )
             };
-            if let Err(CudnnError(status)) = launched
-                && !timing
+            refused = !timing
                 && matches!(
-                    status,
-                    sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED
-                        | sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM
-                )
-            {
-                refused = Some(status);
-            }
+                    launched,
+                    Err(CudnnError(
+                        sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED
+                            | sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM
+                    ))
+                );
             launched?;
             Ok(())
         },
     );
-    match (result, refused) {
-        (Ok(()), _) => Ok(()),
-        (Err(failure), Some(_)) => Err(Fused::Refused(failure.0)),
-        (Err(failure), None) => Err(Fused::Failed(failure)),
+    match result {
+        Ok(()) => Ok(()),
+        Err(failure) if refused => Err(Fused::Refused(failure.0)),
+        Err(failure) => Err(Fused::Failed(failure)),
     }
 }
 

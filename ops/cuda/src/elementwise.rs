@@ -77,8 +77,8 @@ impl Cuda {
         }
         let relu = relu as i32;
         let bias_lo = bias.map_or(0, |b| b.rect.lo[0] as i64);
-        if tile.ext[2] * tile.ext[3] == 1 {
-            // [N, C] rows: element i is channel lo + i % C.
+        if tile.is_rows() {
+            // element i is channel lo + i % C
             let n = tile.volume();
             let mut b = s
                 .stream

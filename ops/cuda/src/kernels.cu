@@ -392,10 +392,21 @@ __device__ __forceinline__ void lane_step(Lane& l, const Walk& k) {
     if (k.wrapped & 2) l.at += l.carry_h;
 }
 
+// The channel (local to the tile) of element i of an [N, C] tile, one element per sample and
+// channel: one 32-bit remainder where the index fits.
+__device__ __forceinline__ i64 row_channel(i64 i, i64 channels) {
+    return (i <= 0xffffffffLL && channels <= 0xffffffffLL) ? (i64)((unsigned)i % (unsigned)channels)
+                                                           : i % channels;
+}
 
 // y = x + bias[c], then max(·, 0) when `relu`: the bias and fused activation after a cuBLAS or
 // cuDNN product. `bias` (fp32, the master) may be null. In bf16 the product was already rounded
 // to bf16 by the library; the sum is rounded once more (one extra rounding per output).
+__device__ __forceinline__ float biased(float z, const float* bias, float b, int relu) {
+    if (bias) z = z + b;
+    return (relu && z < 0.0f) ? 0.0f : z;
+}
+
 template <class T>
 __device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_lo, int relu,
                                   i64 parts) {
@@ -405,9 +416,7 @@ __device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_l
     Walk k = walk_from(tile, part.lo + threadIdx.x, n);
     Lane at = lane_of(tile, tile, part.c, n, k);
     for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
-        float z = to_f32(y[at.at]);
-        if (bias) z = z + b;
-        y[at.at] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+        y[at.at] = from_f32<T>(biased(to_f32(y[at.at]), bias, b, relu));
         walk_step(k);
         lane_step(at, k);
     }
@@ -416,21 +425,12 @@ __device__ void bias_activation_t(T* y, Box4 tile, const float* bias, i64 bias_l
 // As bias_activation_t over a tile of one element per sample and channel (a dense layer's [N, C]
 // output): consecutive threads take consecutive channels of a sample, so that their loads
 // coalesce, where walking a channel would stride a whole row per element.
-// The channel (local to the tile) of element i of an [N, C] tile: one 32-bit remainder where
-// the index fits.
-__device__ __forceinline__ i64 row_channel(i64 i, i64 channels) {
-    return (i <= 0xffffffffLL && channels <= 0xffffffffLL) ? (i64)((unsigned)i % (unsigned)channels)
-                                                           : i % channels;
-}
-
 template <class T>
 __device__ void bias_activation_rows_t(T* y, i64 c_lo, i64 channels, const float* bias,
                                        i64 bias_lo, int relu, i64 n) {
     GRID_STRIDE(i, n) {
-        i64 j = row_channel(i, channels);
-        float z = to_f32(y[i]);
-        if (bias) z = z + bias[c_lo + j - bias_lo];
-        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+        float b = bias ? bias[c_lo + row_channel(i, channels) - bias_lo] : 0.0f;
+        y[i] = from_f32<T>(biased(to_f32(y[i]), bias, b, relu));
     }
 }
 
@@ -942,6 +942,28 @@ extern "C" __global__ void bn_affine(const double* moments, i64 m_lo, i64 m_chan
     }
 }
 
+// One element of the normalisation: (x − mean)·(γ·invstd) + β, then max(·, 0) when `relu`.
+__device__ __forceinline__ float bn_normalized(float x, float mean, float scale, float shift,
+                                               int relu) {
+    float z = (x - mean) * scale + shift;
+    return (relu && z < 0.0f) ? 0.0f : z;
+}
+
+// An output gradient through batch norm's fused ReLU: g where y > 0 (or where no `y` is given,
+// when the layer has no ReLU), else 0.
+template <class T>
+__device__ __forceinline__ float bn_relu_masked(float g, const T* y, i64 y_at) {
+    return (y && !(to_f32(y[y_at]) > 0.0f)) ? 0.0f : g;
+}
+
+// One element of the input gradient: γ·invstd·(g − Σdy/M − x̂·Σ(dy·x̂)/M), x̂ = (x − mean)·invstd.
+__device__ __forceinline__ float bn_input_gradient(float g, float x, float mean, float inv_std,
+                                                   float scale, float mean_dy,
+                                                   float mean_dy_xhat) {
+    float xhat = (x - mean) * inv_std;
+    return scale * (g - mean_dy - xhat * mean_dy_xhat);
+}
+
 // y = (x − mean)·(γ·invstd) + β, then max(·, 0) when `relu`, with bn_affine's coefficients of
 // the tile's channels.
 template <class T>
@@ -956,8 +978,7 @@ __device__ void bn_normalize_t(const T* x, Box4 x_layout, T* y, Box4 tile, const
     Lane xs = lane_of(x_layout, tile, part.c, n, k);
     Lane ys = lane_of(tile, tile, part.c, n, k);
     for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
-        float z = (to_f32(x[xs.at]) - mean) * scale + shift;
-        y[ys.at] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+        y[ys.at] = from_f32<T>(bn_normalized(to_f32(x[xs.at]), mean, scale, shift, relu));
         walk_step(k);
         lane_step(xs, k);
         lane_step(ys, k);
@@ -997,9 +1018,7 @@ __device__ void bn_grad_sums_t(const T* x, Box4 x_layout, const T* y, Box4 y_lay
     Lane dys = lane_of(dy_layout, tile, part.c, n, k);
     double sum_dy = 0.0, sum_dy_centered = 0.0;
     for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
-        float g = to_f32(dy[dys.at]);
-        if (y && !(to_f32(y[ys.at]) > 0.0f)) g = 0.0f;
-        double gd = (double)g;
+        double gd = (double)bn_relu_masked(to_f32(dy[dys.at]), y, ys.at);
         sum_dy += gd;
         sum_dy_centered += gd * ((double)to_f32(x[xs.at]) - s.mean);
         walk_step(k);
@@ -1075,10 +1094,9 @@ __device__ void bn_input_grad_t(const T* x, Box4 x_layout, const T* y, Box4 y_la
     Lane dys = lane_of(dy_layout, tile, part.c, n, k);
     Lane dxs = lane_of(tile, tile, part.c, n, k);
     for (i64 j = part.lo + threadIdx.x; j < part.hi; j += blockDim.x) {
-        float g = to_f32(dy[dys.at]);
-        if (y && !(to_f32(y[ys.at]) > 0.0f)) g = 0.0f;
-        float xhat = (to_f32(x[xs.at]) - mean) * inv_std;
-        dx[dxs.at] = from_f32<T>(scale * (g - mean_dy - xhat * mean_dy_xhat));
+        float g = bn_relu_masked(to_f32(dy[dys.at]), y, ys.at);
+        dx[dxs.at] = from_f32<T>(
+            bn_input_gradient(g, to_f32(x[xs.at]), mean, inv_std, scale, mean_dy, mean_dy_xhat));
         walk_step(k);
         lane_step(xs, k);
         lane_step(ys, k);
@@ -1097,9 +1115,8 @@ __device__ void bn_normalize_rows_t(const T* x, Box4 x_layout, T* y, Box4 tile, 
     i64 channels = tile.ext[1];
     GRID_STRIDE(i, n) {
         i64 j = row_channel(i, channels);
-        float z = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j] +
-                  coef[2 * channels + j];
-        y[i] = from_f32<T>((relu && z < 0.0f) ? 0.0f : z);
+        y[i] = from_f32<T>(bn_normalized(to_f32(x[at(x_layout, tile, i, packed)]), coef[j],
+                                         coef[channels + j], coef[2 * channels + j], relu));
     }
 }
 
@@ -1110,11 +1127,11 @@ __device__ void bn_input_grad_rows_t(const T* x, Box4 x_layout, const T* y, Box4
     i64 channels = tile.ext[1];
     GRID_STRIDE(i, n) {
         i64 j = row_channel(i, channels);
-        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
-        if (y && !(to_f32(y[at(y_layout, tile, i, packed)]) > 0.0f)) g = 0.0f;
-        float xhat = (to_f32(x[at(x_layout, tile, i, packed)]) - coef[j]) * coef[channels + j];
-        dx[i] = from_f32<T>(coef[2 * channels + j] *
-                            (g - coef[3 * channels + j] - xhat * coef[4 * channels + j]));
+        i64 y_at = y ? at(y_layout, tile, i, packed) : 0;
+        float g = bn_relu_masked(to_f32(dy[at(dy_layout, tile, i, packed)]), y, y_at);
+        dx[i] = from_f32<T>(bn_input_gradient(g, to_f32(x[at(x_layout, tile, i, packed)]),
+                                              coef[j], coef[channels + j], coef[2 * channels + j],
+                                              coef[3 * channels + j], coef[4 * channels + j]));
     }
 }
 

@@ -74,6 +74,13 @@ impl Box4 {
         Some(offset)
     }
 
+    /// Whether the box has one element per sample and channel (`[N, C]` rows, a dense layer's
+    /// output): the per-channel kernels then run row-major twins, whose loads coalesce where a
+    /// channel's walk would stride a whole row per element.
+    pub fn is_rows(&self) -> bool {
+        self.ext[2] * self.ext[3] == 1
+    }
+
     /// This box with `axis` set to `[lo, lo + ext)`.
     pub fn with_axis(mut self, axis: usize, lo: i64, ext: i64) -> Box4 {
         self.lo[axis] = lo;
