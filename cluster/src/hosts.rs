@@ -80,7 +80,7 @@ pub const DEFAULT_INTER_HOST_LATENCY_US: f64 = 50.0;
 /// The most devices a cluster may have: the planner's bound on a machine
 /// (`legion_planner::machine::MAX_DEVICES`), so that every valid hosts file can be planned for.
 pub const MAX_DEVICES: usize = 4096;
-/// Device kinds a host may declare: those the planner has a device spec for (`legion-cli` maps
+/// Device kinds a host may declare: those the planner has a device spec for (`legion::machine` maps
 /// them). Only [`GPU_KIND`] runs on GPUs; the others run on the host's cores.
 pub const DEVICE_KINDS: &[&str] = &["cpu", "cuda", "p100"];
 

@@ -6,8 +6,8 @@
 //! behind one [`Engine`] trait; [`memory`] refuses a job a host cannot hold.
 //!
 //! Planning is not done here: a job arrives with its strategy, and the cluster needs of the
-//! machine only its hosts' addresses and device counts (`legion-cli` builds the planner's model
-//! of it).
+//! machine only its hosts' addresses and device counts (`legion::machine` builds the planner's
+//! model of it).
 
 mod control;
 pub mod engine;

@@ -5,19 +5,16 @@
 
 use anyhow::Context;
 use clap::Args;
+use legion::Graph;
+use legion::job::check_output_path;
 use legion_cli::compare::{self, ClusterTarget, CompareSettings};
-use legion_cli::device::DeviceKind;
-use legion_cli::job::{self, TrainOptions};
-use legion_ops::Graph;
-use legion_ops::train::Sgd;
+use legion_cli::flags::{TrainDefaults, TrainFlags};
 use std::path::PathBuf;
 
-/// Flags every example takes. Unset sizes take the example's defaults.
+/// Flags every example takes: `legion-rs train`'s (without `--model`), the sizes, and
+/// `--compare`. Unset sizes take the example's defaults.
 #[derive(Args, Debug)]
 pub struct ExampleArgs {
-    /// Training steps (batches).
-    #[arg(long)]
-    pub steps: Option<u64>,
     /// Global batch size.
     #[arg(long)]
     pub batch: Option<usize>,
@@ -26,47 +23,8 @@ pub struct ExampleArgs {
     pub image_size: Option<usize>,
     #[arg(long, default_value_t = 10)]
     pub classes: usize,
-    /// Devices of the embedded cluster (device actors in this process, on its GPUs or its cores
-    /// as --device says); 1 trains with the single-device trainer.
-    #[arg(long, default_value_t = 4)]
-    pub devices: usize,
-    /// Train on the workers of a running cluster (`legion-rs up HOSTS`) instead of the embedded
-    /// one; its devices replace --devices.
-    #[arg(long, value_name = "HOSTS")]
-    pub cluster: Option<PathBuf>,
-    /// Train on the workers `legion-rs up --slurm` started in the Slurm job this runs in; its
-    /// devices replace --devices.
-    #[arg(long, conflicts_with = "cluster")]
-    pub slurm: bool,
-    /// The cluster's state directory, if `up` was given one.
-    #[arg(long)]
-    pub state: Option<PathBuf>,
-    #[arg(long, default_value = "optcnn", help = job::strategy_help())]
-    pub strategy: String,
-    /// `synthetic`, `synthetic:N`, `cifar10:DIR`, `folder:DIR`.
-    #[arg(long, default_value = "synthetic")]
-    pub data: String,
-    /// Start from these weights (safetensors).
-    #[arg(long)]
-    pub init: Option<PathBuf>,
-    /// Save the trained weights here (safetensors, with momentum and step for --resume).
-    #[arg(long)]
-    pub save: Option<PathBuf>,
-    /// Also write the --save checkpoint every K steps.
-    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
-    pub checkpoint_every: Option<u64>,
-    /// Continue a run from a --save checkpoint (--steps counts from the start of the run).
-    #[arg(long, conflicts_with = "init")]
-    pub resume: Option<PathBuf>,
-    /// SGD learning rate (momentum 0.9); unset, the example's own (alexnet: 0.01, the others:
-    /// 0.03).
-    #[arg(long)]
-    pub lr: Option<f32>,
-    /// Write a Chrome/Perfetto trace of the last step. With --compare: a directory, to which each
-    /// strategy's measured and simulated traces go (`<strategy>.measured.json`,
-    /// `<strategy>.simulated.json`).
-    #[arg(long)]
-    pub trace: Option<PathBuf>,
+    #[command(flatten)]
+    pub train: TrainFlags,
     /// Run data, model, owt and optcnn one after another on the same cluster instead of training:
     /// one table of measured and simulated step times, and of how far each strategy's weights are
     /// from the single-device trainer's after the same steps.
@@ -80,21 +38,10 @@ pub struct ExampleArgs {
     /// With --compare: also draw the comparison as an SVG bar chart here.
     #[arg(long, requires = "compare")]
     pub chart: Option<PathBuf>,
-    /// One JSON object per step (or per strategy with --compare) and a summary.
-    #[arg(long)]
-    pub json: bool,
-    /// Where to train (`auto`, `cpu`, `cuda`): see `legion-rs train --help`.
-    #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
-    pub device: DeviceKind,
-    /// What the run computes in (`fp32`, `tf32`, `bf16`; `--tf32` is `--precision tf32`): see
-    /// `legion-rs train --help`.
-    #[command(flatten)]
-    pub precision: legion_cli::precision::PrecisionArgs,
-    /// On a GPU, how convolution algorithms are picked (`fastest`, `precise`, `heuristic`): see
-    /// `legion-rs train --help`.
-    #[arg(long, default_value_t = legion_cli::ConvAlgos::default())]
-    pub conv_algos: legion_cli::ConvAlgos,
 }
+
+/// Devices of the embedded cluster an example trains on unless `--devices` says otherwise.
+pub const DEVICES: usize = 4;
 
 /// An example's sizes and learning rate when the flags leave them out.
 #[derive(Clone, Copy, Debug)]
@@ -118,9 +65,10 @@ pub fn run(
 ) -> anyhow::Result<()> {
     let batch = args.batch.unwrap_or(defaults.batch);
     let image_size = args.image_size.unwrap_or(defaults.image_size);
-    let lr = args.lr.unwrap_or(defaults.lr);
+    let flags = &args.train;
+    let lr = flags.lr.unwrap_or(defaults.lr);
     let graph = build(batch, image_size, args.classes)?;
-    if !args.json {
+    if !flags.json {
         println!(
             "{} {image_size}x{image_size} batch {batch}, {} classes, {} parameters, lr {lr}",
             graph.name,
@@ -130,22 +78,22 @@ pub fn run(
     }
     // Checked before the strategies are measured, which takes minutes.
     if let Some(path) = &args.chart {
-        job::check_output_path("--chart", path)?;
+        check_output_path("--chart", path)?;
     }
     if args.compare {
         // --compare prices its simulation with a profile, and runs its strategies, in fp32:
         // bf16 there would silently be an fp32 comparison.
-        if args.precision.given() == Some(legion_ops::Precision::Bf16) {
+        if flags.precision.given() == Some(legion::Precision::Bf16) {
             anyhow::bail!(
                 "{} (--compare profiles each strategy)",
-                legion_cli::precision::BF16_NO_PROFILE
+                legion::precision::BF16_NO_PROFILE
             );
         }
-        let cluster = match (&args.cluster, args.slurm) {
+        let cluster = match (&flags.cluster, flags.slurm) {
             (None, false) => None,
             (path, _) => {
                 let located =
-                    legion_cluster::launch::locate(path.as_deref(), args.state.as_deref())?;
+                    legion::cluster::launch::locate(path.as_deref(), flags.state.as_deref())?;
                 Some(ClusterTarget {
                     hosts: located.load_hosts()?,
                     state: located.state,
@@ -153,20 +101,20 @@ pub fn run(
             }
         };
         let settings = CompareSettings {
-            devices: args.devices,
+            devices: flags.devices.unwrap_or(DEVICES),
             warmup: 2,
-            steps: args.steps.unwrap_or(defaults.compare_steps).max(1) as usize,
+            steps: flags.steps.unwrap_or(defaults.compare_steps).max(1) as usize,
             seed: 1,
             cluster,
             strategies: compare::strategies_from(&args.strategies),
-            traces: args.trace.clone(),
+            traces: flags.trace.clone(),
         };
-        if let Some(dir) = &args.trace {
+        if let Some(dir) = &flags.trace {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("creating the trace directory {}", dir.display()))?;
         }
         let rows = compare::compare(&graph, &settings)?;
-        if args.json {
+        if flags.json {
             for r in &rows {
                 println!("{}", serde_json::to_string(r)?);
             }
@@ -174,46 +122,28 @@ pub fn run(
             print!("{}", compare::table(&rows));
         }
         if let Some(path) = &args.chart {
-            let title = match (&args.cluster, args.slurm) {
+            let title = match (&flags.cluster, flags.slurm) {
                 (Some(path), _) => format!("{} on the cluster {}", graph.name, path.display()),
                 (None, true) => format!("{} on the Slurm job's cluster", graph.name),
-                (None, false) => format!("{} on {} embedded devices", graph.name, args.devices),
+                (None, false) => format!(
+                    "{} on {} embedded devices",
+                    graph.name,
+                    flags.devices.unwrap_or(DEVICES)
+                ),
             };
             compare::chart(&rows, &title, path)?;
-            if !args.json {
+            if !flags.json {
                 println!("chart: {}", path.display());
             }
         }
         return Ok(());
     }
-    let steps = args.steps.unwrap_or(defaults.steps);
-    let opts = TrainOptions {
-        devices: if args.cluster.is_some() || args.slurm {
-            1
-        } else {
-            args.devices
-        },
-        cluster: args.cluster.clone(),
-        slurm: args.slurm,
-        cluster_state: args.state.clone(),
-        steps,
-        data: args.data.clone(),
-        init: args.init.clone(),
-        save: args.save.clone(),
-        sgd: Sgd {
-            lr,
-            ..Sgd::default()
-        },
-        json: args.json,
-        strategy: args.strategy.clone(),
-        trace: args.trace.clone(),
-        checkpoint_every: args.checkpoint_every,
-        resume: args.resume.clone(),
-        device: args.device,
-        precision: args.precision.given(),
-        conv_algos: args.conv_algos,
-        ..TrainOptions::default()
-    };
-    job::train(graph, &opts).context("training")?;
+    let options = flags.options(TrainDefaults {
+        devices: DEVICES,
+        steps: defaults.steps,
+        lr,
+    })?;
+    legion_cli::train(legion::Training::with_options(graph, options), flags.json)
+        .context("training")?;
     Ok(())
 }

@@ -15,7 +15,7 @@ fn alexnet_step(c: &mut Criterion) {
     let graph = model.build(&cfg).expect("alexnet builds");
     let flops = graph.flops();
     let dataset = data::open("synthetic", [3, 224, 224], cfg.classes, 1).expect("synthetic data");
-    let batch = Loader::new(dataset.into(), LoaderConfig::new(cfg.batch))
+    let batch = Loader::new(dataset, LoaderConfig::new(cfg.batch))
         .expect("a loader")
         .batch(0, 0)
         .expect("synthetic data loads");

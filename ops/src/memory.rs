@@ -21,7 +21,7 @@
 //! reduction split's partial sums take 2 bytes an element; parameters, their gradients and momentum
 //! stay 4 (batch norm's statistics 8), and every conv2d or dense parameter slice a tile reads also
 //! has a bf16 working copy (2 bytes an element), as a GPU casts it before its products. The
-//! runtime's equality with `device_bytes` is checked in fp32, the only precision it runs yet.
+//! runtime's equality with `device_bytes` is checked in fp32.
 //!
 //! A pure function of the graph and the configs: the planner compares it with a machine's device
 //! memory, a training job and each cluster worker with their host's.

@@ -68,9 +68,9 @@ pub struct StepCpu {
 /// CPU seconds of the runtime's threads, by kind.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RuntimeThreadsCpu {
-    /// The device actors' runtime ([`ACTOR_THREAD_NAME`]).
+    /// The device actors' runtime (`ACTOR_THREAD_NAME`).
     pub actors_s: f64,
-    /// The devices' compute pools ([`POOL_THREAD_PREFIX`]).
+    /// The devices' compute pools (`POOL_THREAD_PREFIX`).
     pub pools_s: f64,
 }
 

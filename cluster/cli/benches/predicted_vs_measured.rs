@@ -19,9 +19,9 @@
 //! ones of the last round) and of the simulated step (`MODEL-STRATEGY-sim.json`), to compare task
 //! by task.
 
-use legion_cli::job::choose_strategy;
-use legion_cli::load_model;
-use legion_cli::machine::embedded_machine;
+use legion::job::choose_strategy;
+use legion::load_model;
+use legion::machine::embedded_machine;
 use legion_ops::train::{ParamStore, Sgd};
 use legion_planner::simulate::{Resource, Simulation, TaskKind, simulate};
 use legion_planner::{CostModel, ProfiledCost};
@@ -127,7 +127,12 @@ fn main() -> anyhow::Result<()> {
         let machine = embedded_machine(DEVICES)?;
         let strategies = STRATEGIES
             .iter()
-            .map(|s| Ok((s.to_string(), choose_strategy(&graph, &machine, s)?)))
+            .map(|s| {
+                Ok((
+                    s.to_string(),
+                    choose_strategy(&graph, &machine, &(*s).into())?,
+                ))
+            })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let settings = ProfileSettings {
             device_kind: machine.device(0).kind.clone(),

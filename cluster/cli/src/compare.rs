@@ -2,14 +2,15 @@
 //! and set against the planner's simulation of each (priced by a profile of that strategy's tiles,
 //! taken right before it runs).
 
-use crate::job::choose_strategy;
-use crate::machine::{cluster_machine, embedded_machine};
 use anyhow::Context;
+use legion::job::{Strategy, choose_strategy};
+use legion::machine::{cluster_machine, embedded_machine};
 use legion_cluster::engine::{self, JobStart, NextBatch, Place, StepBatch};
 use legion_cluster::hosts::Hosts;
 use legion_ops::Graph;
 use legion_ops::train::{LossReadback, ParamStore, Sgd, TrainingState};
 use legion_planner::profile::ProfileDb;
+use legion_planner::search::SearchKind;
 use legion_planner::simulate::simulate;
 use legion_planner::{CostModel, MachineModel, ProfiledCost};
 use legion_profile::{self as profile, ProfileSettings};
@@ -22,16 +23,22 @@ use std::time::Instant;
 /// The searches `--compare` runs unless told otherwise, baseline first.
 pub const STRATEGIES: [&str; 4] = ["data", "model", "owt", "optcnn"];
 
-/// Every search `--compare --strategies all` runs: ours, then the other papers' planners.
-pub const ALL_STRATEGIES: [&str; 9] = [
-    "data", "model", "owt", "optcnn", "refine", "soybean", "tofu", "hypar", "spartan",
-];
+/// Every search `--compare --strategies all` runs: [`STRATEGIES`], then the other searches
+/// (ours, then the other papers' planners) but the exhaustive one, which finishes only on
+/// small graphs.
+pub fn all_strategies() -> Vec<&'static str> {
+    let rest = SearchKind::every()
+        .filter(|&k| k != SearchKind::Exhaustive)
+        .map(SearchKind::name)
+        .filter(|name| !STRATEGIES.contains(name));
+    STRATEGIES.into_iter().chain(rest).collect()
+}
 
 /// The strategies a `--strategies` list names: `all`, or names separated by commas (searches or
 /// strategy files), data parallelism first whether named or not (the speedups are over it).
 pub fn strategies_from(list: &str) -> Vec<String> {
     let named: Vec<String> = match list.trim() {
-        "all" => ALL_STRATEGIES.iter().map(|s| s.to_string()).collect(),
+        "all" => all_strategies().into_iter().map(str::to_string).collect(),
         list => list
             .split(',')
             .map(str::trim)
@@ -102,7 +109,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         .strategies
         .iter()
         .map(|s| {
-            let configs = choose_strategy(graph, &machine, s)?;
+            let configs = choose_strategy(graph, &machine, &Strategy::from(s.as_str()))?;
             Ok((s.to_string(), configs))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -453,11 +460,11 @@ mod tests {
             ..ProfileDb::default()
         };
         let machine =
-            profiled_cluster(crate::machine::hosts_machine(&hosts).unwrap(), &hosts, &db).unwrap();
+            profiled_cluster(legion::machine::hosts_machine(&hosts).unwrap(), &hosts, &db).unwrap();
         assert_eq!(machine.runtime_costs(), Some(&costs));
         assert_eq!(machine.compute_slots(), Some(2));
         let unprofiled = profiled_cluster(
-            crate::machine::hosts_machine(&hosts).unwrap(),
+            legion::machine::hosts_machine(&hosts).unwrap(),
             &hosts,
             &ProfileDb::default(),
         )

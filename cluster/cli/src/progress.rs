@@ -1,12 +1,19 @@
-//! What a training run shows the user: the [`JobEvent`]s of a [`Job`](crate::job::Job) as text
+//! What a training run shows the user: the [`JobEvent`]s of a [`Job`](legion::job::Job) as text
 //! lines, as a progress bar on a terminal, or as one JSON object per line.
 
-use crate::job::{JobEvent, PlannedRun, StepDone, TrainSummary};
 use indicatif::{ProgressBar, ProgressStyle};
+use legion::Training;
+use legion::job::{JobEvent, PlannedRun, StepDone, TrainSummary};
 use legion_cluster::memory::human_bytes;
 use legion_ops::capture::CaptureStatus;
 use serde_json::json;
 use std::io::IsTerminal;
+
+/// Runs `training`, printing its progress to stdout: JSON lines with `json`, text otherwise.
+pub fn train(training: Training, json: bool) -> anyhow::Result<TrainSummary> {
+    let mut printer = Printer::new(json);
+    training.run(|event| printer.show(event))
+}
 
 /// Prints a run's events to stdout (the progress bar draws on stderr).
 pub struct Printer {
@@ -107,7 +114,7 @@ impl Printer {
         if self.json {
             let plan = match &summary.plan {
                 Some(p) => json!({
-                    "strategy": p.choice,
+                    "strategy": p.choice.to_string(),
                     "layers": p.strategy.layers,
                     "comm_bytes_per_step": p.remote_bytes,
                     "idle_devices": p.idle_devices,

@@ -174,7 +174,7 @@ fn up_train_down_on_three_workers_equals_one_device() {
         traces: Some(traces.clone()),
     };
     let rows = legion_cli::compare::compare(&graph, &settings).unwrap();
-    assert_eq!(rows.len(), legion_cli::compare::ALL_STRATEGIES.len());
+    assert_eq!(rows.len(), legion_cli::compare::all_strategies().len());
     for r in &rows {
         assert!(r.measured_ms > 0.0 && r.simulated_ms > 0.0, "{r:?}");
         // every strategy, the other papers' planners' included, trains the same network

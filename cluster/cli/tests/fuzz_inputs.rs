@@ -661,7 +661,7 @@ fn mutated_hosts_files_are_parsed_or_refused_without_panicking() {
         if let Ok(hosts) = Hosts::parse(text, name) {
             let _ = hosts.num_devices();
             let _ = hosts.device_ranges();
-            let _ = legion_cli::machine::hosts_machine(&hosts);
+            let _ = legion::machine::hosts_machine(&hosts);
         }
     });
     report(&format!(

@@ -1,11 +1,15 @@
-//! The README, run: every `legion-rs` command of its shell blocks runs here, in order, at small
-//! sizes, on the files its "File formats" examples describe, so that the README cannot drift from
-//! the binary. A README command this test does not know fails it, as does one it knows that the
-//! README lost: a changed command is looked at again.
+//! The README and `docs/`, run: "the documents" are `README.md`, `docs/tour.md` and
+//! `docs/formats.md`, read in that order as one text. Every `legion-rs` command of their shell
+//! blocks runs here, in order, at small sizes, on the files the examples of `docs/formats.md`
+//! describe, so that the documents cannot drift from the binary. A command of the documents this
+//! test does not know fails it, as does one it knows that the documents lost: a changed command is
+//! looked at again. A command may appear twice (the README's "Ten commands" are commands of the
+//! tour): it runs once, and counts where it last appears, so that the tour keeps every one of
+//! them in the order this test runs them.
 //!
-//! Each command runs with the README's own arguments, a few flags set smaller (added where the
-//! README has none); the data and hosts files it names are made in a temporary directory that is
-//! its working directory.
+//! Each command runs with the documents' own arguments, a few flags set smaller (added where the
+//! documents have none); the data and hosts files it names are made in a temporary directory that
+//! is its working directory.
 
 mod common;
 
@@ -14,13 +18,27 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn readme() -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md");
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+/// The documents, in the order they are read, relative to the repository's root.
+const DOCUMENTS: &[&str] = &["README.md", "docs/tour.md", "docs/formats.md"];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The commands of the README's `sh` blocks: continuation lines joined, comments and blank lines
-/// dropped.
+/// The documents, one after another, as one text.
+fn documents() -> String {
+    DOCUMENTS
+        .iter()
+        .map(|name| {
+            let path = root().join(name);
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The commands of the documents' `sh` blocks: continuation lines joined, comments and blank
+/// lines dropped.
 fn readme_commands(text: &str) -> Vec<String> {
     let mut commands = Vec::new();
     let mut in_sh = false;
@@ -55,7 +73,7 @@ fn readme_commands(text: &str) -> Vec<String> {
     commands
 }
 
-/// The README's example files: each fenced block right after a `<!-- file: NAME -->` line.
+/// The documents' example files: each fenced block right after a `<!-- file: NAME -->` line.
 fn readme_files(text: &str) -> Vec<(String, String)> {
     let mut files = Vec::new();
     let mut lines = text.lines();
@@ -74,12 +92,12 @@ fn readme_files(text: &str) -> Vec<(String, String)> {
     files
 }
 
-/// How the tour runs one README command.
+/// How the tour runs one command of the documents.
 enum How {
     /// Runs with these flags set; it must succeed.
     Run(&'static [(&'static str, &'static str)]),
     /// Runs with these flags set; it must succeed where a GPU is usable, else exit 1 with an error
-    /// naming what `--device cuda` lacks (as the README says it does).
+    /// naming what `--device cuda` lacks (as the tour says it does).
     Cuda(&'static [(&'static str, &'static str)]),
     /// Needs the file a `Cuda` command writes on a GPU: runs, as `Run`, only where it exists.
     AfterCuda(&'static str, &'static [(&'static str, &'static str)]),
@@ -94,7 +112,8 @@ const SMALL_ALEXNET: &[(&str, &str)] = &[("--batch", "4"), ("--steps", "1")];
 const EXAMPLES: How =
     How::Elsewhere("the example programs run in examples/tests/examples.rs (cargo test)");
 
-/// Every command of the README, in its order, and how the tour runs it.
+/// Every command of the documents, once, in their order (a repeated one where it last appears),
+/// and how the tour runs it.
 const TOUR: &[(&str, How)] = &[
     (
         "cargo run --release -p legion-examples --bin alexnet",
@@ -324,8 +343,8 @@ fn with_flags(args: &[String], set: &[(&str, &str)]) -> Vec<String> {
     args
 }
 
-/// The working directory the tour runs in: the README's example files, the data its commands
-/// name, and `examples/hosts.toml` on ports free now.
+/// The working directory the tour runs in: the documents' example files, the data their
+/// commands name, and `examples/hosts.toml` on ports free now.
 fn prepare(dir: &Path, text: &str) {
     for (name, body) in readme_files(text) {
         std::fs::write(dir.join(name), body).unwrap();
@@ -337,7 +356,7 @@ fn prepare(dir: &Path, text: &str) {
         .flat_map(|i| std::iter::once(i % 10).chain((0..3072).map(move |p| (p as u8) ^ i)))
         .collect();
     std::fs::write(cifar.join("data_batch_1.bin"), records).unwrap();
-    // Ten classes of images, as the README's `--classes 10` says.
+    // Ten classes of images, as the tour's `--classes 10` says.
     for class in 0..10u8 {
         let folder = dir.join(format!("path/to/images/class{class}"));
         std::fs::create_dir_all(&folder).unwrap();
@@ -345,10 +364,7 @@ fn prepare(dir: &Path, text: &str) {
             .save(folder.join("a.png"))
             .unwrap();
     }
-    let hosts = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/hosts.toml"),
-    )
-    .unwrap();
+    let hosts = std::fs::read_to_string(root().join("examples/hosts.toml")).unwrap();
     let hosts: String = hosts
         .lines()
         .map(|l| match l.starts_with("port = ") {
@@ -356,14 +372,12 @@ fn prepare(dir: &Path, text: &str) {
             false => format!("{l}\n"),
         })
         .collect();
-    // The graph-only ONNX exports of torchvision's models the README names.
+    // The graph-only ONNX exports of torchvision's models the documents name.
     let onnx = dir.join("integration/onnx");
     std::fs::create_dir_all(&onnx).unwrap();
     for model in ["alexnet", "resnet50"] {
         let name = format!("{model}.onnx");
-        let from = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../integration/onnx")
-            .join(&name);
+        let from = root().join("integration/onnx").join(&name);
         std::fs::copy(from, onnx.join(name)).unwrap();
     }
     std::fs::create_dir_all(dir.join("examples")).unwrap();
@@ -405,7 +419,7 @@ fn describe(args: &[String], out: &Output) -> String {
     )
 }
 
-/// What the README promises of `--json` output: JSON lines, the device line first.
+/// What the tour promises of `--json` output: JSON lines, the device line first.
 fn check_json(args: &[String], out: &Output) {
     if !args.iter().any(|a| a == "--json") || args[0] != "train" {
         return;
@@ -418,9 +432,35 @@ fn check_json(args: &[String], out: &Output) {
     assert_eq!(lines.last().unwrap()["summary"], true);
 }
 
+/// `commands` with each repeated one kept where it last appears.
+fn last_occurrences(commands: &[String]) -> Vec<String> {
+    commands
+        .iter()
+        .enumerate()
+        .filter(|(at, c)| !commands[at + 1..].contains(c))
+        .map(|(_, c)| c.clone())
+        .collect()
+}
+
+/// Every document is read: `docs/` holds no Markdown file `DOCUMENTS` leaves out.
+#[test]
+fn the_tour_reads_every_document() {
+    let docs = root().join("docs");
+    for entry in std::fs::read_dir(&docs).unwrap_or_else(|e| panic!("{}: {e}", docs.display())) {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name.ends_with(".md") {
+            let path = format!("docs/{name}");
+            assert!(
+                DOCUMENTS.contains(&path.as_str()),
+                "{path} is not among the documents this test reads ({DOCUMENTS:?})"
+            );
+        }
+    }
+}
+
 #[test]
 fn every_readme_command_runs_at_a_small_size() {
-    let text = readme();
+    let text = documents();
     let commands = readme_commands(&text);
     let known: Vec<&str> = TOUR.iter().map(|(c, _)| *c).collect();
     let unknown: Vec<&String> = commands
@@ -433,12 +473,14 @@ fn every_readme_command_runs_at_a_small_size() {
         .collect();
     assert!(
         unknown.is_empty() && lost.is_empty(),
-        "README commands the tour does not know: {unknown:#?}\ntour commands no longer in the \
-         README: {lost:#?}"
+        "commands of the README and docs/ the tour does not know: {unknown:#?}\ntour commands no \
+         longer in the README or docs/: {lost:#?}"
     );
     assert_eq!(
-        commands, known,
-        "the tour runs the README's commands in its order"
+        last_occurrences(&commands),
+        known,
+        "the tour runs the commands of the README and docs/ in their order, a repeated one where it \
+         last appears (each of the README's \"Ten commands\" must be in docs/tour.md too)"
     );
 
     let dir = tempfile::tempdir().unwrap();
@@ -505,7 +547,7 @@ fn every_readme_command_runs_at_a_small_size() {
             }
         }
     }
-    // What the tour's commands wrote, where the README says they write it.
+    // What the tour's commands wrote, where the tour says they write it.
     for file in [
         "alex.safetensors",
         "run.safetensors",
@@ -519,16 +561,16 @@ fn every_readme_command_runs_at_a_small_size() {
     }
 }
 
-/// The README's hosts-file examples parse, with the hosts and devices they show.
+/// The hosts-file examples of `docs/formats.md` parse, with the hosts and devices they show.
 #[test]
 fn the_readme_hosts_file_examples_parse() {
-    let files = readme_files(&readme());
+    let files = readme_files(&documents());
     let body = |name: &str| {
         files
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, b)| b.as_str())
-            .unwrap_or_else(|| panic!("no {name} example in the README"))
+            .unwrap_or_else(|| panic!("no {name} example in the README or docs/"))
     };
     let toml =
         legion_cluster::hosts::Hosts::parse(body("hosts-example.toml"), "hosts-example.toml")
@@ -549,8 +591,8 @@ fn the_readme_hosts_file_examples_parse() {
     assert_eq!((nodes.port, nodes.devices), (Some(7400), Some(2)));
 }
 
-/// The README's op table names every op a model file may use: those the parser lists when it
-/// meets an op it does not know.
+/// The op table of `docs/formats.md` names every op a model file may use: those the parser lists
+/// when it meets an op it does not know.
 #[test]
 fn the_readme_op_table_lists_every_op() {
     let dir = tempfile::tempdir().unwrap();
@@ -572,7 +614,7 @@ fn the_readme_op_table_lists_every_op() {
         })
         .unwrap_or_else(|| panic!("no op list in {err}"));
     assert!(ops.len() >= 10, "{ops:?}");
-    let text = readme();
+    let text = documents();
     let table: String = text
         .lines()
         .skip_while(|l| !l.starts_with("| op |"))
@@ -582,7 +624,7 @@ fn the_readme_op_table_lists_every_op() {
     for op in ops {
         assert!(
             table.contains(&format!("`{op}`")),
-            "the README's op table lacks `{op}`"
+            "the op table of docs/formats.md lacks `{op}`"
         );
     }
 }

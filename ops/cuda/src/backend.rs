@@ -133,7 +133,7 @@ pub(crate) type Launch = Result<(), Failure>;
 
 impl Cuda {
     /// The backend on GPU `ordinal` with the default [`Settings`]: checks the libraries first
-    /// (see [`crate::probe`]), then creates the context and loads the kernels (compiled once per
+    /// (see [`crate::probe`](mod@crate::probe)), then creates the context and loads the kernels (compiled once per
     /// process).
     pub fn new(ordinal: usize) -> Result<Cuda, StartError> {
         Cuda::with_settings(ordinal, Settings::default())

@@ -158,7 +158,7 @@ fn record(stream: &CudaStream) -> Result<CudaEvent, Failure> {
 
 /// Page-locked host memory taken for one batch (`Backend::HostBatch` of the CUDA backend),
 /// filled on any thread, and the device buffers its copies will fill: taken by
-/// [`Cuda::begin_stage_on`] before the step that runs beside the copies is enqueued, so that
+/// `Cuda::begin_stage_on` before the step that runs beside the copies is enqueued, so that
 /// nothing the copies wait for on the compute stream comes after that step.
 pub struct HostBatch {
     /// `None` for a described synthetic batch, which is drawn on the device.

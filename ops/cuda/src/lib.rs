@@ -1,6 +1,6 @@
 //! The CUDA backend of legion-rs.
 //!
-//! - [`probe`]: what CUDA this process can use, found at run time without ever panicking.
+//! - [`probe`](mod@probe): what CUDA this process can use, found at run time without ever panicking.
 //! - [`Cuda`]: `legion_ops::backend::Backend` on one GPU: convolutions through cuDNN, dense layers
 //!   through cuBLAS SGEMM, everything else through the CUDA C++ kernels of `kernels.cu`, compiled
 //!   once per process by NVRTC ([`kernels`]).

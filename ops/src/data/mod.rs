@@ -19,7 +19,7 @@ use crate::rng::{Rng, hash};
 use crate::shape::Shape;
 use crossbeam_channel::{Receiver, Sender};
 use rayon::prelude::*;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -89,6 +89,12 @@ pub enum DataError {
     },
     #[error("{dataset} provides 1 (grey) or 3 (RGB) channels, not {channels}")]
     UnsupportedChannels { dataset: String, channels: usize },
+    #[error("{dataset} produces images of [C, H, W] {found:?}, but the model takes {expected:?}")]
+    ImageShapeMismatch {
+        dataset: String,
+        found: ImageShape,
+        expected: ImageShape,
+    },
     #[error("invalid image shape {shape:?}: every extent must be positive")]
     InvalidImageShape { shape: ImageShape },
     #[error("sample index {index} is out of range for a dataset of {len} samples")]
@@ -132,58 +138,127 @@ pub trait Dataset: Send + Sync {
     }
 }
 
-/// Opens a dataset from a CLI spec (see [`SPEC_FORMS`]) producing images of shape `image` for a model
-/// with `classes` outputs. `seed` drives the synthetic data.
+/// Where a run's samples come from: the spec forms of [`SPEC_FORMS`] (`FromStr`, and `Display`
+/// back to the spec), or a dataset of the caller's own.
+#[derive(Clone)]
+pub enum Data {
+    /// Seeded synthetic images ([`Synthetic`]) of this many samples.
+    Synthetic { samples: usize },
+    /// The CIFAR-10 binary release: its folder, or one `.bin` file of it.
+    Cifar10(PathBuf),
+    /// A folder of class subfolders of JPEG/PNG images.
+    Folder(PathBuf),
+    /// A dataset of the caller's own, which must produce the model's image shape.
+    Dataset(Arc<dyn Dataset>),
+}
+
+impl Default for Data {
+    fn default() -> Data {
+        Data::Synthetic {
+            samples: DEFAULT_SYNTHETIC_SAMPLES,
+        }
+    }
+}
+
+impl std::fmt::Debug for Data {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Data({self})")
+    }
+}
+
+impl std::fmt::Display for Data {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Data::Synthetic { samples } if *samples == DEFAULT_SYNTHETIC_SAMPLES => {
+                f.write_str("synthetic")
+            }
+            Data::Synthetic { samples } => write!(f, "synthetic:{samples}"),
+            Data::Cifar10(path) => write!(f, "cifar10:{}", path.display()),
+            Data::Folder(dir) => write!(f, "folder:{}", dir.display()),
+            Data::Dataset(dataset) => f.write_str(&dataset.describe()),
+        }
+    }
+}
+
+impl std::str::FromStr for Data {
+    type Err = DataError;
+
+    fn from_str(spec: &str) -> Result<Data, DataError> {
+        let (kind, arg) = match spec.split_once(':') {
+            Some((kind, arg)) => (kind, Some(arg)),
+            None => (spec, None),
+        };
+        let invalid = |reason: &str| DataError::InvalidSpec {
+            spec: spec.to_string(),
+            reason: reason.to_string(),
+        };
+        Ok(match (kind, arg) {
+            ("synthetic", None) => Data::default(),
+            ("synthetic", Some(n)) => Data::Synthetic {
+                samples: n
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| invalid("N must be a positive sample count"))?,
+            },
+            ("cifar10", Some(path)) if !path.is_empty() => Data::Cifar10(path.into()),
+            ("folder", Some(dir)) if !dir.is_empty() => Data::Folder(dir.into()),
+            ("cifar10" | "folder", _) => return Err(invalid("a path is required after the colon")),
+            _ => {
+                return Err(DataError::UnknownSpec {
+                    spec: spec.to_string(),
+                });
+            }
+        })
+    }
+}
+
+impl Data {
+    /// Opens the dataset, producing images of shape `image` for a model with `classes` outputs;
+    /// `seed` drives the synthetic data. A dataset of more classes than the model has outputs,
+    /// or (the caller's own) of another image shape, is refused.
+    pub fn open(
+        &self,
+        image: ImageShape,
+        classes: usize,
+        seed: u64,
+    ) -> Result<Arc<dyn Dataset>, DataError> {
+        let dataset: Arc<dyn Dataset> = match self {
+            Data::Synthetic { samples } => {
+                Arc::new(Synthetic::new(seed, *samples, classes, image)?)
+            }
+            Data::Cifar10(path) => Arc::new(Cifar10::open(path, image)?),
+            Data::Folder(dir) => Arc::new(ImageFolder::open(dir, image)?),
+            Data::Dataset(dataset) => {
+                if dataset.image_shape() != image {
+                    return Err(DataError::ImageShapeMismatch {
+                        dataset: dataset.describe(),
+                        found: dataset.image_shape(),
+                        expected: image,
+                    });
+                }
+                dataset.clone()
+            }
+        };
+        if dataset.num_classes() > classes {
+            return Err(DataError::TooManyClasses {
+                dataset: dataset.describe(),
+                dataset_classes: dataset.num_classes(),
+                model_classes: classes,
+            });
+        }
+        Ok(dataset)
+    }
+}
+
+/// Opens a dataset from a CLI spec (see [`SPEC_FORMS`] and [`Data::open`]).
 pub fn open(
     spec: &str,
     image: ImageShape,
     classes: usize,
     seed: u64,
-) -> Result<Box<dyn Dataset>, DataError> {
-    let (kind, arg) = match spec.split_once(':') {
-        Some((kind, arg)) => (kind, Some(arg)),
-        None => (spec, None),
-    };
-    let invalid = |reason: &str| DataError::InvalidSpec {
-        spec: spec.to_string(),
-        reason: reason.to_string(),
-    };
-    let dataset: Box<dyn Dataset> = match (kind, arg) {
-        ("synthetic", None) => Box::new(Synthetic::new(
-            seed,
-            DEFAULT_SYNTHETIC_SAMPLES,
-            classes,
-            image,
-        )?),
-        ("synthetic", Some(n)) => {
-            let n = n
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| invalid("N must be a positive sample count"))?;
-            Box::new(Synthetic::new(seed, n, classes, image)?)
-        }
-        ("cifar10", Some(path)) if !path.is_empty() => {
-            Box::new(Cifar10::open(Path::new(path), image)?)
-        }
-        ("folder", Some(dir)) if !dir.is_empty() => {
-            Box::new(ImageFolder::open(Path::new(dir), image)?)
-        }
-        ("cifar10" | "folder", _) => return Err(invalid("a path is required after the colon")),
-        _ => {
-            return Err(DataError::UnknownSpec {
-                spec: spec.to_string(),
-            });
-        }
-    };
-    if dataset.num_classes() > classes {
-        return Err(DataError::TooManyClasses {
-            dataset: dataset.describe(),
-            dataset_classes: dataset.num_classes(),
-            model_classes: classes,
-        });
-    }
-    Ok(dataset)
+) -> Result<Arc<dyn Dataset>, DataError> {
+    spec.parse::<Data>()?.open(image, classes, seed)
 }
 
 /// A batch of consecutive samples in an epoch's order.
@@ -970,6 +1045,25 @@ mod tests {
         let mut config = LoaderConfig::new(4);
         config.drop_last = false;
         assert_eq!(Loader::new(ds, config).unwrap().batches_per_epoch(), 1);
+    }
+
+    #[test]
+    fn data_specs_display_as_parsed_and_own_datasets_are_checked() {
+        for spec in [
+            "synthetic",
+            "synthetic:64",
+            "cifar10:some/dir",
+            "folder:imgs",
+        ] {
+            assert_eq!(spec.parse::<Data>().unwrap().to_string(), spec);
+        }
+        let own: Arc<dyn Dataset> = Arc::new(Synthetic::new(3, 16, 4, [3, 8, 8]).unwrap());
+        let data = Data::Dataset(own);
+        assert_eq!(data.open([3, 8, 8], 4, 1).unwrap().num_samples(), 16);
+        let e = data.open([3, 16, 16], 4, 1).err().unwrap().to_string();
+        assert!(e.contains("[3, 8, 8]") && e.contains("[3, 16, 16]"), "{e}");
+        let e = data.open([3, 8, 8], 2, 1).err().unwrap();
+        assert!(matches!(e, DataError::TooManyClasses { .. }), "{e}");
     }
 
     #[test]

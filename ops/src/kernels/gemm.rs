@@ -4,7 +4,7 @@
 //! that calls the crate's `unsafe` entry point. Matrices are described by a slice starting at element
 //! (0, 0) plus a row stride and a column stride, so sub-blocks and transposes are free views.
 //!
-//! [`with_scratch`] lends the kernels a per-thread workspace for the matrices they build.
+//! `with_scratch` lends the kernels a per-thread workspace for the matrices they build.
 
 use std::cell::Cell;
 

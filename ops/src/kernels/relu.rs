@@ -2,7 +2,7 @@
 //! (add, dropout, batch_norm) share.
 //!
 //! Input views may be larger than the output tile (the conventions only ask that they contain it), so
-//! element-wise kernels cannot simply zip buffers. [`par_runs`] hands out pieces of the output that
+//! element-wise kernels cannot simply zip buffers. `par_runs` hands out pieces of the output that
 //! are contiguous in the output *and* in every input view, merging trailing axes whenever the views
 //! agree with the tile along them: in the usual case (every view is exactly the tile) the whole tile
 //! is one run, cut into fixed-size pieces for the rayon pool.
@@ -24,7 +24,7 @@ pub fn relu_forward(x: View<'_>, mut y: ViewMut<'_>) {
     });
 }
 
-/// dx = dy · [y > 0] over the tile `dx.rect`, from the forward output `y` (which, unlike `x`, the
+/// dx = dy · `[y > 0]` over the tile `dx.rect`, from the forward output `y` (which, unlike `x`, the
 /// fused-activation convention guarantees is kept).
 pub fn relu_backward(y: View<'_>, dy: View<'_>, mut dx: ViewMut<'_>) {
     par_runs(&mut dx, &[y.rect, dy.rect], 0, |start, out| {

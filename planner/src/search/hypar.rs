@@ -21,6 +21,7 @@
 //! follow an mp layer, whole in HyPar, take a channel split too where they can, to stay aligned
 //! with it; topology is ignored, as in the paper.
 
+use super::seed::{SeedPlan, SeedPlanner};
 use super::tiling::{
     Cut, CutPlan, LayerKind, Split, StepCosts, configs_of_splits, cut_steps, cuts_of_configs,
     elements, price_cuts, recursive_cuts, weight_elements,
@@ -59,29 +60,51 @@ pub fn hypar(graph: &Graph, machine: &MachineModel) -> HyparPlan {
     }
 }
 
-/// Bytes `configs` move under HyPar's accounting: a weighted layer's channel cuts read as mp, its
-/// other cuts as dp; a layer without weights split by channels reads as whole.
-pub fn hypar_native_bytes(
-    graph: &Graph,
-    machine: &MachineModel,
-    configs: &[ParallelConfig],
-) -> f64 {
-    let cuts: Vec<Vec<Cut>> = cuts_of_configs(configs, cut_steps(machine))
-        .into_iter()
-        .zip(graph.layers())
-        .map(|(cuts, layer)| {
-            let weighted = LayerKind::of(layer).is_weighted();
-            cuts.into_iter()
-                .map(|c| match (c, weighted) {
-                    (Cut::C, true) => Cut::Red,
-                    (Cut::C, false) => Cut::Replicate,
-                    (Cut::H | Cut::W, _) => Cut::N,
-                    (other, _) => other,
-                })
-                .collect()
-        })
-        .collect();
-    4.0 * price_cuts(graph, &cuts, &HyparCosts { graph }).total()
+/// HyPar as a seed planner: [`hypar`], mapped into the space asked for.
+pub struct Hypar;
+
+impl SeedPlanner for Hypar {
+    fn name(&self) -> &'static str {
+        "hypar"
+    }
+
+    fn lossy(&self) -> &'static str {
+        LOSSY
+    }
+
+    fn plan(&self, graph: &Graph, machine: &MachineModel, space: SearchSpace) -> SeedPlan {
+        let plan = hypar(graph, machine);
+        SeedPlan {
+            configs: plan.configs_in(graph, space),
+            native_bytes: plan.native_bytes,
+        }
+    }
+
+    /// A weighted layer's channel cuts read as mp, its other cuts as dp; a layer without weights
+    /// split by channels reads as whole.
+    fn native_bytes(
+        &self,
+        graph: &Graph,
+        machine: &MachineModel,
+        configs: &[ParallelConfig],
+    ) -> f64 {
+        let cuts: Vec<Vec<Cut>> = cuts_of_configs(configs, cut_steps(machine))
+            .into_iter()
+            .zip(graph.layers())
+            .map(|(cuts, layer)| {
+                let weighted = LayerKind::of(layer).is_weighted();
+                cuts.into_iter()
+                    .map(|c| match (c, weighted) {
+                        (Cut::C, true) => Cut::Red,
+                        (Cut::C, false) => Cut::Replicate,
+                        (Cut::H | Cut::W, _) => Cut::N,
+                        (other, _) => other,
+                    })
+                    .collect()
+            })
+            .collect();
+        4.0 * price_cuts(graph, &cuts, &HyparCosts { graph }).total()
+    }
 }
 
 impl HyparPlan {
@@ -221,11 +244,11 @@ mod tests {
         let machine = MachineModel::preset("paper:2").unwrap();
         let g = single_dense(32, 70, 100);
         assert_eq!(
-            hypar_native_bytes(&g, &machine, &uniform(&g, 2, false)),
+            Hypar.native_bytes(&g, &machine, &uniform(&g, 2, false)),
             56_000.0
         );
         assert_eq!(
-            hypar_native_bytes(&g, &machine, &uniform(&g, 2, true)),
+            Hypar.native_bytes(&g, &machine, &uniform(&g, 2, true)),
             25_600.0
         );
         let found = hypar(&g, &machine);
@@ -245,11 +268,11 @@ mod tests {
         b.softmax_cross_entropy("loss", f).unwrap();
         let g = b.finish();
         assert_eq!(
-            hypar_native_bytes(&g, &machine, &uniform(&g, 2, false)),
+            Hypar.native_bytes(&g, &machine, &uniform(&g, 2, false)),
             200_000.0
         );
         assert_eq!(
-            hypar_native_bytes(&g, &machine, &uniform(&g, 2, true)),
+            Hypar.native_bytes(&g, &machine, &uniform(&g, 2, true)),
             819_200.0
         );
         let found = hypar(&g, &machine);
@@ -282,7 +305,7 @@ mod tests {
                 "{name}"
             );
         }
-        let dp = hypar_native_bytes(&g, &machine, &uniform(&g, 16, false));
+        let dp = Hypar.native_bytes(&g, &machine, &uniform(&g, 16, false));
         assert_eq!(found.native_bytes, dp);
     }
 
@@ -302,8 +325,8 @@ mod tests {
         b.softmax_cross_entropy("loss", x).unwrap();
         let g = b.finish();
         let found = hypar(&g, &machine);
-        let dp = hypar_native_bytes(&g, &machine, &uniform(&g, 16, false));
-        let mp = hypar_native_bytes(&g, &machine, &uniform(&g, 16, true));
+        let dp = Hypar.native_bytes(&g, &machine, &uniform(&g, 16, false));
+        let mp = Hypar.native_bytes(&g, &machine, &uniform(&g, 16, true));
         assert!(
             found.native_bytes <= mp && mp < dp,
             "{} {mp} {dp}",

@@ -1,10 +1,11 @@
 //! Strategy searches: OptCNN's Algorithm 1, the exhaustive baseline, the three fixed strategies
 //! the paper compares with, a refinement of their strategies under the simulated step time
-//! ([`refine`]), and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan), called the
+//! ([`refine`](mod@refine)), and four planners of other papers (SOYBEAN, Tofu, HyPar, Spartan), called the
 //! **seed planners** throughout (they seed the comparison with other systems' answers, priced
 //! by our cost model), each searching its own space under its own byte count
-//! ([`native_bytes`]) and mapped into ours, with what the mapping loses in [`Found::lossy`]. Each returns per-layer configs; [`run`] prices
-//! them with Eq. 1.
+//! ([`native_bytes`]) and mapped into ours, with what the mapping loses in [`Found::lossy`]. Each
+//! is a [`SeedPlanner`] in its own file, which [`SearchKind::seed`] alone names. Each search
+//! returns per-layer configs; [`run`] prices them with Eq. 1.
 
 mod data;
 mod exhaustive;
@@ -15,6 +16,7 @@ mod optcnn;
 mod owt;
 pub mod refine;
 mod relaxation;
+mod seed;
 pub mod soybean;
 pub mod spartan;
 pub mod tiling;
@@ -24,7 +26,7 @@ pub use data::data_parallel;
 pub use exhaustive::{
     DEFAULT_BUDGET, ExhaustiveResult, SIDE_BY_SIDE_BUDGET, exhaustive, exhaustive_where,
 };
-pub use hypar::{HyparPlan, hypar, hypar_native_bytes};
+pub use hypar::{HyparPlan, hypar};
 pub use model::model_parallel;
 pub use optcnn::{OptCnnResult, RESIDUAL_BUDGET, optcnn};
 pub use owt::one_weird_trick;
@@ -32,9 +34,10 @@ pub use refine::{
     DEFAULT_REFINE_BUDGET, DEFAULT_REFINE_SEED, REFINE_STARTS, RefineOptions, RefineReport,
     Refined, refine,
 };
-pub use soybean::{SoybeanPlan, soybean, soybean_native_bytes};
-pub use spartan::{SpartanPlan, spartan, spartan_native_bytes};
-pub use tofu::{TofuPlan, tofu, tofu_native_bytes};
+pub use seed::{SeedPlan, SeedPlanner};
+pub use soybean::{SoybeanPlan, soybean};
+pub use spartan::{SpartanPlan, spartan};
+pub use tofu::{TofuPlan, tofu};
 
 use crate::config::ParallelConfig;
 use crate::cost::CostBreakdown;
@@ -44,7 +47,7 @@ use crate::simulate::simulated_step_time;
 use crate::tables::{CostTables, SearchSpace};
 use std::fmt;
 
-/// Every search [`find`] runs; `legion-rs plan --search` offers [`SearchKind::ALL`].
+/// Every search [`find`] runs; `legion-rs plan --search` offers [`SearchKind::every`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SearchKind {
     OptCnn,
@@ -89,31 +92,75 @@ impl SearchKind {
             SearchKind::Data => "data",
             SearchKind::Model => "model",
             SearchKind::Owt => "owt",
-            SearchKind::Soybean => "soybean",
-            SearchKind::Tofu => "tofu",
-            SearchKind::Hypar => "hypar",
-            SearchKind::Spartan => "spartan",
+            seed => seed.planner().name(),
         }
+    }
+
+    /// The planner a seed kind runs; `None` for the searches of our own space. The one place
+    /// that ties a seed kind to its planner: every search, price and note of a seed kind goes
+    /// through here.
+    pub fn seed(self) -> Option<&'static dyn SeedPlanner> {
+        match self {
+            SearchKind::Soybean => Some(&soybean::Soybean),
+            SearchKind::Tofu => Some(&tofu::Tofu),
+            SearchKind::Hypar => Some(&hypar::Hypar),
+            SearchKind::Spartan => Some(&spartan::Spartan),
+            SearchKind::OptCnn
+            | SearchKind::Refine
+            | SearchKind::Exhaustive
+            | SearchKind::Data
+            | SearchKind::Model
+            | SearchKind::Owt => None,
+        }
+    }
+
+    /// [`SearchKind::seed`] where `self` is known to be a seed kind: in a match's last arm, after
+    /// the arms of every search of our own space.
+    fn planner(self) -> &'static dyn SeedPlanner {
+        self.seed()
+            .unwrap_or_else(|| panic!("{self:?} is a search of our own space, not a seed planner"))
     }
 
     /// What mapping this search's plans into our configuration space loses (in OptCNN's space,
     /// the seed planners' reduction splits above all), for the CLI to print beside its results;
     /// `None` for the searches of our own space.
     pub fn lossy(self) -> Option<&'static str> {
-        match self {
-            SearchKind::Soybean => Some(soybean::LOSSY),
-            SearchKind::Tofu => Some(tofu::LOSSY),
-            SearchKind::Hypar => Some(hypar::LOSSY),
-            SearchKind::Spartan => Some(spartan::LOSSY),
-            _ => None,
-        }
+        self.seed().map(|planner| planner.lossy())
     }
 
     pub fn parse(name: &str) -> Option<SearchKind> {
-        SearchKind::ALL
-            .into_iter()
-            .chain(SearchKind::SEEDS)
-            .find(|k| k.name() == name)
+        SearchKind::every().find(|k| k.name() == name)
+    }
+
+    /// Every search: [`SearchKind::ALL`], then [`SearchKind::SEEDS`]. Command lines, help and
+    /// errors list the searches from here.
+    pub fn every() -> impl Iterator<Item = SearchKind> {
+        SearchKind::ALL.into_iter().chain(SearchKind::SEEDS)
+    }
+
+    /// What the search does, in a line of help.
+    pub fn summary(self) -> &'static str {
+        match self {
+            SearchKind::OptCnn => "OptCNN's Algorithm 1: optimal under Eq. 1",
+            SearchKind::Refine => {
+                "OptCNN's and the baselines' strategies refined under the simulated step time, \
+                 which overlaps what Eq. 1 adds up"
+            }
+            SearchKind::Exhaustive => "every strategy priced, within a budget",
+            SearchKind::Data => "data parallelism: every layer split over the batch",
+            SearchKind::Model => "model parallelism: every layer split over its channels",
+            SearchKind::Owt => {
+                "one weird trick: data-parallel convolutions, model-parallel dense layers"
+            }
+            SearchKind::Soybean => "SOYBEAN's k-cut tiling, mapped into our configurations",
+            SearchKind::Tofu => {
+                "Tofu's recursive partition-n-reduce, mapped into our configurations"
+            }
+            SearchKind::Hypar => {
+                "HyPar's hierarchical data/model choice, mapped into our configurations"
+            }
+            SearchKind::Spartan => "Spartan's greedy tiling, mapped into our configurations",
+        }
     }
 }
 
@@ -298,25 +345,10 @@ pub fn find_with(
         SearchKind::Owt => one_weird_trick(graph, machine),
         // the seed planners' plans in the tables' space: their reduction splits map exactly
         // where it has ours
-        SearchKind::Soybean => {
-            let plan = soybean(graph, machine);
+        seed => {
+            let plan = seed.planner().plan(graph, machine, tables.search_space());
             found.native_bytes = Some(plan.native_bytes);
-            plan.configs_in(graph, tables.search_space())
-        }
-        SearchKind::Tofu => {
-            let plan = tofu(graph, machine);
-            found.native_bytes = Some(plan.native_bytes);
-            plan.configs_in(graph, tables.search_space())
-        }
-        SearchKind::Hypar => {
-            let plan = hypar(graph, machine);
-            found.native_bytes = Some(plan.native_bytes);
-            plan.configs_in(graph, tables.search_space())
-        }
-        SearchKind::Spartan => {
-            let plan = spartan(graph, machine);
-            found.native_bytes = Some(plan.native_bytes);
-            plan.configs_in(graph, tables.search_space())
+            plan.configs
         }
     };
     // searches of their own (optcnn, exhaustive, refine) only return strategies that fit; a fixed
@@ -363,12 +395,15 @@ fn unconstrained(
         SearchKind::Data => data_parallel(graph, machine),
         SearchKind::Model => model_parallel(graph, machine),
         SearchKind::Owt => one_weird_trick(graph, machine),
-        // their plans in the tables' space, as `find_with` maps them
-        SearchKind::Soybean => soybean(graph, machine).configs_in(graph, tables.search_space()),
-        SearchKind::Tofu => tofu(graph, machine).configs_in(graph, tables.search_space()),
-        SearchKind::Hypar => hypar(graph, machine).configs_in(graph, tables.search_space()),
-        SearchKind::Spartan => spartan(graph, machine).configs_in(graph, tables.search_space()),
-        other => unreachable!("{other} is no refine start"),
+        SearchKind::Refine | SearchKind::Exhaustive => {
+            unreachable!("{kind} is no refine start")
+        }
+        // the seed planners' plans in the tables' space, as `find_with` maps them
+        seed => {
+            seed.planner()
+                .plan(graph, machine, tables.search_space())
+                .configs
+        }
     })
 }
 
@@ -487,13 +522,8 @@ pub fn native_bytes(
     machine: &MachineModel,
     configs: &[ParallelConfig],
 ) -> Option<f64> {
-    match kind {
-        SearchKind::Soybean => Some(soybean_native_bytes(graph, machine, configs)),
-        SearchKind::Tofu => Some(tofu_native_bytes(graph, machine, configs)),
-        SearchKind::Hypar => Some(hypar_native_bytes(graph, machine, configs)),
-        SearchKind::Spartan => Some(spartan_native_bytes(graph, machine, configs)),
-        _ => None,
-    }
+    kind.seed()
+        .map(|planner| planner.native_bytes(graph, machine, configs))
 }
 
 /// Runs one search and prices its strategy with Eq. 1, term by term (a refinement with
@@ -765,7 +795,7 @@ mod tests {
             let model = CostModel::new(&g, &machine, &provider);
             let tables = CostTables::build(&model);
             let mut eq1 = std::collections::HashMap::new();
-            for kind in SearchKind::ALL.into_iter().chain(SearchKind::SEEDS) {
+            for kind in SearchKind::every() {
                 let options = SearchOptions {
                     exhaustive_budget: 300_000,
                     refine: RefineOptions { budget: 10, ..RefineOptions::default() },
@@ -792,6 +822,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The seed kinds are those with a planner, in the order of [`SearchKind::SEEDS`], and each
+    /// planner's name parses back to its kind.
+    #[test]
+    fn every_seed_kind_and_only_they_have_a_planner() {
+        let planned: Vec<SearchKind> = SearchKind::every().filter(|k| k.seed().is_some()).collect();
+        assert_eq!(planned, SearchKind::SEEDS);
+        for kind in SearchKind::SEEDS {
+            let planner = kind.seed().unwrap();
+            assert_eq!(SearchKind::parse(planner.name()), Some(kind));
+            assert_eq!(kind.lossy(), Some(planner.lossy()));
+        }
+        assert!(REFINE_STARTS.ends_with(&SearchKind::SEEDS));
     }
 
     #[test]

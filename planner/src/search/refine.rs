@@ -59,16 +59,27 @@ pub const DEFAULT_REFINE_SEED: u64 = 1;
 /// The searches whose strategies refinement starts from, in order: among equally fast starts the
 /// earlier one is the incumbent. The other papers' planners are cheap beside a refinement (a
 /// tenth of a second for Inception-v3 on `paper`) and can be faster in simulation than every
-/// strategy of our own: a refinement that did not start from them could lose to them.
-pub const REFINE_STARTS: [SearchKind; 8] = [
+/// strategy of our own: a refinement that did not start from them could lose to them, so it
+/// starts from every one of [`SearchKind::SEEDS`].
+pub const REFINE_STARTS: [SearchKind; OWN_STARTS.len() + SearchKind::SEEDS.len()] = {
+    let mut starts = [SearchKind::OptCnn; OWN_STARTS.len() + SearchKind::SEEDS.len()];
+    let mut i = 0;
+    while i < starts.len() {
+        starts[i] = match i.checked_sub(OWN_STARTS.len()) {
+            None => OWN_STARTS[i],
+            Some(seed) => SearchKind::SEEDS[seed],
+        };
+        i += 1;
+    }
+    starts
+};
+
+/// The starts of our own space, before the seed planners'.
+const OWN_STARTS: [SearchKind; 4] = [
     SearchKind::OptCnn,
     SearchKind::Data,
     SearchKind::Model,
     SearchKind::Owt,
-    SearchKind::Soybean,
-    SearchKind::Tofu,
-    SearchKind::Hypar,
-    SearchKind::Spartan,
 ];
 
 /// How many configs of a layer each local Eq. 1 ranking proposes.

@@ -18,6 +18,7 @@
 //! backward multiplications may differ) where one config of ours fixes all; and its first cut is
 //! the most significant device bit whatever it splits, where our tiles number n, c, h, w row-major.
 
+use super::seed::{SeedPlan, SeedPlanner};
 use super::tiling::{
     Cut, LayerKind, RecursivePlan, Split, StepCosts, Tiling, conversion, cut_steps,
     cuts_of_configs, elements, input_tilings, output_gradient_tiling, output_tiling, price_cuts,
@@ -25,6 +26,7 @@ use super::tiling::{
 };
 use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
+use crate::tables::SearchSpace;
 use crate::transfer::Edge;
 use legion_ops::{Graph, LayerId};
 
@@ -49,19 +51,41 @@ pub fn soybean_with(graph: &Graph, machine: &MachineModel, spatial: bool) -> Soy
     recursive_plan(graph, machine, &costs)
 }
 
-/// Bytes `configs` move under SOYBEAN's accounting, each config read as its cuts in our device
-/// order (n, c, h, w; spatial cuts priced like any other halving).
-pub fn soybean_native_bytes(
-    graph: &Graph,
-    machine: &MachineModel,
-    configs: &[ParallelConfig],
-) -> f64 {
-    let cuts = cuts_of_configs(configs, cut_steps(machine));
-    let costs = SoybeanCosts {
-        graph,
-        spatial: true,
-    };
-    4.0 * price_cuts(graph, &cuts, &costs).total()
+/// SOYBEAN as a seed planner: [`soybean`], mapped into the space asked for.
+pub struct Soybean;
+
+impl SeedPlanner for Soybean {
+    fn name(&self) -> &'static str {
+        "soybean"
+    }
+
+    fn lossy(&self) -> &'static str {
+        LOSSY
+    }
+
+    fn plan(&self, graph: &Graph, machine: &MachineModel, space: SearchSpace) -> SeedPlan {
+        let plan = soybean(graph, machine);
+        SeedPlan {
+            configs: plan.configs_in(graph, space),
+            native_bytes: plan.native_bytes,
+        }
+    }
+
+    /// Each config read as its cuts in our device order (n, c, h, w; spatial cuts priced like
+    /// any other halving).
+    fn native_bytes(
+        &self,
+        graph: &Graph,
+        machine: &MachineModel,
+        configs: &[ParallelConfig],
+    ) -> f64 {
+        let cuts = cuts_of_configs(configs, cut_steps(machine));
+        let costs = SoybeanCosts {
+            graph,
+            spatial: true,
+        };
+        4.0 * price_cuts(graph, &cuts, &costs).total()
+    }
 }
 
 pub(crate) struct SoybeanCosts<'g> {
@@ -262,9 +286,9 @@ mod tests {
         let machine = MachineModel::preset("paper").unwrap();
         let g = mlp(5, 300, 400);
         let layers = g.layers().len();
-        let dp = soybean_native_bytes(&g, &machine, &uniform(layers, 16, 1)) / 4.0;
-        let mp = soybean_native_bytes(&g, &machine, &model_parallel(&g, 16)) / 4.0;
-        let hy = soybean_native_bytes(&g, &machine, &hybrid(&g, 4, 4)) / 4.0;
+        let dp = Soybean.native_bytes(&g, &machine, &uniform(layers, 16, 1)) / 4.0;
+        let mp = Soybean.native_bytes(&g, &machine, &model_parallel(&g, 16)) / 4.0;
+        let hy = Soybean.native_bytes(&g, &machine, &hybrid(&g, 4, 4)) / 4.0;
         assert_eq!(dp, 13.5e6);
         assert_eq!(mp, 4.0 * 3.6e6 + 1.8e6 + 0.48e6);
         assert_eq!(hy, 6.18e6);
@@ -273,8 +297,8 @@ mod tests {
         assert!(found.native_bytes / 4.0 <= hy + 1e-6);
 
         let swapped = mlp(5, 400, 300);
-        let dp = soybean_native_bytes(&swapped, &machine, &uniform(layers, 16, 1));
-        let mp = soybean_native_bytes(&swapped, &machine, &model_parallel(&swapped, 16));
+        let dp = Soybean.native_bytes(&swapped, &machine, &uniform(layers, 16, 1));
+        let mp = Soybean.native_bytes(&swapped, &machine, &model_parallel(&swapped, 16));
         assert!(
             mp < dp,
             "model {mp} should beat data {dp} at batch 300, width 400"
@@ -338,6 +362,6 @@ mod tests {
         .total();
         assert_eq!(4.0 * repriced, found.native_bytes);
         let data = crate::search::data_parallel(&g, &machine);
-        assert!(found.native_bytes <= soybean_native_bytes(&g, &machine, &data) + 1e-6);
+        assert!(found.native_bytes <= Soybean.native_bytes(&g, &machine, &data) + 1e-6);
     }
 }

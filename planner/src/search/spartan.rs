@@ -23,6 +23,7 @@
 //! Spartan, becomes one device holding the whole layer; there is nothing between one dimension
 //! over all workers and a balanced block, as in the paper.
 
+use super::seed::{SeedPlan, SeedPlanner};
 use super::tiling::{
     Split, configs_of_splits, elements, largest_power_of_two_at_most, weight_elements,
 };
@@ -110,16 +111,37 @@ pub fn spartan_ordered(graph: &Graph, machine: &MachineModel, order: SpartanOrde
     }
 }
 
-/// Bytes `configs` move under Spartan's accounting, each config read as its nearest tiling
-/// ([`tile_of_config`]).
-pub fn spartan_native_bytes(
-    graph: &Graph,
-    machine: &MachineModel,
-    configs: &[ParallelConfig],
-) -> f64 {
-    let costs = SpartanCosts::new(graph, workers(machine));
-    let tiles: Vec<Tile> = configs.iter().map(tile_of_config).collect();
-    4.0 * costs.total(&tiles)
+/// Spartan as a seed planner: [`spartan`], mapped into the space asked for.
+pub struct Spartan;
+
+impl SeedPlanner for Spartan {
+    fn name(&self) -> &'static str {
+        "spartan"
+    }
+
+    fn lossy(&self) -> &'static str {
+        LOSSY
+    }
+
+    fn plan(&self, graph: &Graph, machine: &MachineModel, space: SearchSpace) -> SeedPlan {
+        let plan = spartan(graph, machine);
+        SeedPlan {
+            configs: plan.configs_in(graph, space),
+            native_bytes: plan.native_bytes,
+        }
+    }
+
+    /// Each config read as its nearest tiling ([`tile_of_config`]).
+    fn native_bytes(
+        &self,
+        graph: &Graph,
+        machine: &MachineModel,
+        configs: &[ParallelConfig],
+    ) -> f64 {
+        let costs = SpartanCosts::new(graph, workers(machine));
+        let tiles: Vec<Tile> = configs.iter().map(tile_of_config).collect();
+        4.0 * costs.total(&tiles)
+    }
 }
 
 /// The Spartan tiling nearest to one of our configs: nothing split is duplication, a reduction

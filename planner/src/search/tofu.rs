@@ -24,6 +24,7 @@
 //! fixes all; halo exchange (spatial splits) is priced as any halving, as Tofu's proof assumes.
 //! Tofu's memory check (the largest batch that fits, §7.1) is not done here.
 
+use super::seed::{SeedPlan, SeedPlanner};
 use super::tiling::{
     Cut, LayerKind, RecursivePlan, Split, StepCosts, Tiling, conversion, cut_steps,
     cuts_of_configs, elements, input_tilings, output_gradient_tiling, output_tiling, price_cuts,
@@ -31,6 +32,7 @@ use super::tiling::{
 };
 use crate::config::ParallelConfig;
 use crate::machine::MachineModel;
+use crate::tables::SearchSpace;
 use crate::transfer::Edge;
 use legion_ops::{Graph, LayerId, Op};
 
@@ -56,18 +58,40 @@ pub fn tofu_with(graph: &Graph, machine: &MachineModel, reductions: bool) -> Tof
     recursive_plan(graph, machine, &costs)
 }
 
-/// Bytes `configs` move under Tofu's accounting, each config read as its cuts in our device order.
-pub fn tofu_native_bytes(graph: &Graph, machine: &MachineModel, configs: &[ParallelConfig]) -> f64 {
-    let cuts = cuts_of_configs(configs, cut_steps(machine));
-    4.0 * price_cuts(
-        graph,
-        &cuts,
-        &TofuCosts {
+/// Tofu as a seed planner: [`tofu`], mapped into the space asked for.
+pub struct Tofu;
+
+impl SeedPlanner for Tofu {
+    fn name(&self) -> &'static str {
+        "tofu"
+    }
+
+    fn lossy(&self) -> &'static str {
+        LOSSY
+    }
+
+    fn plan(&self, graph: &Graph, machine: &MachineModel, space: SearchSpace) -> SeedPlan {
+        let plan = tofu(graph, machine);
+        SeedPlan {
+            configs: plan.configs_in(graph, space),
+            native_bytes: plan.native_bytes,
+        }
+    }
+
+    /// Each config read as its cuts in our device order.
+    fn native_bytes(
+        &self,
+        graph: &Graph,
+        machine: &MachineModel,
+        configs: &[ParallelConfig],
+    ) -> f64 {
+        let cuts = cuts_of_configs(configs, cut_steps(machine));
+        let costs = TofuCosts {
             graph,
             reductions: true,
-        },
-    )
-    .total()
+        };
+        4.0 * price_cuts(graph, &cuts, &costs).total()
+    }
 }
 
 pub(crate) struct TofuCosts<'g> {
@@ -268,7 +292,7 @@ mod tests {
         let g = mlp(4, 8192, 512);
         let with = tofu_with(&g, &machine, true).native_bytes;
         let without = tofu_with(&g, &machine, false).native_bytes;
-        let all_row = tofu_native_bytes(&g, &machine, &crate::search::data_parallel(&g, &machine));
+        let all_row = Tofu.native_bytes(&g, &machine, &crate::search::data_parallel(&g, &machine));
         assert!(
             with <= without && without <= all_row,
             "{with} {without} {all_row}"

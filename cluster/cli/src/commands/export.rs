@@ -34,9 +34,9 @@ pub struct ExportArgs {
 }
 
 pub fn run(a: ExportArgs) -> anyhow::Result<()> {
-    crate::job::check_output_path("--onnx", &a.onnx)?;
+    legion::job::check_output_path("--onnx", &a.onnx)?;
     let (graph, model_weights) =
-        super::load_model_and_weights(&a.model, a.batch, a.image_size, a.classes)?;
+        legion::load_model_and_weights(&a.model, a.batch, a.image_size, a.classes)?;
     let (params, from) = match (&a.init, model_weights) {
         (Some(path), _) => {
             let ckpt = checkpoint::load(path)?;

@@ -3,9 +3,9 @@
 //! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
 
 use super::report::{self, PlanJson, SearchJson};
-use crate::job::check_output_path;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
+use legion::job::check_output_path;
 use legion_cluster::memory::human_bytes;
 use legion_ops::{Graph, Precision};
 use legion_planner::config::config_counts;
@@ -72,7 +72,7 @@ pub struct PlanArgs {
     #[arg(long, requires = "nodes")]
     inter_gbps: Option<f64>,
     /// The search to run, or all of them side by side.
-    #[arg(long, value_enum, default_value_t = SearchChoice::Optcnn)]
+    #[arg(long, value_enum, default_value_t = SearchChoice::One(SearchKind::OptCnn))]
     search: SearchChoice,
     /// A strategy file to evaluate (with --evaluate) instead of searching.
     #[arg(long, requires = "evaluate")]
@@ -133,26 +133,34 @@ fn parse_sync_simulation(name: &str) -> Result<SyncSimulation, String> {
     SyncSimulation::parse(name)
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+/// `--search`: one search of [`SearchKind::every`], or all of them side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SearchChoice {
-    Optcnn,
-    /// OptCNN's and the baselines' strategies refined under the simulated step time, which
-    /// overlaps what Eq. 1 adds up (--refine-budget, --refine-seed).
-    Refine,
-    Exhaustive,
-    Data,
-    Model,
-    Owt,
-    /// SOYBEAN's k-cut tiling (mapped into our configurations; the output says what is lost).
-    Soybean,
-    /// Tofu's recursive partition-n-reduce.
-    Tofu,
-    /// HyPar's hierarchical data/model choice.
-    Hypar,
-    /// Spartan's greedy tiling.
-    Spartan,
-    /// All of the above side by side.
+    One(SearchKind),
     All,
+}
+
+impl ValueEnum for SearchChoice {
+    fn value_variants<'a>() -> &'a [Self] {
+        static VARIANTS: std::sync::LazyLock<Vec<SearchChoice>> = std::sync::LazyLock::new(|| {
+            SearchKind::every()
+                .map(SearchChoice::One)
+                .chain([SearchChoice::All])
+                .collect()
+        });
+        &VARIANTS
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(match self {
+            SearchChoice::One(kind) => {
+                clap::builder::PossibleValue::new(kind.name()).help(kind.summary())
+            }
+            SearchChoice::All => {
+                clap::builder::PossibleValue::new("all").help("All of the above side by side")
+            }
+        })
+    }
 }
 
 impl SearchChoice {
@@ -167,20 +175,8 @@ impl SearchChoice {
 
     fn kinds(self) -> Vec<SearchKind> {
         match self {
-            SearchChoice::Optcnn => vec![SearchKind::OptCnn],
-            SearchChoice::Refine => vec![SearchKind::Refine],
-            SearchChoice::Exhaustive => vec![SearchKind::Exhaustive],
-            SearchChoice::Data => vec![SearchKind::Data],
-            SearchChoice::Model => vec![SearchKind::Model],
-            SearchChoice::Owt => vec![SearchKind::Owt],
-            SearchChoice::Soybean => vec![SearchKind::Soybean],
-            SearchChoice::Tofu => vec![SearchKind::Tofu],
-            SearchChoice::Hypar => vec![SearchKind::Hypar],
-            SearchChoice::Spartan => vec![SearchKind::Spartan],
-            SearchChoice::All => SearchKind::ALL
-                .into_iter()
-                .chain(SearchKind::SEEDS)
-                .collect(),
+            SearchChoice::One(kind) => vec![kind],
+            SearchChoice::All => SearchKind::every().collect(),
         }
     }
 }
@@ -197,11 +193,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             let located = legion_cluster::launch::locate(Some(path), args.state.as_deref())?;
             let hosts = located.load_hosts()?;
             let staged = db.as_ref().and_then(|db| db.staged).map(|l| l.link());
-            let machine = crate::machine::cluster_machine_staged(&hosts, &located.state, staged)?;
+            let machine = legion::machine::cluster_machine_staged(&hosts, &located.state, staged)?;
             // A GPU profile's tiles price the GPU it ran on, whichever that is.
             let kind = db.as_ref().and_then(|db| db.only_device_kind());
             Some(match kind {
-                Some(kind) if crate::machine::shares_one_gpu(&hosts) => {
+                Some(kind) if legion::machine::shares_one_gpu(&hosts) => {
                     machine.with_device_kind(kind)
                 }
                 _ => machine,
@@ -225,7 +221,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     };
     let machine = machine.with_precision(args.precision);
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
-    let graph = super::load_model(&args.model, batch, args.image_size, args.classes)?;
+    let graph = legion::load_model(&args.model, batch, args.image_size, args.classes)?;
     // The measured links and compute sharing replace the preset's guesses, so transfers and the
     // schedule are priced like the tiles are (a cluster's links are what `up` measured).
     let machine = match &db {

@@ -4,11 +4,11 @@
 //! (`--device cuda`, or `auto` where one is usable) `legion_profile::gpu` times each tile alone
 //! with CUDA events and runs each strategy's steps on GPU device actors.
 
-use crate::device::{self, DeviceKind};
-use crate::job::{check_output_path, choose_strategy_for};
-use crate::machine::{embedded_machine, gpus_machine};
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args};
+use legion::device::{self, DeviceKind};
+use legion::job::{check_output_path, choose_strategy_for};
+use legion::machine::{embedded_machine, gpus_machine};
 use legion_ops::Precision;
 use legion_profile::{self as profile, ProfileSettings};
 use serde_json::json;
@@ -111,9 +111,9 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     let mut choice = device::choose(a.device, devices, false, first_gpu)?;
     let precision = a.precision.given().unwrap_or_default();
     if precision == legion_ops::Precision::Bf16 {
-        bail!("{}", crate::precision::BF16_NO_PROFILE);
+        bail!("{}", legion::precision::BF16_NO_PROFILE);
     }
-    let math = crate::precision::gpu_math(precision);
+    let math = legion::precision::gpu_math(precision);
     let settings = legion_cuda::Settings {
         math,
         conv_algos: a.conv_algos,
@@ -142,7 +142,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             None => embedded_machine(devices)?,
         },
     };
-    let graph = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
+    let graph = legion::load_model(&a.model, a.batch, a.image_size, a.classes)?;
     let mut strategies = Vec::new();
     for s in &a.strategies {
         if s == "space" {
@@ -150,7 +150,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         } else {
             strategies.push((
                 s.clone(),
-                choose_strategy_for("--strategies", &graph, &machine, s)?,
+                choose_strategy_for("--strategies", &graph, &machine, &s.as_str().into())?,
             ));
         }
     }

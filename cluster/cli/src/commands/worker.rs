@@ -99,7 +99,7 @@ fn placement(
     device: WorkerDevice,
     devices: WorkerDevices,
 ) -> anyhow::Result<(usize, legion_runtime::Placement)> {
-    use crate::device::{DeviceKind, choose, start_gpus};
+    use legion::device::{DeviceKind, choose, start_gpus};
     let devices = match (device, devices) {
         (WorkerDevice::Cpu, WorkerDevices::Count(n)) => {
             return Ok((n, legion_runtime::Placement::Cpu));

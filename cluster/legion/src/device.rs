@@ -10,7 +10,7 @@ use legion_ops::partition::ParallelConfig;
 use std::fmt;
 
 /// The `--device` flag.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceKind {
     /// A GPU where the run can use one, otherwise the CPU, saying which and why.
     #[default]

@@ -1,0 +1,206 @@
+//! The flags of a training run, defined once: `legion-rs train` and the example programs flatten
+//! [`TrainFlags`] into their own arguments, and [`TrainFlags::options`] turns them into the
+//! library's [`TrainOptions`]. A new flag is a field here and its use in `legion::job`.
+
+use anyhow::Context;
+use clap::Args;
+use legion::device::{DeviceKind, GpuList};
+use legion::job::{GpuOptions, Strategy, TrainOptions, strategy_names};
+use legion::ops::capture::CaptureSetting;
+use legion::ops::train::LossReadback;
+use legion::{Data, Sgd};
+use std::path::PathBuf;
+
+/// The defaults that differ between `train` and the examples.
+#[derive(Clone, Copy, Debug)]
+pub struct TrainDefaults {
+    pub devices: usize,
+    pub steps: u64,
+    pub lr: f32,
+}
+
+impl Default for TrainDefaults {
+    /// `legion-rs train`'s.
+    fn default() -> Self {
+        let options = TrainOptions::default();
+        TrainDefaults {
+            devices: options.devices,
+            steps: options.steps,
+            lr: options.sgd.lr,
+        }
+    }
+}
+
+/// The help of `--strategy`, naming every search.
+pub fn strategy_help() -> String {
+    format!(
+        "How to parallelise each layer over the devices: a search ({}; refine with its default \
+         budget and seed) or a strategy JSON file (as `legion-rs plan --out` writes)",
+        strategy_names().join(", ")
+    )
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct TrainFlags {
+    /// Number of devices to train on (more than one: the embedded cluster, N device actors in this
+    /// process, on its GPUs or its cores as --device says; 1: the single-device trainer)
+    /// [default: 1; the examples: 4]. With --cluster: the cluster's devices.
+    #[arg(long)]
+    pub devices: Option<usize>,
+    /// Train on the workers of a running cluster (`legion-rs up HOSTS`) over QUIC, planned with
+    /// the links `up` measured.
+    #[arg(long, value_name = "HOSTS")]
+    pub cluster: Option<PathBuf>,
+    /// Train on the workers `legion-rs up --slurm` started in the Slurm job this runs in (an
+    /// `salloc` shell, an `sbatch` script), planned as --cluster is.
+    #[arg(long, conflicts_with = "cluster")]
+    pub slurm: bool,
+    /// The cluster's state directory, if `up` was given one.
+    #[arg(long)]
+    pub state: Option<PathBuf>,
+    #[arg(long, default_value = "optcnn", help = strategy_help())]
+    pub strategy: String,
+    /// Write a Chrome/Perfetto trace (JSON) of the last step: each device's timeline with several
+    /// devices, each call of the step timed on the device with one. With an example's --compare:
+    /// a directory, to which each strategy's measured and simulated traces go.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Training steps (batches) [default: 100; the examples: their own].
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Training data: `synthetic`, `synthetic:N`, `cifar10:DIR_OR_FILE`, `folder:DIR`.
+    #[arg(long, default_value = "synthetic")]
+    pub data: String,
+    /// Initial weights from a safetensors checkpoint instead of the seeded initialisation.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Write the trained weights (with momentum and step, for --resume) to this safetensors file.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Also write the --save checkpoint every K steps (atomically: a crash keeps the last one).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every: Option<u64>,
+    /// Continue a run from a checkpoint written by --save: its weights, momentum and step
+    /// (--steps counts from the start of the run).
+    #[arg(long, conflicts_with = "init")]
+    pub resume: Option<PathBuf>,
+    /// SGD learning rate: the step size of each update (lower it if the loss turns NaN)
+    /// [default: 0.03; the examples: their own].
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// SGD momentum: the fraction of the previous update each update keeps (0: plain SGD).
+    #[arg(long, default_value_t = Sgd::default().momentum)]
+    pub momentum: f32,
+    /// L2 weight decay: the multiple of each weight added to its gradient (0: none).
+    #[arg(long, default_value_t = Sgd::default().weight_decay)]
+    pub weight_decay: f32,
+    /// Seed of the initialisation, data order and dropout masks.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// One JSON object per step (`step`, `loss`, ...) and a final summary object.
+    #[arg(long)]
+    pub json: bool,
+    /// Where to train (auto, cpu, cuda): `auto` uses the GPUs when one is usable (N devices spread over them, a
+    /// stream each), else the CPU, saying which; `cuda` fails with what is missing rather than use
+    /// the CPU. With --cluster, each host's `device` decides.
+    #[arg(long, value_parser = DeviceKind::parse_flag, default_value_t = DeviceKind::Auto)]
+    pub device: DeviceKind,
+    /// The GPUs the devices spread over, by CUDA ordinal, in order (`0,1`); a GPU listed twice
+    /// is two logical GPUs on it, each with its own streams, whose devices exchange slices
+    /// through page-locked host memory as devices on GPUs without peer access do (`0,0`: the
+    /// multi-GPU path on one GPU). Default: the first GPUs found, one per device at most.
+    #[arg(long, value_parser = GpuList::parse, value_name = "ORDINALS")]
+    pub gpus: Option<GpuList>,
+    /// Memory of each device, GiB: the strategy must fit it (a search returns only strategies
+    /// that do; a named strategy that does not is refused), checked before anything is allocated.
+    #[arg(long)]
+    pub memory_gib: Option<f64>,
+    #[command(flatten)]
+    pub precision: crate::precision::PrecisionArgs,
+    /// On a GPU, how convolution algorithms are picked: `fastest` times each problem's
+    /// algorithms once and keeps the fastest (FFT, Winograd and atomic sums included);
+    /// `precise` does so among the deterministic ones that sum directly, whose results differ
+    /// from the CPU's by the order of the sums alone; `heuristic` takes cuDNN's pick untimed
+    /// (the same bits in every run).
+    #[arg(long, default_value_t = legion_cuda::ConvAlgos::default())]
+    pub conv_algos: legion_cuda::ConvAlgos,
+    /// On a GPU, add a convolution's bias and apply its ReLU in a kernel of their own after
+    /// cuDNN's convolution, instead of inside cuDNN's fused convolution (fp32 and tf32): to
+    /// measure what fusing saves.
+    #[arg(long)]
+    pub no_fused_epilogue: bool,
+    /// On one device, do not stage the next batch on the device while a step computes (each
+    /// step then moves its own batch first): to measure what prefetching saves.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// On one GPU device, enqueue every step's kernels one by one instead of recording the
+    /// step as a CUDA graph after the first and replaying it: to measure what capture saves.
+    #[arg(long)]
+    pub no_capture: bool,
+    /// On one GPU device, draw synthetic batches on the host and copy them, as other data is,
+    /// instead of having the GPU draw them from their description (the same values either way):
+    /// to measure what drawing them on the device saves.
+    #[arg(long)]
+    pub synthetic_on_host: bool,
+    /// On one device, wait for every step's work and read its loss before the next step is
+    /// enqueued, instead of reading it one step late while the next step runs (the same losses
+    /// and weights either way): to measure what the late read saves.
+    #[arg(long)]
+    pub sync_every_step: bool,
+}
+
+impl TrainFlags {
+    /// The options these flags give, the unset ones taken from `defaults`.
+    pub fn options(&self, defaults: TrainDefaults) -> anyhow::Result<TrainOptions> {
+        let data: Data = self
+            .data
+            .parse()
+            .with_context(|| format!("--data {}", self.data))?;
+        Ok(TrainOptions {
+            devices: match (&self.cluster, self.slurm, self.devices) {
+                // a cluster's own count replaces the default
+                (Some(_), _, None) | (None, true, None) => 1,
+                (_, _, given) => given.unwrap_or(defaults.devices),
+            },
+            steps: self.steps.unwrap_or(defaults.steps),
+            data,
+            init: self.init.clone(),
+            model_weights: None,
+            save: self.save.clone(),
+            sgd: Sgd {
+                lr: self.lr.unwrap_or(defaults.lr),
+                momentum: self.momentum,
+                weight_decay: self.weight_decay,
+            },
+            seed: self.seed,
+            strategy: Strategy::from(self.strategy.as_str()),
+            trace: self.trace.clone(),
+            checkpoint_every: self.checkpoint_every,
+            resume: self.resume.clone(),
+            cluster: self.cluster.clone(),
+            slurm: self.slurm,
+            cluster_state: self.state.clone(),
+            device: self.device,
+            memory_gib: self.memory_gib,
+            precision: self.precision.given(),
+            gpus: self.gpus.clone().map(|g| g.0),
+            gpu: GpuOptions {
+                conv_algos: self.conv_algos,
+                conv_epilogue: match self.no_fused_epilogue {
+                    true => legion_cuda::ConvEpilogue::Separate,
+                    false => legion_cuda::ConvEpilogue::Fused,
+                },
+                prefetch: !self.no_prefetch,
+                capture: match self.no_capture {
+                    true => CaptureSetting::Off,
+                    false => CaptureSetting::On,
+                },
+                synthetic_on_device: !self.synthetic_on_host,
+                loss_readback: match self.sync_every_step {
+                    true => LossReadback::EveryStep,
+                    false => LossReadback::OneStepLate,
+                },
+            },
+        })
+    }
+}

@@ -1,0 +1,146 @@
+//! What a job refuses before anything is loaded or allocated.
+
+use super::TrainOptions;
+use anyhow::{Context, bail};
+use legion_ops::Graph;
+use legion_ops::checkpoint;
+use legion_ops::train::{ParamStore, TrainingState};
+use legion_planner::{MachineModel, ParallelConfig};
+use std::path::PathBuf;
+
+/// What training needs of a model, from its shapes.
+pub(super) struct ModelShape {
+    /// C, H, W of an input image.
+    pub image: [usize; 3],
+    pub classes: usize,
+}
+
+/// Refuses `configs` (the strategy `choice`) where a device of `machine` with memory of its own
+/// (`--memory-gib`) cannot hold its share, before anything is allocated: the memory model the
+/// searches use (`legion_planner::memory::check_fits`) counts every buffer the device actors will
+/// allocate, and the error names the device, what it needs and the layer that needs most.
+pub(super) fn check_device_memory(
+    graph: &Graph,
+    machine: &MachineModel,
+    configs: &[ParallelConfig],
+    choice: &str,
+) -> anyhow::Result<()> {
+    legion_planner::memory::check_fits(graph, machine, configs).map_err(|e| {
+        anyhow::anyhow!(
+            "the {choice} strategy does not fit the devices' memory (--memory-gib): {e}"
+        )
+    })
+}
+
+/// The checks of `opts` that need nothing but the model: done before anything is loaded.
+pub(super) fn check_options(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<ModelShape> {
+    if opts.devices == 0 {
+        bail!("--devices must be at least 1");
+    }
+    let input = graph.layer(graph.input()).shape;
+    if input.ndim() != 4 {
+        bail!(
+            "model '{}': training needs an image input (N,C,H,W), got {input}",
+            graph.name
+        );
+    }
+    let logits = graph.logits().with_context(|| {
+        format!(
+            "model '{}' has no softmax_cross_entropy loss layer",
+            graph.name
+        )
+    })?;
+    if opts.init.is_some() && opts.resume.is_some() {
+        bail!("--init and --resume exclude each other");
+    }
+    if opts.checkpoint_every.is_some() && opts.save.is_none() {
+        bail!("--checkpoint-every needs --save PATH (where the checkpoints go)");
+    }
+    Ok(ModelShape {
+        image: [input.dim(1), input.dim(2), input.dim(3)],
+        classes: graph.layer(logits).shape.dim(1),
+    })
+}
+
+/// Refuses an output path the run could not write, naming `flag`: its folder must exist and be
+/// writable, and the path must not be a folder itself. Checked by creating (and removing) a file
+/// beside it, which is what writing it atomically will do.
+pub fn check_output_path(flag: &str, path: &std::path::Path) -> anyhow::Result<()> {
+    if path.is_dir() {
+        bail!(
+            "{flag} {}: is a folder; expected a file path",
+            path.display()
+        );
+    }
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if !folder.is_dir() {
+        bail!(
+            "{flag} {}: the folder {} does not exist",
+            path.display(),
+            folder.display()
+        );
+    }
+    let probe = folder.join(format!(".legion-rs-write-check-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => bail!(
+            "{flag} {}: cannot write in the folder {}: {e}",
+            path.display(),
+            folder.display()
+        ),
+    }
+}
+
+/// The error for data whose classes do not match the model's head: more classes than it has
+/// outputs (labels past them), or fewer (outputs no label trains), naming the flag to change.
+pub(super) fn classes_mismatch(
+    spec: &str,
+    dataset: &str,
+    found: usize,
+    graph: &Graph,
+    head: usize,
+) -> anyhow::Error {
+    let fix = match legion_ops::zoo::find(&graph.name) {
+        Some(_) => format!("give --classes {found}"),
+        None => format!(
+            "give the model's last dense layer {found} out_features (a JSON model fixes its head)"
+        ),
+    };
+    anyhow::anyhow!(
+        "--data {spec}: {dataset} has {found} classes, but model '{}' has {head} outputs; {fix}",
+        graph.name
+    )
+}
+
+/// The weights, momentum and step the run starts from: a checkpoint to resume, one's weights to
+/// start afresh from, the model file's weights, or the seeded initialisation.
+pub(super) fn initial_state(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<TrainingState> {
+    let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
+        let ckpt = checkpoint::load(path)?;
+        TrainingState::from_checkpoint(graph, ckpt)
+            .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
+    };
+    Ok(match (&opts.init, &opts.resume) {
+        (None, Some(path)) => load_state(path)?,
+        // Weights only: a fresh run from them.
+        (Some(path), _) => TrainingState::start(load_state(path)?.params),
+        (None, None) => match &opts.model_weights {
+            Some(weights) => TrainingState::start(
+                ParamStore::from_checkpoint(graph, weights.clone()).with_context(|| {
+                    format!("the weights of model '{}' do not fit it", graph.name)
+                })?,
+            ),
+            None => TrainingState::start(ParamStore::init(graph, opts.seed)),
+        },
+    })
+}

@@ -1,0 +1,113 @@
+//! What a running job reports, and what a finished one returns.
+
+use legion_ops::Precision;
+use legion_ops::capture::CaptureStatus;
+use legion_planner::Strategy as StrategyFile;
+use std::path::PathBuf;
+
+use super::Strategy;
+
+/// What a running job reports, in order: its plan (distributed runs only), each step, the end.
+#[derive(Clone, Copy, Debug)]
+pub enum JobEvent<'a> {
+    /// Which device trains, and why (one line), before anything else.
+    Device(&'a str),
+    /// The strategy the devices run, before the first step.
+    Planned(&'a PlannedRun),
+    /// A step finished.
+    Step(&'a StepDone),
+    /// The run finished and its final checkpoint (if any) is saved.
+    Finished(&'a TrainSummary),
+}
+
+/// A distributed run's plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedRun {
+    /// What was asked for: a search or a strategy file.
+    pub choice: Strategy,
+    pub devices: usize,
+    /// Where the devices are: `embedded device(s)`, `3 worker(s) of hosts.toml`.
+    pub place: String,
+    /// Bytes moved between devices per step.
+    pub remote_bytes: u64,
+    /// The configs the devices run.
+    pub strategy: StrategyFile,
+    /// The devices no layer of the strategy uses: they stay idle.
+    pub idle_devices: Vec<usize>,
+}
+
+/// One finished step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepDone {
+    /// Counted from 1.
+    pub step: u64,
+    /// Of `total_steps`, the run's last step.
+    pub total_steps: u64,
+    pub loss: f32,
+    pub accuracy: f64,
+    pub seconds: f64,
+    pub images_per_sec: f64,
+    /// The one-device trainer's split of the step on its thread.
+    pub host: Option<legion_ops::train::HostTiming>,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSummary {
+    pub model: String,
+    pub devices: usize,
+    /// Where there were several devices.
+    pub plan: Option<PlannedRun>,
+    /// The step the run ended at, counted from the start (a resumed run's earlier steps too).
+    pub steps: u64,
+    /// The step this run started from: 0, or the step of the checkpoint it resumed.
+    pub first_step: u64,
+    pub batch: usize,
+    /// One per step this run took.
+    pub losses: Vec<f32>,
+    /// Over the steps this run took; `None` when it took none.
+    pub images_per_sec: Option<f64>,
+    pub wall_secs: f64,
+    pub saved: Option<PathBuf>,
+    /// Whether the one-device trainer recorded and replayed its steps (`None` elsewhere).
+    pub capture: Option<CaptureStatus>,
+    /// Whether the batches were synthetic data that the GPU drew itself from their description.
+    pub synthetic_on_device: bool,
+    /// Whether each step's loss was read one step late, while the next step ran (the one-device
+    /// trainer unless `--sync-every-step`), rather than at the step's end.
+    pub loss_read_late: bool,
+    /// What the run computed in.
+    pub precision: Precision,
+}
+
+/// How the loss moved over a run: the means of its first and its last `window` losses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossTrend {
+    pub first: f64,
+    pub last: f64,
+    /// At most 10, and at most half the steps taken, so that the two windows never share a step.
+    pub window: usize,
+}
+
+impl TrainSummary {
+    /// The steps this run took (a resumed run's earlier steps not counted).
+    pub fn steps_taken(&self) -> usize {
+        self.losses.len()
+    }
+
+    /// The loss trend over the steps this run took; `None` with fewer than two, where there is
+    /// nothing to compare.
+    pub fn loss_trend(&self) -> Option<LossTrend> {
+        let losses = &self.losses;
+        let window = (losses.len() / 2).min(10);
+        if window == 0 {
+            return None;
+        }
+        let mean = |xs: &[f32]| xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len() as f64;
+        Some(LossTrend {
+            first: mean(&losses[..window]),
+            last: mean(&losses[losses.len() - window..]),
+            window,
+        })
+    }
+}

@@ -1,0 +1,695 @@
+//! A training job: data, initial weights, the training loop, periodic and final checkpoints, the
+//! trace. The front door of training from Rust ([`Training`]), and what `legion-rs train` and the
+//! example programs run.
+//!
+//! [`Training`] collects the [`TrainOptions`]; [`Job::start`] validates them and starts an
+//! engine; [`Job::run`] steps it and reports what happens as [`JobEvent`]s. The job prints
+//! nothing itself, so that a caller shows a run its own way.
+//!
+//! - `events.rs`: what a job reports; `strategy.rs`: [`Strategy`] and how its configs are chosen;
+//!   `checks.rs`: what is refused before anything is loaded; `run.rs`: the step loop.
+
+mod checks;
+mod events;
+mod run;
+mod strategy;
+
+pub use checks::check_output_path;
+pub use events::{JobEvent, LossTrend, PlannedRun, StepDone, TrainSummary};
+pub use strategy::{Strategy, choose_strategy, choose_strategy_for, strategy_names};
+
+use crate::device::{self, DeviceKind};
+use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
+use crate::precision;
+use anyhow::{Context, bail};
+use checks::{check_device_memory, check_options, classes_mismatch, initial_state};
+use legion_cluster::engine::{self, Engine, JobStart, OneGpu, Place};
+use legion_cluster::launch;
+use legion_ops::capture::CaptureSetting;
+use legion_ops::checkpoint::Checkpoint;
+use legion_ops::data::{self, Data, Dataset};
+use legion_ops::train::{LossReadback, Sgd};
+use legion_ops::{Graph, Precision};
+use legion_planner::{MachineModel, ParallelConfig, Strategy as StrategyFile};
+use std::path::PathBuf;
+use std::sync::Arc;
+use strategy::strategy_file_configs;
+
+/// Everything a training run needs besides the model. [`Training`] sets them one by one.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// Devices of the embedded cluster (1: the single-device trainer); a cluster's own count
+    /// replaces it.
+    pub devices: usize,
+    pub steps: u64,
+    pub data: Data,
+    pub init: Option<PathBuf>,
+    /// The weights the model file carried (an ONNX file's initializers): the run starts from them
+    /// unless `init` or `resume` says otherwise.
+    pub model_weights: Option<Checkpoint>,
+    pub save: Option<PathBuf>,
+    pub sgd: Sgd,
+    pub seed: u64,
+    /// With several devices: a search or a strategy file.
+    pub strategy: Strategy,
+    /// Write a Chrome/Perfetto trace of the last step here.
+    pub trace: Option<PathBuf>,
+    /// Also save the state to `save` every this many steps (atomically, so a crash leaves the
+    /// previous checkpoint whole).
+    pub checkpoint_every: Option<u64>,
+    /// Continue from a checkpoint: its weights, momentum and step; `steps` counts from the start.
+    pub resume: Option<PathBuf>,
+    /// Train on the workers of this cluster (started by `legion-rs up`) instead of in-process.
+    pub cluster: Option<PathBuf>,
+    /// Train on the workers `legion-rs up --slurm` started in the Slurm job this runs in.
+    pub slurm: bool,
+    /// The cluster's state directory, if not the default of its hosts file (or Slurm job).
+    pub cluster_state: Option<PathBuf>,
+    /// A GPU where the run can use one (`Auto`), the CPU, or a GPU or an error.
+    pub device: DeviceKind,
+    /// Each device's memory, GiB, which the strategy must fit.
+    pub memory_gib: Option<f64>,
+    /// What the run computes in; `None`: a cluster's hosts-file `precision`, else fp32. bf16 is
+    /// refused where it cannot run as asked (`crate::precision`).
+    pub precision: Option<Precision>,
+    /// The GPUs the devices spread over, by ordinal (one listed twice: logical GPUs on one
+    /// device); `None`: as many of those found as there are devices.
+    pub gpus: Option<Vec<usize>>,
+    /// How a GPU runs the steps.
+    pub gpu: GpuOptions,
+}
+
+/// How a GPU runs the steps: each switch exists to measure what the default saves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuOptions {
+    /// How a GPU picks its convolution algorithms.
+    pub conv_algos: legion_cuda::ConvAlgos,
+    /// Where a GPU's convolutions apply bias and ReLU (separately, to measure what fusing saves).
+    pub conv_epilogue: legion_cuda::ConvEpilogue,
+    /// Whether the one-device trainer stages the next batch while a step computes.
+    pub prefetch: bool,
+    /// Whether the one-device trainer on a GPU records its step as a CUDA graph after the first
+    /// and replays it.
+    pub capture: CaptureSetting,
+    /// Whether the one-device trainer on a GPU draws synthetic batches on the GPU from their
+    /// description (else on the host, copied as other data is).
+    pub synthetic_on_device: bool,
+    /// Whether the one-device trainer reads a step's loss one step late, while the next step
+    /// runs, or at the step's end.
+    pub loss_readback: LossReadback,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            conv_algos: legion_cuda::ConvAlgos::default(),
+            conv_epilogue: legion_cuda::ConvEpilogue::default(),
+            prefetch: true,
+            capture: CaptureSetting::On,
+            synthetic_on_device: true,
+            loss_readback: LossReadback::OneStepLate,
+        }
+    }
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            devices: 1,
+            steps: 100,
+            data: Data::default(),
+            init: None,
+            model_weights: None,
+            save: None,
+            sgd: Sgd::default(),
+            seed: 1,
+            strategy: Strategy::default(),
+            trace: None,
+            checkpoint_every: None,
+            device: DeviceKind::Auto,
+            resume: None,
+            cluster: None,
+            slurm: false,
+            cluster_state: None,
+            memory_gib: None,
+            precision: None,
+            gpus: None,
+            gpu: GpuOptions::default(),
+        }
+    }
+}
+
+/// A training run, built up option by option (each defaults as [`TrainOptions::default`]):
+///
+/// ```no_run
+/// use legion::{Data, SearchKind, Training, ZooConfig};
+///
+/// let size = ZooConfig { batch: 16, image_size: 64, channels: 3, classes: 10 };
+/// let model = legion::zoo("alexnet", size)?;
+/// let summary = Training::new(model)
+///     .devices(4)
+///     .strategy(SearchKind::OptCnn)
+///     .data(Data::Folder("images".into()))
+///     .steps(100)
+///     .run(|_event| {})?;
+/// println!("{:?} images/s", summary.images_per_sec);
+/// # anyhow::Ok(())
+/// ```
+#[derive(Clone, Debug)]
+#[must_use = "a Training does nothing until it is run or started"]
+pub struct Training {
+    graph: Graph,
+    options: TrainOptions,
+}
+
+impl Training {
+    /// Trains `graph` (its input's N is the global batch) with the default options: one device,
+    /// 100 steps of synthetic data, SGD with momentum.
+    pub fn new(graph: Graph) -> Training {
+        Training::with_options(graph, TrainOptions::default())
+    }
+
+    /// Trains `graph` with `options` set all at once (as the command line does).
+    pub fn with_options(graph: Graph, options: TrainOptions) -> Training {
+        Training { graph, options }
+    }
+
+    /// The options so far.
+    pub fn options(&self) -> &TrainOptions {
+        &self.options
+    }
+
+    /// Devices of the embedded cluster: device actors in this process (1: the single-device
+    /// trainer).
+    pub fn devices(mut self, devices: usize) -> Self {
+        self.options.devices = devices;
+        self
+    }
+
+    /// Trains on the workers of the cluster of this hosts file (started by `legion-rs up`).
+    pub fn cluster(mut self, hosts: impl Into<PathBuf>) -> Self {
+        self.options.cluster = Some(hosts.into());
+        self
+    }
+
+    /// Trains on the workers `legion-rs up --slurm` started in the Slurm job this runs in.
+    pub fn slurm(mut self) -> Self {
+        self.options.slurm = true;
+        self
+    }
+
+    /// The cluster's state directory, where `up` was given one.
+    pub fn cluster_state(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.options.cluster_state = Some(dir.into());
+        self
+    }
+
+    /// How each layer is parallelised: a search ([`SearchKind`](crate::SearchKind) converts) or
+    /// a strategy file.
+    pub fn strategy(mut self, strategy: impl Into<Strategy>) -> Self {
+        self.options.strategy = strategy.into();
+        self
+    }
+
+    /// Where the samples come from.
+    pub fn data(mut self, data: Data) -> Self {
+        self.options.data = data;
+        self
+    }
+
+    /// Trains on a dataset of the caller's own.
+    pub fn dataset(self, dataset: impl Dataset + 'static) -> Self {
+        self.data(Data::Dataset(Arc::new(dataset)))
+    }
+
+    /// Steps to train, counted from the start of the run (a resumed run's earlier steps too).
+    pub fn steps(mut self, steps: u64) -> Self {
+        self.options.steps = steps;
+        self
+    }
+
+    pub fn sgd(mut self, sgd: Sgd) -> Self {
+        self.options.sgd = sgd;
+        self
+    }
+
+    /// Seed of the initialisation, the data order and dropout's masks.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.options.seed = seed;
+        self
+    }
+
+    /// Starts from these weights rather than the seeded initialisation.
+    pub fn weights(mut self, weights: Checkpoint) -> Self {
+        self.options.model_weights = Some(weights);
+        self
+    }
+
+    /// Starts from the weights of this safetensors checkpoint.
+    pub fn init(mut self, path: impl Into<PathBuf>) -> Self {
+        self.options.init = Some(path.into());
+        self
+    }
+
+    /// Continues from this checkpoint: its weights, momentum and step.
+    pub fn resume(mut self, path: impl Into<PathBuf>) -> Self {
+        self.options.resume = Some(path.into());
+        self
+    }
+
+    /// Writes the trained state (weights, momentum, step) to this safetensors file.
+    pub fn save(mut self, path: impl Into<PathBuf>) -> Self {
+        self.options.save = Some(path.into());
+        self
+    }
+
+    /// Also saves every `steps` steps (needs [`save`](Self::save)).
+    pub fn checkpoint_every(mut self, steps: u64) -> Self {
+        self.options.checkpoint_every = Some(steps);
+        self
+    }
+
+    /// Writes a Chrome/Perfetto trace of the last step here.
+    pub fn trace(mut self, path: impl Into<PathBuf>) -> Self {
+        self.options.trace = Some(path.into());
+        self
+    }
+
+    /// Where the steps run: a GPU where one is usable, the CPU, or a GPU or an error.
+    pub fn device(mut self, device: DeviceKind) -> Self {
+        self.options.device = device;
+        self
+    }
+
+    /// The GPUs the devices spread over, by CUDA ordinal.
+    pub fn gpus(mut self, ordinals: Vec<usize>) -> Self {
+        self.options.gpus = Some(ordinals);
+        self
+    }
+
+    /// Each device's memory, GiB: the strategy must fit it.
+    pub fn memory_gib(mut self, gib: f64) -> Self {
+        self.options.memory_gib = Some(gib);
+        self
+    }
+
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.options.precision = Some(precision);
+        self
+    }
+
+    pub fn gpu(mut self, gpu: GpuOptions) -> Self {
+        self.options.gpu = gpu;
+        self
+    }
+
+    /// Validates the options, plans, and starts the engine; nothing is stepped yet.
+    pub fn start(self) -> anyhow::Result<Job> {
+        Job::start(self.graph, &self.options)
+    }
+
+    /// Starts and runs the job, reporting each event to `on_event`.
+    pub fn run(self, on_event: impl FnMut(JobEvent<'_>)) -> anyhow::Result<TrainSummary> {
+        self.start()?.run(on_event)
+    }
+}
+
+/// The devices of `0..devices` that no layer of `configs` uses.
+fn idle_devices(configs: &[ParallelConfig], devices: usize) -> Vec<usize> {
+    let mut used = vec![false; devices];
+    for c in configs {
+        for d in c.devices() {
+            if let Some(u) = used.get_mut(d) {
+                *u = true;
+            }
+        }
+    }
+    (0..devices).filter(|&d| !used[d]).collect()
+}
+
+/// A started job: validated, its engine running, not yet stepped.
+pub struct Job {
+    graph: Graph,
+    opts: TrainOptions,
+    engine: Box<dyn Engine>,
+    dataset: Arc<dyn Dataset>,
+    plan: Option<PlannedRun>,
+    devices: usize,
+    first_step: u64,
+    /// `device: ...`, the line that says where the steps run.
+    device: String,
+    /// Whether the devices are actors on GPUs (which do not record their steps).
+    actors_on_gpus: bool,
+    /// Whether synthetic batches come described, for the one GPU to draw.
+    describe_synthetic: bool,
+    /// What the steps compute in.
+    precision: Precision,
+}
+
+impl Job {
+    /// Validates `opts` against `graph`, chooses the strategy, checks that the run fits this host,
+    /// loads the weights it starts from and starts its engine.
+    pub fn start(graph: Graph, opts: &TrainOptions) -> anyhow::Result<Job> {
+        let shape = check_options(&graph, opts)?;
+        // The run's outputs are checked before any work, so that a run is never lost to an
+        // output it cannot write.
+        if let Some(path) = &opts.save {
+            check_output_path("--save", path)?;
+        }
+        if let Some(path) = &opts.trace {
+            check_output_path("--trace", path)?;
+        }
+        let located = match (&opts.cluster, opts.slurm) {
+            (Some(_), true) => bail!("--cluster and --slurm: give one of them"),
+            (Some(path), false) => Some(launch::locate(Some(path), opts.cluster_state.as_deref())?),
+            (None, true) => Some(launch::locate(None, opts.cluster_state.as_deref())?),
+            (None, false) if opts.cluster_state.is_some() => {
+                bail!("--state is the state directory of a --cluster or --slurm cluster; give one")
+            }
+            (None, false) => None,
+        };
+        let cluster = match located {
+            Some(located) => {
+                let hosts = located.load_hosts()?;
+                if opts.devices != 1 && opts.devices != hosts.num_devices() {
+                    bail!(
+                        "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
+                        opts.devices,
+                        located.label(),
+                        hosts.num_devices()
+                    );
+                }
+                Some((located.label(), hosts, located.state))
+            }
+            None => None,
+        };
+        let devices = cluster
+            .as_ref()
+            .map_or(opts.devices, |(_, h, _)| h.num_devices());
+        let distributed = devices > 1 || cluster.is_some();
+        let with_memory = |machine: MachineModel| match opts.memory_gib {
+            Some(gib) => machine.with_device_memory_gib(gib),
+            None => Ok(machine),
+        };
+        // First: an embedded run on GPUs is planned for them.
+        let mut device = device::choose_listed(
+            opts.device,
+            devices,
+            cluster.is_some(),
+            opts.gpus.as_deref(),
+            legion_cuda::probe,
+        )?;
+        // A precision the devices cannot compute is refused before a GPU starts.
+        let precision = match &cluster {
+            Some((label, hosts, _)) => precision::resolve(opts.precision, hosts.precision, label)?,
+            None => opts.precision.unwrap_or_default(),
+        };
+        let math = precision::gpu_math(precision);
+        let settings = legion_cuda::Settings {
+            math,
+            conv_algos: opts.gpu.conv_algos,
+            conv_epilogue: opts.gpu.conv_epilogue,
+            // One device's buffers never leave its stream; device actors sharing a GPU hand
+            // theirs to each other.
+            sharing: match distributed {
+                false => legion_cuda::Sharing::WithinStreams,
+                true => legion_cuda::Sharing::AcrossStreams,
+            },
+        };
+        let gpus = device::start_gpus(&mut device, opts.device, devices, settings)?;
+        let (configs, place) = if distributed {
+            let (machine, place) = match &cluster {
+                Some((label, hosts, state)) => (
+                    cluster_machine(hosts, state)?.with_precision(precision),
+                    format!("{} worker(s) of {label}", hosts.hosts.len()),
+                ),
+                None => match &gpus {
+                    Some(started) => (
+                        gpus_machine(devices, &started.info, precision)?,
+                        "embedded device(s) on GPUs".to_string(),
+                    ),
+                    // priced in the run's precision: bf16 slices move half the bytes
+                    None => (
+                        embedded_machine(devices)?.with_precision(precision),
+                        "embedded device(s)".to_string(),
+                    ),
+                },
+            };
+            let machine = with_memory(machine)?;
+            let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
+            check_device_memory(&graph, &machine, &configs, &opts.strategy.to_string())?;
+            (configs, place)
+        } else {
+            // One device runs every layer serially; a strategy file given is still checked
+            // against the model and the device count, so that a wrong one is never ignored.
+            if let Strategy::File(path) = &opts.strategy {
+                strategy_file_configs("--strategy", &graph, devices, path)?;
+            }
+            let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
+            check_device_memory(
+                &graph,
+                &with_memory(embedded_machine(1)?)?,
+                &serial,
+                "serial",
+            )?;
+            (serial, "one device".to_string())
+        };
+        // Before any weight is allocated: a model too large must get an error, not an abort. The
+        // workers of a cluster check their own devices when the job reaches them; on a GPU the
+        // host keeps only the job's state and the device's share goes to the GPU's memory.
+        match &gpus {
+            Some(started) => {
+                legion_cluster::memory::check_this_host(&graph, None)?;
+                device::check_gpus_fit(&graph, &configs, devices, &started.info)?;
+            }
+            None => {
+                let embedded = cluster.is_none().then_some((&configs[..], devices));
+                legion_cluster::memory::check_this_host(&graph, embedded)?;
+            }
+        }
+
+        // After the model is known to fit (a synthetic dataset is sized by its classes), before
+        // the weights are loaded and the engine started.
+        let spec = opts.data.to_string();
+        let dataset = match opts.data.open(shape.image, shape.classes, opts.seed) {
+            Err(data::DataError::TooManyClasses {
+                dataset,
+                dataset_classes,
+                ..
+            }) => {
+                return Err(classes_mismatch(
+                    &spec,
+                    &dataset,
+                    dataset_classes,
+                    &graph,
+                    shape.classes,
+                ));
+            }
+            opened => opened.with_context(|| format!("--data {spec}"))?,
+        };
+        if dataset.num_classes() != shape.classes {
+            return Err(classes_mismatch(
+                &spec,
+                &dataset.describe(),
+                dataset.num_classes(),
+                &graph,
+                shape.classes,
+            ));
+        }
+        let state = initial_state(&graph, opts)?;
+        let first_step = state.step;
+        if first_step > opts.steps {
+            bail!(
+                "--resume: the checkpoint is at step {first_step}, past --steps {}",
+                opts.steps
+            );
+        }
+        // Device actors on GPUs enqueue op by op: said in the summary, as a recording's fallback is.
+        let actors_on_gpus = cluster.is_none() && distributed && gpus.is_some();
+        // Only the one-device trainer on a GPU draws batches on its device.
+        let describe_synthetic = opts.gpu.synthetic_on_device
+            && cluster.is_none()
+            && !distributed
+            && gpus.is_some()
+            && dataset.as_synthetic().is_some();
+        let engine_place = match (&cluster, gpus) {
+            (Some((_, hosts, state_dir)), _) => Place::Cluster {
+                hosts,
+                state_dir,
+                gpu: settings,
+            },
+            (None, gpus) if distributed => Place::Embedded {
+                devices,
+                placement: gpus
+                    .map(device::StartedGpus::into_placement)
+                    .unwrap_or_default(),
+            },
+            (None, Some(started)) => {
+                let (cuda, stream) = started.into_one();
+                Place::OneGpu(Box::new(OneGpu {
+                    cuda,
+                    stream,
+                    prefetch: opts.gpu.prefetch,
+                    capture: opts.gpu.capture,
+                    readback: opts.gpu.loss_readback,
+                }))
+            }
+            (None, None) => Place::OneDevice(opts.gpu.loss_readback),
+        };
+        let engine = engine::start(
+            engine_place,
+            JobStart {
+                graph: &graph,
+                configs: &configs,
+                state,
+                sgd: opts.sgd,
+                seed: opts.seed,
+                precision,
+            },
+        )?;
+        let plan = distributed.then(|| PlannedRun {
+            choice: opts.strategy.clone(),
+            devices,
+            place,
+            remote_bytes: engine.plan().expect("a distributed engine").remote_bytes(),
+            strategy: StrategyFile::from_configs(&graph, &configs),
+            idle_devices: idle_devices(&configs, devices),
+        });
+        Ok(Job {
+            graph,
+            opts: opts.clone(),
+            engine,
+            dataset,
+            plan,
+            devices,
+            first_step,
+            device: device.line,
+            actors_on_gpus,
+            describe_synthetic,
+            precision,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events_of(opts: &TrainOptions) -> (Vec<String>, TrainSummary) {
+        let graph = crate::model::load_model("lenet5", 4, None, None).unwrap();
+        let mut seen = Vec::new();
+        let summary = Job::start(graph, opts)
+            .unwrap()
+            .run(|event| {
+                seen.push(match event {
+                    JobEvent::Device(line) => line.to_string(),
+                    JobEvent::Planned(p) => format!("planned {} on {}", p.choice, p.devices),
+                    JobEvent::Step(s) => format!("step {}/{}", s.step, s.total_steps),
+                    JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),
+                })
+            })
+            .unwrap();
+        (seen, summary)
+    }
+
+    /// A dataset of the caller's own: every pixel of sample `i` is `i` scaled, its label `i % 10`.
+    struct Ramp {
+        shape: [usize; 3],
+    }
+
+    impl Dataset for Ramp {
+        fn num_samples(&self) -> usize {
+            64
+        }
+        fn image_shape(&self) -> data::ImageShape {
+            self.shape
+        }
+        fn num_classes(&self) -> usize {
+            10
+        }
+        fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, data::DataError> {
+            out.fill(index as f32 / 64.0);
+            Ok((index % 10) as u32)
+        }
+        fn describe(&self) -> String {
+            "ramp".into()
+        }
+    }
+
+    #[test]
+    fn the_builder_trains_a_dataset_of_the_callers_own_and_checks_its_shape() {
+        let graph = crate::model::load_model("lenet5", 4, None, None).unwrap();
+        let training = Training::new(graph.clone())
+            .devices(2)
+            .strategy(legion_planner::search::SearchKind::Data)
+            .dataset(Ramp { shape: [1, 28, 28] })
+            .steps(2)
+            .device(DeviceKind::Cpu);
+        assert_eq!(training.options().devices, 2);
+        let mut steps = 0;
+        let summary = training
+            .run(|event| steps += matches!(event, JobEvent::Step(_)) as usize)
+            .unwrap();
+        assert_eq!((steps, summary.losses.len()), (2, 2));
+        assert_eq!(summary.plan.unwrap().choice.to_string(), "data");
+
+        let e = Training::new(graph)
+            .dataset(Ramp { shape: [3, 28, 28] })
+            .device(DeviceKind::Cpu)
+            .start()
+            .err()
+            .unwrap();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("--data ramp") && e.contains("[3, 28, 28]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_distributed_run_reports_its_plan_then_each_step_then_the_end() {
+        let opts = TrainOptions {
+            devices: 2,
+            steps: 3,
+            strategy: "data".into(),
+            device: DeviceKind::Cpu,
+            ..TrainOptions::default()
+        };
+        let (seen, summary) = events_of(&opts);
+        assert_eq!(
+            seen,
+            [
+                "device: cpu (2 device(s))",
+                "planned data on 2",
+                "step 1/3",
+                "step 2/3",
+                "step 3/3",
+                "finished after 3 steps"
+            ]
+        );
+        let plan = summary.plan.unwrap();
+        assert_eq!(plan.strategy.model.as_deref(), Some("lenet5"));
+        assert!(plan.remote_bytes > 0, "data parallelism moves gradients");
+    }
+
+    #[test]
+    fn a_one_device_run_has_no_plan() {
+        let opts = TrainOptions {
+            steps: 2,
+            device: DeviceKind::Cpu,
+            ..TrainOptions::default()
+        };
+        let (seen, summary) = events_of(&opts);
+        assert_eq!(
+            seen,
+            [
+                "device: cpu (1 device(s))",
+                "step 1/2",
+                "step 2/2",
+                "finished after 2 steps"
+            ]
+        );
+        assert_eq!(summary.plan, None);
+        assert_eq!((summary.steps, summary.batch), (2, 4));
+    }
+}

@@ -1,0 +1,192 @@
+//! The step loop of a started [`Job`]: batches in, events and checkpoints out.
+
+use super::{Job, JobEvent, StepDone, TrainSummary};
+use anyhow::{Context, bail};
+use legion_cluster::engine::{Engine, NextBatch, StepBatch};
+use legion_ops::capture::CaptureStatus;
+use legion_ops::data::{self, Loader, LoaderConfig};
+use legion_ops::train::StepStats;
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+impl Job {
+    /// Runs the steps left, saving checkpoints and the trace as the options say, and reports each
+    /// to `on_event`.
+    pub fn run(self, mut on_event: impl FnMut(JobEvent<'_>)) -> anyhow::Result<TrainSummary> {
+        let Job {
+            graph,
+            opts,
+            mut engine,
+            dataset,
+            plan,
+            devices,
+            first_step,
+            device,
+            actors_on_gpus,
+            describe_synthetic,
+            precision,
+        } = self;
+        on_event(JobEvent::Device(&device));
+        if let Some(plan) = &plan {
+            on_event(JobEvent::Planned(plan));
+        }
+        let batch = graph.batch();
+        let loader = Loader::new(
+            dataset,
+            LoaderConfig {
+                seed: opts.seed,
+                describe_synthetic,
+                ..LoaderConfig::new(batch)
+            },
+        )?;
+        let mut batches = loader.steps(first_step);
+        let started = Instant::now();
+        let mut reported = Reported {
+            awaiting: std::collections::VecDeque::with_capacity(2),
+            last: started,
+            losses: Vec::with_capacity(opts.steps as usize),
+            batch,
+            total_steps: opts.steps,
+        };
+        let save = |engine: &mut dyn Engine| -> anyhow::Result<()> {
+            if let Some(path) = &opts.save {
+                let meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
+                engine.state()?.save(path, meta)?;
+            }
+            Ok(())
+        };
+        let mut next_batch = || -> anyhow::Result<data::Batch> {
+            batches
+                .next()
+                .context("the data loader stopped early")?
+                .context("loading a batch")
+        };
+        let mut upcoming = (first_step < opts.steps)
+            .then(&mut next_batch)
+            .transpose()?;
+        let mut traced_reports = None;
+        for step in first_step + 1..=opts.steps {
+            let batch_data = upcoming.take().expect("a batch for every step");
+            upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
+            let traced = opts.trace.is_some() && step == opts.steps;
+            reported.awaiting.push_back((step, Instant::now()));
+            let (stats, reports) = engine.step(StepBatch {
+                images: batch_data.images,
+                labels: batch_data.labels,
+                synthetic: batch_data.synthetic,
+                next: upcoming.as_ref().map(|b| match &b.synthetic {
+                    Some(described) => NextBatch::Synthetic(described),
+                    None => NextBatch::Images(&b.images, &b.labels),
+                }),
+                trace: traced,
+            })?;
+            if traced {
+                traced_reports = Some(reports);
+            }
+            if let Some(stats) = stats {
+                reported.read(stats, &mut on_event)?;
+            }
+            if opts.checkpoint_every.is_some_and(|k| step % k == 0) && step < opts.steps {
+                // The step's loss is checked before its weights are saved.
+                if let Some(stats) = engine.finish()? {
+                    reported.read(stats, &mut on_event)?;
+                }
+                save(engine.as_mut())?;
+            }
+        }
+        if let Some(stats) = engine.finish()? {
+            reported.read(stats, &mut on_event)?;
+        }
+        if let Some(&(step, _)) = reported.awaiting.front() {
+            bail!("step {step}: its loss was never read back");
+        }
+        let wall_secs = started.elapsed().as_secs_f64();
+        if let (Some(path), Some(reports)) = (&opts.trace, traced_reports) {
+            let trace = match engine.plan() {
+                Some(step_plan) => Some(legion_runtime::chrome_trace(step_plan, &graph, &reports)),
+                None => engine.own_trace(),
+            };
+            if let Some(trace) = trace {
+                legion_ops::atomic_file::write(path, serde_json::to_string(&trace)?.as_bytes())
+                    .with_context(|| format!("writing the trace {}", path.display()))?;
+            }
+        }
+        save(engine.as_mut())?;
+
+        let losses = reported.losses;
+        let images = (losses.len() * batch) as f64;
+        let summary = TrainSummary {
+            model: graph.name.clone(),
+            devices,
+            plan,
+            steps: opts.steps,
+            first_step,
+            batch,
+            images_per_sec: (!losses.is_empty()).then(|| images / wall_secs),
+            losses,
+            wall_secs,
+            saved: opts.save.clone(),
+            capture: match actors_on_gpus {
+                true => Some(CaptureStatus::NotApplied(
+                    "several devices exchange slices in mid-step: their actors enqueue op by op"
+                        .into(),
+                )),
+                false => engine.capture_status(),
+            },
+            synthetic_on_device: describe_synthetic,
+            loss_read_late: engine.reads_loss_late(),
+            precision,
+        };
+        on_event(JobEvent::Finished(&summary));
+        Ok(summary)
+    }
+}
+
+/// The steps a job gave its engine whose stats are still to come back, matched to the stats as
+/// the engine reads them back (in order: this step's, or one step late the previous step's),
+/// and reported.
+struct Reported {
+    /// Oldest first, each with when its step was given to the engine.
+    awaiting: std::collections::VecDeque<(u64, Instant)>,
+    /// When the last step was reported (the run's start before the first).
+    last: Instant,
+    losses: Vec<f32>,
+    batch: usize,
+    total_steps: u64,
+}
+
+impl Reported {
+    /// Reports `stats` as the oldest awaited step's, refusing a loss that is not finite.
+    fn read(
+        &mut self,
+        stats: StepStats,
+        on_event: &mut impl FnMut(JobEvent<'_>),
+    ) -> anyhow::Result<()> {
+        let (step, given) = self
+            .awaiting
+            .pop_front()
+            .context("the engine read back more steps than it was given")?;
+        let now = Instant::now();
+        // From the later of its start and the last report: each step's own time when it is
+        // read at its end, the run's pace when it is read one step late.
+        let seconds = (now - given.max(self.last)).as_secs_f64();
+        self.last = now;
+        if !stats.loss.is_finite() {
+            bail!(
+                "step {step}: the loss is {} (try a smaller --lr)",
+                stats.loss
+            );
+        }
+        self.losses.push(stats.loss);
+        on_event(JobEvent::Step(&StepDone {
+            step,
+            total_steps: self.total_steps,
+            loss: stats.loss,
+            accuracy: stats.correct as f64 / self.batch as f64,
+            seconds,
+            images_per_sec: self.batch as f64 / seconds,
+            host: stats.host,
+        }));
+        Ok(())
+    }
+}

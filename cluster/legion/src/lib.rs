@@ -1,0 +1,54 @@
+//! legion-rs from Rust: build a model (or take one from the zoo, a JSON or an ONNX file), and
+//! train it on one device, on the embedded cluster's devices, or on a cluster's workers, each
+//! layer parallelised as a search or a strategy file says.
+//!
+//! ```no_run
+//! use legion::{Data, SearchKind, Training, ZooConfig};
+//!
+//! let size = ZooConfig { batch: 16, image_size: 64, channels: 3, classes: 10 };
+//! let model = legion::zoo("alexnet", size)?;
+//! let summary = Training::new(model)
+//!     .devices(4)
+//!     .strategy(SearchKind::OptCnn)
+//!     .data(Data::Folder("images".into()))
+//!     .run(|_event| {})?;
+//! # anyhow::Ok(())
+//! ```
+//!
+//! - [`Training`] and [`job`]: the run, its options, its [`JobEvent`]s and [`TrainSummary`];
+//! - [`device`]: where the steps run (`DeviceKind`), GPUs started and checked to fit;
+//! - [`machine`]: the planner's model of the embedded devices or of a cluster's workers;
+//! - [`model`]: models by zoo name or file; [`precision`]: what a precision means per device.
+//!
+//! The crates beneath are re-exported whole ([`ops`], [`planner`], [`runtime`], [`cluster`],
+//! [`cuda`], [`onnx`]) for what this front door does not cover: planning without training
+//! (`planner::plan::plan`), writing models (`ops::GraphBuilder`), the engines themselves.
+
+pub mod device;
+pub mod job;
+pub mod machine;
+pub mod model;
+pub mod precision;
+
+pub use legion_cluster as cluster;
+pub use legion_cuda as cuda;
+pub use legion_onnx as onnx;
+pub use legion_ops as ops;
+pub use legion_planner as planner;
+pub use legion_runtime as runtime;
+
+pub use device::DeviceKind;
+pub use job::{
+    GpuOptions, Job, JobEvent, PlannedRun, StepDone, Strategy, TrainOptions, TrainSummary, Training,
+};
+pub use legion_ops::data::{Data, Dataset};
+pub use legion_ops::train::Sgd;
+pub use legion_ops::zoo::ZooConfig;
+pub use legion_ops::{Graph, GraphBuilder, Precision, Shape};
+pub use legion_planner::search::SearchKind;
+pub use model::{load_model, load_model_and_weights, zoo};
+
+/// The README's Rust program, compiled and run as a doctest.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeProgram;

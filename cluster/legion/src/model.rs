@@ -1,0 +1,89 @@
+//! Models by name or file: a zoo name, a JSON model file or an ONNX file (with its weights).
+
+/// Resolves `--model` (a zoo name, a JSON model file or an ONNX file) at the given batch / image
+/// size / classes.
+pub fn load_model(
+    model: &str,
+    batch: usize,
+    image_size: Option<usize>,
+    classes: Option<usize>,
+) -> anyhow::Result<legion_ops::Graph> {
+    Ok(load_model_and_weights(model, batch, image_size, classes)?.0)
+}
+
+/// [`load_model`], with the initial weights the model file carries: an ONNX file's initializers
+/// (`None` for zoo and JSON models, and for ONNX files exported without weights).
+pub fn load_model_and_weights(
+    model: &str,
+    batch: usize,
+    image_size: Option<usize>,
+    classes: Option<usize>,
+) -> anyhow::Result<(
+    legion_ops::Graph,
+    Option<legion_ops::checkpoint::Checkpoint>,
+)> {
+    use anyhow::Context;
+    if batch == 0 {
+        anyhow::bail!("--batch must be at least 1");
+    }
+    if let Some(z) = legion_ops::zoo::find(model) {
+        let mut cfg = z.default_config(batch);
+        if let Some(s) = image_size {
+            cfg.image_size = s;
+        }
+        if let Some(c) = classes {
+            cfg.classes = c;
+        }
+        // A zoo model fails to build only for the sizes the flags gave it: say which.
+        let graph = z.build(&cfg).with_context(|| {
+            format!(
+                "--model {model} at --image-size {} (its default: {}), --batch {batch}, \
+                 --classes {}",
+                cfg.image_size,
+                z.default_config(batch).image_size,
+                cfg.classes
+            )
+        })?;
+        return Ok((graph, None));
+    }
+    let path = std::path::Path::new(model);
+    if !path.exists() {
+        anyhow::bail!(
+            "--model '{model}' is neither a zoo model ({}) nor an existing JSON or ONNX file",
+            legion_ops::zoo::names().join(", ")
+        );
+    }
+    if image_size.is_some() || classes.is_some() {
+        anyhow::bail!(
+            "--image-size and --classes apply to zoo models; a JSON or ONNX model fixes its own \
+             shapes"
+        );
+    }
+    let (graph, weights) = if is_onnx(path) {
+        let imported = legion_onnx::load(path)?;
+        (imported.graph, imported.weights)
+    } else {
+        (legion_ops::Graph::load_json(path)?, None)
+    };
+    let graph = graph
+        .with_batch(batch)
+        .with_context(|| format!("{model}: re-inferring shapes at batch {batch}"))?;
+    Ok((graph, weights))
+}
+
+/// Whether `--model` names an ONNX file (by its extension; anything else is read as JSON).
+fn is_onnx(path: &std::path::Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
+}
+
+/// The zoo model `name` (see `legion_ops::zoo::names`) at the sizes of `cfg`.
+pub fn zoo(name: &str, cfg: legion_ops::zoo::ZooConfig) -> anyhow::Result<legion_ops::Graph> {
+    let Some(model) = legion_ops::zoo::find(name) else {
+        anyhow::bail!(
+            "'{name}' is not a zoo model; the zoo has {}",
+            legion_ops::zoo::names().join(", ")
+        );
+    };
+    Ok(model.build(&cfg)?)
+}
