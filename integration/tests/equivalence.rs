@@ -95,9 +95,9 @@ fn batch_norm_every_strategy_matches_one_device_at_1e4() {
     assert_same_training(&g, &all_strategies(&g));
 }
 
-/// The recipe for adding an op (ARCHITECTURE.md, "How to add an op") as a test: `sigmoid` and
-/// `tanh` were added in their own files plus the backends' primitives, with no dispatcher in the
-/// trainer, the lowering or the executor; they train the same network under every partition.
+/// The recipe for adding an op (ARCHITECTURE.md, "How to add an op") as a test: every op of the
+/// element-wise unary family (`recipe_net` takes them all from `Unary::ALL`), with no dispatcher
+/// in the trainer, the lowering or the executor, trains the same network under every partition.
 #[test]
 fn an_op_added_by_the_recipe_trains_the_same_under_every_strategy() {
     let g = recipe_net();

@@ -257,6 +257,7 @@ impl Graph {
                     )
                 })?,
             };
+            check_op_fields(obj).map_err(|m| json_err(loc.clone(), m))?;
             let op: Op =
                 serde_json::from_value(v).map_err(|e| json_err(loc.clone(), e.to_string()))?;
             let mut ids = Vec::with_capacity(inputs.len());
@@ -459,12 +460,9 @@ impl GraphBuilder {
         self.layer(name, Op::Relu(op::Relu {}), &[x])
     }
 
-    pub fn sigmoid(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
-        self.layer(name, Op::Sigmoid(op::Sigmoid {}), &[x])
-    }
-
-    pub fn tanh(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
-        self.layer(name, Op::Tanh(op::Tanh {}), &[x])
+    /// An element-wise unary op (`op::Unary`: sigmoid, tanh, ...).
+    pub fn unary(&mut self, name: &str, x: LayerId, op: op::Unary) -> Result<LayerId, ModelError> {
+        self.layer(name, Op::unary(op), &[x])
     }
 
     pub fn flatten(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
@@ -548,6 +546,30 @@ impl GraphBuilder {
     }
 }
 
+/// What serde cannot say of a layer's `"op"` (the unary family is an untagged variant, whose
+/// errors name no field): an unknown op, with the ones there are, and an attribute given to an
+/// op of the unary family, which takes none.
+fn check_op_fields(layer: &serde_json::Map<String, serde_json::Value>) -> Result<(), String> {
+    let Some(serde_json::Value::String(kind)) = layer.get("op") else {
+        return Err("missing string field \"op\"".into());
+    };
+    if !Op::kinds().any(|k| k == kind) {
+        let kinds: Vec<String> = Op::kinds().map(|k| format!("`{k}`")).collect();
+        return Err(format!(
+            "unknown op `{kind}`, expected one of {}",
+            kinds.join(", ")
+        ));
+    }
+    if op::Unary::parse(kind).is_some()
+        && let Some(field) = layer.keys().find(|k| *k != "op")
+    {
+        return Err(format!(
+            "unknown field `{field}`: `{kind}` takes no attributes"
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -601,7 +623,8 @@ mod tests {
         let text = r#"{"name":"m","layers":[{"name":"data","op":"inptu","shape":[2,3]}]}"#;
         let e = Graph::from_json(text, "m.json").unwrap_err().to_string();
         assert!(
-            e.contains("layers[0] ('data')") && e.contains("unknown variant `inptu`"),
+            e.contains("layers[0] ('data')")
+                && e.contains("unknown op `inptu`, expected one of `input`, `conv2d`,"),
             "{e}"
         );
 

@@ -27,22 +27,28 @@ pub fn model(name: &str, image_size: usize) -> Graph {
     z.build(&cfg).unwrap()
 }
 
-/// A small net of the ops added by ARCHITECTURE.md's recipe for adding an op (`sigmoid`, `tanh`)
-/// between the zoo's own: conv, pooling, dense, the loss.
+/// A small net of the element-wise unary ops (`op::Unary`, every one of the family: sigmoid and
+/// tanh where the recipe for adding an op first placed them, the others after the first dense
+/// layer) between the zoo's own: conv, pooling, dense, the loss.
 pub fn recipe_net() -> Graph {
     use legion_ops::GraphBuilder;
-    use legion_ops::op::{Conv2d, Dense, Pool2d};
+    use legion_ops::op::{Conv2d, Dense, Pool2d, Unary};
     let mut m = GraphBuilder::new("recipe_net");
     let x = m
         .input("data", legion_ops::Shape::nchw(8, 3, 12, 12))
         .unwrap();
     let c = m.conv2d("conv", x, Conv2d::new(8, 3).padding(1)).unwrap();
-    let s = m.sigmoid("gate", c).unwrap();
+    let s = m.unary("gate", c, Unary::Sigmoid).unwrap();
     let p = m.pool2d("pool", s, Pool2d::avg(2).stride(2)).unwrap();
-    let t = m.tanh("pool.tanh", p).unwrap();
+    let t = m.unary("pool.tanh", p, Unary::Tanh).unwrap();
     let f = m.flatten("flatten", t).unwrap();
     let h = m.dense("fc1", f, Dense::new(16)).unwrap();
-    let h = m.sigmoid("fc1.sigmoid", h).unwrap();
+    let mut h = m.unary("fc1.sigmoid", h, Unary::Sigmoid).unwrap();
+    for &op in Unary::ALL {
+        if !matches!(op, Unary::Sigmoid | Unary::Tanh) {
+            h = m.unary(&format!("fc1.{op}"), h, op).unwrap();
+        }
+    }
     let y = m.dense("fc2", h, Dense::new(10)).unwrap();
     m.softmax_cross_entropy("loss", y).unwrap();
     m.finish()

@@ -23,7 +23,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use legion_ops::backend::cpu;
 use legion_ops::backend::{Backend, DType, In, KernelError, LossSums, Out};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d};
+use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, Unary};
 use legion_ops::precision::Precision;
 use legion_ops::shape::{Rect, Shape};
 use legion_ops::train::Sgd;
@@ -599,27 +599,24 @@ impl Backend for Cuda {
         });
     }
 
-    fn sigmoid_forward(&self, s: &mut Stream, x: In<Buffer>, y: Out<Buffer>) {
-        self.enqueue(s, "sigmoid_forward", |s| {
-            self.unary(s, &self.kernels.sigmoid_forward, x, y)
+    fn unary_forward(&self, s: &mut Stream, op: Unary, x: In<Buffer>, y: Out<Buffer>) {
+        let (name, _) = op.kernel_names();
+        self.enqueue(s, name, |s| {
+            self.unary(s, &self.kernels.unary(op).forward, x, y)
         });
     }
 
-    fn sigmoid_backward(&self, s: &mut Stream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
-        self.enqueue(s, "sigmoid_backward", |s| {
-            self.binary(s, &self.kernels.sigmoid_backward, y, dy, dx)
-        });
-    }
-
-    fn tanh_forward(&self, s: &mut Stream, x: In<Buffer>, y: Out<Buffer>) {
-        self.enqueue(s, "tanh_forward", |s| {
-            self.unary(s, &self.kernels.tanh_forward, x, y)
-        });
-    }
-
-    fn tanh_backward(&self, s: &mut Stream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
-        self.enqueue(s, "tanh_backward", |s| {
-            self.binary(s, &self.kernels.tanh_backward, y, dy, dx)
+    fn unary_backward(
+        &self,
+        s: &mut Stream,
+        op: Unary,
+        read: In<Buffer>,
+        dy: In<Buffer>,
+        dx: Out<Buffer>,
+    ) {
+        let (_, name) = op.kernel_names();
+        self.enqueue(s, name, |s| {
+            self.binary(s, &self.kernels.unary(op).backward, read, dy, dx)
         });
     }
 

@@ -231,42 +231,34 @@ __device__ void relu_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_
     }
 }
 
-// expf may differ from the CPU's exp in the last bit or two.
-template <class T>
-__device__ void sigmoid_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n, int packed) {
-    GRID_STRIDE(i, n) {
-        float v = to_f32(x[at(x_layout, tile, i, packed)]);
-        y[i] = from_f32<T>(1.0f / (1.0f + expf(-v)));
-    }
-}
+// The element-wise unary ops (legion_ops's `Unary`), one line each: the op's name, y as a function
+// of the input v, and dx as a function of r (what the gradient reads: the input or the output, as
+// `Unary::grad_from` says) and g, the output gradient. The formulas are the CPU's, term for term,
+// so that only the library functions can differ: expf and tanhf may differ from the CPU's exp and
+// tanh in the last bit or two.
+#define UNARY_OPS(X)                                               \
+    X(sigmoid, 1.0f / (1.0f + expf(-v)), g * r * (1.0f - r))      \
+    X(tanh, tanhf(v), g * (1.0f - r * r))
 
-template <class T>
-__device__ void sigmoid_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_layout, T* dx,
-                                 Box4 tile, i64 n, int packed) {
-    GRID_STRIDE(i, n) {
-        float yv = to_f32(y[at(y_layout, tile, i, packed)]);
-        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
-        dx[i] = from_f32<T>(g * yv * (1.0f - yv));
+#define UNARY_OP_TEMPLATES(name, forward, backward)                                            \
+    template <class T>                                                                         \
+    __device__ void name##_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n,        \
+                                     int packed) {                                             \
+        GRID_STRIDE(i, n) {                                                                    \
+            float v = to_f32(x[at(x_layout, tile, i, packed)]);                                \
+            y[i] = from_f32<T>(forward);                                                       \
+        }                                                                                      \
+    }                                                                                          \
+    template <class T>                                                                         \
+    __device__ void name##_backward_t(const T* a, Box4 a_layout, const T* dy, Box4 dy_layout,  \
+                                      T* dx, Box4 tile, i64 n, int packed) {                   \
+        GRID_STRIDE(i, n) {                                                                    \
+            float r = to_f32(a[at(a_layout, tile, i, packed)]);                                \
+            float g = to_f32(dy[at(dy_layout, tile, i, packed)]);                              \
+            dx[i] = from_f32<T>(backward);                                                     \
+        }                                                                                      \
     }
-}
-
-// tanhf may differ from the CPU's tanh in the last bit or two.
-template <class T>
-__device__ void tanh_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n, int packed) {
-    GRID_STRIDE(i, n) {
-        y[i] = from_f32<T>(tanhf(to_f32(x[at(x_layout, tile, i, packed)])));
-    }
-}
-
-template <class T>
-__device__ void tanh_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_layout, T* dx,
-                              Box4 tile, i64 n, int packed) {
-    GRID_STRIDE(i, n) {
-        float yv = to_f32(y[at(y_layout, tile, i, packed)]);
-        float g = to_f32(dy[at(dy_layout, tile, i, packed)]);
-        dx[i] = from_f32<T>(g * (1.0f - yv * yv));
-    }
-}
+UNARY_OPS(UNARY_OP_TEMPLATES)
 
 template <class T>
 __device__ void add_forward_t(const T* a, Box4 a_layout, const T* b, Box4 b_layout, T* y,
@@ -292,13 +284,17 @@ __device__ void add_forward_t(const T* a, Box4 a_layout, const T* b, Box4 b_layo
 #define ELEMENTWISE_KERNELS(T, suffix)          \
     UNARY_KERNEL(relu_forward, T, suffix)       \
     BINARY_KERNEL(relu_backward, T, suffix)     \
-    UNARY_KERNEL(sigmoid_forward, T, suffix)    \
-    BINARY_KERNEL(sigmoid_backward, T, suffix)  \
-    UNARY_KERNEL(tanh_forward, T, suffix)       \
-    BINARY_KERNEL(tanh_backward, T, suffix)     \
     BINARY_KERNEL(add_forward, T, suffix)
 ELEMENTWISE_KERNELS(float, )
 ELEMENTWISE_KERNELS(bf16, _bf16)
+#define UNARY_OP_KERNELS_F32(name, forward, backward) \
+    UNARY_KERNEL(name##_forward, float, )             \
+    BINARY_KERNEL(name##_backward, float, )
+#define UNARY_OP_KERNELS_BF16(name, forward, backward) \
+    UNARY_KERNEL(name##_forward, bf16, _bf16)          \
+    BINARY_KERNEL(name##_backward, bf16, _bf16)
+UNARY_OPS(UNARY_OP_KERNELS_F32)
+UNARY_OPS(UNARY_OP_KERNELS_BF16)
 
 // ---------------------------------------------------------------------------------------------
 // Walking one channel of a tile: the per-channel kernels (bias and activation, the bias

@@ -5,6 +5,7 @@ use crate::probe::{Library, ProbeError, require};
 use cudarc::driver::{CudaContext, CudaFunction, DriverError};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use legion_ops::backend::DType;
+use legion_ops::op::Unary;
 use std::sync::{Arc, OnceLock};
 
 /// The kernel source, compiled at run time.
@@ -84,6 +85,24 @@ impl Twin {
     }
 }
 
+/// The forward and backward kernels of an element-wise unary op (`kernels.cu`'s `UNARY_OPS`).
+#[derive(Debug)]
+pub struct UnaryKernels {
+    pub forward: Twin,
+    pub backward: Twin,
+}
+
+impl Kernels {
+    /// The kernels of `op`.
+    pub fn unary(&self, op: Unary) -> &UnaryKernels {
+        let at = Unary::ALL
+            .iter()
+            .position(|&u| u == op)
+            .expect("every unary op is in Unary::ALL");
+        &self.unary[at]
+    }
+}
+
 /// [`Kernels`] (a field per kernel of [`SOURCE`]: a [`Twin`] for those with a bf16 twin), their
 /// loading, [`KERNEL_NAMES`] and [`BF16_TWINS`], all from the one list below.
 macro_rules! kernels {
@@ -92,10 +111,13 @@ macro_rules! kernels {
         #[derive(Debug)]
         pub struct Kernels {
             $(pub $name: kernels!(@type $kind),)*
+            /// The element-wise unary ops' kernels, in the order of `Unary::ALL`
+            /// ([`Kernels::unary`]).
+            unary: Vec<UnaryKernels>,
         }
 
         /// Every `extern "C"` kernel of [`SOURCE`] but the bf16 twins (`{name}_bf16` of
-        /// [`BF16_TWINS`]), in source order.
+        /// [`BF16_TWINS`]) and the unary ops' ([`UnaryKernels`]), in source order.
         pub const KERNEL_NAMES: &[&str] = &[$(stringify!($name)),*];
 
         /// The kernels that read or write activations, each with a twin `{name}_bf16` that
@@ -118,8 +140,19 @@ macro_rules! kernels {
                         bf16: one(&format!("{name}_bf16"))?,
                     })
                 };
+                let unary = Unary::ALL
+                    .iter()
+                    .map(|op| {
+                        let (forward, backward) = op.kernel_names();
+                        Ok(UnaryKernels {
+                            forward: twin(forward)?,
+                            backward: twin(backward)?,
+                        })
+                    })
+                    .collect::<Result<_, CompileError>>()?;
                 Ok(Kernels {
                     $($name: kernels!(@load $kind, one, twin, stringify!($name))?,)*
+                    unary,
                 })
             }
         }
@@ -154,10 +187,6 @@ kernels! {
     cast_bf16_f32: one,
     relu_forward: twin,
     relu_backward: twin,
-    sigmoid_forward: twin,
-    sigmoid_backward: twin,
-    tanh_forward: twin,
-    tanh_backward: twin,
     add_forward: twin,
     bias_activation: twin,
     bias_activation_rows: twin,
@@ -202,10 +231,20 @@ mod tests {
             Ok(ptx) => ptx,
             Err(error) => panic!("{error}"),
         };
-        let twins = BF16_TWINS.iter().map(|name| format!("{name}_bf16"));
+        let unary = Unary::ALL.iter().flat_map(|op| {
+            let (forward, backward) = op.kernel_names();
+            [forward, backward]
+        });
+        let twins = BF16_TWINS
+            .iter()
+            .copied()
+            .chain(unary.clone())
+            .map(|name| format!("{name}_bf16"));
         let names: Vec<String> = KERNEL_NAMES
             .iter()
-            .map(|n| n.to_string())
+            .copied()
+            .chain(unary)
+            .map(str::to_string)
             .chain(twins)
             .collect();
         for name in &names {

@@ -311,11 +311,18 @@ macro_rules! both {
 // ---------------------------------------------------------------------------------------------
 // Generic cases.
 
+/// ReLU (the op convolutions fuse) or an op of the unary family.
 #[derive(Clone, Copy, Debug)]
 enum Unary {
     Relu,
-    Sigmoid,
-    Tanh,
+    Op(legion_ops::op::Unary),
+}
+
+impl Unary {
+    /// ReLU, then every op of the unary family.
+    fn all() -> impl Iterator<Item = Unary> {
+        std::iter::once(Unary::Relu).chain(legion_ops::op::Unary::ALL.iter().map(|&u| Unary::Op(u)))
+    }
 }
 
 fn unary_forward<D: Device>(
@@ -329,8 +336,7 @@ fn unary_forward<D: Device>(
     let mut y = out(d, s, tile);
     match kind {
         Unary::Relu => d.relu_forward(s, x.read(), y.write()),
-        Unary::Sigmoid => d.sigmoid_forward(s, x.read(), y.write()),
-        Unary::Tanh => d.tanh_forward(s, x.read(), y.write()),
+        Unary::Op(op) => d.unary_forward(s, op, x.read(), y.write()),
     }
     vec![("y", d.get(s, &y.mem))]
 }
@@ -347,8 +353,7 @@ fn unary_backward<D: Device>(
     let mut dx = out(d, s, tile);
     match kind {
         Unary::Relu => d.relu_backward(s, y.read(), dy.read(), dx.write()),
-        Unary::Sigmoid => d.sigmoid_backward(s, y.read(), dy.read(), dx.write()),
-        Unary::Tanh => d.tanh_backward(s, y.read(), dy.read(), dx.write()),
+        Unary::Op(op) => d.unary_backward(s, op, y.read(), dy.read(), dx.write()),
     }
     vec![("dx", d.get(s, &dx.mem))]
 }
@@ -1011,7 +1016,7 @@ fn elementwise_cases(h: &mut Harness) {
         let x = Host::random(view, seed);
         let dy = Host::random(view, seed + 1);
         let b = Host::random(view, seed + 2);
-        for kind in [Unary::Relu, Unary::Sigmoid, Unary::Tanh] {
+        for kind in Unary::all() {
             both!(
                 h,
                 format!("{kind:?} forward, {what}"),

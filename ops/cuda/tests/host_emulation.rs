@@ -13,7 +13,7 @@ use legion_ops::backend::cpu::{Buffer, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, Out};
 use legion_ops::data::{Synthetic, SyntheticBatch};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind};
+use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind, Unary};
 use legion_ops::rng::Rng;
 use legion_ops::shape::{Rect, Shape, copy_rect};
 use legion_ops::train::Sgd;
@@ -178,6 +178,18 @@ void emu_set(unsigned block, unsigned block_dim, unsigned grid_dim, unsigned thr
 }
 "#;
 
+/// The forward kernels of ReLU (`None`) and of every op of the unary family.
+fn forward_kernels() -> impl Iterator<Item = (&'static str, Option<Unary>)> {
+    std::iter::once(("relu_forward", None))
+        .chain(Unary::ALL.iter().map(|&op| (op.kernel_names().0, Some(op))))
+}
+
+/// The backward kernels of ReLU (`None`) and of every op of the unary family.
+fn backward_kernels() -> impl Iterator<Item = (&'static str, Option<Unary>)> {
+    std::iter::once(("relu_backward", None))
+        .chain(Unary::ALL.iter().map(|&op| (op.kernel_names().1, Some(op))))
+}
+
 /// Compiles kernels.cu with the host's C++ compiler into a shared library, or says why not.
 fn compile(dir: &Path) -> Result<PathBuf, String> {
     let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
@@ -281,7 +293,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
         let packed = (box4(&view) == box4(&tile)) as i32;
         type U = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, i64, i32);
         type B = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Box4, i64, i32);
-        for name in ["relu_forward", "sigmoid_forward", "tanh_forward"] {
+        for (name, op) in forward_kernels() {
             let f: Symbol<U> = emu.sym(name);
             let mut want = Buffer::F32(vec![0.0; tile.volume()]);
             let o = Out {
@@ -292,10 +304,9 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                 rect: view,
                 mem: &x,
             };
-            match name {
-                "relu_forward" => Cpu::default().relu_forward(&mut CpuStream, i, o),
-                "sigmoid_forward" => Cpu::default().sigmoid_forward(&mut CpuStream, i, o),
-                _ => Cpu::default().tanh_forward(&mut CpuStream, i, o),
+            match op {
+                None => Cpu::default().relu_forward(&mut CpuStream, i, o),
+                Some(op) => Cpu::default().unary_forward(&mut CpuStream, op, i, o),
             }
             let mut got = vec![0.0; tile.volume()];
             emu.launch(1, 1, || unsafe {
@@ -310,12 +321,8 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             });
             report.check(&format!("{name} {what}"), &got, want.f32(), 1e-6);
         }
-        for name in [
-            "relu_backward",
-            "sigmoid_backward",
-            "tanh_backward",
-            "add_forward",
-        ] {
+        let backward = backward_kernels().map(|(name, op)| (name, Some(op)));
+        for (name, op) in backward.chain([("add_forward", None)]) {
             let f: Symbol<B> = emu.sym(name);
             let mut want = Buffer::F32(vec![0.0; tile.volume()]);
             let o = Out {
@@ -332,11 +339,10 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
                     mem: &dy,
                 },
             );
-            match name {
-                "relu_backward" => Cpu::default().relu_backward(&mut CpuStream, a, b, o),
-                "sigmoid_backward" => Cpu::default().sigmoid_backward(&mut CpuStream, a, b, o),
-                "tanh_backward" => Cpu::default().tanh_backward(&mut CpuStream, a, b, o),
-                _ => Cpu::default().add_forward(&mut CpuStream, a, b, o),
+            match op {
+                Some(None) => Cpu::default().relu_backward(&mut CpuStream, a, b, o),
+                Some(Some(op)) => Cpu::default().unary_backward(&mut CpuStream, op, a, b, o),
+                None => Cpu::default().add_forward(&mut CpuStream, a, b, o),
             }
             let mut got = vec![0.0; tile.volume()];
             emu.launch(1, 1, || unsafe {
@@ -1504,7 +1510,7 @@ fn bf16_twins_compute_in_f32_between_a_bf16_load_and_store() {
 
     // unary twins: the CPU's f32 result on the bf16 inputs, rounded once
     type U = unsafe extern "C" fn(*const u16, Box4, *mut u16, Box4, i64, i32);
-    for name in ["relu_forward", "sigmoid_forward", "tanh_forward"] {
+    for (name, op) in forward_kernels() {
         let f: Symbol<U> = emu.sym(&format!("{name}_bf16"));
         let mut want = Buffer::F32(vec![0.0; tile.volume()]);
         let (i, o) = (
@@ -1517,10 +1523,9 @@ fn bf16_twins_compute_in_f32_between_a_bf16_load_and_store() {
                 mem: &mut want,
             },
         );
-        match name {
-            "relu_forward" => Cpu::default().relu_forward(&mut CpuStream, i, o),
-            "sigmoid_forward" => Cpu::default().sigmoid_forward(&mut CpuStream, i, o),
-            _ => Cpu::default().tanh_forward(&mut CpuStream, i, o),
+        match op {
+            None => Cpu::default().relu_forward(&mut CpuStream, i, o),
+            Some(op) => Cpu::default().unary_forward(&mut CpuStream, op, i, o),
         }
         let mut got = vec![0u16; tile.volume()];
         emu.launch(1, 1, || unsafe {

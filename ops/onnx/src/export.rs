@@ -120,8 +120,9 @@ fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
                 g.node.push(node(op_type, name, inputs, name, attrs));
             }
             Op::Relu(_) => g.node.push(node("Relu", name, inputs, name, vec![])),
-            Op::Sigmoid(_) => g.node.push(node("Sigmoid", name, inputs, name, vec![])),
-            Op::Tanh(_) => g.node.push(node("Tanh", name, inputs, name, vec![])),
+            Op::Unary(u) => g
+                .node
+                .push(node(u.op.onnx_op(), name, inputs, name, vec![])),
             Op::Flatten(_) => {
                 g.node
                     .push(node("Flatten", name, inputs, name, vec![int("axis", 1)]))

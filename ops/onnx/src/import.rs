@@ -11,8 +11,19 @@ use prost::Message;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-/// The ops `import` maps, with what each accepts; the README's table says the same.
-pub const SUPPORTED_OPS: &[(&str, &str)] = &[
+/// The ops `import` maps, with what each accepts, the element-wise unary family (`op::Unary`)
+/// last; the table of `docs/formats.md` says the same.
+pub fn supported_ops() -> Vec<(String, &'static str)> {
+    let unary: Vec<&str> = op::Unary::ALL.iter().map(|u| u.onnx_op()).collect();
+    MAPPED
+        .iter()
+        .map(|&(ops, what)| (ops.to_string(), what))
+        .chain([(unary.join(", "), "elementwise, no attributes")])
+        .collect()
+}
+
+/// [`supported_ops`] but the unary family.
+const MAPPED: &[(&str, &str)] = &[
     (
         "Conv",
         "2-D, group, strides, symmetric pads, dilations 1; a Relu reading it alone is fused",
@@ -25,7 +36,7 @@ pub const SUPPORTED_OPS: &[(&str, &str)] = &[
         "MatMul",
         "by a constant [in, out] matrix; an Add of a constant [out] after it is its bias",
     ),
-    ("Relu, Sigmoid, Tanh", "elementwise"),
+    ("Relu", "elementwise"),
     (
         "MaxPool, AveragePool",
         "2-D, symmetric pads, dilations 1, ceil_mode only where it changes no size; AveragePool \
@@ -388,14 +399,14 @@ impl<'g> Importer<'g> {
             "Conv" => self.conv(node, &output),
             "Gemm" => self.gemm(node, &output),
             "MatMul" => self.matmul(node, &output),
-            "Relu" | "Sigmoid" | "Tanh" => {
+            "Relu" => {
                 let x = self.layer(node, 0)?;
-                let op = match op_type {
-                    "Relu" => Op::Relu(op::Relu {}),
-                    "Sigmoid" => Op::Sigmoid(op::Sigmoid {}),
-                    _ => Op::Tanh(op::Tanh {}),
-                };
-                self.add(&node_layer_name(node), op, &[x], &output)
+                self.add(&node_layer_name(node), Op::Relu(op::Relu {}), &[x], &output)
+                    .map(drop)
+            }
+            unary if let Some(unary) = op::Unary::from_onnx(unary) => {
+                let x = self.layer(node, 0)?;
+                self.add(&node_layer_name(node), Op::unary(unary), &[x], &output)
                     .map(drop)
             }
             "MaxPool" | "AveragePool" => self.pool(node, &output),
@@ -559,9 +570,9 @@ impl<'g> Importer<'g> {
             }
             other => Err(format!(
                 "op '{other}' is not supported; supported: {}",
-                SUPPORTED_OPS
-                    .iter()
-                    .map(|(ops, _)| *ops)
+                supported_ops()
+                    .into_iter()
+                    .map(|(ops, _)| ops)
                     .collect::<Vec<_>>()
                     .join(", ")
             )),

@@ -1,6 +1,6 @@
 //! legion-onnx: ONNX files to and from legion-rs models.
 //!
-//! [`import`] maps the CNN subset of ONNX (the table in [`SUPPORTED_OPS`]) onto a
+//! [`import`] maps the CNN subset of ONNX (the table of [`supported_ops`]) onto a
 //! [`legion_ops::Graph`], the same graph a JSON model file gives, with the softmax cross-entropy
 //! loss appended, and the file's initializers as initial weights under the names the file gave
 //! them. [`export`] writes a graph's inference form (every layer but the loss) with its weights.
@@ -14,7 +14,7 @@ mod import;
 pub mod proto;
 
 pub use export::{export, save};
-pub use import::{Imported, SUPPORTED_OPS, import, load};
+pub use import::{Imported, import, load, supported_ops};
 
 /// What went wrong reading or writing an ONNX model: the file, where in it, and what.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

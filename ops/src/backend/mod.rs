@@ -535,21 +535,21 @@ pub trait Backend {
         dy: In<Self::Buffer>,
         dx: Out<Self::Buffer>,
     );
-    fn sigmoid_forward(&self, s: &mut Self::Stream, x: In<Self::Buffer>, y: Out<Self::Buffer>);
-    /// From the output `y` and its gradient: `dx = dy·y·(1 − y)`.
-    fn sigmoid_backward(
+    /// `y = f(x)` for an element-wise op of the [`Unary`](crate::op::Unary) family.
+    fn unary_forward(
         &self,
         s: &mut Self::Stream,
-        y: In<Self::Buffer>,
-        dy: In<Self::Buffer>,
-        dx: Out<Self::Buffer>,
+        op: crate::op::Unary,
+        x: In<Self::Buffer>,
+        y: Out<Self::Buffer>,
     );
-    fn tanh_forward(&self, s: &mut Self::Stream, x: In<Self::Buffer>, y: Out<Self::Buffer>);
-    /// From the output `y` and its gradient: `dx = dy·(1 − y²)`.
-    fn tanh_backward(
+    /// `dx = dy·f′`, from what the op's gradient reads (its input or its output, as
+    /// `Unary::grad_from` says) and the output gradient.
+    fn unary_backward(
         &self,
         s: &mut Self::Stream,
-        y: In<Self::Buffer>,
+        op: crate::op::Unary,
+        read: In<Self::Buffer>,
         dy: In<Self::Buffer>,
         dx: Out<Self::Buffer>,
     );

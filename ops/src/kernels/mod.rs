@@ -26,9 +26,8 @@ pub mod dropout;
 pub mod gemm;
 pub mod pool2d;
 pub mod relu;
-pub mod sigmoid;
 pub mod softmax_ce;
-pub mod tanh;
+pub mod unary;
 
 use crate::shape::Rect;
 

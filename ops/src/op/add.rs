@@ -34,7 +34,9 @@ impl OpSpec for Add {
 }
 
 impl OpKernels for Add {
-    const BACKWARD_READS: BackwardReads = BackwardReads::OUTPUT_GRAD_ONLY;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::OUTPUT_GRAD_ONLY
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let (a, b) = (c.read(Role::Input(0)), c.read(Role::Input(1)));

@@ -97,7 +97,9 @@ impl OpSpec for BatchNorm {
 impl OpKernels for BatchNorm {
     /// What its backward phases read (the output only with the ReLU fused); the lowering builds
     /// batch norm's phases itself and does not consult this.
-    const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS_AND_OUTPUT;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::INPUTS_AND_OUTPUT
+    }
 
     /// Batch norm runs in phases (`run`), never as one forward.
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {

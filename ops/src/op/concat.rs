@@ -72,7 +72,9 @@ impl OpSpec for Concat {
 }
 
 impl OpKernels for Concat {
-    const BACKWARD_READS: BackwardReads = BackwardReads::OUTPUT_GRAD_ONLY;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::OUTPUT_GRAD_ONLY
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let shapes = c.input_shapes();

@@ -212,7 +212,9 @@ impl super::ReductionKernels for Conv2d {
 }
 
 impl OpKernels for Conv2d {
-    const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS_AND_OUTPUT;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::INPUTS_AND_OUTPUT
+    }
 
     fn run<B: Backend>(&self, phase: Phase, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         use super::ReductionKernels;

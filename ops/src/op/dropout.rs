@@ -34,7 +34,9 @@ impl OpSpec for Dropout {
 }
 
 impl OpKernels for Dropout {
-    const BACKWARD_READS: BackwardReads = BackwardReads::OUTPUT_GRAD_ONLY;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::OUTPUT_GRAD_ONLY
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let mask = c.dropout_mask(self.rate);

@@ -35,7 +35,9 @@ impl OpSpec for Flatten {
 }
 
 impl OpKernels for Flatten {
-    const BACKWARD_READS: BackwardReads = BackwardReads::OUTPUT_GRAD_ONLY;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::OUTPUT_GRAD_ONLY
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));

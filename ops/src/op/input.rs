@@ -28,7 +28,9 @@ impl OpSpec for Input {
 }
 
 impl OpKernels for Input {
-    const BACKWARD_READS: BackwardReads = BackwardReads::OUTPUT_GRAD_ONLY;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::OUTPUT_GRAD_ONLY
+    }
 
     /// Loads the tile of the step's images.
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {

@@ -14,9 +14,8 @@ mod flatten;
 mod input;
 mod pool2d;
 mod relu;
-mod sigmoid;
 mod softmax_ce;
-mod tanh;
+mod unary;
 
 pub use add::Add;
 pub use batch_norm::{
@@ -30,9 +29,8 @@ pub use flatten::Flatten;
 pub use input::Input;
 pub use pool2d::{Pool2d, PoolKind};
 pub use relu::Relu;
-pub use sigmoid::Sigmoid;
 pub use softmax_ce::SoftmaxCrossEntropy;
-pub use tanh::Tanh;
+pub use unary::{GradFrom, Unary, UnaryOp};
 
 use crate::backend::{Backend, In, KernelCall, KernelError, Out, Phase, Role};
 use crate::shape::{Dim, Rect, Shape};
@@ -383,7 +381,7 @@ impl BackwardReads {
 /// trainer, the runtime's executor) reach this through [`Op::run`] and never match on ops.
 pub trait OpKernels {
     /// What [`backward`](Self::backward) reads (the output gradient is read if present).
-    const BACKWARD_READS: BackwardReads;
+    fn backward_reads(&self) -> BackwardReads;
 
     fn forward<B: Backend>(&self, call: &mut KernelCall<B>) -> Result<(), KernelError>;
 
@@ -417,112 +415,94 @@ impl Rect {
     }
 }
 
-/// Every op, as stored in a graph and in model JSON files (`"op": "conv2d"` plus its attributes).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Op {
-    Input(Input),
-    Conv2d(Conv2d),
-    Pool2d(Pool2d),
-    Dense(Dense),
-    Relu(Relu),
-    Sigmoid(Sigmoid),
-    Tanh(Tanh),
-    Flatten(Flatten),
-    Concat(Concat),
-    Add(Add),
-    BatchNorm(BatchNorm),
-    Dropout(Dropout),
-    SoftmaxCrossEntropy(SoftmaxCrossEntropy),
+/// [`Op`] and its dispatch, from one list: each entry is the variant (named as its type) and its
+/// name in JSON and error messages, which serde's snake_case spelling of the variant matches
+/// (`ops_serialize_under_their_kind` holds them equal). The element-wise unary family is one
+/// variant, last: its JSON names are the family's (`{"op": "tanh"}`).
+macro_rules! ops {
+    ($($variant:ident = $kind:literal,)*) => {
+        /// Every op, as stored in a graph and in model JSON files (`"op": "conv2d"` plus its
+        /// attributes).
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+        pub enum Op {
+            $($variant($variant),)*
+            /// An element-wise unary op of the [`Unary`] family.
+            #[serde(untagged)]
+            Unary(UnaryOp),
+        }
+
+        impl Op {
+            /// The name of every op in JSON, the unary family's included, in the list's order.
+            pub fn kinds() -> impl Iterator<Item = &'static str> {
+                [$($kind),*].into_iter().chain(Unary::ALL.iter().map(|u| u.name()))
+            }
+
+            /// The op's name as written in JSON and error messages.
+            pub fn kind(&self) -> &'static str {
+                match self {
+                    $(Op::$variant(_) => $kind,)*
+                    Op::Unary(u) => u.op.name(),
+                }
+            }
+
+            pub fn spec(&self) -> &dyn OpSpec {
+                match self {
+                    $(Op::$variant(o) => o,)*
+                    Op::Unary(o) => o,
+                }
+            }
+
+            /// Runs one phase of this op (see [`crate::backend`]). The optimizer update is the
+            /// same for every op's parameters and runs here.
+            pub fn run<B: Backend>(
+                &self,
+                phase: Phase,
+                call: &mut KernelCall<B>,
+            ) -> Result<(), KernelError> {
+                if let Phase::Update { param } = phase {
+                    let grad = call.read(Role::ParamGrad(param));
+                    let velocity = call.write(Role::Velocity(param));
+                    let w = call.write(Role::Param(param));
+                    call.backend
+                        .sgd_update(call.stream, &call.step.sgd, grad, w, velocity);
+                    return Ok(());
+                }
+                match self {
+                    $(Op::$variant(o) => o.run(phase, call),)*
+                    Op::Unary(o) => o.run(phase, call),
+                }
+            }
+
+            /// What this op's backward phase reads besides its parameters.
+            pub fn backward_reads(&self) -> BackwardReads {
+                match self {
+                    $(Op::$variant(o) => o.backward_reads(),)*
+                    Op::Unary(o) => o.backward_reads(),
+                }
+            }
+        }
+    };
+}
+
+ops! {
+    Input = "input",
+    Conv2d = "conv2d",
+    Pool2d = "pool2d",
+    Dense = "dense",
+    Relu = "relu",
+    Flatten = "flatten",
+    Concat = "concat",
+    Add = "add",
+    BatchNorm = "batch_norm",
+    Dropout = "dropout",
+    SoftmaxCrossEntropy = "softmax_cross_entropy",
 }
 
 impl Op {
-    /// The op's name as written in JSON and error messages.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Op::Input(_) => "input",
-            Op::Conv2d(_) => "conv2d",
-            Op::Pool2d(_) => "pool2d",
-            Op::Dense(_) => "dense",
-            Op::Relu(_) => "relu",
-            Op::Sigmoid(_) => "sigmoid",
-            Op::Tanh(_) => "tanh",
-            Op::Flatten(_) => "flatten",
-            Op::Concat(_) => "concat",
-            Op::Add(_) => "add",
-            Op::BatchNorm(_) => "batch_norm",
-            Op::Dropout(_) => "dropout",
-            Op::SoftmaxCrossEntropy(_) => "softmax_cross_entropy",
-        }
-    }
-
-    pub fn spec(&self) -> &dyn OpSpec {
-        match self {
-            Op::Input(o) => o,
-            Op::Conv2d(o) => o,
-            Op::Pool2d(o) => o,
-            Op::Dense(o) => o,
-            Op::Relu(o) => o,
-            Op::Sigmoid(o) => o,
-            Op::Tanh(o) => o,
-            Op::Flatten(o) => o,
-            Op::Concat(o) => o,
-            Op::Add(o) => o,
-            Op::BatchNorm(o) => o,
-            Op::Dropout(o) => o,
-            Op::SoftmaxCrossEntropy(o) => o,
-        }
-    }
-
-    /// Runs one phase of this op (see [`crate::backend`]). The optimizer update is the same for
-    /// every op's parameters and runs here.
-    pub fn run<B: Backend>(
-        &self,
-        phase: Phase,
-        call: &mut KernelCall<B>,
-    ) -> Result<(), KernelError> {
-        if let Phase::Update { param } = phase {
-            let grad = call.read(Role::ParamGrad(param));
-            let velocity = call.write(Role::Velocity(param));
-            let w = call.write(Role::Param(param));
-            call.backend
-                .sgd_update(call.stream, &call.step.sgd, grad, w, velocity);
-            return Ok(());
-        }
-        match self {
-            Op::Input(o) => o.run(phase, call),
-            Op::Conv2d(o) => o.run(phase, call),
-            Op::Pool2d(o) => o.run(phase, call),
-            Op::Dense(o) => o.run(phase, call),
-            Op::Relu(o) => o.run(phase, call),
-            Op::Sigmoid(o) => o.run(phase, call),
-            Op::Tanh(o) => o.run(phase, call),
-            Op::Flatten(o) => o.run(phase, call),
-            Op::Concat(o) => o.run(phase, call),
-            Op::Add(o) => o.run(phase, call),
-            Op::BatchNorm(o) => o.run(phase, call),
-            Op::Dropout(o) => o.run(phase, call),
-            Op::SoftmaxCrossEntropy(o) => o.run(phase, call),
-        }
-    }
-
-    /// What this op's backward phase reads besides its parameters.
-    pub fn backward_reads(&self) -> BackwardReads {
-        match self {
-            Op::Input(_) => Input::BACKWARD_READS,
-            Op::Conv2d(_) => Conv2d::BACKWARD_READS,
-            Op::Pool2d(_) => Pool2d::BACKWARD_READS,
-            Op::Dense(_) => Dense::BACKWARD_READS,
-            Op::Relu(_) => Relu::BACKWARD_READS,
-            Op::Sigmoid(_) => Sigmoid::BACKWARD_READS,
-            Op::Tanh(_) => Tanh::BACKWARD_READS,
-            Op::Flatten(_) => Flatten::BACKWARD_READS,
-            Op::Concat(_) => Concat::BACKWARD_READS,
-            Op::Add(_) => Add::BACKWARD_READS,
-            Op::BatchNorm(_) => BatchNorm::BACKWARD_READS,
-            Op::Dropout(_) => Dropout::BACKWARD_READS,
-            Op::SoftmaxCrossEntropy(_) => SoftmaxCrossEntropy::BACKWARD_READS,
-        }
+    /// An element-wise unary op.
+    pub fn unary(op: Unary) -> Op {
+        Op::Unary(UnaryOp { op })
     }
 
     /// How many inputs the op takes (`None`: two or more).

@@ -112,7 +112,9 @@ impl OpSpec for Pool2d {
 }
 
 impl OpKernels for Pool2d {
-    const BACKWARD_READS: BackwardReads = BackwardReads::INPUTS;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::INPUTS
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));

@@ -28,7 +28,9 @@ impl OpSpec for Relu {
 }
 
 impl OpKernels for Relu {
-    const BACKWARD_READS: BackwardReads = BackwardReads::OUTPUT;
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads::OUTPUT
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));

@@ -31,11 +31,13 @@ impl OpSpec for SoftmaxCrossEntropy {
 
 impl OpKernels for SoftmaxCrossEntropy {
     /// The loss is the end of the graph: its gradient comes from the labels, not from a consumer.
-    const BACKWARD_READS: BackwardReads = BackwardReads {
-        inputs: true,
-        output: false,
-        output_grad: false,
-    };
+    fn backward_reads(&self) -> BackwardReads {
+        BackwardReads {
+            inputs: true,
+            output: false,
+            output_grad: false,
+        }
+    }
 
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let labels = c.step.batch.labels_of(&c.tile);

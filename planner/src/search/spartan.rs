@@ -479,7 +479,7 @@ mod tests {
         let mut b = GraphBuilder::new("maps");
         let x = b.input("x", Shape::nchw(8, 8, 4, 4)).unwrap();
         let r = b.relu("r", x).unwrap();
-        let s = b.sigmoid("s", r).unwrap();
+        let s = b.unary("s", r, legion_ops::op::Unary::Sigmoid).unwrap();
         let z = b.add("z", r, s).unwrap();
         let f = b.flatten("f", z).unwrap();
         b.softmax_cross_entropy("loss", f).unwrap();

@@ -190,7 +190,7 @@ pub enum LayerKind {
     /// Conv or dense: a matrix multiplication with a weight.
     Weighted,
     Pool,
-    /// relu, sigmoid, tanh, dropout, batch norm, add, concat: one tiling for all operands.
+    /// relu, the unary family, dropout, batch norm, add, concat: one tiling for all operands.
     Elementwise,
     Flatten,
     Loss,
@@ -205,8 +205,7 @@ impl LayerKind {
             Op::Flatten(_) => LayerKind::Flatten,
             Op::SoftmaxCrossEntropy(_) => LayerKind::Loss,
             Op::Relu(_)
-            | Op::Sigmoid(_)
-            | Op::Tanh(_)
+            | Op::Unary(_)
             | Op::Dropout(_)
             | Op::BatchNorm(_)
             | Op::Add(_)

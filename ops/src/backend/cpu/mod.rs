@@ -10,7 +10,7 @@ use super::{Backend, DType, In, KernelError, LossSums, Out};
 use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
 use crate::kernels::dropout::DropoutMask;
 use crate::kernels::{self, View, ViewMut};
-use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d};
+use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d, Unary};
 use crate::precision::{Precision, bf16_bits, bf16_value, round_bf16};
 use crate::shape::{Rect, Shape, copy_rect};
 use crate::train::Sgd;
@@ -556,20 +556,19 @@ impl Backend for Cpu {
         kernels::relu::relu_backward(wide(y).view(), wide(dy).view(), narrow(dx).view_mut());
     }
 
-    fn sigmoid_forward(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
-        kernels::sigmoid::sigmoid_forward(wide(x).view(), narrow(y).view_mut());
+    fn unary_forward(&self, _: &mut CpuStream, op: Unary, x: In<Buffer>, y: Out<Buffer>) {
+        op.forward_tile(wide(x).view(), narrow(y).view_mut());
     }
 
-    fn sigmoid_backward(&self, _: &mut CpuStream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
-        kernels::sigmoid::sigmoid_backward(wide(y).view(), wide(dy).view(), narrow(dx).view_mut());
-    }
-
-    fn tanh_forward(&self, _: &mut CpuStream, x: In<Buffer>, y: Out<Buffer>) {
-        kernels::tanh::tanh_forward(wide(x).view(), narrow(y).view_mut());
-    }
-
-    fn tanh_backward(&self, _: &mut CpuStream, y: In<Buffer>, dy: In<Buffer>, dx: Out<Buffer>) {
-        kernels::tanh::tanh_backward(wide(y).view(), wide(dy).view(), narrow(dx).view_mut());
+    fn unary_backward(
+        &self,
+        _: &mut CpuStream,
+        op: Unary,
+        read: In<Buffer>,
+        dy: In<Buffer>,
+        dx: Out<Buffer>,
+    ) {
+        op.backward_tile(wide(read).view(), wide(dy).view(), narrow(dx).view_mut());
     }
 
     fn add_forward(&self, _: &mut CpuStream, a: In<Buffer>, b: In<Buffer>, y: Out<Buffer>) {
