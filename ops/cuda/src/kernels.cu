@@ -238,7 +238,9 @@ __device__ void relu_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_
 // tanh in the last bit or two.
 #define UNARY_OPS(X)                                               \
     X(sigmoid, 1.0f / (1.0f + expf(-v)), g * r * (1.0f - r))      \
-    X(tanh, tanhf(v), g * (1.0f - r * r))
+    X(tanh, tanhf(v), g * (1.0f - r * r))                          \
+    X(hardswish, v * fminf(fmaxf(v + 3.0f, 0.0f), 6.0f) / 6.0f,    \
+      r < -3.0f ? 0.0f : (r <= 3.0f ? g * (r / 3.0f + 0.5f) : g))
 
 #define UNARY_OP_TEMPLATES(name, forward, backward)                                            \
     template <class T>                                                                         \

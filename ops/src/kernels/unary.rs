@@ -48,7 +48,7 @@ mod tests {
     }
 
     #[test]
-    fn sigmoid_and_tanh_match_their_definitions() {
+    fn forward_values_match_their_definitions() {
         let y = forward_of(Unary::Sigmoid, &[0.0, 2.0, -40.0]);
         assert_eq!(y[0], 0.5);
         assert!((y[1] - 0.880_797).abs() < 1e-6, "{}", y[1]);
@@ -58,6 +58,21 @@ mod tests {
         assert!((y[1] - 0.462_117_16).abs() < 1e-6, "{}", y[1]);
         assert_eq!(y[2], -y[1]);
         assert_eq!(y[3], 1.0);
+        let y = forward_of(Unary::Hardswish, &[-4.0, 0.0, 1.0, 4.0]);
+        assert_eq!(y, [0.0, 0.0, 4.0 / 6.0, 4.0]);
+    }
+
+    #[test]
+    fn hardswish_gradient_has_pytorchs_pieces() {
+        let rect = Shape::nc(1, 5).full_rect();
+        let x = [-3.5, -3.0, 0.0, 3.0, 3.5];
+        let mut dx = [9.0; 5];
+        Unary::Hardswish.backward_tile(
+            View::new(rect, &x),
+            View::new(rect, &[2.0; 5]),
+            ViewMut::new(rect, &mut dx),
+        );
+        assert_eq!(dx, [0.0, -1.0, 1.0, 3.0, 2.0]);
     }
 
     #[test]

@@ -103,6 +103,13 @@ unary_ops! {
         forward |x| x.tanh(),
         backward |y, g| g * (1.0 - y * y),
         flops (5, 3);
+    /// The hard swish of MobileNetV3, x · relu6(x + 3) / 6; f′ is 0 below −3, x/3 + 1/2 up to
+    /// 3, 1 above (PyTorch's `hardswish`). Forward: an addition, a clamp, a product and a
+    /// division; backward: two comparisons, a division, an addition and a product.
+    Hardswish = "hardswish", onnx "HardSwish", grad from Input,
+        forward |x| x * (x + 3.0).clamp(0.0, 6.0) / 6.0,
+        backward |x, g| if x < -3.0 { 0.0 } else if x <= 3.0 { g * (x / 3.0 + 0.5) } else { g },
+        flops (5, 5);
 }
 
 impl Unary {
