@@ -3,19 +3,12 @@
 //! half the bytes, the parameter synchronisation (t_s: fp32 gradients and weights) the same, and
 //! the simulator moves what Eq. 1 counts in either precision.
 
+mod support;
+
 use legion_ops::{Dim, Graph, Op, Precision};
 use legion_planner::search::{data_parallel, model_parallel, one_weird_trick};
 use legion_planner::simulate::{TaskKind, simulate};
 use legion_planner::{CostModel, MachineModel, ParallelConfig, RooflineCost};
-
-fn zoo(name: &str, batch: usize, image: Option<usize>) -> Graph {
-    let z = legion_ops::zoo::find(name).unwrap();
-    let mut config = z.default_config(batch);
-    if let Some(image) = image {
-        config.image_size = image;
-    }
-    z.build(&config).unwrap()
-}
 
 /// Data, model and OWT parallelism, and samples over half the devices with every conv2d and dense
 /// layer split into 2 partial sums (so that t_r moves something).
@@ -53,7 +46,7 @@ fn bf16_moves_half_the_activation_bytes_and_the_same_sync_bytes() {
         let bf16 = fp32.clone().with_precision(Precision::Bf16);
         let (fp32_cost, bf16_cost) = (RooflineCost::new(&fp32), RooflineCost::new(&bf16));
         for (name, image) in models {
-            let g = zoo(name, 4 * fp32.num_devices(), image);
+            let g = support::zoo_at(name, 4 * fp32.num_devices(), image);
             let full = CostModel::new(&g, &fp32, &fp32_cost);
             let half = CostModel::new(&g, &bf16, &bf16_cost);
             for (strategy, configs) in strategies(&g, &fp32) {
@@ -90,7 +83,7 @@ fn the_simulator_moves_what_eq1_counts_in_bf16() {
         .with_precision(Precision::Bf16);
     let provider = RooflineCost::new(&machine);
     for (name, image) in [("lenet5", None), ("alexnet", Some(67))] {
-        let g = zoo(name, 16, image);
+        let g = support::zoo_at(name, 16, image);
         let model = CostModel::new(&g, &machine, &provider);
         for (strategy, configs) in strategies(&g, &machine) {
             let cost = model.evaluate(&configs);
@@ -115,7 +108,7 @@ fn tf32_moves_what_fp32_moves() {
     let fp32 = MachineModel::preset("dgx-h100:16").unwrap();
     let tf32 = fp32.clone().with_precision(Precision::Tf32);
     let (p, q) = (RooflineCost::new(&fp32), RooflineCost::new(&tf32));
-    let g = zoo("alexnet", 64, Some(67));
+    let g = support::zoo_at("alexnet", 64, Some(67));
     for (strategy, configs) in strategies(&g, &fp32) {
         let a = CostModel::new(&g, &fp32, &p).evaluate(&configs);
         let b = CostModel::new(&g, &tf32, &q).evaluate(&configs);

@@ -3,16 +3,13 @@
 //! how long it takes. `cargo test --release -p legion-planner --test refine -- --ignored
 //! --nocapture` prints the table (Inception-v3 takes most of a minute).
 
-use legion_ops::Graph;
+mod support;
+use support::zoo;
+
 use legion_planner::search::{self, REFINE_STARTS, SearchKind, SearchOptions};
 use legion_planner::simulate::simulated_step_time;
 use legion_planner::{CostModel, CostTables, MachineModel, RooflineCost};
 use std::time::Instant;
-
-fn zoo(name: &str, batch: usize) -> Graph {
-    let z = legion_ops::zoo::find(name).unwrap();
-    z.build(&z.default_config(batch)).unwrap()
-}
 
 #[test]
 #[ignore = "prints a table; run in release"]

@@ -3,15 +3,12 @@
 //! takes. `cargo test --release -p legion-planner --test seed_planners -- --ignored --nocapture`
 //! prints the table.
 
-use legion_ops::Graph;
+mod support;
+use support::zoo;
+
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{CostModel, CostTables, MachineModel, RooflineCost};
 use std::time::Instant;
-
-fn zoo(name: &str, batch: usize) -> Graph {
-    let z = legion_ops::zoo::find(name).unwrap();
-    z.build(&z.default_config(batch)).unwrap()
-}
 
 #[test]
 #[ignore = "prints a table; run in release"]

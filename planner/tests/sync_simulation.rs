@@ -9,7 +9,9 @@
 //! legion-planner --test sync_simulation -- --ignored --nocapture` prints the full table, optcnn's
 //! strategies included.
 
-use legion_ops::Graph;
+mod support;
+use support::zoo;
+
 use legion_planner::search::{self, SearchKind, data_parallel, one_weird_trick};
 use legion_planner::simulate::{SyncSimulation, simulated_step_time, task_count};
 use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost};
@@ -31,11 +33,6 @@ fn tolerance(family: &str) -> f64 {
         "dgx-h100" => SHARED_PORTS_TOLERANCE,
         _ => TOLERANCE,
     }
-}
-
-fn zoo(name: &str, batch: usize) -> Graph {
-    let z = legion_ops::zoo::find(name).unwrap();
-    z.build(&z.default_config(batch)).unwrap()
 }
 
 /// The machine `family` at `devices`: the presets, and beyond the paper's 16 GPUs its testbed

@@ -1,14 +1,12 @@
 //! The zoo's models under the paper's machine: Algorithm 1 reduces them to two layers, beats the
 //! baselines under Eq. 1, and picks strategies of the paper's character.
 
-use legion_ops::{Dim, Graph, Op};
+mod support;
+use support::zoo;
+
+use legion_ops::{Dim, Op};
 use legion_planner::search::{self, SearchError, SearchKind, optcnn};
 use legion_planner::{CostModel, CostTables, MachineModel, RooflineCost, Strategy};
-
-fn zoo(name: &str, batch: usize) -> Graph {
-    let z = legion_ops::zoo::find(name).unwrap();
-    z.build(&z.default_config(batch)).unwrap()
-}
 
 #[test]
 fn zoo_models_reduce_to_two_layers() {

@@ -11,15 +11,12 @@
 //! `device = "cpu"` by `cluster.rs`.
 
 mod common;
+use common::stderr;
 
 use common::{ALEXNET_64, assert_clean_failure, free_udp_port, init_checkpoint, legion, ok};
 use common::{assert_same_tensors, train_from};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-
-fn stderr(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stderr).to_string()
-}
 
 #[test]
 fn gpus_flag_errors_name_the_flag() {

@@ -4,6 +4,7 @@
 //! accepts.
 
 mod common;
+use common::stderr;
 
 use common::{ALEXNET_64, assert_clean_failure, free_udp_port, legion, ok};
 use serde_json::Value;
@@ -16,10 +17,6 @@ fn s(path: &Path) -> &str {
 
 fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 fn json_lines(out: &Output) -> Vec<Value> {

@@ -4,16 +4,13 @@
 //! pricing half the activation bytes of fp32 with the same parameter-sync bytes.
 
 mod common;
+use common::stderr;
 
 use common::{assert_clean_failure, legion, ok};
 use serde_json::Value;
 use std::process::Output;
 
 const LENET: [&str; 6] = ["--model", "lenet5", "--batch", "8", "--steps", "1"];
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 /// A clap usage error: exit 2, no panic, and every needle in stderr.
 fn assert_usage_error(out: &Output, needles: &[&str]) {

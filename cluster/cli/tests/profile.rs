@@ -1,6 +1,9 @@
 //! `legion-rs profile` end to end: it writes a database the planner loads and uses, and a bad
 //! database is a clean error.
 
+mod common;
+use common::stderr;
+
 use legion_planner::ProfileDb;
 use std::process::{Command, Output};
 
@@ -9,10 +12,6 @@ fn legion(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("legion-rs runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]

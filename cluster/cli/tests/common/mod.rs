@@ -5,6 +5,11 @@ use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Output};
 use std::time::{Duration, Instant};
 
+/// A finished process's standard error, as text.
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// A UDP port on loopback that nothing is bound to now (a worker's QUIC port).
 pub fn free_udp_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0")
