@@ -5,7 +5,7 @@
 
 use crate::hosts::Hosts;
 use crate::remote::RemoteCluster;
-use legion_ops::backend::Backend;
+use legion_ops::backend::Pipeline;
 use legion_ops::backend::cpu::{Cpu, CpuStream};
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
 use legion_ops::data::SyntheticBatch;
@@ -240,7 +240,7 @@ fn retire(images: Vec<f32>) {
 }
 
 /// The one-device trainer on any backend.
-impl<B: Backend> Engine for Trainer<B> {
+impl<B: Pipeline> Engine for Trainer<B> {
     fn step(
         &mut self,
         batch: StepBatch<'_>,

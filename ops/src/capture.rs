@@ -6,7 +6,7 @@
 //! Legion calls tracing) the whole step is one launch. A step can be recorded when it is the same
 //! program every time: the same kernels on the same buffers, with what changes between steps
 //! (the batch, the step number dropout draws from, the loss totals) read from device memory at
-//! fixed addresses (`Backend::fix_step`).
+//! fixed addresses (`Pipeline::fix_step`).
 //!
 //! The policy is pure, so that it is tested here; [`crate::train::Trainer`] drives a backend with
 //! it. The first step runs as enqueued (a GPU backend times convolution algorithms and grows its

@@ -6,8 +6,8 @@
 
 use crate::backend::cpu::{Buffer, Cpu, CpuStream};
 use crate::backend::{
-    Access, Backend, BatchView, DType, In, KernelCall, KernelError, Operand, Out, Phase, Role,
-    StepContext, fill_host_batch,
+    Access, Backend, BatchView, DType, In, KernelCall, KernelError, Operand, Out, Phase, Pipeline,
+    Role, StepContext, fill_host_batch,
 };
 use crate::capture::{CaptureSetting, CaptureStatus, Recorded, StepCapture, StepRun};
 use crate::checkpoint::{self, TensorRef};
@@ -299,7 +299,7 @@ pub struct Readout {
 
 /// Trains a graph on one device of any backend: the single-device reference every strategy is
 /// checked against (on the CPU), and the one-device run on a GPU.
-pub struct Trainer<B: Backend = Cpu> {
+pub struct Trainer<B: Pipeline = Cpu> {
     graph: Graph,
     /// The graph's parameters and buffers, in `Graph::params` order.
     params: Vec<GraphParam>,
@@ -336,7 +336,7 @@ pub struct Trainer<B: Backend = Cpu> {
 
 /// A step enqueued whose stats are not read yet: its loss report (sent home), a marker behind
 /// its work, and what the host measured of it so far.
-struct InFlight<B: Backend> {
+struct InFlight<B: Pipeline> {
     /// Counted from 1.
     step: u64,
     loss: Option<(B::Loss, usize)>,
@@ -422,7 +422,7 @@ pub enum BatchInput<'a> {
         images: &'a [f32],
         labels: &'a [u32],
     },
-    /// Synthetic samples described for the device to draw ([`Backend::stage_synthetic`]).
+    /// Synthetic samples described for the device to draw ([`Pipeline::stage_synthetic`]).
     Synthetic(&'a SyntheticBatch),
 }
 
@@ -509,7 +509,7 @@ impl Trainer<Cpu> {
     }
 }
 
-impl<B: Backend> Trainer<B> {
+impl<B: Pipeline> Trainer<B> {
     /// Continues from `state` on `backend`'s device, its weights and momentum uploaded on `stream`.
     pub fn resume_on(
         backend: B,
@@ -1247,7 +1247,7 @@ impl<'a, K> Pass<'a, K> {
     }
 
     /// Every layer's output, the pending loss with the number of samples it sums over, and what
-    /// backward needs. `images` holds the batch (a taken [`Backend::stage_batch`], or the
+    /// backward needs. `images` holds the batch (a taken [`Pipeline::stage_batch`], or the
     /// buffer a recorded step reads): the input layer's output, borrowed and never copied.
     #[allow(clippy::type_complexity)]
     fn forward<'i, B: Backend<Marker = K>>(

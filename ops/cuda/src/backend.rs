@@ -21,7 +21,7 @@ use crate::probe::ProbeError;
 use crate::softmax_ce::PendingLoss;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use legion_ops::backend::cpu;
-use legion_ops::backend::{Backend, DType, In, KernelError, LossSums, Out};
+use legion_ops::backend::{Backend, DType, In, KernelError, LossSums, Out, Pipeline};
 use legion_ops::kernels::dropout::DropoutMask;
 use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, Unary};
 use legion_ops::precision::Precision;
@@ -231,7 +231,6 @@ impl Backend for Cuda {
     type Buffer = Buffer;
     type Stream = Stream;
     type Loss = PendingLoss;
-    type Staged = crate::batches::StagedBatch;
     type Marker = crate::staging::Marker;
 
     fn precision(&self) -> Precision {
@@ -362,105 +361,8 @@ impl Backend for Cuda {
             .map_err(|e| KernelError::Device(format!("CUDA: {e}")))
     }
 
-    fn send_loss_home(
-        &self,
-        s: &mut Stream,
-        loss: PendingLoss,
-    ) -> Result<PendingLoss, KernelError> {
-        self.send_loss_home_on(s, loss)
-    }
-
     fn read_loss(&self, loss: PendingLoss) -> LossSums {
         self.read_loss_of(loss)
-    }
-
-    type HostBatch = crate::batches::HostBatch;
-
-    fn begin_stage(
-        &self,
-        s: &mut Stream,
-        images: usize,
-        labels: usize,
-    ) -> Result<crate::batches::HostBatch, KernelError> {
-        self.begin_stage_on(s, images, labels)
-    }
-
-    fn host_slices(
-        batch: &mut crate::batches::HostBatch,
-    ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
-        Cuda::host_slices_of(batch)
-    }
-
-    fn finish_stage(
-        &self,
-        s: &mut Stream,
-        batch: crate::batches::HostBatch,
-    ) -> Result<crate::batches::StagedBatch, KernelError> {
-        self.finish_stage_on(s, batch)
-    }
-
-    fn take_staged(
-        &self,
-        s: &mut Stream,
-        staged: crate::batches::StagedBatch,
-    ) -> Result<Buffer, KernelError> {
-        self.take_staged_on(s, staged).map(Buffer::F32)
-    }
-
-    fn begin_synthetic(
-        &self,
-        s: &mut Stream,
-        batch: &legion_ops::data::SyntheticBatch,
-    ) -> Result<crate::batches::HostBatch, KernelError> {
-        self.begin_synthetic_on(s, batch)
-    }
-
-    fn finish_synthetic(
-        &self,
-        s: &mut Stream,
-        host: crate::batches::HostBatch,
-        batch: &legion_ops::data::SyntheticBatch,
-    ) -> Result<crate::batches::StagedBatch, KernelError> {
-        self.finish_synthetic_on(s, host, batch)
-    }
-
-    fn recycle_staged(&self, s: &mut Stream, images: Buffer) {
-        match images {
-            Buffer::F32(images) => self.recycle_staged_on(s, images),
-            other => panic!("a batch's images are f32, not {:?}", other.dtype()),
-        }
-    }
-
-    type Graph = crate::capture::StepGraph;
-
-    fn fix_step(
-        &self,
-        s: &mut Stream,
-        step: u64,
-        images: In<Buffer>,
-        fixed: Out<Buffer>,
-    ) -> Result<(), KernelError> {
-        self.fix_step_on(s, step, images, fixed)
-    }
-
-    fn begin_capture(&self, s: &mut Stream) -> Result<(), KernelError> {
-        self.begin_capture_on(s)
-    }
-
-    fn end_capture(&self, s: &mut Stream) -> Result<crate::capture::StepGraph, KernelError> {
-        self.end_capture_on(s)
-    }
-
-    fn abandon_capture(&self, s: &mut Stream) {
-        self.abandon_capture_on(s);
-    }
-
-    fn replay(
-        &self,
-        s: &mut Stream,
-        graph: &crate::capture::StepGraph,
-    ) -> Result<Vec<PendingLoss>, KernelError> {
-        self.replay_on(s, graph)
     }
 
     fn load_images(
@@ -791,6 +693,107 @@ impl Backend for Cuda {
         self.enqueue(s, "sgd_update", |s| {
             crate::sgd::update(self, s, sgd, grad, w, velocity)
         });
+    }
+}
+
+impl Pipeline for Cuda {
+    type Staged = crate::batches::StagedBatch;
+
+    fn send_loss_home(
+        &self,
+        s: &mut Stream,
+        loss: PendingLoss,
+    ) -> Result<PendingLoss, KernelError> {
+        self.send_loss_home_on(s, loss)
+    }
+
+    type HostBatch = crate::batches::HostBatch;
+
+    fn begin_stage(
+        &self,
+        s: &mut Stream,
+        images: usize,
+        labels: usize,
+    ) -> Result<crate::batches::HostBatch, KernelError> {
+        self.begin_stage_on(s, images, labels)
+    }
+
+    fn host_slices(
+        batch: &mut crate::batches::HostBatch,
+    ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
+        Cuda::host_slices_of(batch)
+    }
+
+    fn finish_stage(
+        &self,
+        s: &mut Stream,
+        batch: crate::batches::HostBatch,
+    ) -> Result<crate::batches::StagedBatch, KernelError> {
+        self.finish_stage_on(s, batch)
+    }
+
+    fn take_staged(
+        &self,
+        s: &mut Stream,
+        staged: crate::batches::StagedBatch,
+    ) -> Result<Buffer, KernelError> {
+        self.take_staged_on(s, staged).map(Buffer::F32)
+    }
+
+    fn begin_synthetic(
+        &self,
+        s: &mut Stream,
+        batch: &legion_ops::data::SyntheticBatch,
+    ) -> Result<crate::batches::HostBatch, KernelError> {
+        self.begin_synthetic_on(s, batch)
+    }
+
+    fn finish_synthetic(
+        &self,
+        s: &mut Stream,
+        host: crate::batches::HostBatch,
+        batch: &legion_ops::data::SyntheticBatch,
+    ) -> Result<crate::batches::StagedBatch, KernelError> {
+        self.finish_synthetic_on(s, host, batch)
+    }
+
+    fn recycle_staged(&self, s: &mut Stream, images: Buffer) {
+        match images {
+            Buffer::F32(images) => self.recycle_staged_on(s, images),
+            other => panic!("a batch's images are f32, not {:?}", other.dtype()),
+        }
+    }
+
+    type Graph = crate::capture::StepGraph;
+
+    fn fix_step(
+        &self,
+        s: &mut Stream,
+        step: u64,
+        images: In<Buffer>,
+        fixed: Out<Buffer>,
+    ) -> Result<(), KernelError> {
+        self.fix_step_on(s, step, images, fixed)
+    }
+
+    fn begin_capture(&self, s: &mut Stream) -> Result<(), KernelError> {
+        self.begin_capture_on(s)
+    }
+
+    fn end_capture(&self, s: &mut Stream) -> Result<crate::capture::StepGraph, KernelError> {
+        self.end_capture_on(s)
+    }
+
+    fn abandon_capture(&self, s: &mut Stream) {
+        self.abandon_capture_on(s);
+    }
+
+    fn replay(
+        &self,
+        s: &mut Stream,
+        graph: &crate::capture::StepGraph,
+    ) -> Result<Vec<PendingLoss>, KernelError> {
+        self.replay_on(s, graph)
     }
 }
 

@@ -1,4 +1,4 @@
-//! Batches staged ahead of their step: the GPU's side of `Backend::stage_batch`.
+//! Batches staged ahead of their step: the GPU's side of `Pipeline::stage_batch`.
 //!
 //! A step's batch (AlexNet 224 b128: 77 MB of images) takes milliseconds to cross the bus, and
 //! longer to be written into page-locked memory first. Done at the start of a step, both hold
@@ -108,7 +108,7 @@ struct HostSlot {
     labels: PinnedHostSlice<u32>,
 }
 
-/// One of the two sets a described synthetic batch (`Backend::stage_synthetic`) is drawn
+/// One of the two sets a described synthetic batch (`Pipeline::stage_synthetic`) is drawn
 /// from: its description in page-locked memory and on the device. The device buffers belong to
 /// the copy stream, which alone uses them, so a reuse is ordered after the draw that read them.
 struct DescribedSlot {

@@ -3,7 +3,7 @@
 //!
 //! A replay runs the recorded kernels on the addresses the recording saw, so what changes from
 //! step to step is put at addresses that stay, before the step is recorded or replayed
-//! (`Backend::fix_step`):
+//! (`Pipeline::fix_step`):
 //! - the batch: its images are copied into the caller's fixed buffer, its labels into the
 //!   stream's ([`Fixed`]);
 //! - the step number dropout draws its mask from: the stream's step word, written by a
@@ -113,7 +113,7 @@ impl Cuda {
         Ok(())
     }
 
-    /// `Backend::fix_step`.
+    /// `Pipeline::fix_step`.
     pub(crate) fn fix_step_on(
         &self,
         s: &mut Stream,
@@ -161,7 +161,7 @@ impl Cuda {
         Ok(())
     }
 
-    /// `Backend::begin_capture`.
+    /// `Pipeline::begin_capture`.
     pub(crate) fn begin_capture_on(&self, s: &mut Stream) -> Result<(), KernelError> {
         let failed = device("beginning to record a step");
         if !s.fixed.active {
@@ -180,7 +180,7 @@ impl Cuda {
         Ok(())
     }
 
-    /// `Backend::end_capture`.
+    /// `Pipeline::end_capture`.
     pub(crate) fn end_capture_on(&self, s: &mut Stream) -> Result<StepGraph, KernelError> {
         let failed = device("recording the step");
         s.fixed.recording = false;
@@ -206,7 +206,7 @@ impl Cuda {
         })
     }
 
-    /// `Backend::abandon_capture`.
+    /// `Pipeline::abandon_capture`.
     pub(crate) fn abandon_capture_on(&self, s: &mut Stream) {
         if s.fixed.recording {
             // An invalidated recording ends with an error; either way nothing is kept.
@@ -224,7 +224,7 @@ impl Cuda {
         }
     }
 
-    /// `Backend::replay`.
+    /// `Pipeline::replay`.
     pub(crate) fn replay_on(
         &self,
         s: &mut Stream,

@@ -186,7 +186,7 @@ pub struct Stream {
     pub(crate) step: Option<(CudaSlice<u64>, u64)>,
     /// What a recorded or replayed step reads at fixed addresses (see `crate::capture`).
     pub(crate) fixed: crate::capture::Fixed,
-    /// Page-locked memory loss reports are sent home into (`Backend::send_loss_home`).
+    /// Page-locked memory loss reports are sent home into (`Pipeline::send_loss_home`).
     pub(crate) loss_homes: crate::softmax_ce::LossHomes,
 }
 

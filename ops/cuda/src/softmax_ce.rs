@@ -14,7 +14,7 @@ use legion_ops::shape::Rect;
 use std::sync::{Arc, Mutex};
 
 /// A loss kernel's report: `[loss sum, correct count]` in device memory until read, or, once
-/// sent home (`Backend::send_loss_home`), copied into page-locked memory of its stream's.
+/// sent home (`Pipeline::send_loss_home`), copied into page-locked memory of its stream's.
 pub struct PendingLoss {
     pub(crate) totals: Option<CudaSlice<f64>>,
     pub(crate) home: Option<LossHome>,
@@ -110,7 +110,7 @@ impl std::fmt::Debug for LossHomes {
 }
 
 impl Cuda {
-    /// `Backend::send_loss_home`: the report's sums copied into page-locked memory on `s`, behind
+    /// `Pipeline::send_loss_home`: the report's sums copied into page-locked memory on `s`, behind
     /// the work that computes them; the device totals are freed in stream order after the copy.
     pub(crate) fn send_loss_home_on(
         &self,

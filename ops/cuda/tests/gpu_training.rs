@@ -73,7 +73,7 @@ struct Trained {
 
 /// Each step is given the next batch to stage, as a job gives it, except that step 0 is given
 /// the last batch instead: step 1 must then drop that staged batch and stage its own.
-fn train<B: legion_ops::backend::Backend>(
+fn train<B: legion_ops::backend::Pipeline>(
     mut trainer: Trainer<B>,
     data: &[(Vec<f32>, Vec<u32>)],
 ) -> Trained {
@@ -286,7 +286,7 @@ fn replayed_steps_train_exactly_as_enqueued_ones() {
 }
 
 /// Convolutions wide enough for cuDNN's FFT and Winograd algorithms to compete.
-/// Synthetic batches drawn by the GPU from their description (`Backend::stage_synthetic`, as
+/// Synthetic batches drawn by the GPU from their description (`Pipeline::stage_synthetic`, as
 /// `train` on one GPU does) train bit for bit as the same batches drawn on the host and copied,
 /// staged ahead, recorded and replayed.
 #[test]

@@ -12,13 +12,13 @@
 //! A GPU backend returns from a primitive once the work is enqueued: nothing a primitive returns may
 //! be read before [`Backend::synchronize`]. The loss is therefore a [`Backend::Loss`], redeemed
 //! with [`Backend::read_loss`] after the stream has synchronized, or, sent home first
-//! ([`Backend::send_loss_home`]), once the stream has passed a marker behind it
+//! ([`Pipeline::send_loss_home`]), once the stream has passed a marker behind it
 //! ([`Backend::wait_for`]) while later work still runs. The CPU backend runs each primitive when
 //! it is called, so its stream is a marker and synchronizing is free.
 
 pub mod cpu;
+mod pipeline;
 
-use crate::data::SyntheticBatch;
 use crate::graph::{Graph, LayerId};
 use crate::kernels::dropout::DropoutMask;
 use crate::op::{BatchNorm, Conv2d, Dense, Pool2d};
@@ -29,6 +29,7 @@ use std::fmt;
 use std::ops::Range;
 
 pub use crate::kernels::softmax_ce::LabelOutOfRange;
+pub use pipeline::Pipeline;
 
 /// What an operand is to a kernel: the argument slots of an op's phases.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -233,15 +234,8 @@ pub trait Backend {
     type Stream;
     /// A loss kernel's report, readable with [`Backend::read_loss`] once its stream synchronized.
     type Loss;
-    /// A step's whole batch on its way to the device (see [`Backend::stage_batch`]).
-    type Staged;
-    /// Host memory taken for one batch to be staged from (page-locked on a GPU).
-    type HostBatch;
     /// A point in a stream's work, for timing the work between two points.
     type Marker;
-    /// A training step's work recorded once and then replayed whole, as one launch (a CUDA
-    /// graph): see [`crate::capture`].
-    type Graph;
 
     /// The arithmetic this backend computes in (`crate::precision`): which element types a
     /// driver gives activations ([`DType::activation`]) and whether conv2d and dense weights get
@@ -324,134 +318,9 @@ pub trait Backend {
     /// of later work too: a failure is reported at the latest by the next wait).
     fn wait_for(&self, stream: &mut Self::Stream, marker: &Self::Marker)
     -> Result<(), KernelError>;
-    /// Enqueues on `stream` the move of a loss report to where the host reads it (page-locked
-    /// memory the stream keeps, on a GPU), so that [`Backend::read_loss`] may read it once the
-    /// stream has passed a marker recorded after this, without waiting for later work.
-    fn send_loss_home(
-        &self,
-        stream: &mut Self::Stream,
-        loss: Self::Loss,
-    ) -> Result<Self::Loss, KernelError>;
     /// A loss report, after its stream synchronized, or, sent home, after the stream passed a
     /// marker behind it.
     fn read_loss(&self, loss: Self::Loss) -> LossSums;
-
-    /// Starts moving a step's whole batch to the device: `images` laid out as the input layer's
-    /// output, and the labels with them. Work on `s` is not ordered after it, so a batch staged
-    /// while the previous step computes is on the device when its step begins (on a GPU the
-    /// copies run on a copy stream of their own, from page-locked memory). The host data may be
-    /// dropped once this returns.
-    fn stage_batch(
-        &self,
-        s: &mut Self::Stream,
-        images: &[f32],
-        labels: &[u32],
-    ) -> Result<Self::Staged, KernelError> {
-        let mut host = self.begin_stage(s, images.len(), labels.len())?;
-        fill_host_batch(Self::host_slices(&mut host)?, images, labels);
-        self.finish_stage(s, host)
-    }
-
-    /// [`Backend::stage_batch`] in three parts, so that another thread can fill the host memory
-    /// while this one enqueues a step: host memory for a batch of `images` and `labels` values
-    /// (once no earlier copy reads it)...
-    fn begin_stage(
-        &self,
-        s: &mut Self::Stream,
-        images: usize,
-        labels: usize,
-    ) -> Result<Self::HostBatch, KernelError>;
-    /// ...where the batch is written (images, labels), from any thread...
-    fn host_slices(batch: &mut Self::HostBatch) -> Result<(&mut [f32], &mut [u32]), KernelError>;
-    /// ...and the copies of the filled batch, enqueued.
-    fn finish_stage(
-        &self,
-        s: &mut Self::Stream,
-        batch: Self::HostBatch,
-    ) -> Result<Self::Staged, KernelError>;
-
-    /// Takes a staged batch for the step about to be enqueued on `s`: work enqueued on `s` from
-    /// now on waits for its copies, its images come back as the input layer's output, and the
-    /// loss kernels of the step find its labels on the device.
-    fn take_staged(
-        &self,
-        s: &mut Self::Stream,
-        staged: Self::Staged,
-    ) -> Result<Self::Buffer, KernelError>;
-
-    /// [`Backend::stage_batch`] for a batch of synthetic data described instead of drawn: a
-    /// GPU draws the images itself (bit-identical to the host's, [`SyntheticBatch::render`]), so
-    /// neither the host's threads nor the bus carry them. By default they are drawn on the host
-    /// and staged.
-    fn stage_synthetic(
-        &self,
-        s: &mut Self::Stream,
-        batch: &SyntheticBatch,
-    ) -> Result<Self::Staged, KernelError> {
-        let host = self.begin_synthetic(s, batch)?;
-        self.finish_synthetic(s, host, batch)
-    }
-
-    /// [`Backend::stage_synthetic`] in two parts, as [`Backend::begin_stage`] and
-    /// [`Backend::finish_stage`]: the batch's device buffers, taken before the step that the
-    /// drawing runs beside is enqueued (so the drawing does not wait for that step)...
-    fn begin_synthetic(
-        &self,
-        s: &mut Self::Stream,
-        batch: &SyntheticBatch,
-    ) -> Result<Self::HostBatch, KernelError> {
-        batch
-            .check()
-            .map_err(|e| KernelError::Batch(e.to_string()))?;
-        self.begin_stage(s, batch.len() * batch.sample_len(), batch.len())
-    }
-
-    /// ...and the drawing, enqueued after it.
-    fn finish_synthetic(
-        &self,
-        s: &mut Self::Stream,
-        mut host: Self::HostBatch,
-        batch: &SyntheticBatch,
-    ) -> Result<Self::Staged, KernelError> {
-        let (images, labels) = Self::host_slices(&mut host)?;
-        batch.render(images);
-        labels.copy_from_slice(&batch.labels);
-        self.finish_stage(s, host)
-    }
-
-    /// Hands back the images of a taken batch once its step is enqueued: a later
-    /// [`Backend::stage_batch`] may refill them after `s` has run what is enqueued now.
-    fn recycle_staged(&self, s: &mut Self::Stream, images: Self::Buffer);
-
-    /// Readies `s` for a step that is captured or replayed ([`Backend::begin_capture`],
-    /// [`Backend::replay`]): what differs from step to step goes where such a step reads it, at
-    /// addresses that stay. `step` (which dropout masks draw from) into the stream's own memory,
-    /// the labels of the batch the step took ([`Backend::take_staged`]) into the stream's own
-    /// buffer, and its `images` into `fixed`, a buffer the caller keeps from step to step. Until
-    /// the capture ends, loss kernels report into the stream's own totals.
-    fn fix_step(
-        &self,
-        s: &mut Self::Stream,
-        step: u64,
-        images: In<Self::Buffer>,
-        fixed: Out<Self::Buffer>,
-    ) -> Result<(), KernelError>;
-    /// Starts recording the work enqueued on `s` instead of running it (after
-    /// [`Backend::fix_step`]). A backend that runs each kernel as it is called says why it cannot.
-    fn begin_capture(&self, s: &mut Self::Stream) -> Result<(), KernelError>;
-    /// Ends the recording: the step's work, ready to [`Backend::replay`]. Every buffer allocated
-    /// while recording must have been dropped (it is freed within the recording).
-    fn end_capture(&self, s: &mut Self::Stream) -> Result<Self::Graph, KernelError>;
-    /// Drops a recording that failed (or whose step failed to enqueue): `s` runs work as it is
-    /// enqueued again, with no failure kept.
-    fn abandon_capture(&self, s: &mut Self::Stream);
-    /// Enqueues a captured step's work on `s` (after [`Backend::fix_step`] for this step), and
-    /// the reports of its loss kernels, in the order they were captured.
-    fn replay(
-        &self,
-        s: &mut Self::Stream,
-        graph: &Self::Graph,
-    ) -> Result<Vec<Self::Loss>, KernelError>;
 
     /// Copies `tile` of the step's host images (laid out over `held`) into `y`.
     fn load_images(
@@ -682,7 +551,7 @@ pub trait Backend {
     );
 }
 
-/// Writes a batch into the host memory [`Backend::host_slices`] lends, on several threads of its
+/// Writes a batch into the host memory [`Pipeline::host_slices`] lends, on several threads of its
 /// own: one thread copies a few GB/s, the memory system several times that. Not on the rayon
 /// pool, where the data loader builds the batches after it (measured on the lent H200: AlexNet's
 /// 77 MB took 12 ms there, beside the loader, against 4.5–8 ms on threads of its own).

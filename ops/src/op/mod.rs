@@ -417,19 +417,59 @@ impl Rect {
 
 /// [`Op`] and its dispatch, from one list: each entry is the variant (named as its type) and its
 /// name in JSON and error messages, which serde's snake_case spelling of the variant matches
-/// (`ops_serialize_under_their_kind` holds them equal). The element-wise unary family is one
+/// (`every_op_serializes_under_its_kind` holds them equal). The element-wise unary family is one
 /// variant, last: its JSON names are the family's (`{"op": "tanh"}`).
 macro_rules! ops {
     ($($variant:ident = $kind:literal,)*) => {
         /// Every op, as stored in a graph and in model JSON files (`"op": "conv2d"` plus its
         /// attributes).
-        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-        #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+        #[derive(Clone, Debug, PartialEq)]
         pub enum Op {
             $($variant($variant),)*
             /// An element-wise unary op of the [`Unary`] family.
-            #[serde(untagged)]
             Unary(UnaryOp),
+        }
+
+        /// The JSON of every op but the unary family's, read.
+        #[derive(Deserialize)]
+        #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+        enum Tagged {
+            $($variant($variant),)*
+        }
+
+        /// The JSON of every op but the unary family's, written.
+        #[derive(Serialize)]
+        #[serde(tag = "op", rename_all = "snake_case")]
+        enum TaggedRef<'a> {
+            $($variant(&'a $variant),)*
+        }
+
+        impl Serialize for Op {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                match self {
+                    $(Op::$variant(o) => TaggedRef::$variant(o).serialize(serializer),)*
+                    Op::Unary(o) => o.serialize(serializer),
+                }
+            }
+        }
+
+        /// By the `"op"` name: the unary family's as a [`UnaryOp`], the others as their own
+        /// attributes, each error naming the field serde found wrong.
+        impl<'de> Deserialize<'de> for Op {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Op, D::Error> {
+                use serde::de::Error;
+                let value = serde_json::Value::deserialize(deserializer)?;
+                let unary = value
+                    .get("op")
+                    .and_then(|kind| kind.as_str())
+                    .is_some_and(|kind| Unary::parse(kind).is_some());
+                if unary {
+                    return UnaryOp::deserialize(value).map(Op::Unary).map_err(D::Error::custom);
+                }
+                Ok(match Tagged::deserialize(value).map_err(D::Error::custom)? {
+                    $(Tagged::$variant(o) => Op::$variant(o),)*
+                })
+            }
         }
 
         impl Op {
@@ -552,4 +592,31 @@ pub(crate) fn expect_rank(inputs: &[Shape], rank: usize, what: &str) -> Result<S
         ));
     }
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_op_serializes_under_its_kind_and_reads_back() {
+        let mut ops: Vec<Op> = ["alexnet", "inception_v3", "resnet50", "lenet5"]
+            .into_iter()
+            .flat_map(|name| {
+                let z = crate::zoo::find(name).unwrap();
+                let g = z.build(&z.default_config(2)).unwrap();
+                g.layers().iter().map(|l| l.op.clone()).collect::<Vec<_>>()
+            })
+            .collect();
+        ops.extend(Unary::ALL.iter().map(|&u| Op::unary(u)));
+        let mut kinds = std::collections::BTreeSet::new();
+        for op in &ops {
+            let json = serde_json::to_value(op).unwrap();
+            assert_eq!(json["op"], op.kind(), "{json}");
+            assert_eq!(&serde_json::from_value::<Op>(json).unwrap(), op);
+            kinds.insert(op.kind());
+        }
+        let every: std::collections::BTreeSet<_> = Op::kinds().collect();
+        assert_eq!(kinds, every, "the zoo and the unary family hold every op");
+    }
 }

@@ -232,7 +232,6 @@ impl Backend for Cpu {
     type Stream = CpuStream;
     type Loss = LossSums;
     /// Host memory is the device's: staging is the copy `load_images` would make.
-    type Staged = Buffer;
     /// Work has run when its primitive returns: the host's clock times it.
     type Marker = std::time::Instant;
 
@@ -307,74 +306,8 @@ impl Backend for Cpu {
     }
 
     /// The sums are host memory already.
-    fn send_loss_home(&self, _: &mut CpuStream, loss: LossSums) -> Result<LossSums, KernelError> {
-        Ok(loss)
-    }
-
     fn read_loss(&self, loss: LossSums) -> LossSums {
         loss
-    }
-
-    type HostBatch = (Vec<f32>, Vec<u32>);
-
-    fn begin_stage(
-        &self,
-        _: &mut CpuStream,
-        images: usize,
-        labels: usize,
-    ) -> Result<(Vec<f32>, Vec<u32>), KernelError> {
-        Ok((vec![0.0; images], vec![0; labels]))
-    }
-
-    fn host_slices(
-        batch: &mut (Vec<f32>, Vec<u32>),
-    ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
-        Ok((&mut batch.0, &mut batch.1))
-    }
-
-    fn finish_stage(
-        &self,
-        _: &mut CpuStream,
-        (images, _labels): (Vec<f32>, Vec<u32>),
-    ) -> Result<Buffer, KernelError> {
-        Ok(Buffer::F32(images))
-    }
-
-    fn take_staged(&self, _: &mut CpuStream, staged: Buffer) -> Result<Buffer, KernelError> {
-        Ok(staged)
-    }
-
-    fn recycle_staged(&self, _: &mut CpuStream, _images: Buffer) {}
-
-    type Graph = std::convert::Infallible;
-
-    fn fix_step(
-        &self,
-        s: &mut CpuStream,
-        _step: u64,
-        images: In<Buffer>,
-        fixed: Out<Buffer>,
-    ) -> Result<(), KernelError> {
-        self.copy(s, images, fixed);
-        Ok(())
-    }
-
-    fn begin_capture(&self, _: &mut CpuStream) -> Result<(), KernelError> {
-        Err(KernelError::Device(
-            "the CPU runs each kernel when it is called: there is no queue to record".into(),
-        ))
-    }
-
-    fn end_capture(&self, _: &mut CpuStream) -> Result<Self::Graph, KernelError> {
-        Err(KernelError::Device(
-            "no capture was begun on the CPU".into(),
-        ))
-    }
-
-    fn abandon_capture(&self, _: &mut CpuStream) {}
-
-    fn replay(&self, _: &mut CpuStream, graph: &Self::Graph) -> Result<Vec<LossSums>, KernelError> {
-        match *graph {}
     }
 
     fn load_images(
@@ -788,6 +721,50 @@ impl Backend for Cpu {
         velocity: Out<Buffer>,
     ) {
         sgd.update(w.mem.f32_mut(), grad.mem.f32(), velocity.mem.f32_mut());
+    }
+}
+
+impl super::Pipeline for Cpu {
+    type Staged = Buffer;
+    type HostBatch = (Vec<f32>, Vec<u32>);
+
+    fn begin_stage(
+        &self,
+        _: &mut CpuStream,
+        images: usize,
+        labels: usize,
+    ) -> Result<(Vec<f32>, Vec<u32>), KernelError> {
+        Ok((vec![0.0; images], vec![0; labels]))
+    }
+
+    fn host_slices(
+        batch: &mut (Vec<f32>, Vec<u32>),
+    ) -> Result<(&mut [f32], &mut [u32]), KernelError> {
+        Ok((&mut batch.0, &mut batch.1))
+    }
+
+    fn finish_stage(
+        &self,
+        _: &mut CpuStream,
+        (images, _labels): (Vec<f32>, Vec<u32>),
+    ) -> Result<Buffer, KernelError> {
+        Ok(Buffer::F32(images))
+    }
+
+    fn take_staged(&self, _: &mut CpuStream, staged: Buffer) -> Result<Buffer, KernelError> {
+        Ok(staged)
+    }
+
+    type Graph = std::convert::Infallible;
+
+    fn begin_capture(&self, _: &mut CpuStream) -> Result<(), KernelError> {
+        Err(KernelError::Device(
+            "the CPU runs each kernel when it is called: there is no queue to record".into(),
+        ))
+    }
+
+    fn replay(&self, _: &mut CpuStream, graph: &Self::Graph) -> Result<Vec<LossSums>, KernelError> {
+        match *graph {}
     }
 }
 
