@@ -290,249 +290,31 @@ impl Hosts {
                  give it to `legion-rs up`, `status`, `down` or `train --cluster` there",
             ));
         }
-
-        let defaults = doc.defaults.map(Spanned::into_inner).unwrap_or_default();
-        let default_port = match &defaults.port {
-            Some(p) => src.port(p, "defaults.port")?,
-            None => DEFAULT_PORT,
-        };
-        let default_devices = match &defaults.devices {
-            Some(d) => Some(src.count(d, "defaults.devices")?),
-            None => None,
-        };
-        let default_kind = match &defaults.device {
-            Some(k) => src.device_kind(k, "defaults.device")?,
-            None => "cpu".to_string(),
-        };
-        let default_binary = match &defaults.binary {
-            Some(b) => Some(src.binary(b, "defaults.binary")?),
-            None => None,
-        };
-        let precision = match &defaults.precision {
-            Some(p) => Some(src.precision(p, "defaults.precision")?),
-            None => None,
-        };
-
+        let defaults =
+            src.host_defaults(doc.defaults.map(Spanned::into_inner).unwrap_or_default())?;
         if doc.host.is_empty() {
             return Err(src.at(0, "host", "expected at least one [[host]] table (or [slurm] for the nodes of a Slurm allocation)",
             ));
         }
-        // Names are filled in once all addresses are known (the default depends on them); the
-        // spans are kept to locate the uniqueness errors.
         let mut hosts = Vec::with_capacity(doc.host.len());
-        let mut name_spans = Vec::with_capacity(doc.host.len());
-        let mut address_spans = Vec::with_capacity(doc.host.len());
+        let mut spans = Vec::with_capacity(doc.host.len());
         for (i, table) in doc.host.iter().enumerate() {
-            let h = table.get_ref();
-            let field = |f: &str| format!("host[{i}].{f}");
-            let address = h.address.as_ref().ok_or_else(|| {
-                src.at(
-                    table.span().start,
-                    &field("address"),
-                    "missing; expected the IP address or DNS name of the host",
-                )
-            })?;
-            address_spans.push(address.span());
-            if let Some(name) = &h.name
-                && name.get_ref().trim().is_empty()
-            {
-                return Err(src.at(
-                    name.span().start,
-                    &field("name"),
-                    "expected a non-empty name (or no `name`: it defaults to the address)",
-                ));
-            }
-            name_spans.push(h.name.as_ref().map(|n| n.span()));
-            if let Some(ssh) = &h.ssh {
-                check_ssh(ssh.get_ref())
-                    .map_err(|m| src.at(ssh.span().start, &field("ssh"), &m))?;
-            }
-            if let Some(run_with) = &h.run_with {
-                let at = |m: &str| src.at(run_with.span().start, &field("run_with"), m);
-                if h.ssh.is_some() {
-                    return Err(at("expected either `ssh` or `run_with`, not both"));
-                }
-                if run_with.get_ref().is_empty() || run_with.get_ref().iter().any(|w| w.is_empty())
-                {
-                    return Err(at(
-                        "expected a command prefix of non-empty words, e.g. [\"ip\", \"netns\", \"exec\", \"ns0\"]",
-                    ));
-                }
-            }
-            let device_kind = match &h.device {
-                Some(k) => src.device_kind(k, &field("device"))?,
-                None => default_kind.clone(),
-            };
-            hosts.push(Host {
-                name: h
-                    .name
-                    .as_ref()
-                    .map(|n| n.get_ref().clone())
-                    .unwrap_or_default(),
-                address: src.address(address, &field("address"))?,
-                port: match &h.port {
-                    Some(p) => src.port(p, &field("port"))?,
-                    None => default_port,
-                },
-                devices: match &h.devices {
-                    Some(d) => src.count(d, &field("devices"))?,
-                    None => default_devices.unwrap_or(1),
-                },
-                devices_from_gpus: h.devices.is_none()
-                    && default_devices.is_none()
-                    && device_kind == GPU_KIND,
-                device_kind,
-                ssh: h.ssh.as_ref().map(|s| s.get_ref().clone()),
-                run_with: h
-                    .run_with
-                    .as_ref()
-                    .map(|r| r.get_ref().clone())
-                    .unwrap_or_default(),
-                binary: match &h.binary {
-                    Some(b) => Some(src.binary(b, &field("binary"))?),
-                    None => default_binary.clone(),
-                },
-            });
+            let (host, at) = src.host(i, table, &defaults)?;
+            hosts.push(host);
+            spans.push(at);
         }
-
-        let mut endpoints: HashMap<(&str, u16), usize> = HashMap::new();
-        for (i, h) in hosts.iter().enumerate() {
-            if let Some(j) = endpoints.insert((&h.address, h.port), i) {
-                return Err(src.at(
-                    address_spans[i].start,
-                    &format!("host[{i}].address"),
-                    &format!(
-                        "expected a unique address and port, but {} is already host[{j}]'s",
-                        h.endpoint()
-                    ),
-                ));
-            }
-        }
-        // Several workers on one address (loopback ones, typically) get "address:port": the bare
-        // address would name none of them unambiguously.
-        let mut per_address: HashMap<String, usize> = HashMap::new();
-        for h in &hosts {
-            *per_address.entry(h.address.clone()).or_default() += 1;
-        }
-        for h in hosts.iter_mut().filter(|h| h.name.is_empty()) {
-            h.name = if per_address[&h.address] == 1 {
-                h.address.clone()
-            } else {
-                h.endpoint()
-            };
-        }
-        let mut names: HashMap<&str, usize> = HashMap::new();
-        for (i, h) in hosts.iter().enumerate() {
-            if let Some(j) = names.insert(&h.name, i) {
-                let (span, note) = match &name_spans[i] {
-                    Some(span) => (span, ""),
-                    None => (
-                        &address_spans[i],
-                        " (a host without `name` is named after its address)",
-                    ),
-                };
-                return Err(src.at(
-                    span.start,
-                    &format!("host[{i}].name"),
-                    &format!(
-                        "expected a unique name, but \"{}\" is already host[{j}]'s{note}",
-                        h.name
-                    ),
-                ));
-            }
-        }
-
+        src.check_unique_endpoints(&hosts, &spans)?;
+        name_unnamed(&mut hosts);
+        let names = src.unique_names(&hosts, &spans)?;
         let mut links: Vec<HostLink> = Vec::with_capacity(doc.link.len());
         for (i, table) in doc.link.iter().enumerate() {
-            let l = table.get_ref();
-            let field = |f: &str| format!("link[{i}].{f}");
-            let missing = |f: &str, what: &str| {
-                src.at(
-                    table.span().start,
-                    &field(f),
-                    &format!("missing; expected {what}"),
-                )
-            };
-            // A host index and where its name was written.
-            let endpoint = |v: &Option<Spanned<String>>, f: &str| {
-                let v = v.as_ref().ok_or_else(|| missing(f, "the name of a host"))?;
-                match names.get(v.get_ref().as_str()) {
-                    Some(&index) => Ok((index, v.span().start)),
-                    None => {
-                        let known: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
-                        Err(src.at(
-                            v.span().start,
-                            &field(f),
-                            &format!(
-                                "expected the name of a host ({}), got \"{}\"",
-                                known.join(", "),
-                                v.get_ref()
-                            ),
-                        ))
-                    }
-                }
-            };
-            let (from, _) = endpoint(&l.from, "from")?;
-            let (to, to_at) = endpoint(&l.to, "to")?;
-            if from == to {
-                return Err(src.at(
-                    to_at,
-                    &field("to"),
-                    &format!(
-                        "expected a host other than `from`, got \"{}\" again \
-                         (devices of one host share its in-process link)",
-                        hosts[to].name
-                    ),
-                ));
-            }
-            if let Some(j) = links
-                .iter()
-                .position(|o| (o.from, o.to) == (from, to) || (o.from, o.to) == (to, from))
-            {
-                return Err(src.at(
-                    table.span().start,
-                    &format!("link[{i}]"),
-                    &format!(
-                        "expected one [[link]] per pair of hosts, \
-                         but {} and {} already have link[{j}]",
-                        hosts[from].name, hosts[to].name
-                    ),
-                ));
-            }
-            let gbps = l
-                .gbps
-                .as_ref()
-                .ok_or_else(|| missing("gbps", "the bandwidth in Gbit/s"))?;
-            let gbps_value = gbps.get_ref().0;
-            if !(gbps_value.is_finite() && gbps_value > 0.0) {
-                return Err(src.at(
-                    gbps.span().start,
-                    &field("gbps"),
-                    &format!("expected a bandwidth > 0 (Gbit/s), got {gbps_value}"),
-                ));
-            }
-            let latency_us = match &l.latency_us {
-                Some(v) if !(v.get_ref().0.is_finite() && v.get_ref().0 >= 0.0) => {
-                    return Err(src.at(
-                        v.span().start,
-                        &field("latency_us"),
-                        &format!("expected a latency ≥ 0 (µs), got {}", v.get_ref().0),
-                    ));
-                }
-                Some(v) => v.get_ref().0,
-                None => DEFAULT_INTER_HOST_LATENCY_US,
-            };
-            links.push(HostLink {
-                from,
-                to,
-                gbps: gbps_value,
-                latency_us,
-            });
+            let link = src.link(i, table, &hosts, &names, &links)?;
+            links.push(link);
         }
         src.within_device_limit(Hosts {
             hosts,
             links,
-            precision,
+            precision: defaults.precision,
         })
     }
 
@@ -874,6 +656,298 @@ impl Source<'_> {
 // Integers are read as i64 so that 0 and negative counts reach our own "expected ..." messages
 // instead of serde's "invalid value: integer `-1`, expected usize". Required keys are `Option`s for
 // the same reason: a missing one is reported at its table with the field's meaning.
+
+/// What `[defaults]` gives every host that does not say otherwise.
+struct HostDefaults {
+    port: u16,
+    devices: Option<usize>,
+    kind: String,
+    binary: Option<String>,
+    precision: Option<Precision>,
+}
+
+/// Where a host's name and address were written, for the errors about all hosts.
+struct HostSpans {
+    name: Option<std::ops::Range<usize>>,
+    address: std::ops::Range<usize>,
+}
+
+/// Names the hosts without `name` after their address, or, where several workers share an
+/// address (loopback ones, typically), after "address:port": the bare address would name none
+/// of them unambiguously.
+fn name_unnamed(hosts: &mut [Host]) {
+    let mut per_address: HashMap<String, usize> = HashMap::new();
+    for h in hosts.iter() {
+        *per_address.entry(h.address.clone()).or_default() += 1;
+    }
+    for h in hosts.iter_mut().filter(|h| h.name.is_empty()) {
+        h.name = if per_address[&h.address] == 1 {
+            h.address.clone()
+        } else {
+            h.endpoint()
+        };
+    }
+}
+
+/// The phases of [`Hosts::parse_toml`], each error located in the file.
+impl Source<'_> {
+    fn host_defaults(&self, defaults: DefaultsDoc) -> Result<HostDefaults, HostsError> {
+        let port = match &defaults.port {
+            Some(p) => self.port(p, "defaults.port")?,
+            None => DEFAULT_PORT,
+        };
+        let devices = match &defaults.devices {
+            Some(d) => Some(self.count(d, "defaults.devices")?),
+            None => None,
+        };
+        let kind = match &defaults.device {
+            Some(k) => self.device_kind(k, "defaults.device")?,
+            None => "cpu".to_string(),
+        };
+        let binary = match &defaults.binary {
+            Some(b) => Some(self.binary(b, "defaults.binary")?),
+            None => None,
+        };
+        let precision = match &defaults.precision {
+            Some(p) => Some(self.precision(p, "defaults.precision")?),
+            None => None,
+        };
+        Ok(HostDefaults {
+            port,
+            devices,
+            kind,
+            binary,
+            precision,
+        })
+    }
+
+    /// Host `i` of the file (its name is filled in later where it has none).
+    fn host(
+        &self,
+        i: usize,
+        table: &Spanned<HostDoc>,
+        defaults: &HostDefaults,
+    ) -> Result<(Host, HostSpans), HostsError> {
+        let h = table.get_ref();
+        let field = |f: &str| format!("host[{i}].{f}");
+        let address = h.address.as_ref().ok_or_else(|| {
+            self.at(
+                table.span().start,
+                &field("address"),
+                "missing; expected the IP address or DNS name of the host",
+            )
+        })?;
+        if let Some(name) = &h.name
+            && name.get_ref().trim().is_empty()
+        {
+            return Err(self.at(
+                name.span().start,
+                &field("name"),
+                "expected a non-empty name (or no `name`: it defaults to the address)",
+            ));
+        }
+        if let Some(ssh) = &h.ssh {
+            check_ssh(ssh.get_ref()).map_err(|m| self.at(ssh.span().start, &field("ssh"), &m))?;
+        }
+        if let Some(run_with) = &h.run_with {
+            let at = |m: &str| self.at(run_with.span().start, &field("run_with"), m);
+            if h.ssh.is_some() {
+                return Err(at("expected either `ssh` or `run_with`, not both"));
+            }
+            if run_with.get_ref().is_empty() || run_with.get_ref().iter().any(|w| w.is_empty()) {
+                return Err(at(
+                    "expected a command prefix of non-empty words, e.g. [\"ip\", \"netns\", \"exec\", \"ns0\"]",
+                ));
+            }
+        }
+        let device_kind = match &h.device {
+            Some(k) => self.device_kind(k, &field("device"))?,
+            None => defaults.kind.clone(),
+        };
+        let host = Host {
+            name: h
+                .name
+                .as_ref()
+                .map(|n| n.get_ref().clone())
+                .unwrap_or_default(),
+            address: self.address(address, &field("address"))?,
+            port: match &h.port {
+                Some(p) => self.port(p, &field("port"))?,
+                None => defaults.port,
+            },
+            devices: match &h.devices {
+                Some(d) => self.count(d, &field("devices"))?,
+                None => defaults.devices.unwrap_or(1),
+            },
+            devices_from_gpus: h.devices.is_none()
+                && defaults.devices.is_none()
+                && device_kind == GPU_KIND,
+            device_kind,
+            ssh: h.ssh.as_ref().map(|s| s.get_ref().clone()),
+            run_with: h
+                .run_with
+                .as_ref()
+                .map(|r| r.get_ref().clone())
+                .unwrap_or_default(),
+            binary: match &h.binary {
+                Some(b) => Some(self.binary(b, &field("binary"))?),
+                None => defaults.binary.clone(),
+            },
+        };
+        let spans = HostSpans {
+            name: h.name.as_ref().map(|n| n.span()),
+            address: address.span(),
+        };
+        Ok((host, spans))
+    }
+
+    fn check_unique_endpoints(
+        &self,
+        hosts: &[Host],
+        spans: &[HostSpans],
+    ) -> Result<(), HostsError> {
+        let mut endpoints: HashMap<(&str, u16), usize> = HashMap::new();
+        for (i, h) in hosts.iter().enumerate() {
+            if let Some(j) = endpoints.insert((&h.address, h.port), i) {
+                return Err(self.at(
+                    spans[i].address.start,
+                    &format!("host[{i}].address"),
+                    &format!(
+                        "expected a unique address and port, but {} is already host[{j}]'s",
+                        h.endpoint()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each host's index by its name, refusing a name given twice.
+    fn unique_names<'h>(
+        &self,
+        hosts: &'h [Host],
+        spans: &[HostSpans],
+    ) -> Result<HashMap<&'h str, usize>, HostsError> {
+        let mut names: HashMap<&str, usize> = HashMap::new();
+        for (i, h) in hosts.iter().enumerate() {
+            if let Some(j) = names.insert(&h.name, i) {
+                let (span, note) = match &spans[i].name {
+                    Some(span) => (span, ""),
+                    None => (
+                        &spans[i].address,
+                        " (a host without `name` is named after its address)",
+                    ),
+                };
+                return Err(self.at(
+                    span.start,
+                    &format!("host[{i}].name"),
+                    &format!(
+                        "expected a unique name, but \"{}\" is already host[{j}]'s{note}",
+                        h.name
+                    ),
+                ));
+            }
+        }
+
+        Ok(names)
+    }
+
+    /// Link `i` of the file, between hosts named in `names`, refusing one that `links` (those
+    /// before it) already has.
+    fn link(
+        &self,
+        i: usize,
+        table: &Spanned<LinkDoc>,
+        hosts: &[Host],
+        names: &HashMap<&str, usize>,
+        links: &[HostLink],
+    ) -> Result<HostLink, HostsError> {
+        let l = table.get_ref();
+        let field = |f: &str| format!("link[{i}].{f}");
+        let missing = |f: &str, what: &str| {
+            self.at(
+                table.span().start,
+                &field(f),
+                &format!("missing; expected {what}"),
+            )
+        };
+        // A host index and where its name was written.
+        let endpoint = |v: &Option<Spanned<String>>, f: &str| {
+            let v = v.as_ref().ok_or_else(|| missing(f, "the name of a host"))?;
+            match names.get(v.get_ref().as_str()) {
+                Some(&index) => Ok((index, v.span().start)),
+                None => {
+                    let known: Vec<&str> = hosts.iter().map(|h| h.name.as_str()).collect();
+                    Err(self.at(
+                        v.span().start,
+                        &field(f),
+                        &format!(
+                            "expected the name of a host ({}), got \"{}\"",
+                            known.join(", "),
+                            v.get_ref()
+                        ),
+                    ))
+                }
+            }
+        };
+        let (from, _) = endpoint(&l.from, "from")?;
+        let (to, to_at) = endpoint(&l.to, "to")?;
+        if from == to {
+            return Err(self.at(
+                to_at,
+                &field("to"),
+                &format!(
+                    "expected a host other than `from`, got \"{}\" again \
+                     (devices of one host share its in-process link)",
+                    hosts[to].name
+                ),
+            ));
+        }
+        if let Some(j) = links
+            .iter()
+            .position(|o| (o.from, o.to) == (from, to) || (o.from, o.to) == (to, from))
+        {
+            return Err(self.at(
+                table.span().start,
+                &format!("link[{i}]"),
+                &format!(
+                    "expected one [[link]] per pair of hosts, \
+                     but {} and {} already have link[{j}]",
+                    hosts[from].name, hosts[to].name
+                ),
+            ));
+        }
+        let gbps = l
+            .gbps
+            .as_ref()
+            .ok_or_else(|| missing("gbps", "the bandwidth in Gbit/s"))?;
+        let gbps_value = gbps.get_ref().0;
+        if !(gbps_value.is_finite() && gbps_value > 0.0) {
+            return Err(self.at(
+                gbps.span().start,
+                &field("gbps"),
+                &format!("expected a bandwidth > 0 (Gbit/s), got {gbps_value}"),
+            ));
+        }
+        let latency_us = match &l.latency_us {
+            Some(v) if !(v.get_ref().0.is_finite() && v.get_ref().0 >= 0.0) => {
+                return Err(self.at(
+                    v.span().start,
+                    &field("latency_us"),
+                    &format!("expected a latency ≥ 0 (µs), got {}", v.get_ref().0),
+                ));
+            }
+            Some(v) => v.get_ref().0,
+            None => DEFAULT_INTER_HOST_LATENCY_US,
+        };
+        Ok(HostLink {
+            from,
+            to,
+            gbps: gbps_value,
+            latency_us,
+        })
+    }
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
