@@ -53,7 +53,7 @@ use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, MachineModel};
 use crate::runtime_costs::{RuntimeCosts, fold_bytes, update_bytes};
 use crate::sync::{SyncPlan, owned_blocks, param_slices};
-use crate::transfer::edge_overlaps;
+use crate::transfer::{Edge, TileOverlap, edge_overlaps};
 use legion_ops::op::{partial_input_shapes, partial_param_rect, project_partial};
 use legion_ops::{Graph, Layer, LayerId, Rect};
 use std::sync::Arc;
@@ -421,19 +421,58 @@ pub fn task_graph(model: &CostModel, configs: &[ParallelConfig]) -> Vec<Task> {
     tasks
 }
 
-/// Builds the task graph of one iteration into `tasks`, in program order (see [`TaskSink`]).
+/// Builds the task graph of one iteration into `tasks`, in program order (see [`TaskSink`]): each
+/// tile's forward, the activations' moves between tiles, each tile's backward, the gradients'
+/// moves and folds, and the parameters' sync.
 pub(super) fn build_tasks(
     model: &CostModel,
     configs: &[ParallelConfig],
     tasks: &mut impl TaskSink,
 ) {
+    let forward = forward_tasks(model, configs, tasks);
+    let edges = edges_with_overlaps(model, configs);
+    activation_moves(model, configs, tasks, &edges, &forward);
+    let backward = backward_tasks(model, configs, tasks, &forward);
+    let gradients = gradient_moves(model, configs, tasks, &edges, &backward);
+    gradient_folds(model, configs, tasks, &gradients, &backward);
+    parameter_sync(model, configs, tasks, &backward);
+}
+
+/// Each tile's forward task (`forward[l][t]` reads the tile's inputs; `output[l][t]` makes its
+/// output: the same task but under a reduction split, where the block's first partial finishes
+/// the summed block), and each tile's backward time.
+struct ForwardTasks {
+    forward: Vec<Vec<usize>>,
+    output: Vec<Vec<usize>>,
+    backward_time: Vec<Vec<f64>>,
+}
+
+/// Each tile's backward task, and under a reduction split, per tile, the first partial's finish
+/// of the block's gradient (what the block's output-gradient fold feeds; none elsewhere).
+struct BackwardTasks {
+    backward: Vec<Vec<usize>>,
+    finish_backward: Vec<Vec<usize>>,
+}
+
+/// The gradient terms of each tile's output (the task producing the term, the term's bytes, its
+/// rect in the tensor), and the rects written into each layer's output gradient, in the
+/// runtime's launch order.
+struct GradientTerms {
+    terms: Vec<Vec<Vec<(usize, u64, Rect)>>>,
+    written: Vec<Vec<Rect>>,
+}
+
+/// Every edge of the graph with its tile overlaps under the configs.
+type EdgeOverlaps = Vec<(Edge, Vec<TileOverlap>)>;
+
+fn forward_tasks(
+    model: &CostModel,
+    configs: &[ParallelConfig],
+    tasks: &mut impl TaskSink,
+) -> ForwardTasks {
     let graph = model.graph();
     let machine = model.machine();
     let provider = model.provider();
-    // activations and their gradients move at the machine's precision (2 bytes in bf16)
-    let element = machine.activation_bytes();
-    // forward[l][t] reads the tile's inputs; output[l][t] makes its output: the same task but
-    // under a reduction split, where the block's first partial finishes the summed block
     let mut forward: Vec<Vec<usize>> = Vec::new();
     let mut output: Vec<Vec<usize>> = Vec::new();
     let mut backward_time: Vec<Vec<f64>> = Vec::new();
@@ -466,7 +505,16 @@ pub(super) fn build_tasks(
         output.push(out);
         backward_time.push(b);
     }
-    let edges: Vec<_> = model
+    ForwardTasks {
+        forward,
+        output,
+        backward_time,
+    }
+}
+
+fn edges_with_overlaps(model: &CostModel, configs: &[ParallelConfig]) -> EdgeOverlaps {
+    let graph = model.graph();
+    model
         .edges()
         .iter()
         .map(|e| {
@@ -475,8 +523,26 @@ pub(super) fn build_tasks(
                 edge_overlaps(graph, e, &configs[e.src.0], &configs[e.dst.0]),
             )
         })
-        .collect();
-    for (e, overlaps) in &edges {
+        .collect()
+}
+
+/// Each activation's moves from its producer's tiles to its consumers' (copies on one device,
+/// messages between devices, gathered out of or stored into the instances that hold them).
+fn activation_moves(
+    model: &CostModel,
+    configs: &[ParallelConfig],
+    tasks: &mut impl TaskSink,
+    edges: &EdgeOverlaps,
+    forward: &ForwardTasks,
+) {
+    let ForwardTasks {
+        forward, output, ..
+    } = forward;
+    let graph = model.graph();
+    let machine = model.machine();
+    // activations and their gradients move at the machine's precision (2 bytes in bf16)
+    let element = machine.activation_bytes();
+    for (e, overlaps) in edges {
         let (src_tiles, needed) = edge_rects(graph, e, &configs[e.src.0], &configs[e.dst.0]);
         for o in overlaps {
             let mut from = output[e.src.0][o.src_tile];
@@ -539,8 +605,23 @@ pub(super) fn build_tasks(
             }
         }
     }
-    // Backward in reverse layer order (the order the runtime launches them); the input layer has
-    // none.
+}
+
+/// Each tile's backward task, in reverse layer order (the order the runtime launches them); the
+/// input layer has none.
+fn backward_tasks(
+    model: &CostModel,
+    configs: &[ParallelConfig],
+    tasks: &mut impl TaskSink,
+    forward: &ForwardTasks,
+) -> BackwardTasks {
+    let ForwardTasks {
+        forward,
+        output,
+        backward_time,
+    } = forward;
+    let graph = model.graph();
+    let machine = model.machine();
     let mut backward: Vec<Vec<usize>> = vec![Vec::new(); graph.layers().len()];
     // Under a reduction split, per tile: the first partial's finish of the block's gradient
     // (what the block's output-gradient fold feeds), `usize::MAX` elsewhere.
@@ -572,13 +653,29 @@ pub(super) fn build_tasks(
             backward[id.0].push(tasks.push(task, name, &[forward[id.0][t]]));
         }
     }
-    // The gradient terms of each tile's output: (task producing the term, bytes of the term, its
-    // rect in the tensor).
+    BackwardTasks {
+        backward,
+        finish_backward,
+    }
+}
+
+/// Each gradient term's move from its consumer's tile to its producer's.
+fn gradient_moves(
+    model: &CostModel,
+    configs: &[ParallelConfig],
+    tasks: &mut impl TaskSink,
+    edges: &EdgeOverlaps,
+    backward: &BackwardTasks,
+) -> GradientTerms {
+    let backward = &backward.backward;
+    let graph = model.graph();
+    let machine = model.machine();
+    // activations and their gradients move at the machine's precision (2 bytes in bf16)
+    let element = machine.activation_bytes();
     let mut terms: Vec<Vec<Vec<(usize, u64, Rect)>>> = configs
         .iter()
         .map(|c| vec![Vec::new(); c.total()])
         .collect();
-    // The rects written into each layer's output gradient, in the runtime's launch order.
     let mut written: Vec<Vec<Rect>> = vec![Vec::new(); configs.len()];
     for (e, overlaps) in edges.iter().rev() {
         if !e.carries_gradient(graph) {
@@ -633,6 +730,27 @@ pub(super) fn build_tasks(
             );
         }
     }
+    GradientTerms { terms, written }
+}
+
+/// The folds of each tile's gradient terms, by the cells the written rects cut it into, before
+/// the tile's backward reads them.
+fn gradient_folds(
+    model: &CostModel,
+    configs: &[ParallelConfig],
+    tasks: &mut impl TaskSink,
+    gradients: &GradientTerms,
+    backward: &BackwardTasks,
+) {
+    let GradientTerms { terms, written } = gradients;
+    let BackwardTasks {
+        backward,
+        finish_backward,
+    } = backward;
+    let graph = model.graph();
+    let machine = model.machine();
+    // activations and their gradients move at the machine's precision (2 bytes in bf16)
+    let element = machine.activation_bytes();
     for id in (0..graph.layers().len()).rev().map(LayerId) {
         let layer = graph.layer(id);
         let config = &configs[id.0];
@@ -674,6 +792,19 @@ pub(super) fn build_tasks(
             }
         }
     }
+}
+
+/// The sync of every replicated parameter slice: per message (gradients to the owner of each
+/// block and values back) or as collectives, as the model's sync simulation says.
+fn parameter_sync(
+    model: &CostModel,
+    configs: &[ParallelConfig],
+    tasks: &mut impl TaskSink,
+    backward: &BackwardTasks,
+) {
+    let backward = &backward.backward;
+    let graph = model.graph();
+    let machine = model.machine();
     let detail = model.sync_simulation().resolve(machine);
     let mut scratch = match detail {
         SyncSimulation::Collective => Some(CollectiveScratch::new(machine)),
