@@ -230,53 +230,71 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
         passed: 0,
     };
 
-    // ---- copy region
-    {
-        type F = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Box4, i64);
-        let f: Symbol<F> = emu.sym("copy_region_f32");
-        let src_rect = Shape::nchw(2, 3, 5, 7).full_rect();
-        let dst_rect = Rect::new(&[1, 0, 1, 2], &[2, 3, 5, 7]);
-        let region = Rect::new(&[1, 1, 2, 2], &[2, 3, 4, 6]);
-        let src = random(src_rect.volume(), 1);
-        let mut want = vec![-1.0; dst_rect.volume()];
-        copy_rect(&src, &src_rect, &mut want, &dst_rect, &region);
-        let mut got = vec![-1.0; dst_rect.volume()];
-        let n = region.volume() as i64;
-        emu.launch(1, 1, || unsafe {
-            f(
-                src.as_ptr(),
-                box4(&src_rect),
-                got.as_mut_ptr(),
-                box4(&dst_rect),
-                box4(&region),
-                n,
-            )
-        });
-        report.check("copy_region", &got, &want, 0.0);
+    copy_region(&emu, &mut report);
+    element_wise(&emu, &mut report);
+    pooling(&emu, &mut report);
+    softmax(&emu, &mut report);
+    batch_norm(&emu, &mut report);
+    sgd(&emu, &mut report);
+    synthetic_draw(&emu, &mut report);
 
-        // The same region zeroed, and summed in: what the runtime's folds do.
-        type Z = unsafe extern "C" fn(*mut f32, Box4, Box4, i64);
-        let zero: Symbol<Z> = emu.sym("zero_region_f32");
-        let mut want = src.clone();
-        for_each_point(&region, &src_rect, |at| want[at] = 0.0);
-        let mut got = src.clone();
-        emu.launch(1, 1, || unsafe {
-            zero(got.as_mut_ptr(), box4(&src_rect), box4(&region), n)
-        });
-        report.check("zero_region", &got, &want, 0.0);
-        type A = unsafe extern "C" fn(*const f32, *mut f32, i64);
-        let add_runs: Symbol<A> = emu.sym("add_runs_f32");
-        let term = random(src.len(), 2);
-        let want: Vec<f32> = src.iter().zip(&term).map(|(a, b)| a + b).collect();
-        let mut got = src.clone();
-        let len = src.len() as i64;
-        emu.launch(1, 1, || unsafe {
-            add_runs(term.as_ptr(), got.as_mut_ptr(), len)
-        });
-        report.check("add_runs", &got, &want, 0.0);
-    }
+    println!("{} checks passed", report.passed);
+    assert!(
+        report.failures.is_empty(),
+        "{} failing checks:\n{}",
+        report.failures.len(),
+        report.failures.join("\n")
+    );
+}
 
-    // ---- element-wise
+/// The region copy, add and zero kernels against the CPU's.
+fn copy_region(emu: &Emu, report: &mut Report) {
+    type F = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Box4, i64);
+    let f: Symbol<F> = emu.sym("copy_region_f32");
+    let src_rect = Shape::nchw(2, 3, 5, 7).full_rect();
+    let dst_rect = Rect::new(&[1, 0, 1, 2], &[2, 3, 5, 7]);
+    let region = Rect::new(&[1, 1, 2, 2], &[2, 3, 4, 6]);
+    let src = random(src_rect.volume(), 1);
+    let mut want = vec![-1.0; dst_rect.volume()];
+    copy_rect(&src, &src_rect, &mut want, &dst_rect, &region);
+    let mut got = vec![-1.0; dst_rect.volume()];
+    let n = region.volume() as i64;
+    emu.launch(1, 1, || unsafe {
+        f(
+            src.as_ptr(),
+            box4(&src_rect),
+            got.as_mut_ptr(),
+            box4(&dst_rect),
+            box4(&region),
+            n,
+        )
+    });
+    report.check("copy_region", &got, &want, 0.0);
+
+    // The same region zeroed, and summed in: what the runtime's folds do.
+    type Z = unsafe extern "C" fn(*mut f32, Box4, Box4, i64);
+    let zero: Symbol<Z> = emu.sym("zero_region_f32");
+    let mut want = src.clone();
+    for_each_point(&region, &src_rect, |at| want[at] = 0.0);
+    let mut got = src.clone();
+    emu.launch(1, 1, || unsafe {
+        zero(got.as_mut_ptr(), box4(&src_rect), box4(&region), n)
+    });
+    report.check("zero_region", &got, &want, 0.0);
+    type A = unsafe extern "C" fn(*const f32, *mut f32, i64);
+    let add_runs: Symbol<A> = emu.sym("add_runs_f32");
+    let term = random(src.len(), 2);
+    let want: Vec<f32> = src.iter().zip(&term).map(|(a, b)| a + b).collect();
+    let mut got = src.clone();
+    let len = src.len() as i64;
+    emu.launch(1, 1, || unsafe {
+        add_runs(term.as_ptr(), got.as_mut_ptr(), len)
+    });
+    report.check("add_runs", &got, &want, 0.0);
+}
+
+/// The element-wise kernels against the CPU's.
+fn element_wise(emu: &Emu, report: &mut Report) {
     let shape = Shape::nchw(2, 3, 5, 7);
     let full = shape.full_rect();
     let inner = Rect::new(&[0, 1, 1, 2], &[2, 3, 4, 6]);
@@ -516,855 +534,846 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
             }
         }
     }
+}
 
-    // ---- pooling
-    {
-        type PF = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Pool, i64);
-        type PA = unsafe extern "C" fn(*const f32, Box4, Box4, *mut i64, Pool, i64);
-        type PB = unsafe extern "C" fn(*const i64, Box4, *const f32, Box4, *mut f32, Pool, i64);
-        let pf: Symbol<PF> = emu.sym("pool2d_forward");
-        let pa: Symbol<PA> = emu.sym("pool2d_argmax");
-        let pb: Symbol<PB> = emu.sym("pool2d_backward");
-        let in_shape = Shape::nchw(2, 3, 11, 9);
-        let ops = [
-            Pool2d::max(3).stride(2).padding(1),
-            Pool2d::avg(3).stride(2).padding(1),
-            Pool2d::max(2),
-            Pool2d::avg(2),
-            Pool2d::max(3).stride(1).padding(1),
-            Pool2d::avg(5).stride(3).padding(2),
+/// The pooling kernels against the CPU's.
+fn pooling(emu: &Emu, report: &mut Report) {
+    type PF = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Pool, i64);
+    type PA = unsafe extern "C" fn(*const f32, Box4, Box4, *mut i64, Pool, i64);
+    type PB = unsafe extern "C" fn(*const i64, Box4, *const f32, Box4, *mut f32, Pool, i64);
+    let pf: Symbol<PF> = emu.sym("pool2d_forward");
+    let pa: Symbol<PA> = emu.sym("pool2d_argmax");
+    let pb: Symbol<PB> = emu.sym("pool2d_backward");
+    let in_shape = Shape::nchw(2, 3, 11, 9);
+    let ops = [
+        Pool2d::max(3).stride(2).padding(1),
+        Pool2d::avg(3).stride(2).padding(1),
+        Pool2d::max(2),
+        Pool2d::avg(2),
+        Pool2d::max(3).stride(1).padding(1),
+        Pool2d::avg(5).stride(3).padding(2),
+    ];
+    for (i, op) in ops.iter().enumerate() {
+        let out = op.infer_shape(&[in_shape]).unwrap();
+        let oh = out.dim(2);
+        let tiles = [
+            (out.full_rect(), None),
+            (out.full_rect().with_axis(2, 0, oh / 2), None),
+            (out.full_rect().with_axis(2, oh / 2, oh), None),
+            (
+                out.full_rect()
+                    .with_axis(1, 1, 3)
+                    .with_axis(3, 1, out.dim(3)),
+                None,
+            ),
+            (
+                out.full_rect().with_axis(0, 1, 2),
+                Some(in_shape.full_rect()),
+            ),
         ];
-        for (i, op) in ops.iter().enumerate() {
-            let out = op.infer_shape(&[in_shape]).unwrap();
-            let oh = out.dim(2);
-            let tiles = [
-                (out.full_rect(), None),
-                (out.full_rect().with_axis(2, 0, oh / 2), None),
-                (out.full_rect().with_axis(2, oh / 2, oh), None),
-                (
-                    out.full_rect()
-                        .with_axis(1, 1, 3)
-                        .with_axis(3, 1, out.dim(3)),
-                    None,
-                ),
-                (
-                    out.full_rect().with_axis(0, 1, 2),
-                    Some(in_shape.full_rect()),
-                ),
-            ];
-            for (j, (tile, view)) in tiles.into_iter().enumerate() {
-                let view = view.unwrap_or_else(|| op.project(&[in_shape], &tile)[0]);
-                let x = Buffer::F32(random(view.volume(), 100 + 10 * i as u64 + j as u64));
-                let dy = Buffer::F32(random(tile.volume(), 200 + 10 * i as u64 + j as u64));
-                let mut y = Buffer::F32(vec![0.0; tile.volume()]);
-                Cpu::default().pool2d_forward(
-                    &mut CpuStream,
-                    op,
-                    in_shape,
-                    In {
-                        rect: view,
-                        mem: &x,
-                    },
-                    Out {
-                        rect: tile,
-                        mem: &mut y,
-                    },
-                );
-                let mut dx = Buffer::F32(vec![0.0; view.volume()]);
-                Cpu::default().pool2d_backward(
-                    &mut CpuStream,
-                    op,
-                    in_shape,
-                    In {
-                        rect: view,
-                        mem: &x,
-                    },
-                    In {
-                        rect: tile,
-                        mem: &dy,
-                    },
-                    Out {
-                        rect: view,
-                        mem: &mut dx,
-                    },
-                );
-                let pool = Pool {
-                    kernel: op.kernel.map(|k| k as i64),
-                    stride: op.stride.map(|k| k as i64),
-                    padding: op.padding.map(|k| k as i64),
-                    in_size: [11, 9],
-                    is_max: matches!(op.kind, PoolKind::Max) as i32,
-                    inv_area: 1.0 / (op.kernel[0] * op.kernel[1]) as f32,
-                };
-                let mut gy = vec![0.0; tile.volume()];
+        for (j, (tile, view)) in tiles.into_iter().enumerate() {
+            let view = view.unwrap_or_else(|| op.project(&[in_shape], &tile)[0]);
+            let x = Buffer::F32(random(view.volume(), 100 + 10 * i as u64 + j as u64));
+            let dy = Buffer::F32(random(tile.volume(), 200 + 10 * i as u64 + j as u64));
+            let mut y = Buffer::F32(vec![0.0; tile.volume()]);
+            Cpu::default().pool2d_forward(
+                &mut CpuStream,
+                op,
+                in_shape,
+                In {
+                    rect: view,
+                    mem: &x,
+                },
+                Out {
+                    rect: tile,
+                    mem: &mut y,
+                },
+            );
+            let mut dx = Buffer::F32(vec![0.0; view.volume()]);
+            Cpu::default().pool2d_backward(
+                &mut CpuStream,
+                op,
+                in_shape,
+                In {
+                    rect: view,
+                    mem: &x,
+                },
+                In {
+                    rect: tile,
+                    mem: &dy,
+                },
+                Out {
+                    rect: view,
+                    mem: &mut dx,
+                },
+            );
+            let pool = Pool {
+                kernel: op.kernel.map(|k| k as i64),
+                stride: op.stride.map(|k| k as i64),
+                padding: op.padding.map(|k| k as i64),
+                in_size: [11, 9],
+                is_max: matches!(op.kind, PoolKind::Max) as i32,
+                inv_area: 1.0 / (op.kernel[0] * op.kernel[1]) as f32,
+            };
+            let mut gy = vec![0.0; tile.volume()];
+            let n = tile.volume() as i64;
+            emu.launch(1, 1, || unsafe {
+                pf(
+                    x.f32().as_ptr(),
+                    box4(&view),
+                    gy.as_mut_ptr(),
+                    box4(&tile),
+                    pool,
+                    n,
+                )
+            });
+            report.check(&format!("pool fwd {i} tile {j}"), &gy, y.f32(), 0.0);
+            // max pooling's argmax per output first (average pooling reads none)
+            let mut argmax = vec![-1i64; tile.volume().max(1)];
+            if matches!(op.kind, PoolKind::Max) {
                 let n = tile.volume() as i64;
                 emu.launch(1, 1, || unsafe {
-                    pf(
+                    pa(
                         x.f32().as_ptr(),
                         box4(&view),
-                        gy.as_mut_ptr(),
                         box4(&tile),
+                        argmax.as_mut_ptr(),
                         pool,
                         n,
                     )
                 });
-                report.check(&format!("pool fwd {i} tile {j}"), &gy, y.f32(), 0.0);
-                // max pooling's argmax per output first (average pooling reads none)
-                let mut argmax = vec![-1i64; tile.volume().max(1)];
-                if matches!(op.kind, PoolKind::Max) {
-                    let n = tile.volume() as i64;
-                    emu.launch(1, 1, || unsafe {
-                        pa(
-                            x.f32().as_ptr(),
-                            box4(&view),
-                            box4(&tile),
-                            argmax.as_mut_ptr(),
-                            pool,
-                            n,
-                        )
-                    });
-                }
-                let mut gdx = vec![-5.0; view.volume()];
-                let n = view.volume() as i64;
-                emu.launch(1, 1, || unsafe {
-                    pb(
-                        argmax.as_ptr(),
-                        box4(&view),
-                        dy.f32().as_ptr(),
-                        box4(&tile),
-                        gdx.as_mut_ptr(),
-                        pool,
-                        n,
-                    )
-                });
-                report.check(&format!("pool bwd {i} tile {j}"), &gdx, dx.f32(), 0.0);
             }
-        }
-    }
-
-    // ---- softmax
-    {
-        type R =
-            unsafe extern "C" fn(*const f32, i64, i64, *const u32, i64, i64, *mut f32, *mut u32);
-        type T = unsafe extern "C" fn(*const f32, *const u32, i64, *mut f64);
-        type BW = unsafe extern "C" fn(*const f32, i64, i64, *const u32, i64, i64, f32, *mut f32);
-        let rows_k: Symbol<R> = emu.sym("softmax_ce_rows");
-        let totals_k: Symbol<T> = emu.sym("loss_totals");
-        let bw_k: Symbol<BW> = emu.sym("softmax_ce_backward");
-        for (n, classes, (r0, r1)) in [
-            (6usize, 10usize, (0usize, 6usize)),
-            (6, 37, (2, 5)),
-            (33, 1000, (0, 33)),
-            (5, 3, (4, 5)),
-        ] {
-            let logits_rect = Shape::nc(n, classes).full_rect().with_axis(0, r0, r1);
-            let logits = Buffer::F32(
-                random(logits_rect.volume(), 300 + classes as u64)
-                    .iter()
-                    .map(|v| v * 20.0)
-                    .collect(),
-            );
-            let labels: Vec<u32> = (r0..r1).map(|r| ((r * 7 + 3) % classes) as u32).collect();
-            let rows = r1 - r0;
-            let mut loss = Buffer::F32(vec![0.0; rows]);
-            let sums = Cpu::default()
-                .softmax_ce_forward(
-                    &mut CpuStream,
-                    In {
-                        rect: logits_rect,
-                        mem: &logits,
-                    },
-                    &labels,
-                    Out {
-                        rect: Rect::new(&[r0, 0], &[r1, 1]),
-                        mem: &mut loss,
-                    },
-                )
-                .unwrap();
-            let scale = 1.0 / n as f32;
-            let mut dl = Buffer::F32(vec![0.0; rows * classes]);
-            Cpu::default()
-                .softmax_ce_backward(
-                    &mut CpuStream,
-                    In {
-                        rect: logits_rect,
-                        mem: &logits,
-                    },
-                    &labels,
-                    scale,
-                    Out {
-                        rect: Rect::new(&[r0, 0], &[r1, classes]),
-                        mem: &mut dl,
-                    },
-                )
-                .unwrap();
-            let mut gl = vec![0.0f32; rows];
-            let mut correct = vec![0u32; rows];
-            let blocks = rows.div_ceil(8) as u32;
-            emu.launch(blocks, 8, || unsafe {
-                rows_k(
-                    logits.f32().as_ptr(),
-                    r0 as i64,
-                    classes as i64,
-                    labels.as_ptr(),
-                    r0 as i64,
-                    rows as i64,
-                    gl.as_mut_ptr(),
-                    correct.as_mut_ptr(),
-                )
-            });
-            let mut tot = vec![0f64; 2];
+            let mut gdx = vec![-5.0; view.volume()];
+            let n = view.volume() as i64;
             emu.launch(1, 1, || unsafe {
-                totals_k(gl.as_ptr(), correct.as_ptr(), rows as i64, tot.as_mut_ptr())
-            });
-            report.check(
-                &format!("softmax loss {n}x{classes}"),
-                &gl,
-                loss.f32(),
-                1e-6,
-            );
-            report.check_f64(
-                &format!("softmax totals {n}x{classes}"),
-                &tot,
-                &[sums.loss_sum, sums.correct as f64],
-                1e-6,
-            );
-            let mut gdl = vec![0.0f32; rows * classes];
-            emu.launch(blocks, 8, || unsafe {
-                bw_k(
-                    logits.f32().as_ptr(),
-                    r0 as i64,
-                    classes as i64,
-                    labels.as_ptr(),
-                    r0 as i64,
-                    rows as i64,
-                    scale,
-                    gdl.as_mut_ptr(),
+                pb(
+                    argmax.as_ptr(),
+                    box4(&view),
+                    dy.f32().as_ptr(),
+                    box4(&tile),
+                    gdx.as_mut_ptr(),
+                    pool,
+                    n,
                 )
             });
-            report.check(&format!("softmax bwd {n}x{classes}"), &gdl, dl.f32(), 1e-6);
+            report.check(&format!("pool bwd {i} tile {j}"), &gdx, dx.f32(), 0.0);
         }
     }
+}
 
-    // ---- batch norm
-    {
-        type M = unsafe extern "C" fn(*const f32, Box4, Box4, i64, *mut f64);
-        type MF = unsafe extern "C" fn(*const f64, i64, i64, i64, *mut f64);
-        type AF = unsafe extern "C" fn(
-            *const f64,
-            i64,
-            i64,
-            *const f32,
-            i64,
-            *const f32,
-            i64,
-            f32,
-            i64,
-            i64,
-            *mut f32,
+/// The softmax kernels against the CPU's.
+fn softmax(emu: &Emu, report: &mut Report) {
+    type R = unsafe extern "C" fn(*const f32, i64, i64, *const u32, i64, i64, *mut f32, *mut u32);
+    type T = unsafe extern "C" fn(*const f32, *const u32, i64, *mut f64);
+    type BW = unsafe extern "C" fn(*const f32, i64, i64, *const u32, i64, i64, f32, *mut f32);
+    let rows_k: Symbol<R> = emu.sym("softmax_ce_rows");
+    let totals_k: Symbol<T> = emu.sym("loss_totals");
+    let bw_k: Symbol<BW> = emu.sym("softmax_ce_backward");
+    for (n, classes, (r0, r1)) in [
+        (6usize, 10usize, (0usize, 6usize)),
+        (6, 37, (2, 5)),
+        (33, 1000, (0, 33)),
+        (5, 3, (4, 5)),
+    ] {
+        let logits_rect = Shape::nc(n, classes).full_rect().with_axis(0, r0, r1);
+        let logits = Buffer::F32(
+            random(logits_rect.volume(), 300 + classes as u64)
+                .iter()
+                .map(|v| v * 20.0)
+                .collect(),
         );
-        type N = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, *const f32, i32, i64);
-        type IC = unsafe extern "C" fn(
-            *const f64,
-            i64,
-            i64,
-            *const f32,
-            i64,
-            *const f64,
-            i64,
-            i64,
-            f32,
-            i64,
-            i64,
-            *mut f32,
-        );
-        type RN = unsafe extern "C" fn(*const f64, i64, i64, *mut f32, i64, *mut f32, i64, f32);
-        type GS = unsafe extern "C" fn(
-            *const f32,
-            Box4,
-            *const f32,
-            Box4,
-            *const f32,
-            Box4,
-            Box4,
-            *const f64,
-            i64,
-            i64,
-            f32,
-            i64,
-            *mut f64,
-        );
-        type GF = unsafe extern "C" fn(
-            *const f64,
-            i64,
-            i64,
-            i64,
-            i64,
-            *const f64,
-            i64,
-            i64,
-            f32,
-            *mut f32,
-            i64,
-            *mut f32,
-            i64,
-            *mut f64,
-        );
-        type IG = unsafe extern "C" fn(
-            *const f32,
-            Box4,
-            *const f32,
-            Box4,
-            *const f32,
-            Box4,
-            *mut f32,
-            Box4,
-            *const f32,
-            i64,
-        );
-        let mk: Symbol<M> = emu.sym("bn_moments");
-        let mf: Symbol<MF> = emu.sym("bn_sums_finish");
-        let gf: Symbol<GF> = emu.sym("bn_grad_sums_finish");
-        let af: Symbol<AF> = emu.sym("bn_affine");
-        let ic: Symbol<IC> = emu.sym("bn_input_coef");
-        let nk: Symbol<N> = emu.sym("bn_normalize");
-        let rk: Symbol<RN> = emu.sym("bn_running");
-        let gk: Symbol<GS> = emu.sym("bn_grad_sums");
-        let ik: Symbol<IG> = emu.sym("bn_input_grad");
-        let shape = Shape::nchw(4, 3, 5, 6);
-        let full = shape.full_rect();
-        let nc = Shape::nc(8, 6);
-        let cases = [
-            (shape, full, (0usize, 3usize)),
-            (shape, full.with_axis(0, 1, 3), (0, 3)),
-            (shape, full.with_axis(1, 1, 3), (1, 3)),
-            (shape, full.with_axis(1, 2, 3), (1, 3)),
-            (shape, full.with_axis(2, 2, 5), (0, 3)),
-            (shape, Rect::new(&[1, 1, 0, 3], &[4, 3, 5, 6]), (1, 3)),
-            (nc, nc.full_rect(), (0, 6)),
-            (nc, Rect::new(&[2, 1], &[7, 4]), (0, 6)),
-        ];
-        for (ci, (shape, tile, (g0, g1))) in cases.into_iter().enumerate() {
-            for relu in [false, true] {
-                let op = BatchNorm {
-                    relu,
-                    ..BatchNorm::default()
-                };
-                let fullr = shape.full_rect();
-                let c = shape.dim(1);
-                let x = Buffer::F32(random(fullr.volume(), 400 + ci as u64));
-                let srect = |a: usize, b: usize| Rect::new(&[0, a], &[3, b]);
-                let ch = |a: usize, b: usize| Rect::new(&[a], &[b]);
-                // moments of the tile
-                let tc = tile.extent(1);
-                let mut want_m = Buffer::F64(vec![0.0; 3 * tc]);
-                Cpu::default().bn_moments(
-                    &mut CpuStream,
-                    In {
-                        rect: fullr,
-                        mem: &x,
-                    },
-                    &tile,
-                    Out {
-                        rect: srect(tile.lo[1], tile.hi[1]),
-                        mem: &mut want_m,
-                    },
-                );
-                // a channel's sums in one part, and split into three (every split the GPU makes
-                // adds its parts in the same way)
-                let count = (tile.extent(0) * tile.extent(2) * tile.extent(3)) as i64;
-                for parts in [1i64, 3] {
-                    let mut partial = vec![f64::NAN; 2 * parts as usize * tc];
-                    emu.launch(tc as u32 * parts as u32, 1, || unsafe {
-                        mk(
-                            x.f32().as_ptr(),
-                            box4(&fullr),
-                            box4(&tile),
-                            parts,
-                            partial.as_mut_ptr(),
-                        )
-                    });
-                    let mut got_m = vec![0f64; 3 * tc];
-                    emu.launch(1, 1, || unsafe {
-                        mf(
-                            partial.as_ptr(),
-                            parts,
-                            tc as i64,
-                            count,
-                            got_m.as_mut_ptr(),
-                        )
-                    });
-                    report.check_f64(
-                        &format!("bn moments {ci} in {parts} part(s)"),
-                        &got_m,
-                        want_m.f64(),
-                        1e-12,
-                    );
-                }
-                // whole-group moments
-                let group = fullr.with_axis(1, g0, g1);
-                let mut m = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
-                Cpu::default().bn_moments(
-                    &mut CpuStream,
-                    In {
-                        rect: fullr,
-                        mem: &x,
-                    },
-                    &group,
-                    Out {
-                        rect: srect(g0, g1),
-                        mem: &mut m,
-                    },
-                );
-                let gamma = Buffer::F32(random(c, 500).iter().map(|v| v + 1.5).collect());
-                let beta = Buffer::F32(random(c, 501));
-                let mut want_y = Buffer::F32(vec![0.0; tile.volume()]);
-                let mi = In {
-                    rect: srect(g0, g1),
-                    mem: &m,
-                };
-                Cpu::default().bn_normalize(
-                    &mut CpuStream,
-                    &op,
-                    In {
-                        rect: fullr,
-                        mem: &x,
-                    },
-                    mi,
-                    In {
-                        rect: ch(0, c),
-                        mem: &gamma,
-                    },
-                    In {
-                        rect: ch(0, c),
-                        mem: &beta,
-                    },
-                    Out {
-                        rect: tile,
-                        mem: &mut want_y,
-                    },
-                );
-                let tc_tile = tile.extent(1);
-                let mut coef = vec![f32::NAN; 3 * tc_tile];
-                emu.launch(1, 1, || unsafe {
-                    af(
-                        m.f64().as_ptr(),
-                        g0 as i64,
-                        (g1 - g0) as i64,
-                        gamma.f32().as_ptr(),
-                        0,
-                        beta.f32().as_ptr(),
-                        0,
-                        op.eps,
-                        tile.lo[1] as i64,
-                        tc_tile as i64,
-                        coef.as_mut_ptr(),
-                    )
-                });
-                let channels = tc_tile as u32;
-                for (parts, threads) in [(1i64, 1u32), (2, 3), (3, 7), (1, 64)] {
-                    let mut gy = vec![f32::NAN; tile.volume()];
-                    emu.launch(channels * parts as u32, threads, || unsafe {
-                        nk(
-                            x.f32().as_ptr(),
-                            box4(&fullr),
-                            gy.as_mut_ptr(),
-                            box4(&tile),
-                            coef.as_ptr(),
-                            relu as i32,
-                            parts,
-                        )
-                    });
-                    report.check(
-                        &format!(
-                            "bn normalize {ci} relu {relu} in {parts} part(s) of {threads} thread(s)"
-                        ),
-                        &gy,
-                        want_y.f32(),
-                        0.0,
-                    );
-                }
-                // an [N, C] tile (batch norm after a dense layer) runs the row-major twin
-                if tile.extent(2) * tile.extent(3) == 1 {
-                    type NR = unsafe extern "C" fn(
-                        *const f32,
-                        Box4,
-                        *mut f32,
-                        Box4,
-                        *const f32,
-                        i32,
-                        i64,
-                        i32,
-                    );
-                    let f: Symbol<NR> = emu.sym("bn_normalize_rows");
-                    let mut gy = vec![f32::NAN; tile.volume()];
-                    emu.launch(2, 5, || unsafe {
-                        f(
-                            x.f32().as_ptr(),
-                            box4(&fullr),
-                            gy.as_mut_ptr(),
-                            box4(&tile),
-                            coef.as_ptr(),
-                            relu as i32,
-                            tile.volume() as i64,
-                            0,
-                        )
-                    });
-                    report.check(
-                        &format!("bn normalize rows {ci} relu {relu}"),
-                        &gy,
-                        want_y.f32(),
-                        0.0,
-                    );
-                }
-                // running
-                let rm0 = random(c, 502);
-                let rv0: Vec<f32> = random(c, 503).iter().map(|v| v + 1.5).collect();
-                let (mut rm, mut rv) = (Buffer::F32(rm0.clone()), Buffer::F32(rv0.clone()));
-                Cpu::default().bn_running(
-                    &mut CpuStream,
-                    &op,
-                    mi,
-                    Out {
-                        rect: ch(0, c),
-                        mem: &mut rm,
-                    },
-                    Out {
-                        rect: ch(0, c),
-                        mem: &mut rv,
-                    },
-                );
-                let (mut grm, mut grv) = (rm0.clone(), rv0.clone());
-                emu.launch(1, 1, || unsafe {
-                    rk(
-                        m.f64().as_ptr(),
-                        g0 as i64,
-                        (g1 - g0) as i64,
-                        grm.as_mut_ptr(),
-                        0,
-                        grv.as_mut_ptr(),
-                        0,
-                        op.momentum,
-                    )
-                });
-                report.check(&format!("bn running mean {ci}"), &grm, rm.f32(), 0.0);
-                report.check(&format!("bn running var {ci}"), &grv, rv.f32(), 0.0);
-                // y over the group, for the relu mask
-                let mut yg = Buffer::F32(vec![0.0; group.volume()]);
-                Cpu::default().bn_normalize(
-                    &mut CpuStream,
-                    &op,
-                    In {
-                        rect: fullr,
-                        mem: &x,
-                    },
-                    mi,
-                    In {
-                        rect: ch(0, c),
-                        mem: &gamma,
-                    },
-                    In {
-                        rect: ch(0, c),
-                        mem: &beta,
-                    },
-                    Out {
-                        rect: group,
-                        mem: &mut yg,
-                    },
-                );
-                let dy = Buffer::F32(random(fullr.volume(), 504));
-                let (mut dg, mut db) = (Buffer::F32(vec![-2.0; c]), Buffer::F32(vec![-2.0; c]));
-                let mut sums = Buffer::F64(vec![0.0; 3 * tc]);
-                let yin = relu.then_some(In {
-                    rect: group,
-                    mem: &yg,
-                });
-                Cpu::default().bn_grad_sums(
-                    &mut CpuStream,
-                    &op,
-                    In {
-                        rect: fullr,
-                        mem: &x,
-                    },
-                    yin,
-                    In {
-                        rect: fullr,
-                        mem: &dy,
-                    },
-                    mi,
-                    &tile,
-                    Out {
-                        rect: ch(0, c),
-                        mem: &mut dg,
-                    },
-                    Out {
-                        rect: ch(0, c),
-                        mem: &mut db,
-                    },
-                    Out {
-                        rect: srect(tile.lo[1], tile.hi[1]),
-                        mem: &mut sums,
-                    },
-                );
-                let yptr = if relu { yg.f32().as_ptr() } else { NULL };
-                for parts in [1i64, 3] {
-                    let (mut gdg, mut gdb) = (vec![-2.0f32; c], vec![-2.0f32; c]);
-                    let mut gsums = vec![0f64; 3 * tc];
-                    let mut partial = vec![f64::NAN; 2 * parts as usize * tc];
-                    emu.launch(tc as u32 * parts as u32, 1, || unsafe {
-                        gk(
-                            x.f32().as_ptr(),
-                            box4(&fullr),
-                            yptr,
-                            box4(&group),
-                            dy.f32().as_ptr(),
-                            box4(&fullr),
-                            box4(&tile),
-                            m.f64().as_ptr(),
-                            g0 as i64,
-                            (g1 - g0) as i64,
-                            op.eps,
-                            parts,
-                            partial.as_mut_ptr(),
-                        )
-                    });
-                    emu.launch(1, 1, || unsafe {
-                        gf(
-                            partial.as_ptr(),
-                            parts,
-                            tc as i64,
-                            count,
-                            tile.lo[1] as i64,
-                            m.f64().as_ptr(),
-                            g0 as i64,
-                            (g1 - g0) as i64,
-                            op.eps,
-                            gdg.as_mut_ptr(),
-                            0,
-                            gdb.as_mut_ptr(),
-                            0,
-                            gsums.as_mut_ptr(),
-                        )
-                    });
-                    let what = format!("{ci} relu {relu} in {parts} part(s)");
-                    report.check(&format!("bn dgamma {what}"), &gdg, dg.f32(), 1e-6);
-                    report.check(&format!("bn dbeta {what}"), &gdb, db.f32(), 1e-6);
-                    report.check_f64(&format!("bn grad sums {what}"), &gsums, sums.f64(), 1e-10);
-                }
-                // input grad from whole-group sums
-                let mut gsum_group = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
-                let (mut t1, mut t2) = (Buffer::F32(vec![0.0; c]), Buffer::F32(vec![0.0; c]));
-                Cpu::default().bn_grad_sums(
-                    &mut CpuStream,
-                    &op,
-                    In {
-                        rect: fullr,
-                        mem: &x,
-                    },
-                    yin,
-                    In {
-                        rect: fullr,
-                        mem: &dy,
-                    },
-                    mi,
-                    &group,
-                    Out {
-                        rect: ch(0, c),
-                        mem: &mut t1,
-                    },
-                    Out {
-                        rect: ch(0, c),
-                        mem: &mut t2,
-                    },
-                    Out {
-                        rect: srect(g0, g1),
-                        mem: &mut gsum_group,
-                    },
-                );
-                let mut dx = Buffer::F32(vec![0.0; tile.volume()]);
-                Cpu::default().bn_input_grad(
-                    &mut CpuStream,
-                    &op,
-                    In {
-                        rect: fullr,
-                        mem: &x,
-                    },
-                    yin,
-                    In {
-                        rect: fullr,
-                        mem: &dy,
-                    },
-                    mi,
-                    In {
-                        rect: ch(0, c),
-                        mem: &gamma,
-                    },
-                    In {
-                        rect: srect(g0, g1),
-                        mem: &gsum_group,
-                    },
-                    Out {
-                        rect: tile,
-                        mem: &mut dx,
-                    },
-                );
-                let mut coef = vec![f32::NAN; 5 * tc];
-                emu.launch(1, 1, || unsafe {
-                    ic(
-                        m.f64().as_ptr(),
-                        g0 as i64,
-                        (g1 - g0) as i64,
-                        gamma.f32().as_ptr(),
-                        0,
-                        gsum_group.f64().as_ptr(),
-                        g0 as i64,
-                        (g1 - g0) as i64,
-                        op.eps,
-                        tile.lo[1] as i64,
-                        tc as i64,
-                        coef.as_mut_ptr(),
-                    )
-                });
-                for (parts, threads) in [(1i64, 1u32), (2, 3), (3, 7), (1, 64)] {
-                    let mut gdx = vec![f32::NAN; tile.volume()];
-                    emu.launch(tc as u32 * parts as u32, threads, || unsafe {
-                        ik(
-                            x.f32().as_ptr(),
-                            box4(&fullr),
-                            yptr,
-                            box4(&group),
-                            dy.f32().as_ptr(),
-                            box4(&fullr),
-                            gdx.as_mut_ptr(),
-                            box4(&tile),
-                            coef.as_ptr(),
-                            parts,
-                        )
-                    });
-                    report.check(
-                        &format!(
-                            "bn input grad {ci} relu {relu} in {parts} part(s) of {threads} thread(s)"
-                        ),
-                        &gdx,
-                        dx.f32(),
-                        0.0,
-                    );
-                }
-                if tile.extent(2) * tile.extent(3) == 1 {
-                    type IR = unsafe extern "C" fn(
-                        *const f32,
-                        Box4,
-                        *const f32,
-                        Box4,
-                        *const f32,
-                        Box4,
-                        *mut f32,
-                        Box4,
-                        *const f32,
-                        i64,
-                        i32,
-                    );
-                    let f: Symbol<IR> = emu.sym("bn_input_grad_rows");
-                    let mut gdx = vec![f32::NAN; tile.volume()];
-                    emu.launch(2, 5, || unsafe {
-                        f(
-                            x.f32().as_ptr(),
-                            box4(&fullr),
-                            yptr,
-                            box4(&group),
-                            dy.f32().as_ptr(),
-                            box4(&fullr),
-                            gdx.as_mut_ptr(),
-                            box4(&tile),
-                            coef.as_ptr(),
-                            tile.volume() as i64,
-                            0,
-                        )
-                    });
-                    report.check(
-                        &format!("bn input grad rows {ci} relu {relu}"),
-                        &gdx,
-                        dx.f32(),
-                        0.0,
-                    );
-                }
-            }
-        }
-    }
-
-    // ---- sgd
-    {
-        type S = unsafe extern "C" fn(*const f32, *mut f32, *mut f32, i64, f32, f32, f32);
-        let f: Symbol<S> = emu.sym("sgd_update");
-        let g = random(1000, 600);
-        let w0 = random(1000, 601);
-        let v0 = random(1000, 602);
-        let sgd = Sgd::default();
-        let (mut w, mut v) = (w0.clone(), v0.clone());
-        sgd.update(&mut w, &g, &mut v);
-        let (mut gw, mut gv) = (w0.clone(), v0.clone());
-        emu.launch(1, 1, || unsafe {
-            f(
-                g.as_ptr(),
-                gw.as_mut_ptr(),
-                gv.as_mut_ptr(),
-                1000,
-                sgd.lr,
-                sgd.momentum,
-                sgd.weight_decay,
+        let labels: Vec<u32> = (r0..r1).map(|r| ((r * 7 + 3) % classes) as u32).collect();
+        let rows = r1 - r0;
+        let mut loss = Buffer::F32(vec![0.0; rows]);
+        let sums = Cpu::default()
+            .softmax_ce_forward(
+                &mut CpuStream,
+                In {
+                    rect: logits_rect,
+                    mem: &logits,
+                },
+                &labels,
+                Out {
+                    rect: Rect::new(&[r0, 0], &[r1, 1]),
+                    mem: &mut loss,
+                },
+            )
+            .unwrap();
+        let scale = 1.0 / n as f32;
+        let mut dl = Buffer::F32(vec![0.0; rows * classes]);
+        Cpu::default()
+            .softmax_ce_backward(
+                &mut CpuStream,
+                In {
+                    rect: logits_rect,
+                    mem: &logits,
+                },
+                &labels,
+                scale,
+                Out {
+                    rect: Rect::new(&[r0, 0], &[r1, classes]),
+                    mem: &mut dl,
+                },
+            )
+            .unwrap();
+        let mut gl = vec![0.0f32; rows];
+        let mut correct = vec![0u32; rows];
+        let blocks = rows.div_ceil(8) as u32;
+        emu.launch(blocks, 8, || unsafe {
+            rows_k(
+                logits.f32().as_ptr(),
+                r0 as i64,
+                classes as i64,
+                labels.as_ptr(),
+                r0 as i64,
+                rows as i64,
+                gl.as_mut_ptr(),
+                correct.as_mut_ptr(),
             )
         });
-        report.check("sgd w", &gw, &w, 0.0);
-        report.check("sgd v", &gv, &v, 0.0);
+        let mut tot = vec![0f64; 2];
+        emu.launch(1, 1, || unsafe {
+            totals_k(gl.as_ptr(), correct.as_ptr(), rows as i64, tot.as_mut_ptr())
+        });
+        report.check(
+            &format!("softmax loss {n}x{classes}"),
+            &gl,
+            loss.f32(),
+            1e-6,
+        );
+        report.check_f64(
+            &format!("softmax totals {n}x{classes}"),
+            &tot,
+            &[sums.loss_sum, sums.correct as f64],
+            1e-6,
+        );
+        let mut gdl = vec![0.0f32; rows * classes];
+        emu.launch(blocks, 8, || unsafe {
+            bw_k(
+                logits.f32().as_ptr(),
+                r0 as i64,
+                classes as i64,
+                labels.as_ptr(),
+                r0 as i64,
+                rows as i64,
+                scale,
+                gdl.as_mut_ptr(),
+            )
+        });
+        report.check(&format!("softmax bwd {n}x{classes}"), &gdl, dl.f32(), 1e-6);
     }
+}
 
-    // ---- synthetic data drawn on the device, against the host's drawing: bit for bit
-    {
-        type F = unsafe extern "C" fn(*mut f32, *const f32, *const u64, f32, i64, i64, i64, i64);
-        let f: Symbol<F> = emu.sym("synthetic_draw");
-        for (image, classes) in [([3usize, 13, 9], 7usize), ([1, 5, 16], 2)] {
-            let data = Synthetic::new(17, 40, classes, image).unwrap();
-            let batch = data.describe_batch(&[3, 0, 39, 3, 21]).unwrap();
-            let mut want = vec![f32::NAN; batch.len() * batch.sample_len()];
-            batch.render(&mut want);
-            let mut got = vec![f32::NAN; want.len()];
-            let [c, h, w] = image.map(|e| e as i64);
-            // A grid smaller than the batch, so the grid-stride loop runs more than once.
-            emu.launch(3, 32, || unsafe {
-                f(
-                    got.as_mut_ptr(),
-                    batch.factors.as_ptr(),
-                    batch.noise_states.as_ptr(),
-                    SyntheticBatch::noise_scale(),
-                    batch.len() as i64,
-                    c,
-                    h,
-                    w,
+/// The batch norm kernels against the CPU's.
+fn batch_norm(emu: &Emu, report: &mut Report) {
+    type M = unsafe extern "C" fn(*const f32, Box4, Box4, i64, *mut f64);
+    type MF = unsafe extern "C" fn(*const f64, i64, i64, i64, *mut f64);
+    type AF = unsafe extern "C" fn(
+        *const f64,
+        i64,
+        i64,
+        *const f32,
+        i64,
+        *const f32,
+        i64,
+        f32,
+        i64,
+        i64,
+        *mut f32,
+    );
+    type N = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, *const f32, i32, i64);
+    type IC = unsafe extern "C" fn(
+        *const f64,
+        i64,
+        i64,
+        *const f32,
+        i64,
+        *const f64,
+        i64,
+        i64,
+        f32,
+        i64,
+        i64,
+        *mut f32,
+    );
+    type RN = unsafe extern "C" fn(*const f64, i64, i64, *mut f32, i64, *mut f32, i64, f32);
+    type GS = unsafe extern "C" fn(
+        *const f32,
+        Box4,
+        *const f32,
+        Box4,
+        *const f32,
+        Box4,
+        Box4,
+        *const f64,
+        i64,
+        i64,
+        f32,
+        i64,
+        *mut f64,
+    );
+    type GF = unsafe extern "C" fn(
+        *const f64,
+        i64,
+        i64,
+        i64,
+        i64,
+        *const f64,
+        i64,
+        i64,
+        f32,
+        *mut f32,
+        i64,
+        *mut f32,
+        i64,
+        *mut f64,
+    );
+    type IG = unsafe extern "C" fn(
+        *const f32,
+        Box4,
+        *const f32,
+        Box4,
+        *const f32,
+        Box4,
+        *mut f32,
+        Box4,
+        *const f32,
+        i64,
+    );
+    let mk: Symbol<M> = emu.sym("bn_moments");
+    let mf: Symbol<MF> = emu.sym("bn_sums_finish");
+    let gf: Symbol<GF> = emu.sym("bn_grad_sums_finish");
+    let af: Symbol<AF> = emu.sym("bn_affine");
+    let ic: Symbol<IC> = emu.sym("bn_input_coef");
+    let nk: Symbol<N> = emu.sym("bn_normalize");
+    let rk: Symbol<RN> = emu.sym("bn_running");
+    let gk: Symbol<GS> = emu.sym("bn_grad_sums");
+    let ik: Symbol<IG> = emu.sym("bn_input_grad");
+    let shape = Shape::nchw(4, 3, 5, 6);
+    let full = shape.full_rect();
+    let nc = Shape::nc(8, 6);
+    let cases = [
+        (shape, full, (0usize, 3usize)),
+        (shape, full.with_axis(0, 1, 3), (0, 3)),
+        (shape, full.with_axis(1, 1, 3), (1, 3)),
+        (shape, full.with_axis(1, 2, 3), (1, 3)),
+        (shape, full.with_axis(2, 2, 5), (0, 3)),
+        (shape, Rect::new(&[1, 1, 0, 3], &[4, 3, 5, 6]), (1, 3)),
+        (nc, nc.full_rect(), (0, 6)),
+        (nc, Rect::new(&[2, 1], &[7, 4]), (0, 6)),
+    ];
+    for (ci, (shape, tile, (g0, g1))) in cases.into_iter().enumerate() {
+        for relu in [false, true] {
+            let op = BatchNorm {
+                relu,
+                ..BatchNorm::default()
+            };
+            let fullr = shape.full_rect();
+            let c = shape.dim(1);
+            let x = Buffer::F32(random(fullr.volume(), 400 + ci as u64));
+            let srect = |a: usize, b: usize| Rect::new(&[0, a], &[3, b]);
+            let ch = |a: usize, b: usize| Rect::new(&[a], &[b]);
+            // moments of the tile
+            let tc = tile.extent(1);
+            let mut want_m = Buffer::F64(vec![0.0; 3 * tc]);
+            Cpu::default().bn_moments(
+                &mut CpuStream,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                &tile,
+                Out {
+                    rect: srect(tile.lo[1], tile.hi[1]),
+                    mem: &mut want_m,
+                },
+            );
+            // a channel's sums in one part, and split into three (every split the GPU makes
+            // adds its parts in the same way)
+            let count = (tile.extent(0) * tile.extent(2) * tile.extent(3)) as i64;
+            for parts in [1i64, 3] {
+                let mut partial = vec![f64::NAN; 2 * parts as usize * tc];
+                emu.launch(tc as u32 * parts as u32, 1, || unsafe {
+                    mk(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        box4(&tile),
+                        parts,
+                        partial.as_mut_ptr(),
+                    )
+                });
+                let mut got_m = vec![0f64; 3 * tc];
+                emu.launch(1, 1, || unsafe {
+                    mf(
+                        partial.as_ptr(),
+                        parts,
+                        tc as i64,
+                        count,
+                        got_m.as_mut_ptr(),
+                    )
+                });
+                report.check_f64(
+                    &format!("bn moments {ci} in {parts} part(s)"),
+                    &got_m,
+                    want_m.f64(),
+                    1e-12,
+                );
+            }
+            // whole-group moments
+            let group = fullr.with_axis(1, g0, g1);
+            let mut m = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
+            Cpu::default().bn_moments(
+                &mut CpuStream,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                &group,
+                Out {
+                    rect: srect(g0, g1),
+                    mem: &mut m,
+                },
+            );
+            let gamma = Buffer::F32(random(c, 500).iter().map(|v| v + 1.5).collect());
+            let beta = Buffer::F32(random(c, 501));
+            let mut want_y = Buffer::F32(vec![0.0; tile.volume()]);
+            let mi = In {
+                rect: srect(g0, g1),
+                mem: &m,
+            };
+            Cpu::default().bn_normalize(
+                &mut CpuStream,
+                &op,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                mi,
+                In {
+                    rect: ch(0, c),
+                    mem: &gamma,
+                },
+                In {
+                    rect: ch(0, c),
+                    mem: &beta,
+                },
+                Out {
+                    rect: tile,
+                    mem: &mut want_y,
+                },
+            );
+            let tc_tile = tile.extent(1);
+            let mut coef = vec![f32::NAN; 3 * tc_tile];
+            emu.launch(1, 1, || unsafe {
+                af(
+                    m.f64().as_ptr(),
+                    g0 as i64,
+                    (g1 - g0) as i64,
+                    gamma.f32().as_ptr(),
+                    0,
+                    beta.f32().as_ptr(),
+                    0,
+                    op.eps,
+                    tile.lo[1] as i64,
+                    tc_tile as i64,
+                    coef.as_mut_ptr(),
                 )
             });
-            let differing = got
-                .iter()
-                .zip(&want)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            if differing == 0 {
-                report.passed += 1;
-            } else {
-                report.failures.push(format!(
-                    "synthetic_draw {image:?}: {differing} of {} values differ from the host's",
-                    want.len()
-                ));
+            let channels = tc_tile as u32;
+            for (parts, threads) in [(1i64, 1u32), (2, 3), (3, 7), (1, 64)] {
+                let mut gy = vec![f32::NAN; tile.volume()];
+                emu.launch(channels * parts as u32, threads, || unsafe {
+                    nk(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        gy.as_mut_ptr(),
+                        box4(&tile),
+                        coef.as_ptr(),
+                        relu as i32,
+                        parts,
+                    )
+                });
+                report.check(
+                    &format!(
+                        "bn normalize {ci} relu {relu} in {parts} part(s) of {threads} thread(s)"
+                    ),
+                    &gy,
+                    want_y.f32(),
+                    0.0,
+                );
+            }
+            // an [N, C] tile (batch norm after a dense layer) runs the row-major twin
+            if tile.extent(2) * tile.extent(3) == 1 {
+                type NR = unsafe extern "C" fn(
+                    *const f32,
+                    Box4,
+                    *mut f32,
+                    Box4,
+                    *const f32,
+                    i32,
+                    i64,
+                    i32,
+                );
+                let f: Symbol<NR> = emu.sym("bn_normalize_rows");
+                let mut gy = vec![f32::NAN; tile.volume()];
+                emu.launch(2, 5, || unsafe {
+                    f(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        gy.as_mut_ptr(),
+                        box4(&tile),
+                        coef.as_ptr(),
+                        relu as i32,
+                        tile.volume() as i64,
+                        0,
+                    )
+                });
+                report.check(
+                    &format!("bn normalize rows {ci} relu {relu}"),
+                    &gy,
+                    want_y.f32(),
+                    0.0,
+                );
+            }
+            // running
+            let rm0 = random(c, 502);
+            let rv0: Vec<f32> = random(c, 503).iter().map(|v| v + 1.5).collect();
+            let (mut rm, mut rv) = (Buffer::F32(rm0.clone()), Buffer::F32(rv0.clone()));
+            Cpu::default().bn_running(
+                &mut CpuStream,
+                &op,
+                mi,
+                Out {
+                    rect: ch(0, c),
+                    mem: &mut rm,
+                },
+                Out {
+                    rect: ch(0, c),
+                    mem: &mut rv,
+                },
+            );
+            let (mut grm, mut grv) = (rm0.clone(), rv0.clone());
+            emu.launch(1, 1, || unsafe {
+                rk(
+                    m.f64().as_ptr(),
+                    g0 as i64,
+                    (g1 - g0) as i64,
+                    grm.as_mut_ptr(),
+                    0,
+                    grv.as_mut_ptr(),
+                    0,
+                    op.momentum,
+                )
+            });
+            report.check(&format!("bn running mean {ci}"), &grm, rm.f32(), 0.0);
+            report.check(&format!("bn running var {ci}"), &grv, rv.f32(), 0.0);
+            // y over the group, for the relu mask
+            let mut yg = Buffer::F32(vec![0.0; group.volume()]);
+            Cpu::default().bn_normalize(
+                &mut CpuStream,
+                &op,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                mi,
+                In {
+                    rect: ch(0, c),
+                    mem: &gamma,
+                },
+                In {
+                    rect: ch(0, c),
+                    mem: &beta,
+                },
+                Out {
+                    rect: group,
+                    mem: &mut yg,
+                },
+            );
+            let dy = Buffer::F32(random(fullr.volume(), 504));
+            let (mut dg, mut db) = (Buffer::F32(vec![-2.0; c]), Buffer::F32(vec![-2.0; c]));
+            let mut sums = Buffer::F64(vec![0.0; 3 * tc]);
+            let yin = relu.then_some(In {
+                rect: group,
+                mem: &yg,
+            });
+            Cpu::default().bn_grad_sums(
+                &mut CpuStream,
+                &op,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                yin,
+                In {
+                    rect: fullr,
+                    mem: &dy,
+                },
+                mi,
+                &tile,
+                Out {
+                    rect: ch(0, c),
+                    mem: &mut dg,
+                },
+                Out {
+                    rect: ch(0, c),
+                    mem: &mut db,
+                },
+                Out {
+                    rect: srect(tile.lo[1], tile.hi[1]),
+                    mem: &mut sums,
+                },
+            );
+            let yptr = if relu { yg.f32().as_ptr() } else { NULL };
+            for parts in [1i64, 3] {
+                let (mut gdg, mut gdb) = (vec![-2.0f32; c], vec![-2.0f32; c]);
+                let mut gsums = vec![0f64; 3 * tc];
+                let mut partial = vec![f64::NAN; 2 * parts as usize * tc];
+                emu.launch(tc as u32 * parts as u32, 1, || unsafe {
+                    gk(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        yptr,
+                        box4(&group),
+                        dy.f32().as_ptr(),
+                        box4(&fullr),
+                        box4(&tile),
+                        m.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        op.eps,
+                        parts,
+                        partial.as_mut_ptr(),
+                    )
+                });
+                emu.launch(1, 1, || unsafe {
+                    gf(
+                        partial.as_ptr(),
+                        parts,
+                        tc as i64,
+                        count,
+                        tile.lo[1] as i64,
+                        m.f64().as_ptr(),
+                        g0 as i64,
+                        (g1 - g0) as i64,
+                        op.eps,
+                        gdg.as_mut_ptr(),
+                        0,
+                        gdb.as_mut_ptr(),
+                        0,
+                        gsums.as_mut_ptr(),
+                    )
+                });
+                let what = format!("{ci} relu {relu} in {parts} part(s)");
+                report.check(&format!("bn dgamma {what}"), &gdg, dg.f32(), 1e-6);
+                report.check(&format!("bn dbeta {what}"), &gdb, db.f32(), 1e-6);
+                report.check_f64(&format!("bn grad sums {what}"), &gsums, sums.f64(), 1e-10);
+            }
+            // input grad from whole-group sums
+            let mut gsum_group = Buffer::F64(vec![0.0; 3 * (g1 - g0)]);
+            let (mut t1, mut t2) = (Buffer::F32(vec![0.0; c]), Buffer::F32(vec![0.0; c]));
+            Cpu::default().bn_grad_sums(
+                &mut CpuStream,
+                &op,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                yin,
+                In {
+                    rect: fullr,
+                    mem: &dy,
+                },
+                mi,
+                &group,
+                Out {
+                    rect: ch(0, c),
+                    mem: &mut t1,
+                },
+                Out {
+                    rect: ch(0, c),
+                    mem: &mut t2,
+                },
+                Out {
+                    rect: srect(g0, g1),
+                    mem: &mut gsum_group,
+                },
+            );
+            let mut dx = Buffer::F32(vec![0.0; tile.volume()]);
+            Cpu::default().bn_input_grad(
+                &mut CpuStream,
+                &op,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                yin,
+                In {
+                    rect: fullr,
+                    mem: &dy,
+                },
+                mi,
+                In {
+                    rect: ch(0, c),
+                    mem: &gamma,
+                },
+                In {
+                    rect: srect(g0, g1),
+                    mem: &gsum_group,
+                },
+                Out {
+                    rect: tile,
+                    mem: &mut dx,
+                },
+            );
+            let mut coef = vec![f32::NAN; 5 * tc];
+            emu.launch(1, 1, || unsafe {
+                ic(
+                    m.f64().as_ptr(),
+                    g0 as i64,
+                    (g1 - g0) as i64,
+                    gamma.f32().as_ptr(),
+                    0,
+                    gsum_group.f64().as_ptr(),
+                    g0 as i64,
+                    (g1 - g0) as i64,
+                    op.eps,
+                    tile.lo[1] as i64,
+                    tc as i64,
+                    coef.as_mut_ptr(),
+                )
+            });
+            for (parts, threads) in [(1i64, 1u32), (2, 3), (3, 7), (1, 64)] {
+                let mut gdx = vec![f32::NAN; tile.volume()];
+                emu.launch(tc as u32 * parts as u32, threads, || unsafe {
+                    ik(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        yptr,
+                        box4(&group),
+                        dy.f32().as_ptr(),
+                        box4(&fullr),
+                        gdx.as_mut_ptr(),
+                        box4(&tile),
+                        coef.as_ptr(),
+                        parts,
+                    )
+                });
+                report.check(
+                    &format!(
+                        "bn input grad {ci} relu {relu} in {parts} part(s) of {threads} thread(s)"
+                    ),
+                    &gdx,
+                    dx.f32(),
+                    0.0,
+                );
+            }
+            if tile.extent(2) * tile.extent(3) == 1 {
+                type IR = unsafe extern "C" fn(
+                    *const f32,
+                    Box4,
+                    *const f32,
+                    Box4,
+                    *const f32,
+                    Box4,
+                    *mut f32,
+                    Box4,
+                    *const f32,
+                    i64,
+                    i32,
+                );
+                let f: Symbol<IR> = emu.sym("bn_input_grad_rows");
+                let mut gdx = vec![f32::NAN; tile.volume()];
+                emu.launch(2, 5, || unsafe {
+                    f(
+                        x.f32().as_ptr(),
+                        box4(&fullr),
+                        yptr,
+                        box4(&group),
+                        dy.f32().as_ptr(),
+                        box4(&fullr),
+                        gdx.as_mut_ptr(),
+                        box4(&tile),
+                        coef.as_ptr(),
+                        tile.volume() as i64,
+                        0,
+                    )
+                });
+                report.check(
+                    &format!("bn input grad rows {ci} relu {relu}"),
+                    &gdx,
+                    dx.f32(),
+                    0.0,
+                );
             }
         }
     }
+}
 
-    println!("{} checks passed", report.passed);
-    assert!(
-        report.failures.is_empty(),
-        "{} failing checks:\n{}",
-        report.failures.len(),
-        report.failures.join("\n")
-    );
+/// The sgd kernels against the CPU's.
+fn sgd(emu: &Emu, report: &mut Report) {
+    type S = unsafe extern "C" fn(*const f32, *mut f32, *mut f32, i64, f32, f32, f32);
+    let f: Symbol<S> = emu.sym("sgd_update");
+    let g = random(1000, 600);
+    let w0 = random(1000, 601);
+    let v0 = random(1000, 602);
+    let sgd = Sgd::default();
+    let (mut w, mut v) = (w0.clone(), v0.clone());
+    sgd.update(&mut w, &g, &mut v);
+    let (mut gw, mut gv) = (w0.clone(), v0.clone());
+    emu.launch(1, 1, || unsafe {
+        f(
+            g.as_ptr(),
+            gw.as_mut_ptr(),
+            gv.as_mut_ptr(),
+            1000,
+            sgd.lr,
+            sgd.momentum,
+            sgd.weight_decay,
+        )
+    });
+    report.check("sgd w", &gw, &w, 0.0);
+    report.check("sgd v", &gv, &v, 0.0);
+}
+
+/// Synthetic data drawn on the device, against the host's drawing: bit for bit.
+fn synthetic_draw(emu: &Emu, report: &mut Report) {
+    type F = unsafe extern "C" fn(*mut f32, *const f32, *const u64, f32, i64, i64, i64, i64);
+    let f: Symbol<F> = emu.sym("synthetic_draw");
+    for (image, classes) in [([3usize, 13, 9], 7usize), ([1, 5, 16], 2)] {
+        let data = Synthetic::new(17, 40, classes, image).unwrap();
+        let batch = data.describe_batch(&[3, 0, 39, 3, 21]).unwrap();
+        let mut want = vec![f32::NAN; batch.len() * batch.sample_len()];
+        batch.render(&mut want);
+        let mut got = vec![f32::NAN; want.len()];
+        let [c, h, w] = image.map(|e| e as i64);
+        // A grid smaller than the batch, so the grid-stride loop runs more than once.
+        emu.launch(3, 32, || unsafe {
+            f(
+                got.as_mut_ptr(),
+                batch.factors.as_ptr(),
+                batch.noise_states.as_ptr(),
+                SyntheticBatch::noise_scale(),
+                batch.len() as i64,
+                c,
+                h,
+                w,
+            )
+        });
+        let differing = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        if differing == 0 {
+            report.passed += 1;
+        } else {
+            report.failures.push(format!(
+                "synthetic_draw {image:?}: {differing} of {} values differ from the host's",
+                want.len()
+            ));
+        }
+    }
 }
 
 /// The kernels compiled for the host, or `None` after saying why not (no C++ compiler).
