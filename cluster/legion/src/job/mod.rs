@@ -22,8 +22,9 @@ use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
 use crate::precision;
 use anyhow::{Context, bail};
-use checks::{check_device_memory, check_options, classes_mismatch, initial_state};
+use checks::{ModelShape, check_device_memory, check_options, classes_mismatch, initial_state};
 use legion_cluster::engine::{self, Engine, JobStart, OneGpu, Place};
+use legion_cluster::hosts::Hosts;
 use legion_cluster::launch;
 use legion_ops::capture::CaptureSetting;
 use legion_ops::checkpoint::Checkpoint;
@@ -359,38 +360,11 @@ impl Job {
         if let Some(path) = &opts.trace {
             check_output_path("--trace", path)?;
         }
-        let located = match (&opts.cluster, opts.slurm) {
-            (Some(_), true) => bail!("--cluster and --slurm: give one of them"),
-            (Some(path), false) => Some(launch::locate(Some(path), opts.cluster_state.as_deref())?),
-            (None, true) => Some(launch::locate(None, opts.cluster_state.as_deref())?),
-            (None, false) if opts.cluster_state.is_some() => {
-                bail!("--state is the state directory of a --cluster or --slurm cluster; give one")
-            }
-            (None, false) => None,
-        };
-        let cluster = match located {
-            Some(located) => {
-                let hosts = located.load_hosts()?;
-                if opts.devices != 1 && opts.devices != hosts.num_devices() {
-                    bail!(
-                        "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
-                        opts.devices,
-                        located.label(),
-                        hosts.num_devices()
-                    );
-                }
-                Some((located.label(), hosts, located.state))
-            }
-            None => None,
-        };
+        let cluster = target_cluster(opts)?;
         let devices = cluster
             .as_ref()
             .map_or(opts.devices, |(_, h, _)| h.num_devices());
         let distributed = devices > 1 || cluster.is_some();
-        let with_memory = |machine: MachineModel| match opts.memory_gib {
-            Some(gib) => machine.with_device_memory_gib(gib),
-            None => Ok(machine),
-        };
         // First: an embedded run on GPUs is planned for them.
         let mut device = device::choose_listed(
             opts.device,
@@ -417,43 +391,14 @@ impl Job {
             },
         };
         let gpus = device::start_gpus(&mut device, opts.device, devices, settings)?;
-        let (configs, place) = if distributed {
-            let (machine, place) = match &cluster {
-                Some((label, hosts, state)) => (
-                    cluster_machine(hosts, state)?.with_precision(precision),
-                    format!("{} worker(s) of {label}", hosts.hosts.len()),
-                ),
-                None => match &gpus {
-                    Some(started) => (
-                        gpus_machine(devices, &started.info, precision)?,
-                        "embedded device(s) on GPUs".to_string(),
-                    ),
-                    // priced in the run's precision: bf16 slices move half the bytes
-                    None => (
-                        embedded_machine(devices)?.with_precision(precision),
-                        "embedded device(s)".to_string(),
-                    ),
-                },
-            };
-            let machine = with_memory(machine)?;
-            let configs = choose_strategy(&graph, &machine, &opts.strategy)?;
-            check_device_memory(&graph, &machine, &configs, &opts.strategy.to_string())?;
-            (configs, place)
-        } else {
-            // One device runs every layer serially; a strategy file given is still checked
-            // against the model and the device count, so that a wrong one is never ignored.
-            if let Strategy::File(path) = &opts.strategy {
-                strategy_file_configs("--strategy", &graph, devices, path)?;
-            }
-            let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
-            check_device_memory(
-                &graph,
-                &with_memory(embedded_machine(1)?)?,
-                &serial,
-                "serial",
-            )?;
-            (serial, "one device".to_string())
-        };
+        let (configs, place) = plan(
+            &graph,
+            opts,
+            cluster.as_ref(),
+            gpus.as_ref(),
+            devices,
+            precision,
+        )?;
         // Before any weight is allocated: a model too large must get an error, not an abort. The
         // workers of a cluster check their own devices when the job reaches them; on a GPU the
         // host keeps only the job's state and the device's share goes to the GPU's memory.
@@ -470,32 +415,7 @@ impl Job {
 
         // After the model is known to fit (a synthetic dataset is sized by its classes), before
         // the weights are loaded and the engine started.
-        let spec = opts.data.to_string();
-        let dataset = match opts.data.open(shape.image, shape.classes, opts.seed) {
-            Err(data::DataError::TooManyClasses {
-                dataset,
-                dataset_classes,
-                ..
-            }) => {
-                return Err(classes_mismatch(
-                    &spec,
-                    &dataset,
-                    dataset_classes,
-                    &graph,
-                    shape.classes,
-                ));
-            }
-            opened => opened.with_context(|| format!("--data {spec}"))?,
-        };
-        if dataset.num_classes() != shape.classes {
-            return Err(classes_mismatch(
-                &spec,
-                &dataset.describe(),
-                dataset.num_classes(),
-                &graph,
-                shape.classes,
-            ));
-        }
+        let dataset = open_dataset(&graph, opts, &shape)?;
         let state = initial_state(&graph, opts)?;
         let first_step = state.step;
         if first_step > opts.steps {
@@ -569,6 +489,125 @@ impl Job {
             precision,
         })
     }
+}
+
+/// The cluster a run trains on, if any (`--cluster` or `--slurm`): its label, its hosts and its
+/// state directory, the devices given checked against the cluster's.
+fn target_cluster(opts: &TrainOptions) -> anyhow::Result<Option<(String, Hosts, PathBuf)>> {
+    let located = match (&opts.cluster, opts.slurm) {
+        (Some(_), true) => bail!("--cluster and --slurm: give one of them"),
+        (Some(path), false) => Some(launch::locate(Some(path), opts.cluster_state.as_deref())?),
+        (None, true) => Some(launch::locate(None, opts.cluster_state.as_deref())?),
+        (None, false) if opts.cluster_state.is_some() => {
+            bail!("--state is the state directory of a --cluster or --slurm cluster; give one")
+        }
+        (None, false) => None,
+    };
+    Ok(match located {
+        Some(located) => {
+            let hosts = located.load_hosts()?;
+            if opts.devices != 1 && opts.devices != hosts.num_devices() {
+                bail!(
+                    "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
+                    opts.devices,
+                    located.label(),
+                    hosts.num_devices()
+                );
+            }
+            Some((located.label(), hosts, located.state))
+        }
+        None => None,
+    })
+}
+
+/// The configs the devices run and where they are: a search's or a strategy file's on several
+/// devices (priced on the run's machine and checked to fit its devices' memory), every layer
+/// serial on one.
+fn plan(
+    graph: &Graph,
+    opts: &TrainOptions,
+    cluster: Option<&(String, Hosts, PathBuf)>,
+    gpus: Option<&device::StartedGpus>,
+    devices: usize,
+    precision: Precision,
+) -> anyhow::Result<(Vec<ParallelConfig>, String)> {
+    let distributed = devices > 1 || cluster.is_some();
+    let with_memory = |machine: MachineModel| match opts.memory_gib {
+        Some(gib) => machine.with_device_memory_gib(gib),
+        None => Ok(machine),
+    };
+    Ok(if distributed {
+        let (machine, place) = match cluster {
+            Some((label, hosts, state)) => (
+                cluster_machine(hosts, state)?.with_precision(precision),
+                format!("{} worker(s) of {label}", hosts.hosts.len()),
+            ),
+            None => match gpus {
+                Some(started) => (
+                    gpus_machine(devices, &started.info, precision)?,
+                    "embedded device(s) on GPUs".to_string(),
+                ),
+                // priced in the run's precision: bf16 slices move half the bytes
+                None => (
+                    embedded_machine(devices)?.with_precision(precision),
+                    "embedded device(s)".to_string(),
+                ),
+            },
+        };
+        let machine = with_memory(machine)?;
+        let configs = choose_strategy(graph, &machine, &opts.strategy)?;
+        check_device_memory(graph, &machine, &configs, &opts.strategy.to_string())?;
+        (configs, place)
+    } else {
+        // One device runs every layer serially; a strategy file given is still checked
+        // against the model and the device count, so that a wrong one is never ignored.
+        if let Strategy::File(path) = &opts.strategy {
+            strategy_file_configs("--strategy", graph, devices, path)?;
+        }
+        let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
+        check_device_memory(
+            graph,
+            &with_memory(embedded_machine(1)?)?,
+            &serial,
+            "serial",
+        )?;
+        (serial, "one device".to_string())
+    })
+}
+
+/// The run's dataset, refused where its classes are not the model's outputs.
+fn open_dataset(
+    graph: &Graph,
+    opts: &TrainOptions,
+    shape: &ModelShape,
+) -> anyhow::Result<Arc<dyn Dataset>> {
+    let spec = opts.data.to_string();
+    let dataset = match opts.data.open(shape.image, shape.classes, opts.seed) {
+        Err(data::DataError::TooManyClasses {
+            dataset,
+            dataset_classes,
+            ..
+        }) => {
+            return Err(classes_mismatch(
+                &spec,
+                &dataset,
+                dataset_classes,
+                graph,
+                shape.classes,
+            ));
+        }
+        opened => opened.with_context(|| format!("--data {spec}"))?,
+    };
+    if dataset.num_classes() != shape.classes {
+        return Err(classes_mismatch(
+            &spec,
+            &dataset.describe(),
+            dataset.num_classes(),
+            graph,
+            shape.classes,
+        ));
+    }
+    Ok(dataset)
 }
 
 #[cfg(test)]
