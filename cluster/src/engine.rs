@@ -191,16 +191,14 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             trainer.set_loss_readback(readback);
             Box::new(trainer)
         }
-        Place::Embedded { devices, placement } => Box::new(EmbeddedCluster::resume_on(
-            job.graph,
-            job.configs,
-            devices,
-            &job.state,
-            job.sgd,
-            job.seed,
-            &placement,
-            job.precision,
-        )?),
+        Place::Embedded { devices, placement } => Box::new(
+            EmbeddedCluster::launch_from(job.graph, job.configs, devices, &job.state)
+                .sgd(job.sgd)
+                .seed(job.seed)
+                .placement(&placement)
+                .precision(job.precision)
+                .start()?,
+        ),
         Place::Cluster {
             hosts,
             state_dir,

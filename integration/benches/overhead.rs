@@ -152,8 +152,10 @@ fn alexnet_overhead() {
         let sgd = Sgd::default();
         let mut trainer = Trainer::new(graph.clone(), params.clone(), sgd, 1);
         let serial = vec![ParallelConfig::serial(0); graph.layers().len()];
-        let mut cluster =
-            EmbeddedCluster::start(&graph, &serial, 1, &params, sgd, 1, 0).expect("plan");
+        let mut cluster = EmbeddedCluster::launch(&graph, &serial, 1, &params)
+            .sgd(sgd)
+            .start()
+            .expect("plan");
         let (mut t_trainer, mut t_runtime) = (Vec::new(), Vec::new());
         let (mut f_trainer, mut f_runtime) = (Vec::new(), Vec::new());
         // One warm-up step each: the first steps allocate the kernels' scratch.

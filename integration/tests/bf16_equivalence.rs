@@ -34,9 +34,12 @@ fn assert_same_training_in_bf16(graph: &Graph, strategies: &[(&str, Vec<Parallel
     let reference = Bf16Reference::train(graph);
     for (name, configs) in strategies {
         let (sgd, init) = (Sgd::default(), &reference.init);
-        let mut cluster =
-            EmbeddedCluster::start_in(graph, configs, DEVICES, init, sgd, 11, Precision::Bf16)
-                .unwrap();
+        let mut cluster = EmbeddedCluster::launch(graph, configs, DEVICES, init)
+            .sgd(sgd)
+            .seed(11)
+            .precision(Precision::Bf16)
+            .start()
+            .unwrap();
         let losses: Vec<f32> = (0..STEPS)
             .map(|step| {
                 let (images, labels) = batch(graph, step);

@@ -34,8 +34,11 @@ fn assert_same_training(graph: &Graph, strategies: &[(&str, Vec<ParallelConfig>)
         .map(|s| TOLERANCE.max(ROUNDING_FACTOR * s))
         .collect();
     for (name, configs) in strategies {
-        let mut cluster =
-            EmbeddedCluster::start(graph, configs, DEVICES, &init, sgd, 11, 0).unwrap();
+        let mut cluster = EmbeddedCluster::launch(graph, configs, DEVICES, &init)
+            .sgd(sgd)
+            .seed(11)
+            .start()
+            .unwrap();
         for step in 0..STEPS {
             let (images, labels) = batch(graph, step);
             let stats = cluster.step(images, labels, false).unwrap().stats;

@@ -61,16 +61,10 @@ fn check(graph: &Graph, placement: &Placement, failures: &mut Vec<String>) {
     for (name, configs) in &strategies {
         let started = std::time::Instant::now();
         let state = legion_ops::train::TrainingState::start(init.clone());
-        let cluster = EmbeddedCluster::resume_on(
-            graph,
-            configs,
-            DEVICES,
-            &state,
-            Sgd::default(),
-            11,
-            placement,
-            Precision::Fp32,
-        );
+        let cluster = EmbeddedCluster::launch_from(graph, configs, DEVICES, &state)
+            .seed(11)
+            .placement(placement)
+            .start();
         let mut cluster = match cluster {
             Ok(c) => c,
             Err(e) => {
@@ -187,16 +181,12 @@ fn every_strategy_on_gpu_devices_in_bf16_trains_the_same_network_as_one_device_i
         for (name, configs) in &strategies {
             let state = legion_ops::train::TrainingState::start(reference.init.clone());
             let sgd = Sgd::default();
-            let started = EmbeddedCluster::resume_on(
-                &graph,
-                configs,
-                DEVICES,
-                &state,
-                sgd,
-                11,
-                &placement,
-                Precision::Bf16,
-            );
+            let started = EmbeddedCluster::launch_from(&graph, configs, DEVICES, &state)
+                .sgd(sgd)
+                .seed(11)
+                .placement(&placement)
+                .precision(Precision::Bf16)
+                .start();
             let mut cluster = match started {
                 Ok(c) => c,
                 Err(e) => {

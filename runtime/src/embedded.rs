@@ -73,112 +73,111 @@ pub struct EmbeddedCluster {
     next_step: u64,
 }
 
+/// How an [`EmbeddedCluster`] starts ([`EmbeddedCluster::launch`], [`EmbeddedCluster::launch_from`]):
+/// SGD's defaults, seed 1, on this process's cores, in fp32, unless set otherwise.
+#[must_use = "a Launch starts nothing until `start`"]
+pub struct Launch<'a> {
+    graph: &'a Graph,
+    configs: &'a [ParallelConfig],
+    devices: usize,
+    params: &'a ParamStore,
+    momentum: Option<&'a [Vec<f32>]>,
+    first_step: u64,
+    sgd: Sgd,
+    seed: u64,
+    placement: Option<&'a Placement>,
+    precision: Precision,
+}
+
+impl<'a> Launch<'a> {
+    pub fn sgd(mut self, sgd: Sgd) -> Self {
+        self.sgd = sgd;
+        self
+    }
+
+    /// Seed of dropout's masks.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Where the devices run (GPUs must have been opened to compute in the precision).
+    pub fn placement(mut self, placement: &'a Placement) -> Self {
+        self.placement = Some(placement);
+        self
+    }
+
+    /// What the steps compute in (bf16 stores activations and their gradients in bf16, as a GPU
+    /// does; see `legion_ops::precision`).
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// The number of the first step (dropout's masks depend on it).
+    pub fn first_step(mut self, step: u64) -> Self {
+        self.first_step = step;
+        self
+    }
+
+    /// Plans the step, starts the device actors and loads the state onto them.
+    pub fn start(self) -> Result<EmbeddedCluster, RuntimeError> {
+        EmbeddedCluster::start_with(self)
+    }
+}
+
 impl EmbeddedCluster {
-    /// Plans `graph` under `configs` on `devices` devices and loads `params` onto them, momentum
-    /// zero. Steps are numbered from `first_step` (dropout masks depend on it).
-    pub fn start(
-        graph: &Graph,
-        configs: &[ParallelConfig],
+    /// Starts `graph` under `configs` on `devices` devices from `params`, momentum zero, at step
+    /// 0; [`Launch`] says how else.
+    pub fn launch<'a>(
+        graph: &'a Graph,
+        configs: &'a [ParallelConfig],
         devices: usize,
-        params: &ParamStore,
-        sgd: Sgd,
-        seed: u64,
-        first_step: u64,
-    ) -> Result<EmbeddedCluster, RuntimeError> {
-        EmbeddedCluster::start_with(
+        params: &'a ParamStore,
+    ) -> Launch<'a> {
+        Launch {
             graph,
             configs,
             devices,
             params,
-            None,
-            sgd,
-            seed,
+            momentum: None,
+            first_step: 0,
+            sgd: Sgd::default(),
+            seed: 1,
+            placement: None,
+            precision: Precision::Fp32,
+        }
+    }
+
+    /// Continues a saved run on `devices` devices: its weights, momentum and step.
+    pub fn launch_from<'a>(
+        graph: &'a Graph,
+        configs: &'a [ParallelConfig],
+        devices: usize,
+        state: &'a TrainingState,
+    ) -> Launch<'a> {
+        Launch {
+            momentum: Some(&state.momentum),
+            first_step: state.step,
+            ..EmbeddedCluster::launch(graph, configs, devices, &state.params)
+        }
+    }
+
+    fn start_with(launch: Launch<'_>) -> Result<EmbeddedCluster, RuntimeError> {
+        let Launch {
+            graph,
+            configs,
+            devices,
+            params,
+            momentum,
             first_step,
-            &Placement::Cpu,
-            Precision::Fp32,
-        )
-    }
-
-    /// [`EmbeddedCluster::start`] computing in `precision` on this process's cores (bf16 stores
-    /// activations and their gradients in bf16, as a GPU does; see `legion_ops::precision`).
-    pub fn start_in(
-        graph: &Graph,
-        configs: &[ParallelConfig],
-        devices: usize,
-        params: &ParamStore,
-        sgd: Sgd,
-        seed: u64,
-        precision: Precision,
-    ) -> Result<EmbeddedCluster, RuntimeError> {
-        EmbeddedCluster::start_with(
-            graph,
-            configs,
-            devices,
-            params,
-            None,
             sgd,
             seed,
-            0,
-            &Placement::Cpu,
-            precision,
-        )
-    }
-
-    /// Continues a saved run: its weights, momentum and step.
-    pub fn resume(
-        graph: &Graph,
-        configs: &[ParallelConfig],
-        devices: usize,
-        state: &TrainingState,
-        sgd: Sgd,
-        seed: u64,
-    ) -> Result<EmbeddedCluster, RuntimeError> {
-        let (placement, precision) = (&Placement::Cpu, Precision::Fp32);
-        EmbeddedCluster::resume_on(
-            graph, configs, devices, state, sgd, seed, placement, precision,
-        )
-    }
-
-    /// [`EmbeddedCluster::resume`] with the devices placed by `placement`, computing in
-    /// `precision` (GPUs must have been opened to compute in it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn resume_on(
-        graph: &Graph,
-        configs: &[ParallelConfig],
-        devices: usize,
-        state: &TrainingState,
-        sgd: Sgd,
-        seed: u64,
-        placement: &Placement,
-        precision: Precision,
-    ) -> Result<EmbeddedCluster, RuntimeError> {
-        EmbeddedCluster::start_with(
-            graph,
-            configs,
-            devices,
-            &state.params,
-            Some(&state.momentum),
-            sgd,
-            seed,
-            state.step,
             placement,
             precision,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn start_with(
-        graph: &Graph,
-        configs: &[ParallelConfig],
-        devices: usize,
-        params: &ParamStore,
-        momentum: Option<&[Vec<f32>]>,
-        sgd: Sgd,
-        seed: u64,
-        first_step: u64,
-        placement: &Placement,
-        precision: Precision,
-    ) -> Result<EmbeddedCluster, RuntimeError> {
+        } = launch;
+        let cpu = Placement::Cpu;
+        let placement = placement.unwrap_or(&cpu);
         if let Placement::Gpus(gpus) = placement {
             let tf32_as_fp32 = |p| match p {
                 Precision::Tf32 => Precision::Fp32,

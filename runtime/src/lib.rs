@@ -30,7 +30,7 @@ pub use compute::shares_workers;
 pub use cpu_share::{CpuMeter, CpuSpan, RuntimeThreadsCpu, StepCpu, alone_seconds, process_cpu_s};
 pub use device::{DeviceActor, Load, OpEvent, Piece, ReadInstance, StepReport};
 pub use embedded::{
-    EmbeddedCluster, Placement, RuntimeError, StepResult, actor_threads, check_batch,
+    EmbeddedCluster, Launch, Placement, RuntimeError, StepResult, actor_threads, check_batch,
     device_runtime, initial_instances, run_step, spawn_devices, spawn_local_devices,
     threads_per_device,
 };

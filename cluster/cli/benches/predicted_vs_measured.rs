@@ -22,7 +22,7 @@
 use legion::job::choose_strategy;
 use legion::load_model;
 use legion::machine::embedded_machine;
-use legion_ops::train::{ParamStore, Sgd};
+use legion_ops::train::ParamStore;
 use legion_planner::simulate::{Resource, Simulation, TaskKind, simulate};
 use legion_planner::{CostModel, ProfiledCost};
 use legion_profile::{self as profile, ProfileSettings, Profiler};
@@ -141,7 +141,9 @@ fn main() -> anyhow::Result<()> {
         };
         let params = ParamStore::init(&graph, SEED);
         let start = |configs: &[legion_planner::ParallelConfig]| {
-            EmbeddedCluster::start(&graph, configs, DEVICES, &params, Sgd::default(), SEED, 0)
+            EmbeddedCluster::launch(&graph, configs, DEVICES, &params)
+                .seed(SEED)
+                .start()
         };
         // How many steps to measure, from a short first measurement of each strategy.
         let counts = strategies

@@ -181,17 +181,12 @@ pub fn profile_on_gpu(
         }
         // The strategy's whole step on GPU device actors, for comparison with the simulation.
         let state = legion_ops::train::TrainingState::start(params.clone());
-        let mut cluster = EmbeddedCluster::resume_on(
-            graph,
-            configs,
-            devices,
-            &state,
-            Sgd::default(),
-            settings.seed,
-            &placement,
-            plan.regions.precision(),
-        )
-        .map_err(in_strategy)?;
+        let mut cluster = EmbeddedCluster::launch_from(graph, configs, devices, &state)
+            .seed(settings.seed)
+            .placement(&placement)
+            .precision(plan.regions.precision())
+            .start()
+            .map_err(in_strategy)?;
         for _ in 0..settings.warmup {
             cluster
                 .step(images.clone(), labels.clone(), false)

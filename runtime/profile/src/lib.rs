@@ -75,7 +75,7 @@ pub mod gpu;
 
 use legion_ops::data::{DataError, Dataset, Synthetic};
 use legion_ops::op::partial_input_shapes;
-use legion_ops::train::{ParamStore, Sgd};
+use legion_ops::train::ParamStore;
 use legion_ops::{Graph, LayerId, Rect, Shape};
 use legion_planner::profile::{LinkProfile, ProfileKey};
 use legion_planner::runtime_costs::{RuntimeCosts, fold_bytes, update_bytes};
@@ -166,16 +166,10 @@ pub fn profile(
             strategy: name.clone(),
             source,
         };
-        let mut cluster = EmbeddedCluster::start(
-            graph,
-            configs,
-            devices,
-            &params,
-            Sgd::default(),
-            settings.seed,
-            0,
-        )
-        .map_err(in_strategy)?;
+        let mut cluster = EmbeddedCluster::launch(graph, configs, devices, &params)
+            .seed(settings.seed)
+            .start()
+            .map_err(in_strategy)?;
         for _ in 0..settings.warmup {
             cluster
                 .step(images.clone(), labels.clone(), false)
