@@ -60,6 +60,10 @@ pub struct TrainFlags {
     pub state: Option<PathBuf>,
     #[arg(long, default_value = "optcnn", help = strategy_help())]
     pub strategy: String,
+    /// Write the strategy the devices run (a search's result, or the file given) as a strategy
+    /// JSON file here, which `--strategy FILE` and `legion-rs plan --evaluate` read back.
+    #[arg(long, value_name = "FILE")]
+    pub save_strategy: Option<PathBuf>,
     /// Write a Chrome/Perfetto trace (JSON) of the last step: each device's timeline with several
     /// devices, each call of the step timed on the device with one. With an example's --compare:
     /// a directory, to which each strategy's measured and simulated traces go.
@@ -174,6 +178,7 @@ impl TrainFlags {
             },
             seed: self.seed,
             strategy: Strategy::from(self.strategy.as_str()),
+            save_strategy: self.save_strategy.clone(),
             trace: self.trace.clone(),
             checkpoint_every: self.checkpoint_every,
             resume: self.resume.clone(),

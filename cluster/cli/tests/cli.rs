@@ -184,6 +184,52 @@ fn the_separate_epilogue_flag_parses_and_trains_the_same_network() {
     refuses_a_value("--no-fused-epilogue");
 }
 
+/// `--save-strategy` writes the strategy a search found, and `--strategy FILE` trains it again:
+/// the layers the run printed, and the same loss at every step as the search's run.
+#[test]
+fn a_saved_strategy_trains_as_the_search_that_found_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.json");
+    let run = |strategy: &str, save: bool| -> (Vec<Value>, Value) {
+        let mut args = vec![
+            "train",
+            "--model",
+            "lenet5",
+            "--devices",
+            "2",
+            "--steps",
+            "3",
+            "--batch",
+            "8",
+            "--device",
+            "cpu",
+            "--json",
+            "--strategy",
+            strategy,
+        ];
+        if save {
+            args.extend(["--save-strategy", path.to_str().unwrap()]);
+        }
+        let out = ok(legion(&args));
+        let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let losses = lines
+            .iter()
+            .filter(|l| l.get("step").is_some())
+            .map(|l| l["loss"].clone());
+        let summary = lines.last().unwrap().clone();
+        (losses.collect(), summary["plan"]["layers"].clone())
+    };
+    let (searched, layers) = run("optcnn", true);
+    assert_eq!(searched.len(), 3);
+    let saved: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(saved["model"], "lenet5", "{saved}");
+    assert_eq!(saved["layers"], layers);
+    assert_eq!(run(path.to_str().unwrap(), false).0, searched);
+}
+
 /// `--trace` on one device times the trainer's own step: every layer's forward and backward (and
 /// the staged batch) on the device's timeline, in the order they were enqueued, without planning
 /// a strategy for the runtime.

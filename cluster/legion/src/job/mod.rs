@@ -53,6 +53,8 @@ pub struct TrainOptions {
     pub seed: u64,
     /// With several devices: a search or a strategy file.
     pub strategy: Strategy,
+    /// Write the strategy the devices run here (a strategy JSON file).
+    pub save_strategy: Option<PathBuf>,
     /// Write a Chrome/Perfetto trace of the last step here.
     pub trace: Option<PathBuf>,
     /// Also save the state to `save` every this many steps (atomically, so a crash leaves the
@@ -125,6 +127,7 @@ impl Default for TrainOptions {
             sgd: Sgd::default(),
             seed: 1,
             strategy: Strategy::default(),
+            save_strategy: None,
             trace: None,
             checkpoint_every: None,
             device: DeviceKind::Auto,
@@ -209,6 +212,12 @@ impl Training {
     /// a strategy file.
     pub fn strategy(mut self, strategy: impl Into<Strategy>) -> Self {
         self.options.strategy = strategy.into();
+        self
+    }
+
+    /// Writes the strategy the devices run to this strategy JSON file.
+    pub fn save_strategy(mut self, path: impl Into<PathBuf>) -> Self {
+        self.options.save_strategy = Some(path.into());
         self
     }
 
@@ -360,6 +369,9 @@ impl Job {
         if let Some(path) = &opts.trace {
             check_output_path("--trace", path)?;
         }
+        if let Some(path) = &opts.save_strategy {
+            check_output_path("--save-strategy", path)?;
+        }
         let cluster = target_cluster(opts)?;
         let devices = cluster
             .as_ref()
@@ -399,6 +411,11 @@ impl Job {
             devices,
             precision,
         )?;
+        if let Some(path) = &opts.save_strategy {
+            StrategyFile::from_configs(&graph, &configs)
+                .save(path)
+                .with_context(|| format!("--save-strategy {}", path.display()))?;
+        }
         // Before any weight is allocated: a model too large must get an error, not an abort. The
         // workers of a cluster check their own devices when the job reaches them; on a GPU the
         // host keeps only the job's state and the device's share goes to the GPU's memory.
