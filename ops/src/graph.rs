@@ -257,7 +257,6 @@ impl Graph {
                     )
                 })?,
             };
-            check_op_fields(obj).map_err(|m| json_err(loc.clone(), m))?;
             let op: Op =
                 serde_json::from_value(v).map_err(|e| json_err(loc.clone(), e.to_string()))?;
             let mut ids = Vec::with_capacity(inputs.len());
@@ -544,30 +543,6 @@ impl GraphBuilder {
             layers: self.layers,
         }
     }
-}
-
-/// What serde cannot say of a layer's `"op"` (the unary family is an untagged variant, whose
-/// errors name no field): an unknown op, with the ones there are, and an attribute given to an
-/// op of the unary family, which takes none.
-fn check_op_fields(layer: &serde_json::Map<String, serde_json::Value>) -> Result<(), String> {
-    let Some(serde_json::Value::String(kind)) = layer.get("op") else {
-        return Err("missing string field \"op\"".into());
-    };
-    if !Op::kinds().any(|k| k == kind) {
-        let kinds: Vec<String> = Op::kinds().map(|k| format!("`{k}`")).collect();
-        return Err(format!(
-            "unknown op `{kind}`, expected one of {}",
-            kinds.join(", ")
-        ));
-    }
-    if op::Unary::parse(kind).is_some()
-        && let Some(field) = layer.keys().find(|k| *k != "op")
-    {
-        return Err(format!(
-            "unknown field `{field}`: `{kind}` takes no attributes"
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

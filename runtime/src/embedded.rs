@@ -114,12 +114,6 @@ impl<'a> Launch<'a> {
         self
     }
 
-    /// The number of the first step (dropout's masks depend on it).
-    pub fn first_step(mut self, step: u64) -> Self {
-        self.first_step = step;
-        self
-    }
-
     /// Plans the step, starts the device actors and loads the state onto them.
     pub fn start(self) -> Result<EmbeddedCluster, RuntimeError> {
         EmbeddedCluster::start_with(self)

@@ -105,6 +105,7 @@ mod tests {
     #[test]
     fn names_parse_back_and_onnx_names_are_distinct() {
         for &op in Unary::ALL {
+            assert_eq!(Unary::ALL[op.index()], op);
             assert_eq!(Unary::parse(op.name()), Some(op));
             assert_eq!(Unary::from_onnx(op.onnx_op()), Some(op));
         }

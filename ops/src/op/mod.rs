@@ -454,17 +454,25 @@ macro_rules! ops {
         }
 
         /// By the `"op"` name: the unary family's as a [`UnaryOp`], the others as their own
-        /// attributes, each error naming the field serde found wrong.
+        /// attributes, each error naming the field serde found wrong; an unknown name is refused
+        /// with every op's, the unary family's included.
         impl<'de> Deserialize<'de> for Op {
             fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Op, D::Error> {
                 use serde::de::Error;
                 let value = serde_json::Value::deserialize(deserializer)?;
-                let unary = value
-                    .get("op")
-                    .and_then(|kind| kind.as_str())
-                    .is_some_and(|kind| Unary::parse(kind).is_some());
-                if unary {
-                    return UnaryOp::deserialize(value).map(Op::Unary).map_err(D::Error::custom);
+                if let Some(kind) = value.get("op").and_then(|kind| kind.as_str()) {
+                    if Unary::parse(kind).is_some() {
+                        return UnaryOp::deserialize(value)
+                            .map(Op::Unary)
+                            .map_err(D::Error::custom);
+                    }
+                    if !Op::kinds().any(|k| k == kind) {
+                        let kinds: Vec<String> = Op::kinds().map(|k| format!("`{k}`")).collect();
+                        return Err(D::Error::custom(format!(
+                            "unknown op `{kind}`, expected one of {}",
+                            kinds.join(", ")
+                        )));
+                    }
                 }
                 Ok(match Tagged::deserialize(value).map_err(D::Error::custom)? {
                     $(Tagged::$variant(o) => Op::$variant(o),)*

@@ -38,6 +38,11 @@ macro_rules! unary_ops {
             /// Every one, in the order of the list.
             pub const ALL: &[Unary] = &[$(Unary::$variant),*];
 
+            /// Its position in [`Unary::ALL`], which lists the ops in the order they are declared.
+            pub fn index(self) -> usize {
+                self as usize
+            }
+
             /// The name in model JSON files, error messages and kernel names.
             pub fn name(self) -> &'static str {
                 match self {

@@ -409,10 +409,12 @@ impl Job {
             cluster.as_ref(),
             gpus.as_ref(),
             devices,
+            distributed,
             precision,
         )?;
+        let strategy = StrategyFile::from_configs(&graph, &configs);
         if let Some(path) = &opts.save_strategy {
-            StrategyFile::from_configs(&graph, &configs)
+            strategy
                 .save(path)
                 .with_context(|| format!("--save-strategy {}", path.display()))?;
         }
@@ -489,7 +491,7 @@ impl Job {
             devices,
             place,
             remote_bytes: engine.plan().expect("a distributed engine").remote_bytes(),
-            strategy: StrategyFile::from_configs(&graph, &configs),
+            strategy,
             idle_devices: idle_devices(&configs, devices),
         });
         Ok(Job {
@@ -546,9 +548,9 @@ fn plan(
     cluster: Option<&(String, Hosts, PathBuf)>,
     gpus: Option<&device::StartedGpus>,
     devices: usize,
+    distributed: bool,
     precision: Precision,
 ) -> anyhow::Result<(Vec<ParallelConfig>, String)> {
-    let distributed = devices > 1 || cluster.is_some();
     let with_memory = |machine: MachineModel| match opts.memory_gib {
         Some(gib) => machine.with_device_memory_gib(gib),
         None => Ok(machine),
