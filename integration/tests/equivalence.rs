@@ -107,6 +107,15 @@ fn an_op_added_by_the_recipe_trains_the_same_under_every_strategy() {
     assert_same_training(&g, &all_strategies(&g));
 }
 
+/// Depthwise convolution, ReLU6, SiLU, LeakyReLU, the hard sigmoid and a squeeze-and-excitation
+/// channel scale (whose gradient tiles split along H or W sum) train the same network under
+/// every strategy.
+#[test]
+fn mobile_blocks_train_the_same_under_every_strategy() {
+    let g = mobile_block_net();
+    assert_same_training(&g, &all_strategies(&g));
+}
+
 /// Reduction splits (partial sums over input channels, summed before the activation) on conv2d
 /// and dense layers, with and without batch norm after them: the same network as one device.
 /// Random ones, and the seed planners' where they map a reduction cut onto ours (the space with

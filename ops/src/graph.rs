@@ -459,9 +459,15 @@ impl GraphBuilder {
         self.layer(name, Op::Relu(op::Relu {}), &[x])
     }
 
-    /// An element-wise unary op (`op::Unary`: sigmoid, tanh, ...).
-    pub fn unary(&mut self, name: &str, x: LayerId, op: op::Unary) -> Result<LayerId, ModelError> {
-        self.layer(name, Op::unary(op), &[x])
+    /// An element-wise unary op (`op::Unary`: sigmoid, tanh, ..., or an `op::UnaryOp` with its
+    /// attribute: `UnaryOp::with_alpha(Unary::LeakyRelu, 0.2)`).
+    pub fn unary(
+        &mut self,
+        name: &str,
+        x: LayerId,
+        op: impl Into<op::UnaryOp>,
+    ) -> Result<LayerId, ModelError> {
+        self.layer(name, Op::Unary(op.into()), &[x])
     }
 
     pub fn flatten(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
@@ -474,6 +480,11 @@ impl GraphBuilder {
 
     pub fn add(&mut self, name: &str, a: LayerId, b: LayerId) -> Result<LayerId, ModelError> {
         self.layer(name, Op::Add(op::Add {}), &[a, b])
+    }
+
+    /// `x · s`: `s` of `x`'s shape, or an `[N, C, 1, 1]` channel scale (squeeze-and-excitation).
+    pub fn mul(&mut self, name: &str, x: LayerId, s: LayerId) -> Result<LayerId, ModelError> {
+        self.layer(name, Op::Mul(op::Mul {}), &[x, s])
     }
 
     pub fn batch_norm(

@@ -54,6 +54,40 @@ pub fn recipe_net() -> Graph {
     m.finish()
 }
 
+/// The blocks of MobileNetV2 and EfficientNet, small: a depthwise convolution, ReLU6 and SiLU
+/// after batch norm, squeeze-and-excitation (a global average, 1×1 convolutions, LeakyReLU of
+/// slope 0.2, a hard sigmoid, and the channel scale multiplying the feature map, whose gradient
+/// is summed over H and W), a 1×1 projection and a residual sum.
+pub fn mobile_block_net() -> Graph {
+    use legion_ops::GraphBuilder;
+    use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, Unary, UnaryOp};
+    let mut m = GraphBuilder::new("mobile_block");
+    let x = m
+        .input("data", legion_ops::Shape::nchw(8, 3, 12, 12))
+        .unwrap();
+    let c = m.conv2d("stem", x, Conv2d::new(8, 3).padding(1)).unwrap();
+    let c = m.batch_norm("stem.bn", c, BatchNorm::default()).unwrap();
+    let c = m.unary("stem.relu6", c, Unary::Relu6).unwrap();
+    let depthwise = Conv2d::new(8, 3).padding(1).groups(8).no_bias();
+    let d = m.conv2d("dw", c, depthwise).unwrap();
+    let d = m.batch_norm("dw.bn", d, BatchNorm::default()).unwrap();
+    let d = m.unary("dw.silu", d, Unary::Silu).unwrap();
+    let s = m.global_avg_pool("se.pool", d).unwrap();
+    let s = m.conv2d("se.fc1", s, Conv2d::new(4, 1)).unwrap();
+    let leaky = UnaryOp::with_alpha(Unary::LeakyRelu, 0.2);
+    let s = m.unary("se.leaky", s, leaky).unwrap();
+    let s = m.conv2d("se.fc2", s, Conv2d::new(8, 1)).unwrap();
+    let s = m.unary("se.gate", s, Unary::Hardsigmoid).unwrap();
+    let scaled = m.mul("se.scale", d, s).unwrap();
+    let p = m.conv2d("project", scaled, Conv2d::new(8, 1)).unwrap();
+    let sum = m.add("residual", p, c).unwrap();
+    let pooled = m.pool2d("pool", sum, Pool2d::avg(2).stride(2)).unwrap();
+    let f = m.flatten("flatten", pooled).unwrap();
+    let y = m.dense("fc", f, Dense::new(10)).unwrap();
+    m.softmax_cross_entropy("loss", y).unwrap();
+    m.finish()
+}
+
 /// Batch norm (plain and fused with ReLU), a residual add and a branch/concat, in a network
 /// shallow enough that f32 rounding is not amplified.
 pub fn small_bn_net() -> Graph {

@@ -23,7 +23,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use legion_ops::backend::cpu;
 use legion_ops::backend::{Backend, DType, In, KernelError, LossSums, Out, Pipeline};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, Unary};
+use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, UnaryOp};
 use legion_ops::precision::Precision;
 use legion_ops::shape::{Rect, Shape};
 use legion_ops::train::Sgd;
@@ -501,30 +501,61 @@ impl Backend for Cuda {
         });
     }
 
-    fn unary_forward(&self, s: &mut Stream, op: Unary, x: In<Buffer>, y: Out<Buffer>) {
-        let (name, _) = op.kernel_names();
+    fn unary_forward(&self, s: &mut Stream, op: UnaryOp, x: In<Buffer>, y: Out<Buffer>) {
+        let (name, _) = op.op.kernel_names();
+        let kernel = &self.kernels.unary(op.op).forward;
         self.enqueue(s, name, |s| {
-            self.unary(s, &self.kernels.unary(op).forward, x, y)
+            self.unary_with(s, kernel, x, y, Some(op.alpha()))
         });
     }
 
     fn unary_backward(
         &self,
         s: &mut Stream,
-        op: Unary,
+        op: UnaryOp,
         read: In<Buffer>,
         dy: In<Buffer>,
         dx: Out<Buffer>,
     ) {
-        let (_, name) = op.kernel_names();
+        let (_, name) = op.op.kernel_names();
+        let kernel = &self.kernels.unary(op.op).backward;
         self.enqueue(s, name, |s| {
-            self.binary(s, &self.kernels.unary(op).backward, read, dy, dx)
+            self.binary_with(s, kernel, read, dy, dx, Some(op.alpha()))
         });
     }
 
     fn add_forward(&self, s: &mut Stream, a: In<Buffer>, b: In<Buffer>, y: Out<Buffer>) {
         self.enqueue(s, "add_forward", |s| {
             self.binary(s, &self.kernels.add_forward, a, b, y)
+        });
+    }
+
+    fn mul_forward(&self, s: &mut Stream, x: In<Buffer>, scale: In<Buffer>, y: Out<Buffer>) {
+        self.enqueue(s, "mul_forward", |s| {
+            self.binary(s, &self.kernels.mul_forward, x, scale, y)
+        });
+    }
+
+    fn mul_backward(
+        &self,
+        s: &mut Stream,
+        x: In<Buffer>,
+        scale: In<Buffer>,
+        dy: In<Buffer>,
+        dx: Option<Out<Buffer>>,
+        dscale: Option<Out<Buffer>>,
+    ) {
+        self.enqueue(s, "mul_backward", |s| {
+            if let Some(dx) = dx {
+                self.binary(s, &self.kernels.mul_forward, dy, scale, dx)?;
+            }
+            match dscale {
+                Some(ds) if ds.rect.ndim() == 4 && ds.rect.hi[2] == 1 && ds.rect.hi[3] == 1 => {
+                    self.mul_scale_grad(s, x, dy, ds)
+                }
+                Some(ds) => self.binary(s, &self.kernels.mul_forward, dy, x, ds),
+                None => Ok(()),
+            }
         });
     }
 

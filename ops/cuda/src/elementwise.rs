@@ -15,6 +15,19 @@ use legion_ops::shape::Rect;
 impl Cuda {
     /// `y = f(x)` over `y.rect` with one of the unary element-wise kernels.
     pub(crate) fn unary(&self, s: &Stream, f: &Twin, x: In<Buffer>, y: Out<Buffer>) -> Launch {
+        self.unary_with(s, f, x, y, None)
+    }
+
+    /// [`unary`](Self::unary), passing the kernel `attribute` last where it takes one (the
+    /// unary family's kernels take the op's alpha).
+    pub(crate) fn unary_with(
+        &self,
+        s: &Stream,
+        f: &Twin,
+        x: In<Buffer>,
+        y: Out<Buffer>,
+        attribute: Option<f32>,
+    ) -> Launch {
         let tile = Box4::of(&y.rect);
         let n = tile.volume();
         if n == 0 {
@@ -28,6 +41,9 @@ impl Cuda {
         b.arg(&x_layout);
         y.mem.push_mut(&mut b);
         b.arg(&tile).arg(&n).arg(&packed);
+        if let Some(a) = &attribute {
+            b.arg(a);
+        }
         // SAFETY: the arguments match the kernel's signature; x's rect contains the tile.
         unsafe { b.launch(grid(n)) }?;
         Ok(())
@@ -41,6 +57,19 @@ impl Cuda {
         a: In<Buffer>,
         b: In<Buffer>,
         out: Out<Buffer>,
+    ) -> Launch {
+        self.binary_with(s, f, a, b, out, None)
+    }
+
+    /// [`binary`](Self::binary), passing the kernel `attribute` last where it takes one.
+    pub(crate) fn binary_with(
+        &self,
+        s: &Stream,
+        f: &Twin,
+        a: In<Buffer>,
+        b: In<Buffer>,
+        out: Out<Buffer>,
+        attribute: Option<f32>,
     ) -> Launch {
         let tile = Box4::of(&out.rect);
         let n = tile.volume();
@@ -57,8 +86,56 @@ impl Cuda {
         l.arg(&b_layout);
         out.mem.push_mut(&mut l);
         l.arg(&tile).arg(&n).arg(&packed);
+        if let Some(a) = &attribute {
+            l.arg(a);
+        }
         // SAFETY: the arguments match the kernel's signature; both inputs contain the tile.
         unsafe { l.launch(grid(n)) }?;
+        Ok(())
+    }
+
+    /// `ds[n, c] = Σ dy · x` over the tile `dy.rect` cut to `ds.rect`'s samples and channels
+    /// (a channel scale's gradient): a block per element of `ds`.
+    pub(crate) fn mul_scale_grad(
+        &self,
+        s: &Stream,
+        x: In<Buffer>,
+        dy: In<Buffer>,
+        ds: Out<Buffer>,
+    ) -> Launch {
+        let region = Box4::of(&ds.rect);
+        let mut tile = Box4::of(&dy.rect);
+        for axis in 0..2 {
+            (tile.lo[axis], tile.ext[axis]) = (region.lo[axis], region.ext[axis]);
+        }
+        let blocks = region.volume();
+        if blocks == 0 {
+            return Ok(());
+        }
+        let blocks = u32::try_from(blocks).map_err(|_| {
+            Failure(format!(
+                "a channel scale's gradient of {blocks} elements exceeds one launch's grid"
+            ))
+        })?;
+        let dtype = same_type(&[x.mem.dtype(), dy.mem.dtype(), ds.mem.dtype()]);
+        let (x_layout, dy_layout) = (Box4::of(&x.rect), Box4::of(&dy.rect));
+        let mut b = s
+            .stream
+            .launch_builder(self.kernels.mul_scale_grad.of(dtype));
+        x.mem.push(&mut b);
+        b.arg(&x_layout);
+        dy.mem.push(&mut b);
+        b.arg(&dy_layout);
+        ds.mem.push_mut(&mut b);
+        b.arg(&region).arg(&tile);
+        let config = cudarc::driver::LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (crate::kernels::REDUCE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's signature; x and dy contain the tile, and the
+        // kernel's block reduction takes exactly REDUCE_THREADS threads.
+        unsafe { b.launch(config) }?;
         Ok(())
     }
 

@@ -232,30 +232,37 @@ __device__ void relu_backward_t(const T* y, Box4 y_layout, const T* dy, Box4 dy_
 }
 
 // The element-wise unary ops (legion_ops's `Unary`), one line each: the op's name, y as a function
-// of the input v, and dx as a function of r (what the gradient reads: the input or the output, as
-// `Unary::grad_from` says) and g, the output gradient. The formulas are the CPU's, term for term,
-// so that only the library functions can differ: expf and tanhf may differ from the CPU's exp and
-// tanh in the last bit or two.
-#define UNARY_OPS(X)                                               \
-    X(sigmoid, 1.0f / (1.0f + expf(-v)), g * r * (1.0f - r))      \
-    X(tanh, tanhf(v), g * (1.0f - r * r))                          \
-    X(hardswish, v * fminf(fmaxf(v + 3.0f, 0.0f), 6.0f) / 6.0f,    \
-      r < -3.0f ? 0.0f : (r <= 3.0f ? g * (r / 3.0f + 0.5f) : g))
+// of the input v and the op's attribute a (LeakyReLU's slope; 0 for an op without one), and dx as
+// a function of r (what the gradient reads: the input or the output, as `Unary::grad_from` says),
+// g, the output gradient, and a. The formulas are the CPU's, term for term, so that only the
+// library functions can differ: expf and tanhf may differ from the CPU's exp and tanh in the last
+// bit or two.
+#define UNARY_OPS(X)                                                                           \
+    X(sigmoid, 1.0f / (1.0f + expf(-v)), g * r * (1.0f - r))                                  \
+    X(tanh, tanhf(v), g * (1.0f - r * r))                                                      \
+    X(hardswish, v * fminf(fmaxf(v + 3.0f, 0.0f), 6.0f) / 6.0f,                                \
+      r < -3.0f ? 0.0f : (r <= 3.0f ? g * (r / 3.0f + 0.5f) : g))                              \
+    X(hardsigmoid, fminf(fmaxf(v + 3.0f, 0.0f), 6.0f) / 6.0f,                                  \
+      (r > -3.0f && r < 3.0f) ? g / 6.0f : 0.0f)                                               \
+    X(relu6, fminf(fmaxf(v, 0.0f), 6.0f), (r > 0.0f && r < 6.0f) ? g : 0.0f)                   \
+    X(silu, v / (1.0f + expf(-v)),                                                             \
+      g * (1.0f / (1.0f + expf(-r))) * (1.0f + r * (1.0f - 1.0f / (1.0f + expf(-r)))))         \
+    X(leaky_relu, v > 0.0f ? v : a * v, r > 0.0f ? g : a * g)
 
 #define UNARY_OP_TEMPLATES(name, forward, backward)                                            \
     template <class T>                                                                         \
     __device__ void name##_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n,        \
-                                     int packed) {                                             \
+                                     int packed, float a) {                                    \
         GRID_STRIDE(i, n) {                                                                    \
             float v = to_f32(x[at(x_layout, tile, i, packed)]);                                \
             y[i] = from_f32<T>(forward);                                                       \
         }                                                                                      \
     }                                                                                          \
     template <class T>                                                                         \
-    __device__ void name##_backward_t(const T* a, Box4 a_layout, const T* dy, Box4 dy_layout,  \
-                                      T* dx, Box4 tile, i64 n, int packed) {                   \
+    __device__ void name##_backward_t(const T* x, Box4 x_layout, const T* dy, Box4 dy_layout,  \
+                                      T* dx, Box4 tile, i64 n, int packed, float a) {          \
         GRID_STRIDE(i, n) {                                                                    \
-            float r = to_f32(a[at(a_layout, tile, i, packed)]);                                \
+            float r = to_f32(x[at(x_layout, tile, i, packed)]);                                \
             float g = to_f32(dy[at(dy_layout, tile, i, packed)]);                              \
             dx[i] = from_f32<T>(backward);                                                     \
         }                                                                                      \
@@ -270,6 +277,58 @@ __device__ void add_forward_t(const T* a, Box4 a_layout, const T* b, Box4 b_layo
                            to_f32(b[at(b_layout, tile, i, packed)]));
     }
 }
+
+// y = a · b, b of a's shape or a channel scale laid out over H = W = [0, 1) and broadcast over
+// them (legion_ops's `Mul`; the CPU's `kernels::mul` tells a scale the same way). Also the
+// factors' gradients: dy · b, and dy · a where the factors have one shape.
+template <class T>
+__device__ void mul_forward_t(const T* a, Box4 a_layout, const T* b, Box4 b_layout, T* y,
+                              Box4 tile, i64 n, int packed) {
+    int scale = b_layout.lo[2] == 0 && b_layout.ext[2] == 1 && b_layout.lo[3] == 0 &&
+                b_layout.ext[3] == 1;
+    GRID_STRIDE(i, n) {
+        float u, v;
+        if (packed) {
+            u = to_f32(a[i]);
+            v = to_f32(b[i]);
+        } else {
+            i64 p[4];
+            point_of(tile, i, p);
+            u = to_f32(a[offset_in(a_layout, p)]);
+            if (scale) p[2] = p[3] = 0;
+            v = to_f32(b[offset_in(b_layout, p)]);
+        }
+        y[i] = from_f32<T>(u * v);
+    }
+}
+
+// A channel scale's gradient: ds[n, c] = Σ over the tile's rows and columns of dy · x, one block
+// per element of ds (laid out over `region`, the tile's samples and channels at H = W = 0), the
+// products summed in f64 as the CPU sums them (in another order: the last bits may differ).
+template <class T>
+__device__ void mul_scale_grad_t(const T* x, Box4 x_layout, const T* dy, Box4 dy_layout, T* ds,
+                                 Box4 region, Box4 tile) {
+    i64 p[4];
+    point_of(region, blockIdx.x, p);
+    i64 cols = tile.ext[3], m = tile.ext[2] * tile.ext[3];
+    double sum = 0.0, unused = 0.0;
+    for (i64 j = threadIdx.x; j < m; j += blockDim.x) {
+        p[2] = tile.lo[2] + j / cols;
+        p[3] = tile.lo[3] + j % cols;
+        sum += (double)(to_f32(dy[offset_in(dy_layout, p)]) * to_f32(x[offset_in(x_layout, p)]));
+    }
+    block_sum2(sum, unused);
+    if (threadIdx.x == 0) ds[blockIdx.x] = from_f32<T>((float)sum);
+}
+
+#define MUL_SCALE_GRAD_KERNEL(T, suffix)                                                      \
+    extern "C" __global__ void mul_scale_grad##suffix(const T* x, Box4 x_layout, const T* dy, \
+                                                      Box4 dy_layout, T* ds, Box4 region,     \
+                                                      Box4 tile) {                            \
+        mul_scale_grad_t(x, x_layout, dy, dy_layout, ds, region, tile);                       \
+    }
+MUL_SCALE_GRAD_KERNEL(float, )
+MUL_SCALE_GRAD_KERNEL(bf16, _bf16)
 
 // The unary (x → y) and binary (a, b → y) element-wise kernels once per activation type.
 #define UNARY_KERNEL(name, T, suffix)                                                          \
@@ -286,15 +345,28 @@ __device__ void add_forward_t(const T* a, Box4 a_layout, const T* b, Box4 b_layo
 #define ELEMENTWISE_KERNELS(T, suffix)          \
     UNARY_KERNEL(relu_forward, T, suffix)       \
     BINARY_KERNEL(relu_backward, T, suffix)     \
-    BINARY_KERNEL(add_forward, T, suffix)
+    BINARY_KERNEL(add_forward, T, suffix)       \
+    BINARY_KERNEL(mul_forward, T, suffix)
 ELEMENTWISE_KERNELS(float, )
 ELEMENTWISE_KERNELS(bf16, _bf16)
+// The unary family's kernels take the op's attribute last.
+#define UNARY_OP_KERNEL(name, T, suffix)                                                       \
+    extern "C" __global__ void name##suffix(const T* x, Box4 x_layout, T* y, Box4 tile, i64 n, \
+                                            int packed, float a) {                             \
+        name##_t(x, x_layout, y, tile, n, packed, a);                                          \
+    }
+#define UNARY_OP_GRAD_KERNEL(name, T, suffix)                                                  \
+    extern "C" __global__ void name##suffix(const T* x, Box4 x_layout, const T* dy,           \
+                                            Box4 dy_layout, T* dx, Box4 tile, i64 n,           \
+                                            int packed, float a) {                             \
+        name##_t(x, x_layout, dy, dy_layout, dx, tile, n, packed, a);                          \
+    }
 #define UNARY_OP_KERNELS_F32(name, forward, backward) \
-    UNARY_KERNEL(name##_forward, float, )             \
-    BINARY_KERNEL(name##_backward, float, )
+    UNARY_OP_KERNEL(name##_forward, float, )          \
+    UNARY_OP_GRAD_KERNEL(name##_backward, float, )
 #define UNARY_OP_KERNELS_BF16(name, forward, backward) \
-    UNARY_KERNEL(name##_forward, bf16, _bf16)          \
-    BINARY_KERNEL(name##_backward, bf16, _bf16)
+    UNARY_OP_KERNEL(name##_forward, bf16, _bf16)       \
+    UNARY_OP_GRAD_KERNEL(name##_backward, bf16, _bf16)
 UNARY_OPS(UNARY_OP_KERNELS_F32)
 UNARY_OPS(UNARY_OP_KERNELS_BF16)
 

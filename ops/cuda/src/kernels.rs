@@ -184,6 +184,8 @@ kernels! {
     relu_forward: twin,
     relu_backward: twin,
     add_forward: twin,
+    mul_forward: twin,
+    mul_scale_grad: twin,
     bias_activation: twin,
     bias_activation_rows: twin,
     channel_sum: twin,

@@ -336,7 +336,7 @@ fn unary_forward<D: Device>(
     let mut y = out(d, s, tile);
     match kind {
         Unary::Relu => d.relu_forward(s, x.read(), y.write()),
-        Unary::Op(op) => d.unary_forward(s, op, x.read(), y.write()),
+        Unary::Op(op) => d.unary_forward(s, op.into(), x.read(), y.write()),
     }
     vec![("y", d.get(s, &y.mem))]
 }
@@ -353,7 +353,7 @@ fn unary_backward<D: Device>(
     let mut dx = out(d, s, tile);
     match kind {
         Unary::Relu => d.relu_backward(s, y.read(), dy.read(), dx.write()),
-        Unary::Op(op) => d.unary_backward(s, op, y.read(), dy.read(), dx.write()),
+        Unary::Op(op) => d.unary_backward(s, op.into(), y.read(), dy.read(), dx.write()),
     }
     vec![("dx", d.get(s, &dx.mem))]
 }

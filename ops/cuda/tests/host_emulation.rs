@@ -13,7 +13,7 @@ use legion_ops::backend::cpu::{Buffer, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, Out};
 use legion_ops::data::{Synthetic, SyntheticBatch};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind, Unary};
+use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind, Unary, UnaryOp};
 use legion_ops::rng::Rng;
 use legion_ops::shape::{Rect, Shape, copy_rect};
 use legion_ops::train::Sgd;
@@ -178,16 +178,22 @@ void emu_set(unsigned block, unsigned block_dim, unsigned grid_dim, unsigned thr
 }
 "#;
 
+/// Every op of the unary family with its default attribute, and LeakyReLU with another slope.
+fn unary_ops() -> impl Iterator<Item = UnaryOp> + Clone {
+    let defaults = Unary::ALL.iter().map(|&op| UnaryOp::from(op));
+    defaults.chain([UnaryOp::with_alpha(Unary::LeakyRelu, 0.3)])
+}
+
 /// The forward kernels of ReLU (`None`) and of every op of the unary family.
-fn forward_kernels() -> impl Iterator<Item = (&'static str, Option<Unary>)> {
+fn forward_kernels() -> impl Iterator<Item = (&'static str, Option<UnaryOp>)> {
     std::iter::once(("relu_forward", None))
-        .chain(Unary::ALL.iter().map(|&op| (op.kernel_names().0, Some(op))))
+        .chain(unary_ops().map(|op| (op.op.kernel_names().0, Some(op))))
 }
 
 /// The backward kernels of ReLU (`None`) and of every op of the unary family.
-fn backward_kernels() -> impl Iterator<Item = (&'static str, Option<Unary>)> {
+fn backward_kernels() -> impl Iterator<Item = (&'static str, Option<UnaryOp>)> {
     std::iter::once(("relu_backward", None))
-        .chain(Unary::ALL.iter().map(|&op| (op.kernel_names().1, Some(op))))
+        .chain(unary_ops().map(|op| (op.op.kernel_names().1, Some(op))))
 }
 
 /// Compiles kernels.cu with the host's C++ compiler into a shared library, or says why not.
@@ -232,6 +238,7 @@ fn the_kernels_run_on_the_host_as_the_cpu_kernels() {
 
     copy_region(&emu, &mut report);
     element_wise(&emu, &mut report);
+    products(&emu, &mut report);
     pooling(&emu, &mut report);
     softmax(&emu, &mut report);
     batch_norm(&emu, &mut report);
@@ -305,14 +312,18 @@ fn element_wise(emu: &Emu, report: &mut Report) {
         ("inner", full, inner),
         ("nc", nc, nc_tile),
     ] {
-        let x = Buffer::F32(random(view.volume(), 2));
+        // over [-4, 4], through the kinks of the piecewise ops
+        let x = Buffer::F32(random(view.volume(), 2).iter().map(|v| 4.0 * v).collect());
         let dy = Buffer::F32(random(view.volume(), 3));
         let n = tile.volume() as i64;
         let packed = (box4(&view) == box4(&tile)) as i32;
         type U = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, i64, i32);
         type B = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Box4, i64, i32);
+        // the unary family's kernels take the op's attribute last
+        type UA = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, i64, i32, f32);
+        type BA =
+            unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Box4, i64, i32, f32);
         for (name, op) in forward_kernels() {
-            let f: Symbol<U> = emu.sym(name);
             let mut want = Buffer::F32(vec![0.0; tile.volume()]);
             let o = Out {
                 rect: tile,
@@ -327,21 +338,22 @@ fn element_wise(emu: &Emu, report: &mut Report) {
                 Some(op) => Cpu::default().unary_forward(&mut CpuStream, op, i, o),
             }
             let mut got = vec![0.0; tile.volume()];
-            emu.launch(1, 1, || unsafe {
-                f(
-                    x.f32().as_ptr(),
-                    box4(&view),
-                    got.as_mut_ptr(),
-                    box4(&tile),
-                    n,
-                    packed,
-                )
-            });
+            let (xp, yp) = (x.f32().as_ptr(), got.as_mut_ptr());
+            let (xl, tl) = (box4(&view), box4(&tile));
+            match op {
+                None => {
+                    let f: Symbol<U> = emu.sym(name);
+                    emu.launch(1, 1, || unsafe { f(xp, xl, yp, tl, n, packed) });
+                }
+                Some(op) => {
+                    let f: Symbol<UA> = emu.sym(name);
+                    emu.launch(1, 1, || unsafe { f(xp, xl, yp, tl, n, packed, op.alpha()) });
+                }
+            }
             report.check(&format!("{name} {what}"), &got, want.f32(), 1e-6);
         }
         let backward = backward_kernels().map(|(name, op)| (name, Some(op)));
         for (name, op) in backward.chain([("add_forward", None)]) {
-            let f: Symbol<B> = emu.sym(name);
             let mut want = Buffer::F32(vec![0.0; tile.volume()]);
             let o = Out {
                 rect: tile,
@@ -363,19 +375,23 @@ fn element_wise(emu: &Emu, report: &mut Report) {
                 None => Cpu::default().add_forward(&mut CpuStream, a, b, o),
             }
             let mut got = vec![0.0; tile.volume()];
-            emu.launch(1, 1, || unsafe {
-                f(
-                    x.f32().as_ptr(),
-                    box4(&view),
-                    dy.f32().as_ptr(),
-                    box4(&view),
-                    got.as_mut_ptr(),
-                    box4(&tile),
-                    n,
-                    packed,
-                )
-            });
-            report.check(&format!("{name} {what}"), &got, want.f32(), 0.0);
+            let (ap, bp, op_) = (x.f32().as_ptr(), dy.f32().as_ptr(), got.as_mut_ptr());
+            let (vl, tl) = (box4(&view), box4(&tile));
+            match op {
+                Some(Some(op)) => {
+                    let f: Symbol<BA> = emu.sym(name);
+                    let a = op.alpha();
+                    emu.launch(1, 1, || unsafe { f(ap, vl, bp, vl, op_, tl, n, packed, a) });
+                }
+                _ => {
+                    let f: Symbol<B> = emu.sym(name);
+                    emu.launch(1, 1, || unsafe { f(ap, vl, bp, vl, op_, tl, n, packed) });
+                }
+            }
+            // SiLU's gradient recomputes an exponential, which the host's C library may round
+            // differently from Rust's in the last bit
+            let tol = if name.starts_with("silu") { 1e-6 } else { 0.0 };
+            report.check(&format!("{name} {what}"), &got, want.f32(), tol);
         }
         // dropout
         {
@@ -537,6 +553,79 @@ fn element_wise(emu: &Emu, report: &mut Report) {
 }
 
 /// The pooling kernels against the CPU's.
+/// The products of `Mul` against the CPU's: of two tensors of one shape and by a channel scale,
+/// whole and on an inner tile (whose scale gradient is a partial sum over its rows), each way.
+fn products(emu: &Emu, report: &mut Report) {
+    type B = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Box4, i64, i32);
+    type G = unsafe extern "C" fn(*const f32, Box4, *const f32, Box4, *mut f32, Box4, Box4);
+    let forward: Symbol<B> = emu.sym("mul_forward");
+    let scale_grad: Symbol<G> = emu.sym("mul_scale_grad");
+    let shape = Shape::nchw(2, 3, 5, 7);
+    let view = shape.full_rect();
+    let x = Buffer::F32(random(view.volume(), 11));
+    let dy = Buffer::F32(random(view.volume(), 12));
+    let same = Buffer::F32(random(view.volume(), 13));
+    let scale_rect = Shape::nchw(2, 3, 1, 1).full_rect();
+    let scale = Buffer::F32(random(scale_rect.volume(), 14));
+    let inner = Rect::new(&[0, 1, 1, 2], &[2, 3, 4, 6]);
+    for (what, tile) in [("whole", view), ("inner", inner)] {
+        for (factor, s_rect, s) in [("same", view, &same), ("scale", scale_rect, &scale)] {
+            let name = format!("mul {factor} {what}");
+            let at = |rect: Rect, mem| In { rect, mem };
+            // forward, and dx = dy · s through the same kernel
+            for (label, a) in [("forward", &x), ("input grad", &dy)] {
+                let mut want = Buffer::F32(vec![0.0; tile.volume()]);
+                let out = Out {
+                    rect: tile,
+                    mem: &mut want,
+                };
+                Cpu::default().mul_forward(&mut CpuStream, at(view, a), at(s_rect, s), out);
+                let mut got = vec![0.0; tile.volume()];
+                let packed = (box4(&view) == box4(&tile) && box4(&s_rect) == box4(&tile)) as i32;
+                let n = tile.volume() as i64;
+                let (ap, sp, yp) = (a.f32().as_ptr(), s.f32().as_ptr(), got.as_mut_ptr());
+                let (al, sl, tl) = (box4(&view), box4(&s_rect), box4(&tile));
+                emu.launch(1, 1, || unsafe {
+                    forward(ap, al, sp, sl, yp, tl, n, packed)
+                });
+                report.check(&format!("{name} {label}"), &got, want.f32(), 0.0);
+            }
+            if factor == "same" {
+                continue;
+            }
+            let ds_rect = tile.with_axis(2, 0, 1).with_axis(3, 0, 1);
+            let mut want = Buffer::F32(vec![0.0; ds_rect.volume()]);
+            let ds = Out {
+                rect: ds_rect,
+                mem: &mut want,
+            };
+            Cpu::default().mul_backward(
+                &mut CpuStream,
+                at(view, &x),
+                at(s_rect, s),
+                at(tile, &Buffer::F32(cut(&dy, &view, &tile))),
+                None,
+                Some(ds),
+            );
+            let mut got = vec![0.0; ds_rect.volume()];
+            let (xp, gp, dp) = (x.f32().as_ptr(), dy.f32().as_ptr(), got.as_mut_ptr());
+            let (vl, rl, tl) = (box4(&view), box4(&ds_rect), box4(&tile));
+            // one thread a block: a block reduction's threads cannot take turns on the host
+            emu.launch(ds_rect.volume() as u32, 1, || unsafe {
+                scale_grad(xp, vl, gp, vl, dp, rl, tl)
+            });
+            report.check(&format!("{name} scale grad"), &got, want.f32(), 1e-6);
+        }
+    }
+}
+
+/// The part of `data` (laid out over `layout`) in `region`, laid out over `region`.
+fn cut(data: &Buffer, layout: &Rect, region: &Rect) -> Vec<f32> {
+    let mut out = vec![0.0; region.volume()];
+    legion_ops::shape::copy_rect(data.f32(), layout, &mut out, region, region);
+    out
+}
+
 fn pooling(emu: &Emu, report: &mut Report) {
     type PF = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Pool, i64);
     type PA = unsafe extern "C" fn(*const f32, Box4, Box4, *mut i64, Pool, i64);
@@ -1519,8 +1608,9 @@ fn bf16_twins_compute_in_f32_between_a_bf16_load_and_store() {
 
     // unary twins: the CPU's f32 result on the bf16 inputs, rounded once
     type U = unsafe extern "C" fn(*const u16, Box4, *mut u16, Box4, i64, i32);
+    type UA = unsafe extern "C" fn(*const u16, Box4, *mut u16, Box4, i64, i32, f32);
     for (name, op) in forward_kernels() {
-        let f: Symbol<U> = emu.sym(&format!("{name}_bf16"));
+        let symbol = format!("{name}_bf16");
         let mut want = Buffer::F32(vec![0.0; tile.volume()]);
         let (i, o) = (
             In {
@@ -1537,16 +1627,17 @@ fn bf16_twins_compute_in_f32_between_a_bf16_load_and_store() {
             Some(op) => Cpu::default().unary_forward(&mut CpuStream, op, i, o),
         }
         let mut got = vec![0u16; tile.volume()];
-        emu.launch(1, 1, || unsafe {
-            f(
-                x16.as_ptr(),
-                box4(&view),
-                got.as_mut_ptr(),
-                box4(&tile),
-                n,
-                0,
-            )
-        });
+        let (xp, yp, xl, tl) = (x16.as_ptr(), got.as_mut_ptr(), box4(&view), box4(&tile));
+        match op {
+            None => {
+                let f: Symbol<U> = emu.sym(&symbol);
+                emu.launch(1, 1, || unsafe { f(xp, xl, yp, tl, n, 0) });
+            }
+            Some(op) => {
+                let f: Symbol<UA> = emu.sym(&symbol);
+                emu.launch(1, 1, || unsafe { f(xp, xl, yp, tl, n, 0, op.alpha()) });
+            }
+        }
         let want: Vec<f32> = want
             .f32()
             .iter()

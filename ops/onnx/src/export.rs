@@ -10,7 +10,7 @@ use crate::proto::{
     AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
     TensorShapeProto, TypeProto, ValueInfoProto, attribute_proto, type_proto,
 };
-use legion_ops::op::{Activation, Op, PoolKind};
+use legion_ops::op::{Activation, Op, PoolKind, Unary, UnaryOp};
 use legion_ops::train::ParamStore;
 use legion_ops::{Graph, LayerId, Shape};
 use prost::Message;
@@ -120,9 +120,7 @@ fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
                 g.node.push(node(op_type, name, inputs, name, attrs));
             }
             Op::Relu(_) => g.node.push(node("Relu", name, inputs, name, vec![])),
-            Op::Unary(u) => g
-                .node
-                .push(node(u.op.onnx_op(), name, inputs, name, vec![])),
+            Op::Unary(u) => unary(&mut g, u, name, inputs),
             Op::Flatten(_) => {
                 g.node
                     .push(node("Flatten", name, inputs, name, vec![int("axis", 1)]))
@@ -131,6 +129,8 @@ fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
                 .node
                 .push(node("Concat", name, inputs, name, vec![int("axis", 1)])),
             Op::Add(_) => g.node.push(node("Add", name, inputs, name, vec![])),
+            // ONNX's Mul broadcasts a [N, C, 1, 1] factor over H and W as legion-rs's does
+            Op::Mul(_) => g.node.push(node("Mul", name, inputs, name, vec![])),
             Op::Dropout(d) => {
                 let ratio = format!("{name}.ratio");
                 g.initializer.push(float_tensor(&ratio, &[], &[d.rate]));
@@ -178,6 +178,45 @@ fn with_activation(
                 name,
                 vec![],
             ));
+        }
+    }
+}
+
+/// The nodes of a unary op writing `name`: its ONNX operator where it has one (LeakyRelu with its
+/// alpha), else the pattern PyTorch exports: ReLU6 as a Clip to [0, 6], the hard sigmoid as a
+/// HardSigmoid of alpha 1/6 and beta 1/2, SiLU as a Sigmoid that a Mul multiplies by its input.
+fn unary(g: &mut GraphProto, u: &UnaryOp, name: &str, inputs: Vec<String>) {
+    match u.op {
+        Unary::Sigmoid | Unary::Tanh | Unary::Hardswish | Unary::LeakyRelu => {
+            let op_type =
+                u.op.onnx_op()
+                    .expect("these have an ONNX operator of their own");
+            let attrs = match u.op {
+                Unary::LeakyRelu => vec![float("alpha", u.alpha())],
+                _ => vec![],
+            };
+            g.node.push(node(op_type, name, inputs, name, attrs));
+        }
+        Unary::Relu6 => {
+            let bounds = [("min", 0.0), ("max", 6.0)].map(|(which, value)| {
+                let bound = format!("{name}.{which}");
+                g.initializer.push(float_tensor(&bound, &[], &[value]));
+                bound
+            });
+            let inputs = inputs.into_iter().chain(bounds).collect();
+            g.node.push(node("Clip", name, inputs, name, vec![]));
+        }
+        Unary::Hardsigmoid => {
+            let attrs = vec![float("alpha", 1.0 / 6.0), float("beta", 0.5)];
+            g.node.push(node("HardSigmoid", name, inputs, name, attrs));
+        }
+        Unary::Silu => {
+            let sigmoid = format!("{name}.sigmoid");
+            let x = inputs[0].clone();
+            g.node
+                .push(node("Sigmoid", &sigmoid, inputs, &sigmoid, vec![]));
+            g.node
+                .push(node("Mul", name, vec![x, sigmoid], name, vec![]));
         }
     }
 }

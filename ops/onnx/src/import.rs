@@ -14,7 +14,11 @@ use std::path::Path;
 /// The ops `import` maps, with what each accepts, the element-wise unary family (`op::Unary`)
 /// last; the table of `docs/formats.md` says the same.
 pub fn supported_ops() -> Vec<(String, &'static str)> {
-    let unary: Vec<&str> = op::Unary::ALL.iter().map(|u| u.onnx_op()).collect();
+    let unary: Vec<&str> = op::Unary::ALL
+        .iter()
+        .filter(|u| **u != op::Unary::LeakyRelu)
+        .filter_map(|u| u.onnx_op())
+        .collect();
     MAPPED
         .iter()
         .map(|&(ops, what)| (ops.to_string(), what))
@@ -37,6 +41,20 @@ const MAPPED: &[(&str, &str)] = &[
         "by a constant [in, out] matrix; an Add of a constant [out] after it is its bias",
     ),
     ("Relu", "elementwise"),
+    (
+        "Clip",
+        "to [0, 6] (ReLU6) or [0, none] (ReLU), its bounds constant",
+    ),
+    ("LeakyRelu", "its alpha (PyTorch's negative_slope)"),
+    (
+        "HardSigmoid",
+        "alpha 1/6 and beta 1/2, as PyTorch's hardsigmoid exports",
+    ),
+    (
+        "Mul",
+        "x · Sigmoid(x) (SiLU, the Sigmoid read by nothing else); two layers of one shape; a \
+         layer by a [N, C, 1, 1] one (squeeze-and-excitation's scale)",
+    ),
     (
         "MaxPool, AveragePool",
         "2-D, symmetric pads, dilations 1, ceil_mode only where it changes no size; AveragePool \
@@ -393,7 +411,10 @@ impl<'g> Importer<'g> {
             ));
         }
         let op_type = node.op_type.as_deref().unwrap_or("");
-        check_attributes(node, allowed_attributes(op_type, self.opset))?;
+        let Some(allowed) = allowed_attributes(op_type, self.opset) else {
+            return Err(unsupported_op(op_type));
+        };
+        check_attributes(node, allowed)?;
         let output = first_output(node)?.to_string();
         match op_type {
             "Conv" => self.conv(node, &output),
@@ -403,6 +424,40 @@ impl<'g> Importer<'g> {
                 let x = self.layer(node, 0)?;
                 self.add(&node_layer_name(node), Op::Relu(op::Relu {}), &[x], &output)
                     .map(drop)
+            }
+            "Sigmoid" if let Some(mul) = self.silu_after(node) => {
+                let x = self.layer(node, 0)?;
+                self.fused.insert(mul);
+                let output = first_output(&self.graph.node[mul])?.to_string();
+                let name = node_layer_name(&self.graph.node[mul]);
+                self.add(&name, Op::unary(op::Unary::Silu), &[x], &output)
+                    .map(drop)
+            }
+            "LeakyRelu" => {
+                let x = self.layer(node, 0)?;
+                let alpha = float_attribute(node, "alpha")?.unwrap_or(0.01);
+                let leaky = op::UnaryOp::with_alpha(op::Unary::LeakyRelu, alpha);
+                self.add(&node_layer_name(node), Op::Unary(leaky), &[x], &output)
+                    .map(drop)
+            }
+            "Clip" => self.clip(node, &output),
+            "HardSigmoid" => {
+                let x = self.layer(node, 0)?;
+                let alpha = float_attribute(node, "alpha")?.unwrap_or(0.2);
+                let beta = float_attribute(node, "beta")?.unwrap_or(0.5);
+                if (alpha - 1.0 / 6.0).abs() > 1e-6 || (beta - 0.5).abs() > 1e-6 {
+                    return Err(format!(
+                        "alpha {alpha} and beta {beta} are not supported; only PyTorch's \
+                         hardsigmoid (alpha 1/6, beta 1/2) is: use nn.Hardsigmoid"
+                    ));
+                }
+                self.add(
+                    &node_layer_name(node),
+                    Op::unary(op::Unary::Hardsigmoid),
+                    &[x],
+                    &output,
+                )
+                .map(drop)
             }
             unary if let Some(unary) = op::Unary::from_onnx(unary) => {
                 let x = self.layer(node, 0)?;
@@ -477,6 +532,34 @@ impl<'g> Importer<'g> {
                     &node_layer_name(node),
                     Op::Add(op::Add {}),
                     &[a, b],
+                    &output,
+                )
+                .map(drop)
+            }
+            "Mul" => {
+                let (a, b) = (self.layer(node, 0), self.layer(node, 1));
+                let (a, b) = match (a, b) {
+                    (Ok(a), Ok(b)) => (a, b),
+                    _ => {
+                        for k in 0..2 {
+                            self.value(input_name(node, k)?)?;
+                        }
+                        return Err(
+                            "Mul by a constant is not supported; expected two layers' outputs \
+                             (a learned scale is a layer: a 1×1 Conv or a BatchNormalization)"
+                                .into(),
+                        );
+                    }
+                };
+                // the channel scale second, whichever order the file has
+                let (x, s) = match (self.shape(a), self.shape(b)) {
+                    (sa, sb) if sa.ndim() == 4 && sa.dim(2) * sa.dim(3) == 1 && sb != sa => (b, a),
+                    _ => (a, b),
+                };
+                self.add(
+                    &node_layer_name(node),
+                    Op::Mul(op::Mul {}),
+                    &[x, s],
                     &output,
                 )
                 .map(drop)
@@ -568,15 +651,51 @@ impl<'g> Importer<'g> {
                 self.bind(&output, Value::Constant(c));
                 Ok(())
             }
-            other => Err(format!(
-                "op '{other}' is not supported; supported: {}",
-                supported_ops()
-                    .into_iter()
-                    .map(|(ops, _)| ops)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
+            other => Err(unsupported_op(other)),
         }
+    }
+
+    /// Where `sigmoid`'s output is read by one Mul alone, whose other factor is the Sigmoid's
+    /// input (x · σ(x): SiLU as PyTorch exports it), that Mul's index, to be fused.
+    fn silu_after(&self, sigmoid: &NodeProto) -> Option<usize> {
+        let (x, s) = (sigmoid.input.first()?, sigmoid.output.first()?);
+        self.sole_reader(s).filter(|&j| {
+            let mul = &self.graph.node[j];
+            mul.op_type.as_deref() == Some("Mul")
+                && is_default_domain(mul)
+                && mul.attribute.is_empty()
+                && (mul.input[..] == [x.clone(), s.clone()]
+                    || mul.input[..] == [s.clone(), x.clone()])
+        })
+    }
+
+    /// A Clip to [0, 6] is ReLU6 and to [0, none] ReLU; its bounds are attributes before opset
+    /// 11 and constant inputs from it on.
+    fn clip(&mut self, node: &NodeProto, output: &str) -> Result<(), String> {
+        let x = self.layer(node, 0)?;
+        let (min, max) = if self.opset < 11 {
+            (float_attribute(node, "min")?, float_attribute(node, "max")?)
+        } else {
+            let bound = |k| -> Result<Option<f32>, String> {
+                self.optional_constant(node, k)?.map(scalar_f32).transpose()
+            };
+            (bound(1)?, bound(2)?)
+        };
+        let op = match (min, max) {
+            (Some(0.0), Some(6.0)) => Op::unary(op::Unary::Relu6),
+            (Some(0.0), None) => Op::Relu(op::Relu {}),
+            (Some(0.0), Some(max)) if max == f32::INFINITY => Op::Relu(op::Relu {}),
+            _ => {
+                let show = |b: Option<f32>| b.map_or("none".to_string(), |v| v.to_string());
+                return Err(format!(
+                    "a Clip to [{}, {}] is not supported; only [0, 6] (nn.ReLU6) and [0, none] \
+                     (nn.ReLU) are: write the model with one of those",
+                    show(min),
+                    show(max)
+                ));
+            }
+        };
+        self.add(&node_layer_name(node), op, &[x], output).map(drop)
     }
 
     fn flatten(&mut self, node: &NodeProto, x: LayerId, output: &str) -> Result<(), String> {
@@ -813,9 +932,12 @@ impl<'g> Importer<'g> {
                 let extent = input.dim(2 + axis);
                 if pool_extent(extent, k, s, p, false) != pool_extent(extent, k, s, p, true) {
                     return Err(format!(
-                        "ceil_mode 1 changes the output size of axis {} ({extent} wide); only \
-                         floor rounding is supported",
-                        2 + axis
+                        "ceil_mode 1 changes the output size of axis {} ({extent} wide: {} \
+                         with ceil rounding, {} with floor); only floor rounding is supported: \
+                         build the pool with ceil_mode=False",
+                        2 + axis,
+                        pool_extent(extent, k, s, p, true).unwrap_or(0),
+                        pool_extent(extent, k, s, p, false).unwrap_or(0),
                     ));
                 }
             }
@@ -1005,11 +1127,16 @@ fn layer_name(node: &NodeProto, params: &[(&str, Option<&Constant>)]) -> String 
     common_param_prefix(&names).unwrap_or_else(|| node_layer_name(node))
 }
 
-/// The `<prefix>` every `(suffix, name)` has as `name == "<prefix>.<suffix>"`, if one does.
+/// The `<prefix>` of the `(suffix, name)`s named `<prefix>.<suffix>`, if there are some and they
+/// agree. A name of another form is left out: PyTorch names a Linear's weight, transposed for a
+/// MatMul, `onnx::MatMul_12`, while its bias keeps `fc.bias`, so that the layer `fc` saves
+/// `fc.weight` in PyTorch's layout, as the user's `state_dict` has it.
 pub(crate) fn common_param_prefix(names: &[(&str, &str)]) -> Option<String> {
     let mut prefix: Option<&str> = None;
     for (suffix, name) in names {
-        let p = name.strip_suffix(suffix)?.strip_suffix('.')?;
+        let Some(p) = name.strip_suffix(suffix).and_then(|p| p.strip_suffix('.')) else {
+            continue;
+        };
         if p.is_empty() || prefix.is_some_and(|q| q != p) {
             return None;
         }
@@ -1025,9 +1152,10 @@ fn node_layer_name(node: &NodeProto) -> String {
     }
 }
 
-/// Attributes each op may carry; any other is refused by name.
-fn allowed_attributes(op_type: &str, opset: i64) -> &'static [&'static str] {
-    match op_type {
+/// Attributes each supported op may carry (any other is refused by name); `None` for an op
+/// the importer does not map.
+fn allowed_attributes(op_type: &str, opset: i64) -> Option<&'static [&'static str]> {
+    Some(match op_type {
         "Conv" => &[
             "auto_pad",
             "dilations",
@@ -1061,8 +1189,45 @@ fn allowed_attributes(op_type: &str, opset: i64) -> &'static [&'static str] {
         "Dropout" if opset < 12 => &["ratio", "seed"],
         "Dropout" => &["seed"],
         "Constant" => &["value"],
-        _ => &[],
-    }
+        "LeakyRelu" => &["alpha"],
+        "HardSigmoid" => &["alpha", "beta"],
+        "Clip" if opset < 11 => &["min", "max"],
+        "MatMul" | "Relu" | "Clip" | "Mul" | "Add" | "GlobalAveragePool" | "Identity" => &[],
+        unary if op::Unary::from_onnx(unary).is_some() => &[],
+        _ => return None,
+    })
+}
+
+/// What to say of an op the importer does not map: the supported ones, and for ops PyTorch
+/// models commonly export, what to change in the model.
+fn unsupported_op(op_type: &str) -> String {
+    let hint = match op_type {
+        "ReduceMean" => {
+            " A mean over H and W (torch.mean(x, (2, 3))) is written nn.AdaptiveAvgPool2d(1) \
+             followed by torch.flatten(x, 1)."
+        }
+        "Resize" | "Upsample" => {
+            " Upsampling is not supported: legion-rs trains classification CNNs."
+        }
+        "Gelu" | "Elu" | "Selu" | "Softplus" | "Mish" => {
+            " Of the activations, ReLU, ReLU6, LeakyReLU, SiLU, Sigmoid, Tanh, Hardswish and \
+             Hardsigmoid are supported: use one of those."
+        }
+        "Sub" | "Div" | "Pow" | "Sqrt" => {
+            " Arithmetic on activations beyond Add and Mul is not supported; normalise the \
+             input in the data pipeline rather than in the model."
+        }
+        "Pad" => " Pad inside the Conv or pool (its padding argument) instead.",
+        "Transpose" | "Squeeze" | "Unsqueeze" | "Gather" | "Slice" => {
+            " Shape manipulation beyond a flatten to [N, C·H·W] is not supported."
+        }
+        _ => "",
+    };
+    let supported: Vec<String> = supported_ops().into_iter().map(|(ops, _)| ops).collect();
+    format!(
+        "op '{op_type}' is not supported; supported: {}.{hint}",
+        supported.join(", ")
+    )
 }
 
 fn check_attributes(node: &NodeProto, allowed: &[&str]) -> Result<(), String> {
@@ -1483,6 +1648,10 @@ mod tests {
             None
         );
         assert_eq!(common_param_prefix(&[("weight", "onnx::Conv_12")]), None);
+        assert_eq!(
+            common_param_prefix(&[("weight", "onnx::MatMul_12"), ("bias", "fc.bias")]),
+            Some("fc".into())
+        );
         assert_eq!(common_param_prefix(&[("weight", ".weight")]), None);
         assert_eq!(common_param_prefix(&[("weight", "xweight")]), None);
     }

@@ -128,6 +128,23 @@ fn import_export_import_gives_the_same_graph_and_weights() {
         let back = ParamStore::from_checkpoint(&graph, again.weights.unwrap()).unwrap();
         assert_eq!(back.values, params.values, "{model}");
     }
+
+    // the zoo's models of depthwise convolutions, ReLU6, SiLU and channel scales
+    for model in ["mobilenet_v2", "efficientnet_b0"] {
+        let zoo = legion_ops::zoo::find(model).unwrap();
+        // 64 pixels: the last feature map 2×2, whose average the import keeps (a 1×1 one's is
+        // the identity, and dropped)
+        let config = legion_ops::zoo::ZooConfig {
+            image_size: 64,
+            ..zoo.default_config(1)
+        };
+        let graph = zoo.build(&config).unwrap();
+        let params = ParamStore::init(&graph, 3);
+        let again = import(&legion_onnx::export(&graph, &params), model, model).unwrap();
+        assert_eq!(again.graph, graph, "{model}");
+        let back = ParamStore::from_checkpoint(&graph, again.weights.unwrap()).unwrap();
+        assert_eq!(back.values, params.values, "{model}");
+    }
 }
 
 #[test]
@@ -174,8 +191,17 @@ fn node<'m>(m: &'m mut OnnxModel, name: &str) -> &'m mut legion_onnx::proto::Nod
 
 #[test]
 fn refusals_name_the_node_its_op_and_what_is_supported() {
-    let e = refusal(|m| node(m, "relu").op_type = Some("LeakyRelu".into()));
-    assert!(e.starts_with("small.onnx: node 6 'relu' (LeakyRelu): op 'LeakyRelu' is not supported; supported: Conv, Gemm"), "{e}");
+    let e = refusal(|m| node(m, "relu").op_type = Some("Elu".into()));
+    assert!(
+        e.starts_with(
+            "small.onnx: node 6 'relu' (Elu): op 'Elu' is not supported; supported: Conv, Gemm"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.ends_with("Hardsigmoid are supported: use one of those."),
+        "{e}"
+    );
 
     let e = refusal(|m| {
         node(m, "/conv1/Conv")
@@ -219,7 +245,11 @@ fn refusals_name_the_node_its_op_and_what_is_supported() {
         ];
     });
     assert!(
-        e.contains("'pool' (MaxPool): ceil_mode 1 changes the output size of axis 2 (8 wide)"),
+        e.contains(
+            "'pool' (MaxPool): ceil_mode 1 changes the output size of axis 2 (8 wide: 4 with \
+             ceil rounding, 3 with floor); only floor rounding is supported: build the pool \
+             with ceil_mode=False"
+        ),
         "{e}"
     );
     // where both roundings agree, ceil_mode is accepted
@@ -422,4 +452,135 @@ proptest! {
         let end = cut.index(bytes.len() + 1);
         let _ = import(&bytes[..end], "m", "m.onnx");
     }
+}
+
+/// The small model with its ReLU `relu` (reading `sum`, writing `rs`) replaced by the nodes
+/// `change` appends, moved to where the ReLU was.
+fn with_activation(change: impl FnOnce(&mut OnnxModel)) -> OnnxModel {
+    let mut m = small_model();
+    let at = m
+        .graph
+        .node
+        .iter()
+        .position(|n| n.name.as_deref() == Some("relu"))
+        .unwrap();
+    m.graph.node.remove(at);
+    let before = m.graph.node.len();
+    change(&mut m);
+    let appended: Vec<_> = m.graph.node.drain(before..).collect();
+    m.graph.node.splice(at..at, appended);
+    m
+}
+
+fn layer_op(m: &OnnxModel, layer: &str) -> legion_ops::op::Op {
+    let imported = import_small(&m.bytes());
+    let graph = imported.graph;
+    let found = graph.layers().iter().find(|l| l.name == layer);
+    found
+        .unwrap_or_else(|| panic!("no layer {layer}"))
+        .op
+        .clone()
+}
+
+#[test]
+fn relu6_leaky_relu_hardsigmoid_silu_and_channel_scales_import() {
+    use legion_ops::op::{Mul, Op, Unary, UnaryOp};
+    let clip = |min: f32, max: f32| {
+        with_activation(|m| {
+            m.initializer("clip.min", &[], &[min]);
+            m.initializer("clip.max", &[], &[max]);
+            m.node(
+                "Clip",
+                "clip",
+                &["sum", "clip.min", "clip.max"],
+                &["rs"],
+                vec![],
+            );
+        })
+    };
+    assert_eq!(layer_op(&clip(0.0, 6.0), "clip"), Op::unary(Unary::Relu6));
+    let e = import(&clip(0.0, 3.0).bytes(), "small", "small.onnx")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("'clip' (Clip): a Clip to [0, 3] is not supported; only [0, 6] (nn.ReLU6) and [0, none] (nn.ReLU) are"),
+        "{e}"
+    );
+
+    let leaky = with_activation(|m| {
+        m.node(
+            "LeakyRelu",
+            "leaky",
+            &["sum"],
+            &["rs"],
+            vec![float("alpha", 0.2)],
+        )
+    });
+    assert_eq!(
+        layer_op(&leaky, "leaky"),
+        Op::Unary(UnaryOp::with_alpha(Unary::LeakyRelu, 0.2))
+    );
+
+    let hard = |alpha: f32| {
+        with_activation(|m| {
+            let attrs = vec![float("alpha", alpha), float("beta", 0.5)];
+            m.node("HardSigmoid", "hard", &["sum"], &["rs"], attrs)
+        })
+    };
+    assert_eq!(
+        layer_op(&hard(1.0 / 6.0), "hard"),
+        Op::unary(Unary::Hardsigmoid)
+    );
+    let e = import(&hard(0.2).bytes(), "small", "small.onnx")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("'hard' (HardSigmoid): alpha 0.2 and beta 0.5 are not supported"),
+        "{e}"
+    );
+    assert!(e.ends_with("use nn.Hardsigmoid"), "{e}");
+
+    // x · σ(x) as PyTorch exports nn.SiLU: one layer, named after the Mul
+    let silu = with_activation(|m| {
+        m.node("Sigmoid", "/act/Sigmoid", &["sum"], &["sig"], vec![]);
+        m.node("Mul", "/act/Mul", &["sum", "sig"], &["rs"], vec![]);
+    });
+    assert_eq!(layer_op(&silu, "/act/Mul"), Op::unary(Unary::Silu));
+    let graph = import_small(&silu.bytes()).graph;
+    assert!(!graph.layers().iter().any(|l| l.name == "/act/Sigmoid"));
+
+    // squeeze-and-excitation: the scale σ(mean over H, W) multiplies the channels, written
+    // scale first
+    let se = with_activation(|m| {
+        m.node("Relu", "relu", &["sum"], &["r"], vec![]);
+        m.node("GlobalAveragePool", "/se/pool", &["r"], &["g"], vec![]);
+        m.node("Sigmoid", "/se/Sigmoid", &["g"], &["gs"], vec![]);
+        m.node("Mul", "/se/Mul", &["gs", "r"], &["rs"], vec![]);
+    });
+    let graph = import_small(&se.bytes()).graph;
+    let mul = graph
+        .layers()
+        .iter()
+        .position(|l| l.name == "/se/Mul")
+        .unwrap();
+    let mul = graph.layer(legion_ops::LayerId(mul));
+    assert_eq!(mul.op, Op::Mul(Mul {}));
+    let inputs: Vec<&str> = mul
+        .inputs
+        .iter()
+        .map(|&i| graph.layer(i).name.as_str())
+        .collect();
+    assert_eq!(inputs, ["relu", "/se/Sigmoid"]);
+
+    let by_constant = with_activation(|m| {
+        m.initializer("two", &[], &[2.0]);
+        m.node("Mul", "/twice/Mul", &["sum", "two"], &["rs"], vec![]);
+    });
+    let e = import(&by_constant.bytes(), "small", "small.onnx")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("'/twice/Mul' (Mul): Mul by a constant is not supported"),
+        "{e}"
+    );
 }

@@ -404,11 +404,12 @@ pub trait Backend {
         dy: In<Self::Buffer>,
         dx: Out<Self::Buffer>,
     );
-    /// `y = f(x)` for an element-wise op of the [`Unary`](crate::op::Unary) family.
+    /// `y = f(x)` for an element-wise op of the [`Unary`](crate::op::Unary) family, with its
+    /// attribute ([`UnaryOp::alpha`](crate::op::UnaryOp::alpha)).
     fn unary_forward(
         &self,
         s: &mut Self::Stream,
-        op: crate::op::Unary,
+        op: crate::op::UnaryOp,
         x: In<Self::Buffer>,
         y: Out<Self::Buffer>,
     );
@@ -417,7 +418,7 @@ pub trait Backend {
     fn unary_backward(
         &self,
         s: &mut Self::Stream,
-        op: crate::op::Unary,
+        op: crate::op::UnaryOp,
         read: In<Self::Buffer>,
         dy: In<Self::Buffer>,
         dx: Out<Self::Buffer>,
@@ -436,6 +437,26 @@ pub trait Backend {
         dy: In<Self::Buffer>,
         da: Option<Out<Self::Buffer>>,
         db: Option<Out<Self::Buffer>>,
+    );
+    /// `y = x · s`, `s` of `x`'s shape or a `[N, C, 1, 1]` channel scale broadcast over H and W
+    /// (a 4-D view of H and W extent 1 at 0, where the tile has more).
+    fn mul_forward(
+        &self,
+        s: &mut Self::Stream,
+        x: In<Self::Buffer>,
+        scale: In<Self::Buffer>,
+        y: Out<Self::Buffer>,
+    );
+    /// `dx = dy · s` and `ds = dy · x`, summed over the tile's H and W for a channel scale;
+    /// either gradient may be absent.
+    fn mul_backward(
+        &self,
+        s: &mut Self::Stream,
+        x: In<Self::Buffer>,
+        scale: In<Self::Buffer>,
+        dy: In<Self::Buffer>,
+        dx: Option<Out<Self::Buffer>>,
+        dscale: Option<Out<Self::Buffer>>,
     );
     /// `xs[k]` is `None` where the tile reads nothing of input `k`.
     fn concat_forward(

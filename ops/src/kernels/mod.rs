@@ -24,6 +24,7 @@ pub mod conv2d;
 pub mod dense;
 pub mod dropout;
 pub mod gemm;
+pub mod mul;
 pub mod pool2d;
 pub mod relu;
 pub mod softmax_ce;

@@ -12,6 +12,7 @@ mod dense;
 mod dropout;
 mod flatten;
 mod input;
+mod mul;
 mod pool2d;
 mod relu;
 mod softmax_ce;
@@ -27,6 +28,7 @@ pub use dense::Dense;
 pub use dropout::Dropout;
 pub use flatten::Flatten;
 pub use input::Input;
+pub use mul::Mul;
 pub use pool2d::{Pool2d, PoolKind};
 pub use relu::Relu;
 pub use softmax_ce::SoftmaxCrossEntropy;
@@ -542,6 +544,7 @@ ops! {
     Flatten = "flatten",
     Concat = "concat",
     Add = "add",
+    Mul = "mul",
     BatchNorm = "batch_norm",
     Dropout = "dropout",
     SoftmaxCrossEntropy = "softmax_cross_entropy",
@@ -550,7 +553,7 @@ ops! {
 impl Op {
     /// An element-wise unary op.
     pub fn unary(op: Unary) -> Op {
-        Op::Unary(UnaryOp { op })
+        Op::Unary(op.into())
     }
 
     /// How many inputs the op takes (`None`: two or more).
@@ -558,7 +561,7 @@ impl Op {
         match self {
             Op::Input(_) => Some(0),
             Op::Concat(_) => None,
-            Op::Add(_) => Some(2),
+            Op::Add(_) | Op::Mul(_) => Some(2),
             _ => Some(1),
         }
     }
@@ -608,14 +611,20 @@ mod tests {
 
     #[test]
     fn every_op_serializes_under_its_kind_and_reads_back() {
-        let mut ops: Vec<Op> = ["alexnet", "inception_v3", "resnet50", "lenet5"]
-            .into_iter()
-            .flat_map(|name| {
-                let z = crate::zoo::find(name).unwrap();
-                let g = z.build(&z.default_config(2)).unwrap();
-                g.layers().iter().map(|l| l.op.clone()).collect::<Vec<_>>()
-            })
-            .collect();
+        let mut ops: Vec<Op> = [
+            "alexnet",
+            "inception_v3",
+            "resnet50",
+            "lenet5",
+            "efficientnet_b0",
+        ]
+        .into_iter()
+        .flat_map(|name| {
+            let z = crate::zoo::find(name).unwrap();
+            let g = z.build(&z.default_config(2)).unwrap();
+            g.layers().iter().map(|l| l.op.clone()).collect::<Vec<_>>()
+        })
+        .collect();
         ops.extend(Unary::ALL.iter().map(|&u| Op::unary(u)));
         let mut kinds = std::collections::BTreeSet::new();
         for op in &ops {

@@ -4,13 +4,15 @@
 //! size and class count; small images work as long as every window still fits.
 
 mod alexnet;
+mod efficientnet_b0;
 mod inception_v3;
 mod lenet5;
+mod mobilenet_v2;
 mod resnet50;
 mod vgg16;
 
 use crate::graph::{Graph, GraphBuilder, LayerId, ModelError};
-use crate::op::{BatchNorm, Conv2d};
+use crate::op::{BatchNorm, Conv2d, Unary};
 
 /// How to instantiate a zoo model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +91,20 @@ pub const MODELS: &[ZooModel] = &[
         default_classes: 1000,
         build: resnet50::build,
     },
+    ZooModel {
+        name: "mobilenet_v2",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: mobilenet_v2::build,
+    },
+    ZooModel {
+        name: "efficientnet_b0",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: efficientnet_b0::build,
+    },
 ];
 
 pub fn find(name: &str) -> Option<&'static ZooModel> {
@@ -113,6 +129,23 @@ pub(crate) fn conv_bn(
     m.batch_norm(&format!("{name}.bn"), c, bn)
 }
 
+/// torchvision's `Conv2dNormActivation` under its module names: the convolution (no bias)
+/// `{name}.0`, batch norm `{name}.1`, and the activation, where there is one, `{name}.2`.
+pub(crate) fn conv_norm(
+    m: &mut GraphBuilder,
+    name: &str,
+    x: LayerId,
+    conv: Conv2d,
+    activation: Option<Unary>,
+) -> Result<LayerId, ModelError> {
+    let c = m.conv2d(&format!("{name}.0"), x, conv.no_bias())?;
+    let y = m.batch_norm(&format!("{name}.1"), c, BatchNorm::default())?;
+    match activation {
+        Some(op) => m.unary(&format!("{name}.2"), y, op),
+        None => Ok(y),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,6 +162,8 @@ mod tests {
         assert_eq!(count("resnet50"), 25_557_032);
         assert_eq!(count("inception_v3"), 23_834_568);
         assert_eq!(count("lenet5"), 61_706);
+        assert_eq!(count("mobilenet_v2"), 3_504_872);
+        assert_eq!(count("efficientnet_b0"), 5_288_548);
     }
 
     #[test]
@@ -139,6 +174,8 @@ mod tests {
             ("vgg16", 32),
             ("resnet50", 32),
             ("lenet5", 28),
+            ("mobilenet_v2", 32),
+            ("efficientnet_b0", 32),
         ] {
             let m = find(name).unwrap();
             let cfg = ZooConfig {

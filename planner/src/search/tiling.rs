@@ -190,7 +190,8 @@ pub enum LayerKind {
     /// Conv or dense: a matrix multiplication with a weight.
     Weighted,
     Pool,
-    /// relu, the unary family, dropout, batch norm, add, concat: one tiling for all operands.
+    /// relu, the unary family, dropout, batch norm, add, mul, concat: one tiling for all operands
+    /// (a channel scale's along N and C).
     Elementwise,
     Flatten,
     Loss,
@@ -209,6 +210,7 @@ impl LayerKind {
             | Op::Dropout(_)
             | Op::BatchNorm(_)
             | Op::Add(_)
+            | Op::Mul(_)
             | Op::Concat(_) => LayerKind::Elementwise,
         }
     }

@@ -10,7 +10,7 @@ use super::{Backend, DType, In, KernelError, LossSums, Out};
 use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
 use crate::kernels::dropout::DropoutMask;
 use crate::kernels::{self, View, ViewMut};
-use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d, Unary};
+use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d, UnaryOp};
 use crate::precision::{Precision, bf16_bits, bf16_value, round_bf16};
 use crate::shape::{Rect, Shape, copy_rect};
 use crate::train::Sgd;
@@ -489,14 +489,14 @@ impl Backend for Cpu {
         kernels::relu::relu_backward(wide(y).view(), wide(dy).view(), narrow(dx).view_mut());
     }
 
-    fn unary_forward(&self, _: &mut CpuStream, op: Unary, x: In<Buffer>, y: Out<Buffer>) {
+    fn unary_forward(&self, _: &mut CpuStream, op: UnaryOp, x: In<Buffer>, y: Out<Buffer>) {
         op.forward_tile(wide(x).view(), narrow(y).view_mut());
     }
 
     fn unary_backward(
         &self,
         _: &mut CpuStream,
-        op: Unary,
+        op: UnaryOp,
         read: In<Buffer>,
         dy: In<Buffer>,
         dx: Out<Buffer>,
@@ -520,6 +520,30 @@ impl Backend for Cpu {
             narrow_or_scratch(db, dy.rect),
         );
         kernels::add::add_backward(wide(dy).view(), da.view_mut(), db.view_mut());
+    }
+
+    fn mul_forward(&self, _: &mut CpuStream, x: In<Buffer>, s: In<Buffer>, y: Out<Buffer>) {
+        kernels::mul::mul_forward(wide(x).view(), wide(s).view(), narrow(y).view_mut());
+    }
+
+    fn mul_backward(
+        &self,
+        _: &mut CpuStream,
+        x: In<Buffer>,
+        s: In<Buffer>,
+        dy: In<Buffer>,
+        dx: Option<Out<Buffer>>,
+        ds: Option<Out<Buffer>>,
+    ) {
+        let mut dx = dx.map(narrow);
+        let mut ds = ds.map(narrow);
+        kernels::mul::mul_backward(
+            wide(x).view(),
+            wide(s).view(),
+            wide(dy).view(),
+            dx.as_mut().map(|d| d.view_mut()),
+            ds.as_mut().map(|d| d.view_mut()),
+        );
     }
 
     fn concat_forward(
