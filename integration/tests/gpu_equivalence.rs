@@ -144,8 +144,10 @@ fn every_strategy_on_gpu_devices_trains_the_same_network_as_one_cpu_device() {
     for (name, image) in [("lenet5", 28), ("alexnet", 64), ("inception_v3", 75)] {
         check(&model(name, image), &placement, &mut failures);
     }
-    // The ops added by ARCHITECTURE.md's recipe, through the CUDA backend too.
+    // The ops added by ARCHITECTURE.md's recipe, and the blocks of MobileNetV2 and EfficientNet
+    // (depthwise convolution, a channel-scale `mul`), through the CUDA backend too.
     check(&recipe_net(), &placement, &mut failures);
+    check(&mobile_block_net(), &placement, &mut failures);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -65,19 +65,22 @@ fn relative(per_message: f64, collective: f64) -> f64 {
     (collective - per_message) / per_message
 }
 
+/// Every zoo model but EfficientNet-B0, whose OWT on paper:64 measured +3.34% against paper's 3%
+/// (`collective_against_per_message_table` lists every model).
+const HELD_TO_TOLERANCE: &[&str] = &[
+    "lenet5",
+    "alexnet",
+    "vgg16",
+    "inception_v3",
+    "inception_v3_reduced",
+    "resnet50",
+    "mobilenet_v2",
+];
+
 #[test]
 fn the_collective_simulation_is_within_3_percent_of_the_per_message_one() {
     let mut worst = (0.0f64, String::new());
-    // The zoo's models of few, large parameter tensors. EfficientNet-B0 and MobileNetV2 (many
-    // small ones) are not held to 3%: EfficientNet-B0's OWT on paper:64 measured +3.34%.
-    for name in [
-        "lenet5",
-        "alexnet",
-        "vgg16",
-        "inception_v3",
-        "inception_v3_reduced",
-        "resnet50",
-    ] {
+    for &name in HELD_TO_TOLERANCE {
         for family in MACHINES {
             for devices in SIZES {
                 let machine = machine(family, devices);
@@ -154,17 +157,8 @@ fn collective_against_per_message_table() {
     );
     println!("|---|---|---|---|---|---|---|---|");
     let mut worst = 0.0f64;
-    let mut over = Vec::new();
-    // The zoo's models of few, large parameter tensors. EfficientNet-B0 and MobileNetV2 (many
-    // small ones) are not held to 3%: EfficientNet-B0's OWT on paper:64 measured +3.34%.
-    for name in [
-        "lenet5",
-        "alexnet",
-        "vgg16",
-        "inception_v3",
-        "inception_v3_reduced",
-        "resnet50",
-    ] {
+    let (mut over, mut unheld) = (Vec::new(), Vec::new());
+    for name in legion_ops::zoo::names() {
         for family in MACHINES {
             for devices in SIZES {
                 let machine = machine(family, devices);
@@ -199,7 +193,11 @@ fn collective_against_per_message_table() {
                     let d = relative(per_message, collective);
                     worst = worst.max(d.abs());
                     if d.abs() > tolerance(family) {
-                        over.push(format!("{name} {strategy} on {family}:{devices}"));
+                        let case = format!("{name} {strategy} on {family}:{devices}");
+                        match HELD_TO_TOLERANCE.contains(&name) {
+                            true => over.push(case),
+                            false => unheld.push(format!("{case} ({:+.2}%)", d * 100.0)),
+                        }
                     }
                     println!(
                         "| {name} | {family}:{devices} | {strategy} | {:.3} | {:.3} | {:+.2}% | \
@@ -213,5 +211,6 @@ fn collective_against_per_message_table() {
         }
     }
     println!("largest difference: {:.2}%", worst * 100.0);
+    println!("beyond the tolerance, not held to it: {unheld:?}");
     assert!(over.is_empty(), "beyond the tolerance: {over:?}");
 }

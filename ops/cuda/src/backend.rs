@@ -23,6 +23,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use legion_ops::backend::cpu;
 use legion_ops::backend::{Backend, DType, In, KernelError, LossSums, Out, Pipeline};
 use legion_ops::kernels::dropout::DropoutMask;
+use legion_ops::kernels::mul::is_channel_scale;
 use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, UnaryOp};
 use legion_ops::precision::Precision;
 use legion_ops::shape::{Rect, Shape};
@@ -539,6 +540,7 @@ impl Backend for Cuda {
     fn mul_backward(
         &self,
         s: &mut Stream,
+        tile: &Rect,
         x: In<Buffer>,
         scale: In<Buffer>,
         dy: In<Buffer>,
@@ -550,9 +552,7 @@ impl Backend for Cuda {
                 self.binary(s, &self.kernels.mul_forward, dy, scale, dx)?;
             }
             match dscale {
-                Some(ds) if ds.rect.ndim() == 4 && ds.rect.hi[2] == 1 && ds.rect.hi[3] == 1 => {
-                    self.mul_scale_grad(s, x, dy, ds)
-                }
+                Some(ds) if is_channel_scale(&ds.rect) => self.mul_scale_grad(s, tile, x, dy, ds),
                 Some(ds) => self.binary(s, &self.kernels.mul_forward, dy, x, ds),
                 None => Ok(()),
             }

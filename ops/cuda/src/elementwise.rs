@@ -94,20 +94,17 @@ impl Cuda {
         Ok(())
     }
 
-    /// `ds[n, c] = Σ dy · x` over the tile `dy.rect` cut to `ds.rect`'s samples and channels
-    /// (a channel scale's gradient): a block per element of `ds`.
+    /// `ds[n, c] = Σ dy · x` over `tile`'s rows and columns (a channel scale's gradient): a block
+    /// per element of `ds`.
     pub(crate) fn mul_scale_grad(
         &self,
         s: &Stream,
+        tile: &Rect,
         x: In<Buffer>,
         dy: In<Buffer>,
         ds: Out<Buffer>,
     ) -> Launch {
-        let region = Box4::of(&ds.rect);
-        let mut tile = Box4::of(&dy.rect);
-        for axis in 0..2 {
-            (tile.lo[axis], tile.ext[axis]) = (region.lo[axis], region.ext[axis]);
-        }
+        let (region, tile) = (Box4::of(&ds.rect), Box4::of(tile));
         let blocks = region.volume();
         if blocks == 0 {
             return Ok(());

@@ -13,7 +13,7 @@ use legion_cuda::{Cuda, Math, Stream};
 use legion_ops::backend::cpu::{self, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, KernelError, Out};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::op::{BatchNorm, Conv2d, Dense, OpSpec, Pool2d};
+use legion_ops::op::{BatchNorm, Conv2d, Dense, OpSpec, Pool2d, UnaryOp};
 use legion_ops::rng::Rng;
 use legion_ops::shape::{Rect, Shape};
 use legion_ops::train::Sgd;
@@ -315,13 +315,19 @@ macro_rules! both {
 #[derive(Clone, Copy, Debug)]
 enum Unary {
     Relu,
-    Op(legion_ops::op::Unary),
+    Op(UnaryOp),
 }
 
 impl Unary {
-    /// ReLU, then every op of the unary family.
+    /// ReLU, then every op of the unary family, and LeakyReLU with another slope than its default.
     fn all() -> impl Iterator<Item = Unary> {
-        std::iter::once(Unary::Relu).chain(legion_ops::op::Unary::ALL.iter().map(|&u| Unary::Op(u)))
+        let family = legion_ops::op::Unary::ALL
+            .iter()
+            .map(|&u| Unary::Op(u.into()));
+        let slope = UnaryOp::with_alpha(legion_ops::op::Unary::LeakyRelu, 0.3);
+        std::iter::once(Unary::Relu)
+            .chain(family)
+            .chain([Unary::Op(slope)])
     }
 }
 
@@ -336,7 +342,7 @@ fn unary_forward<D: Device>(
     let mut y = out(d, s, tile);
     match kind {
         Unary::Relu => d.relu_forward(s, x.read(), y.write()),
-        Unary::Op(op) => d.unary_forward(s, op.into(), x.read(), y.write()),
+        Unary::Op(op) => d.unary_forward(s, op, x.read(), y.write()),
     }
     vec![("y", d.get(s, &y.mem))]
 }
@@ -353,7 +359,7 @@ fn unary_backward<D: Device>(
     let mut dx = out(d, s, tile);
     match kind {
         Unary::Relu => d.relu_backward(s, y.read(), dy.read(), dx.write()),
-        Unary::Op(op) => d.unary_backward(s, op.into(), y.read(), dy.read(), dx.write()),
+        Unary::Op(op) => d.unary_backward(s, op, y.read(), dy.read(), dx.write()),
     }
     vec![("dx", d.get(s, &dx.mem))]
 }
@@ -381,6 +387,40 @@ fn add_case<D: Device>(
         ("y", d.get(s, &y.mem)),
         ("da", d.get(s, &da.mem)),
         ("db", d.get(s, &db.mem)),
+    ]
+}
+
+/// `Mul` over `tile`: y = x · s, and both gradients (a channel scale's summed over the tile's
+/// rows and columns, with every operand laid out over more than the tile).
+fn mul_case<D: Device>(
+    d: &D,
+    s: &mut D::Stream,
+    x: &Host,
+    scale: &Host,
+    dy: &Host,
+    tile: Rect,
+) -> Outputs {
+    let (x, scale, dy) = (put(d, s, x), put(d, s, scale), put(d, s, dy));
+    let ds_rect = if legion_ops::kernels::mul::is_channel_scale(&scale.rect) {
+        tile.with_axis(2, 0, 1).with_axis(3, 0, 1)
+    } else {
+        tile
+    };
+    let (mut y, mut dx, mut ds) = (out(d, s, tile), out(d, s, tile), out(d, s, ds_rect));
+    d.mul_forward(s, x.read(), scale.read(), y.write());
+    d.mul_backward(
+        s,
+        &tile,
+        x.read(),
+        scale.read(),
+        dy.read(),
+        Some(dx.write()),
+        Some(ds.write()),
+    );
+    vec![
+        ("y", d.get(s, &y.mem)),
+        ("dx", d.get(s, &dx.mem)),
+        ("ds", d.get(s, &ds.mem)),
     ]
 }
 
@@ -1030,6 +1070,15 @@ fn elementwise_cases(h: &mut Harness) {
             both!(h, format!("add {grads:?}, {what}"), |d, s| add_case(
                 d, s, &x, &b, &dy, tile, grads
             ));
+        }
+        both!(h, format!("mul, {what}"), |d, s| mul_case(
+            d, s, &x, &b, &dy, tile
+        ));
+        if view.ndim() == 4 {
+            let scale = Host::random(Shape::nchw(2, 3, 1, 1).full_rect(), seed + 3);
+            both!(h, format!("mul by a channel scale, {what}"), |d, s| {
+                mul_case(d, s, &x, &scale, &dy, tile)
+            });
         }
         let tensor = if view.ndim() == 4 {
             shape

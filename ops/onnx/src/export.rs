@@ -182,8 +182,8 @@ fn with_activation(
     }
 }
 
-/// The nodes of a unary op writing `name`: its ONNX operator where it has one (LeakyRelu with its
-/// alpha), else the pattern PyTorch exports: ReLU6 as a Clip to [0, 6], the hard sigmoid as a
+/// The nodes of a unary op writing `name`: its ONNX operator where it has one (with its alpha
+/// where it takes one), else the pattern PyTorch exports: ReLU6 as a Clip to [0, 6], the hard sigmoid as a
 /// HardSigmoid of alpha 1/6 and beta 1/2, SiLU as a Sigmoid that a Mul multiplies by its input.
 fn unary(g: &mut GraphProto, u: &UnaryOp, name: &str, inputs: Vec<String>) {
     match u.op {
@@ -191,9 +191,9 @@ fn unary(g: &mut GraphProto, u: &UnaryOp, name: &str, inputs: Vec<String>) {
             let op_type =
                 u.op.onnx_op()
                     .expect("these have an ONNX operator of their own");
-            let attrs = match u.op {
-                Unary::LeakyRelu => vec![float("alpha", u.alpha())],
-                _ => vec![],
+            let attrs = match u.op.default_alpha() {
+                Some(_) => vec![float("alpha", u.alpha())],
+                None => vec![],
             };
             g.node.push(node(op_type, name, inputs, name, attrs));
         }

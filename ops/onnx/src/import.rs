@@ -14,15 +14,24 @@ use std::path::Path;
 /// The ops `import` maps, with what each accepts, the element-wise unary family (`op::Unary`)
 /// last; the table of `docs/formats.md` says the same.
 pub fn supported_ops() -> Vec<(String, &'static str)> {
-    let unary: Vec<&str> = op::Unary::ALL
+    let (with_alpha, plain): (Vec<op::Unary>, Vec<op::Unary>) = op::Unary::ALL
         .iter()
-        .filter(|u| **u != op::Unary::LeakyRelu)
-        .filter_map(|u| u.onnx_op())
-        .collect();
+        .filter(|u| u.onnx_op().is_some())
+        .partition(|u| u.default_alpha().is_some());
+    let names = |ops: Vec<op::Unary>| {
+        let names: Vec<&str> = ops.iter().filter_map(|u| u.onnx_op()).collect();
+        names.join(", ")
+    };
     MAPPED
         .iter()
         .map(|&(ops, what)| (ops.to_string(), what))
-        .chain([(unary.join(", "), "elementwise, no attributes")])
+        .chain([
+            (names(plain), "elementwise, no attributes"),
+            (
+                names(with_alpha),
+                "elementwise, its alpha (LeakyRelu's: PyTorch's negative_slope)",
+            ),
+        ])
         .collect()
 }
 
@@ -45,7 +54,6 @@ const MAPPED: &[(&str, &str)] = &[
         "Clip",
         "to [0, 6] (ReLU6) or [0, none] (ReLU), its bounds constant",
     ),
-    ("LeakyRelu", "its alpha (PyTorch's negative_slope)"),
     (
         "HardSigmoid",
         "alpha 1/6 and beta 1/2, as PyTorch's hardsigmoid exports",
@@ -433,13 +441,6 @@ impl<'g> Importer<'g> {
                 self.add(&name, Op::unary(op::Unary::Silu), &[x], &output)
                     .map(drop)
             }
-            "LeakyRelu" => {
-                let x = self.layer(node, 0)?;
-                let alpha = float_attribute(node, "alpha")?.unwrap_or(0.01);
-                let leaky = op::UnaryOp::with_alpha(op::Unary::LeakyRelu, alpha);
-                self.add(&node_layer_name(node), Op::Unary(leaky), &[x], &output)
-                    .map(drop)
-            }
             "Clip" => self.clip(node, &output),
             "HardSigmoid" => {
                 let x = self.layer(node, 0)?;
@@ -461,7 +462,12 @@ impl<'g> Importer<'g> {
             }
             unary if let Some(unary) = op::Unary::from_onnx(unary) => {
                 let x = self.layer(node, 0)?;
-                self.add(&node_layer_name(node), Op::unary(unary), &[x], &output)
+                // the family's defaults are ONNX's (LeakyRelu's alpha: 0.01)
+                let op = match float_attribute(node, "alpha")? {
+                    Some(alpha) => op::UnaryOp::with_alpha(unary, alpha),
+                    None => unary.into(),
+                };
+                self.add(&node_layer_name(node), Op::Unary(op), &[x], &output)
                     .map(drop)
             }
             "MaxPool" | "AveragePool" => self.pool(node, &output),
@@ -506,21 +512,11 @@ impl<'g> Importer<'g> {
                 .map(drop)
             }
             "Add" => {
-                let (a, b) = (self.layer(node, 0), self.layer(node, 1));
-                let (a, b) = match (a, b) {
-                    (Ok(a), Ok(b)) => (a, b),
-                    _ => {
-                        // a missing input is named as such, before the constant is refused
-                        for k in 0..2 {
-                            self.value(input_name(node, k)?)?;
-                        }
-                        return Err(
-                            "Add of a constant is supported only as the bias right after a \
-                             MatMul; expected two layers' outputs"
-                                .into(),
-                        );
-                    }
-                };
+                let (a, b) = self.two_layers(
+                    node,
+                    "Add of a constant is supported only as the bias right after a MatMul; \
+                     expected two layers' outputs",
+                )?;
                 if self.shape(a) != self.shape(b) {
                     return Err(format!(
                         "inputs of shapes {} and {}: broadcasting is not supported",
@@ -537,20 +533,11 @@ impl<'g> Importer<'g> {
                 .map(drop)
             }
             "Mul" => {
-                let (a, b) = (self.layer(node, 0), self.layer(node, 1));
-                let (a, b) = match (a, b) {
-                    (Ok(a), Ok(b)) => (a, b),
-                    _ => {
-                        for k in 0..2 {
-                            self.value(input_name(node, k)?)?;
-                        }
-                        return Err(
-                            "Mul by a constant is not supported; expected two layers' outputs \
-                             (a learned scale is a layer: a 1×1 Conv or a BatchNormalization)"
-                                .into(),
-                        );
-                    }
-                };
+                let (a, b) = self.two_layers(
+                    node,
+                    "Mul by a constant is not supported; expected two layers' outputs (a \
+                     learned scale is a layer: a 1×1 Conv or a BatchNormalization)",
+                )?;
                 // the channel scale second, whichever order the file has
                 let (x, s) = match (self.shape(a), self.shape(b)) {
                     (sa, sb) if sa.ndim() == 4 && sa.dim(2) * sa.dim(3) == 1 && sb != sa => (b, a),
@@ -652,6 +639,24 @@ impl<'g> Importer<'g> {
                 Ok(())
             }
             other => Err(unsupported_op(other)),
+        }
+    }
+
+    /// The two layers a binary node reads, or `constant_refusal` where one is a constant (a
+    /// missing input is named as such first).
+    fn two_layers(
+        &self,
+        node: &NodeProto,
+        constant_refusal: &str,
+    ) -> Result<(LayerId, LayerId), String> {
+        match (self.layer(node, 0), self.layer(node, 1)) {
+            (Ok(a), Ok(b)) => Ok((a, b)),
+            _ => {
+                for k in 0..2 {
+                    self.value(input_name(node, k)?)?;
+                }
+                Err(constant_refusal.to_string())
+            }
         }
     }
 
@@ -1189,11 +1194,13 @@ fn allowed_attributes(op_type: &str, opset: i64) -> Option<&'static [&'static st
         "Dropout" if opset < 12 => &["ratio", "seed"],
         "Dropout" => &["seed"],
         "Constant" => &["value"],
-        "LeakyRelu" => &["alpha"],
         "HardSigmoid" => &["alpha", "beta"],
         "Clip" if opset < 11 => &["min", "max"],
         "MatMul" | "Relu" | "Clip" | "Mul" | "Add" | "GlobalAveragePool" | "Identity" => &[],
-        unary if op::Unary::from_onnx(unary).is_some() => &[],
+        unary if let Some(unary) = op::Unary::from_onnx(unary) => match unary.default_alpha() {
+            Some(_) => &["alpha"],
+            None => &[],
+        },
         _ => return None,
     })
 }

@@ -447,11 +447,12 @@ pub trait Backend {
         scale: In<Self::Buffer>,
         y: Out<Self::Buffer>,
     );
-    /// `dx = dy · s` and `ds = dy · x`, summed over the tile's H and W for a channel scale;
-    /// either gradient may be absent.
+    /// `dx = dy · s` and `ds = dy · x`, for a channel scale summed over `tile`'s H and W (the
+    /// operands may be laid out over more); either gradient may be absent.
     fn mul_backward(
         &self,
         s: &mut Self::Stream,
+        tile: &Rect,
         x: In<Self::Buffer>,
         scale: In<Self::Buffer>,
         dy: In<Self::Buffer>,

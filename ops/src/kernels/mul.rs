@@ -7,17 +7,19 @@
 
 use super::relu::{par_runs, run_of};
 use super::{View, ViewMut};
+use crate::shape::Rect;
 use rayon::prelude::*;
 
-/// Whether `scale` is broadcast over the tile's H and W: laid out over one row and column where
-/// the tile has more, or a 4-D view of extent 1 at H = W = 0 (which reads alike either way).
-fn broadcasts(scale: &View<'_>, tile_ndim: usize) -> bool {
-    tile_ndim == 4 && scale.rect.hi[2] == 1 && scale.rect.hi[3] == 1
+/// Whether a factor (or its gradient) laid out over `rect` is a channel scale broadcast over H
+/// and W: 4-D, over the one row and column at H = W = 0. A factor of the first's shape laid out
+/// so reads alike either way. The CUDA backend tells a scale by this too.
+pub fn is_channel_scale(rect: &Rect) -> bool {
+    rect.ndim() == 4 && rect.hi[2] == 1 && rect.hi[3] == 1
 }
 
 /// `out = a · b` over `out.rect`, `b` broadcast over H and W where it is a channel scale.
 fn product(a: View<'_>, b: View<'_>, mut out: ViewMut<'_>) {
-    if broadcasts(&b, out.rect.ndim()) {
+    if is_channel_scale(&b.rect) {
         // a run never spans a channel (min axis 2), so it has one scale
         par_runs(&mut out, &[a.rect], 2, |start, run| {
             let mut at = start;
@@ -44,9 +46,9 @@ pub fn mul_forward(x: View<'_>, s: View<'_>, y: ViewMut<'_>) {
 }
 
 /// dx = dy · s over `dx.rect`; ds = dy · x over `ds.rect`, or for a channel scale
-/// ds[n, c] = Σ over the tile's rows and columns of dy · x, the tile being `dy`'s rect cut to
-/// `ds`'s samples and channels.
+/// ds[n, c] = Σ over `tile`'s rows and columns of dy · x (`x` and `dy` contain the tile).
 pub fn mul_backward(
+    tile: &Rect,
     x: View<'_>,
     s: View<'_>,
     dy: View<'_>,
@@ -57,11 +59,11 @@ pub fn mul_backward(
         product(dy, s, dx);
     }
     let Some(ds) = ds else { return };
-    if !broadcasts(&ds.as_view(), dy.rect.ndim()) {
+    if !is_channel_scale(&ds.rect) {
         product(dy, x, ds);
         return;
     }
-    let (rect, tile) = (ds.rect, dy.rect);
+    let rect = ds.rect;
     let channels = rect.extent(1);
     ds.data.par_iter_mut().enumerate().for_each(|(i, out)| {
         let (n, c) = (rect.lo[0] + i / channels, rect.lo[1] + i % channels);
@@ -84,7 +86,7 @@ pub fn mul_backward(
 mod tests {
     use super::*;
     use crate::kernels::check::{assert_grad, random};
-    use crate::shape::{Rect, Shape};
+    use crate::shape::Shape;
 
     fn check(x_shape: Shape, s_shape: Shape) {
         let (xr, sr) = (x_shape.full_rect(), s_shape.full_rect());
@@ -98,6 +100,7 @@ mod tests {
         };
         let (mut dx, mut ds) = (vec![0.0; x.len()], vec![0.0; s.len()]);
         mul_backward(
+            &xr,
             View::new(xr, &x),
             View::new(sr, &s),
             View::new(xr, &weights),
@@ -124,17 +127,16 @@ mod tests {
         let x = random(xr.volume(), 4);
         let s = random(sr.volume(), 5);
         let dy = random(xr.volume(), 6);
+        // the operands laid out over the whole tensor, as a device holding more than the tile
+        // lends them
         let grad = |tile: Rect| {
             let scale = tile.with_axis(2, 0, 1).with_axis(3, 0, 1);
             let mut ds = vec![0.0; scale.volume()];
-            let mut dy_tile = vec![0.0; tile.volume()];
-            crate::shape::copy_rect(&dy, &xr, &mut dy_tile, &tile, &tile);
-            let mut x_tile = vec![0.0; tile.volume()];
-            crate::shape::copy_rect(&x, &xr, &mut x_tile, &tile, &tile);
             mul_backward(
-                View::new(tile, &x_tile),
+                &tile,
+                View::new(xr, &x),
                 View::new(sr, &s),
-                View::new(tile, &dy_tile),
+                View::new(xr, &dy),
                 None,
                 Some(ViewMut::new(scale, &mut ds)),
             );

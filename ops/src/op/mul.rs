@@ -67,7 +67,7 @@ impl OpKernels for Mul {
         let dy = c.read(Role::OutputGrad);
         let dx = c.try_write(Role::InputGrad(0));
         let ds = c.try_write(Role::InputGrad(1));
-        c.backend.mul_backward(c.stream, x, s, dy, dx, ds);
+        c.backend.mul_backward(c.stream, &c.tile, x, s, dy, dx, ds);
         Ok(())
     }
 }

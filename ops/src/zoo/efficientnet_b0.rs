@@ -1,4 +1,4 @@
-use super::{ZooConfig, conv_norm};
+use super::{InvertedResidual, ZooConfig, conv_norm};
 use crate::graph::{Graph, GraphBuilder, LayerId, ModelError};
 use crate::op::{Conv2d, Dense, Unary};
 use crate::shape::Shape;
@@ -34,14 +34,14 @@ pub fn build(cfg: &ZooConfig) -> Result<Graph, ModelError> {
         for block in 0..n {
             let stride = if block == 0 { s } else { 1 };
             let name = format!("features.{}.{block}", stage + 1);
-            let shape = MbConv {
+            let block = InvertedResidual {
                 in_channels,
                 out_channels: c,
                 kernel: k,
                 stride,
                 expansion: t,
             };
-            x = mb_conv(&mut m, &name, x, shape)?;
+            x = mb_conv(&mut m, &name, x, &block)?;
             in_channels = c;
         }
     }
@@ -54,45 +54,20 @@ pub fn build(cfg: &ZooConfig) -> Result<Graph, ModelError> {
     Ok(m.finish())
 }
 
-struct MbConv {
-    in_channels: usize,
-    out_channels: usize,
-    kernel: usize,
-    stride: usize,
-    expansion: usize,
-}
-
-fn mb_conv(m: &mut GraphBuilder, name: &str, x: LayerId, b: MbConv) -> Result<LayerId, ModelError> {
-    let hidden = b.in_channels * b.expansion;
-    let silu = Some(Unary::Silu);
-    let mut y = x;
-    let mut k = 0;
-    if b.expansion != 1 {
-        y = conv_norm(
-            m,
-            &format!("{name}.block.0"),
-            y,
-            Conv2d::new(hidden, 1),
-            silu,
-        )?;
-        k = 1;
-    }
-    let depthwise = Conv2d::new(hidden, b.kernel)
-        .stride(b.stride)
-        .padding(b.kernel / 2)
-        .groups(hidden);
-    y = conv_norm(m, &format!("{name}.block.{k}"), y, depthwise, silu)?;
-    y = squeeze_excitation(
-        m,
-        &format!("{name}.block.{}", k + 1),
-        y,
-        hidden,
-        b.in_channels / 4,
-    )?;
-    let project = Conv2d::new(b.out_channels, 1);
-    y = conv_norm(m, &format!("{name}.block.{}", k + 2), y, project, None)?;
-    if b.stride == 1 && b.in_channels == b.out_channels {
-        y = m.add(&format!("{name}.add"), x, y)?;
+fn mb_conv(
+    m: &mut GraphBuilder,
+    name: &str,
+    x: LayerId,
+    block: &InvertedResidual,
+) -> Result<LayerId, ModelError> {
+    let modules = format!("{name}.block");
+    let (y, hidden, k) = block.expand_depthwise(m, &modules, x, Unary::Silu)?;
+    let se = format!("{modules}.{k}");
+    let y = squeeze_excitation(m, &se, y, hidden, block.in_channels / 4)?;
+    let project = Conv2d::new(block.out_channels, 1);
+    let y = conv_norm(m, &format!("{modules}.{}", k + 1), y, project, None)?;
+    if block.residual() {
+        return m.add(&format!("{name}.add"), x, y);
     }
     Ok(y)
 }

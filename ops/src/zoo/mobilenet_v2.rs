@@ -1,4 +1,4 @@
-use super::{ZooConfig, conv_norm};
+use super::{InvertedResidual, ZooConfig, conv_norm};
 use crate::graph::{Graph, GraphBuilder, LayerId, ModelError};
 use crate::op::{Conv2d, Dense, Unary};
 use crate::shape::Shape;
@@ -36,7 +36,14 @@ pub fn build(cfg: &ZooConfig) -> Result<Graph, ModelError> {
         for block in 0..n {
             let stride = if block == 0 { s } else { 1 };
             let name = format!("features.{index}");
-            x = inverted_residual(&mut m, &name, x, in_channels, c, stride, t)?;
+            let block = InvertedResidual {
+                in_channels,
+                out_channels: c,
+                kernel: 3,
+                stride,
+                expansion: t,
+            };
+            x = inverted_residual(&mut m, &name, x, &block)?;
             in_channels = c;
             index += 1;
         }
@@ -60,35 +67,15 @@ fn inverted_residual(
     m: &mut GraphBuilder,
     name: &str,
     x: LayerId,
-    in_channels: usize,
-    out_channels: usize,
-    stride: usize,
-    expansion: usize,
+    block: &InvertedResidual,
 ) -> Result<LayerId, ModelError> {
-    let hidden = in_channels * expansion;
-    let relu6 = Some(Unary::Relu6);
-    let mut y = x;
-    let mut k = 0;
-    if expansion != 1 {
-        y = conv_norm(
-            m,
-            &format!("{name}.conv.0"),
-            y,
-            Conv2d::new(hidden, 1),
-            relu6,
-        )?;
-        k = 1;
-    }
-    let depthwise = Conv2d::new(hidden, 3)
-        .stride(stride)
-        .padding(1)
-        .groups(hidden);
-    y = conv_norm(m, &format!("{name}.conv.{k}"), y, depthwise, relu6)?;
-    let project = Conv2d::new(out_channels, 1).no_bias();
-    y = m.conv2d(&format!("{name}.conv.{}", k + 1), y, project)?;
-    y = m.batch_norm(&format!("{name}.conv.{}", k + 2), y, Default::default())?;
-    if stride == 1 && in_channels == out_channels {
-        y = m.add(&format!("{name}.add"), x, y)?;
+    let conv = format!("{name}.conv");
+    let (y, _, k) = block.expand_depthwise(m, &conv, x, Unary::Relu6)?;
+    let project = Conv2d::new(block.out_channels, 1).no_bias();
+    let y = m.conv2d(&format!("{conv}.{k}"), y, project)?;
+    let y = m.batch_norm(&format!("{conv}.{}", k + 1), y, Default::default())?;
+    if block.residual() {
+        return m.add(&format!("{name}.add"), x, y);
     }
     Ok(y)
 }

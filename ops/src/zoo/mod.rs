@@ -146,6 +146,51 @@ pub(crate) fn conv_norm(
     }
 }
 
+/// The shape of an inverted residual block (MobileNetV2's, EfficientNet's MBConv).
+pub(crate) struct InvertedResidual {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub expansion: usize,
+}
+
+impl InvertedResidual {
+    fn hidden(&self) -> usize {
+        self.in_channels * self.expansion
+    }
+
+    /// Whether the block adds its input to its output (it keeps its size).
+    pub fn residual(&self) -> bool {
+        self.stride == 1 && self.in_channels == self.out_channels
+    }
+
+    /// The block's first modules under `{name}.0`, `{name}.1`: the 1×1 expansion where the
+    /// expansion is not 1, then the depthwise convolution, each a [`conv_norm`] with
+    /// `activation`. Returns their output, its channels and the index of the block's next module.
+    pub fn expand_depthwise(
+        &self,
+        m: &mut GraphBuilder,
+        name: &str,
+        x: LayerId,
+        activation: Unary,
+    ) -> Result<(LayerId, usize, usize), ModelError> {
+        let hidden = self.hidden();
+        let (mut y, mut k) = (x, 0);
+        if self.expansion != 1 {
+            let expand = Conv2d::new(hidden, 1);
+            y = conv_norm(m, &format!("{name}.0"), y, expand, Some(activation))?;
+            k = 1;
+        }
+        let depthwise = Conv2d::new(hidden, self.kernel)
+            .stride(self.stride)
+            .padding(self.kernel / 2)
+            .groups(hidden);
+        y = conv_norm(m, &format!("{name}.{k}"), y, depthwise, Some(activation))?;
+        Ok((y, hidden, k + 1))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -529,6 +529,7 @@ impl Backend for Cpu {
     fn mul_backward(
         &self,
         _: &mut CpuStream,
+        tile: &Rect,
         x: In<Buffer>,
         s: In<Buffer>,
         dy: In<Buffer>,
@@ -538,6 +539,7 @@ impl Backend for Cpu {
         let mut dx = dx.map(narrow);
         let mut ds = ds.map(narrow);
         kernels::mul::mul_backward(
+            tile,
             wide(x).view(),
             wide(s).view(),
             wide(dy).view(),
