@@ -1,4 +1,6 @@
-"""Exports torchvision's AlexNet, VGG-16, Inception-v3 and ResNet-50 as graph-only ONNX files.
+"""Exports torchvision's CNNs as graph-only ONNX files: AlexNet, VGG-16, Inception-v3, ResNet-50
+and -18, ResNeXt-50 32x4d, MobileNetV2, EfficientNet-B0, DenseNet-121, SqueezeNet 1.0, GoogLeNet
+and RegNet-Y-400MF.
 
 The files hold the graph and every weight's shape (as graph inputs, `export_params=False`) but no
 weight values, so they stay a few kilobytes; `legion-rs` imports them and trains from its own
@@ -18,7 +20,7 @@ How the export is set up, and why:
 - Every parameter and buffer is filled with distinct random values first: the exporter merges
   parameters with equal values (a fresh batch norm's weights are all ones) into one input read
   through Identity nodes, which would hide the model's own weight names.
-- Inception-v3 without its auxiliary classifier, as the zoo has it.
+- Inception-v3 and GoogLeNet without their auxiliary classifiers, as the zoo has Inception-v3.
 """
 
 import os
@@ -39,6 +41,19 @@ MODELS = {
         299,
     ),
     "resnet50": (lambda: torchvision.models.resnet50(weights=None), 224),
+    "resnet18": (lambda: torchvision.models.resnet18(weights=None), 224),
+    "resnext50_32x4d": (lambda: torchvision.models.resnext50_32x4d(weights=None), 224),
+    "mobilenet_v2": (lambda: torchvision.models.mobilenet_v2(weights=None), 224),
+    "efficientnet_b0": (lambda: torchvision.models.efficientnet_b0(weights=None), 224),
+    "densenet121": (lambda: torchvision.models.densenet121(weights=None), 224),
+    "squeezenet1_0": (lambda: torchvision.models.squeezenet1_0(weights=None), 224),
+    "googlenet": (
+        lambda: torchvision.models.googlenet(
+            weights=None, aux_logits=False, init_weights=False
+        ),
+        224,
+    ),
+    "regnet_y_400mf": (lambda: torchvision.models.regnet_y_400mf(weights=None), 224),
 }
 
 
@@ -70,5 +85,8 @@ def export(name, make, size):
 
 
 if __name__ == "__main__":
+    import sys
+
     for name, (make, size) in MODELS.items():
-        export(name, make, size)
+        if len(sys.argv) == 1 or name in sys.argv[1:]:
+            export(name, make, size)

@@ -442,6 +442,7 @@ impl GraphBuilder {
             kernel: [s.dim(2), s.dim(3)],
             stride: [s.dim(2), s.dim(3)],
             padding: [0, 0],
+            ceil_mode: false,
         };
         self.layer(name, Op::Pool2d(pool), &[x])
     }

@@ -644,7 +644,9 @@ extern "C" __global__ void store_step(u64* at, u64 step) {
 
 // ---------------------------------------------------------------------------------------------
 // 2-D pooling over an output tile. Windows are clipped to the input: max ignores padding, average
-// counts it (divides by kh·kw). Same window arithmetic as kernels::pool2d::clipped_window.
+// counts it (divides by the window's extent in the padded input, kh·kw but where a ceil_mode window
+// runs past the padding). Same window arithmetic as kernels::pool2d::clipped_window and
+// Pool2d::padded_window_len.
 
 struct Pool {
     i64 kernel[2];
@@ -652,8 +654,22 @@ struct Pool {
     i64 padding[2];
     i64 in_size[2];  // full input H, W
     int is_max;
-    float inv_area;
 };
+
+// What an average pool multiplies output (oh, ow)'s window sum by: the reciprocal, rounded to f32
+// once, of how many positions of the padded input the window covers.
+__device__ __forceinline__ float inverse_area(const Pool& pool, i64 oh, i64 ow) {
+    i64 area = 1;
+    i64 o[2] = {oh, ow};
+    for (int a = 0; a < 2; ++a) {
+        i64 start = o[a] * pool.stride[a];
+        i64 end = start + pool.kernel[a];
+        i64 padded = pool.in_size[a] + 2 * pool.padding[a];
+        if (end > padded) end = padded;
+        area *= end > start ? end - start : 0;
+    }
+    return 1.0f / (float)area;
+}
 
 __device__ __forceinline__ void clipped_window(i64 o, i64 kernel, i64 stride, i64 pad, i64 size,
                                                i64& lo, i64& hi) {
@@ -677,7 +693,8 @@ __device__ void output_window(const Box4& tile, i64 i, const Pool& pool, i64 p[4
 }
 
 // Max: the largest value, first in row-major window order (`v > best`, as the CPU); avg: each
-// window row summed left to right, the row sums added top to bottom, times 1/(kh·kw), as the CPU.
+// window row summed left to right, the row sums added top to bottom, times inverse_area, as the
+// CPU.
 template <class T>
 __device__ void pool2d_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, Pool pool, i64 n) {
     GRID_STRIDE(i, n) {
@@ -706,7 +723,7 @@ __device__ void pool2d_forward_t(const T* x, Box4 x_layout, T* y, Box4 tile, Poo
                 for (i64 w = 0; w < w1 - w0; ++w) row_sum = row_sum + to_f32(row[w]);
                 total = total + row_sum;
             }
-            y[i] = from_f32<T>(total * pool.inv_area);
+            y[i] = from_f32<T>(total * inverse_area(pool, p[2], p[3]));
         }
     }
 }
@@ -783,7 +800,7 @@ __device__ void pool2d_backward_t(const i64* argmax, Box4 x_layout, const T* dy,
                     if (pool.is_max) {
                         if (argmax[at] == here) grad = grad + g;
                     } else {
-                        grad = grad + g * pool.inv_area;
+                        grad = grad + g * inverse_area(pool, oh, ow);
                     }
                 }
             }

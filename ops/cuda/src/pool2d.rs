@@ -19,7 +19,6 @@ struct PoolParams {
     padding: [i64; 2],
     in_size: [i64; 2],
     is_max: i32,
-    inv_area: f32,
 }
 
 // SAFETY: plain old data with the C layout of `Pool` in kernels.cu.
@@ -33,8 +32,6 @@ impl PoolParams {
             padding: op.padding.map(|p| p as i64),
             in_size: [in_shape.dim(2) as i64, in_shape.dim(3) as i64],
             is_max: matches!(op.kind, PoolKind::Max) as i32,
-            // as kernels::pool2d: the reciprocal rounded to f32 once
-            inv_area: 1.0 / (op.kernel[0] * op.kernel[1]) as f32,
         }
     }
 }

@@ -65,7 +65,6 @@ struct Pool {
     padding: [i64; 2],
     in_size: [i64; 2],
     is_max: i32,
-    inv_area: f32,
 }
 
 /// The kernels compiled for the host, and their launch: every (block, thread) in turn.
@@ -552,7 +551,6 @@ fn element_wise(emu: &Emu, report: &mut Report) {
     }
 }
 
-/// The pooling kernels against the CPU's.
 /// The products of `Mul` against the CPU's: of two tensors of one shape and by a channel scale,
 /// whole and on an inner tile (whose scale gradient is a partial sum over its rows), each way.
 fn products(emu: &Emu, report: &mut Report) {
@@ -620,6 +618,7 @@ fn products(emu: &Emu, report: &mut Report) {
     }
 }
 
+/// The pooling kernels against the CPU's, ceil_mode windows among them.
 fn pooling(emu: &Emu, report: &mut Report) {
     type PF = unsafe extern "C" fn(*const f32, Box4, *mut f32, Box4, Pool, i64);
     type PA = unsafe extern "C" fn(*const f32, Box4, Box4, *mut i64, Pool, i64);
@@ -627,7 +626,6 @@ fn pooling(emu: &Emu, report: &mut Report) {
     let pf: Symbol<PF> = emu.sym("pool2d_forward");
     let pa: Symbol<PA> = emu.sym("pool2d_argmax");
     let pb: Symbol<PB> = emu.sym("pool2d_backward");
-    let in_shape = Shape::nchw(2, 3, 11, 9);
     let ops = [
         Pool2d::max(3).stride(2).padding(1),
         Pool2d::avg(3).stride(2).padding(1),
@@ -635,8 +633,26 @@ fn pooling(emu: &Emu, report: &mut Report) {
         Pool2d::avg(2),
         Pool2d::max(3).stride(1).padding(1),
         Pool2d::avg(5).stride(3).padding(2),
+        Pool2d::max(3).stride(2).ceil_mode(),
+        Pool2d::avg(3).stride(2).padding(1).ceil_mode(),
+        Pool2d::avg(2).stride(3).ceil_mode(),
     ];
     for (i, op) in ops.iter().enumerate() {
+        // an even input, where ceil_mode keeps a last partial window, for the ceil_mode pools
+        let in_shape = match op.ceil_mode {
+            true => Shape::nchw(2, 3, 10, 8),
+            false => Shape::nchw(2, 3, 11, 9),
+        };
+        assert!(
+            !op.ceil_mode
+                || op.infer_shape(&[in_shape])
+                    != Pool2d {
+                        ceil_mode: false,
+                        ..op.clone()
+                    }
+                    .infer_shape(&[in_shape]),
+            "{op:?} keeps no partial window over {in_shape}"
+        );
         let out = op.infer_shape(&[in_shape]).unwrap();
         let oh = out.dim(2);
         let tiles = [
@@ -694,9 +710,8 @@ fn pooling(emu: &Emu, report: &mut Report) {
                 kernel: op.kernel.map(|k| k as i64),
                 stride: op.stride.map(|k| k as i64),
                 padding: op.padding.map(|k| k as i64),
-                in_size: [11, 9],
+                in_size: [in_shape.dim(2) as i64, in_shape.dim(3) as i64],
                 is_max: matches!(op.kind, PoolKind::Max) as i32,
-                inv_area: 1.0 / (op.kernel[0] * op.kernel[1]) as f32,
             };
             let mut gy = vec![0.0; tile.volume()];
             let n = tile.volume() as i64;

@@ -110,6 +110,9 @@ fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
                     ints("strides", &p.stride),
                     ints("pads", &[p_[0], p_[1], p_[0], p_[1]]),
                 ];
+                if p.ceil_mode {
+                    attrs.push(int("ceil_mode", 1));
+                }
                 let op_type = match p.kind {
                     PoolKind::Max => "MaxPool",
                     PoolKind::Avg => {

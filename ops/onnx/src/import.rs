@@ -65,7 +65,7 @@ const MAPPED: &[(&str, &str)] = &[
     ),
     (
         "MaxPool, AveragePool",
-        "2-D, symmetric pads, dilations 1, ceil_mode only where it changes no size; AveragePool \
+        "2-D, symmetric pads, dilations 1, ceil_mode 0 or 1; AveragePool \
          counts padding (count_include_pad 1) when it pads; a 1×1 window of stride 1 is dropped",
     ),
     ("GlobalAveragePool", "over H and W"),
@@ -931,22 +931,11 @@ impl<'g> Importer<'g> {
         if int_attribute(node, "storage_order")?.unwrap_or(0) != 0 {
             return Err("storage_order 1 (column-major indices) is not supported".into());
         }
-        if int_attribute(node, "ceil_mode")?.unwrap_or(0) != 0 {
-            let per_axis = kernel.iter().zip(window.stride).zip(window.padding);
-            for (axis, ((&k, s), p)) in per_axis.enumerate() {
-                let extent = input.dim(2 + axis);
-                if pool_extent(extent, k, s, p, false) != pool_extent(extent, k, s, p, true) {
-                    return Err(format!(
-                        "ceil_mode 1 changes the output size of axis {} ({extent} wide: {} \
-                         with ceil rounding, {} with floor); only floor rounding is supported: \
-                         build the pool with ceil_mode=False",
-                        2 + axis,
-                        pool_extent(extent, k, s, p, true).unwrap_or(0),
-                        pool_extent(extent, k, s, p, false).unwrap_or(0),
-                    ));
-                }
-            }
-        }
+        let ceil_mode = match int_attribute(node, "ceil_mode")?.unwrap_or(0) {
+            0 => false,
+            1 => true,
+            other => return Err(format!("ceil_mode {other} is not 0 or 1")),
+        };
         if is_identity_window(kernel, window.stride, window.padding) {
             self.bind(output, Value::Layer(x));
             return Ok(());
@@ -956,6 +945,7 @@ impl<'g> Importer<'g> {
             kernel,
             stride: window.stride,
             padding: window.padding,
+            ceil_mode,
         };
         self.add(&node_layer_name(node), Op::Pool2d(pool), &[x], output)
             .map(drop)
@@ -1403,32 +1393,6 @@ pub(crate) fn is_identity_window(
     kernel == [1, 1] && stride == [1, 1] && padding == [0, 0]
 }
 
-/// The output extent of a pooling window, with floor or ceil rounding (`None` where the window
-/// does not fit).
-pub(crate) fn pool_extent(
-    extent: usize,
-    kernel: usize,
-    stride: usize,
-    pad: usize,
-    ceil: bool,
-) -> Option<usize> {
-    let span = extent
-        .checked_add(pad.checked_mul(2)?)?
-        .checked_sub(kernel)?;
-    let steps = if ceil {
-        span.div_ceil(stride)
-    } else {
-        span / stride
-    };
-    // With ceil rounding, a last window that starts in the padding is dropped (as PyTorch does).
-    let steps = if ceil && steps * stride >= extent + pad {
-        steps - 1
-    } else {
-        steps
-    };
-    Some(steps + 1)
-}
-
 /// An axis in `[-rank, rank)` as an index.
 pub(crate) fn normalize_axis(axis: i64, rank: usize) -> Option<usize> {
     let rank = i64::try_from(rank).ok()?;
@@ -1681,21 +1645,6 @@ mod tests {
                 .unwrap_err()
                 .contains("has 2 values")
         );
-    }
-
-    #[test]
-    fn ceil_rounding_is_told_apart_from_floor() {
-        // 3×3/2 over 6: floor 2 windows, ceil 3 (the last one starts inside the input)
-        assert_eq!(pool_extent(6, 3, 2, 0, false), Some(2));
-        assert_eq!(pool_extent(6, 3, 2, 0, true), Some(3));
-        // over 7 they agree
-        assert_eq!(
-            pool_extent(7, 3, 2, 0, false),
-            pool_extent(7, 3, 2, 0, true)
-        );
-        // a last window starting in the padding is dropped: 2/2 over 4 padded by 1
-        assert_eq!(pool_extent(4, 2, 2, 1, true), Some(3));
-        assert_eq!(pool_extent(2, 3, 1, 0, false), None);
     }
 
     #[test]

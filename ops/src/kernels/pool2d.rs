@@ -1,7 +1,8 @@
 //! Max and average 2-D pooling, forward and backward, over one output tile.
 //!
 //! Windows are clipped to the input: max pooling ignores padded positions, average pooling counts
-//! them as zeros (divides by `kh·kw`, PyTorch's `count_include_pad=True`). Max-pool backward routes
+//! them as zeros (divides by the window's extent in the padded input: `kh·kw`, less where a
+//! `ceil_mode` window runs past the padding; PyTorch's `count_include_pad=True`). Max-pool backward routes
 //! each output's gradient to the first maximal element in window scan order (row by row), which
 //! depends only on the window's values and so is the same whatever the tiling.
 //!
@@ -32,8 +33,11 @@ pub fn pool2d_forward(op: &Pool2d, in_shape: Shape, x: View, y: ViewMut) {
             for (y_row, rows) in outputs.zip(&windows.row_windows) {
                 for (y, cols) in y_row.iter_mut().zip(&windows.col_windows) {
                     *y = match windows.kind {
-                        PoolKind::Max => windows.max(x_plane, rows, cols),
-                        PoolKind::Avg => windows.sum(x_plane, rows, cols) * windows.inv_area,
+                        PoolKind::Max => windows.max(x_plane, &rows.range, &cols.range),
+                        PoolKind::Avg => {
+                            windows.sum(x_plane, &rows.range, &cols.range)
+                                * inverse_area(rows, cols)
+                        }
                     };
                 }
             }
@@ -72,10 +76,13 @@ pub fn pool2d_backward(op: &Pool2d, in_shape: Shape, x: View, dy: View, dx: View
             for (dy_row, rows) in grads.zip(&windows.row_windows) {
                 for (&g, cols) in dy_row.iter().zip(&windows.col_windows) {
                     match windows.kind {
-                        PoolKind::Max => dx_plane[windows.argmax(x_plane, rows, cols)] += g,
+                        PoolKind::Max => {
+                            dx_plane[windows.argmax(x_plane, &rows.range, &cols.range)] += g
+                        }
                         PoolKind::Avg => {
-                            let share = g * windows.inv_area;
-                            for h in rows.clone() {
+                            let share = g * inverse_area(rows, cols);
+                            let cols = &cols.range;
+                            for h in rows.range.clone() {
                                 let start = h * windows.x_w;
                                 for d in &mut dx_plane[start + cols.start..start + cols.end] {
                                     *d += share;
@@ -88,18 +95,31 @@ pub fn pool2d_backward(op: &Pool2d, in_shape: Shape, x: View, dy: View, dx: View
         });
 }
 
+/// One axis of an output's window.
+struct Span {
+    /// The view positions it covers (clipped to the input).
+    range: Range<usize>,
+    /// How many positions of the padded input it covers.
+    padded_len: usize,
+}
+
+/// What an average pool multiplies a window's sum by: the reciprocal, rounded to f32 once, of the
+/// window's extent in the padded input.
+fn inverse_area(rows: &Span, cols: &Span) -> f32 {
+    1.0 / (rows.padded_len * cols.padded_len) as f32
+}
+
 /// The pooling windows of an output tile, in the coordinates of an input view.
 struct Windows {
     kind: PoolKind,
-    inv_area: f32,
     out: Rect,
     x: Rect,
     /// Width of the input view.
     x_w: usize,
-    /// Per tile output row, the view rows its windows cover (clipped to the input).
-    row_windows: Vec<Range<usize>>,
-    /// Per tile output column, the view columns its windows cover (clipped to the input).
-    col_windows: Vec<Range<usize>>,
+    /// Per tile output row, its windows' rows.
+    row_windows: Vec<Span>,
+    /// Per tile output column, its windows' columns.
+    col_windows: Vec<Span>,
 }
 
 impl Windows {
@@ -109,24 +129,20 @@ impl Windows {
             x.contains(&op.project(&[in_shape], out)[0]),
             "input view {x} does not contain the projection of output tile {out}"
         );
-        let view_windows = |axis: usize| -> Vec<Range<usize>> {
-            let i = axis - 2;
+        let view_windows = |axis: usize| -> Vec<Span> {
+            let (i, size) = (axis - 2, in_shape.dim(axis));
             (out.lo[axis]..out.hi[axis])
                 .map(|o| {
-                    let global = clipped_window(
-                        o,
-                        op.kernel[i],
-                        op.stride[i],
-                        op.padding[i],
-                        in_shape.dim(axis),
-                    );
-                    global.start - x.lo[axis]..global.end - x.lo[axis]
+                    let global = clipped_window(o, op.kernel[i], op.stride[i], op.padding[i], size);
+                    Span {
+                        range: global.start - x.lo[axis]..global.end - x.lo[axis],
+                        padded_len: op.padded_window_len(i, o, size),
+                    }
                 })
                 .collect()
         };
         Windows {
             kind: op.kind,
-            inv_area: 1.0 / (op.kernel[0] * op.kernel[1]) as f32,
             out: *out,
             x: *x,
             x_w: x.extent(3),
@@ -271,8 +287,17 @@ mod tests {
                     kernel: [2, 3],
                     stride: [1, 2],
                     padding: [1, 1],
+                    ceil_mode: false,
                 },
                 Shape::nchw(2, 2, 5, 6),
+            ),
+            (
+                Pool2d::max(3).stride(2).ceil_mode(),
+                Shape::nchw(2, 2, 8, 7),
+            ),
+            (
+                Pool2d::avg(3).stride(2).padding(1).ceil_mode(),
+                Shape::nchw(1, 3, 8, 6),
             ),
         ]
     }
@@ -287,6 +312,38 @@ mod tests {
         let avg = forward_whole(&Pool2d::avg(3).stride(2).padding(1), input, &x);
         let want = [12.0 / 9.0, 16.0 / 9.0, 24.0 / 9.0, 28.0 / 9.0];
         assert!(max_rel_diff(&avg, &want) < 1e-6, "{avg:?}");
+    }
+
+    #[test]
+    fn ceil_mode_example_matches_pytorch() {
+        // torch.nn.functional.{max,avg}_pool2d(torch.arange(1., 17.).view(1, 1, 4, 4), 3, 2, 1,
+        // ceil_mode=True): the last window starts on the input's last column and row, inside the
+        // padding's reach, and the average divides it by the 2 rows and columns the padded input
+        // has left (PyTorch's divisor)
+        let input = Shape::nchw(1, 1, 4, 4);
+        let x: Vec<f32> = (1..=16).map(|v| v as f32).collect();
+        let op = Pool2d::max(3).stride(2).padding(1).ceil_mode();
+        assert_eq!(
+            forward_whole(&op, input, &x),
+            vec![6.0, 8.0, 8.0, 14.0, 16.0, 16.0, 14.0, 16.0, 16.0]
+        );
+        let avg = Pool2d {
+            kind: PoolKind::Avg,
+            ..op
+        };
+        let want = [
+            14.0 / 9.0,
+            30.0 / 9.0,
+            12.0 / 6.0,
+            57.0 / 9.0,
+            99.0 / 9.0,
+            36.0 / 6.0,
+            27.0 / 6.0,
+            45.0 / 6.0,
+            16.0 / 4.0,
+        ];
+        let got = forward_whole(&avg, input, &x);
+        assert!(max_rel_diff(&got, &want) < 1e-6, "{got:?}");
     }
 
     #[test]

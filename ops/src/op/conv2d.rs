@@ -122,8 +122,20 @@ impl OpSpec for Conv2d {
             self.kernel[1],
         ])
         .map_err(|e| format!("weight {e}"))?;
-        let oh = window_out(x.dim(2), self.kernel[0], self.stride[0], self.padding[0]);
-        let ow = window_out(x.dim(3), self.kernel[1], self.stride[1], self.padding[1]);
+        let oh = window_out(
+            x.dim(2),
+            self.kernel[0],
+            self.stride[0],
+            self.padding[0],
+            false,
+        );
+        let ow = window_out(
+            x.dim(3),
+            self.kernel[1],
+            self.stride[1],
+            self.padding[1],
+            false,
+        );
         match (oh, ow) {
             (Some(oh), Some(ow)) => Ok(Shape::nchw(x.dim(0), self.out_channels, oh, ow)),
             _ => Err(format!(

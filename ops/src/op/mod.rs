@@ -567,14 +567,30 @@ impl Op {
     }
 }
 
-/// Output extent of a sliding window, or `None` if the window does not fit (or the padded extent
-/// overflows).
-pub(crate) fn window_out(size: usize, kernel: usize, stride: usize, pad: usize) -> Option<usize> {
-    let padded = size.checked_add(pad.checked_mul(2)?)?;
-    if kernel == 0 || stride == 0 || padded < kernel {
+/// The output extent of a sliding window (convolution or pooling) over `size` positions padded by
+/// `pad` each side, rounded down or, with `ceil`, up; `None` where no window fits.
+pub fn window_out(
+    size: usize,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    ceil: bool,
+) -> Option<usize> {
+    if kernel == 0 || stride == 0 {
         return None;
     }
-    Some((padded - kernel) / stride + 1)
+    let span = size.checked_add(pad.checked_mul(2)?)?.checked_sub(kernel)?;
+    if !ceil {
+        return Some(span / stride + 1);
+    }
+    let steps = span.div_ceil(stride);
+    // a last window starting in the right padding is dropped, as PyTorch does
+    let steps = if steps * stride >= size + pad {
+        steps - 1
+    } else {
+        steps
+    };
+    Some(steps + 1)
 }
 
 /// Input rows `[lo, hi)` read by output rows `[o0, o1)` of a sliding window, clipped to `[0, size)`.

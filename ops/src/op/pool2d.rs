@@ -21,6 +21,10 @@ pub struct Pool2d {
     pub stride: [usize; 2],
     #[serde(default)]
     pub padding: [usize; 2],
+    /// Rounds the output size up, as PyTorch's `ceil_mode=True`: a last, partial window is kept
+    /// where it starts inside the input or its left padding.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ceil_mode: bool,
 }
 
 impl Pool2d {
@@ -31,6 +35,7 @@ impl Pool2d {
             kernel: [kernel, kernel],
             stride: [kernel, kernel],
             padding: [0, 0],
+            ceil_mode: false,
         }
     }
 
@@ -51,6 +56,32 @@ impl Pool2d {
         self.padding = [p, p];
         self
     }
+
+    /// Rounds the output size up (PyTorch's `ceil_mode=True`).
+    pub fn ceil_mode(mut self) -> Self {
+        self.ceil_mode = true;
+        self
+    }
+
+    /// Output rows (`axis` 0) or columns (1) over an input `size` wide.
+    pub fn out_extent(&self, axis: usize, size: usize) -> Option<usize> {
+        window_out(
+            size,
+            self.kernel[axis],
+            self.stride[axis],
+            self.padding[axis],
+            self.ceil_mode,
+        )
+    }
+
+    /// How many positions of the padded input output `o`'s window covers along `axis`: what an
+    /// average divides by (PyTorch's `count_include_pad=True`). It is the kernel, except for a
+    /// `ceil_mode` window that runs past the padding.
+    pub fn padded_window_len(&self, axis: usize, o: usize, size: usize) -> usize {
+        let start = o * self.stride[axis];
+        let end = (start + self.kernel[axis]).min(size + 2 * self.padding[axis]);
+        end.saturating_sub(start)
+    }
 }
 
 impl OpSpec for Pool2d {
@@ -62,9 +93,7 @@ impl OpSpec for Pool2d {
                 self.padding, self.kernel
             ));
         }
-        let oh = window_out(x.dim(2), self.kernel[0], self.stride[0], self.padding[0]);
-        let ow = window_out(x.dim(3), self.kernel[1], self.stride[1], self.padding[1]);
-        match (oh, ow) {
+        match (self.out_extent(0, x.dim(2)), self.out_extent(1, x.dim(3))) {
             (Some(oh), Some(ow)) => Ok(Shape::nchw(x.dim(0), x.dim(1), oh, ow)),
             _ => Err(format!(
                 "window {:?} with stride {:?} and padding {:?} does not fit input {}x{}",
@@ -150,5 +179,41 @@ mod tests {
         );
         // output rows 0..14 read input rows 0..(13*2+3)=29
         assert_eq!(r[0], Rect::new(&[0, 0, 0, 0], &[1, 64, 29, 55]));
+    }
+
+    #[test]
+    fn ceil_mode_keeps_a_last_partial_window() {
+        // SqueezeNet's first pool: nn.MaxPool2d(3, 2, ceil_mode=True) over 109x109 gives 54x54
+        let p = Pool2d::max(3).stride(2).ceil_mode();
+        let input = Shape::nchw(1, 96, 109, 109);
+        assert_eq!(p.infer_shape(&[input]).unwrap(), Shape::nchw(1, 96, 54, 54));
+        let floor = Pool2d::max(3).stride(2);
+        assert_eq!(
+            floor.infer_shape(&[input]).unwrap(),
+            Shape::nchw(1, 96, 54, 54)
+        );
+        let even = Shape::nchw(1, 1, 6, 6);
+        assert_eq!(p.infer_shape(&[even]).unwrap(), Shape::nchw(1, 1, 3, 3));
+        assert_eq!(floor.infer_shape(&[even]).unwrap(), Shape::nchw(1, 1, 2, 2));
+        // the last window reads the input's last row only, and an average divides by what
+        // lies inside the padded input
+        let r = p.project(&[even], &Rect::new(&[0, 0, 2, 0], &[1, 1, 3, 3]));
+        assert_eq!(r[0], Rect::new(&[0, 0, 4, 0], &[1, 1, 6, 6]));
+        assert_eq!(p.padded_window_len(0, 2, 6), 2);
+        assert_eq!(p.padded_window_len(0, 1, 6), 3);
+        // a window that would start in the right padding is dropped (PyTorch's rule)
+        assert_eq!(window_out(4, 2, 2, 1, true), Some(3));
+        assert_eq!(window_out(5, 2, 2, 1, true), Some(3));
+        assert_eq!(window_out(2, 3, 1, 0, false), None);
+    }
+
+    #[test]
+    fn ceil_mode_is_written_only_when_set() {
+        let floor = serde_json::to_string(&Pool2d::max(2)).unwrap();
+        assert!(!floor.contains("ceil_mode"), "{floor}");
+        let ceil: Pool2d =
+            serde_json::from_str(&serde_json::to_string(&Pool2d::max(2).ceil_mode()).unwrap())
+                .unwrap();
+        assert!(ceil.ceil_mode);
     }
 }
