@@ -73,8 +73,12 @@ const HELD_TO_TOLERANCE: &[&str] = &[
     "vgg16",
     "inception_v3",
     "inception_v3_reduced",
+    "resnet18",
     "resnet50",
+    "resnext50_32x4d",
     "mobilenet_v2",
+    "densenet121",
+    "squeezenet1_0",
 ];
 
 #[test]
@@ -165,9 +169,10 @@ fn collective_against_per_message_table() {
                 let g = zoo(name, 32 * devices);
                 let provider = RooflineCost::new(&machine);
                 let model = CostModel::new(&g, &machine, &provider);
-                // optcnn's search in the default space takes minutes at 64 devices: only
-                // when asked for
-                let optcnn = std::env::var_os("WITH_OPTCNN").and_then(|_| {
+                // optcnn's search in the default space takes minutes at 64 devices, DenseNet-121's
+                // already at 16: only when asked for, and not for DenseNet-121
+                let asked = std::env::var_os("WITH_OPTCNN").filter(|_| name != "densenet121");
+                let optcnn = asked.and_then(|_| {
                     let tables = CostTables::build(&model);
                     search::find(SearchKind::OptCnn, &tables, 0)
                         .map(|f| f.configs)

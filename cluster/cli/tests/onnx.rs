@@ -1,13 +1,13 @@
 //! `--model FILE.onnx` through the binary: torchvision's graph-only exports against the zoo
-//! (parameters, FLOPs, `plan --json`), training from an ONNX file's initializers, `export`, and
-//! refusals.
+//! (parameters, FLOPs, tensor names, `plan --json`) and beyond it, training from an ONNX file's
+//! initializers, `export`, and refusals.
 
 mod common;
 
 use common::{assert_clean_failure, legion, ok};
 use legion_ops::op::Op;
 use legion_ops::{Graph, GraphBuilder, LayerId, zoo};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 fn onnx_file(model: &str) -> PathBuf {
@@ -81,10 +81,59 @@ fn as_exported(zoo: &Graph, dropout_first: bool) -> Graph {
     b.finish()
 }
 
+/// The zoo's models that torchvision exports are in `integration/onnx`.
+const EXPORTED_ZOO_MODELS: [&str; 10] = [
+    "alexnet",
+    "vgg16",
+    "inception_v3",
+    "resnet18",
+    "resnet50",
+    "resnext50_32x4d",
+    "mobilenet_v2",
+    "efficientnet_b0",
+    "densenet121",
+    "squeezenet1_0",
+];
+
+/// Zoo models under the papers' layer names (`conv1` … `fc8`, VGG's `conv1_1` …), which strategy
+/// files, tests and documents name, where torchvision's are `features.0` … `classifier.6`.
+const PAPER_NAMED: [&str; 2] = ["alexnet", "vgg16"];
+
+/// That `import` has `zoo`'s parameter and buffer tensors: the same names (torchvision's
+/// `state_dict` keys, as the export names its inputs) or, for the [`PAPER_NAMED`], the same
+/// suffixes and shapes in the same order.
+fn assert_same_tensors(name: &str, import: &Graph, zoo: &Graph) {
+    if PAPER_NAMED.contains(&name) {
+        let tensors = |g: &Graph| {
+            g.params()
+                .into_iter()
+                .map(|p| (p.spec.suffix, p.spec.shape))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(tensors(import), tensors(zoo), "{name}: tensors in order");
+        return;
+    }
+    let names = |g: &Graph| {
+        g.params()
+            .into_iter()
+            .map(|p| p.name)
+            .collect::<BTreeSet<_>>()
+    };
+    let (import, zoo) = (names(import), names(zoo));
+    assert_eq!(
+        (
+            import.difference(&zoo).collect::<Vec<_>>(),
+            zoo.difference(&import).collect::<Vec<_>>()
+        ),
+        (vec![], vec![]),
+        "{name}: tensors only the import has, only the zoo has"
+    );
+}
+
 #[test]
-fn torchvision_exports_import_with_the_zoos_parameters_flops_and_plan() {
+fn torchvision_exports_import_with_the_zoos_parameters_flops_tensor_names_and_plan() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["alexnet", "vgg16", "inception_v3", "resnet50"] {
+    for name in EXPORTED_ZOO_MODELS {
         let file = onnx_file(name);
         let imported = legion_onnx::load(&file).unwrap();
         assert!(imported.weights.is_none(), "{name}: a graph-only export");
@@ -93,6 +142,7 @@ fn torchvision_exports_import_with_the_zoos_parameters_flops_and_plan() {
         let zoo_graph = z.build(&z.default_config(64)).unwrap();
         assert_eq!(graph.param_count(), zoo_graph.param_count(), "{name}");
         assert_eq!(graph.flops(), zoo_graph.flops(), "{name}");
+        assert_same_tensors(name, &graph, &zoo_graph);
         // the zoo model of the export's shapes: the zoo's itself, but for Inception-v3
         let twin = as_exported(&zoo_graph, name == "inception_v3");
         let zoo_model = if twin.layers().len() == zoo_graph.layers().len()
@@ -130,6 +180,18 @@ fn torchvision_exports_import_with_the_zoos_parameters_flops_and_plan() {
             graph.param_count(),
             graph.flops().forward + graph.flops().backward
         );
+    }
+}
+
+/// torchvision's models the zoo does not hold import with torchvision's parameter counts:
+/// GoogLeNet without its auxiliary classifiers, and RegNet-Y-400MF (squeeze-and-excitation,
+/// grouped convolutions).
+#[test]
+fn torchvision_exports_beyond_the_zoo_import_with_torchvisions_parameter_counts() {
+    for (name, params) in [("googlenet", 6_624_904), ("regnet_y_400mf", 4_344_144)] {
+        let imported = legion_onnx::load(&onnx_file(name)).unwrap();
+        assert!(imported.weights.is_none(), "{name}: a graph-only export");
+        assert_eq!(imported.graph.param_count(), params, "{name}");
     }
 }
 

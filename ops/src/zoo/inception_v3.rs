@@ -1,4 +1,4 @@
-use super::{ZooConfig, conv_bn};
+use super::ZooConfig;
 use crate::graph::{Graph, GraphBuilder, LayerId, ModelError};
 use crate::op::{BatchNorm, Conv2d, Dense, Pool2d};
 use crate::shape::Shape;
@@ -72,9 +72,12 @@ struct Blocks<'a> {
 }
 
 impl Blocks<'_> {
-    /// torchvision's BasicConv2d: conv without bias, batch norm (eps 0.001), ReLU.
+    /// torchvision's `BasicConv2d` under its module names: a convolution without bias
+    /// `{name}.conv`, then batch norm (eps 0.001) with the ReLU `{name}.bn`.
     fn basic(&mut self, name: &str, x: LayerId, conv: Conv2d) -> Result<LayerId, ModelError> {
-        conv_bn(self.m, name, x, conv, BatchNorm::default().eps(1e-3).relu())
+        let c = self.m.conv2d(&format!("{name}.conv"), x, conv.no_bias())?;
+        let bn = BatchNorm::default().eps(1e-3).relu();
+        self.m.batch_norm(&format!("{name}.bn"), c, bn)
     }
 
     fn branch(

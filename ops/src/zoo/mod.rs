@@ -1,14 +1,18 @@
 //! The model zoo. Architectures follow torchvision's (AlexNet without LRN, Inception-v3 without the
 //! auxiliary head, ResNet v1.5 with the stride on the 3×3 conv), so at 1000 classes and the default
-//! image size the parameter counts equal torchvision's exactly. Every model takes a batch size, image
-//! size and class count; small images work as long as every window still fits.
+//! image size the parameter counts equal torchvision's exactly. Layers carry torchvision's module
+//! names, so that its `state_dict` loads by name, but for AlexNet and VGG-16, whose layers keep
+//! the papers' names (`conv1` … `fc8`, `conv1_1` …) that strategy files use. Every model takes a
+//! batch size, image size and class count; small images work as long as every window still fits.
 
 mod alexnet;
+mod densenet121;
 mod efficientnet_b0;
 mod inception_v3;
 mod lenet5;
 mod mobilenet_v2;
-mod resnet50;
+mod resnet;
+mod squeezenet1_0;
 mod vgg16;
 
 use crate::graph::{Graph, GraphBuilder, LayerId, ModelError};
@@ -85,11 +89,25 @@ pub const MODELS: &[ZooModel] = &[
         build: inception_v3::build_reduced,
     },
     ZooModel {
+        name: "resnet18",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: resnet::resnet18,
+    },
+    ZooModel {
         name: "resnet50",
         default_image_size: 224,
         default_channels: 3,
         default_classes: 1000,
-        build: resnet50::build,
+        build: resnet::resnet50,
+    },
+    ZooModel {
+        name: "resnext50_32x4d",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: resnet::resnext50_32x4d,
     },
     ZooModel {
         name: "mobilenet_v2",
@@ -105,6 +123,20 @@ pub const MODELS: &[ZooModel] = &[
         default_classes: 1000,
         build: efficientnet_b0::build,
     },
+    ZooModel {
+        name: "densenet121",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: densenet121::build,
+    },
+    ZooModel {
+        name: "squeezenet1_0",
+        default_image_size: 224,
+        default_channels: 3,
+        default_classes: 1000,
+        build: squeezenet1_0::build,
+    },
 ];
 
 pub fn find(name: &str) -> Option<&'static ZooModel> {
@@ -114,19 +146,6 @@ pub fn find(name: &str) -> Option<&'static ZooModel> {
 /// Names of the zoo's models, for error messages and listings.
 pub fn names() -> Vec<&'static str> {
     MODELS.iter().map(|m| m.name).collect()
-}
-
-/// conv (no bias) → batch norm with fused ReLU: torchvision's `BasicConv2d` / ResNet's conv-bn-relu.
-/// Layers are named `{name}.conv` and `{name}.bn` so tensor names match torchvision's state dicts.
-pub(crate) fn conv_bn(
-    m: &mut GraphBuilder,
-    name: &str,
-    x: LayerId,
-    conv: Conv2d,
-    bn: BatchNorm,
-) -> Result<LayerId, ModelError> {
-    let c = m.conv2d(&format!("{name}.conv"), x, conv.no_bias())?;
-    m.batch_norm(&format!("{name}.bn"), c, bn)
 }
 
 /// torchvision's `Conv2dNormActivation` under its module names: the convolution (no bias)
@@ -209,6 +228,10 @@ mod tests {
         assert_eq!(count("lenet5"), 61_706);
         assert_eq!(count("mobilenet_v2"), 3_504_872);
         assert_eq!(count("efficientnet_b0"), 5_288_548);
+        assert_eq!(count("resnet18"), 11_689_512);
+        assert_eq!(count("resnext50_32x4d"), 25_028_904);
+        assert_eq!(count("densenet121"), 7_978_856);
+        assert_eq!(count("squeezenet1_0"), 1_248_424);
     }
 
     #[test]
@@ -221,6 +244,10 @@ mod tests {
             ("lenet5", 28),
             ("mobilenet_v2", 32),
             ("efficientnet_b0", 32),
+            ("resnet18", 32),
+            ("resnext50_32x4d", 32),
+            ("densenet121", 32),
+            ("squeezenet1_0", 32),
         ] {
             let m = find(name).unwrap();
             let cfg = ZooConfig {
