@@ -107,13 +107,38 @@ fn an_op_added_by_the_recipe_trains_the_same_under_every_strategy() {
     assert_same_training(&g, &all_strategies(&g));
 }
 
-/// Depthwise convolution, ReLU6, SiLU, LeakyReLU, the hard sigmoid and a squeeze-and-excitation
-/// channel scale (whose gradient tiles split along H or W sum) train the same network under
-/// every strategy.
+/// Depthwise convolution, ReLU6, SiLU, LeakyReLU, the hard sigmoid, a squeeze-and-excitation
+/// channel scale (whose gradient tiles split along H or W sum), a ceil_mode max pool and an
+/// adaptive average pool of overlapping windows train the same network under every strategy.
 #[test]
 fn mobile_blocks_train_the_same_under_every_strategy() {
     let g = mobile_block_net();
-    assert_same_training(&g, &all_strategies(&g));
+    let mut strategies = all_strategies(&g);
+    // every layer that can be split 2×2 over H and W is: the pools' windows cross tile edges,
+    // the adaptive pool's overlapping where its tiles meet
+    let spatial = g
+        .layers()
+        .iter()
+        .map(|l| {
+            let four_way = ParallelConfig::new([1, 1, 2, 2], 0);
+            let space = legion_planner::ConfigSpace::enumerate(
+                &l.shape,
+                l.op.spec().parallel_dims(&l.shape),
+                DEVICES,
+            );
+            if space.configs().contains(&four_way) {
+                four_way
+            } else {
+                ParallelConfig::serial(0)
+            }
+        })
+        .collect::<Vec<_>>();
+    for pool in ["pool", "adaptive"] {
+        let at = g.find(pool).unwrap().0;
+        assert_eq!(spatial[at].degrees(), [1, 1, 2, 2], "{pool} is split 2×2");
+    }
+    strategies.push(("h x w", spatial));
+    assert_same_training(&g, &strategies);
 }
 
 /// Reduction splits (partial sums over input channels, summed before the activation) on conv2d

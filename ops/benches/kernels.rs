@@ -202,7 +202,7 @@ fn bench_pool(c: &mut Criterion) {
     g.bench_function("max3s2/forward", |bench| {
         bench.iter(|| {
             pool2d_forward(
-                &op,
+                (&op).into(),
                 input,
                 View::new(x_rect, &x),
                 ViewMut::new(y_rect, &mut y),
@@ -214,7 +214,7 @@ fn bench_pool(c: &mut Criterion) {
     g.bench_function("max3s2/backward", |bench| {
         bench.iter(|| {
             pool2d_backward(
-                &op,
+                (&op).into(),
                 input,
                 View::new(x_rect, &x),
                 View::new(y_rect, &dy),

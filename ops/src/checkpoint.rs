@@ -130,6 +130,16 @@ pub struct Checkpoint {
     /// In file order, which for files written by [`save`] is sorted by name.
     pub tensors: Vec<NamedTensor>,
     pub metadata: BTreeMap<String, String>,
+    /// Tensors of the file that were not read: the buffers of a PyTorch `state_dict` that no
+    /// legion-rs model keeps (see [`is_unused_pytorch_buffer`]).
+    pub skipped: Vec<String>,
+}
+
+/// Whether a tensor of a PyTorch `state_dict` is a buffer no legion-rs model keeps: BatchNorm's
+/// step counter `num_batches_tracked` (an integer; legion-rs's running statistics use a fixed
+/// momentum, as PyTorch's do unless `momentum=None`).
+pub fn is_unused_pytorch_buffer(name: &str, dtype: Dtype) -> bool {
+    name.ends_with(".num_batches_tracked") && dtype != Dtype::F32
 }
 
 impl Checkpoint {
@@ -297,10 +307,17 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     // Check every tensor before reading any data, so a bad dtype late in the file fails fast.
     let names = parsed.offset_keys();
     let mut infos = Vec::with_capacity(names.len());
+    let mut skipped = Vec::new();
     for name in names {
         let info = parsed
             .info(&name)
             .expect("offset_keys lists only tensors present in the header");
+        if is_unused_pytorch_buffer(&name, info.dtype) {
+            let (start, end) = info.data_offsets;
+            infos.push((name.clone(), None, (start, end)));
+            skipped.push(name);
+            continue;
+        }
         if info.dtype != Dtype::F32 {
             return Err(CheckpointError::UnsupportedDtype {
                 path: path.to_path_buf(),
@@ -316,7 +333,7 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
             });
         }
         let shape = Shape::new(&info.shape);
-        infos.push((name, shape, info.data_offsets));
+        infos.push((name, Some(shape), info.data_offsets));
     }
 
     // The header validation guarantees offsets are contiguous from 0 in this order and that their byte
@@ -324,6 +341,18 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     let mut tensors = Vec::with_capacity(infos.len());
     let mut bytes = vec![0u8; IO_CHUNK_FLOATS * 4];
     for (name, shape, (start, end)) in infos {
+        let Some(shape) = shape else {
+            // a skipped buffer: its bytes are passed over
+            let len = (end - start) as u64;
+            let passed = std::io::copy(&mut (&mut reader).take(len), &mut std::io::sink())
+                .map_err(io_err)?;
+            if passed != len {
+                return Err(truncated(format!(
+                    "tensor `{name}` ends past the file's end"
+                )));
+            }
+            continue;
+        };
         let numel = (end - start) / 4;
         let mut data = Vec::with_capacity(numel);
         let mut remaining = numel;
@@ -346,7 +375,11 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
         .as_ref()
         .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
         .unwrap_or_default();
-    Ok(Checkpoint { tensors, metadata })
+    Ok(Checkpoint {
+        tensors,
+        metadata,
+        skipped,
+    })
 }
 
 fn validate_for_save(sorted: &[&TensorRef<'_>]) -> Result<(), CheckpointError> {
@@ -582,6 +615,44 @@ mod tests {
     }
 
     #[test]
+    fn pytorch_step_counters_are_skipped_by_name() {
+        // a state_dict's BatchNorm: weight, running_mean and the I64 num_batches_tracked between
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bn.safetensors");
+        let (w, count, mean) = (
+            [1.5f32, -2.0].map(f32::to_le_bytes).concat(),
+            7i64.to_le_bytes(),
+            [0.25f32, 4.0].map(f32::to_le_bytes).concat(),
+        );
+        let view = |dtype, shape: Vec<usize>, data| {
+            safetensors::tensor::TensorView::new(dtype, shape, data).unwrap()
+        };
+        let tensors = [
+            ("bn1.weight", view(Dtype::F32, vec![2], &w[..])),
+            (
+                "bn1.num_batches_tracked",
+                view(Dtype::I64, vec![], &count[..]),
+            ),
+            ("bn1.running_mean", view(Dtype::F32, vec![2], &mean[..])),
+        ];
+        fs::write(&path, safetensors::serialize(tensors, None).unwrap()).unwrap();
+        let ckpt = load(&path).unwrap();
+        assert_eq!(ckpt.skipped, ["bn1.num_batches_tracked"]);
+        let values: Vec<(&str, &[f32])> = ckpt
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), &t.data[..]))
+            .collect();
+        assert_eq!(
+            values,
+            [
+                ("bn1.running_mean", &[0.25, 4.0][..]),
+                ("bn1.weight", &[1.5, -2.0][..])
+            ]
+        );
+    }
+
+    #[test]
     fn other_dtypes_are_rejected_by_name() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ints.safetensors");
@@ -600,7 +671,7 @@ mod tests {
     fn check_against_names_the_offending_tensor() {
         let ckpt = Checkpoint {
             tensors: sample_tensors(),
-            metadata: BTreeMap::new(),
+            ..Checkpoint::default()
         };
         let mut expected: Vec<(String, Shape)> = sample_tensors()
             .into_iter()

@@ -431,6 +431,18 @@ impl GraphBuilder {
         self.layer(name, Op::Pool2d(pool), &[x])
     }
 
+    /// Average pooling to `output` (rows, columns) whatever the input's size: PyTorch's
+    /// `nn.AdaptiveAvgPool2d(output)`.
+    pub fn adaptive_avg_pool2d(
+        &mut self,
+        name: &str,
+        x: LayerId,
+        output: [usize; 2],
+    ) -> Result<LayerId, ModelError> {
+        let pool = op::AdaptiveAvgPool2d { output };
+        self.layer(name, Op::AdaptiveAvgPool2d(pool), &[x])
+    }
+
     /// Average pooling over the whole remaining spatial extent (torchvision's adaptive pool to 1×1).
     pub fn global_avg_pool(&mut self, name: &str, x: LayerId) -> Result<LayerId, ModelError> {
         let s = self.shape(x);

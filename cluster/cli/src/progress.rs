@@ -36,6 +36,7 @@ impl Printer {
             // Always the first line: JSON output gives it as an object of its own.
             JobEvent::Device(line) if self.json => println!("{}", json!({ "device": line })),
             JobEvent::Device(line) => println!("{line}"),
+            JobEvent::Note(line) => eprintln!("note: {line}"),
             JobEvent::Planned(plan) => self.planned(plan),
             JobEvent::Step(step) => self.step(step),
             JobEvent::Finished(summary) => self.finished(summary),

@@ -8,7 +8,7 @@ pub fn load_model(
     image_size: Option<usize>,
     classes: Option<usize>,
 ) -> anyhow::Result<legion_ops::Graph> {
-    Ok(load_model_and_weights(model, batch, image_size, classes)?.0)
+    Ok(resolve_model(model, batch, image_size, classes)?.graph)
 }
 
 /// [`load_model`], with the initial weights the model file carries: an ONNX file's initializers
@@ -22,6 +22,26 @@ pub fn load_model_and_weights(
     legion_ops::Graph,
     Option<legion_ops::checkpoint::Checkpoint>,
 )> {
+    let m = resolve_model(model, batch, image_size, classes)?;
+    Ok((m.graph, m.weights))
+}
+
+/// A model as `--model` named it: its graph, the weights its file carries, and for an ONNX file
+/// what the import found (to show the user, warnings first of all).
+#[derive(Debug)]
+pub struct ResolvedModel {
+    pub graph: legion_ops::Graph,
+    pub weights: Option<legion_ops::checkpoint::Checkpoint>,
+    pub import: Option<legion_onnx::ImportSummary>,
+}
+
+/// [`load_model_and_weights`], with the ONNX import's summary.
+pub fn resolve_model(
+    model: &str,
+    batch: usize,
+    image_size: Option<usize>,
+    classes: Option<usize>,
+) -> anyhow::Result<ResolvedModel> {
     use anyhow::Context;
     if batch == 0 {
         anyhow::bail!("--batch must be at least 1");
@@ -44,7 +64,11 @@ pub fn load_model_and_weights(
                 cfg.classes
             )
         })?;
-        return Ok((graph, None));
+        return Ok(ResolvedModel {
+            graph,
+            weights: None,
+            import: None,
+        });
     }
     let path = std::path::Path::new(model);
     if !path.exists() {
@@ -59,16 +83,20 @@ pub fn load_model_and_weights(
              shapes"
         );
     }
-    let (graph, weights) = if is_onnx(path) {
+    let (graph, weights, import) = if is_onnx(path) {
         let imported = legion_onnx::load(path)?;
-        (imported.graph, imported.weights)
+        (imported.graph, imported.weights, Some(imported.summary))
     } else {
-        (legion_ops::Graph::load_json(path)?, None)
+        (legion_ops::Graph::load_json(path)?, None, None)
     };
     let graph = graph
         .with_batch(batch)
         .with_context(|| format!("{model}: re-inferring shapes at batch {batch}"))?;
-    Ok((graph, weights))
+    Ok(ResolvedModel {
+        graph,
+        weights,
+        import,
+    })
 }
 
 /// Whether `--model` names an ONNX file (by its extension; anything else is read as JSON).

@@ -57,7 +57,9 @@ pub fn recipe_net() -> Graph {
 /// The blocks of MobileNetV2 and EfficientNet, small: a depthwise convolution, ReLU6 and SiLU
 /// after batch norm, squeeze-and-excitation (a global average, 1×1 convolutions, LeakyReLU of
 /// slope 0.2, a hard sigmoid, and the channel scale multiplying the feature map, whose gradient
-/// is summed over H and W), a 1×1 projection and a residual sum.
+/// is summed over H and W), a 1×1 projection and a residual sum; then SqueezeNet's ceil_mode max
+/// pool (12 rows into 6 windows, the last one partial) and an adaptive average pool whose windows
+/// overlap (6 into 4).
 pub fn mobile_block_net() -> Graph {
     use legion_ops::GraphBuilder;
     use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, Unary, UnaryOp};
@@ -81,7 +83,10 @@ pub fn mobile_block_net() -> Graph {
     let scaled = m.mul("se.scale", d, s).unwrap();
     let p = m.conv2d("project", scaled, Conv2d::new(8, 1)).unwrap();
     let sum = m.add("residual", p, c).unwrap();
-    let pooled = m.pool2d("pool", sum, Pool2d::avg(2).stride(2)).unwrap();
+    let pooled = m
+        .pool2d("pool", sum, Pool2d::max(3).stride(2).ceil_mode())
+        .unwrap();
+    let pooled = m.adaptive_avg_pool2d("adaptive", pooled, [4, 4]).unwrap();
     let f = m.flatten("flatten", pooled).unwrap();
     let y = m.dense("fc", f, Dense::new(10)).unwrap();
     m.softmax_cross_entropy("loss", y).unwrap();

@@ -24,7 +24,7 @@ use legion_ops::backend::cpu;
 use legion_ops::backend::{Backend, DType, In, KernelError, LossSums, Out, Pipeline};
 use legion_ops::kernels::dropout::DropoutMask;
 use legion_ops::kernels::mul::is_channel_scale;
-use legion_ops::op::{BatchNorm, Conv2d, Dense, Pool2d, UnaryOp};
+use legion_ops::op::{BatchNorm, Conv2d, Dense, PoolWindows, UnaryOp};
 use legion_ops::precision::Precision;
 use legion_ops::shape::{Rect, Shape};
 use legion_ops::train::Sgd;
@@ -466,7 +466,7 @@ impl Backend for Cuda {
     fn pool2d_forward(
         &self,
         s: &mut Stream,
-        op: &Pool2d,
+        op: PoolWindows<'_>,
         in_shape: Shape,
         x: In<Buffer>,
         y: Out<Buffer>,
@@ -479,7 +479,7 @@ impl Backend for Cuda {
     fn pool2d_backward(
         &self,
         s: &mut Stream,
-        op: &Pool2d,
+        op: PoolWindows<'_>,
         in_shape: Shape,
         x: In<Buffer>,
         dy: In<Buffer>,

@@ -643,44 +643,54 @@ extern "C" __global__ void store_step(u64* at, u64 step) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2-D pooling over an output tile. Windows are clipped to the input: max ignores padding, average
-// counts it (divides by the window's extent in the padded input, kh·kw but where a ceil_mode window
-// runs past the padding). Same window arithmetic as kernels::pool2d::clipped_window and
-// Pool2d::padded_window_len.
+// 2-D pooling over an output tile: a sliding window (Pool2d) or adaptive average pooling's
+// windows (AdaptiveAvgPool2d). Sliding windows are clipped to the input: max ignores padding,
+// average counts it (divides by the window's extent in the padded input, kh·kw but where a
+// ceil_mode window runs past the padding). Same window arithmetic as PoolWindows::window.
 
 struct Pool {
     i64 kernel[2];
     i64 stride[2];
     i64 padding[2];
-    i64 in_size[2];  // full input H, W
+    i64 in_size[2];   // full input H, W
+    i64 out_size[2];  // full output H, W (adaptive windows tile the input into them)
     int is_max;
+    int adaptive;
 };
+
+// Output o's window along axis a, [lo, hi) of the input, and how many positions of the padded
+// input it spans.
+__device__ __forceinline__ void pool_window(const Pool& pool, int a, i64 o, i64& lo, i64& hi,
+                                            i64& padded_len) {
+    i64 size = pool.in_size[a];
+    if (pool.adaptive) {
+        i64 out = pool.out_size[a];
+        lo = o * size / out;
+        hi = ((o + 1) * size + out - 1) / out;
+        padded_len = hi - lo;
+        return;
+    }
+    i64 start = o * pool.stride[a];
+    lo = start - pool.padding[a];
+    if (lo < 0) lo = 0;
+    if (lo > size) lo = size;
+    hi = start + pool.kernel[a] - pool.padding[a];
+    if (hi < 0) hi = 0;
+    if (hi > size) hi = size;
+    if (hi < lo) hi = lo;
+    i64 end = start + pool.kernel[a];
+    i64 padded = size + 2 * pool.padding[a];
+    if (end > padded) end = padded;
+    padded_len = end > start ? end - start : 0;
+}
 
 // What an average pool multiplies output (oh, ow)'s window sum by: the reciprocal, rounded to f32
 // once, of how many positions of the padded input the window covers.
 __device__ __forceinline__ float inverse_area(const Pool& pool, i64 oh, i64 ow) {
-    i64 area = 1;
-    i64 o[2] = {oh, ow};
-    for (int a = 0; a < 2; ++a) {
-        i64 start = o[a] * pool.stride[a];
-        i64 end = start + pool.kernel[a];
-        i64 padded = pool.in_size[a] + 2 * pool.padding[a];
-        if (end > padded) end = padded;
-        area *= end > start ? end - start : 0;
-    }
-    return 1.0f / (float)area;
-}
-
-__device__ __forceinline__ void clipped_window(i64 o, i64 kernel, i64 stride, i64 pad, i64 size,
-                                               i64& lo, i64& hi) {
-    i64 start = o * stride;
-    lo = start - pad;
-    if (lo < 0) lo = 0;
-    if (lo > size) lo = size;
-    hi = start + kernel - pad;
-    if (hi < 0) hi = 0;
-    if (hi > size) hi = size;
-    if (hi < lo) hi = lo;
+    i64 lo, hi, rows, cols;
+    pool_window(pool, 0, oh, lo, hi, rows);
+    pool_window(pool, 1, ow, lo, hi, cols);
+    return 1.0f / (float)(rows * cols);
 }
 
 // Output point `i` of `tile` (its coordinates in `p`) and its input window clipped to the input:
@@ -688,8 +698,9 @@ __device__ __forceinline__ void clipped_window(i64 o, i64 kernel, i64 stride, i6
 __device__ void output_window(const Box4& tile, i64 i, const Pool& pool, i64 p[4], i64& h0,
                               i64& h1, i64& w0, i64& w1) {
     point_of(tile, i, p);
-    clipped_window(p[2], pool.kernel[0], pool.stride[0], pool.padding[0], pool.in_size[0], h0, h1);
-    clipped_window(p[3], pool.kernel[1], pool.stride[1], pool.padding[1], pool.in_size[1], w0, w1);
+    i64 padded_len;
+    pool_window(pool, 0, p[2], h0, h1, padded_len);
+    pool_window(pool, 1, p[3], w0, w1, padded_len);
 }
 
 // Max: the largest value, first in row-major window order (`v > best`, as the CPU); avg: each
@@ -779,14 +790,21 @@ __device__ void pool2d_backward_t(const i64* argmax, Box4 x_layout, const T* dy,
                        p[1] >= tile.lo[1] && p[1] < tile.lo[1] + tile.ext[1];
         float grad = 0.0f;
         if (in_tile) {
-            // Outputs o whose window [o·s − pad, o·s − pad + k) holds position v:
-            // ceil((v + pad − k + 1) / s) <= o <= floor((v + pad) / s), within the tile.
+            // Outputs o whose window holds position v, within the tile. Sliding, [o·s − pad,
+            // o·s − pad + k): ceil((v + pad − k + 1) / s) <= o <= floor((v + pad) / s).
+            // Adaptive: floor(v·out / in) <= o <= ceil((v + 1)·out / in) − 1, each checked.
             i64 first[2], last[2];
             for (int a = 0; a < 2; ++a) {
                 i64 v = p[2 + a];
-                i64 low = v + pool.padding[a] - pool.kernel[a] + 1;
-                first[a] = low <= 0 ? 0 : (low + pool.stride[a] - 1) / pool.stride[a];
-                last[a] = (v + pool.padding[a]) / pool.stride[a];
+                if (pool.adaptive) {
+                    i64 in = pool.in_size[a], out = pool.out_size[a];
+                    first[a] = v * out / in;
+                    last[a] = ((v + 1) * out + in - 1) / in - 1;
+                } else {
+                    i64 low = v + pool.padding[a] - pool.kernel[a] + 1;
+                    first[a] = low <= 0 ? 0 : (low + pool.stride[a] - 1) / pool.stride[a];
+                    last[a] = (v + pool.padding[a]) / pool.stride[a];
+                }
                 i64 tile_lo = tile.lo[2 + a], tile_hi = tile.lo[2 + a] + tile.ext[2 + a] - 1;
                 if (first[a] < tile_lo) first[a] = tile_lo;
                 if (last[a] > tile_hi) last[a] = tile_hi;
@@ -794,6 +812,13 @@ __device__ void pool2d_backward_t(const i64* argmax, Box4 x_layout, const T* dy,
             i64 here = p[2] * pool.in_size[1] + p[3];
             for (i64 oh = first[0]; oh <= last[0]; ++oh) {
                 for (i64 ow = first[1]; ow <= last[1]; ++ow) {
+                    if (pool.adaptive) {
+                        i64 lo, hi, len;
+                        pool_window(pool, 0, oh, lo, hi, len);
+                        if (p[2] < lo || p[2] >= hi) continue;
+                        pool_window(pool, 1, ow, lo, hi, len);
+                        if (p[3] < lo || p[3] >= hi) continue;
+                    }
                     i64 o[4] = {p[0], p[1], oh, ow};
                     i64 at = offset_in(tile, o);
                     float g = to_f32(dy[at]);

@@ -7,7 +7,7 @@ use crate::launch::{Box4, grid};
 use crate::memory::{Buffer, Stream, same_type};
 use cudarc::driver::{DeviceRepr, PushKernelArg};
 use legion_ops::backend::{In, Out};
-use legion_ops::op::{Pool2d, PoolKind};
+use legion_ops::op::{PoolKind, PoolWindows};
 use legion_ops::shape::Shape;
 
 /// The pooling parameters as `Pool` in kernels.cu.
@@ -18,20 +18,38 @@ struct PoolParams {
     stride: [i64; 2],
     padding: [i64; 2],
     in_size: [i64; 2],
+    out_size: [i64; 2],
     is_max: i32,
+    adaptive: i32,
 }
 
 // SAFETY: plain old data with the C layout of `Pool` in kernels.cu.
 unsafe impl DeviceRepr for PoolParams {}
 
 impl PoolParams {
-    fn new(op: &Pool2d, in_shape: Shape) -> PoolParams {
-        PoolParams {
-            kernel: op.kernel.map(|k| k as i64),
-            stride: op.stride.map(|s| s as i64),
-            padding: op.padding.map(|p| p as i64),
-            in_size: [in_shape.dim(2) as i64, in_shape.dim(3) as i64],
-            is_max: matches!(op.kind, PoolKind::Max) as i32,
+    fn new(op: PoolWindows<'_>, in_shape: Shape) -> PoolParams {
+        let in_size = [in_shape.dim(2) as i64, in_shape.dim(3) as i64];
+        let is_max = matches!(op.kind(), PoolKind::Max) as i32;
+        match op {
+            PoolWindows::Sliding(p) => PoolParams {
+                kernel: p.kernel.map(|k| k as i64),
+                stride: p.stride.map(|s| s as i64),
+                padding: p.padding.map(|p| p as i64),
+                in_size,
+                // read by adaptive windows only
+                out_size: [1, 1],
+                is_max,
+                adaptive: 0,
+            },
+            PoolWindows::Adaptive { output } => PoolParams {
+                kernel: [0, 0],
+                stride: [1, 1],
+                padding: [0, 0],
+                in_size,
+                out_size: output.map(|o| o as i64),
+                is_max,
+                adaptive: 1,
+            },
         }
     }
 }
@@ -40,7 +58,7 @@ impl PoolParams {
 pub(crate) fn forward(
     cuda: &Cuda,
     s: &Stream,
-    op: &Pool2d,
+    op: PoolWindows<'_>,
     in_shape: Shape,
     x: In<Buffer>,
     y: Out<Buffer>,
@@ -69,7 +87,7 @@ pub(crate) fn forward(
 pub(crate) fn backward(
     cuda: &Cuda,
     s: &Stream,
-    op: &Pool2d,
+    op: PoolWindows<'_>,
     in_shape: Shape,
     x: In<Buffer>,
     dy: In<Buffer>,
@@ -86,7 +104,7 @@ pub(crate) fn backward(
     let dtype = same_type(&[x.mem.dtype(), dy.mem.dtype(), dx.mem.dtype()]);
     // Max pooling: each window's argmax first, once per output (average pooling reads
     // none; the kernel is given a one-element buffer it never reads).
-    let outputs = match op.kind {
+    let outputs = match op.kind() {
         PoolKind::Max => tile.volume().max(0),
         PoolKind::Avg => 0,
     };

@@ -13,7 +13,9 @@ use legion_cuda::{Cuda, Math, Stream};
 use legion_ops::backend::cpu::{self, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, KernelError, Out};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::op::{BatchNorm, Conv2d, Dense, OpSpec, Pool2d, UnaryOp};
+use legion_ops::op::{
+    AdaptiveAvgPool2d, BatchNorm, Conv2d, Dense, OpSpec, Pool2d, PoolWindows, UnaryOp,
+};
 use legion_ops::rng::Rng;
 use legion_ops::shape::{Rect, Shape};
 use legion_ops::train::Sgd;
@@ -660,7 +662,7 @@ impl DenseCase {
 fn pool_case<D: Device>(
     d: &D,
     s: &mut D::Stream,
-    op: &Pool2d,
+    op: PoolWindows<'_>,
     in_shape: Shape,
     x: &Host,
     dy: &Host,
@@ -1319,16 +1321,34 @@ fn dense_cases(h: &mut Harness) {
 
 fn pool_cases(h: &mut Harness) {
     let in_shape = Shape::nchw(2, 3, 11, 9);
-    let ops = [
+    let sliding = [
         ("max 3x3 s2 p1", Pool2d::max(3).stride(2).padding(1)),
         ("avg 3x3 s2 p1", Pool2d::avg(3).stride(2).padding(1)),
         ("max 2x2", Pool2d::max(2)),
         ("avg 2x2", Pool2d::avg(2)),
         ("max 3x3 s1 p1", Pool2d::max(3).stride(1).padding(1)),
         ("avg 5x5 s3 p2", Pool2d::avg(5).stride(3).padding(2)),
+        ("max 2x2 s2 ceil", Pool2d::max(2).ceil_mode()),
+        (
+            "avg 3x3 s2 p1 ceil",
+            Pool2d::avg(3).stride(2).padding(1).ceil_mode(),
+        ),
     ];
-    for (i, (name, op)) in ops.into_iter().enumerate() {
-        let out = op.infer_shape(&[in_shape]).unwrap();
+    let adaptive = [
+        ("adaptive to 4x2", AdaptiveAvgPool2d { output: [4, 2] }),
+        ("adaptive to 13x10", AdaptiveAvgPool2d { output: [13, 10] }),
+    ];
+    let ops = sliding
+        .iter()
+        .map(|(name, op)| (*name, PoolWindows::from(op), op.infer_shape(&[in_shape])))
+        .chain(
+            adaptive
+                .iter()
+                .map(|(name, op)| (*name, op.windows(), op.infer_shape(&[in_shape]))),
+        )
+        .collect::<Vec<_>>();
+    for (i, (name, op, out)) in ops.into_iter().enumerate() {
+        let out = out.unwrap();
         let oh = out.dim(2);
         let tiles = [
             ("whole", out.full_rect(), None),
@@ -1352,12 +1372,12 @@ fn pool_cases(h: &mut Harness) {
             ),
         ];
         for (j, (what, tile, view)) in tiles.into_iter().enumerate() {
-            let view = view.unwrap_or_else(|| op.project(&[in_shape], &tile)[0]);
+            let view = view.unwrap_or_else(|| op.project(in_shape, &tile));
             let seed = 3000 + 100 * i as u64 + 10 * j as u64;
             let x = Host::random(view, seed);
             let dy = Host::random(tile, seed + 1);
             both!(h, format!("pool2d {name}, {what}"), |d, s| pool_case(
-                d, s, &op, in_shape, &x, &dy
+                d, s, op, in_shape, &x, &dy
             ));
         }
     }

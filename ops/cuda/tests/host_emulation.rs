@@ -13,7 +13,9 @@ use legion_ops::backend::cpu::{Buffer, Cpu, CpuStream};
 use legion_ops::backend::{Backend, In, Out};
 use legion_ops::data::{Synthetic, SyntheticBatch};
 use legion_ops::kernels::dropout::DropoutMask;
-use legion_ops::op::{BatchNorm, OpSpec, Pool2d, PoolKind, Unary, UnaryOp};
+use legion_ops::op::{
+    AdaptiveAvgPool2d, BatchNorm, OpSpec, Pool2d, PoolKind, PoolWindows, Unary, UnaryOp,
+};
 use legion_ops::rng::Rng;
 use legion_ops::shape::{Rect, Shape, copy_rect};
 use legion_ops::train::Sgd;
@@ -64,7 +66,9 @@ struct Pool {
     stride: [i64; 2],
     padding: [i64; 2],
     in_size: [i64; 2],
+    out_size: [i64; 2],
     is_max: i32,
+    adaptive: i32,
 }
 
 /// The kernels compiled for the host, and their launch: every (block, thread) in turn.
@@ -626,7 +630,7 @@ fn pooling(emu: &Emu, report: &mut Report) {
     let pf: Symbol<PF> = emu.sym("pool2d_forward");
     let pa: Symbol<PA> = emu.sym("pool2d_argmax");
     let pb: Symbol<PB> = emu.sym("pool2d_backward");
-    let ops = [
+    let sliding = [
         Pool2d::max(3).stride(2).padding(1),
         Pool2d::avg(3).stride(2).padding(1),
         Pool2d::max(2),
@@ -637,23 +641,30 @@ fn pooling(emu: &Emu, report: &mut Report) {
         Pool2d::avg(3).stride(2).padding(1).ceil_mode(),
         Pool2d::avg(2).stride(3).ceil_mode(),
     ];
-    for (i, op) in ops.iter().enumerate() {
+    // overlapping windows (11 into 4, 9 into 2), upsampling (into 13 and 10), one window
+    let adaptive = [[4, 2], [13, 10], [1, 1]].map(|output| AdaptiveAvgPool2d { output });
+    let mut cases: Vec<(PoolWindows, Shape, Shape)> = Vec::new();
+    for op in &sliding {
         // an even input, where ceil_mode keeps a last partial window, for the ceil_mode pools
         let in_shape = match op.ceil_mode {
             true => Shape::nchw(2, 3, 10, 8),
             false => Shape::nchw(2, 3, 11, 9),
         };
+        let floor = Pool2d {
+            ceil_mode: false,
+            ..op.clone()
+        };
         assert!(
-            !op.ceil_mode
-                || op.infer_shape(&[in_shape])
-                    != Pool2d {
-                        ceil_mode: false,
-                        ..op.clone()
-                    }
-                    .infer_shape(&[in_shape]),
+            !op.ceil_mode || op.infer_shape(&[in_shape]) != floor.infer_shape(&[in_shape]),
             "{op:?} keeps no partial window over {in_shape}"
         );
-        let out = op.infer_shape(&[in_shape]).unwrap();
+        cases.push((op.into(), in_shape, op.infer_shape(&[in_shape]).unwrap()));
+    }
+    for op in &adaptive {
+        let in_shape = Shape::nchw(2, 3, 11, 9);
+        cases.push((op.windows(), in_shape, op.infer_shape(&[in_shape]).unwrap()));
+    }
+    for (i, &(op, in_shape, out)) in cases.iter().enumerate() {
         let oh = out.dim(2);
         let tiles = [
             (out.full_rect(), None),
@@ -671,7 +682,7 @@ fn pooling(emu: &Emu, report: &mut Report) {
             ),
         ];
         for (j, (tile, view)) in tiles.into_iter().enumerate() {
-            let view = view.unwrap_or_else(|| op.project(&[in_shape], &tile)[0]);
+            let view = view.unwrap_or_else(|| op.project(in_shape, &tile));
             let x = Buffer::F32(random(view.volume(), 100 + 10 * i as u64 + j as u64));
             let dy = Buffer::F32(random(tile.volume(), 200 + 10 * i as u64 + j as u64));
             let mut y = Buffer::F32(vec![0.0; tile.volume()]);
@@ -706,12 +717,27 @@ fn pooling(emu: &Emu, report: &mut Report) {
                     mem: &mut dx,
                 },
             );
-            let pool = Pool {
-                kernel: op.kernel.map(|k| k as i64),
-                stride: op.stride.map(|k| k as i64),
-                padding: op.padding.map(|k| k as i64),
-                in_size: [in_shape.dim(2) as i64, in_shape.dim(3) as i64],
-                is_max: matches!(op.kind, PoolKind::Max) as i32,
+            let in_size = [in_shape.dim(2) as i64, in_shape.dim(3) as i64];
+            let is_max = matches!(op.kind(), PoolKind::Max) as i32;
+            let pool = match op {
+                PoolWindows::Sliding(p) => Pool {
+                    kernel: p.kernel.map(|k| k as i64),
+                    stride: p.stride.map(|k| k as i64),
+                    padding: p.padding.map(|k| k as i64),
+                    in_size,
+                    out_size: [1, 1],
+                    is_max,
+                    adaptive: 0,
+                },
+                PoolWindows::Adaptive { output } => Pool {
+                    kernel: [0, 0],
+                    stride: [1, 1],
+                    padding: [0, 0],
+                    in_size,
+                    out_size: output.map(|o| o as i64),
+                    is_max,
+                    adaptive: 1,
+                },
             };
             let mut gy = vec![0.0; tile.volume()];
             let n = tile.volume() as i64;
@@ -728,7 +754,7 @@ fn pooling(emu: &Emu, report: &mut Report) {
             report.check(&format!("pool fwd {i} tile {j}"), &gy, y.f32(), 0.0);
             // max pooling's argmax per output first (average pooling reads none)
             let mut argmax = vec![-1i64; tile.volume().max(1)];
-            if matches!(op.kind, PoolKind::Max) {
+            if matches!(op.kind(), PoolKind::Max) {
                 let n = tile.volume() as i64;
                 emu.launch(1, 1, || unsafe {
                     pa(

@@ -24,21 +24,24 @@ const IR_VERSION: i64 = 8;
 /// The name of the data input's first dimension: the batch is left to the runtime.
 const BATCH: &str = "batch";
 
-/// The model's inference graph with `params` (in `Graph::params` order) as an ONNX file's bytes.
-pub fn export(graph: &Graph, params: &ParamStore) -> Vec<u8> {
-    model(graph, params).encode_to_vec()
+/// The model's inference graph with `params` (in `Graph::params` order) as an ONNX file's bytes;
+/// an error names a layer ONNX has no operator for (`source_name` starts it).
+pub fn export(graph: &Graph, params: &ParamStore) -> Result<Vec<u8>, OnnxError> {
+    model(graph, params, &graph.name).map(|m| m.encode_to_vec())
 }
 
 /// [`export`] written to `path` atomically (a temporary file beside it, renamed over it).
 pub fn save(path: &Path, graph: &Graph, params: &ParamStore) -> Result<(), OnnxError> {
-    legion_ops::atomic_file::write(path, &export(graph, params)).map_err(|e| OnnxError {
-        source_name: path.display().to_string(),
+    let source_name = path.display().to_string();
+    let bytes = model(graph, params, &source_name)?.encode_to_vec();
+    legion_ops::atomic_file::write(path, &bytes).map_err(|e| OnnxError {
+        source_name,
         location: "writing".into(),
         message: e.to_string(),
     })
 }
 
-fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
+fn model(graph: &Graph, params: &ParamStore, source_name: &str) -> Result<ModelProto, OnnxError> {
     let mut g = GraphProto {
         name: Some(graph.name.clone()),
         ..Default::default()
@@ -122,6 +125,15 @@ fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
                 };
                 g.node.push(node(op_type, name, inputs, name, attrs));
             }
+            Op::AdaptiveAvgPool2d(a) => {
+                let input = graph.layer(layer.inputs[0]).shape;
+                let (op_type, attrs) = adaptive_as_pool(a, input).map_err(|message| OnnxError {
+                    source_name: source_name.to_string(),
+                    location: format!("layer '{name}' (adaptive_avg_pool2d)"),
+                    message,
+                })?;
+                g.node.push(node(op_type, name, inputs, name, attrs));
+            }
             Op::Relu(_) => g.node.push(node("Relu", name, inputs, name, vec![])),
             Op::Unary(u) => unary(&mut g, u, name, inputs),
             Op::Flatten(_) => {
@@ -146,7 +158,7 @@ fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
             g.output.push(value_info(name, &layer.shape));
         }
     }
-    ModelProto {
+    Ok(ModelProto {
         ir_version: Some(IR_VERSION),
         opset_import: vec![OperatorSetIdProto {
             domain: Some(String::new()),
@@ -156,7 +168,36 @@ fn model(graph: &Graph, params: &ParamStore) -> ModelProto {
         producer_version: Some(env!("CARGO_PKG_VERSION").into()),
         graph: Some(g),
         ..Default::default()
+    })
+}
+
+/// An adaptive average pool as the ONNX pool that computes it, as PyTorch exports one: a
+/// `GlobalAveragePool` to 1×1, an `AveragePool` where the output divides the input (windows of
+/// `in/out` side by side). Other sizes have overlapping windows of varying size, which no ONNX
+/// pool computes.
+fn adaptive_as_pool(
+    a: &legion_ops::op::AdaptiveAvgPool2d,
+    input: Shape,
+) -> Result<(&'static str, Vec<AttributeProto>), String> {
+    let (h, w) = (input.dim(2), input.dim(3));
+    if a.output == [1, 1] {
+        return Ok(("GlobalAveragePool", vec![]));
     }
+    let [oh, ow] = a.output;
+    if h % oh != 0 || w % ow != 0 {
+        return Err(format!(
+            "an average pool of {h}x{w} to {oh}x{ow} has windows of different sizes, which no \
+             ONNX operator computes; export at an input size whose feature map here is a \
+             multiple of {oh}x{ow} (as PyTorch's exporter requires too)"
+        ));
+    }
+    let kernel = [h / oh, w / ow];
+    let attrs = vec![
+        ints("kernel_shape", &kernel),
+        ints("strides", &kernel),
+        ints("pads", &[0, 0, 0, 0]),
+    ];
+    Ok(("AveragePool", attrs))
 }
 
 /// The node `op_type` named and writing `name`, followed by a Relu where `activation` fuses one

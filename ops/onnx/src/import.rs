@@ -70,6 +70,10 @@ const MAPPED: &[(&str, &str)] = &[
     ),
     ("GlobalAveragePool", "over H and W"),
     (
+        "ReduceMean",
+        "over H and W (axes 2 and 3), keepdims 0 or 1: a global average pool",
+    ),
+    (
         "BatchNormalization",
         "per channel; training_mode ignored, its extra outputs unused",
     ),
@@ -96,6 +100,52 @@ pub struct Imported {
     /// `None` when the file has no weight values (a graph-only export): the model then trains from
     /// the project's own initialisation.
     pub weights: Option<Checkpoint>,
+    /// What the file held and became, with what looks wrong in it.
+    pub summary: ImportSummary,
+}
+
+/// What an import read and made: the file's nodes by op type, its BatchNorm nodes, the model's
+/// layers and parameters, and warnings about graphs that import but are unlikely to be what the
+/// user trained (BatchNorm folded away by an eval-mode export).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImportSummary {
+    pub source_name: String,
+    /// Nodes of each op type, by op type.
+    pub op_counts: std::collections::BTreeMap<String, usize>,
+    pub batch_norms: usize,
+    pub layers: usize,
+    pub parameters: u64,
+    /// Whether the file carries the weights' values (else the model trains from its own
+    /// initialisation).
+    pub has_weights: bool,
+    pub warnings: Vec<String>,
+}
+
+impl std::fmt::Display for ImportSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nodes: usize = self.op_counts.values().sum();
+        let mut by_count: Vec<(&String, &usize)> = self.op_counts.iter().collect();
+        by_count.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        let ops: Vec<String> = by_count.iter().map(|(op, n)| format!("{op} {n}")).collect();
+        write!(
+            f,
+            "imported {}: {nodes} nodes ({}) as {} layers, {} BatchNorm, {} parameters, {}",
+            self.source_name,
+            ops.join(", "),
+            self.layers,
+            self.batch_norms,
+            self.parameters,
+            if self.has_weights {
+                "weights from the file"
+            } else {
+                "no weights in the file (initialised)"
+            }
+        )?;
+        for w in &self.warnings {
+            write!(f, "\nwarning: {w}")?;
+        }
+        Ok(())
+    }
 }
 
 /// Reads and imports the ONNX file at `path`; the model is named after the file's stem.
@@ -110,13 +160,25 @@ pub fn load(path: &Path) -> Result<Imported, OnnxError> {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    import(&bytes, &name, &source_name)
+    let dir = path.parent().unwrap_or(Path::new("."));
+    import_with_external_data(&bytes, &name, &source_name, Some(dir))
 }
 
 /// Imports an ONNX model from its bytes as a model named `model_name`; `source_name` (a file
 /// name) starts every error. A dynamic batch dimension is imported as 1: `Graph::with_batch` sets
-/// the run's.
+/// the run's. Tensors kept in external data files are refused: [`load`] reads them.
 pub fn import(bytes: &[u8], model_name: &str, source_name: &str) -> Result<Imported, OnnxError> {
+    import_with_external_data(bytes, model_name, source_name, None)
+}
+
+/// [`import`], reading tensors kept in external data files (the dynamo exporter's
+/// `model.onnx.data`) from `external_dir`, the model file's folder.
+fn import_with_external_data(
+    bytes: &[u8],
+    model_name: &str,
+    source_name: &str,
+    external_dir: Option<&Path>,
+) -> Result<Imported, OnnxError> {
     let err = |location: &str, message: String| OnnxError {
         source_name: source_name.to_string(),
         location: location.to_string(),
@@ -140,7 +202,7 @@ pub fn import(bytes: &[u8], model_name: &str, source_name: &str) -> Result<Impor
             ),
         ));
     }
-    let mut importer = Importer::new(graph, opset, model_name, source_name)?;
+    let mut importer = Importer::new(graph, opset, model_name, source_name, external_dir)?;
     importer.inputs()?;
     for (index, node) in graph.node.iter().enumerate() {
         if importer.fused.contains(&index) {
@@ -211,6 +273,8 @@ struct Importer<'g> {
     graph: &'g proto::GraphProto,
     opset: i64,
     source_name: String,
+    /// Where external tensor data is read from; `None` refuses it.
+    external_dir: Option<&'g Path>,
     builder: GraphBuilder,
     values: HashMap<String, Value>,
     /// Node indices reading each value; a graph output counts as a reader too (`None`).
@@ -228,6 +292,7 @@ impl<'g> Importer<'g> {
         opset: i64,
         model_name: &str,
         source_name: &str,
+        external_dir: Option<&'g Path>,
     ) -> Result<Importer<'g>, OnnxError> {
         let mut readers: HashMap<String, Vec<Option<usize>>> = HashMap::new();
         for (index, node) in graph.node.iter().enumerate() {
@@ -243,6 +308,7 @@ impl<'g> Importer<'g> {
             graph,
             opset,
             source_name: source_name.to_string(),
+            external_dir,
             builder: GraphBuilder::new(model_name),
             values: HashMap::new(),
             readers,
@@ -271,7 +337,8 @@ impl<'g> Importer<'g> {
         }
         for t in &self.graph.initializer {
             let name = t.name.clone().unwrap_or_default();
-            let c = constant(t).map_err(|m| self.err(format!("initializer '{name}'"), m))?;
+            let c = constant(t, self.external_dir)
+                .map_err(|m| self.err(format!("initializer '{name}'"), m))?;
             self.values.insert(name, Value::Constant(c));
         }
         let mut data_input = None;
@@ -377,6 +444,21 @@ impl<'g> Importer<'g> {
                 && relu.output.len() == 1
                 && relu.attribute.is_empty()
         })
+    }
+
+    /// The layer name of a node with weights: their common `<prefix>` where the file names them
+    /// `<prefix>.weight`, ... (so that `--save` writes them back under the user's names), else
+    /// the node's name; the node's name too where the prefix is taken already, by a node reading
+    /// the same tensors (an exporter shares one initializer among parameters of equal values).
+    fn layer_name(&self, node: &NodeProto, params: &[(&str, Option<&Constant>)]) -> String {
+        let names: Vec<(&str, &str)> = params
+            .iter()
+            .filter_map(|(suffix, c)| c.map(|c| (*suffix, c.name.as_str())))
+            .collect();
+        match common_param_prefix(&names) {
+            Some(prefix) if !self.builder.contains(&prefix) => prefix,
+            _ => unique_name(&self.builder, &node_layer_name(node)),
+        }
     }
 
     fn bind(&mut self, name: &str, value: Value) {
@@ -487,6 +569,7 @@ impl<'g> Importer<'g> {
                 Ok(())
             }
             "BatchNormalization" => self.batch_norm(node, &output),
+            "ReduceMean" => self.reduce_mean(node, &output),
             "Concat" => {
                 let xs = (0..node.input.len())
                     .map(|k| self.layer(node, k))
@@ -622,7 +705,16 @@ impl<'g> Importer<'g> {
                 Ok(())
             }
             "Identity" => {
-                let v = self.value(input_name(node, 0)?)?.clone();
+                // a constant passed on takes the output's name: PyTorch's exporter shares one
+                // initializer among parameters of equal values and names each through an
+                // Identity (`Identity(bn1.weight) -> layer1.0.bn1.weight`)
+                let v = match self.value(input_name(node, 0)?)?.clone() {
+                    Value::Constant(c) => Value::Constant(Constant {
+                        name: output.clone(),
+                        ..c
+                    }),
+                    layer => layer,
+                };
                 self.bind(&output, v);
                 Ok(())
             }
@@ -633,7 +725,7 @@ impl<'g> Importer<'g> {
                     .find(|a| a.name.as_deref() == Some("value"))
                     .and_then(|a| a.t.as_ref())
                     .ok_or("only a Constant with a `value` tensor is supported")?;
-                let mut c = constant(t)?;
+                let mut c = constant(t, self.external_dir)?;
                 c.name = output.clone();
                 self.bind(&output, Value::Constant(c));
                 Ok(())
@@ -701,6 +793,59 @@ impl<'g> Importer<'g> {
             }
         };
         self.add(&node_layer_name(node), op, &[x], output).map(drop)
+    }
+
+    /// A mean over H and W (the dynamo exporter's adaptive average pool to 1×1): a global
+    /// average pool, flattened to [N, C] where the node does not keep the reduced dims.
+    fn reduce_mean(&mut self, node: &NodeProto, output: &str) -> Result<(), String> {
+        let x = self.layer(node, 0)?;
+        let input = self.shape(x);
+        let axes = if self.opset < 18 {
+            ints_attribute(node, "axes")?
+        } else {
+            match self.optional_constant(node, 1)? {
+                None => None,
+                Some(c) => match &c.data {
+                    Some(Data::I64(v)) => Some(v.clone()),
+                    _ => {
+                        return Err(format!(
+                            "the axes '{}' must be a constant INT64 tensor",
+                            c.name
+                        ));
+                    }
+                },
+            }
+        };
+        let mut normalized: Vec<Option<usize>> = axes
+            .iter()
+            .flatten()
+            .map(|&a| normalize_axis(a, input.ndim()))
+            .collect();
+        normalized.sort();
+        if input.ndim() != 4 || normalized != [Some(2), Some(3)] {
+            return Err(format!(
+                "a mean over axes {} of an input of shape {input}: only the mean over H and W \
+                 (axes 2 and 3) of an N,C,H,W input is supported",
+                axes.map_or("(all)".to_string(), |a| format!("{a:?}"))
+            ));
+        }
+        let name = node_layer_name(node);
+        let pooled = self
+            .builder
+            .global_avg_pool(&name, x)
+            .map_err(|e| e.to_string())?;
+        match int_attribute(node, "keepdims")?.unwrap_or(1) {
+            1 => {
+                self.bind(output, Value::Layer(pooled));
+                Ok(())
+            }
+            0 => {
+                let flat = unique_name(&self.builder, &format!("{name}.flatten"));
+                self.add(&flat, Op::Flatten(op::Flatten {}), &[pooled], output)
+                    .map(drop)
+            }
+            other => Err(format!("keepdims {other} is not 0 or 1")),
+        }
     }
 
     fn flatten(&mut self, node: &NodeProto, x: LayerId, output: &str) -> Result<(), String> {
@@ -771,7 +916,7 @@ impl<'g> Importer<'g> {
             ));
         }
         let (output, activation) = self.fuse_relu(output);
-        let name = layer_name(node, &[("weight", Some(&w)), ("bias", b.as_ref())]);
+        let name = self.layer_name(node, &[("weight", Some(&w)), ("bias", b.as_ref())]);
         let conv = op::Conv2d {
             out_channels,
             kernel: [kh, kw],
@@ -876,7 +1021,7 @@ impl<'g> Importer<'g> {
         }
         check_bias(b.as_ref(), out_features)?;
         let (output, activation) = self.fuse_relu(output);
-        let name = layer_name(node, &[("weight", Some(&w)), ("bias", b.as_ref())]);
+        let name = self.layer_name(node, &[("weight", Some(&w)), ("bias", b.as_ref())]);
         let dense = op::Dense {
             out_features,
             bias: b.is_some(),
@@ -983,7 +1128,7 @@ impl<'g> Importer<'g> {
             .copied()
             .zip(params.iter().map(Some))
             .collect();
-        let name = layer_name(node, &named);
+        let name = self.layer_name(node, &named);
         let bn = op::BatchNorm {
             eps,
             momentum,
@@ -1032,11 +1177,26 @@ impl<'g> Importer<'g> {
                 message: e.to_string(),
             })?;
         let graph = builder.finish();
+        let mut op_counts = std::collections::BTreeMap::new();
+        for node in &self.graph.node {
+            *op_counts
+                .entry(node.op_type.clone().unwrap_or_default())
+                .or_insert(0) += 1;
+        }
+        let summary = ImportSummary {
+            source_name: self.source_name.clone(),
+            batch_norms: op_counts.get("BatchNormalization").copied().unwrap_or(0),
+            op_counts,
+            layers: graph.layers().len(),
+            parameters: graph.param_count(),
+            has_weights: !self.weights.is_empty(),
+            warnings: folded_batch_norm(&self.graph.node).into_iter().collect(),
+        };
         let weights = match (self.weights.is_empty(), self.valueless.first()) {
             (true, _) => None,
             (false, None) => Some(Checkpoint {
                 tensors: self.weights,
-                metadata: Default::default(),
+                ..Checkpoint::default()
             }),
             (false, Some(example)) => {
                 return Err(OnnxError {
@@ -1051,8 +1211,46 @@ impl<'g> Importer<'g> {
                 });
             }
         };
-        Ok(Imported { graph, weights })
+        Ok(Imported {
+            graph,
+            weights,
+            summary,
+        })
     }
+}
+
+/// A warning where the graph looks like an eval-mode export whose BatchNorm the exporter folded
+/// into the convolutions: no BatchNormalization node, and convolutions that read a tensor that is
+/// no module's parameter (TorchScript's `onnx::Conv_193`, the dynamo exporter's
+/// `conv1.weight_bias`) or no bias at all (a BatchNorm of zero bias folded away: PyTorch's
+/// convolutions have a bias unless a BatchNorm follows). Such a model trains without BatchNorm.
+fn folded_batch_norm(nodes: &[NodeProto]) -> Option<String> {
+    let is = |n: &NodeProto, op: &str| n.op_type.as_deref() == Some(op);
+    if nodes.iter().any(|n| is(n, "BatchNormalization")) {
+        return None;
+    }
+    let convs: Vec<&NodeProto> = nodes.iter().filter(|n| is(n, "Conv")).collect();
+    let folded_into = |n: &&&NodeProto| {
+        let (weight, bias) = (n.input.get(1), n.input.get(2).filter(|b| !b.is_empty()));
+        let module = weight.and_then(|w| w.strip_suffix(".weight"));
+        match (module, bias) {
+            (None, _) | (_, None) => true,
+            (Some(module), Some(bias)) => bias.strip_suffix(".bias") != Some(module),
+        }
+    };
+    let folded: Vec<&&NodeProto> = convs.iter().filter(folded_into).collect();
+    let example = folded.first()?;
+    Some(format!(
+        "{} of the {} Conv nodes read no bias, or a weight or bias that is no module's parameter \
+         (node '{}' reads '{}'), and the graph has no BatchNormalization: this looks like an \
+         eval-mode export with BatchNorm folded into the convolutions, and would train without \
+         BatchNorm. To keep it, export with torch.onnx.export(model, args, f, dynamo=False, \
+         training=torch.onnx.TrainingMode.PRESERVE)",
+        folded.len(),
+        convs.len(),
+        node_layer_name(example),
+        example.input[1..].join("', '"),
+    ))
 }
 
 impl Constant {
@@ -1109,17 +1307,6 @@ fn unused_outputs(
         }
     }
     Ok(())
-}
-
-/// A layer's name: the common prefix of its weights' names where they are `<prefix>.<suffix>`
-/// with the graph's own suffixes (PyTorch names them so: `features.0.weight`), so that the
-/// layer's parameters keep the file's names; else the node's name, else its output's.
-fn layer_name(node: &NodeProto, params: &[(&str, Option<&Constant>)]) -> String {
-    let names: Vec<(&str, &str)> = params
-        .iter()
-        .filter_map(|(suffix, c)| c.map(|c| (*suffix, c.name.as_str())))
-        .collect();
-    common_param_prefix(&names).unwrap_or_else(|| node_layer_name(node))
 }
 
 /// The `<prefix>` of the `(suffix, name)`s named `<prefix>.<suffix>`, if there are some and they
@@ -1186,6 +1373,7 @@ fn allowed_attributes(op_type: &str, opset: i64) -> Option<&'static [&'static st
         "Constant" => &["value"],
         "HardSigmoid" => &["alpha", "beta"],
         "Clip" if opset < 11 => &["min", "max"],
+        "ReduceMean" => &["axes", "keepdims", "noop_with_empty_axes"],
         "MatMul" | "Relu" | "Clip" | "Mul" | "Add" | "GlobalAveragePool" | "Identity" => &[],
         unary if let Some(unary) = op::Unary::from_onnx(unary) => match unary.default_alpha() {
             Some(_) => &["alpha"],
@@ -1199,10 +1387,6 @@ fn allowed_attributes(op_type: &str, opset: i64) -> Option<&'static [&'static st
 /// models commonly export, what to change in the model.
 fn unsupported_op(op_type: &str) -> String {
     let hint = match op_type {
-        "ReduceMean" => {
-            " A mean over H and W (torch.mean(x, (2, 3))) is written nn.AdaptiveAvgPool2d(1) \
-             followed by torch.flatten(x, 1)."
-        }
         "Resize" | "Upsample" => {
             " Upsampling is not supported: legion-rs trains classification CNNs."
         }
@@ -1531,14 +1715,14 @@ fn data_type_name(t: i32) -> &'static str {
 }
 
 /// A tensor of the file as a constant: FLOAT or INT64 values, inline (raw or typed).
-fn constant(t: &TensorProto) -> Result<Constant, String> {
+fn constant(t: &TensorProto, external_dir: Option<&Path>) -> Result<Constant, String> {
     use proto::tensor_proto::{DataLocation, DataType};
     let name = t.name.clone().unwrap_or_default();
-    if t.data_location == Some(DataLocation::External as i32) {
-        return Err(
-            "its data is in an external file; save the model with every tensor inside it".into(),
-        );
-    }
+    let external = if t.data_location == Some(DataLocation::External as i32) {
+        Some(external_data(t, external_dir)?)
+    } else {
+        None
+    };
     if t.segment.is_some() {
         return Err("segmented tensors are not supported".into());
     }
@@ -1551,7 +1735,7 @@ fn constant(t: &TensorProto) -> Result<Constant, String> {
         .iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
         .ok_or_else(|| format!("shape {dims:?} has more elements than fit in memory"))?;
-    let raw = t.raw_data.as_deref();
+    let raw = external.as_deref().or(t.raw_data.as_deref());
     let data_type = t.data_type.unwrap_or(0);
     let data = if data_type == DataType::Float as i32 {
         Data::F32(typed_or_raw(&t.float_data, raw, numel, f32::from_le_bytes)?)
@@ -1572,6 +1756,69 @@ fn constant(t: &TensorProto) -> Result<Constant, String> {
         dims,
         data: Some(data),
     })
+}
+
+/// The bytes of a tensor kept in an external data file: `location` (a path relative to the model
+/// file's folder, inside it), from `offset`, `length` bytes or to the file's end; checked against
+/// the file's size before anything is read.
+fn external_data(t: &TensorProto, dir: Option<&Path>) -> Result<Vec<u8>, String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let entry = |key: &str| {
+        t.external_data
+            .iter()
+            .find(|e| e.key.as_deref() == Some(key))
+            .and_then(|e| e.value.as_deref())
+    };
+    let location = entry("location").ok_or("its data is external but names no `location`")?;
+    let Some(dir) = dir else {
+        return Err(format!(
+            "its data is in the external file '{location}'; load the model from its file (next \
+             to '{location}'), or export it with external_data=False"
+        ));
+    };
+    let relative = Path::new(location);
+    if relative.is_absolute()
+        || relative
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(format!(
+            "external data location '{location}' must be a plain path inside the model's folder"
+        ));
+    }
+    let number = |key: &str| -> Result<Option<u64>, String> {
+        entry(key)
+            .map(|v| {
+                v.parse::<u64>()
+                    .map_err(|_| format!("external data {key} '{v}' is not a byte count"))
+            })
+            .transpose()
+    };
+    let offset = number("offset")?.unwrap_or(0);
+    let path = dir.join(relative);
+    let mut file = std::fs::File::open(&path)
+        .map_err(|e| format!("reading its external data {}: {e}", path.display()))?;
+    let size = file
+        .metadata()
+        .map_err(|e| format!("reading its external data {}: {e}", path.display()))?
+        .len();
+    let length = match number("length")? {
+        Some(length) => length,
+        None => size.saturating_sub(offset),
+    };
+    if offset.checked_add(length).is_none_or(|end| end > size) {
+        return Err(format!(
+            "its external data, {length} bytes from offset {offset}, runs past the end of {} \
+             ({size} bytes)",
+            path.display()
+        ));
+    }
+    let length = usize::try_from(length).map_err(|_| "its external data is too large")?;
+    let mut bytes = vec![0; length];
+    file.seek(SeekFrom::Start(offset))
+        .and_then(|_| file.read_exact(&mut bytes))
+        .map_err(|e| format!("reading its external data {}: {e}", path.display()))?;
+    Ok(bytes)
 }
 
 /// `numel` values from the typed field or, where that is empty, the little-endian raw bytes;
@@ -1695,20 +1942,20 @@ mod tests {
             raw_data: Some(raw),
             ..Default::default()
         };
-        let c = constant(&t(vec![2], 1.5f32.to_le_bytes().repeat(2))).unwrap();
+        let c = constant(&t(vec![2], 1.5f32.to_le_bytes().repeat(2)), None).unwrap();
         assert!(matches!(c.data, Some(Data::F32(v)) if v == [1.5, 1.5]));
         assert!(
-            constant(&t(vec![3], vec![0; 8]))
+            constant(&t(vec![3], vec![0; 8]), None)
                 .unwrap_err()
                 .contains("needs 3 values")
         );
         assert!(
-            constant(&t(vec![1 << 40, 1 << 40], vec![]))
+            constant(&t(vec![1 << 40, 1 << 40], vec![]), None)
                 .unwrap_err()
                 .contains("more elements")
         );
         assert!(
-            constant(&t(vec![-2], vec![]))
+            constant(&t(vec![-2], vec![]), None)
                 .unwrap_err()
                 .contains("negative")
         );

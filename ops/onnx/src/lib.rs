@@ -14,7 +14,7 @@ mod import;
 pub mod proto;
 
 pub use export::{export, save};
-pub use import::{Imported, import, load, supported_ops};
+pub use import::{ImportSummary, Imported, import, load, supported_ops};
 
 /// What went wrong reading or writing an ONNX model: the file, where in it, and what.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

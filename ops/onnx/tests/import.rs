@@ -109,7 +109,7 @@ fn initializers_keep_their_names_and_a_graph_only_file_has_no_weights() {
 fn import_export_import_gives_the_same_graph_and_weights() {
     let first = import_small(&small_model().bytes());
     let params = ParamStore::from_checkpoint(&first.graph, first.weights.clone().unwrap()).unwrap();
-    let bytes = legion_onnx::export(&first.graph, &params);
+    let bytes = legion_onnx::export(&first.graph, &params).unwrap();
     let second = import_small(&bytes);
     assert_eq!(second.graph, first.graph);
     let (a, b) = (first.weights.unwrap(), second.weights.unwrap());
@@ -123,7 +123,7 @@ fn import_export_import_gives_the_same_graph_and_weights() {
         );
         let graph = legion_onnx::load(path.as_ref()).unwrap().graph;
         let params = ParamStore::init(&graph, 3);
-        let again = import(&legion_onnx::export(&graph, &params), model, model).unwrap();
+        let again = import(&legion_onnx::export(&graph, &params).unwrap(), model, model).unwrap();
         assert_eq!(again.graph, graph, "{model}");
         let back = ParamStore::from_checkpoint(&graph, again.weights.unwrap()).unwrap();
         assert_eq!(back.values, params.values, "{model}");
@@ -140,7 +140,7 @@ fn import_export_import_gives_the_same_graph_and_weights() {
         };
         let graph = zoo.build(&config).unwrap();
         let params = ParamStore::init(&graph, 3);
-        let again = import(&legion_onnx::export(&graph, &params), model, model).unwrap();
+        let again = import(&legion_onnx::export(&graph, &params).unwrap(), model, model).unwrap();
         assert_eq!(again.graph, graph, "{model}");
         let back = ParamStore::from_checkpoint(&graph, again.weights.unwrap()).unwrap();
         assert_eq!(back.values, params.values, "{model}");
@@ -572,6 +572,30 @@ fn relu6_leaky_relu_hardsigmoid_silu_and_channel_scales_import() {
         .collect();
     assert_eq!(inputs, ["relu", "/se/Sigmoid"]);
 
+    // the same mean as the dynamo exporter writes it: ReduceMean over H and W, dims kept
+    let mean = |axes: &[i64]| {
+        with_activation(|m| {
+            m.node("Relu", "relu", &["sum"], &["r"], vec![]);
+            let attrs = vec![ints("axes", axes), int("keepdims", 1)];
+            m.node("ReduceMean", "/se/mean", &["r"], &["g"], attrs);
+            m.node("Sigmoid", "/se/Sigmoid", &["g"], &["gs"], vec![]);
+            m.node("Mul", "/se/Mul", &["r", "gs"], &["rs"], vec![]);
+        })
+    };
+    let by_mean = import_small(&mean(&[-1, -2]).bytes()).graph;
+    let pooled = |g: &Graph, name: &str| g.layer(g.find(name).unwrap()).op.clone();
+    assert_eq!(pooled(&by_mean, "/se/mean"), pooled(&graph, "/se/pool"));
+    let e = import(&mean(&[1]).bytes(), "small", "small.onnx")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            "'/se/mean' (ReduceMean): a mean over axes [1] of an input of shape (1, 4, 8, 8): \
+             only the mean over H and W (axes 2 and 3) of an N,C,H,W input is supported"
+        ),
+        "{e}"
+    );
+
     let by_constant = with_activation(|m| {
         m.initializer("two", &[], &[2.0]);
         m.node("Mul", "/twice/Mul", &["sum", "two"], &["rs"], vec![]);
@@ -581,6 +605,50 @@ fn relu6_leaky_relu_hardsigmoid_silu_and_channel_scales_import() {
         .to_string();
     assert!(
         e.contains("'/twice/Mul' (Mul): Mul by a constant is not supported"),
+        "{e}"
+    );
+}
+
+#[test]
+fn adaptive_pools_export_as_the_onnx_pool_that_computes_them() {
+    let net = |input: usize, output: [usize; 2]| {
+        let mut b = legion_ops::GraphBuilder::new("adaptive");
+        let x = b.input("data", Shape::nchw(2, 3, input, input)).unwrap();
+        let c = b
+            .conv2d("conv", x, legion_ops::op::Conv2d::new(4, 3).padding(1))
+            .unwrap();
+        let p = b.adaptive_avg_pool2d("pool", c, output).unwrap();
+        let f = b.flatten("flat", p).unwrap();
+        let d = b.dense("fc", f, legion_ops::op::Dense::new(5)).unwrap();
+        b.softmax_cross_entropy("loss", d).unwrap();
+        b.finish()
+    };
+    // 8 into 2: windows of 4 side by side, an AveragePool of kernel and stride 4
+    let graph = net(8, [2, 2]);
+    let params = ParamStore::init(&graph, 1);
+    let again = import(
+        &legion_onnx::export(&graph, &params).unwrap(),
+        "a",
+        "a.onnx",
+    )
+    .unwrap();
+    let pool = again.graph.layer(again.graph.find("pool").unwrap());
+    assert_eq!(
+        pool.op,
+        legion_ops::op::Op::Pool2d(legion_ops::op::Pool2d::avg(4))
+    );
+    assert_eq!(again.graph.param_count(), graph.param_count());
+    // 7 into 2 overlaps: refused, naming the layer and what to do
+    let graph = net(7, [2, 2]);
+    let params = ParamStore::init(&graph, 1);
+    let e = legion_onnx::export(&graph, &params)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with(
+            "adaptive: layer 'pool' (adaptive_avg_pool2d): an average pool of 7x7 to \
+             2x2 has windows of different sizes"
+        ) && e.contains("export at an input size"),
         "{e}"
     );
 }

@@ -21,7 +21,7 @@ mod pipeline;
 
 use crate::graph::{Graph, LayerId};
 use crate::kernels::dropout::DropoutMask;
-use crate::op::{BatchNorm, Conv2d, Dense, Pool2d};
+use crate::op::{BatchNorm, Conv2d, Dense, PoolWindows};
 use crate::precision::Precision;
 use crate::shape::{Rect, Shape};
 use crate::train::Sgd;
@@ -378,10 +378,11 @@ pub trait Backend {
         dw: Out<Self::Buffer>,
         db: Option<Out<Self::Buffer>>,
     );
+    /// Max or average pooling (a `Pool2d`'s sliding windows or an `AdaptiveAvgPool2d`'s).
     fn pool2d_forward(
         &self,
         s: &mut Self::Stream,
-        op: &Pool2d,
+        op: PoolWindows<'_>,
         in_shape: Shape,
         x: In<Self::Buffer>,
         y: Out<Self::Buffer>,
@@ -389,7 +390,7 @@ pub trait Backend {
     fn pool2d_backward(
         &self,
         s: &mut Self::Stream,
-        op: &Pool2d,
+        op: PoolWindows<'_>,
         in_shape: Shape,
         x: In<Self::Buffer>,
         dy: In<Self::Buffer>,

@@ -1,4 +1,5 @@
-//! Conv2d forward and backward over one output tile, via im2col + GEMM.
+//! Conv2d forward and backward over one output tile, via im2col + GEMM (a depthwise one by
+//! `depthwise`'s direct loops).
 //!
 //! Per sample and group the tile's output is `Y_g = W_g · col_g`, where `col_g` holds the input
 //! windows of the tile's output positions (one column per position, one row per `(ci, ki, kj)` tap).
@@ -12,6 +13,7 @@
 //! phases (columns `≡ r mod s` together), which turns the strided reads of im2col and the strided
 //! writes of col2im into contiguous copies.
 
+use super::depthwise::{depthwise_backward, depthwise_forward, is_depthwise};
 use super::gemm::{Mat, MatMut, Threads, matmul, with_scratch};
 use super::{View, ViewMut};
 use crate::op::{Activation, Conv2d, OpSpec};
@@ -29,7 +31,24 @@ const COL_BUDGET: usize = 1 << 20;
 /// - `x`: input view whose rect contains `op.project(&[in_shape], &y.rect)[0]`.
 /// - `w`: the weight rows of the tile's output channels (`OpSpec::param_rect` of parameter 0).
 /// - `b`: the bias of the same channels, when the layer has one.
+///
+/// A depthwise convolution takes `depthwise`'s direct loops instead of im2col + GEMM.
 pub fn conv2d_forward(op: &Conv2d, in_shape: Shape, x: View, w: View, b: Option<View>, y: ViewMut) {
+    if is_depthwise(op, in_shape) {
+        return depthwise_forward(op, in_shape, x, w, b, y);
+    }
+    gemm_forward(op, in_shape, x, w, b, y);
+}
+
+/// [`conv2d_forward`] by im2col + GEMM, whatever the groups.
+pub(crate) fn gemm_forward(
+    op: &Conv2d,
+    in_shape: Shape,
+    x: View,
+    w: View,
+    b: Option<View>,
+    y: ViewMut,
+) {
     let geo = Geometry::new(op, in_shape, &x.rect, &y.rect);
     geo.debug_check_params(op, in_shape, &w, b.as_ref());
     forward(&geo, op.activation, x, w, b, y);
@@ -43,6 +62,25 @@ pub fn conv2d_forward(op: &Conv2d, in_shape: Shape, x: View, w: View, b: Option<
 /// without bias.
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
+    op: &Conv2d,
+    in_shape: Shape,
+    x: View,
+    w: View,
+    y: View,
+    dy: View,
+    dx: Option<ViewMut>,
+    dw: ViewMut,
+    db: Option<ViewMut>,
+) {
+    if is_depthwise(op, in_shape) {
+        return depthwise_backward(op, in_shape, x, w, y, dy, dx, dw, db);
+    }
+    gemm_backward(op, in_shape, x, w, y, dy, dx, dw, db);
+}
+
+/// [`conv2d_backward`] by im2col + GEMM, whatever the groups.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_backward(
     op: &Conv2d,
     in_shape: Shape,
     x: View,

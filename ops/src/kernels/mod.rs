@@ -22,6 +22,7 @@ pub mod batch_norm;
 pub mod concat;
 pub mod conv2d;
 pub mod dense;
+pub mod depthwise;
 pub mod dropout;
 pub mod gemm;
 pub mod mul;

@@ -9,14 +9,14 @@
 //! Planes `(n, c)` are independent and are spread over the rayon pool.
 
 use super::{View, ViewMut};
-use crate::op::{OpSpec, Pool2d, PoolKind};
+use crate::op::{PoolKind, PoolWindows};
 use crate::shape::{Rect, Shape};
 use rayon::prelude::*;
 use std::ops::Range;
 
 /// Computes the output tile `y` from an input view `x` whose rect contains
-/// `op.project(&[in_shape], &y.rect)[0]`; `in_shape` is the full input's shape.
-pub fn pool2d_forward(op: &Pool2d, in_shape: Shape, x: View, y: ViewMut) {
+/// `op.project(in_shape, &y.rect)`; `in_shape` is the full input's shape.
+pub fn pool2d_forward(op: PoolWindows, in_shape: Shape, x: View, y: ViewMut) {
     let windows = Windows::new(op, in_shape, &x.rect, &y.rect);
     debug_assert_eq!(x.data.len(), x.rect.volume());
     debug_assert_eq!(y.data.len(), y.rect.volume());
@@ -47,7 +47,7 @@ pub fn pool2d_forward(op: &Pool2d, in_shape: Shape, x: View, y: ViewMut) {
 /// Overwrites `dx` (over `x.rect`) with this tile's input gradient given `dy` over the output tile;
 /// positions no window of the tile reads get 0. `x` is the forward input (max pooling needs it to find
 /// each window's maximum).
-pub fn pool2d_backward(op: &Pool2d, in_shape: Shape, x: View, dy: View, dx: ViewMut) {
+pub fn pool2d_backward(op: PoolWindows, in_shape: Shape, x: View, dy: View, dx: ViewMut) {
     let windows = Windows::new(op, in_shape, &x.rect, &dy.rect);
     debug_assert_eq!(x.data.len(), x.rect.volume());
     debug_assert_eq!(dy.data.len(), dy.rect.volume());
@@ -123,26 +123,26 @@ struct Windows {
 }
 
 impl Windows {
-    fn new(op: &Pool2d, in_shape: Shape, x: &Rect, out: &Rect) -> Windows {
+    fn new(op: PoolWindows, in_shape: Shape, x: &Rect, out: &Rect) -> Windows {
         debug_assert_eq!(in_shape.ndim(), 4, "pool2d input is NCHW");
         debug_assert!(
-            x.contains(&op.project(&[in_shape], out)[0]),
+            x.contains(&op.project(in_shape, out)),
             "input view {x} does not contain the projection of output tile {out}"
         );
         let view_windows = |axis: usize| -> Vec<Span> {
             let (i, size) = (axis - 2, in_shape.dim(axis));
             (out.lo[axis]..out.hi[axis])
                 .map(|o| {
-                    let global = clipped_window(o, op.kernel[i], op.stride[i], op.padding[i], size);
+                    let (global, padded_len) = op.window(i, o, size);
                     Span {
                         range: global.start - x.lo[axis]..global.end - x.lo[axis],
-                        padded_len: op.padded_window_len(i, o, size),
+                        padded_len,
                     }
                 })
                 .collect()
         };
         Windows {
-            kind: op.kind,
+            kind: op.kind(),
             out: *out,
             x: *x,
             x_w: x.extent(3),
@@ -223,18 +223,11 @@ impl Windows {
     }
 }
 
-/// Input positions `[o·stride − pad, o·stride − pad + kernel)` clipped to `[0, size)`.
-fn clipped_window(o: usize, kernel: usize, stride: usize, pad: usize, size: usize) -> Range<usize> {
-    let start = o * stride;
-    let lo = start.saturating_sub(pad).min(size);
-    let hi = (start + kernel).saturating_sub(pad).min(size);
-    lo..hi.max(lo)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernels::check::{assert_grad, cut, halves, max_rel_diff, random};
+    use crate::op::{AdaptiveAvgPool2d, OpSpec, Pool2d};
     use crate::shape::add_rect;
 
     /// Distinct values at least 0.03 apart in shuffled order, so that no finite-difference probe
@@ -250,11 +243,42 @@ mod tests {
         x
     }
 
+    /// A pooling layer of either kind, as the kernels see it and as its op infers shapes.
+    #[derive(Clone, Debug)]
+    enum Case {
+        Sliding(Pool2d),
+        Adaptive(AdaptiveAvgPool2d),
+    }
+
+    impl Case {
+        fn windows(&self) -> PoolWindows<'_> {
+            match self {
+                Case::Sliding(p) => p.into(),
+                Case::Adaptive(a) => a.windows(),
+            }
+        }
+
+        fn spec(&self) -> &dyn OpSpec {
+            match self {
+                Case::Sliding(p) => p,
+                Case::Adaptive(a) => a,
+            }
+        }
+    }
+
     fn forward_whole(op: &Pool2d, input: Shape, x: &[f32]) -> Vec<f32> {
-        let out = op.infer_shape(&[input]).unwrap().full_rect();
+        forward_case(&Case::Sliding(op.clone()), input, x)
+    }
+
+    fn backward_whole(op: &Pool2d, input: Shape, x: &[f32], dy: &[f32]) -> Vec<f32> {
+        backward_case(&Case::Sliding(op.clone()), input, x, dy)
+    }
+
+    fn forward_case(op: &Case, input: Shape, x: &[f32]) -> Vec<f32> {
+        let out = op.spec().infer_shape(&[input]).unwrap().full_rect();
         let mut y = vec![f32::NAN; out.volume()];
         pool2d_forward(
-            op,
+            op.windows(),
             input,
             View::new(input.full_rect(), x),
             ViewMut::new(out, &mut y),
@@ -262,11 +286,11 @@ mod tests {
         y
     }
 
-    fn backward_whole(op: &Pool2d, input: Shape, x: &[f32], dy: &[f32]) -> Vec<f32> {
-        let out = op.infer_shape(&[input]).unwrap().full_rect();
+    fn backward_case(op: &Case, input: Shape, x: &[f32], dy: &[f32]) -> Vec<f32> {
+        let out = op.spec().infer_shape(&[input]).unwrap().full_rect();
         let mut dx = vec![f32::NAN; input.numel()];
         pool2d_backward(
-            op,
+            op.windows(),
             input,
             View::new(input.full_rect(), x),
             View::new(out, dy),
@@ -275,8 +299,8 @@ mod tests {
         dx
     }
 
-    fn cases() -> Vec<(Pool2d, Shape)> {
-        vec![
+    fn cases() -> Vec<(Case, Shape)> {
+        let sliding = [
             (Pool2d::max(3).stride(2).padding(1), Shape::nchw(2, 3, 9, 8)),
             (Pool2d::avg(3).stride(2).padding(1), Shape::nchw(2, 3, 9, 8)),
             (Pool2d::max(3).stride(2), Shape::nchw(2, 2, 11, 11)),
@@ -299,7 +323,18 @@ mod tests {
                 Pool2d::avg(3).stride(2).padding(1).ceil_mode(),
                 Shape::nchw(1, 3, 8, 6),
             ),
-        ]
+        ];
+        // overlapping windows (7 into 3), windows of 1 and 2 (upsampling 3 into 5), and whole
+        let adaptive = [
+            ([3, 2], Shape::nchw(2, 2, 7, 6)),
+            ([5, 4], Shape::nchw(1, 3, 3, 4)),
+            ([1, 1], Shape::nchw(2, 2, 5, 3)),
+        ];
+        let sliding = sliding.into_iter().map(|(p, s)| (Case::Sliding(p), s));
+        let adaptive = adaptive
+            .into_iter()
+            .map(|(output, s)| (Case::Adaptive(AdaptiveAvgPool2d { output }), s));
+        sliding.chain(adaptive).collect()
     }
 
     #[test]
@@ -347,6 +382,19 @@ mod tests {
     }
 
     #[test]
+    fn adaptive_example_matches_pytorch() {
+        // torch.nn.functional.adaptive_avg_pool2d(torch.arange(1., 43.).view(1, 1, 7, 6), (3, 2))
+        // and of torch.arange(1., 7.).view(1, 1, 2, 3) to (3, 4)
+        let adaptive = |output| Case::Adaptive(AdaptiveAvgPool2d { output });
+        let x: Vec<f32> = (1..=42).map(|v| v as f32).collect();
+        let y = forward_case(&adaptive([3, 2]), Shape::nchw(1, 1, 7, 6), &x);
+        assert_eq!(y, [8.0, 11.0, 20.0, 23.0, 32.0, 35.0]);
+        let y = forward_case(&adaptive([3, 4]), Shape::nchw(1, 1, 2, 3), &x[..6]);
+        let want = [1.0, 1.5, 2.5, 3.0, 2.5, 3.0, 4.0, 4.5, 4.0, 4.5, 5.5, 6.0];
+        assert_eq!(y, want);
+    }
+
+    #[test]
     fn max_backward_picks_the_first_maximum() {
         // A window of equal values routes its gradient to the top-left element.
         let input = Shape::nchw(1, 1, 2, 2);
@@ -358,15 +406,15 @@ mod tests {
     fn gradients_match_finite_differences() {
         for (op, input) in cases() {
             let x = tie_free(input.numel(), 11);
-            let r = random(op.infer_shape(&[input]).unwrap().numel(), 12);
+            let r = random(op.spec().infer_shape(&[input]).unwrap().numel(), 12);
             let loss = |x: &[f32]| -> f64 {
-                forward_whole(&op, input, x)
+                forward_case(&op, input, x)
                     .iter()
                     .zip(&r)
                     .map(|(a, b)| *a as f64 * *b as f64)
                     .sum()
             };
-            let dx = backward_whole(&op, input, &x, &r);
+            let dx = backward_case(&op, input, &x, &r);
             assert_grad(&format!("{op:?} on {input}"), &x, &dx, 80, loss);
         }
     }
@@ -375,10 +423,10 @@ mod tests {
     fn tiles_reproduce_the_whole_tensor() {
         for (op, input) in cases() {
             let x = random(input.numel(), 21);
-            let out_full = op.infer_shape(&[input]).unwrap().full_rect();
+            let out_full = op.spec().infer_shape(&[input]).unwrap().full_rect();
             let dy = random(out_full.volume(), 22);
-            let y = forward_whole(&op, input, &x);
-            let dx = backward_whole(&op, input, &x, &dy);
+            let y = forward_case(&op, input, &x);
+            let dx = backward_case(&op, input, &x, &dy);
             let x_full = input.full_rect();
             for axes in [[2, 3], [0, 1]] {
                 for whole_input in [false, true] {
@@ -392,12 +440,12 @@ mod tests {
                             let x_rect = if whole_input {
                                 x_full
                             } else {
-                                op.project(&[input], &tile)[0]
+                                op.spec().project(&[input], &tile)[0]
                             };
                             let x_tile = cut(&x, &x_full, &x_rect);
                             let mut y_tile = vec![f32::NAN; tile.volume()];
                             pool2d_forward(
-                                &op,
+                                op.windows(),
                                 input,
                                 View::new(x_rect, &x_tile),
                                 ViewMut::new(tile, &mut y_tile),
@@ -406,7 +454,7 @@ mod tests {
                             let dy_tile = cut(&dy, &out_full, &tile);
                             let mut dx_tile = vec![f32::NAN; x_rect.volume()];
                             pool2d_backward(
-                                &op,
+                                op.windows(),
                                 input,
                                 View::new(x_rect, &x_tile),
                                 View::new(tile, &dy_tile),

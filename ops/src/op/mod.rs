@@ -4,6 +4,7 @@
 //! The projection (output tile → input rects) is the single source of truth for both the planner's
 //! transfer costs and the runtime's copies, so it is defined here, next to the op, and nowhere else.
 
+mod adaptive_pool;
 mod add;
 mod batch_norm;
 mod concat;
@@ -18,6 +19,7 @@ mod relu;
 mod softmax_ce;
 mod unary;
 
+pub use adaptive_pool::AdaptiveAvgPool2d;
 pub use add::Add;
 pub use batch_norm::{
     BatchNorm, sums_rect as batch_norm_sums_rect, tile_sums_rect as batch_norm_tile_sums_rect,
@@ -29,7 +31,7 @@ pub use dropout::Dropout;
 pub use flatten::Flatten;
 pub use input::Input;
 pub use mul::Mul;
-pub use pool2d::{Pool2d, PoolKind};
+pub use pool2d::{Pool2d, PoolKind, PoolWindows};
 pub use relu::Relu;
 pub use softmax_ce::SoftmaxCrossEntropy;
 pub use unary::{GradFrom, Unary, UnaryOp};
@@ -539,6 +541,7 @@ ops! {
     Input = "input",
     Conv2d = "conv2d",
     Pool2d = "pool2d",
+    AdaptiveAvgPool2d = "adaptive_avg_pool2d",
     Dense = "dense",
     Relu = "relu",
     Flatten = "flatten",
@@ -642,6 +645,7 @@ mod tests {
         })
         .collect();
         ops.extend(Unary::ALL.iter().map(|&u| Op::unary(u)));
+        ops.push(Op::AdaptiveAvgPool2d(AdaptiveAvgPool2d { output: [6, 6] }));
         let mut kinds = std::collections::BTreeSet::new();
         for op in &ops {
             let json = serde_json::to_value(op).unwrap();
@@ -650,6 +654,9 @@ mod tests {
             kinds.insert(op.kind());
         }
         let every: std::collections::BTreeSet<_> = Op::kinds().collect();
-        assert_eq!(kinds, every, "the zoo and the unary family hold every op");
+        assert_eq!(
+            kinds, every,
+            "the zoo, the unary family and the list hold every op"
+        );
     }
 }

@@ -3,6 +3,7 @@ use super::{Flops, OpSpec, expect_rank, window_in, window_out};
 use crate::backend::{Backend, KernelCall, KernelError, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -84,6 +85,82 @@ impl Pool2d {
     }
 }
 
+/// The windows a pooling layer reduces, for its kernels: a sliding window, or adaptive average
+/// pooling's windows that tile the input into `output` cells.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PoolWindows<'a> {
+    Sliding(&'a Pool2d),
+    /// PyTorch's `adaptive_avg_pool2d`: output `o` of `out` along an axis of `size` averages
+    /// `[floor(o·size/out), ceil((o+1)·size/out))`.
+    Adaptive {
+        output: [usize; 2],
+    },
+}
+
+impl<'a> From<&'a Pool2d> for PoolWindows<'a> {
+    fn from(op: &'a Pool2d) -> Self {
+        PoolWindows::Sliding(op)
+    }
+}
+
+impl PoolWindows<'_> {
+    pub fn kind(&self) -> PoolKind {
+        match self {
+            PoolWindows::Sliding(op) => op.kind,
+            PoolWindows::Adaptive { .. } => PoolKind::Avg,
+        }
+    }
+
+    /// Output `o`'s window along `axis` (0 rows, 1 columns) of an input `size` wide: the input
+    /// positions it covers, and how many positions of the padded input it spans (what an average
+    /// divides by).
+    pub fn window(&self, axis: usize, o: usize, size: usize) -> (Range<usize>, usize) {
+        match self {
+            PoolWindows::Sliding(op) => {
+                let (k, s, pad) = (op.kernel[axis], op.stride[axis], op.padding[axis]);
+                let start = o * s;
+                let lo = start.saturating_sub(pad).min(size);
+                let hi = (start + k).saturating_sub(pad).min(size).max(lo);
+                (lo..hi, op.padded_window_len(axis, o, size))
+            }
+            PoolWindows::Adaptive { output } => {
+                let out = output[axis];
+                let (lo, hi) = (o * size / out, ((o + 1) * size).div_ceil(out));
+                (lo..hi, hi - lo)
+            }
+        }
+    }
+
+    /// The input rows (`axis` 0) or columns (1) that outputs `[o0, o1)` read.
+    pub fn reads(&self, axis: usize, o0: usize, o1: usize, size: usize) -> (usize, usize) {
+        match self {
+            PoolWindows::Sliding(op) => window_in(
+                o0,
+                o1,
+                op.kernel[axis],
+                op.stride[axis],
+                op.padding[axis],
+                size,
+            ),
+            PoolWindows::Adaptive { .. } if o1 <= o0 => (0, 0),
+            PoolWindows::Adaptive { .. } => (
+                self.window(axis, o0, size).0.start,
+                self.window(axis, o1 - 1, size).0.end,
+            ),
+        }
+    }
+
+    /// The input rect an output tile reads.
+    pub fn project(&self, input: Shape, out: &Rect) -> Rect {
+        let (h0, h1) = self.reads(0, out.lo[2], out.hi[2], input.dim(2));
+        let (w0, w1) = self.reads(1, out.lo[3], out.hi[3], input.dim(3));
+        Rect::new(
+            &[out.lo[0], out.lo[1], h0, w0],
+            &[out.hi[0], out.hi[1], h1, w1],
+        )
+    }
+}
+
 impl OpSpec for Pool2d {
     fn infer_shape(&self, inputs: &[Shape]) -> Result<Shape, String> {
         let x = expect_rank(inputs, 4, "N,C,H,W")?;
@@ -116,27 +193,7 @@ impl OpSpec for Pool2d {
     }
 
     fn project_into(&self, inputs: &[Shape], out: &Rect, rects: &mut Vec<Rect>) {
-        let x = inputs[0];
-        let (h0, h1) = window_in(
-            out.lo[2],
-            out.hi[2],
-            self.kernel[0],
-            self.stride[0],
-            self.padding[0],
-            x.dim(2),
-        );
-        let (w0, w1) = window_in(
-            out.lo[3],
-            out.hi[3],
-            self.kernel[1],
-            self.stride[1],
-            self.padding[1],
-            x.dim(3),
-        );
-        rects.push(Rect::new(
-            &[out.lo[0], out.lo[1], h0, w0],
-            &[out.hi[0], out.hi[1], h1, w1],
-        ));
+        rects.push(PoolWindows::from(self).project(inputs[0], out));
     }
 }
 
@@ -148,7 +205,7 @@ impl OpKernels for Pool2d {
     fn forward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {
         let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
         c.backend
-            .pool2d_forward(c.stream, self, c.input_shape(0), x, y);
+            .pool2d_forward(c.stream, self.into(), c.input_shape(0), x, y);
         Ok(())
     }
 
@@ -156,7 +213,7 @@ impl OpKernels for Pool2d {
         if let Some(dx) = c.try_write(Role::InputGrad(0)) {
             let (x, dy) = (c.read(Role::Input(0)), c.read(Role::OutputGrad));
             c.backend
-                .pool2d_backward(c.stream, self, c.input_shape(0), x, dy, dx);
+                .pool2d_backward(c.stream, self.into(), c.input_shape(0), x, dy, dx);
         }
         Ok(())
     }

@@ -198,6 +198,57 @@ impl<'a> BatchInput<'a> {
     }
 }
 
+/// What one pass over a batch gives, on the CPU in f32: the mean softmax cross-entropy and each
+/// trainable parameter's gradient of it, by the parameter's name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LossGradients {
+    pub loss: f64,
+    pub gradients: Vec<checkpoint::NamedTensor>,
+}
+
+/// The loss and its gradients of the forward and backward pass a training step at `step` takes
+/// over `images` and `labels` (batch norm on the batch's statistics, dropout drawn from `seed`),
+/// without the update: what a gradient check compares with another framework's autograd.
+pub fn loss_gradients(
+    graph: &Graph,
+    params: &ParamStore,
+    images: &[f32],
+    labels: &[u32],
+    seed: u64,
+    step: u64,
+) -> Result<LossGradients, KernelError> {
+    let pass: Pass<'_, std::time::Instant> = Pass::new(
+        graph,
+        &params.params,
+        &params.first,
+        Sgd::default(),
+        images,
+        labels,
+        seed,
+        step,
+    );
+    let (cpu, mut stream) = (Cpu::default(), CpuStream);
+    let mut weights: Vec<Buffer> = params.values.iter().cloned().map(Buffer::F32).collect();
+    let masters_only: Vec<Option<Buffer>> = weights.iter().map(|_| None).collect();
+    let input = Buffer::F32(images.to_vec());
+    let (acts, loss, saved) =
+        pass.forward(&cpu, &mut stream, &mut weights, &masters_only, &input)?;
+    let grads = pass.backward(&cpu, &mut stream, &weights, &masters_only, &acts, &saved)?;
+    let loss = loss.map_or(0.0, |(sums, _)| {
+        cpu.read_loss(sums).loss_sum / graph.batch() as f64
+    });
+    let gradients = params
+        .params
+        .iter()
+        .zip(grads)
+        .filter(|(p, _)| p.spec.trainable)
+        .filter_map(|(p, g)| {
+            g.map(|g| checkpoint::NamedTensor::new(p.name.clone(), p.spec.shape, g.into_f32()))
+        })
+        .collect();
+    Ok(LossGradients { loss, gradients })
+}
+
 impl Trainer<Cpu> {
     pub fn new(graph: Graph, params: ParamStore, sgd: Sgd, seed: u64) -> Trainer<Cpu> {
         let state = TrainingState::start(params);
@@ -610,6 +661,47 @@ mod tests {
         checkpoint::save(&path, &state.params.tensors(), &meta).unwrap();
         let err = TrainingState::from_checkpoint(&g, checkpoint::load(&path).unwrap()).unwrap_err();
         assert!(err.to_string().contains("'step' is 'soon'"), "{err}");
+    }
+
+    #[test]
+    fn loss_gradients_are_what_a_plain_sgd_step_subtracts() {
+        let graph = branchy(4);
+        let params = ParamStore::init(&graph, 3);
+        let images = check::random(graph.layer(graph.input()).shape.numel(), 11);
+        let labels = [0, 1, 2, 1];
+        let got = loss_gradients(&graph, &params, &images, &labels, 5, 0).unwrap();
+        let plain = Sgd {
+            lr: 1.0,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        };
+        let mut trainer = Trainer::new(graph.clone(), params.clone(), plain, 5);
+        let stats = trainer.step(&images, &labels).unwrap();
+        assert!(
+            (got.loss - stats.loss as f64).abs() < 1e-5,
+            "{} {}",
+            got.loss,
+            stats.loss
+        );
+        let after = trainer.params().unwrap();
+        let trainable = params.params.iter().filter(|p| p.spec.trainable).count();
+        assert_eq!(got.gradients.len(), trainable);
+        for g in &got.gradients {
+            let slot = params.params.iter().position(|p| p.name == g.name).unwrap();
+            let stepped: Vec<f32> = params.values[slot]
+                .iter()
+                .zip(&after.values[slot])
+                .map(|(w0, w1)| w0 - w1)
+                .collect();
+            // a bias before a batch norm has a zero gradient: compared absolutely
+            let scale = stepped.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = g
+                .data
+                .iter()
+                .zip(&stepped)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff <= 1e-4 * scale + 1e-6, "{}: {diff} of {scale}", g.name);
+        }
     }
 
     #[test]

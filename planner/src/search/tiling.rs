@@ -202,7 +202,7 @@ impl LayerKind {
         match layer.op {
             Op::Input(_) => LayerKind::Input,
             Op::Conv2d(_) | Op::Dense(_) => LayerKind::Weighted,
-            Op::Pool2d(_) => LayerKind::Pool,
+            Op::Pool2d(_) | Op::AdaptiveAvgPool2d(_) => LayerKind::Pool,
             Op::Flatten(_) => LayerKind::Flatten,
             Op::SoftmaxCrossEntropy(_) => LayerKind::Loss,
             Op::Relu(_)

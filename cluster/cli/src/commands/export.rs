@@ -35,8 +35,11 @@ pub struct ExportArgs {
 
 pub fn run(a: ExportArgs) -> anyhow::Result<()> {
     legion::job::check_output_path("--onnx", &a.onnx)?;
-    let (graph, model_weights) =
-        legion::load_model_and_weights(&a.model, a.batch, a.image_size, a.classes)?;
+    let legion::ResolvedModel {
+        graph,
+        weights: model_weights,
+        ..
+    } = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
     let (params, from) = match (&a.init, model_weights) {
         (Some(path), _) => {
             let ckpt = checkpoint::load(path)?;

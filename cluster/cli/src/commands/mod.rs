@@ -11,6 +11,21 @@ mod worker;
 
 use clap::{Parser, Subcommand};
 
+/// `--model` resolved, with what an ONNX import found written to stderr (stdout stays for
+/// `--json`): its summary, then its warnings.
+fn load_model(
+    model: &str,
+    batch: usize,
+    image_size: Option<usize>,
+    classes: Option<usize>,
+) -> anyhow::Result<legion::ResolvedModel> {
+    let resolved = legion::resolve_model(model, batch, image_size, classes)?;
+    if let Some(summary) = &resolved.import {
+        eprintln!("{summary}");
+    }
+    Ok(resolved)
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "legion-rs",

@@ -21,10 +21,10 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
-    let (graph, model_weights) =
-        legion::load_model_and_weights(&a.model, a.batch, a.image_size, a.classes)?;
+    let model = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
+    let graph = model.graph;
     let options = legion::TrainOptions {
-        model_weights,
+        model_weights: model.weights,
         ..a.flags.options(TrainDefaults::default())?
     };
     crate::progress::train(legion::Training::with_options(graph, options), a.flags.json)?;

@@ -123,14 +123,20 @@ pub(super) fn classes_mismatch(
 }
 
 /// The weights, momentum and step the run starts from: a checkpoint to resume, one's weights to
-/// start afresh from, the model file's weights, or the seeded initialisation.
-pub(super) fn initial_state(graph: &Graph, opts: &TrainOptions) -> anyhow::Result<TrainingState> {
-    let load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
+/// start afresh from, the model file's weights, or the seeded initialisation; with a note naming
+/// the tensors of the file that were not loaded (a PyTorch `state_dict`'s unused buffers).
+pub(super) fn initial_state(
+    graph: &Graph,
+    opts: &TrainOptions,
+) -> anyhow::Result<(TrainingState, Option<String>)> {
+    let mut note = None;
+    let mut load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
         let ckpt = checkpoint::load(path)?;
+        note = skipped_note(path, &ckpt.skipped);
         TrainingState::from_checkpoint(graph, ckpt)
             .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
     };
-    Ok(match (&opts.init, &opts.resume) {
+    let state = match (&opts.init, &opts.resume) {
         (None, Some(path)) => load_state(path)?,
         // Weights only: a fresh run from them.
         (Some(path), _) => TrainingState::start(load_state(path)?.params),
@@ -142,5 +148,21 @@ pub(super) fn initial_state(graph: &Graph, opts: &TrainOptions) -> anyhow::Resul
             ),
             None => TrainingState::start(ParamStore::init(graph, opts.seed)),
         },
-    })
+    };
+    Ok((state, note))
+}
+
+/// What a checkpoint's skipped tensors were, or `None` where it skipped none.
+fn skipped_note(path: &std::path::Path, skipped: &[String]) -> Option<String> {
+    let (first, rest) = skipped.split_first()?;
+    let more = match rest.len() {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    Some(format!(
+        "{}: skipped {} tensor(s) the model has no use for: '{first}'{more} (PyTorch \
+         BatchNorm's step counters)",
+        path.display(),
+        skipped.len()
+    ))
 }

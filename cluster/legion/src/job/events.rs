@@ -12,6 +12,9 @@ use super::Strategy;
 pub enum JobEvent<'a> {
     /// Which device trains, and why (one line), before anything else.
     Device(&'a str),
+    /// Something the user should know about the run's inputs (one line), after the device: the
+    /// tensors of an `--init` file that were not loaded.
+    Note(&'a str),
     /// The strategy the devices run, before the first step.
     Planned(&'a PlannedRun),
     /// A step finished.

@@ -354,6 +354,8 @@ pub struct Job {
     describe_synthetic: bool,
     /// What the steps compute in.
     precision: Precision,
+    /// What the user should know about the run's inputs, said after the device line.
+    notes: Vec<String>,
 }
 
 impl Job {
@@ -435,7 +437,7 @@ impl Job {
         // After the model is known to fit (a synthetic dataset is sized by its classes), before
         // the weights are loaded and the engine started.
         let dataset = open_dataset(&graph, opts, &shape)?;
-        let state = initial_state(&graph, opts)?;
+        let (state, init_note) = initial_state(&graph, opts)?;
         let first_step = state.step;
         if first_step > opts.steps {
             bail!(
@@ -506,6 +508,7 @@ impl Job {
             actors_on_gpus,
             describe_synthetic,
             precision,
+            notes: init_note.into_iter().collect(),
         })
     }
 }
@@ -640,7 +643,7 @@ mod tests {
             .unwrap()
             .run(|event| {
                 seen.push(match event {
-                    JobEvent::Device(line) => line.to_string(),
+                    JobEvent::Device(line) | JobEvent::Note(line) => line.to_string(),
                     JobEvent::Planned(p) => format!("planned {} on {}", p.choice, p.devices),
                     JobEvent::Step(s) => format!("step {}/{}", s.step, s.total_steps),
                     JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),

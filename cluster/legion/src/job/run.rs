@@ -25,8 +25,12 @@ impl Job {
             actors_on_gpus,
             describe_synthetic,
             precision,
+            notes,
         } = self;
         on_event(JobEvent::Device(&device));
+        for note in &notes {
+            on_event(JobEvent::Note(note));
+        }
         if let Some(plan) = &plan {
             on_event(JobEvent::Planned(plan));
         }

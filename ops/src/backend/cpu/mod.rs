@@ -10,7 +10,7 @@ use super::{Backend, DType, In, KernelError, LossSums, Out};
 use crate::kernels::batch_norm::{self, BatchStats, GradSums, MomentSums};
 use crate::kernels::dropout::DropoutMask;
 use crate::kernels::{self, View, ViewMut};
-use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, Pool2d, UnaryOp};
+use crate::op::{Activation, BatchNorm, Concat, Conv2d, Dense, OpSpec, PoolWindows, UnaryOp};
 use crate::precision::{Precision, bf16_bits, bf16_value, round_bf16};
 use crate::shape::{Rect, Shape, copy_rect};
 use crate::train::Sgd;
@@ -455,7 +455,7 @@ impl Backend for Cpu {
     fn pool2d_forward(
         &self,
         _: &mut CpuStream,
-        op: &Pool2d,
+        op: PoolWindows<'_>,
         in_shape: Shape,
         x: In<Buffer>,
         y: Out<Buffer>,
@@ -466,7 +466,7 @@ impl Backend for Cpu {
     fn pool2d_backward(
         &self,
         _: &mut CpuStream,
-        op: &Pool2d,
+        op: PoolWindows<'_>,
         in_shape: Shape,
         x: In<Buffer>,
         dy: In<Buffer>,
