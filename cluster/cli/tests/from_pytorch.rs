@@ -71,7 +71,9 @@ fn a_folded_batch_norm_export_plans_with_a_warning_that_says_how_to_keep_it() {
     let err = stderr(&out);
     assert!(
         err.contains("0 BatchNorm, 349 parameters")
-            && err.contains("\nwarning: 2 of the 2 Conv nodes read no bias, or a weight or bias")
+            && err.contains(
+                "\nwarning: 2 of the 2 Conv nodes read a weight or bias that is no module's"
+            )
             && err.contains("training=torch.onnx.TrainingMode.PRESERVE"),
         "{err}"
     );

@@ -49,19 +49,13 @@ def main():
     from safetensors.torch import save_file
 
     path = lambda name: os.path.join(OUT, name)
-    common = dict(input_names=["data"], output_names=["logits"])
+    names = dict(input_names=["data"], output_names=["logits"])
+    torchscript = dict(dynamo=False, opset_version=17, **names)
+    preserve = dict(training=torch.onnx.TrainingMode.PRESERVE, **torchscript)
     x = torch.zeros(2, 3, 16, 16)
     torch.manual_seed(0)
     fresh = Small().eval()
-    torch.onnx.export(
-        fresh,
-        (x,),
-        path("torchscript_fresh.onnx"),
-        dynamo=False,
-        opset_version=17,
-        training=torch.onnx.TrainingMode.PRESERVE,
-        **common,
-    )
+    torch.onnx.export(fresh, (x,), path("torchscript_fresh.onnx"), **preserve)
     model = Small()
     with torch.no_grad():
         # distinct values: the exporters merge equal-valued tensors into one
@@ -69,18 +63,8 @@ def main():
             if tensor.is_floating_point():
                 tensor.uniform_(0.5, 1.5)
     model.eval()
-    torch.onnx.export(
-        model,
-        (x,),
-        path("torchscript_preserve.onnx"),
-        dynamo=False,
-        opset_version=17,
-        training=torch.onnx.TrainingMode.PRESERVE,
-        **common,
-    )
-    torch.onnx.export(
-        model, (x,), path("torchscript_folded.onnx"), dynamo=False, opset_version=17, **common
-    )
+    torch.onnx.export(model, (x,), path("torchscript_preserve.onnx"), **preserve)
+    torch.onnx.export(model, (x,), path("torchscript_folded.onnx"), **torchscript)
     torch.onnx.export(model, (x,), path("dynamo.onnx"), dynamo=True, external_data=False)
     torch.onnx.export(model, (x,), path("dynamo_external.onnx"), dynamo=True, external_data=True)
     save_file(model.state_dict(), path("state_dict.safetensors"))

@@ -1220,37 +1220,63 @@ impl<'g> Importer<'g> {
 }
 
 /// A warning where the graph looks like an eval-mode export whose BatchNorm the exporter folded
-/// into the convolutions: no BatchNormalization node, and convolutions that read a tensor that is
-/// no module's parameter (TorchScript's `onnx::Conv_193`, the dynamo exporter's
-/// `conv1.weight_bias`) or no bias at all (a BatchNorm of zero bias folded away: PyTorch's
-/// convolutions have a bias unless a BatchNorm follows). Such a model trains without BatchNorm.
+/// into the convolutions: convolutions that read a tensor that is no module's parameter
+/// (TorchScript's `onnx::Conv_193`, the dynamo exporter's `conv1.weight_bias`: what folding
+/// writes), or that have no bias and feed an activation or a residual sum directly (a BatchNorm
+/// of zero bias folded away: PyTorch's convolutions have a bias unless a BatchNorm follows, and
+/// DenseNet's, whose BatchNorm comes first, feed a Concat or a pool; the dynamo exporter also
+/// drops biases that are zero). Such a model trains without those BatchNorms and biases.
 fn folded_batch_norm(nodes: &[NodeProto]) -> Option<String> {
     let is = |n: &NodeProto, op: &str| n.op_type.as_deref() == Some(op);
-    if nodes.iter().any(|n| is(n, "BatchNormalization")) {
-        return None;
-    }
+    let batch_norms = nodes.iter().filter(|n| is(n, "BatchNormalization")).count();
     let convs: Vec<&NodeProto> = nodes.iter().filter(|n| is(n, "Conv")).collect();
-    let folded_into = |n: &&&NodeProto| {
-        let (weight, bias) = (n.input.get(1), n.input.get(2).filter(|b| !b.is_empty()));
-        let module = weight.and_then(|w| w.strip_suffix(".weight"));
-        match (module, bias) {
-            (None, _) | (_, None) => true,
-            (Some(module), Some(bias)) => bias.strip_suffix(".bias") != Some(module),
-        }
+    let bias = |n: &NodeProto| n.input.get(2).filter(|b| !b.is_empty()).cloned();
+    let feeds_an_activation = |n: &NodeProto| {
+        const AFTER_A_NORM: [&str; 7] = [
+            "Relu",
+            "Clip",
+            "Add",
+            "LeakyRelu",
+            "Sigmoid",
+            "HardSigmoid",
+            "HardSwish",
+        ];
+        readers_of(nodes, n).any(|r| AFTER_A_NORM.iter().any(|op| is(r, op)))
+            && !readers_of(nodes, n).any(|r| is(r, "BatchNormalization"))
     };
-    let folded: Vec<&&NodeProto> = convs.iter().filter(folded_into).collect();
+    let folded: Vec<&&NodeProto> = convs
+        .iter()
+        .filter(|n| {
+            let module = n.input.get(1).and_then(|w| w.strip_suffix(".weight"));
+            match (module, bias(n)) {
+                (None, _) => true,
+                (Some(module), Some(bias)) => bias.strip_suffix(".bias") != Some(module),
+                (Some(_), None) => feeds_an_activation(n),
+            }
+        })
+        .collect();
     let example = folded.first()?;
     Some(format!(
-        "{} of the {} Conv nodes read no bias, or a weight or bias that is no module's parameter \
-         (node '{}' reads '{}'), and the graph has no BatchNormalization: this looks like an \
-         eval-mode export with BatchNorm folded into the convolutions, and would train without \
-         BatchNorm. To keep it, export with torch.onnx.export(model, args, f, dynamo=False, \
+        "{} of the {} Conv nodes read a weight or bias that is no module's parameter, or no bias \
+         where a BatchNorm would follow (node '{}' reads '{}'; the graph has {batch_norms} \
+         BatchNormalization node(s)): this looks like an export that optimised the model, with \
+         BatchNorm folded into the convolutions (an eval-mode export) or zero biases dropped (the \
+         dynamo exporter's), and it would train without them. To keep them, export with \
+         torch.onnx.export(model, args, f, dynamo=False, \
          training=torch.onnx.TrainingMode.PRESERVE)",
         folded.len(),
         convs.len(),
         node_layer_name(example),
         example.input[1..].join("', '"),
     ))
+}
+
+/// The nodes that read `n`'s first output.
+fn readers_of<'a>(nodes: &'a [NodeProto], n: &'a NodeProto) -> impl Iterator<Item = &'a NodeProto> {
+    let output = n.output.first();
+    nodes
+        .iter()
+        .filter(move |r| output.is_some_and(|o| r.input.contains(o)))
 }
 
 impl Constant {
@@ -1915,6 +1941,56 @@ mod tests {
         // 0 copies dim 1, which is the features only for a 2-D input
         assert!(!reshape_is_flatten(&dims, &[8, 0], false));
         assert!(reshape_is_flatten(&[8, 10], &[8, 0], false));
+    }
+
+    #[test]
+    fn folded_batch_norm_is_told_from_a_model_without_one() {
+        let node = |op: &str, inputs: &[&str], output: &str| NodeProto {
+            op_type: Some(op.into()),
+            name: Some(format!("/{op}")),
+            input: inputs.iter().map(|i| i.to_string()).collect(),
+            output: vec![output.into()],
+            ..Default::default()
+        };
+        let conv = |w: &str, b: Option<&str>| {
+            let mut inputs = vec!["x", w];
+            inputs.extend(b);
+            node("Conv", &inputs, "c")
+        };
+        let relu = node("Relu", &["c"], "r");
+        let bn = node("BatchNormalization", &["c", "bn.weight"], "n");
+        let concat = node("Concat", &["c", "x"], "cat");
+        let pre_activation = node("BatchNormalization", &["r", "bn.weight"], "n");
+        // AlexNet: convolutions with their own biases, no BatchNorm
+        let alexnet = [conv("c.weight", Some("c.bias")), relu.clone()];
+        assert_eq!(folded_batch_norm(&alexnet), None);
+        // BatchNorm kept: a bias-less convolution feeds it; DenseNet's feeds a Concat
+        let kept = [
+            conv("c.weight", None),
+            bn.clone(),
+            node("Relu", &["n"], "r"),
+        ];
+        assert_eq!(folded_batch_norm(&kept), None);
+        assert_eq!(folded_batch_norm(&[conv("c.weight", None), concat]), None);
+        // folded, by either exporter, with or without BatchNorms left (DenseNet's pre-activation
+        // ones cannot be folded)
+        for (nodes, count) in [
+            (
+                vec![conv("onnx::Conv_7", Some("onnx::Conv_8")), relu.clone()],
+                0,
+            ),
+            (vec![conv("c.weight", Some("c.weight_bias")), bn.clone()], 1),
+            (
+                vec![conv("c.weight", None), relu.clone(), pre_activation],
+                1,
+            ),
+        ] {
+            let w = folded_batch_norm(&nodes).expect("a warning");
+            assert!(
+                w.contains(&format!("the graph has {count} BatchNormalization node(s)")),
+                "{w}"
+            );
+        }
     }
 
     #[test]

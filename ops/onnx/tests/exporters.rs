@@ -76,7 +76,7 @@ fn a_folded_batch_norm_is_warned_about_by_either_exporter() {
         };
         assert!(
             warning.starts_with(
-                "2 of the 2 Conv nodes read no bias, or a weight or bias that is no module's"
+                "2 of the 2 Conv nodes read a weight or bias that is no module's parameter, or no bias"
             ) && warning.contains(made)
                 && warning.contains("BatchNorm folded into the convolutions")
                 && warning.contains(fix)
