@@ -354,43 +354,23 @@ mod tests {
     use crate::kernels::conv2d::{gemm_backward, gemm_forward};
     use crate::op::OpSpec;
 
-    /// The GEMM path's results for the same depthwise layer, for comparison.
-    fn by_gemm(
-        op: &Conv2d,
-        input: Shape,
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
-        dy: &[f32],
-    ) -> [Vec<f32>; 4] {
+    /// The GEMM path's output of the same depthwise layer over the whole input, for comparison.
+    fn gemm_output(op: &Conv2d, input: Shape, x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
         let out = op.infer_shape(&[input]).unwrap().full_rect();
         let (wr, br) = (
             op.params(&[input])[0].shape.full_rect(),
             Shape::new(&[op.out_channels]).full_rect(),
         );
         let mut y = vec![0.0; out.volume()];
-        let bias = op.bias.then(|| View::new(br, b));
         gemm_forward(
             op,
             input,
             View::new(input.full_rect(), x),
             View::new(wr, w),
-            bias,
+            op.bias.then(|| View::new(br, b)),
             ViewMut::new(out, &mut y),
         );
-        let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; w.len()], vec![0.0; b.len()]);
-        gemm_backward(
-            op,
-            input,
-            View::new(input.full_rect(), x),
-            View::new(wr, w),
-            View::new(out, &y),
-            View::new(out, dy),
-            Some(ViewMut::new(input.full_rect(), &mut dx)),
-            ViewMut::new(wr, &mut dw),
-            op.bias.then(|| ViewMut::new(br, &mut db)),
-        );
-        [y, dx, dw, db]
+        y
     }
 
     #[test]
@@ -422,7 +402,7 @@ mod tests {
             let w = random(op.params(&[input])[0].shape.numel(), seed + 1);
             let b = random(op.out_channels, seed + 2);
             let dy = random(out.numel(), seed + 3);
-            let [gy, gdx, gdw, gdb] = by_gemm(&op, input, &x, &w, &b, &dy);
+            let gy = gemm_output(&op, input, &x, &w, &b);
             // the whole tensor, then a tile of some samples, channels, rows and columns
             let whole = out.full_rect();
             let inner = Rect::new(
@@ -451,25 +431,35 @@ mod tests {
                 );
                 let want = crate::kernels::check::cut(&gy, &whole, &tile);
                 assert!(max_rel_diff(&y, &want) < 1e-5, "y of {what}");
-                if tile != whole {
-                    continue;
-                }
+                // the tile's gradients, as the GEMM path gives them for the same tile
                 let (mut dx, mut dw, mut db) = (
-                    vec![f32::NAN; x.len()],
-                    vec![f32::NAN; w.len()],
-                    vec![f32::NAN; b.len()],
+                    vec![f32::NAN; x_rect.volume()],
+                    vec![f32::NAN; wr.volume()],
+                    vec![f32::NAN; br.volume()],
                 );
-                depthwise_backward(
-                    &op,
-                    input,
-                    View::new(x_rect, &x_tile),
-                    View::new(wr, &w_tile),
-                    View::new(tile, &y),
-                    View::new(tile, &dy),
-                    Some(ViewMut::new(x_rect, &mut dx)),
-                    ViewMut::new(wr, &mut dw),
-                    op.bias.then(|| ViewMut::new(br, &mut db)),
-                );
+                let dy_tile = crate::kernels::check::cut(&dy, &whole, &tile);
+                let (mut gdx, mut gdw, mut gdb) = (dx.clone(), dw.clone(), db.clone());
+                for (gemm, dx, dw, db) in [
+                    (false, &mut dx, &mut dw, &mut db),
+                    (true, &mut gdx, &mut gdw, &mut gdb),
+                ] {
+                    let backward = if gemm {
+                        gemm_backward
+                    } else {
+                        depthwise_backward
+                    };
+                    backward(
+                        &op,
+                        input,
+                        View::new(x_rect, &x_tile),
+                        View::new(wr, &w_tile),
+                        View::new(tile, &y),
+                        View::new(tile, &dy_tile),
+                        Some(ViewMut::new(x_rect, dx)),
+                        ViewMut::new(wr, dw),
+                        op.bias.then(|| ViewMut::new(br, db)),
+                    );
+                }
                 assert!(max_rel_diff(&dx, &gdx) < 1e-5, "dx of {what}");
                 assert!(max_rel_diff(&dw, &gdw) < 1e-5, "dw of {what}");
                 if op.bias {
