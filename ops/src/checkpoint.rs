@@ -138,7 +138,7 @@ pub struct Checkpoint {
 /// Whether a tensor of a PyTorch `state_dict` is a buffer no legion-rs model keeps: BatchNorm's
 /// step counter `num_batches_tracked` (an integer; legion-rs's running statistics use a fixed
 /// momentum, as PyTorch's do unless `momentum=None`).
-pub fn is_unused_pytorch_buffer(name: &str, dtype: Dtype) -> bool {
+fn is_unused_pytorch_buffer(name: &str, dtype: Dtype) -> bool {
     name.ends_with(".num_batches_tracked") && dtype != Dtype::F32
 }
 

@@ -65,26 +65,21 @@ fn relative(per_message: f64, collective: f64) -> f64 {
     (collective - per_message) / per_message
 }
 
-/// Every zoo model but EfficientNet-B0, whose OWT on paper:64 measured +3.34% against paper's 3%
-/// (`collective_against_per_message_table` lists every model).
-const HELD_TO_TOLERANCE: &[&str] = &[
-    "lenet5",
-    "alexnet",
-    "vgg16",
-    "inception_v3",
-    "inception_v3_reduced",
-    "resnet18",
-    "resnet50",
-    "resnext50_32x4d",
-    "mobilenet_v2",
-    "densenet121",
-    "squeezenet1_0",
-];
+/// The zoo's models the 3% (20% on `dgx-h100`) bound does not hold: EfficientNet-B0, whose OWT
+/// on paper:64 measured +3.34% (`collective_against_per_message_table` lists every model).
+const NOT_HELD: &[&str] = &["efficientnet_b0"];
+
+/// Every zoo model but [`NOT_HELD`]'s, a new one included.
+fn held_to_tolerance() -> impl Iterator<Item = &'static str> {
+    legion_ops::zoo::names()
+        .into_iter()
+        .filter(|name| !NOT_HELD.contains(name))
+}
 
 #[test]
 fn the_collective_simulation_is_within_3_percent_of_the_per_message_one() {
     let mut worst = (0.0f64, String::new());
-    for &name in HELD_TO_TOLERANCE {
+    for name in held_to_tolerance() {
         for family in MACHINES {
             for devices in SIZES {
                 let machine = machine(family, devices);
@@ -199,7 +194,7 @@ fn collective_against_per_message_table() {
                     worst = worst.max(d.abs());
                     if d.abs() > tolerance(family) {
                         let case = format!("{name} {strategy} on {family}:{devices}");
-                        match HELD_TO_TOLERANCE.contains(&name) {
+                        match !NOT_HELD.contains(&name) {
                             true => over.push(case),
                             false => unheld.push(format!("{case} ({:+.2}%)", d * 100.0)),
                         }

@@ -46,7 +46,7 @@ pub use legion_ops::train::Sgd;
 pub use legion_ops::zoo::ZooConfig;
 pub use legion_ops::{Graph, GraphBuilder, Precision, Shape};
 pub use legion_planner::search::SearchKind;
-pub use model::{ResolvedModel, load_model, load_model_and_weights, resolve_model, zoo};
+pub use model::{ResolvedModel, load_model, resolve_model, zoo};
 
 /// The README's Rust program, compiled and run as a doctest.
 #[doc = include_str!("../../../README.md")]

@@ -11,21 +11,6 @@ pub fn load_model(
     Ok(resolve_model(model, batch, image_size, classes)?.graph)
 }
 
-/// [`load_model`], with the initial weights the model file carries: an ONNX file's initializers
-/// (`None` for zoo and JSON models, and for ONNX files exported without weights).
-pub fn load_model_and_weights(
-    model: &str,
-    batch: usize,
-    image_size: Option<usize>,
-    classes: Option<usize>,
-) -> anyhow::Result<(
-    legion_ops::Graph,
-    Option<legion_ops::checkpoint::Checkpoint>,
-)> {
-    let m = resolve_model(model, batch, image_size, classes)?;
-    Ok((m.graph, m.weights))
-}
-
 /// A model as `--model` named it: its graph, the weights its file carries, and for an ONNX file
 /// what the import found (to show the user, warnings first of all).
 #[derive(Debug)]
@@ -35,7 +20,9 @@ pub struct ResolvedModel {
     pub import: Option<legion_onnx::ImportSummary>,
 }
 
-/// [`load_model_and_weights`], with the ONNX import's summary.
+/// Resolves `--model` as [`load_model`] does, with the weights the model file carries (an ONNX
+/// file's initializers; `None` for zoo and JSON models and graph-only exports) and what its
+/// import found.
 pub fn resolve_model(
     model: &str,
     batch: usize,

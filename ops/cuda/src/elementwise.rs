@@ -109,7 +109,8 @@ impl Cuda {
         if blocks == 0 {
             return Ok(());
         }
-        let blocks = u32::try_from(blocks).map_err(|_| {
+        // a grid's x dimension takes at most 2^31 - 1 blocks
+        let blocks = i32::try_from(blocks).map(|b| b as u32).map_err(|_| {
             Failure(format!(
                 "a channel scale's gradient of {blocks} elements exceeds one launch's grid"
             ))

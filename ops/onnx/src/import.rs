@@ -112,13 +112,22 @@ pub struct ImportSummary {
     pub source_name: String,
     /// Nodes of each op type, by op type.
     pub op_counts: std::collections::BTreeMap<String, usize>,
-    pub batch_norms: usize,
     pub layers: usize,
     pub parameters: u64,
     /// Whether the file carries the weights' values (else the model trains from its own
     /// initialisation).
     pub has_weights: bool,
     pub warnings: Vec<String>,
+}
+
+impl ImportSummary {
+    /// The file's BatchNormalization nodes.
+    pub fn batch_norms(&self) -> usize {
+        self.op_counts
+            .get("BatchNormalization")
+            .copied()
+            .unwrap_or(0)
+    }
 }
 
 impl std::fmt::Display for ImportSummary {
@@ -133,7 +142,7 @@ impl std::fmt::Display for ImportSummary {
             self.source_name,
             ops.join(", "),
             self.layers,
-            self.batch_norms,
+            self.batch_norms(),
             self.parameters,
             if self.has_weights {
                 "weights from the file"
@@ -1185,7 +1194,6 @@ impl<'g> Importer<'g> {
         }
         let summary = ImportSummary {
             source_name: self.source_name.clone(),
-            batch_norms: op_counts.get("BatchNormalization").copied().unwrap_or(0),
             op_counts,
             layers: graph.layers().len(),
             parameters: graph.param_count(),
@@ -1231,6 +1239,12 @@ fn folded_batch_norm(nodes: &[NodeProto]) -> Option<String> {
     let batch_norms = nodes.iter().filter(|n| is(n, "BatchNormalization")).count();
     let convs: Vec<&NodeProto> = nodes.iter().filter(|n| is(n, "Conv")).collect();
     let bias = |n: &NodeProto| n.input.get(2).filter(|b| !b.is_empty()).cloned();
+    let mut readers: HashMap<&str, Vec<&NodeProto>> = HashMap::new();
+    for node in nodes {
+        for input in &node.input {
+            readers.entry(input.as_str()).or_default().push(node);
+        }
+    }
     let feeds_an_activation = |n: &NodeProto| {
         const AFTER_A_NORM: [&str; 7] = [
             "Relu",
@@ -1241,8 +1255,15 @@ fn folded_batch_norm(nodes: &[NodeProto]) -> Option<String> {
             "HardSigmoid",
             "HardSwish",
         ];
-        readers_of(nodes, n).any(|r| AFTER_A_NORM.iter().any(|op| is(r, op)))
-            && !readers_of(nodes, n).any(|r| is(r, "BatchNormalization"))
+        let readers = n
+            .output
+            .first()
+            .and_then(|o| readers.get(o.as_str()))
+            .map_or(&[][..], Vec::as_slice);
+        readers
+            .iter()
+            .any(|r| AFTER_A_NORM.iter().any(|op| is(r, op)))
+            && !readers.iter().any(|r| is(r, "BatchNormalization"))
     };
     let folded: Vec<&&NodeProto> = convs
         .iter()
@@ -1269,14 +1290,6 @@ fn folded_batch_norm(nodes: &[NodeProto]) -> Option<String> {
         node_layer_name(example),
         example.input[1..].join("', '"),
     ))
-}
-
-/// The nodes that read `n`'s first output.
-fn readers_of<'a>(nodes: &'a [NodeProto], n: &'a NodeProto) -> impl Iterator<Item = &'a NodeProto> {
-    let output = n.output.first();
-    nodes
-        .iter()
-        .filter(move |r| output.is_some_and(|o| r.input.contains(o)))
 }
 
 impl Constant {

@@ -32,7 +32,7 @@ fn weights(imported: &Imported) -> BTreeMap<String, Vec<f32>> {
 fn a_batch_norm_preserving_export_keeps_the_modules_names_and_weights() {
     let imported = load(&fixture("torchscript_preserve.onnx")).unwrap();
     let s = &imported.summary;
-    assert_eq!(s.batch_norms, 2, "{s}");
+    assert_eq!(s.batch_norms(), 2, "{s}");
     assert_eq!(s.parameters, 365, "torch's parameter count");
     assert!(s.has_weights && s.warnings.is_empty(), "{s}");
     assert_eq!(s.op_counts["Conv"], 2, "{s}");
@@ -65,7 +65,7 @@ fn a_folded_batch_norm_is_warned_about_by_either_exporter() {
     for file in ["torchscript_folded.onnx", "dynamo.onnx"] {
         let imported = load(&fixture(file)).unwrap();
         let s = &imported.summary;
-        assert_eq!(s.batch_norms, 0, "{file}");
+        assert_eq!(s.batch_norms(), 0, "{file}");
         assert_eq!(s.parameters, 349, "{file}: no BatchNorm parameters left");
         let [warning] = &s.warnings[..] else {
             panic!("{file}: {:?}", s.warnings)

@@ -159,7 +159,7 @@ impl ColumnTap {
 /// A permutation of every row of a sample that groups its columns by residue modulo the stride:
 /// column `v` moves to `start[v % stride] + v / stride`, so a strided walk becomes contiguous.
 #[derive(Clone, Debug)]
-struct Phases {
+pub(super) struct Phases {
     stride: usize,
     row_len: usize,
     /// Where each residue class starts within a permuted row.
@@ -167,7 +167,7 @@ struct Phases {
 }
 
 impl Phases {
-    fn new(stride: usize, row_len: usize) -> Phases {
+    pub(super) fn new(stride: usize, row_len: usize) -> Phases {
         let start = (0..stride)
             .scan(0, |next, r| {
                 let at = *next;
@@ -188,12 +188,12 @@ impl Phases {
         self.start[r]..end
     }
 
-    fn position(&self, v: usize) -> usize {
+    pub(super) fn position(&self, v: usize) -> usize {
         self.start[v % self.stride] + v / self.stride
     }
 
     /// Permutes every row of `src` into `dst`.
-    fn split(&self, src: &[f32], dst: &mut [f32]) {
+    pub(super) fn split(&self, src: &[f32], dst: &mut [f32]) {
         if self.row_len == 0 {
             return;
         }
@@ -210,7 +210,7 @@ impl Phases {
     }
 
     /// Undoes [`Phases::split`]: writes the rows of `src` back in natural order into `dst`.
-    fn merge(&self, src: &[f32], dst: &mut [f32]) {
+    pub(super) fn merge(&self, src: &[f32], dst: &mut [f32]) {
         if self.row_len == 0 {
             return;
         }

@@ -9,6 +9,7 @@
 //! independent of the others, so planes spread over the rayon pool. The weight and bias gradients
 //! of a channel sum over the tile's samples in order, one channel per task.
 
+use super::conv2d::Phases;
 use super::gemm::with_scratch;
 use super::{View, ViewMut};
 use crate::op::{Activation, Conv2d};
@@ -16,18 +17,6 @@ use crate::shape::{Rect, Shape};
 use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
-
-/// The start of each phase `r < s` of a row `width` wide split by columns `≡ r (mod s)`.
-fn phase_starts(s: usize, width: usize) -> Vec<usize> {
-    let mut start = 0;
-    (0..s)
-        .map(|r| {
-            let here = start;
-            start += width.saturating_sub(r).div_ceil(s);
-            here
-        })
-        .collect()
-}
 
 /// Whether `conv2d_forward`/`conv2d_backward` take the depthwise path: one input channel a group.
 pub fn is_depthwise(op: &Conv2d, in_shape: Shape) -> bool {
@@ -44,14 +33,17 @@ struct Planes {
     multiplier: usize,
     out: Rect,
     x: Rect,
-    /// Where each phase of an input row starts once the row is split by columns `≡ r (mod s)`
-    /// for a horizontal stride `s > 1`, so that a tap's reads are contiguous.
-    phase_starts: Vec<usize>,
+    /// For a horizontal stride over 1, the input rows split by column residue, so that a tap's
+    /// reads are contiguous.
+    phases: Option<Phases>,
+    /// Per kernel column: the tile-local output columns it reads for, and the view column of the
+    /// first of them (the next ones a stride apart).
+    column_taps: Vec<(Range<usize>, usize)>,
 }
 
 impl Planes {
     fn new(op: &Conv2d, in_shape: Shape, x: &Rect, out: &Rect) -> Planes {
-        Planes {
+        let mut planes = Planes {
             kernel: op.kernel,
             stride: op.stride,
             padding: op.padding,
@@ -59,43 +51,34 @@ impl Planes {
             multiplier: op.out_channels / in_shape.dim(1),
             out: *out,
             x: *x,
-            phase_starts: phase_starts(op.stride[1], x.extent(3)),
-        }
+            phases: (op.stride[1] > 1).then(|| Phases::new(op.stride[1], x.extent(3))),
+            column_taps: Vec::new(),
+        };
+        planes.column_taps = (0..op.kernel[1]).map(|kj| planes.tap(1, kj)).collect();
+        planes
     }
 
     /// Where view column `col` sits in a row split into phases.
     fn column(&self, col: usize) -> usize {
-        let s = self.stride[1];
-        if s == 1 {
-            col
-        } else {
-            self.phase_starts[col % s] + col / s
-        }
+        self.phases.as_ref().map_or(col, |p| p.position(col))
     }
 
     /// The input plane to read taps from: itself, or split into phases in `scratch`.
     fn phased<'a>(&self, plane: &'a [f32], scratch: &'a mut [f32]) -> &'a [f32] {
-        let (s, width) = (self.stride[1], self.x.extent(3));
-        if s == 1 {
-            return plane;
-        }
-        for (row, out) in plane
-            .chunks_exact(width)
-            .zip(scratch.chunks_exact_mut(width))
-        {
-            for (col, &v) in row.iter().enumerate() {
-                out[self.column(col)] = v;
+        match &self.phases {
+            None => plane,
+            Some(phases) => {
+                phases.split(plane, scratch);
+                scratch
             }
         }
-        scratch
     }
 
     /// Scratch for one phased plane (none at stride 1).
     fn phased_len(&self) -> usize {
-        if self.stride[1] == 1 {
-            0
-        } else {
-            self.x_plane_len()
+        match self.phases {
+            None => 0,
+            Some(_) => self.x_plane_len(),
         }
     }
 
@@ -145,7 +128,6 @@ impl Planes {
     /// index `ki·kw + kj`; row-major `(ki, kj)` order for each output row.
     fn for_each_tap(&self, mut f: impl FnMut(usize, Range<usize>, usize, usize, usize)) {
         let (kh, kw) = (self.kernel[0], self.kernel[1]);
-        let cols: Vec<(Range<usize>, usize)> = (0..kw).map(|kj| self.tap(1, kj)).collect();
         for oh in 0..self.out.extent(2) {
             let global = self.out.lo[2] + oh;
             for ki in 0..kh {
@@ -156,7 +138,7 @@ impl Planes {
                     continue;
                 }
                 let x_row = ih - self.x.lo[2];
-                for (kj, (out_cols, x_col)) in cols.iter().enumerate() {
+                for (kj, (out_cols, x_col)) in self.column_taps.iter().enumerate() {
                     f(oh, out_cols.clone(), x_row, *x_col, ki * kw + kj);
                 }
             }
@@ -281,14 +263,8 @@ pub fn depthwise_backward(
                                 }
                             });
                         }
-                        if !phased.is_empty() {
-                            for (row, src) in
-                                dx_plane.chunks_exact_mut(x_w).zip(phased.chunks_exact(x_w))
-                            {
-                                for (col, d) in row.iter_mut().enumerate() {
-                                    *d = src[planes.column(col)];
-                                }
-                            }
+                        if let Some(phases) = &planes.phases {
+                            phases.merge(phased, dx_plane);
                         }
                     });
                 });

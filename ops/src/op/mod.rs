@@ -572,7 +572,7 @@ impl Op {
 
 /// The output extent of a sliding window (convolution or pooling) over `size` positions padded by
 /// `pad` each side, rounded down or, with `ceil`, up; `None` where no window fits.
-pub fn window_out(
+pub(crate) fn window_out(
     size: usize,
     kernel: usize,
     stride: usize,

@@ -39,7 +39,7 @@ pub fn run(a: ExportArgs) -> anyhow::Result<()> {
         graph,
         weights: model_weights,
         ..
-    } = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
+    } = super::resolve_model(&a.model, a.batch, a.image_size, a.classes)?;
     let (params, from) = match (&a.init, model_weights) {
         (Some(path), _) => {
             let ckpt = checkpoint::load(path)?;

@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 
 /// `--model` resolved, with what an ONNX import found written to stderr (stdout stays for
 /// `--json`): its summary, then its warnings.
-fn load_model(
+fn resolve_model(
     model: &str,
     batch: usize,
     image_size: Option<usize>,

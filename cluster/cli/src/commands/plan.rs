@@ -221,7 +221,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     };
     let machine = machine.with_precision(args.precision);
     let batch = args.batch.unwrap_or(32 * machine.num_devices());
-    let graph = super::load_model(&args.model, batch, args.image_size, args.classes)?.graph;
+    let graph = super::resolve_model(&args.model, batch, args.image_size, args.classes)?.graph;
     // The measured links and compute sharing replace the preset's guesses, so transfers and the
     // schedule are priced like the tiles are (a cluster's links are what `up` measured).
     let machine = match &db {

@@ -142,7 +142,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             None => embedded_machine(devices)?,
         },
     };
-    let graph = super::load_model(&a.model, a.batch, a.image_size, a.classes)?.graph;
+    let graph = super::resolve_model(&a.model, a.batch, a.image_size, a.classes)?.graph;
     let mut strategies = Vec::new();
     for s in &a.strategies {
         if s == "space" {

@@ -21,7 +21,7 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
-    let model = super::load_model(&a.model, a.batch, a.image_size, a.classes)?;
+    let model = super::resolve_model(&a.model, a.batch, a.image_size, a.classes)?;
     let graph = model.graph;
     let options = legion::TrainOptions {
         model_weights: model.weights,

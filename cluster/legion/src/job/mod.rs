@@ -355,7 +355,7 @@ pub struct Job {
     /// What the steps compute in.
     precision: Precision,
     /// What the user should know about the run's inputs, said after the device line.
-    notes: Vec<String>,
+    init_note: Option<String>,
 }
 
 impl Job {
@@ -508,7 +508,7 @@ impl Job {
             actors_on_gpus,
             describe_synthetic,
             precision,
-            notes: init_note.into_iter().collect(),
+            init_note,
         })
     }
 }

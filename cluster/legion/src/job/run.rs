@@ -25,10 +25,10 @@ impl Job {
             actors_on_gpus,
             describe_synthetic,
             precision,
-            notes,
+            init_note,
         } = self;
         on_event(JobEvent::Device(&device));
-        for note in &notes {
+        if let Some(note) = &init_note {
             on_event(JobEvent::Note(note));
         }
         if let Some(plan) = &plan {
