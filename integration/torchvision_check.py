@@ -17,8 +17,8 @@ For each model (default: all of MODELS):
   searches on `dgx-h100:8` and `dgx-h100:64`, each at 32 images a device: simulated step and
   search time (a search that fails or runs past --plan-timeout is reported as such);
 - CPU step: median training step of `legion-rs train --device cpu` on the TorchScript export and
-  of PyTorch (SGD, momentum 0.9, weight decay 5e-4), both on --threads threads, in one run,
-  alternating model by model.
+  of PyTorch (SGD, momentum 0.9, weight decay 5e-4), both on --threads threads, in --rounds
+  alternating rounds: the medians of each and of the per-round ratio.
 
     python3 -m venv /tmp/torchenv && /tmp/torchenv/bin/pip install torch torchvision onnx onnxscript safetensors
     cargo build --release -p legion-cli && cargo bench -p legion-onnx --bench gradients --no-run
@@ -227,10 +227,21 @@ def check(name, args, legion, gradients_bin, work):
             row[f"plan_{machine}_{search}"] = plan(legion, onnx, machine, search, args.plan_timeout)
     if not args.skip_step:
         torch.set_num_threads(args.threads)
-        row["cpu_step_ms"] = {
-            "legion": legion_step_ms(legion, onnx, args.batch, args.steps, args.threads),
-            "pytorch": torch_step_ms(model, args.batch, args.image, args.steps),
-        }
+        # alternating rounds, so that a slow spell of the machine falls on both
+        rounds = []
+        for _ in range(args.rounds):
+            ours = legion_step_ms(legion, onnx, args.batch, args.steps, args.threads)
+            theirs = torch_step_ms(model, args.batch, args.image, args.steps)
+            if ours is None:
+                break
+            rounds.append((ours, theirs))
+        if rounds:
+            row["cpu_step_ms"] = {
+                "legion": statistics.median(r[0] for r in rounds),
+                "pytorch": statistics.median(r[1] for r in rounds),
+                "ratio": statistics.median(r[0] / r[1] for r in rounds),
+                "rounds": len(rounds),
+            }
     return row
 
 
@@ -267,8 +278,9 @@ def table(path):
         paper = r.get("plan_paper_optcnn", {})
         paper = f"{paper['search_ms'] / 1e3:.2f}" if "search_ms" in paper else why(paper)
         step = r.get("cpu_step_ms") or {}
-        step = (f"{step['legion']:.0f} / {step['pytorch']:.0f} "
-                f"({step['legion'] / step['pytorch']:.2f}×)" if step.get("legion") else "—")
+        ratio = step.get("ratio") or (step["legion"] / step["pytorch"] if step.get("legion") else 0)
+        step = (f"{step['legion']:.0f} / {step['pytorch']:.0f} ({ratio:.2f}×)"
+                if step.get("legion") else "—")
         same = "yes" if r.get("torchscript_params") == r["torchvision_params"] else "no"
         print(f"| {r['model']} | {imported(r, 'torchscript')} | {imported(r, 'dynamo')} | "
               f"{same} ({r['torchvision_params']:,}) | {grads} | {paper} | "
@@ -287,6 +299,8 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plan-timeout", type=int, default=120)
     p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating legion-rs / PyTorch CPU step rounds (the medians are reported)")
     args = p.parse_args()
     legion = os.path.join(ROOT, "target/release/legion-rs")
     benches = [f for f in glob.glob(os.path.join(ROOT, "target/release/deps/gradients-*"))

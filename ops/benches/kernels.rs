@@ -1,4 +1,5 @@
-//! Throughput of the compute-heavy CPU kernels at AlexNet sizes (batch 32, 224×224 images).
+//! Throughput of the compute-heavy CPU kernels at AlexNet sizes (batch 32, 224×224 images), and
+//! of the memory-bound ones of MobileNetV2 (batch 8) in bytes of their tensors.
 //!
 //! Throughput is reported as elements/s where one element is one floating-point operation, so
 //! `Gelem/s` reads as GFLOP/s. FLOPs come from each op's `OpSpec::flops`. Run single-threaded with
@@ -10,12 +11,13 @@ use criterion::measurement::WallTime;
 use criterion::{
     BenchmarkGroup, Criterion, SamplingMode, Throughput, criterion_group, criterion_main,
 };
+use legion_ops::kernels::batch_norm::{batch_norm_backward, batch_norm_forward};
 use legion_ops::kernels::conv2d::{conv2d_backward, conv2d_forward};
 use legion_ops::kernels::dense::{dense_backward, dense_forward};
 use legion_ops::kernels::gemm::{Mat, MatMut, Threads, matmul};
 use legion_ops::kernels::pool2d::{pool2d_backward, pool2d_forward};
 use legion_ops::kernels::{View, ViewMut};
-use legion_ops::op::{Conv2d, Dense, OpSpec, Pool2d};
+use legion_ops::op::{BatchNorm, Conv2d, Dense, OpSpec, Pool2d};
 use legion_ops::rng::Rng;
 use legion_ops::shape::{Rect, Shape, add_rect, copy_rect};
 use std::hint::black_box;
@@ -226,6 +228,126 @@ fn bench_pool(c: &mut Criterion) {
     g.finish();
 }
 
+/// MobileNetV2's memory-bound layers at batch 8: the second block's expansion (96 channels at
+/// 112×112) through BatchNorm + ReLU and its 3×3 stride-2 depthwise convolution, and a 144-channel
+/// stride-1 depthwise convolution at 56×56. Throughput is the bytes of the tensors each pass reads
+/// and writes once.
+fn bench_mobilenet(c: &mut Criterion) {
+    let mut g = group(c, "mobilenet_v2");
+    let input = Shape::nchw(8, 96, 112, 112);
+    let rect = input.full_rect();
+    let channels = Rect::new(&[0], &[96]);
+    let op = BatchNorm {
+        relu: true,
+        ..BatchNorm::default()
+    };
+    let x = random(input.numel(), 13);
+    let dy = random(input.numel(), 14);
+    let (gamma, beta) = (random(96, 15), random(96, 16));
+    let (mut mean, mut var) = (vec![0.0; 96], vec![1.0; 96]);
+    let mut y = vec![0.0; input.numel()];
+    let bytes = (input.numel() * 4) as u64;
+    g.throughput(Throughput::Bytes(2 * bytes));
+    g.bench_function("batch_norm_relu/forward", |bench| {
+        bench.iter(|| {
+            black_box(batch_norm_forward(
+                &op,
+                View::new(rect, &x),
+                View::new(channels, &gamma),
+                View::new(channels, &beta),
+                ViewMut::new(channels, &mut mean),
+                ViewMut::new(channels, &mut var),
+                ViewMut::new(rect, &mut y),
+            ))
+        })
+    });
+    let stats = batch_norm_forward(
+        &op,
+        View::new(rect, &x),
+        View::new(channels, &gamma),
+        View::new(channels, &beta),
+        ViewMut::new(channels, &mut mean),
+        ViewMut::new(channels, &mut var),
+        ViewMut::new(rect, &mut y),
+    );
+    let mut dx = vec![0.0; input.numel()];
+    let (mut dgamma, mut dbeta) = (vec![0.0; 96], vec![0.0; 96]);
+    g.throughput(Throughput::Bytes(4 * bytes));
+    g.bench_function("batch_norm_relu/backward", |bench| {
+        bench.iter(|| {
+            batch_norm_backward(
+                &op,
+                View::new(rect, &x),
+                View::new(rect, &y),
+                View::new(rect, &dy),
+                &stats,
+                View::new(channels, &gamma),
+                ViewMut::new(rect, &mut dx),
+                ViewMut::new(channels, &mut dgamma),
+                ViewMut::new(channels, &mut dbeta),
+            );
+            black_box(&dx);
+        })
+    });
+
+    let layers = [
+        (
+            "depthwise3x3s2",
+            Conv2d::new(96, 3).stride(2).padding(1).groups(96).no_bias(),
+            input,
+        ),
+        (
+            "depthwise3x3s1",
+            Conv2d::new(144, 3).padding(1).groups(144).no_bias(),
+            Shape::nchw(8, 144, 56, 56),
+        ),
+    ];
+    for (name, op, input) in layers {
+        let output = op.infer_shape(&[input]).unwrap();
+        let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
+        let w_rect = op.params(&[input])[0].shape.full_rect();
+        let x = random(input.numel(), 17);
+        let w = random(w_rect.volume(), 18);
+        let dy = random(output.numel(), 19);
+        let mut y = vec![0.0; output.numel()];
+        let bytes = ((input.numel() + output.numel()) * 4) as u64;
+        g.throughput(Throughput::Bytes(bytes));
+        g.bench_function(format!("{name}/forward"), |bench| {
+            bench.iter(|| {
+                conv2d_forward(
+                    &op,
+                    input,
+                    View::new(x_rect, &x),
+                    View::new(w_rect, &w),
+                    None,
+                    ViewMut::new(y_rect, &mut y),
+                );
+                black_box(&y);
+            })
+        });
+        let mut dx = vec![0.0; input.numel()];
+        let mut dw = vec![0.0; w.len()];
+        g.throughput(Throughput::Bytes(2 * bytes));
+        g.bench_function(format!("{name}/backward"), |bench| {
+            bench.iter(|| {
+                conv2d_backward(
+                    &op,
+                    input,
+                    View::new(x_rect, &x),
+                    View::new(w_rect, &w),
+                    View::new(y_rect, &y),
+                    View::new(y_rect, &dy),
+                    Some(ViewMut::new(x_rect, &mut dx)),
+                    ViewMut::new(w_rect, &mut dw),
+                    None,
+                );
+                black_box((&dx, &dw));
+            })
+        });
+    }
+    g.finish();
+}
+
 /// The runtime's region moves (a device packing a slice, receiving one, summing gradient
 /// replicas): `copy_rect` and `add_rect` of a block of Inception-v3's `Mixed_7b` weights (one
 /// device's quarter of the output channels, as parameter sync folds it) and of a conv input's
@@ -291,6 +413,7 @@ criterion_group!(
     bench_conv,
     bench_dense,
     bench_pool,
+    bench_mobilenet,
     bench_rect_moves
 );
 criterion_main!(benches);

@@ -236,14 +236,14 @@ impl BatchStats {
 pub fn partial_moments(x: View<'_>, tile: &Rect) -> MomentSums {
     check_views(tile, &[x.rect]);
     let (sum, sum_sq) = channel_sums(tile, |plane| {
-        let mut total = [0.0; 2];
+        let mut lanes = Lanes::default();
         for_each_run(plane, &[x.rect], 0, |start, len| {
-            for &v in run_of(&x, &start, len) {
+            lanes.add_run(run_of(&x, &start, len), |v| {
                 let v = v as f64;
-                add_pair(&mut total, [v, v * v]);
-            }
+                [v, v * v]
+            });
         });
-        total
+        lanes.total()
     });
     MomentSums {
         channels: tile.lo[1]..tile.hi[1],
@@ -312,25 +312,19 @@ pub fn partial_grad_sums(
             let g = g as f64;
             [g, g * (x as f64 - mean)]
         };
-        let mut total = [0.0; 2];
+        let mut lanes = Lanes::default();
         for_each_run(plane, &views, 0, |start, len| {
             let xs = run_of(&x, &start, len);
             let dys = run_of(&dy, &start, len);
             match &relu_output {
                 Some(y) => {
                     let ys = run_of(y, &start, len);
-                    for ((&g, &yv), &xv) in dys.iter().zip(ys).zip(xs) {
-                        add_pair(&mut total, terms(relu_mask(g, yv), xv));
-                    }
+                    lanes.add_run3(dys, ys, xs, |g, yv, xv| terms(relu_mask(g, yv), xv));
                 }
-                None => {
-                    for (&g, &xv) in dys.iter().zip(xs) {
-                        add_pair(&mut total, terms(g, xv));
-                    }
-                }
+                None => lanes.add_run2(dys, xs, terms),
             }
         });
-        total
+        lanes.total()
     });
     // Σdy·(x − mean) scaled once per channel rather than normalising every element.
     let sum_dy_xhat = sum_dy_centered
@@ -595,9 +589,78 @@ fn channel_offsets(rect: &Rect, channels: &Range<usize>, what: &str) -> Range<us
     channels.start - rect.lo[0]..channels.end - rect.lo[0]
 }
 
-fn add_pair(acc: &mut [f64; 2], terms: [f64; 2]) {
-    acc[0] += terms[0];
-    acc[1] += terms[1];
+/// Two f64 sums kept in [`LANES`] independent accumulators: a single running sum is one chain of
+/// dependent additions, bound by the adder's latency rather than by memory. Element `i` of a run
+/// always goes to lane `i % LANES` and the lanes are added in order, so the result depends only
+/// on the runs, not on threads.
+#[derive(Default)]
+struct Lanes {
+    first: [f64; LANES],
+    second: [f64; LANES],
+}
+
+const LANES: usize = 8;
+
+impl Lanes {
+    fn add(&mut self, lane: usize, [a, b]: [f64; 2]) {
+        self.first[lane] += a;
+        self.second[lane] += b;
+    }
+
+    fn add_run(&mut self, xs: &[f32], terms: impl Fn(f32) -> [f64; 2]) {
+        let mut chunks = xs.chunks_exact(LANES);
+        for chunk in &mut chunks {
+            for (lane, &x) in chunk.iter().enumerate() {
+                self.add(lane, terms(x));
+            }
+        }
+        for (lane, &x) in chunks.remainder().iter().enumerate() {
+            self.add(lane, terms(x));
+        }
+    }
+
+    fn add_run2(&mut self, a: &[f32], b: &[f32], terms: impl Fn(f32, f32) -> [f64; 2]) {
+        let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        for (xa, xb) in (&mut ca).zip(&mut cb) {
+            for lane in 0..LANES {
+                self.add(lane, terms(xa[lane], xb[lane]));
+            }
+        }
+        for (lane, (&x, &y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
+            self.add(lane, terms(x, y));
+        }
+    }
+
+    fn add_run3(
+        &mut self,
+        a: &[f32],
+        b: &[f32],
+        c: &[f32],
+        terms: impl Fn(f32, f32, f32) -> [f64; 2],
+    ) {
+        let (mut ca, mut cb, mut cc) = (
+            a.chunks_exact(LANES),
+            b.chunks_exact(LANES),
+            c.chunks_exact(LANES),
+        );
+        for ((xa, xb), xc) in (&mut ca).zip(&mut cb).zip(&mut cc) {
+            for lane in 0..LANES {
+                self.add(lane, terms(xa[lane], xb[lane], xc[lane]));
+            }
+        }
+        let rest = ca
+            .remainder()
+            .iter()
+            .zip(cb.remainder())
+            .zip(cc.remainder());
+        for (lane, ((&x, &y), &z)) in rest.enumerate() {
+            self.add(lane, terms(x, y, z));
+        }
+    }
+
+    fn total(&self) -> [f64; 2] {
+        [self.first.iter().sum(), self.second.iter().sum()]
+    }
 }
 
 fn add_into(acc: &mut [f64], other: &[f64]) {
