@@ -18,6 +18,7 @@
 
 use crate::config::{ParallelConfig, tile_rect};
 use crate::machine::MachineModel;
+use crate::progress::{Phase, Progress};
 use crate::provider::CostProvider;
 use crate::simulate::SyncSimulation;
 use crate::sync::{layer_link_loads, sync_time};
@@ -36,6 +37,7 @@ pub struct CostModel<'a> {
     edges: Vec<Edge>,
     inputs: Vec<Vec<Shape>>,
     sync_simulation: SyncSimulation,
+    progress: Option<&'a dyn Progress>,
 }
 
 /// Eq. 1 terms of one layer.
@@ -98,6 +100,7 @@ impl<'a> CostModel<'a> {
             edges: graph_edges(graph),
             inputs: graph.ids().map(|id| graph.input_shapes(id)).collect(),
             sync_simulation: SyncSimulation::default(),
+            progress: None,
         }
     }
 
@@ -106,6 +109,19 @@ impl<'a> CostModel<'a> {
     pub fn with_sync_simulation(mut self, detail: SyncSimulation) -> CostModel<'a> {
         self.sync_simulation = detail;
         self
+    }
+
+    /// Reports the tables' build and the searches' progress to `progress`.
+    pub fn with_progress(mut self, progress: &'a dyn Progress) -> CostModel<'a> {
+        self.progress = Some(progress);
+        self
+    }
+
+    /// Tells the model's [`Progress`], if it has one, how far `phase` is.
+    pub(crate) fn progress(&self, phase: Phase, done: u64, total: u64) {
+        if let Some(p) = self.progress {
+            p.update(phase, done, total);
+        }
     }
 
     /// How [`crate::simulate`] schedules parameter synchronisation for this model.

@@ -16,7 +16,7 @@
 //! - [`simulate`], [`trace`]: a list-scheduled task graph of one iteration and its Chrome trace.
 //! - [`memory`]: what each device holds during a step against what the machine's devices hold.
 //! - [`strategy`]: strategy files; [`plan`]: what `legion-rs plan` runs (its tables and JSON are
-//!   the CLI's).
+//!   the CLI's); [`progress`]: what a long plan reports while it runs.
 
 pub mod config;
 pub mod cost;
@@ -28,6 +28,7 @@ pub mod machine_presets;
 pub mod memory;
 pub mod plan;
 pub mod profile;
+pub mod progress;
 pub mod provider;
 pub mod runtime_costs;
 pub mod search;

@@ -31,6 +31,8 @@ pub struct SearchRun {
     pub seconds: f64,
     /// Layers left after Algorithm 1's eliminations (OptCNN only).
     pub residual_nodes: Option<usize>,
+    /// Whether OptCNN's strategy is proven optimal, or how far from optimal it may be.
+    pub optimality: Option<search::Optimality>,
     /// The seed planners' own byte counts (their papers' objectives), to show beside Eq. 1.
     pub native: Option<NativeBytes>,
     /// What mapping a seed planner's plan into our configuration space lost.
@@ -97,6 +99,7 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
         let found = search::find_with(kind, &tables, options, &earlier);
         let seconds = t.elapsed().as_secs_f64();
         let residual_nodes = found.as_ref().ok().and_then(|f| f.residual_nodes);
+        let optimality = found.as_ref().ok().and_then(|f| f.optimality.clone());
         let refined = found.as_ref().ok().and_then(|f| f.refined);
         let native = found.as_ref().ok().and_then(|f| {
             let mapped = search::native_bytes(kind, model.graph(), model.machine(), &f.configs)?;
@@ -110,6 +113,7 @@ pub fn plan(model: &CostModel, kinds: &[SearchKind], options: &SearchOptions) ->
             result: found.map(|f| evaluate(model, f.configs)),
             seconds,
             residual_nodes,
+            optimality,
             native,
             lossy: kind.lossy(),
             refined,

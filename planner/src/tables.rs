@@ -13,6 +13,7 @@ use crate::config::{ConfigSpace, ParallelConfig, tile_rects};
 use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, Link, MachineModel};
+use crate::progress::Phase;
 use crate::sync::{LinkLoadBuffers, SharingPattern, sync_time_shifted};
 use crate::transfer::Edge;
 use crate::transfer_table::{ConfigSubset, EdgeGeometry, LeastTimes, PairBuffers, TransferTables};
@@ -95,7 +96,9 @@ impl<'m> CostTables<'m> {
         let mut same_space: HashMap<(Shape, &[Dim], Option<usize>), usize> = HashMap::new();
         let blocks = BlockClasses::new(machine);
         let mut scratch = NodeScratch::default();
+        let layers = graph.layers().len() as u64;
         for id in graph.ids() {
+            model.progress(Phase::NodeCosts, id.0 as u64, layers);
             let layer = graph.layer(id);
             let dims = layer.op.spec().parallel_dims(&layer.shape);
             let op = serde_json::to_string(&layer.op).unwrap_or_default();

@@ -1,13 +1,17 @@
 //! What a training run shows the user: the [`JobEvent`]s of a [`Job`](legion::job::Job) as text
-//! lines, as a progress bar on a terminal, or as one JSON object per line.
+//! lines, as a progress bar on a terminal, or as one JSON object per line; and what a long plan
+//! shows while it searches ([`PlanProgress`]).
 
 use indicatif::{ProgressBar, ProgressStyle};
 use legion::Training;
 use legion::job::{JobEvent, PlannedRun, StepDone, TrainSummary};
 use legion_cluster::memory::human_bytes;
 use legion_ops::capture::CaptureStatus;
+use legion_planner::progress::{Phase, Progress};
 use serde_json::json;
 use std::io::IsTerminal;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Runs `training`, printing its progress to stdout: JSON lines with `json`, text otherwise.
 pub fn train(training: Training, json: bool) -> anyhow::Result<TrainSummary> {
@@ -210,4 +214,99 @@ fn describe_list(devices: &[usize]) -> String {
         i = j + 1;
     }
     parts.join(", ")
+}
+
+/// Shows a plan's progress on stderr once it has run [`PlanProgress::new`]'s delay: a bar with
+/// an estimate on a terminal, otherwise a line per phase and every [`LINE_EVERY`] within one.
+/// stdout is never touched, so `--json` stays clean.
+pub struct PlanProgress {
+    start: Instant,
+    after: Duration,
+    terminal: bool,
+    state: Mutex<Shown>,
+}
+
+#[derive(Default)]
+struct Shown {
+    /// The phase shown last, and its bar on a terminal.
+    phase: Option<Phase>,
+    bar: Option<ProgressBar>,
+    /// When the last line was written (not on a terminal).
+    line_at: Option<Instant>,
+}
+
+/// How often a phase's progress line repeats when stderr is not a terminal.
+const LINE_EVERY: Duration = Duration::from_secs(5);
+
+/// How long a plan runs before its progress shows; `LEGION_RS_PROGRESS_AFTER_MS` sets it.
+const PROGRESS_AFTER: Duration = Duration::from_secs(2);
+
+impl PlanProgress {
+    /// Progress that starts showing after [`PROGRESS_AFTER`] (or `LEGION_RS_PROGRESS_AFTER_MS`
+    /// milliseconds).
+    pub fn new() -> PlanProgress {
+        let after = std::env::var("LEGION_RS_PROGRESS_AFTER_MS")
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .map_or(PROGRESS_AFTER, Duration::from_millis);
+        PlanProgress {
+            start: Instant::now(),
+            after,
+            terminal: std::io::stderr().is_terminal(),
+            state: Mutex::new(Shown::default()),
+        }
+    }
+
+    /// Clears the bar, if one is drawn.
+    pub fn finish(&self) {
+        let mut shown = self.state.lock().expect("progress is never poisoned");
+        if let Some(bar) = shown.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Default for PlanProgress {
+    fn default() -> Self {
+        PlanProgress::new()
+    }
+}
+
+impl Progress for PlanProgress {
+    fn update(&self, phase: Phase, done: u64, total: u64) {
+        if self.start.elapsed() < self.after {
+            return;
+        }
+        let mut shown = self.state.lock().expect("progress is never poisoned");
+        let new_phase = shown.phase != Some(phase);
+        shown.phase = Some(phase);
+        if self.terminal {
+            if new_phase {
+                if let Some(old) = shown.bar.take() {
+                    old.finish_and_clear();
+                }
+                let bar = ProgressBar::new(total);
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "{msg} {bar:30} {pos}/{len} {prefix}, {elapsed} (about {eta} left)",
+                    )
+                    .expect("valid progress template"),
+                );
+                bar.set_message(phase.describe());
+                bar.set_prefix(phase.unit());
+                shown.bar = Some(bar);
+            }
+            if let Some(bar) = &shown.bar {
+                bar.set_length(total);
+                bar.set_position(done);
+            }
+        } else if new_phase || shown.line_at.is_none_or(|at| at.elapsed() >= LINE_EVERY) {
+            shown.line_at = Some(Instant::now());
+            eprintln!(
+                "{phase}: {done}/{total} {}, {:.1} s into the plan",
+                phase.unit(),
+                self.start.elapsed().as_secs_f64()
+            );
+        }
+    }
 }

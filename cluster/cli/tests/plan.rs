@@ -429,3 +429,63 @@ fn sync_sim_picks_the_simulation_and_refuses_unknown_names() {
         "{err}"
     );
 }
+
+/// A search past the progress delay (set to nothing here) says what it is doing on stderr, never
+/// on stdout: `--json` stays one document. A DenseNet's search reports how close to the optimum
+/// its strategy is, and the text report says so and names the layers solved by local search.
+#[test]
+fn progress_goes_to_stderr_and_the_bound_to_the_report() {
+    let plan = |json: bool| {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "densenet121",
+            "--image-size",
+            "32",
+            "--batch",
+            "8",
+            "--machine",
+            "paper:4",
+            "--search",
+            "optcnn",
+        ];
+        if json {
+            args.push("--json");
+        }
+        std::process::Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+            .args(&args)
+            .env("LEGION_RS_PROGRESS_AFTER_MS", "0")
+            .output()
+            .expect("legion-rs runs")
+    };
+    let out = plan(true);
+    let doc = json(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("pricing every layer's configs") && err.contains("optcnn: eliminating"),
+        "no progress on stderr: {err}"
+    );
+    let optimality = &doc["searches"][0]["optimality"];
+    let (exact, gap) = (optimality["exact"].as_bool(), optimality["gap"].as_f64());
+    assert!(
+        exact.is_some() && gap.is_some_and(|g| g >= 0.0),
+        "{optimality}"
+    );
+    let text = plan(false);
+    assert!(text.status.success());
+    let stdout = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        stdout.starts_with("densenet121 on paper:4"),
+        "the model and machine line first: {stdout}"
+    );
+    assert!(
+        !stdout.contains("eliminating"),
+        "progress on stdout: {stdout}"
+    );
+    if exact == Some(false) {
+        assert!(
+            stdout.contains("of Eq. 1's optimum") && stdout.contains("features.denseblock"),
+            "{stdout}"
+        );
+    }
+}

@@ -218,6 +218,10 @@ const TOUR: &[(&str, How)] = &[
         How::Run(&[]),
     ),
     (
+        "legion-rs plan --model densenet121 --batch 8 --machine paper:4",
+        How::Run(&[("--image-size", "32")]),
+    ),
+    (
         "legion-rs train --model lenet5 --devices 1 --steps 20 --device cuda",
         How::Cuda(&[("--steps", "2")]),
     ),

@@ -92,6 +92,40 @@ pub(crate) fn enumerate(
     Ok((search.best_choice, search.best))
 }
 
+/// What [`enumerate_from`] found.
+pub(crate) struct Enumerated {
+    pub(crate) choice: Vec<usize>,
+    pub(crate) cost: f64,
+    /// Whether every strategy was visited or pruned (`choice` is then optimal), rather than the
+    /// budget running out first (`choice` is then the best seen).
+    pub(crate) complete: bool,
+}
+
+/// [`enumerate`] started from `incumbent` (a complete assignment and its cost), visiting only
+/// strictly cheaper ones to the end; where the budget runs out, the best assignment seen. `tick`
+/// hears the count of partial strategies tried every [`TICK`] of them.
+pub(crate) fn enumerate_from<'a>(
+    costs: &'a [&'a [f64]],
+    sizes: &'a [usize],
+    incoming: &'a [Vec<InEdge>],
+    budget: u64,
+    incumbent: Option<(&[usize], f64)>,
+    tick: &'a dyn Fn(u64),
+) -> Enumerated {
+    let mut search = Dfs::new(costs, sizes, incoming, budget);
+    search.tick = Some(tick);
+    if let Some((choice, cost)) = incumbent {
+        search.best = cost;
+        search.best_choice = choice.to_vec();
+    }
+    let complete = search.visit(0, 0.0).is_ok();
+    Enumerated {
+        choice: search.best_choice,
+        cost: search.best,
+        complete,
+    }
+}
+
 struct Dfs<'a> {
     costs: &'a [&'a [f64]],
     sizes: &'a [usize],
@@ -104,7 +138,12 @@ struct Dfs<'a> {
     budget: u64,
     /// Which complete strategies count (all where `None`).
     accept: Option<&'a Accept<'a>>,
+    /// Told the count tried every [`TICK`] partial strategies.
+    tick: Option<&'a dyn Fn(u64)>,
 }
+
+/// How many partial strategies [`enumerate_from`]'s `tick` hears about at a time.
+pub(crate) const TICK: u64 = 1 << 16;
 
 impl<'a> Dfs<'a> {
     fn new(
@@ -145,6 +184,7 @@ impl<'a> Dfs<'a> {
             tried: 0,
             budget,
             accept: None,
+            tick: None,
         }
     }
 
@@ -185,6 +225,11 @@ impl<'a> Dfs<'a> {
                 break;
             }
             self.tried += 1;
+            if let Some(tick) = self.tick
+                && self.tried.is_multiple_of(TICK)
+            {
+                tick(self.tried);
+            }
             if self.tried > self.budget {
                 return Err(SearchError::BudgetExceeded {
                     budget: self.budget,

@@ -16,6 +16,7 @@ mod optcnn;
 mod owt;
 pub mod refine;
 mod relaxation;
+mod residual;
 mod seed;
 pub mod soybean;
 pub mod spartan;
@@ -28,7 +29,7 @@ pub use exhaustive::{
 };
 pub use hypar::{HyparPlan, hypar};
 pub use model::model_parallel;
-pub use optcnn::{OptCnnResult, RESIDUAL_BUDGET, optcnn};
+pub use optcnn::{OptCnnResult, Optimality, RESIDUAL_BUDGET, optcnn, optcnn_within};
 pub use owt::one_weird_trick;
 pub use refine::{
     DEFAULT_REFINE_BUDGET, DEFAULT_REFINE_SEED, REFINE_STARTS, RefineOptions, RefineReport,
@@ -43,6 +44,7 @@ use crate::config::ParallelConfig;
 use crate::cost::CostBreakdown;
 use crate::machine::MachineModel;
 use crate::memory::{DoesNotFit, check_fits};
+use crate::progress::Phase;
 use crate::simulate::simulated_step_time;
 use crate::tables::{CostTables, SearchSpace};
 use std::fmt;
@@ -194,6 +196,9 @@ pub struct Found {
     pub configs: Vec<ParallelConfig>,
     /// Layers left after Algorithm 1's eliminations (OptCNN only).
     pub residual_nodes: Option<usize>,
+    /// Whether Algorithm 1's residual graph was solved exactly, or within a lower bound (OptCNN
+    /// only).
+    pub optimality: Option<Optimality>,
     /// Partial strategies tried (exhaustive only).
     pub tried: Option<u64>,
     /// What the mapping into our configuration space lost (the seed planners only).
@@ -247,6 +252,7 @@ pub fn find_with(
     let mut found = Found {
         configs: Vec::new(),
         residual_nodes: None,
+        optimality: None,
         tried: None,
         lossy: kind.lossy(),
         native_bytes: None,
@@ -256,6 +262,7 @@ pub fn find_with(
         SearchKind::OptCnn => {
             let (r, configs) = optcnn_within_memory(tables)?;
             found.residual_nodes = Some(r.residual_nodes);
+            found.optimality = Some(r.optimality);
             configs
         }
         SearchKind::Refine => {
@@ -291,7 +298,10 @@ pub fn find_with(
                 budget: options.refine.budget_for(most_tasks),
                 ..options.refine
             };
+            let simulated = std::cell::Cell::new(0u64);
             let refined = refine::refine_by(tables, &starts, &refine_options, |configs| {
+                simulated.set(simulated.get() + 1);
+                model.progress(Phase::Refine, simulated.get(), refine_options.budget);
                 let over = over_memory(graph, machine, configs);
                 if over > 0.0 {
                     UNFIT_SECONDS * (1.0 + over)

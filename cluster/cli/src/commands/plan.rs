@@ -3,6 +3,7 @@
 //! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
 
 use super::report::{self, PlanJson, SearchJson};
+use crate::progress::PlanProgress;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use legion::job::check_output_path;
@@ -234,7 +235,21 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         Some(p) => p,
         None => &roofline,
     };
-    let model = CostModel::new(&graph, &machine, provider).with_sync_simulation(args.sync_sim);
+    // Said at once: the search may take a while (its progress shows on stderr).
+    if !args.json {
+        println!("{} on {machine}, batch {batch}", graph.name);
+        match &args.profile {
+            Some(path) => println!("t_c: measured kernel times from {}", path.display()),
+            None => println!(
+                "t_c: the roofline model (peak FLOP/s and memory bandwidth), not measured \
+                 kernel times: --profile FILE prices tiles as a profile measured them"
+            ),
+        }
+    }
+    let progress = PlanProgress::new();
+    let model = CostModel::new(&graph, &machine, provider)
+        .with_sync_simulation(args.sync_sim)
+        .with_progress(&progress);
     let space = match args.paper_space {
         true => SearchSpace::Paper,
         false => SearchSpace::WithReductions,
@@ -257,14 +272,6 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             };
             println!("{}", doc.to_json());
         } else {
-            println!("{} on {machine}, batch {batch}", graph.name);
-            match &args.profile {
-                Some(path) => println!("t_c: measured kernel times from {}", path.display()),
-                None => println!(
-                    "t_c: the roofline model (peak FLOP/s and memory bandwidth), not measured \
-                     kernel times: --profile FILE prices tiles as a profile measured them"
-                ),
-            }
             println!(
                 "{}",
                 report::summary(&path.display().to_string(), &evaluated, None)
@@ -293,6 +300,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             space,
         };
         let run = plan::plan(&model, &args.search.kinds(), &options);
+        progress.finish();
         if args.search != SearchChoice::All
             && let Some(Err(e)) = run.searches.first().map(|s| &s.result)
         {
@@ -309,14 +317,6 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
                 PlanJson::of(&graph, &run, t_c_source(&args), args.precision).to_json()
             );
         } else {
-            println!("{} on {machine}, batch {batch}", graph.name);
-            match &args.profile {
-                Some(path) => println!("t_c: measured kernel times from {}", path.display()),
-                None => println!(
-                    "t_c: the roofline model (peak FLOP/s and memory bandwidth), not measured \
-                     kernel times: --profile FILE prices tiles as a profile measured them"
-                ),
-            }
             if args.search == SearchChoice::All {
                 print!("{}", report::comparison_table(&run));
                 if args.budget.is_none() && stopped_at_budget(&run) {
@@ -336,6 +336,13 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
                 && let Some(refined) = &best.refined
             {
                 println!("{}", report::refine_line(refined));
+            }
+            for s in &run.searches {
+                if let (Some(o), Ok(e)) = (&s.optimality, &s.result)
+                    && let Some(line) = report::optimality_line(&graph, o, e.cost.total)
+                {
+                    println!("{line}");
+                }
             }
             print!(
                 "{}",

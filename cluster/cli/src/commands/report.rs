@@ -5,7 +5,7 @@ use legion_planner::ParallelConfig;
 use legion_planner::cost::CostBreakdown;
 use legion_planner::memory::human_bytes;
 use legion_planner::plan::{Evaluated, PlanRun};
-use legion_planner::search::RefineReport;
+use legion_planner::search::{Optimality, RefineReport};
 use legion_planner::strategy::{LayerStrategy, Strategy, describe_devices};
 use serde::Serialize;
 use std::fmt::Write;
@@ -204,6 +204,76 @@ pub struct SearchJson {
     /// Where the refinement started and what it spent (refine only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub refine: Option<RefineJson>,
+    /// Whether the strategy is proven Eq. 1's optimum, and otherwise how close (optcnn only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optimality: Option<OptimalityJson>,
+}
+
+/// An [`Optimality`] in the `--json` document.
+#[derive(Clone, Debug, Serialize)]
+pub struct OptimalityJson {
+    pub exact: bool,
+    /// Eq. 1's optimum is at least this.
+    pub lower_bound_ms: f64,
+    /// How far above the lower bound the strategy's Eq. 1 may be, as a fraction of the bound.
+    pub gap: f64,
+    /// The layers whose configs were not proven optimal.
+    pub inexact_layers: Vec<String>,
+}
+
+impl OptimalityJson {
+    pub fn of(graph: &Graph, optimality: &Optimality, cost: f64) -> OptimalityJson {
+        match optimality {
+            Optimality::Exact => OptimalityJson {
+                exact: true,
+                lower_bound_ms: cost * 1e3,
+                gap: 0.0,
+                inexact_layers: Vec::new(),
+            },
+            Optimality::Bounded {
+                lower_bound,
+                layers,
+            } => OptimalityJson {
+                exact: false,
+                lower_bound_ms: lower_bound * 1e3,
+                gap: optimality.gap(cost),
+                inexact_layers: layers
+                    .iter()
+                    .map(|&l| graph.layer(l).name.clone())
+                    .collect(),
+            },
+        }
+    }
+}
+
+/// What the text report says of a strategy not proven optimal: how close it is and which layers
+/// were not solved exactly; `None` for an exact one.
+pub fn optimality_line(graph: &Graph, optimality: &Optimality, cost: f64) -> Option<String> {
+    let Optimality::Bounded {
+        lower_bound,
+        layers,
+    } = optimality
+    else {
+        return None;
+    };
+    const NAMED: usize = 6;
+    let mut names: Vec<&str> = layers
+        .iter()
+        .take(NAMED)
+        .map(|&l| graph.layer(l).name.as_str())
+        .collect();
+    if layers.len() > NAMED {
+        names.push("...");
+    }
+    Some(format!(
+        "optcnn: within {:.2}% of Eq. 1's optimum (at least {:.3} ms): the eliminations left {} \
+         layers ({}) joined too densely to enumerate, so their configs come from local search \
+         and the others are optimal given them",
+        optimality.gap(cost) * 100.0,
+        lower_bound * 1e3,
+        layers.len(),
+        names.join(", ")
+    ))
 }
 
 /// A [`RefineReport`] in the `--json` document.
@@ -252,6 +322,7 @@ impl SearchJson {
                 native_bytes_mapped: None,
                 lossy: None,
                 refine: None,
+                optimality: None,
             },
             Err(error) => SearchJson {
                 search: name.to_string(),
@@ -269,6 +340,7 @@ impl SearchJson {
                 native_bytes_mapped: None,
                 lossy: None,
                 refine: None,
+                optimality: None,
             },
         }
     }
@@ -291,6 +363,11 @@ impl PlanJson {
                         native_bytes_mapped: s.native.map(|n| n.mapped),
                         lossy: s.lossy,
                         refine: s.refined.as_ref().map(RefineJson::of),
+                        optimality: s
+                            .optimality
+                            .as_ref()
+                            .zip(s.result.as_ref().ok())
+                            .map(|(o, e)| OptimalityJson::of(graph, o, e.cost.total)),
                         ..SearchJson::of(graph, s.kind.name(), result, s.seconds)
                     }
                 })
