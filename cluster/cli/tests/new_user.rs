@@ -605,3 +605,29 @@ fn help_and_output_say_what_they_mean() {
         "{table}"
     );
 }
+
+/// A standard CNN trains under the default strategy (optcnn) on several devices, however densely
+/// its layers connect: DenseNet-121, whose residual graph the search cannot enumerate.
+#[test]
+fn densenet_trains_on_two_devices_under_the_default_strategy() {
+    let out = legion(&[
+        "train",
+        "--model",
+        "densenet121",
+        "--image-size",
+        "32",
+        "--classes",
+        "10",
+        "--batch",
+        "4",
+        "--devices",
+        "2",
+        "--steps",
+        "1",
+        "--json",
+    ]);
+    let summary = summary_of(&out);
+    assert_eq!(summary["plan"]["strategy"], "optcnn", "{}", stderr(&out));
+    assert_eq!(summary["steps_taken"], 1);
+    assert!(summary["final_loss"].as_f64().is_some_and(f64::is_finite));
+}
