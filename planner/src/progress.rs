@@ -47,7 +47,7 @@ impl fmt::Display for Phase {
 
 /// Receives a plan's progress. Calls come often (at most one per unit of work) and from the
 /// planning thread only; an implementation decides what to show and when.
-pub trait Progress: Sync {
+pub trait Progress: Send + Sync {
     /// `done` of `total` units of `phase` are done (`done` ≤ `total`; a phase may end early).
     fn update(&self, phase: Phase, done: u64, total: u64);
 }

@@ -189,6 +189,7 @@ impl TrainFlags {
             memory_gib: self.memory_gib,
             precision: self.precision.given(),
             gpus: self.gpus.clone().map(|g| g.0),
+            search_progress: legion::job::SearchProgress::default(),
             gpu: GpuOptions {
                 conv_algos: self.conv_algos,
                 conv_epilogue: match self.no_fused_epilogue {

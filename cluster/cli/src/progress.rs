@@ -10,13 +10,24 @@ use legion_ops::capture::CaptureStatus;
 use legion_planner::progress::{Phase, Progress};
 use serde_json::json;
 use std::io::IsTerminal;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Runs `training`, printing its progress to stdout: JSON lines with `json`, text otherwise.
+/// Runs `training`, printing its progress to stdout: JSON lines with `json`, text otherwise; a
+/// long strategy search shows its own on stderr until the run's first event.
 pub fn train(training: Training, json: bool) -> anyhow::Result<TrainSummary> {
+    let search = Arc::new(PlanProgress::new());
     let mut printer = Printer::new(json);
-    training.run(|event| printer.show(event))
+    let mut searching = true;
+    let summary = training.search_progress(search.clone()).run(|event| {
+        if std::mem::take(&mut searching) {
+            search.finish();
+        }
+        printer.show(event)
+    });
+    // a run that failed before its first event leaves no bar behind its error
+    search.finish();
+    summary
 }
 
 /// Prints a run's events to stdout (the progress bar draws on stderr).

@@ -607,10 +607,11 @@ fn help_and_output_say_what_they_mean() {
 }
 
 /// A standard CNN trains under the default strategy (optcnn) on several devices, however densely
-/// its layers connect: DenseNet-121, whose residual graph the search cannot enumerate.
+/// its layers connect: DenseNet-121, whose residual graph the search cannot enumerate. The
+/// search's progress (shown at once here) goes to stderr; stdout stays JSON lines.
 #[test]
 fn densenet_trains_on_two_devices_under_the_default_strategy() {
-    let out = legion(&[
+    let args = [
         "train",
         "--model",
         "densenet121",
@@ -625,9 +626,19 @@ fn densenet_trains_on_two_devices_under_the_default_strategy() {
         "--steps",
         "1",
         "--json",
-    ]);
+    ];
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+        .args(args)
+        .env("LEGION_RS_PROGRESS_AFTER_MS", "0")
+        .output()
+        .expect("legion-rs runs");
     let summary = summary_of(&out);
     assert_eq!(summary["plan"]["strategy"], "optcnn", "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("optcnn: eliminating layers"),
+        "no search progress on stderr: {}",
+        stderr(&out)
+    );
     assert_eq!(summary["steps_taken"], 1);
     assert!(summary["final_loss"].as_f64().is_some_and(f64::is_finite));
 }

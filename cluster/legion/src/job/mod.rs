@@ -16,7 +16,9 @@ mod strategy;
 
 pub use checks::check_output_path;
 pub use events::{JobEvent, LossTrend, PlannedRun, StepDone, TrainSummary};
-pub use strategy::{Strategy, choose_strategy, choose_strategy_for, strategy_names};
+pub use strategy::{
+    Strategy, choose_strategy, choose_strategy_for, choose_strategy_reporting, strategy_names,
+};
 
 use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
@@ -31,6 +33,7 @@ use legion_ops::checkpoint::Checkpoint;
 use legion_ops::data::{self, Data, Dataset};
 use legion_ops::train::{LossReadback, Sgd};
 use legion_ops::{Graph, Precision};
+use legion_planner::progress::Progress;
 use legion_planner::{MachineModel, ParallelConfig, Strategy as StrategyFile};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -80,6 +83,31 @@ pub struct TrainOptions {
     pub gpus: Option<Vec<usize>>,
     /// How a GPU runs the steps.
     pub gpu: GpuOptions,
+    /// Where a search for the strategy reports its progress.
+    pub search_progress: SearchProgress,
+}
+
+/// Where a run's strategy search reports its phases ([`Progress`]): nowhere by default.
+#[derive(Clone, Default)]
+pub struct SearchProgress(Option<Arc<dyn Progress>>);
+
+impl SearchProgress {
+    pub fn to(progress: Arc<dyn Progress>) -> SearchProgress {
+        SearchProgress(Some(progress))
+    }
+
+    pub fn get(&self) -> Option<&dyn Progress> {
+        self.0.as_deref()
+    }
+}
+
+impl std::fmt::Debug for SearchProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            Some(_) => "SearchProgress(reported)",
+            None => "SearchProgress(none)",
+        })
+    }
 }
 
 /// How a GPU runs the steps: each switch exists to measure what the default saves.
@@ -139,6 +167,7 @@ impl Default for TrainOptions {
             precision: None,
             gpus: None,
             gpu: GpuOptions::default(),
+            search_progress: SearchProgress::default(),
         }
     }
 }
@@ -235,6 +264,12 @@ impl Training {
     /// Steps to train, counted from the start of the run (a resumed run's earlier steps too).
     pub fn steps(mut self, steps: u64) -> Self {
         self.options.steps = steps;
+        self
+    }
+
+    /// Reports the strategy search's phases to `progress`.
+    pub fn search_progress(mut self, progress: Arc<dyn Progress>) -> Self {
+        self.options.search_progress = SearchProgress::to(progress);
         self
     }
 
@@ -577,7 +612,13 @@ fn plan(
             },
         };
         let machine = with_memory(machine)?;
-        let configs = choose_strategy(graph, &machine, &opts.strategy)?;
+        let configs = choose_strategy_reporting(
+            "--strategy",
+            graph,
+            &machine,
+            &opts.strategy,
+            opts.search_progress.get(),
+        )?;
         check_device_memory(graph, &machine, &configs, &opts.strategy.to_string())?;
         (configs, place)
     } else {

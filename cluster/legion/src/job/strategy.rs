@@ -3,6 +3,7 @@
 
 use anyhow::{Context, bail};
 use legion_ops::Graph;
+use legion_planner::progress::Progress;
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{
     CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, SearchSpace,
@@ -81,10 +82,25 @@ pub fn choose_strategy_for(
     machine: &MachineModel,
     choice: &Strategy,
 ) -> anyhow::Result<Vec<ParallelConfig>> {
+    choose_strategy_reporting(flag, graph, machine, choice, None)
+}
+
+/// [`choose_strategy_for`], a search reporting its phases to `progress`.
+pub fn choose_strategy_reporting(
+    flag: &str,
+    graph: &Graph,
+    machine: &MachineModel,
+    choice: &Strategy,
+    progress: Option<&dyn Progress>,
+) -> anyhow::Result<Vec<ParallelConfig>> {
     match choice {
         Strategy::Search(kind) => {
             let provider = RooflineCost::new(machine);
             let cost = CostModel::new(graph, machine, &provider);
+            let cost = match progress {
+                Some(progress) => cost.with_progress(progress),
+                None => cost,
+            };
             // the space `plan` searches by default: reduction splits included
             let tables = CostTables::build_in(&cost, SearchSpace::WithReductions);
             Ok(search::find(*kind, &tables, search::DEFAULT_BUDGET)
