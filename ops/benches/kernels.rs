@@ -89,53 +89,65 @@ fn bench_conv(c: &mut Criterion) {
     for (name, op, input) in layers {
         let output = op.infer_shape(&[input]).unwrap();
         let flops = op.flops(&[input], &output).expect("small shapes");
-        let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
-        let w_rect = op.params(&[input])[0].shape.full_rect();
-        let b_rect = Rect::new(&[0], &[op.out_channels]);
-        let x = random(input.numel(), 3);
-        let w = random(w_rect.volume(), 4);
-        let b = random(op.out_channels, 5);
-        let dy = random(output.numel(), 6);
-        let mut y = vec![0.0; output.numel()];
-
-        g.throughput(Throughput::Elements(flops.forward));
-        g.bench_function(format!("{name}/forward"), |bench| {
-            bench.iter(|| {
-                conv2d_forward(
-                    &op,
-                    input,
-                    View::new(x_rect, &x),
-                    View::new(w_rect, &w),
-                    Some(View::new(b_rect, &b)),
-                    ViewMut::new(y_rect, &mut y),
-                );
-                black_box(&y);
-            })
-        });
-
         // `flops.backward` counts both the input and the weight gradient, so both are computed.
-        let mut dx = vec![0.0; input.numel()];
-        let mut dw = vec![0.0; w.len()];
-        let mut db = vec![0.0; b.len()];
-        g.throughput(Throughput::Elements(flops.backward));
-        g.bench_function(format!("{name}/backward"), |bench| {
-            bench.iter(|| {
-                conv2d_backward(
-                    &op,
-                    input,
-                    View::new(x_rect, &x),
-                    View::new(w_rect, &w),
-                    View::new(y_rect, &y),
-                    View::new(y_rect, &dy),
-                    Some(ViewMut::new(x_rect, &mut dx)),
-                    ViewMut::new(w_rect, &mut dw),
-                    Some(ViewMut::new(b_rect, &mut db)),
-                );
-                black_box((&dx, &dw, &db));
-            })
-        });
+        let throughput = [flops.forward, flops.backward].map(Throughput::Elements);
+        bench_conv_layer(&mut g, name, &op, input, throughput);
     }
     g.finish();
+}
+
+/// `{name}/forward` and `{name}/backward` of `op` over the whole of `input` (the backward computes
+/// every gradient), at `throughput` each.
+fn bench_conv_layer(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    op: &Conv2d,
+    input: Shape,
+    [forward, backward]: [Throughput; 2],
+) {
+    let output = op.infer_shape(&[input]).unwrap();
+    let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
+    let w_rect = op.params(&[input])[0].shape.full_rect();
+    let b_rect = Rect::new(&[0], &[op.out_channels]);
+    let x = random(input.numel(), 3);
+    let w = random(w_rect.volume(), 4);
+    let b = random(op.out_channels, 5);
+    let dy = random(output.numel(), 6);
+    let mut y = vec![0.0; output.numel()];
+    g.throughput(forward);
+    g.bench_function(format!("{name}/forward"), |bench| {
+        bench.iter(|| {
+            conv2d_forward(
+                op,
+                input,
+                View::new(x_rect, &x),
+                View::new(w_rect, &w),
+                op.bias.then(|| View::new(b_rect, &b)),
+                ViewMut::new(y_rect, &mut y),
+            );
+            black_box(&y);
+        })
+    });
+    let mut dx = vec![0.0; input.numel()];
+    let mut dw = vec![0.0; w.len()];
+    let mut db = vec![0.0; b.len()];
+    g.throughput(backward);
+    g.bench_function(format!("{name}/backward"), |bench| {
+        bench.iter(|| {
+            conv2d_backward(
+                op,
+                input,
+                View::new(x_rect, &x),
+                View::new(w_rect, &w),
+                View::new(y_rect, &y),
+                View::new(y_rect, &dy),
+                Some(ViewMut::new(x_rect, &mut dx)),
+                ViewMut::new(w_rect, &mut dw),
+                op.bias.then(|| ViewMut::new(b_rect, &mut db)),
+            );
+            black_box((&dx, &dw, &db));
+        })
+    });
 }
 
 fn bench_dense(c: &mut Criterion) {
@@ -304,46 +316,14 @@ fn bench_mobilenet(c: &mut Criterion) {
     ];
     for (name, op, input) in layers {
         let output = op.infer_shape(&[input]).unwrap();
-        let (x_rect, y_rect) = (input.full_rect(), output.full_rect());
-        let w_rect = op.params(&[input])[0].shape.full_rect();
-        let x = random(input.numel(), 17);
-        let w = random(w_rect.volume(), 18);
-        let dy = random(output.numel(), 19);
-        let mut y = vec![0.0; output.numel()];
         let bytes = ((input.numel() + output.numel()) * 4) as u64;
-        g.throughput(Throughput::Bytes(bytes));
-        g.bench_function(format!("{name}/forward"), |bench| {
-            bench.iter(|| {
-                conv2d_forward(
-                    &op,
-                    input,
-                    View::new(x_rect, &x),
-                    View::new(w_rect, &w),
-                    None,
-                    ViewMut::new(y_rect, &mut y),
-                );
-                black_box(&y);
-            })
-        });
-        let mut dx = vec![0.0; input.numel()];
-        let mut dw = vec![0.0; w.len()];
-        g.throughput(Throughput::Bytes(2 * bytes));
-        g.bench_function(format!("{name}/backward"), |bench| {
-            bench.iter(|| {
-                conv2d_backward(
-                    &op,
-                    input,
-                    View::new(x_rect, &x),
-                    View::new(w_rect, &w),
-                    View::new(y_rect, &y),
-                    View::new(y_rect, &dy),
-                    Some(ViewMut::new(x_rect, &mut dx)),
-                    ViewMut::new(w_rect, &mut dw),
-                    None,
-                );
-                black_box((&dx, &dw));
-            })
-        });
+        bench_conv_layer(
+            &mut g,
+            name,
+            &op,
+            input,
+            [bytes, 2 * bytes].map(Throughput::Bytes),
+        );
     }
     g.finish();
 }

@@ -98,6 +98,7 @@ impl<'m> CostTables<'m> {
         let mut scratch = NodeScratch::default();
         let layers = graph.layers().len() as u64;
         for id in graph.ids() {
+            // the layers priced so far
             model.progress(Phase::NodeCosts, id.0 as u64, layers);
             let layer = graph.layer(id);
             let dims = layer.op.spec().parallel_dims(&layer.shape);

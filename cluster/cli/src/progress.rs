@@ -19,15 +19,12 @@ pub fn train(training: Training, json: bool) -> anyhow::Result<TrainSummary> {
     let search = Arc::new(PlanProgress::new());
     let mut printer = Printer::new(json);
     let mut searching = true;
-    let summary = training.search_progress(search.clone()).run(|event| {
+    training.search_progress(search.clone()).run(|event| {
         if std::mem::take(&mut searching) {
             search.finish();
         }
         printer.show(event)
-    });
-    // a run that failed before its first event leaves no bar behind its error
-    search.finish();
-    summary
+    })
 }
 
 /// Prints a run's events to stdout (the progress bar draws on stderr).
@@ -268,12 +265,20 @@ impl PlanProgress {
         }
     }
 
-    /// Clears the bar, if one is drawn.
+    /// Clears the bar, if one is drawn; a later update starts its phase afresh.
     pub fn finish(&self) {
         let mut shown = self.state.lock().expect("progress is never poisoned");
         if let Some(bar) = shown.bar.take() {
             bar.finish_and_clear();
         }
+        shown.phase = None;
+    }
+}
+
+/// However a command ends (an error, `--evaluate`), no bar stays behind it.
+impl Drop for PlanProgress {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 

@@ -771,7 +771,7 @@ fn backward(
 }
 
 /// Adds each channel's bias to its row of `positions` outputs and applies the activation, in one pass.
-fn bias_and_activation(
+pub(super) fn bias_and_activation(
     y_sample: &mut [f32],
     positions: usize,
     bias: Option<&[f32]>,
@@ -792,7 +792,7 @@ fn bias_and_activation(
 }
 
 /// `dz = dy` where the activation was active (`y > 0`), else 0.
-fn relu_mask(y: &[f32], dy: &[f32], dz: &mut [f32]) {
+pub(super) fn relu_mask(y: &[f32], dy: &[f32], dz: &mut [f32]) {
     for ((z, &y), &g) in dz.iter_mut().zip(y).zip(dy) {
         *z = if y > 0.0 { g } else { 0.0 };
     }

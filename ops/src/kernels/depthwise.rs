@@ -17,6 +17,7 @@
 //! independent of the others, so planes spread over the rayon pool. The weight and bias gradients
 //! of a channel sum over the tile's samples in order, one channel per task.
 
+use super::conv2d::{bias_and_activation, relu_mask};
 use super::gemm::with_scratch;
 use super::{View, ViewMut};
 use crate::op::{Activation, Conv2d};
@@ -261,14 +262,11 @@ pub fn depthwise_forward(
                     planes.narrow(wide, y_plane);
                 },
             );
-            let bias = b.as_ref().map_or(0.0, |b| b.data[c - b.rect.lo[0]]);
-            for y in y_plane.iter_mut() {
-                let v = *y + bias;
-                *y = match op.activation {
-                    Activation::None => v,
-                    Activation::Relu => v.max(0.0),
-                };
-            }
+            let bias = b.as_ref().map(|b| {
+                let at = c - b.rect.lo[0];
+                &b.data[at..at + 1]
+            });
+            bias_and_activation(y_plane, out_len, bias, op.activation);
         });
 }
 
@@ -293,13 +291,11 @@ pub fn depthwise_backward(
     // the output gradient through the fused activation
     let dz: Cow<[f32]> = match op.activation {
         Activation::None => Cow::Borrowed(dy.data),
-        Activation::Relu => Cow::Owned(
-            y.data
-                .iter()
-                .zip(dy.data)
-                .map(|(&y, &g)| if y > 0.0 { g } else { 0.0 })
-                .collect(),
-        ),
+        Activation::Relu => {
+            let mut dz = vec![0.0; dy.data.len()];
+            relu_mask(y.data, dy.data, &mut dz);
+            Cow::Owned(dz)
+        }
     };
     if let Some(dx) = dx {
         dx.data.fill(0.0);

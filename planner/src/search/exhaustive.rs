@@ -92,6 +92,24 @@ pub(crate) fn enumerate(
     Ok((search.best_choice, search.best))
 }
 
+/// The cost of a complete assignment: per node in order, its cost plus its in-edges' entries
+/// (the order the depth-first search adds them in, so that equal strategies cost equal bits).
+pub(crate) fn strategy_cost(
+    costs: &[&[f64]],
+    sizes: &[usize],
+    incoming: &[Vec<InEdge>],
+    choice: &[usize],
+) -> f64 {
+    (0..costs.len()).fold(0.0, |so_far, p| {
+        let size = sizes[p];
+        let mut step = costs[p][choice[p]];
+        for (src, table) in &incoming[p] {
+            step += table[choice[*src] * size + choice[p]];
+        }
+        so_far + step
+    })
+}
+
 /// What [`enumerate_from`] found.
 pub(crate) struct Enumerated {
     pub(crate) choice: Vec<usize>,
@@ -143,7 +161,7 @@ struct Dfs<'a> {
 }
 
 /// How many partial strategies [`enumerate_from`]'s `tick` hears about at a time.
-pub(crate) const TICK: u64 = 1 << 16;
+const TICK: u64 = 1 << 16;
 
 impl<'a> Dfs<'a> {
     fn new(
@@ -190,14 +208,7 @@ impl<'a> Dfs<'a> {
 
     /// The cost of a complete strategy, summed as [`Self::visit`] sums it.
     fn cost_of(&self, choice: &[usize]) -> f64 {
-        (0..self.costs.len()).fold(0.0, |so_far, p| {
-            let size = self.sizes[p];
-            let mut step = self.costs[p][choice[p]];
-            for (src, table) in &self.incoming[p] {
-                step += table[choice[*src] * size + choice[p]];
-            }
-            so_far + step
-        })
+        strategy_cost(self.costs, self.sizes, self.incoming, choice)
     }
 
     fn visit(&mut self, p: usize, so_far: f64) -> Result<(), SearchError> {

@@ -260,9 +260,10 @@ pub fn find_with(
     };
     found.configs = match kind {
         SearchKind::OptCnn => {
-            let (r, configs) = optcnn_within_memory(tables)?;
+            let (r, configs, penalised) = optcnn_within_memory(tables)?;
             found.residual_nodes = Some(r.residual_nodes);
-            found.optimality = Some(r.optimality);
+            // a memory-penalised search's bound is of the penalised objective, not of Eq. 1
+            found.optimality = (!penalised).then_some(r.optimality);
             configs
         }
         SearchKind::Refine => {
@@ -301,7 +302,9 @@ pub fn find_with(
             let simulated = std::cell::Cell::new(0u64);
             let refined = refine::refine_by(tables, &starts, &refine_options, |configs| {
                 simulated.set(simulated.get() + 1);
-                model.progress(Phase::Refine, simulated.get(), refine_options.budget);
+                // every start is simulated, also past the budget
+                let budget = refine_options.budget;
+                model.progress(Phase::Refine, simulated.get().min(budget), budget);
                 let over = over_memory(graph, machine, configs);
                 if over > 0.0 {
                     UNFIT_SECONDS * (1.0 + over)
@@ -326,7 +329,7 @@ pub fn find_with(
                 };
                 // optcnn's strategy within memory, where it finds one, bounds the search from
                 // the start: then only cheaper strategies have their memory checked
-                let incumbent = optcnn_within_memory(tables).ok().map(|(r, _)| r.indices);
+                let incumbent = optcnn_within_memory(tables).ok().map(|(r, ..)| r.indices);
                 exhaustive_where(tables, budget, &fits, incumbent.as_deref())?
             } else {
                 exhaustive(tables, budget)?
@@ -441,16 +444,16 @@ const PENALTY_BISECTIONS: usize = 6;
 /// the weight is then bisected between the last that did not fit and the lowest that did, and the
 /// cheapest (under Eq. 1) strategy that fit is the result. It fits, but is not necessarily the cheapest that does (the
 /// exhaustive search finds that one on small graphs). None fitting after [`PENALTY_ROUNDS`]: the
-/// error names the closest.
+/// error names the closest. The flag says whether the result is a penalised search's.
 fn optcnn_within_memory(
     tables: &CostTables,
-) -> Result<(OptCnnResult, Vec<ParallelConfig>), SearchError> {
+) -> Result<(OptCnnResult, Vec<ParallelConfig>, bool), SearchError> {
     let model = tables.model();
     let (graph, machine) = (model.graph(), model.machine());
     let r = optcnn(tables)?;
     let configs = tables.configs(&r.indices);
     let Err(mut closest) = check_fits(graph, machine, &configs) else {
-        return Ok((r, configs));
+        return Ok((r, configs, false));
     };
     let bytes = tables.largest_tile_bytes();
     let mut best: Option<(f64, OptCnnResult, Vec<ParallelConfig>)> = None;
@@ -521,7 +524,7 @@ fn optcnn_within_memory(
         }
     }
     let (_, r, configs) = best.expect("a weight that fit");
-    Ok((r, configs))
+    Ok((r, configs, true))
 }
 
 /// Bytes `configs` move under the seed planner `kind`'s own accounting (its paper's objective),

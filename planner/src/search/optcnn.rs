@@ -63,9 +63,10 @@ pub struct OptCnnResult {
 pub enum Optimality {
     /// It is the optimum.
     Exact,
-    /// The residual graph was too large to enumerate within [`RESIDUAL_BUDGET`]: the strategy
-    /// is the best local search's (iterated conditional modes), and the optimum lies between
-    /// `lower_bound` and its cost.
+    /// The residual graph (over two layers) was not enumerated within the search's budget
+    /// ([`RESIDUAL_BUDGET`] by default): the strategy is the best the local search (iterated
+    /// conditional modes) and the enumeration found, and the optimum lies between `lower_bound`
+    /// and its cost.
     Bounded {
         lower_bound: f64,
         /// The layers of the residual graph, whose configs were not proven optimal (the
@@ -87,8 +88,9 @@ impl Optimality {
     }
 }
 
-/// Partial strategies of the residual graph tried at most before its strategy is taken from
-/// local search within a lower bound (the zoo's residual graphs have 2 nodes).
+/// Partial strategies a residual graph of over two layers is enumerated within before its
+/// strategy is taken from local search within a lower bound (a residual of two layers, the zoo's
+/// but DenseNet's, is always enumerated whole: at most `|C_0|·(1 + |C_1|)` of them).
 pub const RESIDUAL_BUDGET: u64 = 200_000;
 
 /// Runs Algorithm 1 on the tables' model.
@@ -96,7 +98,8 @@ pub fn optcnn(tables: &CostTables) -> Result<OptCnnResult, SearchError> {
     optcnn_within(tables, RESIDUAL_BUDGET)
 }
 
-/// [`optcnn`] with the residual graph enumerated within `budget` partial strategies.
+/// [`optcnn`] with a residual graph of over two layers enumerated within `budget` partial
+/// strategies.
 pub fn optcnn_within(tables: &CostTables, budget: u64) -> Result<OptCnnResult, SearchError> {
     let geometries = edge_geometries(tables);
     let known = known_strategy(tables, &geometries);
@@ -105,8 +108,15 @@ pub fn optcnn_within(tables: &CostTables, budget: u64) -> Result<OptCnnResult, S
     match optcnn_below(tables, &known, geometries, budget) {
         Some(Ok(result)) if result.cost <= known.cost || !known.cost.is_finite() => Ok(result),
         Some(Err(e)) if !known.cost.is_finite() => Err(e),
-        _ => optcnn_below(tables, &Known::none(), HashMap::new(), budget)
-            .expect("no bound prunes nothing"),
+        // unbounded, but the known strategy still starts a residual's local search
+        _ => {
+            let unbounded = Known {
+                cost: f64::INFINITY,
+                indices: known.indices,
+            };
+            optcnn_below(tables, &unbounded, HashMap::new(), budget)
+                .expect("no bound prunes nothing")
+        }
     }
 }
 
@@ -574,8 +584,10 @@ impl<'t, 'm> Reduction<'t, 'm> {
                 return;
             };
             self.eliminate_node(j);
-            let layers = self.alive.len() as u64;
-            (self.tables.model()).progress(Phase::Eliminations, self.undo.len() as u64, layers);
+            let (done, layers) = (self.undo.len() as u64, self.alive.len() as u64);
+            self.tables
+                .model()
+                .progress(Phase::Eliminations, done, layers);
         }
     }
 

@@ -17,7 +17,7 @@
 //!
 //! Every step is deterministic, so the same tables give the same strategy.
 
-use super::exhaustive::{Enumerated, InEdge, enumerate_from};
+use super::exhaustive::{Enumerated, InEdge, enumerate_from, strategy_cost};
 use super::min_plus::min;
 use super::relaxation::{LayoutGraph, tree_marginals};
 
@@ -105,14 +105,7 @@ const ROUNDING: f64 = 1e-12;
 
 /// Σ node costs + Σ edge entries of a complete choice, in the enumeration's order.
 pub(crate) fn residual_cost(residual: &Residual, choice: &[usize]) -> f64 {
-    (0..residual.costs.len()).fold(0.0, |so_far, p| {
-        let size = residual.sizes[p];
-        let mut step = residual.costs[p][choice[p]];
-        for (src, table) in &residual.incoming[p] {
-            step += table[choice[*src] * size + choice[p]];
-        }
-        so_far + step
-    })
+    strategy_cost(residual.costs, residual.sizes, residual.incoming, choice)
 }
 
 /// The spanning-tree relaxation's optimum and, per node, its cheapest config under it.
@@ -121,27 +114,28 @@ struct Relaxed {
     minimisers: Vec<usize>,
 }
 
-/// The relaxation of `residual` with every entry capped at `cap` (finite: the tree passes need
-/// finite entries; an infinite `cap` caps at the largest finite entry's double plus one, which
-/// changes no minimiser a finite strategy can have).
+/// The relaxation of `residual` with every entry capped at `cap` (the tree passes need finite
+/// entries; an infinite `cap` caps at twice the largest finite entry plus one). Capping only
+/// lowers entries, so the optimum stays a lower bound; its minimisers are a start for the local
+/// search, not a claim.
 fn relaxed(residual: &Residual, cap: f64) -> Relaxed {
-    let finite_max = residual
-        .costs
-        .iter()
-        .flat_map(|c| c.iter())
-        .chain(
-            residual
-                .incoming
-                .iter()
-                .flatten()
-                .flat_map(|(_, t)| t.iter()),
-        )
-        .copied()
-        .filter(|x| x.is_finite())
-        .fold(0.0f64, f64::max);
     let cap = if cap.is_finite() {
         cap
     } else {
+        let finite_max = residual
+            .costs
+            .iter()
+            .flat_map(|c| c.iter())
+            .chain(
+                residual
+                    .incoming
+                    .iter()
+                    .flatten()
+                    .flat_map(|(_, t)| t.iter()),
+            )
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0f64, f64::max);
         2.0 * finite_max + 1.0
     };
     let clamp = |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| x.min(cap)).collect() };
@@ -284,6 +278,67 @@ mod tests {
             })
             .collect();
         (costs, incoming)
+    }
+
+    /// Entries the bounded eliminations left out are infinite: the bounds still bracket the
+    /// optimum, without NaN, and a core whose every strategy is infinite comes back as such.
+    #[test]
+    fn infinite_entries_keep_the_bracket() {
+        for seed in 0..20 {
+            let (nodes, configs) = (4 + seed as usize % 3, 3);
+            let (costs, mut incoming) = dense(nodes, configs, 100 + seed);
+            let mut rng = Rng::new(seed);
+            for ins in incoming.iter_mut() {
+                for (_, table) in ins.iter_mut() {
+                    let mut t = (**table).clone();
+                    for x in t.iter_mut().filter(|x| **x > 0.0) {
+                        if rng.unit() < 0.5 {
+                            *x = f64::INFINITY;
+                        }
+                    }
+                    *table = Rc::new(t);
+                }
+            }
+            let costs: Vec<&[f64]> = costs.iter().map(|c| c.as_slice()).collect();
+            let sizes = vec![configs; nodes];
+            let residual = Residual {
+                costs: &costs,
+                sizes: &sizes,
+                incoming: &incoming,
+            };
+            let optimum = super::super::exhaustive::enumerate(&costs, &sizes, &incoming, u64::MAX)
+                .unwrap()
+                .1;
+            let bounded = solve(&residual, &[vec![1; nodes]], 0, &|_| {});
+            assert!(
+                !bounded.lower_bound.is_nan() && !bounded.cost.is_nan(),
+                "seed {seed}"
+            );
+            assert!(
+                bounded.lower_bound <= optimum * (1.0 + 1e-12) && optimum <= bounded.cost,
+                "seed {seed}: {} ≤ {optimum} ≤ {}",
+                bounded.lower_bound,
+                bounded.cost
+            );
+        }
+        // every edge infinite: no finite strategy, from any start
+        let (costs, incoming) = dense(3, 2, 7);
+        let incoming: Vec<Vec<InEdge>> = incoming
+            .into_iter()
+            .map(|ins| {
+                ins.into_iter()
+                    .map(|(s, t)| (s, Rc::new(vec![f64::INFINITY; t.len()])))
+                    .collect()
+            })
+            .collect();
+        let costs: Vec<&[f64]> = costs.iter().map(|c| c.as_slice()).collect();
+        let residual = Residual {
+            costs: &costs,
+            sizes: &[2, 2, 2],
+            incoming: &incoming,
+        };
+        let solved = solve(&residual, &[], 0, &|_| {});
+        assert!(solved.cost.is_infinite() && !solved.lower_bound.is_nan());
     }
 
     /// Exact where the enumeration finishes; with no budget, the local search's strategy and a
