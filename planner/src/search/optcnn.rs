@@ -33,9 +33,8 @@ use super::data::data_parallel;
 use super::exhaustive::{InEdge, enumerate};
 use super::min_plus::{Limit, column_groups, min, min_plus};
 use super::owt::one_weird_trick;
-use super::relaxation::{LayoutGraph, tree_marginals};
+use super::relaxation::{LayoutGraph, Marginals, tree_marginals};
 use super::residual::{self, Residual};
-use crate::config::ParallelConfig;
 use crate::progress::Phase;
 use crate::tables::CostTables;
 use crate::transfer_table::{ConfigSubset, EdgeGeometry, PairBuffers};
@@ -103,21 +102,56 @@ pub fn optcnn(tables: &CostTables) -> Result<OptCnnResult, SearchError> {
 pub fn optcnn_within(tables: &CostTables, budget: u64) -> Result<OptCnnResult, SearchError> {
     let geometries = edge_geometries(tables);
     let known = known_strategy(tables, &geometries);
-    // The bound cannot cut the optimum (see the module's notes); if rounding ever did, the exact
-    // search is the answer.
-    match optcnn_below(tables, &known, geometries, budget) {
-        Some(Ok(result)) if result.cost <= known.cost || !known.cost.is_finite() => Ok(result),
-        Some(Err(e)) if !known.cost.is_finite() => Err(e),
-        // unbounded, but the known strategy still starts a residual's local search
-        _ => {
-            let unbounded = Known {
-                cost: f64::INFINITY,
-                indices: known.indices,
+    let mut starts: Vec<Vec<usize>> = known.indices.iter().cloned().collect();
+    if known.cost.is_finite() {
+        let relaxation = Relaxation::new(tables, &geometries);
+        let relaxed = relaxation.strategy(tables);
+        let relaxed_cost = StrategyPricer::new(tables, &geometries).cost(&relaxed);
+        if !starts.contains(&relaxed) {
+            starts.push(relaxed.clone());
+        }
+        let known = known.or_cheaper(relaxed_cost, relaxed);
+        for bound in relaxation.trial_bounds(known.cost) {
+            let last = bound >= known.cost;
+            let below = Below {
+                cost: bound,
+                relaxation: Some(&relaxation),
+                starts: starts.clone(),
             };
-            optcnn_below(tables, &unbounded, HashMap::new(), budget)
-                .expect("no bound prunes nothing")
+            match optcnn_below(tables, &geometries, below, budget) {
+                // below a trial bound, a strategy under it is the optimum; below the known
+                // strategy's cost, any strategy at most it
+                Some(Ok(result))
+                    if result.cost + result.cost * BOUND_MARGIN < bound
+                        || last && result.cost <= bound =>
+                {
+                    return Ok(result);
+                }
+                _ if !last => continue,
+                // The bound cannot cut the optimum (see the module's notes); if rounding ever
+                // did, the exact search is the answer.
+                _ => break,
+            }
         }
     }
+    // unbounded, but the known strategies still start a residual's local search
+    let unbounded = Below {
+        cost: f64::INFINITY,
+        relaxation: None,
+        starts,
+    };
+    optcnn_below(tables, &geometries, unbounded, budget).expect("no bound prunes nothing")
+}
+
+/// What a search below a bound is given.
+struct Below<'r> {
+    /// The bound: no strategy costing it or more is kept (+∞: none left out).
+    cost: f64,
+    /// What leaves configs and layout pairs out (`None`: nothing is).
+    relaxation: Option<&'r Relaxation>,
+    /// Strategies known before the search (per layer, indices into its space), which start the
+    /// local search of a residual graph too large to enumerate.
+    starts: Vec<Vec<usize>>,
 }
 
 /// Per model edge class (its first edge's index), the edge's geometry.
@@ -138,6 +172,7 @@ const BOUND_MARGIN: f64 = 1e-9;
 
 /// A strategy known before the search: its cost bounds the search, and it starts the local
 /// search of a residual graph too large to enumerate.
+#[derive(Clone)]
 struct Known {
     /// Raised by [`BOUND_MARGIN`]; infinite for none.
     cost: f64,
@@ -152,6 +187,20 @@ impl Known {
             indices: None,
         }
     }
+
+    /// This one, or the strategy of config `indices` costing `cost` (raised by [`BOUND_MARGIN`]
+    /// here) where that is cheaper.
+    fn or_cheaper(self, cost: f64, indices: Vec<usize>) -> Known {
+        let cost = cost + cost * BOUND_MARGIN;
+        if cost < self.cost {
+            Known {
+                cost,
+                indices: Some(indices),
+            }
+        } else {
+            self
+        }
+    }
 }
 
 /// The cheaper of data parallelism and OWT, summed from the tables' node costs and t_x (from the
@@ -160,63 +209,86 @@ impl Known {
 fn known_strategy(tables: &CostTables, geometries: &HashMap<usize, EdgeGeometry>) -> Known {
     let model = tables.model();
     let (graph, machine) = (model.graph(), model.machine());
-    let mut transfers: HashMap<(usize, usize, usize), f64> = HashMap::new();
-    let mut buffers = PairBuffers::default();
-    let mut cost_of = |configs: &[ParallelConfig]| -> Option<(f64, Vec<usize>)> {
-        let indices = configs
+    let mut pricer = StrategyPricer::new(tables, geometries);
+    let candidates = [
+        data_parallel(graph, machine),
+        one_weird_trick(graph, machine),
+    ];
+    let mut best = Known::none();
+    for configs in &candidates {
+        let Some(indices) = configs
             .iter()
             .enumerate()
             .map(|(l, c)| tables.space(LayerId(l)).index_of(c))
-            .collect::<Option<Vec<usize>>>()?;
+            .collect::<Option<Vec<usize>>>()
+        else {
+            continue;
+        };
+        best = best.or_cheaper(pricer.cost(&indices), indices);
+    }
+    best
+}
+
+/// Eq. 1 of whole strategies from the tables' node costs and t_x (from the edges' geometries
+/// where they give it, else Eq. 1's: the same numbers as the tables', tested).
+struct StrategyPricer<'a, 't, 'm> {
+    tables: &'a CostTables<'m>,
+    geometries: &'t HashMap<usize, EdgeGeometry>,
+    /// Identical edges (one class) under the same configs move the same data.
+    transfers: HashMap<(usize, usize, usize), f64>,
+    buffers: PairBuffers,
+}
+
+impl<'a, 't, 'm> StrategyPricer<'a, 't, 'm> {
+    fn new(tables: &'a CostTables<'m>, geometries: &'t HashMap<usize, EdgeGeometry>) -> Self {
+        StrategyPricer {
+            tables,
+            geometries,
+            transfers: HashMap::new(),
+            buffers: PairBuffers::default(),
+        }
+    }
+
+    /// The cost of the strategy of per-layer config `indices` (into the spaces).
+    fn cost(&mut self, indices: &[usize]) -> f64 {
+        let tables = self.tables;
+        let model = tables.model();
+        let config = |l: usize| tables.space(LayerId(l)).config(indices[l]);
         let mut total = 0.0;
         for (l, &c) in indices.iter().enumerate() {
             total += tables.node_cost(LayerId(l))[c];
         }
         for (e, edge) in tables.edges().iter().enumerate() {
             let (src, dst) = (edge.src.0, edge.dst.0);
-            // identical edges (one class) under the same configs move the same data
             let class = tables.edge_class(e);
-            total += *transfers
+            let (geometries, buffers) = (self.geometries, &mut self.buffers);
+            total += *self
+                .transfers
                 .entry((class, indices[src], indices[dst]))
                 .or_insert_with(|| {
-                    let (from, to) = (&configs[src], &configs[dst]);
+                    let (from, to) = (config(src), config(dst));
                     geometries
                         .get(&class)
-                        .and_then(|g| tables.config_pair_time(g, from, to, &mut buffers))
-                        .unwrap_or_else(|| model.transfer_time(edge, from, to))
+                        .and_then(|g| tables.config_pair_time(g, &from, &to, buffers))
+                        .unwrap_or_else(|| model.transfer_time(edge, &from, &to))
                 });
         }
-        Some((total, indices))
-    };
-    let candidates = [
-        data_parallel(graph, machine),
-        one_weird_trick(graph, machine),
-    ];
-    let mut best = Known::none();
-    for (cost, indices) in candidates.iter().filter_map(|c| cost_of(c)) {
-        if cost < best.cost {
-            best = Known {
-                cost,
-                indices: Some(indices),
-            };
-        }
+        total
     }
-    best.cost += best.cost * BOUND_MARGIN;
-    best
 }
 
 /// Algorithm 1, leaving out configs and table entries that cannot be part of a strategy cheaper
-/// than `bound`; `geometries` ([`edge_geometries`], or none) saves working them out again. `None`
-/// when the bound leaves some layer no config.
+/// than the bound; `geometries` are [`edge_geometries`]. `None` when the bound leaves some layer
+/// no config.
 fn optcnn_below(
     tables: &CostTables,
-    known: &Known,
-    geometries: HashMap<usize, EdgeGeometry>,
+    geometries: &HashMap<usize, EdgeGeometry>,
+    below: Below,
     budget: u64,
 ) -> Option<Result<OptCnnResult, SearchError>> {
-    let mut g = Reduction::new(tables, known.cost, geometries)?;
+    let mut g = Reduction::new(tables, geometries, below)?;
     g.reduce();
-    let (mut indices, cost, optimality) = match g.solve_residual(known.indices.as_deref(), budget) {
+    let (mut indices, cost, optimality) = match g.solve_residual(budget) {
         Ok(found) => found,
         Err(e) => return Some(Err(e)),
     };
@@ -280,79 +352,152 @@ struct Pruned {
     keep: HashMap<usize, Vec<bool>>,
 }
 
-/// What the search leaves out below `bound`, from the layout-level relaxation
-/// ([`tree_marginals`]): a config whose layout's bound plus its own excess over the layout's
-/// cheapest config reaches `bound`, and a layout pair whose bound does. `None` when some layer
-/// would keep no config (only rounding could cause that: the known strategy is below the bound).
-/// `geometries` holds every model edge class's.
-fn prune(
-    tables: &CostTables,
-    bound: f64,
-    geometries: &HashMap<usize, EdgeGeometry>,
-) -> Option<Pruned> {
-    let layers = tables.num_layers();
-    let layout_costs: Vec<Vec<f64>> = (0..layers)
-        .map(|l| {
+/// The layout-level relaxation ([`tree_marginals`]): each layer priced at its layout's cheapest
+/// config, each edge at the least t_x of its layout pair under any blocks.
+struct Relaxation {
+    /// Per layer and layout, its cheapest config's cost.
+    unary: Vec<Vec<f64>>,
+    /// Per model edge class, the least t_x of each layout pair (0 where no cheap bound exists).
+    least: HashMap<usize, Vec<f64>>,
+    marginals: Marginals,
+    /// No strategy costs less.
+    lower_bound: f64,
+}
+
+impl Relaxation {
+    /// `geometries` holds every model edge class's.
+    fn new(tables: &CostTables, geometries: &HashMap<usize, EdgeGeometry>) -> Relaxation {
+        let layers = tables.num_layers();
+        let unary: Vec<Vec<f64>> = (0..layers)
+            .map(|l| {
+                let space = tables.space(LayerId(l));
+                let costs = tables.node_cost(LayerId(l));
+                (0..space.layouts().len())
+                    .map(|layout| min(&costs[space.layout_configs(layout)]))
+                    .collect()
+            })
+            .collect();
+        let mut least: HashMap<usize, Vec<f64>> = HashMap::new();
+        for (i, e) in tables.edges().iter().enumerate() {
+            let class = tables.edge_class(i);
+            least.entry(class).or_insert_with(|| {
+                match tables.least_transfer_times(&geometries[&class], i) {
+                    Some(times) => times.table(),
+                    None => vec![0.0; unary[e.src.0].len() * unary[e.dst.0].len()],
+                }
+            });
+        }
+        let marginals = tree_marginals(&layout_graph(tables, &unary, &least));
+        let lower_bound = (marginals.node.iter())
+            .map(|layer| min(layer))
+            .fold(0.0, f64::max);
+        Relaxation {
+            unary,
+            least,
+            marginals,
+            lower_bound,
+        }
+    }
+
+    /// The relaxation's optimum, each layer on its layout's cheapest block: a strategy like any
+    /// other (per layer, the index of its config).
+    fn strategy(&self, tables: &CostTables) -> Vec<usize> {
+        (0..tables.num_layers())
+            .map(|l| {
+                let layout = argmin(&self.marginals.node[l]);
+                let configs = tables.space(LayerId(l)).layout_configs(layout);
+                configs.start + argmin(&tables.node_cost(LayerId(l))[configs])
+            })
+            .collect()
+    }
+
+    /// The bounds the search tries in turn below `known` (the cost of a strategy), rising from
+    /// just above the relaxation's lower bound, then `known` itself. A search below a bound that
+    /// finds a strategy below it has found the optimum, and the tighter the bound the fewer
+    /// configs and layout pairs it prices: at hundreds of devices the optimum lies within tens
+    /// of percent of the lower bound while data parallelism and OWT cost several times it.
+    fn trial_bounds(&self, known: f64) -> Vec<f64> {
+        let mut bounds: Vec<f64> = (0..MAX_TRIALS)
+            .map(|k| self.lower_bound * (1.0 + FIRST_TRIAL * TRIAL_GROWTH.powi(k)))
+            .take_while(|&b| b < known && self.lower_bound > 0.0)
+            .collect();
+        bounds.push(known);
+        bounds
+    }
+
+    /// What a search below `bound` leaves out: a config whose layout's bound plus its own excess
+    /// over the layout's cheapest config reaches `bound`, and a layout pair whose bound does.
+    /// `None` when some layer would keep no config.
+    fn prune(&self, tables: &CostTables, bound: f64) -> Option<Pruned> {
+        let marginals = &self.marginals;
+        let mut live = Vec::with_capacity(tables.num_layers());
+        for l in 0..tables.num_layers() {
             let space = tables.space(LayerId(l));
             let costs = tables.node_cost(LayerId(l));
-            (0..space.layouts().len())
-                .map(|layout| min(&costs[space.layout_configs(layout)]))
-                .collect()
-        })
-        .collect();
-    let edges = tables.edges();
-    // per class, the least t_x of each layout pair (0 where no cheap bound exists)
-    let mut least: HashMap<usize, Vec<f64>> = HashMap::new();
-    for (i, e) in edges.iter().enumerate() {
-        let class = tables.edge_class(i);
-        least.entry(class).or_insert_with(|| {
-            match tables.least_transfer_times(&geometries[&class], i) {
-                Some(times) => times.table(),
-                None => vec![0.0; layout_costs[e.src.0].len() * layout_costs[e.dst.0].len()],
+            let mut configs = Vec::new();
+            for layout in 0..space.layouts().len() {
+                let (floor, cheapest) = (marginals.node[l][layout], self.unary[l][layout]);
+                configs.extend(
+                    space
+                        .layout_configs(layout)
+                        .filter(|&c| floor + (costs[c] - cheapest) < bound),
+                );
             }
-        });
+            if configs.is_empty() {
+                return None;
+            }
+            live.push(configs);
+        }
+        let mut keep: HashMap<usize, Vec<bool>> = HashMap::new();
+        let graph = layout_graph(tables, &self.unary, &self.least);
+        for (i, &(s, d, table)) in graph.edges.iter().enumerate() {
+            let (rows, columns) = (self.unary[s].len(), self.unary[d].len());
+            let mask = keep
+                .entry(tables.edge_class(i))
+                .or_insert_with(|| vec![false; rows * columns]);
+            for g in (0..rows).filter(|&g| marginals.edge_row(i, s, g) < bound) {
+                for h in 0..columns {
+                    let k = &mut mask[g * columns + h];
+                    *k = *k || marginals.edge(i, table, s, g, d, h) < bound;
+                }
+            }
+        }
+        Some(Pruned { live, keep })
     }
-    let graph = LayoutGraph {
-        unary: layout_costs,
-        edges: edges
-            .iter()
-            .enumerate()
+}
+
+/// The relaxed problem of `tables`' model: per layer `unary`, per edge its class's `least`.
+fn layout_graph<'a>(
+    tables: &CostTables,
+    unary: &[Vec<f64>],
+    least: &'a HashMap<usize, Vec<f64>>,
+) -> LayoutGraph<'a> {
+    LayoutGraph {
+        unary: unary.to_vec(),
+        edges: (tables.edges().iter().enumerate())
             .map(|(i, e)| (e.src.0, e.dst.0, least[&tables.edge_class(i)].as_slice()))
             .collect(),
-    };
-    let marginals = tree_marginals(&graph);
-    let mut live = Vec::with_capacity(layers);
-    for l in 0..layers {
-        let space = tables.space(LayerId(l));
-        let costs = tables.node_cost(LayerId(l));
-        let mut configs = Vec::new();
-        for layout in 0..space.layouts().len() {
-            let (floor, cheapest) = (marginals.node[l][layout], graph.unary[l][layout]);
-            configs.extend(
-                space
-                    .layout_configs(layout)
-                    .filter(|&c| floor + (costs[c] - cheapest) < bound),
-            );
-        }
-        if configs.is_empty() {
-            return None;
-        }
-        live.push(configs);
     }
-    let mut keep: HashMap<usize, Vec<bool>> = HashMap::new();
-    for (i, &(s, d, table)) in graph.edges.iter().enumerate() {
-        let (rows, columns) = (graph.unary[s].len(), graph.unary[d].len());
-        let mask = keep
-            .entry(tables.edge_class(i))
-            .or_insert_with(|| vec![false; rows * columns]);
-        for g in (0..rows).filter(|&g| marginals.edge_row(i, s, g) < bound) {
-            for h in 0..columns {
-                let k = &mut mask[g * columns + h];
-                *k = *k || marginals.edge(i, table, s, g, d, h) < bound;
-            }
+}
+
+/// The first trial bound's excess over the relaxation's lower bound; each next one's is
+/// `TRIAL_GROWTH` times larger, up to `MAX_TRIALS` trials (the last one's excess 4.3: a
+/// bound 5.3 times the lower bound). A failed trial costs less than the next one, and the finer
+/// the steps the closer the successful bound comes to the optimum, which is what decides the
+/// search's time.
+const FIRST_TRIAL: f64 = 0.05;
+const TRIAL_GROWTH: f64 = 1.5;
+const MAX_TRIALS: i32 = 12;
+
+/// The position of the first least value.
+fn argmin(values: &[f64]) -> usize {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v < values[best] {
+            best = i;
         }
     }
-    Some(Pruned { live, keep })
+    best
 }
 
 struct Reduction<'t, 'm> {
@@ -377,30 +522,32 @@ struct Reduction<'t, 'm> {
     /// The cost of a known strategy, which no entry of an optimal strategy exceeds (infinite: no
     /// pruning).
     bound: f64,
-    /// Per table class not computed yet: its geometry and, with a finite bound, the layout pairs
-    /// it needs.
-    prepared: HashMap<usize, (EdgeGeometry, Option<Vec<bool>>)>,
+    /// Every model edge class's geometry.
+    geometries: &'t HashMap<usize, EdgeGeometry>,
+    /// Per table class not computed yet, with a finite bound: the layout pairs it needs.
+    keep: HashMap<usize, Vec<bool>>,
+    /// Strategies known before the search (per layer, indices into its space), which start the
+    /// local search of a residual graph too large to enumerate.
+    starts: Vec<Vec<usize>>,
 }
 
 impl<'t, 'm> Reduction<'t, 'm> {
-    /// `None` when the bound leaves some layer no config ([`prune`]).
+    /// `None` when the bound leaves some layer no config ([`Relaxation::prune`]).
     fn new(
         tables: &'t CostTables<'m>,
-        bound: f64,
-        mut geometries: HashMap<usize, EdgeGeometry>,
+        geometries: &'t HashMap<usize, EdgeGeometry>,
+        below: Below,
     ) -> Option<Self> {
         let n = tables.num_layers();
-        for i in 0..tables.edges().len() {
-            geometries
-                .entry(tables.edge_class(i))
-                .or_insert_with(|| tables.edge_geometry(i));
-        }
-        let (live, mut keep) = if bound.is_finite() {
-            let pruned = prune(tables, bound, &geometries)?;
-            (pruned.live, pruned.keep)
-        } else {
-            let all = (0..n).map(|l| (0..tables.space(LayerId(l)).len()).collect());
-            (all.collect(), HashMap::new())
+        let (live, keep, bound) = match below.relaxation {
+            Some(relaxation) if below.cost.is_finite() => {
+                let pruned = relaxation.prune(tables, below.cost)?;
+                (pruned.live, pruned.keep, below.cost)
+            }
+            _ => {
+                let all = (0..n).map(|l| (0..tables.space(LayerId(l)).len()).collect());
+                (all.collect(), HashMap::new(), f64::INFINITY)
+            }
         };
         let costs: Vec<Vec<f64>> = live
             .iter()
@@ -409,10 +556,6 @@ impl<'t, 'm> Reduction<'t, 'm> {
                 let all = tables.node_cost(LayerId(l));
                 configs.iter().map(|&c| all[c]).collect()
             })
-            .collect();
-        let prepared = geometries
-            .into_iter()
-            .map(|(class, geometry)| (class, (geometry, keep.remove(&class))))
             .collect();
         let mut r = Reduction {
             tables,
@@ -428,7 +571,9 @@ impl<'t, 'm> Reduction<'t, 'm> {
             waiting: HashMap::new(),
             computed: HashMap::new(),
             bound,
-            prepared,
+            geometries,
+            keep,
+            starts: below.starts,
         };
         // Every edge is counted before any is added: adding merges parallel edges (a layer reading
         // one tensor twice), which takes their tables, and a class whose count ran out then would
@@ -455,7 +600,8 @@ impl<'t, 'm> Reduction<'t, 'm> {
         let shared = match self.computed.get(&class) {
             Some(t) => t.clone(),
             None => {
-                let (geometry, keep) = self.prepared.remove(&class).expect("one per class");
+                let geometry = &self.geometries[&class];
+                let keep = self.keep.remove(&class);
                 let (rows, columns) = self.class_configs(class);
                 let only = ConfigSubset {
                     rows: &rows,
@@ -463,7 +609,7 @@ impl<'t, 'm> Reduction<'t, 'm> {
                 };
                 let table =
                     self.tables
-                        .edge_table_within(&geometry, edge, keep.as_deref(), Some(only));
+                        .edge_table_within(geometry, edge, keep.as_deref(), Some(only));
                 Rc::new(ClassTable {
                     rows,
                     columns,
@@ -632,12 +778,11 @@ impl<'t, 'm> Reduction<'t, 'm> {
     }
 
     /// Solves the residual graph: a residual of two layers (the zoo's) by enumeration, a larger
-    /// one by [`residual::solve`] within `budget` partial strategies, started from `known`
-    /// (per layer, indices into its space) where its configs are live. Returns per-layer config
-    /// indices (eliminated layers still 0), the cost and how far from the optimum it may be.
+    /// one by [`residual::solve`] within `budget` partial strategies, started from the known
+    /// strategies whose configs are live. Returns per-layer config indices (eliminated layers
+    /// still 0), the cost and how far from the optimum it may be.
     fn solve_residual(
         &mut self,
-        known: Option<&[usize]>,
         budget: u64,
     ) -> Result<(Vec<usize>, f64, Optimality), SearchError> {
         let nodes: Vec<usize> = (0..self.alive.len()).filter(|&j| self.alive[j]).collect();
@@ -663,14 +808,15 @@ impl<'t, 'm> Reduction<'t, 'm> {
             let (choice, best) = enumerate(&costs, &sizes, &incoming, u64::MAX)?;
             (choice, best, Optimality::Exact)
         } else {
-            let starts: Vec<Vec<usize>> = known
-                .and_then(|known| {
+            let starts: Vec<Vec<usize>> = self
+                .starts
+                .iter()
+                .filter_map(|known| {
                     nodes
                         .iter()
                         .map(|&j| self.live[j].binary_search(&known[j]).ok())
                         .collect()
                 })
-                .into_iter()
                 .collect();
             let core = Residual {
                 costs: &costs,
@@ -749,22 +895,36 @@ mod tests {
                 let geometries = edge_geometries(&tables);
                 let known = known_strategy(&tables, &geometries);
                 assert!(known.cost.is_finite(), "{name} on {machine}");
-                let bounded = optcnn_below(&tables, &known, geometries, RESIDUAL_BUDGET)
-                    .unwrap()
-                    .unwrap();
-                let exact = optcnn_below(&tables, &Known::none(), HashMap::new(), RESIDUAL_BUDGET)
-                    .unwrap()
-                    .unwrap();
-                assert_eq!(
-                    bounded.indices, exact.indices,
-                    "{name} ×{batch} on {machine}"
-                );
-                assert_eq!(
-                    bounded.cost.to_bits(),
-                    exact.cost.to_bits(),
-                    "{name} ×{batch} on {machine}"
-                );
+                let relaxation = Relaxation::new(&tables, &geometries);
+                let below = |cost: f64, relaxation: Option<&Relaxation>| {
+                    let below = Below {
+                        cost,
+                        relaxation,
+                        starts: Vec::new(),
+                    };
+                    optcnn_below(&tables, &geometries, below, RESIDUAL_BUDGET)
+                };
+                let exact = below(f64::INFINITY, None).unwrap().unwrap();
+                let by_known = below(known.cost, Some(&relaxation)).unwrap().unwrap();
+                let searched = optcnn(&tables).unwrap();
+                for bounded in [&by_known, &searched] {
+                    let what = format!("{name} ×{batch} on {machine}");
+                    assert_eq!(bounded.indices, exact.indices, "{what}");
+                    assert_eq!(bounded.cost.to_bits(), exact.cost.to_bits(), "{what}");
+                }
                 assert!(exact.cost <= known.cost, "{name} ×{batch} on {machine}");
+                assert!(
+                    relaxation.lower_bound <= exact.cost * (1.0 + 1e-12),
+                    "{name} ×{batch} on {machine}: {} above {}",
+                    relaxation.lower_bound,
+                    exact.cost
+                );
+                // a trial bound below the optimum finds nothing under it
+                let short = below(exact.cost * 0.999, Some(&relaxation));
+                assert!(
+                    !matches!(short, Some(Ok(r)) if r.cost < exact.cost * 0.999),
+                    "{name} ×{batch} on {machine}"
+                );
             }
         }
     }

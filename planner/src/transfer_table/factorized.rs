@@ -139,12 +139,15 @@ impl Factorized {
     }
 
     /// [`super::TransferTables::least_times`] of an edge that factorizes.
+    /// `inbound_bytes_per_s`: what every lane and link into one device carries together
+    /// (`None`: no such bound).
     pub(super) fn least_times(
         &self,
         geometry: &EdgeGeometry,
         axes: &AxisNeeds,
         src_space: &ConfigSpace,
         dst_space: &ConfigSpace,
+        inbound_bytes_per_s: Option<f64>,
     ) -> LeastTimes {
         let levels = self.levels;
         let src: Vec<[usize; FACTORS]> = (0..src_space.layouts().len())
@@ -178,6 +181,7 @@ impl Factorized {
             dst: dst.iter().map(level).collect(),
             intra: self.intra,
             inter: self.inter,
+            inbound_seconds_per_byte: inbound_bytes_per_s.map(|b| 1.0 / b),
             element_bytes: self.element_bytes,
             gradient: geometry.gradient,
         }
@@ -220,16 +224,25 @@ impl Factorized {
             }
         }
         let axis: [&AxisPair; FACTORS] = std::array::from_fn(|a| &pairs[a]);
-        self.layout_pair(&src_side, &dst_side, &axis, geometry.gradient, scratch);
         let (src_total, dst_total) = (src_side.total, dst_side.total);
         let relation = self.relation(src.first_device(), src_total, dst.first_device(), dst_total);
         let class = relation.class(src_total.min(dst_total)) as usize;
+        let needed = Classes::One(class);
+        self.layout_pair(
+            &src_side,
+            &dst_side,
+            &axis,
+            geometry.gradient,
+            needed,
+            scratch,
+        );
         let singles = scratch.values[class];
         let Some(lanes) = lanes else {
             return singles;
         };
         let sums: [&AxisSums; FACTORS] = std::array::from_fn(|a| &sums[a]);
-        lanes.layout_pair(&src_side, &dst_side, &sums, geometry.gradient, lane_scratch);
+        let gradient = geometry.gradient;
+        lanes.layout_pair(&src_side, &dst_side, &sums, gradient, needed, lane_scratch);
         singles.max(lane_scratch.values[class])
     }
 
@@ -272,6 +285,7 @@ impl Factorized {
         // every entry a layout pair computes is written below; the rest stay left out
         let mut table = vec![f64::INFINITY; only.rows.len() * columns];
         let mut scratch = Scratch::default();
+        let mut needed: Vec<bool> = Vec::new();
         let (src_layouts, dst_layouts) = (src_space.layouts(), dst_space.layouts());
         let mut src_sides: Vec<Option<Side>> = src_layouts.iter().map(|_| None).collect();
         let mut dst_sides: Vec<Option<Side>> = dst_layouts.iter().map(|_| None).collect();
@@ -310,7 +324,26 @@ impl Factorized {
                         .as_ref()
                         .expect("built just above")
                 });
-                self.layout_pair(src, dst, &axis, gradient, &mut scratch);
+                // the relations of the block pairs the subset holds: at hundreds of devices a
+                // bounded search keeps one or two of a layout pair's hundreds of block pairs
+                let (src_total, dst_total) = (src.total, dst.total);
+                let class_of = self.class_of(src_total, dst_total);
+                let dst_blocks = self.devices / dst_total;
+                let live_columns = &only.columns[cols.clone()];
+                needed.clear();
+                needed.resize(
+                    2 + src_total.max(dst_total) / src_total.min(dst_total),
+                    false,
+                );
+                for row in rows.clone() {
+                    let src_block = only.rows[row] - src_configs.start;
+                    let class_row = &class_of[src_block * dst_blocks..][..dst_blocks];
+                    for &c in live_columns {
+                        needed[class_row[c - dst_configs.start] as usize] = true;
+                    }
+                }
+                let classes = Classes::Some(&needed);
+                self.layout_pair(src, dst, &axis, gradient, classes, &mut scratch);
                 if let Some(lanes) = lanes {
                     for a in 0..FACTORS {
                         let slot = self.slot(a, g[a], h[a]);
@@ -323,15 +356,11 @@ impl Factorized {
                             .as_ref()
                             .expect("built just above")
                     });
-                    lanes.layout_pair(src, dst, &axis, gradient, &mut lane_scratch);
+                    lanes.layout_pair(src, dst, &axis, gradient, classes, &mut lane_scratch);
                     for (v, &lane) in scratch.values.iter_mut().zip(&lane_scratch.values) {
                         *v = v.max(lane);
                     }
                 }
-                let (src_total, dst_total) = (src.total, dst.total);
-                let class_of = self.class_of(src_total, dst_total);
-                let dst_blocks = self.devices / dst_total;
-                let live_columns = &only.columns[cols.clone()];
                 for row in rows.clone() {
                     let src_block = only.rows[row] - src_configs.start;
                     let out = &mut table[row * columns + cols.start..][..cols.len()];
@@ -364,6 +393,7 @@ impl Factorized {
         dst: &Side,
         axis: &[&AxisPair; FACTORS],
         gradient: bool,
+        needed: Classes,
         out: &mut Scratch,
     ) -> bool {
         let producer_big = src.total >= dst.total;
@@ -420,6 +450,11 @@ impl Factorized {
         let repeat = (big_group_size / small.total).max(1);
         let mut last = (u64::MAX, u64::MAX, 0.0);
         for offset in (0..big.total).step_by(small.total * repeat) {
+            let first = Relation::Nested { offset }.class(small.total) as usize;
+            if !(first..first + repeat).any(|class| needed.has(class)) {
+                out.values.extend(std::iter::repeat_n(f64::NAN, repeat));
+                continue;
+            }
             let (mut inter, mut intra_bound) = (0u64, 0u64);
             for (s, &(first, first_group, second)) in out.group_top.iter().enumerate() {
                 let own = (offset + s * small_group_size) >> big.group_bits;
@@ -441,20 +476,21 @@ impl Factorized {
     }
 
     /// t_x of one layout pair for every relation of two blocks, into `out.values` (by
-    /// [`Relation::class`]).
+    /// [`Relation::class`]); NaN for the nested relations not `needed`.
     fn layout_pair(
         &self,
         src: &Side,
         dst: &Side,
         axis: &[&AxisPair; FACTORS],
         gradient: bool,
+        needed: Classes,
         out: &mut Scratch,
     ) {
         let all = axis.iter().map(|p| p.max).product::<u64>();
         out.values.clear();
         out.values.push(self.time(all, 0, gradient));
         out.values.push(self.time(0, all, gradient));
-        if self.nested_by_inter_node(src, dst, axis, gradient, out) {
+        if self.nested_by_inter_node(src, dst, axis, gradient, needed, out) {
             return;
         }
         out.values.truncate(2);
@@ -526,6 +562,10 @@ impl Factorized {
         let groups = big.ranges.len();
         let mut last = (u64::MAX, u64::MAX, 0.0);
         for offset in (0..big.total).step_by(small.total) {
+            if !needed.has(Relation::Nested { offset }.class(small.total) as usize) {
+                out.values.push(f64::NAN);
+                continue;
+            }
             let (mut intra, mut inter) = (0u64, 0u64);
             for (x, (free, combo)) in out.free.iter().enumerate() {
                 let own_tile = offset + x;
@@ -544,6 +584,24 @@ impl Factorized {
                 last = (intra, inter, self.time(intra, inter, gradient));
             }
             out.values.push(last.2);
+        }
+    }
+}
+
+/// Which relations' t_x a layout pair's pricing works out (by [`Relation::class`]); the two
+/// disjoint ones always, as they cost next to nothing.
+#[derive(Clone, Copy)]
+pub(super) enum Classes<'a> {
+    One(usize),
+    /// Those marked.
+    Some(&'a [bool]),
+}
+
+impl Classes<'_> {
+    pub(super) fn has(self, class: usize) -> bool {
+        match self {
+            Classes::One(c) => c == class,
+            Classes::Some(marked) => marked.get(class).copied().unwrap_or(false),
         }
     }
 }
@@ -741,6 +799,32 @@ struct AxisBound {
     /// producer block with the consumer blocks (a second-largest equals the largest if that
     /// occurs twice).
     second: u64,
+    /// Two consumer digits' overlaps with every producer block: what a tile with those digits
+    /// receives in all, less what its own device may hold ([`Traffic`]).
+    receives: [Traffic; 2],
+    /// Likewise two producer digits' overlaps with every consumer block.
+    sends: [Traffic; 2],
+}
+
+/// One digit's overlaps along one axis with every block of the other side: their sum, and the
+/// largest (the most that one device's tile of the other side can hold of it).
+#[derive(Clone, Copy, Debug, Default)]
+struct Traffic {
+    sum: u64,
+    max: u64,
+}
+
+impl Traffic {
+    /// The digits whose traffic bounds best: the largest sum, and the largest sum less maximum.
+    fn candidates(digits: impl Iterator<Item = Traffic> + Clone) -> [Traffic; 2] {
+        let by = |key: fn(&Traffic) -> (u64, std::cmp::Reverse<u64>)| {
+            digits.clone().max_by_key(key).unwrap_or_default()
+        };
+        [
+            by(|t| (t.sum, std::cmp::Reverse(t.max))),
+            by(|t| (t.sum - t.max, std::cmp::Reverse(0))),
+        ]
+    }
 }
 
 /// A half-open interval of one axis.
@@ -951,9 +1035,21 @@ impl AxisNeeds {
             .map(|row| row.iter().copied().fold((0, 0), top_two).1)
             .max()
             .unwrap_or(0);
+        let traffic = |values: &mut dyn Iterator<Item = u64>| {
+            values.fold(Traffic::default(), |t, v| Traffic {
+                sum: t.sum + v,
+                max: t.max.max(v),
+            })
+        };
+        let columns = (0..h).map(|j| traffic(&mut (0..g).map(|i| overlap[i * h + j])));
+        let rows = overlap
+            .chunks(h)
+            .map(|row| traffic(&mut row.iter().copied()));
         AxisBound {
             max,
             second: consumer_second.max(producer_second),
+            receives: Traffic::candidates(columns),
+            sends: Traffic::candidates(rows),
         }
     }
 
@@ -1085,6 +1181,13 @@ impl Stats {
 /// overlap, and each producer tile likewise sends at least its second-largest; at best over the
 /// faster link. Over tiles, the largest second-largest of a product of independent per-axis
 /// factors is `max_a second_a · Π_{b≠a} max_b` (either side's `second_a`: the products are alike).
+///
+/// Where lanes are shared the bound also counts lane loads: a consumer tile receives everything it
+/// reads but what its own device holds (at most its largest overlap with one producer tile), through
+/// the lanes and links into its device, which together carry no more than the device's inbound
+/// bandwidth; likewise a producer tile sends. Evaluated at a few tiles (any tile's load bounds the
+/// busiest lane), this is what keeps most layout pairs of an all-to-all between dense layers out of
+/// the search at hundreds of devices, where a single message is a small share of a tile's traffic.
 pub(crate) struct LeastTimes {
     /// By [`Factorized::slot`].
     bounds: Vec<AxisBound>,
@@ -1094,6 +1197,9 @@ pub(crate) struct LeastTimes {
     dst: Vec<[usize; FACTORS]>,
     intra: Link,
     inter: Link,
+    /// The inverse of a device's inbound bandwidth over all its lanes and links (`None`: no lane
+    /// bound).
+    inbound_seconds_per_byte: Option<f64>,
     element_bytes: u64,
     gradient: bool,
 }
@@ -1138,6 +1244,25 @@ impl LeastTimes {
             .intra
             .message_time(bytes)
             .min(self.inter.message_time(bytes));
+        let one = match self.inbound_seconds_per_byte {
+            None => one,
+            Some(seconds_per_byte) => {
+                let moved = |side: fn(&AxisBound) -> &[Traffic; 2]| {
+                    (0..2)
+                        .map(|k| {
+                            let (all, own) = axis.iter().fold((1u64, 1u64), |(s, m), b| {
+                                let t = side(b)[k];
+                                (s.saturating_mul(t.sum), m.saturating_mul(t.max))
+                            });
+                            all - own
+                        })
+                        .max()
+                        .unwrap_or(0)
+                };
+                let elems = moved(|b| &b.receives).max(moved(|b| &b.sends));
+                one.max((self.element_bytes * elems) as f64 * seconds_per_byte)
+            }
+        };
         if self.gradient { one + one } else { one }
     }
 }

@@ -73,18 +73,32 @@ pub(crate) struct TransferTables {
     /// Where messages share lanes on a regular machine, how: its tables add the lanes' loads to
     /// the maxima, from per-axis sums.
     lanes: Option<LaneTopology>,
+    /// What every lane and link into one device carries together, where the machine is regular
+    /// and its lanes are priced per axis: the lane-load part of [`LeastTimes`].
+    inbound_bytes_per_s: Option<f64>,
 }
 
 impl TransferTables {
     pub(crate) fn new(machine: &MachineModel) -> TransferTables {
+        let lanes = machine
+            .has_shared_lanes()
+            .then(|| LaneTopology::for_machine(machine))
+            .flatten();
+        let inbound_bytes_per_s = match (&lanes, machine.uniform_nodes()) {
+            (Some(lanes), _) => Some(lanes.inbound_bytes_per_s(machine.num_devices())),
+            // a private link from every other device
+            (None, Some((node_size, intra, inter))) if !machine.has_shared_lanes() => {
+                let remote = machine.num_devices() - node_size;
+                Some((node_size - 1) as f64 * intra.bytes_per_s + remote as f64 * inter.bytes_per_s)
+            }
+            _ => None,
+        };
         TransferTables {
             per_message: OnceLock::new(),
             factorized: Factorized::for_machine(machine),
             factorized_exact: !machine.has_shared_lanes(),
-            lanes: machine
-                .has_shared_lanes()
-                .then(|| LaneTopology::for_machine(machine))
-                .flatten(),
+            lanes,
+            inbound_bytes_per_s,
         }
     }
 
@@ -170,7 +184,13 @@ impl TransferTables {
         dst_space: &ConfigSpace,
     ) -> Option<LeastTimes> {
         let (factorized, axes) = self.factorized_edge(geometry)?;
-        Some(factorized.least_times(geometry, axes, src_space, dst_space))
+        Some(factorized.least_times(
+            geometry,
+            axes,
+            src_space,
+            dst_space,
+            self.inbound_bytes_per_s,
+        ))
     }
 
     /// The machine and the edge's per-axis needs, where t_x factorizes per axis.
@@ -370,7 +390,9 @@ mod tests {
                         );
                         assert_eq!(one.to_bits(), entry.to_bits(), "{what}: {src:?} → {dst:?}");
                     }
-                    let least = factorized.least_times(geometry, axes, src_space, dst_space);
+                    let least = transfers
+                        .least_times(geometry, src_space, dst_space)
+                        .expect("regular machine");
                     let layouts = dst_space.layouts().len();
                     let mut tight = 0;
                     for gi in 0..src_space.layouts().len() {
@@ -394,12 +416,13 @@ mod tests {
 
     /// Where messages share lanes (one NIC per node or per device; private links, a switch or a
     /// host bridge within nodes), the tables from per-axis sums equal the per-message ones bit
-    /// for bit, in the paper's space and with reduction splits.
+    /// for bit, in the paper's space and with reduction splits; and the lower bounds with lane
+    /// loads hold for every block pair.
     #[test]
     fn lane_loads_from_per_axis_sums_equal_per_message() {
         use crate::machine::IntraTopology;
         let g = graph();
-        let mut priced = 0;
+        let (mut priced, mut tighter) = (0, 0);
         for machine in [
             MachineModel::preset("paper:16").unwrap(),
             MachineModel::preset("paper:8").unwrap(),
@@ -461,10 +484,34 @@ mod tests {
                         );
                     }
                     priced += fast.len();
+                    // the bound with lane loads holds for every block pair of a layout pair
+                    let least = transfers
+                        .least_times(geometry, src_space, dst_space)
+                        .expect("regular machine");
+                    let messages_only =
+                        factorized.least_times(geometry, axes, src_space, dst_space, None);
+                    for gi in 0..src_space.layouts().len() {
+                        for hi in 0..dst_space.layouts().len() {
+                            let (bound, single) = (least.get(gi, hi), messages_only.get(gi, hi));
+                            let lowest = src_space
+                                .layout_configs(gi)
+                                .flat_map(|row| {
+                                    fast[row * dst_space.len()..][dst_space.layout_configs(hi)]
+                                        .iter()
+                                })
+                                .copied()
+                                .fold(f64::INFINITY, f64::min);
+                            assert!(bound <= lowest, "{what}: layouts {gi}, {hi}");
+                            assert!(bound >= single, "{what}: layouts {gi}, {hi}");
+                            tighter += usize::from(bound > single);
+                        }
+                    }
                 },
             );
         }
         assert!(priced > 0);
+        // lane loads raise the bound of a single message somewhere
+        assert!(tighter > 0);
     }
 
     #[test]

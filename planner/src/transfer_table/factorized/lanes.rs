@@ -20,7 +20,7 @@
 //! two maxima. Links are symmetric on a regular machine and the backward pass loads the mirror
 //! lanes with the same sums, so it takes as long as the forward one.
 
-use super::{AxisNeeds, FACTORS, Side};
+use super::{AxisNeeds, Classes, FACTORS, Side};
 use crate::machine::{IntraTopology, Link, MachineModel};
 use crate::transfer::lane_seconds;
 
@@ -68,6 +68,26 @@ impl LaneTopology {
         })
     }
 
+    /// What every lane and link into one device carries together on a machine of `devices`:
+    /// its switch port or the node's bridge (or a private link from each other device of its
+    /// node), and its NIC or its node's (or a private link from each device of the other nodes).
+    pub(in crate::transfer_table) fn inbound_bytes_per_s(&self, devices: usize) -> f64 {
+        let (node_mates, remote) = (self.node_size - 1, devices - self.node_size);
+        let intra = match self.intra_topology {
+            IntraTopology::Pairs => node_mates as f64 * self.intra.bytes_per_s,
+            IntraTopology::Switch | IntraTopology::Bridge if node_mates > 0 => {
+                self.intra.bytes_per_s
+            }
+            _ => 0.0,
+        };
+        let inter = match self.nics {
+            Nics::None => remote as f64 * self.inter.bytes_per_s,
+            Nics::PerNode | Nics::PerDevice if remote > 0 => self.inter.bytes_per_s,
+            _ => 0.0,
+        };
+        intra + inter
+    }
+
     fn seconds(&self, link: Link, load: Load) -> f64 {
         lane_seconds(
             load.elements.saturating_mul(self.element_bytes),
@@ -84,13 +104,15 @@ impl LaneTopology {
     }
 
     /// The busiest lane's t_x of one layout pair for every relation of two blocks, by
-    /// `Relation::class` as [`Factorized::layout_pair`] numbers them, into `out.values`.
+    /// `Relation::class` as [`Factorized::layout_pair`] numbers them, into `out.values` (NaN
+    /// for the nested relations not `needed`).
     pub(super) fn layout_pair(
         &self,
         src: &Side,
         dst: &Side,
         axes: &[&AxisSums; FACTORS],
         gradient: bool,
+        needed: Classes,
         out: &mut LaneScratch,
     ) {
         let pair = BoxSums { src, dst, axes };
@@ -171,7 +193,11 @@ impl LaneTopology {
             .fold(0.0f64, |m, &v| m.max(v));
         values.push(double(disjoint_inter));
         // nested: the nodes of the smaller block hold tiles of both
-        for offset in (0..big.total).step_by(small.total) {
+        for (class, offset) in (2..).zip((0..big.total).step_by(small.total)) {
+            if !needed.has(class) {
+                values.push(f64::NAN);
+                continue;
+            }
             let first = offset / group_size;
             let last = (offset + small.total - 1) / group_size;
             let mut busiest = out.before[first].max(out.from[last + 1]);
@@ -413,6 +439,8 @@ fn expand(
 ) {
     out.clear();
     out.push(Load::ONE);
+    // each digit's factor once, not once per tile
+    let mut factors = [(0u64, 0u64); MAX_DEGREE_ON_STACK];
     for &f in &side.order {
         let (lo, hi) = tiles[f];
         if hi - lo == 1 {
@@ -423,12 +451,25 @@ fn expand(
             continue;
         }
         spare.clear();
-        for &l in out.iter() {
-            spare.extend((lo..hi).map(|d| l.times(factor(f, d))));
+        if hi - lo <= MAX_DEGREE_ON_STACK {
+            let factors = &mut factors[..hi - lo];
+            for (v, d) in factors.iter_mut().zip(lo..hi) {
+                *v = factor(f, d);
+            }
+            for &l in out.iter() {
+                spare.extend(factors.iter().map(|&v| l.times(v)));
+            }
+        } else {
+            for &l in out.iter() {
+                spare.extend((lo..hi).map(|d| l.times(factor(f, d))));
+            }
         }
         std::mem::swap(out, spare);
     }
 }
+
+/// Digits of one factor whose factors [`expand`] keeps on the stack (degrees above it are rare).
+const MAX_DEGREE_ON_STACK: usize = 256;
 
 /// One factor's overlap matrix of a (producer degree, consumer degree), with 2-D prefix sums of
 /// its overlaps and of its non-zero entries.
