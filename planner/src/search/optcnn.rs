@@ -111,8 +111,13 @@ pub fn optcnn_within(tables: &CostTables, budget: u64) -> Result<OptCnnResult, S
             starts.push(relaxed.clone());
         }
         let known = known.or_cheaper(relaxed_cost, relaxed);
+        let kept_below_known = relaxation.kept_pairs(tables, known.cost) as f64;
         for bound in relaxation.trial_bounds(known.cost) {
             let last = bound >= known.cost;
+            if !last && relaxation.kept_pairs(tables, bound) as f64 > TRIAL_SHARE * kept_below_known
+            {
+                continue;
+            }
             let below = Below {
                 cost: bound,
                 relaxation: Some(&relaxation),
@@ -425,6 +430,15 @@ impl Relaxation {
         bounds
     }
 
+    /// How many layout pairs a search below `bound` keeps (0 where it keeps no strategy).
+    fn kept_pairs(&self, tables: &CostTables, bound: f64) -> usize {
+        self.prune(tables, bound).map_or(0, |pruned| {
+            (pruned.keep.values())
+                .map(|mask| mask.iter().filter(|&&k| k).count())
+                .sum()
+        })
+    }
+
     /// What a search below `bound` leaves out: a config whose layout's bound plus its own excess
     /// over the layout's cheapest config reaches `bound`, and a layout pair whose bound does.
     /// `None` when some layer would keep no config.
@@ -488,6 +502,11 @@ fn layout_graph<'a>(
 const FIRST_TRIAL: f64 = 0.05;
 const TRIAL_GROWTH: f64 = 1.5;
 const MAX_TRIALS: i32 = 12;
+/// A trial is tried only where it keeps at most this share of the layout pairs the known
+/// strategy's bound keeps: where the relaxation prunes little even near the lower bound
+/// (Inception-v3's branches, whose off-tree edges it folds), a failed trial costs about as much
+/// as the search below the known cost.
+const TRIAL_SHARE: f64 = 0.25;
 
 /// The position of the first least value.
 fn argmin(values: &[f64]) -> usize {
