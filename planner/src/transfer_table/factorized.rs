@@ -815,15 +815,14 @@ struct Traffic {
 }
 
 impl Traffic {
-    /// The digits whose traffic bounds best: the largest sum, and the largest sum less maximum.
+    /// The digits whose traffic bounds best: the largest sum (the least maximum among those),
+    /// and the largest sum less maximum.
     fn candidates(digits: impl Iterator<Item = Traffic> + Clone) -> [Traffic; 2] {
-        let by = |key: fn(&Traffic) -> (u64, std::cmp::Reverse<u64>)| {
-            digits.clone().max_by_key(key).unwrap_or_default()
-        };
-        [
-            by(|t| (t.sum, std::cmp::Reverse(t.max))),
-            by(|t| (t.sum - t.max, std::cmp::Reverse(0))),
-        ]
+        let most = digits
+            .clone()
+            .max_by_key(|t| (t.sum, std::cmp::Reverse(t.max)));
+        let most_sent = digits.max_by_key(|t| t.sum - t.max);
+        [most.unwrap_or_default(), most_sent.unwrap_or_default()]
     }
 }
 

@@ -73,32 +73,22 @@ pub(crate) struct TransferTables {
     /// Where messages share lanes on a regular machine, how: its tables add the lanes' loads to
     /// the maxima, from per-axis sums.
     lanes: Option<LaneTopology>,
-    /// What every lane and link into one device carries together, where the machine is regular
-    /// and its lanes are priced per axis: the lane-load part of [`LeastTimes`].
+    /// What every lane and link into one device carries together, where the machine is regular:
+    /// the lane-load part of [`LeastTimes`].
     inbound_bytes_per_s: Option<f64>,
 }
 
 impl TransferTables {
     pub(crate) fn new(machine: &MachineModel) -> TransferTables {
-        let lanes = machine
-            .has_shared_lanes()
-            .then(|| LaneTopology::for_machine(machine))
-            .flatten();
-        let inbound_bytes_per_s = match (&lanes, machine.uniform_nodes()) {
-            (Some(lanes), _) => Some(lanes.inbound_bytes_per_s(machine.num_devices())),
-            // a private link from every other device
-            (None, Some((node_size, intra, inter))) if !machine.has_shared_lanes() => {
-                let remote = machine.num_devices() - node_size;
-                Some((node_size - 1) as f64 * intra.bytes_per_s + remote as f64 * inter.bytes_per_s)
-            }
-            _ => None,
-        };
         TransferTables {
             per_message: OnceLock::new(),
             factorized: Factorized::for_machine(machine),
             factorized_exact: !machine.has_shared_lanes(),
-            lanes,
-            inbound_bytes_per_s,
+            lanes: machine
+                .has_shared_lanes()
+                .then(|| LaneTopology::for_machine(machine))
+                .flatten(),
+            inbound_bytes_per_s: inbound_bytes_per_s(machine),
         }
     }
 
@@ -255,6 +245,27 @@ impl TransferTables {
             Some(subset) => subset.extract(&whole, dst_space.len()),
         }
     }
+}
+
+/// What every lane and link into one device of a regular machine carries together: its switch
+/// port or its node's bridge, or else a private link from each other device of its node; and its
+/// NIC (a device's or its node's), or else a private link from each device of the other nodes.
+/// `None` where the machine is not regular.
+fn inbound_bytes_per_s(machine: &MachineModel) -> Option<f64> {
+    use crate::machine::IntraTopology;
+    let (node_size, intra, inter) = machine.uniform_nodes()?;
+    let remote = machine.num_devices() - node_size;
+    let intra = match machine.intra_topology() {
+        IntraTopology::Pairs => (node_size - 1) as f64 * intra.bytes_per_s,
+        IntraTopology::Switch | IntraTopology::Bridge if node_size > 1 => intra.bytes_per_s,
+        _ => 0.0,
+    };
+    let inter = match machine.nics_per_node() {
+        None => remote as f64 * inter.bytes_per_s,
+        Some(_) if remote > 0 => inter.bytes_per_s,
+        Some(_) => 0.0,
+    };
+    Some(intra + inter)
 }
 
 /// Rows and columns of an edge table: configs of the producer and of the consumer, as ascending

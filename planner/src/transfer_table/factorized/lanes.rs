@@ -68,26 +68,6 @@ impl LaneTopology {
         })
     }
 
-    /// What every lane and link into one device carries together on a machine of `devices`:
-    /// its switch port or the node's bridge (or a private link from each other device of its
-    /// node), and its NIC or its node's (or a private link from each device of the other nodes).
-    pub(in crate::transfer_table) fn inbound_bytes_per_s(&self, devices: usize) -> f64 {
-        let (node_mates, remote) = (self.node_size - 1, devices - self.node_size);
-        let intra = match self.intra_topology {
-            IntraTopology::Pairs => node_mates as f64 * self.intra.bytes_per_s,
-            IntraTopology::Switch | IntraTopology::Bridge if node_mates > 0 => {
-                self.intra.bytes_per_s
-            }
-            _ => 0.0,
-        };
-        let inter = match self.nics {
-            Nics::None => remote as f64 * self.inter.bytes_per_s,
-            Nics::PerNode | Nics::PerDevice if remote > 0 => self.inter.bytes_per_s,
-            _ => 0.0,
-        };
-        intra + inter
-    }
-
     fn seconds(&self, link: Link, load: Load) -> f64 {
         lane_seconds(
             load.elements.saturating_mul(self.element_bytes),
@@ -119,8 +99,8 @@ impl LaneTopology {
         let (src_all, dst_all) = (src.tiles(0, src.total), dst.tiles(0, dst.total));
         // everything each tile exchanges with the other block
         if self.per_device() {
-            pair.per_src_tile(&src_all, &dst_all, &mut out.src_sends, &mut out.spare);
-            pair.per_dst_tile(&src_all, &dst_all, &mut out.dst_receives, &mut out.spare);
+            pair.per_src_tile(&src_all, &dst_all, &mut out.src_sends, &mut out.expand);
+            pair.per_dst_tile(&src_all, &dst_all, &mut out.dst_receives, &mut out.expand);
         }
         let producer_big = src.total >= dst.total;
         let (big, small) = if producer_big { (src, dst) } else { (dst, src) };
@@ -250,7 +230,7 @@ impl LaneTopology {
         if self.per_device() {
             let switch = self.intra_topology == IntraTopology::Switch;
             let nic = self.nics == Nics::PerDevice;
-            pair.per_src_tile(&src_box, &dst_box, &mut out.node_tiles, &mut out.spare);
+            pair.per_src_tile(&src_box, &dst_box, &mut out.node_tiles, &mut out.expand);
             for (p, &to_node) in src_tiles.clone().zip(&out.node_tiles) {
                 if nic {
                     lane(self.inter, out.src_sends[p].minus(to_node));
@@ -262,7 +242,7 @@ impl LaneTopology {
                     );
                 }
             }
-            pair.per_dst_tile(&src_box, &dst_box, &mut out.node_tiles, &mut out.spare);
+            pair.per_dst_tile(&src_box, &dst_box, &mut out.node_tiles, &mut out.expand);
             for (c, &from_node) in dst_tiles.clone().zip(&out.node_tiles) {
                 if nic {
                     lane(self.inter, out.dst_receives[c].minus(from_node));
@@ -398,14 +378,14 @@ impl BoxSums<'_> {
         src_tiles: &DigitBox,
         dst: &DigitBox,
         out: &mut Vec<Load>,
-        spare: &mut Vec<Load>,
+        scratch: &mut ExpandScratch,
     ) {
         expand(
             self.src,
             src_tiles,
             |f, i| self.axes[f].rect((i, i + 1), dst[f]),
             out,
-            spare,
+            scratch,
         );
     }
 
@@ -416,60 +396,55 @@ impl BoxSums<'_> {
         src: &DigitBox,
         dst_tiles: &DigitBox,
         out: &mut Vec<Load>,
-        spare: &mut Vec<Load>,
+        scratch: &mut ExpandScratch,
     ) {
         expand(
             self.dst,
             dst_tiles,
             |f, j| self.axes[f].rect(src[f], (j, j + 1)),
             out,
-            spare,
+            scratch,
         );
     }
 }
 
 /// Per tile of the box `tiles` of `side`, in tile order, the product over factors of
-/// `factor(f, digit)`, into `out` (`spare` is working memory).
+/// `factor(f, digit)`, into `out`.
 fn expand(
     side: &Side,
     tiles: &DigitBox,
     factor: impl Fn(usize, usize) -> (u64, u64),
     out: &mut Vec<Load>,
-    spare: &mut Vec<Load>,
+    scratch: &mut ExpandScratch,
 ) {
+    let ExpandScratch { spare, factors } = scratch;
     out.clear();
     out.push(Load::ONE);
-    // each digit's factor once, not once per tile
-    let mut factors = [(0u64, 0u64); MAX_DEGREE_ON_STACK];
     for &f in &side.order {
         let (lo, hi) = tiles[f];
-        if hi - lo == 1 {
-            let v = factor(f, lo);
+        // each digit's factor once, not once per tile
+        factors.clear();
+        factors.extend((lo..hi).map(|d| factor(f, d)));
+        if let [v] = factors[..] {
             for l in out.iter_mut() {
                 *l = l.times(v);
             }
             continue;
         }
         spare.clear();
-        if hi - lo <= MAX_DEGREE_ON_STACK {
-            let factors = &mut factors[..hi - lo];
-            for (v, d) in factors.iter_mut().zip(lo..hi) {
-                *v = factor(f, d);
-            }
-            for &l in out.iter() {
-                spare.extend(factors.iter().map(|&v| l.times(v)));
-            }
-        } else {
-            for &l in out.iter() {
-                spare.extend((lo..hi).map(|d| l.times(factor(f, d))));
-            }
+        for &l in out.iter() {
+            spare.extend(factors.iter().map(|&v| l.times(v)));
         }
         std::mem::swap(out, spare);
     }
 }
 
-/// Digits of one factor whose factors [`expand`] keeps on the stack (degrees above it are rare).
-const MAX_DEGREE_ON_STACK: usize = 256;
+/// Working memory of [`expand`], kept between calls.
+#[derive(Default)]
+pub(super) struct ExpandScratch {
+    spare: Vec<Load>,
+    factors: Vec<(u64, u64)>,
+}
 
 /// One factor's overlap matrix of a (producer degree, consumer degree), with 2-D prefix sums of
 /// its overlaps and of its non-zero entries.
@@ -542,7 +517,7 @@ pub(super) struct LaneScratch {
     dst_receives: Vec<Load>,
     /// Per tile of a shared node, what it exchanges within the node.
     node_tiles: Vec<Load>,
-    spare: Vec<Load>,
+    expand: ExpandScratch,
     /// Per node of the larger and of the smaller block, its busiest NIC (`side_groups`).
     big_groups: Vec<f64>,
     small_groups: Vec<f64>,
