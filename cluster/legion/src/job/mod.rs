@@ -775,6 +775,31 @@ mod tests {
     }
 
     #[test]
+    fn the_last_step_read_one_step_late_is_timed_as_a_step() {
+        let graph = crate::model::load_model("lenet5", 16, None, None).unwrap();
+        let opts = TrainOptions {
+            steps: 6,
+            device: DeviceKind::Cpu,
+            ..TrainOptions::default()
+        };
+        let mut seconds = Vec::new();
+        let summary = Job::start(graph, &opts)
+            .unwrap()
+            .run(|event| {
+                if let JobEvent::Step(s) = event {
+                    seconds.push(s.seconds);
+                }
+            })
+            .unwrap();
+        assert!(summary.loss_read_late, "the default reads one step late");
+        let (last, earlier) = seconds.split_last().unwrap();
+        let fastest = earlier.iter().copied().fold(f64::INFINITY, f64::min);
+        // Read at the finish, right after the step before's read, the last step used to be
+        // timed at nearly nothing.
+        assert!(*last > fastest / 10.0, "{seconds:?}");
+    }
+
+    #[test]
     fn a_one_device_run_has_no_plan() {
         let opts = TrainOptions {
             steps: 2,

@@ -47,7 +47,7 @@ impl Job {
         let started = Instant::now();
         let mut reported = Reported {
             awaiting: std::collections::VecDeque::with_capacity(2),
-            last: started,
+            last_returned: started,
             losses: Vec::with_capacity(opts.steps as usize),
             batch,
             total_steps: opts.steps,
@@ -73,7 +73,6 @@ impl Job {
             let batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
             let traced = opts.trace.is_some() && step == opts.steps;
-            reported.awaiting.push_back((step, Instant::now()));
             let (stats, reports) = engine.step(StepBatch {
                 images: batch_data.images,
                 labels: batch_data.labels,
@@ -84,6 +83,7 @@ impl Job {
                 }),
                 trace: traced,
             })?;
+            reported.returned(step);
             if traced {
                 traced_reports = Some(reports);
             }
@@ -96,6 +96,8 @@ impl Job {
                     reported.read(stats, &mut on_event)?;
                 }
                 save(engine.as_mut())?;
+                // A checkpoint's write is not the next step's time.
+                reported.last_returned = Instant::now();
             }
         }
         if let Some(stats) = engine.finish()? {
@@ -149,32 +151,39 @@ impl Job {
 /// The steps a job gave its engine whose stats are still to come back, matched to the stats as
 /// the engine reads them back (in order: this step's, or one step late the previous step's),
 /// and reported.
+///
+/// A step's time is the pace of the engine's step calls: from the return of the one before to
+/// its own. Where the stats come one step late, the time between two reads would be the next
+/// step's (a CPU computes while it is called) and the last read's nearly nothing.
 struct Reported {
-    /// Oldest first, each with when its step was given to the engine.
-    awaiting: std::collections::VecDeque<(u64, Instant)>,
-    /// When the last step was reported (the run's start before the first).
-    last: Instant,
+    /// Oldest first, each with its step's seconds.
+    awaiting: std::collections::VecDeque<(u64, f64)>,
+    /// When the engine's last step call returned (the run's start before the first).
+    last_returned: Instant,
     losses: Vec<f32>,
     batch: usize,
     total_steps: u64,
 }
 
 impl Reported {
+    /// Notes that the engine's call for `step` returned.
+    fn returned(&mut self, step: u64) {
+        let now = Instant::now();
+        let seconds = (now - self.last_returned).as_secs_f64();
+        self.last_returned = now;
+        self.awaiting.push_back((step, seconds));
+    }
+
     /// Reports `stats` as the oldest awaited step's, refusing a loss that is not finite.
     fn read(
         &mut self,
         stats: StepStats,
         on_event: &mut impl FnMut(JobEvent<'_>),
     ) -> anyhow::Result<()> {
-        let (step, given) = self
+        let (step, seconds) = self
             .awaiting
             .pop_front()
             .context("the engine read back more steps than it was given")?;
-        let now = Instant::now();
-        // From the later of its start and the last report: each step's own time when it is
-        // read at its end, the run's pace when it is read one step late.
-        let seconds = (now - given.max(self.last)).as_secs_f64();
-        self.last = now;
         if !stats.loss.is_finite() {
             bail!(
                 "step {step}: the loss is {} (try a smaller --lr)",
