@@ -14,7 +14,14 @@ fn alexnet_step(c: &mut Criterion) {
     let cfg = model.default_config(32);
     let graph = model.build(&cfg).expect("alexnet builds");
     let flops = graph.flops();
-    let dataset = data::open("synthetic", [3, 224, 224], cfg.classes, 1).expect("synthetic data");
+    let dataset = data::open(
+        "synthetic",
+        [3, 224, 224],
+        cfg.classes,
+        1,
+        data::Transforms::PLAIN,
+    )
+    .expect("synthetic data");
     let batch = Loader::new(dataset, LoaderConfig::new(cfg.batch))
         .expect("a loader")
         .batch(0, 0)

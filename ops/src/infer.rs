@@ -2,11 +2,13 @@
 //! from the same weights. It differs from a training step's forward in two layers only: batch norm
 //! normalises with its running statistics instead of the batch's, and dropout passes its input
 //! through. Every other layer runs its own forward kernel, whole-tensor, as the trainer does.
+//! [`evaluate`] scores a dataset with it (top-1, top-5, loss); [`top_k`] ranks one sample's classes.
 
 use crate::backend::cpu::{Buffer, Cpu, CpuStream};
 use crate::backend::{
     Access, BatchView, KernelCall, KernelError, Operand, Phase, Role, StepContext,
 };
+use crate::data::{BadSamples, DataError, Dataset, Loader, LoaderConfig};
 use crate::graph::Graph;
 use crate::kernels::batch_norm::{BatchStats, normalize};
 use crate::kernels::{View, ViewMut};
@@ -97,6 +99,108 @@ pub fn logits(graph: &Graph, params: &ParamStore, images: &[f32]) -> Result<Vec<
     Ok(acts.swap_remove(logits.0).into_f32())
 }
 
+/// What a model scores on a dataset.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Accuracy {
+    pub samples: usize,
+    /// Fractions of the samples whose label is the top logit, and among the top five.
+    pub top1: f64,
+    pub top5: f64,
+    /// Mean softmax cross-entropy.
+    pub loss: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+/// The accuracy of `graph` with `params`, in inference mode ([`logits`]), on every sample of
+/// `dataset` in its order: batches of the graph's batch size, the last one padded (its padding
+/// not counted). A sample that cannot be read is left out unless `strict`.
+pub fn evaluate(
+    graph: &Graph,
+    params: &ParamStore,
+    dataset: std::sync::Arc<dyn Dataset>,
+    strict: bool,
+) -> Result<Accuracy, EvalError> {
+    let batch = graph.batch();
+    let loader = Loader::new(
+        dataset,
+        LoaderConfig {
+            shuffle: false,
+            drop_last: false,
+            bad_samples: match strict {
+                true => BadSamples::Fail,
+                false => BadSamples::Drop,
+            },
+            ..LoaderConfig::new(batch)
+        },
+    )?;
+    let sample_len = loader.dataset().sample_len();
+    let (mut samples, mut top1, mut top5, mut loss) = (0usize, 0usize, 0usize, 0f64);
+    let mut padded = Vec::new();
+    for b in loader.epoch(0) {
+        let b = b?;
+        let images = if b.len() == batch {
+            &b.images
+        } else {
+            padded.clear();
+            padded.extend_from_slice(&b.images);
+            padded.resize(batch * sample_len, 0.0);
+            &padded
+        };
+        let out = logits(graph, params, images)?;
+        let classes = out.len() / batch;
+        for (row, &label) in out.chunks_exact(classes).zip(&b.labels) {
+            let score = row[label as usize];
+            // Ties count against the label, so a constant output scores nothing.
+            let above = row
+                .iter()
+                .enumerate()
+                .filter(|&(j, &v)| v > score || (v == score && j < label as usize))
+                .count();
+            top1 += (above == 0) as usize;
+            top5 += (above < 5) as usize;
+            loss += log_sum_exp(row) - f64::from(score);
+        }
+        samples += b.len();
+    }
+    let n = samples.max(1) as f64;
+    Ok(Accuracy {
+        samples,
+        top1: top1 as f64 / n,
+        top5: top5 as f64 / n,
+        loss: loss / n,
+    })
+}
+
+fn log_sum_exp(row: &[f32]) -> f64 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    max + row
+        .iter()
+        .map(|&v| (f64::from(v) - max).exp())
+        .sum::<f64>()
+        .ln()
+}
+
+/// The `k` most probable classes of one row of logits, most probable first, with their softmax
+/// probabilities.
+pub fn top_k(row: &[f32], k: usize) -> Vec<(usize, f64)> {
+    let lse = log_sum_exp(row);
+    let mut ranked: Vec<(usize, f64)> = row
+        .iter()
+        .enumerate()
+        .map(|(class, &v)| (class, (f64::from(v) - lse).exp()))
+        .collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    ranked.truncate(k);
+    ranked
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,5 +282,69 @@ mod tests {
         for (a, e) in with_dropout.iter().zip(&expected) {
             assert!((a - e).abs() < 1e-5, "{a} vs {e}");
         }
+    }
+
+    /// Sample `i`: the ramp of `images`, shifted by `i`; label `i % 4`.
+    struct Shifted;
+
+    impl Dataset for Shifted {
+        fn num_samples(&self) -> usize {
+            5
+        }
+        fn image_shape(&self) -> crate::data::ImageShape {
+            [2, 6, 6]
+        }
+        fn num_classes(&self) -> usize {
+            4
+        }
+        fn sample(&self, index: usize, _: u64, out: &mut [f32]) -> Result<u32, DataError> {
+            for (o, v) in out
+                .iter_mut()
+                .zip(images(72 + index).into_iter().skip(index))
+            {
+                *o = v;
+            }
+            Ok((index % 4) as u32)
+        }
+        fn describe(&self) -> String {
+            "shifted".into()
+        }
+    }
+
+    #[test]
+    fn evaluation_scores_every_sample_once_from_the_logits_padding_the_last_batch() {
+        let g = net(false);
+        let params = ParamStore::init(&g, 5);
+        let acc = evaluate(&g, &params, std::sync::Arc::new(Shifted), true).unwrap();
+        assert_eq!(acc.samples, 5);
+        // The same figures sample by sample, each alone in a batch padded with zeros.
+        let (mut top1, mut top5, mut loss) = (0, 0, 0.0);
+        for i in 0..5 {
+            let mut x = vec![0.0; 2 * 72];
+            Shifted.sample(i, 0, &mut x[..72]).unwrap();
+            let out = logits(&g, &params, &x).unwrap();
+            let row = &out[..4];
+            let best = top_k(row, 4);
+            top1 += (best[0].0 == i % 4) as usize;
+            top5 += 1;
+            loss -= best.iter().find(|&&(c, _)| c == i % 4).unwrap().1.ln();
+        }
+        assert_eq!(acc.top1, top1 as f64 / 5.0);
+        assert_eq!(acc.top5, top5 as f64 / 5.0);
+        assert!(
+            (acc.loss - loss / 5.0).abs() < 1e-5,
+            "{} {}",
+            acc.loss,
+            loss / 5.0
+        );
+    }
+
+    #[test]
+    fn top_k_ranks_by_probability() {
+        let ranked = top_k(&[0.0, 2.0, 1.0], 2);
+        assert_eq!((ranked[0].0, ranked[1].0), (1, 2));
+        let total: f64 = top_k(&[0.0, 2.0, 1.0], 3).iter().map(|p| p.1).sum();
+        assert!((total - 1.0).abs() < 1e-12);
+        assert!((ranked[0].1 - 2f64.exp() / (1.0 + 1f64.exp() + 2f64.exp())).abs() < 1e-12);
     }
 }

@@ -3,10 +3,11 @@
 //! library's [`TrainOptions`]. A new flag is a field here and its use in `legion::job`.
 
 use anyhow::Context;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use legion::device::{DeviceKind, GpuList};
-use legion::job::{GpuOptions, Strategy, TrainOptions, strategy_names};
+use legion::job::{GpuOptions, HeldOut, Strategy, TrainOptions, Validation, strategy_names};
 use legion::ops::capture::CaptureSetting;
+use legion::ops::data::{Geometry, Normalize, Transforms};
 use legion::ops::train::LossReadback;
 use legion::{Data, Sgd};
 use std::path::PathBuf;
@@ -75,6 +76,35 @@ pub struct TrainFlags {
     /// Training data: `synthetic`, `synthetic:N`, `cifar10:DIR_OR_FILE`, `folder:DIR`.
     #[arg(long, default_value = "synthetic")]
     pub data: String,
+    /// How a sample is cut from its image: `random-resized` (torchvision's RandomResizedCrop:
+    /// 8-100% of the area, aspect 3/4-4/3), `center` (the shorter side resized to 256/224 of the
+    /// model's, then its centre), `whole` (the whole image resized). Default: `random-resized`
+    /// for a folder of images, `whole` for CIFAR-10.
+    #[arg(long, value_enum)]
+    pub crop: Option<CropFlag>,
+    /// Do not mirror samples at random (on by default for a folder of images and CIFAR-10).
+    #[arg(long)]
+    pub no_flip: bool,
+    /// Per-channel normalisation: `dataset` (its own statistics: ImageNet's for a folder,
+    /// CIFAR-10's), `none` (values in [0, 1]), or `MEAN,MEAN,MEAN/STD,STD,STD`.
+    #[arg(long, value_parser = parse_normalize, default_value = "dataset")]
+    pub normalize: Normalize,
+    /// Held-out data to score (top-1, top-5, loss) every --eval-every steps and at the end,
+    /// through the evaluation recipe (for a folder: resize and centre crop): a spec as --data,
+    /// of the same classes.
+    #[arg(long, value_name = "SPEC")]
+    pub val_data: Option<String>,
+    /// Hold out this fraction of --data's samples (seeded by --seed) to score instead, and train
+    /// on the rest.
+    #[arg(long, value_name = "F", conflicts_with = "val_data")]
+    pub val_split: Option<f64>,
+    /// Score the held-out data every K steps as well as at the end.
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
+    pub eval_every: Option<u64>,
+    /// Stop at an image that cannot be read instead of skipping it (in its place: another
+    /// sample of the epoch) and counting it in the summary.
+    #[arg(long)]
+    pub strict_data: bool,
     /// Initial weights from a safetensors checkpoint instead of the seeded initialisation.
     #[arg(long)]
     pub init: Option<PathBuf>,
@@ -153,7 +183,83 @@ pub struct TrainFlags {
     pub sync_every_step: bool,
 }
 
+/// `--crop`'s choices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CropFlag {
+    RandomResized,
+    Center,
+    Whole,
+}
+
+impl CropFlag {
+    fn geometry(self) -> Geometry {
+        match self {
+            CropFlag::RandomResized => Geometry::RANDOM_RESIZED_CROP,
+            CropFlag::Center => Geometry::CENTER_CROP,
+            CropFlag::Whole => Geometry::Stretch,
+        }
+    }
+}
+
+/// `--normalize`: `dataset`, `none` or `M,M,M/S,S,S`.
+fn parse_normalize(text: &str) -> Result<Normalize, String> {
+    let three = |part: &str, what: &str| -> Result<[f32; 3], String> {
+        let values: Vec<f32> = part
+            .split(',')
+            .map(|v| v.trim().parse::<f32>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("{what} `{part}`: {e}"))?;
+        <[f32; 3]>::try_from(values)
+            .map_err(|v| format!("{what} `{part}`: {} values, not 3", v.len()))
+    };
+    match text {
+        "dataset" => Ok(Normalize::Dataset),
+        "none" => Ok(Normalize::Off),
+        _ => {
+            let (mean, std) = text.split_once('/').ok_or_else(|| {
+                format!("`{text}`: expected dataset, none or MEAN,MEAN,MEAN/STD,STD,STD")
+            })?;
+            let (mean, std) = (three(mean, "mean")?, three(std, "std")?);
+            if std.iter().any(|&s| !(s > 0.0 && s.is_finite())) {
+                return Err(format!("std `{text}`: every value must be positive"));
+            }
+            Ok(Normalize::Given { mean, std })
+        }
+    }
+}
+
 impl TrainFlags {
+    /// The held-out data these flags ask for.
+    pub fn validation(&self) -> anyhow::Result<Option<Validation>> {
+        let data = match (&self.val_data, self.val_split) {
+            (Some(spec), _) => {
+                HeldOut::Data(spec.parse().with_context(|| format!("--val-data {spec}"))?)
+            }
+            (None, Some(fraction)) => HeldOut::Split(fraction),
+            (None, None) if self.eval_every.is_some() => {
+                anyhow::bail!("--eval-every scores held-out data: give --val-data or --val-split")
+            }
+            (None, None) => return Ok(None),
+        };
+        Ok(Some(Validation {
+            data,
+            every: self.eval_every,
+        }))
+    }
+
+    /// The transforms these flags ask of `data`: its default, changed where a flag says.
+    pub fn transforms(&self, data: &Data) -> Option<Transforms> {
+        let asked = self.crop.is_some() || self.no_flip || self.normalize != Normalize::Dataset;
+        asked.then(|| {
+            let default = data.default_transforms();
+            Transforms {
+                geometry: self.crop.map_or(default.geometry, CropFlag::geometry),
+                flip: default.flip && !self.no_flip,
+                normalize: self.normalize,
+            }
+        })
+    }
+
     /// The options these flags give, the unset ones taken from `defaults`.
     pub fn options(&self, defaults: TrainDefaults) -> anyhow::Result<TrainOptions> {
         let data: Data = self
@@ -167,6 +273,9 @@ impl TrainFlags {
                 (_, _, given) => given.unwrap_or(defaults.devices),
             },
             steps: self.steps.unwrap_or(defaults.steps),
+            transforms: self.transforms(&data),
+            strict_data: self.strict_data,
+            validation: self.validation()?,
             data,
             init: self.init.clone(),
             model_weights: None,

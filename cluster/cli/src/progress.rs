@@ -4,7 +4,7 @@
 
 use indicatif::{ProgressBar, ProgressStyle};
 use legion::Training;
-use legion::job::{JobEvent, PlannedRun, StepDone, TrainSummary};
+use legion::job::{Evaluation, JobEvent, PlannedRun, StepDone, TrainSummary};
 use legion_cluster::memory::human_bytes;
 use legion_ops::capture::CaptureStatus;
 use legion_planner::progress::{Phase, Progress};
@@ -49,8 +49,13 @@ impl Printer {
             JobEvent::Device(line) if self.json => println!("{}", json!({ "device": line })),
             JobEvent::Device(line) => println!("{line}"),
             JobEvent::Note(line) => eprintln!("note: {line}"),
+            JobEvent::Warning(line) => match &self.progress {
+                Some(bar) => bar.println(format!("warning: {line}")),
+                None => eprintln!("warning: {line}"),
+            },
             JobEvent::Planned(plan) => self.planned(plan),
             JobEvent::Step(step) => self.step(step),
+            JobEvent::Evaluated(e) => self.evaluated(e),
             JobEvent::Finished(summary) => self.finished(summary),
         }
     }
@@ -110,6 +115,31 @@ impl Printer {
         }
     }
 
+    fn evaluated(&self, e: &Evaluation) {
+        let a = &e.accuracy;
+        if self.json {
+            println!(
+                "{}",
+                json!({"eval": true, "step": e.step, "samples": a.samples, "top1": a.top1,
+                       "top5": a.top5, "loss": a.loss, "eval_ms": e.seconds * 1e3})
+            );
+            return;
+        }
+        let line = format!(
+            "held out at step {}: top-1 {:.2}%  top-5 {:.2}%  loss {:.4}  ({} samples, {:.1} s)",
+            e.step,
+            100.0 * a.top1,
+            100.0 * a.top5,
+            a.loss,
+            a.samples,
+            e.seconds
+        );
+        match &self.progress {
+            Some(bar) => bar.println(line),
+            None => println!("{line}"),
+        }
+    }
+
     fn finished(&mut self, summary: &TrainSummary) {
         if let Some(bar) = self.progress.take() {
             bar.finish();
@@ -149,7 +179,12 @@ impl Printer {
                        "capture": summary.capture.as_ref().map(|c| c.to_string()),
                        "synthetic_on_device": summary.synthetic_on_device,
                        "loss_read_late": summary.loss_read_late,
-                       "precision": summary.precision.name()})
+                       "precision": summary.precision.name(),
+                       "skipped_samples": summary.skipped.count,
+                       "validation": summary.validation.last().map(|e| json!({
+                           "step": e.step, "top1": e.accuracy.top1, "top5": e.accuracy.top5,
+                           "loss": e.accuracy.loss, "samples": e.accuracy.samples})),
+                       "skipped_files": summary.skipped.first.iter().map(|(_, why)| why).collect::<Vec<_>>()})
             );
         } else {
             println!("{}", summary_line(summary));
@@ -157,6 +192,13 @@ impl Printer {
             match &summary.capture {
                 Some(CaptureStatus::Off) | None => {}
                 Some(status) => println!("step capture: {status}"),
+            }
+            if summary.skipped.count > 0 {
+                println!(
+                    "skipped {} sample(s) that could not be read ({} distinct)",
+                    summary.skipped.count,
+                    summary.skipped.first.len()
+                );
             }
             if let Some(path) = &summary.saved {
                 println!("saved {}", path.display());

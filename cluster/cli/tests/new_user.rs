@@ -642,3 +642,121 @@ fn densenet_trains_on_two_devices_under_the_default_strategy() {
     assert_eq!(summary["steps_taken"], 1);
     assert!(summary["final_loss"].as_f64().is_some_and(f64::is_finite));
 }
+
+/// A folder of images as a user has one: an undecodable file among them, a file of another
+/// format, classes of different sizes. The run says what it found, skips and counts the bad
+/// file, scores the samples it held out, and `eval` and `predict` read its checkpoint back with
+/// its class names; `--strict-data` stops at the bad file instead.
+#[test]
+fn a_folder_with_a_bad_image_trains_scores_held_out_data_and_predicts() {
+    let dir = tempfile::tempdir().unwrap();
+    let images = dir.path().join("photos");
+    for (class, colour, count) in [("cat", [200, 30, 30], 5), ("dog", [30, 30, 200], 4)] {
+        std::fs::create_dir_all(images.join(class)).unwrap();
+        for i in 0..count {
+            let shade = [colour[0] + 5 * i, colour[1], colour[2]];
+            write_png(
+                &images.join(class).join(format!("{i}.png")),
+                12 + i as u32,
+                shade,
+            );
+        }
+    }
+    // A whole header, then the pixel data cut off half way.
+    let whole = images.join("dog/4.png");
+    image::RgbImage::from_fn(64, 64, |x, y| image::Rgb([(x * 3) as u8, (y * 5) as u8, 7]))
+        .save(&whole)
+        .unwrap();
+    let bytes = std::fs::read(&whole).unwrap();
+    std::fs::write(&whole, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::write(images.join("cat/photo.webp"), b"RIFF....WEBP").unwrap();
+    let data = format!("folder:{}", s(&images));
+    let saved = dir.path().join("pets.safetensors");
+    let model = [
+        "--model",
+        "lenet5",
+        "--image-size",
+        "28",
+        "--classes",
+        "2",
+        "--batch",
+        "4",
+    ];
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train"];
+        args.extend(model);
+        args.extend(["--steps", "6", "--data", &data, "--json", "--device", "cpu"]);
+        args.extend(extra);
+        legion(&args)
+    };
+    let out = ok(train(&[
+        "--val-split",
+        "0.3",
+        "--eval-every",
+        "3",
+        "--save",
+        s(&saved),
+    ]));
+    let err = stderr(&out);
+    assert!(
+        err.contains("cat 5 (label 0), dog 5 (label 1)") && err.contains("1 .webp"),
+        "{err}"
+    );
+    let summary = summary_of(&out);
+    // Seven training samples in batches of four: the truncated file is met at least once.
+    assert!(
+        summary["skipped_samples"].as_u64().unwrap() >= 1,
+        "{summary}"
+    );
+    assert!(
+        summary["skipped_files"][0]
+            .as_str()
+            .unwrap()
+            .contains("4.png"),
+        "{summary}"
+    );
+    assert!(err.contains("warning: skipped a sample"), "{err}");
+    let scored: Vec<Value> = json_lines(&out)
+        .into_iter()
+        .filter(|l| l["eval"] == true)
+        .collect();
+    assert_eq!(scored.len(), 2, "{}", stdout(&out));
+    assert_eq!(
+        (scored[0]["step"].as_u64(), scored[1]["step"].as_u64()),
+        (Some(3), Some(6))
+    );
+    assert_eq!(scored[1]["samples"], 3);
+    assert_eq!(summary["validation"]["top1"], scored[1]["top1"]);
+
+    let mut args = vec!["eval"];
+    args.extend(model);
+    args.extend(["--checkpoint", s(&saved), "--data", &data, "--json"]);
+    let eval: Value = serde_json::from_str(stdout(&ok(legion(&args))).trim()).unwrap();
+    // Every readable image, the truncated one skipped.
+    assert_eq!(eval["samples"], 9, "{eval}");
+    assert!(
+        (0.0..=1.0).contains(&eval["top1"].as_f64().unwrap()),
+        "{eval}"
+    );
+
+    let mut args = vec!["predict"];
+    args.extend(model);
+    let cats = images.join("cat");
+    args.extend(["--checkpoint", s(&saved), "--top", "2", "--json", s(&cats)]);
+    let predicted: Value = serde_json::from_str(stdout(&ok(legion(&args))).trim()).unwrap();
+    let rows = predicted["predictions"].as_array().unwrap();
+    assert_eq!(rows.len(), 5, "{predicted}");
+    let names: Vec<&str> = rows[0]["classes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"cat") && names.contains(&"dog"),
+        "{predicted}"
+    );
+
+    let out = train(&["--strict-data"]);
+    assert_clean_failure(&out, &["4.png", "cannot decode image"]);
+}

@@ -19,12 +19,14 @@
 //! - [`device`]: where the steps run (`DeviceKind`), GPUs started and checked to fit;
 //! - [`machine`]: the planner's model of the embedded devices or of a cluster's workers;
 //! - [`model`]: models by zoo name or file; [`precision`]: what a precision means per device.
+//! - [`evaluate`]: a checkpoint's accuracy on a dataset and its top classes for images.
 //!
 //! The crates beneath are re-exported whole ([`ops`], [`planner`], [`runtime`], [`cluster`],
 //! [`cuda`], [`onnx`]) for what this front door does not cover: planning without training
 //! (`planner::plan::plan`), writing models (`ops::GraphBuilder`), the engines themselves.
 
 pub mod device;
+pub mod evaluate;
 pub mod job;
 pub mod machine;
 pub mod model;

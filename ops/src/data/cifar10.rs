@@ -4,9 +4,10 @@
 //! records: one label byte, then the 32×32 red, green and blue planes, row-major. The files are read into
 //! memory once (the whole training split is 150 MB) and validated up front, so sampling cannot fail.
 
+use super::transform::Normalization;
 use super::{
-    DataError, Dataset, ImageShape, LUMA_WEIGHTS, Normalization, Tap, bilinear_taps,
-    check_photo_shape, check_sample_args, resample_plane,
+    DataError, Dataset, Geometry, ImageShape, LUMA_WEIGHTS, Tap, Transforms, bilinear_taps,
+    check_photo_shape, check_sample_args, crop_taps, resample_plane,
 };
 use std::fs::File;
 use std::io::Read;
@@ -39,8 +40,13 @@ pub struct Cifar10 {
     /// Concatenated records of all files.
     records: Vec<u8>,
     image: ImageShape,
+    /// The whole image's taps, for samples neither cropped nor mirrored.
     row_taps: Vec<Tap>,
     column_taps: Vec<Tap>,
+    transforms: Transforms,
+    /// Seed of the random transforms.
+    seed: u64,
+    own_normalization: Normalization,
     normalization: Normalization,
 }
 
@@ -80,7 +86,7 @@ impl Cifar10 {
                 source.display()
             )));
         }
-        let normalization = if image[0] == 3 {
+        let own_normalization = if image[0] == 3 {
             Normalization::new(MEAN, STD)
         } else {
             Normalization::new([GREY_MEAN; 3], [GREY_STD; 3])
@@ -92,8 +98,20 @@ impl Cifar10 {
             image,
             row_taps: bilinear_taps(SIDE, height),
             column_taps: bilinear_taps(SIDE, width),
-            normalization,
+            transforms: Transforms::PLAIN,
+            seed: 0,
+            own_normalization,
+            normalization: own_normalization,
         })
+    }
+
+    /// The records seen through `transforms` (resampled bilinearly: a 32×32 source has nothing
+    /// to average away), their random draws seeded by `seed`.
+    pub fn with(mut self, transforms: Transforms, seed: u64) -> Cifar10 {
+        self.transforms = transforms;
+        self.seed = seed;
+        self.normalization = Normalization::resolve(transforms.normalize, self.own_normalization);
+        self
     }
 
     fn record(&self, index: usize) -> &[u8] {
@@ -155,18 +173,31 @@ impl Dataset for Cifar10 {
         CLASSES
     }
 
-    fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError> {
+    fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
         check_sample_args(self, index, out)?;
         let record = self.record(index);
         let (label, planes) = (record[0], &record[1..]);
-        let plane_out = self.image[1] * self.image[2];
+        let [_, height, width] = self.image;
+        let plane_out = height * width;
+        let crop = self
+            .transforms
+            .crop(self.seed, epoch, index, [SIDE as u32; 2], [height, width]);
+        let (rows, cols);
+        let (row_taps, column_taps) = if crop.flip || self.transforms.geometry != Geometry::Stretch
+        {
+            rows = crop_taps(SIDE, crop.top, crop.height, height, false);
+            cols = crop_taps(SIDE, crop.left, crop.width, width, crop.flip);
+            (&rows[..], &cols[..])
+        } else {
+            (&self.row_taps[..], &self.column_taps[..])
+        };
         if self.image[0] == 3 {
             for (channel, (src, dst)) in planes
                 .chunks_exact(PLANE)
                 .zip(out.chunks_exact_mut(plane_out))
                 .enumerate()
             {
-                resample_plane(src, SIDE, &self.row_taps, &self.column_taps, dst, |v| {
+                resample_plane(src, SIDE, row_taps, column_taps, dst, |v| {
                     self.normalization.apply(channel, v)
                 });
             }
@@ -177,7 +208,7 @@ impl Dataset for Cifar10 {
                     *l += weight * f32::from(p);
                 }
             }
-            resample_plane(&luma, SIDE, &self.row_taps, &self.column_taps, out, |v| {
+            resample_plane(&luma, SIDE, row_taps, column_taps, out, |v| {
                 self.normalization.apply(0, v)
             });
         }
@@ -227,7 +258,7 @@ mod tests {
         assert_eq!(ds.num_classes(), 10);
         let mut image = vec![0.0; ds.sample_len()];
         for i in 0..5u8 {
-            let label = ds.sample(usize::from(i), &mut image).unwrap();
+            let label = ds.sample(usize::from(i), 0, &mut image).unwrap();
             assert_eq!(label, u32::from(i % 10));
             assert!((image[0] - normalised(f32::from(i), 0)).abs() < 1e-5);
             assert!((image[PLANE + 17] - normalised(f32::from(100 + i), 1)).abs() < 1e-5);
@@ -238,7 +269,7 @@ mod tests {
 
         let test = Cifar10::open(&dir.path().join("test_batch.bin"), [3, 32, 32]).unwrap();
         assert_eq!(test.num_samples(), 2);
-        assert_eq!(test.sample(1, &mut image).unwrap(), 1);
+        assert_eq!(test.sample(1, 0, &mut image).unwrap(), 1);
     }
 
     #[test]
@@ -262,7 +293,7 @@ mod tests {
         write_records(&file, 7..8);
         let big = Cifar10::open(&file, [3, 64, 48]).unwrap();
         let mut image = vec![0.0; big.sample_len()];
-        assert_eq!(big.sample(0, &mut image).unwrap(), 7);
+        assert_eq!(big.sample(0, 0, &mut image).unwrap(), 7);
         // Constant planes stay constant; the blue column ramp stays monotone.
         let plane = 64 * 48;
         assert!(
@@ -275,7 +306,7 @@ mod tests {
 
         let grey = Cifar10::open(&file, [1, 16, 16]).unwrap();
         let mut image = vec![0.0; grey.sample_len()];
-        grey.sample(0, &mut image).unwrap();
+        grey.sample(0, 0, &mut image).unwrap();
         assert!(image.iter().all(|v| v.is_finite() && v.abs() < 4.0));
     }
 
@@ -349,10 +380,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_records(&dir.path().join("data_batch_1.bin"), 0..4);
         let spec = format!("cifar10:{}", dir.path().display());
-        let ds = super::super::open(&spec, [3, 32, 32], 10, 0).unwrap();
+        let ds = super::super::open(&spec, [3, 32, 32], 10, 0, Transforms::PLAIN).unwrap();
         assert_eq!(ds.num_samples(), 4);
         assert!(matches!(
-            super::super::open(&spec, [3, 32, 32], 5, 0),
+            super::super::open(&spec, [3, 32, 32], 5, 0, Transforms::PLAIN),
             Err(DataError::TooManyClasses { .. })
         ));
     }

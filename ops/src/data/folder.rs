@@ -1,9 +1,12 @@
 //! Images in a folder per class (`root/<class>/<image>.{png,jpg,jpeg}`), the layout of ImageNet-style
-//! training sets. Class ids follow the sorted folder names; images are decoded on demand.
+//! training sets. Class ids follow the sorted folder names; every file's header is read when the
+//! folder is opened, and images are decoded on demand.
 
-use super::{DataError, Dataset, ImageShape, Normalization, check_photo_shape, check_sample_args};
-use image::imageops::{self, FilterType};
-use image::{ImageBuffer, ImageReader, Pixel};
+use super::transform::{Normalization, resample_into};
+use super::{DataError, Dataset, ImageShape, Transforms, check_photo_shape, check_sample_args};
+use image::ImageReader;
+use rayon::prelude::*;
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -17,15 +20,36 @@ const GREY_STD: f32 = 0.226;
 pub struct ImageFolder {
     root: PathBuf,
     class_names: Vec<String>,
-    /// Sorted by class, then file name.
+    /// Sorted by class, then file name; those whose header could not be read are left out.
     samples: Vec<(PathBuf, u32)>,
     image: ImageShape,
+    transforms: Transforms,
+    /// Seed of the random transforms.
+    seed: u64,
+    /// The folder's own statistics (ImageNet's), and what the transforms make of them.
+    own_normalization: Normalization,
     normalization: Normalization,
+    census: Census,
+}
+
+/// What opening a folder found: images per class, files left aside and why.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Census {
+    /// Class folder names, by label.
+    pub class_names: Vec<String>,
+    /// Images by label.
+    pub per_class: Vec<usize>,
+    /// Files of other extensions, counted by lower-case extension (`""`: none).
+    pub ignored: BTreeMap<String, usize>,
+    /// Images whose header could not be read, with why; not sampled.
+    pub unreadable: Vec<(PathBuf, String)>,
 }
 
 impl ImageFolder {
     /// Scans `root` for class folders (hidden ones skipped) and their JPEG/PNG files (by extension, any
-    /// case). Images are resized to `image`'s height × width (1 or 3 channels).
+    /// case), reading every file's header in parallel: those that cannot be read are left out and
+    /// listed in the [`Census`]. Images are resized whole to `image`'s height × width (1 or 3
+    /// channels) until [`with`](Self::with) gives other transforms.
     pub fn open(root: &Path, image: ImageShape) -> Result<ImageFolder, DataError> {
         check_photo_shape("an image folder", image)?;
         let class_dirs: Vec<(String, PathBuf)> = read_dir_sorted(root)?
@@ -37,30 +61,99 @@ impl ImageFolder {
                 root: root.to_path_buf(),
             });
         }
-        let mut samples = Vec::new();
+        let mut candidates = Vec::new();
+        let mut census = Census::default();
         for (label, (_, dir)) in class_dirs.iter().enumerate() {
-            let before = samples.len();
+            let before = candidates.len();
             for (_, path) in read_dir_sorted(dir)? {
-                if has_image_extension(&path) && path.is_file() {
-                    samples.push((path, label as u32));
+                if !path.is_file() {
+                    continue;
+                }
+                if has_image_extension(&path) {
+                    candidates.push((path, label as u32));
+                } else {
+                    let extension = path
+                        .extension()
+                        .map_or(String::new(), |e| e.to_string_lossy().to_lowercase());
+                    *census.ignored.entry(extension).or_default() += 1;
                 }
             }
-            if samples.len() == before {
+            if candidates.len() == before {
                 return Err(DataError::EmptyClass { dir: dir.clone() });
             }
         }
-        let normalization = if image[0] == 3 {
-            Normalization::new(MEAN, STD)
-        } else {
-            Normalization::new([GREY_MEAN; 3], [GREY_STD; 3])
-        };
+        let headers: Vec<Option<String>> = candidates
+            .par_iter()
+            .map(|(path, _)| read_header(path).err())
+            .collect();
+        census.per_class = vec![0; class_dirs.len()];
+        let mut samples = Vec::with_capacity(candidates.len());
+        for ((path, label), problem) in candidates.into_iter().zip(headers) {
+            match problem {
+                Some(why) => census.unreadable.push((path, why)),
+                None => {
+                    census.per_class[label as usize] += 1;
+                    samples.push((path, label));
+                }
+            }
+        }
+        if let Some(label) = census.per_class.iter().position(|&n| n == 0) {
+            return Err(DataError::EmptyClass {
+                dir: class_dirs[label].1.clone(),
+            });
+        }
+        let own_normalization = photo_normalization(image[0]);
+        census.class_names = class_dirs.into_iter().map(|(name, _)| name).collect();
         Ok(ImageFolder {
             root: root.to_path_buf(),
-            class_names: class_dirs.into_iter().map(|(name, _)| name).collect(),
+            class_names: census.class_names.clone(),
             samples,
             image,
-            normalization,
+            transforms: Transforms::PLAIN,
+            seed: 0,
+            own_normalization,
+            normalization: own_normalization,
+            census,
         })
+    }
+
+    /// These image files, in this order, as a dataset of one unnamed class (label 0): images to
+    /// classify. A file whose header cannot be read is an error naming it.
+    pub fn from_files(files: &[PathBuf], image: ImageShape) -> Result<ImageFolder, DataError> {
+        check_photo_shape("image files", image)?;
+        if files.is_empty() {
+            return Err(DataError::Config("no image files given".into()));
+        }
+        for path in files {
+            if let Err(why) = read_header(path) {
+                return Err(DataError::Config(format!("{}: {why}", path.display())));
+            }
+        }
+        let own_normalization = photo_normalization(image[0]);
+        Ok(ImageFolder {
+            root: PathBuf::new(),
+            class_names: vec![String::new()],
+            samples: files.iter().map(|p| (p.clone(), 0)).collect(),
+            image,
+            transforms: Transforms::PLAIN,
+            seed: 0,
+            own_normalization,
+            normalization: own_normalization,
+            census: Census::default(),
+        })
+    }
+
+    /// The folder seen through `transforms`, their random draws seeded by `seed`.
+    pub fn with(mut self, transforms: Transforms, seed: u64) -> ImageFolder {
+        self.transforms = transforms;
+        self.seed = seed;
+        self.normalization = Normalization::resolve(transforms.normalize, self.own_normalization);
+        self
+    }
+
+    /// What opening the folder found.
+    pub fn census(&self) -> &Census {
+        &self.census
     }
 
     /// Folder names, indexed by label.
@@ -73,9 +166,15 @@ impl ImageFolder {
         self.samples.get(index).map(|(p, _)| p.as_path())
     }
 
-    /// Decodes, converts to the requested channel count and resizes (triangle filter, which averages
-    /// properly when shrinking large photos), then writes normalised CHW values.
-    fn decode_into(&self, path: &Path, out: &mut [f32]) -> Result<(), DataError> {
+    /// Decodes, converts to the requested channel count, crops and resizes as the transforms say
+    /// for (index, epoch), then writes normalised CHW values.
+    fn decode_into(
+        &self,
+        path: &Path,
+        index: usize,
+        epoch: u64,
+        out: &mut [f32],
+    ) -> Result<(), DataError> {
         let io_err = |source| DataError::Io {
             path: path.to_path_buf(),
             source,
@@ -89,38 +188,80 @@ impl ImageFolder {
                 path: path.to_path_buf(),
                 source,
             })?;
-        let [channels, height, width] = self.image;
-        if channels == 3 {
-            let rgb = fit(decoded.into_rgb8(), width, height);
-            self.write_chw(&rgb, out);
-        } else {
-            let grey = fit(decoded.into_luma8(), width, height);
-            self.write_chw(&grey, out);
-        }
-        Ok(())
-    }
-
-    /// Scatters interleaved (HWC) bytes into normalised planes (CHW).
-    fn write_chw(&self, interleaved: &[u8], out: &mut [f32]) {
-        let channels = self.image[0];
-        let plane = self.image[1] * self.image[2];
-        for (channel, dst) in out.chunks_exact_mut(plane).enumerate() {
-            for (o, pixel) in dst.iter_mut().zip(interleaved.chunks_exact(channels)) {
-                *o = self.normalization.apply(channel, f32::from(pixel[channel]));
-            }
-        }
+        let size = [decoded.width(), decoded.height()];
+        let [_, height, width] = self.image;
+        let crop = self
+            .transforms
+            .crop(self.seed, epoch, index, size, [height, width]);
+        let pixels = match self.image[0] {
+            3 => decoded.into_rgb8().into_raw(),
+            _ => decoded.into_luma8().into_raw(),
+        };
+        resample_into(&pixels, size, &crop, self.image, &self.normalization, out)
     }
 }
 
-fn fit<P>(image: ImageBuffer<P, Vec<u8>>, width: usize, height: usize) -> ImageBuffer<P, Vec<u8>>
-where
-    P: Pixel<Subpixel = u8> + 'static,
-{
-    let (width, height) = (width as u32, height as u32);
-    if image.dimensions() == (width, height) {
-        image
-    } else {
-        imageops::resize(&image, width, height, FilterType::Triangle)
+impl Census {
+    /// One line: the images of each class and its label, then what was left aside.
+    pub fn describe(&self) -> String {
+        let classes: Vec<String> = self
+            .class_names
+            .iter()
+            .zip(&self.per_class)
+            .enumerate()
+            .map(|(label, (name, n))| format!("{name} {n} (label {label})"))
+            .collect();
+        let mut line = format!(
+            "{} images in {} classes: {}",
+            self.per_class.iter().sum::<usize>(),
+            classes.len(),
+            classes.join(", ")
+        );
+        if !self.ignored.is_empty() {
+            let ignored: Vec<String> = self
+                .ignored
+                .iter()
+                .map(|(ext, n)| match ext.as_str() {
+                    "" => format!("{n} without an extension"),
+                    _ => format!("{n} .{ext}"),
+                })
+                .collect();
+            line += &format!(
+                "; ignored (not .png, .jpg or .jpeg): {}",
+                ignored.join(", ")
+            );
+        }
+        if let Some((path, why)) = self.unreadable.first() {
+            line += &format!(
+                "; {} unreadable, left out (the first: {}: {why})",
+                self.unreadable.len(),
+                path.display()
+            );
+        }
+        line
+    }
+}
+
+/// ImageNet's statistics, for RGB or grey images.
+fn photo_normalization(channels: usize) -> Normalization {
+    match channels {
+        3 => Normalization::new(MEAN, STD),
+        _ => Normalization::new([GREY_MEAN; 3], [GREY_STD; 3]),
+    }
+}
+
+/// Reads what an image's header says (its format and size), or says why it cannot.
+fn read_header(path: &Path) -> Result<(), String> {
+    let reader = ImageReader::open(path)
+        .and_then(|r| r.with_guessed_format())
+        .map_err(|e| e.to_string())?;
+    if reader.format().is_none() {
+        return Err("not a JPEG or PNG file".into());
+    }
+    match reader.into_dimensions() {
+        Ok((0, _) | (_, 0)) => Err("an image of no pixels".into()),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -143,7 +284,8 @@ fn read_dir_sorted(dir: &Path) -> Result<Vec<(String, PathBuf)>, DataError> {
     Ok(entries)
 }
 
-fn has_image_extension(path: &Path) -> bool {
+/// Whether `path` names a PNG or JPEG file by its extension (any case), as a folder's images do.
+pub fn has_image_extension(path: &Path) -> bool {
     path.extension()
         .and_then(|e| e.to_str())
         .is_some_and(|e| EXTENSIONS.iter().any(|known| e.eq_ignore_ascii_case(known)))
@@ -162,11 +304,15 @@ impl Dataset for ImageFolder {
         self.class_names.len()
     }
 
-    fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError> {
+    fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
         check_sample_args(self, index, out)?;
         let (path, label) = &self.samples[index];
-        self.decode_into(path, out)?;
+        self.decode_into(path, index, epoch, out)?;
         Ok(*label)
+    }
+
+    fn census(&self) -> Option<&Census> {
+        Some(&self.census)
     }
 
     fn describe(&self) -> String {
@@ -224,7 +370,7 @@ mod tests {
 
         let plane = 16;
         let mut image = vec![0.0; ds.sample_len()];
-        assert_eq!(ds.sample(0, &mut image).unwrap(), 0);
+        assert_eq!(ds.sample(0, 0, &mut image).unwrap(), 0);
         for (channel, raw) in [255.0, 0.0, 0.0].into_iter().enumerate() {
             let expected = normalised(raw, channel);
             assert!(
@@ -234,7 +380,7 @@ mod tests {
             );
         }
         // JPEG is lossy: compare the mean of each plane loosely.
-        assert_eq!(ds.sample(1, &mut image).unwrap(), 0);
+        assert_eq!(ds.sample(1, 0, &mut image).unwrap(), 0);
         for (channel, raw) in [0.0, 200.0, 0.0].into_iter().enumerate() {
             let mean = image[channel * plane..][..plane].iter().sum::<f32>() / plane as f32;
             assert!(
@@ -243,7 +389,7 @@ mod tests {
             );
         }
         // A grey source becomes three equal raw channels.
-        assert_eq!(ds.sample(2, &mut image).unwrap(), 1);
+        assert_eq!(ds.sample(2, 0, &mut image).unwrap(), 1);
         assert!((image[0] - normalised(128.0, 0)).abs() < 1e-5);
         assert!((image[2 * plane] - normalised(128.0, 2)).abs() < 1e-5);
     }
@@ -252,24 +398,44 @@ mod tests {
     fn grey_output_and_spec() {
         let dir = make_folder();
         let spec = format!("folder:{}", dir.path().display());
-        let ds = super::super::open(&spec, [1, 5, 7], 1000, 0).unwrap();
+        let ds = super::super::open(&spec, [1, 5, 7], 1000, 0, Transforms::PLAIN).unwrap();
         assert_eq!(ds.image_shape(), [1, 5, 7]);
         let mut image = vec![0.0; 35];
-        assert_eq!(ds.sample(2, &mut image).unwrap(), 1);
+        assert_eq!(ds.sample(2, 0, &mut image).unwrap(), 1);
         let expected = (128.0 / 255.0 - GREY_MEAN) / GREY_STD;
         assert!(image.iter().all(|&v| (v - expected).abs() < 1e-5));
         assert!(ds.describe().contains("3 samples"));
     }
 
+    /// A PNG whose header is whole but whose pixel data stops half way.
+    fn truncated_png(path: &Path) {
+        let noisy = RgbImage::from_fn(64, 64, |x, y| {
+            Rgb([(x * 7) as u8, (y * 13) as u8, (x ^ y) as u8])
+        });
+        noisy.save(path).unwrap();
+        let bytes = fs::read(path).unwrap();
+        fs::write(path, &bytes[..bytes.len() / 2]).unwrap();
+    }
+
     #[test]
-    fn undecodable_images_name_the_file() {
+    fn unreadable_headers_are_left_out_and_undecodable_images_name_the_file() {
         let dir = make_folder();
         fs::write(dir.path().join("dog/zz_broken.png"), b"\x89PNG garbage").unwrap();
+        truncated_png(&dir.path().join("dog/zz_truncated.png"));
+        fs::write(dir.path().join("dog/photo.webp"), b"RIFF").unwrap();
         let ds = ImageFolder::open(dir.path(), [3, 4, 4]).unwrap();
+        let census = ds.census();
+        assert_eq!(census.per_class, [2, 2]);
+        assert_eq!(census.unreadable.len(), 1);
+        assert!(census.unreadable[0].0.ends_with("dog/zz_broken.png"));
+        assert_eq!(
+            census.ignored,
+            BTreeMap::from([("txt".to_string(), 1), ("webp".to_string(), 1)])
+        );
         let mut image = vec![0.0; ds.sample_len()];
-        let err = ds.sample(3, &mut image).unwrap_err();
+        let err = ds.sample(3, 0, &mut image).unwrap_err();
         assert!(matches!(err, DataError::Decode { .. }), "{err}");
-        assert!(err.to_string().contains("zz_broken.png"), "{err}");
+        assert!(err.to_string().contains("zz_truncated.png"), "{err}");
     }
 
     #[test]
@@ -294,7 +460,7 @@ mod tests {
         let dir = make_folder();
         let spec = format!("folder:{}", dir.path().display());
         assert!(matches!(
-            super::super::open(&spec, [3, 4, 4], 1, 0),
+            super::super::open(&spec, [3, 4, 4], 1, 0, Transforms::PLAIN),
             Err(DataError::TooManyClasses {
                 dataset_classes: 2,
                 model_classes: 1,

@@ -10,10 +10,12 @@
 mod cifar10;
 mod folder;
 mod synthetic;
+mod transform;
 
 pub use cifar10::Cifar10;
-pub use folder::ImageFolder;
+pub use folder::{Census, ImageFolder, has_image_extension};
 pub use synthetic::{Synthetic, SyntheticBatch, factors_per_sample};
+pub use transform::{Crop, Geometry, Normalize, Transforms, render_crop};
 
 use crate::rng::{Rng, hash};
 use crate::shape::Shape;
@@ -119,12 +121,18 @@ pub trait Dataset: Send + Sync {
     /// Labels are in `0..num_classes()`.
     fn num_classes(&self) -> usize;
 
-    /// Writes sample `index` as a CHW image (normalised to roughly zero mean, unit scale) into `out`,
-    /// which must hold exactly `C·H·W` values, and returns its label.
-    fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError>;
+    /// Writes sample `index` as it is seen in `epoch` (a random crop or flip differs between
+    /// epochs) as a CHW image (normalised to roughly zero mean, unit scale) into `out`, which must
+    /// hold exactly `C·H·W` values, and returns its label.
+    fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError>;
 
     /// A one-line description for logs, e.g. `cifar10 data/cifar (50000 samples)`.
     fn describe(&self) -> String;
+
+    /// What opening the dataset found in its files (an image folder's), where it read files.
+    fn census(&self) -> Option<&Census> {
+        None
+    }
 
     /// The dataset as [`Synthetic`] data, whose batches a device can draw itself
     /// ([`Synthetic::describe_batch`]).
@@ -214,21 +222,56 @@ impl std::str::FromStr for Data {
 }
 
 impl Data {
-    /// Opens the dataset, producing images of shape `image` for a model with `classes` outputs;
-    /// `seed` drives the synthetic data. A dataset of more classes than the model has outputs,
-    /// or (the caller's own) of another image shape, is refused.
+    /// The transforms a run scores held-out samples through: torchvision's evaluation recipe for
+    /// a folder of photographs (resize, centre crop), the whole image otherwise.
+    pub fn eval_transforms(&self) -> Transforms {
+        match self {
+            Data::Folder(_) => Transforms::EVAL,
+            _ => Transforms::PLAIN,
+        }
+    }
+
+    /// The transforms a run applies unless told otherwise: torchvision's training recipe for a
+    /// folder of photographs; a mirror for CIFAR-10, whose 32×32 images a random resized crop
+    /// would cut to a few pixels; none for data of no source images.
+    pub fn default_transforms(&self) -> Transforms {
+        match self {
+            Data::Folder(_) => Transforms::TRAIN,
+            Data::Cifar10(_) => Transforms {
+                flip: true,
+                ..Transforms::PLAIN
+            },
+            Data::Synthetic { .. } | Data::Dataset(_) => Transforms::PLAIN,
+        }
+    }
+
+    /// Opens the dataset, producing images of shape `image` for a model with `classes` outputs,
+    /// through `transforms` (photographs only: synthetic data and the caller's own are as they
+    /// are); `seed` drives the synthetic data and the random transforms. A dataset of more
+    /// classes than the model has outputs, or (the caller's own) of another image shape, is
+    /// refused.
     pub fn open(
         &self,
         image: ImageShape,
         classes: usize,
         seed: u64,
+        transforms: Transforms,
     ) -> Result<Arc<dyn Dataset>, DataError> {
+        transforms.check()?;
+        if transforms != Transforms::PLAIN
+            && matches!(self, Data::Synthetic { .. } | Data::Dataset(_))
+        {
+            return Err(DataError::Config(format!(
+                "{self} is not read from image files: crops, flips and normalisation apply to \
+                 folder: and cifar10: data"
+            )));
+        }
         let dataset: Arc<dyn Dataset> = match self {
             Data::Synthetic { samples } => {
                 Arc::new(Synthetic::new(seed, *samples, classes, image)?)
             }
-            Data::Cifar10(path) => Arc::new(Cifar10::open(path, image)?),
-            Data::Folder(dir) => Arc::new(ImageFolder::open(dir, image)?),
+            Data::Cifar10(path) => Arc::new(Cifar10::open(path, image)?.with(transforms, seed)),
+            Data::Folder(dir) => Arc::new(ImageFolder::open(dir, image)?.with(transforms, seed)),
             Data::Dataset(dataset) => {
                 if dataset.image_shape() != image {
                     return Err(DataError::ImageShapeMismatch {
@@ -257,9 +300,95 @@ pub fn open(
     image: ImageShape,
     classes: usize,
     seed: u64,
+    transforms: Transforms,
 ) -> Result<Arc<dyn Dataset>, DataError> {
-    spec.parse::<Data>()?.open(image, classes, seed)
+    spec.parse::<Data>()?.open(image, classes, seed, transforms)
 }
+
+/// Some samples of a dataset, in the order given: a held-out split or its complement.
+pub struct Subset {
+    inner: Arc<dyn Dataset>,
+    indices: Vec<usize>,
+    name: String,
+}
+
+impl Subset {
+    /// The samples `indices` of `inner` (each below its count), described as `name`.
+    pub fn new(
+        inner: Arc<dyn Dataset>,
+        indices: Vec<usize>,
+        name: &str,
+    ) -> Result<Subset, DataError> {
+        let len = inner.num_samples();
+        if let Some(&index) = indices.iter().find(|&&i| i >= len) {
+            return Err(DataError::IndexOutOfRange { index, len });
+        }
+        Ok(Subset {
+            name: format!("{name}, {} samples of {}", indices.len(), inner.describe()),
+            inner,
+            indices,
+        })
+    }
+}
+
+impl Dataset for Subset {
+    fn num_samples(&self) -> usize {
+        self.indices.len()
+    }
+
+    fn image_shape(&self) -> ImageShape {
+        self.inner.image_shape()
+    }
+
+    fn num_classes(&self) -> usize {
+        self.inner.num_classes()
+    }
+
+    fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
+        let len = self.indices.len();
+        let &inner = self
+            .indices
+            .get(index)
+            .ok_or(DataError::IndexOutOfRange { index, len })?;
+        self.inner.sample(inner, epoch, out)
+    }
+
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+
+    fn census(&self) -> Option<&Census> {
+        self.inner.census()
+    }
+}
+
+/// A seeded split of `n` samples: `fraction` of them (rounded, at least one, never all) held
+/// out, the rest for training, each list sorted.
+pub fn split(n: usize, fraction: f64, seed: u64) -> Result<(Vec<usize>, Vec<usize>), DataError> {
+    if !(fraction > 0.0 && fraction < 1.0) {
+        return Err(DataError::Config(format!(
+            "a held-out fraction is between 0 and 1, not {fraction}"
+        )));
+    }
+    let held = ((n as f64 * fraction).round() as usize).max(1);
+    if held >= n {
+        return Err(DataError::Config(format!(
+            "holding out {fraction} of {n} samples leaves none to train on"
+        )));
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut rng = Rng::new(hash(&[seed, SPLIT_STREAM]));
+    for i in (1..n).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let (mut held_out, mut train) = (order[..held].to_vec(), order[held..].to_vec());
+    held_out.sort_unstable();
+    train.sort_unstable();
+    Ok((train, held_out))
+}
+
+/// Separates the split's random stream from the epochs' orders.
+const SPLIT_STREAM: u64 = 0x7370_6c69_745f_7661;
 
 /// A batch of consecutive samples in an epoch's order.
 #[derive(Clone, Debug, PartialEq)]
@@ -308,6 +437,21 @@ pub struct LoaderConfig {
     /// Batches of [`Synthetic`] data come described ([`Batch::synthetic`]) instead of drawn,
     /// for a device that draws them itself; other datasets' batches come as images.
     pub describe_synthetic: bool,
+    /// What becomes of a sample that cannot be read or decoded.
+    pub bad_samples: BadSamples,
+}
+
+/// What a loader does with a sample that cannot be read or decoded (noted in
+/// [`Loader::skipped`] unless it fails).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadSamples {
+    /// Its batch fails with its error.
+    Fail,
+    /// The next sample of the epoch's order after the batch that can be read takes its place:
+    /// every batch stays whole, as a fixed parallel strategy needs.
+    Replace,
+    /// Its batch comes without it: each readable sample once, as an evaluation counts them.
+    Drop,
 }
 
 impl LoaderConfig {
@@ -320,6 +464,7 @@ impl LoaderConfig {
             seed: 0,
             prefetch: 2,
             describe_synthetic: false,
+            bad_samples: BadSamples::Replace,
         }
     }
 }
@@ -330,6 +475,21 @@ impl LoaderConfig {
 pub struct Loader {
     dataset: Arc<dyn Dataset>,
     config: LoaderConfig,
+    skipped: Arc<Skipped>,
+}
+
+/// Samples skipped because they could not be read: taken only when one fails, never on the
+/// path of a sample that decodes.
+#[derive(Debug, Default)]
+struct Skipped(std::sync::Mutex<SkippedSamples>);
+
+/// The samples a loader skipped so far.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SkippedSamples {
+    /// Each time a sample was skipped (a file fails in every epoch that reads it).
+    pub count: u64,
+    /// Each distinct sample's first failure, by dataset index, in the order they failed.
+    pub first: Vec<(usize, String)>,
 }
 
 impl Loader {
@@ -345,7 +505,11 @@ impl Loader {
                 shape: dataset.image_shape(),
             });
         }
-        let loader = Loader { dataset, config };
+        let loader = Loader {
+            dataset,
+            config,
+            skipped: Arc::default(),
+        };
         if loader.batches_per_epoch() == 0 {
             return Err(DataError::Config(format!(
                 "{} is smaller than one batch of {}",
@@ -362,6 +526,11 @@ impl Loader {
 
     pub fn config(&self) -> &LoaderConfig {
         &self.config
+    }
+
+    /// The samples skipped so far, by every batch this loader (and its clones) built.
+    pub fn skipped(&self) -> SkippedSamples {
+        self.skipped.0.lock().expect("skipped samples").clone()
     }
 
     pub fn batches_per_epoch(&self) -> usize {
@@ -381,14 +550,7 @@ impl Loader {
             return Err(DataError::BatchOutOfRange { batch, batches });
         }
         let order = self.epoch_order(epoch);
-        assemble_batch(
-            self.dataset.as_ref(),
-            &self.config,
-            &order,
-            epoch,
-            batch,
-            &AtomicBool::new(false),
-        )
+        assemble_batch(self, &order, epoch, batch, &AtomicBool::new(false))
     }
 
     /// The batches of one epoch, prefetched.
@@ -460,8 +622,7 @@ impl Producer {
                 order_epoch = Some(epoch);
             }
             let result = assemble_batch(
-                self.loader.dataset.as_ref(),
-                &self.loader.config,
+                &self.loader,
                 &order,
                 epoch,
                 (step % per_epoch) as usize,
@@ -480,19 +641,27 @@ impl Producer {
     }
 }
 
-/// Builds one batch, decoding its samples in parallel. On failure, reports the error of the earliest
-/// failing sample, so the error does not depend on thread timing.
+/// Whether a sample's error is its file's (skipped unless the loader fails on it), not the
+/// program's.
+fn is_bad_sample(error: &DataError) -> bool {
+    matches!(error, DataError::Io { .. } | DataError::Decode { .. })
+}
+
+/// Builds one batch, decoding its samples in parallel. A sample that cannot be read fails the
+/// batch, is replaced or is dropped, as [`BadSamples`] says: the batch depends only on the
+/// files. On failure, reports the error of the earliest failing sample, so
+/// the error does not depend on thread timing.
 fn assemble_batch(
-    dataset: &dyn Dataset,
-    config: &LoaderConfig,
+    loader: &Loader,
     order: &[usize],
     epoch: u64,
     batch: usize,
     cancel: &AtomicBool,
 ) -> Result<Batch, DataError> {
+    let (dataset, config) = (loader.dataset.as_ref(), &loader.config);
     let start = batch * config.batch_size;
     let end = (start + config.batch_size).min(order.len());
-    let indices = order[start..end].to_vec();
+    let mut indices = order[start..end].to_vec();
     if config.describe_synthetic
         && let Some(synthetic) = dataset.as_synthetic()
     {
@@ -510,25 +679,61 @@ fn assemble_batch(
     let sample_len = dataset.sample_len();
     let mut images = vec![0.0f32; indices.len() * sample_len];
     let mut labels = vec![0u32; indices.len()];
-    let first_error = images
+    let failed: Vec<(usize, DataError)> = images
         .par_chunks_mut(sample_len)
         .zip(labels.par_iter_mut())
         .zip(indices.par_iter())
-        .filter_map(|((image, label), &index)| {
+        .enumerate()
+        .filter_map(|(slot, ((image, label), &index))| {
             if cancel.load(Ordering::Relaxed) {
                 return None;
             }
-            match dataset.sample(index, image) {
+            match dataset.sample(index, epoch, image) {
                 Ok(l) => {
                     *label = l;
                     None
                 }
-                Err(e) => Some(e),
+                Err(e) => Some((slot, e)),
             }
         })
-        .find_first(|_| true);
-    if let Some(e) = first_error {
-        return Err(e);
+        .collect();
+    let mut substitutes = order.iter().cycle().skip(end);
+    let mut dropped = Vec::new();
+    for (slot, error) in failed {
+        if config.bad_samples == BadSamples::Fail || !is_bad_sample(&error) {
+            return Err(error);
+        }
+        loader.skipped.note(indices[slot], &error);
+        if config.bad_samples == BadSamples::Drop {
+            dropped.push(slot);
+            continue;
+        }
+        let image = &mut images[slot * sample_len..][..sample_len];
+        // Every sample of the epoch is tried at most once before the batch gives up.
+        let mut tries = 0;
+        loop {
+            let Some(&index) = substitutes.next().filter(|_| tries < order.len()) else {
+                return Err(DataError::Config(format!(
+                    "{}: no sample of the epoch can be read (the last: {error})",
+                    dataset.describe()
+                )));
+            };
+            tries += 1;
+            match dataset.sample(index, epoch, image) {
+                Ok(label) => {
+                    (indices[slot], labels[slot]) = (index, label);
+                    break;
+                }
+                Err(e) if is_bad_sample(&e) => loader.skipped.note(index, &e),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    // Last first, so each slot still names its sample when it goes.
+    for &slot in dropped.iter().rev() {
+        indices.remove(slot);
+        labels.remove(slot);
+        images.drain(slot * sample_len..(slot + 1) * sample_len);
     }
     Ok(Batch {
         images,
@@ -539,6 +744,16 @@ fn assemble_batch(
         batch,
         image: dataset.image_shape(),
     })
+}
+
+impl Skipped {
+    fn note(&self, index: usize, error: &DataError) {
+        let mut skipped = self.0.lock().expect("skipped samples");
+        skipped.count += 1;
+        if !skipped.first.iter().any(|&(i, _)| i == index) {
+            skipped.first.push((index, error.to_string()));
+        }
+    }
 }
 
 /// Prefetched batches. Dropping it stops and joins the background thread (waiting at most for the
@@ -616,29 +831,6 @@ fn check_sample_args(dataset: &dyn Dataset, index: usize, out: &[f32]) -> Result
 /// ITU-R BT.601 luma weights, for datasets asked for one channel from RGB sources.
 const LUMA_WEIGHTS: [f32; 3] = [0.299, 0.587, 0.114];
 
-/// Per-channel affine map from raw 0..=255 pixel values to normalised ones: `(v / 255 - mean) / std`.
-#[derive(Clone, Copy, Debug)]
-struct Normalization {
-    scale: [f32; 3],
-    offset: [f32; 3],
-}
-
-impl Normalization {
-    fn new(mean: [f32; 3], std: [f32; 3]) -> Normalization {
-        let mut scale = [0.0; 3];
-        let mut offset = [0.0; 3];
-        for c in 0..3 {
-            scale[c] = 1.0 / (255.0 * std[c]);
-            offset[c] = -mean[c] / std[c];
-        }
-        Normalization { scale, offset }
-    }
-
-    fn apply(&self, channel: usize, raw: f32) -> f32 {
-        raw * self.scale[channel] + self.offset[channel]
-    }
-}
-
 /// One output coordinate of a bilinear resample: the two source coordinates it blends and the weight
 /// of the second.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -663,6 +855,27 @@ fn bilinear_taps(src: usize, dst: usize) -> Vec<Tap> {
             }
         })
         .collect()
+}
+
+/// Bilinear taps along one axis over `extent` source pixels from `start` (half-pixel centres,
+/// clamped at the image's borders), right to left where `flip`.
+fn crop_taps(src: usize, start: f64, extent: f64, dst: usize, flip: bool) -> Vec<Tap> {
+    let scale = extent / dst as f64;
+    let mut taps: Vec<Tap> = (0..dst)
+        .map(|i| {
+            let x = (start + (i as f64 + 0.5) * scale - 0.5).clamp(0.0, (src - 1) as f64);
+            let lo = x.floor() as usize;
+            Tap {
+                lo,
+                hi: (lo + 1).min(src - 1),
+                frac: (x - lo as f64) as f32,
+            }
+        })
+        .collect();
+    if flip {
+        taps.reverse();
+    }
+    taps
 }
 
 /// Resamples one `src_width`-wide plane through precomputed row and column taps into `out`
@@ -733,7 +946,7 @@ mod tests {
         fn num_classes(&self) -> usize {
             3
         }
-        fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError> {
+        fn sample(&self, index: usize, _: u64, out: &mut [f32]) -> Result<u32, DataError> {
             check_sample_args(self, index, out)?;
             self.calls.fetch_add(1, Ordering::SeqCst);
             std::thread::sleep(self.delay);
@@ -976,11 +1189,65 @@ mod tests {
     }
 
     #[test]
-    fn dataset_errors_surface_from_the_iterator() {
+    fn a_split_is_seeded_disjoint_and_whole() {
+        let (train, held) = split(10, 0.2, 4).unwrap();
+        assert_eq!((train.len(), held.len()), (8, 2));
+        let mut all: Vec<usize> = train.iter().chain(&held).copied().collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..10).collect::<Vec<_>>());
+        assert_eq!(split(10, 0.2, 4).unwrap(), (train, held.clone()));
+        assert_ne!(split(10, 0.2, 5).unwrap().1, held);
+        assert!(split(10, 0.0, 4).is_err() && split(1, 0.5, 4).is_err());
+
+        let subset = Subset::new(Arc::new(Counting::new(10)), held.clone(), "held out").unwrap();
+        let mut x = vec![0.0; 4];
+        subset.sample(1, 0, &mut x).unwrap();
+        assert_eq!(x[0], held[1] as f32);
+        assert!(Subset::new(Arc::new(Counting::new(3)), vec![3], "x").is_err());
+    }
+
+    #[test]
+    fn an_unreadable_sample_is_skipped_for_the_next_one_after_the_batch_and_counted() {
         let mut dataset = Counting::new(12);
         dataset.fail_at = Some(5);
         let mut config = LoaderConfig::new(4);
         config.shuffle = false;
+        let l = loader(dataset, config);
+        let batches: Vec<Batch> = l.epoch(0).map(Result::unwrap).collect();
+        // Sample 5's place in batch 1 goes to sample 8, the first after the batch.
+        assert_eq!(batches[1].indices, [4, 8, 6, 7]);
+        assert_eq!(batches[1].images[4..8], [8.0; 4]);
+        assert_eq!(batches[1].labels, [1, 2, 0, 1]);
+        let skipped = l.skipped();
+        assert_eq!(skipped.count, 1);
+        assert_eq!(skipped.first.len(), 1);
+        assert!(skipped.first[0].1.contains("sample-5"), "{skipped:?}");
+        // Built again, the batch is the same and the sample counted once more.
+        assert_eq!(l.batch(0, 1).unwrap(), batches[1]);
+        assert_eq!((l.skipped().count, l.skipped().first.len()), (2, 1));
+    }
+
+    #[test]
+    fn a_dropped_sample_leaves_its_batch_shorter() {
+        let mut dataset = Counting::new(12);
+        dataset.fail_at = Some(5);
+        let mut config = LoaderConfig::new(4);
+        config.shuffle = false;
+        config.bad_samples = BadSamples::Drop;
+        let l = loader(dataset, config);
+        let b = l.batch(0, 1).unwrap();
+        assert_eq!((b.indices, b.labels), (vec![4, 6, 7], vec![1, 0, 1]));
+        assert_eq!(b.images, [[4.0; 4], [6.0; 4], [7.0; 4]].concat());
+        assert_eq!(l.skipped().count, 1);
+    }
+
+    #[test]
+    fn dataset_errors_surface_from_the_iterator_when_strict() {
+        let mut dataset = Counting::new(12);
+        dataset.fail_at = Some(5);
+        let mut config = LoaderConfig::new(4);
+        config.shuffle = false;
+        config.bad_samples = BadSamples::Fail;
         let mut batches = loader(dataset, config).epoch(0);
         assert!(batches.next().unwrap().is_ok());
         let err = batches.next().unwrap().unwrap_err();
@@ -1024,7 +1291,7 @@ mod tests {
             fn num_classes(&self) -> usize {
                 1
             }
-            fn sample(&self, _: usize, _: &mut [f32]) -> Result<u32, DataError> {
+            fn sample(&self, _: usize, _: u64, _: &mut [f32]) -> Result<u32, DataError> {
                 panic!("decoder bug");
             }
             fn describe(&self) -> String {
@@ -1059,25 +1326,38 @@ mod tests {
         }
         let own: Arc<dyn Dataset> = Arc::new(Synthetic::new(3, 16, 4, [3, 8, 8]).unwrap());
         let data = Data::Dataset(own);
-        assert_eq!(data.open([3, 8, 8], 4, 1).unwrap().num_samples(), 16);
-        let e = data.open([3, 16, 16], 4, 1).err().unwrap().to_string();
+        assert_eq!(
+            data.open([3, 8, 8], 4, 1, Transforms::PLAIN)
+                .unwrap()
+                .num_samples(),
+            16
+        );
+        let e = data
+            .open([3, 16, 16], 4, 1, Transforms::PLAIN)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("[3, 8, 8]") && e.contains("[3, 16, 16]"), "{e}");
-        let e = data.open([3, 8, 8], 2, 1).err().unwrap();
+        let e = data.open([3, 8, 8], 2, 1, Transforms::PLAIN).err().unwrap();
         assert!(matches!(e, DataError::TooManyClasses { .. }), "{e}");
     }
 
     #[test]
     fn open_parses_specs() {
-        let ds = open("synthetic", [3, 8, 8], 10, 1).unwrap();
+        let ds = open("synthetic", [3, 8, 8], 10, 1, Transforms::PLAIN).unwrap();
         assert_eq!(ds.num_samples(), DEFAULT_SYNTHETIC_SAMPLES);
         assert_eq!(ds.image_shape(), [3, 8, 8]);
         assert_eq!(ds.num_classes(), 10);
         assert_eq!(
-            open("synthetic:64", [1, 4, 4], 3, 1).unwrap().num_samples(),
+            open("synthetic:64", [1, 4, 4], 3, 1, Transforms::PLAIN)
+                .unwrap()
+                .num_samples(),
             64
         );
 
-        let err = open("imagenet:/data", [3, 8, 8], 10, 1).err().unwrap();
+        let err = open("imagenet:/data", [3, 8, 8], 10, 1, Transforms::PLAIN)
+            .err()
+            .unwrap();
         let msg = err.to_string();
         assert!(
             msg.contains("imagenet:/data") && msg.contains(SPEC_FORMS),
@@ -1092,22 +1372,24 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    open(bad, [3, 8, 8], 10, 1),
+                    open(bad, [3, 8, 8], 10, 1, Transforms::PLAIN),
                     Err(DataError::InvalidSpec { .. })
                 ),
                 "{bad}"
             );
         }
         assert!(matches!(
-            open("cifar10:/nonexistent", [2, 8, 8], 10, 1),
+            open("cifar10:/nonexistent", [2, 8, 8], 10, 1, Transforms::PLAIN),
             Err(DataError::UnsupportedChannels { .. })
         ));
         assert_eq!(
-            open("synthetic", [2, 8, 8], 10, 1).unwrap().image_shape(),
+            open("synthetic", [2, 8, 8], 10, 1, Transforms::PLAIN)
+                .unwrap()
+                .image_shape(),
             [2, 8, 8]
         );
         assert!(matches!(
-            open("synthetic", [3, 0, 8], 10, 1),
+            open("synthetic", [3, 0, 8], 10, 1, Transforms::PLAIN),
             Err(DataError::InvalidImageShape { .. })
         ));
     }

@@ -184,7 +184,7 @@ impl Dataset for Synthetic {
         self.classes
     }
 
-    fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, DataError> {
+    fn sample(&self, index: usize, _epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
         check_sample_args(self, index, out)?;
         let mut factors = vec![0.0f32; factors_per_sample(self.image)];
         let (label, noise_state) = self.draw_factors(index, &mut factors);
@@ -345,7 +345,7 @@ mod tests {
 
     fn draw(ds: &Synthetic, index: usize) -> (Vec<f32>, u32) {
         let mut image = vec![0.0; ds.sample_len()];
-        let label = ds.sample(index, &mut image).unwrap();
+        let label = ds.sample(index, 0, &mut image).unwrap();
         (image, label)
     }
 
@@ -427,12 +427,12 @@ mod tests {
         let ds = Synthetic::new(0, 5, 2, [1, 4, 4]).unwrap();
         let mut small = vec![0.0; 15];
         assert!(matches!(
-            ds.sample(0, &mut small),
+            ds.sample(0, 0, &mut small),
             Err(DataError::BufferSize { .. })
         ));
         let mut ok = vec![0.0; 16];
         assert!(matches!(
-            ds.sample(5, &mut ok),
+            ds.sample(5, 0, &mut ok),
             Err(DataError::IndexOutOfRange { .. })
         ));
         assert!(Synthetic::new(0, 0, 2, [1, 4, 4]).is_err());
@@ -509,7 +509,7 @@ mod tests {
             let mut grad_b = vec![0.0f32; classes];
             let mut loss = 0.0f32;
             for k in 0..batch {
-                let label = ds.sample(step * batch + k, &mut image).unwrap() as usize;
+                let label = ds.sample(step * batch + k, 0, &mut image).unwrap() as usize;
                 for (c, logit) in logits.iter_mut().enumerate() {
                     let w = &weights[c * len..][..len];
                     *logit = bias[c] + w.iter().zip(&image).map(|(a, b)| a * b).sum::<f32>();

@@ -320,7 +320,7 @@ pub fn synthetic_batch(graph: &Graph, seed: u64) -> Result<(Vec<f32>, Vec<u32>),
     let mut images = vec![0.0; batch * len];
     let mut labels = Vec::with_capacity(batch);
     for (i, out) in images.chunks_exact_mut(len).enumerate() {
-        labels.push(data.sample(i, out)?);
+        labels.push(data.sample(i, 0, out)?);
     }
     Ok((images, labels))
 }

@@ -1,6 +1,7 @@
 //! The `legion-rs` command line: argument parsing and one module per subcommand.
 
 mod cluster;
+mod evaluate;
 mod export;
 mod models;
 mod plan;
@@ -47,6 +48,10 @@ pub enum Command {
     Profile(profile::ProfileArgs),
     /// Train a model.
     Train(train::TrainArgs),
+    /// Score a checkpoint on a dataset: top-1 and top-5 accuracy and the loss.
+    Eval(evaluate::EvalArgs),
+    /// The most probable classes of images under a checkpoint, with their probabilities.
+    Predict(evaluate::PredictArgs),
     /// Start a worker on every host of a hosts file (locally or over ssh) and wait for them.
     Up(cluster::UpArgs),
     /// Show which workers of a hosts file are running.
@@ -65,6 +70,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => plan::run(a),
         Command::Profile(a) => profile::run(a),
         Command::Train(a) => train::run(a),
+        Command::Eval(a) => evaluate::eval(a),
+        Command::Predict(a) => evaluate::predict(a),
         Command::Up(a) => cluster::up(a),
         Command::Status(a) => cluster::status(a),
         Command::Down(a) => cluster::down(a),

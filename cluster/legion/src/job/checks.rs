@@ -104,6 +104,7 @@ pub fn check_output_path(flag: &str, path: &std::path::Path) -> anyhow::Result<(
 /// The error for data whose classes do not match the model's head: more classes than it has
 /// outputs (labels past them), or fewer (outputs no label trains), naming the flag to change.
 pub(super) fn classes_mismatch(
+    flag: &str,
     spec: &str,
     dataset: &str,
     found: usize,
@@ -117,7 +118,7 @@ pub(super) fn classes_mismatch(
         ),
     };
     anyhow::anyhow!(
-        "--data {spec}: {dataset} has {found} classes, but model '{}' has {head} outputs; {fix}",
+        "{flag} {spec}: {dataset} has {found} classes, but model '{}' has {head} outputs; {fix}",
         graph.name
     )
 }

@@ -2,6 +2,8 @@
 
 use legion_ops::Precision;
 use legion_ops::capture::CaptureStatus;
+use legion_ops::data::SkippedSamples;
+use legion_ops::infer::Accuracy;
 use legion_planner::Strategy as StrategyFile;
 use std::path::PathBuf;
 
@@ -15,10 +17,15 @@ pub enum JobEvent<'a> {
     /// Something the user should know about the run's inputs (one line), after the device: the
     /// tensors of an `--init` file that were not loaded.
     Note(&'a str),
+    /// Something that went wrong without stopping the run (one line): a sample that could not
+    /// be read, skipped.
+    Warning(&'a str),
     /// The strategy the devices run, before the first step.
     Planned(&'a PlannedRun),
     /// A step finished.
     Step(&'a StepDone),
+    /// The held-out data was scored after a step.
+    Evaluated(&'a Evaluation),
     /// The run finished and its final checkpoint (if any) is saved.
     Finished(&'a TrainSummary),
 }
@@ -54,6 +61,14 @@ pub struct StepDone {
     pub host: Option<legion_ops::train::HostTiming>,
 }
 
+/// The held-out data's score after a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    pub step: u64,
+    pub accuracy: Accuracy,
+    pub seconds: f64,
+}
+
 /// What a finished run reports.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainSummary {
@@ -81,6 +96,10 @@ pub struct TrainSummary {
     pub loss_read_late: bool,
     /// What the run computed in.
     pub precision: Precision,
+    /// The samples skipped because they could not be read.
+    pub skipped: SkippedSamples,
+    /// Each scoring of the held-out data, in order (the last after the last step).
+    pub validation: Vec<Evaluation>,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.

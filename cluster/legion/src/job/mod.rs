@@ -15,7 +15,7 @@ mod run;
 mod strategy;
 
 pub use checks::check_output_path;
-pub use events::{JobEvent, LossTrend, PlannedRun, StepDone, TrainSummary};
+pub use events::{Evaluation, JobEvent, LossTrend, PlannedRun, StepDone, TrainSummary};
 pub use strategy::{
     Strategy, choose_strategy, choose_strategy_for, choose_strategy_reporting, strategy_names,
 };
@@ -30,7 +30,7 @@ use legion_cluster::hosts::Hosts;
 use legion_cluster::launch;
 use legion_ops::capture::CaptureSetting;
 use legion_ops::checkpoint::Checkpoint;
-use legion_ops::data::{self, Data, Dataset};
+use legion_ops::data::{self, Data, Dataset, Transforms};
 use legion_ops::train::{LossReadback, Sgd};
 use legion_ops::{Graph, Precision};
 use legion_planner::progress::Progress;
@@ -47,6 +47,13 @@ pub struct TrainOptions {
     pub devices: usize,
     pub steps: u64,
     pub data: Data,
+    /// How the samples are cropped, mirrored and normalised; `None`: the data's own default
+    /// ([`Data::default_transforms`]: torchvision's training recipe for a folder of images).
+    pub transforms: Option<Transforms>,
+    /// A sample that cannot be read stops the run, instead of being skipped and counted.
+    pub strict_data: bool,
+    /// Held-out data scored during the run and at its end.
+    pub validation: Option<Validation>,
     pub init: Option<PathBuf>,
     /// The weights the model file carried (an ONNX file's initializers): the run starts from them
     /// unless `init` or `resume` says otherwise.
@@ -85,6 +92,24 @@ pub struct TrainOptions {
     pub gpu: GpuOptions,
     /// Where a search for the strategy reports its progress.
     pub search_progress: SearchProgress,
+}
+
+/// Held-out data a run scores (top-1, top-5, loss) with the weights it has trained so far.
+#[derive(Clone, Debug)]
+pub struct Validation {
+    pub data: HeldOut,
+    /// Every this many steps, and at the end; `None`: at the end only.
+    pub every: Option<u64>,
+}
+
+/// Where held-out samples come from.
+#[derive(Clone, Debug)]
+pub enum HeldOut {
+    /// A dataset of their own (`--val-data`), of the training data's classes.
+    Data(Data),
+    /// This fraction of the training data's samples, seeded by the run's seed, which the run
+    /// then does not train on (`--val-split`).
+    Split(f64),
 }
 
 /// Where a run's strategy search reports its phases ([`Progress`]): nowhere by default.
@@ -149,6 +174,9 @@ impl Default for TrainOptions {
             devices: 1,
             steps: 100,
             data: Data::default(),
+            transforms: None,
+            strict_data: false,
+            validation: None,
             init: None,
             model_weights: None,
             save: None,
@@ -253,6 +281,24 @@ impl Training {
     /// Where the samples come from.
     pub fn data(mut self, data: Data) -> Self {
         self.options.data = data;
+        self
+    }
+
+    /// How the samples are cropped, mirrored and normalised (else the data's own default).
+    pub fn transforms(mut self, transforms: Transforms) -> Self {
+        self.options.transforms = Some(transforms);
+        self
+    }
+
+    /// Scores held-out data during the run (every `validation.every` steps) and at its end.
+    pub fn validation(mut self, validation: Validation) -> Self {
+        self.options.validation = Some(validation);
+        self
+    }
+
+    /// Stops the run at a sample that cannot be read, instead of skipping and counting it.
+    pub fn strict_data(mut self) -> Self {
+        self.options.strict_data = true;
         self
     }
 
@@ -378,6 +424,8 @@ pub struct Job {
     opts: TrainOptions,
     engine: Box<dyn Engine>,
     dataset: Arc<dyn Dataset>,
+    /// The held-out samples the run scores, if any.
+    validation: Option<Arc<dyn Dataset>>,
     plan: Option<PlannedRun>,
     devices: usize,
     first_step: u64,
@@ -391,6 +439,8 @@ pub struct Job {
     precision: Precision,
     /// What the user should know about the run's inputs, said after the device line.
     init_note: Option<String>,
+    /// What opening the data found, said after the device line.
+    data_note: Option<String>,
 }
 
 impl Job {
@@ -471,7 +521,14 @@ impl Job {
 
         // After the model is known to fit (a synthetic dataset is sized by its classes), before
         // the weights are loaded and the engine started.
-        let dataset = open_dataset(&graph, opts, &shape)?;
+        let (dataset, validation) = open_datasets(&graph, opts, &shape)?;
+        let data_note = dataset.census().map(|census| {
+            let held = match &validation {
+                Some(v) => format!("; scored on {}", v.describe()),
+                None => String::new(),
+            };
+            format!("--data {}: {}{held}", opts.data, census.describe())
+        });
         let (state, init_note) = initial_state(&graph, opts)?;
         let first_step = state.step;
         if first_step > opts.steps {
@@ -536,6 +593,7 @@ impl Job {
             opts: opts.clone(),
             engine,
             dataset,
+            validation,
             plan,
             devices,
             first_step,
@@ -544,6 +602,7 @@ impl Job {
             describe_synthetic,
             precision,
             init_note,
+            data_note,
         })
     }
 }
@@ -638,20 +697,79 @@ fn plan(
     })
 }
 
-/// The run's dataset, refused where its classes are not the model's outputs.
+/// The samples a run scores, where it scores any.
+type HeldOutSamples = Option<Arc<dyn Dataset>>;
+
+/// The samples a run trains on and those it scores (`--val-data`, or the `--val-split` it holds
+/// out of the training data, seen through the evaluation recipe).
+fn open_datasets(
+    graph: &Graph,
+    opts: &TrainOptions,
+    shape: &ModelShape,
+) -> anyhow::Result<(Arc<dyn Dataset>, HeldOutSamples)> {
+    let transforms = opts
+        .transforms
+        .unwrap_or_else(|| opts.data.default_transforms());
+    let train = open_dataset("--data", &opts.data, transforms, graph, opts, shape)?;
+    let Some(validation) = &opts.validation else {
+        return Ok((train, None));
+    };
+    if validation.every == Some(0) {
+        bail!("--eval-every 0: score every K steps, K at least 1");
+    }
+    // Scored as evaluated: the evaluation recipe, normalised as the training data is.
+    let scored = |data: &Data| Transforms {
+        normalize: transforms.normalize,
+        ..data.eval_transforms()
+    };
+    Ok(match &validation.data {
+        HeldOut::Data(data) => {
+            let held = open_dataset("--val-data", data, scored(data), graph, opts, shape)?;
+            if let (Some(a), Some(b)) = (train.census(), held.census())
+                && a.class_names != b.class_names
+            {
+                bail!(
+                    "--val-data {data}: its classes {:?} are not the training data's {:?} (labels follow the sorted folder names)",
+                    b.class_names,
+                    a.class_names
+                );
+            }
+            (train, Some(held))
+        }
+        HeldOut::Split(fraction) => {
+            let (train_part, held_part) = data::split(train.num_samples(), *fraction, opts.seed)
+                .with_context(|| format!("--val-split {fraction}"))?;
+            let held = open_dataset("--data", &opts.data, scored(&opts.data), graph, opts, shape)?;
+            (
+                Arc::new(data::Subset::new(train, train_part, "the training part")?),
+                Some(Arc::new(data::Subset::new(
+                    held,
+                    held_part,
+                    &format!("{fraction} held out"),
+                )?)),
+            )
+        }
+    })
+}
+
+/// One dataset of a run, refused where its classes are not the model's outputs.
 fn open_dataset(
+    flag: &str,
+    data: &Data,
+    transforms: Transforms,
     graph: &Graph,
     opts: &TrainOptions,
     shape: &ModelShape,
 ) -> anyhow::Result<Arc<dyn Dataset>> {
-    let spec = opts.data.to_string();
-    let dataset = match opts.data.open(shape.image, shape.classes, opts.seed) {
+    let spec = data.to_string();
+    let dataset = match data.open(shape.image, shape.classes, opts.seed, transforms) {
         Err(data::DataError::TooManyClasses {
             dataset,
             dataset_classes,
             ..
         }) => {
             return Err(classes_mismatch(
+                flag,
                 &spec,
                 &dataset,
                 dataset_classes,
@@ -659,10 +777,20 @@ fn open_dataset(
                 shape.classes,
             ));
         }
-        opened => opened.with_context(|| format!("--data {spec}"))?,
+        opened => opened.with_context(|| format!("{flag} {spec}"))?,
     };
+    if opts.strict_data
+        && let Some((path, why)) = dataset.census().and_then(|c| c.unreadable.first())
+    {
+        bail!(
+            "{flag} {spec}: {}: {why} (--strict-data: every image must be readable; leave it \
+             out to skip such files)",
+            path.display()
+        );
+    }
     if dataset.num_classes() != shape.classes {
         return Err(classes_mismatch(
+            flag,
             &spec,
             &dataset.describe(),
             dataset.num_classes(),
@@ -684,10 +812,13 @@ mod tests {
             .unwrap()
             .run(|event| {
                 seen.push(match event {
-                    JobEvent::Device(line) | JobEvent::Note(line) => line.to_string(),
+                    JobEvent::Device(line) | JobEvent::Note(line) | JobEvent::Warning(line) => {
+                        line.to_string()
+                    }
                     JobEvent::Planned(p) => format!("planned {} on {}", p.choice, p.devices),
                     JobEvent::Step(s) => format!("step {}/{}", s.step, s.total_steps),
                     JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),
+                    JobEvent::Evaluated(e) => format!("scored at {}", e.step),
                 })
             })
             .unwrap();
@@ -709,7 +840,12 @@ mod tests {
         fn num_classes(&self) -> usize {
             10
         }
-        fn sample(&self, index: usize, out: &mut [f32]) -> Result<u32, data::DataError> {
+        fn sample(
+            &self,
+            index: usize,
+            _epoch: u64,
+            out: &mut [f32],
+        ) -> Result<u32, data::DataError> {
             out.fill(index as f32 / 64.0);
             Ok((index % 10) as u32)
         }

@@ -1,10 +1,11 @@
 //! The step loop of a started [`Job`]: batches in, events and checkpoints out.
 
-use super::{Job, JobEvent, StepDone, TrainSummary};
+use super::{Evaluation, Job, JobEvent, StepDone, TrainSummary};
 use anyhow::{Context, bail};
 use legion_cluster::engine::{Engine, NextBatch, StepBatch};
 use legion_ops::capture::CaptureStatus;
 use legion_ops::data::{self, Loader, LoaderConfig};
+use legion_ops::infer;
 use legion_ops::train::StepStats;
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -18,6 +19,7 @@ impl Job {
             opts,
             mut engine,
             dataset,
+            validation,
             plan,
             devices,
             first_step,
@@ -26,9 +28,10 @@ impl Job {
             describe_synthetic,
             precision,
             init_note,
+            data_note,
         } = self;
         on_event(JobEvent::Device(&device));
-        if let Some(note) = &init_note {
+        for note in [&init_note, &data_note].into_iter().flatten() {
             on_event(JobEvent::Note(note));
         }
         if let Some(plan) = &plan {
@@ -40,10 +43,37 @@ impl Job {
             LoaderConfig {
                 seed: opts.seed,
                 describe_synthetic,
+                bad_samples: match opts.strict_data {
+                    true => data::BadSamples::Fail,
+                    false => data::BadSamples::Replace,
+                },
                 ..LoaderConfig::new(batch)
             },
         )?;
         let mut batches = loader.steps(first_step);
+        let mut skipped = SkipReport::default();
+        let mut evaluations = Vec::new();
+        let every = opts.validation.as_ref().and_then(|v| v.every);
+        let mut evaluate = |engine: &mut dyn Engine,
+                            step: u64,
+                            on_event: &mut dyn FnMut(JobEvent<'_>)|
+         -> anyhow::Result<()> {
+            let Some(held_out) = &validation else {
+                return Ok(());
+            };
+            let started = Instant::now();
+            let params = engine.state()?.params;
+            let accuracy = infer::evaluate(&graph, &params, held_out.clone(), opts.strict_data)
+                .context("scoring the held-out data")?;
+            let evaluation = Evaluation {
+                step,
+                accuracy,
+                seconds: started.elapsed().as_secs_f64(),
+            };
+            on_event(JobEvent::Evaluated(&evaluation));
+            evaluations.push(evaluation);
+            Ok(())
+        };
         let started = Instant::now();
         let mut reported = Reported {
             awaiting: std::collections::VecDeque::with_capacity(2),
@@ -54,7 +84,13 @@ impl Job {
         };
         let save = |engine: &mut dyn Engine| -> anyhow::Result<()> {
             if let Some(path) = &opts.save {
-                let meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
+                let mut meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
+                if let Some(census) = loader.dataset().census() {
+                    meta.insert(
+                        crate::evaluate::CLASS_NAMES_KEY.to_string(),
+                        serde_json::to_string(&census.class_names)?,
+                    );
+                }
                 engine.state()?.save(path, meta)?;
             }
             Ok(())
@@ -90,13 +126,21 @@ impl Job {
             if let Some(stats) = stats {
                 reported.read(stats, &mut on_event)?;
             }
-            if opts.checkpoint_every.is_some_and(|k| step % k == 0) && step < opts.steps {
-                // The step's loss is checked before its weights are saved.
+            skipped.report(&loader, &mut on_event);
+            let checkpoint = opts.checkpoint_every.is_some_and(|k| step % k == 0);
+            let scored = every.is_some_and(|k| step % k == 0);
+            if (checkpoint || scored) && step < opts.steps {
+                // The step's loss is checked before its weights are saved or scored.
                 if let Some(stats) = engine.finish()? {
                     reported.read(stats, &mut on_event)?;
                 }
-                save(engine.as_mut())?;
-                // A checkpoint's write is not the next step's time.
+                if scored {
+                    evaluate(engine.as_mut(), step, &mut on_event)?;
+                }
+                if checkpoint {
+                    save(engine.as_mut())?;
+                }
+                // Neither is the next step's time.
                 reported.last_returned = Instant::now();
             }
         }
@@ -107,6 +151,9 @@ impl Job {
             bail!("step {step}: its loss was never read back");
         }
         let wall_secs = started.elapsed().as_secs_f64();
+        if opts.steps > first_step {
+            evaluate(engine.as_mut(), opts.steps, &mut on_event)?;
+        }
         if let (Some(path), Some(reports)) = (&opts.trace, traced_reports) {
             let trace = match engine.plan() {
                 Some(step_plan) => Some(legion_runtime::chrome_trace(step_plan, &graph, &reports)),
@@ -119,6 +166,7 @@ impl Job {
         }
         save(engine.as_mut())?;
 
+        let skipped = loader.skipped();
         let losses = reported.losses;
         let images = (losses.len() * batch) as f64;
         let summary = TrainSummary {
@@ -142,9 +190,30 @@ impl Job {
             synthetic_on_device: describe_synthetic,
             loss_read_late: engine.reads_loss_late(),
             precision,
+            skipped,
+            validation: evaluations,
         };
         on_event(JobEvent::Finished(&summary));
         Ok(summary)
+    }
+}
+
+/// Warns of each sample the loader skipped, once, as the run meets it.
+#[derive(Default)]
+struct SkipReport {
+    warned: usize,
+}
+
+impl SkipReport {
+    fn report(&mut self, loader: &Loader, on_event: &mut impl FnMut(JobEvent<'_>)) {
+        let skipped = loader.skipped();
+        for (_, why) in &skipped.first[self.warned.min(skipped.first.len())..] {
+            on_event(JobEvent::Warning(&format!(
+                "skipped a sample: {why} (another sample of the epoch took its place; \
+                 --strict-data to stop instead)"
+            )));
+        }
+        self.warned = skipped.first.len();
     }
 }
 
