@@ -58,6 +58,7 @@ pub struct JobSpec {
     pub lr: f32,
     pub momentum: f32,
     pub weight_decay: f32,
+    pub nesterov: bool,
     /// What the job computes in (`fp32`, `tf32`, `bf16`: the driver's `--precision`). On GPUs it
     /// is their math; on cores tf32 is fp32, and bf16 is the CPU backend's bf16 storage. A worker
     /// refuses a value it does not know, naming the field. (Named for its first use, the GPUs'
@@ -281,6 +282,8 @@ pub enum Control {
         step: u64,
         samples: Option<StepSamples>,
         trace: bool,
+        /// The step's learning rate where a schedule sets one (checked: finite, not negative).
+        lr: Option<f32>,
     },
     /// The samples of a later step, sent while the worker still runs the current one so that
     /// delivering a batch overlaps computing the one before. No reply: they are checked when their
@@ -378,11 +381,13 @@ mod tests {
                     label_samples: 4..6,
                 }),
                 trace: true,
+                lr: Some(0.025),
             },
             Control::Step {
                 step: 8,
                 samples: None,
                 trace: false,
+                lr: None,
             },
             Control::Stage {
                 step: 8,
@@ -448,6 +453,7 @@ mod tests {
             lr: 0.01,
             momentum: 0.9,
             weight_decay: 0.0,
+            nesterov: false,
             gpu_math,
             conv_algos,
             conv_epilogue,

@@ -132,6 +132,9 @@ pub trait Engine {
     /// Weights, momentum and step as they are now (what a checkpoint saves).
     fn state(&mut self) -> anyhow::Result<TrainingState>;
 
+    /// The learning rate of the steps from the next on: a schedule's.
+    fn set_lr(&mut self, lr: f32);
+
     /// The step plan the devices replay, where there are devices.
     fn plan(&self) -> Option<&StepPlan>;
 
@@ -271,6 +274,10 @@ impl<B: Pipeline> Engine for Trainer<B> {
         self.loss_readback() == LossReadback::OneStepLate
     }
 
+    fn set_lr(&mut self, lr: f32) {
+        Trainer::set_lr(self, lr);
+    }
+
     fn state(&mut self) -> anyhow::Result<TrainingState> {
         Ok(Trainer::state(self)?)
     }
@@ -310,6 +317,10 @@ impl Engine for EmbeddedCluster {
         Ok((Some(r.stats), r.reports))
     }
 
+    fn set_lr(&mut self, lr: f32) {
+        EmbeddedCluster::set_lr(self, lr);
+    }
+
     fn state(&mut self) -> anyhow::Result<TrainingState> {
         Ok(EmbeddedCluster::state(self)?)
     }
@@ -328,6 +339,10 @@ impl Engine for RemoteCluster {
         let next = batch.next.and_then(NextBatch::images);
         let r = RemoteCluster::step(self, &batch.images, &batch.labels, next, batch.trace)?;
         Ok((Some(r.stats), r.reports))
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        RemoteCluster::set_lr(self, lr);
     }
 
     fn state(&mut self) -> anyhow::Result<TrainingState> {

@@ -300,6 +300,8 @@ pub struct RemoteCluster {
     /// The step whose samples the workers already hold (sent by `Stage`).
     staged: Option<u64>,
     next_step: u64,
+    /// The rate the next steps update at, where a schedule set one.
+    lr: Option<f32>,
 }
 
 impl RemoteCluster {
@@ -371,6 +373,7 @@ impl RemoteCluster {
                     lr: sgd.lr,
                     momentum: sgd.momentum,
                     weight_decay: sgd.weight_decay,
+                    nesterov: sgd.nesterov,
                     gpu_math: gpu_fields.gpu_math.clone(),
                     conv_algos: gpu_fields.conv_algos.clone(),
                     conv_epilogue: gpu_fields.conv_epilogue.clone(),
@@ -412,6 +415,7 @@ impl RemoteCluster {
             ranges,
             staged: None,
             next_step: state.step,
+            lr: None,
         })
     }
 
@@ -443,6 +447,11 @@ impl RemoteCluster {
             .collect())
     }
 
+    /// The learning rate of the steps from the next on (a schedule's), instead of the job's.
+    pub fn set_lr(&mut self, lr: f32) {
+        self.lr = Some(lr);
+    }
+
     /// One training step on a batch, as `EmbeddedCluster::step`. With `next`, the batch of the
     /// step after this one, that batch's samples go out to the workers while this step runs, and
     /// the next call (which must pass the same batch) sends none: on a slow network delivering a
@@ -468,6 +477,7 @@ impl RemoteCluster {
                     step,
                     samples,
                     trace,
+                    lr: self.lr,
                 })
             })
             .collect();

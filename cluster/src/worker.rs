@@ -568,6 +568,7 @@ async fn start_job(
         lr: spec.lr,
         momentum: spec.momentum,
         weight_decay: spec.weight_decay,
+        nesterov: spec.nesterov,
     };
     let placement = job_placement(&shared.placement, &spec)?;
     let devices = spawn_local_devices(
@@ -722,9 +723,20 @@ async fn step_input(
         image_samples: as_usize(samples.image_samples),
         labels: samples.labels,
         label_samples: as_usize(samples.label_samples),
+        lr: None,
     };
     check_batch(graph, &input.view(), needed)?;
     Ok(input)
+}
+
+/// `input` at the step's learning rate, refused where the bytes say something no SGD step takes.
+fn with_lr(input: StepInput, lr: Option<f32>) -> anyhow::Result<StepInput> {
+    if let Some(lr) = lr
+        && !(lr.is_finite() && lr >= 0.0)
+    {
+        anyhow::bail!("step {}: a learning rate of {lr}", input.step);
+    }
+    Ok(StepInput { lr, ..input })
 }
 
 /// Runs a step on the local devices and makes the driver's answer.
@@ -810,6 +822,7 @@ impl Job {
                 step,
                 samples,
                 trace,
+                lr,
             } => {
                 let devices = self.devices.clone();
                 let conn = conn.clone();
@@ -817,7 +830,8 @@ impl Job {
                 let needed = self.samples.clone();
                 let staged = self.staged.clone();
                 tokio::spawn(async move {
-                    let answer = match step_input(step, samples, &staged, &graph, &needed).await {
+                    let input = step_input(step, samples, &staged, &graph, &needed).await;
+                    let answer = match input.and_then(|input| with_lr(input, lr)) {
                         Ok(input) => step_answer(&devices, step, input, trace).await,
                         Err(e) => failed(e),
                     };

@@ -62,6 +62,7 @@ fn a_step_missing_needed_samples_is_refused() {
         image_samples: images,
         labels: vec![1; labels.len()],
         label_samples: labels,
+        lr: None,
     };
     check_batch(&graph, &input(2..6, 4..6).view(), &needs).unwrap();
     check_batch(&graph, &input(0..8, 0..8).view(), &needs).unwrap();

@@ -71,6 +71,8 @@ pub struct EmbeddedCluster {
     plan: Arc<StepPlan>,
     graph: Arc<Graph>,
     next_step: u64,
+    /// The rate the next steps update at, where a schedule set one.
+    lr: Option<f32>,
 }
 
 /// How an [`EmbeddedCluster`] starts ([`EmbeddedCluster::launch`], [`EmbeddedCluster::launch_from`]):
@@ -202,6 +204,7 @@ impl EmbeddedCluster {
             plan,
             graph,
             next_step: first_step,
+            lr: None,
         };
         cluster.load(params, momentum)?;
         Ok(cluster)
@@ -228,6 +231,11 @@ impl EmbeddedCluster {
         })
     }
 
+    /// The learning rate of the steps from the next on (a schedule's), instead of the launch's.
+    pub fn set_lr(&mut self, lr: f32) {
+        self.lr = Some(lr);
+    }
+
     /// One training step on a batch (images laid out like the input layer, one label per sample).
     pub fn step(
         &mut self,
@@ -237,7 +245,10 @@ impl EmbeddedCluster {
     ) -> Result<StepResult, RuntimeError> {
         let step = self.next_step;
         let batch = self.graph.batch();
-        let input = StepInput::whole(step, images, labels, batch);
+        let input = StepInput {
+            lr: self.lr,
+            ..StepInput::whole(step, images, labels, batch)
+        };
         let whole = SamplesRead {
             images: 0..batch,
             labels: 0..batch,

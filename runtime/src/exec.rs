@@ -25,6 +25,8 @@ pub struct StepInput {
     /// The labels of samples `label_samples`.
     pub labels: Vec<u32>,
     pub label_samples: Range<usize>,
+    /// The learning rate of this step where a schedule sets one; else the devices' own.
+    pub lr: Option<f32>,
 }
 
 impl StepInput {
@@ -36,6 +38,7 @@ impl StepInput {
             image_samples: 0..batch,
             labels,
             label_samples: 0..batch,
+            lr: None,
         }
     }
 

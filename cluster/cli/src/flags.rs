@@ -8,7 +8,7 @@ use legion::device::{DeviceKind, GpuList};
 use legion::job::{GpuOptions, HeldOut, Strategy, TrainOptions, Validation, strategy_names};
 use legion::ops::capture::CaptureSetting;
 use legion::ops::data::{Geometry, Normalize, Transforms};
-use legion::ops::train::LossReadback;
+use legion::ops::train::{LossReadback, LrSchedule};
 use legion::{Data, Sgd};
 use std::path::PathBuf;
 
@@ -73,6 +73,9 @@ pub struct TrainFlags {
     /// Training steps (batches) [default: 100; the examples: their own].
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Train this many passes over the data instead of --steps (each pass its whole batches).
+    #[arg(long, conflicts_with = "steps", value_name = "N")]
+    pub epochs: Option<u64>,
     /// Training data: `synthetic`, `synthetic:N`, `cifar10:DIR_OR_FILE`, `folder:DIR`.
     #[arg(long, default_value = "synthetic")]
     pub data: String,
@@ -125,6 +128,18 @@ pub struct TrainFlags {
     /// SGD momentum: the fraction of the previous update each update keeps (0: plain SGD).
     #[arg(long, default_value_t = Sgd::default().momentum)]
     pub momentum: f32,
+    /// Nesterov momentum (PyTorch's `nesterov=True`): each update looks one momentum step ahead.
+    #[arg(long)]
+    pub nesterov: bool,
+    /// How the learning rate moves from --lr over the run, once a step: `constant`,
+    /// `step:EVERY:GAMMA` (times GAMMA every EVERY steps, PyTorch's StepLR), `cosine` or
+    /// `cosine:MIN_LR` (CosineAnnealingLR down to MIN_LR at the end).
+    #[arg(long, default_value = "constant", value_parser = parse_schedule)]
+    pub lr_schedule: LrSchedule,
+    /// Raise the learning rate linearly over the first N steps, from --lr / N to --lr, before the
+    /// schedule.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub warmup_steps: u64,
     /// L2 weight decay: the multiple of each weight added to its gradient (0: none).
     #[arg(long, default_value_t = Sgd::default().weight_decay)]
     pub weight_decay: f32,
@@ -201,6 +216,10 @@ impl CropFlag {
     }
 }
 
+fn parse_schedule(text: &str) -> Result<LrSchedule, String> {
+    text.parse()
+}
+
 /// `--normalize`: `dataset`, `none` or `M,M,M/S,S,S`.
 fn parse_normalize(text: &str) -> Result<Normalize, String> {
     let three = |part: &str, what: &str| -> Result<[f32; 3], String> {
@@ -273,6 +292,14 @@ impl TrainFlags {
                 (_, _, given) => given.unwrap_or(defaults.devices),
             },
             steps: self.steps.unwrap_or(defaults.steps),
+            epochs: self.epochs,
+            lr_schedule: LrSchedule {
+                warmup: match self.warmup_steps {
+                    0 => self.lr_schedule.warmup,
+                    n => n,
+                },
+                ..self.lr_schedule
+            },
             transforms: self.transforms(&data),
             strict_data: self.strict_data,
             validation: self.validation()?,
@@ -284,6 +311,7 @@ impl TrainFlags {
                 lr: self.lr.unwrap_or(defaults.lr),
                 momentum: self.momentum,
                 weight_decay: self.weight_decay,
+                nesterov: self.nesterov,
             },
             seed: self.seed,
             strategy: Strategy::from(self.strategy.as_str()),

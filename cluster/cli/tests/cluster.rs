@@ -156,6 +156,34 @@ fn up_train_down_on_three_workers_equals_one_device() {
         "the workers trained in fp32"
     );
 
+    // A schedule on the workers: each step's rate travels with it, so they train bit for bit
+    // what 4 embedded devices train under it; and not what the constant rate trains.
+    let scheduled = |engine: &[&str], name: &str| {
+        let out = cluster.path(name);
+        let schedule = [
+            "--lr-schedule",
+            "cosine",
+            "--warmup-steps",
+            "1",
+            "--nesterov",
+        ];
+        let engine = [engine, &["--strategy", "owt"], &schedule].concat();
+        train_from(&engine, &ALEXNET_64, "2", &init, &out);
+        legion_ops::checkpoint::load(&out).unwrap().tensors
+    };
+    let workers = scheduled(&cluster.engine(), "cosine-cluster.safetensors");
+    let embedded = scheduled(&["--devices", "4"], "cosine-embedded.safetensors");
+    for (w, e) in workers.iter().zip(&embedded) {
+        assert_eq!(w.data, e.data, "{}: a schedule on the workers", w.name);
+    }
+    assert!(
+        workers
+            .iter()
+            .zip(&fp32_embedded)
+            .any(|(w, f)| w.data != f.data),
+        "the workers ignored the schedule"
+    );
+
     // --compare on the cluster: every strategy runs as a job on the same workers.
     let lenet = legion_ops::zoo::find("lenet5").unwrap();
     let graph = lenet.build(&lenet.default_config(8)).unwrap();

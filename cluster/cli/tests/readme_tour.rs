@@ -166,6 +166,24 @@ const TOUR: &[(&str, How)] = &[
         How::Run(&[("--image-size", "32"), ("--batch", "2"), ("--steps", "1")]),
     ),
     (
+        "legion-rs train --model resnet50 --image-size 64 --classes 10 --data folder:path/to/images --val-split 0.2 --eval-every 50 --epochs 30 --lr-schedule cosine --warmup-steps 20 --save pets.safetensors",
+        How::Run(&[
+            ("--image-size", "32"),
+            ("--batch", "2"),
+            ("--epochs", "1"),
+            ("--eval-every", "2"),
+            ("--warmup-steps", "1"),
+        ]),
+    ),
+    (
+        "legion-rs eval --model resnet50 --image-size 64 --classes 10 --checkpoint pets.safetensors --data folder:path/to/images",
+        How::Run(&[("--image-size", "32"), ("--batch", "2")]),
+    ),
+    (
+        "legion-rs predict --model resnet50 --image-size 64 --classes 10 --checkpoint pets.safetensors path/to/images/class3",
+        How::Run(&[("--image-size", "32"), ("--batch", "2")]),
+    ),
+    (
         "legion-rs train --model alexnet --image-size 64 --classes 10 --batch 16 --devices 4 --strategy optcnn --steps 10",
         How::Run(&[("--batch", "8"), ("--steps", "1")]),
     ),

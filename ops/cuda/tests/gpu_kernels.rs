@@ -1576,6 +1576,7 @@ fn sgd_cases(h: &mut Harness) {
         lr: 0.1,
         momentum: 0.0,
         weight_decay: 0.0,
+        nesterov: false,
     };
     both!(h, "sgd update without momentum or decay", |d, s| sgd_case(
         d, s, &plain, &g, &w, &v

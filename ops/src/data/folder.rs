@@ -179,26 +179,104 @@ impl ImageFolder {
             path: path.to_path_buf(),
             source,
         };
-        let decoded = ImageReader::open(path)
-            .map_err(io_err)?
+        let bytes = fs::read(path).map_err(io_err)?;
+        let [channels, height, width] = self.image;
+        let draw = |size| {
+            self.transforms
+                .crop(self.seed, epoch, index, size, [height, width])
+        };
+        let decode_error = |source| DataError::Decode {
+            path: path.to_path_buf(),
+            source,
+        };
+        let done = DECODED.with_borrow_mut(|pixels| {
+            let Some(size) = decode_jpeg(&bytes, channels, pixels).map_err(decode_error)? else {
+                return Ok(false);
+            };
+            resample_into(
+                pixels,
+                size,
+                &draw(size),
+                self.image,
+                &self.normalization,
+                out,
+            )?;
+            Ok::<_, DataError>(true)
+        })?;
+        if done {
+            return Ok(());
+        }
+        // PNG, and JPEG in colour spaces the direct path leaves to the image crate (CMYK).
+        let decoded = ImageReader::new(std::io::Cursor::new(&bytes))
             .with_guessed_format()
             .map_err(io_err)?
             .decode()
-            .map_err(|source| DataError::Decode {
-                path: path.to_path_buf(),
-                source,
-            })?;
+            .map_err(decode_error)?;
         let size = [decoded.width(), decoded.height()];
-        let [_, height, width] = self.image;
-        let crop = self
-            .transforms
-            .crop(self.seed, epoch, index, size, [height, width]);
-        let pixels = match self.image[0] {
+        let pixels = match channels {
             3 => decoded.into_rgb8().into_raw(),
             _ => decoded.into_luma8().into_raw(),
         };
-        resample_into(&pixels, size, &crop, self.image, &self.normalization, out)
+        resample_into(
+            &pixels,
+            size,
+            &draw(size),
+            self.image,
+            &self.normalization,
+            out,
+        )
     }
+}
+
+thread_local! {
+    /// Each loader thread's decoded pixels, kept between samples: a photo's pixels are too large
+    /// for the allocator to keep, and fresh pages fault in one by one.
+    static DECODED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Decodes a baseline or progressive JPEG in YCbCr, grey or RGB into `pixels` (interleaved, with
+/// `channels` of 1 or 3), returning its [width, height]; `None` for what is not such a JPEG.
+fn decode_jpeg(
+    bytes: &[u8],
+    channels: usize,
+    pixels: &mut Vec<u8>,
+) -> Result<Option<[u32; 2]>, image::ImageError> {
+    use zune_core::colorspace::ColorSpace;
+    if !bytes.starts_with(&[0xFF, 0xD8]) {
+        return Ok(None);
+    }
+    let error = |e: zune_jpeg::errors::DecodeErrors| {
+        image::ImageError::Decoding(image::error::DecodingError::new(
+            image::ImageFormat::Jpeg.into(),
+            e,
+        ))
+    };
+    let out = match channels {
+        3 => ColorSpace::RGB,
+        _ => ColorSpace::Luma,
+    };
+    let options = zune_core::options::DecoderOptions::default().jpeg_set_out_colorspace(out);
+    let mut decoder = zune_jpeg::JpegDecoder::new_with_options(
+        zune_core::bytestream::ZCursor::new(bytes),
+        options,
+    );
+    decoder.decode_headers().map_err(error)?;
+    let known = matches!(
+        decoder.input_colorspace(),
+        Some(ColorSpace::YCbCr | ColorSpace::Luma | ColorSpace::RGB)
+    );
+    let (Some((width, height)), Some(len), true) =
+        (decoder.dimensions(), decoder.output_buffer_size(), known)
+    else {
+        return Ok(None);
+    };
+    if len != width * height * channels {
+        return Ok(None);
+    }
+    // Every byte is written by the decoder: growing zero-fills only what the buffer never held.
+    pixels.resize(len, 0);
+    decoder.decode_into(pixels).map_err(error)?;
+    Ok(Some([width as u32, height as u32]))
 }
 
 impl Census {
@@ -436,6 +514,46 @@ mod tests {
         let err = ds.sample(3, 0, &mut image).unwrap_err();
         assert!(matches!(err, DataError::Decode { .. }), "{err}");
         assert!(err.to_string().contains("zz_truncated.png"), "{err}");
+    }
+
+    #[test]
+    fn the_direct_jpeg_decode_gives_the_image_crates_pixels() {
+        let rgb = RgbImage::from_fn(37, 23, |x, y| Rgb([(x * 7) as u8, (y * 11) as u8, 90]));
+        let grey = GrayImage::from_fn(37, 23, |x, y| Luma([(x * 5 + y * 3) as u8]));
+        let encode = |image: image::DynamicImage| {
+            let mut bytes = Vec::new();
+            image
+                .write_to(
+                    &mut std::io::Cursor::new(&mut bytes),
+                    image::ImageFormat::Jpeg,
+                )
+                .unwrap();
+            bytes
+        };
+        for bytes in [encode(rgb.into()), encode(grey.into())] {
+            let decoded = image::load_from_memory(&bytes).unwrap();
+            for channels in [1, 3] {
+                let mut pixels = Vec::new();
+                let size = decode_jpeg(&bytes, channels, &mut pixels).unwrap().unwrap();
+                assert_eq!(size, [37, 23]);
+                // Grey is the JPEG's own luma (BT.601, as torchvision's grey decode), which
+                // the image crate's RGB gives back within rounding.
+                let want: Vec<u8> = match channels {
+                    3 => decoded.to_rgb8().into_raw(),
+                    _ => decoded
+                        .to_rgb8()
+                        .pixels()
+                        .map(|p| {
+                            let [r, g, b] = p.0.map(f32::from);
+                            (0.299 * r + 0.587 * g + 0.114 * b).round() as u8
+                        })
+                        .collect(),
+                };
+                let off = pixels.iter().zip(&want).map(|(&a, &b)| a.abs_diff(b)).max();
+                assert!(off <= Some(2), "{channels} channel(s): {off:?}");
+            }
+        }
+        assert_eq!(decode_jpeg(b"\x89PNG", 3, &mut Vec::new()).unwrap(), None);
     }
 
     #[test]

@@ -323,24 +323,33 @@ pub(super) fn write_chw(
     out: &mut [f32],
 ) {
     let plane = height * width;
-    for (channel, dst) in out.chunks_exact_mut(plane).enumerate() {
-        let scale = normalization.scale[channel];
-        let offset = normalization.offset[channel];
-        for (dst_row, src_row) in dst
+    let Normalization { scale, offset } = *normalization;
+    if channels == 1 {
+        for (dst_row, src_row) in out
             .chunks_exact_mut(width)
-            .zip(interleaved.chunks_exact(width * channels))
+            .zip(interleaved.chunks_exact(width))
         {
-            let pixels = src_row.chunks_exact(channels).map(|p| p[channel]);
-            let value = |v: u8| f32::from(v) * scale + offset;
-            if flip {
-                for (o, v) in dst_row.iter_mut().rev().zip(pixels) {
-                    *o = value(v);
-                }
-            } else {
-                for (o, v) in dst_row.iter_mut().zip(pixels) {
-                    *o = value(v);
-                }
+            for (x, &v) in src_row.iter().enumerate() {
+                let o = if flip { width - 1 - x } else { x };
+                dst_row[o] = f32::from(v) * scale[0] + offset[0];
             }
+        }
+        return;
+    }
+    // One pass over the source, three planes written at once.
+    let (red, rest) = out.split_at_mut(plane);
+    let (green, blue) = rest.split_at_mut(plane);
+    let rows = red
+        .chunks_exact_mut(width)
+        .zip(green.chunks_exact_mut(width))
+        .zip(blue.chunks_exact_mut(width))
+        .zip(interleaved.chunks_exact(width * 3));
+    for (((r, g), b), src_row) in rows {
+        for (x, p) in src_row.chunks_exact(3).enumerate() {
+            let o = if flip { width - 1 - x } else { x };
+            r[o] = f32::from(p[0]) * scale[0] + offset[0];
+            g[o] = f32::from(p[1]) * scale[1] + offset[1];
+            b[o] = f32::from(p[2]) * scale[2] + offset[2];
         }
     }
 }

@@ -11,8 +11,10 @@
 
 mod pass;
 mod pipeline;
+mod schedule;
 mod state;
 
+pub use schedule::{Decay, LrSchedule};
 pub use state::{MOMENTUM_PREFIX, ParamStore, Sgd, TrainingState};
 
 use pass::{MarkedSpan, Pass};
@@ -469,6 +471,12 @@ impl<B: Pipeline> Trainer<B> {
         self.capture.set(setting);
     }
 
+    /// The rate the next steps update at (a schedule's). A recorded step replays the rate it
+    /// was recorded with: a run whose rate changes records none.
+    pub fn set_lr(&mut self, lr: f32) {
+        self.sgd.lr = lr;
+    }
+
     /// Where capture stands: off, warming up, replaying, or given up and why.
     pub fn capture_status(&self) -> CaptureStatus {
         self.capture.status()
@@ -674,6 +682,7 @@ mod tests {
             lr: 1.0,
             momentum: 0.0,
             weight_decay: 0.0,
+            nesterov: false,
         };
         let mut trainer = Trainer::new(graph.clone(), params.clone(), plain, 5);
         let stats = trainer.step(&images, &labels).unwrap();
@@ -790,6 +799,7 @@ mod tests {
             lr: 0.1,
             momentum: 0.9,
             weight_decay: 0.01,
+            nesterov: false,
         };
         let mut w = [1.0f32];
         let mut v = [0.0f32];
@@ -799,6 +809,30 @@ mod tests {
         sgd.update(&mut w, &[0.5], &mut v);
         // d = 0.5 + 0.00949 = 0.50949; v = 0.9·0.51 + 0.50949 = 0.96849; w = 0.949 − 0.096849
         assert!((w[0] - 0.852151).abs() < 1e-5, "{}", w[0]);
+    }
+
+    /// `torch.optim.SGD([w], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)`, two steps
+    /// of gradient 0.5 from w = 1: buf = d, then buf = 0.9·buf + d; w -= lr·(d + 0.9·buf).
+    #[test]
+    fn nesterov_momentum_matches_pytorch() {
+        let sgd = Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.01,
+            nesterov: true,
+        };
+        let (mut w, mut v) = ([1.0f32], [0.0f32]);
+        sgd.update(&mut w, &[0.5], &mut v);
+        // d = 0.51; v = 0.51; w = 1 − 0.1·(0.51 + 0.459) = 0.9031
+        assert!(
+            (w[0] - 0.9031).abs() < 1e-6 && (v[0] - 0.51).abs() < 1e-6,
+            "{w:?}"
+        );
+        sgd.update(&mut w, &[0.5], &mut v);
+        // d = 0.5 + 0.009031 = 0.509031; v = 0.459 + 0.509031 = 0.968031;
+        // w = 0.9031 − 0.1·(0.509031 + 0.8712279) = 0.76507411
+        assert!((v[0] - 0.968031).abs() < 1e-6, "{v:?}");
+        assert!((w[0] - 0.765_074_1).abs() < 1e-6, "{w:?}");
     }
 
     #[test]

@@ -3,12 +3,14 @@
 use super::*;
 
 /// Stochastic gradient descent with PyTorch's momentum and (coupled) weight decay:
-/// `d = g + wd·w; v = μ·v + d; w -= lr·v`.
+/// `d = g + wd·w; v = μ·v + d; w -= lr·v`, or with Nesterov momentum `w -= lr·(d + μ·v)`
+/// (`torch.optim.SGD(..., nesterov=True)`, dampening 0).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sgd {
     pub lr: f32,
     pub momentum: f32,
     pub weight_decay: f32,
+    pub nesterov: bool,
 }
 
 impl Default for Sgd {
@@ -17,6 +19,7 @@ impl Default for Sgd {
             lr: 0.03,
             momentum: 0.9,
             weight_decay: 5e-4,
+            nesterov: false,
         }
     }
 }
@@ -27,7 +30,20 @@ impl Sgd {
         for ((w, &g), v) in w.iter_mut().zip(grad).zip(velocity.iter_mut()) {
             let d = g + self.weight_decay * *w;
             *v = self.momentum * *v + d;
-            *w -= self.lr * *v;
+            let step = if self.nesterov {
+                d + self.momentum * *v
+            } else {
+                *v
+            };
+            *w -= self.lr * step;
+        }
+    }
+
+    /// These settings at a step's rate, where a schedule gives one.
+    pub fn at(self, lr: Option<f32>) -> Sgd {
+        Sgd {
+            lr: lr.unwrap_or(self.lr),
+            ..self
         }
     }
 }

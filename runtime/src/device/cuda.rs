@@ -482,7 +482,7 @@ impl Submitter {
                     graph: &self.graph,
                     precision: program.precision,
                     seed: self.seed,
-                    sgd: self.sgd,
+                    sgd: self.sgd.at(step.input.lr),
                     input: &step.input,
                 };
                 // A task's scratch slot holds its weight's working copy (bf16), if it reads one.

@@ -275,7 +275,7 @@ impl Driver for HostDriver {
         let input = Arc::clone(&running.input);
         let actor = running.actor.clone();
         let graph = Arc::clone(&self.graph);
-        let (seed, sgd) = (self.seed, self.sgd);
+        let (seed, sgd) = (self.seed, self.sgd.at(input.lr));
         let mut working = self.working[i as usize].take();
         self.pool.spawn(move || {
             let start = Instant::now();
@@ -388,7 +388,7 @@ impl Compute<'_> {
                     graph: self.graph,
                     precision: program.precision,
                     seed: self.seed,
-                    sgd: self.sgd,
+                    sgd: self.sgd.at(self.input.lr),
                     input: self.input,
                 };
                 exec::execute(&ctx, task, access, working).map_err(|e| e.to_string())

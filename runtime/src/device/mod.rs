@@ -197,7 +197,7 @@ impl DeviceActor {
             graph: &self.graph,
             precision: self.program.precision,
             seed: self.seed,
-            sgd: self.sgd,
+            sgd: self.sgd.at(state.input.lr),
             input: &state.input,
         };
         let start = Instant::now();

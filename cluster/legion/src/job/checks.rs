@@ -134,6 +134,9 @@ pub(super) fn initial_state(
     let mut load_state = |path: &PathBuf| -> anyhow::Result<TrainingState> {
         let ckpt = checkpoint::load(path)?;
         note = skipped_note(path, &ckpt.skipped);
+        if opts.resume.as_ref() == Some(path) {
+            check_same_schedule(path, &ckpt.metadata, opts)?;
+        }
         TrainingState::from_checkpoint(graph, ckpt)
             .with_context(|| format!("{}: does not fit model '{}'", path.display(), graph.name))
     };
@@ -151,6 +154,54 @@ pub(super) fn initial_state(
         },
     };
     Ok((state, note))
+}
+
+/// The checkpoint metadata of a run's schedule: what a resumed run must repeat to continue the
+/// same rates.
+pub(super) fn schedule_metadata(opts: &TrainOptions) -> [(String, String); 3] {
+    [
+        (SCHEDULE_KEY.into(), opts.lr_schedule.to_string()),
+        (LR_KEY.into(), opts.sgd.lr.to_string()),
+        (STEPS_KEY.into(), opts.steps.to_string()),
+    ]
+}
+
+const SCHEDULE_KEY: &str = "lr_schedule";
+const LR_KEY: &str = "lr";
+const STEPS_KEY: &str = "total_steps";
+
+/// A resumed run under a schedule continues the rates its checkpoint's run had: the same
+/// schedule, base rate and length (a cosine's rates depend on it).
+fn check_same_schedule(
+    path: &std::path::Path,
+    metadata: &std::collections::BTreeMap<String, String>,
+    opts: &TrainOptions,
+) -> anyhow::Result<()> {
+    let saved = metadata.get(SCHEDULE_KEY);
+    let scheduled = !opts.lr_schedule.is_constant() || saved.is_some_and(|s| s != "constant");
+    if !scheduled {
+        return Ok(());
+    }
+    let now = schedule_metadata(opts);
+    let same = now
+        .iter()
+        .all(|(key, value)| metadata.get(key) == Some(value));
+    if !same {
+        let then = |key: &str| metadata.get(key).map_or("?", String::as_str);
+        bail!(
+            "--resume {}: its run had --lr-schedule {} --lr {} over {} steps, this one --lr-schedule \
+             {} --lr {} over {}; give the same to continue its rates (or --init to start a new run \
+             from its weights)",
+            path.display(),
+            then(SCHEDULE_KEY),
+            then(LR_KEY),
+            then(STEPS_KEY),
+            now[0].1,
+            now[1].1,
+            now[2].1
+        );
+    }
+    Ok(())
 }
 
 /// What a checkpoint's skipped tensors were, or `None` where it skipped none.

@@ -31,7 +31,7 @@ use legion_cluster::launch;
 use legion_ops::capture::CaptureSetting;
 use legion_ops::checkpoint::Checkpoint;
 use legion_ops::data::{self, Data, Dataset, Transforms};
-use legion_ops::train::{LossReadback, Sgd};
+use legion_ops::train::{LossReadback, LrSchedule, Sgd};
 use legion_ops::{Graph, Precision};
 use legion_planner::progress::Progress;
 use legion_planner::{MachineModel, ParallelConfig, Strategy as StrategyFile};
@@ -46,6 +46,8 @@ pub struct TrainOptions {
     /// replaces it.
     pub devices: usize,
     pub steps: u64,
+    /// Train this many passes over the data instead (`steps` is then epochs × its batches).
+    pub epochs: Option<u64>,
     pub data: Data,
     /// How the samples are cropped, mirrored and normalised; `None`: the data's own default
     /// ([`Data::default_transforms`]: torchvision's training recipe for a folder of images).
@@ -60,6 +62,8 @@ pub struct TrainOptions {
     pub model_weights: Option<Checkpoint>,
     pub save: Option<PathBuf>,
     pub sgd: Sgd,
+    /// How the learning rate moves over the steps from `sgd.lr`.
+    pub lr_schedule: LrSchedule,
     pub seed: u64,
     /// With several devices: a search or a strategy file.
     pub strategy: Strategy,
@@ -173,6 +177,7 @@ impl Default for TrainOptions {
         TrainOptions {
             devices: 1,
             steps: 100,
+            epochs: None,
             data: Data::default(),
             transforms: None,
             strict_data: false,
@@ -181,6 +186,7 @@ impl Default for TrainOptions {
             model_weights: None,
             save: None,
             sgd: Sgd::default(),
+            lr_schedule: LrSchedule::CONSTANT,
             seed: 1,
             strategy: Strategy::default(),
             save_strategy: None,
@@ -321,6 +327,18 @@ impl Training {
 
     pub fn sgd(mut self, sgd: Sgd) -> Self {
         self.options.sgd = sgd;
+        self
+    }
+
+    /// How the learning rate moves over the run from the SGD's.
+    pub fn lr_schedule(mut self, schedule: LrSchedule) -> Self {
+        self.options.lr_schedule = schedule;
+        self
+    }
+
+    /// Passes over the data to train, instead of a number of steps.
+    pub fn epochs(mut self, epochs: u64) -> Self {
+        self.options.epochs = Some(epochs);
         self
     }
 
@@ -490,6 +508,18 @@ impl Job {
             },
         };
         let gpus = device::start_gpus(&mut device, opts.device, devices, settings)?;
+        let gpu_workers = cluster.as_ref().is_some_and(|(_, hosts, _)| {
+            hosts
+                .hosts
+                .iter()
+                .any(|h| h.device_kind == legion_cluster::hosts::GPU_KIND)
+        });
+        if opts.sgd.nesterov && (gpus.is_some() || gpu_workers) {
+            bail!(
+                "--nesterov runs on the CPU only: the GPU's SGD kernel has no Nesterov step yet \
+                 (train with --device cpu, or without --nesterov)"
+            );
+        }
         let (configs, place) = plan(
             &graph,
             opts,
@@ -522,6 +552,7 @@ impl Job {
         // After the model is known to fit (a synthetic dataset is sized by its classes), before
         // the weights are loaded and the engine started.
         let (dataset, validation) = open_datasets(&graph, opts, &shape)?;
+        let opts = &with_steps(opts, dataset.num_samples() / graph.batch())?;
         let data_note = dataset.census().map(|census| {
             let held = match &validation {
                 Some(v) => format!("; scored on {}", v.describe()),
@@ -563,7 +594,11 @@ impl Job {
                     cuda,
                     stream,
                     prefetch: opts.gpu.prefetch,
-                    capture: opts.gpu.capture,
+                    // A recorded step replays the rate it was recorded with.
+                    capture: match opts.lr_schedule.is_constant() {
+                        true => opts.gpu.capture,
+                        false => CaptureSetting::Off,
+                    },
                     readback: opts.gpu.loss_readback,
                 }))
             }
@@ -605,6 +640,23 @@ impl Job {
             data_note,
         })
     }
+}
+
+/// `opts` with the steps `--epochs` asks for over `batches` a pass, its schedule checked.
+fn with_steps(opts: &TrainOptions, batches: usize) -> anyhow::Result<TrainOptions> {
+    let mut opts = opts.clone();
+    if let Some(epochs) = opts.epochs {
+        if epochs == 0 {
+            bail!("--epochs 0: train at least one pass");
+        }
+        opts.steps = epochs
+            .checked_mul(batches as u64)
+            .context("--epochs: too many steps")?;
+    }
+    opts.lr_schedule
+        .check(opts.sgd.lr, opts.steps)
+        .map_err(|why| anyhow::anyhow!("--lr-schedule {}: {why}", opts.lr_schedule))?;
+    Ok(opts)
 }
 
 /// The cluster a run trains on, if any (`--cluster` or `--slurm`): its label, its hosts and its

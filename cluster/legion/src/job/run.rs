@@ -85,6 +85,7 @@ impl Job {
         let save = |engine: &mut dyn Engine| -> anyhow::Result<()> {
             if let Some(path) = &opts.save {
                 let mut meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
+                meta.extend(super::checks::schedule_metadata(&opts));
                 if let Some(census) = loader.dataset().census() {
                     meta.insert(
                         crate::evaluate::CLASS_NAMES_KEY.to_string(),
@@ -109,6 +110,9 @@ impl Job {
             let batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
             let traced = opts.trace.is_some() && step == opts.steps;
+            if !opts.lr_schedule.is_constant() {
+                engine.set_lr(opts.lr_schedule.lr(opts.sgd.lr, step - 1, opts.steps));
+            }
             let (stats, reports) = engine.step(StepBatch {
                 images: batch_data.images,
                 labels: batch_data.labels,
