@@ -157,12 +157,16 @@ pub fn evaluate(
         let classes = out.len() / batch;
         for (row, &label) in out.chunks_exact(classes).zip(&b.labels) {
             let score = row[label as usize];
-            // Ties count against the label, so a constant output scores nothing.
-            let above = row
-                .iter()
-                .enumerate()
-                .filter(|&(j, &v)| v > score || (v == score && j < label as usize))
-                .count();
+            // Ties count against the label (a lower class ranks first), and a score that is not
+            // a number ranks last.
+            let above = match score.is_nan() {
+                true => classes,
+                false => row
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, &v)| v > score || (v == score && j < label as usize))
+                    .count(),
+            };
             top1 += (above == 0) as usize;
             top5 += (above < 5) as usize;
             loss += log_sum_exp(row) - f64::from(score);
@@ -196,7 +200,9 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<(usize, f64)> {
         .enumerate()
         .map(|(class, &v)| (class, (f64::from(v) - lse).exp()))
         .collect();
-    ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    // A logit that is not a number makes every probability not a number: they keep the class order.
+    let key = |p: f64| if p.is_nan() { f64::NEG_INFINITY } else { p };
+    ranked.sort_by(|a, b| key(b.1).total_cmp(&key(a.1)).then(a.0.cmp(&b.0)));
     ranked.truncate(k);
     ranked
 }

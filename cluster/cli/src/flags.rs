@@ -222,29 +222,7 @@ fn parse_schedule(text: &str) -> Result<LrSchedule, String> {
 
 /// `--normalize`: `dataset`, `none` or `M,M,M/S,S,S`.
 fn parse_normalize(text: &str) -> Result<Normalize, String> {
-    let three = |part: &str, what: &str| -> Result<[f32; 3], String> {
-        let values: Vec<f32> = part
-            .split(',')
-            .map(|v| v.trim().parse::<f32>())
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("{what} `{part}`: {e}"))?;
-        <[f32; 3]>::try_from(values)
-            .map_err(|v| format!("{what} `{part}`: {} values, not 3", v.len()))
-    };
-    match text {
-        "dataset" => Ok(Normalize::Dataset),
-        "none" => Ok(Normalize::Off),
-        _ => {
-            let (mean, std) = text.split_once('/').ok_or_else(|| {
-                format!("`{text}`: expected dataset, none or MEAN,MEAN,MEAN/STD,STD,STD")
-            })?;
-            let (mean, std) = (three(mean, "mean")?, three(std, "std")?);
-            if std.iter().any(|&s| !(s > 0.0 && s.is_finite())) {
-                return Err(format!("std `{text}`: every value must be positive"));
-            }
-            Ok(Normalize::Given { mean, std })
-        }
-    }
+    text.parse()
 }
 
 impl TrainFlags {

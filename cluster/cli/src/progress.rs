@@ -85,7 +85,7 @@ impl Printer {
 
     fn step(&mut self, s: &StepDone) {
         if self.json {
-            let mut line = json!({"step": s.step, "loss": s.loss, "accuracy": s.accuracy,
+            let mut line = json!({"step": s.step, "epoch": s.epoch, "loss": s.loss, "accuracy": s.accuracy,
                                   "step_ms": s.seconds * 1e3, "images_per_sec": s.images_per_sec});
             if let Some(host) = s.host {
                 line["enqueue_ms"] = json!(host.enqueue * 1e3);
@@ -106,7 +106,14 @@ impl Printer {
         match &self.progress {
             Some(bar) => {
                 bar.set_position(s.step);
-                bar.set_message(format!("loss {:.4}  {:.1} img/s", s.loss, s.images_per_sec));
+                let epoch = match s.epochs {
+                    Some(epochs) => format!("epoch {}/{epochs}  ", s.epoch),
+                    None => String::new(),
+                };
+                bar.set_message(format!(
+                    "{epoch}loss {:.4}  {:.1} img/s",
+                    s.loss, s.images_per_sec
+                ));
             }
             None => println!(
                 "step {:>5}  loss {:.4}  acc {:.3}  {:.1} img/s",

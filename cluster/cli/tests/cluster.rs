@@ -156,32 +156,34 @@ fn up_train_down_on_three_workers_equals_one_device() {
         "the workers trained in fp32"
     );
 
-    // A schedule on the workers: each step's rate travels with it, so they train bit for bit
-    // what 4 embedded devices train under it; and not what the constant rate trains.
-    let scheduled = |engine: &[&str], name: &str| {
+    // A schedule on the workers: each step's rate travels with it (4 steps: two of warm-up at
+    // half and the whole rate, two of the cosine), so they train bit for bit what 4 embedded
+    // devices train under it; and not what the warm-up and a constant rate train.
+    let scheduled = |engine: &[&str], schedule: &str, name: &str| {
         let out = cluster.path(name);
-        let schedule = [
+        let sgd = [
             "--lr-schedule",
-            "cosine",
+            schedule,
             "--warmup-steps",
-            "1",
+            "2",
             "--nesterov",
         ];
-        let engine = [engine, &["--strategy", "owt"], &schedule].concat();
-        train_from(&engine, &ALEXNET_64, "2", &init, &out);
+        let engine = [engine, &["--strategy", "owt"], &sgd].concat();
+        train_from(&engine, &ALEXNET_64, "4", &init, &out);
         legion_ops::checkpoint::load(&out).unwrap().tensors
     };
-    let workers = scheduled(&cluster.engine(), "cosine-cluster.safetensors");
-    let embedded = scheduled(&["--devices", "4"], "cosine-embedded.safetensors");
+    let workers = scheduled(&cluster.engine(), "cosine", "cosine-cluster.safetensors");
+    let embedded = scheduled(&["--devices", "4"], "cosine", "cosine-embedded.safetensors");
     for (w, e) in workers.iter().zip(&embedded) {
         assert_eq!(w.data, e.data, "{}: a schedule on the workers", w.name);
     }
+    let warmup_only = scheduled(&cluster.engine(), "constant", "warmup-cluster.safetensors");
     assert!(
         workers
             .iter()
-            .zip(&fp32_embedded)
-            .any(|(w, f)| w.data != f.data),
-        "the workers ignored the schedule"
+            .zip(&warmup_only)
+            .any(|(w, c)| w.data != c.data),
+        "the workers ignored the cosine"
     );
 
     // --compare on the cluster: every strategy runs as a job on the same workers.

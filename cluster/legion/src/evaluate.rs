@@ -7,7 +7,7 @@
 use anyhow::Context;
 use legion_ops::Graph;
 use legion_ops::checkpoint;
-use legion_ops::data::{Data, Dataset, ImageFolder, Transforms, has_image_extension};
+use legion_ops::data::{Data, Dataset, ImageFolder, Normalize, Transforms, has_image_extension};
 use legion_ops::infer::{self, Accuracy};
 use legion_ops::train::{ParamStore, TrainingState};
 use std::path::{Path, PathBuf};
@@ -15,12 +15,18 @@ use std::sync::Arc;
 
 /// Where a checkpoint keeps the class names of its training data: a JSON list, by label.
 pub const CLASS_NAMES_KEY: &str = "class_names";
+/// Where a checkpoint keeps the mean and std its training images were normalised with
+/// (`M,M,M/S,S,S`), which scoring uses again.
+pub const NORMALIZE_KEY: &str = "normalize";
 
 /// A model and the weights of a checkpoint.
 pub struct Trained {
     graph: Graph,
     params: ParamStore,
     class_names: Option<Vec<String>>,
+    /// As the model was trained: the image datasets' own statistics where the checkpoint does
+    /// not say.
+    normalize: Normalize,
     shape: [usize; 3],
 }
 
@@ -46,6 +52,20 @@ impl Trained {
             })?),
             None => None,
         };
+        let normalize = match ckpt.metadata.get(NORMALIZE_KEY) {
+            Some(text) => text.parse::<Normalize>().map_err(|e| {
+                anyhow::anyhow!(
+                    "--checkpoint {}: metadata `{NORMALIZE_KEY}`: {e}",
+                    path.display()
+                )
+            })?,
+            None => Normalize::Dataset,
+        };
+        anyhow::ensure!(
+            graph.logits().is_some(),
+            "model '{}' has no softmax_cross_entropy layer: nothing marks its logits to score",
+            graph.name
+        );
         let params = TrainingState::from_checkpoint(&graph, ckpt)
             .with_context(|| {
                 format!(
@@ -61,6 +81,7 @@ impl Trained {
             graph,
             params,
             class_names,
+            normalize,
             shape,
         })
     }
@@ -70,8 +91,9 @@ impl Trained {
         self.class_names.as_deref()
     }
 
-    /// Top-1, top-5 and loss on every sample of `data` seen through `transforms`; a sample that
-    /// cannot be read is skipped unless `strict`.
+    /// Top-1, top-5 and loss on every sample of `data` seen through `transforms`' geometry,
+    /// normalised as the model was trained; a sample that cannot be read is skipped unless
+    /// `strict`.
     pub fn evaluate(
         &self,
         data: &Data,
@@ -79,6 +101,10 @@ impl Trained {
         strict: bool,
     ) -> anyhow::Result<Accuracy> {
         let classes = self.classes();
+        let transforms = Transforms {
+            normalize: self.normalize,
+            ..transforms
+        };
         let dataset = data
             .open(self.shape, classes, 0, transforms)
             .with_context(|| format!("--data {data}"))?;
@@ -96,7 +122,7 @@ impl Trained {
     /// The `k` most probable classes of each image file, through the evaluation recipe.
     pub fn predict(&self, files: &[PathBuf], k: usize) -> anyhow::Result<Vec<Prediction>> {
         let images: Arc<dyn Dataset> =
-            Arc::new(ImageFolder::from_files(files, self.shape)?.with(Transforms::EVAL, 0));
+            Arc::new(ImageFolder::from_files(files, self.shape)?.with(self.transforms(), 0));
         let batch = self.graph.batch();
         let sample_len = images.sample_len();
         let classes = self.classes();
@@ -119,6 +145,14 @@ impl Trained {
             }
         }
         Ok(predictions)
+    }
+
+    /// The evaluation recipe, normalised as the model was trained.
+    fn transforms(&self) -> Transforms {
+        Transforms {
+            normalize: self.normalize,
+            ..Transforms::EVAL
+        }
     }
 
     fn classes(&self) -> usize {
@@ -192,6 +226,14 @@ mod tests {
             .save(&saved)
             .run(|_| {})
             .unwrap();
+        // The grey images' statistics the run normalised with, for scoring to use again.
+        let saved_as = checkpoint::load(&saved).unwrap().metadata[NORMALIZE_KEY].clone();
+        match saved_as.parse::<Normalize>().unwrap() {
+            Normalize::Given { mean, std } => {
+                assert!((mean[0] - 0.449).abs() < 1e-6 && (std[0] - 0.226).abs() < 1e-6)
+            }
+            other => panic!("{other:?}"),
+        }
         let trained = Trained::load(graph, &saved).unwrap();
         assert_eq!(
             trained.class_names().unwrap(),

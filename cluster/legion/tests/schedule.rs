@@ -111,12 +111,20 @@ fn a_resumed_scheduled_run_ends_bit_identical_and_a_changed_schedule_is_refused(
 #[test]
 fn epochs_count_whole_passes_over_the_data() {
     let graph = load_model("lenet5", 8, None, None).unwrap();
+    let mut epochs = Vec::new();
     let summary = Training::new(graph)
         .device(DeviceKind::Cpu)
         .data(legion::Data::Synthetic { samples: 20 })
         .epochs(3)
-        .run(|_| {})
+        .run(|event| {
+            if let JobEvent::Step(s) = event {
+                epochs.push((s.epoch, s.epochs));
+            }
+        })
         .unwrap();
     // 20 samples in whole batches of 8: two steps a pass.
     assert_eq!(summary.steps, 6);
+    let passes: Vec<u64> = epochs.iter().map(|&(e, _)| e).collect();
+    assert_eq!(passes, [1, 1, 2, 2, 3, 3]);
+    assert!(epochs.iter().all(|&(_, of)| of == Some(3)));
 }

@@ -215,6 +215,10 @@ impl Dataset for Cifar10 {
         Ok(u32::from(label))
     }
 
+    fn normalization(&self) -> Option<super::Normalize> {
+        Some(self.normalization.given())
+    }
+
     fn describe(&self) -> String {
         format!(
             "cifar10 {} ({} samples)",

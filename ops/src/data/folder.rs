@@ -273,7 +273,9 @@ fn decode_jpeg(
     if len != width * height * channels {
         return Ok(None);
     }
-    // Every byte is written by the decoder: growing zero-fills only what the buffer never held.
+    // Zeroed each time: a corrupt file the decoder accepts may leave rows unwritten, which must
+    // not show the thread's previous image.
+    pixels.clear();
     pixels.resize(len, 0);
     decoder.decode_into(pixels).map_err(error)?;
     Ok(Some([width as u32, height as u32]))
@@ -391,6 +393,10 @@ impl Dataset for ImageFolder {
 
     fn census(&self) -> Option<&Census> {
         Some(&self.census)
+    }
+
+    fn normalization(&self) -> Option<super::Normalize> {
+        Some(self.normalization.given())
     }
 
     fn describe(&self) -> String {

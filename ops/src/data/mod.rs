@@ -134,6 +134,12 @@ pub trait Dataset: Send + Sync {
         None
     }
 
+    /// The mean and std its images are normalised with, where it reads image files: what
+    /// scoring a model trained on it must use again.
+    fn normalization(&self) -> Option<Normalize> {
+        None
+    }
+
     /// The dataset as [`Synthetic`] data, whose batches a device can draw itself
     /// ([`Synthetic::describe_batch`]).
     fn as_synthetic(&self) -> Option<&Synthetic> {
@@ -360,6 +366,10 @@ impl Dataset for Subset {
     fn census(&self) -> Option<&Census> {
         self.inner.census()
     }
+
+    fn normalization(&self) -> Option<Normalize> {
+        self.inner.normalization()
+    }
 }
 
 /// A seeded split of `n` samples: `fraction` of them (rounded, at least one, never all) held
@@ -565,6 +575,12 @@ impl Loader {
     /// step `s` continues the exact sequence the interrupted run would have seen.
     pub fn steps(&self, first_step: u64) -> Batches {
         self.spawn(first_step, None)
+    }
+
+    /// The batches of global steps `first_step..end_step`, as [`Loader::steps`] numbers them:
+    /// nothing past the end is built, so [`Loader::skipped`] counts only these.
+    pub fn steps_until(&self, first_step: u64, end_step: u64) -> Batches {
+        self.spawn(first_step, Some(end_step))
     }
 
     /// The order of dataset indices in `epoch`.

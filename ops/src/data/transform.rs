@@ -73,6 +73,51 @@ pub enum Normalize {
     Off,
 }
 
+impl std::fmt::Display for Normalize {
+    /// As `--normalize` takes it: `dataset`, `none` or `M,M,M/S,S,S`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Normalize::Dataset => f.write_str("dataset"),
+            Normalize::Off => f.write_str("none"),
+            Normalize::Given { mean, std } => write!(
+                f,
+                "{},{},{}/{},{},{}",
+                mean[0], mean[1], mean[2], std[0], std[1], std[2]
+            ),
+        }
+    }
+}
+
+impl std::str::FromStr for Normalize {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Normalize, String> {
+        let three = |part: &str, what: &str| -> Result<[f32; 3], String> {
+            let values: Vec<f32> = part
+                .split(',')
+                .map(|v| v.trim().parse::<f32>())
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("{what} `{part}`: {e}"))?;
+            <[f32; 3]>::try_from(values)
+                .map_err(|v| format!("{what} `{part}`: {} values, not 3", v.len()))
+        };
+        match text {
+            "dataset" => Ok(Normalize::Dataset),
+            "none" => Ok(Normalize::Off),
+            _ => {
+                let (mean, std) = text.split_once('/').ok_or_else(|| {
+                    format!("`{text}`: expected dataset, none or MEAN,MEAN,MEAN/STD,STD,STD")
+                })?;
+                let (mean, std) = (three(mean, "mean")?, three(std, "std")?);
+                if std.iter().any(|&s| !(s > 0.0 && s.is_finite())) {
+                    return Err(format!("std `{text}`: every value must be positive"));
+                }
+                Ok(Normalize::Given { mean, std })
+            }
+        }
+    }
+}
+
 /// A recipe's transforms, applied to every sample of a dataset.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Transforms {
@@ -148,11 +193,16 @@ impl Transforms {
                 let (scale_y, scale_x) = (height / resized_h, width / resized_w);
                 let top = ((resized_h - target_h) / 2.0).round_ties_even();
                 let left = ((resized_w - target_w) / 2.0).round_ties_even();
+                // Rounding may take a box of the whole side a hair past the image's edge.
+                let (w, h) = (
+                    (target_w * scale_x).min(width),
+                    (target_h * scale_y).min(height),
+                );
                 (
-                    left * scale_x,
-                    top * scale_y,
-                    target_w * scale_x,
-                    target_h * scale_y,
+                    (left * scale_x).min(width - w),
+                    (top * scale_y).min(height - h),
+                    w,
+                    h,
                 )
             }
             Geometry::RandomResizedCrop { scale, ratio } => {
@@ -247,6 +297,16 @@ impl Normalization {
             Normalize::Given { mean, std } => Normalization::new(mean, std),
             Normalize::Off => Normalization::new([0.0; 3], [1.0; 3]),
         }
+    }
+
+    /// The mean and std this map normalises with, as given.
+    pub(super) fn given(&self) -> Normalize {
+        let std = self.scale.map(|s| 1.0 / (255.0 * s));
+        let mut mean = [0.0; 3];
+        for c in 0..3 {
+            mean[c] = -self.offset[c] * std[c];
+        }
+        Normalize::Given { mean, std }
     }
 
     pub(super) fn apply(&self, channel: usize, raw: f32) -> f32 {
@@ -428,6 +488,22 @@ mod tests {
         assert!(!c.flip);
         // Never random: every epoch and sample of one size gets the same box.
         assert_eq!(c, Transforms::EVAL.crop(9, 5, 3, [500, 375], [224, 224]));
+    }
+
+    #[test]
+    fn a_centre_crop_of_the_whole_side_stays_inside_the_image() {
+        let whole = Transforms {
+            geometry: Geometry::CenterCrop { fraction: 1.0 },
+            ..Transforms::EVAL
+        };
+        for height in 20..400 {
+            let c = whole.crop(0, 0, 0, [500, height], [224, 224]);
+            assert!(
+                c.top >= 0.0 && c.top + c.height <= f64::from(height),
+                "{c:?}"
+            );
+            assert!(c.left >= 0.0 && c.left + c.width <= 500.0, "{c:?}");
+        }
     }
 
     #[test]

@@ -53,6 +53,10 @@ pub struct StepDone {
     pub step: u64,
     /// Of `total_steps`, the run's last step.
     pub total_steps: u64,
+    /// The pass over the data the step's batch is of, counted from 1; of `epochs` where the run
+    /// was asked for a number of them.
+    pub epoch: u64,
+    pub epochs: Option<u64>,
     pub loss: f32,
     pub accuracy: f64,
     pub seconds: f64,

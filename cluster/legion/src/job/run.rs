@@ -50,7 +50,7 @@ impl Job {
                 ..LoaderConfig::new(batch)
             },
         )?;
-        let mut batches = loader.steps(first_step);
+        let mut batches = loader.steps_until(first_step, opts.steps);
         let mut skipped = SkipReport::default();
         let mut evaluations = Vec::new();
         let every = opts.validation.as_ref().and_then(|v| v.every);
@@ -77,6 +77,8 @@ impl Job {
         let started = Instant::now();
         let mut reported = Reported {
             awaiting: std::collections::VecDeque::with_capacity(2),
+            per_epoch: loader.batches_per_epoch() as u64,
+            epochs: opts.epochs,
             last_returned: started,
             losses: Vec::with_capacity(opts.steps as usize),
             batch,
@@ -86,6 +88,12 @@ impl Job {
             if let Some(path) = &opts.save {
                 let mut meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
                 meta.extend(super::checks::schedule_metadata(&opts));
+                if let Some(normalize) = loader.dataset().normalization() {
+                    meta.insert(
+                        crate::evaluate::NORMALIZE_KEY.to_string(),
+                        normalize.to_string(),
+                    );
+                }
                 if let Some(census) = loader.dataset().census() {
                     meta.insert(
                         crate::evaluate::CLASS_NAMES_KEY.to_string(),
@@ -236,6 +244,9 @@ struct Reported {
     losses: Vec<f32>,
     batch: usize,
     total_steps: u64,
+    /// Steps a pass over the data takes, and the passes asked for (`--epochs`).
+    per_epoch: u64,
+    epochs: Option<u64>,
 }
 
 impl Reported {
@@ -267,6 +278,8 @@ impl Reported {
         on_event(JobEvent::Step(&StepDone {
             step,
             total_steps: self.total_steps,
+            epoch: (step - 1) / self.per_epoch + 1,
+            epochs: self.epochs,
             loss: stats.loss,
             accuracy: stats.correct as f64 / self.batch as f64,
             seconds,
