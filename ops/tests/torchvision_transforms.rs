@@ -45,6 +45,7 @@ fn crops_resizes_and_flips_match_torchvision_v2() {
                 width: int("width"),
                 height: int("height"),
                 flip: case["flip"].as_bool().unwrap(),
+                cut_first: true,
             },
             // `Resize(S)` then `CenterCrop(size)`: the model's image is size / S of the
             // resized shorter side.

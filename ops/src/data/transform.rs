@@ -217,6 +217,7 @@ impl Transforms {
             width: w,
             height: h,
             flip,
+            cut_first: !matches!(self.geometry, Geometry::CenterCrop { .. }),
         }
     }
 }
@@ -270,6 +271,10 @@ pub struct Crop {
     pub width: f64,
     pub height: f64,
     pub flip: bool,
+    /// Whether the box (of whole pixels) is cut out before it is resized, so the filter at its
+    /// edges sees only the box (a random resized crop, torchvision's `resized_crop`), or read
+    /// in the whole image's context (the centre of a resized image).
+    pub cut_first: bool,
 }
 
 /// Per-channel affine map from raw 0..=255 pixel values to normalised ones: `(v / 255 - mean) / std`.
@@ -349,12 +354,27 @@ pub(super) fn resample_into(
         let mut target =
             fr::images::Image::from_slice_u8(out_w as u32, out_h as u32, bytes, pixel_type)
                 .map_err(|e| DataError::Config(format!("a resampled image: {e}")))?;
-        let options = fr::ResizeOptions::new()
-            .resize_alg(fr::ResizeAlg::Convolution(fr::FilterType::Bilinear))
-            .crop(crop.left, crop.top, crop.width, crop.height);
-        resizer
-            .resize(&source, &mut target, &options)
-            .map_err(|e| DataError::Config(format!("resampling {crop:?}: {e}")))?;
+        let bilinear = fr::ResizeOptions::new()
+            .resize_alg(fr::ResizeAlg::Convolution(fr::FilterType::Bilinear));
+        let failed = |e: fr::ResizeError| DataError::Config(format!("resampling {crop:?}: {e}"));
+        if crop.cut_first {
+            // A box of whole pixels is cut out first, as torchvision's `resized_crop` does: the
+            // filter at its edges sees only the box.
+            let [left, top, w, h] =
+                [crop.left, crop.top, crop.width, crop.height].map(|v| v as u32);
+            let cut = fr::images::CroppedImage::new(&source, left, top, w, h)
+                .map_err(|e| DataError::Config(format!("cropping {crop:?}: {e}")))?;
+            resizer
+                .resize(&cut, &mut target, &bilinear)
+                .map_err(failed)?;
+        } else {
+            // A box between pixels is the centre of a resized image: the filter at its edges
+            // reads the pixels around it, as resizing the whole image would.
+            let options = bilinear.crop(crop.left, crop.top, crop.width, crop.height);
+            resizer
+                .resize(&source, &mut target, &options)
+                .map_err(failed)?;
+        }
         write_chw(bytes, image, crop.flip, normalization, out);
         Ok(())
     })
