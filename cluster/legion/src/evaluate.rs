@@ -108,6 +108,12 @@ impl Trained {
         let dataset = data
             .open(self.shape, classes, 0, transforms)
             .with_context(|| format!("--data {data}"))?;
+        if strict && let Some((path, why)) = dataset.census().and_then(|c| c.unreadable.first()) {
+            anyhow::bail!(
+                "--data {data}: {}: {why} (--strict-data: every image must be readable)",
+                path.display()
+            );
+        }
         if let (Some(names), Some(census)) = (&self.class_names, dataset.census())
             && names != &census.class_names
         {
@@ -259,6 +265,11 @@ mod tests {
             let total: f64 = p.classes.iter().map(|c| c.2).sum();
             assert!((total - 1.0).abs() < 1e-9, "{p:?}");
         }
+        std::fs::write(images.join("dark/broken.png"), b"\x89PNG garbage").unwrap();
+        let strict = trained.evaluate(&Data::Folder(images.clone()), Transforms::EVAL, true);
+        assert!(format!("{:#}", strict.err().unwrap()).contains("broken.png"));
+        let lenient = trained.evaluate(&Data::Folder(images.clone()), Transforms::EVAL, false);
+        assert_eq!(lenient.unwrap(), accuracy);
         let renamed = dir.path().join("renamed");
         folder(&renamed);
         std::fs::rename(renamed.join("dark"), renamed.join("night")).unwrap();
