@@ -68,6 +68,9 @@ pub struct JobSpec {
     pub conv_algos: String,
     /// Where their convolutions apply bias and ReLU (`fused`, `separate`: `--no-fused-epilogue`).
     pub conv_epilogue: String,
+    /// Whether the plan has inference beside the step, for [`Control::Infer`] (held-out data
+    /// scored on the devices that train).
+    pub inference: bool,
 }
 
 /// A job's GPU settings as [`JobSpec`] carries them.
@@ -292,6 +295,12 @@ pub enum Control {
         step: u64,
         samples: StepSamples,
     },
+    /// Run inference `run` (runs numbered apart from the steps) on `samples`, images only;
+    /// answered by `StepDone` with `step: run`, the logits left on the devices for `Read`.
+    Infer {
+        run: u64,
+        samples: StepSamples,
+    },
     StepDone {
         step: u64,
         reports: Vec<DeviceReport>,
@@ -331,6 +340,7 @@ impl Control {
             Control::Loaded => "Loaded",
             Control::Step { .. } => "Step",
             Control::Stage { .. } => "Stage",
+            Control::Infer { .. } => "Infer",
             Control::StepDone { .. } => "StepDone",
             Control::Read { .. } => "Read",
             Control::ReadDone { .. } => "ReadDone",
@@ -398,6 +408,15 @@ mod tests {
                     label_samples: 3..4,
                 },
             },
+            Control::Infer {
+                run: 3,
+                samples: StepSamples {
+                    images: vec![0.5; 6],
+                    image_samples: 0..2,
+                    labels: Vec::new(),
+                    label_samples: 0..0,
+                },
+            },
             Control::Load {
                 pieces: vec![Piece {
                     at: PieceRef {
@@ -457,6 +476,7 @@ mod tests {
             gpu_math,
             conv_algos,
             conv_epilogue,
+            inference: true,
         }
     }
 

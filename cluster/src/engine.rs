@@ -64,6 +64,9 @@ pub struct JobStart<'a> {
     /// What the job computes in. A GPU's devices must have been opened in it; a cluster's
     /// workers are told it by `Place::Cluster`'s settings (`JobSpec::gpu_math`).
     pub precision: Precision,
+    /// Whether [`Engine::logits`] will be asked for: the devices then plan inference beside
+    /// the step.
+    pub inference: bool,
 }
 
 /// One step's batch.
@@ -131,6 +134,12 @@ pub trait Engine {
 
     /// Weights, momentum and step as they are now (what a checkpoint saves).
     fn state(&mut self) -> anyhow::Result<TrainingState>;
+
+    /// The logits (`[N, classes]` row-major) of inference on a batch of the graph's batch size,
+    /// on the devices that train and with their weights as they are now: batch norm on its
+    /// running statistics, dropout passing everything. Every step must have been read back
+    /// ([`Engine::finish`]); the engine must have been started with `JobStart::inference`.
+    fn logits(&mut self, images: Vec<f32>) -> anyhow::Result<Vec<f32>>;
 
     /// The learning rate of the steps from the next on: a schedule's.
     fn set_lr(&mut self, lr: f32);
@@ -200,6 +209,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
                 .seed(job.seed)
                 .placement(&placement)
                 .precision(job.precision)
+                .inference(job.inference)
                 .start()?,
         ),
         Place::Cluster {
@@ -215,6 +225,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.sgd,
             job.seed,
             gpu,
+            job.inference,
         )?),
     })
 }
@@ -282,6 +293,10 @@ impl<B: Pipeline> Engine for Trainer<B> {
         Ok(Trainer::state(self)?)
     }
 
+    fn logits(&mut self, images: Vec<f32>) -> anyhow::Result<Vec<f32>> {
+        Ok(Trainer::logits(self, images)?)
+    }
+
     fn plan(&self) -> Option<&StepPlan> {
         None
     }
@@ -325,6 +340,10 @@ impl Engine for EmbeddedCluster {
         Ok(EmbeddedCluster::state(self)?)
     }
 
+    fn logits(&mut self, images: Vec<f32>) -> anyhow::Result<Vec<f32>> {
+        Ok(EmbeddedCluster::logits(self, images)?)
+    }
+
     fn plan(&self) -> Option<&StepPlan> {
         Some(EmbeddedCluster::plan(self))
     }
@@ -347,6 +366,10 @@ impl Engine for RemoteCluster {
 
     fn state(&mut self) -> anyhow::Result<TrainingState> {
         RemoteCluster::state(self)
+    }
+
+    fn logits(&mut self, images: Vec<f32>) -> anyhow::Result<Vec<f32>> {
+        RemoteCluster::logits(self, &images)
     }
 
     fn plan(&self) -> Option<&StepPlan> {

@@ -18,10 +18,10 @@ use crate::net::quic::{
 use crate::net::tls::{NodeIdentity, node_name};
 use crate::worker::HEARTBEAT_INTERVAL;
 use anyhow::{Context as _, bail};
-use legion_ops::Graph;
 use legion_ops::partition::ParallelConfig;
 use legion_ops::strategy::Strategy;
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
+use legion_ops::{Graph, Rect};
 use legion_runtime::Buffer;
 use legion_runtime::plan::{SamplesRead, StepPlan};
 use legion_runtime::region::{DType, RegionId};
@@ -43,6 +43,9 @@ use tokio::sync::mpsc;
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long to wait for a worker to accept a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a worker busy with another driver's job is waited for: a driver that died without
+/// closing its connections leaves its job until the worker's QUIC idle timeout (10 s) ends it.
+pub const BUSY_WAIT: Duration = Duration::from_secs(12);
 /// The name of the launcher's and drivers' certificate in the state directory.
 pub const LAUNCHER_NAME: &str = "launcher";
 
@@ -300,13 +303,16 @@ pub struct RemoteCluster {
     /// The step whose samples the workers already hold (sent by `Stage`).
     staged: Option<u64>,
     next_step: u64,
+    /// Inference's runs so far (numbered apart from the steps).
+    inference_runs: u64,
     /// The rate the next steps update at, where a schedule set one.
     lr: Option<f32>,
 }
 
 impl RemoteCluster {
     /// Starts a job on the running cluster `hosts` (state in `state`): every worker builds the
-    /// plan of `graph` under `configs`, and its devices load their part of `state`.
+    /// plan of `graph` under `configs` (with inference beside the step where `inference`, for
+    /// [`RemoteCluster::logits`]), and its devices load their part of `state`.
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         hosts: &Hosts,
@@ -317,11 +323,16 @@ impl RemoteCluster {
         sgd: Sgd,
         seed: u64,
         gpu: legion_cuda::Settings,
+        inference: bool,
     ) -> anyhow::Result<RemoteCluster> {
         let gpu_fields = JobSpec::gpu_fields(gpu);
         let devices = hosts.num_devices();
         // The workers plan in the job's precision (`JobSpec::precision`): so does the driver.
-        let plan = StepPlan::build_in(graph, configs, devices, gpu.math.precision())?;
+        let precision = gpu.math.precision();
+        let plan = match inference {
+            true => StepPlan::build_with_inference(graph, configs, devices, precision)?,
+            false => StepPlan::build_in(graph, configs, devices, precision)?,
+        };
         let mut client = WorkerClient::new(hosts, cluster_state)?;
         client.connect_all()?;
         let ranges = hosts.device_ranges();
@@ -342,26 +353,9 @@ impl RemoteCluster {
         let strategy_json = Strategy::from_configs(graph, configs).to_json();
         let n = hosts.hosts.len();
         client.runtime.block_on(async {
+            let busy_until = Instant::now() + BUSY_WAIT;
             for i in 0..n {
-                client.send(i, &Control::Hello { version: env!("CARGO_PKG_VERSION").into() }).await?;
-                match client.reply(i, Some(CONNECT_TIMEOUT)).await? {
-                    Control::Welcome { devices, version, job_of, .. } => {
-                        if devices as usize != hosts.hosts[i].devices {
-                            bail!(
-                                "{}: runs {devices} device(s), the hosts file says {}; restart it (`legion-rs down`, `up`)",
-                                client.who(i),
-                                hosts.hosts[i].devices
-                            );
-                        }
-                        if version != env!("CARGO_PKG_VERSION") {
-                            bail!("{}: runs legion-rs {version}, this is {}", client.who(i), env!("CARGO_PKG_VERSION"));
-                        }
-                        if let Some(driver) = job_of {
-                            bail!("{}: busy with a job driven from {driver}", client.who(i));
-                        }
-                    }
-                    other => bail!("{}: answered Hello with {}", client.who(i), other.name()),
-                }
+                greet(&client, i, hosts.hosts[i].devices, busy_until).await?;
             }
             for i in 0..n {
                 let spec = JobSpec {
@@ -377,17 +371,23 @@ impl RemoteCluster {
                     gpu_math: gpu_fields.gpu_math.clone(),
                     conv_algos: gpu_fields.conv_algos.clone(),
                     conv_epilogue: gpu_fields.conv_epilogue.clone(),
+                    inference,
                 };
                 client.send(i, &Control::StartJob(spec)).await?;
             }
             for i in 0..n {
-                expect(&client, i, "StartJob", client.reply(i, None).await?, |m| matches!(m, Control::JobReady))?;
+                expect(&client, i, "StartJob", client.reply(i, None).await?, |m| {
+                    matches!(m, Control::JobReady)
+                })?;
             }
             client.watch_heartbeats();
             let mut per_worker: Vec<Vec<Piece>> = vec![Vec::new(); n];
             let per_device = initial_instances(&plan, &state.params, Some(&state.momentum));
             for (device, pieces) in per_device.into_iter().enumerate() {
-                let w = ranges.iter().position(|r| r.contains(&device)).expect("device of a host");
+                let w = ranges
+                    .iter()
+                    .position(|r| r.contains(&device))
+                    .expect("device of a host");
                 for (instance, rect, data) in pieces {
                     per_worker[w].push(Piece {
                         at: PieceRef::new(device, instance, &rect),
@@ -399,9 +399,11 @@ impl RemoteCluster {
                 client.send(i, &Control::Load { pieces }).await?;
             }
             for i in 0..n {
-                expect(&client, i, "Load", client.reply(i, None).await?, |m| matches!(m, Control::Loaded))?;
+                expect(&client, i, "Load", client.reply(i, None).await?, |m| {
+                    matches!(m, Control::Loaded)
+                })?;
             }
-            Ok(())
+            Ok::<_, anyhow::Error>(())
         })?;
         let samples = ranges
             .iter()
@@ -415,6 +417,7 @@ impl RemoteCluster {
             ranges,
             staged: None,
             next_step: state.step,
+            inference_runs: 0,
             lr: None,
         })
     }
@@ -562,6 +565,95 @@ impl RemoteCluster {
         })
     }
 
+    /// The logits of inference on a batch on the workers' devices, as `EmbeddedCluster::logits`:
+    /// each worker is sent the images its devices read, and the logits are read back from the
+    /// devices holding them.
+    pub fn logits(&mut self, images: &[f32]) -> anyhow::Result<Vec<f32>> {
+        let Some(inference) = &self.plan.inference else {
+            bail!("internal: this job was started without inference");
+        };
+        let batch = self.graph.batch();
+        let labels = vec![0; batch];
+        let run = self.inference_runs;
+        self.inference_runs += 1;
+        let requests: Vec<Vec<u8>> = self
+            .split(images, &labels)?
+            .into_iter()
+            .map(|samples| {
+                control::encode(&Control::Infer {
+                    run,
+                    samples: StepSamples {
+                        labels: Vec::new(),
+                        label_samples: 0..0,
+                        ..samples
+                    },
+                })
+            })
+            .collect();
+        let n = self.ranges.len();
+        let mut asks: Vec<Vec<(Rect, PieceRef)>> = vec![Vec::new(); n];
+        for at in &inference.logits {
+            let w = self.worker_of(at.device);
+            asks[w].push((at.rect, PieceRef::new(at.device, at.instance, &at.rect)));
+        }
+        let client = &self.client;
+        let answers = client.runtime.block_on(async {
+            for (i, request) in requests.iter().enumerate() {
+                client.send_encoded(i, request).await?;
+            }
+            for i in 0..n {
+                match client.reply(i, None).await? {
+                    Control::StepDone { step, reports } if step == run => {
+                        if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
+                            bail!(
+                                "inference: device {}: {}",
+                                r.device,
+                                r.error.as_deref().unwrap_or_default()
+                            );
+                        }
+                    }
+                    other => bail!("{}: answered Infer with {}", client.who(i), other.name()),
+                }
+            }
+            for (i, ask) in asks.iter().enumerate() {
+                let pieces = ask.iter().map(|(_, p)| p.clone()).collect();
+                client.send(i, &Control::Read { pieces }).await?;
+            }
+            let mut answers = Vec::new();
+            for (i, ask) in asks.iter().enumerate() {
+                match client.reply(i, None).await? {
+                    Control::ReadDone { pieces } if pieces.len() == ask.len() => {
+                        answers.push(pieces)
+                    }
+                    other => bail!("{}: answered Read with {}", client.who(i), other.name()),
+                }
+            }
+            Ok(answers)
+        })?;
+        let mut pieces = Vec::with_capacity(inference.logits.len());
+        for (ask, data) in asks.into_iter().zip(answers) {
+            for ((rect, _), data) in ask.into_iter().zip(data) {
+                let data = match data {
+                    PieceData::F32(v) => Buffer::F32(v),
+                    PieceData::Bf16(v) => Buffer::Bf16(v),
+                    PieceData::F64(_) => bail!("a worker sent logits of the wrong type"),
+                };
+                if data.len() != rect.volume() {
+                    bail!("a worker sent logits of the wrong size");
+                }
+                pieces.push((rect, data));
+            }
+        }
+        Ok(inference.assemble(&self.graph, &pieces))
+    }
+
+    fn worker_of(&self, device: usize) -> usize {
+        self.ranges
+            .iter()
+            .position(|r| r.contains(&device))
+            .expect("device of a host")
+    }
+
     /// The current parameters, gathered from the workers.
     pub fn params(&self) -> anyhow::Result<ParamStore> {
         let regions: Vec<RegionId> = (0..self.graph.params().len())
@@ -595,11 +687,7 @@ impl RemoteCluster {
         let mut asks: Vec<Vec<(usize, PieceRef)>> = vec![Vec::new(); n];
         for (k, &region) in regions.iter().enumerate() {
             for at in self.plan.sources(region) {
-                let w = self
-                    .ranges
-                    .iter()
-                    .position(|r| r.contains(&at.device))
-                    .expect("device of a host");
+                let w = self.worker_of(at.device);
                 asks[w].push((k, PieceRef::new(at.device, at.instance, &at.rect)));
             }
         }
@@ -653,6 +741,58 @@ impl Drop for RemoteCluster {
             Ok::<_, anyhow::Error>(())
         });
         client.close();
+    }
+}
+
+/// Says hello to worker `i`, checking that it runs this version with `devices` devices and is
+/// free: one busy with another driver's job is asked again until `busy_until`.
+async fn greet(
+    client: &WorkerClient,
+    i: usize,
+    devices: usize,
+    busy_until: Instant,
+) -> anyhow::Result<()> {
+    let version = env!("CARGO_PKG_VERSION");
+    loop {
+        let hello = Control::Hello {
+            version: version.into(),
+        };
+        client.send(i, &hello).await?;
+        let (runs, theirs, job_of) = match client.reply(i, Some(CONNECT_TIMEOUT)).await? {
+            Control::Welcome {
+                devices,
+                version,
+                job_of,
+                ..
+            } => (devices as usize, version, job_of),
+            other => bail!("{}: answered Hello with {}", client.who(i), other.name()),
+        };
+        if runs != devices {
+            bail!(
+                "{}: runs {runs} device(s), the hosts file says {devices}; restart it \
+                 (`legion-rs down`, `up`)",
+                client.who(i)
+            );
+        }
+        if theirs != version {
+            bail!(
+                "{}: runs legion-rs {theirs}, this is {version}",
+                client.who(i)
+            );
+        }
+        match job_of {
+            None => return Ok(()),
+            // The job of a driver that has just died ends within the wait.
+            Some(_) if Instant::now() < busy_until => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            Some(driver) => bail!(
+                "{}: busy with a job driven from {driver} for over {} s (stop that run, or \
+                 restart the worker: `legion-rs down`, `up`)",
+                client.who(i),
+                BUSY_WAIT.as_secs()
+            ),
+        }
     }
 }
 

@@ -27,7 +27,7 @@ use legion_runtime::Buffer;
 use legion_runtime::InProcessTransport;
 use legion_runtime::StepInput;
 use legion_runtime::plan::{SamplesRead, StepPlan};
-use legion_runtime::program::DeviceProgram;
+use legion_runtime::program::{DeviceProgram, Part};
 use legion_runtime::{DeviceActor, Load, ReadInstance};
 use legion_runtime::{Placement, check_batch, run_step, spawn_local_devices};
 use quinn::Connection;
@@ -179,6 +179,7 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
             }
             request @ (Control::Load { .. }
             | Control::Step { .. }
+            | Control::Infer { .. }
             | Control::Stage { .. }
             | Control::Read { .. }) => {
                 match &job {
@@ -541,7 +542,10 @@ async fn start_job(
         }
     }
     let precision = spec.precision().map_err(anyhow::Error::msg)?;
-    let plan = Arc::new(StepPlan::build_in(&graph, &configs, total, precision)?);
+    let plan = Arc::new(match spec.inference {
+        true => StepPlan::build_with_inference(&graph, &configs, total, precision)?,
+        false => StepPlan::build_in(&graph, &configs, total, precision)?,
+    });
     let graph = Arc::new(graph);
 
     let quic = Arc::new(QuicTransport::new(tokio::runtime::Handle::current(), None));
@@ -742,11 +746,12 @@ fn with_lr(input: StepInput, lr: Option<f32>) -> anyhow::Result<StepInput> {
 /// Runs a step on the local devices and makes the driver's answer.
 async fn step_answer(
     devices: &[ActorRef<DeviceActor>],
+    part: Part,
     step: u64,
     input: StepInput,
     trace: bool,
 ) -> Control {
-    match run_step(devices, step, Arc::new(input), trace).await {
+    match run_step(devices, part, step, Arc::new(input), trace).await {
         Ok(reports) => Control::StepDone {
             step,
             reports: reports
@@ -832,8 +837,38 @@ impl Job {
                 tokio::spawn(async move {
                     let input = step_input(step, samples, &staged, &graph, &needed).await;
                     let answer = match input.and_then(|input| with_lr(input, lr)) {
-                        Ok(input) => step_answer(&devices, step, input, trace).await,
+                        Ok(input) => step_answer(&devices, Part::Step, step, input, trace).await,
                         Err(e) => failed(e),
+                    };
+                    reply(&conn, &answer).await;
+                });
+                None
+            }
+            Control::Infer { run, samples } => {
+                if self.plan.inference.is_none() {
+                    return Some(Control::Failed {
+                        message: "this job was started without inference".into(),
+                    });
+                }
+                let devices = self.devices.clone();
+                let conn = conn.clone();
+                let images_only = SamplesRead {
+                    images: self.samples.images.clone(),
+                    labels: 0..0,
+                };
+                let input = StepInput {
+                    step: run,
+                    images: samples.images,
+                    image_samples: as_usize(samples.image_samples),
+                    labels: Vec::new(),
+                    label_samples: 0..0,
+                    lr: None,
+                };
+                let checked = check_batch(&self.graph, &input.view(), &images_only);
+                tokio::spawn(async move {
+                    let answer = match checked {
+                        Ok(()) => step_answer(&devices, Part::Inference, run, input, false).await,
+                        Err(e) => failed(e.into()),
                     };
                     reply(&conn, &answer).await;
                 });

@@ -26,7 +26,7 @@ use legion_planner::{CostModel, CostTables, MachineModel, ParallelConfig, Roofli
 use legion_runtime::EmbeddedCluster;
 use legion_runtime::StepInput;
 use legion_runtime::plan::StepPlan;
-use legion_runtime::program::{EmptyDispatch, EmptyShape, empty_program};
+use legion_runtime::program::{EmptyDispatch, EmptyShape, Part, empty_program};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -99,7 +99,13 @@ fn empty_step_seconds(
         let input = Arc::new(StepInput::whole(step, Vec::new(), Vec::new(), 0));
         let t = Instant::now();
         let reports = runtime
-            .block_on(legion_runtime::run_step(&actors, step, input, false))
+            .block_on(legion_runtime::run_step(
+                &actors,
+                Part::Step,
+                step,
+                input,
+                false,
+            ))
             .expect("devices run");
         let elapsed = t.elapsed();
         assert!(reports.iter().all(|r| r.error.is_none()));

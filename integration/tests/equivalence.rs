@@ -1,7 +1,9 @@
 //! The invariant at the centre of the suite: any strategy trains the same network. Every strategy
 //! (data, model, OWT, the optimised one, the SOYBEAN, Tofu, HyPar and Spartan planners' and random
 //! valid ones) on 4 embedded devices, run through the device actors, gives the same weights after
-//! 3 steps as the single-device reference trainer.
+//! 3 steps as the single-device reference trainer, with inference on the same devices (held-out
+//! scoring) run between two steps: its logits are the CPU inference's from the devices' weights,
+//! and the steps after it train on as if it had not run.
 //!
 //! Tolerance: each saved tensor within relative error 1e-4 (max |difference| over max |value|).
 //! LeNet-5 and AlexNet meet it outright. Inception's batch-norm stacks at batch 8 amplify rounding:
@@ -37,6 +39,7 @@ fn assert_same_training(graph: &Graph, strategies: &[(&str, Vec<ParallelConfig>)
         let mut cluster = EmbeddedCluster::launch(graph, configs, DEVICES, &init)
             .sgd(sgd)
             .seed(11)
+            .inference(true)
             .start()
             .unwrap();
         for step in 0..STEPS {
@@ -50,6 +53,9 @@ fn assert_same_training(graph: &Graph, strategies: &[(&str, Vec<ParallelConfig>)
                 graph.name,
                 stats.loss
             );
+            if step == 0 {
+                assert_inference_matches_the_cpu(graph, name, &mut cluster);
+            }
         }
         let trained = cluster.params().unwrap();
         for (slot, p) in reference.params.iter().enumerate() {
@@ -63,6 +69,23 @@ fn assert_same_training(graph: &Graph, strategies: &[(&str, Vec<ParallelConfig>)
                 sensitivity.tensors[slot]
             );
         }
+    }
+}
+
+/// Inference on the cluster's devices, twice (its runs numbered apart from the steps), gives the
+/// logits the CPU's inference computes from the weights the devices hold.
+fn assert_inference_matches_the_cpu(graph: &Graph, name: &str, cluster: &mut EmbeddedCluster) {
+    let params = cluster.params().unwrap();
+    for held_out in [100, 101] {
+        let (images, _) = batch(graph, held_out);
+        let want = legion_ops::infer::logits(graph, &params, &images).unwrap();
+        let got = cluster.logits(images).unwrap();
+        let err = relative_error(&got, &want);
+        assert!(
+            err <= TOLERANCE,
+            "{}/{name}: inference's logits differ from the CPU's by {err:e}",
+            graph.name
+        );
     }
 }
 

@@ -42,6 +42,34 @@ fn gpu_in(math: Math) -> Result<Arc<Cuda>, String> {
 }
 
 /// Every failure of every strategy, so that one run on a lent GPU reports them all.
+/// Held-out scoring between two steps: the GPU devices' inference gives the CPU's logits from
+/// the weights they hold.
+fn check_inference(
+    graph: &Graph,
+    name: &str,
+    cluster: &mut EmbeddedCluster,
+    failures: &mut Vec<String>,
+) {
+    let (images, _) = batch(graph, 100);
+    let scored = cluster
+        .params()
+        .map_err(|e| e.to_string())
+        .and_then(|params| {
+            let want =
+                legion_ops::infer::logits(graph, &params, &images).map_err(|e| e.to_string())?;
+            let got = cluster.logits(images.clone()).map_err(|e| e.to_string())?;
+            Ok(relative_error(&got, &want))
+        });
+    match scored {
+        Ok(err) if err <= TOLERANCE => {}
+        Ok(err) => failures.push(format!(
+            "{}/{name}: inference's logits differ from the CPU's by {err:e}",
+            graph.name
+        )),
+        Err(e) => failures.push(format!("{}/{name}: inference: {e}", graph.name)),
+    }
+}
+
 fn check(graph: &Graph, placement: &Placement, failures: &mut Vec<String>) {
     let strategies = [
         ("data", searched(graph, SearchKind::Data)),
@@ -64,6 +92,7 @@ fn check(graph: &Graph, placement: &Placement, failures: &mut Vec<String>) {
         let cluster = EmbeddedCluster::launch_from(graph, configs, DEVICES, &state)
             .seed(11)
             .placement(placement)
+            .inference(true)
             .start();
         let mut cluster = match cluster {
             Ok(c) => c,
@@ -78,6 +107,9 @@ fn check(graph: &Graph, placement: &Placement, failures: &mut Vec<String>) {
             let (images, labels) = batch(graph, step);
             match cluster.step(images, labels, false) {
                 Ok(r) => {
+                    if step == 0 {
+                        check_inference(graph, name, &mut cluster, failures);
+                    }
                     let want = losses[step as usize];
                     let err = (r.stats.loss - want).abs() / want.abs();
                     let tolerance =

@@ -1,7 +1,7 @@
-//! The model's inference forward on the CPU: the logits a deployment runtime (onnxruntime) computes
-//! from the same weights. It differs from a training step's forward in two layers only: batch norm
-//! normalises with its running statistics instead of the batch's, and dropout passes its input
-//! through. Every other layer runs its own forward kernel, whole-tensor, as the trainer does.
+//! The model's inference forward on the CPU from a checkpoint's weights: the logits a deployment
+//! runtime (onnxruntime) computes. Every layer runs its [`Phase::Infer`] kernel, whole-tensor:
+//! batch norm normalises with its running statistics instead of the batch's, dropout passes its
+//! input through, every other layer runs its forward.
 //! [`evaluate`] scores a dataset with it (top-1, top-5, loss); [`top_k`] ranks one sample's classes.
 
 use crate::backend::cpu::{Buffer, Cpu, CpuStream};
@@ -10,8 +10,6 @@ use crate::backend::{
 };
 use crate::data::{BadSamples, DataError, Dataset, Loader, LoaderConfig};
 use crate::graph::Graph;
-use crate::kernels::batch_norm::{BatchStats, normalize};
-use crate::kernels::{View, ViewMut};
 use crate::op::Op;
 use crate::train::{ParamStore, Sgd};
 
@@ -41,27 +39,9 @@ pub fn logits(graph: &Graph, params: &ParamStore, images: &[f32]) -> Result<Vec<
     for id in graph.ids() {
         let layer = graph.layer(id);
         let tile = layer.shape.full_rect();
-        let x = |k: usize| &acts[layer.inputs[k].0];
         let y = match &layer.op {
             Op::Input(_) => Buffer::F32(images.to_vec()),
             Op::SoftmaxCrossEntropy(_) => break,
-            Op::Dropout(_) => Buffer::F32(x(0).f32().to_vec()),
-            Op::BatchNorm(bn) => {
-                let channels = layer.shape.dim(1);
-                let channel = crate::shape::Shape::new(&[channels]).full_rect();
-                let param = |k| View::new(channel, params.get(id, k));
-                let stats = BatchStats::from_running(0..channels, param(2), param(3), bn.eps);
-                let mut out = vec![0.0; layer.shape.numel()];
-                normalize(
-                    View::new(tile, x(0).f32()),
-                    &stats,
-                    param(0),
-                    param(1),
-                    bn.relu,
-                    ViewMut::new(tile, &mut out),
-                );
-                Buffer::F32(out)
-            }
             _ => {
                 let mut out = Buffer::F32(vec![0.0; layer.shape.numel()]);
                 let mut operands: Vec<Operand<'_, Buffer>> = layer
@@ -90,7 +70,7 @@ pub fn logits(graph: &Graph, params: &ParamStore, images: &[f32]) -> Result<Vec<
                     access: Access::Write(&mut out),
                 });
                 KernelCall::new(&backend, &mut stream, graph, id, tile, &ctx, operands)
-                    .run(Phase::Forward)?;
+                    .run(Phase::Infer)?;
                 out
             }
         };
@@ -127,7 +107,21 @@ pub fn evaluate(
     dataset: std::sync::Arc<dyn Dataset>,
     strict: bool,
 ) -> Result<Accuracy, EvalError> {
-    let batch = graph.batch();
+    score(graph.batch(), dataset, strict, |images| {
+        Ok(logits(graph, params, &images)?)
+    })
+}
+
+/// The accuracy of the logits `logits_of` gives for each batch of `batch` samples of `dataset`,
+/// in its order, the last batch padded with zeros (its padding not counted): [`evaluate`]'s
+/// scoring for any engine that computes logits (a cluster's devices, a GPU). A sample that
+/// cannot be read is left out unless `strict`.
+pub fn score<E: From<DataError>>(
+    batch: usize,
+    dataset: std::sync::Arc<dyn Dataset>,
+    strict: bool,
+    mut logits_of: impl FnMut(Vec<f32>) -> Result<Vec<f32>, E>,
+) -> Result<Accuracy, E> {
     let loader = Loader::new(
         dataset,
         LoaderConfig {
@@ -142,20 +136,14 @@ pub fn evaluate(
     )?;
     let sample_len = loader.dataset().sample_len();
     let (mut samples, mut top1, mut top5, mut loss) = (0usize, 0usize, 0usize, 0f64);
-    let mut padded = Vec::new();
     for b in loader.epoch(0) {
-        let b = b?;
-        let images = if b.len() == batch {
-            &b.images
-        } else {
-            padded.clear();
-            padded.extend_from_slice(&b.images);
-            padded.resize(batch * sample_len, 0.0);
-            &padded
-        };
-        let out = logits(graph, params, images)?;
+        let mut b = b?;
+        let (len, labels) = (b.len(), std::mem::take(&mut b.labels));
+        let mut images = b.images;
+        images.resize(batch * sample_len, 0.0);
+        let out = logits_of(images)?;
         let classes = out.len() / batch;
-        for (row, &label) in out.chunks_exact(classes).zip(&b.labels) {
+        for (row, &label) in out.chunks_exact(classes).zip(&labels) {
             let score = row[label as usize];
             // Ties count against the label (a lower class ranks first), and a score that is not
             // a number ranks last.
@@ -171,7 +159,7 @@ pub fn evaluate(
             top5 += (above < 5) as usize;
             loss += log_sum_exp(row) - f64::from(score);
         }
-        samples += b.len();
+        samples += len;
     }
     let n = samples.max(1) as f64;
     Ok(Accuracy {
@@ -233,6 +221,26 @@ mod tests {
         (0..n)
             .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
             .collect()
+    }
+
+    /// The trainer's inference on its own device, after steps that moved the running statistics,
+    /// is the checkpoint's inference, and leaves the training as it was.
+    #[test]
+    fn a_trainers_inference_is_its_checkpoints_and_changes_nothing() {
+        let g = net(true);
+        let init = ParamStore::init(&g, 3);
+        let train = |score: bool| {
+            let mut t = crate::train::Trainer::new(g.clone(), init.clone(), Sgd::default(), 5);
+            let x = images(2 * 2 * 6 * 6);
+            t.step(&x, &[1, 3]).unwrap();
+            if score {
+                let want = logits(&g, &t.params().unwrap(), &x).unwrap();
+                assert_eq!(t.logits(x.clone()).unwrap(), want);
+            }
+            t.step(&x, &[0, 2]).unwrap();
+            t.params().unwrap().values
+        };
+        assert_eq!(train(true), train(false));
     }
 
     #[test]

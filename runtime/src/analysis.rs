@@ -150,6 +150,9 @@ pub struct Placement {
 pub struct StepGraph {
     pub instances: Vec<Instance>,
     pub ops: Vec<Op>,
+    /// How many of `ops`, from the first, are the training step's: those after them are
+    /// inference's (`crate::plan::InferencePlan`), run on their own.
+    pub step_ops: usize,
     /// Data the step expects before it starts (see [`Analysis::place`]).
     pub initial: Vec<Placement>,
     /// Where the persistent regions' data is valid after the step.
@@ -167,9 +170,9 @@ impl StepGraph {
         }
     }
 
-    /// Copies between different devices.
+    /// Copies between different devices in a training step.
     pub fn remote_copies(&self) -> impl Iterator<Item = (OpId, &Instance, &Instance, Rect)> + '_ {
-        self.ops
+        self.ops[..self.step_ops]
             .iter()
             .enumerate()
             .filter_map(|(i, op)| match op.kind {
@@ -358,27 +361,63 @@ impl<'r> Analysis<'r> {
     }
 
     pub fn finish(self) -> StepGraph {
-        let mut persistent = Vec::new();
-        for region in self.regions.ids() {
-            if !self.regions.info(region).kind.persistent() {
-                continue;
-            }
-            for f in &self.fragments[region.index()] {
-                if let State::Valid(holders) = &f.state {
-                    persistent.push(Placement {
-                        region,
-                        rect: f.rect,
-                        instances: holders.iter().map(|h| h.instance).collect(),
-                    });
-                }
-            }
-        }
+        let persistent = self.persistent_now();
         StepGraph {
             instances: self.instances,
+            step_ops: self.ops.len(),
             ops: self.ops,
             initial: self.initial,
             persistent,
         }
+    }
+
+    /// Where the persistent regions' data is valid after the tasks launched so far.
+    pub fn persistent_now(&self) -> Vec<Placement> {
+        self.regions
+            .ids()
+            .filter(|&r| self.regions.info(r).kind.persistent())
+            .flat_map(|r| self.valid(r))
+            .collect()
+    }
+
+    /// Where `region`'s data is valid after the tasks launched so far, fragment by fragment.
+    pub fn valid(&self, region: RegionId) -> Vec<Placement> {
+        self.fragments[region.index()]
+            .iter()
+            .filter_map(|f| match &f.state {
+                State::Valid(holders) => Some(Placement {
+                    region,
+                    rect: f.rect,
+                    instances: holders.iter().map(|h| h.instance).collect(),
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Starts a new run after the tasks launched so far: only the persistent regions' data
+    /// carries over (it stays where it is); every other region is unwritten again, as at a
+    /// step's start, so that a reduction into it starts from nothing rather than accumulating
+    /// onto the last run's value.
+    pub fn forget_transient(&mut self) {
+        for region in self.regions.ids() {
+            if self.regions.info(region).kind.persistent() {
+                continue;
+            }
+            self.fragments[region.index()] = vec![Fragment {
+                rect: self.regions.info(region).shape.full_rect(),
+                state: State::Empty,
+            }];
+        }
+    }
+
+    /// Ops launched so far.
+    pub fn num_ops(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub fn instances(&self) -> &[Instance] {
+        &self.instances
     }
 
     fn normal_instance(&mut self, region: RegionId, device: DeviceId, rect: Rect) -> InstanceId {

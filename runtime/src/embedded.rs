@@ -10,7 +10,7 @@ use crate::device::{DeviceActor, DeviceSetup, Load, ReadInstance, RunStep, StepR
 use crate::exec::{BatchView, StepInput};
 use crate::in_process::InProcessTransport;
 use crate::plan::{PlanError, SamplesRead, StepPlan};
-use crate::program::DeviceProgram;
+use crate::program::{DeviceProgram, Part};
 use crate::recycle::BufferPool;
 use crate::region::RegionKind;
 use crate::transport::Transport;
@@ -36,6 +36,8 @@ pub enum RuntimeError {
     Device { device: usize, message: String },
     #[error("device {device} stopped responding")]
     DeviceLost { device: usize },
+    #[error("internal: inference was not planned for these devices (plan it at launch)")]
+    NoInference,
     #[error(
         "the step computes in {step} but its GPUs were opened to compute in {gpus}: open them \
          with the step's precision"
@@ -71,6 +73,8 @@ pub struct EmbeddedCluster {
     plan: Arc<StepPlan>,
     graph: Arc<Graph>,
     next_step: u64,
+    /// Inference's runs so far (numbered apart from the steps).
+    inference_runs: u64,
     /// The rate the next steps update at, where a schedule set one.
     lr: Option<f32>,
 }
@@ -89,9 +93,16 @@ pub struct Launch<'a> {
     seed: u64,
     placement: Option<&'a Placement>,
     precision: Precision,
+    inference: bool,
 }
 
 impl<'a> Launch<'a> {
+    /// Plans inference beside the step, for [`EmbeddedCluster::logits`].
+    pub fn inference(mut self, on: bool) -> Self {
+        self.inference = on;
+        self
+    }
+
     pub fn sgd(mut self, sgd: Sgd) -> Self {
         self.sgd = sgd;
         self
@@ -142,6 +153,7 @@ impl EmbeddedCluster {
             seed: 1,
             placement: None,
             precision: Precision::Fp32,
+            inference: false,
         }
     }
 
@@ -171,6 +183,7 @@ impl EmbeddedCluster {
             seed,
             placement,
             precision,
+            inference,
         } = launch;
         let cpu = Placement::Cpu;
         let placement = placement.unwrap_or(&cpu);
@@ -189,7 +202,10 @@ impl EmbeddedCluster {
                 }
             }
         }
-        let plan = Arc::new(StepPlan::build_in(graph, configs, devices, precision)?);
+        let plan = Arc::new(match inference {
+            true => StepPlan::build_with_inference(graph, configs, devices, precision)?,
+            false => StepPlan::build_in(graph, configs, devices, precision)?,
+        });
         let graph = Arc::new(graph.clone());
         let runtime = device_runtime();
         let programs: Vec<Arc<DeviceProgram>> =
@@ -204,6 +220,7 @@ impl EmbeddedCluster {
             plan,
             graph,
             next_step: first_step,
+            inference_runs: 0,
             lr: None,
         };
         cluster.load(params, momentum)?;
@@ -255,9 +272,9 @@ impl EmbeddedCluster {
         };
         check_batch(&self.graph, &input.view(), &whole)?;
         let input = Arc::new(input);
-        let reports = self
-            .runtime
-            .block_on(run_step(&self.devices, step, input, trace))?;
+        let reports =
+            self.runtime
+                .block_on(run_step(&self.devices, Part::Step, step, input, trace))?;
         self.next_step += 1;
         if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
             return Err(RuntimeError::Device {
@@ -275,6 +292,58 @@ impl EmbeddedCluster {
             },
             reports: if trace { reports } else { Vec::new() },
         })
+    }
+
+    /// The logits (`[N, classes]` row-major) of inference on a batch of images (laid out like the
+    /// input layer's output) on the devices that train, with the weights where the last step
+    /// left them: batch norm on its running statistics, dropout passing everything. Needs a
+    /// plan with inference ([`Launch::inference`]).
+    pub fn logits(&mut self, images: Vec<f32>) -> Result<Vec<f32>, RuntimeError> {
+        let inference = self
+            .plan
+            .inference
+            .as_ref()
+            .ok_or(RuntimeError::NoInference)?;
+        let batch = self.graph.batch();
+        let input = StepInput {
+            label_samples: 0..0,
+            ..StepInput::whole(self.next_step, images, Vec::new(), batch)
+        };
+        let images_only = SamplesRead {
+            images: 0..batch,
+            labels: 0..0,
+        };
+        check_batch(&self.graph, &input.view(), &images_only)?;
+        let run = self.inference_runs;
+        self.inference_runs += 1;
+        let reports = self.runtime.block_on(run_step(
+            &self.devices,
+            Part::Inference,
+            run,
+            Arc::new(input),
+            false,
+        ))?;
+        if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
+            return Err(RuntimeError::Device {
+                device: r.device,
+                message: r.error.clone().unwrap(),
+            });
+        }
+        let pieces = self.runtime.block_on(async {
+            let mut pieces = Vec::with_capacity(inference.logits.len());
+            for at in &inference.logits {
+                let piece = self.devices[at.device]
+                    .ask(ReadInstance {
+                        instance: at.instance,
+                        rect: at.rect,
+                    })
+                    .await
+                    .map_err(|e| device_error(at.device, e))?;
+                pieces.push((at.rect, piece.0));
+            }
+            Ok::<_, RuntimeError>(pieces)
+        })?;
+        Ok(inference.assemble(&self.graph, &pieces))
     }
 
     /// The current parameters and buffers, gathered from their owners.
@@ -519,9 +588,10 @@ pub fn spawn_local_devices(
     Ok(actors)
 }
 
-/// Runs step `step` on every device and waits for all their reports (in device order).
+/// Runs run `step` of `part` on every device and waits for all their reports (in device order).
 pub async fn run_step(
     devices: &[ActorRef<DeviceActor>],
+    part: Part,
     step: u64,
     input: Arc<StepInput>,
     trace: bool,
@@ -532,6 +602,7 @@ pub async fn run_step(
         let (reply, wait) = tokio::sync::oneshot::channel();
         device
             .tell(RunStep {
+                part,
                 step,
                 input: Arc::clone(&input),
                 epoch,

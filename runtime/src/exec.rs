@@ -75,6 +75,7 @@ fn phase(kind: TaskKind) -> Option<Phase> {
         TaskKind::Empty => return None,
         TaskKind::LoadInput | TaskKind::Forward => Phase::Forward,
         TaskKind::Backward => Phase::Backward,
+        TaskKind::Infer => Phase::Infer,
         TaskKind::BnMoments => Phase::BnMoments,
         TaskKind::BnNormalize => Phase::BnNormalize,
         TaskKind::BnRunning => Phase::BnRunning,

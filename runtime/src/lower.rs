@@ -46,6 +46,7 @@ pub fn lower_step(
         regions,
         mapper,
         has_grad: &has_grad,
+        inference: false,
     };
     for id in graph.ids() {
         lower.forward(analysis, id)?;
@@ -59,11 +60,36 @@ pub fn lower_step(
     Ok(())
 }
 
+/// Launches inference on a batch, on the training step's tiles: the forward of every layer up to
+/// the logits (the layer before the loss), batch norm normalising with its running statistics
+/// and dropout passing through ([`TaskKind::Infer`]). It reads the parameters and writes none.
+pub fn lower_inference(
+    analysis: &mut Analysis,
+    regions: &Regions,
+    mapper: &Mapper,
+    logits: LayerId,
+) -> Result<(), AnalysisError> {
+    let graph = mapper.graph();
+    let lower = Lowering {
+        graph,
+        regions,
+        mapper,
+        has_grad: &[],
+        inference: true,
+    };
+    for id in graph.ids().take(logits.0 + 1) {
+        lower.forward(analysis, id)?;
+    }
+    Ok(())
+}
+
 struct Lowering<'a> {
     graph: &'a Graph,
     regions: &'a Regions,
     mapper: &'a Mapper<'a>,
     has_grad: &'a [bool],
+    /// Whether the forward is inference's ([`lower_inference`]) rather than a training step's.
+    inference: bool,
 }
 
 impl Lowering<'_> {
@@ -75,6 +101,16 @@ impl Lowering<'_> {
             Op::Input(_) => {
                 for p in &points {
                     let mut t = TaskSpec::new(TaskKind::LoadInput, id, p.tile, p.device);
+                    t.require(out, p.tile, WriteDiscard, Role::Output);
+                    a.launch(t)?;
+                }
+            }
+            Op::BatchNorm(_) if self.inference => {
+                let x = self.regions.activation(layer.inputs[0]);
+                for p in &points {
+                    let mut t = TaskSpec::new(TaskKind::Infer, id, p.tile, p.device);
+                    t.require(x, p.tile, ReadOnly, Role::Input(0));
+                    self.params(&mut t, p, ReadOnly, |_| true);
                     t.require(out, p.tile, WriteDiscard, Role::Output);
                     a.launch(t)?;
                 }
@@ -151,8 +187,12 @@ impl Lowering<'_> {
             _ => {
                 let spec = layer.op.spec();
                 let inputs = self.graph.input_shapes(id);
+                let kind = match self.inference {
+                    true => TaskKind::Infer,
+                    false => TaskKind::Forward,
+                };
                 for p in &points {
-                    let mut t = TaskSpec::new(TaskKind::Forward, id, p.tile, p.device);
+                    let mut t = TaskSpec::new(kind, id, p.tile, p.device);
                     self.inputs(&mut t, &spec.project(&inputs, &p.tile));
                     self.params(&mut t, p, ReadOnly, |_| true);
                     t.require(out, p.tile, WriteDiscard, Role::Output);

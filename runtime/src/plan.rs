@@ -27,6 +27,19 @@ pub enum PlanError {
     NoSuchDevice { device: DeviceId, devices: usize },
     #[error("internal: the step does not leave parameters where the next step expects them")]
     NotReplayable,
+    #[error("inference needs a loss layer, whose input is the logits; the graph has none")]
+    NoLogits,
+}
+
+/// Inference on the training step's tiles, planned beside the step
+/// ([`StepPlan::build_with_inference`]): each device's program runs it from
+/// `DeviceProgram::inference_from` on.
+#[derive(Clone, Debug)]
+pub struct InferencePlan {
+    /// The layer before the loss, whose output is the logits.
+    pub layer: legion_ops::LayerId,
+    /// Where the logits are once inference ran: each piece of the layer's output on one device.
+    pub logits: Vec<Located>,
 }
 
 /// Samples of a step's batch: images and labels (empty ranges when none are read).
@@ -59,8 +72,23 @@ pub struct StepPlan {
     pub configs: Vec<ParallelConfig>,
     pub step: StepGraph,
     pub programs: Vec<DeviceProgram>,
+    /// Where one was planned.
+    pub inference: Option<InferencePlan>,
     /// Parameter slot of each parameter region.
     param_slot: HashMap<RegionId, usize>,
+}
+
+impl InferencePlan {
+    /// The logits (`[N, classes]` row-major, f32) from the pieces read at [`InferencePlan::logits`]
+    /// (each `(rect, values over rect)`, in any element type).
+    pub fn assemble(&self, graph: &Graph, pieces: &[(Rect, crate::buffer::Buffer)]) -> Vec<f32> {
+        let full = graph.layer(self.layer).shape.full_rect();
+        let mut out = vec![0.0; full.volume()];
+        for (rect, piece) in pieces {
+            legion_ops::shape::copy_rect(&piece.to_f32(), rect, &mut out, &full, rect);
+        }
+        out
+    }
 }
 
 impl StepPlan {
@@ -80,6 +108,27 @@ impl StepPlan {
         configs: &[ParallelConfig],
         num_devices: usize,
         precision: Precision,
+    ) -> Result<StepPlan, PlanError> {
+        StepPlan::plan(graph, configs, num_devices, precision, false)
+    }
+
+    /// [`StepPlan::build_in`] with inference on the same tiles beside the step: held-out data
+    /// scored on the devices that train, from the weights where the step leaves them.
+    pub fn build_with_inference(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        num_devices: usize,
+        precision: Precision,
+    ) -> Result<StepPlan, PlanError> {
+        StepPlan::plan(graph, configs, num_devices, precision, true)
+    }
+
+    fn plan(
+        graph: &Graph,
+        configs: &[ParallelConfig],
+        num_devices: usize,
+        precision: Precision,
+        with_inference: bool,
     ) -> Result<StepPlan, PlanError> {
         let mapper = Mapper::new(graph, configs);
         if mapper.num_devices() > num_devices {
@@ -110,26 +159,46 @@ impl StepPlan {
             a.place_in(p.region, p.rect, &holders);
         }
         lower::lower_step(&mut a, &regions, &mapper)?;
-        let step = a.finish();
-        if !analysis::same_placements(
-            &step.initial,
-            &step.instances,
-            &step.persistent,
-            &step.instances,
-        ) {
+        // The step must leave the persistent data where it found it; inference, analysed from
+        // there, reads it and writes none of it.
+        let after_step = a.persistent_now();
+        let step_ops = a.num_ops();
+        let logits = match with_inference {
+            true => {
+                let layer = graph.logits().ok_or(PlanError::NoLogits)?;
+                a.forget_transient();
+                lower::lower_inference(&mut a, &regions, &mapper, layer)?;
+                Some((layer, a.valid(regions.activation(layer))))
+            }
+            false => None,
+        };
+        let mut step = a.finish();
+        step.step_ops = step_ops;
+        if !analysis::same_placements(&step.initial, &step.instances, &after_step, &step.instances)
+        {
             return Err(PlanError::NotReplayable);
         }
+        step.persistent = after_step;
         let programs = split_programs(&step, &regions, num_devices);
         let param_slot = (0..graph.params().len())
             .map(|slot| (regions.param(slot), slot))
             .collect();
-        Ok(StepPlan {
+        let mut plan = StepPlan {
             regions,
             configs: configs.to_vec(),
             step,
             programs,
+            inference: None,
             param_slot,
-        })
+        };
+        plan.inference = logits.map(|(layer, pieces)| InferencePlan {
+            layer,
+            logits: pieces
+                .iter()
+                .map(|p| plan.locate(p.instances[0], p.rect))
+                .collect(),
+        });
+        Ok(plan)
     }
 
     pub fn num_devices(&self) -> usize {

@@ -90,9 +90,37 @@ pub struct DeviceProgram {
     pub ops: Vec<LocalOp>,
     /// For each op, the local ops that depend on it.
     pub dependents: Vec<Vec<u32>>,
+    /// The first op of inference (`ops.len()` where none was planned): the ops before it are
+    /// the training step's. Inference's ops may depend on the step's, which a run of inference
+    /// alone counts as done (the step before it ran whole); the step's never depend on
+    /// inference's.
+    pub inference_from: u32,
+}
+
+/// What a run of a device's program executes: a training step, or inference on a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Part {
+    Step,
+    Inference,
 }
 
 impl DeviceProgram {
+    /// The ops a run of `part` executes.
+    pub fn part(&self, part: Part) -> std::ops::Range<u32> {
+        match part {
+            Part::Step => 0..self.inference_from,
+            Part::Inference => self.inference_from..self.ops.len() as u32,
+        }
+    }
+
+    /// The part op `op` belongs to.
+    pub fn part_of(&self, op: u32) -> Part {
+        match op < self.inference_from {
+            true => Part::Step,
+            false => Part::Inference,
+        }
+    }
+
     /// Local index of a step-graph instance, if this device holds it.
     pub fn local_instance(&self, global: InstanceId) -> Option<u32> {
         self.instances
@@ -115,6 +143,7 @@ pub fn split_programs(
             instances: Vec::new(),
             ops: Vec::new(),
             dependents: Vec::new(),
+            inference_from: 0,
         })
         .collect();
     // Instances in global order, so each program's list is sorted by global id.
@@ -137,6 +166,9 @@ pub fn split_programs(
         let g = g as OpId;
         let mut push = |device: DeviceId, kind: LocalOpKind| {
             let p = &mut programs[device];
+            if (g as usize) < graph.step_ops {
+                p.inference_from += 1;
+            }
             p.ops.push(LocalOp {
                 kind,
                 global: g,
@@ -317,6 +349,7 @@ pub fn empty_program(
         device,
         precision: Precision::Fp32,
         instances,
+        inference_from: ops.len() as u32,
         ops,
         dependents,
     }

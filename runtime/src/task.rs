@@ -51,6 +51,8 @@ pub enum TaskKind {
     LoadInput,
     Forward,
     Backward,
+    /// Inference's forward of a tile (`legion_ops::backend::Phase::Infer`).
+    Infer,
     /// Batch norm forward phase 1: per-channel sums of the tile.
     BnMoments,
     /// Batch norm forward phase 2: normalise with the whole-batch statistics.
@@ -85,6 +87,7 @@ impl TaskKind {
         match self {
             TaskKind::LoadInput => "load",
             TaskKind::Forward => "fwd",
+            TaskKind::Infer => "infer",
             TaskKind::Backward => "bwd",
             TaskKind::BnMoments => "moments",
             TaskKind::BnNormalize => "normalize",

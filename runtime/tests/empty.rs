@@ -4,7 +4,7 @@
 use legion_ops::train::Sgd;
 use legion_ops::{LayerId, zoo};
 use legion_runtime::StepInput;
-use legion_runtime::program::{EmptyDispatch, EmptyShape, empty_program};
+use legion_runtime::program::{EmptyDispatch, EmptyShape, Part, empty_program};
 use std::sync::Arc;
 
 #[test]
@@ -27,7 +27,13 @@ fn empty_programs_finish_every_step() {
             for step in 0..3 {
                 let input = Arc::new(StepInput::whole(step, Vec::new(), Vec::new(), 0));
                 let reports = runtime
-                    .block_on(legion_runtime::run_step(&actors, step, input, true))
+                    .block_on(legion_runtime::run_step(
+                        &actors,
+                        Part::Step,
+                        step,
+                        input,
+                        true,
+                    ))
                     .unwrap();
                 for r in &reports {
                     assert_eq!(r.error, None);

@@ -145,6 +145,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             sgd: Sgd::default(),
             seed: settings.seed,
             precision: legion_ops::Precision::Fp32,
+            inference: false,
         };
         let mut one = engine::start(Place::OneDevice(LossReadback::OneStepLate), job)?;
         for _ in 0..steps_taken {
@@ -193,6 +194,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             sgd: Sgd::default(),
             seed: settings.seed,
             precision: legion_ops::Precision::Fp32,
+            inference: false,
         };
         let mut engine = engine::start(place, job)?;
         for _ in 0..settings.warmup {

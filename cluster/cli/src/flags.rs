@@ -304,7 +304,8 @@ impl TrainFlags {
             memory_gib: self.memory_gib,
             precision: self.precision.given(),
             gpus: self.gpus.clone().map(|g| g.0),
-            search_progress: legion::job::SearchProgress::default(),
+            search_progress: legion::job::Reported::default(),
+            open_progress: legion::job::Reported::default(),
             gpu: GpuOptions {
                 conv_algos: self.conv_algos,
                 conv_epilogue: match self.no_fused_epilogue {

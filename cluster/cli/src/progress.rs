@@ -7,6 +7,7 @@ use legion::Training;
 use legion::job::{Evaluation, JobEvent, PlannedRun, StepDone, TrainSummary};
 use legion_cluster::memory::human_bytes;
 use legion_ops::capture::CaptureStatus;
+use legion_ops::data::OpenProgress;
 use legion_planner::progress::{Phase, Progress};
 use serde_json::json;
 use std::io::IsTerminal;
@@ -19,7 +20,10 @@ pub fn train(training: Training, json: bool) -> anyhow::Result<TrainSummary> {
     let search = Arc::new(PlanProgress::new());
     let mut printer = Printer::new(json);
     let mut searching = true;
-    training.search_progress(search.clone()).run(|event| {
+    let training = training
+        .search_progress(search.clone())
+        .open_progress(search.clone());
+    training.run(|event| {
         if std::mem::take(&mut searching) {
             search.finish();
         }
@@ -95,25 +99,33 @@ impl Printer {
             println!("{line}");
             return;
         }
-        if self.progress.is_none() && std::io::stderr().is_terminal() {
-            let bar = ProgressBar::new(s.total_steps);
+        // A run of epochs draws a bar per epoch, each left on screen as the next starts.
+        let (first, len) = match s.epochs {
+            Some(_) => {
+                let first = (s.epoch - 1) * s.steps_per_epoch;
+                (first, s.steps_per_epoch.min(s.total_steps - first))
+            }
+            None => (0, s.total_steps),
+        };
+        let new_epoch = s.epochs.is_some() && s.step == first + 1;
+        if (self.progress.is_none() || new_epoch) && std::io::stderr().is_terminal() {
+            if let Some(done) = self.progress.take() {
+                done.finish();
+            }
+            let bar = ProgressBar::new(len);
             bar.set_style(
-                ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}")
+                ProgressStyle::with_template("{prefix}{bar:30} {pos}/{len} steps  {msg}")
                     .expect("valid progress template"),
             );
+            if let Some(epochs) = s.epochs {
+                bar.set_prefix(format!("epoch {}/{epochs} ", s.epoch));
+            }
             self.progress = Some(bar);
         }
         match &self.progress {
             Some(bar) => {
-                bar.set_position(s.step);
-                let epoch = match s.epochs {
-                    Some(epochs) => format!("epoch {}/{epochs}  ", s.epoch),
-                    None => String::new(),
-                };
-                bar.set_message(format!(
-                    "{epoch}loss {:.4}  {:.1} img/s",
-                    s.loss, s.images_per_sec
-                ));
+                bar.set_position(s.step - first);
+                bar.set_message(format!("loss {:.4}  {:.1} img/s", s.loss, s.images_per_sec));
             }
             None => println!(
                 "step {:>5}  loss {:.4}  acc {:.3}  {:.1} img/s",
@@ -285,8 +297,8 @@ pub struct PlanProgress {
 
 #[derive(Default)]
 struct Shown {
-    /// The phase shown last, and its bar on a terminal.
-    phase: Option<Phase>,
+    /// The phase shown last (as it describes itself), and its bar on a terminal.
+    phase: Option<&'static str>,
     bar: Option<ProgressBar>,
     /// When the last line was written (not on a terminal).
     line_at: Option<Instant>,
@@ -339,12 +351,31 @@ impl Default for PlanProgress {
 
 impl Progress for PlanProgress {
     fn update(&self, phase: Phase, done: u64, total: u64) {
+        self.show(phase.describe(), phase.unit(), done, total);
+    }
+}
+
+/// A folder's files checked as it opens, before the run's plan: shown as a phase of its own.
+impl OpenProgress for PlanProgress {
+    fn checked(&self, done: usize, total: usize) {
+        self.show(
+            "checking the image files",
+            "files",
+            done as u64,
+            total as u64,
+        );
+    }
+}
+
+impl PlanProgress {
+    /// `done` of `total` `unit` of the phase that `describe` says.
+    fn show(&self, describe: &'static str, unit: &'static str, done: u64, total: u64) {
         if self.start.elapsed() < self.after {
             return;
         }
         let mut shown = self.state.lock().expect("progress is never poisoned");
-        let new_phase = shown.phase != Some(phase);
-        shown.phase = Some(phase);
+        let new_phase = shown.phase != Some(describe);
+        shown.phase = Some(describe);
         if self.terminal {
             if new_phase {
                 if let Some(old) = shown.bar.take() {
@@ -357,8 +388,8 @@ impl Progress for PlanProgress {
                     )
                     .expect("valid progress template"),
                 );
-                bar.set_message(phase.describe());
-                bar.set_prefix(phase.unit());
+                bar.set_message(describe);
+                bar.set_prefix(unit);
                 shown.bar = Some(bar);
             }
             if let Some(bar) = &shown.bar {
@@ -368,8 +399,7 @@ impl Progress for PlanProgress {
         } else if new_phase || shown.line_at.is_none_or(|at| at.elapsed() >= LINE_EVERY) {
             shown.line_at = Some(Instant::now());
             eprintln!(
-                "{phase}: {done}/{total} {}, {:.1} s into the plan",
-                phase.unit(),
+                "{describe}: {done}/{total} {unit}, {:.1} s in",
                 self.start.elapsed().as_secs_f64()
             );
         }

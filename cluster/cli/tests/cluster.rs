@@ -186,6 +186,32 @@ fn up_train_down_on_three_workers_equals_one_device() {
         "the workers ignored the cosine"
     );
 
+    // Held-out data scored on the workers' devices every 2 steps: inference through their
+    // forward gives the scores one device gives, and the steps after it train on as if it had
+    // not run.
+    let scored = |engine: &[&str], name: &str| {
+        let out = cluster.path(name);
+        let held_out = ["--val-data", "synthetic:12", "--eval-every", "2", "--json"];
+        let engine = [engine, &["--strategy", "owt"], &held_out].concat();
+        let run = train_from(&engine, &ALEXNET_64, "4", &init, &out);
+        let scores: Vec<serde_json::Value> = String::from_utf8_lossy(&run.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|l| l["eval"] == true)
+            .collect();
+        (scores, out)
+    };
+    let (on_workers, workers_out) = scored(&cluster.engine(), "scored-cluster.safetensors");
+    let (on_one, one_out) = scored(&[], "scored-one.safetensors");
+    assert_eq!(on_workers.len(), 2, "{on_workers:?}");
+    for (w, o) in on_workers.iter().zip(&on_one) {
+        assert_eq!((&w["step"], &w["samples"]), (&o["step"], &o["samples"]));
+        let (lw, lo) = (w["loss"].as_f64().unwrap(), o["loss"].as_f64().unwrap());
+        assert!((lw - lo).abs() <= 1e-4 * lo.abs(), "{w} against {o}");
+        assert_eq!(w["top5"], o["top5"], "{w} against {o}");
+    }
+    assert_same_tensors(&workers_out, &one_out);
+
     // --compare on the cluster: every strategy runs as a job on the same workers.
     let lenet = legion_ops::zoo::find("lenet5").unwrap();
     let graph = lenet.build(&lenet.default_config(8)).unwrap();

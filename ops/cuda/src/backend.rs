@@ -663,6 +663,22 @@ impl Backend for Cuda {
         });
     }
 
+    fn bn_infer(
+        &self,
+        s: &mut Stream,
+        op: &BatchNorm,
+        x: In<Buffer>,
+        gamma: In<Buffer>,
+        beta: In<Buffer>,
+        running_mean: In<Buffer>,
+        running_var: In<Buffer>,
+        y: Out<Buffer>,
+    ) {
+        self.enqueue(s, "bn_infer", |s| {
+            crate::batch_norm::infer(self, s, op, x, gamma, beta, running_mean, running_var, y)
+        });
+    }
+
     fn bn_running(
         &self,
         s: &mut Stream,

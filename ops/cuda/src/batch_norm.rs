@@ -6,7 +6,7 @@
 use crate::backend::{Cuda, Launch};
 use crate::launch::{Box4, ChannelParts, NULL, grid};
 use crate::memory::{Buffer, Stream, same_type};
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use legion_ops::backend::{In, Out};
 use legion_ops::op::BatchNorm;
 use legion_ops::shape::Rect;
@@ -77,10 +77,8 @@ pub(crate) fn normalize(
     if tile.volume() == 0 {
         return Ok(());
     }
-    let x_layout = Box4::of(&x.rect);
     let (m_lo, m_channels) = sums_range(&moments);
     let (gamma_lo, beta_lo) = (gamma.rect.lo[0] as i64, beta.rect.lo[0] as i64);
-    let relu = op.relu as i32;
     let (c_lo, channels) = (tile.lo[1], tile.ext[1]);
     // SAFETY: bn_affine writes every coefficient before bn_normalize reads it.
     let mut coef = unsafe { s.stream.alloc::<f32>(3 * channels as usize) }?;
@@ -99,6 +97,64 @@ pub(crate) fn normalize(
     // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
     // the tile's channels.
     unsafe { b.launch(grid(channels)) }?;
+    apply_affine(cuda, s, op, x, &coef, y)
+}
+
+/// What `Backend::bn_infer` enqueues: the normalisation of [`normalize`] with coefficients from
+/// the running statistics.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn infer(
+    cuda: &Cuda,
+    s: &Stream,
+    op: &BatchNorm,
+    x: In<Buffer>,
+    gamma: In<Buffer>,
+    beta: In<Buffer>,
+    mean: In<Buffer>,
+    var: In<Buffer>,
+    y: Out<Buffer>,
+) -> Launch {
+    let tile = Box4::of(&y.rect);
+    if tile.volume() == 0 {
+        return Ok(());
+    }
+    let lo = |p: &In<Buffer>| p.rect.lo[0] as i64;
+    let los = [lo(&mean), lo(&var), lo(&gamma), lo(&beta)];
+    let (c_lo, channels) = (tile.lo[1], tile.ext[1]);
+    // SAFETY: bn_affine_running writes every coefficient before bn_normalize reads it.
+    let mut coef = unsafe { s.stream.alloc::<f32>(3 * channels as usize) }?;
+    let mut b = s.stream.launch_builder(&cuda.kernels.bn_affine_running);
+    b.arg(mean.mem.f32())
+        .arg(&los[0])
+        .arg(var.mem.f32())
+        .arg(&los[1])
+        .arg(gamma.mem.f32())
+        .arg(&los[2])
+        .arg(beta.mem.f32())
+        .arg(&los[3])
+        .arg(&op.eps)
+        .arg(&c_lo)
+        .arg(&channels)
+        .arg(&mut coef);
+    // SAFETY: the arguments match the kernel's signature; the per-channel operands cover
+    // the tile's channels.
+    unsafe { b.launch(grid(channels)) }?;
+    apply_affine(cuda, s, op, x, &coef, y)
+}
+
+/// y = (x − mean)·scale + shift per channel with `coef` (`[3][tile channels]`: mean, γ·invstd,
+/// β), then the ReLU where fused.
+fn apply_affine(
+    cuda: &Cuda,
+    s: &Stream,
+    op: &BatchNorm,
+    x: In<Buffer>,
+    coef: &CudaSlice<f32>,
+    y: Out<Buffer>,
+) -> Launch {
+    let tile = Box4::of(&y.rect);
+    let x_layout = Box4::of(&x.rect);
+    let relu = op.relu as i32;
     let dtype = same_type(&[x.mem.dtype(), y.mem.dtype()]);
     // batch norm after a dense layer: row-major (`Box4::is_rows`)
     if tile.is_rows() {
@@ -109,7 +165,7 @@ pub(crate) fn normalize(
         x.mem.push(&mut b);
         b.arg(&x_layout);
         y.mem.push_mut(&mut b);
-        b.arg(&tile).arg(&coef).arg(&relu).arg(&n).arg(&packed);
+        b.arg(&tile).arg(coef).arg(&relu).arg(&n).arg(&packed);
         // SAFETY: as above; the coefficients cover the tile's channels.
         unsafe { b.launch(grid(n)) }?;
         return Ok(());
@@ -119,7 +175,7 @@ pub(crate) fn normalize(
     x.mem.push(&mut b);
     b.arg(&x_layout);
     y.mem.push_mut(&mut b);
-    b.arg(&tile).arg(&coef).arg(&relu).arg(&cut.parts);
+    b.arg(&tile).arg(coef).arg(&relu).arg(&cut.parts);
     // SAFETY: as above; the coefficients cover the tile's channels.
     unsafe { b.launch(cut.launch()) }?;
     Ok(())

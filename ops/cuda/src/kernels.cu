@@ -1054,6 +1054,21 @@ extern "C" __global__ void bn_affine(const double* moments, i64 m_lo, i64 m_chan
     }
 }
 
+// bn_affine's coefficients from the running statistics (inference): invstd = 1/√(var + eps) in
+// f64, as the CPU's BatchStats::from_running.
+extern "C" __global__ void bn_affine_running(const float* mean, i64 mean_lo, const float* var,
+                                             i64 var_lo, const float* gamma, i64 gamma_lo,
+                                             const float* beta, i64 beta_lo, float eps, i64 c_lo,
+                                             i64 channels, float* coef) {
+    GRID_STRIDE(j, channels) {
+        i64 c = c_lo + j;
+        double inv_std = 1.0 / sqrt((double)var[c - var_lo] + (double)eps);
+        coef[j] = mean[c - mean_lo];
+        coef[channels + j] = (float)((double)gamma[c - gamma_lo] * inv_std);
+        coef[2 * channels + j] = beta[c - beta_lo];
+    }
+}
+
 // One element of the normalisation: (x − mean)·(γ·invstd) + β, then max(·, 0) when `relu`.
 __device__ __forceinline__ float bn_normalized(float x, float mean, float scale, float shift,
                                                int relu) {

@@ -202,6 +202,7 @@ kernels! {
     bn_moments: twin,
     bn_sums_finish: one,
     bn_affine: one,
+    bn_affine_running: one,
     bn_normalize: twin,
     bn_running: one,
     bn_grad_sums: twin,

@@ -968,6 +968,21 @@ fn batch_norm(emu: &Emu, report: &mut Report) {
     let mf: Symbol<MF> = emu.sym("bn_sums_finish");
     let gf: Symbol<GF> = emu.sym("bn_grad_sums_finish");
     let af: Symbol<AF> = emu.sym("bn_affine");
+    type AR = unsafe extern "C" fn(
+        *const f32,
+        i64,
+        *const f32,
+        i64,
+        *const f32,
+        i64,
+        *const f32,
+        i64,
+        f32,
+        i64,
+        i64,
+        *mut f32,
+    );
+    let ar: Symbol<AR> = emu.sym("bn_affine_running");
     let ic: Symbol<IC> = emu.sym("bn_input_coef");
     let nk: Symbol<N> = emu.sym("bn_normalize");
     let rk: Symbol<RN> = emu.sym("bn_running");
@@ -1126,6 +1141,65 @@ fn batch_norm(emu: &Emu, report: &mut Report) {
                     0.0,
                 );
             }
+            // inference: the same normalisation with the running statistics' coefficients
+            let running_mean = Buffer::F32(random(c, 502));
+            let running_var = Buffer::F32(random(c, 503).iter().map(|v| v.abs() + 0.1).collect());
+            let whole = |mem| In {
+                rect: ch(0, c),
+                mem,
+            };
+            let mut want_inferred = Buffer::F32(vec![0.0; tile.volume()]);
+            Cpu::default().bn_infer(
+                &mut CpuStream,
+                &op,
+                In {
+                    rect: fullr,
+                    mem: &x,
+                },
+                whole(&gamma),
+                whole(&beta),
+                whole(&running_mean),
+                whole(&running_var),
+                Out {
+                    rect: tile,
+                    mem: &mut want_inferred,
+                },
+            );
+            let mut running_coef = vec![f32::NAN; 3 * tc_tile];
+            emu.launch(1, 1, || unsafe {
+                ar(
+                    running_mean.f32().as_ptr(),
+                    0,
+                    running_var.f32().as_ptr(),
+                    0,
+                    gamma.f32().as_ptr(),
+                    0,
+                    beta.f32().as_ptr(),
+                    0,
+                    op.eps,
+                    tile.lo[1] as i64,
+                    tc_tile as i64,
+                    running_coef.as_mut_ptr(),
+                )
+            });
+            let mut gy = vec![f32::NAN; tile.volume()];
+            emu.launch(channels * 2, 3, || unsafe {
+                nk(
+                    x.f32().as_ptr(),
+                    box4(&fullr),
+                    gy.as_mut_ptr(),
+                    box4(&tile),
+                    running_coef.as_ptr(),
+                    relu as i32,
+                    2,
+                )
+            });
+            report.check(
+                &format!("bn inference {ci} relu {relu}"),
+                &gy,
+                want_inferred.f32(),
+                0.0,
+            );
             // an [N, C] tile (batch norm after a dense layer) runs the row-major twin
             if tile.extent(2) * tile.extent(3) == 1 {
                 type NR = unsafe extern "C" fn(

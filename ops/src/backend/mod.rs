@@ -59,6 +59,10 @@ pub enum Role {
 pub enum Phase {
     Forward,
     Backward,
+    /// The forward of inference: batch norm normalises with its running statistics (`Param(2)`,
+    /// `Param(3)`) and updates nothing, dropout passes its input through; every other op runs
+    /// its forward.
+    Infer,
     /// Batch norm forward 1: per-channel sums of the tile (`Moments`, `[3, C]` f64).
     BnMoments,
     /// Batch norm forward 2: normalise with the whole-batch statistics.
@@ -526,6 +530,20 @@ pub trait Backend {
         moments: In<Self::Buffer>,
         gamma: In<Self::Buffer>,
         beta: In<Self::Buffer>,
+        y: Out<Self::Buffer>,
+    );
+    /// Inference's normalisation: with the running statistics of the tile's channels instead
+    /// of the batch's.
+    #[allow(clippy::too_many_arguments)]
+    fn bn_infer(
+        &self,
+        s: &mut Self::Stream,
+        op: &BatchNorm,
+        x: In<Self::Buffer>,
+        gamma: In<Self::Buffer>,
+        beta: In<Self::Buffer>,
+        running_mean: In<Self::Buffer>,
+        running_var: In<Self::Buffer>,
         y: Out<Self::Buffer>,
     );
     fn bn_running(

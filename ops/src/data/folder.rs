@@ -3,12 +3,15 @@
 //! folder is opened, and images are decoded on demand.
 
 use super::transform::{Normalization, resample_into};
-use super::{DataError, Dataset, ImageShape, Transforms, check_photo_shape, check_sample_args};
+use super::{
+    DataError, Dataset, ImageShape, OpenProgress, Transforms, check_photo_shape, check_sample_args,
+};
 use image::ImageReader;
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];
 /// ImageNet channel statistics, the usual choice for photographs.
@@ -51,6 +54,16 @@ impl ImageFolder {
     /// listed in the [`Census`]. Images are resized whole to `image`'s height × width (1 or 3
     /// channels) until [`with`](Self::with) gives other transforms.
     pub fn open(root: &Path, image: ImageShape) -> Result<ImageFolder, DataError> {
+        ImageFolder::open_reporting(root, image, &())
+    }
+
+    /// [`ImageFolder::open`], telling `progress` how many of the image files found have had
+    /// their headers read (a large folder takes seconds).
+    pub fn open_reporting(
+        root: &Path,
+        image: ImageShape,
+        progress: &dyn OpenProgress,
+    ) -> Result<ImageFolder, DataError> {
         check_photo_shape("an image folder", image)?;
         let class_dirs: Vec<(String, PathBuf)> = read_dir_sorted(root)?
             .into_iter()
@@ -82,9 +95,18 @@ impl ImageFolder {
                 return Err(DataError::EmptyClass { dir: dir.clone() });
             }
         }
+        let (total, checked) = (candidates.len(), AtomicUsize::new(0));
+        progress.checked(0, total);
         let headers: Vec<Option<String>> = candidates
             .par_iter()
-            .map(|(path, _)| read_header(path).err())
+            .map(|(path, _)| {
+                let problem = read_header(path).err();
+                let done = checked.fetch_add(1, Ordering::Relaxed) + 1;
+                if done % 256 == 0 || done == total {
+                    progress.checked(done, total);
+                }
+                problem
+            })
             .collect();
         census.per_class = vec![0; class_dirs.len()];
         let mut samples = Vec::with_capacity(candidates.len());
@@ -441,6 +463,21 @@ mod tests {
             .save(root.join(".cache/hidden.png"))
             .unwrap();
         dir
+    }
+
+    #[test]
+    fn opening_reports_the_files_checked_up_to_all_of_them() {
+        struct Seen(std::sync::Mutex<Vec<(usize, usize)>>);
+        impl OpenProgress for Seen {
+            fn checked(&self, done: usize, total: usize) {
+                self.0.lock().unwrap().push((done, total));
+            }
+        }
+        let dir = make_folder();
+        let seen = Seen(std::sync::Mutex::new(Vec::new()));
+        ImageFolder::open_reporting(dir.path(), [3, 4, 4], &seen).unwrap();
+        // the three images of the visible classes: none at first, all three at the end
+        assert_eq!(seen.0.into_inner().unwrap(), [(0, 3), (3, 3)]);
     }
 
     #[test]

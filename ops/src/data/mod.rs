@@ -263,6 +263,18 @@ impl Data {
         seed: u64,
         transforms: Transforms,
     ) -> Result<Arc<dyn Dataset>, DataError> {
+        self.open_reporting(image, classes, seed, transforms, &())
+    }
+
+    /// [`Data::open`], telling `progress` how far the check of a folder's files has come.
+    pub fn open_reporting(
+        &self,
+        image: ImageShape,
+        classes: usize,
+        seed: u64,
+        transforms: Transforms,
+        progress: &dyn OpenProgress,
+    ) -> Result<Arc<dyn Dataset>, DataError> {
         transforms.check()?;
         if transforms != Transforms::PLAIN
             && matches!(self, Data::Synthetic { .. } | Data::Dataset(_))
@@ -277,7 +289,9 @@ impl Data {
                 Arc::new(Synthetic::new(seed, *samples, classes, image)?)
             }
             Data::Cifar10(path) => Arc::new(Cifar10::open(path, image)?.with(transforms, seed)),
-            Data::Folder(dir) => Arc::new(ImageFolder::open(dir, image)?.with(transforms, seed)),
+            Data::Folder(dir) => {
+                Arc::new(ImageFolder::open_reporting(dir, image, progress)?.with(transforms, seed))
+            }
             Data::Dataset(dataset) => {
                 if dataset.image_shape() != image {
                     return Err(DataError::ImageShapeMismatch {
@@ -298,6 +312,17 @@ impl Data {
         }
         Ok(dataset)
     }
+}
+
+/// Told how far opening a dataset has come: `done` of the `total` image files found have had
+/// their headers read. Called from the threads that read them.
+pub trait OpenProgress: Sync {
+    fn checked(&self, done: usize, total: usize);
+}
+
+/// Nothing to tell.
+impl OpenProgress for () {
+    fn checked(&self, _: usize, _: usize) {}
 }
 
 /// Opens a dataset from a CLI spec (see [`SPEC_FORMS`] and [`Data::open`]).

@@ -123,6 +123,13 @@ impl OpKernels for BatchNorm {
                 let moments = c.write(Role::Moments);
                 c.backend.bn_moments(c.stream, x, &c.tile, moments);
             }
+            Phase::Infer => {
+                let (gamma, beta) = (c.read(Role::Param(0)), c.read(Role::Param(1)));
+                let (mean, var) = (c.read(Role::Param(2)), c.read(Role::Param(3)));
+                let y = c.write(Role::Output);
+                c.backend
+                    .bn_infer(c.stream, self, x, gamma, beta, mean, var, y);
+            }
             Phase::BnNormalize => {
                 let moments = c.read(Role::Moments);
                 let (gamma, beta) = (c.read(Role::Param(0)), c.read(Role::Param(1)));

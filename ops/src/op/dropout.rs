@@ -1,6 +1,6 @@
 use super::{BackwardReads, OpKernels};
 use super::{Flops, OpSpec, elementwise_dims};
-use crate::backend::{Backend, KernelCall, KernelError, Role};
+use crate::backend::{Backend, KernelCall, KernelError, Phase, Role};
 use crate::shape::{Dim, Rect, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -43,6 +43,20 @@ impl OpKernels for Dropout {
         let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
         c.backend.dropout_forward(c.stream, &mask, x, y);
         Ok(())
+    }
+
+    fn run<B: Backend>(&self, phase: Phase, c: &mut KernelCall<B>) -> Result<(), KernelError> {
+        match phase {
+            Phase::Forward => self.forward(c),
+            Phase::Backward => self.backward(c),
+            // Inference keeps every unit.
+            Phase::Infer => {
+                let (x, y) = (c.read(Role::Input(0)), c.write(Role::Output));
+                c.backend.copy(c.stream, x, y);
+                Ok(())
+            }
+            other => panic!("dropout has no {other} phase"),
+        }
     }
 
     fn backward<B: Backend>(&self, c: &mut KernelCall<B>) -> Result<(), KernelError> {

@@ -247,7 +247,7 @@ pub(crate) trait ReductionKernels: OpKernels + Clone {
                     Activation::Relu => c.backend.relu_backward(c.stream, y, dy, dp),
                 }
             }
-            Phase::Forward => return self.forward(c),
+            Phase::Forward | Phase::Infer => return self.forward(c),
             Phase::Backward => return self.backward(c),
             other => panic!("a {} has no {other} phase", std::any::type_name::<Self>()),
         }
@@ -396,7 +396,7 @@ pub trait OpKernels {
     /// Runs `phase`; ops with phases beyond forward and backward (batch norm) override this.
     fn run<B: Backend>(&self, phase: Phase, call: &mut KernelCall<B>) -> Result<(), KernelError> {
         match phase {
-            Phase::Forward => self.forward(call),
+            Phase::Forward | Phase::Infer => self.forward(call),
             Phase::Backward => self.backward(call),
             other => panic!("this op has no {other} phase"),
         }

@@ -413,6 +413,51 @@ impl<B: Pipeline> Trainer<B> {
         &self.graph
     }
 
+    /// The logits (`[N, classes]` row-major, the output of the layer before the loss) of
+    /// inference on a batch of `graph.batch()` samples, on this trainer's device with its
+    /// weights: batch norm on its running statistics, dropout passing everything. Changes
+    /// nothing; a step in flight is read first ([`Trainer::finish`]) by the caller.
+    pub fn logits(&mut self, images: Vec<f32>) -> Result<Vec<f32>, KernelError> {
+        assert!(
+            self.in_flight.is_none(),
+            "Trainer::logits with the stats of a step unread: call Trainer::finish"
+        );
+        let expected = self.graph.layer(self.graph.input()).shape.numel();
+        if images.len() != expected {
+            return Err(KernelError::Device(format!(
+                "the batch has {} image values, the input layer takes {expected}",
+                images.len()
+            )));
+        }
+        let images = self
+            .backend
+            .upload(&mut self.stream, &Buffer::F32(images))?;
+        let pass = Pass::new(
+            &self.graph,
+            &self.params,
+            &self.first,
+            self.sgd,
+            &[],
+            &[],
+            self.seed,
+            self.step,
+        );
+        let logits = pass.infer(
+            &self.backend,
+            &mut self.stream,
+            &mut self.weights,
+            &self.working,
+            &images,
+        )?;
+        Ok(match self.backend.download(&mut self.stream, &logits)? {
+            Buffer::Bf16(bits) => bits
+                .iter()
+                .map(|&b| crate::precision::bf16_value(b))
+                .collect(),
+            other => other.into_f32(),
+        })
+    }
+
     /// Steps taken so far.
     pub fn steps(&self) -> u64 {
         self.step

@@ -254,6 +254,64 @@ impl<'a, K> Pass<'a, K> {
         Ok((acts, loss, saved))
     }
 
+    /// The logits (the output of the layer before the loss) of inference on `images`: every
+    /// layer's [`Phase::Infer`], which normalises batch norm with its running statistics, keeps
+    /// every dropout unit and updates nothing.
+    pub(super) fn infer<B: Backend<Marker = K>>(
+        &self,
+        b: &B,
+        stream: &mut B::Stream,
+        weights: &mut [B::Buffer],
+        working: &[Option<B::Buffer>],
+        images: &B::Buffer,
+    ) -> Result<B::Buffer, KernelError> {
+        let g = self.graph;
+        let logits = g
+            .logits()
+            .ok_or_else(|| KernelError::Device("inference needs a loss layer".into()))?;
+        let input_layer = g.input();
+        let mut acts = Acts {
+            images,
+            input: input_layer.0,
+            outputs: Vec::with_capacity(g.layers().len()),
+        };
+        let precision = b.precision();
+        for id in g.ids().take(logits.0 + 1) {
+            let layer = g.layer(id);
+            let tile = self.full(id);
+            if id == input_layer {
+                let cast = match DType::activation(precision) {
+                    DType::F32 => None,
+                    dtype => {
+                        let mut cast = b.alloc(stream, dtype, layer.shape.numel())?;
+                        cast_over(b, stream, tile, images, &mut cast);
+                        Some(cast)
+                    }
+                };
+                acts.outputs.push(cast);
+                continue;
+            }
+            let mut y = b.alloc(
+                stream,
+                DType::output(&layer.op, precision),
+                layer.shape.numel(),
+            )?;
+            let mut operands: Vec<Operand<'_, B::Buffer>> = layer
+                .inputs
+                .iter()
+                .enumerate()
+                .map(|(k, &src)| read(Role::Input(k as u8), self.full(src), acts.of(src)))
+                .collect();
+            operands.extend(self.param_operands(id, weights, working));
+            operands.push(write(Role::Output, tile, &mut y));
+            self.run(b, stream, id, tile, Phase::Infer, operands)?;
+            acts.outputs.push(Some(y));
+        }
+        acts.outputs
+            .swap_remove(logits.0)
+            .ok_or_else(|| KernelError::Device("the logits are the input layer's".into()))
+    }
+
     /// The gradient of every trainable parameter, by slot.
     pub(super) fn backward<B: Backend<Marker = K>>(
         &self,

@@ -381,7 +381,8 @@ pub(crate) fn phase(kind: TaskKind) -> Option<Phase> {
         | TaskKind::BnInputGrad
         | TaskKind::PartialBackward
         | TaskKind::FinishBackward => Some(Phase::Backward),
-        TaskKind::Update { .. } | TaskKind::Empty => None,
+        // Inference runs apart from the steps it would be priced in.
+        TaskKind::Update { .. } | TaskKind::Empty | TaskKind::Infer => None,
     }
 }
 

@@ -18,7 +18,7 @@ pub use driver::{Compute, Placement};
 
 use crate::buffer::Buffer;
 use crate::exec::{self, ExecContext, StepInput, TaskOutcome};
-use crate::program::{DeviceProgram, LocalOpKind};
+use crate::program::{DeviceProgram, LocalOpKind, Part};
 use crate::recycle::BufferPool;
 use crate::transport::{SliceData, Transport};
 use driver::{Driver, DriverEvent, Handed, StepEnd, StepStart};
@@ -125,7 +125,7 @@ impl DeviceActor {
             trace: msg.trace,
             actor: actor.clone(),
         });
-        for arrival in self.schedule.start(msg.step) {
+        for arrival in self.schedule.start(msg.step, msg.part) {
             self.note(arrival, msg.step);
         }
         self.run_ready();
@@ -276,8 +276,10 @@ fn caught<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     })
 }
 
-/// Starts a step: run every op of the program once, then reply.
+/// Starts a run: every op of the program's `part` once (a training step, or inference on a
+/// batch), then reply. Each part numbers its runs on its own.
 pub struct RunStep {
+    pub part: Part,
     pub step: u64,
     pub input: Arc<StepInput>,
     /// Where step time starts, shared by all devices (for traces).

@@ -11,7 +11,7 @@
 
 use crate::analysis::OpId;
 use crate::buffer::Buffer;
-use crate::program::{DeviceProgram, LocalOpKind};
+use crate::program::{DeviceProgram, LocalOpKind, Part};
 use crate::region::DType;
 use crate::transport::SliceData;
 use std::collections::HashMap;
@@ -52,6 +52,7 @@ struct Receive {
 }
 
 struct Running {
+    part: Part,
     step: u64,
     /// Per op: the dependences (and, for a receive, the slice) it still waits for.
     waiting: Vec<u32>,
@@ -63,17 +64,22 @@ struct Running {
 pub(crate) struct Schedule {
     program: Arc<DeviceProgram>,
     receives: HashMap<OpId, Receive>,
+    /// Per op, what it waits for when a run of its part starts: its dependences in its part
+    /// (those of the other part ran in an earlier run), and a receive's slice.
+    waits: Vec<u32>,
     running: Option<Running>,
-    /// The last step that ended here: slices for it or before it are stale.
-    ended: Option<u64>,
-    early: Vec<Slice>,
+    /// Per part, the last run that ended here: its slices for it or before it are stale. Each
+    /// part numbers its runs on its own (training steps; inference's batches).
+    ended: [Option<u64>; 2],
+    /// Slices of runs not started here yet, with their part.
+    early: Vec<(Part, Slice)>,
     /// Ops ready to run, a stack; kept across steps so that completing an op allocates nothing.
     ready: Vec<u32>,
 }
 
 impl Schedule {
     pub fn new(program: Arc<DeviceProgram>) -> Schedule {
-        let receives = program
+        let receives: HashMap<OpId, Receive> = program
             .ops
             .iter()
             .enumerate()
@@ -89,11 +95,22 @@ impl Schedule {
                 _ => None,
             })
             .collect();
+        let mut waits: Vec<u32> = (0..program.ops.len() as u32)
+            .map(|i| {
+                let part = program.part_of(i);
+                let deps = &program.ops[i as usize].deps;
+                deps.iter().filter(|&&d| program.part_of(d) == part).count() as u32
+            })
+            .collect();
+        for r in receives.values() {
+            waits[r.op as usize] += 1;
+        }
         Schedule {
             program,
             receives,
+            waits,
             running: None,
-            ended: None,
+            ended: [None; 2],
             early: Vec::new(),
             ready: Vec::new(),
         }
@@ -104,20 +121,27 @@ impl Schedule {
         self.running.as_ref().map(|r| r.step)
     }
 
+    fn index(part: Part) -> usize {
+        match part {
+            Part::Step => 0,
+            Part::Inference => 1,
+        }
+    }
+
     /// Starts step `step`: the ops without dependences are ready, and the slices that came early
     /// for it are counted now (their arrivals returned, in the order they came); early slices of
     /// steps before it are dropped as stale.
-    pub fn start(&mut self, step: u64) -> Vec<Arrival> {
+    pub fn start(&mut self, step: u64, part: Part) -> Vec<Arrival> {
         assert!(self.running.is_none(), "step {step} started inside a step");
-        let ops = &self.program.ops;
-        let mut waiting: Vec<u32> = ops.iter().map(|o| o.deps.len() as u32).collect();
-        for r in self.receives.values() {
-            waiting[r.op as usize] += 1;
-        }
+        let waiting = self.waits.clone();
         self.ready.clear();
-        self.ready
-            .extend((0..ops.len() as u32).filter(|&i| waiting[i as usize] == 0));
+        self.ready.extend(
+            self.program
+                .part(part)
+                .filter(|&i| waiting[i as usize] == 0),
+        );
         self.running = Some(Running {
+            part,
             step,
             waiting,
             arrived: HashMap::new(),
@@ -125,9 +149,9 @@ impl Schedule {
         });
         let early = std::mem::take(&mut self.early);
         let mut arrivals = Vec::new();
-        for slice in early {
-            if slice.step > step {
-                self.early.push(slice);
+        for (of, slice) in early {
+            if of != part || slice.step > step {
+                self.early.push((of, slice));
             } else {
                 arrivals.push(self.arrive(slice));
             }
@@ -137,17 +161,25 @@ impl Schedule {
 
     /// Takes a slice from another device.
     pub fn arrive(&mut self, slice: Slice) -> Arrival {
-        let Some(running) = self.running.as_mut().filter(|r| r.step == slice.step) else {
-            // The newest step started here: slices up to it are for steps already over.
-            let newest = self.running.as_ref().map(|r| r.step).or(self.ended);
+        let Some(&receive) = self.receives.get(&slice.copy) else {
+            return Arrival::Unexpected;
+        };
+        let part = self.program.part_of(receive.op);
+        let Some(running) = self
+            .running
+            .as_mut()
+            .filter(|r| r.part == part && r.step == slice.step)
+        else {
+            // The newest run of the part started here: slices up to it are for runs over.
+            let newest = match &self.running {
+                Some(r) if r.part == part => Some(r.step),
+                _ => self.ended[Schedule::index(part)],
+            };
             if newest.is_some_and(|s| slice.step <= s) {
                 return Arrival::Stale;
             }
-            self.early.push(slice);
+            self.early.push((part, slice));
             return Arrival::Early;
-        };
-        let Some(&receive) = self.receives.get(&slice.copy) else {
-            return Arrival::Unexpected;
         };
         // A receive waits for its slice until it comes: with nothing left to wait for, the
         // slice came already (and may have been handed out).
@@ -198,6 +230,9 @@ impl Schedule {
             .expect("an op completed outside a step");
         running.done += 1;
         for &d in &self.program.dependents[op as usize] {
+            if self.program.part_of(d) != running.part {
+                continue;
+            }
             let waiting = &mut running.waiting[d as usize];
             *waiting -= 1;
             if *waiting == 0 {
@@ -210,13 +245,13 @@ impl Schedule {
     pub fn all_done(&self) -> bool {
         self.running
             .as_ref()
-            .is_some_and(|r| r.done == self.program.ops.len())
+            .is_some_and(|r| r.done == self.program.part(r.part).len())
     }
 
     /// Ends the running step; slices of later steps stay kept.
     pub fn end(&mut self) {
         if let Some(running) = self.running.take() {
-            self.ended = Some(running.step);
+            self.ended[Schedule::index(running.part)] = Some(running.step);
         }
     }
 }
@@ -286,6 +321,7 @@ mod tests {
             precision: legion_ops::Precision::Fp32,
             device: 0,
             instances: vec![instance(0), instance(1), instance(2)],
+            inference_from: ops.len() as u32,
             ops,
             dependents,
         })
@@ -306,7 +342,7 @@ mod tests {
     #[test]
     fn ops_become_ready_after_their_dependences_and_receives_after_their_slice() {
         let mut s = Schedule::new(program());
-        assert!(s.start(1).is_empty());
+        assert!(s.start(1, Part::Step).is_empty());
         assert_eq!(drain(&mut s), [0]);
         s.complete(0);
         // The receive has its dependence but not its slice.
@@ -329,7 +365,7 @@ mod tests {
         let mut s = Schedule::new(program());
         assert_eq!(s.arrive(slice(1, 9, 4)), Arrival::Early);
         assert_eq!(s.arrive(slice(2, 9, 4)), Arrival::Early);
-        assert_eq!(s.start(1), [Arrival::Accepted]);
+        assert_eq!(s.start(1, Part::Step), [Arrival::Accepted]);
         let mut ready = drain(&mut s);
         ready.sort_unstable();
         assert_eq!(ready, [0, 3]);
@@ -344,13 +380,13 @@ mod tests {
         }
         assert!(s.all_done());
         s.end();
-        assert_eq!(s.start(2), [Arrival::Accepted]);
+        assert_eq!(s.start(2, Part::Step), [Arrival::Accepted]);
     }
 
     #[test]
     fn a_duplicate_slice_is_refused_and_does_not_complete_its_receive_early() {
         let mut s = Schedule::new(program());
-        s.start(1);
+        s.start(1, Part::Step);
         assert_eq!(s.arrive(slice(1, 7, 4)), Arrival::Accepted);
         assert_eq!(s.arrive(slice(1, 7, 4)), Arrival::Duplicate);
         // The receive still waits for op 0: the second slice did not count for it.
@@ -367,7 +403,7 @@ mod tests {
     #[test]
     fn a_slice_of_the_wrong_size_or_type_stands_in_zeros_and_fails_the_step() {
         let mut s = Schedule::new(program());
-        s.start(1);
+        s.start(1, Part::Step);
         let Arrival::Misshapen { error } = s.arrive(slice(1, 9, 3)) else {
             panic!("a short slice accepted")
         };
@@ -388,13 +424,45 @@ mod tests {
     #[test]
     fn slices_for_no_receive_or_a_finished_step_are_dropped() {
         let mut s = Schedule::new(program());
-        s.start(3);
+        s.start(3, Part::Step);
         assert_eq!(s.arrive(slice(3, 8, 4)), Arrival::Unexpected);
         assert_eq!(s.arrive(slice(2, 7, 4)), Arrival::Stale);
         s.end();
         // Between steps: the ended step's slices are stale, the next one's early.
         assert_eq!(s.arrive(slice(3, 7, 4)), Arrival::Stale);
         assert_eq!(s.arrive(slice(4, 7, 4)), Arrival::Early);
-        assert_eq!(s.start(4), [Arrival::Accepted]);
+        assert_eq!(s.start(4, Part::Step), [Arrival::Accepted]);
+    }
+
+    #[test]
+    fn a_run_of_one_part_runs_its_ops_only_and_counts_the_other_parts_as_done() {
+        // Ops 0 and 1 are the step; 2 (after 1) and 3 are inference.
+        let mut program = Arc::unwrap_or_clone(program());
+        program.inference_from = 2;
+        let mut s = Schedule::new(Arc::new(program));
+        assert_eq!(s.arrive(slice(1, 9, 4)), Arrival::Early);
+        assert!(s.start(1, Part::Step).is_empty());
+        assert_eq!(drain(&mut s), [0]);
+        s.complete(0);
+        assert_eq!(s.arrive(slice(1, 7, 4)), Arrival::Accepted);
+        assert_eq!(drain(&mut s), [1]);
+        s.complete(1);
+        // Op 2 depends on op 1 but is inference's: the step ends without it.
+        assert!(drain(&mut s).is_empty());
+        assert!(s.all_done());
+        s.end();
+        // Inference numbers its runs on its own; its early slice counts now.
+        assert_eq!(s.start(1, Part::Inference), [Arrival::Accepted]);
+        let mut ready = drain(&mut s);
+        ready.sort_unstable();
+        assert_eq!(ready, [2, 3]);
+        for op in [2, 3] {
+            s.complete(op);
+        }
+        assert!(s.all_done());
+        s.end();
+        assert_eq!(s.arrive(slice(1, 9, 4)), Arrival::Stale);
+        assert_eq!(s.arrive(slice(1, 7, 4)), Arrival::Stale);
+        assert_eq!(s.arrive(slice(2, 7, 4)), Arrival::Early);
     }
 }

@@ -57,6 +57,8 @@ pub struct StepDone {
     /// was asked for a number of them.
     pub epoch: u64,
     pub epochs: Option<u64>,
+    /// Steps a pass over the data takes.
+    pub steps_per_epoch: u64,
     pub loss: f32,
     pub accuracy: f64,
     pub seconds: f64,
@@ -87,7 +89,8 @@ pub struct TrainSummary {
     pub batch: usize,
     /// One per step this run took.
     pub losses: Vec<f32>,
-    /// Over the steps this run took; `None` when it took none.
+    /// Over the steps this run took (the time scoring and saving between them left out); `None`
+    /// when it took none.
     pub images_per_sec: Option<f64>,
     pub wall_secs: f64,
     pub saved: Option<PathBuf>,

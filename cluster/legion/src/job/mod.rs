@@ -30,7 +30,7 @@ use legion_cluster::hosts::Hosts;
 use legion_cluster::launch;
 use legion_ops::capture::CaptureSetting;
 use legion_ops::checkpoint::Checkpoint;
-use legion_ops::data::{self, Data, Dataset, Transforms};
+use legion_ops::data::{self, Data, Dataset, OpenProgress, Transforms};
 use legion_ops::train::{LossReadback, LrSchedule, Sgd};
 use legion_ops::{Graph, Precision};
 use legion_planner::progress::Progress;
@@ -95,7 +95,9 @@ pub struct TrainOptions {
     /// How a GPU runs the steps.
     pub gpu: GpuOptions,
     /// Where a search for the strategy reports its progress.
-    pub search_progress: SearchProgress,
+    pub search_progress: Reported<dyn Progress>,
+    /// Where opening a folder of images reports its check of the files.
+    pub open_progress: Reported<dyn OpenProgress>,
 }
 
 /// Held-out data a run scores (top-1, top-5, loss) with the weights it has trained so far.
@@ -116,25 +118,37 @@ pub enum HeldOut {
     Split(f64),
 }
 
-/// Where a run's strategy search reports its phases ([`Progress`]): nowhere by default.
-#[derive(Clone, Default)]
-pub struct SearchProgress(Option<Arc<dyn Progress>>);
+/// Where a run reports the progress of a long part of its start (the strategy search's phases,
+/// [`Progress`]; the check of a folder's files, [`OpenProgress`]): nowhere by default.
+pub struct Reported<T: ?Sized>(Option<Arc<T>>);
 
-impl SearchProgress {
-    pub fn to(progress: Arc<dyn Progress>) -> SearchProgress {
-        SearchProgress(Some(progress))
+impl<T: ?Sized> Reported<T> {
+    pub fn to(progress: Arc<T>) -> Reported<T> {
+        Reported(Some(progress))
     }
 
-    pub fn get(&self) -> Option<&dyn Progress> {
+    pub fn get(&self) -> Option<&T> {
         self.0.as_deref()
     }
 }
 
-impl std::fmt::Debug for SearchProgress {
+impl<T: ?Sized> Default for Reported<T> {
+    fn default() -> Self {
+        Reported(None)
+    }
+}
+
+impl<T: ?Sized> Clone for Reported<T> {
+    fn clone(&self) -> Self {
+        Reported(self.0.clone())
+    }
+}
+
+impl<T: ?Sized> std::fmt::Debug for Reported<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self.0 {
-            Some(_) => "SearchProgress(reported)",
-            None => "SearchProgress(none)",
+            Some(_) => "Reported(to a listener)",
+            None => "Reported(nowhere)",
         })
     }
 }
@@ -201,7 +215,8 @@ impl Default for TrainOptions {
             precision: None,
             gpus: None,
             gpu: GpuOptions::default(),
-            search_progress: SearchProgress::default(),
+            search_progress: Reported::default(),
+            open_progress: Reported::default(),
         }
     }
 }
@@ -321,7 +336,13 @@ impl Training {
 
     /// Reports the strategy search's phases to `progress`.
     pub fn search_progress(mut self, progress: Arc<dyn Progress>) -> Self {
-        self.options.search_progress = SearchProgress::to(progress);
+        self.options.search_progress = Reported::to(progress);
+        self
+    }
+
+    /// Reports the check of a folder's image files, as it opens, to `progress`.
+    pub fn open_progress(mut self, progress: Arc<dyn OpenProgress>) -> Self {
+        self.options.open_progress = Reported::to(progress);
         self
     }
 
@@ -613,6 +634,7 @@ impl Job {
                 sgd: opts.sgd,
                 seed: opts.seed,
                 precision,
+                inference: validation.is_some(),
             },
         )?;
         let plan = distributed.then(|| PlannedRun {
@@ -814,23 +836,25 @@ fn open_dataset(
     shape: &ModelShape,
 ) -> anyhow::Result<Arc<dyn Dataset>> {
     let spec = data.to_string();
-    let dataset = match data.open(shape.image, shape.classes, opts.seed, transforms) {
-        Err(data::DataError::TooManyClasses {
-            dataset,
-            dataset_classes,
-            ..
-        }) => {
-            return Err(classes_mismatch(
-                flag,
-                &spec,
-                &dataset,
+    let progress = opts.open_progress.get().unwrap_or(&());
+    let dataset =
+        match data.open_reporting(shape.image, shape.classes, opts.seed, transforms, progress) {
+            Err(data::DataError::TooManyClasses {
+                dataset,
                 dataset_classes,
-                graph,
-                shape.classes,
-            ));
-        }
-        opened => opened.with_context(|| format!("{flag} {spec}"))?,
-    };
+                ..
+            }) => {
+                return Err(classes_mismatch(
+                    flag,
+                    &spec,
+                    &dataset,
+                    dataset_classes,
+                    graph,
+                    shape.classes,
+                ));
+            }
+            opened => opened.with_context(|| format!("{flag} {spec}"))?,
+        };
     if opts.strict_data
         && let Some((path, why)) = dataset.census().and_then(|c| c.unreadable.first())
     {

@@ -62,9 +62,10 @@ impl Job {
                 return Ok(());
             };
             let started = Instant::now();
-            let params = engine.state()?.params;
-            let accuracy = infer::evaluate(&graph, &params, held_out.clone(), opts.strict_data)
-                .context("scoring the held-out data")?;
+            let accuracy = infer::score(batch, held_out.clone(), opts.strict_data, |images| {
+                engine.logits(images)
+            })
+            .context("scoring the held-out data")?;
             let evaluation = Evaluation {
                 step,
                 accuracy,
@@ -114,6 +115,8 @@ impl Job {
             .then(&mut next_batch)
             .transpose()?;
         let mut traced_reports = None;
+        // Seconds spent scoring and saving between steps, which are not training's.
+        let mut paused = 0.0;
         for step in first_step + 1..=opts.steps {
             let batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
@@ -146,6 +149,7 @@ impl Job {
                 if let Some(stats) = engine.finish()? {
                     reported.read(stats, &mut on_event)?;
                 }
+                let pause = Instant::now();
                 if scored {
                     evaluate(engine.as_mut(), step, &mut on_event)?;
                 }
@@ -154,6 +158,7 @@ impl Job {
                 }
                 // Neither is the next step's time.
                 reported.last_returned = Instant::now();
+                paused += pause.elapsed().as_secs_f64();
             }
         }
         if let Some(stats) = engine.finish()? {
@@ -188,7 +193,7 @@ impl Job {
             steps: opts.steps,
             first_step,
             batch,
-            images_per_sec: (!losses.is_empty()).then(|| images / wall_secs),
+            images_per_sec: (!losses.is_empty()).then(|| images / (wall_secs - paused)),
             losses,
             wall_secs,
             saved: opts.save.clone(),
@@ -280,6 +285,7 @@ impl Reported {
             total_steps: self.total_steps,
             epoch: (step - 1) / self.per_epoch + 1,
             epochs: self.epochs,
+            steps_per_epoch: self.per_epoch,
             loss: stats.loss,
             accuracy: stats.correct as f64 / self.batch as f64,
             seconds,

@@ -666,6 +666,30 @@ impl Backend for Cpu {
         );
     }
 
+    fn bn_infer(
+        &self,
+        _: &mut CpuStream,
+        op: &BatchNorm,
+        x: In<Buffer>,
+        gamma: In<Buffer>,
+        beta: In<Buffer>,
+        running_mean: In<Buffer>,
+        running_var: In<Buffer>,
+        y: Out<Buffer>,
+    ) {
+        let channels = y.rect.lo[1]..y.rect.hi[1];
+        let (mean, var) = (wide(running_mean), wide(running_var));
+        let stats = BatchStats::from_running(channels, mean.view(), var.view(), op.eps);
+        batch_norm::normalize(
+            wide(x).view(),
+            &stats,
+            wide(gamma).view(),
+            wide(beta).view(),
+            op.relu,
+            narrow(y).view_mut(),
+        );
+    }
+
     fn bn_running(
         &self,
         _: &mut CpuStream,
