@@ -1,6 +1,6 @@
-//! Images in a folder per class (`root/<class>/<image>.{png,jpg,jpeg}`), the layout of ImageNet-style
-//! training sets. Class ids follow the sorted folder names; every file's header is read when the
-//! folder is opened, and images are decoded on demand.
+//! Images in a folder per class (`root/<class>/[…/]<image>.{png,jpg,jpeg}`), the layout of
+//! ImageNet-style training sets. Class ids follow the sorted folder names; every file's header is
+//! read when the folder is opened, and images are decoded on demand.
 
 use super::transform::{Normalization, resample_into};
 use super::{
@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 const EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];
@@ -20,6 +21,7 @@ const STD: [f32; 3] = [0.229, 0.224, 0.225];
 const GREY_MEAN: f32 = 0.449;
 const GREY_STD: f32 = 0.226;
 
+#[derive(Clone)]
 pub struct ImageFolder {
     root: PathBuf,
     class_names: Vec<String>,
@@ -78,10 +80,7 @@ impl ImageFolder {
         let mut census = Census::default();
         for (label, (_, dir)) in class_dirs.iter().enumerate() {
             let before = candidates.len();
-            for (_, path) in read_dir_sorted(dir)? {
-                if !path.is_file() {
-                    continue;
-                }
+            for path in files_under(dir)? {
                 if has_image_extension(&path) {
                     candidates.push((path, label as u32));
                 } else {
@@ -386,6 +385,24 @@ fn read_dir_sorted(dir: &Path) -> Result<Vec<(String, PathBuf)>, DataError> {
     Ok(entries)
 }
 
+/// The files in `dir` and, as torchvision's `ImageFolder` finds them, in its subfolders at any
+/// depth (hidden ones left out, and links to folders, which could loop), each folder's entries
+/// in name order.
+fn files_under(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+    let mut files = Vec::new();
+    for (name, path) in read_dir_sorted(dir)? {
+        if path.is_dir() {
+            let linked = fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink());
+            if !name.starts_with('.') && !linked {
+                files.extend(files_under(&path)?);
+            }
+        } else if path.is_file() {
+            files.push(path);
+        }
+    }
+    Ok(files)
+}
+
 /// Whether `path` names a PNG or JPEG file by its extension (any case), as a folder's images do.
 pub fn has_image_extension(path: &Path) -> bool {
     path.extension()
@@ -396,6 +413,11 @@ pub fn has_image_extension(path: &Path) -> bool {
 impl Dataset for ImageFolder {
     fn num_samples(&self) -> usize {
         self.samples.len()
+    }
+
+    /// The same files, opened once, through other transforms.
+    fn seen_through(&self, transforms: Transforms) -> Option<Arc<dyn Dataset>> {
+        Some(Arc::new(self.clone().with(transforms, self.seed)))
     }
 
     fn image_shape(&self) -> ImageShape {
@@ -456,8 +478,9 @@ mod tests {
             .save_with_format(root.join("cat/b_green.JPG"), image::ImageFormat::Jpeg)
             .unwrap();
         fs::write(root.join("cat/notes.txt"), "not an image").unwrap();
+        fs::create_dir(root.join("dog/puppies")).unwrap();
         GrayImage::from_pixel(4, 4, Luma([128]))
-            .save(root.join("dog/grey.png"))
+            .save(root.join("dog/puppies/grey.png"))
             .unwrap();
         RgbImage::from_pixel(2, 2, Rgb([1, 2, 3]))
             .save(root.join(".cache/hidden.png"))
@@ -478,6 +501,25 @@ mod tests {
         ImageFolder::open_reporting(dir.path(), [3, 4, 4], &seen).unwrap();
         // the three images of the visible classes: none at first, all three at the end
         assert_eq!(seen.0.into_inner().unwrap(), [(0, 3), (3, 3)]);
+    }
+
+    #[test]
+    fn a_folder_seen_through_other_transforms_keeps_its_files_and_applies_them() {
+        let dir = make_folder();
+        let plain = ImageFolder::open(dir.path(), [3, 4, 4]).unwrap();
+        let raw = Transforms {
+            normalize: crate::data::Normalize::Off,
+            ..Transforms::PLAIN
+        };
+        let seen = plain.seen_through(raw).unwrap();
+        assert_eq!(seen.num_samples(), plain.num_samples());
+        assert_eq!(seen.census(), Some(plain.census()));
+        let (mut a, mut b) = (vec![0.0; 48], vec![0.0; 48]);
+        for i in 0..plain.num_samples() {
+            let label = plain.sample(i, 0, &mut a).unwrap();
+            assert_eq!(seen.sample(i, 0, &mut b).unwrap(), label);
+            assert_ne!(a, b, "sample {i} normalised as before");
+        }
     }
 
     #[test]

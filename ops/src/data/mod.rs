@@ -146,6 +146,12 @@ pub trait Dataset: Send + Sync {
         None
     }
 
+    /// The same samples through other transforms, where the dataset applies transforms (its
+    /// files read once: the held-out part of a split is scored through the evaluation recipe).
+    fn seen_through(&self, _transforms: Transforms) -> Option<Arc<dyn Dataset>> {
+        None
+    }
+
     /// Values in one sample: `C·H·W`.
     fn sample_len(&self) -> usize {
         self.image_shape().iter().product()

@@ -784,7 +784,9 @@ fn open_datasets(
     let transforms = opts
         .transforms
         .unwrap_or_else(|| opts.data.default_transforms());
-    let train = open_dataset("--data", &opts.data, transforms, graph, opts, shape)?;
+    let train = open_dataset(
+        "--data", &opts.data, transforms, opts.seed, graph, opts, shape,
+    )?;
     let Some(validation) = &opts.validation else {
         return Ok((train, None));
     };
@@ -798,7 +800,11 @@ fn open_datasets(
     };
     Ok(match &validation.data {
         HeldOut::Data(data) => {
-            let held = open_dataset("--val-data", data, scored(data), graph, opts, shape)?;
+            let held = {
+                // Held-out synthetic samples are drawn apart from the training ones.
+                let seed = opts.seed ^ HELD_OUT_SEED;
+                open_dataset("--val-data", data, scored(data), seed, graph, opts, shape)?
+            };
             if let (Some(a), Some(b)) = (train.census(), held.census())
                 && a.class_names != b.class_names
             {
@@ -813,7 +819,13 @@ fn open_datasets(
         HeldOut::Split(fraction) => {
             let (train_part, held_part) = data::split(train.num_samples(), *fraction, opts.seed)
                 .with_context(|| format!("--val-split {fraction}"))?;
-            let held = open_dataset("--data", &opts.data, scored(&opts.data), graph, opts, shape)?;
+            let held = match train.seen_through(scored(&opts.data)) {
+                Some(held) => held,
+                None => {
+                    let scored = scored(&opts.data);
+                    open_dataset("--data", &opts.data, scored, opts.seed, graph, opts, shape)?
+                }
+            };
             (
                 Arc::new(data::Subset::new(train, train_part, "the training part")?),
                 Some(Arc::new(data::Subset::new(
@@ -826,35 +838,39 @@ fn open_datasets(
     })
 }
 
+/// What the seed of `--val-data` differs from the run's by (`--seed`).
+const HELD_OUT_SEED: u64 = 0x4845_4c44_4f55_5421;
+
 /// One dataset of a run, refused where its classes are not the model's outputs.
 fn open_dataset(
     flag: &str,
     data: &Data,
     transforms: Transforms,
+    seed: u64,
     graph: &Graph,
     opts: &TrainOptions,
     shape: &ModelShape,
 ) -> anyhow::Result<Arc<dyn Dataset>> {
     let spec = data.to_string();
     let progress = opts.open_progress.get().unwrap_or(&());
-    let dataset =
-        match data.open_reporting(shape.image, shape.classes, opts.seed, transforms, progress) {
-            Err(data::DataError::TooManyClasses {
-                dataset,
+    let dataset = match data.open_reporting(shape.image, shape.classes, seed, transforms, progress)
+    {
+        Err(data::DataError::TooManyClasses {
+            dataset,
+            dataset_classes,
+            ..
+        }) => {
+            return Err(classes_mismatch(
+                flag,
+                &spec,
+                &dataset,
                 dataset_classes,
-                ..
-            }) => {
-                return Err(classes_mismatch(
-                    flag,
-                    &spec,
-                    &dataset,
-                    dataset_classes,
-                    graph,
-                    shape.classes,
-                ));
-            }
-            opened => opened.with_context(|| format!("{flag} {spec}"))?,
-        };
+                graph,
+                shape.classes,
+            ));
+        }
+        opened => opened.with_context(|| format!("{flag} {spec}"))?,
+    };
     if opts.strict_data
         && let Some((path, why)) = dataset.census().and_then(|c| c.unreadable.first())
     {
