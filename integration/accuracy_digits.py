@@ -12,7 +12,9 @@ recipe (shorter side to 32, centre crop 28), over --seeds seeds each:
 - PyTorch with torchvision's transforms.v2 on the same files.
 
 Both run with torchvision's training recipe (RandomResizedCrop(28) and a horizontal flip) and
-without it (the whole image resized), to show what the augmentation changes.
+without it (the whole image resized), to show what the augmentation changes. PyTorch starts
+from its own initialisation, or with --same-init from the weights legion-rs initialises with the
+same seed (`legion-rs train --steps 0 --save`), which leaves only the random draws apart.
 
     /tmp/torchenv/bin/python integration/accuracy_digits.py --legion target/release/legion-rs
 
@@ -28,6 +30,7 @@ import sys
 import tempfile
 
 import numpy as np
+import safetensors.numpy
 import torch
 import torchvision
 from PIL import Image
@@ -88,7 +91,30 @@ class LeNet5(nn.Module):
         return self.classifier(self.features(x))
 
 
-def torch_run(root, args, seed, augment):
+def legion_init(binary, root, seed):
+    """legion-rs's seeded initial weights of LeNet-5, in its parameters' order."""
+    path = os.path.join(root, f"init-{seed}.safetensors")
+    command = [binary, "train", "--model", "lenet5", "--image-size", "28", "--classes", "10",
+               "--seed", str(seed), "--steps", "0", "--save", path]
+    out = subprocess.run(command, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(command)}:\n{out.stderr}")
+    return safetensors.numpy.load_file(path)
+
+
+# legion-rs's LeNet-5 layers with weights, in the order of the torch model's parameters.
+LEGION_LAYERS = ["conv1", "conv2", "fc3", "fc4", "fc5"]
+
+
+def load_init(model, tensors):
+    """Copies legion-rs's weights into the torch model (the same shapes, layer by layer)."""
+    ours = [tensors[f"{layer}.{kind}"] for layer in LEGION_LAYERS for kind in ("weight", "bias")]
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), ours, strict=True):
+            p.copy_(torch.from_numpy(np.ascontiguousarray(t)))
+
+
+def torch_run(root, args, seed, augment, init=None):
     torch.manual_seed(seed)
     tail = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize([GREY_MEAN], [GREY_STD])]
     grey = v2.Grayscale(1)
@@ -102,6 +128,8 @@ def torch_run(root, args, seed, augment):
     val = torchvision.datasets.ImageFolder(os.path.join(root, "val"), eval_tf)
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch, shuffle=True, drop_last=True)
     model = LeNet5()
+    if init is not None:
+        load_init(model, init)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     steps = args.epochs * len(loader)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
@@ -130,6 +158,8 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--same-init", action="store_true",
+                        help="PyTorch starts from legion-rs's initial weights of the same seed")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root:
@@ -143,7 +173,9 @@ def main():
                 f"legion-rs 4 devices optcnn, {recipe}":
                     [legion_run(args.legion, root, args, s, 4, augment) for s in range(args.seeds)],
                 f"PyTorch {torch.__version__}, {recipe}":
-                    [torch_run(root, args, s, augment) for s in range(args.seeds)],
+                    [torch_run(root, args, s, augment,
+                               legion_init(args.legion, root, s) if args.same_init else None)
+                     for s in range(args.seeds)],
             }
             rows.update(runs)
     report = {name: {"top1": accs, "mean": statistics.mean(accs), "std": statistics.stdev(accs)}
