@@ -2,11 +2,12 @@
 //! test instead of skipping it.
 //!
 //! Some tests need what a machine may lack: a GPU, an ssh server, network namespaces, NVRTC, a
-//! C++ compiler, a Slurm the test can start, onnxruntime. Where it is missing they skip with a
+//! C++ compiler, a Slurm the test can start, onnxruntime, a Python to build and test the wheel in,
+//! torch. Where it is missing they skip with a
 //! printed reason ([`skip`]), so that the suite passes on any machine. A machine that is meant to
 //! have them says so, and there a skip fails: `LEGION_REQUIRE=gpu,nvrtc,cxx` on the lent GPU
 //! machine (`integration/gpu-check.sh`), and in CI what `.ci/run` installed or found
-//! (`ssh,netns,slurm` as root, `nvrtc`, `cxx`, `onnxruntime`).
+//! (`ssh,netns,slurm` as root, `nvrtc`, `cxx`, `onnxruntime`, `python`, `torch`).
 
 use std::fmt;
 
@@ -31,10 +32,16 @@ pub enum Need {
     /// Python with onnxruntime, to run exported ONNX files (`LEGION_ONNXRUNTIME_PATH` may name
     /// the folder it was installed into).
     Onnxruntime,
+    /// maturin and a Python with venv and pip, to build the `legion_rs` wheel and run its pytest
+    /// tests in a fresh virtual environment (`LEGION_WHEELHOUSE` may hold the wheels they install).
+    Python,
+    /// torch (and torchvision) for the Python package's tests against PyTorch (`LEGION_TORCH_PATH`
+    /// may name the folder it was installed into).
+    Torch,
 }
 
 impl Need {
-    pub const ALL: [Need; 7] = [
+    pub const ALL: [Need; 9] = [
         Need::Gpu,
         Need::Ssh,
         Need::Netns,
@@ -42,6 +49,8 @@ impl Need {
         Need::Cxx,
         Need::Slurm,
         Need::Onnxruntime,
+        Need::Python,
+        Need::Torch,
     ];
 
     pub fn name(self) -> &'static str {
@@ -53,6 +62,8 @@ impl Need {
             Need::Cxx => "cxx",
             Need::Slurm => "slurm",
             Need::Onnxruntime => "onnxruntime",
+            Need::Python => "python",
+            Need::Torch => "torch",
         }
     }
 }
@@ -118,7 +129,8 @@ mod tests {
         assert_eq!(parse("gpu,cxx"), Ok(vec![Need::Gpu, Need::Cxx]));
         let e = parse("gpu,sshd").unwrap_err();
         assert!(
-            e.contains("\"sshd\"") && e.contains("gpu, ssh, netns, nvrtc, cxx, slurm, onnxruntime"),
+            e.contains("\"sshd\"")
+                && e.contains("gpu, ssh, netns, nvrtc, cxx, slurm, onnxruntime, python, torch"),
             "{e}"
         );
         for need in Need::ALL {

@@ -306,6 +306,7 @@ impl TrainFlags {
             gpus: self.gpus.clone().map(|g| g.0),
             search_progress: legion::job::Reported::default(),
             open_progress: legion::job::Reported::default(),
+            stop: legion::StopSignal::default(),
             gpu: GpuOptions {
                 conv_algos: self.conv_algos,
                 conv_epilogue: match self.no_fused_epilogue {

@@ -34,6 +34,9 @@ fn plan(model: &str) -> serde_json::Value {
         for layer in search["strategy"].as_array_mut().unwrap() {
             layer.as_object_mut().unwrap().remove("layer");
         }
+        for layer in search["eq1_parts"]["layers"].as_array_mut().unwrap() {
+            layer.as_object_mut().unwrap().remove("layer");
+        }
     }
     v
 }

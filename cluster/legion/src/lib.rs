@@ -18,18 +18,20 @@
 //! - [`Training`] and [`job`]: the run, its options, its [`JobEvent`]s and [`TrainSummary`];
 //! - [`device`]: where the steps run (`DeviceKind`), GPUs started and checked to fit;
 //! - [`machine`]: the planner's model of the embedded devices or of a cluster's workers;
-//! - [`model`]: models by zoo name or file; [`precision`]: what a precision means per device.
+//! - [`model`]: models by zoo name or file; [`precision`]: what a precision means per device;
+//! - [`planning`]: a strategy searched without training, and its report.
 //! - [`evaluate`]: a checkpoint's accuracy on a dataset and its top classes for images.
 //!
 //! The crates beneath are re-exported whole ([`ops`], [`planner`], [`runtime`], [`cluster`],
-//! [`cuda`], [`onnx`]) for what this front door does not cover: planning without training
-//! (`planner::plan::plan`), writing models (`ops::GraphBuilder`), the engines themselves.
+//! [`cuda`], [`onnx`]) for what this front door does not cover: writing models
+//! (`ops::GraphBuilder`), the cost model and searches themselves, the engines.
 
 pub mod device;
 pub mod evaluate;
 pub mod job;
 pub mod machine;
 pub mod model;
+pub mod planning;
 pub mod precision;
 
 pub use legion_cluster as cluster;
@@ -41,9 +43,10 @@ pub use legion_runtime as runtime;
 
 pub use device::DeviceKind;
 pub use job::{
-    GpuOptions, Job, JobEvent, PlannedRun, StepDone, Strategy, TrainOptions, TrainSummary, Training,
+    GpuOptions, Job, JobEvent, PlannedRun, StepDone, StopSignal, Strategy, TrainOptions,
+    TrainSummary, Training,
 };
-pub use legion_ops::data::{Data, Dataset};
+pub use legion_ops::data::{BatchFeed, Data, Dataset, FedBatch};
 pub use legion_ops::train::Sgd;
 pub use legion_ops::zoo::ZooConfig;
 pub use legion_ops::{Graph, GraphBuilder, Precision, Shape};

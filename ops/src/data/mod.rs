@@ -8,11 +8,13 @@
 //! batch `b` of epoch `e` is a pure function of `(seed, e, b)`, however many threads decode it.
 
 mod cifar10;
+mod feed;
 mod folder;
 mod synthetic;
 mod transform;
 
 pub use cifar10::Cifar10;
+pub use feed::{BatchFeed, FedBatch, FeedShape, read_ahead};
 pub use folder::{Census, ImageFolder, has_image_extension};
 pub use synthetic::{Synthetic, SyntheticBatch, factors_per_sample};
 pub use transform::{Crop, Geometry, Normalize, Transforms, render_crop};
@@ -107,6 +109,20 @@ pub enum DataError {
     BufferSize { expected: usize, actual: usize },
     #[error("invalid data configuration: {0}")]
     Config(String),
+    #[error("{feed}: batch {batch}: {reason}")]
+    FeedBatch {
+        feed: String,
+        batch: u64,
+        reason: String,
+    },
+    #[error(
+        "{feed} ended after {batches} batch(es), but the run trains {wanted} steps (give fewer steps, or more batches)"
+    )]
+    FeedEnded {
+        feed: String,
+        batches: u64,
+        wanted: u64,
+    },
     #[error("the data loader thread panicked")]
     LoaderPanicked,
 }
@@ -170,6 +186,8 @@ pub enum Data {
     Folder(PathBuf),
     /// A dataset of the caller's own, which must produce the model's image shape.
     Dataset(Arc<dyn Dataset>),
+    /// Whole batches of the caller's, taken in the order given ([`BatchFeed`]).
+    Feed(Arc<dyn BatchFeed>),
 }
 
 impl Default for Data {
@@ -196,6 +214,7 @@ impl std::fmt::Display for Data {
             Data::Cifar10(path) => write!(f, "cifar10:{}", path.display()),
             Data::Folder(dir) => write!(f, "folder:{}", dir.display()),
             Data::Dataset(dataset) => f.write_str(&dataset.describe()),
+            Data::Feed(feed) => f.write_str(&feed.describe()),
         }
     }
 }
@@ -253,7 +272,7 @@ impl Data {
                 flip: true,
                 ..Transforms::PLAIN
             },
-            Data::Synthetic { .. } | Data::Dataset(_) => Transforms::PLAIN,
+            Data::Synthetic { .. } | Data::Dataset(_) | Data::Feed(_) => Transforms::PLAIN,
         }
     }
 
@@ -283,7 +302,10 @@ impl Data {
     ) -> Result<Arc<dyn Dataset>, DataError> {
         transforms.check()?;
         if transforms != Transforms::PLAIN
-            && matches!(self, Data::Synthetic { .. } | Data::Dataset(_))
+            && matches!(
+                self,
+                Data::Synthetic { .. } | Data::Dataset(_) | Data::Feed(_)
+            )
         {
             return Err(DataError::Config(format!(
                 "{self} is not read from image files: crops, flips and normalisation apply to \
@@ -297,6 +319,13 @@ impl Data {
             Data::Cifar10(path) => Arc::new(Cifar10::open(path, image)?.with(transforms, seed)),
             Data::Folder(dir) => {
                 Arc::new(ImageFolder::open_reporting(dir, image, progress)?.with(transforms, seed))
+            }
+            Data::Feed(feed) => {
+                return Err(DataError::Config(format!(
+                    "{} hands over whole batches: it is read batch by batch, not opened as \
+                     samples (held-out data and splits need a dataset)",
+                    feed.describe()
+                )));
             }
             Data::Dataset(dataset) => {
                 if dataset.image_shape() != image {
@@ -322,7 +351,7 @@ impl Data {
 
 /// Told how far opening a dataset has come: `done` of the `total` image files found have had
 /// their headers read. Called from the threads that read them.
-pub trait OpenProgress: Sync {
+pub trait OpenProgress: Send + Sync {
     fn checked(&self, done: usize, total: usize);
 }
 

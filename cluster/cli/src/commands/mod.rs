@@ -6,7 +6,6 @@ mod export;
 mod models;
 mod plan;
 mod profile;
-mod report;
 mod train;
 mod worker;
 

@@ -1,22 +1,20 @@
 //! `legion-rs plan`: find (or evaluate) a parallelization strategy for a model on a machine and
-//! report its Eq. 1 cost, simulated step time and per-layer configs. The logic and formatting live in
-//! `legion-planner` (`plan`, `report`); this file parses arguments and does the file I/O.
+//! report its Eq. 1 cost, simulated step time and per-layer configs. The searches and the report
+//! live in `legion::planning`; this file parses arguments and does the file I/O.
 
-use super::report::{self, PlanJson, SearchJson};
 use crate::progress::PlanProgress;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use legion::job::check_output_path;
+use legion::planning::report::{self, PlanJson, SearchJson};
+use legion::planning::{Planning, Searches};
 use legion_cluster::memory::human_bytes;
 use legion_ops::{Graph, Precision};
 use legion_planner::config::config_counts;
 use legion_planner::machine_file::resolve_machine;
 use legion_planner::memory;
 use legion_planner::plan::{self, Evaluated};
-use legion_planner::search::{
-    DEFAULT_BUDGET, DEFAULT_REFINE_SEED, RefineOptions, SIDE_BY_SIDE_BUDGET, SearchError,
-    SearchOptions,
-};
+use legion_planner::search::DEFAULT_REFINE_SEED;
 use legion_planner::simulate::{SyncSimulation, simulate};
 use legion_planner::trace::chrome_trace;
 use legion_planner::{
@@ -164,20 +162,11 @@ impl ValueEnum for SearchChoice {
     }
 }
 
-impl SearchChoice {
-    /// The exhaustive search's budget when none is given: with every search side by side, a small
-    /// one, so that the table comes back in seconds.
-    fn default_budget(self) -> u64 {
-        match self {
-            SearchChoice::All => SIDE_BY_SIDE_BUDGET,
-            _ => DEFAULT_BUDGET,
-        }
-    }
-
-    fn kinds(self) -> Vec<SearchKind> {
-        match self {
-            SearchChoice::One(kind) => vec![kind],
-            SearchChoice::All => SearchKind::every().collect(),
+impl From<SearchChoice> for Searches {
+    fn from(choice: SearchChoice) -> Searches {
+        match choice {
+            SearchChoice::One(kind) => Searches::One(kind),
+            SearchChoice::All => Searches::All,
         }
     }
 }
@@ -229,35 +218,19 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         Some(db) if cluster.is_none() => db.apply_to(machine),
         _ => machine,
     };
-    let profiled = db.as_ref().map(|db| ProfiledCost::new(db, &machine));
-    let roofline = RooflineCost::new(&machine);
-    let provider: &dyn CostProvider = match &profiled {
-        Some(p) => p,
-        None => &roofline,
-    };
-    // Said at once: the search may take a while (its progress shows on stderr).
-    if !args.json {
-        println!("{} on {machine}, batch {batch}", graph.name);
-        match &args.profile {
-            Some(path) => println!("t_c: measured kernel times from {}", path.display()),
-            None => println!(
-                "t_c: the roofline model (peak FLOP/s and memory bandwidth), not measured \
-                 kernel times: --profile FILE prices tiles as a profile measured them"
-            ),
-        }
-    }
-    let progress = PlanProgress::new();
-    let model = CostModel::new(&graph, &machine, provider)
-        .with_sync_simulation(args.sync_sim)
-        .with_progress(&progress);
     let space = match args.paper_space {
         true => SearchSpace::Paper,
         false => SearchSpace::WithReductions,
     };
-    let counts = config_counts(&graph, machine.num_devices(), space);
-
-    let chosen: Evaluated = if args.evaluate {
+    let (chosen, priced) = if args.evaluate {
         let path = args.strategy.as_deref().expect("clap requires --strategy");
+        let profiled = db.as_ref().map(|db| ProfiledCost::new(db, &machine));
+        let roofline = RooflineCost::new(&machine);
+        let provider: &dyn CostProvider = match &profiled {
+            Some(p) => p,
+            None => &roofline,
+        };
+        let model = CostModel::new(&graph, &machine, provider).with_sync_simulation(args.sync_sim);
         let configs = Strategy::load(path)?
             .to_configs(&graph, machine.num_devices())
             .with_context(|| format!("{}", path.display()))?;
@@ -272,98 +245,66 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             };
             println!("{}", doc.to_json());
         } else {
+            print!(
+                "{}",
+                planning_of(&args, &graph, &machine, db.clone()).header()
+            );
             println!(
                 "{}",
                 report::summary(&path.display().to_string(), &evaluated, None)
             );
+            let counts = config_counts(&graph, machine.num_devices(), space);
             print!(
                 "{}",
                 report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
             );
         }
-        evaluated
+        if let Some(path) = &args.trace {
+            write_trace(path, &model, &evaluated)?;
+        }
+        let priced = profiled.map(|p| (p.hits(), p.scaled(), p.misses()));
+        (evaluated, priced)
     } else {
-        let budget = args.budget.unwrap_or(args.search.default_budget());
-        let options = SearchOptions {
-            exhaustive_budget: budget,
-            refine: match args.refine_budget {
-                Some(budget) => RefineOptions {
-                    budget,
-                    seed: args.refine_seed,
-                    work: None,
-                },
-                None => RefineOptions {
-                    seed: args.refine_seed,
-                    ..RefineOptions::default()
-                },
-            },
-            space,
-        };
-        let run = plan::plan(&model, &args.search.kinds(), &options);
+        let progress = std::sync::Arc::new(PlanProgress::new());
+        let planning = planning_of(&args, &graph, &machine, db.clone()).progress(progress.clone());
+        // Said at once: the search may take a while (its progress shows on stderr).
+        if !args.json {
+            print!("{}", planning.header());
+        }
+        let report = planning.run();
         progress.finish();
-        if args.search != SearchChoice::All
-            && let Some(Err(e)) = run.searches.first().map(|s| &s.result)
-        {
-            bail!("{} search: {e}", run.searches[0].kind);
-        }
-        let best_at = run
-            .best_index()
-            .with_context(|| no_search_succeeded(&run))?;
-        let best = &run.searches[best_at];
-        let evaluated = best.result.as_ref().expect("best is a success");
+        let report = report?;
         if args.json {
-            println!(
-                "{}",
-                PlanJson::of(&graph, &run, t_c_source(&args), args.precision).to_json()
-            );
+            println!("{}", report.json().to_json());
         } else {
-            if args.search == SearchChoice::All {
-                print!("{}", report::comparison_table(&run));
-                if args.budget.is_none() && stopped_at_budget(&run) {
-                    println!(
-                        "exhaustive stopped at {budget} partial strategies, its budget beside the \
-                         other searches; --budget N lets it try more (--search exhaustive: \
-                         {DEFAULT_BUDGET})"
-                    );
-                }
-                println!();
-            }
-            println!(
-                "{}",
-                report::summary(best.kind.name(), evaluated, Some(best.seconds))
-            );
-            if args.search != SearchChoice::All
-                && let Some(refined) = &best.refined
-            {
-                println!("{}", report::refine_line(refined));
-            }
-            for s in &run.searches {
-                if let (Some(o), Ok(e)) = (&s.optimality, &s.result)
-                    && let Some(line) = report::optimality_line(&graph, o, e.cost.total)
-                {
-                    println!("{line}");
-                }
-            }
-            print!(
-                "{}",
-                report::layer_table(&graph, &counts, &evaluated.configs, &evaluated.cost)
-            );
+            print!("{}", report.table());
         }
-        let mut run = run;
-        run.searches
-            .swap_remove(best_at)
+        let mut report = report;
+        let chosen = report
+            .run
+            .searches
+            .swap_remove(report.best)
             .result
-            .expect("best is a success")
+            .expect("best is a success");
+        if let Some(path) = &args.trace {
+            let profiled = db.as_ref().map(|db| ProfiledCost::new(db, &machine));
+            let roofline = RooflineCost::new(&machine);
+            let provider: &dyn CostProvider = match &profiled {
+                Some(p) => p,
+                None => &roofline,
+            };
+            let model =
+                CostModel::new(&graph, &machine, provider).with_sync_simulation(args.sync_sim);
+            write_trace(path, &model, &chosen)?;
+        }
+        (chosen, report.priced)
     };
 
     warn_about_memory(&graph, &machine, &chosen.configs);
-    if let Some(p) = &profiled {
+    if let Some((hits, scaled, misses)) = priced {
         eprintln!(
-            "profile: {} tile(s) measured, {} scaled from a measured tile of their op, {} priced \
-             by the roofline model",
-            p.hits(),
-            p.scaled(),
-            p.misses()
+            "profile: {hits} tile(s) measured, {scaled} scaled from a measured tile of their op, \
+             {misses} priced by the roofline model"
         );
     }
     if let Some(l) = db.as_ref().and_then(|db| db.links.as_ref()) {
@@ -381,10 +322,33 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.out {
         Strategy::from_configs(&graph, &chosen.configs).save(path)?;
     }
-    if let Some(path) = &args.trace {
-        write_trace(path, &model, &chosen)?;
-    }
     Ok(())
+}
+
+/// The plan the flags ask for.
+fn planning_of(
+    args: &PlanArgs,
+    graph: &Graph,
+    machine: &MachineModel,
+    db: Option<ProfileDb>,
+) -> Planning {
+    let mut planning = Planning::new(graph.clone(), machine.clone())
+        .search(Searches::from(args.search))
+        .refine_seed(args.refine_seed)
+        .sync_simulation(args.sync_sim);
+    if let (Some(db), Some(path)) = (db, &args.profile) {
+        planning = planning.profile(db, path.display().to_string());
+    }
+    if let Some(budget) = args.budget {
+        planning = planning.budget(budget);
+    }
+    if let Some(budget) = args.refine_budget {
+        planning = planning.refine_budget(budget);
+    }
+    if args.paper_space {
+        planning = planning.paper_space();
+    }
+    planning
 }
 
 /// Warns on stderr when the chosen strategy needs more memory than a device has (or, for devices
@@ -434,31 +398,12 @@ fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelC
     }
 }
 
-/// Why every search of `run` failed, one search a line.
-fn no_search_succeeded(run: &plan::PlanRun) -> String {
-    let mut why = String::from("no search succeeded:");
-    for s in &run.searches {
-        if let Err(e) = &s.result {
-            why.push_str(&format!("\n  {}: {e}", s.kind.name()));
-        }
-    }
-    why
-}
-
 /// Where t_c comes from, for `--json`.
 fn t_c_source(args: &PlanArgs) -> String {
     match &args.profile {
         Some(path) => format!("profile {}", path.display()),
         None => "roofline".into(),
     }
-}
-
-/// Whether the exhaustive search of `run` stopped at its budget.
-fn stopped_at_budget(run: &plan::PlanRun) -> bool {
-    run.searches.iter().any(|s| {
-        s.kind == SearchKind::Exhaustive
-            && matches!(s.result, Err(SearchError::BudgetExceeded { .. }))
-    })
 }
 
 /// Writes the simulated iteration of `evaluated` as a trace: simulated again with every task

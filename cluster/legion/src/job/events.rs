@@ -84,6 +84,8 @@ pub struct TrainSummary {
     pub plan: Option<PlannedRun>,
     /// The step the run ended at, counted from the start (a resumed run's earlier steps too).
     pub steps: u64,
+    /// Whether the run stopped before its last step, as its stop signal asked.
+    pub stopped: bool,
     /// The step this run started from: 0, or the step of the checkpoint it resumed.
     pub first_step: u64,
     pub batch: usize,

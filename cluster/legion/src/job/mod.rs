@@ -30,7 +30,7 @@ use legion_cluster::hosts::Hosts;
 use legion_cluster::launch;
 use legion_ops::capture::CaptureSetting;
 use legion_ops::checkpoint::Checkpoint;
-use legion_ops::data::{self, Data, Dataset, OpenProgress, Transforms};
+use legion_ops::data::{self, BatchFeed, Data, Dataset, OpenProgress, Transforms};
 use legion_ops::train::{LossReadback, LrSchedule, Sgd};
 use legion_ops::{Graph, Precision};
 use legion_planner::progress::Progress;
@@ -98,6 +98,28 @@ pub struct TrainOptions {
     pub search_progress: Reported<dyn Progress>,
     /// Where opening a folder of images reports its check of the files.
     pub open_progress: Reported<dyn OpenProgress>,
+    /// Set by the caller to stop the run before its next step (a Ctrl-C): the run then ends as
+    /// at its last step, its state saved where `save` asks.
+    pub stop: StopSignal,
+}
+
+/// A flag the caller raises to stop a run between steps.
+#[derive(Clone, Debug, Default)]
+pub struct StopSignal(Arc<std::sync::atomic::AtomicBool>);
+
+impl StopSignal {
+    pub fn new() -> StopSignal {
+        StopSignal::default()
+    }
+
+    /// Asks the run to stop before its next step.
+    pub fn raise(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn is_raised(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// Held-out data a run scores (top-1, top-5, loss) with the weights it has trained so far.
@@ -217,6 +239,7 @@ impl Default for TrainOptions {
             gpu: GpuOptions::default(),
             search_progress: Reported::default(),
             open_progress: Reported::default(),
+            stop: StopSignal::default(),
         }
     }
 }
@@ -326,6 +349,17 @@ impl Training {
     /// Trains on a dataset of the caller's own.
     pub fn dataset(self, dataset: impl Dataset + 'static) -> Self {
         self.data(Data::Dataset(Arc::new(dataset)))
+    }
+
+    /// Trains on whole batches of the caller's, in the order the feed gives them.
+    pub fn feed(self, feed: impl BatchFeed + 'static) -> Self {
+        self.data(Data::Feed(Arc::new(feed)))
+    }
+
+    /// Stops the run before its next step once `signal` is raised.
+    pub fn stop_on(mut self, signal: StopSignal) -> Self {
+        self.options.stop = signal;
+        self
     }
 
     /// Steps to train, counted from the start of the run (a resumed run's earlier steps too).
@@ -462,7 +496,7 @@ pub struct Job {
     graph: Graph,
     opts: TrainOptions,
     engine: Box<dyn Engine>,
-    dataset: Arc<dyn Dataset>,
+    source: Source,
     /// The held-out samples the run scores, if any.
     validation: Option<Arc<dyn Dataset>>,
     plan: Option<PlannedRun>,
@@ -572,9 +606,9 @@ impl Job {
 
         // After the model is known to fit (a synthetic dataset is sized by its classes), before
         // the weights are loaded and the engine started.
-        let (dataset, validation) = open_datasets(&graph, opts, &shape)?;
-        let opts = &with_steps(opts, dataset.num_samples() / graph.batch())?;
-        let data_note = dataset.census().map(|census| {
+        let (source, validation) = open_datasets(&graph, opts, &shape)?;
+        let opts = &with_steps(opts, source.batches_per_epoch(graph.batch()))?;
+        let data_note = source.census().map(|census| {
             let held = match &validation {
                 Some(v) => format!("; scored on {}", v.describe()),
                 None => String::new(),
@@ -596,7 +630,7 @@ impl Job {
             && cluster.is_none()
             && !distributed
             && gpus.is_some()
-            && dataset.as_synthetic().is_some();
+            && matches!(&source, Source::Samples(d) if d.as_synthetic().is_some());
         let engine_place = match (&cluster, gpus) {
             (Some((_, hosts, state_dir)), _) => Place::Cluster {
                 hosts,
@@ -649,7 +683,7 @@ impl Job {
             graph,
             opts: opts.clone(),
             engine,
-            dataset,
+            source,
             validation,
             plan,
             devices,
@@ -664,15 +698,45 @@ impl Job {
     }
 }
 
+/// What a run trains on: samples its loader batches, or the caller's whole batches.
+pub(crate) enum Source {
+    Samples(Arc<dyn Dataset>),
+    /// With the shape each of its batches must have.
+    Feed(Arc<dyn BatchFeed>, data::FeedShape),
+}
+
+impl Source {
+    /// Batches in one pass over the data, where that is known.
+    fn batches_per_epoch(&self, batch: usize) -> Option<u64> {
+        match self {
+            Source::Samples(dataset) => Some((dataset.num_samples() / batch) as u64),
+            Source::Feed(feed, _) => feed.batches(),
+        }
+    }
+
+    fn census(&self) -> Option<&data::Census> {
+        match self {
+            Source::Samples(dataset) => dataset.census(),
+            Source::Feed(..) => None,
+        }
+    }
+}
+
 /// `opts` with the steps `--epochs` asks for over `batches` a pass, its schedule checked.
-fn with_steps(opts: &TrainOptions, batches: usize) -> anyhow::Result<TrainOptions> {
+fn with_steps(opts: &TrainOptions, batches: Option<u64>) -> anyhow::Result<TrainOptions> {
     let mut opts = opts.clone();
     if let Some(epochs) = opts.epochs {
         if epochs == 0 {
             bail!("--epochs 0: train at least one pass");
         }
+        let Some(batches) = batches else {
+            bail!(
+                "--epochs: {} does not say how many batches it holds; give a number of steps",
+                opts.data
+            );
+        };
         opts.steps = epochs
-            .checked_mul(batches as u64)
+            .checked_mul(batches)
             .context("--epochs: too many steps")?;
     }
     opts.lr_schedule
@@ -774,21 +838,52 @@ fn plan(
 /// The samples a run scores, where it scores any.
 type HeldOutSamples = Option<Arc<dyn Dataset>>;
 
-/// The samples a run trains on and those it scores (`--val-data`, or the `--val-split` it holds
+/// What a run trains on and the samples it scores (`--val-data`, or the `--val-split` it holds
 /// out of the training data, seen through the evaluation recipe).
 fn open_datasets(
     graph: &Graph,
     opts: &TrainOptions,
     shape: &ModelShape,
-) -> anyhow::Result<(Arc<dyn Dataset>, HeldOutSamples)> {
+) -> anyhow::Result<(Source, HeldOutSamples)> {
     let transforms = opts
         .transforms
         .unwrap_or_else(|| opts.data.default_transforms());
-    let train = open_dataset(
-        "--data", &opts.data, transforms, opts.seed, graph, opts, shape,
-    )?;
+    let train = match &opts.data {
+        Data::Feed(feed) => {
+            if opts.transforms.is_some_and(|t| t != Transforms::PLAIN) {
+                bail!(
+                    "--data {}: whole batches are trained on as they are given; crops, flips \
+                     and normalisation apply to folder: and cifar10: data",
+                    feed.describe()
+                );
+            }
+            if let Some(HeldOut::Split(_)) = opts.validation.as_ref().map(|v| &v.data) {
+                bail!(
+                    "--val-split: {} hands over whole batches, none of which can be held out; \
+                     give held-out data of its own",
+                    feed.describe()
+                );
+            }
+            None
+        }
+        data => Some(open_dataset(
+            "--data", data, transforms, opts.seed, graph, opts, shape,
+        )?),
+    };
+    let source = |train: Option<Arc<dyn Dataset>>| match (train, &opts.data) {
+        (Some(dataset), _) => Source::Samples(dataset),
+        (None, Data::Feed(feed)) => Source::Feed(
+            feed.clone(),
+            data::FeedShape {
+                batch: graph.batch(),
+                image: shape.image,
+                classes: shape.classes,
+            },
+        ),
+        (None, _) => unreachable!("only a feed is not opened"),
+    };
     let Some(validation) = &opts.validation else {
-        return Ok((train, None));
+        return Ok((source(train), None));
     };
     if validation.every == Some(0) {
         bail!("--eval-every 0: score every K steps, K at least 1");
@@ -805,7 +900,7 @@ fn open_datasets(
                 let seed = opts.seed ^ HELD_OUT_SEED;
                 open_dataset("--val-data", data, scored(data), seed, graph, opts, shape)?
             };
-            if let (Some(a), Some(b)) = (train.census(), held.census())
+            if let (Some(a), Some(b)) = (train.as_ref().and_then(|t| t.census()), held.census())
                 && a.class_names != b.class_names
             {
                 bail!(
@@ -814,9 +909,10 @@ fn open_datasets(
                     a.class_names
                 );
             }
-            (train, Some(held))
+            (source(train), Some(held))
         }
         HeldOut::Split(fraction) => {
+            let train = train.expect("a feed is refused a split above");
             let (train_part, held_part) = data::split(train.num_samples(), *fraction, opts.seed)
                 .with_context(|| format!("--val-split {fraction}"))?;
             let held = match train.seen_through(scored(&opts.data)) {
@@ -827,7 +923,11 @@ fn open_datasets(
                 }
             };
             (
-                Arc::new(data::Subset::new(train, train_part, "the training part")?),
+                Source::Samples(Arc::new(data::Subset::new(
+                    train,
+                    train_part,
+                    "the training part",
+                )?)),
                 Some(Arc::new(data::Subset::new(
                     held,
                     held_part,
@@ -974,6 +1074,83 @@ mod tests {
             e.contains("--data ramp") && e.contains("[3, 28, 28]"),
             "{e}"
         );
+    }
+
+    /// Batches of the ramp's samples in order, `batches` of them, then the end.
+    struct RampBatches {
+        batches: u64,
+        taken: std::sync::Mutex<u64>,
+    }
+
+    impl BatchFeed for RampBatches {
+        fn next_batch(&self) -> Result<Option<data::FedBatch>, data::DataError> {
+            let mut taken = self.taken.lock().unwrap();
+            if *taken == self.batches {
+                return Ok(None);
+            }
+            let ramp = Ramp { shape: [1, 28, 28] };
+            let mut images = vec![0.0; 4 * 28 * 28];
+            let mut labels = Vec::new();
+            for (i, out) in images.chunks_mut(28 * 28).enumerate() {
+                labels.push(ramp.sample(*taken as usize * 4 + i, 0, out)?);
+            }
+            *taken += 1;
+            Ok(Some(data::FedBatch { images, labels }))
+        }
+        fn describe(&self) -> String {
+            "ramp batches".into()
+        }
+        fn batches(&self) -> Option<u64> {
+            Some(self.batches)
+        }
+    }
+
+    #[test]
+    fn a_feed_trains_as_the_dataset_it_hands_over_and_a_stop_ends_the_run_after_its_step() {
+        let graph = crate::model::load_model("lenet5", 4, None, None).unwrap();
+        // A feed's batches are trained on as given: the ramp's samples in order.
+        let fed = Training::new(graph.clone())
+            .feed(RampBatches {
+                batches: 3,
+                taken: Default::default(),
+            })
+            .epochs(1)
+            .device(DeviceKind::Cpu)
+            .start()
+            .unwrap()
+            .run_keeping_state(|_| {})
+            .unwrap();
+        assert_eq!(fed.0.steps, 3);
+        let params = legion_ops::train::ParamStore::init(&graph, 1);
+        let mut trainer = legion_ops::train::Trainer::new(graph.clone(), params, Sgd::default(), 1);
+        let ramp = Ramp { shape: [1, 28, 28] };
+        for b in 0..3 {
+            let mut images = vec![0.0; 4 * 28 * 28];
+            let mut labels = Vec::new();
+            for (i, out) in images.chunks_mut(28 * 28).enumerate() {
+                labels.push(ramp.sample(b * 4 + i, 0, out).unwrap());
+            }
+            trainer.step(&images, &labels).unwrap();
+        }
+        assert_eq!(fed.1.params.values, trainer.params().unwrap().values);
+
+        let stop = StopSignal::new();
+        let raise = stop.clone();
+        let summary = Training::new(graph)
+            .steps(50)
+            .device(DeviceKind::Cpu)
+            .stop_on(stop)
+            .run(|event| {
+                if let JobEvent::Step(s) = event
+                    && s.step == 2
+                {
+                    raise.raise();
+                }
+            })
+            .unwrap();
+        // The one-device trainer reads a step's loss one step late: step 3 was under way.
+        assert!(summary.stopped && summary.steps < 50, "{summary:?}");
+        assert_eq!(summary.losses.len() as u64, summary.steps);
     }
 
     #[test]

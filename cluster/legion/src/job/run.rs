@@ -1,24 +1,43 @@
 //! The step loop of a started [`Job`]: batches in, events and checkpoints out.
 
+use super::Source;
 use super::{Evaluation, Job, JobEvent, StepDone, TrainSummary};
 use anyhow::{Context, bail};
 use legion_cluster::engine::{Engine, NextBatch, StepBatch};
 use legion_ops::capture::CaptureStatus;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::infer;
-use legion_ops::train::StepStats;
+use legion_ops::train::{StepStats, TrainingState};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 impl Job {
     /// Runs the steps left, saving checkpoints and the trace as the options say, and reports each
     /// to `on_event`.
-    pub fn run(self, mut on_event: impl FnMut(JobEvent<'_>)) -> anyhow::Result<TrainSummary> {
+    pub fn run(self, on_event: impl FnMut(JobEvent<'_>)) -> anyhow::Result<TrainSummary> {
+        Ok(self.run_inner(on_event, false)?.0)
+    }
+
+    /// [`Job::run`], also returning the trained state (weights, buffers, momentum), gathered
+    /// from the devices.
+    pub fn run_keeping_state(
+        self,
+        on_event: impl FnMut(JobEvent<'_>),
+    ) -> anyhow::Result<(TrainSummary, TrainingState)> {
+        let (summary, state) = self.run_inner(on_event, true)?;
+        Ok((summary, state.expect("kept when asked")))
+    }
+
+    fn run_inner(
+        self,
+        mut on_event: impl FnMut(JobEvent<'_>),
+        keep_state: bool,
+    ) -> anyhow::Result<(TrainSummary, Option<TrainingState>)> {
         let Job {
             graph,
             opts,
             mut engine,
-            dataset,
+            source,
             validation,
             plan,
             devices,
@@ -38,19 +57,35 @@ impl Job {
             on_event(JobEvent::Planned(plan));
         }
         let batch = graph.batch();
-        let loader = Loader::new(
-            dataset,
-            LoaderConfig {
-                seed: opts.seed,
-                describe_synthetic,
-                bad_samples: match opts.strict_data {
-                    true => data::BadSamples::Fail,
-                    false => data::BadSamples::Replace,
-                },
-                ..LoaderConfig::new(batch)
+        let config = LoaderConfig {
+            seed: opts.seed,
+            describe_synthetic,
+            bad_samples: match opts.strict_data {
+                true => data::BadSamples::Fail,
+                false => data::BadSamples::Replace,
             },
-        )?;
-        let mut batches = loader.steps_until(first_step, opts.steps);
+            ..LoaderConfig::new(batch)
+        };
+        let (loader, mut batches, per_epoch) = match source {
+            Source::Samples(dataset) => {
+                let loader = Loader::new(dataset, config)?;
+                let batches = loader.steps_until(first_step, opts.steps);
+                let per_epoch = loader.batches_per_epoch() as u64;
+                (Some(loader), batches, per_epoch)
+            }
+            Source::Feed(feed, shape) => {
+                if first_step > 0 {
+                    bail!(
+                        "--resume: {} hands over its batches from its start; a resumed run \
+                         would train on them again (resume with a dataset)",
+                        feed.describe()
+                    );
+                }
+                let per_epoch = feed.batches().unwrap_or(opts.steps).max(1);
+                let batches = data::read_ahead(feed, shape, opts.steps, config.prefetch);
+                (None, batches, per_epoch)
+            }
+        };
         let mut skipped = SkipReport::default();
         let mut evaluations = Vec::new();
         let every = opts.validation.as_ref().and_then(|v| v.every);
@@ -78,7 +113,7 @@ impl Job {
         let started = Instant::now();
         let mut reported = Reported {
             awaiting: std::collections::VecDeque::with_capacity(2),
-            per_epoch: loader.batches_per_epoch() as u64,
+            per_epoch,
             epochs: opts.epochs,
             last_returned: started,
             losses: Vec::with_capacity(opts.steps as usize),
@@ -89,13 +124,14 @@ impl Job {
             if let Some(path) = &opts.save {
                 let mut meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
                 meta.extend(super::checks::schedule_metadata(&opts));
-                if let Some(normalize) = loader.dataset().normalization() {
+                let dataset = loader.as_ref().map(|l| l.dataset());
+                if let Some(normalize) = dataset.and_then(|d| d.normalization()) {
                     meta.insert(
                         crate::evaluate::NORMALIZE_KEY.to_string(),
                         normalize.to_string(),
                     );
                 }
-                if let Some(census) = loader.dataset().census() {
+                if let Some(census) = dataset.and_then(|d| d.census()) {
                     meta.insert(
                         crate::evaluate::CLASS_NAMES_KEY.to_string(),
                         serde_json::to_string(&census.class_names)?,
@@ -105,6 +141,7 @@ impl Job {
             }
             Ok(())
         };
+        let mut last_step = opts.steps;
         let mut next_batch = || -> anyhow::Result<data::Batch> {
             batches
                 .next()
@@ -118,6 +155,10 @@ impl Job {
         // Seconds spent scoring and saving between steps, which are not training's.
         let mut paused = 0.0;
         for step in first_step + 1..=opts.steps {
+            if opts.stop.is_raised() {
+                last_step = step - 1;
+                break;
+            }
             let batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
             let traced = opts.trace.is_some() && step == opts.steps;
@@ -135,16 +176,19 @@ impl Job {
                 trace: traced,
             })?;
             reported.returned(step);
+            let stopping = step < opts.steps && opts.stop.is_raised();
             if traced {
                 traced_reports = Some(reports);
             }
             if let Some(stats) = stats {
                 reported.read(stats, &mut on_event)?;
             }
-            skipped.report(&loader, &mut on_event);
+            if let Some(loader) = &loader {
+                skipped.report(loader, &mut on_event);
+            }
             let checkpoint = opts.checkpoint_every.is_some_and(|k| step % k == 0);
             let scored = every.is_some_and(|k| step % k == 0);
-            if (checkpoint || scored) && step < opts.steps {
+            if (checkpoint || scored) && step < opts.steps && !stopping {
                 // The step's loss is checked before its weights are saved or scored.
                 if let Some(stats) = engine.finish()? {
                     reported.read(stats, &mut on_event)?;
@@ -168,8 +212,8 @@ impl Job {
             bail!("step {step}: its loss was never read back");
         }
         let wall_secs = started.elapsed().as_secs_f64();
-        if opts.steps > first_step {
-            evaluate(engine.as_mut(), opts.steps, &mut on_event)?;
+        if last_step > first_step {
+            evaluate(engine.as_mut(), last_step, &mut on_event)?;
         }
         if let (Some(path), Some(reports)) = (&opts.trace, traced_reports) {
             let trace = match engine.plan() {
@@ -182,15 +226,17 @@ impl Job {
             }
         }
         save(engine.as_mut())?;
+        let state = keep_state.then(|| engine.state()).transpose()?;
 
-        let skipped = loader.skipped();
+        let skipped = loader.map(|l| l.skipped()).unwrap_or_default();
         let losses = reported.losses;
         let images = (losses.len() * batch) as f64;
         let summary = TrainSummary {
             model: graph.name.clone(),
             devices,
             plan,
-            steps: opts.steps,
+            steps: last_step,
+            stopped: last_step < opts.steps,
             first_step,
             batch,
             images_per_sec: (!losses.is_empty()).then(|| images / (wall_secs - paused)),
@@ -211,7 +257,7 @@ impl Job {
             validation: evaluations,
         };
         on_event(JobEvent::Finished(&summary));
-        Ok(summary)
+        Ok((summary, state))
     }
 }
 

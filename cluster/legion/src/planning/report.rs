@@ -1,4 +1,5 @@
-//! Human tables and JSON for `legion-rs plan`: presentation, kept out of the planner.
+//! Human tables and JSON of a plan (`legion-rs plan`, `legion_rs.plan`): presentation, kept out
+//! of the planner.
 
 use legion_ops::{Graph, Precision};
 use legion_planner::ParallelConfig;
@@ -191,6 +192,9 @@ pub struct SearchJson {
     pub search_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Vec<LayerStrategy>>,
+    /// Eq. 1's terms: summed, and per layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eq1_parts: Option<Eq1Parts>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// A seed planner's own byte count of its plan as found and as mapped into our space.
@@ -207,6 +211,47 @@ pub struct SearchJson {
     /// Whether the strategy is proven Eq. 1's optimum, and otherwise how close (optcnn only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub optimality: Option<OptimalityJson>,
+}
+
+/// Eq. 1's terms in the `--json` document, milliseconds.
+#[derive(Clone, Debug, Serialize)]
+pub struct Eq1Parts {
+    pub t_c_ms: f64,
+    pub t_s_ms: f64,
+    pub t_x_ms: f64,
+    /// The partial sums of layers split over their input channels.
+    pub t_r_ms: f64,
+    pub layers: Vec<LayerCostJson>,
+}
+
+/// One layer's compute and parameter-sync time, milliseconds.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerCostJson {
+    pub layer: String,
+    pub t_c_ms: f64,
+    pub t_s_ms: f64,
+}
+
+impl Eq1Parts {
+    pub fn of(graph: &Graph, cost: &CostBreakdown) -> Eq1Parts {
+        let ms = |s: f64| s * 1e3;
+        Eq1Parts {
+            t_c_ms: ms(cost.layers.iter().map(|l| l.compute).sum()),
+            t_s_ms: ms(cost.layers.iter().map(|l| l.sync).sum()),
+            t_x_ms: ms(cost.edges.iter().map(|e| e.time).sum()),
+            t_r_ms: ms(cost.layers.iter().map(|l| l.reduce).sum()),
+            layers: graph
+                .layers()
+                .iter()
+                .zip(&cost.layers)
+                .map(|(l, c)| LayerCostJson {
+                    layer: l.name.clone(),
+                    t_c_ms: ms(c.compute),
+                    t_s_ms: ms(c.sync),
+                })
+                .collect(),
+        }
+    }
 }
 
 /// An [`Optimality`] in the `--json` document.
@@ -317,6 +362,7 @@ impl SearchJson {
                 peak_device_bytes: Some(e.peak_device.1),
                 search_ms: seconds * 1e3,
                 strategy: Some(Strategy::from_configs(graph, &e.configs).layers),
+                eq1_parts: Some(Eq1Parts::of(graph, &e.cost)),
                 error: None,
                 native_bytes_found: None,
                 native_bytes_mapped: None,
@@ -335,6 +381,7 @@ impl SearchJson {
                 peak_device_bytes: None,
                 search_ms: seconds * 1e3,
                 strategy: None,
+                eq1_parts: None,
                 error: Some(error),
                 native_bytes_found: None,
                 native_bytes_mapped: None,
