@@ -6,7 +6,9 @@
 //! `.ci/run` installs it, else `maturin` on the path) and a `python3` with venv; numpy and pytest
 //! come from `LEGION_WHEELHOUSE` where set (`.ci/run` downloads them there), else from PyPI.
 //! torch, for the tests against PyTorch, from `LEGION_TORCH_PATH` (a `pip install --target`
-//! folder) where set. Without maturin or Python the test skips with the reason, unless
+//! folder) where set. The cluster test starts its workers with the `legion-rs` binary this
+//! workspace built beside this test (`LEGION_RS_BIN`). Without maturin or Python the test skips
+//! with the reason, unless
 //! `LEGION_REQUIRE` lists `python`; the pytest tests that need torch skip or fail the same way
 //! by `torch`.
 
@@ -118,7 +120,17 @@ fn the_wheel_installs_into_a_fresh_environment_and_its_tests_pass() {
         )
         .unwrap();
     }
-    let out = Command::new(&python)
+    let mut pytest = Command::new(&python);
+    // target/debug/deps/wheel-… → target/debug/legion-rs, built by the command line's tests.
+    let exe = std::env::current_exe().unwrap();
+    if let Some(binary) = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("legion-rs"))
+    {
+        pytest.env("LEGION_RS_BIN", binary);
+    }
+    let out = pytest
         .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
         .arg(crate_dir.join("tests"))
         .current_dir(work.path())

@@ -98,6 +98,7 @@ def plan(
     machine: Optional[str] = None,
     devices: Optional[int] = None,
     cluster: Optional[Union[str, os.PathLike]] = None,
+    cluster_state: Optional[Union[str, os.PathLike]] = None,
     batch: Optional[int] = None,
     search: str = "optcnn",
     image_size: Optional[int] = None,
@@ -109,7 +110,8 @@ def plan(
     """Searches a strategy for ``model`` on a machine, without training.
 
     The machine is a preset or machine file (``machine="paper:4"``, ``"dgx-h100:8"``), the
-    embedded cluster's ``devices``, or a ``cluster`` hosts file. ``search`` is a search's name
+    embedded cluster's ``devices``, or a ``cluster`` hosts file (with the links ``legion-rs up``
+    measured; ``cluster_state``: its ``--state``). ``search`` is a search's name
     (``optcnn``, ``data``, ``owt``, ``refine``, ...) or ``"all"`` side by side. ``batch`` is the
     global batch (default: 32 per device).
     """
@@ -122,6 +124,7 @@ def plan(
             machine=machine,
             devices=devices,
             cluster=_path(cluster),
+            cluster_state=_path(cluster_state),
             search=search,
             memory_gib=memory_gib,
             precision=precision,
@@ -138,6 +141,7 @@ def train(
     batch: Optional[int] = None,
     devices: int = 1,
     cluster: Optional[Union[str, os.PathLike]] = None,
+    cluster_state: Optional[Union[str, os.PathLike]] = None,
     slurm: bool = False,
     strategy: str = "optcnn",
     steps: Optional[int] = None,
@@ -165,7 +169,8 @@ def train(
     """Trains ``model`` on ``data`` and returns its trained weights (a :class:`StateDict`).
 
     Where it trains: ``devices`` of the embedded cluster (1: one device), the workers of a
-    ``cluster`` hosts file started by ``legion-rs up``, or those of this Slurm job (``slurm``).
+    ``cluster`` hosts file started by ``legion-rs up`` (``cluster_state``: the ``--state`` it was
+    given), or those of this Slurm job (``slurm``).
     ``strategy`` is a search (``optcnn``, ``data``, ``owt``, ...) or a strategy JSON file.
     ``steps`` (default 100) or ``epochs`` say how long; SGD's ``lr``, ``momentum`` and
     ``weight_decay`` default to legion-rs's (0.03, 0.9, 5e-4) and step as ``torch.optim.SGD``
@@ -193,6 +198,7 @@ def train(
                 data=_data(data, epochs or 1),
                 devices=devices,
                 cluster=_path(cluster),
+                cluster_state=_path(cluster_state),
                 slurm=slurm,
                 strategy=os.fspath(strategy),
                 steps=steps,
