@@ -108,6 +108,8 @@ pub fn run(
             cluster,
             strategies: compare::strategies_from(&args.strategies),
             traces: flags.trace.clone(),
+            costs: flags.costs.clone(),
+            cost_cache: legion::costs::CostCache::default_location(),
         };
         if let Some(dir) = &flags.trace {
             std::fs::create_dir_all(dir)

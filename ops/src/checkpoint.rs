@@ -240,8 +240,22 @@ pub fn save(
     })
 }
 
-/// Reads a checkpoint written by [`save`] (or any safetensors file of f32 tensors of rank ≤ 4).
-pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
+/// The string metadata of a checkpoint, its header read and checked but none of its tensors.
+pub fn load_metadata(path: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
+    Ok(metadata_of(&read_header(path)?.1))
+}
+
+fn metadata_of(parsed: &Metadata) -> BTreeMap<String, String> {
+    parsed
+        .metadata()
+        .as_ref()
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default()
+}
+
+/// Opens a checkpoint and reads its header: the reader at the first tensor's bytes, the
+/// header, and the file's length, checked to be what the header describes.
+fn read_header(path: &Path) -> Result<(BufReader<File>, Metadata), CheckpointError> {
     let io_err = |source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
@@ -303,6 +317,20 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
         };
         return Err(err);
     }
+    Ok((reader, parsed))
+}
+
+/// Reads a checkpoint written by [`save`] (or any safetensors file of f32 tensors of rank ≤ 4).
+pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    let io_err = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let truncated = |detail: String| CheckpointError::Truncated {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let (mut reader, parsed) = read_header(path)?;
 
     // Check every tensor before reading any data, so a bad dtype late in the file fails fast.
     let names = parsed.offset_keys();
@@ -370,11 +398,7 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
         tensors.push(NamedTensor { name, shape, data });
     }
 
-    let metadata = parsed
-        .metadata()
-        .as_ref()
-        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-        .unwrap_or_default();
+    let metadata = metadata_of(&parsed);
     Ok(Checkpoint {
         tensors,
         metadata,

@@ -16,6 +16,9 @@ pub enum Phase {
     Residual,
     /// The refinement's simulations (counted in simulations, of its budget).
     Refine,
+    /// Real steps of the devices that time the tiles a search may choose (counted in
+    /// strategies run).
+    Measuring,
 }
 
 impl Phase {
@@ -26,6 +29,7 @@ impl Phase {
             Phase::Eliminations => "optcnn: eliminating layers",
             Phase::Residual => "optcnn: enumerating the residual graph",
             Phase::Refine => "refine: simulating moves",
+            Phase::Measuring => "measuring op costs on the devices",
         }
     }
 
@@ -35,6 +39,7 @@ impl Phase {
             Phase::NodeCosts | Phase::Eliminations => "layers",
             Phase::Residual => "partial strategies",
             Phase::Refine => "simulations",
+            Phase::Measuring => "strategies",
         }
     }
 }

@@ -3,7 +3,8 @@
 //! taken right before it runs).
 
 use anyhow::Context;
-use legion::job::{Strategy, choose_strategy};
+use legion::costs::{self, CostCache, Costs};
+use legion::job::{Strategy, choose_strategy_priced};
 use legion::machine::{cluster_machine, embedded_machine};
 use legion_cluster::engine::{self, JobStart, NextBatch, Place, StepBatch};
 use legion_cluster::hosts::Hosts;
@@ -67,6 +68,11 @@ pub struct CompareRow {
     /// from the single-device trainer's, relative to that tensor's largest magnitude: every
     /// strategy trains the same network.
     pub max_rel_diff_from_one_device: f64,
+    /// The same difference between one device and one device started from weights perturbed at
+    /// f32 rounding (one unit in the last place, up or down at random): how far the model's own
+    /// sensitivity to rounding carries over these steps. A strategy's difference at this floor is
+    /// that sensitivity; one well above it is not.
+    pub floor_rel_diff: f64,
 }
 
 /// How long to measure, and where.
@@ -85,6 +91,9 @@ pub struct CompareSettings {
     /// `<strategy>.measured.json` and `<strategy>.simulated.json` (one more step, traced, after the
     /// timed ones: tracing costs time).
     pub traces: Option<PathBuf>,
+    /// What the searches price tiles with, as a training run's do (on a cluster: the roofline).
+    pub costs: Costs,
+    pub cost_cache: Option<CostCache>,
 }
 
 /// A running cluster (`legion-rs up`).
@@ -105,11 +114,38 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         Some(c) => (cluster_machine(&c.hosts, &c.state)?, c.hosts.num_devices()),
         None => (embedded_machine(settings.devices)?, settings.devices),
     };
+    // The searches price as a training run's would: with what these devices measured.
+    let measure_on = match &settings.cluster {
+        None => costs::Devices::EmbeddedCpu { devices },
+        Some(_) => costs::Devices::Elsewhere {
+            why: "a cluster's workers do not measure their own op costs yet",
+        },
+    };
+    let pricing = costs::prepare(
+        &settings.costs,
+        graph,
+        measure_on,
+        legion_ops::Precision::Fp32,
+        settings.cost_cache.as_ref(),
+        None,
+    )?;
+    let search_machine = match (&pricing.db, &settings.cluster) {
+        (Some(db), None) => db.apply_to(machine.clone()),
+        _ => machine.clone(),
+    };
     let strategies = settings
         .strategies
         .iter()
         .map(|s| {
-            let configs = choose_strategy(graph, &machine, &Strategy::from(s.as_str()))?;
+            let configs = choose_strategy_priced(
+                "--strategies",
+                graph,
+                &search_machine,
+                &Strategy::from(s.as_str()),
+                pricing.db.as_ref(),
+                None,
+            )?
+            .configs;
             Ok((s.to_string(), configs))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -137,11 +173,11 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     };
     // What every strategy must end with: the single-device trainer after as many steps.
     let steps_taken = settings.warmup + settings.steps + usize::from(settings.traces.is_some());
-    let reference = {
+    let one_device = |state: TrainingState| -> anyhow::Result<TrainingState> {
         let job = JobStart {
             graph,
             configs: &strategies[0].1,
-            state: state.clone(),
+            state,
             sgd: Sgd::default(),
             seed: settings.seed,
             precision: legion_ops::Precision::Fp32,
@@ -151,8 +187,10 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         for _ in 0..steps_taken {
             one.step(batch(false))?;
         }
-        one.state()?
+        one.state()
     };
+    let reference = one_device(state.clone())?;
+    let floor = max_relative_difference(&one_device(perturbed(&state, settings.seed))?, &reference);
     let mut rows: Vec<CompareRow> = Vec::new();
     for entry in &strategies {
         let (strategy, configs) = entry;
@@ -236,6 +274,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
             simulated_ms: simulated_s * 1e3,
             simulation_error: (simulated_s - step_s) / step_s,
             speedup_over_data: 0.0,
+            floor_rel_diff: floor,
         });
     }
     let data = rows[0].images_per_sec;
@@ -274,6 +313,24 @@ fn profiled_cluster(
     Ok(machine)
 }
 
+/// `state` with every weight moved by one unit in its last place, up or down as a seeded hash
+/// of its position says: a start as close to `state`'s as f32 allows.
+fn perturbed(state: &TrainingState, seed: u64) -> TrainingState {
+    let mut moved = state.clone();
+    for (i, values) in moved.params.values.iter_mut().enumerate() {
+        for (j, v) in values.iter_mut().enumerate() {
+            let up = legion_ops::rng::hash(&[seed, i as u64, j as u64]) & 1 == 1;
+            *v = match (*v == 0.0, up) {
+                // zero has no rounding to move by: biases and batch norm's shifts start there
+                (true, _) => *v,
+                (false, true) => v.next_up(),
+                (false, false) => v.next_down(),
+            };
+        }
+    }
+    moved
+}
+
 /// The largest difference of any weight or momentum value of `a` from `b`'s, relative to the
 /// largest magnitude of that tensor in `b`.
 fn max_relative_difference(a: &TrainingState, b: &TrainingState) -> f64 {
@@ -301,7 +358,7 @@ fn max_relative_difference(a: &TrainingState, b: &TrainingState) -> f64 {
 /// The comparison as a text table, with a note under it on what its last column measures.
 pub fn table(rows: &[CompareRow]) -> String {
     let mut out = format!(
-        "{:<8} {:>11} {:>9} {:>12} {:>12} {:>9} {:>9} {:>17}\n",
+        "{:<8} {:>11} {:>9} {:>12} {:>12} {:>9} {:>9} {:>17} {:>9}\n",
         "strategy",
         "measured ms",
         "images/s",
@@ -309,11 +366,12 @@ pub fn table(rows: &[CompareRow]) -> String {
         "simulated ms",
         "sim error",
         "vs data",
-        "max rel diff vs 1"
+        "max rel diff vs 1",
+        "floor"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<8} {:>11.1} {:>9.1} {:>12} {:>12.1} {:>8.1}% {:>8.2}x {:>17.1e}\n",
+            "{:<8} {:>11.1} {:>9.1} {:>12} {:>12.1} {:>8.1}% {:>8.2}x {:>17.1e} {:>9.1e}{}\n",
             r.strategy,
             r.measured_ms,
             r.images_per_sec,
@@ -321,21 +379,38 @@ pub fn table(rows: &[CompareRow]) -> String {
             r.simulated_ms,
             100.0 * r.simulation_error,
             r.speedup_over_data,
-            r.max_rel_diff_from_one_device
+            r.max_rel_diff_from_one_device,
+            r.floor_rel_diff,
+            match above_floor(r) {
+                true => "  above the floor",
+                false => "",
+            }
         ));
     }
     out.push_str(DIFF_NOTE);
     out
 }
 
-/// What the table's last column is, and why it is not 0 although every strategy trains the same
-/// network.
+/// How many times the floor a strategy's difference may be and still read as the model's own
+/// sensitivity: rounding differences of the same size grow alike, but not identically.
+pub const FLOOR_MARGIN: f64 = 10.0;
+
+/// Whether a strategy's difference from one device stands out above the run's floor.
+pub fn above_floor(r: &CompareRow) -> bool {
+    let floor = r.floor_rel_diff.max(1e-6);
+    // a difference that is not a number (weights that diverged) stands out too
+    r.max_rel_diff_from_one_device.is_nan() || r.max_rel_diff_from_one_device > FLOOR_MARGIN * floor
+}
+
+/// What the table's last two columns are, and why the first is not 0 although every strategy
+/// trains the same network.
 pub const DIFF_NOTE: &str = "max rel diff vs 1: after the same steps, the largest difference of \
 any weight or momentum from the one-device trainer's, relative to that tensor's largest magnitude \
 (a fraction: 1e-2 is 1%). Every strategy computes the same network, but splitting a layer changes \
-the order of its sums, and the rounding differences this makes grow with the steps trained: \
-near 1e-7 while training is stable, fast where it is not (a high learning rate on the one batch \
---compare trains every step); fewer --steps show the rounding alone.\n";
+the order of its sums, and the rounding differences this makes grow with the steps trained. floor: \
+the same difference for one device started from weights one unit in the last place away, how far \
+this model carries a rounding difference over these steps; a strategy at the floor differs by \
+rounding alone, one more than 10x above it is marked.\n";
 
 /// A bar chart of measured and simulated throughput per strategy, as SVG.
 pub fn chart(rows: &[CompareRow], title: &str, path: &Path) -> anyhow::Result<()> {

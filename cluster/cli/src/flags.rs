@@ -4,6 +4,7 @@
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use legion::costs::Costs;
 use legion::device::{DeviceKind, GpuList};
 use legion::job::{GpuOptions, HeldOut, Strategy, TrainOptions, Validation, strategy_names};
 use legion::ops::capture::CaptureSetting;
@@ -30,6 +31,11 @@ impl Default for TrainDefaults {
             lr: options.sgd.lr,
         }
     }
+}
+
+/// `--costs`: measured, roofline or a profile file.
+pub fn parse_costs(choice: &str) -> Result<Costs, String> {
+    choice.parse()
 }
 
 /// The help of `--strategy`, naming every search.
@@ -61,6 +67,23 @@ pub struct TrainFlags {
     pub state: Option<PathBuf>,
     #[arg(long, default_value = "optcnn", help = strategy_help())]
     pub strategy: String,
+    /// What the search prices each layer's tiles with: `measured` (timed on the run's devices
+    /// before the search, each tile once, and kept in the cost cache, $LEGION_RS_COST_CACHE or
+    /// ~/.cache/legion-rs/costs, so that the next run times only what is new), `roofline` (peak
+    /// FLOP/s and memory bandwidth), or a profile file (as `legion-rs profile --out` writes).
+    #[arg(long, default_value = "measured", value_parser = parse_costs)]
+    pub costs: Costs,
+    /// With --resume: search the strategy again instead of training on with the checkpoint's.
+    #[arg(long, requires = "resume")]
+    pub replan: bool,
+    /// After a search that optimises the cost model (optcnn, refine, exhaustive), train its
+    /// strategy and up to N alternatives (data parallelism, OWT,
+    /// then the other searches' by simulated step) a few steps each on the devices, and train
+    /// on with the one measured fastest; 0: train the search's strategy as it is. The trial
+    /// steps are training steps (not on GPUs; a run of fewer than (N+2)×3 steps is not
+    /// verified).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub verify: usize,
     /// Write the strategy the devices run (a search's result, or the file given) as a strategy
     /// JSON file here, which `--strategy FILE` and `legion-rs plan --evaluate` read back.
     #[arg(long, value_name = "FILE")]
@@ -293,6 +316,10 @@ impl TrainFlags {
             },
             seed: self.seed,
             strategy: Strategy::from(self.strategy.as_str()),
+            costs: self.costs.clone(),
+            cost_cache: legion::costs::CostCache::default_location(),
+            replan: self.replan,
+            verify: self.verify,
             save_strategy: self.save_strategy.clone(),
             trace: self.trace.clone(),
             checkpoint_every: self.checkpoint_every,

@@ -84,6 +84,9 @@ impl Printer {
                 human_bytes(plan.remote_bytes),
                 plan.strategy
             );
+            if let Some(costs) = &plan.costs {
+                println!("{costs}");
+            }
         }
     }
 
@@ -180,6 +183,22 @@ impl Printer {
                     "layers": p.strategy.layers,
                     "comm_bytes_per_step": p.remote_bytes,
                     "idle_devices": p.idle_devices,
+                    "costs": p.costs.as_ref().map(|c| json!({
+                        "choice": c.choice,
+                        "new_tiles": c.measuring.as_ref().map(|m| m.new_tiles),
+                        "measuring_s": c.measuring.as_ref().map(|m| m.seconds),
+                        "strategies_run": c.measuring.as_ref().map(|m| m.strategies_run),
+                        "cache": c.measuring.as_ref().map(|m| m.cache.display().to_string()),
+                        "priced": c.priced.map(|(measured, scaled, roofline)| json!({
+                            "measured": measured, "scaled": scaled, "roofline": roofline})),
+                        "roofline_because": c.roofline_because,
+                    })),
+                    "verification": p.verification.as_ref().map(|v| json!({
+                        "kept": v.candidates[v.kept].label,
+                        "candidates": v.candidates.iter().map(|c| json!({
+                            "strategy": c.label, "simulated_ms": c.simulated_ms,
+                            "measured_ms": c.measured_ms})).collect::<Vec<_>>(),
+                    })),
                 }),
                 None => serde_json::Value::Null,
             };
@@ -200,6 +219,7 @@ impl Printer {
                        "loss_read_late": summary.loss_read_late,
                        "precision": summary.precision.name(),
                        "skipped_samples": summary.skipped.count,
+                       "costs_added": summary.costs_added.as_ref().map(|(n, _)| n),
                        "validation": summary.validation.last().map(|e| json!({
                            "step": e.step, "top1": e.accuracy.top1, "top5": e.accuracy.top5,
                            "loss": e.accuracy.loss, "samples": e.accuracy.samples})),
@@ -217,6 +237,15 @@ impl Printer {
                     "skipped {} sample(s) that could not be read ({} distinct)",
                     summary.skipped.count,
                     summary.skipped.first.len()
+                );
+            }
+            if let Some(v) = summary.plan.as_ref().and_then(|p| p.verification.as_ref()) {
+                print!("{v}");
+            }
+            if let Some((tiles, cache)) = &summary.costs_added {
+                println!(
+                    "the steps timed {tiles} tile(s), added to the cost cache {}",
+                    cache.display()
                 );
             }
             if let Some(path) = &summary.saved {

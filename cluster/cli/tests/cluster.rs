@@ -228,6 +228,8 @@ fn up_train_down_on_three_workers_equals_one_device() {
         }),
         strategies: legion_cli::compare::strategies_from("all"),
         traces: Some(traces.clone()),
+        costs: legion::costs::Costs::Measured,
+        cost_cache: None,
     };
     let rows = legion_cli::compare::compare(&graph, &settings).unwrap();
     assert_eq!(rows.len(), legion_cli::compare::all_strategies().len());

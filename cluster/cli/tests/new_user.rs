@@ -597,9 +597,21 @@ fn help_and_output_say_what_they_mean() {
         simulation_error: -0.1,
         speedup_over_data: 1.5,
         max_rel_diff_from_one_device: 9.6e-2,
+        floor_rel_diff: 8.1e-2,
     };
-    let table = legion_cli::compare::table(&[row]);
+    let above = legion_cli::compare::CompareRow {
+        strategy: "data".into(),
+        max_rel_diff_from_one_device: 9.6e-1,
+        ..row.clone()
+    };
+    let table = legion_cli::compare::table(&[row, above]);
     assert!(table.contains("max rel diff vs 1"), "{table}");
+    let marked: Vec<&str> = table
+        .lines()
+        .filter(|l| l.ends_with("above the floor"))
+        .collect();
+    assert_eq!(marked.len(), 1, "{table}");
+    assert!(marked[0].starts_with("data "), "{table}");
     assert!(
         table.contains("(a fraction: 1e-2 is 1%)") && table.contains("grow with the steps"),
         "{table}"

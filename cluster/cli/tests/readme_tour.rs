@@ -204,11 +204,19 @@ const TOUR: &[(&str, How)] = &[
         EXAMPLES,
     ),
     (
+        "legion-rs train --model alexnet --image-size 64 --classes 10 --batch 32 --devices 4 --steps 20",
+        How::Run(&[("--batch", "8"), ("--steps", "15")]),
+    ),
+    (
+        "legion-rs plan --model alexnet --image-size 64 --classes 10 --batch 32 --machine local-cpu:4 --costs measured",
+        How::Run(&[("--batch", "8")]),
+    ),
+    (
         "legion-rs profile --model alexnet --image-size 64 --classes 10 --batch 32 --devices 4 --out alex.profile.json",
         How::Run(&[("--batch", "8"), ("--warmup", "1"), ("--repeats", "1")]),
     ),
     (
-        "legion-rs plan --model alexnet --image-size 64 --classes 10 --batch 32 --machine local-cpu:4 --profile alex.profile.json",
+        "legion-rs plan --model alexnet --image-size 64 --classes 10 --batch 32 --machine local-cpu:4 --costs alex.profile.json",
         How::Run(&[]),
     ),
     (

@@ -19,13 +19,15 @@
 //! - [`device`]: where the steps run (`DeviceKind`), GPUs started and checked to fit;
 //! - [`machine`]: the planner's model of the embedded devices or of a cluster's workers;
 //! - [`model`]: models by zoo name or file; [`precision`]: what a precision means per device;
-//! - [`planning`]: a strategy searched without training, and its report.
+//! - [`planning`]: a strategy searched without training, and its report; [`costs`]: what the
+//!   search prices tiles with, and the cache of what the devices measured.
 //! - [`evaluate`]: a checkpoint's accuracy on a dataset and its top classes for images.
 //!
 //! The crates beneath are re-exported whole ([`ops`], [`planner`], [`runtime`], [`cluster`],
 //! [`cuda`], [`onnx`]) for what this front door does not cover: writing models
 //! (`ops::GraphBuilder`), the cost model and searches themselves, the engines.
 
+pub mod costs;
 pub mod device;
 pub mod evaluate;
 pub mod job;

@@ -165,6 +165,8 @@ enum Event {
         place: String,
         remote_bytes: u64,
         strategy_json: String,
+        /// What the search priced tiles with, as the plan's `costs:` line says it.
+        costs: Option<String>,
     },
     Step(legion::StepDone),
     Evaluated(legion::job::Evaluation),
@@ -191,6 +193,7 @@ impl Event {
                 place: p.place.clone(),
                 remote_bytes: p.remote_bytes,
                 strategy_json: serde_json::to_string(&p.strategy).unwrap_or_default(),
+                costs: p.costs.as_ref().map(|c| c.to_string()),
             },
             JobEvent::Step(s) => Event::Step(**s),
             JobEvent::Evaluated(e) => Event::Evaluated(**e),
@@ -212,8 +215,10 @@ impl Event {
                 place,
                 remote_bytes,
                 strategy_json,
+                costs,
             } => {
                 d.set_item("event", "planned")?;
+                d.set_item("costs", costs)?;
                 d.set_item("choice", choice)?;
                 d.set_item("devices", devices)?;
                 d.set_item("place", place)?;
@@ -279,7 +284,7 @@ fn data_of(data: &Bound<'_, PyAny>, what: &str) -> PyResult<Data> {
 /// order (each array shaped as its tensor), and the run's summary as a dict. `on_event` receives
 /// each event as a dict (see `Event::to_dict`).
 #[pyfunction]
-#[pyo3(signature = (model, *, batch, image_size=None, classes=None, data=None, devices=1, cluster=None, cluster_state=None, slurm=false, strategy="optcnn", steps=None, epochs=None, lr=None, momentum=None, weight_decay=None, nesterov=false, seed=1, device="auto", weights=None, init=None, resume=None, save=None, checkpoint_every=None, save_strategy=None, precision=None, val_data=None, val_split=None, eval_every=None, memory_gib=None, label=None, on_event=None))]
+#[pyo3(signature = (model, *, batch, image_size=None, classes=None, data=None, devices=1, cluster=None, cluster_state=None, slurm=false, strategy="optcnn", costs="measured", replan=false, verify=3, steps=None, epochs=None, lr=None, momentum=None, weight_decay=None, nesterov=false, seed=1, device="auto", weights=None, init=None, resume=None, save=None, checkpoint_every=None, save_strategy=None, precision=None, val_data=None, val_split=None, eval_every=None, memory_gib=None, label=None, on_event=None))]
 #[allow(clippy::too_many_arguments)]
 fn train<'py>(
     py: Python<'py>,
@@ -293,6 +298,9 @@ fn train<'py>(
     cluster_state: Option<PathBuf>,
     slurm: bool,
     strategy: &str,
+    costs: &str,
+    replan: bool,
+    verify: usize,
     steps: Option<u64>,
     epochs: Option<u64>,
     lr: Option<f32>,
@@ -338,6 +346,9 @@ fn train<'py>(
     let (events, received) = crossbeam_channel::unbounded::<Event>();
     let model = model.to_string();
     let strategy = Strategy::from(strategy);
+    let costs = costs
+        .parse::<legion::costs::Costs>()
+        .map_err(|e| LegionError::new_err(format!("costs={costs:?}: {e}")))?;
     let run_stop = stop.clone();
     let job = std::thread::Builder::new()
         .name("legion-train".into())
@@ -365,6 +376,8 @@ fn train<'py>(
             let mut training = Training::new(resolved.graph)
                 .devices(devices)
                 .strategy(strategy)
+                .costs(costs)
+                .verify(verify)
                 .sgd(sgd)
                 .seed(seed)
                 .device(device)
@@ -396,6 +409,9 @@ fn train<'py>(
             }
             if let Some(path) = resume {
                 training = training.resume(path);
+            }
+            if replan {
+                training = training.replan();
             }
             if let Some(path) = save {
                 training = training.save(path);
@@ -500,6 +516,24 @@ fn summary_dict<'py>(py: Python<'py>, s: &legion::TrainSummary) -> PyResult<Boun
             "strategy_json",
             serde_json::to_string(&plan.strategy).unwrap_or_default(),
         )?;
+        p.set_item("costs", plan.costs.as_ref().map(|c| c.to_string()))?;
+        match &plan.verification {
+            Some(v) => {
+                let tried = PyList::empty(py);
+                for c in &v.candidates {
+                    let t = PyDict::new(py);
+                    t.set_item("strategy", &c.label)?;
+                    t.set_item("simulated_ms", c.simulated_ms)?;
+                    t.set_item("measured_ms", c.measured_ms)?;
+                    tried.append(t)?;
+                }
+                let d = PyDict::new(py);
+                d.set_item("kept", &v.candidates[v.kept].label)?;
+                d.set_item("candidates", tried)?;
+                p.set_item("verification", d)?;
+            }
+            None => p.set_item("verification", py.None())?,
+        }
         d.set_item("plan", p)?;
     } else {
         d.set_item("plan", py.None())?;

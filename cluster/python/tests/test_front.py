@@ -97,6 +97,24 @@ def test_numpy_batches_train_the_same_network_under_any_strategy():
                                        atol=1e-5, err_msg=f"{key} {name}")
 
 
+def test_the_search_prices_with_measured_costs_and_verifies_on_the_devices(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEGION_RS_COST_CACHE", str(tmp_path / "costs"))
+    state = legion_rs.train("lenet5", batch=8, devices=4, steps=15, device="cpu", progress=False)
+    plan = state.summary["plan"]
+    assert plan["costs"].startswith("costs: measured, "), plan["costs"]
+    assert any((tmp_path / "costs").iterdir()), "the cost cache was written"
+    tried = plan["verification"]["candidates"]
+    assert tried[0]["strategy"] == "optcnn" and len(tried) >= 2
+    fastest = min(tried, key=lambda c: c["measured_ms"])["strategy"]
+    assert plan["verification"]["kept"] == fastest
+    again = legion_rs.train("lenet5", batch=8, devices=4, steps=2, device="cpu", costs="roofline",
+                            verify=0, progress=False)
+    assert again.summary["plan"]["costs"] == "costs: roofline; roofline because --costs roofline"
+    assert again.summary["plan"]["verification"] is None
+    with pytest.raises(legion_rs.LegionError, match='costs="fast"'):
+        legion_rs.train("lenet5", batch=8, devices=2, costs="fast", progress=False)
+
+
 def test_epochs_pass_over_an_iterable_again_and_an_iterator_once():
     state = legion_rs.train("lenet5", numpy_batches(2), batch=8, epochs=3, device="cpu",
                             progress=False)

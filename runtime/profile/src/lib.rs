@@ -15,7 +15,8 @@
 //!
 //! One (strategy, step, layer, device) gives one sample of a tile's forward and backward seconds;
 //! samples with the same [`ProfileKey`] (the same op over the same shapes, whichever strategy or
-//! device ran it) are averaged.
+//! device ran it) are kept as their median: devices of one kind price alike, and one step a
+//! device lost to the OS does not move the entry.
 //!
 //! Runtime costs ([`RuntimeCosts`], what the simulator charges besides kernels and transfers):
 //!
@@ -78,8 +79,11 @@ use legion_ops::op::partial_input_shapes;
 use legion_ops::train::ParamStore;
 use legion_ops::{Graph, LayerId, Rect, Shape};
 use legion_planner::profile::{LinkProfile, ProfileKey};
+use legion_planner::progress::{Phase as PlanPhase, Progress};
 use legion_planner::runtime_costs::{RuntimeCosts, fold_bytes, update_bytes};
-use legion_planner::{DeviceId, ParallelConfig, PhaseTimes, ProfileDb, tile_rect};
+use legion_planner::{
+    ConfigSpace, DeviceId, ParallelConfig, PhaseTimes, ProfileDb, SearchSpace, tile_rect,
+};
 use legion_runtime::StepReport;
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::LocalOpKind;
@@ -154,6 +158,24 @@ pub fn profile(
     strategies: &[(String, Vec<ParallelConfig>)],
     settings: &ProfileSettings,
 ) -> Result<Profile, ProfileRunError> {
+    profile_reporting(graph, devices, strategies, settings, None)
+}
+
+/// [`profile`], reporting the strategies done to `progress`.
+pub fn profile_reporting(
+    graph: &Graph,
+    devices: usize,
+    strategies: &[(String, Vec<ParallelConfig>)],
+    settings: &ProfileSettings,
+    progress: Option<&dyn Progress>,
+) -> Result<Profile, ProfileRunError> {
+    let total = strategies.len() as u64;
+    let report = |done: usize| {
+        if let Some(p) = progress {
+            p.update(PlanPhase::Measuring, done as u64, total);
+        }
+    };
+    report(0);
     if settings.repeats == 0 {
         return Err(ProfileRunError::NoRepeats);
     }
@@ -191,6 +213,7 @@ pub fn profile(
             run.tasks += profiler.add_step(graph, cluster.plan(), &result.reports, cpu);
         }
         runs.push(run);
+        report(runs.len());
     }
     Ok(Profile {
         db: profiler.finish(graph),
@@ -392,12 +415,12 @@ pub(crate) enum Phase {
     Backward,
 }
 
-/// Running sums of tile times by key, in first-seen order (so the file is deterministic).
+/// Tile times by key, in first-seen order (so the file is deterministic).
 #[derive(Default)]
 struct TileTimes {
     index: HashMap<ProfileKey, usize>,
-    /// (layer, the input shapes the tile computes over, tile, summed times, samples)
-    sums: Vec<(LayerId, Vec<Shape>, Rect, PhaseTimes, u32)>,
+    /// (layer, the input shapes the tile computes over, tile, every sample's times)
+    samples: Vec<(LayerId, Vec<Shape>, Rect, Vec<PhaseTimes>)>,
 }
 
 impl TileTimes {
@@ -442,42 +465,108 @@ impl TileTimes {
             else {
                 continue;
             };
-            let tile = tile_rect(&graph.layer(layer).shape, config, t);
-            // A reduction split's partial is the op over its block of the input channels, which
-            // is how the planner prices it (its block's first partial also finishes the block:
-            // an element-wise pass, counted with it).
-            let inputs = partial_input_shapes(
-                &graph.input_shapes(layer),
-                config.reduction_of(t),
-                config.reduction(),
-            );
-            let key =
-                ProfileKey::for_tile(graph.layer(layer), &inputs, &tile, &settings.device_kind);
-            let next = self.sums.len();
-            let i = *self.index.entry(key).or_insert(next);
+            let tile = Tile::of(graph, layer, config, t, &settings.device_kind);
+            let next = self.samples.len();
+            let i = *self.index.entry(tile.key).or_insert(next);
             if i == next {
-                self.sums
-                    .push((layer, inputs, tile, PhaseTimes::default(), 0));
+                self.samples
+                    .push((layer, tile.inputs, tile.rect, Vec::new()));
             }
-            let (_, _, _, sum, n) = &mut self.sums[i];
-            sum.forward += times.forward;
-            sum.backward += times.backward;
-            *n += 1;
+            self.samples[i].3.push(times);
         }
         tasks
     }
 
     fn into_db(self, graph: &Graph, device_kind: &str) -> ProfileDb {
         let mut db = ProfileDb::default();
-        for (layer, inputs, tile, sum, n) in self.sums {
-            let mean = PhaseTimes {
-                forward: sum.forward / n as f64,
-                backward: sum.backward / n as f64,
+        for (layer, inputs, tile, mut samples) in self.samples {
+            let n = u32::try_from(samples.len()).unwrap_or(u32::MAX);
+            let median = PhaseTimes {
+                forward: median(&mut samples, |t| t.forward),
+                backward: median(&mut samples, |t| t.backward),
             };
-            db.record(graph.layer(layer), &inputs, &tile, device_kind, mean, n);
+            db.record(graph.layer(layer), &inputs, &tile, device_kind, median, n);
         }
         db
     }
+}
+
+/// The median of `of` over `samples` (the mean of the middle two of an even count).
+fn median(samples: &mut [PhaseTimes], of: impl Fn(&PhaseTimes) -> f64) -> f64 {
+    samples.sort_by(|a, b| of(a).total_cmp(&of(b)));
+    match samples.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => of(&samples[n / 2]),
+        n => 0.5 * (of(&samples[n / 2 - 1]) + of(&samples[n / 2])),
+    }
+}
+
+/// Tile `t` of a layer under its config, as the profile keys it.
+pub struct Tile {
+    /// The shapes of the inputs the tile computes over.
+    pub inputs: Vec<Shape>,
+    pub rect: Rect,
+    pub key: ProfileKey,
+}
+
+impl Tile {
+    pub fn of(
+        graph: &Graph,
+        layer: LayerId,
+        config: &ParallelConfig,
+        t: usize,
+        device_kind: &str,
+    ) -> Tile {
+        let rect = tile_rect(&graph.layer(layer).shape, config, t);
+        // A reduction split's partial is the op over its block of the input channels, which
+        // is how the planner prices it (its block's first partial also finishes the block:
+        // an element-wise pass, counted with it).
+        let inputs = partial_input_shapes(
+            &graph.input_shapes(layer),
+            config.reduction_of(t),
+            config.reduction(),
+        );
+        let key = ProfileKey::for_tile(graph.layer(layer), &inputs, &rect, device_kind);
+        Tile { inputs, rect, key }
+    }
+}
+
+/// The keys of every tile that `configs` (by layer) computes, on devices of `device_kind`.
+pub fn tile_keys(
+    graph: &Graph,
+    configs: &[ParallelConfig],
+    device_kind: &str,
+) -> impl Iterator<Item = ProfileKey> {
+    graph.ids().zip(configs).flat_map(move |(layer, config)| {
+        (0..config.total()).map(move |t| Tile::of(graph, layer, config, t, device_kind).key)
+    })
+}
+
+/// Every tile shape the searches may give each layer on `devices` devices, as strategies:
+/// strategy k gives each layer its k-th layout (degree vector and reduction split, as the
+/// searches' default space holds them; its last where it has fewer) on the first devices.
+/// Where on the machine a layout sits changes no tile's shape, so these tiles price every config.
+/// Layouts over the most devices come first: their tiles are the smallest (quickest to time) and
+/// the ones a search over the whole machine uses most, so a time limit cuts the largest.
+pub fn space_strategies(graph: &Graph, devices: usize) -> Vec<(String, Vec<ParallelConfig>)> {
+    let layouts: Vec<Vec<ParallelConfig>> = graph
+        .ids()
+        .map(|id| {
+            let space = ConfigSpace::of_layer(graph, id, devices, SearchSpace::WithReductions);
+            let mut layouts: Vec<ParallelConfig> = (0..space.layouts().len())
+                .map(|k| space.config(space.layout_configs(k).start))
+                .collect();
+            layouts.sort_by_key(|c| std::cmp::Reverse(c.total()));
+            layouts
+        })
+        .collect();
+    let most = layouts.iter().map(Vec::len).max().unwrap_or(0);
+    (0..most)
+        .map(|k| {
+            let configs = layouts.iter().map(|l| l[k.min(l.len() - 1)]).collect();
+            (format!("space-{k}"), configs)
+        })
+        .collect()
 }
 
 /// Sums for [`RuntimeCosts`] (see the module docs).

@@ -43,10 +43,11 @@ pub enum Command {
     Models(models::ModelsArgs),
     /// Plan a parallelization strategy: searches, cost model, simulation.
     Plan(plan::PlanArgs),
-    /// Measure per-tile compute times and the transport on the embedded cluster, for `plan --profile`.
+    /// Measure per-tile compute times and the transport on the embedded cluster, into the cost
+    /// cache (`--costs measured`) or a profile file (`--costs FILE`).
     Profile(profile::ProfileArgs),
     /// Train a model.
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Score a checkpoint on a dataset: top-1 and top-5 accuracy and the loss.
     Eval(evaluate::EvalArgs),
     /// The most probable classes of images under a checkpoint, with their probabilities.
@@ -68,7 +69,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Models(a) => models::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Profile(a) => profile::run(a),
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Eval(a) => evaluate::eval(a),
         Command::Predict(a) => evaluate::predict(a),
         Command::Up(a) => cluster::up(a),

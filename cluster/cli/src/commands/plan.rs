@@ -5,6 +5,7 @@
 use crate::progress::PlanProgress;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
+use legion::costs::{CacheKey, CostCache, Costs};
 use legion::job::check_output_path;
 use legion::planning::report::{self, PlanJson, SearchJson};
 use legion::planning::{Planning, Searches};
@@ -89,10 +90,13 @@ pub struct PlanArgs {
     /// Print one JSON document instead of tables.
     #[arg(long)]
     json: bool,
-    /// Measured compute times (profile database JSON, as `legion-rs profile` writes); the roofline
-    /// model prices what is missing. Its measured links, if any, replace every link of the machine.
-    #[arg(long)]
-    profile: Option<PathBuf>,
+    /// What tiles are priced with: `roofline`, `measured` (the cost cache that `train` and
+    /// `profile` keep of this machine's embedded devices: give --machine local-cpu:N), or a
+    /// profile file (as `legion-rs profile --out` writes; also `--profile FILE`). Measured costs
+    /// price what they hold, the roofline what is missing; their measured links, if any,
+    /// replace every link of the machine.
+    #[arg(long, alias = "profile", default_value = "roofline", value_parser = crate::flags::parse_costs)]
+    costs: Costs,
     /// Most partial strategies the exhaustive search may try [default: 50000000, or 100000 with
     /// --search all, where the exhaustive search then stops early and says so].
     #[arg(long)]
@@ -177,7 +181,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             check_output_path(flag, path)?;
         }
     }
-    let db = args.profile.as_deref().map(ProfileDb::load).transpose()?;
+    let db = priced_by(&args)?;
     let cluster = match &args.cluster {
         Some(path) => {
             let located = legion_cluster::launch::locate(Some(path), args.state.as_deref())?;
@@ -336,8 +340,8 @@ fn planning_of(
         .search(Searches::from(args.search))
         .refine_seed(args.refine_seed)
         .sync_simulation(args.sync_sim);
-    if let (Some(db), Some(path)) = (db, &args.profile) {
-        planning = planning.profile(db, path.display().to_string());
+    if let (Some(db), Some(source)) = (db, costs_source(args)) {
+        planning = planning.profile(db, source);
     }
     if let Some(budget) = args.budget {
         planning = planning.budget(budget);
@@ -400,9 +404,61 @@ fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelC
 
 /// Where t_c comes from, for `--json`.
 fn t_c_source(args: &PlanArgs) -> String {
-    match &args.profile {
-        Some(path) => format!("profile {}", path.display()),
+    match costs_source(args) {
+        Some(source) => format!("profile {source}"),
         None => "roofline".into(),
+    }
+}
+
+/// What measured the costs `--costs` prices with, where it is not the roofline.
+fn costs_source(args: &PlanArgs) -> Option<String> {
+    match &args.costs {
+        Costs::Roofline => None,
+        Costs::Profile(path) => Some(path.display().to_string()),
+        Costs::Measured => cache_file(args)
+            .ok()
+            .map(|(cache, key)| cache.path(&key).display().to_string()),
+    }
+}
+
+/// The cost cache file of `--machine local-cpu:N`'s devices.
+fn cache_file(args: &PlanArgs) -> anyhow::Result<(CostCache, CacheKey)> {
+    let devices = args
+        .machine
+        .as_deref()
+        .and_then(|m| m.strip_prefix("local-cpu:"))
+        .and_then(|n| n.parse::<usize>().ok())
+        .context(
+            "--costs measured prices this machine's embedded devices as the cost cache has \
+             them: give --machine local-cpu:N (or --costs FILE for another machine)",
+        )?;
+    let cache = CostCache::default_location()
+        .context("--costs measured: no cost cache folder (set LEGION_RS_COST_CACHE or HOME)")?;
+    Ok((cache, CacheKey::embedded_cpu(devices, args.precision)))
+}
+
+/// The measured costs `--costs` prices with: a profile file, or the cost cache of this
+/// machine's `local-cpu:N` devices, refused where it holds nothing for them.
+fn priced_by(args: &PlanArgs) -> anyhow::Result<Option<ProfileDb>> {
+    match &args.costs {
+        Costs::Roofline => Ok(None),
+        Costs::Profile(path) => Ok(Some(ProfileDb::load(path)?)),
+        Costs::Measured => {
+            let (cache, key) = cache_file(args)?;
+            let read = cache.read(&key);
+            if let Some(why) = read.refused {
+                bail!("--costs measured: {why}");
+            }
+            if read.db.entries.is_empty() {
+                bail!(
+                    "--costs measured: the cost cache has nothing for {} yet (`legion-rs train \
+                     --devices N` or `legion-rs profile --devices N --strategies space` \
+                     measures it)",
+                    key.describe()
+                );
+            }
+            Ok(Some(read.db))
+        }
     }
 }
 

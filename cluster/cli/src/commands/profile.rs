@@ -1,6 +1,6 @@
 //! `legion-rs profile`: run real steps of the embedded cluster under several strategies, time every
 //! tile's kernels and the transfers between devices, and write the profile database that
-//! `legion-rs plan --profile` prices strategies with. The measuring is `legion_profile`; on a GPU
+//! `--costs FILE` prices strategies with, or add it to the cost cache `--costs measured` reads. The measuring is `legion_profile`; on a GPU
 //! (`--device cuda`, or `auto` where one is usable) `legion_profile::gpu` times each tile alone
 //! with CUDA events and runs each strategy's steps on GPU device actors.
 
@@ -66,9 +66,11 @@ pub struct ProfileArgs {
     /// Seed of the initial weights and the synthetic batch.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Where to write the profile database (JSON); replaced atomically.
+    /// Where to write the profile database (JSON); replaced atomically. Without it, the
+    /// embedded CPU devices' costs go to the cost cache that `train --costs measured` prices
+    /// with (added to what it holds).
     #[arg(long)]
-    out: PathBuf,
+    out: Option<PathBuf>,
     /// Print one JSON document instead of a table.
     #[arg(long)]
     json: bool,
@@ -96,7 +98,9 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     if a.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
-    check_output_path("--out", &a.out)?;
+    if let Some(out) = &a.out {
+        check_output_path("--out", out)?;
+    }
     if a.strategies.iter().any(|s| s.is_empty()) {
         bail!("--strategies: empty name in '{}'", a.strategies.join(","));
     }
@@ -146,7 +150,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     let mut strategies = Vec::new();
     for s in &a.strategies {
         if s == "space" {
-            strategies.extend(space_strategies(&graph, &machine));
+            strategies.extend(profile::space_strategies(&graph, machine.num_devices()));
         } else {
             strategies.push((
                 s.clone(),
@@ -177,7 +181,26 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     };
     let measured = profile::profile(&graph, devices, &strategies, &settings)
         .with_context(|| format!("profiling {} on {} device(s)", graph.name, devices))?;
-    save(&a, &measured.db)?;
+    let out = match &a.out {
+        Some(_) => {
+            save(&a, &measured.db)?;
+            a.out.clone().expect("given")
+        }
+        None => {
+            if a.machine.is_some() || a.device_kind.is_some() {
+                bail!(
+                    "--machine and --device-kind profile for another machine's devices: give \
+                     --out FILE (the cost cache holds this machine's own)"
+                );
+            }
+            let cache = legion::costs::CostCache::default_location()
+                .context("no cost cache folder (set LEGION_RS_COST_CACHE or HOME), give --out")?;
+            cache.add(
+                &legion::costs::CacheKey::embedded_cpu(devices, precision),
+                &measured.db,
+            )?
+        }
+    };
 
     let db = &measured.db;
     let mean_ms = |s: &[f64]| 1e3 * s.iter().sum::<f64>() / s.len().max(1) as f64;
@@ -191,7 +214,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             "{}",
             json!({"model": graph.name, "devices": devices, "batch": a.batch,
                    "entries": db.entries.len(), "links": db.links, "strategies": runs,
-                   "out": a.out.display().to_string()})
+                   "out": out.display().to_string()})
         );
         return Ok(());
     }
@@ -221,59 +244,27 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
         ),
         None => println!("link: not measured (no transfers between devices)"),
     }
-    println!("wrote {}", a.out.display());
+    println!("wrote {}", out.display());
     Ok(())
-}
-
-/// Every tile shape the searches may give each layer on `machine`, as strategies: strategy k gives
-/// each layer its k-th layout (degree vector and reduction split, as `plan` searches them; its
-/// last where it has fewer) on the first devices.
-/// Where on the machine a layout sits changes no tile's shape, so these tiles price every config.
-/// Layouts over the most devices come first: their tiles are the smallest (quickest to time) and
-/// the ones a search over the whole machine uses most, so a `--time-limit` cuts the largest.
-fn space_strategies(
-    graph: &legion_ops::Graph,
-    machine: &legion_planner::MachineModel,
-) -> Vec<(String, Vec<legion_planner::ParallelConfig>)> {
-    let layouts: Vec<Vec<legion_planner::ParallelConfig>> = graph
-        .ids()
-        .map(|id| {
-            // the space `plan` searches by default: reduction splits included
-            let space = legion_planner::ConfigSpace::of_layer(
-                graph,
-                id,
-                machine.num_devices(),
-                legion_planner::SearchSpace::WithReductions,
-            );
-            let mut layouts: Vec<legion_planner::ParallelConfig> = (0..space.layouts().len())
-                .map(|k| space.config(space.layout_configs(k).start))
-                .collect();
-            layouts.sort_by_key(|c| std::cmp::Reverse(c.total()));
-            layouts
-        })
-        .collect();
-    let most = layouts.iter().map(Vec::len).max().unwrap_or(0);
-    (0..most)
-        .map(|k| {
-            let configs = layouts.iter().map(|l| l[k.min(l.len() - 1)]).collect();
-            (format!("space-{k}"), configs)
-        })
-        .collect()
 }
 
 /// Writes `db` to --out, atomically; with --merge, over the entries already there.
 fn save(a: &ProfileArgs, db: &legion_planner::ProfileDb) -> anyhow::Result<()> {
-    if !(a.merge && a.out.exists()) {
-        return Ok(db.save(&a.out)?);
+    let out = a
+        .out
+        .as_ref()
+        .context("--out FILE: where to write the profile")?;
+    if !(a.merge && out.exists()) {
+        return Ok(db.save(out)?);
     }
-    let mut kept = legion_planner::ProfileDb::load(&a.out)?;
+    let mut kept = legion_planner::ProfileDb::load(out)?;
     kept.insert_all(db.entries.iter().cloned());
     kept.links = db.links.or(kept.links);
     kept.staged = db.staged.or(kept.staged);
     kept.compute_threads = db.compute_threads.or(kept.compute_threads);
     kept.runtime = db.runtime.or(kept.runtime);
     kept.measured_on = db.measured_on.clone().or(kept.measured_on);
-    Ok(kept.save(&a.out)?)
+    Ok(kept.save(out)?)
 }
 
 /// Today, `YYYY-MM-DD` in UTC.
@@ -309,6 +300,9 @@ fn profile_on_gpu(
     strategies: &[(String, Vec<legion_planner::ParallelConfig>)],
     gpus: device::StartedGpus,
 ) -> anyhow::Result<()> {
+    let out = a.out.as_ref().context(
+        "--out FILE: a GPU's profile is written to a file (`train --costs FILE` prices with it)",
+    )?;
     let devices = machine.num_devices();
     let gpu = gpus.info[0].clone();
     let run_steps = !a.tiles_only && !a.strategies.iter().any(|s| s == "space");
@@ -375,7 +369,7 @@ fn profile_on_gpu(
                    "precision": precision, "device_kind": settings.device_kind,
                    "entries": measured.db.entries.len(), "copies": measured.copies,
                    "strategies": runs, "stopped_early": measured.stopped_early,
-                   "out": a.out.display().to_string()})
+                   "out": out.display().to_string()})
         );
         return Ok(());
     }
@@ -422,7 +416,7 @@ fn profile_on_gpu(
         c.to_host_bytes_per_s / 1e9,
         c.from_host_bytes_per_s / 1e9
     );
-    println!("wrote {}", a.out.display());
+    println!("wrote {}", out.display());
     Ok(())
 }
 

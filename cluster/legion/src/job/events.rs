@@ -44,6 +44,11 @@ pub struct PlannedRun {
     pub strategy: StrategyFile,
     /// The devices no layer of the strategy uses: they stay idle.
     pub idle_devices: Vec<usize>,
+    /// What the search priced tiles with, where a search chose the strategy.
+    pub costs: Option<crate::costs::CostReport>,
+    /// The candidates the run trained a few steps each, and the one it kept (then `strategy`
+    /// and `remote_bytes` are the kept one's).
+    pub verification: Option<super::Verification>,
 }
 
 /// One finished step.
@@ -109,6 +114,8 @@ pub struct TrainSummary {
     pub skipped: SkippedSamples,
     /// Each scoring of the held-out data, in order (the last after the last step).
     pub validation: Vec<Evaluation>,
+    /// The tiles whose costs the run's own steps timed, and the cost cache they were added to.
+    pub costs_added: Option<(usize, PathBuf)>,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.

@@ -13,13 +13,17 @@ mod checks;
 mod events;
 mod run;
 mod strategy;
+mod verify;
 
 pub use checks::check_output_path;
 pub use events::{Evaluation, JobEvent, LossTrend, PlannedRun, StepDone, TrainSummary};
 pub use strategy::{
-    Strategy, choose_strategy, choose_strategy_for, choose_strategy_reporting, strategy_names,
+    Chosen, Strategy, choose_strategy, choose_strategy_for, choose_strategy_priced,
+    choose_strategy_ranked, choose_strategy_reporting, strategy_names,
 };
+pub use verify::{Candidate, TRIAL_STEPS, Tried, Verification};
 
+use crate::costs::{self, CacheKey, CostCache, CostReport, Costs};
 use crate::device::{self, DeviceKind};
 use crate::machine::{cluster_machine, embedded_machine, gpus_machine};
 use crate::precision;
@@ -34,6 +38,7 @@ use legion_ops::data::{self, BatchFeed, Data, Dataset, OpenProgress, Transforms}
 use legion_ops::train::{LossReadback, LrSchedule, Sgd};
 use legion_ops::{Graph, Precision};
 use legion_planner::progress::Progress;
+use legion_planner::search::SearchKind;
 use legion_planner::{MachineModel, ParallelConfig, Strategy as StrategyFile};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -67,6 +72,16 @@ pub struct TrainOptions {
     pub seed: u64,
     /// With several devices: a search or a strategy file.
     pub strategy: Strategy,
+    /// What a search prices tiles with.
+    pub costs: Costs,
+    /// Where measured costs are kept between runs; `None`: nowhere (a search then prices by
+    /// roofline, and says why).
+    pub cost_cache: Option<CostCache>,
+    /// With `resume`: search the strategy again instead of training on with the checkpoint's.
+    pub replan: bool,
+    /// Alternatives to the search's strategy that the run trains a few steps each on the
+    /// devices, keeping the one measured fastest (0: none).
+    pub verify: usize,
     /// Write the strategy the devices run here (a strategy JSON file).
     pub save_strategy: Option<PathBuf>,
     /// Write a Chrome/Perfetto trace of the last step here.
@@ -225,6 +240,10 @@ impl Default for TrainOptions {
             lr_schedule: LrSchedule::CONSTANT,
             seed: 1,
             strategy: Strategy::default(),
+            costs: Costs::default(),
+            cost_cache: CostCache::default_location(),
+            replan: false,
+            verify: verify::DEFAULT_ALTERNATIVES,
             save_strategy: None,
             trace: None,
             checkpoint_every: None,
@@ -313,6 +332,34 @@ impl Training {
     /// a strategy file.
     pub fn strategy(mut self, strategy: impl Into<Strategy>) -> Self {
         self.options.strategy = strategy.into();
+        self
+    }
+
+    /// What the search prices tiles with (default: what the devices measure, kept in the
+    /// cost cache).
+    pub fn costs(mut self, costs: Costs) -> Self {
+        self.options.costs = costs;
+        self
+    }
+
+    /// Keeps measured costs in this folder instead of the user's cache.
+    pub fn cost_cache(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.options.cost_cache = Some(CostCache::at(dir));
+        self
+    }
+
+    /// Trains the search's strategy and up to `alternatives` others a few steps each
+    /// ([`TRIAL_STEPS`]), then trains on with the one measured fastest (0: the search's, as it
+    /// is). Default 3.
+    pub fn verify(mut self, alternatives: usize) -> Self {
+        self.options.verify = alternatives;
+        self
+    }
+
+    /// With [`Training::resume`]: searches the strategy again instead of training on with the
+    /// one the checkpoint's run trained with.
+    pub fn replan(mut self) -> Self {
+        self.options.replan = true;
         self
     }
 
@@ -479,7 +526,7 @@ impl Training {
 }
 
 /// The devices of `0..devices` that no layer of `configs` uses.
-fn idle_devices(configs: &[ParallelConfig], devices: usize) -> Vec<usize> {
+pub(crate) fn idle_devices(configs: &[ParallelConfig], devices: usize) -> Vec<usize> {
     let mut used = vec![false; devices];
     for c in configs {
         for d in c.devices() {
@@ -514,6 +561,48 @@ pub struct Job {
     init_note: Option<String>,
     /// What opening the data found, said after the device line.
     data_note: Option<String>,
+    /// A cost cache file that could not be used, said as a warning.
+    cost_warning: Option<String>,
+    /// Where the steps' measured tile costs are added, where the run measures them.
+    cost_cache: Option<(CostCache, CacheKey)>,
+    /// The strategies to verify, the search's first (none where it is not verified).
+    candidates: Vec<verify::Candidate>,
+    /// How to start the devices again on another strategy, where they can be.
+    restart: Option<Restart>,
+    /// Whether the devices plan inference beside the step.
+    inference: bool,
+}
+
+/// Where a job's devices are, owned, so that an engine can be started there again.
+pub(crate) enum Restart {
+    Embedded {
+        devices: usize,
+    },
+    Cluster {
+        hosts: Hosts,
+        state_dir: PathBuf,
+        gpu: legion_cuda::Settings,
+    },
+}
+
+impl Restart {
+    pub(crate) fn place(&self) -> Place<'_> {
+        match self {
+            Restart::Embedded { devices } => Place::Embedded {
+                devices: *devices,
+                placement: legion_runtime::Placement::Cpu,
+            },
+            Restart::Cluster {
+                hosts,
+                state_dir,
+                gpu,
+            } => Place::Cluster {
+                hosts,
+                state_dir,
+                gpu: *gpu,
+            },
+        }
+    }
 }
 
 impl Job {
@@ -575,7 +664,14 @@ impl Job {
                  (train with --device cpu, or without --nesterov)"
             );
         }
-        let (configs, place) = plan(
+        let Planned {
+            configs,
+            place,
+            costs,
+            cost_cache,
+            cost_warning,
+            candidates,
+        } = plan(
             &graph,
             opts,
             cluster.as_ref(),
@@ -631,6 +727,18 @@ impl Job {
             && !distributed
             && gpus.is_some()
             && matches!(&source, Source::Samples(d) if d.as_synthetic().is_some());
+        let restart = match (&cluster, &gpus) {
+            _ if candidates.len() < 2 => None,
+            (Some((_, hosts, state_dir)), _) => Some(Restart::Cluster {
+                hosts: hosts.clone(),
+                state_dir: state_dir.clone(),
+                gpu: settings,
+            }),
+            (None, None) => Some(Restart::Embedded { devices }),
+            // GPUs started once for the run are not started again
+            (None, Some(_)) => None,
+        };
+        let validation_wanted = validation.is_some();
         let engine_place = match (&cluster, gpus) {
             (Some((_, hosts, state_dir)), _) => Place::Cluster {
                 hosts,
@@ -678,6 +786,8 @@ impl Job {
             remote_bytes: engine.plan().expect("a distributed engine").remote_bytes(),
             strategy,
             idle_devices: idle_devices(&configs, devices),
+            costs,
+            verification: None,
         });
         Ok(Job {
             graph,
@@ -694,6 +804,11 @@ impl Job {
             precision,
             init_note,
             data_note,
+            cost_warning,
+            cost_cache,
+            candidates,
+            restart,
+            inference: validation_wanted,
         })
     }
 }
@@ -774,9 +889,22 @@ fn target_cluster(opts: &TrainOptions) -> anyhow::Result<Option<(String, Hosts, 
     })
 }
 
+/// What [`plan`] decided.
+struct Planned {
+    configs: Vec<ParallelConfig>,
+    /// Where the devices are, as the plan line says it.
+    place: String,
+    /// What the search priced tiles with, where a search ran.
+    costs: Option<CostReport>,
+    cost_cache: Option<(CostCache, CacheKey)>,
+    cost_warning: Option<String>,
+    /// The strategies to verify on the devices, the search's first; empty where none are.
+    candidates: Vec<verify::Candidate>,
+}
+
 /// The configs the devices run and where they are: a search's or a strategy file's on several
-/// devices (priced on the run's machine and checked to fit its devices' memory), every layer
-/// serial on one.
+/// devices (priced on the run's machine as `opts.costs` says, and checked to fit its devices'
+/// memory), or the plan of the checkpoint a run resumes; every layer serial on one.
 fn plan(
     graph: &Graph,
     opts: &TrainOptions,
@@ -785,40 +913,20 @@ fn plan(
     devices: usize,
     distributed: bool,
     precision: Precision,
-) -> anyhow::Result<(Vec<ParallelConfig>, String)> {
+) -> anyhow::Result<Planned> {
     let with_memory = |machine: MachineModel| match opts.memory_gib {
         Some(gib) => machine.with_device_memory_gib(gib),
         None => Ok(machine),
     };
-    Ok(if distributed {
-        let (machine, place) = match cluster {
-            Some((label, hosts, state)) => (
-                cluster_machine(hosts, state)?.with_precision(precision),
-                format!("{} worker(s) of {label}", hosts.hosts.len()),
-            ),
-            None => match gpus {
-                Some(started) => (
-                    gpus_machine(devices, &started.info, precision)?,
-                    "embedded device(s) on GPUs".to_string(),
-                ),
-                // priced in the run's precision: bf16 slices move half the bytes
-                None => (
-                    embedded_machine(devices)?.with_precision(precision),
-                    "embedded device(s)".to_string(),
-                ),
-            },
-        };
-        let machine = with_memory(machine)?;
-        let configs = choose_strategy_reporting(
-            "--strategy",
-            graph,
-            &machine,
-            &opts.strategy,
-            opts.search_progress.get(),
-        )?;
-        check_device_memory(graph, &machine, &configs, &opts.strategy.to_string())?;
-        (configs, place)
-    } else {
+    let planned = |configs, place| Planned {
+        configs,
+        place,
+        costs: None,
+        cost_cache: None,
+        cost_warning: None,
+        candidates: Vec::new(),
+    };
+    if !distributed {
         // One device runs every layer serially; a strategy file given is still checked
         // against the model and the device count, so that a wrong one is never ignored.
         if let Strategy::File(path) = &opts.strategy {
@@ -831,8 +939,143 @@ fn plan(
             &serial,
             "serial",
         )?;
-        (serial, "one device".to_string())
+        return Ok(planned(serial, "one device".to_string()));
+    }
+    let (machine, place, measure_on) = match cluster {
+        Some((label, hosts, state)) => (
+            cluster_machine(hosts, state)?.with_precision(precision),
+            format!("{} worker(s) of {label}", hosts.hosts.len()),
+            costs::Devices::Elsewhere {
+                why: "a cluster's workers do not measure their own op costs yet (`legion-rs \
+                      profile` on a worker and --costs FILE price them)",
+            },
+        ),
+        None => match gpus {
+            Some(started) => (
+                gpus_machine(devices, &started.info, precision)?,
+                "embedded device(s) on GPUs".to_string(),
+                costs::Devices::Elsewhere {
+                    why: "a run on GPUs does not measure its op costs before its search yet \
+                          (`legion-rs profile --device cuda` and --costs FILE price them)",
+                },
+            ),
+            // priced in the run's precision: bf16 slices move half the bytes
+            None => (
+                embedded_machine(devices)?.with_precision(precision),
+                "embedded device(s)".to_string(),
+                costs::Devices::EmbeddedCpu { devices },
+            ),
+        },
+    };
+    let machine = with_memory(machine)?;
+    if let Some(saved) = resumed_plan(graph, opts, devices)? {
+        check_device_memory(graph, &machine, &saved, "the checkpoint's strategy")?;
+        return Ok(planned(saved, place));
+    }
+    let Strategy::Search(kind) = &opts.strategy else {
+        let configs = choose_strategy_for("--strategy", graph, &machine, &opts.strategy)?;
+        check_device_memory(graph, &machine, &configs, &opts.strategy.to_string())?;
+        return Ok(planned(configs, place));
+    };
+    let pricing = costs::prepare(
+        &opts.costs,
+        graph,
+        measure_on,
+        precision,
+        opts.cost_cache.as_ref(),
+        opts.search_progress.get(),
+    )?;
+    // A profile measured here also gives the devices' links, cores and runtime costs.
+    let machine = match &pricing.db {
+        Some(db) if cluster.is_none() && gpus.is_none() => db.apply_to(machine),
+        _ => machine,
+    };
+    // What a search optimises under the cost model is verified on the devices; a fixed scheme
+    // asked for by name (data, OWT, another paper's planner) is trained as asked. GPUs are
+    // started once a run: their strategies are not verified.
+    let optimised = matches!(
+        kind,
+        SearchKind::OptCnn | SearchKind::Exhaustive | SearchKind::Refine
+    );
+    let alternatives = match gpus {
+        None if optimised => opts.verify,
+        _ => 0,
+    };
+    let Chosen {
+        configs,
+        priced,
+        candidates,
+    } = choose_strategy_ranked(
+        "--strategy",
+        graph,
+        &machine,
+        &opts.strategy,
+        pricing.db.as_ref(),
+        opts.search_progress.get(),
+        alternatives,
+    )?;
+    check_device_memory(graph, &machine, &configs, &opts.strategy.to_string())?;
+    // An alternative is tried only where it fits the devices as the search's strategy does.
+    let candidates: Vec<verify::Candidate> = candidates
+        .into_iter()
+        .filter(|c| check_device_memory(graph, &machine, &c.configs, &c.label).is_ok())
+        .collect();
+    let mut report = pricing.report;
+    report.priced = priced;
+    if report.roofline_because.is_none() && priced.is_some_and(|(_, _, misses)| misses > 0) {
+        report.roofline_because = Some("no tile of their op was measured".into());
+    }
+    Ok(Planned {
+        configs,
+        place,
+        costs: Some(report),
+        cost_cache: pricing.cache,
+        cost_warning: pricing.refused,
+        candidates,
     })
+}
+
+/// The checkpoint metadata key of the strategy a run trained with (strategy JSON).
+pub(crate) const STRATEGY_KEY: &str = "strategy";
+/// The checkpoint metadata key of the devices that strategy ran on.
+pub(crate) const DEVICES_KEY: &str = "devices";
+
+/// The strategy of the checkpoint `opts` resumes, unless it is asked to plan again or to run a
+/// strategy file; refused where the checkpoint's run had other devices.
+fn resumed_plan(
+    graph: &Graph,
+    opts: &TrainOptions,
+    devices: usize,
+) -> anyhow::Result<Option<Vec<ParallelConfig>>> {
+    let Some(path) = &opts.resume else {
+        return Ok(None);
+    };
+    if opts.replan || matches!(opts.strategy, Strategy::File(_)) {
+        return Ok(None);
+    }
+    let metadata = legion_ops::checkpoint::load_metadata(path)?;
+    let Some(text) = metadata.get(STRATEGY_KEY) else {
+        return Ok(None);
+    };
+    let file = format!("{} (its strategy)", path.display());
+    let trained_on = metadata
+        .get(DEVICES_KEY)
+        .and_then(|d| d.parse::<usize>().ok());
+    if let Some(trained_on) = trained_on.filter(|&d| d != devices) {
+        bail!(
+            "--resume {}: its run trained on {trained_on} devices, this one has {devices}: give \
+             --replan to search a strategy for {devices}",
+            path.display()
+        );
+    }
+    let saved = StrategyFile::from_json(text, &file)?;
+    let configs = saved.to_configs(graph, devices).map_err(|e| {
+        anyhow::anyhow!(
+            "--resume {file}: {e}; the checkpoint's run trained with another plan: give \
+             --replan to search one for these devices"
+        )
+    })?;
+    Ok(Some(configs))
 }
 
 /// The samples a run scores, where it scores any.

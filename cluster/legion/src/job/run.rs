@@ -1,15 +1,23 @@
 //! The step loop of a started [`Job`]: batches in, events and checkpoints out.
 
 use super::Source;
-use super::{Evaluation, Job, JobEvent, StepDone, TrainSummary};
+use super::{Evaluation, Job, JobEvent, PlannedRun, StepDone, TrainSummary, verify};
 use anyhow::{Context, bail};
-use legion_cluster::engine::{Engine, NextBatch, StepBatch};
+use legion_cluster::engine::{self, Engine, JobStart, NextBatch, StepBatch};
 use legion_ops::capture::CaptureStatus;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::infer;
 use legion_ops::train::{StepStats, TrainingState};
+use legion_planner::ProfileDb;
 use std::collections::BTreeMap;
 use std::time::Instant;
+
+/// Whether the `k`-th step of a run (from 1) times its tiles for the cost cache: the 3rd, 6th,
+/// 12th, ... (the first two warm the caches and pools), so that a long run keeps refreshing the
+/// costs at a cost that shrinks with its length.
+fn is_measured(k: u64) -> bool {
+    k >= 3 && k.is_multiple_of(3) && (k / 3).is_power_of_two()
+}
 
 impl Job {
     /// Runs the steps left, saving checkpoints and the trace as the options say, and reports each
@@ -48,14 +56,42 @@ impl Job {
             precision,
             init_note,
             data_note,
+            cost_warning,
+            cost_cache,
+            candidates,
+            restart,
+            inference,
         } = self;
+        let mut plan = plan;
         on_event(JobEvent::Device(&device));
         for note in [&init_note, &data_note].into_iter().flatten() {
             on_event(JobEvent::Note(note));
         }
+        if let Some(warning) = &cost_warning {
+            on_event(JobEvent::Warning(warning));
+        }
+        // The steps' own tile times refresh the cache the search priced with.
+        let mut measuring = cost_cache.map(|(cache, key)| {
+            let settings = legion_profile::ProfileSettings {
+                device_kind: key.device_kind.clone(),
+                ..Default::default()
+            };
+            (
+                legion_profile::Profiler::new(devices, &settings),
+                cache,
+                key,
+            )
+        });
         if let Some(plan) = &plan {
             on_event(JobEvent::Planned(plan));
         }
+        // A run too short for the trials trains the search's strategy (`--verify`'s help).
+        let mut trials = match restart {
+            Some(_) if verify::fits(candidates.len(), opts.steps - first_step) => {
+                Some(verify::Trials::new(candidates))
+            }
+            _ => None,
+        };
         let batch = graph.batch();
         let config = LoaderConfig {
             seed: opts.seed,
@@ -120,10 +156,14 @@ impl Job {
             batch,
             total_steps: opts.steps,
         };
-        let save = |engine: &mut dyn Engine| -> anyhow::Result<()> {
+        let save = |engine: &mut dyn Engine, plan: Option<&PlannedRun>| -> anyhow::Result<()> {
             if let Some(path) = &opts.save {
                 let mut meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
                 meta.extend(super::checks::schedule_metadata(&opts));
+                if let Some(plan) = &plan {
+                    meta.insert(super::STRATEGY_KEY.to_string(), plan.strategy.to_json());
+                    meta.insert(super::DEVICES_KEY.to_string(), plan.devices.to_string());
+                }
                 let dataset = loader.as_ref().map(|l| l.dataset());
                 if let Some(normalize) = dataset.and_then(|d| d.normalization()) {
                     meta.insert(
@@ -161,10 +201,13 @@ impl Job {
             }
             let batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
-            let traced = opts.trace.is_some() && step == opts.steps;
+            let measured = measuring.is_some() && is_measured(step - first_step);
+            let traced = measured || opts.trace.is_some() && step == opts.steps;
+            let cpu = measured.then(legion_runtime::CpuMeter::start);
             if !opts.lr_schedule.is_constant() {
                 engine.set_lr(opts.lr_schedule.lr(opts.sgd.lr, step - 1, opts.steps));
             }
+            let step_started = Instant::now();
             let (stats, reports) = engine.step(StepBatch {
                 images: batch_data.images,
                 labels: batch_data.labels,
@@ -177,11 +220,63 @@ impl Job {
             })?;
             reported.returned(step);
             let stopping = step < opts.steps && opts.stop.is_raised();
-            if traced {
+            if let (Some(cpu), Some((profiler, ..)), Some(step_plan)) =
+                (cpu, measuring.as_mut(), engine.plan())
+            {
+                profiler.add_step(&graph, step_plan, &reports, cpu.stop());
+            }
+            if traced && opts.trace.is_some() && step == opts.steps {
                 traced_reports = Some(reports);
             }
             if let Some(stats) = stats {
                 reported.read(stats, &mut on_event)?;
+            }
+            if let (Some(t), Some(restart)) = (trials.as_mut(), &restart) {
+                let next = t.stepped(step_started.elapsed().as_secs_f64());
+                if let verify::Next::SwitchTo(i) = next {
+                    let switching = Instant::now();
+                    // Every step's loss is read before the state leaves the devices.
+                    if let Some(stats) = engine.finish()? {
+                        reported.read(stats, &mut on_event)?;
+                    }
+                    let state = engine.state()?;
+                    drop(engine);
+                    engine = engine::start(
+                        restart.place(),
+                        JobStart {
+                            graph: &graph,
+                            configs: &t.candidate(i).configs,
+                            state,
+                            sgd: opts.sgd,
+                            seed: opts.seed,
+                            precision,
+                            inference,
+                        },
+                    )
+                    .with_context(|| {
+                        format!(
+                            "re-sharding the run onto the {} strategy",
+                            t.candidate(i).label
+                        )
+                    })?;
+                    reported.last_returned = Instant::now();
+                    paused += switching.elapsed().as_secs_f64();
+                }
+                if !t.running()
+                    && let (Some(plan), Some(v)) = (plan.as_mut(), t.verification())
+                    && plan.verification.is_none()
+                {
+                    let kept = &t.candidate(v.kept).configs;
+                    plan.strategy = legion_planner::Strategy::from_configs(&graph, kept);
+                    plan.remote_bytes = engine.plan().map_or(0, |p| p.remote_bytes());
+                    plan.idle_devices = super::idle_devices(kept, devices);
+                    plan.verification = Some(v);
+                    if let Some(path) = &opts.save_strategy {
+                        plan.strategy.save(path).with_context(|| {
+                            format!("--save-strategy {}: the kept strategy", path.display())
+                        })?;
+                    }
+                }
             }
             if let Some(loader) = &loader {
                 skipped.report(loader, &mut on_event);
@@ -198,7 +293,7 @@ impl Job {
                     evaluate(engine.as_mut(), step, &mut on_event)?;
                 }
                 if checkpoint {
-                    save(engine.as_mut())?;
+                    save(engine.as_mut(), plan.as_ref())?;
                 }
                 // Neither is the next step's time.
                 reported.last_returned = Instant::now();
@@ -225,8 +320,24 @@ impl Job {
                     .with_context(|| format!("writing the trace {}", path.display()))?;
             }
         }
-        save(engine.as_mut())?;
+        save(engine.as_mut(), plan.as_ref())?;
         let state = keep_state.then(|| engine.state()).transpose()?;
+        let costs_added = match measuring {
+            Some((profiler, cache, key)) => {
+                // Tile entries only: the transport and runtime fits stay those of the runs
+                // that measured every strategy's steps.
+                let entries = profiler.finish(&graph).entries;
+                let added = ProfileDb {
+                    entries,
+                    ..ProfileDb::default()
+                };
+                match added.entries.len() {
+                    0 => None,
+                    n => Some((n, cache.add(&key, &added)?)),
+                }
+            }
+            None => None,
+        };
 
         let skipped = loader.map(|l| l.skipped()).unwrap_or_default();
         let losses = reported.losses;
@@ -255,6 +366,7 @@ impl Job {
             precision,
             skipped,
             validation: evaluations,
+            costs_added,
         };
         on_event(JobEvent::Finished(&summary));
         Ok((summary, state))

@@ -6,15 +6,16 @@ use legion_ops::Graph;
 use legion_planner::progress::Progress;
 use legion_planner::search::{self, SearchKind};
 use legion_planner::{
-    CostModel, CostTables, MachineModel, ParallelConfig, RooflineCost, SearchSpace,
-    Strategy as StrategyFile,
+    CostModel, CostProvider, CostTables, MachineModel, ParallelConfig, ProfileDb, ProfiledCost,
+    RooflineCost, SearchSpace, Strategy as StrategyFile,
 };
 use std::path::{Path, PathBuf};
 
 /// How a job parallelises each layer over its devices.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Strategy {
-    /// The configs a search finds on the run's machine, priced by the roofline cost model.
+    /// The configs a search finds on the run's machine, priced as the run's [`crate::costs::Costs`]
+    /// say.
     Search(SearchKind),
     /// A strategy JSON file (as `legion-rs plan --out` writes).
     File(PathBuf),
@@ -93,21 +94,76 @@ pub fn choose_strategy_reporting(
     choice: &Strategy,
     progress: Option<&dyn Progress>,
 ) -> anyhow::Result<Vec<ParallelConfig>> {
+    Ok(choose_strategy_priced(flag, graph, machine, choice, None, progress)?.configs)
+}
+
+/// What [`choose_strategy_priced`] chose.
+pub struct Chosen {
+    pub configs: Vec<ParallelConfig>,
+    /// The search's lookups: measured, scaled from a measured tile of their op, by roofline.
+    pub priced: Option<(u64, u64, u64)>,
+    /// The chosen strategy first, then the alternatives a run may verify it against
+    /// ([`super::verify::candidates`]); empty for a strategy file.
+    pub candidates: Vec<super::verify::Candidate>,
+}
+
+/// [`choose_strategy_reporting`], a search pricing tiles as `measured` has them (the roofline
+/// what it lacks; all of them without it), with the lookups it made.
+pub fn choose_strategy_priced(
+    flag: &str,
+    graph: &Graph,
+    machine: &MachineModel,
+    choice: &Strategy,
+    measured: Option<&ProfileDb>,
+    progress: Option<&dyn Progress>,
+) -> anyhow::Result<Chosen> {
+    choose_strategy_ranked(flag, graph, machine, choice, measured, progress, 0)
+}
+
+/// [`choose_strategy_priced`], with up to `alternatives` other strategies ranked beside a
+/// search's, priced by the same tables.
+pub fn choose_strategy_ranked(
+    flag: &str,
+    graph: &Graph,
+    machine: &MachineModel,
+    choice: &Strategy,
+    measured: Option<&ProfileDb>,
+    progress: Option<&dyn Progress>,
+    alternatives: usize,
+) -> anyhow::Result<Chosen> {
     match choice {
         Strategy::Search(kind) => {
-            let provider = RooflineCost::new(machine);
-            let cost = CostModel::new(graph, machine, &provider);
+            let profiled = measured.map(|db| ProfiledCost::new(db, machine));
+            let roofline = RooflineCost::new(machine);
+            let provider: &dyn CostProvider = match &profiled {
+                Some(p) => p,
+                None => &roofline,
+            };
+            let cost = CostModel::new(graph, machine, provider);
             let cost = match progress {
                 Some(progress) => cost.with_progress(progress),
                 None => cost,
             };
             // the space `plan` searches by default: reduction splits included
             let tables = CostTables::build_in(&cost, SearchSpace::WithReductions);
-            Ok(search::find(*kind, &tables, search::DEFAULT_BUDGET)
+            let configs = search::find(*kind, &tables, search::DEFAULT_BUDGET)
                 .with_context(|| format!("{flag} {choice}"))?
-                .configs)
+                .configs;
+            let priced = profiled
+                .as_ref()
+                .map(|p| (p.hits(), p.scaled(), p.misses()));
+            let candidates = super::verify::candidates(&tables, (*kind, &configs), alternatives);
+            Ok(Chosen {
+                configs,
+                priced,
+                candidates,
+            })
         }
-        Strategy::File(path) => strategy_file_configs(flag, graph, machine.num_devices(), path),
+        Strategy::File(path) => Ok(Chosen {
+            configs: strategy_file_configs(flag, graph, machine.num_devices(), path)?,
+            priced: None,
+            candidates: Vec::new(),
+        }),
     }
 }
 

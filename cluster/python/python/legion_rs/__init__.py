@@ -144,6 +144,9 @@ def train(
     cluster_state: Optional[Union[str, os.PathLike]] = None,
     slurm: bool = False,
     strategy: str = "optcnn",
+    costs: Union[str, os.PathLike] = "measured",
+    replan: bool = False,
+    verify: int = 3,
     steps: Optional[int] = None,
     epochs: Optional[int] = None,
     lr: Optional[float] = None,
@@ -171,7 +174,11 @@ def train(
     Where it trains: ``devices`` of the embedded cluster (1: one device), the workers of a
     ``cluster`` hosts file started by ``legion-rs up`` (``cluster_state``: the ``--state`` it was
     given), or those of this Slurm job (``slurm``).
-    ``strategy`` is a search (``optcnn``, ``data``, ``owt``, ...) or a strategy JSON file.
+    ``strategy`` is a search (``optcnn``, ``data``, ``owt``, ...) or a strategy JSON file;
+    ``costs`` what the search prices tiles with: ``"measured"`` (timed on the devices, kept in
+    the cost cache), ``"roofline"``, or a profile file. A run that ``resume``\ s a checkpoint
+    trains on with its strategy unless ``replan``. ``verify``: alternatives the run trains a
+    few steps each beside the search's strategy, keeping the one measured fastest (0: none).
     ``steps`` (default 100) or ``epochs`` say how long; SGD's ``lr``, ``momentum`` and
     ``weight_decay`` default to legion-rs's (0.03, 0.9, 5e-4) and step as ``torch.optim.SGD``
     does. A torch module starts from its own weights; other models from ``init``, the weights
@@ -201,6 +208,9 @@ def train(
                 cluster_state=_path(cluster_state),
                 slurm=slurm,
                 strategy=os.fspath(strategy),
+                costs=os.fspath(costs),
+                replan=replan,
+                verify=verify,
                 steps=steps,
                 epochs=epochs,
                 lr=lr,
