@@ -128,6 +128,22 @@ fn up_train_down_on_three_workers_equals_one_device() {
     train_from(&[], &ALEXNET_64, "3", &init, &single);
     assert_same_tensors(&on_cluster, &single);
 
+    // Verified on the workers: the search's strategy and data parallelism train 3 steps each,
+    // the job re-sharded from one to the other over the workers, and the run trains on with the
+    // faster; what it trains is what one device trains.
+    let lenet = ["--model", "lenet5", "--batch", "8"];
+    let lenet_init = cluster.path("lenet-init.safetensors");
+    init_checkpoint(&lenet_init, &lenet);
+    let verified = cluster.path("verified.safetensors");
+    let engine = [cluster.engine().as_slice(), &["--verify", "1"]].concat();
+    let out = train_from(&engine, &lenet, "9", &lenet_init, &verified);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("verified on the devices"), "{stdout}");
+    assert_eq!(stdout.matches("  kept").count(), 1, "{stdout}");
+    let lenet_single = cluster.path("lenet-single.safetensors");
+    train_from(&[], &lenet, "9", &lenet_init, &lenet_single);
+    assert_same_tensors(&verified, &lenet_single);
+
     // bf16 on the workers: the job carries its precision, so they plan and compute in bf16 (bf16
     // slices over QUIC) and train exactly what 4 embedded devices train in bf16 under the same
     // strategy, bit for bit; and not what fp32 trains.
