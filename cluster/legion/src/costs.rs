@@ -228,6 +228,43 @@ pub fn left_to_measure(
     (strategies, new_tiles)
 }
 
+/// The measured costs a plan without training prices with, and where they come from (none: the
+/// roofline): a profile file, or the cost cache of this machine's `embedded` CPU devices, refused
+/// where the plan is not for them or the cache holds nothing for them yet.
+pub fn for_plan(
+    costs: &Costs,
+    embedded: Option<usize>,
+    precision: Precision,
+    cache: Option<&CostCache>,
+) -> anyhow::Result<Option<(ProfileDb, String)>> {
+    match costs {
+        Costs::Roofline => Ok(None),
+        Costs::Profile(path) => Ok(Some((ProfileDb::load(path)?, path.display().to_string()))),
+        Costs::Measured => {
+            let devices = embedded.context(
+                "measured costs are this machine's embedded devices' as the cost cache has them: \
+                 plan for them (--machine local-cpu:N), or give a profile file for another machine",
+            )?;
+            let cache = cache.context(format!(
+                "no cost cache folder to read measured costs from (set {CACHE_DIR_ENV} or HOME)"
+            ))?;
+            let key = CacheKey::embedded_cpu(devices, precision);
+            let read = cache.read(&key);
+            if let Some(why) = read.refused {
+                bail!("{why}");
+            }
+            if read.db.entries.is_empty() {
+                bail!(
+                    "the cost cache has nothing for {} yet (`legion-rs train --devices {devices}` \
+                     or `legion-rs profile --devices {devices} --strategies space` measures it)",
+                    key.describe()
+                );
+            }
+            Ok(Some((read.db, cache.path(&key).display().to_string())))
+        }
+    }
+}
+
 /// What a run's search priced tiles with, said in its plan.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostReport {

@@ -13,6 +13,7 @@
 
 mod feed;
 
+use anyhow::Context;
 use feed::PyFeed;
 use legion::job::{HeldOut, JobEvent, Validation};
 use legion::planning::{Planning, Searches};
@@ -44,7 +45,7 @@ const PLAN_BATCH_PER_DEVICE: usize = 32;
 /// devices (`devices`), or a cluster's workers (`cluster`, a hosts file). Returns the report as
 /// `legion-rs plan` prints it and its `--json` document.
 #[pyfunction]
-#[pyo3(signature = (model, *, batch=None, image_size=None, classes=None, machine=None, devices=None, cluster=None, cluster_state=None, search="optcnn", memory_gib=None, precision=None, budget=None))]
+#[pyo3(signature = (model, *, batch=None, image_size=None, classes=None, machine=None, devices=None, cluster=None, cluster_state=None, search="optcnn", costs="roofline", memory_gib=None, precision=None, budget=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
     py: Python<'_>,
@@ -57,10 +58,14 @@ fn plan(
     cluster: Option<PathBuf>,
     cluster_state: Option<PathBuf>,
     search: &str,
+    costs: &str,
     memory_gib: Option<f64>,
     precision: Option<&str>,
     budget: Option<u64>,
 ) -> PyResult<(String, String)> {
+    let costs = costs
+        .parse::<legion::costs::Costs>()
+        .map_err(|e| LegionError::new_err(format!("costs={costs:?}: {e}")))?;
     let searches: Searches = search
         .parse()
         .map_err(|e: String| LegionError::new_err(format!("search={search:?}: {e}")))?;
@@ -87,7 +92,24 @@ fn plan(
         let machine = machine.with_precision(precision.unwrap_or_default());
         let batch = batch.unwrap_or(PLAN_BATCH_PER_DEVICE * machine.num_devices());
         let graph = legion::resolve_model(&model, batch, image_size, classes)?.graph;
+        // Measured costs are those of this machine's embedded devices.
+        let embedded = devices.or_else(|| {
+            machine
+                .name()
+                .strip_prefix("local-cpu:")
+                .and_then(|n| n.parse().ok())
+        });
+        let priced = legion::costs::for_plan(
+            &costs,
+            embedded.filter(|_| cluster.is_none()),
+            precision.unwrap_or_default(),
+            legion::costs::CostCache::default_location().as_ref(),
+        )
+        .with_context(|| format!("costs={costs}"))?;
         let mut planning = Planning::new(graph, machine).search(searches);
+        if let Some((db, source)) = priced {
+            planning = planning.profile(db, source);
+        }
         if let Some(budget) = budget {
             planning = planning.budget(budget);
         }

@@ -113,6 +113,11 @@ def test_the_search_prices_with_measured_costs_and_verifies_on_the_devices(tmp_p
     assert again.summary["plan"]["verification"] is None
     with pytest.raises(legion_rs.LegionError, match='costs="fast"'):
         legion_rs.train("lenet5", batch=8, devices=2, costs="fast", progress=False)
+    # plan prices with the same cache, and says so
+    planned = legion_rs.plan("lenet5", devices=4, batch=8, costs="measured")
+    assert "t_c: measured kernel times from " + str(tmp_path / "costs") in str(planned), str(planned)
+    with pytest.raises(legion_rs.LegionError, match="cost cache has nothing for cpu, fp32"):
+        legion_rs.plan("lenet5", devices=3, batch=8, costs="measured")
 
 
 def test_epochs_pass_over_an_iterable_again_and_an_iterator_once():

@@ -5,7 +5,7 @@
 use crate::progress::PlanProgress;
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Args, ValueEnum};
-use legion::costs::{CacheKey, CostCache, Costs};
+use legion::costs::{CostCache, Costs};
 use legion::job::check_output_path;
 use legion::planning::report::{self, PlanJson, SearchJson};
 use legion::planning::{Planning, Searches};
@@ -181,7 +181,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             check_output_path(flag, path)?;
         }
     }
-    let db = priced_by(&args)?;
+    let priced = priced_by(&args)?;
+    let (db, source) = match priced {
+        Some((db, source)) => (Some(db), Some(source)),
+        None => (None, None),
+    };
     let cluster = match &args.cluster {
         Some(path) => {
             let located = legion_cluster::launch::locate(Some(path), args.state.as_deref())?;
@@ -244,14 +248,14 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
                 model: graph.name.clone(),
                 devices: machine.num_devices(),
                 precision: args.precision,
-                t_c: t_c_source(&args),
+                t_c: t_c_source(source.as_deref()),
                 searches: vec![SearchJson::of(&graph, "strategy", Ok(&evaluated), 0.0)],
             };
             println!("{}", doc.to_json());
         } else {
             print!(
                 "{}",
-                planning_of(&args, &graph, &machine, db.clone()).header()
+                planning_of(&args, &graph, &machine, db.clone(), source.as_deref()).header()
             );
             println!(
                 "{}",
@@ -270,7 +274,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         (evaluated, priced)
     } else {
         let progress = std::sync::Arc::new(PlanProgress::new());
-        let planning = planning_of(&args, &graph, &machine, db.clone()).progress(progress.clone());
+        let planning = planning_of(&args, &graph, &machine, db.clone(), source.as_deref())
+            .progress(progress.clone());
         // Said at once: the search may take a while (its progress shows on stderr).
         if !args.json {
             print!("{}", planning.header());
@@ -335,12 +340,13 @@ fn planning_of(
     graph: &Graph,
     machine: &MachineModel,
     db: Option<ProfileDb>,
+    source: Option<&str>,
 ) -> Planning {
     let mut planning = Planning::new(graph.clone(), machine.clone())
         .search(Searches::from(args.search))
         .refine_seed(args.refine_seed)
         .sync_simulation(args.sync_sim);
-    if let (Some(db), Some(source)) = (db, costs_source(args)) {
+    if let (Some(db), Some(source)) = (db, source) {
         planning = planning.profile(db, source);
     }
     if let Some(budget) = args.budget {
@@ -403,63 +409,28 @@ fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelC
 }
 
 /// Where t_c comes from, for `--json`.
-fn t_c_source(args: &PlanArgs) -> String {
-    match costs_source(args) {
+fn t_c_source(source: Option<&str>) -> String {
+    match source {
         Some(source) => format!("profile {source}"),
         None => "roofline".into(),
     }
 }
 
-/// What measured the costs `--costs` prices with, where it is not the roofline.
-fn costs_source(args: &PlanArgs) -> Option<String> {
-    match &args.costs {
-        Costs::Roofline => None,
-        Costs::Profile(path) => Some(path.display().to_string()),
-        Costs::Measured => cache_file(args)
-            .ok()
-            .map(|(cache, key)| cache.path(&key).display().to_string()),
-    }
-}
-
-/// The cost cache file of `--machine local-cpu:N`'s devices.
-fn cache_file(args: &PlanArgs) -> anyhow::Result<(CostCache, CacheKey)> {
-    let devices = args
+/// The measured costs `--costs` prices with and where they come from: a profile file, or the
+/// cost cache of `--machine local-cpu:N`'s devices.
+fn priced_by(args: &PlanArgs) -> anyhow::Result<Option<(ProfileDb, String)>> {
+    let embedded = args
         .machine
         .as_deref()
         .and_then(|m| m.strip_prefix("local-cpu:"))
-        .and_then(|n| n.parse::<usize>().ok())
-        .context(
-            "--costs measured prices this machine's embedded devices as the cost cache has \
-             them: give --machine local-cpu:N (or --costs FILE for another machine)",
-        )?;
-    let cache = CostCache::default_location()
-        .context("--costs measured: no cost cache folder (set LEGION_RS_COST_CACHE or HOME)")?;
-    Ok((cache, CacheKey::embedded_cpu(devices, args.precision)))
-}
-
-/// The measured costs `--costs` prices with: a profile file, or the cost cache of this
-/// machine's `local-cpu:N` devices, refused where it holds nothing for them.
-fn priced_by(args: &PlanArgs) -> anyhow::Result<Option<ProfileDb>> {
-    match &args.costs {
-        Costs::Roofline => Ok(None),
-        Costs::Profile(path) => Ok(Some(ProfileDb::load(path)?)),
-        Costs::Measured => {
-            let (cache, key) = cache_file(args)?;
-            let read = cache.read(&key);
-            if let Some(why) = read.refused {
-                bail!("--costs measured: {why}");
-            }
-            if read.db.entries.is_empty() {
-                bail!(
-                    "--costs measured: the cost cache has nothing for {} yet (`legion-rs train \
-                     --devices N` or `legion-rs profile --devices N --strategies space` \
-                     measures it)",
-                    key.describe()
-                );
-            }
-            Ok(Some(read.db))
-        }
-    }
+        .and_then(|n| n.parse::<usize>().ok());
+    legion::costs::for_plan(
+        &args.costs,
+        embedded,
+        args.precision,
+        CostCache::default_location().as_ref(),
+    )
+    .with_context(|| format!("--costs {}", args.costs))
 }
 
 /// Writes the simulated iteration of `evaluated` as a trace: simulated again with every task

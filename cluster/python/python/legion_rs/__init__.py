@@ -101,6 +101,7 @@ def plan(
     cluster_state: Optional[Union[str, os.PathLike]] = None,
     batch: Optional[int] = None,
     search: str = "optcnn",
+    costs: Union[str, os.PathLike] = "roofline",
     image_size: Optional[int] = None,
     classes: Optional[int] = None,
     memory_gib: Optional[float] = None,
@@ -112,8 +113,10 @@ def plan(
     The machine is a preset or machine file (``machine="paper:4"``, ``"dgx-h100:8"``), the
     embedded cluster's ``devices``, or a ``cluster`` hosts file (with the links ``legion-rs up``
     measured; ``cluster_state``: its ``--state``). ``search`` is a search's name
-    (``optcnn``, ``data``, ``owt``, ``refine``, ...) or ``"all"`` side by side. ``batch`` is the
-    global batch (default: 32 per device).
+    (``optcnn``, ``data``, ``owt``, ``refine``, ...) or ``"all"`` side by side. ``costs`` prices
+    tiles by ``"roofline"``, as a profile file measured them, or (``"measured"``, for the embedded
+    ``devices``) as the cost cache that training runs keep. ``batch`` is the global batch
+    (default: 32 per device).
     """
     with _model_file(model, example_input) as (spec, _names):
         table, document = _legion.plan(
@@ -126,6 +129,7 @@ def plan(
             cluster=_path(cluster),
             cluster_state=_path(cluster_state),
             search=search,
+            costs=os.fspath(costs),
             memory_gib=memory_gib,
             precision=precision,
             budget=budget,

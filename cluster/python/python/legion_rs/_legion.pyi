@@ -19,6 +19,7 @@ def plan(
     cluster: Optional[str] = None,
     cluster_state: Optional[str] = None,
     search: str = "optcnn",
+    costs: str = "roofline",
     memory_gib: Optional[float] = None,
     precision: Optional[str] = None,
     budget: Optional[int] = None,
