@@ -4,7 +4,7 @@
 
 use anyhow::Context;
 use legion::costs::{self, CostCache, Costs};
-use legion::job::{Strategy, choose_strategy_priced};
+use legion::job::{Strategy, choose_strategy_ranked};
 use legion::machine::{cluster_machine, embedded_machine};
 use legion_cluster::engine::{self, JobStart, NextBatch, Place, StepBatch};
 use legion_cluster::hosts::Hosts;
@@ -137,13 +137,14 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         .strategies
         .iter()
         .map(|s| {
-            let configs = choose_strategy_priced(
+            let configs = choose_strategy_ranked(
                 "--strategies",
                 graph,
                 &search_machine,
                 &Strategy::from(s.as_str()),
                 pricing.db.as_ref(),
                 None,
+                0,
             )?
             .configs;
             Ok((s.to_string(), configs))

@@ -181,8 +181,13 @@ impl CostCache {
     }
 
     /// Adds `measured` to `key`'s file (an entry measured again replaces the old one; the
-    /// transport and runtime fits are replaced where `measured` has them), written atomically.
-    pub fn add(&self, key: &CacheKey, measured: &ProfileDb) -> anyhow::Result<PathBuf> {
+    /// transport and runtime fits are replaced where `measured` has them), written atomically;
+    /// returns the file and what it now holds.
+    pub fn add(
+        &self,
+        key: &CacheKey,
+        measured: &ProfileDb,
+    ) -> anyhow::Result<(PathBuf, ProfileDb)> {
         let path = self.path(key);
         std::fs::create_dir_all(&self.dir)
             .with_context(|| format!("creating the cost cache {}", self.dir.display()))?;
@@ -199,21 +204,21 @@ impl CostCache {
         });
         kept.save(&path)
             .with_context(|| format!("writing the cost cache {}", path.display()))?;
-        Ok(path)
+        Ok((path, kept))
     }
 }
 
-/// The strategies whose steps would time tiles `known` lacks, of every tile shape the searches
-/// may choose on `devices` devices ([`space_strategies`]); each new tile is counted once.
+/// The strategies of `space` (every tile shape the searches may choose: [`space_strategies`])
+/// whose steps would time tiles `known` lacks; each new tile is counted once.
 pub fn left_to_measure(
     graph: &Graph,
-    devices: usize,
+    space: Vec<(String, Vec<ParallelConfig>)>,
     device_kind: &str,
     known: &HashSet<ProfileKey>,
 ) -> (Vec<(String, Vec<ParallelConfig>)>, usize) {
     let mut seen = known.clone();
     let mut new_tiles = 0;
-    let strategies = space_strategies(graph, devices)
+    let strategies = space
         .into_iter()
         .filter(|(_, configs)| {
             let before = new_tiles;
@@ -388,8 +393,9 @@ pub fn prepare(
             let key = CacheKey::embedded_cpu(devices, precision);
             let read = cache.read(&key);
             let known: HashSet<ProfileKey> = read.db.entries.iter().map(|e| e.key()).collect();
-            let (strategies, new_tiles) = left_to_measure(graph, devices, &key.device_kind, &known);
-            let in_space = space_strategies(graph, devices).len();
+            let space = space_strategies(graph, devices);
+            let in_space = space.len();
+            let (strategies, new_tiles) = left_to_measure(graph, space, &key.device_kind, &known);
             let started = Instant::now();
             let mut db = read.db;
             if !strategies.is_empty() {
@@ -415,8 +421,7 @@ pub fn prepare(
                 .with_context(|| {
                     format!("measuring {}'s op costs on {devices} devices", graph.name)
                 })?;
-                cache.add(&key, &measured.db)?;
-                db = cache.read(&key).db;
+                db = cache.add(&key, &measured.db)?.1;
             }
             report.measuring = Some(Measuring {
                 strategies_run: strategies.len(),
@@ -468,18 +473,19 @@ mod tests {
     #[test]
     fn each_new_tile_is_left_to_measure_once_and_known_ones_not_at_all() {
         let graph = lenet();
-        let (all, tiles) = left_to_measure(&graph, 4, "cpu", &HashSet::new());
+        let space = || space_strategies(&graph, 4);
+        let (all, tiles) = left_to_measure(&graph, space(), "cpu", &HashSet::new());
         assert!(!all.is_empty() && tiles > 0);
         let every: HashSet<ProfileKey> = all
             .iter()
             .flat_map(|(_, configs)| tile_keys(&graph, configs, "cpu"))
             .collect();
         assert_eq!(every.len(), tiles, "each distinct tile counted once");
-        let (none, zero) = left_to_measure(&graph, 4, "cpu", &every);
+        let (none, zero) = left_to_measure(&graph, space(), "cpu", &every);
         assert!(none.is_empty());
         assert_eq!(zero, 0);
         // another kind's tiles are not this kind's
-        let (again, same) = left_to_measure(&graph, 4, "h200", &every);
+        let (again, same) = left_to_measure(&graph, space(), "h200", &every);
         assert_eq!((again.len(), same), (all.len(), tiles));
     }
 
@@ -508,7 +514,7 @@ mod tests {
             },
             3,
         );
-        let path = cache.add(&key, &db).unwrap();
+        let (path, _) = cache.add(&key, &db).unwrap();
         assert_eq!(
             path.file_name().unwrap(),
             "cpu-fp32-2-cores-shared-by-4-devices.json"

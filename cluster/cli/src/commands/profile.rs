@@ -98,8 +98,14 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
     if a.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
-    if let Some(out) = &a.out {
-        check_output_path("--out", out)?;
+    match &a.out {
+        Some(out) => check_output_path("--out", out)?,
+        // Before anything is measured.
+        None if a.machine.is_some() || a.device_kind.is_some() => bail!(
+            "--machine and --device-kind profile for another machine's devices: give --out FILE \
+             (the cost cache holds this machine's own)"
+        ),
+        None => {}
     }
     if a.strategies.iter().any(|s| s.is_empty()) {
         bail!("--strategies: empty name in '{}'", a.strategies.join(","));
@@ -187,18 +193,14 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
             a.out.clone().expect("given")
         }
         None => {
-            if a.machine.is_some() || a.device_kind.is_some() {
-                bail!(
-                    "--machine and --device-kind profile for another machine's devices: give \
-                     --out FILE (the cost cache holds this machine's own)"
-                );
-            }
             let cache = legion::costs::CostCache::default_location()
                 .context("no cost cache folder (set LEGION_RS_COST_CACHE or HOME), give --out")?;
-            cache.add(
-                &legion::costs::CacheKey::embedded_cpu(devices, precision),
-                &measured.db,
-            )?
+            cache
+                .add(
+                    &legion::costs::CacheKey::embedded_cpu(devices, precision),
+                    &measured.db,
+                )?
+                .0
         }
     };
 

@@ -18,8 +18,8 @@ mod verify;
 pub use checks::check_output_path;
 pub use events::{Evaluation, JobEvent, LossTrend, PlannedRun, StepDone, TrainSummary};
 pub use strategy::{
-    Chosen, Strategy, choose_strategy, choose_strategy_for, choose_strategy_priced,
-    choose_strategy_ranked, choose_strategy_reporting, strategy_names,
+    Chosen, Strategy, choose_strategy, choose_strategy_for, choose_strategy_ranked,
+    choose_strategy_reporting, strategy_names,
 };
 pub use verify::{Candidate, TRIAL_STEPS, Tried, Verification};
 

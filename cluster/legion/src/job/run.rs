@@ -202,7 +202,8 @@ impl Job {
             let batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
             let measured = measuring.is_some() && is_measured(step - first_step);
-            let traced = measured || opts.trace.is_some() && step == opts.steps;
+            let last_traced = opts.trace.is_some() && step == opts.steps;
+            let traced = measured || last_traced;
             let cpu = measured.then(legion_runtime::CpuMeter::start);
             if !opts.lr_schedule.is_constant() {
                 engine.set_lr(opts.lr_schedule.lr(opts.sgd.lr, step - 1, opts.steps));
@@ -225,7 +226,7 @@ impl Job {
             {
                 profiler.add_step(&graph, step_plan, &reports, cpu.stop());
             }
-            if traced && opts.trace.is_some() && step == opts.steps {
+            if last_traced {
                 traced_reports = Some(reports);
             }
             if let Some(stats) = stats {
@@ -333,7 +334,7 @@ impl Job {
                 };
                 match added.entries.len() {
                     0 => None,
-                    n => Some((n, cache.add(&key, &added)?)),
+                    n => Some((n, cache.add(&key, &added)?.0)),
                 }
             }
             None => None,

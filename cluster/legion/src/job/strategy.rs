@@ -94,10 +94,10 @@ pub fn choose_strategy_reporting(
     choice: &Strategy,
     progress: Option<&dyn Progress>,
 ) -> anyhow::Result<Vec<ParallelConfig>> {
-    Ok(choose_strategy_priced(flag, graph, machine, choice, None, progress)?.configs)
+    Ok(choose_strategy_ranked(flag, graph, machine, choice, None, progress, 0)?.configs)
 }
 
-/// What [`choose_strategy_priced`] chose.
+/// What [`choose_strategy_ranked`] chose.
 pub struct Chosen {
     pub configs: Vec<ParallelConfig>,
     /// The search's lookups: measured, scaled from a measured tile of their op, by roofline.
@@ -108,20 +108,8 @@ pub struct Chosen {
 }
 
 /// [`choose_strategy_reporting`], a search pricing tiles as `measured` has them (the roofline
-/// what it lacks; all of them without it), with the lookups it made.
-pub fn choose_strategy_priced(
-    flag: &str,
-    graph: &Graph,
-    machine: &MachineModel,
-    choice: &Strategy,
-    measured: Option<&ProfileDb>,
-    progress: Option<&dyn Progress>,
-) -> anyhow::Result<Chosen> {
-    choose_strategy_ranked(flag, graph, machine, choice, measured, progress, 0)
-}
-
-/// [`choose_strategy_priced`], with up to `alternatives` other strategies ranked beside a
-/// search's, priced by the same tables.
+/// what it lacks; all of them without it), with the lookups it made and up to `alternatives`
+/// other strategies ranked beside its own, priced by the same tables.
 pub fn choose_strategy_ranked(
     flag: &str,
     graph: &Graph,
