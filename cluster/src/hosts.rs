@@ -435,6 +435,27 @@ impl Hosts {
         }
     }
 
+    /// These hosts without host `lost` (its links gone, the others' renumbered): the cluster a
+    /// job re-plans on when that worker is lost.
+    pub fn without(&self, lost: usize) -> Hosts {
+        let renumber = |h: usize| if h > lost { h - 1 } else { h };
+        Hosts {
+            hosts: (self.hosts.iter().enumerate())
+                .filter(|&(i, _)| i != lost)
+                .map(|(_, h)| h.clone())
+                .collect(),
+            links: (self.links.iter())
+                .filter(|l| l.from != lost && l.to != lost)
+                .map(|l| HostLink {
+                    from: renumber(l.from),
+                    to: renumber(l.to),
+                    ..*l
+                })
+                .collect(),
+            precision: self.precision,
+        }
+    }
+
     pub fn num_devices(&self) -> usize {
         self.hosts.iter().map(|h| h.devices).sum()
     }

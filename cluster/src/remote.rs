@@ -49,6 +49,25 @@ pub const BUSY_WAIT: Duration = Duration::from_secs(12);
 /// The name of the launcher's and drivers' certificate in the state directory.
 pub const LAUNCHER_NAME: &str = "launcher";
 
+/// A worker of a running job that is gone (its connection closed) or silent for
+/// [`HEARTBEAT_TIMEOUT`]: what a job may recover from by re-planning on the workers left.
+#[derive(Debug, thiserror::Error)]
+#[error("{who} {why}")]
+pub struct WorkerLost {
+    /// The worker's index in the hosts file.
+    pub worker: usize,
+    /// `worker NAME (ADDRESS)`.
+    pub who: String,
+    pub why: String,
+}
+
+impl WorkerLost {
+    /// The lost worker `error` (or any error it was given as context for) reports, if any.
+    pub fn in_error(error: &anyhow::Error) -> Option<&WorkerLost> {
+        error.chain().find_map(|e| e.downcast_ref::<WorkerLost>())
+    }
+}
+
 /// A client of the workers of a cluster: the launcher (`up`, `status`, `down`) and job drivers.
 pub struct WorkerClient {
     pub runtime: tokio::runtime::Runtime,
@@ -210,8 +229,8 @@ impl WorkerClient {
         self.send_encoded(i, &control::encode(msg)).await
     }
 
-    /// The next reply of worker `i`, checking meanwhile that every worker is alive. A `Failed`
-    /// reply is an error naming the worker.
+    /// The next reply of worker `i`, checking meanwhile that every worker is alive while a job
+    /// runs (only worker `i` otherwise). A `Failed` reply is an error naming the worker.
     pub async fn reply(&self, i: usize, timeout: Option<Duration>) -> anyhow::Result<Control> {
         let mut replies = self.replies[i].lock().await;
         let mut check = tokio::time::interval(Duration::from_millis(100));
@@ -224,7 +243,13 @@ impl WorkerClient {
                     None => bail!("{}: the reply channel closed", self.who(i)),
                 },
                 _ = check.tick() => {
-                    self.check_health()?;
+                    // A job needs every worker; a launcher's request only the one it asked.
+                    match self.health.watching.load(Ordering::Relaxed) {
+                        true => self.check_health()?,
+                        false => if let Some(lost) = self.lost(i) {
+                            return Err(lost.into());
+                        },
+                    }
                     if deadline.is_some_and(|d| Instant::now() > d) {
                         bail!("{} did not reply within {:?}", self.who(i), timeout.unwrap());
                     }
@@ -249,30 +274,41 @@ impl WorkerClient {
     /// Fails naming the first worker whose connection closed or (while a job runs) whose
     /// heartbeats stopped.
     fn check_health(&self) -> anyhow::Result<()> {
-        for (i, conn) in self.conns.iter().enumerate() {
-            let Some(conn) = conn else { continue };
-            if let Some(reason) = conn.close_reason() {
-                bail!("{} is gone: {reason}", self.who(i));
-            }
-            if self.health.watching.load(Ordering::Relaxed) {
-                let received = conn.stats().frame_rx.stream;
-                if received > self.health.last_rx_frames[i].swap(received, Ordering::Relaxed) {
-                    self.health.last_beat[i].store(self.health.now_ms(), Ordering::Relaxed);
-                }
-                let silent = self
-                    .health
-                    .now_ms()
-                    .saturating_sub(self.health.last_beat[i].load(Ordering::Relaxed));
-                if silent > HEARTBEAT_TIMEOUT.as_millis() as u64 {
-                    bail!(
-                        "{} stopped responding: nothing heard from it (no heartbeat, no data) for {:.1} s",
-                        self.who(i),
-                        silent as f64 / 1e3
-                    );
-                }
-            }
+        match (0..self.conns.len()).find_map(|i| self.lost(i)) {
+            Some(lost) => Err(lost.into()),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Whether worker `i`'s connection closed or (while a job runs) its heartbeats stopped.
+    fn lost(&self, i: usize) -> Option<WorkerLost> {
+        let conn = self.conns[i].as_ref()?;
+        if let Some(reason) = conn.close_reason() {
+            return Some(WorkerLost {
+                worker: i,
+                who: self.who(i),
+                why: format!("is gone: {reason}"),
+            });
+        }
+        if !self.health.watching.load(Ordering::Relaxed) {
+            return None;
+        }
+        let received = conn.stats().frame_rx.stream;
+        if received > self.health.last_rx_frames[i].swap(received, Ordering::Relaxed) {
+            self.health.last_beat[i].store(self.health.now_ms(), Ordering::Relaxed);
+        }
+        let silent = self
+            .health
+            .now_ms()
+            .saturating_sub(self.health.last_beat[i].load(Ordering::Relaxed));
+        (silent > HEARTBEAT_TIMEOUT.as_millis() as u64).then(|| WorkerLost {
+            worker: i,
+            who: self.who(i),
+            why: format!(
+                "stopped responding: nothing heard from it (no heartbeat, no data) for {:.1} s",
+                silent as f64 / 1e3
+            ),
+        })
     }
 
     /// From now on, a worker without a heartbeat for [`HEARTBEAT_TIMEOUT`] is an error.
@@ -729,16 +765,29 @@ impl RemoteCluster {
 
 impl Drop for RemoteCluster {
     fn drop(&mut self) {
-        // Best effort: a worker whose driver disconnects ends the job by itself too.
+        // Best effort: a worker whose driver disconnects ends the job by itself too, but only once
+        // its connection closes or times out; a lost worker's peers are told at once, so that the
+        // job a recovery starts on them finds them free. Each reply is waited for on its own
+        // (another worker being lost is no reason to stop waiting), a lost worker's not at all.
         let client = &self.client;
-        let _ = client.runtime.block_on(async {
+        client.runtime.block_on(async {
+            let mut told = Vec::new();
             for i in 0..self.ranges.len() {
-                if client.send(i, &Control::EndJob).await.is_ok() {
-                    let _ =
-                        tokio::time::timeout(Duration::from_secs(2), client.reply(i, None)).await;
+                if client.lost(i).is_none() && client.send(i, &Control::EndJob).await.is_ok() {
+                    told.push(i);
                 }
             }
-            Ok::<_, anyhow::Error>(())
+            for i in told {
+                let ended = async {
+                    let mut replies = client.replies[i].lock().await;
+                    while let Some(reply) = replies.recv().await {
+                        if matches!(reply, Control::JobEnded) {
+                            break;
+                        }
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(2), ended).await;
+            }
         });
         client.close();
     }

@@ -84,6 +84,20 @@ pub struct TrainFlags {
     /// verified).
     #[arg(long, value_name = "N", default_value_t = 3)]
     pub verify: usize,
+    /// With --cluster or --slurm: when a worker dies, hangs or drops off the network, end the
+    /// run (saying how to go on) instead of re-planning for the devices left and training on
+    /// from the latest snapshot.
+    #[arg(long)]
+    pub no_recover: bool,
+    /// With --cluster or --slurm: the most lost workers a run recovers from before it ends.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub max_recoveries: u32,
+    /// With --cluster or --slurm: gather the whole state from the workers every K steps into a
+    /// snapshot the run restarts from when it loses one (a --checkpoint-every checkpoint is one
+    /// too): a recovery trains at most K steps again, and each snapshot moves the weights and
+    /// momentum once.
+    #[arg(long, value_name = "K", default_value_t = 10)]
+    pub snapshot_every: u64,
     /// Write the strategy the devices run (a search's result, or the file given) as a strategy
     /// JSON file here, which `--strategy FILE` and `legion-rs plan --evaluate` read back.
     #[arg(long, value_name = "FILE")]
@@ -320,6 +334,13 @@ impl TrainFlags {
             cost_cache: legion::costs::CostCache::default_location(),
             replan: self.replan,
             verify: self.verify,
+            recovery: legion::Recovery {
+                max_recoveries: match self.no_recover {
+                    true => 0,
+                    false => self.max_recoveries,
+                },
+                snapshot_every: self.snapshot_every,
+            },
             save_strategy: self.save_strategy.clone(),
             trace: self.trace.clone(),
             checkpoint_every: self.checkpoint_every,

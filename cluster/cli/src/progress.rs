@@ -60,6 +60,13 @@ impl Printer {
             JobEvent::Planned(plan) => self.planned(plan),
             JobEvent::Step(step) => self.step(step),
             JobEvent::Evaluated(e) => self.evaluated(e),
+            JobEvent::Recovered(r) if self.json => {
+                println!("{}", json!({ "recovered": recovered_json(r) }))
+            }
+            JobEvent::Recovered(r) => match &self.progress {
+                Some(bar) => bar.println(format!("warning: {r}")),
+                None => eprintln!("warning: {r}"),
+            },
             JobEvent::Finished(summary) => self.finished(summary),
         }
     }
@@ -220,6 +227,7 @@ impl Printer {
                        "precision": summary.precision.name(),
                        "skipped_samples": summary.skipped.count,
                        "costs_added": summary.costs_added.as_ref().map(|(n, _)| n),
+                       "recoveries": summary.recoveries.iter().map(recovered_json).collect::<Vec<_>>(),
                        "validation": summary.validation.last().map(|e| json!({
                            "step": e.step, "top1": e.accuracy.top1, "top5": e.accuracy.top5,
                            "loss": e.accuracy.loss, "samples": e.accuracy.samples})),
@@ -241,6 +249,9 @@ impl Printer {
             }
             if let Some(v) = summary.plan.as_ref().and_then(|p| p.verification.as_ref()) {
                 print!("{v}");
+            }
+            for r in &summary.recoveries {
+                println!("{r}");
             }
             if let Some((tiles, cache)) = &summary.costs_added {
                 println!(
@@ -433,4 +444,10 @@ impl PlanProgress {
             );
         }
     }
+}
+
+fn recovered_json(r: &legion::Recovered) -> serde_json::Value {
+    json!({"lost": r.lost, "from_step": r.from_step, "steps_lost": r.steps_lost,
+           "devices": r.devices, "strategy": r.strategy, "seconds": r.seconds,
+           "count": r.count, "max": r.max})
 }

@@ -303,6 +303,7 @@ fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
         checkpoint.to_str().unwrap(),
         "--checkpoint-every",
         "5",
+        "--no-recover",
     ]);
     let mut run = Command::new(env!("CARGO_BIN_EXE_legion-rs"))
         .args(&args)
@@ -320,6 +321,13 @@ fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
     assert!(
         noticed < Duration::from_secs(5),
         "noticed after {noticed:?}: {stderr}"
+    );
+    // What to do next: restart the worker, resume from the snapshot saved.
+    assert!(
+        stderr.contains("recovery is off (--no-recover)")
+            && stderr.contains("`legion-rs up ")
+            && stderr.contains(&format!("--resume {}", checkpoint.display())),
+        "{stderr}"
     );
 
     // Restart the dead worker, then continue from the last checkpoint.
@@ -341,6 +349,110 @@ fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
     let uninterrupted = cluster.path("uninterrupted.safetensors");
     train_from(&cluster.engine(), &LENET, steps, &init, &uninterrupted);
     assert_same_tensors(&checkpoint, &uninterrupted);
+}
+
+/// LeNet-5 at batch 12 under data parallelism: 60 steps stay within 1e-4 of one device.
+const LENET_12: [&str; 6] = ["--model", "lenet5", "--batch", "12", "--strategy", "data"];
+
+#[test]
+fn a_run_that_loses_a_middle_worker_re_plans_on_the_others_and_trains_what_one_device_trains() {
+    let cluster = Cluster::new(&[1, 1, 1]);
+    let pids = cluster.up();
+    let init = cluster.path("init.safetensors");
+    init_checkpoint(&init, &LENET_12);
+    let steps = "60";
+    let saved = cluster.path("recovered.safetensors");
+    let mut args = cluster.train_args(&LENET_12);
+    args.extend([
+        "--device",
+        "cpu",
+        "--steps",
+        steps,
+        "--init",
+        init.to_str().unwrap(),
+        "--save",
+        saved.to_str().unwrap(),
+        "--checkpoint-every",
+        "2",
+        "--snapshot-every",
+        "2",
+        "--json",
+    ]);
+    let mut run = Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = run.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
+        text
+    });
+    let (status, took, stderr) =
+        kill_worker_mid_run(&mut run, &saved, Duration::from_secs(120), pids[1]);
+    let stdout = reader.join().unwrap();
+    assert!(status.success(), "the run did not survive: {stderr}");
+    assert!(
+        stdout.contains("{\"recovered\":"),
+        "no recovery event: {stdout}"
+    );
+    // Noticed within the heartbeat timeout, and back to training at once.
+    assert!(took < Duration::from_secs(30), "took {took:?}: {stderr}");
+    let summary: serde_json::Value = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .find(|v: &serde_json::Value| v["summary"] == true)
+        .unwrap_or_else(|| panic!("no summary in {stdout}"));
+    let recovery = &summary["recoveries"][0];
+    let lost = recovery["lost"].as_str().unwrap_or_default();
+    assert!(lost.starts_with("worker w1 (127.0.0.1:"), "{summary}");
+    assert_eq!(recovery["count"], 1, "{summary}");
+    assert_eq!(summary["devices"], 2, "{summary}");
+    assert_eq!(recovery["devices"], 2, "{summary}");
+    assert!(recovery["seconds"].as_f64().unwrap() < 10.0, "{summary}");
+    // Every step is reported once it is trained for good: the steps after the snapshot again.
+    let steps_reported = stdout.lines().filter(|l| l.contains("\"step\"")).count();
+    let lost = recovery["steps_lost"].as_u64().unwrap() as usize;
+    assert!(
+        steps_reported >= 60 + lost,
+        "{steps_reported} step lines, {lost} lost"
+    );
+    assert_eq!(summary["steps_taken"], 60, "{summary}");
+
+    let single = cluster.path("single.safetensors");
+    train_from(&[], &LENET_12, steps, &init, &single);
+    assert_same_tensors(&saved, &single);
+    // The workers left are free again, and the lost one is named by `down`.
+    let out = ok(legion(&cluster.args("down")));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("stopped w0, w2"), "{stdout}");
+    assert!(stdout.contains("no answer): w1"), "{stdout}");
+    assert!(!alive(pids[0]) && !alive(pids[2]));
+}
+
+#[test]
+fn down_stops_every_worker_it_reaches_when_a_middle_one_is_gone() {
+    let cluster = Cluster::new(&[1, 1, 1]);
+    let pids = cluster.up();
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) };
+    let out = ok(legion(&cluster.args("down")));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("stopped w0, w2"), "{stdout}");
+    assert!(
+        stdout.contains("not running (no answer): w1 (127.0.0.1:"),
+        "{stdout}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (alive(pids[0]) || alive(pids[2])) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !alive(pids[0]) && !alive(pids[2]),
+        "a worker was left running"
+    );
 }
 
 #[test]

@@ -113,6 +113,8 @@ pub struct Stopped {
     pub workers: Vec<String>,
     /// The Slurm steps it ended (`JOB.STEP`): those whose workers had not all exited.
     pub slurm_steps: Vec<String>,
+    /// The hosts whose workers did not answer (`NAME (ADDRESS)`): already gone, or unreachable.
+    pub not_reached: Vec<String>,
 }
 
 /// `legion-rs down`: asks every worker to exit and waits until local ones are gone (killing
@@ -121,11 +123,15 @@ pub struct Stopped {
 pub fn down(hosts: &Hosts, state: &Path, timeout: Duration) -> anyhow::Result<Stopped> {
     let mut client = WorkerClient::new(hosts, state)?;
     let mut stopped = Vec::new();
+    let mut not_reached = Vec::new();
     let mut local_pids = Vec::new();
+    // Each worker is asked on its own: one that is gone, or that has just stopped, does not keep
+    // the others running.
     for (i, host) in hosts.hosts.iter().enumerate() {
         // Generous: a worker busy with a job on a loaded machine may answer late, and one
         // taken for down here would be left running.
         let Some(w) = greet(&mut client, i, Duration::from_secs(3)) else {
+            not_reached.push(format!("{} ({})", host.name, host.endpoint()));
             continue;
         };
         match client.request(i, &Control::Shutdown, Some(timeout)) {
@@ -164,6 +170,7 @@ pub fn down(hosts: &Hosts, state: &Path, timeout: Duration) -> anyhow::Result<St
     Ok(Stopped {
         workers: stopped,
         slurm_steps,
+        not_reached,
     })
 }
 

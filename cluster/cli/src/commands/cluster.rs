@@ -106,5 +106,11 @@ pub fn down(a: ClusterArgs) -> anyhow::Result<()> {
     if !stopped.slurm_steps.is_empty() {
         println!("ended Slurm step(s) {}", stopped.slurm_steps.join(", "));
     }
+    if !stopped.workers.is_empty() && !stopped.not_reached.is_empty() {
+        println!(
+            "not running (no answer): {}",
+            stopped.not_reached.join(", ")
+        );
+    }
     Ok(())
 }

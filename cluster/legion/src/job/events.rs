@@ -26,6 +26,8 @@ pub enum JobEvent<'a> {
     Step(&'a StepDone),
     /// The held-out data was scored after a step.
     Evaluated(&'a Evaluation),
+    /// A worker was lost and the run goes on, re-planned on the devices left, from its snapshot.
+    Recovered(&'a Recovered),
     /// The run finished and its final checkpoint (if any) is saved.
     Finished(&'a TrainSummary),
 }
@@ -49,6 +51,48 @@ pub struct PlannedRun {
     /// The candidates the run trained a few steps each, and the one it kept (then `strategy`
     /// and `remote_bytes` are the kept one's).
     pub verification: Option<super::Verification>,
+}
+
+/// A lost worker the run recovered from: re-planned on the devices left and restarted from its
+/// latest snapshot, whose later steps it trains again.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recovered {
+    /// What happened: `worker w1 (127.0.0.1:7612) stopped responding: ...`.
+    pub lost: String,
+    /// The step the snapshot holds: training goes on from the step after it.
+    pub from_step: u64,
+    /// Steps done after the snapshot, trained again.
+    pub steps_lost: u64,
+    /// The devices left, and the strategy planned for them.
+    pub devices: usize,
+    pub strategy: String,
+    /// Seconds from the loss being noticed to the devices left holding the state on the new
+    /// plan (the search included).
+    pub seconds: f64,
+    /// Which recovery of the run this is, from 1, and the most it allows.
+    pub count: u32,
+    pub max: u32,
+}
+
+impl std::fmt::Display for Recovered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "recovered from a lost worker ({} of at most {}): {}; re-planned {} on the {} \
+             device(s) left and restarted from the snapshot of step {} in {:.2} s",
+            self.count,
+            self.max,
+            self.lost,
+            self.strategy,
+            self.devices,
+            self.from_step,
+            self.seconds
+        )?;
+        match self.steps_lost {
+            0 => Ok(()),
+            n => write!(f, " ({n} step(s) trained again)"),
+        }
+    }
 }
 
 /// One finished step.
@@ -116,6 +160,8 @@ pub struct TrainSummary {
     pub validation: Vec<Evaluation>,
     /// The tiles whose costs the run's own steps timed, and the cost cache they were added to.
     pub costs_added: Option<(usize, PathBuf)>,
+    /// The lost workers the run recovered from, in order.
+    pub recoveries: Vec<Recovered>,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.

@@ -16,7 +16,7 @@ mod strategy;
 mod verify;
 
 pub use checks::check_output_path;
-pub use events::{Evaluation, JobEvent, LossTrend, PlannedRun, StepDone, TrainSummary};
+pub use events::{Evaluation, JobEvent, LossTrend, PlannedRun, Recovered, StepDone, TrainSummary};
 pub use strategy::{
     Chosen, Strategy, choose_strategy, choose_strategy_for, choose_strategy_ranked,
     choose_strategy_reporting, strategy_names,
@@ -82,6 +82,8 @@ pub struct TrainOptions {
     /// Alternatives to the search's strategy that the run trains a few steps each on the
     /// devices, keeping the one measured fastest (0: none).
     pub verify: usize,
+    /// What a run on a cluster does when it loses a worker.
+    pub recovery: Recovery,
     /// Write the strategy the devices run here (a strategy JSON file).
     pub save_strategy: Option<PathBuf>,
     /// Write a Chrome/Perfetto trace of the last step here.
@@ -223,6 +225,28 @@ impl Default for GpuOptions {
     }
 }
 
+/// How a run on a cluster survives losing a worker (one that dies, hangs or drops off the
+/// network): it plans again for the devices left, with the search it started with, restores its
+/// latest snapshot onto them and trains on from there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recovery {
+    /// The most lost workers a run recovers from; 0: a lost worker ends the run.
+    pub max_recoveries: u32,
+    /// Steps between the snapshots the driver keeps of the whole state (weights, buffers,
+    /// momentum), gathered from the workers: a recovery trains at most this many steps again.
+    /// A checkpoint saved by `checkpoint_every` is a snapshot too.
+    pub snapshot_every: u64,
+}
+
+impl Default for Recovery {
+    fn default() -> Self {
+        Recovery {
+            max_recoveries: 3,
+            snapshot_every: 10,
+        }
+    }
+}
+
 impl Default for TrainOptions {
     fn default() -> Self {
         TrainOptions {
@@ -244,6 +268,7 @@ impl Default for TrainOptions {
             cost_cache: CostCache::default_location(),
             replan: false,
             verify: verify::DEFAULT_ALTERNATIVES,
+            recovery: Recovery::default(),
             save_strategy: None,
             trace: None,
             checkpoint_every: None,
@@ -353,6 +378,16 @@ impl Training {
     /// is). Default 3.
     pub fn verify(mut self, alternatives: usize) -> Self {
         self.options.verify = alternatives;
+        self
+    }
+
+    /// On a cluster: recovers from at most `max` lost workers (0: a lost worker ends the run),
+    /// from snapshots of the state taken every `snapshot_every` steps. Default: 3, every 10.
+    pub fn recovery(mut self, max: u32, snapshot_every: u64) -> Self {
+        self.options.recovery = Recovery {
+            max_recoveries: max,
+            snapshot_every,
+        };
         self
     }
 
@@ -571,6 +606,8 @@ pub struct Job {
     restart: Option<Restart>,
     /// Whether the devices plan inference beside the step.
     inference: bool,
+    /// The state the run starts from, kept where a lost worker can be recovered from.
+    snapshot: Option<legion_ops::train::TrainingState>,
 }
 
 /// Where a job's devices are, owned, so that an engine can be started there again.
@@ -728,7 +765,13 @@ impl Job {
             && gpus.is_some()
             && matches!(&source, Source::Samples(d) if d.as_synthetic().is_some());
         let restart = match (&cluster, &gpus) {
-            _ if candidates.len() < 2 => None,
+            (Some((_, hosts, _)), _)
+                if candidates.len() < 2
+                    && (hosts.hosts.len() < 2 || opts.recovery.max_recoveries == 0) =>
+            {
+                None
+            }
+            (None, _) if candidates.len() < 2 => None,
             (Some((_, hosts, state_dir)), _) => Some(Restart::Cluster {
                 hosts: hosts.clone(),
                 state_dir: state_dir.clone(),
@@ -739,6 +782,9 @@ impl Job {
             (None, Some(_)) => None,
         };
         let validation_wanted = validation.is_some();
+        let snapshot = (cluster.as_ref())
+            .is_some_and(|(_, hosts, _)| hosts.hosts.len() > 1 && opts.recovery.max_recoveries > 0)
+            .then(|| state.clone());
         let engine_place = match (&cluster, gpus) {
             (Some((_, hosts, state_dir)), _) => Place::Cluster {
                 hosts,
@@ -809,6 +855,7 @@ impl Job {
             candidates,
             restart,
             inference: validation_wanted,
+            snapshot,
         })
     }
 }
@@ -1035,6 +1082,24 @@ fn plan(
     })
 }
 
+/// The configs for `hosts`, the workers a cluster run has left after losing one, under the search
+/// or scheme the run started with, on the links `up` measured, checked to fit their memory.
+fn replan_cluster(
+    graph: &Graph,
+    opts: &TrainOptions,
+    hosts: &Hosts,
+    state: &std::path::Path,
+    precision: Precision,
+) -> anyhow::Result<Vec<ParallelConfig>> {
+    let mut machine = cluster_machine(hosts, state)?.with_precision(precision);
+    if let Some(gib) = opts.memory_gib {
+        machine = machine.with_device_memory_gib(gib)?;
+    }
+    let configs = choose_strategy_for("--strategy", graph, &machine, &opts.strategy)?;
+    check_device_memory(graph, &machine, &configs, &opts.strategy.to_string())?;
+    Ok(configs)
+}
+
 /// The checkpoint metadata key of the strategy a run trained with (strategy JSON).
 pub(crate) const STRATEGY_KEY: &str = "strategy";
 /// The checkpoint metadata key of the devices that strategy ran on.
@@ -1254,6 +1319,7 @@ mod tests {
                     JobEvent::Step(s) => format!("step {}/{}", s.step, s.total_steps),
                     JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),
                     JobEvent::Evaluated(e) => format!("scored at {}", e.step),
+                    JobEvent::Recovered(r) => r.to_string(),
                 })
             })
             .unwrap();

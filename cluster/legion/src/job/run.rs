@@ -1,8 +1,10 @@
 //! The step loop of a started [`Job`]: batches in, events and checkpoints out.
 
+use super::Restart;
 use super::Source;
 use super::{Evaluation, Job, JobEvent, PlannedRun, StepDone, TrainSummary, verify};
 use anyhow::{Context, bail};
+use legion_cluster::WorkerLost;
 use legion_cluster::engine::{self, Engine, JobStart, NextBatch, StepBatch};
 use legion_ops::capture::CaptureStatus;
 use legion_ops::data::{self, Loader, LoaderConfig};
@@ -59,10 +61,15 @@ impl Job {
             cost_warning,
             cost_cache,
             candidates,
-            restart,
+            mut restart,
             inference,
+            snapshot,
         } = self;
         let mut plan = plan;
+        let mut devices = devices;
+        // The latest state the run can go back to on the devices left if it loses a worker.
+        let mut snapshot = snapshot.map(|state| (first_step, state));
+        let mut recoveries: Vec<super::Recovered> = Vec::new();
         on_event(JobEvent::Device(&device));
         for note in [&init_note, &data_note].into_iter().flatten() {
             on_event(JobEvent::Note(note));
@@ -156,7 +163,7 @@ impl Job {
             batch,
             total_steps: opts.steps,
         };
-        let save = |engine: &mut dyn Engine, plan: Option<&PlannedRun>| -> anyhow::Result<()> {
+        let save = |state: &TrainingState, plan: Option<&PlannedRun>| -> anyhow::Result<()> {
             if let Some(path) = &opts.save {
                 let mut meta = BTreeMap::from([("model".to_string(), graph.name.clone())]);
                 meta.extend(super::checks::schedule_metadata(&opts));
@@ -177,30 +184,80 @@ impl Job {
                         serde_json::to_string(&census.class_names)?,
                     );
                 }
-                engine.state()?.save(path, meta)?;
+                state.save(path, meta)?;
             }
             Ok(())
         };
+        // A lost worker the run does not recover from: the latest snapshot is saved where --save
+        // says, and the error says how to go on.
+        let stop = |error: anyhow::Error,
+                    why: &str,
+                    snapshot: &Option<(u64, TrainingState)>,
+                    plan: Option<&PlannedRun>|
+         -> anyhow::Error {
+            let Some(lost) = WorkerLost::in_error(&error) else {
+                return error;
+            };
+            let up = match (&opts.cluster, &opts.cluster_state) {
+                (Some(hosts), Some(state)) => {
+                    format!(
+                        "legion-rs up {} --state {}",
+                        hosts.display(),
+                        state.display()
+                    )
+                }
+                (Some(hosts), None) => format!("legion-rs up {}", hosts.display()),
+                (None, _) => "legion-rs up --slurm".to_string(),
+            };
+            let worker = lost.who.clone();
+            let saved = match (snapshot, &opts.save) {
+                (Some((step, state)), Some(path)) => match save(state, plan) {
+                    Ok(()) => format!(
+                        "; the snapshot of step {step} is saved to {}, so that rerunning the \
+                         same command with --resume {} goes on from there",
+                        path.display(),
+                        path.display()
+                    ),
+                    Err(e) => format!("; saving the snapshot of step {step} failed: {e:#}"),
+                },
+                (None, Some(path)) => format!(
+                    "; rerun the same command with --resume {} to go on from its last checkpoint",
+                    path.display()
+                ),
+                (_, None) => "; this run saves no checkpoint to resume from (--save PATH \
+                              --checkpoint-every K)"
+                    .to_string(),
+            };
+            let why = match why {
+                "" => String::new(),
+                why => format!("the run cannot go on without it: {why}; "),
+            };
+            error.context(format!("{why}restart {worker} with `{up}`{saved}"))
+        };
         let mut last_step = opts.steps;
-        let mut next_batch = || -> anyhow::Result<data::Batch> {
+        let next_batch = |batches: &mut data::Batches| -> anyhow::Result<data::Batch> {
             batches
                 .next()
                 .context("the data loader stopped early")?
                 .context("loading a batch")
         };
         let mut upcoming = (first_step < opts.steps)
-            .then(&mut next_batch)
+            .then(|| next_batch(&mut batches))
             .transpose()?;
         let mut traced_reports = None;
         // Seconds spent scoring and saving between steps, which are not training's.
         let mut paused = 0.0;
-        for step in first_step + 1..=opts.steps {
+        let mut step = first_step;
+        while step < opts.steps {
+            step += 1;
             if opts.stop.is_raised() {
                 last_step = step - 1;
                 break;
             }
             let batch_data = upcoming.take().expect("a batch for every step");
-            upcoming = (step < opts.steps).then(&mut next_batch).transpose()?;
+            upcoming = (step < opts.steps)
+                .then(|| next_batch(&mut batches))
+                .transpose()?;
             let measured = measuring.is_some() && is_measured(step - first_step);
             let last_traced = opts.trace.is_some() && step == opts.steps;
             let traced = measured || last_traced;
@@ -209,7 +266,7 @@ impl Job {
                 engine.set_lr(opts.lr_schedule.lr(opts.sgd.lr, step - 1, opts.steps));
             }
             let step_started = Instant::now();
-            let (stats, reports) = engine.step(StepBatch {
+            let stepped = engine.step(StepBatch {
                 images: batch_data.images,
                 labels: batch_data.labels,
                 synthetic: batch_data.synthetic,
@@ -218,7 +275,101 @@ impl Job {
                     None => NextBatch::Images(&b.images, &b.labels),
                 }),
                 trace: traced,
-            })?;
+            });
+            let (stats, reports) = match stepped {
+                Ok(done) => done,
+                Err(error) => {
+                    let noticed = Instant::now();
+                    let why_not = match WorkerLost::in_error(&error) {
+                        None => return Err(error),
+                        Some(_) => why_not_recovered(&restart, &loader, &opts, recoveries.len()),
+                    };
+                    if let Some(why) = why_not {
+                        return Err(stop(error, &why, &snapshot, plan.as_ref()));
+                    }
+                    let lost = WorkerLost::in_error(&error).expect("a lost worker");
+                    let (lost_worker, lost_text) = (lost.worker, lost.to_string());
+                    let Some(Restart::Cluster {
+                        hosts,
+                        state_dir,
+                        gpu,
+                    }) = restart.take()
+                    else {
+                        unreachable!("recovered only on a cluster")
+                    };
+                    let (from_step, state) =
+                        snapshot.as_ref().expect("a cluster run keeps a snapshot");
+                    let left = hosts.without(lost_worker);
+                    // The workers left end the broken job before they take the new one.
+                    drop(engine);
+                    let configs =
+                        super::replan_cluster(&graph, &opts, &left, &state_dir, precision)
+                            .with_context(|| {
+                                format!(
+                                    "re-planning for the {} device(s) left after {lost_text}",
+                                    left.num_devices()
+                                )
+                            })
+                            .map_err(|e| stop(e, "", &snapshot, plan.as_ref()))?;
+                    engine = engine::start(
+                        legion_cluster::Place::Cluster {
+                            hosts: &left,
+                            state_dir: &state_dir,
+                            gpu,
+                        },
+                        JobStart {
+                            graph: &graph,
+                            configs: &configs,
+                            state: state.clone(),
+                            sgd: opts.sgd,
+                            seed: opts.seed,
+                            precision,
+                            inference,
+                        },
+                    )
+                    .with_context(|| format!("restarting on the workers left after {lost_text}"))
+                    .map_err(|e| stop(e, "", &snapshot, plan.as_ref()))?;
+                    devices = left.num_devices();
+                    let strategy = legion_planner::Strategy::from_configs(&graph, &configs);
+                    let recovered = super::Recovered {
+                        lost: lost_text,
+                        from_step: *from_step,
+                        steps_lost: step - 1 - from_step,
+                        devices,
+                        strategy: opts.strategy.to_string(),
+                        seconds: noticed.elapsed().as_secs_f64(),
+                        count: recoveries.len() as u32 + 1,
+                        max: opts.recovery.max_recoveries,
+                    };
+                    if let Some(plan) = plan.as_mut() {
+                        plan.devices = devices;
+                        plan.place = format!("{} worker(s) left", left.hosts.len());
+                        plan.remote_bytes = engine.plan().map_or(0, |p| p.remote_bytes());
+                        plan.idle_devices = super::idle_devices(&configs, devices);
+                        plan.strategy = strategy;
+                    }
+                    on_event(JobEvent::Recovered(&recovered));
+                    recoveries.push(recovered);
+                    // The steps after the snapshot are trained again, on the same batches.
+                    step = *from_step;
+                    let loader = loader.as_ref().expect("recoverable with a loader");
+                    batches = loader.steps_until(step, opts.steps);
+                    upcoming = (step < opts.steps)
+                        .then(|| next_batch(&mut batches))
+                        .transpose()?;
+                    reported.rewind(step - first_step);
+                    // Trials and measuring were of the devices before.
+                    trials = None;
+                    measuring = None;
+                    restart = Some(Restart::Cluster {
+                        hosts: left,
+                        state_dir,
+                        gpu,
+                    });
+                    paused += noticed.elapsed().as_secs_f64();
+                    continue;
+                }
+            };
             reported.returned(step);
             let stopping = step < opts.steps && opts.stop.is_raised();
             if let (Some(cpu), Some((profiler, ..)), Some(step_plan)) =
@@ -284,7 +435,8 @@ impl Job {
             }
             let checkpoint = opts.checkpoint_every.is_some_and(|k| step % k == 0);
             let scored = every.is_some_and(|k| step % k == 0);
-            if (checkpoint || scored) && step < opts.steps && !stopping {
+            let snapshotted = snapshot.is_some() && step % opts.recovery.snapshot_every == 0;
+            if (checkpoint || scored || snapshotted) && step < opts.steps && !stopping {
                 // The step's loss is checked before its weights are saved or scored.
                 if let Some(stats) = engine.finish()? {
                     reported.read(stats, &mut on_event)?;
@@ -293,8 +445,14 @@ impl Job {
                 if scored {
                     evaluate(engine.as_mut(), step, &mut on_event)?;
                 }
-                if checkpoint {
-                    save(engine.as_mut(), plan.as_ref())?;
+                if checkpoint || snapshotted {
+                    let state = engine.state()?;
+                    if checkpoint {
+                        save(&state, plan.as_ref())?;
+                    }
+                    if snapshot.is_some() {
+                        snapshot = Some((step, state));
+                    }
                 }
                 // Neither is the next step's time.
                 reported.last_returned = Instant::now();
@@ -321,8 +479,14 @@ impl Job {
                     .with_context(|| format!("writing the trace {}", path.display()))?;
             }
         }
-        save(engine.as_mut(), plan.as_ref())?;
-        let state = keep_state.then(|| engine.state()).transpose()?;
+        let state = match (opts.save.is_some(), keep_state) {
+            (false, false) => None,
+            _ => Some(engine.state()?),
+        };
+        if let Some(state) = &state {
+            save(state, plan.as_ref())?;
+        }
+        let state = state.filter(|_| keep_state);
         let costs_added = match measuring {
             Some((profiler, cache, key)) => {
                 // Tile entries only: the transport and runtime fits stay those of the runs
@@ -368,9 +532,39 @@ impl Job {
             skipped,
             validation: evaluations,
             costs_added,
+            recoveries,
         };
         on_event(JobEvent::Finished(&summary));
         Ok((summary, state))
+    }
+}
+
+/// Why a run that lost a worker cannot recover from it, if it cannot.
+fn why_not_recovered(
+    restart: &Option<Restart>,
+    loader: &Option<Loader>,
+    opts: &super::TrainOptions,
+    recovered: usize,
+) -> Option<String> {
+    let max = opts.recovery.max_recoveries;
+    match restart {
+        _ if max == 0 => Some("recovery is off (--no-recover)".into()),
+        Some(Restart::Cluster { hosts, .. }) if hosts.hosts.len() < 2 => {
+            Some("no other worker is left".into())
+        }
+        Some(Restart::Cluster { .. }) => match loader {
+            _ if recovered >= max as usize => Some(format!(
+                "it recovered from {recovered} lost worker(s) already, the most \
+                 --max-recoveries allows"
+            )),
+            None => Some(
+                "its batches come from the caller once, so the steps after the snapshot cannot \
+                 be trained again"
+                    .into(),
+            ),
+            Some(_) => None,
+        },
+        _ => Some("only a run on a cluster's workers recovers".into()),
     }
 }
 
@@ -420,6 +614,13 @@ impl Reported {
         let seconds = (now - self.last_returned).as_secs_f64();
         self.last_returned = now;
         self.awaiting.push_back((step, seconds));
+    }
+
+    /// Forgets what was reported after the run's first `kept` steps: they are trained again.
+    fn rewind(&mut self, kept: u64) {
+        self.awaiting.clear();
+        self.losses.truncate(kept as usize);
+        self.last_returned = Instant::now();
     }
 
     /// Reports `stats` as the oldest awaited step's, refusing a loss that is not finite.

@@ -151,6 +151,8 @@ def train(
     costs: Union[str, os.PathLike] = "measured",
     replan: bool = False,
     verify: int = 3,
+    max_recoveries: int = 3,
+    snapshot_every: int = 10,
     steps: Optional[int] = None,
     epochs: Optional[int] = None,
     lr: Optional[float] = None,
@@ -183,6 +185,9 @@ def train(
     the cost cache), ``"roofline"``, or a profile file. A run that ``resume``\ s a checkpoint
     trains on with its strategy unless ``replan``. ``verify``: alternatives the run trains a
     few steps each beside the search's strategy, keeping the one measured fastest (0: none).
+    On a cluster, a run that loses a worker re-plans for the devices left and trains on from its
+    latest snapshot (taken every ``snapshot_every`` steps), at most ``max_recoveries`` times
+    (0: a lost worker ends the run).
     ``steps`` (default 100) or ``epochs`` say how long; SGD's ``lr``, ``momentum`` and
     ``weight_decay`` default to legion-rs's (0.03, 0.9, 5e-4) and step as ``torch.optim.SGD``
     does. A torch module starts from its own weights; other models from ``init``, the weights
@@ -215,6 +220,8 @@ def train(
                 costs=os.fspath(costs),
                 replan=replan,
                 verify=verify,
+                max_recoveries=max_recoveries,
+                snapshot_every=snapshot_every,
                 steps=steps,
                 epochs=epochs,
                 lr=lr,

@@ -41,6 +41,8 @@ def train(
     costs: str = "measured",
     replan: bool = False,
     verify: int = 3,
+    max_recoveries: int = 3,
+    snapshot_every: int = 10,
     steps: Optional[int] = None,
     epochs: Optional[int] = None,
     lr: Optional[float] = None,
