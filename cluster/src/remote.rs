@@ -183,17 +183,26 @@ impl WorkerClient {
     pub fn connect(&mut self, i: usize, timeout: Duration) -> anyhow::Result<()> {
         let host = &self.hosts[i];
         let who = self.who(i);
-        let conn = self.runtime.block_on(async {
+        let lost = |why: String| WorkerLost {
+            worker: i,
+            who: who.clone(),
+            why,
+        };
+        let conn: anyhow::Result<Connection> = self.runtime.block_on(async {
             let addr = tokio::net::lookup_host(host.endpoint())
                 .await
                 .with_context(|| format!("{who}: resolving the address"))?
                 .next()
                 .with_context(|| format!("{who}: the address resolves to nothing"))?;
-            tokio::time::timeout(timeout, self.node.connect(addr, &node_name(&host.name)))
+            match tokio::time::timeout(timeout, self.node.connect(addr, &node_name(&host.name)))
                 .await
-                .map_err(|_| anyhow::anyhow!("{who} did not answer within {timeout:?}"))?
-                .with_context(|| format!("{who} is not reachable"))
-        })?;
+            {
+                Err(_) => Err(lost(format!("did not answer within {timeout:?}")).into()),
+                Ok(Err(e)) => Err(lost(format!("is not reachable: {e:#}")).into()),
+                Ok(Ok(conn)) => Ok(conn),
+            }
+        });
+        let conn: Connection = conn?;
         self.conn_index
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -788,8 +797,11 @@ impl Drop for RemoteCluster {
                 };
                 let _ = tokio::time::timeout(Duration::from_secs(2), ended).await;
             }
+            // The close goes out before the endpoint is dropped: a worker that hung and comes
+            // back then learns that this job's driver is gone, and is free for the next job.
+            client.close();
+            let _ = tokio::time::timeout(Duration::from_millis(300), client.node.shutdown()).await;
         });
-        client.close();
     }
 }
 

@@ -53,21 +53,27 @@ impl Printer {
             JobEvent::Device(line) if self.json => println!("{}", json!({ "device": line })),
             JobEvent::Device(line) => println!("{line}"),
             JobEvent::Note(line) => eprintln!("note: {line}"),
-            JobEvent::Warning(line) => match &self.progress {
-                Some(bar) => bar.println(format!("warning: {line}")),
-                None => eprintln!("warning: {line}"),
-            },
+            JobEvent::Warning(line) => self.say(format!("warning: {line}")),
             JobEvent::Planned(plan) => self.planned(plan),
             JobEvent::Step(step) => self.step(step),
             JobEvent::Evaluated(e) => self.evaluated(e),
             JobEvent::Recovered(r) if self.json => {
                 println!("{}", json!({ "recovered": recovered_json(r) }))
             }
-            JobEvent::Recovered(r) => match &self.progress {
-                Some(bar) => bar.println(format!("warning: {r}")),
-                None => eprintln!("warning: {r}"),
-            },
+            JobEvent::Rejoined(r) if self.json => {
+                println!("{}", json!({ "rejoined": rejoined_json(r) }))
+            }
+            JobEvent::Recovered(r) => self.say(format!("warning: {r}")),
+            JobEvent::Rejoined(r) => self.say(format!("note: {r}")),
             JobEvent::Finished(summary) => self.finished(summary),
+        }
+    }
+
+    /// A line on stderr, above the progress bar where there is one.
+    fn say(&self, line: String) {
+        match &self.progress {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
         }
     }
 
@@ -228,6 +234,7 @@ impl Printer {
                        "skipped_samples": summary.skipped.count,
                        "costs_added": summary.costs_added.as_ref().map(|(n, _)| n),
                        "recoveries": summary.recoveries.iter().map(recovered_json).collect::<Vec<_>>(),
+                       "rejoins": summary.rejoins.iter().map(rejoined_json).collect::<Vec<_>>(),
                        "validation": summary.validation.last().map(|e| json!({
                            "step": e.step, "top1": e.accuracy.top1, "top5": e.accuracy.top5,
                            "loss": e.accuracy.loss, "samples": e.accuracy.samples})),
@@ -251,6 +258,9 @@ impl Printer {
                 print!("{v}");
             }
             for r in &summary.recoveries {
+                println!("{r}");
+            }
+            for r in &summary.rejoins {
                 println!("{r}");
             }
             if let Some((tiles, cache)) = &summary.costs_added {
@@ -450,4 +460,9 @@ fn recovered_json(r: &legion::Recovered) -> serde_json::Value {
     json!({"lost": r.lost, "from_step": r.from_step, "steps_lost": r.steps_lost,
            "devices": r.devices, "strategy": r.strategy, "seconds": r.seconds,
            "count": r.count, "max": r.max})
+}
+
+fn rejoined_json(r: &legion::Rejoined) -> serde_json::Value {
+    json!({"workers": r.workers, "step": r.step, "devices": r.devices,
+           "strategy": r.strategy, "seconds": r.seconds})
 }

@@ -45,8 +45,8 @@ pub use legion_runtime as runtime;
 
 pub use device::DeviceKind;
 pub use job::{
-    GpuOptions, Job, JobEvent, PlannedRun, Recovered, Recovery, StepDone, StopSignal, Strategy,
-    TrainOptions, TrainSummary, Training,
+    GpuOptions, Job, JobEvent, PlannedRun, Recovered, Recovery, Rejoined, StepDone, StopSignal,
+    Strategy, TrainOptions, TrainSummary, Training,
 };
 pub use legion_ops::data::{BatchFeed, Data, Dataset, FedBatch};
 pub use legion_ops::train::Sgd;

@@ -220,6 +220,7 @@ impl Event {
             JobEvent::Step(s) => Event::Step(**s),
             JobEvent::Evaluated(e) => Event::Evaluated(**e),
             JobEvent::Recovered(r) => line("recovered", &r.to_string()),
+            JobEvent::Rejoined(r) => line("rejoined", &r.to_string()),
             JobEvent::Finished(_) => return None,
         })
     }

@@ -185,6 +185,9 @@ fn up_with(
     std::fs::create_dir_all(state.join("logs"))
         .with_context(|| format!("creating the state directory {}", state.display()))?;
     ensure_identities(hosts, state)?;
+    if cluster.slurm.is_none() {
+        state::record_state_dir(&cluster.hosts_file, state);
+    }
     let mut client = WorkerClient::new(hosts, state)?;
     let mut table = Vec::new();
     // The processes of the workers started here on this machine, to notice one that exits, and

@@ -75,6 +75,32 @@ impl Located {
         load_hosts(&self.hosts_file, &self.state)
     }
 
+    /// Fails where `up` never kept a cluster's state here, naming the state directories `up`
+    /// used for this hosts file (its default one, and any given with `--state`).
+    pub fn require_state(&self) -> anyhow::Result<()> {
+        if self.slurm.is_some() || self.state.join(STATE_MARK).exists() {
+            return Ok(());
+        }
+        let known: Vec<String> = known_state_dirs(&self.hosts_file)
+            .into_iter()
+            .filter(|d| *d != self.state && d.join(STATE_MARK).exists())
+            .map(|d| format!("--state {}", d.display()))
+            .collect();
+        let hosts = self.hosts_file.display();
+        match known.as_slice() {
+            [] => bail!(
+                "no cluster state in {} (start the cluster with `legion-rs up {hosts}` first)",
+                self.state.display()
+            ),
+            _ => bail!(
+                "no cluster state in {}; `legion-rs up {hosts}` kept it in another directory: \
+                 pass {}",
+                self.state.display(),
+                known.join(", or ")
+            ),
+        }
+    }
+
     /// The command line flags that name this cluster to `legion-rs down` (in messages).
     pub(super) fn down_command(&self) -> String {
         match &self.slurm {
@@ -121,6 +147,52 @@ pub fn locate(hosts_file: Option<&Path>, state: Option<&Path>) -> anyhow::Result
         state,
         slurm: Some(settings),
     })
+}
+
+/// What every state directory `up` made holds: its certificate authority.
+const STATE_MARK: &str = "ca";
+
+/// Where the state directories `up` used for `hosts_file` are listed, one a line: beside its
+/// default state directory.
+fn state_dirs_list(hosts_file: &Path) -> Option<PathBuf> {
+    let default = state_dir(hosts_file, None).ok()?;
+    let mut name = default.file_name()?.to_os_string();
+    name.push(".state-dirs");
+    Some(default.with_file_name(name))
+}
+
+/// The state directories `up` used for `hosts_file`: its default one first.
+pub fn known_state_dirs(hosts_file: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = state_dir(hosts_file, None).into_iter().collect();
+    if let Some(text) = state_dirs_list(hosts_file).and_then(|l| std::fs::read_to_string(l).ok()) {
+        dirs.extend(text.lines().filter(|l| !l.is_empty()).map(PathBuf::from));
+    }
+    dirs.dedup();
+    dirs
+}
+
+/// Adds `state` to the state directories used for `hosts_file` (best effort: the list only
+/// helps messages).
+pub(super) fn record_state_dir(hosts_file: &Path, state: &Path) {
+    let (Some(list), Ok(state)) = (state_dirs_list(hosts_file), std::path::absolute(state)) else {
+        return;
+    };
+    let mut dirs = known_state_dirs(hosts_file);
+    if dirs.contains(&state) || state_dir(hosts_file, None).ok().as_ref() == Some(&state) {
+        return;
+    }
+    dirs.push(state);
+    let text: String = dirs
+        .iter()
+        .skip(1)
+        .map(|d| format!("{}\n", d.display()))
+        .collect();
+    if let Some(parent) = list.parent() {
+        let _ = std::fs::create_dir_all(parent);
+    }
+    if let Err(e) = legion_ops::atomic_file::write(&list, text.as_bytes()) {
+        tracing::debug!("recording the state directory in {}: {e}", list.display());
+    }
 }
 
 /// A stable hash (unlike std's), so the default state directory survives a rebuild.

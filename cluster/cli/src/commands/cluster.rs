@@ -78,6 +78,7 @@ pub fn up(a: UpArgs) -> anyhow::Result<()> {
 pub fn status(a: ClusterArgs) -> anyhow::Result<()> {
     let cluster = a.locate()?;
     let hosts = cluster.hosts()?;
+    cluster.require_state()?;
     let table = launch::status(&hosts, &cluster.state)?;
     print!(
         "{}",
@@ -97,6 +98,7 @@ pub fn status(a: ClusterArgs) -> anyhow::Result<()> {
 pub fn down(a: ClusterArgs) -> anyhow::Result<()> {
     let cluster = a.locate()?;
     let hosts = cluster.hosts()?;
+    cluster.require_state()?;
     let stopped = launch::down(&hosts, &cluster.state, Duration::from_secs(5))?;
     if stopped.workers.is_empty() {
         println!("no worker of {} was running", cluster.label());

@@ -37,6 +37,17 @@ pub fn kill_worker_mid_run(
     patience: Duration,
     worker: u32,
 ) -> (ExitStatus, Duration, String) {
+    signal_workers_mid_run(run, checkpoint, patience, &[(worker, libc::SIGKILL)])
+}
+
+/// [`kill_worker_mid_run`] with each of `faults` (a pid and the signal it gets: `SIGKILL`, or
+/// `SIGSTOP` for a worker that hangs) at once.
+pub fn signal_workers_mid_run(
+    run: &mut Child,
+    checkpoint: &Path,
+    patience: Duration,
+    faults: &[(u32, libc::c_int)],
+) -> (ExitStatus, Duration, String) {
     let deadline = Instant::now() + patience;
     while !checkpoint.exists() {
         assert!(Instant::now() < deadline, "no checkpoint written");
@@ -46,8 +57,10 @@ pub fn kill_worker_mid_run(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe { libc::kill(worker as i32, libc::SIGKILL) };
+    for &(worker, signal) in faults {
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe { libc::kill(worker as i32, signal) };
+    }
     let killed = Instant::now();
     let status = run.wait().unwrap();
     let noticed = killed.elapsed();

@@ -28,6 +28,8 @@ pub enum JobEvent<'a> {
     Evaluated(&'a Evaluation),
     /// A worker was lost and the run goes on, re-planned on the devices left, from its snapshot.
     Recovered(&'a Recovered),
+    /// Workers came back (or were added to the hosts file): the run re-planned over them too.
+    Rejoined(&'a Rejoined),
     /// The run finished and its final checkpoint (if any) is saved.
     Finished(&'a TrainSummary),
 }
@@ -69,7 +71,8 @@ pub struct Recovered {
     /// Seconds from the loss being noticed to the devices left holding the state on the new
     /// plan (the search included).
     pub seconds: f64,
-    /// Which recovery of the run this is, from 1, and the most it allows.
+    /// The lost workers the run has recovered from, this recovery's included, and the most it
+    /// allows.
     pub count: u32,
     pub max: u32,
 }
@@ -92,6 +95,33 @@ impl std::fmt::Display for Recovered {
             0 => Ok(()),
             n => write!(f, " ({n} step(s) trained again)"),
         }
+    }
+}
+
+/// Workers a cluster run took back at a snapshot, re-planning over every device it now has.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rejoined {
+    /// `worker w1 (127.0.0.1:7612)`, each.
+    pub workers: Vec<String>,
+    /// The step after which they joined (nothing is trained again).
+    pub step: u64,
+    pub devices: usize,
+    pub strategy: String,
+    /// Seconds from the snapshot to the devices holding the state on the new plan.
+    pub seconds: f64,
+}
+
+impl std::fmt::Display for Rejoined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} back after step {}: re-planned {} on {} device(s) in {:.2} s",
+            self.workers.join(", "),
+            self.step,
+            self.strategy,
+            self.devices,
+            self.seconds
+        )
     }
 }
 
@@ -162,6 +192,8 @@ pub struct TrainSummary {
     pub costs_added: Option<(usize, PathBuf)>,
     /// The lost workers the run recovered from, in order.
     pub recoveries: Vec<Recovered>,
+    /// The workers it took back, in order.
+    pub rejoins: Vec<Rejoined>,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.

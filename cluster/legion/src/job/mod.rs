@@ -16,7 +16,9 @@ mod strategy;
 mod verify;
 
 pub use checks::check_output_path;
-pub use events::{Evaluation, JobEvent, LossTrend, PlannedRun, Recovered, StepDone, TrainSummary};
+pub use events::{
+    Evaluation, JobEvent, LossTrend, PlannedRun, Recovered, Rejoined, StepDone, TrainSummary,
+};
 pub use strategy::{
     Chosen, Strategy, choose_strategy, choose_strategy_for, choose_strategy_ranked,
     choose_strategy_reporting, strategy_names,
@@ -764,13 +766,8 @@ impl Job {
             && !distributed
             && gpus.is_some()
             && matches!(&source, Source::Samples(d) if d.as_synthetic().is_some());
+        // A cluster run can start again elsewhere: on other strategies, or other workers.
         let restart = match (&cluster, &gpus) {
-            (Some((_, hosts, _)), _)
-                if candidates.len() < 2
-                    && (hosts.hosts.len() < 2 || opts.recovery.max_recoveries == 0) =>
-            {
-                None
-            }
             (None, _) if candidates.len() < 2 => None,
             (Some((_, hosts, state_dir)), _) => Some(Restart::Cluster {
                 hosts: hosts.clone(),
@@ -922,6 +919,7 @@ fn target_cluster(opts: &TrainOptions) -> anyhow::Result<Option<(String, Hosts, 
     Ok(match located {
         Some(located) => {
             let hosts = located.load_hosts()?;
+            located.require_state()?;
             if opts.devices != 1 && opts.devices != hosts.num_devices() {
                 bail!(
                     "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
@@ -1320,6 +1318,7 @@ mod tests {
                     JobEvent::Finished(s) => format!("finished after {} steps", s.losses.len()),
                     JobEvent::Evaluated(e) => format!("scored at {}", e.step),
                     JobEvent::Recovered(r) => r.to_string(),
+                    JobEvent::Rejoined(r) => r.to_string(),
                 })
             })
             .unwrap();

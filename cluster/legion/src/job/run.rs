@@ -6,12 +6,16 @@ use super::{Evaluation, Job, JobEvent, PlannedRun, StepDone, TrainSummary, verif
 use anyhow::{Context, bail};
 use legion_cluster::WorkerLost;
 use legion_cluster::engine::{self, Engine, JobStart, NextBatch, StepBatch};
+use legion_cluster::hosts::Hosts;
 use legion_ops::capture::CaptureStatus;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::infer;
+use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{StepStats, TrainingState};
+use legion_ops::{Graph, Precision};
 use legion_planner::ProfileDb;
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Whether the `k`-th step of a run (from 1) times its tiles for the cost cache: the 3rd, 6th,
@@ -70,6 +74,10 @@ impl Job {
         // The latest state the run can go back to on the devices left if it loses a worker.
         let mut snapshot = snapshot.map(|state| (first_step, state));
         let mut recoveries: Vec<super::Recovered> = Vec::new();
+        // Workers lost and recovered from, over every recovery.
+        let mut lost_workers = 0u32;
+        let mut rejoins: Vec<super::Rejoined> = Vec::new();
+        let mut rejoin = Rejoin::new(&opts);
         on_event(JobEvent::Device(&device));
         for note in [&init_note, &data_note].into_iter().flatten() {
             on_event(JobEvent::Note(note));
@@ -248,6 +256,106 @@ impl Job {
         // Seconds spent scoring and saving between steps, which are not training's.
         let mut paused = 0.0;
         let mut step = first_step;
+        // A lost worker, noticed at a step or at a snapshot, is recovered from here: the loop
+        // goes on from the snapshot on the workers left. Anything else ends the run.
+        macro_rules! recover {
+            ($error:expr, $steps_done:expr) => {{
+                let error: anyhow::Error = $error;
+                let steps_done: u64 = $steps_done;
+                let noticed = Instant::now();
+                let on = match &restart {
+                    Some(Restart::Cluster { hosts, .. }) => Some(hosts),
+                    _ => None,
+                };
+                let why_not = match WorkerLost::in_error(&error) {
+                    None => return Err(error),
+                    Some(_) => why_not_recovered(on, &loader, &opts, lost_workers),
+                };
+                if let Some(why) = why_not {
+                    return Err(stop(error, &why, &snapshot, plan.as_ref()));
+                }
+                let lost = WorkerLost::in_error(&error).expect("a lost worker");
+                let (lost_worker, mut lost_text) = (lost.worker, lost.to_string());
+                let Some(Restart::Cluster {
+                    hosts,
+                    state_dir,
+                    gpu,
+                }) = restart.take()
+                else {
+                    unreachable!("recovered only on a cluster")
+                };
+                let (from_step, state) = snapshot.as_ref().expect("a cluster run keeps a snapshot");
+                let mut left = hosts.without(lost_worker);
+                lost_workers += 1;
+                // The workers left end the broken job before they take the new one.
+                drop(engine);
+                let job = ClusterJob {
+                    graph: &graph,
+                    opts: &opts,
+                    state_dir: &state_dir,
+                    gpu,
+                    precision,
+                    inference,
+                };
+                let configs = loop {
+                    match job.start_on(&left, state.clone()) {
+                        Ok(started) => {
+                            engine = started.0;
+                            break started.1;
+                        }
+                        // One more worker lost while the job restarts: recovered from too.
+                        Err(e) => {
+                            let why_not = match WorkerLost::in_error(&e) {
+                                None => Some(String::new()),
+                                Some(_) => {
+                                    why_not_recovered(Some(&left), &loader, &opts, lost_workers)
+                                }
+                            };
+                            if let Some(why) = why_not {
+                                let e = e.context(format!("after {lost_text}"));
+                                return Err(stop(e, &why, &snapshot, plan.as_ref()));
+                            }
+                            let also = WorkerLost::in_error(&e).expect("a lost worker");
+                            lost_text += &format!("; then {also}");
+                            left = left.without(also.worker);
+                            lost_workers += 1;
+                        }
+                    }
+                };
+                devices = left.num_devices();
+                replanned(&mut plan, &graph, engine.as_ref(), &configs, &left);
+                let recovered = super::Recovered {
+                    lost: lost_text,
+                    from_step: *from_step,
+                    steps_lost: steps_done - from_step,
+                    devices,
+                    strategy: opts.strategy.to_string(),
+                    seconds: noticed.elapsed().as_secs_f64(),
+                    count: lost_workers,
+                    max: opts.recovery.max_recoveries,
+                };
+                on_event(JobEvent::Recovered(&recovered));
+                recoveries.push(recovered);
+                // The steps after the snapshot are trained again, on the same batches.
+                step = *from_step;
+                let loader = loader.as_ref().expect("recoverable with a loader");
+                batches = loader.steps_until(step, opts.steps);
+                upcoming = (step < opts.steps)
+                    .then(|| next_batch(&mut batches))
+                    .transpose()?;
+                reported.rewind(step - first_step);
+                // Trials and measuring were of the devices before.
+                trials = None;
+                measuring = None;
+                restart = Some(Restart::Cluster {
+                    hosts: left,
+                    state_dir,
+                    gpu,
+                });
+                paused += noticed.elapsed().as_secs_f64();
+                continue;
+            }};
+        }
         while step < opts.steps {
             step += 1;
             if opts.stop.is_raised() {
@@ -278,97 +386,7 @@ impl Job {
             });
             let (stats, reports) = match stepped {
                 Ok(done) => done,
-                Err(error) => {
-                    let noticed = Instant::now();
-                    let why_not = match WorkerLost::in_error(&error) {
-                        None => return Err(error),
-                        Some(_) => why_not_recovered(&restart, &loader, &opts, recoveries.len()),
-                    };
-                    if let Some(why) = why_not {
-                        return Err(stop(error, &why, &snapshot, plan.as_ref()));
-                    }
-                    let lost = WorkerLost::in_error(&error).expect("a lost worker");
-                    let (lost_worker, lost_text) = (lost.worker, lost.to_string());
-                    let Some(Restart::Cluster {
-                        hosts,
-                        state_dir,
-                        gpu,
-                    }) = restart.take()
-                    else {
-                        unreachable!("recovered only on a cluster")
-                    };
-                    let (from_step, state) =
-                        snapshot.as_ref().expect("a cluster run keeps a snapshot");
-                    let left = hosts.without(lost_worker);
-                    // The workers left end the broken job before they take the new one.
-                    drop(engine);
-                    let configs =
-                        super::replan_cluster(&graph, &opts, &left, &state_dir, precision)
-                            .with_context(|| {
-                                format!(
-                                    "re-planning for the {} device(s) left after {lost_text}",
-                                    left.num_devices()
-                                )
-                            })
-                            .map_err(|e| stop(e, "", &snapshot, plan.as_ref()))?;
-                    engine = engine::start(
-                        legion_cluster::Place::Cluster {
-                            hosts: &left,
-                            state_dir: &state_dir,
-                            gpu,
-                        },
-                        JobStart {
-                            graph: &graph,
-                            configs: &configs,
-                            state: state.clone(),
-                            sgd: opts.sgd,
-                            seed: opts.seed,
-                            precision,
-                            inference,
-                        },
-                    )
-                    .with_context(|| format!("restarting on the workers left after {lost_text}"))
-                    .map_err(|e| stop(e, "", &snapshot, plan.as_ref()))?;
-                    devices = left.num_devices();
-                    let strategy = legion_planner::Strategy::from_configs(&graph, &configs);
-                    let recovered = super::Recovered {
-                        lost: lost_text,
-                        from_step: *from_step,
-                        steps_lost: step - 1 - from_step,
-                        devices,
-                        strategy: opts.strategy.to_string(),
-                        seconds: noticed.elapsed().as_secs_f64(),
-                        count: recoveries.len() as u32 + 1,
-                        max: opts.recovery.max_recoveries,
-                    };
-                    if let Some(plan) = plan.as_mut() {
-                        plan.devices = devices;
-                        plan.place = format!("{} worker(s) left", left.hosts.len());
-                        plan.remote_bytes = engine.plan().map_or(0, |p| p.remote_bytes());
-                        plan.idle_devices = super::idle_devices(&configs, devices);
-                        plan.strategy = strategy;
-                    }
-                    on_event(JobEvent::Recovered(&recovered));
-                    recoveries.push(recovered);
-                    // The steps after the snapshot are trained again, on the same batches.
-                    step = *from_step;
-                    let loader = loader.as_ref().expect("recoverable with a loader");
-                    batches = loader.steps_until(step, opts.steps);
-                    upcoming = (step < opts.steps)
-                        .then(|| next_batch(&mut batches))
-                        .transpose()?;
-                    reported.rewind(step - first_step);
-                    // Trials and measuring were of the devices before.
-                    trials = None;
-                    measuring = None;
-                    restart = Some(Restart::Cluster {
-                        hosts: left,
-                        state_dir,
-                        gpu,
-                    });
-                    paused += noticed.elapsed().as_secs_f64();
-                    continue;
-                }
+                Err(error) => recover!(error, step - 1),
             };
             reported.returned(step);
             let stopping = step < opts.steps && opts.stop.is_raised();
@@ -438,21 +456,76 @@ impl Job {
             let snapshotted = snapshot.is_some() && step % opts.recovery.snapshot_every == 0;
             if (checkpoint || scored || snapshotted) && step < opts.steps && !stopping {
                 // The step's loss is checked before its weights are saved or scored.
-                if let Some(stats) = engine.finish()? {
-                    reported.read(stats, &mut on_event)?;
+                match engine.finish() {
+                    Ok(Some(stats)) => reported.read(stats, &mut on_event)?,
+                    Ok(None) => {}
+                    Err(error) => recover!(error, step),
                 }
                 let pause = Instant::now();
                 if scored {
                     evaluate(engine.as_mut(), step, &mut on_event)?;
                 }
                 if checkpoint || snapshotted {
-                    let state = engine.state()?;
+                    let state = match engine.state() {
+                        Ok(state) => state,
+                        Err(error) => recover!(error, step),
+                    };
                     if checkpoint {
                         save(&state, plan.as_ref())?;
                     }
                     if snapshot.is_some() {
                         snapshot = Some((step, state));
                     }
+                }
+                // Workers back (or added to the hosts file) join at a snapshot: the state is the
+                // step's, so nothing is trained again.
+                if let (
+                    true,
+                    Some(Restart::Cluster {
+                        hosts,
+                        state_dir,
+                        gpu,
+                    }),
+                    Some((_, state)),
+                ) = (snapshotted, &restart, &snapshot)
+                    && let Some(all) = rejoin.poll(hosts, state_dir)
+                {
+                    let joining = Instant::now();
+                    let workers: Vec<String> = (all.hosts.iter())
+                        .filter(|h| !hosts.hosts.iter().any(|c| c.name == h.name))
+                        .map(|h| format!("worker {} ({})", h.name, h.endpoint()))
+                        .collect();
+                    drop(engine);
+                    let job = ClusterJob {
+                        graph: &graph,
+                        opts: &opts,
+                        state_dir,
+                        gpu: *gpu,
+                        precision,
+                        inference,
+                    };
+                    let configs;
+                    (engine, configs) = job
+                        .start_on(&all, state.clone())
+                        .with_context(|| format!("taking back {}", workers.join(", ")))?;
+                    devices = all.num_devices();
+                    replanned(&mut plan, &graph, engine.as_ref(), &configs, &all);
+                    let rejoined = super::Rejoined {
+                        workers,
+                        step,
+                        devices,
+                        strategy: opts.strategy.to_string(),
+                        seconds: joining.elapsed().as_secs_f64(),
+                    };
+                    on_event(JobEvent::Rejoined(&rejoined));
+                    rejoins.push(rejoined);
+                    trials = None;
+                    measuring = None;
+                    restart = Some(Restart::Cluster {
+                        hosts: all,
+                        state_dir: state_dir.clone(),
+                        gpu: *gpu,
+                    });
                 }
                 // Neither is the next step's time.
                 reported.last_returned = Instant::now();
@@ -533,38 +606,182 @@ impl Job {
             validation: evaluations,
             costs_added,
             recoveries,
+            rejoins,
         };
         on_event(JobEvent::Finished(&summary));
         Ok((summary, state))
     }
 }
 
-/// Why a run that lost a worker cannot recover from it, if it cannot.
+/// What starts a cluster run's job again on another set of workers.
+struct ClusterJob<'a> {
+    graph: &'a Graph,
+    opts: &'a super::TrainOptions,
+    state_dir: &'a Path,
+    gpu: legion_cuda::Settings,
+    precision: Precision,
+    inference: bool,
+}
+
+impl ClusterJob<'_> {
+    /// The job started on `hosts` from `state`, under the strategy the run's search (or scheme)
+    /// finds for their devices.
+    fn start_on(
+        &self,
+        hosts: &Hosts,
+        state: TrainingState,
+    ) -> anyhow::Result<(Box<dyn Engine>, Vec<ParallelConfig>)> {
+        let devices = hosts.num_devices();
+        let configs =
+            super::replan_cluster(self.graph, self.opts, hosts, self.state_dir, self.precision)
+                .with_context(|| format!("re-planning for {devices} device(s)"))?;
+        let engine = engine::start(
+            legion_cluster::Place::Cluster {
+                hosts,
+                state_dir: self.state_dir,
+                gpu: self.gpu,
+            },
+            JobStart {
+                graph: self.graph,
+                configs: &configs,
+                state,
+                sgd: self.opts.sgd,
+                seed: self.opts.seed,
+                precision: self.precision,
+                inference: self.inference,
+            },
+        )
+        .with_context(|| format!("restarting on {} worker(s)", hosts.hosts.len()))?;
+        Ok((engine, configs))
+    }
+}
+
+/// The run's plan, now `configs` on `hosts`.
+fn replanned(
+    plan: &mut Option<PlannedRun>,
+    graph: &Graph,
+    engine: &dyn Engine,
+    configs: &[ParallelConfig],
+    hosts: &Hosts,
+) {
+    if let Some(plan) = plan.as_mut() {
+        plan.devices = hosts.num_devices();
+        plan.place = format!("{} worker(s)", hosts.hosts.len());
+        plan.remote_bytes = engine.plan().map_or(0, |p| p.remote_bytes());
+        plan.idle_devices = super::idle_devices(configs, plan.devices);
+        plan.strategy = legion_planner::Strategy::from_configs(graph, configs);
+    }
+}
+
+/// Looks, beside the step loop, for workers of the hosts file that a cluster run does not train
+/// on (lost ones restarted by `legion-rs up`, hosts added to the file) and that answer, free of
+/// any job: the run takes them back at its next snapshot.
+struct Rejoin {
+    cluster: Option<PathBuf>,
+    cluster_state: Option<PathBuf>,
+    probe: Option<std::thread::JoinHandle<Option<Hosts>>>,
+}
+
+impl Rejoin {
+    fn new(opts: &super::TrainOptions) -> Rejoin {
+        Rejoin {
+            cluster: opts.cluster.clone(),
+            cluster_state: opts.cluster_state.clone(),
+            probe: None,
+        }
+    }
+
+    /// The hosts file's hosts that a run on `current` can train on now, where a probe found more
+    /// than `current` (in the file's order); starts the next probe where the last has ended.
+    fn poll(&mut self, current: &Hosts, state_dir: &Path) -> Option<Hosts> {
+        let found = match self.probe.take() {
+            Some(probe) if probe.is_finished() => probe.join().ok().flatten(),
+            Some(probe) => {
+                self.probe = Some(probe);
+                return None;
+            }
+            None => None,
+        };
+        if found.is_none() {
+            let (cluster, state) = (self.cluster.clone(), self.cluster_state.clone());
+            let (current, state_dir) = (current.clone(), state_dir.to_path_buf());
+            self.probe = Some(std::thread::spawn(move || {
+                answering(cluster.as_deref(), state.as_deref(), &current, &state_dir)
+            }));
+        }
+        found
+    }
+}
+
+/// The hosts file's hosts, less those neither in `current` nor answering free of a job; `None`
+/// when that is `current` (or the file cannot be read).
+fn answering(
+    cluster: Option<&Path>,
+    state: Option<&Path>,
+    current: &Hosts,
+    state_dir: &Path,
+) -> Option<Hosts> {
+    let file = legion_cluster::launch::locate(cluster, state)
+        .and_then(|located| located.load_hosts())
+        .ok()?;
+    let runs = |name: &str| current.hosts.iter().any(|h| h.name == name);
+    let missing = Hosts {
+        hosts: file
+            .hosts
+            .iter()
+            .filter(|h| !runs(&h.name))
+            .cloned()
+            .collect(),
+        links: Vec::new(),
+        precision: file.precision,
+    };
+    if missing.hosts.is_empty() {
+        return None;
+    }
+    let table = legion_cluster::launch::status(&missing, state_dir).ok()?;
+    let back: Vec<&str> = (table.iter())
+        .filter(|row| {
+            row.welcome
+                .as_ref()
+                .is_some_and(|w| w.job_of.is_none() && w.devices as usize == row.host.devices)
+        })
+        .map(|row| row.host.name.as_str())
+        .collect();
+    if back.is_empty() {
+        return None;
+    }
+    let mut all = file;
+    while let Some(i) =
+        (all.hosts.iter()).position(|h| !runs(&h.name) && !back.contains(&h.name.as_str()))
+    {
+        all = all.without(i);
+    }
+    Some(all)
+}
+
+/// Why a run on `hosts` (none: not a cluster) that has recovered from `recovered` lost workers
+/// cannot recover from one more, if it cannot.
 fn why_not_recovered(
-    restart: &Option<Restart>,
+    hosts: Option<&Hosts>,
     loader: &Option<Loader>,
     opts: &super::TrainOptions,
-    recovered: usize,
+    recovered: u32,
 ) -> Option<String> {
     let max = opts.recovery.max_recoveries;
-    match restart {
+    match hosts {
         _ if max == 0 => Some("recovery is off (--no-recover)".into()),
-        Some(Restart::Cluster { hosts, .. }) if hosts.hosts.len() < 2 => {
-            Some("no other worker is left".into())
-        }
-        Some(Restart::Cluster { .. }) => match loader {
-            _ if recovered >= max as usize => Some(format!(
-                "it recovered from {recovered} lost worker(s) already, the most \
-                 --max-recoveries allows"
-            )),
-            None => Some(
-                "its batches come from the caller once, so the steps after the snapshot cannot \
-                 be trained again"
-                    .into(),
-            ),
-            Some(_) => None,
-        },
-        _ => Some("only a run on a cluster's workers recovers".into()),
+        None => Some("only a run on a cluster's workers recovers".into()),
+        Some(hosts) if hosts.hosts.len() < 2 => Some("no other worker is left".into()),
+        Some(_) if recovered >= max => Some(format!(
+            "it recovered from {recovered} lost worker(s) already, the most --max-recoveries \
+             allows"
+        )),
+        Some(_) if loader.is_none() => Some(
+            "its batches come from the caller once, so the steps after the snapshot cannot be \
+             trained again"
+                .into(),
+        ),
+        Some(_) => None,
     }
 }
 
