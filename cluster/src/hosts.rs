@@ -1054,6 +1054,26 @@ latency_us = 20.0
     }
 
     #[test]
+    fn a_cluster_without_a_host_renumbers_the_others_and_keeps_their_links() {
+        let text = "[[host]]\nname = \"a\"\naddress = \"127.0.0.1\"\nport = 7001\n\
+                    [[host]]\nname = \"b\"\naddress = \"127.0.0.1\"\nport = 7002\ndevices = 2\n\
+                    [[host]]\nname = \"c\"\naddress = \"127.0.0.1\"\nport = 7003\ndevices = 3\n\
+                    [[link]]\nfrom = \"a\"\nto = \"b\"\ngbps = 1.0\nlatency_us = 5.0\n\
+                    [[link]]\nfrom = \"a\"\nto = \"c\"\ngbps = 2.0\nlatency_us = 5.0\n";
+        let hosts = parse(text);
+        let left = hosts.without(1);
+        let names: Vec<&str> = left.hosts.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(names, ["a", "c"]);
+        assert_eq!(left.num_devices(), 4);
+        assert_eq!(left.device_ranges(), [0..1, 1..4]);
+        // a's link to b is gone; a's link to c now names c by its new index
+        assert_eq!(left.links.len(), 1);
+        assert_eq!((left.links[0].from, left.links[0].to), (0, 1));
+        assert_eq!(left.links[0].gbps, 2.0);
+        assert_eq!(hosts.without(0).without(0).hosts[0].name, "c");
+    }
+
+    #[test]
     fn a_cuda_host_without_a_count_has_one_device_per_gpu_once_up_recorded_them() {
         let text = "[[host]]\nname = \"g\"\naddress = \"127.0.0.1\"\ndevice = \"cuda\"\n\
                     [[host]]\nname = \"g2\"\naddress = \"127.0.0.2\"\ndevice = \"cuda\"\ndevices = 3\n\

@@ -95,9 +95,10 @@ pub struct TrainFlags {
     /// With --cluster or --slurm: gather the whole state from the workers every K steps into a
     /// snapshot the run restarts from when it loses one (a --checkpoint-every checkpoint is one
     /// too): a recovery trains at most K steps again, and each snapshot moves the weights and
-    /// momentum once.
-    #[arg(long, value_name = "K", default_value_t = 10)]
-    pub snapshot_every: u64,
+    /// momentum once; `auto`: the first after 10 steps, then as often as keeps the gathering
+    /// within 5% of the training time.
+    #[arg(long, value_name = "K|auto", default_value = "auto", value_parser = parse_snapshot_every)]
+    pub snapshot_every: SnapshotEvery,
     /// Write the strategy the devices run (a search's result, or the file given) as a strategy
     /// JSON file here, which `--strategy FILE` and `legion-rs plan --evaluate` read back.
     #[arg(long, value_name = "FILE")]
@@ -339,7 +340,7 @@ impl TrainFlags {
                     true => 0,
                     false => self.max_recoveries,
                 },
-                snapshot_every: self.snapshot_every,
+                snapshot_every: self.snapshot_every.0,
             },
             save_strategy: self.save_strategy.clone(),
             trace: self.trace.clone(),
@@ -373,5 +374,19 @@ impl TrainFlags {
                 },
             },
         })
+    }
+}
+
+/// `--snapshot-every`: a number of steps, or `None` for `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotEvery(pub Option<u64>);
+
+fn parse_snapshot_every(text: &str) -> Result<SnapshotEvery, String> {
+    match text {
+        "auto" => Ok(SnapshotEvery(None)),
+        steps => steps
+            .parse()
+            .map(|k| SnapshotEvery(Some(k)))
+            .map_err(|_| format!("expected a number of steps or `auto`, got `{steps}`")),
     }
 }

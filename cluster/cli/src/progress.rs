@@ -235,6 +235,7 @@ impl Printer {
                        "costs_added": summary.costs_added.as_ref().map(|(n, _)| n),
                        "recoveries": summary.recoveries.iter().map(recovered_json).collect::<Vec<_>>(),
                        "rejoins": summary.rejoins.iter().map(rejoined_json).collect::<Vec<_>>(),
+                       "snapshots": summary.snapshots.0, "snapshot_s": summary.snapshots.1,
                        "validation": summary.validation.last().map(|e| json!({
                            "step": e.step, "top1": e.accuracy.top1, "top5": e.accuracy.top5,
                            "loss": e.accuracy.loss, "samples": e.accuracy.samples})),
@@ -459,6 +460,7 @@ impl PlanProgress {
 fn recovered_json(r: &legion::Recovered) -> serde_json::Value {
     json!({"lost": r.lost, "from_step": r.from_step, "steps_lost": r.steps_lost,
            "devices": r.devices, "strategy": r.strategy, "seconds": r.seconds,
+           "search_s": r.search_s, "restore_s": r.restore_s,
            "count": r.count, "max": r.max})
 }
 

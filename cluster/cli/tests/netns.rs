@@ -16,6 +16,10 @@ const RATE_MBIT: f64 = 200.0;
 struct ShapedNet {
     namespaces: Vec<String>,
     bridge: String,
+    /// What names its interfaces and picks its subnet: the process's and this net's number in
+    /// it, as the tests of this file build theirs at once.
+    id: u32,
+    subnet: u32,
 }
 
 fn sh(args: &[&str]) -> Result<(), String> {
@@ -37,11 +41,15 @@ fn sh(args: &[&str]) -> Result<(), String> {
 impl ShapedNet {
     /// `hosts` namespaces at 10.78.S.2, .3, ... with the bridge (this namespace) at 10.78.S.1.
     fn new(hosts: usize) -> Result<ShapedNet, String> {
-        let id = std::process::id() % 100_000;
-        let subnet = std::process::id() % 250;
+        static NETS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let nth = NETS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = (std::process::id() % 10_000) * 10 + nth % 10;
+        let subnet = (std::process::id() + 97 * nth) % 250;
         let mut net = ShapedNet {
             namespaces: Vec::new(),
             bridge: format!("lgb{id}"),
+            id,
+            subnet,
         };
         let rate = format!("{RATE_MBIT}mbit");
         let tbf = ["tbf", "rate", &rate, "burst", "256kb", "latency", "50ms"];
@@ -91,7 +99,25 @@ impl ShapedNet {
     }
 
     fn address(&self, i: usize) -> String {
-        format!("10.78.{}.{}", std::process::id() % 250, i + 2)
+        format!("10.78.{}.{}", self.subnet, i + 2)
+    }
+
+    /// Host `i`'s veth on the bridge's side, set down or up: its network gone or back.
+    fn set_link(&self, i: usize, up: bool) -> Result<(), String> {
+        let outer = format!("lga{}-{i}", self.id);
+        sh(&["ip", "link", "set", &outer, if up { "up" } else { "down" }])
+    }
+
+    /// A hosts file of these namespaces, `devices` each.
+    fn hosts_file(&self, path: &std::path::Path, devices: usize) {
+        let mut text = String::new();
+        for (i, ns) in self.namespaces.iter().enumerate() {
+            text += &format!(
+                "[[host]]\nname = \"h{i}\"\naddress = \"{}\"\ndevices = {devices}\nrun_with = [\"ip\", \"netns\", \"exec\", \"{ns}\"]\n\n",
+                self.address(i)
+            );
+        }
+        std::fs::write(path, text).unwrap();
     }
 }
 
@@ -117,14 +143,7 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
     };
     let dir = tempfile::tempdir().unwrap();
     let hosts = dir.path().join("hosts.toml");
-    let mut text = String::new();
-    for (i, ns) in net.namespaces.iter().enumerate() {
-        text += &format!(
-            "[[host]]\nname = \"h{i}\"\naddress = \"{}\"\ndevices = 2\nrun_with = [\"ip\", \"netns\", \"exec\", \"{ns}\"]\n\n",
-            net.address(i)
-        );
-    }
-    std::fs::write(&hosts, text).unwrap();
+    net.hosts_file(&hosts, 2);
     let state = dir.path().join("state");
     let (hosts, state) = (hosts.to_str().unwrap(), state.to_str().unwrap());
     struct Down<'a>(&'a str, &'a str);
@@ -185,4 +204,82 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
     let single = dir.path().join("single.safetensors");
     train_from(&[], &model, "3", &init, &single);
     assert_same_tensors(&trained, &single);
+}
+
+#[test]
+fn a_worker_whose_network_goes_away_mid_run_is_recovered_from() {
+    let net = match ShapedNet::new(3) {
+        Ok(net) => net,
+        Err(e) => {
+            return legion_ops::require::skip(
+                legion_ops::require::Need::Netns,
+                format!("cannot build network namespaces here ({e})"),
+            );
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts.toml");
+    net.hosts_file(&hosts, 1);
+    let state = dir.path().join("state");
+    let (hosts, state) = (hosts.to_str().unwrap(), state.to_str().unwrap());
+    let up = ok(legion(&["up", hosts, "--state", state]));
+    let table = String::from_utf8_lossy(&up.stdout).to_string();
+    let pid = |name: &str| -> u32 {
+        let row = table.lines().find(|l| l.starts_with(name)).unwrap();
+        row.split_whitespace().nth(4).unwrap().parse().unwrap()
+    };
+    let isolated = pid("h1 ");
+    // Stops every worker whatever the test does, the isolated one by its pid.
+    struct Down<'a>(&'a str, &'a str, u32);
+    impl Drop for Down<'_> {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(self.2 as i32, libc::SIGKILL) };
+            let _ = legion(&["down", self.0, "--state", self.1]);
+        }
+    }
+    let _down = Down(hosts, state, isolated);
+
+    let model = ["--model", "lenet5", "--batch", "12", "--strategy", "data"];
+    let init = dir.path().join("init.safetensors");
+    init_checkpoint(&init, &model);
+    let saved = dir.path().join("recovered.safetensors");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+        .args([
+            "train",
+            "--device",
+            "cpu",
+            "--cluster",
+            hosts,
+            "--state",
+            state,
+        ])
+        .args(model)
+        .args(["--steps", "60", "--init", init.to_str().unwrap()])
+        .args(["--save", saved.to_str().unwrap(), "--checkpoint-every", "2"])
+        .args(["--snapshot-every", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !saved.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint written"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    net.set_link(1, false).unwrap();
+    let out = run.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("recovered from a lost worker (1 of at most 3): worker h1"),
+        "{stderr}"
+    );
+    net.set_link(1, true).unwrap();
+    let single = dir.path().join("single.safetensors");
+    train_from(&[], &model, "60", &init, &single);
+    assert_same_tensors(&saved, &single);
 }

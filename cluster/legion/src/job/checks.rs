@@ -53,7 +53,7 @@ pub(super) fn check_options(graph: &Graph, opts: &TrainOptions) -> anyhow::Resul
     if opts.init.is_some() && opts.resume.is_some() {
         bail!("--init and --resume exclude each other");
     }
-    if opts.recovery.max_recoveries > 0 && opts.recovery.snapshot_every == 0 {
+    if opts.recovery.max_recoveries > 0 && opts.recovery.snapshot_every == Some(0) {
         bail!(
             "--snapshot-every 0: give the steps between snapshots (at least 1), or turn \
              recovery off with --no-recover"

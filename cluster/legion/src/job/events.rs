@@ -69,8 +69,11 @@ pub struct Recovered {
     pub devices: usize,
     pub strategy: String,
     /// Seconds from the loss being noticed to the devices left holding the state on the new
-    /// plan (the search included).
+    /// plan; of them, the search's and the restart's (the job started and the state loaded on
+    /// the workers left); the rest ended the broken job.
     pub seconds: f64,
+    pub search_s: f64,
+    pub restore_s: f64,
     /// The lost workers the run has recovered from, this recovery's included, and the most it
     /// allows.
     pub count: u32,
@@ -82,14 +85,17 @@ impl std::fmt::Display for Recovered {
         write!(
             f,
             "recovered from a lost worker ({} of at most {}): {}; re-planned {} on the {} \
-             device(s) left and restarted from the snapshot of step {} in {:.2} s",
+             device(s) left and restarted from the snapshot of step {} in {:.2} s (search \
+             {:.2} s, restoring the state {:.2} s)",
             self.count,
             self.max,
             self.lost,
             self.strategy,
             self.devices,
             self.from_step,
-            self.seconds
+            self.seconds,
+            self.search_s,
+            self.restore_s
         )?;
         match self.steps_lost {
             0 => Ok(()),
@@ -194,6 +200,8 @@ pub struct TrainSummary {
     pub recoveries: Vec<Recovered>,
     /// The workers it took back, in order.
     pub rejoins: Vec<Rejoined>,
+    /// The snapshots of the state it gathered for recovery, and the seconds that took in all.
+    pub snapshots: (usize, f64),
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.

@@ -77,6 +77,12 @@ impl Job {
         // Workers lost and recovered from, over every recovery.
         let mut lost_workers = 0u32;
         let mut rejoins: Vec<super::Rejoined> = Vec::new();
+        // Snapshots taken, and the seconds their gathering took.
+        let mut snapshots = (0usize, 0.0f64);
+        let mut next_snapshot =
+            first_step + (opts.recovery.snapshot_every).unwrap_or(super::FIRST_SNAPSHOT);
+        // Seconds of the steps since the last snapshot, and how many.
+        let mut stepping = (0.0f64, 0u64);
         let mut rejoin = Rejoin::new(&opts);
         on_event(JobEvent::Device(&device));
         for note in [&init_note, &data_note].into_iter().flatten() {
@@ -297,11 +303,11 @@ impl Job {
                     precision,
                     inference,
                 };
-                let configs = loop {
+                let (configs, [search_s, restore_s]) = loop {
                     match job.start_on(&left, state.clone()) {
                         Ok(started) => {
-                            engine = started.0;
-                            break started.1;
+                            engine = started.engine;
+                            break (started.configs, [started.search_s, started.restore_s]);
                         }
                         // One more worker lost while the job restarts: recovered from too.
                         Err(e) => {
@@ -331,6 +337,8 @@ impl Job {
                     devices,
                     strategy: opts.strategy.to_string(),
                     seconds: noticed.elapsed().as_secs_f64(),
+                    search_s,
+                    restore_s,
                     count: lost_workers,
                     max: opts.recovery.max_recoveries,
                 };
@@ -338,6 +346,12 @@ impl Job {
                 recoveries.push(recovered);
                 // The steps after the snapshot are trained again, on the same batches.
                 step = *from_step;
+                next_snapshot = step
+                    + opts
+                        .recovery
+                        .snapshot_every
+                        .unwrap_or(super::FIRST_SNAPSHOT);
+                stepping = (0.0, 0);
                 let loader = loader.as_ref().expect("recoverable with a loader");
                 batches = loader.steps_until(step, opts.steps);
                 upcoming = (step < opts.steps)
@@ -388,6 +402,8 @@ impl Job {
                 Ok(done) => done,
                 Err(error) => recover!(error, step - 1),
             };
+            stepping.0 += step_started.elapsed().as_secs_f64();
+            stepping.1 += 1;
             reported.returned(step);
             let stopping = step < opts.steps && opts.stop.is_raised();
             if let (Some(cpu), Some((profiler, ..)), Some(step_plan)) =
@@ -453,7 +469,7 @@ impl Job {
             }
             let checkpoint = opts.checkpoint_every.is_some_and(|k| step % k == 0);
             let scored = every.is_some_and(|k| step % k == 0);
-            let snapshotted = snapshot.is_some() && step % opts.recovery.snapshot_every == 0;
+            let snapshotted = snapshot.is_some() && step >= next_snapshot;
             if (checkpoint || scored || snapshotted) && step < opts.steps && !stopping {
                 // The step's loss is checked before its weights are saved or scored.
                 match engine.finish() {
@@ -466,10 +482,19 @@ impl Job {
                     evaluate(engine.as_mut(), step, &mut on_event)?;
                 }
                 if checkpoint || snapshotted {
+                    let gathering = Instant::now();
                     let state = match engine.state() {
                         Ok(state) => state,
                         Err(error) => recover!(error, step),
                     };
+                    if snapshotted {
+                        let gather_s = gathering.elapsed().as_secs_f64();
+                        snapshots.0 += 1;
+                        snapshots.1 += gather_s;
+                        let step_s = stepping.0 / stepping.1.max(1) as f64;
+                        next_snapshot = step + opts.recovery.interval_after(gather_s, step_s);
+                        stepping = (0.0, 0);
+                    }
                     if checkpoint {
                         save(&state, plan.as_ref())?;
                     }
@@ -504,10 +529,11 @@ impl Job {
                         precision,
                         inference,
                     };
-                    let configs;
-                    (engine, configs) = job
+                    let started = job
                         .start_on(&all, state.clone())
                         .with_context(|| format!("taking back {}", workers.join(", ")))?;
+                    engine = started.engine;
+                    let configs = started.configs;
                     devices = all.num_devices();
                     replanned(&mut plan, &graph, engine.as_ref(), &configs, &all);
                     let rejoined = super::Rejoined {
@@ -607,6 +633,7 @@ impl Job {
             costs_added,
             recoveries,
             rejoins,
+            snapshots,
         };
         on_event(JobEvent::Finished(&summary));
         Ok((summary, state))
@@ -625,16 +652,16 @@ struct ClusterJob<'a> {
 
 impl ClusterJob<'_> {
     /// The job started on `hosts` from `state`, under the strategy the run's search (or scheme)
-    /// finds for their devices.
-    fn start_on(
-        &self,
-        hosts: &Hosts,
-        state: TrainingState,
-    ) -> anyhow::Result<(Box<dyn Engine>, Vec<ParallelConfig>)> {
+    /// finds for their devices; and the seconds the search and the start (the state loaded onto
+    /// the devices) took.
+    fn start_on(&self, hosts: &Hosts, state: TrainingState) -> anyhow::Result<Restarted> {
         let devices = hosts.num_devices();
+        let searching = Instant::now();
         let configs =
             super::replan_cluster(self.graph, self.opts, hosts, self.state_dir, self.precision)
                 .with_context(|| format!("re-planning for {devices} device(s)"))?;
+        let search_s = searching.elapsed().as_secs_f64();
+        let restoring = Instant::now();
         let engine = engine::start(
             legion_cluster::Place::Cluster {
                 hosts,
@@ -652,8 +679,22 @@ impl ClusterJob<'_> {
             },
         )
         .with_context(|| format!("restarting on {} worker(s)", hosts.hosts.len()))?;
-        Ok((engine, configs))
+        Ok(Restarted {
+            engine,
+            configs,
+            search_s,
+            restore_s: restoring.elapsed().as_secs_f64(),
+        })
     }
+}
+
+/// A cluster job started again: its engine and strategy, and the seconds the search and the start
+/// took.
+struct Restarted {
+    engine: Box<dyn Engine>,
+    configs: Vec<ParallelConfig>,
+    search_s: f64,
+    restore_s: f64,
 }
 
 /// The run's plan, now `configs` on `hosts`.
@@ -870,5 +911,53 @@ impl Reported {
             host: stats.host,
         }));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::{Recovery, TrainOptions};
+
+    fn hosts(n: usize) -> Hosts {
+        let text: String = (0..n)
+            .map(|i| {
+                format!(
+                    "[[host]]\nname = \"w{i}\"\naddress = \"127.0.0.1\"\nport = {}\n",
+                    7000 + i
+                )
+            })
+            .collect();
+        Hosts::parse(&text, "hosts.toml").unwrap()
+    }
+
+    #[test]
+    fn a_lost_worker_is_recovered_from_while_workers_recoveries_and_data_allow() {
+        let opts = TrainOptions::default();
+        let loader = Some(
+            Loader::new(
+                std::sync::Arc::new(legion_ops::data::Synthetic::new(1, 16, 2, [1, 8, 8]).unwrap()),
+                LoaderConfig::new(4),
+            )
+            .unwrap(),
+        );
+        let three = hosts(3);
+        assert_eq!(why_not_recovered(Some(&three), &loader, &opts, 0), None);
+        assert_eq!(why_not_recovered(Some(&three), &loader, &opts, 2), None);
+        let why = |h: Option<&Hosts>, loader: &Option<Loader>, opts: &TrainOptions, n| {
+            why_not_recovered(h, loader, opts, n).expect("refused")
+        };
+        assert!(why(Some(&three), &loader, &opts, 3).contains("recovered from 3 lost worker(s)"));
+        assert!(why(Some(&hosts(1)), &loader, &opts, 0).contains("no other worker is left"));
+        assert!(why(None, &loader, &opts, 0).contains("only a run on a cluster"));
+        assert!(why(Some(&three), &None, &opts, 0).contains("come from the caller once"));
+        let off = TrainOptions {
+            recovery: Recovery {
+                max_recoveries: 0,
+                ..Recovery::default()
+            },
+            ..TrainOptions::default()
+        };
+        assert!(why(Some(&three), &loader, &off, 0).contains("--no-recover"));
     }
 }

@@ -152,7 +152,7 @@ def train(
     replan: bool = False,
     verify: int = 3,
     max_recoveries: int = 3,
-    snapshot_every: int = 10,
+    snapshot_every: Optional[int] = None,
     steps: Optional[int] = None,
     epochs: Optional[int] = None,
     lr: Optional[float] = None,
@@ -186,8 +186,8 @@ def train(
     trains on with its strategy unless ``replan``. ``verify``: alternatives the run trains a
     few steps each beside the search's strategy, keeping the one measured fastest (0: none).
     On a cluster, a run that loses a worker re-plans for the devices left and trains on from its
-    latest snapshot (taken every ``snapshot_every`` steps), at most ``max_recoveries`` times
-    (0: a lost worker ends the run).
+    latest snapshot (taken every ``snapshot_every`` steps; ``None``: as often as keeps them within
+    5% of the training time), at most ``max_recoveries`` times (0: a lost worker ends the run).
     ``steps`` (default 100) or ``epochs`` say how long; SGD's ``lr``, ``momentum`` and
     ``weight_decay`` default to legion-rs's (0.03, 0.9, 5e-4) and step as ``torch.optim.SGD``
     does. A torch module starts from its own weights; other models from ``init``, the weights

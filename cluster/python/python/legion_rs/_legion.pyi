@@ -42,7 +42,7 @@ def train(
     replan: bool = False,
     verify: int = 3,
     max_recoveries: int = 3,
-    snapshot_every: int = 10,
+    snapshot_every: Optional[int] = None,
     steps: Optional[int] = None,
     epochs: Optional[int] = None,
     lr: Optional[float] = None,
