@@ -414,14 +414,19 @@ fn recovers_from(workers: usize, faults: &[(usize, libc::c_int)]) -> serde_json:
         .unwrap_or_else(|| panic!("no summary in {stdout}"));
     let left = workers - faults.len();
     assert_eq!(summary["devices"], left, "{summary}");
-    let recovery = &summary["recoveries"][0];
-    assert_eq!(recovery["devices"], left, "{summary}");
-    assert_eq!(recovery["count"], faults.len(), "{summary}");
-    // Noticed within the heartbeat timeout, and back to training within seconds.
-    assert!(recovery["seconds"].as_f64().unwrap() < 10.0, "{summary}");
+    // One recovery per loss noticed (a loss noticed while restarting joins the one under way).
+    let recoveries = summary["recoveries"].as_array().unwrap();
+    let last = recoveries.last().unwrap();
+    assert_eq!(last["devices"], left, "{summary}");
+    assert_eq!(last["count"], faults.len(), "{summary}");
+    let mut lost = 0;
+    for recovery in recoveries {
+        // Back to training within seconds (a restart that meets a hung worker waits 5 s for it).
+        assert!(recovery["seconds"].as_f64().unwrap() < 15.0, "{summary}");
+        lost += recovery["steps_lost"].as_u64().unwrap() as usize;
+    }
     // Every step is reported once it is trained for good: the steps after the snapshot again.
     let steps_reported = stdout.lines().filter(|l| l.contains("\"step\"")).count();
-    let lost = recovery["steps_lost"].as_u64().unwrap() as usize;
     assert!(
         steps_reported >= 60 + lost,
         "{steps_reported} step lines, {lost} lost"
@@ -453,9 +458,12 @@ fn a_run_whose_worker_hangs_recovers_on_the_others() {
 fn a_worker_lost_while_the_run_recovers_is_recovered_from_too() {
     // w1 dies and w2 hangs at once: the recovery from w1 finds w2 silent while it restarts.
     let summary = recovers_from(4, &[(1, libc::SIGKILL), (2, libc::SIGSTOP)]);
-    let lost = summary["recoveries"][0]["lost"].as_str().unwrap();
+    let lost: Vec<&str> = (summary["recoveries"].as_array().unwrap().iter())
+        .map(|r| r["lost"].as_str().unwrap())
+        .collect();
+    let lost = lost.join("; ");
     assert!(
-        lost.contains("worker w1") && lost.contains("; then worker w2"),
+        lost.contains("worker w1") && lost.contains("worker w2"),
         "{summary}"
     );
 }
@@ -543,6 +551,31 @@ fn down_stops_every_worker_it_reaches_when_a_middle_one_is_gone() {
         !alive(pids[0]) && !alive(pids[2]),
         "a worker was left running"
     );
+}
+
+#[test]
+fn commands_without_the_state_directory_up_used_name_it() {
+    let cluster = Cluster::new(&[1]);
+    cluster.up();
+    let hosts = cluster.hosts.to_str().unwrap();
+    let given = format!("--state {}", cluster.state.display());
+    for command in [vec!["status", hosts], vec!["down", hosts]] {
+        let out = legion(&command);
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(&given), "{stderr}");
+    }
+    let out = legion(&[
+        "train",
+        "--model",
+        "lenet5",
+        "--steps",
+        "1",
+        "--cluster",
+        hosts,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains(&given), "{stderr}");
 }
 
 #[test]

@@ -521,6 +521,13 @@ fn up_slurm_trains_in_an_allocation_names_a_killed_worker_and_down_leaves_nothin
         stderr.contains(&format!("worker {node}")),
         "the error does not name {node}: {stderr}"
     );
+    // With no other worker to re-plan on, the run stops and says how to go on.
+    assert!(
+        stderr.contains("no other worker is left")
+            && stderr.contains("`legion-rs up --slurm`")
+            && stderr.contains(&format!("--resume {}", checkpoint.display())),
+        "{stderr}"
+    );
     assert!(
         noticed < Duration::from_secs(5),
         "noticed after {noticed:?}: {stderr}"

@@ -715,6 +715,11 @@ impl Job {
             },
         };
         let gpus = device::start_gpus(&mut device, opts.device, devices, settings)?;
+        // After the flags are checked, before the cluster's measured links are read.
+        if cluster.is_some() {
+            launch::locate(opts.cluster.as_deref(), opts.cluster_state.as_deref())?
+                .require_state()?;
+        }
         let gpu_workers = cluster.as_ref().is_some_and(|(_, hosts, _)| {
             hosts
                 .hosts
@@ -943,7 +948,6 @@ fn target_cluster(opts: &TrainOptions) -> anyhow::Result<Option<(String, Hosts, 
     Ok(match located {
         Some(located) => {
             let hosts = located.load_hosts()?;
-            located.require_state()?;
             if opts.devices != 1 && opts.devices != hosts.num_devices() {
                 bail!(
                     "--devices {} but the cluster {} has {} device(s); leave --devices out with --cluster",
