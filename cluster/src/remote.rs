@@ -378,8 +378,10 @@ impl RemoteCluster {
             true => StepPlan::build_with_inference(graph, configs, devices, precision)?,
             false => StepPlan::build_in(graph, configs, devices, precision)?,
         };
+        let started = Instant::now();
         let mut client = WorkerClient::new(hosts, cluster_state)?;
         client.connect_all()?;
+        tracing::info!("job start: connected in {:?}", started.elapsed());
         let ranges = hosts.device_ranges();
         let job_hosts: Vec<JobHost> = hosts
             .hosts
@@ -402,6 +404,7 @@ impl RemoteCluster {
             for i in 0..n {
                 greet(&client, i, hosts.hosts[i].devices, busy_until).await?;
             }
+            tracing::info!("job start: greeted in {:?}", started.elapsed());
             for i in 0..n {
                 let spec = JobSpec {
                     graph_json: graph_json.clone(),
@@ -425,6 +428,7 @@ impl RemoteCluster {
                     matches!(m, Control::JobReady)
                 })?;
             }
+            tracing::info!("job start: ready in {:?}", started.elapsed());
             client.watch_heartbeats();
             let mut per_worker: Vec<Vec<Piece>> = vec![Vec::new(); n];
             let per_device = initial_instances(&plan, &state.params, Some(&state.momentum));
@@ -448,6 +452,7 @@ impl RemoteCluster {
                     matches!(m, Control::Loaded)
                 })?;
             }
+            tracing::info!("job start: loaded in {:?}", started.elapsed());
             Ok::<_, anyhow::Error>(())
         })?;
         let samples = ranges
