@@ -264,6 +264,9 @@ impl Printer {
             for r in &summary.rejoins {
                 println!("{r}");
             }
+            if let (n @ 1.., seconds) = summary.snapshots {
+                println!("{n} snapshot(s) of the state gathered for recovery in {seconds:.1} s");
+            }
             if let Some((tiles, cache)) = &summary.costs_added {
                 println!(
                     "the steps timed {tiles} tile(s), added to the cost cache {}",
