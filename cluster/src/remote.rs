@@ -229,9 +229,15 @@ impl WorkerClient {
 
     /// Sends already encoded `bytes` to worker `i`.
     pub async fn send_encoded(&self, i: usize, bytes: &[u8]) -> anyhow::Result<()> {
-        send_control(self.conn(i)?, bytes)
+        let sent = send_control(self.conn(i)?, bytes)
             .await
-            .with_context(|| format!("{}: sending a request", self.who(i)))
+            .with_context(|| format!("{}: sending a request", self.who(i)));
+        // A connection that closed between requests is a lost worker, as one found closed
+        // while waiting for a reply is.
+        match (sent, self.lost(i)) {
+            (Err(_), Some(lost)) => Err(lost.into()),
+            (sent, _) => sent,
+        }
     }
 
     pub async fn send(&self, i: usize, msg: &Control) -> anyhow::Result<()> {
@@ -787,7 +793,13 @@ impl Drop for RemoteCluster {
         client.runtime.block_on(async {
             let mut told = Vec::new();
             for i in 0..self.ranges.len() {
-                if client.lost(i).is_none() && client.send(i, &Control::EndJob).await.is_ok() {
+                let send = client.send(i, &Control::EndJob);
+                if client.lost(i).is_none()
+                    && matches!(
+                        tokio::time::timeout(Duration::from_secs(2), send).await,
+                        Ok(Ok(()))
+                    )
+                {
                     told.push(i);
                 }
             }

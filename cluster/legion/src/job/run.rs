@@ -79,8 +79,11 @@ impl Job {
         let mut rejoins: Vec<super::Rejoined> = Vec::new();
         // Snapshots taken, and the seconds their gathering took.
         let mut snapshots = (0usize, 0.0f64);
-        let mut next_snapshot =
-            first_step + (opts.recovery.snapshot_every).unwrap_or(super::FIRST_SNAPSHOT);
+        let mut next_snapshot = first_step.saturating_add(
+            opts.recovery
+                .snapshot_every
+                .unwrap_or(super::FIRST_SNAPSHOT),
+        );
         // Seconds of the steps since the last snapshot, and how many.
         let mut stepping = (0.0f64, 0u64);
         let mut rejoin = Rejoin::new(&opts);
@@ -311,12 +314,17 @@ impl Job {
                         }
                         // One more worker lost while the job restarts: recovered from too.
                         Err(e) => {
-                            let why_not = match WorkerLost::in_error(&e) {
-                                None => Some(String::new()),
-                                Some(_) => {
-                                    why_not_recovered(Some(&left), &loader, &opts, lost_workers)
-                                }
-                            };
+                            if WorkerLost::in_error(&e).is_none() {
+                                // No strategy fits the devices left, or a worker left refused
+                                // the job: the snapshot is saved all the same.
+                                let why = format!(
+                                    "starting on the {} device(s) left failed: {e:#}",
+                                    left.num_devices()
+                                );
+                                return Err(stop(error, &why, &snapshot, plan.as_ref()));
+                            }
+                            let why_not =
+                                why_not_recovered(Some(&left), &loader, &opts, lost_workers);
                             if let Some(why) = why_not {
                                 let e = e.context(format!("after {lost_text}"));
                                 return Err(stop(e, &why, &snapshot, plan.as_ref()));
@@ -346,6 +354,7 @@ impl Job {
                 recoveries.push(recovered);
                 // The steps after the snapshot are trained again, on the same batches.
                 step = *from_step;
+                rejoin.forget();
                 next_snapshot = step
                     + opts
                         .recovery
@@ -492,7 +501,8 @@ impl Job {
                         snapshots.0 += 1;
                         snapshots.1 += gather_s;
                         let step_s = stepping.0 / stepping.1.max(1) as f64;
-                        next_snapshot = step + opts.recovery.interval_after(gather_s, step_s);
+                        next_snapshot =
+                            step.saturating_add(opts.recovery.interval_after(gather_s, step_s));
                         stepping = (0.0, 0);
                     }
                     if checkpoint {
@@ -529,36 +539,52 @@ impl Job {
                         precision,
                         inference,
                     };
-                    let started = job
-                        .start_on(&all, state.clone())
-                        .with_context(|| format!("taking back {}", workers.join(", ")))?;
-                    engine = started.engine;
-                    let configs = started.configs;
-                    devices = all.num_devices();
-                    replanned(&mut plan, &graph, engine.as_ref(), &configs, &all);
-                    let rejoined = super::Rejoined {
-                        workers,
-                        step,
-                        devices,
-                        strategy: opts.strategy.to_string(),
-                        seconds: joining.elapsed().as_secs_f64(),
-                    };
-                    on_event(JobEvent::Rejoined(&rejoined));
-                    rejoins.push(rejoined);
-                    trials = None;
-                    measuring = None;
-                    restart = Some(Restart::Cluster {
-                        hosts: all,
-                        state_dir: state_dir.clone(),
-                        gpu: *gpu,
-                    });
+                    match job.start_on(&all, state.clone()) {
+                        Ok(started) => {
+                            engine = started.engine;
+                            let configs = started.configs;
+                            devices = all.num_devices();
+                            replanned(&mut plan, &graph, engine.as_ref(), &configs, &all);
+                            let rejoined = super::Rejoined {
+                                workers,
+                                step,
+                                devices,
+                                strategy: opts.strategy.to_string(),
+                                seconds: joining.elapsed().as_secs_f64(),
+                            };
+                            on_event(JobEvent::Rejoined(&rejoined));
+                            rejoins.push(rejoined);
+                            trials = None;
+                            measuring = None;
+                            restart = Some(Restart::Cluster {
+                                hosts: all,
+                                state_dir: state_dir.clone(),
+                                gpu: *gpu,
+                            });
+                        }
+                        Err(e) => {
+                            // Gone again, or busy with another job: trained on without them.
+                            let why = format!("taking back {}: {e:#}", workers.join(", "));
+                            on_event(JobEvent::Warning(&why));
+                            rejoin.forget();
+                            engine = job
+                                .start_on(hosts, state.clone())
+                                .with_context(|| {
+                                    format!("after failing to take back {}", workers.join(", "))
+                                })?
+                                .engine;
+                        }
+                    }
                 }
                 // Neither is the next step's time.
                 reported.last_returned = Instant::now();
                 paused += pause.elapsed().as_secs_f64();
             }
         }
-        if let Some(stats) = engine.finish()? {
+        let finished = engine
+            .finish()
+            .map_err(|e| stop(e, "", &snapshot, plan.as_ref()))?;
+        if let Some(stats) = finished {
             reported.read(stats, &mut on_event)?;
         }
         if let Some(&(step, _)) = reported.awaiting.front() {
@@ -580,7 +606,11 @@ impl Job {
         }
         let state = match (opts.save.is_some(), keep_state) {
             (false, false) => None,
-            _ => Some(engine.state()?),
+            _ => Some(
+                engine
+                    .state()
+                    .map_err(|e| stop(e, "", &snapshot, plan.as_ref()))?,
+            ),
         };
         if let Some(state) = &state {
             save(state, plan.as_ref())?;
@@ -732,6 +762,11 @@ impl Rejoin {
         }
     }
 
+    /// Drops a probe under way: it looks for hosts beside workers the run no longer has.
+    fn forget(&mut self) {
+        self.probe = None;
+    }
+
     /// The hosts file's hosts that a run on `current` can train on now, where a probe found more
     /// than `current` (in the file's order); starts the next probe where the last has ended.
     fn poll(&mut self, current: &Hosts, state_dir: &Path) -> Option<Hosts> {
@@ -780,11 +815,18 @@ fn answering(
         return None;
     }
     let table = legion_cluster::launch::status(&missing, state_dir).ok()?;
+    // Back with the devices the file (or `up`) says, and free.
+    let listed = |name: &str| {
+        file.hosts
+            .iter()
+            .find(|h| h.name == name)
+            .map(|h| h.devices)
+    };
     let back: Vec<&str> = (table.iter())
         .filter(|row| {
-            row.welcome
-                .as_ref()
-                .is_some_and(|w| w.job_of.is_none() && w.devices as usize == row.host.devices)
+            row.welcome.as_ref().is_some_and(|w| {
+                w.job_of.is_none() && listed(&row.host.name) == Some(w.devices as usize)
+            })
         })
         .map(|row| row.host.name.as_str())
         .collect();
