@@ -354,6 +354,15 @@ fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {
 /// LeNet-5 at batch 12 under data parallelism: 60 steps stay within 1e-4 of one device.
 const LENET_12: [&str; 6] = ["--model", "lenet5", "--batch", "12", "--strategy", "data"];
 
+/// The summary object of a `train --json` run's output.
+fn summary_of(stdout: &str) -> serde_json::Value {
+    stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .find(|v: &serde_json::Value| v["summary"] == true)
+        .unwrap_or_else(|| panic!("no summary in {stdout}"))
+}
+
 /// Trains LeNet-5 on a cluster of `workers` one-device workers, sends each of `faults` (a worker's
 /// index, a signal) once the run has checkpointed twice, and checks that the run recovered: it
 /// ends on the workers left, having trained what one device trains. Returns the summary.
@@ -407,11 +416,7 @@ fn recovers_from(workers: usize, faults: &[(usize, libc::c_int)]) -> serde_json:
         "no recovery event: {stdout}"
     );
     assert!(took < Duration::from_secs(60), "took {took:?}: {stderr}");
-    let summary: serde_json::Value = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .find(|v: &serde_json::Value| v["summary"] == true)
-        .unwrap_or_else(|| panic!("no summary in {stdout}"));
+    let summary = summary_of(&stdout);
     let left = workers - faults.len();
     assert_eq!(summary["devices"], left, "{summary}");
     // One recovery per loss noticed (a loss noticed while restarting joins the one under way).
@@ -511,11 +516,7 @@ fn a_hung_worker_that_comes_back_is_taken_back_at_a_snapshot() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{stderr}");
-    let summary: serde_json::Value = stdout
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .find(|v: &serde_json::Value| v["summary"] == true)
-        .unwrap_or_else(|| panic!("no summary in {stdout}"));
+    let summary = summary_of(&stdout);
     assert_eq!(summary["recoveries"][0]["devices"], 2, "{summary}");
     let rejoined = &summary["rejoins"][0];
     assert_eq!(rejoined["devices"], 3, "{summary}");

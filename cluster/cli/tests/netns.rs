@@ -98,6 +98,21 @@ impl ShapedNet {
         Ok(net)
     }
 
+    /// [`ShapedNet::new`], or `None` where namespaces cannot be made here, the test skipped
+    /// with the reason (failed under `LEGION_REQUIRE=netns`).
+    fn or_skip(hosts: usize) -> Option<ShapedNet> {
+        match ShapedNet::new(hosts) {
+            Ok(net) => Some(net),
+            Err(e) => {
+                legion_ops::require::skip(
+                    legion_ops::require::Need::Netns,
+                    format!("cannot build network namespaces here ({e})"),
+                );
+                None
+            }
+        }
+    }
+
     fn address(&self, i: usize) -> String {
         format!("10.78.{}.{}", self.subnet, i + 2)
     }
@@ -132,14 +147,8 @@ impl Drop for ShapedNet {
 
 #[test]
 fn two_hosts_over_a_shaped_link_train_alexnet() {
-    let net = match ShapedNet::new(2) {
-        Ok(net) => net,
-        Err(e) => {
-            return legion_ops::require::skip(
-                legion_ops::require::Need::Netns,
-                format!("cannot build network namespaces here ({e})"),
-            );
-        }
+    let Some(net) = ShapedNet::or_skip(2) else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let hosts = dir.path().join("hosts.toml");
@@ -208,14 +217,8 @@ fn two_hosts_over_a_shaped_link_train_alexnet() {
 
 #[test]
 fn a_worker_whose_network_goes_away_mid_run_is_recovered_from() {
-    let net = match ShapedNet::new(3) {
-        Ok(net) => net,
-        Err(e) => {
-            return legion_ops::require::skip(
-                legion_ops::require::Need::Netns,
-                format!("cannot build network namespaces here ({e})"),
-            );
-        }
+    let Some(net) = ShapedNet::or_skip(3) else {
+        return;
     };
     let dir = tempfile::tempdir().unwrap();
     let hosts = dir.path().join("hosts.toml");

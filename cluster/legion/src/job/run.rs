@@ -751,7 +751,12 @@ struct Rejoin {
     cluster: Option<PathBuf>,
     cluster_state: Option<PathBuf>,
     probe: Option<std::thread::JoinHandle<Option<Hosts>>>,
+    /// When the last probe started: snapshots of a small model may come every step, probes not.
+    started: Option<Instant>,
 }
+
+/// The least time between the starts of two probes.
+const PROBE_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Rejoin {
     fn new(opts: &super::TrainOptions) -> Rejoin {
@@ -759,12 +764,14 @@ impl Rejoin {
             cluster: opts.cluster.clone(),
             cluster_state: opts.cluster_state.clone(),
             probe: None,
+            started: None,
         }
     }
 
     /// Drops a probe under way: it looks for hosts beside workers the run no longer has.
     fn forget(&mut self) {
         self.probe = None;
+        self.started = None;
     }
 
     /// The hosts file's hosts that a run on `current` can train on now, where a probe found more
@@ -778,7 +785,8 @@ impl Rejoin {
             }
             None => None,
         };
-        if found.is_none() {
+        if found.is_none() && self.started.is_none_or(|t| t.elapsed() >= PROBE_EVERY) {
+            self.started = Some(Instant::now());
             let (cluster, state) = (self.cluster.clone(), self.cluster_state.clone());
             let (current, state_dir) = (current.clone(), state_dir.to_path_buf());
             self.probe = Some(std::thread::spawn(move || {
