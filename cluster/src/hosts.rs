@@ -460,6 +460,11 @@ impl Hosts {
         self.hosts.iter().map(|h| h.devices).sum()
     }
 
+    /// The hosts as nodes of their devices, in file order.
+    pub fn nodes(&self) -> legion_ops::partition::Nodes {
+        legion_ops::partition::Nodes::of_sizes(self.hosts.iter().map(|h| h.devices))
+    }
+
     /// Global device ids of each host, in file order: host 0 has `0..d0`, host 1 `d0..d0+d1`, ...
     /// (the planner numbers devices node by node, and each host is one node).
     pub fn device_ranges(&self) -> Vec<Range<usize>> {

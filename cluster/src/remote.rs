@@ -377,12 +377,13 @@ impl RemoteCluster {
         inference: bool,
     ) -> anyhow::Result<RemoteCluster> {
         let gpu_fields = JobSpec::gpu_fields(gpu);
-        let devices = hosts.num_devices();
-        // The workers plan in the job's precision (`JobSpec::precision`): so does the driver.
+        // The workers plan in the job's precision (`JobSpec::precision`), each host a node: so
+        // does the driver.
         let precision = gpu.math.precision();
+        let nodes = hosts.nodes();
         let plan = match inference {
-            true => StepPlan::build_with_inference(graph, configs, devices, precision)?,
-            false => StepPlan::build_in(graph, configs, devices, precision)?,
+            true => StepPlan::build_with_inference(graph, configs, nodes, precision)?,
+            false => StepPlan::build_in(graph, configs, nodes, precision)?,
         };
         let started = Instant::now();
         let mut client = WorkerClient::new(hosts, cluster_state)?;

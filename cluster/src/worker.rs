@@ -21,6 +21,7 @@ use crate::net::stream::BufferSource;
 use crate::net::tls::{NodeIdentity, node_name};
 use anyhow::Context as _;
 use kameo::actor::ActorRef;
+use legion_ops::partition::Nodes;
 use legion_ops::strategy::Strategy;
 use legion_ops::{Graph, Rect};
 use legion_runtime::Buffer;
@@ -542,9 +543,11 @@ async fn start_job(
         }
     }
     let precision = spec.precision().map_err(anyhow::Error::msg)?;
+    // each host is one node, as the driver plans it
+    let nodes = Nodes::of_sizes(spec.hosts.iter().map(|h| h.devices as usize));
     let plan = Arc::new(match spec.inference {
-        true => StepPlan::build_with_inference(&graph, &configs, total, precision)?,
-        false => StepPlan::build_in(&graph, &configs, total, precision)?,
+        true => StepPlan::build_with_inference(&graph, &configs, nodes, precision)?,
+        false => StepPlan::build_in(&graph, &configs, nodes, precision)?,
     });
     let graph = Arc::new(graph);
 

@@ -458,6 +458,68 @@ pub fn param_slices(
     out
 }
 
+/// Devices grouped into nodes (hosts), each a run of consecutive devices: device numbering goes
+/// node by node. Parameter synchronisation sends one message per node between nodes
+/// ([`ParamHome::relays`]); within one node every replica talks to the owner.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Nodes {
+    /// Per node, one past its last device, ascending.
+    ends: Vec<DeviceId>,
+}
+
+impl Nodes {
+    /// `devices` devices in one node (an embedded run, a one-host machine).
+    pub fn one(devices: usize) -> Nodes {
+        Nodes {
+            ends: vec![devices],
+        }
+    }
+
+    /// Nodes of `sizes` devices each, in order.
+    pub fn of_sizes(sizes: impl IntoIterator<Item = usize>) -> Nodes {
+        let mut end = 0;
+        let ends = sizes
+            .into_iter()
+            .map(|size| {
+                end += size;
+                end
+            })
+            .collect();
+        Nodes { ends }
+    }
+
+    /// Every device of every node.
+    pub fn devices(&self) -> usize {
+        self.ends.last().copied().unwrap_or(0)
+    }
+
+    pub fn count(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// The node of `device` (devices past the last node count as the last node's).
+    pub fn node_of(&self, device: DeviceId) -> usize {
+        self.ends
+            .partition_point(|&end| end <= device)
+            .min(self.ends.len().saturating_sub(1))
+    }
+}
+
+impl From<usize> for Nodes {
+    fn from(devices: usize) -> Nodes {
+        Nodes::one(devices)
+    }
+}
+
+/// A device that sums the gradients of one parameter block for the other `members` of its node
+/// and sends the owner that one sum; it forwards the updated block to them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Relay {
+    pub device: DeviceId,
+    /// The block's other devices on the relay's node, ascending.
+    pub members: Vec<DeviceId>,
+}
+
 /// A block of a layer's parameter `param`, its owner and the other devices whose tiles use it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamHome {
@@ -469,6 +531,47 @@ pub struct ParamHome {
     pub owner: DeviceId,
     /// The other devices using the slice, ascending.
     pub replicas: Vec<DeviceId>,
+}
+
+impl ParamHome {
+    /// Where this block's synchronisation goes through a relay on `nodes`: on each node other
+    /// than the owner's that holds two or more of the block's devices, one of them sums the
+    /// others' gradients and sends the owner that sum, and forwards the updated block to them, so
+    /// one message a node crosses between nodes each way (the hierarchical reduce of an
+    /// all-reduce). The block's devices `d_0 < … < d_{k-1}` own blocks `0..k` in turn
+    /// ([`owned_blocks`]); block `j`'s relay on a node holding `m` of them is the `j mod m`-th, so
+    /// that a node's devices relay blocks in turn. Replicas outside every relay's members (on the
+    /// owner's node, alone on theirs, or relays themselves) exchange with the owner directly.
+    pub fn relays(&self, nodes: &Nodes) -> Vec<Relay> {
+        relays(self.owner, &self.replicas, nodes)
+    }
+}
+
+/// [`ParamHome::relays`] of the block `owner` owns, whose other devices are `replicas`
+/// (ascending).
+pub fn relays(owner: DeviceId, replicas: &[DeviceId], nodes: &Nodes) -> Vec<Relay> {
+    if nodes.count() < 2 || replicas.is_empty() {
+        return Vec::new();
+    }
+    let j = replicas.partition_point(|&r| r < owner);
+    let own = nodes.node_of(owner);
+    let mut relays = Vec::new();
+    let mut rest = replicas;
+    while let Some(&first) = rest.first() {
+        let node = nodes.node_of(first);
+        let on_node = rest.partition_point(|&r| nodes.node_of(r) == node);
+        let (here, after) = rest.split_at(on_node);
+        rest = after;
+        if node == own || here.len() < 2 {
+            continue;
+        }
+        let device = here[j % here.len()];
+        relays.push(Relay {
+            device,
+            members: here.iter().copied().filter(|&d| d != device).collect(),
+        });
+    }
+    relays
 }
 
 /// Every block of every parameter and buffer of `layer` under `config`, trainable or not: a
@@ -531,6 +634,56 @@ mod tests {
             Err(ConfigError::ReductionUnsupported { red: 2 })
         );
         assert!(ParallelConfig::serial(0).validate_reduction(None).is_ok());
+    }
+
+    #[test]
+    fn each_other_node_relays_a_block_through_its_devices_in_turn() {
+        let nodes = Nodes::of_sizes([2, 2, 3]);
+        assert_eq!((nodes.devices(), nodes.count()), (7, 3));
+        assert_eq!(
+            (0..7).map(|d| nodes.node_of(d)).collect::<Vec<_>>(),
+            [0, 0, 1, 1, 2, 2, 2]
+        );
+        let home = |owner: DeviceId| ParamHome {
+            param: 0,
+            slice: Rect::new(&[0], &[1]),
+            read_slice: Rect::new(&[0], &[7]),
+            owner,
+            replicas: (0..7).filter(|&d| d != owner).collect(),
+        };
+        // block 0 (owner 0): node 1 through its first device, node 2 through its first
+        assert_eq!(
+            home(0).relays(&nodes),
+            [
+                Relay {
+                    device: 2,
+                    members: vec![3]
+                },
+                Relay {
+                    device: 4,
+                    members: vec![5, 6]
+                }
+            ]
+        );
+        // block 5 (owner 5): node 0 through device 5 mod 2 = 1, node 1 through device 3
+        assert_eq!(
+            home(5).relays(&nodes),
+            [
+                Relay {
+                    device: 1,
+                    members: vec![0]
+                },
+                Relay {
+                    device: 3,
+                    members: vec![2]
+                }
+            ]
+        );
+        // on one node, or with one device on the other node, every replica sends to the owner
+        assert!(home(0).relays(&Nodes::one(7)).is_empty());
+        let mut alone = home(0);
+        alone.replicas = vec![1, 2];
+        assert!(alone.relays(&nodes).is_empty());
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::machine::MachineModel;
 use crate::progress::{Phase, Progress};
 use crate::provider::CostProvider;
 use crate::simulate::SyncSimulation;
-use crate::sync::{layer_link_loads, sync_time};
+use crate::sync::{layer_link_loads, layer_sync};
 use crate::transfer::{
     Edge, TileOverlap, edge_overlaps, graph_edges, partial_sum_messages, transfer_bytes,
     transfer_time,
@@ -177,7 +177,7 @@ impl<'a> CostModel<'a> {
 
     /// t_s of a layer under a config.
     pub fn sync_time(&self, layer: LayerId, config: &ParallelConfig) -> f64 {
-        sync_time(&layer_link_loads(self.graph, layer, config), self.machine)
+        layer_sync(self.graph, layer, config, self.machine).0
     }
 
     /// t_x of an edge under the configs of its two ends.
@@ -196,21 +196,18 @@ impl<'a> CostModel<'a> {
         let mut out = CostBreakdown::default();
         for id in self.graph.ids() {
             let config = &configs[id.0];
-            // by link rather than by replica group: at a thousand devices a sample-split layer
-            // has millions of (group, replica) messages but its loads are one pass over them
-            let loads = layer_link_loads(self.graph, id, config);
-            out.inter_node_bytes += loads
-                .iter()
-                .filter(|l| self.machine.node_of(l.owner) != self.machine.node_of(l.replica))
-                .map(|l| 2 * l.bytes)
-                .sum::<u64>();
+            let (sync, between) = layer_sync(self.graph, id, config, self.machine);
+            out.inter_node_bytes += between;
             let messages = partial_sum_messages(self.graph, id, config);
             out.inter_node_bytes += self.inter_node_bytes(&messages, true);
             out.layers.push(LayerCost {
                 compute: self.compute_time(id, config),
-                sync: sync_time(&loads, self.machine),
-                // each replica's gradient in, its updated block out
-                sync_bytes: loads.iter().map(|l| 2 * l.bytes).sum(),
+                sync,
+                // each replica's gradient in, its updated block out (to its owner or its relay)
+                sync_bytes: layer_link_loads(self.graph, id, config)
+                    .iter()
+                    .map(|l| 2 * l.bytes)
+                    .sum(),
                 reduce: transfer_time(&messages, self.machine, true),
                 reduce_bytes: transfer_bytes(&messages, true, self.machine.activation_bytes()),
             });

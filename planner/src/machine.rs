@@ -583,6 +583,11 @@ impl MachineModel {
         self.node_of[device]
     }
 
+    /// The devices by node, as parameter sync routes through them ([`legion_ops::partition::relays`]).
+    pub fn nodes(&self) -> legion_ops::partition::Nodes {
+        legion_ops::partition::Nodes::of_sizes(self.node_of.chunk_by(|a, b| a == b).map(<[_]>::len))
+    }
+
     pub fn device(&self, device: DeviceId) -> &DeviceSpec {
         &self.specs[self.spec_of[device]]
     }

@@ -374,6 +374,7 @@ fn node_costs(
     let uniform_nodes = machine
         .uniform_nodes()
         .filter(|_| !machine.has_shared_lanes());
+    let nodes = machine.nodes();
     let NodeScratch {
         tiles,
         priced,
@@ -395,15 +396,22 @@ fn node_costs(
             Some(known) => sync[range.clone()].copy_from_slice(known),
             None => {
                 let pattern = pattern.clone();
+                // blocks that go through relays on another node first
+                let mut relayed = vec![None; range.len()];
+                for (block, slot) in relayed.iter_mut().enumerate() {
+                    if class_of(block) == block {
+                        *slot = loads.relayed_sync_time(block * total, machine, &nodes);
+                    }
+                }
                 match uniform_nodes {
                     // the same numbers without listing every link (a million of them for a
                     // slice replicated on a thousand devices)
                     Some(nodes) => {
                         for (block, ci) in range.clone().enumerate() {
                             sync[ci] = match class_of(block) {
-                                class if class == block => {
+                                class if class == block => relayed[block].unwrap_or_else(|| {
                                     loads.uniform_sync_time(block * total, nodes)
-                                }
+                                }),
                                 class => sync[range.start + class],
                             };
                         }
@@ -414,9 +422,9 @@ fn node_costs(
                         let block_loads = loads.link_loads(0);
                         for (block, ci) in range.clone().enumerate() {
                             sync[ci] = match class_of(block) {
-                                class if class == block => {
+                                class if class == block => relayed[block].unwrap_or_else(|| {
                                     sync_time_shifted(block_loads, machine, block * total)
-                                }
+                                }),
                                 class => sync[range.start + class],
                             };
                         }

@@ -192,6 +192,10 @@ impl StepGraph {
     }
 }
 
+/// Where a fragment of a prefetch comes from: a relay device and the rect of its instance, or
+/// `None` for the usual holder ([`Analysis::prefetch_via`]).
+pub type Via<'a> = &'a dyn Fn(&Rect) -> Option<(DeviceId, Rect)>;
+
 /// The analysis state while a step's tasks are launched.
 pub struct Analysis<'r> {
     regions: &'r Regions,
@@ -281,7 +285,7 @@ impl<'r> Analysis<'r> {
         let mut deps = Vec::new();
         for (req, &inst) in task.requirements.iter().zip(&instances) {
             if req.privilege.reads() {
-                self.read_into(req.region, req.rect, inst, &mut deps)
+                self.read_into(req.region, req.rect, inst, None, &mut deps)
                     .map_err(|region| AnalysisError::ReadBeforeWrite {
                         task: task.to_string(),
                         region,
@@ -350,14 +354,84 @@ impl<'r> Analysis<'r> {
         rect: Rect,
         device: DeviceId,
     ) -> Result<(), AnalysisError> {
+        self.prefetch_via(region, rect, device, &|_| None)
+    }
+
+    /// [`prefetch`](Self::prefetch), a fragment that `via` maps to `(relay, its rect)` coming
+    /// through the relay's normal instance of that rect (filled first if it does not hold it).
+    pub fn prefetch_via(
+        &mut self,
+        region: RegionId,
+        rect: Rect,
+        device: DeviceId,
+        via: Via<'_>,
+    ) -> Result<(), AnalysisError> {
         let inst = self.normal_instance(region, device, rect);
         let mut deps = Vec::new();
-        self.read_into(region, rect, inst, &mut deps)
+        self.read_into(region, rect, inst, Some(via), &mut deps)
             .map_err(|name| AnalysisError::ReadBeforeWrite {
                 task: format!("prefetch to device {device}"),
                 region: name,
                 rect: rect.to_string(),
             })
+    }
+
+    /// Sums, on `at`, the terms of the sum `region[rect]` that `devices` and `at` hold, so that
+    /// a later read finds one term on `at` in their place: each term from another device is
+    /// copied into a staging instance on `at` and folded, in ascending device order, onto `at`'s
+    /// own term (or into a new reduction instance where `at` holds none).
+    pub fn combine_terms(
+        &mut self,
+        region: RegionId,
+        rect: Rect,
+        devices: &[DeviceId],
+        at: DeviceId,
+    ) {
+        for f in self.split(region, &rect) {
+            let frag = self.fragments[region.index()][f].clone();
+            let State::Reduced { base, terms } = frag.state else {
+                continue;
+            };
+            let device_of = |h: &Holder| self.instances[h.instance as usize].device;
+            let (mut combined, kept): (Vec<Holder>, Vec<Holder>) = terms
+                .into_iter()
+                .partition(|h| device_of(h) == at || devices.contains(&device_of(h)));
+            if combined.len() < 2 {
+                continue;
+            }
+            combined.sort_by_key(|h| self.instances[h.instance as usize].device);
+            let own = combined
+                .iter()
+                .position(|h| self.instances[h.instance as usize].device == at);
+            let (dst, base_ready) = match own {
+                Some(i) => {
+                    let h = combined.remove(i);
+                    (h.instance, Some(h.ready))
+                }
+                None => (
+                    self.new_instance(region, at, frag.rect, InstanceKind::Reduction),
+                    None,
+                ),
+            };
+            let srcs = combined
+                .into_iter()
+                .map(|t| {
+                    let staging = self.new_instance(region, at, frag.rect, InstanceKind::Staging);
+                    let op = self.copy(t, staging, frag.rect);
+                    Holder {
+                        instance: staging,
+                        ready: Some(op),
+                    }
+                })
+                .collect();
+            let ready = self.fold(srcs, dst, frag.rect, base_ready);
+            let mut terms = kept;
+            terms.push(Holder {
+                instance: dst,
+                ready: Some(ready),
+            });
+            self.fragments[region.index()][f].state = State::Reduced { base, terms };
+        }
     }
 
     pub fn finish(self) -> StepGraph {
@@ -455,11 +529,14 @@ impl<'r> Analysis<'r> {
 
     /// Brings `region[rect]` into instance `inst`, adding what the reader must wait for to
     /// `deps`. Errs with the region's name if part of it was never written.
+    /// A fragment `via` maps to `(relay, its rect)` comes through the relay's normal instance of
+    /// that rect (see [`Analysis::prefetch_via`]).
     fn read_into(
         &mut self,
         region: RegionId,
         rect: Rect,
         inst: InstanceId,
+        via: Option<Via<'_>>,
         deps: &mut Vec<OpId>,
     ) -> Result<(), String> {
         let device = self.instances[inst as usize].device;
@@ -477,12 +554,27 @@ impl<'r> Analysis<'r> {
                         continue;
                     }
                     None => {
-                        let src = *holders
-                            .iter()
-                            .find(|h| self.instances[h.instance as usize].device == device)
-                            .unwrap_or(&holders[0]);
-                        let op = self.copy(src, inst, frag.rect);
                         let mut holders = holders;
+                        let mut src = holder_on(&self.instances, &holders, device);
+                        if let Some((relay, relay_rect)) = via.and_then(|via| via(&frag.rect))
+                            && relay != device
+                        {
+                            let at_relay = self.normal_instance(region, relay, relay_rect);
+                            src = match holders.iter().find(|h| h.instance == at_relay) {
+                                Some(&h) => h,
+                                None => {
+                                    let from = holder_on(&self.instances, &holders, relay);
+                                    let op = self.copy(from, at_relay, frag.rect);
+                                    let h = Holder {
+                                        instance: at_relay,
+                                        ready: Some(op),
+                                    };
+                                    holders.push(h);
+                                    h
+                                }
+                            };
+                        }
+                        let op = self.copy(src, inst, frag.rect);
                         holders.push(Holder {
                             instance: inst,
                             ready: Some(op),
@@ -630,6 +722,14 @@ impl<'r> Analysis<'r> {
         }
         inside
     }
+}
+
+/// A holder on `device` if there is one, else the first (the writer).
+fn holder_on(instances: &[Instance], holders: &[Holder], device: DeviceId) -> Holder {
+    *holders
+        .iter()
+        .find(|h| instances[h.instance as usize].device == device)
+        .unwrap_or(&holders[0])
 }
 
 /// Whether the persistent data of `after` covers exactly the placements `before` (the step leaves

@@ -7,7 +7,7 @@
 //! replicas, so that synchronisation overlaps the backward of the layers below.
 
 use crate::analysis::{Analysis, AnalysisError};
-use crate::mapper::{Mapper, Point};
+use crate::mapper::{Mapper, Point, Relay};
 use crate::region::Regions;
 use crate::task::{Privilege, Role, TaskKind, TaskSpec};
 use legion_ops::op::{
@@ -314,10 +314,13 @@ impl Lowering<'_> {
     }
 
     /// The SGD step of every trainable block on its owner, then the new values to every device
-    /// reading the slice (replicas, and owners of the slice's other blocks).
+    /// reading the slice (replicas, and owners of the slice's other blocks). A block's relays sum
+    /// their members' gradients before the owner reads them, and pass the new values on to them.
     fn update(&self, a: &mut Analysis, id: LayerId) -> Result<(), AnalysisError> {
         debug_assert!(self.has_grad[id.0]);
         let mut readers: Vec<(usize, Rect, DeviceId)> = Vec::new();
+        // (slot, block, read slice, relay) of every relayed block
+        let mut relayed: Vec<(usize, Rect, Rect, Relay)> = Vec::new();
         for home in self.mapper.param_homes(id) {
             let slot = self.regions.slot(id, home.param);
             let (Some(grad), Some(velocity)) =
@@ -325,6 +328,10 @@ impl Lowering<'_> {
             else {
                 continue;
             };
+            for relay in home.relays(self.mapper.nodes()) {
+                a.combine_terms(grad, home.slice, &relay.members, relay.device);
+                relayed.push((slot, home.slice, home.read_slice, relay));
+            }
             let k = home.param as u8;
             let mut t = TaskSpec::new(TaskKind::Update { param: k }, id, home.slice, home.owner);
             t.require(grad, home.slice, ReadOnly, Role::ParamGrad(k));
@@ -343,7 +350,18 @@ impl Lowering<'_> {
             }
         }
         for (slot, read_slice, device) in readers {
-            a.prefetch(self.regions.param(slot), read_slice, device)?;
+            let via = |fragment: &Rect| {
+                relayed
+                    .iter()
+                    .find(|(s, block, read, relay)| {
+                        *s == slot
+                            && *read == read_slice
+                            && block.contains(fragment)
+                            && relay.members.contains(&device)
+                    })
+                    .map(|(_, _, read, relay)| (relay.device, *read))
+            };
+            a.prefetch_via(self.regions.param(slot), read_slice, device, &via)?;
         }
         Ok(())
     }

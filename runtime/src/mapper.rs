@@ -6,23 +6,40 @@
 //! replica (`legion_ops::partition::owned_blocks`): each block's owner keeps its master copy and
 //! momentum, sums the replicas' gradients of it and applies the update, then sends the new values
 //! back — the scheme the planner's t_s costs; `tests::owners_match_planner_sync` keeps the two in
-//! step. Buffers (batch-norm running statistics) are not synchronised: each slice is kept by the
-//! first device using it.
+//! step. Where the devices are in several nodes, replicas on another node than the owner's go
+//! through one relay of theirs (`ParamHome::relays`), so one message a node crosses between
+//! nodes each way. Buffers (batch-norm running statistics) are not synchronised: each slice is
+//! kept by the first device using it.
 
-use legion_ops::partition::{ParallelConfig, param_homes, points};
+use legion_ops::partition::{Nodes, ParallelConfig, param_homes, points};
 use legion_ops::{Graph, LayerId};
 
-pub use legion_ops::partition::{ParamHome, Point};
+pub use legion_ops::partition::{ParamHome, Point, Relay};
 
 pub struct Mapper<'g> {
     graph: &'g Graph,
     configs: &'g [ParallelConfig],
+    nodes: Nodes,
 }
 
 impl<'g> Mapper<'g> {
+    /// The mapper of a run on one node.
     pub fn new(graph: &'g Graph, configs: &'g [ParallelConfig]) -> Mapper<'g> {
+        Mapper::on_nodes(graph, configs, Nodes::one(usize::MAX))
+    }
+
+    /// The mapper of a run whose devices are in `nodes`.
+    pub fn on_nodes(graph: &'g Graph, configs: &'g [ParallelConfig], nodes: Nodes) -> Mapper<'g> {
         assert_eq!(graph.layers().len(), configs.len(), "one config per layer");
-        Mapper { graph, configs }
+        Mapper {
+            graph,
+            configs,
+            nodes,
+        }
+    }
+
+    pub fn nodes(&self) -> &Nodes {
+        &self.nodes
     }
 
     pub fn graph(&self) -> &'g Graph {

@@ -13,7 +13,7 @@ use crate::program::{DeviceProgram, split_programs};
 use crate::region::{RegionId, RegionKind, Regions};
 use crate::task::TaskKind;
 use legion_ops::op::Op;
-use legion_ops::partition::{DeviceId, ParallelConfig};
+use legion_ops::partition::{DeviceId, Nodes, ParallelConfig};
 use legion_ops::{Graph, Precision, Rect};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -92,13 +92,14 @@ impl InferencePlan {
 }
 
 impl StepPlan {
-    /// The plan of a step computed in fp32 (or tf32, which stores the same).
+    /// The plan of a step computed in fp32 (or tf32, which stores the same) on `devices`: a
+    /// device count (one node) or [`Nodes`], whose parameter sync goes through a relay a node.
     pub fn build(
         graph: &Graph,
         configs: &[ParallelConfig],
-        num_devices: usize,
+        devices: impl Into<Nodes>,
     ) -> Result<StepPlan, PlanError> {
-        StepPlan::build_in(graph, configs, num_devices, Precision::Fp32)
+        StepPlan::build_in(graph, configs, devices, Precision::Fp32)
     }
 
     /// The plan of a step computed in `precision`: in bf16 its activations, their gradients and
@@ -106,10 +107,10 @@ impl StepPlan {
     pub fn build_in(
         graph: &Graph,
         configs: &[ParallelConfig],
-        num_devices: usize,
+        devices: impl Into<Nodes>,
         precision: Precision,
     ) -> Result<StepPlan, PlanError> {
-        StepPlan::plan(graph, configs, num_devices, precision, false)
+        StepPlan::plan(graph, configs, devices.into(), precision, false)
     }
 
     /// [`StepPlan::build_in`] with inference on the same tiles beside the step: held-out data
@@ -117,20 +118,21 @@ impl StepPlan {
     pub fn build_with_inference(
         graph: &Graph,
         configs: &[ParallelConfig],
-        num_devices: usize,
+        devices: impl Into<Nodes>,
         precision: Precision,
     ) -> Result<StepPlan, PlanError> {
-        StepPlan::plan(graph, configs, num_devices, precision, true)
+        StepPlan::plan(graph, configs, devices.into(), precision, true)
     }
 
     fn plan(
         graph: &Graph,
         configs: &[ParallelConfig],
-        num_devices: usize,
+        nodes: Nodes,
         precision: Precision,
         with_inference: bool,
     ) -> Result<StepPlan, PlanError> {
-        let mapper = Mapper::new(graph, configs);
+        let num_devices = nodes.devices();
+        let mapper = Mapper::on_nodes(graph, configs, nodes);
         if mapper.num_devices() > num_devices {
             return Err(PlanError::NoSuchDevice {
                 device: mapper.num_devices() - 1,
@@ -324,6 +326,55 @@ mod tests {
             }
         }
         (activations, rest)
+    }
+
+    /// Data parallelism on two nodes of two devices: each parameter block's gradients cross
+    /// between the nodes once, summed on the other node's relay, and its new values once, so the
+    /// weights' bytes between nodes halve; what each device ends the step holding is the same.
+    #[test]
+    fn relays_halve_the_weights_bytes_between_two_nodes_of_two() {
+        let z = zoo::find("lenet5").unwrap();
+        let g = z.build(&z.default_config(8)).unwrap();
+        let configs = vec![ParallelConfig::split(Dim::N, 4, 0); g.layers().len()];
+        let nodes = Nodes::of_sizes([2, 2]);
+        let between = |plan: &StepPlan| -> (u64, usize) {
+            let weights = plan.step.remote_copies().filter(|(_, s, d, _)| {
+                nodes.node_of(s.device) != nodes.node_of(d.device)
+                    && matches!(
+                        plan.regions.info(s.region).kind,
+                        RegionKind::Param | RegionKind::ParamGrad
+                    )
+            });
+            weights.fold((0, 0), |(bytes, n), (_, _, _, r)| {
+                (bytes + 4 * r.volume() as u64, n + 1)
+            })
+        };
+        let flat = StepPlan::build(&g, &configs, 4).unwrap();
+        let relayed = StepPlan::build(&g, &configs, nodes.clone()).unwrap();
+        let ((flat_bytes, flat_msgs), (relayed_bytes, relayed_msgs)) =
+            (between(&flat), between(&relayed));
+        assert!(flat_bytes > 0);
+        assert_eq!(relayed_bytes * 2, flat_bytes);
+        assert_eq!(relayed_msgs * 2, flat_msgs);
+        let holders = |plan: &StepPlan| -> Vec<(RegionId, Rect, Vec<DeviceId>)> {
+            let mut held: Vec<_> = plan
+                .step
+                .persistent
+                .iter()
+                .map(|p| {
+                    let mut devices: Vec<DeviceId> = p
+                        .instances
+                        .iter()
+                        .map(|&i| plan.step.instances[i as usize].device)
+                        .collect();
+                    devices.sort_unstable();
+                    (p.region, p.rect, devices)
+                })
+                .collect();
+            held.sort_by_key(|(r, rect, _)| (r.index(), rect.lo, rect.hi));
+            held
+        };
+        assert_eq!(holders(&flat), holders(&relayed));
     }
 
     /// bf16 plans the same copies as fp32, and the activations' half of them moves exactly half

@@ -28,10 +28,13 @@
 //! always simulated per message ([`super::SyncSimulation::resolve`]).
 
 use super::tasks::{
-    CollectiveTransfer, Resource, TaskKind, TaskSink, TaskSpec, fold_and_update, move_task,
+    CollectiveTransfer, Resource, TaskKind, TaskSink, TaskSpec, fold_and_update, fold_time,
+    move_task,
 };
 use crate::machine::{DeviceId, MachineModel};
+use crate::runtime_costs::fold_bytes;
 use legion_ops::Rect;
+use legion_ops::partition::Relay;
 use std::sync::Arc;
 
 /// What one direction of one slice's synchronisation puts on private links: per receiving
@@ -106,7 +109,11 @@ impl PrivateLoads {
 
 /// A zero-length task after all of `deps` (itself if only one): what waits for them waits for
 /// it, one dependency instead of many.
-fn join(tasks: &mut impl TaskSink, name: impl FnOnce() -> String, deps: &[usize]) -> usize {
+pub(super) fn join(
+    tasks: &mut impl TaskSink,
+    name: impl FnOnce() -> String,
+    deps: &[usize],
+) -> usize {
     if let [one] = deps {
         return *one;
     }
@@ -274,6 +281,312 @@ pub(super) fn sync_slice(
             }
         }
     }
+}
+
+/// [`sync_slice`] where some blocks go through relays on other nodes (`routes[j]`: the relays of
+/// block `j`): a gather of every device's gradient of each block to its relay (or to the owner,
+/// from the owner's node or alone on its node), the relays' sums, a gather of those sums to the
+/// owners, the owners' updates, then the new values back the same way, owner to relays and
+/// relays to their members. Each gather and scatter is one set of collectives as in
+/// [`sync_slice`].
+#[allow(clippy::too_many_arguments)]
+pub(super) fn sync_relayed_slice(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    scratch: &mut CollectiveScratch,
+    name: &dyn Fn() -> String,
+    slice: &Rect,
+    devices: &[DeviceId],
+    blocks: &[(Rect, DeviceId)],
+    routes: &[Vec<Relay>],
+    ready: &dyn Fn(DeviceId) -> usize,
+) {
+    let n = machine.num_devices();
+    let block_bytes: Vec<u64> = blocks.iter().map(|(b, _)| 4 * b.volume() as u64).collect();
+    let total: u64 = block_bytes.iter().sum();
+    let partial = blocks.iter().any(|(b, _)| b != slice);
+    let shared_lanes = machine.has_shared_lanes();
+    let mut owned = vec![0u64; n];
+    for ((_, owner), &bytes) in blocks.iter().zip(&block_bytes) {
+        owned[*owner] = bytes;
+    }
+    // where device `r` sends its gradient of block `j` first: itself (nothing to send) where it
+    // owns or relays the block
+    let first_hop = |j: usize, r: DeviceId| -> DeviceId {
+        let owner = blocks[j].1;
+        match routes[j]
+            .iter()
+            .find(|relay| relay.device == r || relay.members.contains(&r))
+        {
+            Some(relay) if relay.device == r => r,
+            Some(relay) => relay.device,
+            None => owner,
+        }
+    };
+    let CollectiveScratch {
+        gradients,
+        values,
+        gathers,
+    } = scratch;
+
+    // 1. gradients to the relays and, from the owner's node or alone on theirs, to the owners
+    gradients.clear();
+    let mut senders = Vec::with_capacity(devices.len());
+    let mut hops: Vec<Arc<[DeviceId]>> = Vec::with_capacity(devices.len());
+    for &r in devices {
+        let to: Arc<[DeviceId]> = (0..blocks.len()).map(|j| first_hop(j, r)).collect();
+        let out = add_per_link(gradients, machine, r, &to, &block_bytes);
+        let mut task = ready(r);
+        if partial && out > 0 {
+            let gather = || format!("gather {} grad on {r}", name());
+            task = move_task(tasks, machine, gather, r, out, &[task]);
+        }
+        senders.push(task);
+        hops.push(to);
+    }
+    let all_sent = join(tasks, || format!("{} grads ready", name()), &senders);
+    let first_inboxes = gradients.tasks(tasks, all_sent, &|| format!("{} grads", name()));
+    let first_arrived = match shared_lanes {
+        true => gather_on_lanes(
+            tasks,
+            gathers,
+            name,
+            devices,
+            &hops,
+            &block_bytes,
+            partial,
+            ready,
+        ),
+        false => vec![None; blocks.len()],
+    };
+
+    // 2. each relay's sums of its members' gradients and its own, one task for all its blocks
+    // (`relayed[d]`: the blocks device `d` relays, each with its members)
+    let mut relayed: Vec<Vec<(usize, &[DeviceId])>> = vec![Vec::new(); n];
+    for (j, relays) in routes.iter().enumerate() {
+        for relay in relays {
+            relayed[relay.device].push((j, relay.members.as_slice()));
+        }
+    }
+    let relay_devices: Vec<DeviceId> = (0..n).filter(|&d| !relayed[d].is_empty()).collect();
+    let mut relay_sums = vec![usize::MAX; n];
+    for &at in &relay_devices {
+        let mut deps = vec![ready(at)];
+        deps.extend(first_inboxes[at]);
+        let mut bytes = 0;
+        for &(j, members) in &relayed[at] {
+            deps.extend(first_arrived[j]);
+            bytes += fold_bytes(members.len() + 1, block_bytes[j]);
+        }
+        let duration = fold_time(machine, at, bytes);
+        let names = || format!("{} grad sums on relay {at}", name());
+        relay_sums[at] = tasks.push(
+            TaskSpec::on_device(TaskKind::Fold, at, duration),
+            names,
+            &deps,
+        );
+    }
+
+    // 3. the relays' sums to the owners
+    gradients.clear();
+    let mut senders = Vec::with_capacity(relay_devices.len());
+    let mut hops = Vec::with_capacity(relay_devices.len());
+    for &s in &relay_devices {
+        let to: Arc<[DeviceId]> = (0..blocks.len())
+            .map(|j| match routes[j].iter().any(|relay| relay.device == s) {
+                true => blocks[j].1,
+                false => s,
+            })
+            .collect();
+        let out = add_per_link(gradients, machine, s, &to, &block_bytes);
+        let mut task = relay_sums[s];
+        if partial {
+            let gather = || format!("gather {} sums on {s}", name());
+            task = move_task(tasks, machine, gather, s, out, &[task]);
+        }
+        senders.push(task);
+        hops.push(to);
+    }
+    let all_sent = join(tasks, || format!("{} sums ready", name()), &senders);
+    let second_inboxes = gradients.tasks(tasks, all_sent, &|| format!("{} sums", name()));
+    let second_arrived = match shared_lanes {
+        true => {
+            let sent = |d: DeviceId| senders[relay_devices.binary_search(&d).expect("a relay")];
+            let (senders, hops) = (&relay_devices, &hops);
+            gather_on_lanes(
+                tasks,
+                gathers,
+                name,
+                senders,
+                hops,
+                &block_bytes,
+                false,
+                &sent,
+            )
+        }
+        false => vec![None; blocks.len()],
+    };
+
+    // 4. the owners' updates, and the new values to the relays and the owners' direct peers
+    values.clear();
+    let mut updates = Vec::with_capacity(blocks.len());
+    let mut outward = vec![None; blocks.len()];
+    for (j, ((_, owner), &bytes)) in blocks.iter().zip(&block_bytes).enumerate() {
+        let o = *owner;
+        let direct: Arc<[DeviceId]> = devices
+            .iter()
+            .copied()
+            .filter(|&r| r != o && !routes[j].iter().any(|relay| relay.members.contains(&r)))
+            .collect();
+        let mut deps = vec![ready(o)];
+        deps.extend(first_inboxes[o]);
+        deps.extend(second_inboxes[o]);
+        deps.extend(first_arrived[j]);
+        deps.extend(second_arrived[j]);
+        let update = fold_and_update(
+            tasks,
+            machine,
+            || format!("{} block on {o}", name()),
+            o,
+            direct.len() + 1,
+            bytes,
+            &deps,
+        );
+        if partial {
+            let copy = || format!("copy {} on {o}", name());
+            move_task(tasks, machine, copy, o, bytes, &[update]);
+        }
+        for &r in direct.iter() {
+            values.add(machine, o, r, bytes);
+        }
+        if shared_lanes {
+            let transfer = CollectiveTransfer::Scatter {
+                from: o,
+                to: direct,
+                bytes,
+            };
+            let names = || format!("{} values {o} →", name());
+            outward[j] = Some(tasks.push_collective(transfer, names, &[update]));
+        }
+        updates.push(update);
+    }
+    let all_updated = join(tasks, || format!("{} updated", name()), &updates);
+    let first_values = values.tasks(tasks, all_updated, &|| format!("{} values", name()));
+
+    // 5. each relay's new values on to its members, one message each for all its blocks (a
+    // relay's members are its node's other devices of the slice, for every block it relays)
+    values.clear();
+    let mut forwards = Vec::new();
+    let mut onward = Vec::new();
+    for &at in &relay_devices {
+        let deps: Vec<usize> = first_values[at]
+            .into_iter()
+            .chain(relayed[at].iter().filter_map(|&(j, _)| outward[j]))
+            .collect();
+        let received = match deps.is_empty() {
+            true => all_updated,
+            false => join(tasks, || format!("{} values at relay {at}", name()), &deps),
+        };
+        let bytes: u64 = relayed[at].iter().map(|&(j, _)| block_bytes[j]).sum();
+        let members = relayed[at][0].1;
+        for &m in members {
+            values.add(machine, at, m, bytes);
+        }
+        if shared_lanes {
+            let transfer = CollectiveTransfer::Scatter {
+                from: at,
+                to: members.into(),
+                bytes,
+            };
+            let names = || format!("{} values relay {at} →", name());
+            onward.push(tasks.push_collective(transfer, names, &[received]));
+        }
+        forwards.push(received);
+    }
+    let all_forwarded = join(tasks, || format!("{} at the relays", name()), &forwards);
+    let second_values = values.tasks(tasks, all_forwarded, &|| format!("{} relayed", name()));
+    if partial {
+        let sent: Vec<usize> = outward.iter().flatten().copied().chain(onward).collect();
+        let all_arrived =
+            (!sent.is_empty()).then(|| join(tasks, || format!("{} values sent", name()), &sent));
+        for &r in devices {
+            let into = total - owned[r];
+            if into > 0 {
+                let deps: Vec<usize> = first_values[r]
+                    .into_iter()
+                    .chain(second_values[r])
+                    .chain(all_arrived)
+                    .collect();
+                let deps = if deps.is_empty() {
+                    vec![all_forwarded]
+                } else {
+                    deps
+                };
+                let store = || format!("store {} on {r}", name());
+                move_task(tasks, machine, store, r, into, &deps);
+            }
+        }
+    }
+}
+
+/// Adds to `loads` what `from` sends over private links: block `j` (`bytes[j]`) to `to[j]`
+/// (nothing where that is `from`), the blocks to one device as one message. Returns the bytes
+/// `from` sends in all.
+fn add_per_link(
+    loads: &mut PrivateLoads,
+    machine: &MachineModel,
+    from: DeviceId,
+    to: &[DeviceId],
+    bytes: &[u64],
+) -> u64 {
+    let mut per_link: Vec<(DeviceId, u64)> = Vec::new();
+    for (&dest, &b) in to.iter().zip(bytes).filter(|&(&dest, _)| dest != from) {
+        match per_link.iter_mut().find(|(d, _)| *d == dest) {
+            Some((_, sum)) => *sum += b,
+            None => per_link.push((dest, b)),
+        }
+    }
+    for &(dest, b) in &per_link {
+        loads.add(machine, from, dest, b);
+    }
+    per_link.iter().map(|&(_, b)| b).sum()
+}
+
+/// One gather on shared lanes: sender `senders[i]` sends block `j` (`bytes[j]`) to `hops[i][j]`
+/// (nothing where that is itself) once `ready(sender)`; returns, per block, the moment every
+/// message of it has arrived.
+#[allow(clippy::too_many_arguments)]
+fn gather_on_lanes(
+    tasks: &mut impl TaskSink,
+    gathers: &mut u32,
+    name: &dyn Fn() -> String,
+    senders: &[DeviceId],
+    hops: &[Arc<[DeviceId]>],
+    bytes: &[u64],
+    gathered: bool,
+    ready: &dyn Fn(DeviceId) -> usize,
+) -> Vec<Option<usize>> {
+    let gather = *gathers;
+    *gathers += 1;
+    let bytes: Arc<[u64]> = bytes.iter().copied().collect();
+    let mut sent = Vec::with_capacity(senders.len());
+    for (i, (&r, to)) in senders.iter().zip(hops).enumerate() {
+        let transfer = CollectiveTransfer::GatherFrom {
+            gather,
+            sender: r,
+            sender_index: i as u32,
+            owners: to.clone(),
+            bytes: bytes.clone(),
+            gathered,
+        };
+        let names = || format!("{} grads {r} →", name());
+        sent.push(tasks.push_collective(transfer, names, &[ready(r)]));
+    }
+    let done = CollectiveTransfer::GatherDone { gather };
+    let done = tasks.push_collective(done, || format!("{} grads sent", name()), &sent);
+    (0..bytes.len())
+        .map(|j| Some(tasks.push(JOIN, || format!("{} block {j} arrived", name()), &[done])))
+        .collect()
 }
 
 #[cfg(test)]

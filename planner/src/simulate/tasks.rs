@@ -46,15 +46,16 @@
 //! embedded CPU runtime's costs. How tasks share threads and cores is [`super::cpu_host`]'s.
 
 use super::SyncSimulation;
-use super::collective::{CollectiveScratch, sync_slice};
+use super::collective::{CollectiveScratch, join, sync_relayed_slice, sync_slice};
 use crate::config::{ParallelConfig, tile_rect};
 use crate::cost::CostModel;
 use crate::fast_hash::FastHashMap;
 use crate::machine::{DeviceId, Lane, MachineModel};
 use crate::runtime_costs::{RuntimeCosts, fold_bytes, update_bytes};
-use crate::sync::{SyncPlan, owned_blocks, param_slices};
+use crate::sync::{SyncPlan, owned_blocks, param_slices, relays};
 use crate::transfer::{Edge, TileOverlap, edge_overlaps};
 use legion_ops::op::{partial_input_shapes, partial_param_rect, project_partial};
+use legion_ops::partition::Relay;
 use legion_ops::{Graph, Layer, LayerId, Rect};
 use std::sync::Arc;
 
@@ -180,7 +181,7 @@ pub(super) struct TaskSpec {
 
 impl TaskSpec {
     /// A task on `device` that moves nothing over a link.
-    fn on_device(kind: TaskKind, device: DeviceId, duration: f64) -> TaskSpec {
+    pub(super) fn on_device(kind: TaskKind, device: DeviceId, duration: f64) -> TaskSpec {
         TaskSpec {
             kind,
             resource: Resource::Device(device),
@@ -810,6 +811,7 @@ fn parameter_sync(
         SyncSimulation::Collective => Some(CollectiveScratch::new(machine)),
         _ => None,
     };
+    let nodes = machine.nodes();
     for id in (0..graph.layers().len()).rev().map(LayerId) {
         let config = &configs[id.0];
         if let Some(scratch) = scratch.as_mut() {
@@ -820,9 +822,24 @@ fn parameter_sync(
                     if devices.len() > 1 && !slice.is_empty() {
                         let blocks = owned_blocks(&slice, &devices);
                         let names = || format!("{name} param {param}");
-                        sync_slice(
-                            tasks, machine, scratch, &names, &slice, &devices, &blocks, &tile_on,
-                        );
+                        let routes: Vec<Vec<Relay>> = blocks
+                            .iter()
+                            .map(|&(_, owner)| {
+                                let replicas: Vec<DeviceId> =
+                                    devices.iter().copied().filter(|&d| d != owner).collect();
+                                relays(owner, &replicas, &nodes)
+                            })
+                            .collect();
+                        match routes.iter().all(Vec::is_empty) {
+                            true => sync_slice(
+                                tasks, machine, scratch, &names, &slice, &devices, &blocks,
+                                &tile_on,
+                            ),
+                            false => sync_relayed_slice(
+                                tasks, machine, scratch, &names, &slice, &devices, &blocks,
+                                &routes, &tile_on,
+                            ),
+                        }
                     }
                 }
             }
@@ -853,8 +870,42 @@ fn parameter_sync(
                 red,
             );
             let partial = owner_slice != Some(g.slice);
+            let relays = relays(g.owner, &g.replicas, &nodes);
             gathers.clear();
-            for &r in &g.replicas {
+            // each relay's members to it, its sum of them and its own term to the owner
+            for relay in &relays {
+                let (bytes, at) = (g.bytes(), relay.device);
+                let mut terms = vec![tile_on(at)];
+                for &m in &relay.members {
+                    let mut dep = tile_on(m);
+                    let names = || format!("{name} param {} grad {m} → relay {at}", g.param);
+                    if partial {
+                        let gather = || format!("gather {}", names());
+                        dep = move_task(tasks, machine, gather, m, bytes, &[dep]);
+                    }
+                    let arrived =
+                        message(tasks, machine, names, TaskKind::Sync, (m, at), bytes, dep);
+                    terms.extend_from_slice(arrived.tasks());
+                }
+                let duration = fold_time(machine, at, fold_bytes(relay.members.len() + 1, bytes));
+                let names = || format!("{name} param {} grad sum on relay {at}", g.param);
+                let mut dep = tasks.push(
+                    TaskSpec::on_device(TaskKind::Fold, at, duration),
+                    names,
+                    &terms,
+                );
+                let names = || format!("{name} param {} grad {at} → {}", g.param, g.owner);
+                if partial {
+                    let gather = || format!("gather {}", names());
+                    dep = move_task(tasks, machine, gather, at, bytes, &[dep]);
+                }
+                let ends = (at, g.owner);
+                let arrived = message(tasks, machine, names, TaskKind::Sync, ends, bytes, dep);
+                gathers.extend_from_slice(arrived.tasks());
+            }
+            let relayed = |r: DeviceId| relays.iter().any(|relay| relay.members.contains(&r));
+            let relay = |r: DeviceId| relays.iter().any(|relay| relay.device == r);
+            for &r in g.replicas.iter().filter(|&&r| !relayed(r) && !relay(r)) {
                 let bytes = g.bytes();
                 let mut dep = tile_on(r);
                 let names = || format!("{name} param {} grad {r} → {}", g.param, g.owner);
@@ -867,12 +918,13 @@ fn parameter_sync(
                 gathers.extend_from_slice(arrived.tasks());
             }
             gathers.push(tile_on(g.owner));
+            let terms = g.replicas.iter().filter(|&&r| !relayed(r)).count() + 1;
             let update = fold_and_update(
                 tasks,
                 machine,
                 || format!("{name} param {}", g.param),
                 g.owner,
-                g.replicas.len() + 1,
+                terms,
                 g.bytes(),
                 &gathers,
             );
@@ -886,14 +938,33 @@ fn parameter_sync(
                     &[update],
                 );
             }
-            for &r in &g.replicas {
+            for &r in g.replicas.iter().filter(|&&r| !relayed(r)) {
                 let bytes = g.bytes();
                 let names = || format!("{name} param {} value {} → {r}", g.param, g.owner);
                 let (kind, ends) = (TaskKind::Sync, (g.owner, r));
                 let arrived = message(tasks, machine, names, kind, ends, bytes, update);
+                let mut held: Vec<usize> = arrived.tasks().to_vec();
                 if partial {
                     let store = || format!("store {}", names());
-                    move_task(tasks, machine, store, r, bytes, arrived.tasks());
+                    held = vec![move_task(tasks, machine, store, r, bytes, arrived.tasks())];
+                }
+                // a relay passes the new values on to its members
+                for relay in relays.iter().filter(|relay| relay.device == r) {
+                    for &m in &relay.members {
+                        let names = || format!("{name} param {} value relay {r} → {m}", g.param);
+                        let mut dep = held.clone();
+                        if partial {
+                            let gather = || format!("gather {}", names());
+                            dep = vec![move_task(tasks, machine, gather, r, bytes, &held)];
+                        }
+                        let after = join(tasks, || format!("{} ready", names()), &dep);
+                        let ends = (r, m);
+                        let arrived = message(tasks, machine, names, kind, ends, bytes, after);
+                        if partial {
+                            let store = || format!("store {}", names());
+                            move_task(tasks, machine, store, m, bytes, arrived.tasks());
+                        }
+                    }
                 }
             }
         }
@@ -1140,7 +1211,7 @@ fn split_fragments(fragments: &mut Vec<Rect>, rect: &Rect) -> Vec<Rect> {
 
 /// Seconds for `device` to fold: `bytes` as [`fold_bytes`] counts them, at the measured fold
 /// throughput (the device's memory bandwidth where not profiled).
-fn fold_time(machine: &MachineModel, device: DeviceId, bytes: u64) -> f64 {
+pub(super) fn fold_time(machine: &MachineModel, device: DeviceId, bytes: u64) -> f64 {
     let rate = machine
         .runtime_costs()
         .map_or(machine.device(device).memory_bytes_per_s(), |c| {
