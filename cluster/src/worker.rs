@@ -517,7 +517,9 @@ async fn start_job(
         .to_configs(&graph, total)?;
     // Refused before the plan and the devices allocate anything; the driver checked its own share.
     let first_device = this.first_device as usize;
-    let device_memory = legion_ops::memory::per_device(&graph, &configs, total);
+    // each host is one node, as the driver plans it
+    let nodes = Nodes::of_sizes(spec.hosts.iter().map(|h| h.devices as usize));
+    let device_memory = legion_ops::memory::per_device(&graph, &configs, nodes.clone());
     let need = crate::memory::HostNeed {
         devices: &device_memory[first_device..first_device + shared.devices],
         job_state: 0,
@@ -543,8 +545,6 @@ async fn start_job(
         }
     }
     let precision = spec.precision().map_err(anyhow::Error::msg)?;
-    // each host is one node, as the driver plans it
-    let nodes = Nodes::of_sizes(spec.hosts.iter().map(|h| h.devices as usize));
     let plan = Arc::new(match spec.inference {
         true => StepPlan::build_with_inference(&graph, &configs, nodes, precision)?,
         false => StepPlan::build_in(&graph, &configs, nodes, precision)?,

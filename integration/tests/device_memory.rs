@@ -5,11 +5,13 @@
 //! slices, parameter slices, owners' blocks with momentum, gradient terms, staging buffers and
 //! partial sums. Strategies: data, model, OWT, random ones and random ones with reduction splits,
 //! on LeNet-5, AlexNet at 64×64 and the reduced Inception-v3 (batch norm, concatenations), 4
-//! devices.
+//! devices on one node, on two nodes of two and on nodes of one and three (where the sync's
+//! relays stage their members' gradients).
 
 mod support;
 
 use legion_ops::memory::per_device;
+use legion_ops::partition::Nodes;
 use legion_planner::ParallelConfig;
 use legion_runtime::plan::StepPlan;
 use support::*;
@@ -30,18 +32,26 @@ fn the_memory_model_counts_every_buffer_the_runtime_allocates() {
             vec![ParallelConfig::serial(0); graph.layers().len()],
         ));
         for (strategy, configs) in &strategies {
-            tried += 1;
-            let allocated = StepPlan::build(&graph, configs, DEVICES)
-                .unwrap()
-                .device_bytes();
-            let modelled: Vec<u64> = per_device(&graph, configs, DEVICES)
-                .iter()
-                .map(|d| d.bytes)
-                .collect();
-            if modelled != allocated {
-                failures.push(format!(
-                    "{name} {strategy}: modelled {modelled:?}, allocated {allocated:?}"
-                ));
+            for nodes in [
+                Nodes::one(DEVICES),
+                Nodes::of_sizes([2, 2]),
+                Nodes::of_sizes([1, 3]),
+            ] {
+                tried += 1;
+                let allocated = StepPlan::build(&graph, configs, nodes.clone())
+                    .unwrap()
+                    .device_bytes();
+                let modelled: Vec<u64> = per_device(&graph, configs, nodes.clone())
+                    .iter()
+                    .map(|d| d.bytes)
+                    .collect();
+                if modelled != allocated {
+                    failures.push(format!(
+                        "{name} {strategy} on {} node(s): modelled {modelled:?}, allocated \
+                         {allocated:?}",
+                        nodes.count()
+                    ));
+                }
             }
         }
     }

@@ -11,7 +11,8 @@
 //! - one buffer per term of a sum: each tile's contribution to an input gradient, a parameter
 //!   gradient, a reduction split's partial sum or a batch norm's statistics;
 //! - where a sum is first read, one staging buffer per term from another device (its overlap with
-//!   what is read), which the reader folds.
+//!   what is read), which the reader folds; on several nodes a relay stages its members' terms of
+//!   a parameter block and the owner the relay's sum in their place.
 //!
 //! The figure equals the runtime's `StepPlan::device_bytes` (`integration/tests/device_memory.rs`
 //! keeps the two equal on every strategy family). Kernels' scratch (cuDNN workspaces) and slices
@@ -32,7 +33,7 @@ use crate::op::{
     project_partial,
 };
 use crate::partition::{
-    DeviceId, ParallelConfig, ParamHome, Point, param_homes, points, tile_rect,
+    DeviceId, Nodes, ParallelConfig, ParamHome, Point, Relay, param_homes, points, tile_rect,
 };
 use crate::precision::Precision;
 use crate::{Graph, LayerId, Rect, Shape};
@@ -60,26 +61,29 @@ pub struct DeviceMemory {
     pub largest_layer: Option<(LayerId, u64)>,
 }
 
-/// The memory of every device `0..num_devices` when `graph` runs with `configs` (one per layer):
-/// every buffer its actor allocates for a step, as the module docs list them. Instances on devices
-/// past `num_devices` are not counted. Element counts are bounded by the graph builder, so the
+/// The memory of every device of `devices` (a count: one node; or [`Nodes`], where parameter sync
+/// goes through relays and their staging buffers) when `graph` runs with `configs` (one per
+/// layer): every buffer its actor allocates for a step, as the module docs list them. Instances on
+/// devices past the last are not counted. Element counts are bounded by the graph builder, so the
 /// byte counts cannot overflow; the sums saturate all the same.
 pub fn per_device(
     graph: &Graph,
     configs: &[ParallelConfig],
-    num_devices: usize,
+    devices: impl Into<Nodes>,
 ) -> Vec<DeviceMemory> {
-    per_device_at(graph, configs, num_devices, Precision::Fp32)
+    per_device_at(graph, configs, devices, Precision::Fp32)
 }
 
 /// [`per_device`] in `precision`: each tensor at its element size there (the module doc).
 pub fn per_device_at(
     graph: &Graph,
     configs: &[ParallelConfig],
-    num_devices: usize,
+    devices: impl Into<Nodes>,
     precision: Precision,
 ) -> Vec<DeviceMemory> {
     assert_eq!(graph.layers().len(), configs.len(), "one config per layer");
+    let nodes = devices.into();
+    let num_devices = nodes.devices();
     let layers: Vec<LayerTiles> = graph
         .ids()
         .map(|id| LayerTiles::of(graph, id, &configs[id.0]))
@@ -91,7 +95,7 @@ pub fn per_device_at(
     let has_gradient = graph.layers_with_gradient();
     for layer in layers.iter().rev().filter(|l| has_gradient[l.id.0]) {
         step.backward(graph, layer);
-        step.update(layer);
+        step.update(layer, &nodes);
     }
     step.devices()
 }
@@ -211,16 +215,44 @@ impl StepBuffers {
     /// `tensor[rect]`, a sum, read on `device`: its buffer there and, where it is first read, a
     /// staging buffer for each term from another device.
     fn read_sum(&mut self, layer: LayerId, device: DeviceId, tensor: Tensor, rect: Rect) {
+        self.read_relayed_sum(layer, device, tensor, rect, &[]);
+    }
+
+    /// [`read_sum`](Self::read_sum) where `relays` first sum their members' terms of `rect`
+    /// onto their own: each relay stages its members' terms, and the reader the terms left.
+    fn read_relayed_sum(
+        &mut self,
+        layer: LayerId,
+        device: DeviceId,
+        tensor: Tensor,
+        rect: Rect,
+        relays: &[Relay],
+    ) {
         self.buffer(layer, device, tensor, rect);
         let slot = tensor.slot(self.stride);
         if !self.folded.insert((slot, rect)) {
             return;
         }
-        let staged = self.terms[slot]
+        // (member, its relay), ascending: relays come node by node, their members ascending
+        let relay_of: Vec<(DeviceId, DeviceId)> = relays
             .iter()
-            .filter(|(d, term)| *d != device && term.overlaps(&rect))
-            .map(|(_, term)| term.intersect(&rect).volume())
-            .sum();
+            .flat_map(|r| r.members.iter().map(|&m| (m, r.device)))
+            .collect();
+        let mut at_relays: Vec<(DeviceId, usize)> = Vec::new();
+        let mut staged = 0;
+        for &(d, term) in &self.terms[slot] {
+            if d == device || !term.overlaps(&rect) {
+                continue;
+            }
+            let volume = term.intersect(&rect).volume();
+            match relay_of.binary_search_by_key(&d, |&(m, _)| m) {
+                Ok(i) => at_relays.push((relay_of[i].1, volume)),
+                Err(_) => staged += volume,
+            }
+        }
+        for (relay, volume) in at_relays {
+            self.add(layer, relay, tensor, volume);
+        }
         self.add(layer, device, tensor, staged);
     }
 
@@ -374,14 +406,15 @@ impl StepBuffers {
 
     /// Each trainable block's owner sums its gradient, keeps it with its momentum and updates it;
     /// the new values go to every device reading the slice.
-    fn update(&mut self, tiles: &LayerTiles) {
+    fn update(&mut self, tiles: &LayerTiles, nodes: &Nodes) {
         let id = tiles.id;
         for home in &tiles.homes {
             if !tiles.params[home.param].trainable {
                 continue;
             }
             let (owner, k) = (home.owner, home.param);
-            self.read_sum(id, owner, Tensor::ParamGrad(id, k), home.slice);
+            let relays = home.relays(nodes);
+            self.read_relayed_sum(id, owner, Tensor::ParamGrad(id, k), home.slice, &relays);
             self.buffer(id, owner, Tensor::Param(id, k), home.slice);
             self.buffer(id, owner, Tensor::Velocity(id, k), home.slice);
             for &device in std::iter::once(&owner).chain(&home.replicas) {

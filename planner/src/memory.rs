@@ -46,7 +46,7 @@ pub fn check_fits(
     if !machine.has_own_memory() {
         return Ok(());
     }
-    let need = per_device_at(graph, configs, machine.num_devices(), machine.precision());
+    let need = per_device_at(graph, configs, machine.nodes(), machine.precision());
     let over = over_capacity(machine, &need);
     // the most overcommitted; of equals, the first
     match over

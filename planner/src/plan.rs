@@ -137,7 +137,7 @@ pub fn evaluate(model: &CostModel, configs: Vec<ParallelConfig>) -> Evaluated {
     let peak = crate::memory::per_device_at(
         model.graph(),
         &configs,
-        machine.num_devices(),
+        machine.nodes(),
         machine.precision(),
     )
     .into_iter()

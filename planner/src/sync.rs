@@ -526,8 +526,12 @@ pub fn relayed_sync_time<'a>(
                 add(&mut within, relay.device, member, bytes);
             }
         }
+        // the relays' members, ascending (relays come node by node): a replica is one of them
+        // where the walk along them meets it
+        let mut members = relays.iter().flat_map(|relay| &relay.members).peekable();
         for &r in replicas {
-            if !relays.iter().any(|relay| relay.members.contains(&r)) {
+            while members.next_if(|&&m| m < r).is_some() {}
+            if members.next_if_eq(&&r).is_none() {
                 add(&mut to_owners, owner, r, bytes);
                 if nodes.node_of(r) != nodes.node_of(owner) {
                     between += 2 * bytes;

@@ -389,8 +389,7 @@ fn over_memory(
     if !machine.has_own_memory() {
         return 0.0;
     }
-    let need =
-        crate::memory::per_device_at(graph, configs, machine.num_devices(), machine.precision());
+    let need = crate::memory::per_device_at(graph, configs, machine.nodes(), machine.precision());
     crate::memory::over_capacity(machine, &need)
         .iter()
         .map(|(d, capacity)| (d.bytes - capacity) as f64 / *capacity as f64)

@@ -310,19 +310,24 @@ pub(super) fn sync_relayed_slice(
     for ((_, owner), &bytes) in blocks.iter().zip(&block_bytes) {
         owned[*owner] = bytes;
     }
-    // where device `r` sends its gradient of block `j` first: itself (nothing to send) where it
-    // owns or relays the block
-    let first_hop = |j: usize, r: DeviceId| -> DeviceId {
-        let owner = blocks[j].1;
-        match routes[j]
-            .iter()
-            .find(|relay| relay.device == r || relay.members.contains(&r))
-        {
-            Some(relay) if relay.device == r => r,
-            Some(relay) => relay.device,
-            None => owner,
-        }
-    };
+    // `hop[j][i]`: where `devices[i]` sends its gradient of block `j` first, itself (nothing to
+    // send) where it owns or relays the block; a table rather than a search of the relays, which
+    // is quadratic per block at a thousand devices
+    let position = |d: DeviceId| devices.binary_search(&d).expect("a device of the slice");
+    let hop: Vec<Vec<DeviceId>> = blocks
+        .iter()
+        .zip(routes)
+        .map(|(&(_, owner), relays)| {
+            let mut to = vec![owner; devices.len()];
+            for relay in relays {
+                to[position(relay.device)] = relay.device;
+                for &m in &relay.members {
+                    to[position(m)] = relay.device;
+                }
+            }
+            to
+        })
+        .collect();
     let CollectiveScratch {
         gradients,
         values,
@@ -333,8 +338,8 @@ pub(super) fn sync_relayed_slice(
     gradients.clear();
     let mut senders = Vec::with_capacity(devices.len());
     let mut hops: Vec<Arc<[DeviceId]>> = Vec::with_capacity(devices.len());
-    for &r in devices {
-        let to: Arc<[DeviceId]> = (0..blocks.len()).map(|j| first_hop(j, r)).collect();
+    for (i, &r) in devices.iter().enumerate() {
+        let to: Arc<[DeviceId]> = hop.iter().map(|to| to[i]).collect();
         let out = add_per_link(gradients, machine, r, &to, &block_bytes);
         let mut task = ready(r);
         if partial && out > 0 {
@@ -392,8 +397,9 @@ pub(super) fn sync_relayed_slice(
     let mut senders = Vec::with_capacity(relay_devices.len());
     let mut hops = Vec::with_capacity(relay_devices.len());
     for &s in &relay_devices {
+        let i = position(s);
         let to: Arc<[DeviceId]> = (0..blocks.len())
-            .map(|j| match routes[j].iter().any(|relay| relay.device == s) {
+            .map(|j| match hop[j][i] == s && blocks[j].1 != s {
                 true => blocks[j].1,
                 false => s,
             })
@@ -433,10 +439,12 @@ pub(super) fn sync_relayed_slice(
     let mut outward = vec![None; blocks.len()];
     for (j, ((_, owner), &bytes)) in blocks.iter().zip(&block_bytes).enumerate() {
         let o = *owner;
+        // the owner's node peers, those alone on theirs and the relays
         let direct: Arc<[DeviceId]> = devices
             .iter()
-            .copied()
-            .filter(|&r| r != o && !routes[j].iter().any(|relay| relay.members.contains(&r)))
+            .zip(&hop[j])
+            .filter(|&(&r, &to)| r != o && (to == o || to == r))
+            .map(|(&r, _)| r)
             .collect();
         let mut deps = vec![ready(o)];
         deps.extend(first_inboxes[o]);

@@ -364,7 +364,7 @@ fn planning_of(
 /// Warns on stderr when the chosen strategy needs more memory than a device has (or, for devices
 /// sharing this host's memory, than the host has available).
 fn warn_about_memory(graph: &Graph, machine: &MachineModel, configs: &[ParallelConfig]) {
-    let need = memory::per_device_at(graph, configs, machine.num_devices(), machine.precision());
+    let need = memory::per_device_at(graph, configs, machine.nodes(), machine.precision());
     let over = memory::over_capacity(machine, &need);
     let largest = |d: &memory::DeviceMemory| match d.largest_layer {
         Some((layer, bytes)) => format!(
