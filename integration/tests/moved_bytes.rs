@@ -9,7 +9,7 @@
 mod support;
 
 use legion_ops::Graph;
-use legion_planner::simulate::{TaskKind, simulate};
+use legion_planner::simulate::simulate;
 use legion_planner::{CostModel, MachineModel, ParallelConfig, RooflineCost};
 use legion_runtime::plan::StepPlan;
 use legion_runtime::program::LocalOpKind;
@@ -51,17 +51,7 @@ fn eq1_and_the_simulator_move_what_the_runtime_sends_reduction_splits_included()
                     "{name} {strategy}: Eq. 1 {priced} bytes, runtime {sent}"
                 ));
             }
-            let simulated: u64 = simulate(&cost, configs)
-                .tasks
-                .iter()
-                .filter(|t| {
-                    matches!(
-                        t.kind,
-                        TaskKind::Copy | TaskKind::GradientCopy | TaskKind::Sync
-                    )
-                })
-                .map(|t| t.bytes)
-                .sum();
+            let simulated = simulated_bytes(&simulate(&cost, configs));
             if simulated != sent {
                 failures.push(format!(
                     "{name} {strategy}: simulated {simulated} bytes, runtime {sent}"

@@ -80,17 +80,7 @@ fn relayed_sync_is_priced_and_simulated_as_the_runtime_runs_it() {
                 ));
             }
             let sim = simulate(&cost, configs);
-            let moved: u64 = sim
-                .tasks
-                .iter()
-                .filter(|t| {
-                    matches!(
-                        t.kind,
-                        TaskKind::Copy | TaskKind::GradientCopy | TaskKind::Sync
-                    )
-                })
-                .map(|t| t.bytes)
-                .sum();
+            let moved = simulated_bytes(&sim);
             let mut simulated = vec![0; nodes.devices()];
             for t in sim.tasks.iter().filter(|t| t.kind == TaskKind::Fold) {
                 if let Resource::Device(d) = t.resource {

@@ -21,7 +21,7 @@ use crate::machine::MachineModel;
 use crate::progress::{Phase, Progress};
 use crate::provider::CostProvider;
 use crate::simulate::SyncSimulation;
-use crate::sync::{layer_link_loads, layer_sync};
+use crate::sync::layer_sync;
 use crate::transfer::{
     Edge, TileOverlap, edge_overlaps, graph_edges, partial_sum_messages, transfer_bytes,
     transfer_time,
@@ -177,7 +177,7 @@ impl<'a> CostModel<'a> {
 
     /// t_s of a layer under a config.
     pub fn sync_time(&self, layer: LayerId, config: &ParallelConfig) -> f64 {
-        layer_sync(self.graph, layer, config, self.machine).0
+        layer_sync(self.graph, layer, config, self.machine).time
     }
 
     /// t_x of an edge under the configs of its two ends.
@@ -196,18 +196,14 @@ impl<'a> CostModel<'a> {
         let mut out = CostBreakdown::default();
         for id in self.graph.ids() {
             let config = &configs[id.0];
-            let (sync, between) = layer_sync(self.graph, id, config, self.machine);
-            out.inter_node_bytes += between;
+            let sync = layer_sync(self.graph, id, config, self.machine);
+            out.inter_node_bytes += sync.between_nodes;
             let messages = partial_sum_messages(self.graph, id, config);
             out.inter_node_bytes += self.inter_node_bytes(&messages, true);
             out.layers.push(LayerCost {
                 compute: self.compute_time(id, config),
-                sync,
-                // each replica's gradient in, its updated block out (to its owner or its relay)
-                sync_bytes: layer_link_loads(self.graph, id, config)
-                    .iter()
-                    .map(|l| 2 * l.bytes)
-                    .sum(),
+                sync: sync.time,
+                sync_bytes: sync.bytes,
                 reduce: transfer_time(&messages, self.machine, true),
                 reduce_bytes: transfer_bytes(&messages, true, self.machine.activation_bytes()),
             });

@@ -547,33 +547,52 @@ pub fn relayed_sync_time<'a>(
     })
 }
 
-/// t_s of `layer` under `config` on `machine`, and the bytes its synchronisation moves between
-/// nodes (both ways), relays included.
+/// One layer's synchronisation under one config, priced.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerSync {
+    /// t_s, seconds.
+    pub time: f64,
+    /// Bytes moved: each replica's gradient in and its updated block out (to its owner or its
+    /// relay).
+    pub bytes: u64,
+    /// The part of `bytes` that crosses between nodes, relays included.
+    pub between_nodes: u64,
+}
+
+/// [`LayerSync`] of `layer` under `config` on `machine`.
 pub fn layer_sync(
     graph: &Graph,
     layer: LayerId,
     config: &ParallelConfig,
     machine: &MachineModel,
-) -> (f64, u64) {
+) -> LayerSync {
     if machine.num_nodes() > 1 {
         let plan = SyncPlan::for_layer(graph, layer, config);
         let blocks = plan
             .groups
             .iter()
             .map(|g| (g.owner, g.replicas.as_slice(), g.bytes()));
-        if let Some(relayed) = relayed_sync_time(blocks, machine, &machine.nodes()) {
-            return relayed;
+        if let Some((time, between_nodes)) = relayed_sync_time(blocks, machine, &machine.nodes()) {
+            return LayerSync {
+                time,
+                bytes: plan.bytes(),
+                between_nodes,
+            };
         }
     }
     // by link rather than by replica group: at a thousand devices a sample-split layer has
     // millions of (group, replica) messages but its loads are one pass over them
     let loads = layer_link_loads(graph, layer, config);
-    let between = loads
-        .iter()
-        .filter(|l| machine.node_of(l.owner) != machine.node_of(l.replica))
-        .map(|l| 2 * l.bytes)
-        .sum::<u64>();
-    (sync_time(&loads, machine), between)
+    let crosses = |l: &LinkLoad| machine.node_of(l.owner) != machine.node_of(l.replica);
+    LayerSync {
+        time: sync_time(&loads, machine),
+        bytes: loads.iter().map(|l| 2 * l.bytes).sum(),
+        between_nodes: loads
+            .iter()
+            .filter(|l| crosses(l))
+            .map(|l| 2 * l.bytes)
+            .sum(),
+    }
 }
 
 /// The messages between an owner and one replica, in each direction.

@@ -6,8 +6,8 @@
 mod common;
 
 use common::{
-    ALEXNET_64, assert_same_tensors, free_udp_port, init_checkpoint, kill_worker_mid_run, legion,
-    ok, signal_workers_mid_run, train_from,
+    ALEXNET_64, assert_same_tensors, free_udp_port, init_checkpoint, kill_worker_mid_run,
+    largest_difference, legion, ok, signal_workers_mid_run, train_from,
 };
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -94,28 +94,6 @@ impl Drop for Cluster {
 
 fn alive(pid: u32) -> bool {
     legion_cluster::launch::process_exists(pid)
-}
-
-/// The largest difference between two checkpoints' tensors (weights and momentum), relative to
-/// the largest magnitude of the tensor in `b`.
-fn largest_difference(
-    a: &[legion_ops::checkpoint::NamedTensor],
-    b: &[legion_ops::checkpoint::NamedTensor],
-) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            assert_eq!(x.name, y.name);
-            let scale = y.data.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-            let diff = x
-                .data
-                .iter()
-                .zip(&y.data)
-                .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-            diff / scale
-        })
-        .fold(0.0, f32::max)
 }
 
 #[test]

@@ -250,6 +250,21 @@ pub fn reduction_strategies(graph: &Graph) -> Vec<(&'static str, Vec<ParallelCon
     strategies
 }
 
+/// Bytes a simulated step moves between devices: its copies, gradient copies and sync messages.
+pub fn simulated_bytes(sim: &legion_planner::simulate::Simulation) -> u64 {
+    use legion_planner::simulate::TaskKind;
+    sim.tasks
+        .iter()
+        .filter(|t| {
+            matches!(
+                t.kind,
+                TaskKind::Copy | TaskKind::GradientCopy | TaskKind::Sync
+            )
+        })
+        .map(|t| t.bytes)
+        .sum()
+}
+
 /// Largest |a − b| over the largest |b|, per tensor.
 pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);

@@ -204,33 +204,23 @@ pub(super) fn sync_slice(
     // Every replica's gradient of every block, on shared lanes, in the order and at the times
     // its messages would leave; then, right after it (as the transfer's successors), the moment
     // each owner has its own.
-    let mut owner_arrived = vec![None; blocks.len()];
-    if shared_lanes {
-        let gather = *gathers;
-        *gathers += 1;
-        let owners: Arc<[DeviceId]> = blocks.iter().map(|&(_, o)| o).collect();
-        let bytes: Arc<[u64]> = block_bytes.iter().copied().collect();
-        let mut senders = Vec::with_capacity(devices.len());
-        for (i, &r) in devices.iter().enumerate() {
-            let transfer = CollectiveTransfer::GatherFrom {
-                gather,
-                sender: r,
-                sender_index: i as u32,
-                owners: owners.clone(),
-                bytes: bytes.clone(),
-                gathered: partial,
-            };
-            let names = || format!("{} grads {r} →", name());
-            senders.push(tasks.push_collective(transfer, names, &[ready(r)]));
+    let owner_arrived = match shared_lanes {
+        true => {
+            let owners: Arc<[DeviceId]> = blocks.iter().map(|&(_, o)| o).collect();
+            let hops = vec![owners; devices.len()];
+            gather_on_lanes(
+                tasks,
+                gathers,
+                name,
+                devices,
+                &hops,
+                &block_bytes,
+                partial,
+                ready,
+            )
         }
-        let done = CollectiveTransfer::GatherDone { gather };
-        let names = || format!("{} grads sent", name());
-        let done = tasks.push_collective(done, names, &senders);
-        for (j, (_, o)) in blocks.iter().enumerate() {
-            let names = || format!("{} grads arrived at {o}", name());
-            owner_arrived[j] = Some(tasks.push(JOIN, names, &[done]));
-        }
-    }
+        false => vec![None; blocks.len()],
+    };
     let mut updates = Vec::with_capacity(blocks.len());
     let mut outward = Vec::new();
     for (j, ((_, owner), &bytes)) in blocks.iter().zip(&block_bytes).enumerate() {
@@ -265,21 +255,12 @@ pub(super) fn sync_slice(
     let all_updated = join(tasks, || format!("{} updated", name()), &updates);
     let inboxes = values.tasks(tasks, all_updated, &|| format!("{} values", name()));
     if partial {
-        let all_arrived = (!outward.is_empty())
-            .then(|| join(tasks, || format!("{} values sent", name()), &outward));
-        for &r in devices {
-            let into = total - owned[r];
-            if into > 0 {
-                let deps: Vec<usize> = inboxes[r].into_iter().chain(all_arrived).collect();
-                let deps = if deps.is_empty() {
-                    vec![all_updated]
-                } else {
-                    deps
-                };
-                let store = || format!("store {} on {r}", name());
-                move_task(tasks, machine, store, r, into, &deps);
-            }
-        }
+        let received = Received {
+            inboxes: &[&inboxes],
+            sent: &outward,
+            otherwise: all_updated,
+        };
+        store_received(tasks, machine, name, devices, total, &owned, received);
     }
 }
 
@@ -515,24 +496,47 @@ pub(super) fn sync_relayed_slice(
     let second_values = values.tasks(tasks, all_forwarded, &|| format!("{} relayed", name()));
     if partial {
         let sent: Vec<usize> = outward.iter().flatten().copied().chain(onward).collect();
-        let all_arrived =
-            (!sent.is_empty()).then(|| join(tasks, || format!("{} values sent", name()), &sent));
-        for &r in devices {
-            let into = total - owned[r];
-            if into > 0 {
-                let deps: Vec<usize> = first_values[r]
-                    .into_iter()
-                    .chain(second_values[r])
-                    .chain(all_arrived)
-                    .collect();
-                let deps = if deps.is_empty() {
-                    vec![all_forwarded]
-                } else {
-                    deps
-                };
-                let store = || format!("store {} on {r}", name());
-                move_task(tasks, machine, store, r, into, &deps);
+        let received = Received {
+            inboxes: &[&first_values, &second_values],
+            sent: &sent,
+            otherwise: all_forwarded,
+        };
+        store_received(tasks, machine, name, devices, total, &owned, received);
+    }
+}
+
+/// What a slice's new values arrive by: per device, its inbox tasks over private links (one per
+/// leg); the values' transfers on shared lanes; and the task after which they were all sent,
+/// for a device that gets them over neither.
+struct Received<'a> {
+    inboxes: &'a [&'a [Option<usize>]],
+    sent: &'a [usize],
+    otherwise: usize,
+}
+
+/// Each device's store of the new values of the blocks it does not own (of `total` bytes; it
+/// owns `owned[d]`) into its whole slice, once they have arrived.
+fn store_received(
+    tasks: &mut impl TaskSink,
+    machine: &MachineModel,
+    name: &dyn Fn() -> String,
+    devices: &[DeviceId],
+    total: u64,
+    owned: &[u64],
+    received: Received<'_>,
+) {
+    let all_sent = (!received.sent.is_empty())
+        .then(|| join(tasks, || format!("{} values sent", name()), received.sent));
+    for &r in devices {
+        let into = total - owned[r];
+        if into > 0 {
+            let mut deps: Vec<usize> = received.inboxes.iter().filter_map(|i| i[r]).collect();
+            deps.extend(all_sent);
+            if deps.is_empty() {
+                deps.push(received.otherwise);
             }
+            let store = || format!("store {} on {r}", name());
+            move_task(tasks, machine, store, r, into, &deps);
         }
     }
 }
@@ -560,9 +564,10 @@ fn add_per_link(
     per_link.iter().map(|&(_, b)| b).sum()
 }
 
-/// One gather on shared lanes: sender `senders[i]` sends block `j` (`bytes[j]`) to `hops[i][j]`
-/// (nothing where that is itself) once `ready(sender)`; returns, per block, the moment every
-/// message of it has arrived.
+/// One gather on shared lanes, in the order and at the times its messages would leave: sender
+/// `senders[i]` sends block `j` (`bytes[j]`) to `hops[i][j]` (nothing where that is itself) once
+/// `ready(sender)`. Returns, per block, the moment every message of it has arrived (the
+/// transfer's successors, right after it).
 #[allow(clippy::too_many_arguments)]
 fn gather_on_lanes(
     tasks: &mut impl TaskSink,
@@ -593,7 +598,13 @@ fn gather_on_lanes(
     let done = CollectiveTransfer::GatherDone { gather };
     let done = tasks.push_collective(done, || format!("{} grads sent", name()), &sent);
     (0..bytes.len())
-        .map(|j| Some(tasks.push(JOIN, || format!("{} block {j} arrived", name()), &[done])))
+        .map(|j| {
+            Some(tasks.push(
+                JOIN,
+                || format!("{} grads of block {j} arrived", name()),
+                &[done],
+            ))
+        })
         .collect()
 }
 

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests that run the `legion-rs` binary.
 #![allow(dead_code)]
 
+use legion_ops::checkpoint::NamedTensor;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Output};
 use std::time::{Duration, Instant};
@@ -120,20 +121,31 @@ pub fn assert_same_tensors(a: &Path, b: &Path) {
     let b = legion_ops::checkpoint::load(b).unwrap();
     assert_eq!(a.tensors.len(), b.tensors.len());
     for (x, y) in a.tensors.iter().zip(&b.tensors) {
-        assert_eq!(x.name, y.name);
-        let scale = y.data.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-        let diff = x
-            .data
-            .iter()
-            .zip(&y.data)
-            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-        assert!(
-            diff / scale <= 1e-4,
-            "{} differs by {:e}",
-            x.name,
-            diff / scale
-        );
+        let d = difference(x, y);
+        assert!(d <= 1e-4, "{} differs by {d:e}", x.name);
     }
+}
+
+/// The largest difference between two tensors of one name, relative to the largest magnitude of
+/// `y`'s.
+pub fn difference(x: &NamedTensor, y: &NamedTensor) -> f32 {
+    assert_eq!(x.name, y.name);
+    let scale = y.data.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+    let diff = x
+        .data
+        .iter()
+        .zip(&y.data)
+        .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    diff / scale
+}
+
+/// The largest [`difference`] between two checkpoints' tensors (weights and momentum).
+pub fn largest_difference(a: &[NamedTensor], b: &[NamedTensor]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| difference(x, y))
+        .fold(0.0, f32::max)
 }
 
 /// `legion-rs train MODEL --steps 0 --save PATH`: the seeded initial weights as a checkpoint.
