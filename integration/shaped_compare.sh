@@ -5,8 +5,13 @@
 # that cluster for each model, then `down`. Every namespace, veth and the bridge are removed on
 # exit, whatever happens. Needs root and iproute2.
 #
+# With --ddp, PyTorch DistributedDataParallel (gloo, integration/ddp_peer.py under torchrun) then
+# trains each model on the same namespaces and links, with 1 and with D ranks per host, and a
+# side-by-side table of both systems' steps follows (DIR/<model>.side-by-side.md). torch and
+# torchvision come from LEGION_TORCH_PATH (a pip --target directory) or the python3 in PATH.
+#
 # Usage: integration/shaped_compare.sh [--hosts N] [--devices-per-host D] [--rate 1gbit]
-#            [--steps S] [--out DIR] [MODEL:IMAGE_SIZE:BATCH ...]
+#            [--steps S] [--out DIR] [--ddp] [MODEL:IMAGE_SIZE:BATCH ...]
 #   default models: alexnet:224:32 inception_v3:75:8
 #   build first: cargo build --release -p legion-cli -p legion-examples
 # Writes DIR/<model>.txt (the table), DIR/<model>.svg and each strategy's measured and simulated
@@ -14,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-HOSTS=2 DEVICES=2 RATE=1gbit STEPS=3 OUT=target/shaped
+HOSTS=2 DEVICES=2 RATE=1gbit STEPS=3 OUT=target/shaped DDP=0
 MODELS=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -23,7 +28,8 @@ while [ $# -gt 0 ]; do
         --rate) RATE=$2; shift 2 ;;
         --steps) STEPS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
-        -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+        --ddp) DDP=1; shift ;;
+        -h|--help) sed -n 2,19p "$0"; exit 0 ;;
         *) MODELS+=("$1"); shift ;;
     esac
 done
@@ -33,6 +39,13 @@ for b in "$BIN" target/release/alexnet; do
     [ -x "$b" ] || { echo "$b is missing: cargo build --release -p legion-cli -p legion-examples" >&2; exit 1; }
 done
 [ "$(id -u)" = 0 ] || { echo "needs root (network namespaces)" >&2; exit 1; }
+TORCH_PATH=${LEGION_TORCH_PATH:-}
+if [ "$DDP" = 1 ]; then
+    PYTHONPATH=$TORCH_PATH python3 -c "import torch, torchvision" 2>/dev/null || {
+        echo "--ddp needs torch and torchvision: set LEGION_TORCH_PATH to a pip --target directory" >&2
+        exit 1
+    }
+fi
 
 TAG=$$
 SUBNET=$((TAG % 250))
@@ -41,6 +54,7 @@ mkdir -p "$OUT"
 STATE=$(mktemp -d)
 HOSTS_FILE=$STATE/hosts.toml
 NAMESPACES=()
+INNER=()
 
 cleanup() {
     "$BIN" down "$HOSTS_FILE" --state "$STATE/state" >/dev/null 2>&1 || true
@@ -58,6 +72,7 @@ for i in $(seq 0 $((HOSTS - 1))); do
     ns=lgn$((TAG % 100000))-$i outer=lga$((TAG % 100000))-$i inner=lgc$((TAG % 100000))-$i
     ip netns add "$ns"
     NAMESPACES+=("$ns")
+    INNER+=("$inner")
     ip link add "$outer" type veth peer name "$inner"
     ip link set "$outer" master "$BRIDGE" up
     ip link set "$inner" netns "$ns"
@@ -86,4 +101,44 @@ for spec in "${MODELS[@]}"; do
     args=(--cluster "$HOSTS_FILE" --state "$STATE/state" --image-size "$size" --batch "$batch"
           --steps "$STEPS" --compare --chart "$OUT/$model.svg" --trace "$OUT/$model-traces")
     "$cargo_bin" "${args[@]}" | tee "$OUT/$model.txt"
+    [ "$DDP" = 1 ] || continue
+    params=$(sed -n 's/.* classes, \([0-9]*\) parameters.*/\1/p' "$OUT/$model.txt" | head -n 1)
+    : > "$OUT/$model.ddp.jsonl"
+    for ranks in $(printf '%s\n' 1 "$DEVICES" | sort -un); do
+        echo "PyTorch DDP (gloo), $ranks rank(s) per host" >&2
+        pids=()
+        for i in $(seq 0 $((HOSTS - 1))); do
+            ip netns exec "${NAMESPACES[$i]}" env PYTHONPATH="$TORCH_PATH" \
+                GLOO_SOCKET_IFNAME="${INNER[$i]}" python3 -m torch.distributed.run \
+                --nnodes "$HOSTS" --nproc-per-node "$ranks" --node-rank "$i" \
+                --master-addr "10.79.$SUBNET.2" --master-port $((29500 + TAG % 1000)) \
+                integration/ddp_peer.py "$spec" --steps "$STEPS" --warmup 2 --expect-params "$params" \
+                >> "$OUT/$model.ddp.jsonl" 2> "$STATE/ddp-$i.log" &
+            pids+=($!)
+        done
+        for p in "${pids[@]}"; do
+            wait "$p" || { cat "$STATE"/ddp-*.log >&2; echo "DDP with $ranks rank(s) per host failed" >&2; exit 1; }
+        done
+    done
+    python3 - "$OUT/$model.txt" "$OUT/$model.ddp.jsonl" "$HOSTS" "$DEVICES" "$RATE" \
+        > "$OUT/$model.side-by-side.md" <<'PY'
+import json, re, sys
+legion, ddp, hosts, devices, rate = sys.argv[1:]
+peers = [json.loads(line) for line in open(ddp) if line.startswith("{")]
+best = min(p["median_ms"] for p in peers)
+print(f"| system / strategy ({hosts} hosts, {rate} links) | step (median) | moved per step | vs best DDP |")
+print("|---|---:|---:|---:|")
+for p in sorted(peers, key=lambda p: p["ranks_per_host"]):
+    print(f"| PyTorch {p['torch'].split('+')[0]} DDP (gloo), {p['ranks_per_host']} rank(s) per host, "
+          f"{p['threads_per_rank']} thread(s) each | {p['median_ms']:,.0f} ms | ring all-reduce of "
+          f"{p['param_bytes'] / 1e6:,.0f} MB of gradients | {best / p['median_ms']:.2f}x |")
+row = re.compile(r"^(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+ [KMGT]?i?B)\s")
+for line in open(legion):
+    m = row.match(line)
+    if m:
+        ms = float(m.group(2))
+        print(f"| legion-rs `{m.group(1)}`, {hosts} hosts x {devices} devices | {ms:,.0f} ms | "
+              f"{m.group(4)} | {best / ms:.2f}x |")
+PY
+    cat "$OUT/$model.side-by-side.md"
 done
