@@ -21,6 +21,7 @@
 
 use legion_ops::Precision;
 use legion_ops::Rect;
+use legion_ops::data::{ImageShape, Normalization};
 use legion_runtime::Buffer;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
@@ -229,7 +230,7 @@ pub struct NicMeasurement {
 /// images of `image_samples`, the labels of `label_samples`.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
 pub struct StepSamples {
-    pub images: Vec<f32>,
+    pub images: SampleImages,
     pub image_samples: Range<u64>,
     pub labels: Vec<u32>,
     pub label_samples: Range<u64>,
@@ -372,6 +373,80 @@ pub fn decode(bytes: &[u8]) -> Result<Control, ControlError> {
     rkyv::from_bytes::<Control, rancor::Error>(&aligned).map_err(|e| ControlError(e.to_string()))
 }
 
+/// The images of [`StepSamples`]: the values the devices read, or the bytes of 8-bit images and
+/// the per-channel map that makes them those values (a quarter of the size on the network).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub enum SampleImages {
+    Values(Vec<f32>),
+    Bytes {
+        bytes: Vec<u8>,
+        /// `[C, H, W]` of each image.
+        image: [u32; 3],
+        scale: [f32; 3],
+        offset: [f32; 3],
+    },
+}
+
+impl SampleImages {
+    /// No images (a worker whose devices read none).
+    pub fn none() -> SampleImages {
+        SampleImages::Values(Vec::new())
+    }
+
+    /// Bytes of images: `bytes` of images of shape `image`, made values by `normalization`.
+    pub fn bytes(bytes: Vec<u8>, image: ImageShape, normalization: &Normalization) -> SampleImages {
+        let (scale, offset) = normalization.affine();
+        SampleImages::Bytes {
+            bytes,
+            image: image.map(|d| u32::try_from(d).unwrap_or(u32::MAX)),
+            scale,
+            offset,
+        }
+    }
+
+    /// The values, whose count the caller checks; bytes from the network are refused where
+    /// their shape or map is impossible, or is not the model's (`per_sample` values an image).
+    pub fn into_values(self, per_sample: usize) -> anyhow::Result<Vec<f32>> {
+        match self {
+            SampleImages::Values(values) => Ok(values),
+            SampleImages::Bytes {
+                bytes,
+                image,
+                scale,
+                offset,
+            } => {
+                let image = image.map(|d| d as usize);
+                let [channels, height, width] = image;
+                let values = channels
+                    .checked_mul(height)
+                    .and_then(|v| v.checked_mul(width));
+                anyhow::ensure!(
+                    matches!(channels, 1 | 3) && values == Some(per_sample),
+                    "images of {channels}x{height}x{width} bytes, where the model reads \
+                     {per_sample} values a sample"
+                );
+                anyhow::ensure!(
+                    bytes.len().is_multiple_of(per_sample.max(1)),
+                    "{} image bytes are not whole images of {per_sample}",
+                    bytes.len()
+                );
+                let normalization = Normalization::from_affine(scale, offset)?;
+                let mut out = vec![0.0; bytes.len()];
+                normalization.values_of(image, &bytes, &mut out);
+                Ok(out)
+            }
+        }
+    }
+
+    /// Bytes the images take.
+    pub fn len_bytes(&self) -> usize {
+        match self {
+            SampleImages::Values(values) => 4 * values.len(),
+            SampleImages::Bytes { bytes, .. } => bytes.len(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,7 +460,7 @@ mod tests {
             Control::Step {
                 step: 7,
                 samples: Some(StepSamples {
-                    images: vec![1.0, -2.5, f32::MAX],
+                    images: SampleImages::Values(vec![1.0, -2.5, f32::MAX]),
                     image_samples: 2..5,
                     labels: vec![3, 0],
                     label_samples: 4..6,
@@ -402,7 +477,12 @@ mod tests {
             Control::Stage {
                 step: 8,
                 samples: StepSamples {
-                    images: Vec::new(),
+                    images: SampleImages::Bytes {
+                        bytes: vec![0, 255, 7],
+                        image: [1, 1, 3],
+                        scale: [0.5, 1.0, 1.0],
+                        offset: [-1.0, 0.0, 0.0],
+                    },
                     image_samples: 0..0,
                     labels: vec![1],
                     label_samples: 3..4,
@@ -411,7 +491,7 @@ mod tests {
             Control::Infer {
                 run: 3,
                 samples: StepSamples {
-                    images: vec![0.5; 6],
+                    images: SampleImages::Values(vec![0.5; 6]),
                     image_samples: 0..2,
                     labels: Vec::new(),
                     label_samples: 0..0,
@@ -540,6 +620,38 @@ mod tests {
             ..at
         };
         assert_eq!(inverted.rect(2), None);
+    }
+
+    #[test]
+    fn image_bytes_become_their_values_and_impossible_ones_are_refused() {
+        let normalization = Normalization::new([0.5, 0.4, 0.3], [0.2, 0.25, 0.5]);
+        let bytes: Vec<u8> = (0..24).map(|v| (v * 11) as u8).collect();
+        let mut expected = vec![0.0; 24];
+        normalization.values_of([3, 2, 2], &bytes, &mut expected);
+        let images = SampleImages::bytes(bytes.clone(), [3, 2, 2], &normalization);
+        assert_eq!(images.len_bytes(), 24);
+        assert_eq!(images.clone().into_values(12).unwrap(), expected);
+        // another model's image size, a partial image, a map no dataset makes
+        let err = images.into_values(16).unwrap_err().to_string();
+        assert!(err.contains("3x2x2") && err.contains("16"), "{err}");
+        let partial = SampleImages::bytes(bytes[..20].to_vec(), [3, 2, 2], &normalization);
+        let err = partial.into_values(12).unwrap_err().to_string();
+        assert!(err.contains("20 image bytes"), "{err}");
+        let nan = SampleImages::Bytes {
+            bytes,
+            image: [3, 2, 2],
+            scale: [f32::NAN, 1.0, 1.0],
+            offset: [0.0; 3],
+        };
+        let err = nan.into_values(12).unwrap_err().to_string();
+        assert!(err.contains("finite"), "{err}");
+        let huge = SampleImages::Bytes {
+            bytes: Vec::new(),
+            image: [3, u32::MAX, u32::MAX],
+            scale: [1.0; 3],
+            offset: [0.0; 3],
+        };
+        assert!(huge.into_values(12).is_err());
     }
 
     #[test]

@@ -4,11 +4,11 @@
 //! knowing which it is.
 
 use crate::hosts::Hosts;
-use crate::remote::RemoteCluster;
+use crate::remote::{Images, RemoteCluster};
 use legion_ops::backend::Pipeline;
 use legion_ops::backend::cpu::{Cpu, CpuStream};
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
-use legion_ops::data::SyntheticBatch;
+use legion_ops::data::{ByteImages, SyntheticBatch};
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{BatchInput, LossReadback, Sgd, StepStats, Trainer, TrainingState};
 use legion_ops::{Graph, Precision};
@@ -71,8 +71,11 @@ pub struct JobStart<'a> {
 
 /// One step's batch.
 pub struct StepBatch<'a> {
-    /// Empty where the batch is `synthetic`.
+    /// Empty where the batch is `synthetic` or `bytes`.
     pub images: Vec<f32>,
+    /// The images as their bytes, for a cluster's workers to make values (other engines make
+    /// them values here).
+    pub bytes: Option<ByteImages>,
     pub labels: Vec<u32>,
     /// The batch described for the device to draw, instead of `images` (only the one-device
     /// trainer on a GPU is given such batches).
@@ -88,16 +91,28 @@ pub struct StepBatch<'a> {
 #[derive(Clone, Copy, Debug)]
 pub enum NextBatch<'a> {
     Images(&'a [f32], &'a [u32]),
+    Bytes(&'a ByteImages, &'a [u32]),
     Synthetic(&'a SyntheticBatch),
 }
 
 impl<'a> NextBatch<'a> {
     /// The images and labels, where they are in host memory.
-    pub fn images(self) -> Option<(&'a [f32], &'a [u32])> {
+    pub fn images(self) -> Option<(Images<'a>, &'a [u32])> {
         match self {
-            NextBatch::Images(images, labels) => Some((images, labels)),
+            NextBatch::Images(images, labels) => Some((Images::Values(images), labels)),
+            NextBatch::Bytes(bytes, labels) => Some((Images::Bytes(bytes), labels)),
             NextBatch::Synthetic(_) => None,
         }
+    }
+}
+
+impl StepBatch<'_> {
+    /// Its images as values, where they came as bytes.
+    fn with_values(mut self) -> Self {
+        if let Some(bytes) = self.bytes.take() {
+            self.images = bytes.values();
+        }
+        self
     }
 }
 
@@ -156,6 +171,12 @@ pub trait Engine {
     /// Whether steps are recorded and replayed, where the engine records them itself (the
     /// one-device trainer).
     fn capture_status(&self) -> Option<CaptureStatus> {
+        None
+    }
+
+    /// Bytes of the messages that carried the steps' samples to other processes so far, where
+    /// the engine sends them there (a cluster's workers).
+    fn input_bytes_sent(&self) -> Option<u64> {
         None
     }
 }
@@ -260,9 +281,18 @@ impl<B: Pipeline> Engine for Trainer<B> {
         if batch.trace {
             self.trace_next_step();
         }
+        let batch = batch.with_values();
+        let next_values = match batch.next {
+            Some(NextBatch::Bytes(bytes, _)) => bytes.values(),
+            _ => Vec::new(),
+        };
         // The next batch is staged on the device while this step computes.
         let next = batch.next.map(|next| match next {
             NextBatch::Images(images, labels) => BatchInput::Images { images, labels },
+            NextBatch::Bytes(_, labels) => BatchInput::Images {
+                images: &next_values,
+                labels,
+            },
             NextBatch::Synthetic(described) => BatchInput::Synthetic(described),
         });
         let this = match &batch.synthetic {
@@ -328,6 +358,7 @@ impl Engine for EmbeddedCluster {
     ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
         host_images(&batch)?;
         // Every device is in this process: there is nothing to deliver ahead.
+        let batch = batch.with_values();
         let r = EmbeddedCluster::step(self, batch.images, batch.labels, batch.trace)?;
         Ok((Some(r.stats), r.reports))
     }
@@ -356,7 +387,11 @@ impl Engine for RemoteCluster {
     ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
         host_images(&batch)?;
         let next = batch.next.and_then(NextBatch::images);
-        let r = RemoteCluster::step(self, &batch.images, &batch.labels, next, batch.trace)?;
+        let images = match &batch.bytes {
+            Some(bytes) => Images::Bytes(bytes),
+            None => Images::Values(&batch.images),
+        };
+        let r = RemoteCluster::step(self, images, &batch.labels, next, batch.trace)?;
         Ok((Some(r.stats), r.reports))
     }
 
@@ -374,5 +409,9 @@ impl Engine for RemoteCluster {
 
     fn plan(&self) -> Option<&StepPlan> {
         Some(RemoteCluster::plan(self))
+    }
+
+    fn input_bytes_sent(&self) -> Option<u64> {
+        Some(RemoteCluster::input_bytes_sent(self))
     }
 }

@@ -9,7 +9,8 @@
 //! and that its connection is open, and fails naming the first one that is not.
 
 use crate::control::{
-    self, Control, JobHost, JobSpec, PeerAddress, Piece, PieceData, PieceRef, StepSamples,
+    self, Control, JobHost, JobSpec, PeerAddress, Piece, PieceData, PieceRef, SampleImages,
+    StepSamples,
 };
 use crate::hosts::{Host, Hosts};
 use crate::net::quic::{
@@ -18,6 +19,7 @@ use crate::net::quic::{
 use crate::net::tls::{NodeIdentity, node_name};
 use crate::worker::HEARTBEAT_INTERVAL;
 use anyhow::{Context as _, bail};
+use legion_ops::data::ByteImages;
 use legion_ops::partition::ParallelConfig;
 use legion_ops::strategy::Strategy;
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
@@ -358,6 +360,17 @@ pub struct RemoteCluster {
     inference_runs: u64,
     /// The rate the next steps update at, where a schedule set one.
     lr: Option<f32>,
+    /// Bytes of the messages that carried the steps' samples, staged ones included.
+    input_bytes_sent: u64,
+}
+
+/// A step's images, as the caller holds them.
+#[derive(Clone, Copy, Debug)]
+pub enum Images<'a> {
+    /// `N·C·H·W` values.
+    Values(&'a [f32]),
+    /// Their bytes: a quarter of the values' size, made values on the workers.
+    Bytes(&'a ByteImages),
 }
 
 impl RemoteCluster {
@@ -476,6 +489,7 @@ impl RemoteCluster {
             next_step: state.step,
             inference_runs: 0,
             lr: None,
+            input_bytes_sent: 0,
         })
     }
 
@@ -486,25 +500,62 @@ impl RemoteCluster {
     /// Checks a whole batch and cuts it into what each worker's devices read: under data
     /// parallelism a worker's share of the batch, under model parallelism nothing unless it holds
     /// the input or the loss layer.
-    fn split(&self, images: &[f32], labels: &[u32]) -> anyhow::Result<Vec<StepSamples>> {
+    fn split(&self, images: Images<'_>, labels: &[u32]) -> anyhow::Result<Vec<StepSamples>> {
         let batch = self.graph.batch();
+        let per_sample = self.graph.layer(self.graph.input()).shape.numel() / batch.max(1);
         let all = SamplesRead {
             images: 0..batch,
             labels: 0..batch,
         };
-        check_batch(&self.graph, &BatchView::whole(images, labels, batch), &all)?;
-        let per_sample = images.len() / batch.max(1);
+        match images {
+            Images::Values(values) => {
+                check_batch(&self.graph, &BatchView::whole(values, labels, batch), &all)?;
+            }
+            Images::Bytes(b) => {
+                // the values' own checks, with the labels: their count and classes
+                let labels_only = SamplesRead {
+                    images: 0..0,
+                    labels: 0..batch,
+                };
+                let view = BatchView {
+                    images: &[],
+                    image_samples: 0..0,
+                    labels,
+                    label_samples: 0..batch,
+                };
+                check_batch(&self.graph, &view, &labels_only)?;
+                let [c, h, w] = b.image;
+                anyhow::ensure!(
+                    c * h * w == per_sample && b.bytes.len() == batch * per_sample,
+                    "a batch of {} image bytes of {c}x{h}x{w}, where the model reads {batch} \
+                     samples of {per_sample} values",
+                    b.bytes.len()
+                );
+            }
+        }
         Ok(self
             .samples
             .iter()
-            .map(|read| StepSamples {
-                images: images[read.images.start * per_sample..read.images.end * per_sample]
-                    .to_vec(),
-                image_samples: read.images.start as u64..read.images.end as u64,
-                labels: labels[read.labels.clone()].to_vec(),
-                label_samples: read.labels.start as u64..read.labels.end as u64,
+            .map(|read| {
+                let values = read.images.start * per_sample..read.images.end * per_sample;
+                StepSamples {
+                    images: match images {
+                        Images::Values(v) => SampleImages::Values(v[values].to_vec()),
+                        Images::Bytes(b) => {
+                            SampleImages::bytes(b.bytes[values].to_vec(), b.image, &b.normalization)
+                        }
+                    },
+                    image_samples: read.images.start as u64..read.images.end as u64,
+                    labels: labels[read.labels.clone()].to_vec(),
+                    label_samples: read.labels.start as u64..read.labels.end as u64,
+                }
             })
             .collect())
+    }
+
+    /// Bytes of the steps' and staged batches' messages sent to the workers so far.
+    pub fn input_bytes_sent(&self) -> u64 {
+        self.input_bytes_sent
     }
 
     /// The learning rate of the steps from the next on (a schedule's), instead of the job's.
@@ -518,9 +569,9 @@ impl RemoteCluster {
     /// batch then overlaps computing the one before.
     pub fn step(
         &mut self,
-        images: &[f32],
+        images: Images<'_>,
         labels: &[u32],
-        next: Option<(&[f32], &[u32])>,
+        next: Option<(Images<'_>, &[u32])>,
         trace: bool,
     ) -> anyhow::Result<StepResult> {
         let step = self.next_step;
@@ -557,6 +608,11 @@ impl RemoteCluster {
             })
             .unwrap_or_default();
         self.staged = (!stages.is_empty()).then_some(step + 1);
+        self.input_bytes_sent += requests
+            .iter()
+            .chain(&stages)
+            .map(|m| m.len() as u64)
+            .sum::<u64>();
         let n = self.ranges.len();
         let client = &self.client;
         let mut reports = client.runtime.block_on(async {
@@ -634,7 +690,7 @@ impl RemoteCluster {
         let run = self.inference_runs;
         self.inference_runs += 1;
         let requests: Vec<Vec<u8>> = self
-            .split(images, &labels)?
+            .split(Images::Values(images), &labels)?
             .into_iter()
             .map(|samples| {
                 control::encode(&Control::Infer {

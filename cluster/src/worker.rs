@@ -726,7 +726,7 @@ async fn step_input(
     };
     let input = StepInput {
         step,
-        images: samples.images,
+        images: samples.images.into_values(values_per_sample(graph))?,
         image_samples: as_usize(samples.image_samples),
         labels: samples.labels,
         label_samples: as_usize(samples.label_samples),
@@ -734,6 +734,11 @@ async fn step_input(
     };
     check_batch(graph, &input.view(), needed)?;
     Ok(input)
+}
+
+/// Values of one sample of the model's input.
+fn values_per_sample(graph: &Graph) -> usize {
+    graph.layer(graph.input()).shape.numel() / graph.batch().max(1)
 }
 
 /// `input` at the step's learning rate, refused where the bytes say something no SGD step takes.
@@ -859,19 +864,27 @@ impl Job {
                     images: self.samples.images.clone(),
                     labels: 0..0,
                 };
-                let input = StepInput {
-                    step: run,
-                    images: samples.images,
-                    image_samples: as_usize(samples.image_samples),
-                    labels: Vec::new(),
-                    label_samples: 0..0,
-                    lr: None,
-                };
-                let checked = check_batch(&self.graph, &input.view(), &images_only);
+                let checked = samples
+                    .images
+                    .into_values(values_per_sample(&self.graph))
+                    .and_then(|images| {
+                        let input = StepInput {
+                            step: run,
+                            images,
+                            image_samples: as_usize(samples.image_samples),
+                            labels: Vec::new(),
+                            label_samples: 0..0,
+                            lr: None,
+                        };
+                        check_batch(&self.graph, &input.view(), &images_only)?;
+                        Ok(input)
+                    });
                 tokio::spawn(async move {
                     let answer = match checked {
-                        Ok(()) => step_answer(&devices, Part::Inference, run, input, false).await,
-                        Err(e) => failed(e.into()),
+                        Ok(input) => {
+                            step_answer(&devices, Part::Inference, run, input, false).await
+                        }
+                        Err(e) => failed(e),
                     };
                     reply(&conn, &answer).await;
                 });
@@ -967,10 +980,11 @@ impl Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::SampleImages;
 
     fn samples(label: u32) -> StepSamples {
         StepSamples {
-            images: Vec::new(),
+            images: SampleImages::none(),
             image_samples: 0..0,
             labels: vec![label],
             label_samples: 0..1,

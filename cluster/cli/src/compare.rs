@@ -167,6 +167,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     // delivers it while the step before runs, as training does.
     let batch = |trace| StepBatch {
         images: images.clone(),
+        bytes: None,
         labels: labels.clone(),
         synthetic: None,
         next: Some(NextBatch::Images(&images, &labels)),

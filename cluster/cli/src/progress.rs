@@ -236,6 +236,7 @@ impl Printer {
                        "recoveries": summary.recoveries.iter().map(recovered_json).collect::<Vec<_>>(),
                        "rejoins": summary.rejoins.iter().map(rejoined_json).collect::<Vec<_>>(),
                        "snapshots": summary.snapshots.0, "snapshot_s": summary.snapshots.1,
+                       "input_bytes_per_step": summary.input_bytes_per_step,
                        "validation": summary.validation.last().map(|e| json!({
                            "step": e.step, "top1": e.accuracy.top1, "top5": e.accuracy.top5,
                            "loss": e.accuracy.loss, "samples": e.accuracy.samples})),

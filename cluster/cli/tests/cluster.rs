@@ -144,6 +144,58 @@ fn up_train_down_on_three_workers_equals_one_device() {
     train_from(&[], &lenet, "9", &lenet_init, &lenet_single);
     assert_same_tensors(&verified, &lenet_single);
 
+    // A folder of photographs under torchvision's training recipe (random resized crops and
+    // flips): the driver sends each worker its samples as 8-bit images, which the workers make
+    // values, so the workers train what one device trains on the same files; what a step's
+    // samples took to the workers is measured: their bytes, not their values' four times that.
+    let images = cluster.path("images");
+    for class in 0..2u32 {
+        let folder = images.join(format!("class{class}"));
+        std::fs::create_dir_all(&folder).unwrap();
+        for i in 0..8u32 {
+            let (w, h) = (30 + 3 * i, 26 + 2 * (i % 3));
+            image::RgbImage::from_fn(w, h, |x, y| {
+                image::Rgb([
+                    (x * 8) as u8,
+                    (y * 9 + 40 * class) as u8,
+                    ((x ^ y) * 5) as u8,
+                ])
+            })
+            .save(folder.join(format!("{i}.png")))
+            .unwrap();
+        }
+    }
+    let data = format!("folder:{}", images.display());
+    let photos = [
+        "--model",
+        "lenet5",
+        "--batch",
+        "8",
+        "--classes",
+        "2",
+        "--data",
+        &data,
+    ];
+    let photos_init = cluster.path("photos-init.safetensors");
+    init_checkpoint(&photos_init, &photos);
+    let photos_workers = cluster.path("photos-cluster.safetensors");
+    let engine = [
+        cluster.engine().as_slice(),
+        &["--strategy", "data", "--json"],
+    ]
+    .concat();
+    let out = train_from(&engine, &photos, "4", &photos_init, &photos_workers);
+    let summary = summary_of(&String::from_utf8_lossy(&out.stdout));
+    let photos_single = cluster.path("photos-single.safetensors");
+    train_from(&[], &photos, "4", &photos_init, &photos_single);
+    assert_same_tensors(&photos_workers, &photos_single);
+    let sent = summary["input_bytes_per_step"].as_f64().unwrap();
+    let pixels = (8 * 28 * 28) as f64;
+    assert!(
+        sent >= pixels && sent < 1.25 * pixels,
+        "a step's samples took {sent} bytes to the workers, its images are {pixels} bytes"
+    );
+
     // bf16 on the workers: the job carries its precision, so they plan and compute in bf16 (bf16
     // slices over QUIC) and train what 4 embedded devices train in bf16 under the same strategy,
     // and not what fp32 trains. Not bit for bit: w1 and w2 share a host, whose relay sums their

@@ -174,7 +174,7 @@ impl Dataset for Cifar10 {
     }
 
     fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
-        check_sample_args(self, index, out)?;
+        check_sample_args(self, index, out.len())?;
         let record = self.record(index);
         let (label, planes) = (record[0], &record[1..]);
         let [_, height, width] = self.image;

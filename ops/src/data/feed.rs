@@ -78,6 +78,7 @@ impl FeedShape {
         }
         Ok(Batch {
             images: fed.images,
+            bytes: None,
             synthetic: None,
             labels: fed.labels,
             indices: (0..self.batch).collect(),

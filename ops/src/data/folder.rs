@@ -2,7 +2,7 @@
 //! ImageNet-style training sets. Class ids follow the sorted folder names; every file's header is
 //! read when the folder is opened, and images are decoded on demand.
 
-use super::transform::{Normalization, resample_into};
+use super::transform::{Normalization, Planes, resample_into};
 use super::{
     DataError, Dataset, ImageShape, OpenProgress, Transforms, check_photo_shape, check_sample_args,
 };
@@ -194,7 +194,7 @@ impl ImageFolder {
         path: &Path,
         index: usize,
         epoch: u64,
-        out: &mut [f32],
+        mut out: Planes<'_>,
     ) -> Result<(), DataError> {
         let io_err = |source| DataError::Io {
             path: path.to_path_buf(),
@@ -214,14 +214,7 @@ impl ImageFolder {
             let Some(size) = decode_jpeg(&bytes, channels, pixels).map_err(decode_error)? else {
                 return Ok(false);
             };
-            resample_into(
-                pixels,
-                size,
-                &draw(size),
-                self.image,
-                &self.normalization,
-                out,
-            )?;
+            resample_into(pixels, size, &draw(size), self.image, out.reborrow())?;
             Ok::<_, DataError>(true)
         })?;
         if done {
@@ -238,14 +231,7 @@ impl ImageFolder {
             3 => decoded.into_rgb8().into_raw(),
             _ => decoded.into_luma8().into_raw(),
         };
-        resample_into(
-            &pixels,
-            size,
-            &draw(size),
-            self.image,
-            &self.normalization,
-            out,
-        )
+        resample_into(&pixels, size, &draw(size), self.image, out)
     }
 }
 
@@ -429,9 +415,21 @@ impl Dataset for ImageFolder {
     }
 
     fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
-        check_sample_args(self, index, out)?;
+        check_sample_args(self, index, out.len())?;
         let (path, label) = &self.samples[index];
+        let out = Planes::Values(out, &self.normalization);
         self.decode_into(path, index, epoch, out)?;
+        Ok(*label)
+    }
+
+    fn byte_normalization(&self) -> Option<Normalization> {
+        Some(self.normalization)
+    }
+
+    fn sample_bytes(&self, index: usize, epoch: u64, out: &mut [u8]) -> Result<u32, DataError> {
+        check_sample_args(self, index, out.len())?;
+        let (path, label) = &self.samples[index];
+        self.decode_into(path, index, epoch, Planes::Bytes(out))?;
         Ok(*label)
     }
 
@@ -656,6 +654,91 @@ mod tests {
         let missing = dir.path().join("missing");
         let err = ImageFolder::open(&missing, [3, 4, 4]).err().unwrap();
         assert!(matches!(err, DataError::Io { .. }), "{err}");
+    }
+
+    /// Two classes of gradients (a crop or a flip changes every pixel): RGB PNG and JPEG, grey PNG.
+    fn gradient_folder() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (class, shift) in [("a", 0u32), ("b", 90)] {
+            let sub = dir.path().join(class);
+            fs::create_dir(&sub).unwrap();
+            for i in 0..3u32 {
+                let (w, h) = (23 + 5 * i, 17 + 3 * i);
+                let rgb = RgbImage::from_fn(w, h, |x, y| {
+                    Rgb([
+                        (x * 255 / w) as u8,
+                        (y * 255 / h) as u8,
+                        ((x + y + shift) % 256) as u8,
+                    ])
+                });
+                rgb.save(sub.join(format!("{i}.png"))).unwrap();
+                rgb.save_with_format(sub.join(format!("{i}.jpg")), image::ImageFormat::Jpeg)
+                    .unwrap();
+                GrayImage::from_fn(w, h, |x, y| Luma([((3 * x + y + shift) % 256) as u8]))
+                    .save(sub.join(format!("{i}_grey.png")))
+                    .unwrap();
+            }
+        }
+        dir
+    }
+
+    #[test]
+    fn a_samples_bytes_through_its_normalisation_are_its_values_bit_for_bit() {
+        let dir = gradient_folder();
+        for image in [[3, 12, 10], [1, 9, 9]] {
+            for transforms in [Transforms::TRAIN, Transforms::EVAL, Transforms::PLAIN] {
+                let ds = ImageFolder::open(dir.path(), image)
+                    .unwrap()
+                    .with(transforms, 5);
+                let normalization = ds.byte_normalization().unwrap();
+                let n = ds.sample_len();
+                let (mut values, mut bytes, mut from_bytes) =
+                    (vec![0.0; n], vec![0; n], vec![0.0; n]);
+                for epoch in 0..3 {
+                    for i in 0..ds.num_samples() {
+                        let label = ds.sample(i, epoch, &mut values).unwrap();
+                        assert_eq!(ds.sample_bytes(i, epoch, &mut bytes).unwrap(), label);
+                        normalization.values_of(image, &bytes, &mut from_bytes);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&from_bytes), bits(&values), "{image:?} {i} {epoch}");
+                    }
+                }
+            }
+        }
+        let cifar_like = crate::data::Synthetic::new(2, 4, 1, [3, 4, 4]).unwrap();
+        let err = cifar_like.sample_bytes(0, 0, &mut [0; 48]).unwrap_err();
+        assert!(err.to_string().contains("not 8-bit images"), "{err}");
+    }
+
+    #[test]
+    fn a_loader_of_bytes_gives_the_values_batches_a_replaced_sample_included() {
+        use crate::data::{Batch, Loader, LoaderConfig};
+        let dir = gradient_folder();
+        let ds: std::sync::Arc<dyn Dataset> = std::sync::Arc::new(
+            ImageFolder::open(dir.path(), [3, 8, 8])
+                .unwrap()
+                .with(Transforms::TRAIN, 3),
+        );
+        // a file gone after opening: its sample is replaced in both
+        fs::remove_file(dir.path().join("b/1.jpg")).unwrap();
+        let values = Loader::new(ds.clone(), LoaderConfig::new(4)).unwrap();
+        let config = LoaderConfig {
+            bytes: true,
+            ..LoaderConfig::new(4)
+        };
+        let bytes = Loader::new(ds, config).unwrap();
+        let a: Vec<Batch> = values.steps_until(0, 9).map(Result::unwrap).collect();
+        let b: Vec<Batch> = bytes.steps_until(0, 9).map(Result::unwrap).collect();
+        for (a, b) in a.iter().zip(&b) {
+            let got = b.bytes.as_ref().expect("bytes");
+            assert!(b.images.is_empty());
+            assert_eq!((&a.indices, &a.labels), (&b.indices, &b.labels));
+            assert_eq!(got.bytes.len(), a.images.len());
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.values()), bits(&a.images));
+        }
+        assert!(values.skipped().count > 0);
+        assert_eq!(values.skipped(), bytes.skipped());
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub use cifar10::Cifar10;
 pub use feed::{BatchFeed, FedBatch, FeedShape, read_ahead};
 pub use folder::{Census, ImageFolder, has_image_extension};
 pub use synthetic::{Synthetic, SyntheticBatch, factors_per_sample};
-pub use transform::{Crop, Geometry, Normalize, Transforms, render_crop};
+pub use transform::{Crop, Geometry, Normalization, Normalize, Transforms, render_crop};
 
 use crate::rng::{Rng, hash};
 use crate::shape::Shape;
@@ -141,6 +141,24 @@ pub trait Dataset: Send + Sync {
     /// epochs) as a CHW image (normalised to roughly zero mean, unit scale) into `out`, which must
     /// hold exactly `C·H·W` values, and returns its label.
     fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError>;
+
+    /// Where each value of a sample is one of its bytes through a per-channel map (an image
+    /// resampled in 8 bits, then normalised): that map. [`Dataset::sample_bytes`] then writes
+    /// the bytes, a quarter of the values' size, for a consumer that sends samples on.
+    fn byte_normalization(&self) -> Option<Normalization> {
+        None
+    }
+
+    /// Writes sample `index` as [`Dataset::sample`] sees it in `epoch`, as its CHW bytes before
+    /// [`Dataset::byte_normalization`] (which the dataset must have), into `out` of `C·H·W`
+    /// bytes, and returns its label.
+    fn sample_bytes(&self, index: usize, epoch: u64, out: &mut [u8]) -> Result<u32, DataError> {
+        let _ = (index, epoch, out);
+        Err(DataError::Config(format!(
+            "{}: its samples are not 8-bit images",
+            self.describe()
+        )))
+    }
 
     /// A one-line description for logs, e.g. `cifar10 data/cifar (50000 samples)`.
     fn describe(&self) -> String;
@@ -419,6 +437,19 @@ impl Dataset for Subset {
         self.inner.sample(inner, epoch, out)
     }
 
+    fn byte_normalization(&self) -> Option<Normalization> {
+        self.inner.byte_normalization()
+    }
+
+    fn sample_bytes(&self, index: usize, epoch: u64, out: &mut [u8]) -> Result<u32, DataError> {
+        let len = self.indices.len();
+        let &inner = self
+            .indices
+            .get(index)
+            .ok_or(DataError::IndexOutOfRange { index, len })?;
+        self.inner.sample_bytes(inner, epoch, out)
+    }
+
     fn describe(&self) -> String {
         self.name.clone()
     }
@@ -463,8 +494,10 @@ const SPLIT_STREAM: u64 = 0x7370_6c69_745f_7661;
 /// A batch of consecutive samples in an epoch's order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
-    /// `N·C·H·W` values, sample-major (NCHW); empty where the batch is `synthetic`.
+    /// `N·C·H·W` values, sample-major (NCHW); empty where the batch is `synthetic` or `bytes`.
     pub images: Vec<f32>,
+    /// The images as their bytes instead of `images` ([`LoaderConfig::bytes`]).
+    pub bytes: Option<ByteImages>,
     /// The batch described for a device to draw, instead of `images`
     /// ([`LoaderConfig::describe_synthetic`]).
     pub synthetic: Option<SyntheticBatch>,
@@ -475,6 +508,26 @@ pub struct Batch {
     /// Position of this batch within its epoch.
     pub batch: usize,
     pub image: ImageShape,
+}
+
+/// A batch's images as their bytes and the map that makes them values ([`LoaderConfig::bytes`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ByteImages {
+    /// `N·C·H·W` bytes, sample-major.
+    pub bytes: Vec<u8>,
+    /// `[C, H, W]` of each image.
+    pub image: ImageShape,
+    pub normalization: Normalization,
+}
+
+impl ByteImages {
+    /// The values the bytes stand for.
+    pub fn values(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.bytes.len()];
+        self.normalization
+            .values_of(self.image, &self.bytes, &mut out);
+        out
+    }
 }
 
 impl Batch {
@@ -507,6 +560,9 @@ pub struct LoaderConfig {
     /// Batches of [`Synthetic`] data come described ([`Batch::synthetic`]) instead of drawn,
     /// for a device that draws them itself; other datasets' batches come as images.
     pub describe_synthetic: bool,
+    /// Batches of a dataset of 8-bit images ([`Dataset::byte_normalization`]) come as their bytes
+    /// ([`Batch::bytes`]), for a consumer that sends them on; other datasets' come as images.
+    pub bytes: bool,
     /// What becomes of a sample that cannot be read or decoded.
     pub bad_samples: BadSamples,
 }
@@ -534,6 +590,7 @@ impl LoaderConfig {
             seed: 0,
             prefetch: 2,
             describe_synthetic: false,
+            bytes: false,
             bad_samples: BadSamples::Replace,
         }
     }
@@ -744,6 +801,7 @@ fn assemble_batch(
         let described = synthetic.describe_batch(&indices)?;
         return Ok(Batch {
             images: Vec::new(),
+            bytes: None,
             labels: described.labels.clone(),
             synthetic: Some(described),
             indices,
@@ -752,8 +810,51 @@ fn assemble_batch(
             image: dataset.image_shape(),
         });
     }
+    let image = dataset.image_shape();
+    let (images, bytes, labels) = match dataset.byte_normalization().filter(|_| config.bytes) {
+        Some(normalization) => {
+            let read = |index, out: &mut [u8]| dataset.sample_bytes(index, epoch, out);
+            let (bytes, labels) = read_samples(loader, order, end, &mut indices, cancel, read)?;
+            let bytes = ByteImages {
+                bytes,
+                image,
+                normalization,
+            };
+            (Vec::new(), Some(bytes), labels)
+        }
+        None => {
+            let read = |index, out: &mut [f32]| dataset.sample(index, epoch, out);
+            let (images, labels) = read_samples(loader, order, end, &mut indices, cancel, read)?;
+            (images, None, labels)
+        }
+    };
+    Ok(Batch {
+        images,
+        bytes,
+        labels,
+        synthetic: None,
+        indices,
+        epoch,
+        batch,
+        image,
+    })
+}
+
+/// Reads the samples `indices` (batch positions up to `end` of the epoch's `order`) with `read`
+/// in parallel: their values (or bytes) and labels. A sample that cannot be read fails the batch,
+/// is replaced or is dropped as the loader's [`BadSamples`] says (`indices` then names what was
+/// read in its place, or loses it).
+fn read_samples<T: Copy + Default + Send + Sync>(
+    loader: &Loader,
+    order: &[usize],
+    end: usize,
+    indices: &mut Vec<usize>,
+    cancel: &AtomicBool,
+    read: impl Fn(usize, &mut [T]) -> Result<u32, DataError> + Sync,
+) -> Result<(Vec<T>, Vec<u32>), DataError> {
+    let (dataset, config) = (loader.dataset.as_ref(), &loader.config);
     let sample_len = dataset.sample_len();
-    let mut images = vec![0.0f32; indices.len() * sample_len];
+    let mut images = vec![T::default(); indices.len() * sample_len];
     let mut labels = vec![0u32; indices.len()];
     let failed: Vec<(usize, DataError)> = images
         .par_chunks_mut(sample_len)
@@ -764,7 +865,7 @@ fn assemble_batch(
             if cancel.load(Ordering::Relaxed) {
                 return None;
             }
-            match dataset.sample(index, epoch, image) {
+            match read(index, image) {
                 Ok(l) => {
                     *label = l;
                     None
@@ -795,7 +896,7 @@ fn assemble_batch(
                 )));
             };
             tries += 1;
-            match dataset.sample(index, epoch, image) {
+            match read(index, image) {
                 Ok(label) => {
                     (indices[slot], labels[slot]) = (index, label);
                     break;
@@ -811,15 +912,7 @@ fn assemble_batch(
         labels.remove(slot);
         images.drain(slot * sample_len..(slot + 1) * sample_len);
     }
-    Ok(Batch {
-        images,
-        labels,
-        synthetic: None,
-        indices,
-        epoch,
-        batch,
-        image: dataset.image_shape(),
-    })
+    Ok((images, labels))
 }
 
 impl Skipped {
@@ -889,16 +982,17 @@ fn check_photo_shape(dataset: &str, image: ImageShape) -> Result<(), DataError> 
     Ok(())
 }
 
-fn check_sample_args(dataset: &dyn Dataset, index: usize, out: &[f32]) -> Result<(), DataError> {
+/// Checks a sample's index and the length of the buffer it is written into.
+fn check_sample_args(dataset: &dyn Dataset, index: usize, out: usize) -> Result<(), DataError> {
     let len = dataset.num_samples();
     if index >= len {
         return Err(DataError::IndexOutOfRange { index, len });
     }
     let expected = dataset.sample_len();
-    if out.len() != expected {
+    if out != expected {
         return Err(DataError::BufferSize {
             expected,
-            actual: out.len(),
+            actual: out,
         });
     }
     Ok(())
@@ -1023,7 +1117,7 @@ mod tests {
             3
         }
         fn sample(&self, index: usize, _: u64, out: &mut [f32]) -> Result<u32, DataError> {
-            check_sample_args(self, index, out)?;
+            check_sample_args(self, index, out.len())?;
             self.calls.fetch_add(1, Ordering::SeqCst);
             std::thread::sleep(self.delay);
             if self.fail_at == Some(index) {

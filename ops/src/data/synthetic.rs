@@ -185,7 +185,7 @@ impl Dataset for Synthetic {
     }
 
     fn sample(&self, index: usize, _epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
-        check_sample_args(self, index, out)?;
+        check_sample_args(self, index, out.len())?;
         let mut factors = vec![0.0f32; factors_per_sample(self.image)];
         let (label, noise_state) = self.draw_factors(index, &mut factors);
         render_sample(self.image, &factors, noise_state, out);

@@ -278,14 +278,62 @@ pub struct Crop {
 }
 
 /// Per-channel affine map from raw 0..=255 pixel values to normalised ones: `(v / 255 - mean) / std`.
+/// A sample's bytes ([`crate::data::Dataset::sample_bytes`]) become its values through it, bit for
+/// bit as the dataset writes them.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct Normalization {
+pub struct Normalization {
     scale: [f32; 3],
     offset: [f32; 3],
 }
 
 impl Normalization {
-    pub(super) fn new(mean: [f32; 3], std: [f32; 3]) -> Normalization {
+    /// The map `v · scale[c] + offset[c]` of channel `c`, as [`Normalization::affine`] gives it
+    /// (from the network: refused unless every number is finite and every scale non-zero).
+    pub fn from_affine(scale: [f32; 3], offset: [f32; 3]) -> Result<Normalization, DataError> {
+        let finite = scale.iter().chain(&offset).all(|v| v.is_finite());
+        if !finite || scale.contains(&0.0) {
+            return Err(DataError::Config(format!(
+                "a pixel normalisation of scale {scale:?} and offset {offset:?}: every number \
+                 must be finite and every scale non-zero"
+            )));
+        }
+        Ok(Normalization { scale, offset })
+    }
+
+    /// Per channel, (scale, offset) of the map.
+    pub fn affine(&self) -> ([f32; 3], [f32; 3]) {
+        (self.scale, self.offset)
+    }
+
+    /// The value of byte `v` of channel `channel`.
+    #[inline]
+    pub fn value(&self, channel: usize, v: u8) -> f32 {
+        self.apply(channel, f32::from(v))
+    }
+
+    /// Values of images of shape `image` (sample-major, CHW) from their bytes: `out` holds as
+    /// many values as `bytes` has bytes, a whole number of samples.
+    pub fn values_of(&self, image: ImageShape, bytes: &[u8], out: &mut [f32]) {
+        let [channels, height, width] = image;
+        let plane = height * width;
+        debug_assert_eq!(bytes.len(), out.len());
+        for (sample, values) in bytes
+            .chunks_exact(channels * plane)
+            .zip(out.chunks_exact_mut(channels * plane))
+        {
+            for (c, (src, dst)) in sample
+                .chunks_exact(plane)
+                .zip(values.chunks_exact_mut(plane))
+                .enumerate()
+            {
+                for (d, &v) in dst.iter_mut().zip(src) {
+                    *d = self.value(c, v);
+                }
+            }
+        }
+    }
+
+    pub fn new(mean: [f32; 3], std: [f32; 3]) -> Normalization {
         let mut scale = [0.0; 3];
         let mut offset = [0.0; 3];
         for c in 0..3 {
@@ -314,6 +362,7 @@ impl Normalization {
         Normalize::Given { mean, std }
     }
 
+    #[inline]
     pub(super) fn apply(&self, channel: usize, raw: f32) -> f32 {
         raw * self.scale[channel] + self.offset[channel]
     }
@@ -324,16 +373,30 @@ thread_local! {
     static RESAMPLER: RefCell<(fr::Resizer, Vec<u8>)> = RefCell::new((fr::Resizer::new(), Vec::new()));
 }
 
+/// Where a resampled image goes: its normalised values, or its bytes before normalising.
+pub(super) enum Planes<'a> {
+    Values(&'a mut [f32], &'a Normalization),
+    Bytes(&'a mut [u8]),
+}
+
+impl Planes<'_> {
+    pub(super) fn reborrow(&mut self) -> Planes<'_> {
+        match self {
+            Planes::Values(values, n) => Planes::Values(values, n),
+            Planes::Bytes(bytes) => Planes::Bytes(bytes),
+        }
+    }
+}
+
 /// Resamples `crop` of an interleaved 8-bit image (`image[0]` channels: 1 or 3) of `width` ×
 /// `height` to the model's `image` with an antialiased bilinear filter (torchvision's, Pillow's),
-/// mirrored where the crop says, and writes normalised CHW values into `out`.
+/// mirrored where the crop says, and writes its CHW planes into `out`.
 pub(super) fn resample_into(
     pixels: &[u8],
     [width, height]: [u32; 2],
     crop: &Crop,
     image: ImageShape,
-    normalization: &Normalization,
-    out: &mut [f32],
+    out: Planes<'_>,
 ) -> Result<(), DataError> {
     let [channels, out_h, out_w] = image;
     let pixel_type = match channels {
@@ -375,7 +438,10 @@ pub(super) fn resample_into(
                 .resize(&source, &mut target, &options)
                 .map_err(failed)?;
         }
-        write_chw(bytes, image, crop.flip, normalization, out);
+        match out {
+            Planes::Values(out, n) => write_chw(bytes, image, crop.flip, |c, v| n.value(c, v), out),
+            Planes::Bytes(out) => write_chw(bytes, image, crop.flip, |_, v| v, out),
+        }
         Ok(())
     })
 }
@@ -391,19 +457,19 @@ pub fn render_crop(
     out: &mut [f32],
 ) -> Result<(), DataError> {
     let unit = Normalization::resolve(Normalize::Off, Normalization::new([0.0; 3], [1.0; 3]));
-    resample_into(pixels, size, crop, image, &unit, out)
+    resample_into(pixels, size, crop, image, Planes::Values(out, &unit))
 }
 
-/// Scatters interleaved (HWC) bytes into normalised planes (CHW), mirrored if `flip`.
-pub(super) fn write_chw(
+/// Scatters interleaved (HWC) bytes into planes (CHW) of `value(channel, byte)`, mirrored if
+/// `flip`.
+pub(super) fn write_chw<T: Copy>(
     interleaved: &[u8],
     [channels, height, width]: ImageShape,
     flip: bool,
-    normalization: &Normalization,
-    out: &mut [f32],
+    value: impl Fn(usize, u8) -> T,
+    out: &mut [T],
 ) {
     let plane = height * width;
-    let Normalization { scale, offset } = *normalization;
     if channels == 1 {
         for (dst_row, src_row) in out
             .chunks_exact_mut(width)
@@ -411,7 +477,7 @@ pub(super) fn write_chw(
         {
             for (x, &v) in src_row.iter().enumerate() {
                 let o = if flip { width - 1 - x } else { x };
-                dst_row[o] = f32::from(v) * scale[0] + offset[0];
+                dst_row[o] = value(0, v);
             }
         }
         return;
@@ -427,9 +493,9 @@ pub(super) fn write_chw(
     for (((r, g), b), src_row) in rows {
         for (x, p) in src_row.chunks_exact(3).enumerate() {
             let o = if flip { width - 1 - x } else { x };
-            r[o] = f32::from(p[0]) * scale[0] + offset[0];
-            g[o] = f32::from(p[1]) * scale[1] + offset[1];
-            b[o] = f32::from(p[2]) * scale[2] + offset[2];
+            r[o] = value(0, p[0]);
+            g[o] = value(1, p[1]);
+            b[o] = value(2, p[2]);
         }
     }
 }
@@ -550,8 +616,20 @@ mod tests {
         let norm = Normalization::new([0.0; 3], [1.0 / 255.0; 3]);
         let mut plain = vec![0.0; 18];
         let mut mirrored = vec![0.0; 18];
-        write_chw(&pixels, [3, 2, 3], false, &norm, &mut plain);
-        write_chw(&pixels, [3, 2, 3], true, &norm, &mut mirrored);
+        write_chw(
+            &pixels,
+            [3, 2, 3],
+            false,
+            |c, v| norm.value(c, v),
+            &mut plain,
+        );
+        write_chw(
+            &pixels,
+            [3, 2, 3],
+            true,
+            |c, v| norm.value(c, v),
+            &mut mirrored,
+        );
         // Channel 0, row 0: pixels 0, 3, 6 of the interleaved bytes.
         assert_eq!(&plain[..3], &[0.0, 3.0, 6.0]);
         assert_eq!(&mirrored[..3], &[6.0, 3.0, 0.0]);

@@ -202,6 +202,9 @@ pub struct TrainSummary {
     pub rejoins: Vec<Rejoined>,
     /// The snapshots of the state it gathered for recovery, and the seconds that took in all.
     pub snapshots: (usize, f64),
+    /// Bytes a step's samples took to the cluster's workers, on average (`None` where no
+    /// samples went to other processes).
+    pub input_bytes_per_step: Option<f64>,
 }
 
 /// How the loss moved over a run: the means of its first and its last `window` losses.

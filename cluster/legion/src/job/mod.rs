@@ -616,6 +616,8 @@ pub struct Job {
     actors_on_gpus: bool,
     /// Whether synthetic batches come described, for the one GPU to draw.
     describe_synthetic: bool,
+    /// Whether 8-bit images come as their bytes, for a cluster's workers to make values.
+    images_as_bytes: bool,
     /// What the steps compute in.
     precision: Precision,
     /// What the user should know about the run's inputs, said after the device line.
@@ -873,6 +875,7 @@ impl Job {
             device: device.line,
             actors_on_gpus,
             describe_synthetic,
+            images_as_bytes: cluster.is_some(),
             precision,
             init_note,
             data_note,

@@ -59,6 +59,7 @@ impl Job {
             device,
             actors_on_gpus,
             describe_synthetic,
+            images_as_bytes,
             precision,
             init_note,
             data_note,
@@ -86,6 +87,8 @@ impl Job {
         );
         // Seconds of the steps since the last snapshot, and how many.
         let mut stepping = (0.0f64, 0u64);
+        // Bytes the steps' samples took to the workers, and over how many steps.
+        let mut input_sent = (0u64, 0u64);
         let mut rejoin = Rejoin::new(&opts);
         on_event(JobEvent::Device(&device));
         for note in [&init_note, &data_note].into_iter().flatten() {
@@ -120,6 +123,8 @@ impl Job {
         let config = LoaderConfig {
             seed: opts.seed,
             describe_synthetic,
+            // the workers make a folder's image bytes values: a quarter of the bytes to send
+            bytes: images_as_bytes,
             bad_samples: match opts.strict_data {
                 true => data::BadSamples::Fail,
                 false => data::BadSamples::Replace,
@@ -397,13 +402,16 @@ impl Job {
                 engine.set_lr(opts.lr_schedule.lr(opts.sgd.lr, step - 1, opts.steps));
             }
             let step_started = Instant::now();
+            let sent_before = engine.input_bytes_sent();
             let stepped = engine.step(StepBatch {
                 images: batch_data.images,
+                bytes: batch_data.bytes,
                 labels: batch_data.labels,
                 synthetic: batch_data.synthetic,
-                next: upcoming.as_ref().map(|b| match &b.synthetic {
-                    Some(described) => NextBatch::Synthetic(described),
-                    None => NextBatch::Images(&b.images, &b.labels),
+                next: upcoming.as_ref().map(|b| match (&b.synthetic, &b.bytes) {
+                    (Some(described), _) => NextBatch::Synthetic(described),
+                    (None, Some(bytes)) => NextBatch::Bytes(bytes, &b.labels),
+                    (None, None) => NextBatch::Images(&b.images, &b.labels),
                 }),
                 trace: traced,
             });
@@ -411,6 +419,10 @@ impl Job {
                 Ok(done) => done,
                 Err(error) => recover!(error, step - 1),
             };
+            if let (Some(before), Some(after)) = (sent_before, engine.input_bytes_sent()) {
+                input_sent.0 += after.saturating_sub(before);
+                input_sent.1 += 1;
+            }
             stepping.0 += step_started.elapsed().as_secs_f64();
             stepping.1 += 1;
             reported.returned(step);
@@ -664,6 +676,8 @@ impl Job {
             recoveries,
             rejoins,
             snapshots,
+            input_bytes_per_step: (input_sent.1 > 0)
+                .then(|| input_sent.0 as f64 / input_sent.1 as f64),
         };
         on_event(JobEvent::Finished(&summary));
         Ok((summary, state))
