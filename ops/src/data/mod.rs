@@ -415,6 +415,17 @@ impl Subset {
     }
 }
 
+impl Subset {
+    /// The index in the whole dataset of this subset's sample `index`.
+    fn inner_index(&self, index: usize) -> Result<usize, DataError> {
+        let len = self.indices.len();
+        self.indices
+            .get(index)
+            .copied()
+            .ok_or(DataError::IndexOutOfRange { index, len })
+    }
+}
+
 impl Dataset for Subset {
     fn num_samples(&self) -> usize {
         self.indices.len()
@@ -429,12 +440,7 @@ impl Dataset for Subset {
     }
 
     fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
-        let len = self.indices.len();
-        let &inner = self
-            .indices
-            .get(index)
-            .ok_or(DataError::IndexOutOfRange { index, len })?;
-        self.inner.sample(inner, epoch, out)
+        self.inner.sample(self.inner_index(index)?, epoch, out)
     }
 
     fn byte_normalization(&self) -> Option<Normalization> {
@@ -442,12 +448,8 @@ impl Dataset for Subset {
     }
 
     fn sample_bytes(&self, index: usize, epoch: u64, out: &mut [u8]) -> Result<u32, DataError> {
-        let len = self.indices.len();
-        let &inner = self
-            .indices
-            .get(index)
-            .ok_or(DataError::IndexOutOfRange { index, len })?;
-        self.inner.sample_bytes(inner, epoch, out)
+        self.inner
+            .sample_bytes(self.inner_index(index)?, epoch, out)
     }
 
     fn describe(&self) -> String {
