@@ -437,14 +437,6 @@ impl SampleImages {
             }
         }
     }
-
-    /// Bytes the images take.
-    pub fn len_bytes(&self) -> usize {
-        match self {
-            SampleImages::Values(values) => 4 * values.len(),
-            SampleImages::Bytes { bytes, .. } => bytes.len(),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -629,7 +621,6 @@ mod tests {
         let mut expected = vec![0.0; 24];
         normalization.values_of([3, 2, 2], &bytes, &mut expected);
         let images = SampleImages::bytes(bytes.clone(), [3, 2, 2], &normalization);
-        assert_eq!(images.len_bytes(), 24);
         assert_eq!(images.clone().into_values(12).unwrap(), expected);
         // another model's image size, a partial image, a map no dataset makes
         let err = images.into_values(16).unwrap_err().to_string();

@@ -502,7 +502,7 @@ impl RemoteCluster {
     /// the input or the loss layer.
     fn split(&self, images: Images<'_>, labels: &[u32]) -> anyhow::Result<Vec<StepSamples>> {
         let batch = self.graph.batch();
-        let per_sample = self.graph.layer(self.graph.input()).shape.numel() / batch.max(1);
+        let per_sample = self.graph.input_sample_len();
         let all = SamplesRead {
             images: 0..batch,
             labels: 0..batch,

@@ -726,7 +726,7 @@ async fn step_input(
     };
     let input = StepInput {
         step,
-        images: samples.images.into_values(values_per_sample(graph))?,
+        images: samples.images.into_values(graph.input_sample_len())?,
         image_samples: as_usize(samples.image_samples),
         labels: samples.labels,
         label_samples: as_usize(samples.label_samples),
@@ -734,11 +734,6 @@ async fn step_input(
     };
     check_batch(graph, &input.view(), needed)?;
     Ok(input)
-}
-
-/// Values of one sample of the model's input.
-fn values_per_sample(graph: &Graph) -> usize {
-    graph.layer(graph.input()).shape.numel() / graph.batch().max(1)
 }
 
 /// `input` at the step's learning rate, refused where the bytes say something no SGD step takes.
@@ -866,7 +861,7 @@ impl Job {
                 };
                 let checked = samples
                     .images
-                    .into_values(values_per_sample(&self.graph))
+                    .into_values(self.graph.input_sample_len())
                     .and_then(|images| {
                         let input = StepInput {
                             step: run,

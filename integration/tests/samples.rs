@@ -13,10 +13,6 @@ fn lenet(batch: usize) -> Graph {
     z.build(&z.default_config(batch)).unwrap()
 }
 
-fn per_sample(graph: &Graph) -> usize {
-    graph.layer(graph.input()).shape.numel() / graph.batch()
-}
-
 #[test]
 fn data_parallel_devices_read_their_share_of_the_batch() {
     let graph = lenet(8);
@@ -51,7 +47,7 @@ fn a_host_without_input_or_loss_layer_reads_no_samples() {
 #[test]
 fn a_step_missing_needed_samples_is_refused() {
     let graph = lenet(8);
-    let values = per_sample(&graph);
+    let values = graph.input_sample_len();
     let needs = SamplesRead {
         images: 2..6,
         labels: 4..6,

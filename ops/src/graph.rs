@@ -116,6 +116,11 @@ impl Graph {
         self.layer(self.input()).shape.dim(0)
     }
 
+    /// Values of one sample of the input (`C·H·W` of an image).
+    pub fn input_sample_len(&self) -> usize {
+        self.layer(self.input()).shape.numel() / self.batch().max(1)
+    }
+
     /// By layer, whether a training step computes the gradient of its output: the loss and every
     /// layer upstream of it except the input.
     pub fn layers_with_gradient(&self) -> Vec<bool> {

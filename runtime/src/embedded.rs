@@ -428,9 +428,7 @@ pub fn check_batch(
             });
         }
     }
-    let input_shape = graph.layer(graph.input()).shape;
-    let per_sample = input_shape.numel() / batch;
-    let expected = input.image_samples.len() * per_sample;
+    let expected = input.image_samples.len() * graph.input_sample_len();
     if input.images.len() != expected {
         return Err(RuntimeError::BatchSize {
             got: input.images.len(),
