@@ -72,6 +72,9 @@ pub struct JobSpec {
     /// Whether the plan has inference beside the step, for [`Control::Infer`] (held-out data
     /// scored on the devices that train).
     pub inference: bool,
+    /// Where the workers read the training samples themselves: the `DataSource` (JSON) they
+    /// open, whose samples `SampleImages::Read` then names.
+    pub data_json: Option<String>,
 }
 
 /// A job's GPU settings as [`JobSpec`] carries them.
@@ -290,11 +293,18 @@ pub enum Control {
         lr: Option<f32>,
     },
     /// The samples of a later step, sent while the worker still runs the current one so that
-    /// delivering a batch overlaps computing the one before. No reply: they are checked when their
-    /// `Step` comes.
+    /// delivering a batch overlaps computing the one before. No reply where they come as images:
+    /// they are checked when their `Step` comes. Samples to read (`SampleImages::Read`) are read
+    /// at once, answered by `Staged`.
     Stage {
         step: u64,
         samples: StepSamples,
+    },
+    /// A `Stage`'s samples read, but for those listed (dataset index, why) that could not be:
+    /// then none are staged.
+    Staged {
+        step: u64,
+        unreadable: Vec<(u64, String)>,
     },
     /// Run inference `run` (runs numbered apart from the steps) on `samples`, images only;
     /// answered by `StepDone` with `step: run`, the logits left on the devices for `Read`.
@@ -341,6 +351,7 @@ impl Control {
             Control::Loaded => "Loaded",
             Control::Step { .. } => "Step",
             Control::Stage { .. } => "Stage",
+            Control::Staged { .. } => "Staged",
             Control::Infer { .. } => "Infer",
             Control::StepDone { .. } => "StepDone",
             Control::Read { .. } => "Read",
@@ -385,6 +396,12 @@ pub enum SampleImages {
         scale: [f32; 3],
         offset: [f32; 3],
     },
+    /// The samples of these dataset indices in `epoch`, which the worker reads itself from the
+    /// job's data (`JobSpec::data_json`).
+    Read {
+        epoch: u64,
+        indices: Vec<u64>,
+    },
 }
 
 impl SampleImages {
@@ -409,6 +426,9 @@ impl SampleImages {
     pub fn into_values(self, per_sample: usize) -> anyhow::Result<Vec<f32>> {
         match self {
             SampleImages::Values(values) => Ok(values),
+            SampleImages::Read { .. } => {
+                anyhow::bail!("samples to read come in a Stage, which reads them first")
+            }
             SampleImages::Bytes {
                 bytes,
                 image,
@@ -480,6 +500,22 @@ mod tests {
                     label_samples: 3..4,
                 },
             },
+            Control::Stage {
+                step: 9,
+                samples: StepSamples {
+                    images: SampleImages::Read {
+                        epoch: 2,
+                        indices: vec![17, 3, u64::MAX],
+                    },
+                    image_samples: 0..3,
+                    labels: vec![1, 0, 4],
+                    label_samples: 0..3,
+                },
+            },
+            Control::Staged {
+                step: 9,
+                unreadable: vec![(3, "b/1.jpg: gone".into())],
+            },
             Control::Infer {
                 run: 3,
                 samples: StepSamples {
@@ -549,6 +585,7 @@ mod tests {
             conv_algos,
             conv_epilogue,
             inference: true,
+            data_json: Some("{}".into()),
         }
     }
 

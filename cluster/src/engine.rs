@@ -8,7 +8,7 @@ use crate::remote::{Images, RemoteCluster};
 use legion_ops::backend::Pipeline;
 use legion_ops::backend::cpu::{Cpu, CpuStream};
 use legion_ops::capture::{CaptureSetting, CaptureStatus};
-use legion_ops::data::{ByteImages, SyntheticBatch};
+use legion_ops::data::{ByteImages, DataSource, SyntheticBatch};
 use legion_ops::partition::ParallelConfig;
 use legion_ops::train::{BatchInput, LossReadback, Sgd, StepStats, Trainer, TrainingState};
 use legion_ops::{Graph, Precision};
@@ -31,10 +31,12 @@ pub enum Place<'a> {
     },
     /// The workers `legion-rs up` started for `hosts`, whose certificates are in `state_dir`;
     /// those on GPUs compute as `gpu` says (its math and convolution algorithms).
+    /// With `data`, the workers read the training samples their devices consume themselves.
     Cluster {
         hosts: &'a Hosts,
         state_dir: &'a Path,
         gpu: legion_cuda::Settings,
+        data: Option<&'a DataSource>,
     },
 }
 
@@ -80,11 +82,21 @@ pub struct StepBatch<'a> {
     /// The batch described for the device to draw, instead of `images` (only the one-device
     /// trainer on a GPU is given such batches).
     pub synthetic: Option<SyntheticBatch>,
+    /// The samples by dataset index, instead of `images`: a cluster's workers read them from
+    /// the job's data (`Place::Cluster`'s).
+    pub to_read: Option<SamplesToRead>,
     /// The following step's batch, if there is one: a cluster job delivers it to the workers
     /// while this step runs, the one-device trainer stages it on its device.
     pub next: Option<NextBatch<'a>>,
     /// Whether to report each device's timeline of this step.
     pub trace: bool,
+}
+
+/// A batch's samples as the dataset numbers them, in the epoch that decides their transforms.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplesToRead {
+    pub epoch: u64,
+    pub indices: Vec<usize>,
 }
 
 /// The following step's batch, as [`StepBatch`] holds it.
@@ -93,14 +105,22 @@ pub enum NextBatch<'a> {
     Images(&'a [f32], &'a [u32]),
     Bytes(&'a ByteImages, &'a [u32]),
     Synthetic(&'a SyntheticBatch),
+    ToRead(&'a SamplesToRead, &'a [u32]),
 }
 
 impl<'a> NextBatch<'a> {
-    /// The images and labels, where they are in host memory.
-    pub fn images(self) -> Option<(Images<'a>, &'a [u32])> {
+    /// The images (or what the workers read) and labels, where they are in host memory.
+    fn images(self) -> Option<(Images<'a>, &'a [u32])> {
         match self {
             NextBatch::Images(images, labels) => Some((Images::Values(images), labels)),
             NextBatch::Bytes(bytes, labels) => Some((Images::Bytes(bytes), labels)),
+            NextBatch::ToRead(read, labels) => Some((
+                Images::Read {
+                    epoch: read.epoch,
+                    indices: &read.indices,
+                },
+                labels,
+            )),
             NextBatch::Synthetic(_) => None,
         }
     }
@@ -121,6 +141,16 @@ fn host_images(batch: &StepBatch<'_>) -> anyhow::Result<()> {
     anyhow::ensure!(
         batch.synthetic.is_none(),
         "this engine takes batches as images: only one GPU draws synthetic batches itself"
+    );
+    Ok(())
+}
+
+/// Refuses samples to read: only a cluster's workers read them.
+fn read_images(batch: &StepBatch<'_>) -> anyhow::Result<()> {
+    let next_to_read = matches!(batch.next, Some(NextBatch::ToRead(..)));
+    anyhow::ensure!(
+        batch.to_read.is_none() && !next_to_read,
+        "this engine takes batches as images: only a cluster's workers read samples themselves"
     );
     Ok(())
 }
@@ -237,6 +267,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             hosts,
             state_dir,
             gpu,
+            data,
         } => Box::new(RemoteCluster::start(
             hosts,
             state_dir,
@@ -247,6 +278,7 @@ pub fn start(place: Place<'_>, job: JobStart<'_>) -> anyhow::Result<Box<dyn Engi
             job.seed,
             gpu,
             job.inference,
+            data,
         )?),
     })
 }
@@ -278,6 +310,7 @@ impl<B: Pipeline> Engine for Trainer<B> {
         &mut self,
         batch: StepBatch<'_>,
     ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
+        read_images(&batch)?;
         if batch.trace {
             self.trace_next_step();
         }
@@ -294,6 +327,7 @@ impl<B: Pipeline> Engine for Trainer<B> {
                 labels,
             },
             NextBatch::Synthetic(described) => BatchInput::Synthetic(described),
+            NextBatch::ToRead(..) => unreachable!("refused above"),
         });
         let this = match &batch.synthetic {
             Some(described) => BatchInput::Synthetic(described),
@@ -357,6 +391,7 @@ impl Engine for EmbeddedCluster {
         batch: StepBatch<'_>,
     ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
         host_images(&batch)?;
+        read_images(&batch)?;
         // Every device is in this process: there is nothing to deliver ahead.
         let batch = batch.with_values();
         let r = EmbeddedCluster::step(self, batch.images, batch.labels, batch.trace)?;
@@ -387,9 +422,13 @@ impl Engine for RemoteCluster {
     ) -> anyhow::Result<(Option<StepStats>, Vec<StepReport>)> {
         host_images(&batch)?;
         let next = batch.next.and_then(NextBatch::images);
-        let images = match &batch.bytes {
-            Some(bytes) => Images::Bytes(bytes),
-            None => Images::Values(&batch.images),
+        let images = match (&batch.to_read, &batch.bytes) {
+            (Some(read), _) => Images::Read {
+                epoch: read.epoch,
+                indices: &read.indices,
+            },
+            (None, Some(bytes)) => Images::Bytes(bytes),
+            (None, None) => Images::Values(&batch.images),
         };
         let r = RemoteCluster::step(self, images, &batch.labels, next, batch.trace)?;
         Ok((Some(r.stats), r.reports))

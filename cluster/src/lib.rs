@@ -20,7 +20,7 @@ pub mod slurm;
 mod worker;
 
 pub use engine::{Engine, JobStart, Place, StepBatch};
-pub use remote::{RemoteCluster, WorkerLost};
+pub use remote::{RemoteCluster, UnreadableSamples, WorkerLost};
 pub use worker::{WorkerConfig, run as run_worker};
 
 /// What the fuzz targets (`cluster/fuzz`, built by cargo-fuzz with `--cfg fuzzing`) decode: the

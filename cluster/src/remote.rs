@@ -19,7 +19,7 @@ use crate::net::quic::{
 use crate::net::tls::{NodeIdentity, node_name};
 use crate::worker::HEARTBEAT_INTERVAL;
 use anyhow::{Context as _, bail};
-use legion_ops::data::ByteImages;
+use legion_ops::data::{ByteImages, DataSource};
 use legion_ops::partition::ParallelConfig;
 use legion_ops::strategy::Strategy;
 use legion_ops::train::{ParamStore, Sgd, StepStats, TrainingState};
@@ -67,6 +67,40 @@ impl WorkerLost {
     /// The lost worker `error` (or any error it was given as context for) reports, if any.
     pub fn in_error(error: &anyhow::Error) -> Option<&WorkerLost> {
         error.chain().find_map(|e| e.downcast_ref::<WorkerLost>())
+    }
+}
+
+/// Samples of a step's batch that the workers could not read themselves: the step did not run,
+/// and runs once its batch replaces them (`Loader::mark_unreadable`).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "step {step}: the workers could not read {} sample(s), the first: {}",
+    samples.len(),
+    samples.first().map_or("", |(_, why)| why.as_str())
+)]
+pub struct UnreadableSamples {
+    pub step: u64,
+    /// Dataset index and why.
+    pub samples: Vec<(usize, String)>,
+}
+
+impl UnreadableSamples {
+    pub fn in_error(error: &anyhow::Error) -> Option<&UnreadableSamples> {
+        error
+            .chain()
+            .find_map(|e| e.downcast_ref::<UnreadableSamples>())
+    }
+
+    /// `Ok` where nothing was unreadable.
+    fn check(step: u64, unreadable: Vec<(u64, String)>) -> anyhow::Result<()> {
+        if unreadable.is_empty() {
+            return Ok(());
+        }
+        let samples = unreadable
+            .into_iter()
+            .map(|(i, why)| (usize::try_from(i).unwrap_or(usize::MAX), why))
+            .collect();
+        Err(UnreadableSamples { step, samples }.into())
     }
 }
 
@@ -362,6 +396,8 @@ pub struct RemoteCluster {
     lr: Option<f32>,
     /// Bytes of the messages that carried the steps' samples, staged ones included.
     input_bytes_sent: u64,
+    /// Samples of the staged step that the workers could not read.
+    unreadable_ahead: Option<(u64, Vec<(u64, String)>)>,
 }
 
 /// A step's images, as the caller holds them.
@@ -371,12 +407,21 @@ pub enum Images<'a> {
     Values(&'a [f32]),
     /// Their bytes: a quarter of the values' size, made values on the workers.
     Bytes(&'a ByteImages),
+    /// Their dataset indices in `epoch`: the workers read them from the job's data.
+    Read { epoch: u64, indices: &'a [usize] },
+}
+
+impl Images<'_> {
+    fn read_by_workers(&self) -> bool {
+        matches!(self, Images::Read { .. })
+    }
 }
 
 impl RemoteCluster {
     /// Starts a job on the running cluster `hosts` (state in `state`): every worker builds the
     /// plan of `graph` under `configs` (with inference beside the step where `inference`, for
-    /// [`RemoteCluster::logits`]), and its devices load their part of `state`.
+    /// [`RemoteCluster::logits`]), and its devices load their part of `state`. With `data`, the
+    /// workers open it and read the samples their devices consume ([`Images::Read`]).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         hosts: &Hosts,
@@ -388,7 +433,12 @@ impl RemoteCluster {
         seed: u64,
         gpu: legion_cuda::Settings,
         inference: bool,
+        data: Option<&DataSource>,
     ) -> anyhow::Result<RemoteCluster> {
+        let data_json = data
+            .map(serde_json::to_string)
+            .transpose()
+            .context("the data the workers read")?;
         let gpu_fields = JobSpec::gpu_fields(gpu);
         // The workers plan in the job's precision (`JobSpec::precision`), each host a node: so
         // does the driver.
@@ -440,6 +490,7 @@ impl RemoteCluster {
                     conv_algos: gpu_fields.conv_algos.clone(),
                     conv_epilogue: gpu_fields.conv_epilogue.clone(),
                     inference,
+                    data_json: data_json.clone(),
                 };
                 client.send(i, &Control::StartJob(spec)).await?;
             }
@@ -490,11 +541,28 @@ impl RemoteCluster {
             inference_runs: 0,
             lr: None,
             input_bytes_sent: 0,
+            unreadable_ahead: None,
         })
     }
 
     pub fn plan(&self) -> &StepPlan {
         &self.plan
+    }
+
+    /// The checks of a batch's values, of its labels alone: their count and classes.
+    fn check_labels(&self, labels: &[u32]) -> anyhow::Result<()> {
+        let batch = self.graph.batch();
+        let labels_only = SamplesRead {
+            images: 0..0,
+            labels: 0..batch,
+        };
+        let view = BatchView {
+            images: &[],
+            image_samples: 0..0,
+            labels,
+            label_samples: 0..batch,
+        };
+        Ok(check_batch(&self.graph, &view, &labels_only)?)
     }
 
     /// Checks a whole batch and cuts it into what each worker's devices read: under data
@@ -511,19 +579,16 @@ impl RemoteCluster {
             Images::Values(values) => {
                 check_batch(&self.graph, &BatchView::whole(values, labels, batch), &all)?;
             }
+            Images::Read { indices, .. } => {
+                self.check_labels(labels)?;
+                anyhow::ensure!(
+                    indices.len() == batch,
+                    "{} samples to read, where the model reads {batch}",
+                    indices.len()
+                );
+            }
             Images::Bytes(b) => {
-                // the values' own checks, with the labels: their count and classes
-                let labels_only = SamplesRead {
-                    images: 0..0,
-                    labels: 0..batch,
-                };
-                let view = BatchView {
-                    images: &[],
-                    image_samples: 0..0,
-                    labels,
-                    label_samples: 0..batch,
-                };
-                check_batch(&self.graph, &view, &labels_only)?;
+                self.check_labels(labels)?;
                 let [c, h, w] = b.image;
                 anyhow::ensure!(
                     c * h * w == per_sample && b.bytes.len() == batch * per_sample,
@@ -544,6 +609,13 @@ impl RemoteCluster {
                         Images::Bytes(b) => {
                             SampleImages::bytes(b.bytes[values].to_vec(), b.image, &b.normalization)
                         }
+                        Images::Read { epoch, indices } => SampleImages::Read {
+                            epoch,
+                            indices: indices[read.images.clone()]
+                                .iter()
+                                .map(|&i| i as u64)
+                                .collect(),
+                        },
                     },
                     image_samples: read.images.start as u64..read.images.end as u64,
                     labels: labels[read.labels.clone()].to_vec(),
@@ -576,11 +648,41 @@ impl RemoteCluster {
     ) -> anyhow::Result<StepResult> {
         let step = self.next_step;
         let batch = self.graph.batch();
-        let samples: Vec<Option<StepSamples>> = if self.staged == Some(step) {
-            vec![None; self.ranges.len()]
+        let n = self.ranges.len();
+        if let Some((ahead, unreadable)) = self.unreadable_ahead.take()
+            && ahead == step
+        {
+            UnreadableSamples::check(step, unreadable)?;
+        }
+        let mut samples: Vec<Option<StepSamples>> = if self.staged == Some(step) {
+            vec![None; n]
         } else {
             self.split(images, labels)?.into_iter().map(Some).collect()
         };
+        // Samples the workers read are read before the step starts anywhere: one that cannot be
+        // read then stops the step on every worker, and the step runs on its replaced batch.
+        if images.read_by_workers() && self.staged != Some(step) {
+            let stages: Vec<Vec<u8>> = samples
+                .iter_mut()
+                .map(|s| {
+                    let samples = s.take().expect("split for every worker");
+                    control::encode(&Control::Stage { step, samples })
+                })
+                .collect();
+            self.input_bytes_sent += stages.iter().map(|m| m.len() as u64).sum::<u64>();
+            let client = &self.client;
+            let unreadable = client.runtime.block_on(async {
+                for (i, stage) in stages.iter().enumerate() {
+                    client.send_encoded(i, stage).await?;
+                }
+                let mut unreadable = Vec::new();
+                for i in 0..n {
+                    unreadable.extend(staged_reply(client, i, step, client.reply(i, None).await?)?);
+                }
+                Ok::<_, anyhow::Error>(unreadable)
+            })?;
+            UnreadableSamples::check(step, unreadable)?;
+        }
         let requests: Vec<Vec<u8>> = samples
             .into_iter()
             .map(|samples| {
@@ -593,6 +695,7 @@ impl RemoteCluster {
             })
             .collect();
         // A next batch that fails its checks is not staged: its own step reports the error.
+        let read_ahead = next.is_some_and(|(images, _)| images.read_by_workers());
         let stages: Vec<Vec<u8>> = next
             .and_then(|(images, labels)| self.split(images, labels).ok())
             .map(|per_worker| {
@@ -613,9 +716,9 @@ impl RemoteCluster {
             .chain(&stages)
             .map(|m| m.len() as u64)
             .sum::<u64>();
-        let n = self.ranges.len();
+        let read_ahead = read_ahead && !stages.is_empty();
         let client = &self.client;
-        let mut reports = client.runtime.block_on(async {
+        let (mut reports, unreadable_ahead) = client.runtime.block_on(async {
             for (i, request) in requests.iter().enumerate() {
                 client.send_encoded(i, request).await?;
             }
@@ -623,21 +726,37 @@ impl RemoteCluster {
                 client.send_encoded(i, stage).await?;
             }
             let mut reports = Vec::new();
+            let mut unreadable = Vec::new();
             for i in 0..n {
-                match client.reply(i, None).await? {
-                    Control::StepDone {
-                        step: done,
-                        reports: r,
-                    } if done == step => reports.extend(r),
-                    other => bail!(
-                        "{}: answered step {step} with {}",
-                        client.who(i),
-                        other.name()
-                    ),
+                // The step's end and the next step's samples read, in either order.
+                let (mut done, mut read) = (false, !read_ahead);
+                while !(done && read) {
+                    match client.reply(i, None).await? {
+                        Control::StepDone {
+                            step: finished,
+                            reports: r,
+                        } if finished == step && !done => {
+                            reports.extend(r);
+                            done = true;
+                        }
+                        other if !read && matches!(other, Control::Staged { .. }) => {
+                            unreadable.extend(staged_reply(client, i, step + 1, other)?);
+                            read = true;
+                        }
+                        other => bail!(
+                            "{}: answered step {step} with {}",
+                            client.who(i),
+                            other.name()
+                        ),
+                    }
                 }
             }
-            Ok(reports)
+            Ok((reports, unreadable))
         })?;
+        if !unreadable_ahead.is_empty() {
+            self.staged = None;
+            self.unreadable_ahead = Some((step + 1, unreadable_ahead));
+        }
         self.next_step += 1;
         reports.sort_by_key(|r| r.device);
         if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
@@ -928,6 +1047,26 @@ async fn greet(
                 BUSY_WAIT.as_secs()
             ),
         }
+    }
+}
+
+/// The samples worker `i` could not read of those staged for `step`, from its `reply`.
+fn staged_reply(
+    client: &WorkerClient,
+    i: usize,
+    step: u64,
+    reply: Control,
+) -> anyhow::Result<Vec<(u64, String)>> {
+    match reply {
+        Control::Staged {
+            step: staged,
+            unreadable,
+        } if staged == step => Ok(unreadable),
+        other => bail!(
+            "{}: answered the samples of step {step} with {}",
+            client.who(i),
+            other.name()
+        ),
     }
 }
 

@@ -12,7 +12,7 @@
 
 use crate::control::{
     self, Control, DeviceReport, JobSpec, LinkMeasurement, NicMeasurement, PeerAddress, Piece,
-    PieceData, PieceRef, StepSamples,
+    PieceData, PieceRef, SampleImages, StepSamples,
 };
 use crate::net::quic::{
     CLOSE_MALFORMED, Inbound, QuicNode, QuicOptions, QuicTransport, send_control, send_heartbeat,
@@ -21,6 +21,7 @@ use crate::net::stream::BufferSource;
 use crate::net::tls::{NodeIdentity, node_name};
 use anyhow::Context as _;
 use kameo::actor::ActorRef;
+use legion_ops::data::{DataSource, Dataset};
 use legion_ops::partition::Nodes;
 use legion_ops::strategy::Strategy;
 use legion_ops::{Graph, Rect};
@@ -464,6 +465,8 @@ struct Job {
     /// The samples of each step's batch that this worker's devices read.
     samples: SamplesRead,
     staged: Arc<Staged>,
+    /// The training samples, where this worker reads its devices' own.
+    dataset: Option<Arc<dyn Dataset>>,
     first_device: usize,
     devices: Vec<ActorRef<DeviceActor>>,
     peers: Vec<Connection>,
@@ -545,6 +548,10 @@ async fn start_job(
         }
     }
     let precision = spec.precision().map_err(anyhow::Error::msg)?;
+    let dataset = match &spec.data_json {
+        Some(json) => Some(open_job_data(json, &graph, &shared.name).await?),
+        None => None,
+    };
     let plan = Arc::new(match spec.inference {
         true => StepPlan::build_with_inference(&graph, &configs, nodes, precision)?,
         false => StepPlan::build_in(&graph, &configs, nodes, precision)?,
@@ -624,12 +631,115 @@ async fn start_job(
         plan,
         samples,
         staged: Arc::default(),
+        dataset,
         first_device,
         devices,
         peers,
         heartbeat,
         watch_driver,
     })
+}
+
+/// Opens the job's training data as the driver did (`DataSource`), in samples of the model's
+/// input, off the request loop (a folder's headers are read).
+async fn open_job_data(
+    json: &str,
+    graph: &Graph,
+    worker: &str,
+) -> anyhow::Result<Arc<dyn Dataset>> {
+    let source: DataSource =
+        serde_json::from_str(json).context("job: the data the workers read (data_json)")?;
+    let spec = source.spec.clone();
+    let dataset = tokio::task::spawn_blocking(move || source.open())
+        .await
+        .context("opening the job's data")?
+        .with_context(|| {
+            format!(
+                "worker {worker} cannot open --data {spec}: every host must read the same                  files at that path (or train with --data-on-driver)"
+            )
+        })?;
+    anyhow::ensure!(
+        dataset.sample_len() == graph.input_sample_len(),
+        "job: --data {spec} has samples of {} values, where the model reads {}",
+        dataset.sample_len(),
+        graph.input_sample_len()
+    );
+    Ok(dataset)
+}
+
+/// Reads a `Stage`'s samples (`SampleImages::Read`) from `dataset` and stages their values;
+/// the answer lists the samples that could not be read, or is `Failed` where the request is
+/// impossible or the labels read are not the driver's (other files).
+async fn read_stage(
+    dataset: Arc<dyn Dataset>,
+    staged: &Staged,
+    step: u64,
+    samples: StepSamples,
+) -> Control {
+    let StepSamples {
+        images,
+        image_samples,
+        labels,
+        label_samples,
+    } = samples;
+    let SampleImages::Read { epoch, indices } = images else {
+        unreachable!("only samples to read are read")
+    };
+    let range = as_usize(image_samples.clone());
+    let read = tokio::task::spawn_blocking(move || {
+        anyhow::ensure!(
+            indices.len() == range.len(),
+            "step {step}: {} samples to read for samples {range:?}",
+            indices.len()
+        );
+        let len = dataset.num_samples();
+        let indices: Vec<usize> = indices
+            .iter()
+            .map(|&i| usize::try_from(i).ok().filter(|&i| i < len))
+            .collect::<Option<_>>()
+            .with_context(|| format!("step {step}: a sample beyond the data's {len}"))?;
+        let read = legion_ops::data::read_at(dataset.as_ref(), epoch, &indices)?;
+        Ok((indices, range, read))
+    })
+    .await
+    .map_err(anyhow::Error::from)
+    .and_then(|r| r);
+    let (indices, range, read) = match read {
+        Ok(read) => read,
+        Err(e) => return failed(e),
+    };
+    if !read.unreadable.is_empty() {
+        let unreadable = read.unreadable.into_iter();
+        return Control::Staged {
+            step,
+            unreadable: unreadable.map(|(i, why)| (i as u64, why)).collect(),
+        };
+    }
+    // Where this worker reads a sample's image and its label, the label it read is the driver's.
+    let given = as_usize(label_samples.clone());
+    for (at, &label) in range.clone().zip(&read.labels) {
+        if let Some(&want) = at.checked_sub(given.start).and_then(|k| labels.get(k))
+            && given.contains(&at)
+            && want != label
+        {
+            return failed(anyhow::anyhow!(
+                "step {step}: sample {} has label {label} here and {want} at the driver: the \
+                 hosts read different files",
+                indices[at - range.start]
+            ));
+        }
+    }
+    let samples = StepSamples {
+        images: SampleImages::Values(read.values),
+        image_samples,
+        labels,
+        label_samples,
+    };
+    staged.put(step, samples);
+    Control::Staged {
+        step,
+        unreadable: Vec::new(),
+    }
 }
 
 /// Where the job's devices run: the worker's own placement, its GPUs computing as the job asks
@@ -823,7 +933,20 @@ impl Job {
                 Err(e) => failed(e),
             }),
             Control::Stage { step, samples } => {
-                self.staged.put(step, samples);
+                if !matches!(samples.images, SampleImages::Read { .. }) {
+                    self.staged.put(step, samples);
+                    return None;
+                }
+                let Some(dataset) = self.dataset.clone() else {
+                    return Some(Control::Failed {
+                        message: "samples to read, in a job that reads no data".into(),
+                    });
+                };
+                let (conn, staged) = (conn.clone(), self.staged.clone());
+                tokio::spawn(async move {
+                    let answer = read_stage(dataset, &staged, step, samples).await;
+                    reply(&conn, &answer).await;
+                });
                 None
             }
             Control::Step {

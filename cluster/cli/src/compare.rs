@@ -170,6 +170,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         bytes: None,
         labels: labels.clone(),
         synthetic: None,
+        to_read: None,
         next: Some(NextBatch::Images(&images, &labels)),
         trace,
     };
@@ -224,6 +225,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
                 hosts: &c.hosts,
                 state_dir: &c.state,
                 gpu: legion_cuda::Settings::default(),
+                data: None,
             },
         };
         let job = JobStart {

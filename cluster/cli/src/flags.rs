@@ -146,6 +146,11 @@ pub struct TrainFlags {
     /// sample of the epoch) and counting it in the summary.
     #[arg(long)]
     pub strict_data: bool,
+    /// On a cluster, read the samples here and send them to the workers (8-bit pixels where
+    /// they are), instead of each worker reading its devices' own from --data's path: for data
+    /// that only this host can read.
+    #[arg(long)]
+    pub data_on_driver: bool,
     /// Initial weights from a safetensors checkpoint instead of the seeded initialisation.
     #[arg(long)]
     pub init: Option<PathBuf>,
@@ -318,6 +323,7 @@ impl TrainFlags {
             },
             transforms: self.transforms(&data),
             strict_data: self.strict_data,
+            data_on_driver: self.data_on_driver,
             validation: self.validation()?,
             data,
             init: self.init.clone(),

@@ -145,9 +145,11 @@ fn up_train_down_on_three_workers_equals_one_device() {
     assert_same_tensors(&verified, &lenet_single);
 
     // A folder of photographs under torchvision's training recipe (random resized crops and
-    // flips): the driver sends each worker its samples as 8-bit images, which the workers make
-    // values, so the workers train what one device trains on the same files; what a step's
-    // samples took to the workers is measured: their bytes, not their values' four times that.
+    // flips), one of them cut short: each worker reads its devices' samples from the folder
+    // itself, and the driver sends indices and labels, so the workers train what one device
+    // trains on the same files, the unreadable sample replaced alike; what a step's samples took
+    // to the workers is measured. With --data-on-driver the driver reads them and sends 8-bit
+    // images, which the workers make values: their bytes, not their values' four times that.
     let images = cluster.path("images");
     for class in 0..2u32 {
         let folder = images.join(format!("class{class}"));
@@ -165,6 +167,9 @@ fn up_train_down_on_three_workers_equals_one_device() {
             .unwrap();
         }
     }
+    let cut_short = images.join("class1/3.png");
+    let whole = std::fs::read(&cut_short).unwrap();
+    std::fs::write(&cut_short, &whole[..whole.len() / 2]).unwrap();
     let data = format!("folder:{}", images.display());
     let photos = [
         "--model",
@@ -178,23 +183,43 @@ fn up_train_down_on_three_workers_equals_one_device() {
     ];
     let photos_init = cluster.path("photos-init.safetensors");
     init_checkpoint(&photos_init, &photos);
-    let photos_workers = cluster.path("photos-cluster.safetensors");
-    let engine = [
-        cluster.engine().as_slice(),
-        &["--strategy", "data", "--json"],
-    ]
-    .concat();
-    let out = train_from(&engine, &photos, "4", &photos_init, &photos_workers);
-    let summary = summary_of(&String::from_utf8_lossy(&out.stdout));
     let photos_single = cluster.path("photos-single.safetensors");
-    train_from(&[], &photos, "4", &photos_init, &photos_single);
-    assert_same_tensors(&photos_workers, &photos_single);
-    let sent = summary["input_bytes_per_step"].as_f64().unwrap();
+    let out = train_from(&["--json"], &photos, "4", &photos_init, &photos_single);
+    let skipped = summary_of(&String::from_utf8_lossy(&out.stdout))["skipped_samples"].clone();
+    assert!(skipped.as_u64().unwrap() > 0, "{skipped}");
     let pixels = (8 * 28 * 28) as f64;
-    assert!(
-        sent >= pixels && sent < 1.25 * pixels,
-        "a step's samples took {sent} bytes to the workers, its images are {pixels} bytes"
-    );
+    for (strategy, read_by) in [
+        ("data", "workers"),
+        ("optcnn", "workers"),
+        ("data", "driver"),
+    ] {
+        let photos_workers = cluster.path(&format!("photos-{strategy}-{read_by}.safetensors"));
+        let mut flags = vec!["--strategy", strategy, "--json"];
+        if read_by == "driver" {
+            flags.push("--data-on-driver");
+        }
+        let engine = [cluster.engine().as_slice(), &flags].concat();
+        let out = train_from(&engine, &photos, "4", &photos_init, &photos_workers);
+        let summary = summary_of(&String::from_utf8_lossy(&out.stdout));
+        assert_same_tensors(&photos_workers, &photos_single);
+        assert_eq!(
+            summary["skipped_samples"], skipped,
+            "{strategy}, read by the {read_by}"
+        );
+        let sent = summary["input_bytes_per_step"].as_f64().unwrap();
+        match read_by {
+            // indices, labels and control: under 1 KB a sample, and a fraction of even 8-bit
+            // pixels of these small images
+            "workers" => assert!(
+                sent <= 1024.0 * 8.0 && sent < pixels / 4.0,
+                "{strategy}: a step's samples took {sent} bytes to the workers that read them"
+            ),
+            _ => assert!(
+                sent >= pixels && sent < 1.25 * pixels,
+                "a step's samples took {sent} bytes to the workers, its images are {pixels} bytes"
+            ),
+        }
+    }
 
     // bf16 on the workers: the job carries its precision, so they plan and compute in bf16 (bf16
     // slices over QUIC) and train what 4 embedded devices train in bf16 under the same strategy,
@@ -329,6 +354,60 @@ fn up_train_down_on_three_workers_equals_one_device() {
 }
 
 const LENET: [&str; 6] = ["--model", "lenet5", "--batch", "8", "--strategy", "data"];
+
+/// A random valid strategy of `graph` over `devices`: a config drawn per layer.
+fn random_strategy(graph: &legion_ops::Graph, devices: usize, seed: u64) -> String {
+    let mut rng = legion_ops::rng::Rng::new(seed);
+    let configs: Vec<_> = graph
+        .layers()
+        .iter()
+        .map(|l| {
+            let dims = l.op.spec().parallel_dims(&l.shape);
+            let space = legion_planner::ConfigSpace::enumerate(&l.shape, dims, devices);
+            space.config(rng.below(space.len()))
+        })
+        .collect();
+    legion_ops::strategy::Strategy::from_configs(graph, &configs).to_json()
+}
+
+/// Data parallelism and random strategies of LeNet-5 on 4 devices of real workers: on 2 hosts of
+/// 2 devices, the replicas a host holds are summed by its relay before they cross to the block's
+/// owner; on 4 hosts of 1, every replica goes to its owner. Both train what one device trains.
+#[test]
+fn relayed_and_owner_sync_train_what_one_device_trains_under_random_strategies() {
+    let relayed = Cluster::new(&[2, 2]);
+    let owners = Cluster::new(&[1, 1, 1, 1]);
+    relayed.up();
+    owners.up();
+    let lenet = ["--model", "lenet5", "--batch", "8"];
+    let init = relayed.path("init.safetensors");
+    init_checkpoint(&init, &lenet);
+    let single = relayed.path("single.safetensors");
+    train_from(&[], &lenet, "4", &init, &single);
+    let zoo = legion_ops::zoo::find("lenet5").unwrap();
+    let graph = zoo.build(&zoo.default_config(8)).unwrap();
+    for seed in [0, 1, 2, 3] {
+        let strategy = match seed {
+            0 => "data".to_string(),
+            _ => {
+                let file = relayed.path(&format!("random-{seed}.json"));
+                std::fs::write(&file, random_strategy(&graph, 4, seed)).unwrap();
+                file.display().to_string()
+            }
+        };
+        for (cluster, sync) in [(&relayed, "relayed"), (&owners, "owner")] {
+            let out = cluster.path(&format!("{sync}-{seed}.safetensors"));
+            let engine = [cluster.engine().as_slice(), &["--strategy", &strategy]].concat();
+            train_from(&engine, &lenet, "4", &init, &out);
+            let (a, b) = (
+                legion_ops::checkpoint::load(&out).unwrap(),
+                legion_ops::checkpoint::load(&single).unwrap(),
+            );
+            let d = largest_difference(&a.tensors, &b.tensors);
+            assert!(d <= 1e-4, "{strategy}, {sync} sync: {d:e} from one device");
+        }
+    }
+}
 
 #[test]
 fn a_killed_worker_is_named_within_5s_and_resume_finishes_the_run() {

@@ -308,7 +308,7 @@ fn data_of(data: &Bound<'_, PyAny>, what: &str) -> PyResult<Data> {
 /// order (each array shaped as its tensor), and the run's summary as a dict. `on_event` receives
 /// each event as a dict (see `Event::to_dict`).
 #[pyfunction]
-#[pyo3(signature = (model, *, batch, image_size=None, classes=None, data=None, devices=1, cluster=None, cluster_state=None, slurm=false, strategy="optcnn", costs="measured", replan=false, verify=3, max_recoveries=3, snapshot_every=None, steps=None, epochs=None, lr=None, momentum=None, weight_decay=None, nesterov=false, seed=1, device="auto", weights=None, init=None, resume=None, save=None, checkpoint_every=None, save_strategy=None, precision=None, val_data=None, val_split=None, eval_every=None, memory_gib=None, label=None, on_event=None))]
+#[pyo3(signature = (model, *, batch, image_size=None, classes=None, data=None, devices=1, cluster=None, cluster_state=None, slurm=false, strategy="optcnn", costs="measured", replan=false, verify=3, max_recoveries=3, snapshot_every=None, data_on_driver=false, steps=None, epochs=None, lr=None, momentum=None, weight_decay=None, nesterov=false, seed=1, device="auto", weights=None, init=None, resume=None, save=None, checkpoint_every=None, save_strategy=None, precision=None, val_data=None, val_split=None, eval_every=None, memory_gib=None, label=None, on_event=None))]
 #[allow(clippy::too_many_arguments)]
 fn train<'py>(
     py: Python<'py>,
@@ -327,6 +327,7 @@ fn train<'py>(
     verify: usize,
     max_recoveries: u32,
     snapshot_every: Option<u64>,
+    data_on_driver: bool,
     steps: Option<u64>,
     epochs: Option<u64>,
     lr: Option<f32>,
@@ -412,6 +413,9 @@ fn train<'py>(
                 .search_progress(std::sync::Arc::new(SearchEvents(events.clone())));
             if let Some(data) = data {
                 training = training.data(data);
+            }
+            if data_on_driver {
+                training = training.data_on_driver();
             }
             if let Some(weights) = weights.or(resolved.weights) {
                 training = training.weights(weights);

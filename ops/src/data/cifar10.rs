@@ -173,6 +173,10 @@ impl Dataset for Cifar10 {
         CLASSES
     }
 
+    fn label(&self, index: usize) -> Option<u32> {
+        (index < self.num_samples()).then(|| u32::from(self.record(index)[0]))
+    }
+
     fn sample(&self, index: usize, epoch: u64, out: &mut [f32]) -> Result<u32, DataError> {
         check_sample_args(self, index, out.len())?;
         let record = self.record(index);

@@ -79,6 +79,7 @@ impl FeedShape {
         Ok(Batch {
             images: fed.images,
             bytes: None,
+            unread: false,
             synthetic: None,
             labels: fed.labels,
             indices: (0..self.batch).collect(),

@@ -426,6 +426,10 @@ impl Dataset for ImageFolder {
         Some(self.normalization)
     }
 
+    fn label(&self, index: usize) -> Option<u32> {
+        self.samples.get(index).map(|&(_, label)| label)
+    }
+
     fn sample_bytes(&self, index: usize, epoch: u64, out: &mut [u8]) -> Result<u32, DataError> {
         check_sample_args(self, index, out.len())?;
         let (path, label) = &self.samples[index];
@@ -739,6 +743,75 @@ mod tests {
         }
         assert!(values.skipped().count > 0);
         assert_eq!(values.skipped(), bytes.skipped());
+    }
+
+    #[test]
+    fn workers_reading_unread_batches_get_the_read_batches_a_replaced_sample_included() {
+        use crate::data::{BadSamples, Data, DataSource, Loader, LoaderConfig, read_at};
+        let dir = gradient_folder();
+        let data = Data::Folder(dir.path().to_path_buf());
+        let ds = data.open([3, 8, 8], 2, 3, Transforms::TRAIN).unwrap();
+        let source = DataSource::of(&data, ds.as_ref(), [3, 8, 8], 2, 3, Transforms::TRAIN, None);
+        let source = source.expect("a folder can be opened elsewhere");
+        // what a worker opens, from what the driver sends it
+        let json = serde_json::to_string(&source).unwrap();
+        let elsewhere: DataSource = serde_json::from_str(&json).unwrap();
+        assert_eq!(elsewhere, source);
+        let worker = elsewhere.open().unwrap();
+        // a file gone after opening: the reader replaces its sample; the driver learns it
+        // from the worker and replaces it the same way
+        fs::remove_file(dir.path().join("b/1.jpg")).unwrap();
+        let read = Loader::new(ds.clone(), LoaderConfig::new(4)).unwrap();
+        let config = LoaderConfig {
+            labels_only: true,
+            ..LoaderConfig::new(4)
+        };
+        let unread = Loader::new(ds.clone(), config.clone()).unwrap();
+        let mut reports = 0;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for step in 0..9 {
+            let (epoch, b) = (step / 4, (step % 4) as usize);
+            let want = read.batch(epoch, b).unwrap();
+            let mut got = unread.batch(epoch, b).unwrap();
+            assert!(got.unread && got.images.is_empty() && got.bytes.is_none());
+            let samples = loop {
+                let samples = read_at(worker.as_ref(), epoch, &got.indices).unwrap();
+                if samples.unreadable.is_empty() {
+                    break samples;
+                }
+                for (index, why) in &samples.unreadable {
+                    assert!(why.contains("1.jpg"), "{why}");
+                    unread.mark_unreadable(*index, why);
+                }
+                reports += 1;
+                got = unread.batch(epoch, b).unwrap();
+            };
+            assert_eq!((&got.indices, &got.labels), (&want.indices, &want.labels));
+            assert_eq!(samples.labels, want.labels);
+            assert_eq!(bits(&samples.values), bits(&want.images), "step {step}");
+        }
+        assert_eq!(reports, 1, "a sample known unreadable is not read again");
+        assert!(read.skipped().count > 1);
+        assert_eq!(read.skipped(), unread.skipped());
+
+        // strict data: the worker's error ends the batch; other files are refused
+        let strict = LoaderConfig {
+            bad_samples: BadSamples::Fail,
+            ..config
+        };
+        let strict = Loader::new(ds, strict).unwrap();
+        let bad = (0..worker.num_samples())
+            .find(|&i| read_at(worker.as_ref(), 0, &[i]).unwrap().unreadable.len() == 1)
+            .unwrap();
+        strict.mark_unreadable(bad, "b/1.jpg: gone");
+        let err = (0..4).find_map(|b| strict.batch(0, b).err()).unwrap();
+        assert_eq!(err.to_string(), "b/1.jpg: gone");
+        let other = DataSource {
+            samples: source.samples + 1,
+            ..source
+        };
+        let err = other.open().err().unwrap().to_string();
+        assert!(err.contains("every host must read the same files"), "{err}");
     }
 
     #[test]

@@ -10,12 +10,14 @@
 mod cifar10;
 mod feed;
 mod folder;
+mod source;
 mod synthetic;
 mod transform;
 
 pub use cifar10::Cifar10;
 pub use feed::{BatchFeed, FedBatch, FeedShape, read_ahead};
 pub use folder::{Census, ImageFolder, has_image_extension};
+pub use source::{DataSource, ReadSamples, read_at};
 pub use synthetic::{Synthetic, SyntheticBatch, factors_per_sample};
 pub use transform::{Crop, Geometry, Normalization, Normalize, Transforms, render_crop};
 
@@ -109,6 +111,9 @@ pub enum DataError {
     BufferSize { expected: usize, actual: usize },
     #[error("invalid data configuration: {0}")]
     Config(String),
+    /// A sample another process could not read, with the error it gave.
+    #[error("{why}")]
+    ReadElsewhere { index: usize, why: String },
     #[error("{feed}: batch {batch}: {reason}")]
     FeedBatch {
         feed: String,
@@ -158,6 +163,13 @@ pub trait Dataset: Send + Sync {
             "{}: its samples are not 8-bit images",
             self.describe()
         )))
+    }
+
+    /// Sample `index`'s label, where it is known without reading the sample (a folder's
+    /// class, a CIFAR-10 record's byte): what a driver sends workers that read the pixels.
+    fn label(&self, index: usize) -> Option<u32> {
+        let _ = index;
+        None
     }
 
     /// A one-line description for logs, e.g. `cifar10 data/cifar (50000 samples)`.
@@ -452,6 +464,10 @@ impl Dataset for Subset {
             .sample_bytes(self.inner_index(index)?, epoch, out)
     }
 
+    fn label(&self, index: usize) -> Option<u32> {
+        self.inner.label(self.inner_index(index).ok()?)
+    }
+
     fn describe(&self) -> String {
         self.name.clone()
     }
@@ -496,10 +512,13 @@ const SPLIT_STREAM: u64 = 0x7370_6c69_745f_7661;
 /// A batch of consecutive samples in an epoch's order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
-    /// `N·C·H·W` values, sample-major (NCHW); empty where the batch is `synthetic` or `bytes`.
+    /// `N·C·H·W` values, sample-major (NCHW); empty where the batch is `synthetic`, `bytes` or
+    /// `unread`.
     pub images: Vec<f32>,
     /// The images as their bytes instead of `images` ([`LoaderConfig::bytes`]).
     pub bytes: Option<ByteImages>,
+    /// The samples were not read: `indices` and `labels` only ([`LoaderConfig::labels_only`]).
+    pub unread: bool,
     /// The batch described for a device to draw, instead of `images`
     /// ([`LoaderConfig::describe_synthetic`]).
     pub synthetic: Option<SyntheticBatch>,
@@ -565,6 +584,10 @@ pub struct LoaderConfig {
     /// Batches of a dataset of 8-bit images ([`Dataset::byte_normalization`]) come as their bytes
     /// ([`Batch::bytes`]), for a consumer that sends them on; other datasets' come as images.
     pub bytes: bool,
+    /// Batches of a dataset that knows its labels ([`Dataset::label`]) come with their indices
+    /// and labels only ([`Batch::unread`]), for workers that read the samples themselves
+    /// ([`DataSource`]) and report those they cannot ([`Loader::mark_unreadable`]).
+    pub labels_only: bool,
     /// What becomes of a sample that cannot be read or decoded.
     pub bad_samples: BadSamples,
 }
@@ -593,6 +616,7 @@ impl LoaderConfig {
             prefetch: 2,
             describe_synthetic: false,
             bytes: false,
+            labels_only: false,
             bad_samples: BadSamples::Replace,
         }
     }
@@ -605,6 +629,9 @@ pub struct Loader {
     dataset: Arc<dyn Dataset>,
     config: LoaderConfig,
     skipped: Arc<Skipped>,
+    /// Samples others could not read, by index, with why: an unread batch replaces them as a
+    /// read one replaces a sample that fails.
+    unreadable: Arc<std::sync::Mutex<std::collections::HashMap<usize, String>>>,
 }
 
 /// Samples skipped because they could not be read: taken only when one fails, never on the
@@ -638,6 +665,7 @@ impl Loader {
             dataset,
             config,
             skipped: Arc::default(),
+            unreadable: Arc::default(),
         };
         if loader.batches_per_epoch() == 0 {
             return Err(DataError::Config(format!(
@@ -655,6 +683,15 @@ impl Loader {
 
     pub fn config(&self) -> &LoaderConfig {
         &self.config
+    }
+
+    /// Notes that sample `index` could not be read elsewhere (`why`): the batches built from now
+    /// on replace it (or fail, or drop it) as [`BadSamples`] says, as if it had failed here.
+    pub fn mark_unreadable(&self, index: usize, why: &str) {
+        self.unreadable
+            .lock()
+            .expect("unreadable samples")
+            .insert(index, why.to_string());
     }
 
     /// The samples skipped so far, by every batch this loader (and its clones) built.
@@ -779,7 +816,10 @@ impl Producer {
 /// Whether a sample's error is its file's (skipped unless the loader fails on it), not the
 /// program's.
 fn is_bad_sample(error: &DataError) -> bool {
-    matches!(error, DataError::Io { .. } | DataError::Decode { .. })
+    matches!(
+        error,
+        DataError::Io { .. } | DataError::Decode { .. } | DataError::ReadElsewhere { .. }
+    )
 }
 
 /// Builds one batch, decoding its samples in parallel. A sample that cannot be read fails the
@@ -804,6 +844,7 @@ fn assemble_batch(
         return Ok(Batch {
             images: Vec::new(),
             bytes: None,
+            unread: false,
             labels: described.labels.clone(),
             synthetic: Some(described),
             indices,
@@ -813,6 +854,35 @@ fn assemble_batch(
         });
     }
     let image = dataset.image_shape();
+    if config.labels_only && dataset.label(0).is_some() {
+        let unreadable = loader
+            .unreadable
+            .lock()
+            .expect("unreadable samples")
+            .clone();
+        let label_of = |index, _: &mut [()]| match unreadable.get(&index) {
+            Some(why) => Err(DataError::ReadElsewhere {
+                index,
+                why: why.clone(),
+            }),
+            None => dataset.label(index).ok_or(DataError::IndexOutOfRange {
+                index,
+                len: dataset.num_samples(),
+            }),
+        };
+        let (_, labels) = read_samples(loader, order, end, &mut indices, cancel, label_of)?;
+        return Ok(Batch {
+            images: Vec::new(),
+            bytes: None,
+            unread: true,
+            labels,
+            synthetic: None,
+            indices,
+            epoch,
+            batch,
+            image,
+        });
+    }
     let (images, bytes, labels) = match dataset.byte_normalization().filter(|_| config.bytes) {
         Some(normalization) => {
             let read = |index, out: &mut [u8]| dataset.sample_bytes(index, epoch, out);
@@ -833,6 +903,7 @@ fn assemble_batch(
     Ok(Batch {
         images,
         bytes,
+        unread: false,
         labels,
         synthetic: None,
         indices,

@@ -135,7 +135,7 @@ impl Synthetic {
     /// returns the label and the state of the generator its pixel noise is drawn from.
     fn draw_factors(&self, index: usize, factors: &mut [f32]) -> (u32, u64) {
         let [channels, height, width] = self.image;
-        let mut rng = Rng::new(hash(&[self.seed, SAMPLE_STREAM, index as u64]));
+        let mut rng = self.sample_rng(index);
         let label = rng.below(self.classes);
         let shift_x = rng.uniform(-MAX_SHIFT, MAX_SHIFT);
         let shift_y = rng.uniform(-MAX_SHIFT, MAX_SHIFT);
@@ -163,6 +163,15 @@ impl Synthetic {
             }
         }
         (label as u32, rng.state())
+    }
+
+    /// The generator sample `index` is drawn from, its label first.
+    fn sample_rng(&self, index: usize) -> Rng {
+        Rng::new(hash(&[self.seed, SAMPLE_STREAM, index as u64]))
+    }
+
+    fn label_of(&self, index: usize) -> u32 {
+        self.sample_rng(index).below(self.classes) as u32
     }
 
     fn class_channel_waves(&self, class: usize, channel: usize) -> &[Wave] {
@@ -194,6 +203,10 @@ impl Dataset for Synthetic {
 
     fn as_synthetic(&self) -> Option<&Synthetic> {
         Some(self)
+    }
+
+    fn label(&self, index: usize) -> Option<u32> {
+        (index < self.num_samples).then(|| self.label_of(index))
     }
 
     fn describe(&self) -> String {

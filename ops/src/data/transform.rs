@@ -15,7 +15,7 @@ use std::cell::RefCell;
 const CROP_STREAM: u64 = 0x6372_6f70_5f62_6f78;
 
 /// How a sample's crop box is chosen.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Geometry {
     /// The whole image, resized to the model's height × width whatever its aspect.
     Stretch,
@@ -61,7 +61,7 @@ impl Geometry {
 }
 
 /// Per-channel normalisation of pixel values in [0, 1]: `(v - mean) / std`.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Normalize {
     /// The dataset's own statistics: ImageNet's for a folder of photographs, CIFAR-10's for it.
     Dataset,
@@ -119,7 +119,7 @@ impl std::str::FromStr for Normalize {
 }
 
 /// A recipe's transforms, applied to every sample of a dataset.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Transforms {
     pub geometry: Geometry,
     /// Mirror left to right with probability one half.

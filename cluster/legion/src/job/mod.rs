@@ -61,6 +61,9 @@ pub struct TrainOptions {
     pub transforms: Option<Transforms>,
     /// A sample that cannot be read stops the run, instead of being skipped and counted.
     pub strict_data: bool,
+    /// On a cluster, the driver reads the samples and sends them to the workers (8-bit pixels
+    /// where it can), instead of each worker reading its devices' own from the data's path.
+    pub data_on_driver: bool,
     /// Held-out data scored during the run and at its end.
     pub validation: Option<Validation>,
     pub init: Option<PathBuf>,
@@ -281,6 +284,7 @@ impl Default for TrainOptions {
             data: Data::default(),
             transforms: None,
             strict_data: false,
+            data_on_driver: false,
             validation: None,
             init: None,
             model_weights: None,
@@ -454,6 +458,13 @@ impl Training {
         self
     }
 
+    /// On a cluster, reads the samples here and sends them to the workers, instead of each
+    /// worker reading its devices' own (for data at a path other hosts cannot read).
+    pub fn data_on_driver(mut self) -> Self {
+        self.options.data_on_driver = true;
+        self
+    }
+
     /// Trains on a dataset of the caller's own.
     pub fn dataset(self, dataset: impl Dataset + 'static) -> Self {
         self.data(Data::Dataset(Arc::new(dataset)))
@@ -618,6 +629,8 @@ pub struct Job {
     describe_synthetic: bool,
     /// Whether 8-bit images come as their bytes, for a cluster's workers to make values.
     images_as_bytes: bool,
+    /// Where a cluster's workers read the training samples themselves: what they open.
+    workers_read: Option<data::DataSource>,
     /// What the steps compute in.
     precision: Precision,
     /// What the user should know about the run's inputs, said after the device line.
@@ -651,7 +664,8 @@ pub(crate) enum Restart {
 }
 
 impl Restart {
-    pub(crate) fn place(&self) -> Place<'_> {
+    /// Where the devices start again; a cluster's workers read `data` where it is given.
+    pub(crate) fn place<'a>(&'a self, data: Option<&'a data::DataSource>) -> Place<'a> {
         match self {
             Restart::Embedded { devices } => Place::Embedded {
                 devices: *devices,
@@ -665,6 +679,7 @@ impl Restart {
                 hosts,
                 state_dir,
                 gpu: *gpu,
+                data,
             },
         }
     }
@@ -773,6 +788,12 @@ impl Job {
         // After the model is known to fit (a synthetic dataset is sized by its classes), before
         // the weights are loaded and the engine started.
         let (source, validation) = open_datasets(&graph, opts, &shape)?;
+        let workers_read = match (&cluster, &source) {
+            (Some(_), Source::Samples(dataset)) if !opts.data_on_driver => {
+                workers_data(opts, dataset.as_ref(), &shape)
+            }
+            _ => None,
+        };
         let opts = &with_steps(opts, source.batches_per_epoch(graph.batch()))?;
         let data_note = source.census().map(|census| {
             let held = match &validation {
@@ -818,6 +839,7 @@ impl Job {
                 hosts,
                 state_dir,
                 gpu: settings,
+                data: workers_read.as_ref(),
             },
             (None, gpus) if distributed => Place::Embedded {
                 devices,
@@ -876,6 +898,7 @@ impl Job {
             actors_on_gpus,
             describe_synthetic,
             images_as_bytes: cluster.is_some(),
+            workers_read,
             precision,
             init_note,
             data_note,
@@ -1273,6 +1296,26 @@ fn open_datasets(
             )
         }
     })
+}
+
+/// What a cluster's workers open to read the training samples `dataset` themselves, where they
+/// can: as `open_datasets` opened it, from a path (or synthetic data) every host can use.
+fn workers_data(
+    opts: &TrainOptions,
+    dataset: &dyn Dataset,
+    shape: &ModelShape,
+) -> Option<data::DataSource> {
+    let held_out = match opts.validation.as_ref().map(|v| &v.data) {
+        Some(HeldOut::Split(fraction)) => Some(*fraction),
+        _ => None,
+    };
+    let transforms = opts
+        .transforms
+        .unwrap_or_else(|| opts.data.default_transforms());
+    let (image, classes, seed) = (shape.image, shape.classes, opts.seed);
+    data::DataSource::of(
+        &opts.data, dataset, image, classes, seed, transforms, held_out,
+    )
 }
 
 /// What the seed of `--val-data` differs from the run's by (`--seed`).

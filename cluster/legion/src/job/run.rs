@@ -4,9 +4,9 @@ use super::Restart;
 use super::Source;
 use super::{Evaluation, Job, JobEvent, PlannedRun, StepDone, TrainSummary, verify};
 use anyhow::{Context, bail};
-use legion_cluster::WorkerLost;
-use legion_cluster::engine::{self, Engine, JobStart, NextBatch, StepBatch};
+use legion_cluster::engine::{self, Engine, JobStart, NextBatch, SamplesToRead, StepBatch};
 use legion_cluster::hosts::Hosts;
+use legion_cluster::{UnreadableSamples, WorkerLost};
 use legion_ops::capture::CaptureStatus;
 use legion_ops::data::{self, Loader, LoaderConfig};
 use legion_ops::infer;
@@ -60,6 +60,7 @@ impl Job {
             actors_on_gpus,
             describe_synthetic,
             images_as_bytes,
+            workers_read,
             precision,
             init_note,
             data_note,
@@ -123,7 +124,9 @@ impl Job {
         let config = LoaderConfig {
             seed: opts.seed,
             describe_synthetic,
-            // the workers make a folder's image bytes values: a quarter of the bytes to send
+            // the workers read the samples themselves, or make a folder's image bytes values:
+            // a quarter of the bytes to send
+            labels_only: workers_read.is_some(),
             bytes: images_as_bytes,
             bad_samples: match opts.strict_data {
                 true => data::BadSamples::Fail,
@@ -310,6 +313,7 @@ impl Job {
                     gpu,
                     precision,
                     inference,
+                    data: workers_read.as_ref(),
                 };
                 let (configs, [search_s, restore_s]) = loop {
                     match job.start_on(&left, state.clone()) {
@@ -390,7 +394,7 @@ impl Job {
                 last_step = step - 1;
                 break;
             }
-            let batch_data = upcoming.take().expect("a batch for every step");
+            let mut batch_data = upcoming.take().expect("a batch for every step");
             upcoming = (step < opts.steps)
                 .then(|| next_batch(&mut batches))
                 .transpose()?;
@@ -403,18 +407,46 @@ impl Job {
             }
             let step_started = Instant::now();
             let sent_before = engine.input_bytes_sent();
-            let stepped = engine.step(StepBatch {
-                images: batch_data.images,
-                bytes: batch_data.bytes,
-                labels: batch_data.labels,
-                synthetic: batch_data.synthetic,
-                next: upcoming.as_ref().map(|b| match (&b.synthetic, &b.bytes) {
-                    (Some(described), _) => NextBatch::Synthetic(described),
-                    (None, Some(bytes)) => NextBatch::Bytes(bytes, &b.labels),
-                    (None, None) => NextBatch::Images(&b.images, &b.labels),
-                }),
-                trace: traced,
-            });
+            let to_read = |b: &data::Batch| {
+                b.unread.then(|| SamplesToRead {
+                    epoch: b.epoch,
+                    indices: b.indices.clone(),
+                })
+            };
+            let stepped = loop {
+                let next_to_read = upcoming.as_ref().and_then(to_read);
+                let stepped = engine.step(StepBatch {
+                    images: std::mem::take(&mut batch_data.images),
+                    bytes: batch_data.bytes.take(),
+                    labels: std::mem::take(&mut batch_data.labels),
+                    synthetic: batch_data.synthetic.take(),
+                    to_read: to_read(&batch_data),
+                    next: upcoming.as_ref().map(|b| {
+                        match (&next_to_read, &b.synthetic, &b.bytes) {
+                            (Some(read), ..) => NextBatch::ToRead(read, &b.labels),
+                            (None, Some(described), _) => NextBatch::Synthetic(described),
+                            (None, None, Some(bytes)) => NextBatch::Bytes(bytes, &b.labels),
+                            (None, None, None) => NextBatch::Images(&b.images, &b.labels),
+                        }
+                    }),
+                    trace: traced,
+                });
+                // Samples the workers could not read are replaced as the loader replaces those
+                // it cannot, and the step runs on its batch then (or fails, with --strict-data).
+                let (Err(error), Some(loader)) = (&stepped, &loader) else {
+                    break stepped;
+                };
+                let Some(unreadable) = UnreadableSamples::in_error(error) else {
+                    break stepped;
+                };
+                for (index, why) in &unreadable.samples {
+                    loader.mark_unreadable(*index, why);
+                }
+                // Batches built before are replaced when their step meets the sample again.
+                batch_data = loader
+                    .batch(batch_data.epoch, batch_data.batch)
+                    .with_context(|| format!("step {step}"))?;
+            };
             let (stats, reports) = match stepped {
                 Ok(done) => done,
                 Err(error) => recover!(error, step - 1),
@@ -449,7 +481,7 @@ impl Job {
                     let state = engine.state()?;
                     drop(engine);
                     engine = engine::start(
-                        restart.place(),
+                        restart.place(workers_read.as_ref()),
                         JobStart {
                             graph: &graph,
                             configs: &t.candidate(i).configs,
@@ -550,6 +582,7 @@ impl Job {
                         gpu: *gpu,
                         precision,
                         inference,
+                        data: workers_read.as_ref(),
                     };
                     match job.start_on(&all, state.clone()) {
                         Ok(started) => {
@@ -692,6 +725,8 @@ struct ClusterJob<'a> {
     gpu: legion_cuda::Settings,
     precision: Precision,
     inference: bool,
+    /// What the workers read the training samples from, where they do.
+    data: Option<&'a data::DataSource>,
 }
 
 impl ClusterJob<'_> {
@@ -711,6 +746,7 @@ impl ClusterJob<'_> {
                 hosts,
                 state_dir: self.state_dir,
                 gpu: self.gpu,
+                data: self.data,
             },
             JobStart {
                 graph: self.graph,

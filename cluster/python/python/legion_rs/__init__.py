@@ -153,6 +153,7 @@ def train(
     verify: int = 3,
     max_recoveries: int = 3,
     snapshot_every: Optional[int] = None,
+    data_on_driver: bool = False,
     steps: Optional[int] = None,
     epochs: Optional[int] = None,
     lr: Optional[float] = None,
@@ -188,6 +189,8 @@ def train(
     On a cluster, a run that loses a worker re-plans for the devices left and trains on from its
     latest snapshot (taken every ``snapshot_every`` steps; ``None``: as often as keeps them within
     5% of the training time), at most ``max_recoveries`` times (0: a lost worker ends the run).
+    Each worker reads its devices' samples of a ``data`` path itself (every host must read the
+    same files there), unless ``data_on_driver``: then this process reads them and sends them.
     ``steps`` (default 100) or ``epochs`` say how long; SGD's ``lr``, ``momentum`` and
     ``weight_decay`` default to legion-rs's (0.03, 0.9, 5e-4) and step as ``torch.optim.SGD``
     does. A torch module starts from its own weights; other models from ``init``, the weights
@@ -222,6 +225,7 @@ def train(
                 verify=verify,
                 max_recoveries=max_recoveries,
                 snapshot_every=snapshot_every,
+                data_on_driver=data_on_driver,
                 steps=steps,
                 epochs=epochs,
                 lr=lr,

@@ -43,6 +43,7 @@ def train(
     verify: int = 3,
     max_recoveries: int = 3,
     snapshot_every: Optional[int] = None,
+    data_on_driver: bool = False,
     steps: Optional[int] = None,
     epochs: Optional[int] = None,
     lr: Optional[float] = None,
