@@ -6,9 +6,10 @@ use anyhow::Context;
 use legion::costs::{self, CostCache, Costs};
 use legion::job::{Strategy, choose_strategy_ranked};
 use legion::machine::{cluster_machine, embedded_machine};
-use legion_cluster::engine::{self, JobStart, NextBatch, Place, StepBatch};
+use legion_cluster::engine::{self, JobStart, NextBatch, Place, SamplesToRead, StepBatch};
 use legion_cluster::hosts::Hosts;
 use legion_ops::Graph;
+use legion_ops::data::{Data, DataSource, Transforms};
 use legion_ops::train::{LossReadback, ParamStore, Sgd, TrainingState};
 use legion_planner::profile::ProfileDb;
 use legion_planner::search::SearchKind;
@@ -163,16 +164,30 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     let params = ParamStore::init(graph, settings.seed);
     let state = TrainingState::start(params);
     let (images, labels) = profile::synthetic_batch(graph, settings.seed)?;
+    // On a cluster the workers draw the batch themselves, as a data-parallel peer's ranks do.
+    let drawn = match &settings.cluster {
+        Some(_) => Some(drawn_on_workers(graph, settings.seed)?),
+        None => None,
+    };
     // Every step trains on the same batch, which is also the next step's: a cluster job
-    // delivers it while the step before runs, as training does.
-    let batch = |trace| StepBatch {
-        images: images.clone(),
-        bytes: None,
-        labels: labels.clone(),
-        synthetic: None,
-        to_read: None,
-        next: Some(NextBatch::Images(&images, &labels)),
-        trace,
+    // delivers it (or has it read) while the step before runs, as training does.
+    let batch = |trace, on_workers: bool| {
+        let to_read = drawn.as_ref().map(|(_, read)| read).filter(|_| on_workers);
+        StepBatch {
+            images: match to_read {
+                Some(_) => Vec::new(),
+                None => images.clone(),
+            },
+            bytes: None,
+            labels: labels.clone(),
+            synthetic: None,
+            to_read: to_read.cloned(),
+            next: Some(match to_read {
+                Some(read) => NextBatch::ToRead(read, &labels),
+                None => NextBatch::Images(&images, &labels),
+            }),
+            trace,
+        }
     };
     // What every strategy must end with: the single-device trainer after as many steps.
     let steps_taken = settings.warmup + settings.steps + usize::from(settings.traces.is_some());
@@ -188,7 +203,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         };
         let mut one = engine::start(Place::OneDevice(LossReadback::OneStepLate), job)?;
         for _ in 0..steps_taken {
-            one.step(batch(false))?;
+            one.step(batch(false, false))?;
         }
         one.state()
     };
@@ -225,7 +240,7 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
                 hosts: &c.hosts,
                 state_dir: &c.state,
                 gpu: legion_cuda::Settings::default(),
-                data: None,
+                data: drawn.as_ref().map(|(source, _)| source),
             },
         };
         let job = JobStart {
@@ -240,16 +255,16 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
         };
         let mut engine = engine::start(place, job)?;
         for _ in 0..settings.warmup {
-            engine.step(batch(false))?;
+            engine.step(batch(false, true))?;
         }
         let t = Instant::now();
         for _ in 0..settings.steps {
-            engine.step(batch(false))?;
+            engine.step(batch(false, true))?;
         }
         let step_s = t.elapsed().as_secs_f64() / settings.steps.max(1) as f64;
         let simulation = simulate(&model, configs);
         if let Some(dir) = &settings.traces {
-            let (_, reports) = engine.step(batch(true))?;
+            let (_, reports) = engine.step(batch(true, true))?;
             let plan = engine.plan().context("a cluster engine has a step plan")?;
             let traces = [
                 (
@@ -552,4 +567,25 @@ mod tests {
         .unwrap();
         assert_eq!(unprofiled.runtime_costs(), None);
     }
+}
+
+/// The batch `profile::synthetic_batch` draws (samples `0..N` of seeded synthetic data), as a
+/// cluster's workers open and read it themselves.
+fn drawn_on_workers(graph: &Graph, seed: u64) -> anyhow::Result<(DataSource, SamplesToRead)> {
+    let input = graph.layer(graph.input()).shape;
+    let batch = input.dim(0);
+    let image = [input.dim(1), input.dim(2), input.dim(3)];
+    let classes = graph
+        .logits()
+        .map_or(1, |logits| graph.layer(logits).shape.dim(1));
+    let data = Data::Synthetic { samples: batch };
+    let dataset = data.open(image, classes, seed, Transforms::PLAIN)?;
+    let plain = Transforms::PLAIN;
+    let source = DataSource::of(&data, dataset.as_ref(), image, classes, seed, plain, None)
+        .context("synthetic data is drawn anywhere")?;
+    let read = SamplesToRead {
+        epoch: 0,
+        indices: (0..batch).collect(),
+    };
+    Ok((source, read))
 }
