@@ -667,13 +667,14 @@ async fn open_job_data(
     Ok(dataset)
 }
 
-/// Reads a `Stage`'s samples (`SampleImages::Read`) from `dataset` and stages their values;
-/// the answer lists the samples that could not be read, or is `Failed` where the request is
-/// impossible or the labels read are not the driver's (other files).
+/// Reads a `Stage`'s samples (`SampleImages::Read`, at most a `batch`) from `dataset` and
+/// stages their values; the answer lists the samples that could not be read, or is `Failed`
+/// where the request is impossible or the labels read are not the driver's (other files).
 async fn read_stage(
     dataset: Arc<dyn Dataset>,
     staged: &Staged,
     step: u64,
+    batch: usize,
     samples: StepSamples,
 ) -> Control {
     let StepSamples {
@@ -687,9 +688,10 @@ async fn read_stage(
     };
     let range = as_usize(image_samples.clone());
     let read = tokio::task::spawn_blocking(move || {
+        // Sized before anything is allocated for them.
         anyhow::ensure!(
-            indices.len() == range.len(),
-            "step {step}: {} samples to read for samples {range:?}",
+            indices.len() == range.len() && range.len() <= batch,
+            "step {step}: {} samples to read for samples {range:?} of a batch of {batch}",
             indices.len()
         );
         let len = dataset.num_samples();
@@ -943,8 +945,9 @@ impl Job {
                     });
                 };
                 let (conn, staged) = (conn.clone(), self.staged.clone());
+                let batch = self.graph.batch();
                 tokio::spawn(async move {
-                    let answer = read_stage(dataset, &staged, step, samples).await;
+                    let answer = read_stage(dataset, &staged, step, batch, samples).await;
                     reply(&conn, &answer).await;
                 });
                 None
@@ -1129,6 +1132,85 @@ mod tests {
             staged.put(7, samples(7));
             staged.take(7).await.unwrap();
             assert!(staged.by_step.lock().unwrap().is_empty());
+        });
+    }
+
+    /// A folder of 2 classes of 3 PNGs, the last of class 1 cut short after opening.
+    fn folder() -> (tempfile::TempDir, Arc<dyn Dataset>) {
+        let dir = tempfile::tempdir().unwrap();
+        for class in 0..2u8 {
+            let sub = dir.path().join(format!("c{class}"));
+            std::fs::create_dir(&sub).unwrap();
+            for i in 0..3u8 {
+                let image = image::RgbImage::from_fn(9, 7, |x, y| {
+                    image::Rgb([x as u8 * 20, y as u8 * 20 + class * 100, i * 60])
+                });
+                image.save(sub.join(format!("{i}.png"))).unwrap();
+            }
+        }
+        let data = legion_ops::data::Data::Folder(dir.path().to_path_buf());
+        let dataset = data
+            .open([3, 4, 4], 2, 1, legion_ops::data::Transforms::TRAIN)
+            .unwrap();
+        let cut = dir.path().join("c1/2.png");
+        let whole = std::fs::read(&cut).unwrap();
+        std::fs::write(&cut, &whole[..whole.len() / 2]).unwrap();
+        (dir, dataset)
+    }
+
+    fn to_read(indices: Vec<u64>, labels: Vec<u32>) -> StepSamples {
+        let n = indices.len() as u64;
+        StepSamples {
+            images: SampleImages::Read { epoch: 1, indices },
+            image_samples: 0..n,
+            labels,
+            label_samples: 0..n,
+        }
+    }
+
+    #[test]
+    fn samples_a_worker_reads_are_staged_listed_unreadable_or_refused() {
+        let (_dir, dataset) = folder();
+        let runtime = crate::net::runtime().unwrap();
+        runtime.block_on(async {
+            let staged = Staged::default();
+            let read =
+                |step, batch, samples| read_stage(dataset.clone(), &staged, step, batch, samples);
+            // read and staged: the values one device reads
+            let answer = read(1, 2, to_read(vec![4, 0], vec![1, 0])).await;
+            assert_eq!(
+                answer,
+                Control::Staged {
+                    step: 1,
+                    unreadable: vec![]
+                }
+            );
+            let got = staged.take(1).await.unwrap();
+            let mut want = vec![0.0; 2 * 48];
+            dataset.sample(4, 1, &mut want[..48]).unwrap();
+            dataset.sample(0, 1, &mut want[48..]).unwrap();
+            assert_eq!(got.images, SampleImages::Values(want));
+            // the cut-short file is listed, and nothing is staged
+            let answer = read(2, 2, to_read(vec![5, 1], vec![1, 0])).await;
+            let Control::Staged { unreadable, .. } = answer else {
+                panic!("{answer:?}")
+            };
+            assert_eq!(unreadable.len(), 1, "{unreadable:?}");
+            assert_eq!(unreadable[0].0, 5);
+            assert!(unreadable[0].1.contains("2.png"), "{unreadable:?}");
+            assert!(staged.by_step.lock().unwrap().is_empty());
+            // another label than the driver's: other files; more than a batch; beyond the data
+            let refused = [
+                (to_read(vec![0], vec![1]), "the hosts read different files"),
+                (to_read(vec![0, 1, 2], vec![0, 0, 0]), "of a batch of 2"),
+                (to_read(vec![6], vec![0]), "beyond the data's 6"),
+            ];
+            for (samples, why) in refused {
+                match read(3, 2, samples).await {
+                    Control::Failed { message } => assert!(message.contains(why), "{message}"),
+                    other => panic!("{other:?}"),
+                }
+            }
         });
     }
 }

@@ -505,6 +505,27 @@ pub fn chart(rows: &[CompareRow], title: &str, path: &Path) -> anyhow::Result<()
         .with_context(|| format!("writing the chart {}", path.display()))
 }
 
+/// The batch `profile::synthetic_batch` draws (samples `0..N` of seeded synthetic data), as a
+/// cluster's workers open and read it themselves.
+fn drawn_on_workers(graph: &Graph, seed: u64) -> anyhow::Result<(DataSource, SamplesToRead)> {
+    let input = graph.layer(graph.input()).shape;
+    let batch = input.dim(0);
+    let image = [input.dim(1), input.dim(2), input.dim(3)];
+    let classes = graph
+        .logits()
+        .map_or(1, |logits| graph.layer(logits).shape.dim(1));
+    let data = Data::Synthetic { samples: batch };
+    let dataset = data.open(image, classes, seed, Transforms::PLAIN)?;
+    let plain = Transforms::PLAIN;
+    let source = DataSource::of(&data, dataset.as_ref(), image, classes, seed, plain, None)
+        .context("synthetic data is drawn anywhere")?;
+    let read = SamplesToRead {
+        epoch: 0,
+        indices: (0..batch).collect(),
+    };
+    Ok((source, read))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -567,25 +588,4 @@ mod tests {
         .unwrap();
         assert_eq!(unprofiled.runtime_costs(), None);
     }
-}
-
-/// The batch `profile::synthetic_batch` draws (samples `0..N` of seeded synthetic data), as a
-/// cluster's workers open and read it themselves.
-fn drawn_on_workers(graph: &Graph, seed: u64) -> anyhow::Result<(DataSource, SamplesToRead)> {
-    let input = graph.layer(graph.input()).shape;
-    let batch = input.dim(0);
-    let image = [input.dim(1), input.dim(2), input.dim(3)];
-    let classes = graph
-        .logits()
-        .map_or(1, |logits| graph.layer(logits).shape.dim(1));
-    let data = Data::Synthetic { samples: batch };
-    let dataset = data.open(image, classes, seed, Transforms::PLAIN)?;
-    let plain = Transforms::PLAIN;
-    let source = DataSource::of(&data, dataset.as_ref(), image, classes, seed, plain, None)
-        .context("synthetic data is drawn anywhere")?;
-    let read = SamplesToRead {
-        epoch: 0,
-        indices: (0..batch).collect(),
-    };
-    Ok((source, read))
 }
