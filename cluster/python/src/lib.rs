@@ -536,6 +536,7 @@ fn summary_dict<'py>(py: Python<'py>, s: &legion::TrainSummary) -> PyResult<Boun
     d.set_item("saved", s.saved.as_ref().map(|p| p.display().to_string()))?;
     d.set_item("precision", s.precision.to_string())?;
     d.set_item("skipped_samples", s.skipped.count)?;
+    d.set_item("input_bytes_per_step", s.input_bytes_per_step)?;
     if let Some(plan) = &s.plan {
         let p = PyDict::new(py);
         p.set_item("choice", plan.choice.to_string())?;

@@ -53,6 +53,19 @@ def test_workers_started_by_up_train_what_one_device_trains(legion_rs_binary, tm
         for name, value in one.items():
             np.testing.assert_allclose(np.asarray(on_cluster[name]), np.asarray(value), rtol=1e-4,
                                        atol=1e-5, err_msg=name)
+        # Data the workers read themselves, or this process sends them (data_on_driver).
+        runs = {driver: legion_rs.train("lenet5", "synthetic:64", batch=8, steps=3, cluster=hosts,
+                                        cluster_state=state, strategy="data",
+                                        data_on_driver=driver, progress=False)
+                for driver in (False, True)}
+        one = legion_rs.train("lenet5", "synthetic:64", batch=8, steps=3, device="cpu",
+                              progress=False)
+        for run in runs.values():
+            for name, value in one.items():
+                np.testing.assert_allclose(np.asarray(run[name]), np.asarray(value), rtol=1e-4,
+                                           atol=1e-5, err_msg=name)
+        sent = {driver: run.summary["input_bytes_per_step"] for driver, run in runs.items()}
+        assert sent[False] < 1024 * 8 < 4 * 8 * 28 * 28 <= sent[True], sent
         plan = legion_rs.plan("lenet5", cluster=hosts, cluster_state=state, batch=8)
         assert plan.to_dict()["devices"] == 4 and plan.search == "optcnn"
     finally:
