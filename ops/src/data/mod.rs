@@ -854,37 +854,27 @@ fn assemble_batch(
         });
     }
     let image = dataset.image_shape();
-    if config.labels_only && dataset.label(0).is_some() {
-        let unreadable = loader
-            .unreadable
-            .lock()
-            .expect("unreadable samples")
-            .clone();
-        let label_of = |index, _: &mut [()]| match unreadable.get(&index) {
-            Some(why) => Err(DataError::ReadElsewhere {
-                index,
-                why: why.clone(),
-            }),
-            None => dataset.label(index).ok_or(DataError::IndexOutOfRange {
-                index,
-                len: dataset.num_samples(),
-            }),
-        };
-        let (_, labels) = read_samples(loader, order, end, &mut indices, cancel, label_of)?;
-        return Ok(Batch {
-            images: Vec::new(),
-            bytes: None,
-            unread: true,
-            labels,
-            synthetic: None,
-            indices,
-            epoch,
-            batch,
-            image,
-        });
-    }
-    let (images, bytes, labels) = match dataset.byte_normalization().filter(|_| config.bytes) {
-        Some(normalization) => {
+    let labels_only = config.labels_only && dataset.label(0).is_some();
+    let normalization = dataset.byte_normalization().filter(|_| config.bytes);
+    let (images, bytes, labels) = match (labels_only, normalization) {
+        (true, _) => {
+            let unreadable = (loader.unreadable.lock())
+                .expect("unreadable samples")
+                .clone();
+            let label_of = |index, _: &mut [()]| match unreadable.get(&index) {
+                Some(why) => Err(DataError::ReadElsewhere {
+                    index,
+                    why: why.clone(),
+                }),
+                None => dataset.label(index).ok_or(DataError::IndexOutOfRange {
+                    index,
+                    len: dataset.num_samples(),
+                }),
+            };
+            let (_, labels) = read_samples(loader, order, end, &mut indices, cancel, label_of)?;
+            (Vec::new(), None, labels)
+        }
+        (false, Some(normalization)) => {
             let read = |index, out: &mut [u8]| dataset.sample_bytes(index, epoch, out);
             let (bytes, labels) = read_samples(loader, order, end, &mut indices, cancel, read)?;
             let bytes = ByteImages {
@@ -894,7 +884,7 @@ fn assemble_batch(
             };
             (Vec::new(), Some(bytes), labels)
         }
-        None => {
+        (false, None) => {
             let read = |index, out: &mut [f32]| dataset.sample(index, epoch, out);
             let (images, labels) = read_samples(loader, order, end, &mut indices, cancel, read)?;
             (images, None, labels)
@@ -903,7 +893,7 @@ fn assemble_batch(
     Ok(Batch {
         images,
         bytes,
-        unread: false,
+        unread: labels_only,
         labels,
         synthetic: None,
         indices,
