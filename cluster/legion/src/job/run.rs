@@ -436,7 +436,12 @@ impl Job {
                 let (Err(error), Some(loader)) = (&stepped, &loader) else {
                     break stepped;
                 };
-                let Some(unreadable) = UnreadableSamples::in_error(error) else {
+                // Only samples of this batch are replaced: anything else ends the run.
+                let Some(unreadable) = UnreadableSamples::in_error(error).filter(|u| {
+                    u.samples
+                        .iter()
+                        .all(|(i, _)| batch_data.indices.contains(i))
+                }) else {
                     break stepped;
                 };
                 for (index, why) in &unreadable.samples {
