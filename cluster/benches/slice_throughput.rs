@@ -7,6 +7,9 @@
 //!
 //! Each of `--runs` rounds measures every column once, back to back, and the table gives each
 //! column's median and the median of the rounds' ratios (the best QUIC column over each TCP one).
+//! A second table gives what each column costs the CPU: bytes moved per CPU second of this
+//! process (both ends, every thread), so that a column that only goes faster by taking more cores
+//! shows it.
 //!
 //! Experiment flags: `--conns 1,2` QUIC connections per run (slices striped over them),
 //! `--slices 1,16` slice sizes in MiB, `--max-mtu N` (default: `QuicOptions::default()`),
@@ -31,6 +34,37 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 /// Slices in flight at once on QUIC (each on its own stream), as a step's many copies would be.
 const IN_FLIGHT: usize = 8;
+
+/// A timed run: its wall time and this process's CPU seconds over it.
+#[derive(Clone, Copy)]
+struct Timed {
+    wall: Duration,
+    cpu_s: f64,
+}
+
+/// This process's CPU seconds so far, user and system, every thread.
+fn process_cpu_s() -> f64 {
+    // SAFETY: getrusage only writes the struct it is given.
+    let usage = unsafe {
+        let mut usage = std::mem::zeroed::<libc::rusage>();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    seconds(usage.ru_utime) + seconds(usage.ru_stime)
+}
+
+/// Starts timing a run.
+fn start_timing() -> (Instant, f64) {
+    (Instant::now(), process_cpu_s())
+}
+
+fn stop_timing((start, cpu): (Instant, f64)) -> Timed {
+    Timed {
+        wall: start.elapsed(),
+        cpu_s: process_cpu_s() - cpu,
+    }
+}
 
 struct Counter {
     bytes: AtomicU64,
@@ -83,7 +117,7 @@ async fn quic_run(
     slice_bytes: usize,
     count: usize,
     stats: bool,
-) -> Duration {
+) -> Timed {
     let (tls_a, tls_b) = tls_pair();
     let counter = Counter::new();
     let c = counter.clone();
@@ -111,7 +145,7 @@ async fn quic_run(
 
     counter.arm((slice_bytes * count) as u64);
     let permits = Arc::new(Semaphore::new(IN_FLIGHT));
-    let start = Instant::now();
+    let timing = start_timing();
     for i in 0..count {
         let permit = permits.clone().acquire_owned().await.unwrap();
         // Round robin, as `QuicTransport::route_many` does.
@@ -124,7 +158,7 @@ async fn quic_run(
         });
     }
     counter.done.notified().await;
-    let elapsed = start.elapsed();
+    let elapsed = stop_timing(timing);
     if stats {
         for conn in &conns {
             let s = conn.stats();
@@ -149,7 +183,7 @@ async fn quic_run(
 }
 
 /// Frames back to back on one TCP connection, plaintext or in TLS.
-async fn tcp_run(slice_bytes: usize, count: usize, tls: bool) -> Duration {
+async fn tcp_run(slice_bytes: usize, count: usize, tls: bool) -> Timed {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let counter = Counter::new();
@@ -197,7 +231,7 @@ async fn write_all<W: AsyncWrite + Unpin>(
     counter: &Counter,
     slice_bytes: usize,
     count: usize,
-) -> Duration {
+) -> Timed {
     let msg = slice(slice_bytes);
     counter.arm(4 * slice_bytes as u64);
     for _ in 0..4 {
@@ -207,14 +241,14 @@ async fn write_all<W: AsyncWrite + Unpin>(
     counter.done.notified().await;
 
     counter.arm((slice_bytes * count) as u64);
-    let start = Instant::now();
+    let timing = start_timing();
     for _ in 0..count {
         write_slice(&mut stream, &msg).await.unwrap();
     }
     // TLS buffers the last record until flushed.
     stream.flush().await.unwrap();
     counter.done.notified().await;
-    let elapsed = start.elapsed();
+    let elapsed = stop_timing(timing);
     stream.shutdown().await.unwrap();
     elapsed
 }
@@ -282,33 +316,40 @@ fn main() {
         "---|".repeat(quic_cols.len())
     );
     let wanted = |what: &str| only.split(',').any(|o| o == what);
+    // Per slice size, each column's median GB per CPU second, printed after the throughput.
+    let mut per_cpu_rows = Vec::new();
     for slice_mib in slice_sizes {
         let slice_bytes = slice_mib << 20;
         let count = (total_mib / slice_mib).max(1);
         let bytes = (slice_bytes * count) as f64;
-        let gbs = |d: Duration| bytes / d.as_secs_f64() / 1e9;
+        let gbs = |t: Timed| bytes / t.wall.as_secs_f64() / 1e9;
+        let per_cpu = |t: Timed| bytes / t.cpu_s.max(1e-9) / 1e9;
         // Columns: TCP, TCP+TLS, old QUIC, then one per connection count. The machine is shared
         // and its speed drifts over seconds, so every round measures each column once, and the
         // ratios are taken within a round before their median.
         let mut samples: Vec<Vec<f64>> = vec![Vec::new(); 3 + conn_counts.len()];
+        let mut cpu_samples: Vec<Vec<f64>> = vec![Vec::new(); 3 + conn_counts.len()];
         let mut over_tcp = Vec::new();
         let mut over_tls = Vec::new();
         for _ in 0..rounds {
-            let mut round: Vec<Option<f64>> = Vec::new();
-            round.push(wanted("tcp").then(|| gbs(rt.block_on(tcp_run(slice_bytes, count, false)))));
-            round.push(wanted("tls").then(|| gbs(rt.block_on(tcp_run(slice_bytes, count, true)))));
-            round.push(
-                wanted("old")
-                    .then(|| gbs(rt.block_on(quic_run(&old, 1, slice_bytes, count, stats)))),
+            let mut timed: Vec<Option<Timed>> = Vec::new();
+            timed.push(wanted("tcp").then(|| rt.block_on(tcp_run(slice_bytes, count, false))));
+            timed.push(wanted("tls").then(|| rt.block_on(tcp_run(slice_bytes, count, true))));
+            timed.push(
+                wanted("old").then(|| rt.block_on(quic_run(&old, 1, slice_bytes, count, stats))),
             );
             for &n in &conn_counts {
-                round.push(
+                timed.push(
                     wanted("quic")
-                        .then(|| gbs(rt.block_on(quic_run(&tuned, n, slice_bytes, count, stats)))),
+                        .then(|| rt.block_on(quic_run(&tuned, n, slice_bytes, count, stats))),
                 );
             }
+            let round: Vec<Option<f64>> = timed.iter().map(|t| t.map(gbs)).collect();
             for (column, x) in samples.iter_mut().zip(&round) {
                 column.extend(x);
+            }
+            for (column, t) in cpu_samples.iter_mut().zip(&timed) {
+                column.extend(t.map(per_cpu));
             }
             let top = round[3..].iter().flatten().copied().reduce(f64::max);
             if let (Some(q), Some(t)) = (top, round[0]) {
@@ -328,6 +369,18 @@ fn main() {
             ratio(&mut over_tcp),
             ratio(&mut over_tls),
         );
+        let cells: Vec<String> = cpu_samples.iter_mut().map(cell).collect();
+        per_cpu_rows.push(format!("| {slice_mib} MiB | {} |", cells.join(" | ")));
+    }
+    println!();
+    println!("GB moved per CPU second of this process (sender and receiver together), medians:");
+    println!(
+        "| slice | TCP | TCP+TLS | QUIC old (1452, 1 conn) | {} |",
+        quic_cols.join(" | ")
+    );
+    println!("|---|---|---|---|{}", "---|".repeat(quic_cols.len()));
+    for row in per_cpu_rows {
+        println!("{row}");
     }
 }
 
