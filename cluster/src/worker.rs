@@ -1169,6 +1169,34 @@ mod tests {
     }
 
     #[test]
+    fn data_a_worker_cannot_open_is_named_with_the_way_out() {
+        let (dir, dataset) = folder();
+        let data = legion_ops::data::Data::Folder(dir.path().to_path_buf());
+        let transforms = legion_ops::data::Transforms::TRAIN;
+        let source = DataSource::of(&data, dataset.as_ref(), [3, 4, 4], 2, 1, transforms, None);
+        let elsewhere = DataSource {
+            spec: "folder:/nonexistent/legion-rs-images".into(),
+            ..source.unwrap()
+        };
+        let json = serde_json::to_string(&elsewhere).unwrap();
+        let graph = legion_ops::zoo::find("lenet5").unwrap();
+        let graph = graph.build(&graph.default_config(2)).unwrap();
+        let runtime = crate::net::runtime().unwrap();
+        let err = runtime
+            .block_on(open_job_data(&json, &graph, "w1"))
+            .err()
+            .unwrap();
+        let err = format!("{err:#}");
+        for part in [
+            "worker w1",
+            "/nonexistent/legion-rs-images",
+            "--data-on-driver",
+        ] {
+            assert!(err.contains(part), "{err}");
+        }
+    }
+
+    #[test]
     fn samples_a_worker_reads_are_staged_listed_unreadable_or_refused() {
         let (_dir, dataset) = folder();
         let runtime = crate::net::runtime().unwrap();
