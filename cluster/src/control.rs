@@ -9,6 +9,7 @@
 //! |----------------------------|------------------------------|
 //! | `Hello`                    | `Welcome`                    |
 //! | `MeasureLinks`             | `Links`                      |
+//! | `MeasureCosts`             | `Costs`                      |
 //! | `StartJob`                 | `JobReady`                   |
 //! | `Load`                     | `Loaded`                     |
 //! | `Step`                     | `StepDone`                   |
@@ -75,6 +76,23 @@ pub struct JobSpec {
     /// Where the workers read the training samples themselves: the `DataSource` (JSON) they
     /// open, whose samples `SampleImages::Read` then names.
     pub data_json: Option<String>,
+}
+
+/// A worker's measured op costs ([`Control::Costs`]).
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone, Debug, PartialEq)]
+pub struct MeasuredCosts {
+    /// `ProfileDb::to_json` of everything its cache holds for its devices.
+    pub profile_json: String,
+    /// Tiles it timed now (0: the cache had every one).
+    pub new_tiles: u64,
+    /// Strategies whose steps it timed, of those its search space needs.
+    pub strategies_run: u32,
+    pub strategies_in_space: u32,
+    pub seconds: f64,
+    /// Its cache file, on its host.
+    pub cache: String,
+    /// Why its cache file was not used and was rewritten, where it was not.
+    pub refused: Option<String>,
 }
 
 /// A job's GPU settings as [`JobSpec`] carries them.
@@ -277,6 +295,15 @@ pub enum Control {
         /// Seconds the acknowledging worker spent decoding the probe (which a slice does not pay).
         decode_s: f64,
     },
+    /// Time the tiles of `graph_json` (`Graph::to_json`) that the search space of this worker's
+    /// devices has and its cost cache lacks, on those devices, in `precision`; answered by
+    /// `Costs` once they are in the cache. Refused while a job runs.
+    MeasureCosts {
+        graph_json: String,
+        precision: String,
+    },
+    /// What `MeasureCosts` left in the worker's cost cache for the model.
+    Costs(MeasuredCosts),
     StartJob(JobSpec),
     JobReady,
     /// Initial contents of instances on this worker's devices.
@@ -345,6 +372,8 @@ impl Control {
             Control::Links { .. } => "Links",
             Control::Probe { .. } => "Probe",
             Control::ProbeAck { .. } => "ProbeAck",
+            Control::MeasureCosts { .. } => "MeasureCosts",
+            Control::Costs(_) => "Costs",
             Control::StartJob(_) => "StartJob",
             Control::JobReady => "JobReady",
             Control::Load { .. } => "Load",

@@ -1,5 +1,6 @@
 //! The worker process (`legion-rs worker`, started by `legion-rs up`): one per host, owning that
-//! host's devices. It answers the launcher (`Hello`, `MeasureLinks`, `Shutdown`) and runs one job
+//! host's devices. It answers the launcher (`Hello`, `MeasureLinks`, `Shutdown`), measures a
+//! model's op costs on its devices for a driver's search (`MeasureCosts`), and runs one job
 //! at a time for a driver (`legion-rs train --cluster`): builds the job's step plan, spawns a device
 //! actor per local device, dials the other workers, and then runs steps when told, exchanging
 //! region slices with the other workers directly over QUIC.
@@ -11,8 +12,8 @@
 //! next one.
 
 use crate::control::{
-    self, Control, DeviceReport, JobSpec, LinkMeasurement, NicMeasurement, PeerAddress, Piece,
-    PieceData, PieceRef, SampleImages, StepSamples,
+    self, Control, DeviceReport, JobSpec, LinkMeasurement, MeasuredCosts, NicMeasurement,
+    PeerAddress, Piece, PieceData, PieceRef, SampleImages, StepSamples,
 };
 use crate::net::quic::{
     CLOSE_MALFORMED, Inbound, QuicNode, QuicOptions, QuicTransport, send_control, send_heartbeat,
@@ -51,7 +52,15 @@ pub struct WorkerConfig {
     pub devices: usize,
     /// Where its devices run (its GPUs, started by the caller, or its cores).
     pub placement: Placement,
+    /// How it measures a model's op costs on its cores when a driver asks.
+    pub measure_costs: Arc<MeasureCosts>,
 }
+
+/// Measures what this host keeps no cost of among `graph`'s tiles on that many of its cores, at
+/// that precision, keeping them for later runs. The planner's side of a worker: the engine does
+/// not depend on the planner, so the program that runs the worker gives it one.
+pub type MeasureCosts =
+    dyn Fn(&Graph, usize, legion_ops::Precision) -> anyhow::Result<MeasuredCosts> + Send + Sync;
 
 /// Runs a worker until it is told to shut down.
 pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
@@ -74,6 +83,7 @@ struct Shared {
     name: String,
     devices: usize,
     placement: Placement,
+    measure: Arc<MeasureCosts>,
     started: Instant,
     /// The local devices of the running job, for slices arriving from other workers. Written when
     /// a job starts and ends, read once per slice (an uncontended read lock: cheaper than a hop
@@ -99,6 +109,7 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
         name: config.name.clone(),
         devices: config.devices,
         placement: config.placement.clone(),
+        measure: Arc::clone(&config.measure_costs),
         started: Instant::now(),
         job_devices: RwLock::new(None),
         job_of: Mutex::new(None),
@@ -165,6 +176,21 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
                     Err(e) => failed(e),
                 }
             }
+            Control::MeasureCosts {
+                graph_json,
+                precision,
+            } => match &job {
+                Some(_) => Control::Failed {
+                    message: format!(
+                        "worker {} is running a job; it measures op costs between jobs",
+                        shared.name
+                    ),
+                },
+                None => match measure_costs(&shared, graph_json, &precision).await {
+                    Ok(costs) => Control::Costs(costs),
+                    Err(e) => failed(e),
+                },
+            },
             Control::StartJob(spec) => {
                 end_job(&shared, job.take());
                 match start_job(&node, &shared, &conn, spec, &events).await {
@@ -211,6 +237,40 @@ async fn serve(config: WorkerConfig) -> anyhow::Result<()> {
         reply(&conn, &answer).await;
     }
     Ok(())
+}
+
+/// Measures what this worker's cost cache lacks of `graph_json`'s tiles, on its devices, off the
+/// request loop's thread (the steps run pools of their own).
+async fn measure_costs(
+    shared: &Shared,
+    graph_json: String,
+    precision: &str,
+) -> anyhow::Result<MeasuredCosts> {
+    let who = format!("worker {}", shared.name);
+    if matches!(shared.placement, Placement::Gpus(_)) {
+        anyhow::bail!(
+            "{who}: its devices are GPUs, which do not measure op costs before a search yet \
+             (`legion-rs profile --device cuda` on the host and --costs FILE price them)"
+        );
+    }
+    let precision: legion_ops::Precision = precision
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{who}: MeasureCosts precision {precision:?}: {e}"))?;
+    let (devices, measure) = (shared.devices, shared.measure.clone());
+    let (done, result) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("measure-costs".into())
+        .spawn(move || {
+            let measured = Graph::from_json(&graph_json, "the model to measure")
+                .map_err(anyhow::Error::from)
+                .and_then(|graph| measure(&graph, devices, precision));
+            let _ = done.send(measured);
+        })
+        .with_context(|| format!("{who}: starting the measuring thread"))?;
+    result
+        .await
+        .with_context(|| format!("{who}: the measuring thread ended without an answer"))?
+        .with_context(|| who.clone())
 }
 
 fn failed(e: anyhow::Error) -> Control {

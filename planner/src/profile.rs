@@ -368,6 +368,43 @@ impl ProfileDb {
         }
     }
 
+    /// The tiles of several devices' profiles (a cluster's workers), each the median of the
+    /// profiles that measured it, phase by phase, over their samples together: devices of one kind
+    /// price alike, and one slow host does not move an entry. Tiles in the first-seen order; the
+    /// links, threads and runtime costs of one device's steps are not a cluster's, and are left out.
+    pub fn median_of(profiles: &[ProfileDb]) -> ProfileDb {
+        let mut at: HashMap<ProfileKey, usize> = HashMap::new();
+        let mut groups: Vec<Vec<&ProfileEntry>> = Vec::new();
+        for entry in profiles.iter().flat_map(|p| &p.entries) {
+            let i = *at.entry(entry.key()).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            groups[i].push(entry);
+        }
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            let n = v.len();
+            match n % 2 {
+                1 => v[n / 2],
+                _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+            }
+        };
+        let entries = groups
+            .into_iter()
+            .map(|group| ProfileEntry {
+                forward_s: median(group.iter().map(|e| e.forward_s).collect()),
+                backward_s: median(group.iter().map(|e| e.backward_s).collect()),
+                samples: group.iter().map(|e| e.samples).fold(0, u32::saturating_add),
+                ..group[0].clone()
+            })
+            .collect();
+        ProfileDb {
+            entries,
+            ..ProfileDb::default()
+        }
+    }
+
     /// Adds a measurement, replacing an earlier one with the same key.
     pub fn insert(&mut self, entry: ProfileEntry) {
         let key = entry.key();
@@ -836,6 +873,47 @@ mod tests {
         assert_eq!(all.entries.len(), 3);
         assert_eq!(all.entries[1].forward_s, 3.0);
         assert_eq!(all.entries[0].forward_s, 2.0);
+    }
+
+    #[test]
+    fn several_profiles_keep_each_tiles_median() {
+        let g = conv_graph();
+        let c = g.find("c").unwrap();
+        let (layer, inputs) = (g.layer(c), g.input_shapes(c));
+        let entry = |rows: usize, forward: f64, backward: f64| {
+            let tile = Rect::new(&[0, 0, 0, 0], &[8, 16, rows, 32]);
+            let times = PhaseTimes { forward, backward };
+            ProfileEntry::for_tile(layer, &inputs, &tile, "cpu", times, 2)
+        };
+        let profile = |entries: Vec<ProfileEntry>| ProfileDb {
+            entries,
+            compute_threads: Some(2),
+            ..ProfileDb::default()
+        };
+        let merged = ProfileDb::median_of(&[
+            profile(vec![entry(8, 1.0, 9.0), entry(16, 5.0, 5.0)]),
+            profile(vec![entry(8, 3.0, 1.0)]),
+            profile(vec![entry(8, 2.0, 4.0), entry(32, 7.0, 7.0)]),
+            profile(vec![entry(16, 6.0, 8.0)]),
+        ]);
+        let times: Vec<(Vec<usize>, f64, f64, u32)> = merged
+            .entries
+            .iter()
+            .map(|e| (e.tile.clone(), e.forward_s, e.backward_s, e.samples))
+            .collect();
+        assert_eq!(
+            times,
+            vec![
+                // odd: the middle one, per phase
+                (vec![8, 16, 8, 32], 2.0, 4.0, 6),
+                // even: halfway between the middle two
+                (vec![8, 16, 16, 32], 5.5, 6.5, 4),
+                // one host's alone
+                (vec![8, 16, 32, 32], 7.0, 7.0, 2),
+            ]
+        );
+        assert_eq!(merged.compute_threads, None);
+        assert_eq!(ProfileDb::median_of(&[]), ProfileDb::default());
     }
 
     #[test]

@@ -92,7 +92,8 @@ pub struct CompareSettings {
     /// `<strategy>.measured.json` and `<strategy>.simulated.json` (one more step, traced, after the
     /// timed ones: tracing costs time).
     pub traces: Option<PathBuf>,
-    /// What the searches price tiles with, as a training run's do (on a cluster: the roofline).
+    /// What the searches price tiles with, as a training run's do (on a cluster: what its
+    /// workers measure).
     pub costs: Costs,
     pub cost_cache: Option<CostCache>,
 }
@@ -118,8 +119,9 @@ pub fn compare(graph: &Graph, settings: &CompareSettings) -> anyhow::Result<Vec<
     // The searches price as a training run's would: with what these devices measured.
     let measure_on = match &settings.cluster {
         None => costs::Devices::EmbeddedCpu { devices },
-        Some(_) => costs::Devices::Elsewhere {
-            why: "a cluster's workers do not measure their own op costs yet",
+        Some(c) => costs::Devices::Workers {
+            hosts: &c.hosts,
+            state: &c.state,
         },
     };
     let pricing = costs::prepare(

@@ -202,6 +202,10 @@ impl Printer {
                         "measuring_s": c.measuring.as_ref().map(|m| m.seconds),
                         "strategies_run": c.measuring.as_ref().map(|m| m.strategies_run),
                         "cache": c.measuring.as_ref().map(|m| m.cache.display().to_string()),
+                        "workers": c.workers.iter().map(|(name, m)| json!({
+                            "name": name, "new_tiles": m.new_tiles, "measuring_s": m.seconds,
+                            "strategies_run": m.strategies_run,
+                            "cache": m.cache.display().to_string()})).collect::<Vec<_>>(),
                         "priced": c.priced.map(|(measured, scaled, roofline)| json!({
                             "measured": measured, "scaled": scaled, "roofline": roofline})),
                         "roofline_because": c.roofline_because,

@@ -46,9 +46,15 @@ impl Cluster {
         ]
     }
 
-    /// `up`, returning the worker pids from its table.
+    /// `up`, returning the worker pids from its table. The workers keep their measured op
+    /// costs in a cache of this cluster's own.
     fn up(&self) -> Vec<u32> {
-        let out = ok(legion(&self.args("up")));
+        let out = Command::new(env!("CARGO_BIN_EXE_legion-rs"))
+            .args(self.args("up"))
+            .env("LEGION_RS_COST_CACHE", self.path("worker-costs"))
+            .output()
+            .expect("legion-rs runs");
+        let out = ok(out);
         let table = String::from_utf8_lossy(&out.stdout).to_string();
         let pids: Vec<u32> = table
             .lines()
@@ -123,6 +129,33 @@ fn up_train_down_on_three_workers_equals_one_device() {
     let out = train_from(&engine, &ALEXNET_64, "3", &init, &on_cluster);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("4 device(s) (3 worker(s)"), "{stdout}");
+    // Before its search each worker timed the tiles of its own devices, kept in its cache; the
+    // workers share this machine, so they measure in turn, and w2, with w0's one device on the
+    // same cores, finds every tile w0 kept.
+    let costs = stdout.lines().find(|l| l.contains("costs: ")).unwrap_or("");
+    assert!(
+        costs.contains("costs: measured on 3 worker(s) (w0: ")
+            && costs.matches("new tile(s) timed in").count() == 2
+            && costs.contains("; w2: every tile from ")
+            && costs.contains("each tile the median of theirs"),
+        "{stdout}"
+    );
+    // A second run of the same model measures nothing new on any worker.
+    let again = cluster.path("again.safetensors");
+    let json = [engine.as_slice(), &["--json"]].concat();
+    let out = train_from(&json, &ALEXNET_64, "1", &init, &again);
+    let costs = summary_of(&String::from_utf8_lossy(&out.stdout))["plan"]["costs"].clone();
+    let workers = costs["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 3, "{costs}");
+    assert!(workers.iter().all(|w| w["new_tiles"] == 0), "{costs}");
+    assert!(costs["priced"]["measured"].as_u64() > Some(0), "{costs}");
+    assert!(
+        workers[1]["cache"]
+            .as_str()
+            .unwrap()
+            .starts_with(cluster.path("worker-costs").to_str().unwrap()),
+        "{costs}"
+    );
 
     let single = cluster.path("single.safetensors");
     train_from(&[], &ALEXNET_64, "3", &init, &single);

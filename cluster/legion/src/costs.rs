@@ -4,19 +4,18 @@
 //! run measures only the tiles no earlier run of that kind measured, and its training steps add
 //! what they time.
 //!
-//! The pure part is here: the choice, the cache's files and the decision of what is left to
-//! measure. The measuring is `legion_profile`'s, on real steps of the embedded devices.
+//! The choice and its report are here; the cache and the measuring are `legion_profile::cache`'s,
+//! on real steps of the embedded devices or of each worker's own.
 
 use anyhow::{Context, bail};
+use legion_cluster::MeasuredCosts;
+use legion_cluster::hosts::Hosts;
 use legion_ops::{Graph, Precision};
-use legion_planner::profile::ProfileKey;
-use legion_planner::progress::Progress;
-use legion_planner::{ParallelConfig, ProfileDb};
-use legion_profile::{ProfileSettings, space_strategies, tile_keys};
-use std::collections::HashSet;
+use legion_planner::ProfileDb;
+use legion_planner::progress::{Phase, Progress};
+pub use legion_profile::cache::{CACHE_DIR_ENV, CacheKey, CacheRead, CostCache};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 /// How a run's search prices tiles.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -58,181 +57,6 @@ impl fmt::Display for Costs {
     }
 }
 
-/// The environment variable that moves the cache (default: `$XDG_CACHE_HOME/legion-rs/costs`,
-/// else `~/.cache/legion-rs/costs`).
-pub const CACHE_DIR_ENV: &str = "LEGION_RS_COST_CACHE";
-
-/// What a cache file's costs hold for: the device kind the planner names the devices by, the
-/// precision they compute in, and where they ran (devices sharing this host's cores run each
-/// kernel on their share of the threads, so the count is part of the cost).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CacheKey {
-    pub device_kind: String,
-    pub precision: Precision,
-    /// `2 cores shared by 4 devices`.
-    pub host: String,
-}
-
-impl CacheKey {
-    /// The embedded cluster's `devices` devices on this machine's cores.
-    pub fn embedded_cpu(devices: usize, precision: Precision) -> CacheKey {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        CacheKey {
-            device_kind: "cpu".into(),
-            precision,
-            host: format!("{cores} cores shared by {devices} devices"),
-        }
-    }
-
-    /// What the cache file records it was measured on, and is refused for when it differs.
-    pub fn describe(&self) -> String {
-        format!(
-            "{}, {}, {}",
-            self.device_kind,
-            self.precision.name(),
-            self.host
-        )
-    }
-
-    fn file_name(&self) -> String {
-        let host: String = self
-            .host
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-            .collect();
-        format!("{}-{}-{host}.json", self.device_kind, self.precision.name())
-    }
-}
-
-/// The persistent cache of measured costs: a folder of profile files, one per [`CacheKey`],
-/// each replaced atomically.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CostCache {
-    dir: PathBuf,
-}
-
-/// A cache file as read: its costs, and why it was not used where it could not be.
-#[derive(Debug, Default)]
-pub struct CacheRead {
-    pub db: ProfileDb,
-    /// The file and what was wrong with it (unreadable, or measured on other devices): its
-    /// costs are not used and the next write replaces it.
-    pub refused: Option<String>,
-}
-
-impl CostCache {
-    pub fn at(dir: impl Into<PathBuf>) -> CostCache {
-        CostCache { dir: dir.into() }
-    }
-
-    /// `$LEGION_RS_COST_CACHE`, else the user's cache folder; `None` where there is no home.
-    pub fn default_location() -> Option<CostCache> {
-        let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
-        if let Some(dir) = var(CACHE_DIR_ENV) {
-            return Some(CostCache::at(dir));
-        }
-        let base = var("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| var("HOME").map(|home| PathBuf::from(home).join(".cache")))?;
-        Some(CostCache::at(base.join("legion-rs").join("costs")))
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The file that holds `key`'s costs.
-    pub fn path(&self, key: &CacheKey) -> PathBuf {
-        self.dir.join(key.file_name())
-    }
-
-    /// `key`'s costs; empty where the file does not exist yet or is refused.
-    pub fn read(&self, key: &CacheKey) -> CacheRead {
-        let path = self.path(key);
-        if !path.exists() {
-            return CacheRead::default();
-        }
-        let refused = |why: String| CacheRead {
-            db: ProfileDb::default(),
-            refused: Some(format!(
-                "{}: {why}; its costs are not used, and this run rewrites it",
-                path.display()
-            )),
-        };
-        let db = match ProfileDb::load(&path) {
-            Ok(db) => db,
-            Err(e) => return refused(e.to_string()),
-        };
-        let made_for = db.measured_on.as_ref().map(|m| m.device.as_str());
-        if made_for != Some(key.describe().as_str()) {
-            return refused(format!(
-                "measured on {}, not on {}",
-                made_for.unwrap_or("devices it does not name"),
-                key.describe()
-            ));
-        }
-        if let Some(e) = db.entries.iter().find(|e| e.device_kind != key.device_kind) {
-            return refused(format!(
-                "holds costs of device kind '{}', not '{}'",
-                e.device_kind, key.device_kind
-            ));
-        }
-        CacheRead { db, refused: None }
-    }
-
-    /// Adds `measured` to `key`'s file (an entry measured again replaces the old one; the
-    /// transport and runtime fits are replaced where `measured` has them), written atomically;
-    /// returns the file and what it now holds.
-    pub fn add(
-        &self,
-        key: &CacheKey,
-        measured: &ProfileDb,
-    ) -> anyhow::Result<(PathBuf, ProfileDb)> {
-        let path = self.path(key);
-        std::fs::create_dir_all(&self.dir)
-            .with_context(|| format!("creating the cost cache {}", self.dir.display()))?;
-        let mut kept = self.read(key).db;
-        kept.insert_all(measured.entries.iter().cloned());
-        kept.links = measured.links.or(kept.links);
-        kept.compute_threads = measured.compute_threads.or(kept.compute_threads);
-        kept.runtime = measured.runtime.or(kept.runtime);
-        kept.measured_on = Some(legion_planner::profile::MeasuredOn {
-            device: key.describe(),
-            software: format!("legion-rs {}", env!("CARGO_PKG_VERSION")),
-            date: String::new(),
-            command: "measured by training runs and `legion-rs profile`".into(),
-        });
-        kept.save(&path)
-            .with_context(|| format!("writing the cost cache {}", path.display()))?;
-        Ok((path, kept))
-    }
-}
-
-/// The strategies of `space` (every tile shape the searches may choose: [`space_strategies`])
-/// whose steps would time tiles `known` lacks; each new tile is counted once.
-pub fn left_to_measure(
-    graph: &Graph,
-    space: Vec<(String, Vec<ParallelConfig>)>,
-    device_kind: &str,
-    known: &HashSet<ProfileKey>,
-) -> (Vec<(String, Vec<ParallelConfig>)>, usize) {
-    let mut seen = known.clone();
-    let mut new_tiles = 0;
-    let strategies = space
-        .into_iter()
-        .filter(|(_, configs)| {
-            let before = new_tiles;
-            for key in tile_keys(graph, configs, device_kind) {
-                if seen.insert(key) {
-                    new_tiles += 1;
-                }
-            }
-            new_tiles > before
-        })
-        .collect();
-    (strategies, new_tiles)
-}
-
 /// The measured costs a plan without training prices with, and where they come from (none: the
 /// roofline): a profile file, or the cost cache of this machine's `embedded` CPU devices, refused
 /// where the plan is not for them or the cache holds nothing for them yet.
@@ -253,7 +77,7 @@ pub fn for_plan(
             let cache = cache.context(format!(
                 "no cost cache folder to read measured costs from (set {CACHE_DIR_ENV} or HOME)"
             ))?;
-            let key = CacheKey::embedded_cpu(devices, precision);
+            let key = CacheKey::cpu_devices(devices, precision);
             let read = cache.read(&key);
             if let Some(why) = read.refused {
                 bail!("{why}");
@@ -275,8 +99,11 @@ pub fn for_plan(
 pub struct CostReport {
     /// `measured`, `roofline` or the profile file.
     pub choice: String,
-    /// What was measured before the search, where the run measured.
+    /// What was measured before the search, where the run measured on this process's devices.
     pub measuring: Option<Measuring>,
+    /// What each worker measured before the search, where the run measured on a cluster's
+    /// workers (each its own devices; each tile priced by the median of theirs).
+    pub workers: Vec<(String, Measuring)>,
     /// Lookups of the search: measured, scaled from a measured tile of the op, by roofline.
     pub priced: Option<(u64, u64, u64)>,
     /// Why tiles were priced by the roofline, where any were.
@@ -291,25 +118,39 @@ pub struct Measuring {
     pub strategies_in_space: usize,
     pub new_tiles: usize,
     pub seconds: f64,
-    /// The cache file the costs are kept in.
+    /// The cache file the costs are kept in (on a worker's host, for a worker's).
     pub cache: PathBuf,
+}
+
+impl fmt::Display for Measuring {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.new_tiles {
+            0 => write!(f, "every tile from {}", self.cache.display()),
+            n => write!(
+                f,
+                "{n} new tile(s) timed in {:.1} s ({} of {} strategies' steps), kept in {}",
+                self.seconds,
+                self.strategies_run,
+                self.strategies_in_space,
+                self.cache.display()
+            ),
+        }
+    }
 }
 
 impl fmt::Display for CostReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "costs: {}", self.choice)?;
         if let Some(m) = &self.measuring {
-            match m.new_tiles {
-                0 => write!(f, ", every tile from {}", m.cache.display())?,
-                n => write!(
-                    f,
-                    ", {n} new tile(s) timed in {:.1} s ({} of {} strategies' steps), kept in {}",
-                    m.seconds,
-                    m.strategies_run,
-                    m.strategies_in_space,
-                    m.cache.display()
-                )?,
+            write!(f, ", {m}")?;
+        }
+        if !self.workers.is_empty() {
+            write!(f, " on {} worker(s) (", self.workers.len())?;
+            for (i, (name, m)) in self.workers.iter().enumerate() {
+                let sep = if i == 0 { "" } else { "; " };
+                write!(f, "{sep}{name}: {m}")?;
             }
+            write!(f, "), each tile the median of theirs")?;
         }
         if let Some((hits, scaled, misses)) = self.priced {
             write!(
@@ -340,8 +181,118 @@ pub struct Pricing {
 pub enum Devices<'a> {
     /// The embedded cluster's devices on this machine's CPU.
     EmbeddedCpu { devices: usize },
-    /// Devices this run does not measure on (GPUs, a cluster's workers): why not.
+    /// A cluster's workers, each measuring on its own devices: the cluster whose state is in
+    /// `state`.
+    Workers { hosts: &'a Hosts, state: &'a Path },
+    /// Devices this run does not measure on (GPUs): why not.
     Elsewhere { why: &'a str },
+}
+
+/// Why a cluster's workers do not measure their op costs, where they do not: GPU workers do not
+/// yet, and a host declared as another device is priced as that device.
+pub fn workers_unmeasured(hosts: &Hosts) -> Option<String> {
+    let gpu = legion_cluster::hosts::GPU_KIND;
+    if let Some(h) = hosts.hosts.iter().find(|h| h.device_kind == gpu) {
+        return Some(format!(
+            "host {} runs its devices on GPUs, whose workers do not measure op costs before a \
+             search yet (`legion-rs profile --device cuda` on the host and --costs FILE price them)",
+            h.name
+        ));
+    }
+    hosts
+        .hosts
+        .iter()
+        .find(|h| h.device_kind != "cpu")
+        .map(|h| {
+            format!(
+                "host {} is declared a {} (device = \"{}\"), which the plan prices as that \
+                 device, not as the cores its worker runs on",
+                h.name, h.device_kind, h.device_kind
+            )
+        })
+}
+
+/// Measures what this host's cost cache lacks of `graph`'s tiles on `devices` of its cores, first
+/// checking that each strategy it runs fits this host: what a cluster's worker answers a
+/// driver's search with. The worker's environment ([`CACHE_DIR_ENV`] or HOME) says where it
+/// keeps them.
+pub fn measure_on_this_host(
+    graph: &Graph,
+    devices: usize,
+    precision: Precision,
+) -> anyhow::Result<MeasuredCosts> {
+    let cache = CostCache::default_location().with_context(|| {
+        format!("no folder to keep measured costs in (set {CACHE_DIR_ENV} or HOME for the worker)")
+    })?;
+    let key = CacheKey::cpu_devices(devices, precision);
+    let fits = |configs: &[legion_planner::ParallelConfig]| {
+        legion_cluster::memory::check_this_host(graph, Some((configs, devices)))
+    };
+    let measured =
+        legion_profile::cache::measure_missing(graph, devices, &key, &cache, &fits, None)?;
+    Ok(MeasuredCosts {
+        profile_json: measured.db.to_json(),
+        new_tiles: measured.new_tiles as u64,
+        strategies_run: measured.strategies_run as u32,
+        strategies_in_space: measured.strategies_in_space as u32,
+        seconds: measured.seconds,
+        cache: measured.cache.display().to_string(),
+        refused: measured.refused,
+    })
+}
+
+/// What a cluster's workers measured, together.
+struct WorkersMeasured {
+    /// Each tile's median over the workers.
+    db: ProfileDb,
+    /// Each worker's own measuring, by name.
+    workers: Vec<(String, Measuring)>,
+    /// The strategies a worker did not run, and why, each named by its worker.
+    refused: Vec<String>,
+}
+
+/// Has every worker measure what its cache lacks; each tile is priced by the median of the
+/// workers' costs.
+fn measure_on_workers(
+    graph: &Graph,
+    hosts: &Hosts,
+    state: &Path,
+    precision: Precision,
+    progress: Option<&dyn Progress>,
+) -> anyhow::Result<WorkersMeasured> {
+    let done = |finished: usize, workers: usize| {
+        if let Some(p) = progress {
+            p.update(Phase::Measuring, finished as u64, workers as u64);
+        }
+    };
+    let answers =
+        legion_cluster::measure::measure_costs(hosts, state, &graph.to_json(), precision, &done)
+            .with_context(|| format!("measuring {}'s op costs on the workers", graph.name))?;
+    let mut profiles = Vec::new();
+    let mut workers = Vec::new();
+    let mut refused = Vec::new();
+    for (name, costs) in answers {
+        profiles.push(ProfileDb::from_json(
+            &costs.profile_json,
+            &format!("worker {name}'s measured costs"),
+        )?);
+        refused.extend(costs.refused.map(|why| format!("worker {name}: {why}")));
+        workers.push((
+            name,
+            Measuring {
+                strategies_run: costs.strategies_run as usize,
+                strategies_in_space: costs.strategies_in_space as usize,
+                new_tiles: costs.new_tiles as usize,
+                seconds: costs.seconds,
+                cache: costs.cache.into(),
+            },
+        ));
+    }
+    Ok(WorkersMeasured {
+        db: ProfileDb::median_of(&profiles),
+        workers,
+        refused,
+    })
 }
 
 /// Prices `graph`'s tiles as `costs` asks, measuring on the devices what the cache lacks.
@@ -356,6 +307,7 @@ pub fn prepare(
     let mut report = CostReport {
         choice: costs.to_string(),
         measuring: None,
+        workers: Vec::new(),
         priced: None,
         roofline_because: None,
     };
@@ -379,6 +331,24 @@ pub fn prepare(
         Costs::Measured => {
             let devices = match devices {
                 Devices::EmbeddedCpu { devices } => devices,
+                Devices::Workers { hosts, state } => {
+                    if let Some(why) = workers_unmeasured(hosts) {
+                        report.roofline_because = Some(why);
+                        return Ok(nothing(report));
+                    }
+                    let WorkersMeasured {
+                        db,
+                        workers,
+                        refused,
+                    } = measure_on_workers(graph, hosts, state, precision, progress)?;
+                    report.workers = workers;
+                    return Ok(Pricing {
+                        db: Some(db),
+                        report,
+                        cache: None,
+                        refused: (!refused.is_empty()).then(|| refused.join("; ")),
+                    });
+                }
                 Devices::Elsewhere { why } => {
                     report.roofline_because = Some(why.to_string());
                     return Ok(nothing(report));
@@ -390,54 +360,26 @@ pub fn prepare(
                 ));
                 return Ok(nothing(report));
             };
-            let key = CacheKey::embedded_cpu(devices, precision);
-            let read = cache.read(&key);
-            let known: HashSet<ProfileKey> = read.db.entries.iter().map(|e| e.key()).collect();
-            let space = space_strategies(graph, devices);
-            let in_space = space.len();
-            let (strategies, new_tiles) = left_to_measure(graph, space, &key.device_kind, &known);
-            let started = Instant::now();
-            let mut db = read.db;
-            if !strategies.is_empty() {
-                // The runs that measure check that each strategy fits this host first.
-                for (_, configs) in &strategies {
-                    legion_cluster::memory::check_this_host(graph, Some((configs, devices)))?;
-                }
-                // One timed step a strategy: each tile's cost is the median over the devices
-                // that ran it, and the training steps refine it (`Job::run`).
-                let settings = ProfileSettings {
-                    warmup: 1,
-                    repeats: 1,
-                    device_kind: key.device_kind.clone(),
-                    seed: 1,
-                };
-                let measured = legion_profile::profile_reporting(
-                    graph,
-                    devices,
-                    &strategies,
-                    &settings,
-                    progress,
-                )
-                .with_context(|| {
-                    format!("measuring {}'s op costs on {devices} devices", graph.name)
-                })?;
-                db = cache.add(&key, &measured.db)?.1;
-            }
+            let key = CacheKey::cpu_devices(devices, precision);
+            // The runs that measure check that each strategy fits this host first.
+            let fits = |configs: &[legion_planner::ParallelConfig]| {
+                legion_cluster::memory::check_this_host(graph, Some((configs, devices)))
+            };
+            let measured = legion_profile::cache::measure_missing(
+                graph, devices, &key, cache, &fits, progress,
+            )?;
             report.measuring = Some(Measuring {
-                strategies_run: strategies.len(),
-                strategies_in_space: in_space,
-                new_tiles,
-                seconds: started.elapsed().as_secs_f64(),
-                cache: cache.path(&key),
+                strategies_run: measured.strategies_run,
+                strategies_in_space: measured.strategies_in_space,
+                new_tiles: measured.new_tiles,
+                seconds: measured.seconds,
+                cache: measured.cache,
             });
-            if db.entries.is_empty() {
-                bail!("measuring {}'s op costs timed no tile", graph.name);
-            }
             Ok(Pricing {
-                db: Some(db),
+                db: Some(measured.db),
                 report,
                 cache: Some((cache.clone(), key)),
-                refused: read.refused,
+                refused: measured.refused,
             })
         }
     }
@@ -446,17 +388,6 @@ pub fn prepare(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use legion_ops::zoo::ZooConfig;
-
-    fn lenet() -> Graph {
-        let size = ZooConfig {
-            batch: 8,
-            image_size: 28,
-            channels: 1,
-            classes: 10,
-        };
-        crate::zoo("lenet5", size).unwrap()
-    }
 
     #[test]
     fn the_choice_parses_and_names_what_it_takes() {
@@ -471,93 +402,22 @@ mod tests {
     }
 
     #[test]
-    fn each_new_tile_is_left_to_measure_once_and_known_ones_not_at_all() {
-        let graph = lenet();
-        let space = || space_strategies(&graph, 4);
-        let (all, tiles) = left_to_measure(&graph, space(), "cpu", &HashSet::new());
-        assert!(!all.is_empty() && tiles > 0);
-        let every: HashSet<ProfileKey> = all
-            .iter()
-            .flat_map(|(_, configs)| tile_keys(&graph, configs, "cpu"))
-            .collect();
-        assert_eq!(every.len(), tiles, "each distinct tile counted once");
-        let (none, zero) = left_to_measure(&graph, space(), "cpu", &every);
-        assert!(none.is_empty());
-        assert_eq!(zero, 0);
-        // another kind's tiles are not this kind's
-        let (again, same) = left_to_measure(&graph, space(), "h200", &every);
-        assert_eq!((again.len(), same), (all.len(), tiles));
-    }
-
-    #[test]
-    fn a_cache_file_is_named_by_its_key_and_refused_for_another() {
-        let dir = tempfile::tempdir().unwrap();
-        let cache = CostCache::at(dir.path());
-        let key = CacheKey {
-            device_kind: "cpu".into(),
-            precision: Precision::Fp32,
-            host: "2 cores shared by 4 devices".into(),
+    fn workers_of_cores_measure_and_gpu_or_declared_hosts_say_why_not() {
+        let hosts = |devices: [&str; 2]| {
+            let text = format!(
+                "[[host]]\nname = \"a\"\naddress = \"10.0.0.1\"\ndevice = \"{}\"\ndevices = 2\n\n\
+                 [[host]]\nname = \"b\"\naddress = \"10.0.0.2\"\ndevice = \"{}\"\ndevices = 2\n",
+                devices[0], devices[1]
+            );
+            Hosts::parse_toml(&text, "hosts.toml").unwrap()
         };
-        let mut db = ProfileDb::default();
-        let graph = lenet();
-        let layer = graph.ids().nth(1).unwrap();
-        let config = ParallelConfig::serial(0);
-        let tile = legion_profile::Tile::of(&graph, layer, &config, 0, "cpu");
-        db.record(
-            graph.layer(layer),
-            &tile.inputs,
-            &tile.rect,
-            "cpu",
-            legion_planner::PhaseTimes {
-                forward: 1e-3,
-                backward: 2e-3,
-            },
-            3,
-        );
-        let (path, _) = cache.add(&key, &db).unwrap();
-        assert_eq!(
-            path.file_name().unwrap(),
-            "cpu-fp32-2-cores-shared-by-4-devices.json"
-        );
-        let read = cache.read(&key);
-        assert!(read.refused.is_none(), "{:?}", read.refused);
-        assert_eq!(read.db.entries, db.entries);
-
-        // The same file under another key (copied from a machine with other cores) is refused.
-        let other = CacheKey {
-            host: "16 cores shared by 4 devices".into(),
-            ..key.clone()
-        };
-        std::fs::copy(&path, cache.path(&other)).unwrap();
-        let read = cache.read(&other);
-        assert!(read.db.entries.is_empty());
-        let why = read.refused.unwrap();
-        assert!(why.contains("not on cpu, fp32, 16 cores"), "{why}");
-        // Entries of another device kind are refused too.
-        let gpu = CacheKey {
-            device_kind: "h200".into(),
-            ..key.clone()
-        };
-        let mut text = std::fs::read_to_string(&path).unwrap();
-        text = text.replace(&key.describe(), &gpu.describe());
-        std::fs::write(cache.path(&gpu), text).unwrap();
-        let why = cache.read(&gpu).refused.unwrap();
-        assert!(why.contains("device kind 'cpu', not 'h200'"), "{why}");
-    }
-
-    #[test]
-    fn a_corrupt_cache_file_is_named_ignored_and_rewritten() {
-        let dir = tempfile::tempdir().unwrap();
-        let cache = CostCache::at(dir.path());
-        let key = CacheKey::embedded_cpu(2, Precision::Fp32);
-        std::fs::write(cache.path(&key), "{\"version\": 1, \"entries\": [").unwrap();
-        let read = cache.read(&key);
-        let why = read.refused.unwrap();
+        assert_eq!(workers_unmeasured(&hosts(["cpu", "cpu"])), None);
+        let gpu = workers_unmeasured(&hosts(["cpu", "cuda"])).unwrap();
+        assert!(gpu.starts_with("host b runs its devices on GPUs"), "{gpu}");
+        let declared = workers_unmeasured(&hosts(["p100", "cpu"])).unwrap();
         assert!(
-            why.starts_with(&cache.path(&key).display().to_string()) && why.contains("rewrites"),
-            "{why}"
+            declared.starts_with("host a is declared a p100 (device = \"p100\")"),
+            "{declared}"
         );
-        cache.add(&key, &ProfileDb::default()).unwrap();
-        assert!(cache.read(&key).refused.is_none());
     }
 }

@@ -47,7 +47,7 @@ fn a_second_run_measures_nothing_new_and_a_corrupt_cache_is_named_and_rewritten(
     let (measured, _, roofline) = first.priced.unwrap();
     assert!(measured > 0 && roofline == 0, "{first}");
     assert!(first.roofline_because.is_none(), "{first}");
-    let file = CostCache::at(dir.path()).path(&CacheKey::embedded_cpu(DEVICES, Precision::Fp32));
+    let file = CostCache::at(dir.path()).path(&CacheKey::cpu_devices(DEVICES, Precision::Fp32));
     assert_eq!(measuring.cache, file);
     // The training steps refreshed what they timed.
     let (tiles, added_to) = summary.costs_added.unwrap();
@@ -74,7 +74,7 @@ fn a_second_run_measures_nothing_new_and_a_corrupt_cache_is_named_and_rewritten(
         measuring.new_tiles,
         "measured afresh"
     );
-    let read = CostCache::at(dir.path()).read(&CacheKey::embedded_cpu(DEVICES, Precision::Fp32));
+    let read = CostCache::at(dir.path()).read(&CacheKey::cpu_devices(DEVICES, Precision::Fp32));
     assert!(read.refused.is_none() && !read.db.entries.is_empty());
 }
 
@@ -91,7 +91,7 @@ fn the_roofline_and_a_profile_file_are_said_and_measure_nothing() {
 
     // A profile file prices the search as it is; the cache is neither read nor written.
     run(training(dir.path()));
-    let key = CacheKey::embedded_cpu(DEVICES, Precision::Fp32);
+    let key = CacheKey::cpu_devices(DEVICES, Precision::Fp32);
     let profile = dir.path().join("given.json");
     std::fs::copy(CostCache::at(dir.path()).path(&key), &profile).unwrap();
     let elsewhere = tempfile::tempdir().unwrap();

@@ -72,6 +72,7 @@
 //! and so would one whose receiver's actor was copying, or whose actors' threads were all copying,
 //! while it was in flight (the simulator prices those copies).
 
+pub mod cache;
 pub mod gpu;
 
 use legion_ops::data::{DataError, Dataset, Synthetic};

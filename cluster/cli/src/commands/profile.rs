@@ -197,7 +197,7 @@ pub fn run(a: ProfileArgs) -> anyhow::Result<()> {
                 .context("no cost cache folder (set LEGION_RS_COST_CACHE or HOME), give --out")?;
             cache
                 .add(
-                    &legion::costs::CacheKey::embedded_cpu(devices, precision),
+                    &legion::costs::CacheKey::cpu_devices(devices, precision),
                     &measured.db,
                 )?
                 .0

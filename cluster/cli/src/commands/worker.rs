@@ -89,6 +89,7 @@ pub fn run(a: WorkerArgs) -> anyhow::Result<()> {
         state: a.state,
         devices,
         placement,
+        measure_costs: std::sync::Arc::new(legion::costs::measure_on_this_host),
     })
 }
 

@@ -1044,9 +1044,9 @@ fn plan(
         Some((label, hosts, state)) => (
             cluster_machine(hosts, state)?.with_precision(precision),
             format!("{} worker(s) of {label}", hosts.hosts.len()),
-            costs::Devices::Elsewhere {
-                why: "a cluster's workers do not measure their own op costs yet (`legion-rs \
-                      profile` on a worker and --costs FILE price them)",
+            costs::Devices::Workers {
+                hosts,
+                state: state.as_path(),
             },
         ),
         None => match gpus {
@@ -1122,7 +1122,11 @@ fn plan(
     let mut report = pricing.report;
     report.priced = priced;
     if report.roofline_because.is_none() && priced.is_some_and(|(_, _, misses)| misses > 0) {
-        report.roofline_because = Some("no tile of their op was measured".into());
+        report.roofline_because = Some(
+            "no tile of their op was measured (with their input channels, for an op that sums \
+             over them)"
+                .into(),
+        );
     }
     Ok(Planned {
         configs,
