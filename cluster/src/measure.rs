@@ -6,7 +6,7 @@
 
 use crate::control::{Control, MeasuredCosts};
 use crate::hosts::{Host, Hosts};
-use crate::remote::WorkerClient;
+use crate::remote::{BUSY_WAIT, WorkerClient, greet};
 use anyhow::bail;
 use legion_ops::Precision;
 use std::collections::HashMap;
@@ -59,6 +59,15 @@ pub fn measure_costs(
     let mut answers: Vec<Option<MeasuredCosts>> = vec![None; total];
     let mut finished = 0;
     done(0, total);
+    // The same checks a job's start makes: the worker's version and devices, and a job of a
+    // driver that has just died left to end.
+    client.runtime.block_on(async {
+        let busy_until = std::time::Instant::now() + BUSY_WAIT;
+        for (i, host) in hosts.hosts.iter().enumerate() {
+            greet(&client, i, host.devices, busy_until).await?;
+        }
+        anyhow::Ok(())
+    })?;
     for round in measuring_rounds(&hosts.hosts) {
         client.runtime.block_on(async {
             for &i in &round {

@@ -1000,7 +1000,7 @@ impl Drop for RemoteCluster {
 
 /// Says hello to worker `i`, checking that it runs this version with `devices` devices and is
 /// free: one busy with another driver's job is asked again until `busy_until`.
-async fn greet(
+pub(crate) async fn greet(
     client: &WorkerClient,
     i: usize,
     devices: usize,

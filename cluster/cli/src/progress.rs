@@ -196,20 +196,7 @@ impl Printer {
                     "layers": p.strategy.layers,
                     "comm_bytes_per_step": p.remote_bytes,
                     "idle_devices": p.idle_devices,
-                    "costs": p.costs.as_ref().map(|c| json!({
-                        "choice": c.choice,
-                        "new_tiles": c.measuring.as_ref().map(|m| m.new_tiles),
-                        "measuring_s": c.measuring.as_ref().map(|m| m.seconds),
-                        "strategies_run": c.measuring.as_ref().map(|m| m.strategies_run),
-                        "cache": c.measuring.as_ref().map(|m| m.cache.display().to_string()),
-                        "workers": c.workers.iter().map(|(name, m)| json!({
-                            "name": name, "new_tiles": m.new_tiles, "measuring_s": m.seconds,
-                            "strategies_run": m.strategies_run,
-                            "cache": m.cache.display().to_string()})).collect::<Vec<_>>(),
-                        "priced": c.priced.map(|(measured, scaled, roofline)| json!({
-                            "measured": measured, "scaled": scaled, "roofline": roofline})),
-                        "roofline_because": c.roofline_because,
-                    })),
+                    "costs": p.costs.as_ref().map(costs_json),
                     "verification": p.verification.as_ref().map(|v| json!({
                         "kept": v.candidates[v.kept].label,
                         "candidates": v.candidates.iter().map(|c| json!({
@@ -465,14 +452,34 @@ impl PlanProgress {
     }
 }
 
+/// What a search priced its tiles with, as a plan and a re-plan report it.
+fn costs_json(c: &legion::costs::CostReport) -> serde_json::Value {
+    json!({
+        "choice": c.choice,
+        "new_tiles": c.measuring.as_ref().map(|m| m.new_tiles),
+        "measuring_s": c.measuring.as_ref().map(|m| m.seconds),
+        "strategies_run": c.measuring.as_ref().map(|m| m.strategies_run),
+        "cache": c.measuring.as_ref().map(|m| m.cache.display().to_string()),
+        "workers": c.workers.iter().map(|(name, m)| json!({
+            "name": name, "new_tiles": m.new_tiles, "measuring_s": m.seconds,
+            "strategies_run": m.strategies_run,
+            "cache": m.cache.display().to_string()})).collect::<Vec<_>>(),
+        "priced": c.priced.map(|(measured, scaled, roofline)| json!({
+            "measured": measured, "scaled": scaled, "roofline": roofline})),
+        "roofline_because": c.roofline_because,
+    })
+}
+
 fn recovered_json(r: &legion::Recovered) -> serde_json::Value {
     json!({"lost": r.lost, "from_step": r.from_step, "steps_lost": r.steps_lost,
-           "devices": r.devices, "strategy": r.strategy, "seconds": r.seconds,
+           "devices": r.devices, "strategy": r.strategy,
+           "costs": r.costs.as_ref().map(costs_json), "seconds": r.seconds,
            "search_s": r.search_s, "restore_s": r.restore_s,
            "count": r.count, "max": r.max})
 }
 
 fn rejoined_json(r: &legion::Rejoined) -> serde_json::Value {
     json!({"workers": r.workers, "step": r.step, "devices": r.devices,
-           "strategy": r.strategy, "seconds": r.seconds})
+           "strategy": r.strategy, "costs": r.costs.as_ref().map(costs_json),
+           "seconds": r.seconds})
 }

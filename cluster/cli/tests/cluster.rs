@@ -581,6 +581,13 @@ fn recovers_from(workers: usize, faults: &[(usize, libc::c_int)]) -> serde_json:
     let last = recoveries.last().unwrap();
     assert_eq!(last["devices"], left, "{summary}");
     assert_eq!(last["count"], faults.len(), "{summary}");
+    // Its search priced the tiles by what the workers left measured: what their caches kept
+    // from the run's first search, nothing timed again.
+    let costs = &last["costs"];
+    let workers = costs["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), left, "{summary}");
+    assert!(workers.iter().all(|w| w["new_tiles"] == 0), "{summary}");
+    assert!(costs["priced"]["measured"].as_u64() > Some(0), "{summary}");
     let mut lost = 0;
     for recovery in recoveries {
         // Back to training within seconds (a restart that meets a hung worker waits 5 s for it).

@@ -110,6 +110,22 @@ pub struct CostReport {
     pub roofline_because: Option<String>,
 }
 
+impl CostReport {
+    /// The report once the search priced its tiles: `priced` its lookups (measured, scaled,
+    /// roofline), and why any were priced by the roofline where the choice does not say.
+    pub fn searched(mut self, priced: Option<(u64, u64, u64)>) -> CostReport {
+        self.priced = priced;
+        if self.roofline_because.is_none() && priced.is_some_and(|(_, _, misses)| misses > 0) {
+            self.roofline_because = Some(
+                "no tile of their op was measured (with their input channels, for an op that \
+                 sums over them)"
+                    .into(),
+            );
+        }
+        self
+    }
+}
+
 /// A run's measuring before its search.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Measuring {

@@ -68,6 +68,8 @@ pub struct Recovered {
     /// The devices left, and the strategy planned for them.
     pub devices: usize,
     pub strategy: String,
+    /// What the re-plan's search priced tiles with (none for a scheme asked for by name).
+    pub costs: Option<crate::costs::CostReport>,
     /// Seconds from the loss being noticed to the devices left holding the state on the new
     /// plan; of them, the search's and the restart's (the job started and the state loaded on
     /// the workers left); the rest ended the broken job.
@@ -97,9 +99,12 @@ impl std::fmt::Display for Recovered {
             self.search_s,
             self.restore_s
         )?;
-        match self.steps_lost {
-            0 => Ok(()),
-            n => write!(f, " ({n} step(s) trained again)"),
+        if self.steps_lost > 0 {
+            write!(f, " ({} step(s) trained again)", self.steps_lost)?;
+        }
+        match &self.costs {
+            Some(costs) => write!(f, "; {costs}"),
+            None => Ok(()),
         }
     }
 }
@@ -113,6 +118,8 @@ pub struct Rejoined {
     pub step: u64,
     pub devices: usize,
     pub strategy: String,
+    /// What the re-plan's search priced tiles with (none for a scheme asked for by name).
+    pub costs: Option<crate::costs::CostReport>,
     /// Seconds from the snapshot to the devices holding the state on the new plan.
     pub seconds: f64,
 }
@@ -127,7 +134,11 @@ impl std::fmt::Display for Rejoined {
             self.strategy,
             self.devices,
             self.seconds
-        )
+        )?;
+        match &self.costs {
+            Some(costs) => write!(f, "; {costs}"),
+            None => Ok(()),
+        }
     }
 }
 

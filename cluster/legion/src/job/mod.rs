@@ -1119,41 +1119,54 @@ fn plan(
         .into_iter()
         .filter(|c| check_device_memory(graph, &machine, &c.configs, &c.label).is_ok())
         .collect();
-    let mut report = pricing.report;
-    report.priced = priced;
-    if report.roofline_because.is_none() && priced.is_some_and(|(_, _, misses)| misses > 0) {
-        report.roofline_because = Some(
-            "no tile of their op was measured (with their input channels, for an op that sums \
-             over them)"
-                .into(),
-        );
-    }
     Ok(Planned {
         configs,
         place,
-        costs: Some(report),
+        costs: Some(pricing.report.searched(priced)),
         cost_cache: pricing.cache,
         cost_warning: pricing.refused,
         candidates,
     })
 }
 
-/// The configs for `hosts`, the workers a cluster run has left after losing one, under the search
-/// or scheme the run started with, on the links `up` measured, checked to fit their memory.
+/// The configs for `hosts`, the workers a cluster run has now (after losing one, or taking one
+/// back), under the search or scheme the run started with, on the links `up` measured, checked to
+/// fit their memory; and, for a search, what it priced the tiles with. A search prices them as
+/// the run's first did: by what the workers measure, which for a worker of the first plan is what
+/// its cache kept then, so nothing is timed again.
 fn replan_cluster(
     graph: &Graph,
     opts: &TrainOptions,
     hosts: &Hosts,
     state: &std::path::Path,
     precision: Precision,
-) -> anyhow::Result<Vec<ParallelConfig>> {
+) -> anyhow::Result<(Vec<ParallelConfig>, Option<CostReport>)> {
     let mut machine = cluster_machine(hosts, state)?.with_precision(precision);
     if let Some(gib) = opts.memory_gib {
         machine = machine.with_device_memory_gib(gib)?;
     }
-    let configs = choose_strategy_for("--strategy", graph, &machine, &opts.strategy)?;
+    let (configs, report) = match &opts.strategy {
+        Strategy::Search(_) => {
+            let workers = costs::Devices::Workers { hosts, state };
+            let pricing = costs::prepare(&opts.costs, graph, workers, precision, None, None)?;
+            let chosen = choose_strategy_ranked(
+                "--strategy",
+                graph,
+                &machine,
+                &opts.strategy,
+                pricing.db.as_ref(),
+                None,
+                0,
+            )?;
+            (chosen.configs, Some(pricing.report.searched(chosen.priced)))
+        }
+        scheme => (
+            choose_strategy_for("--strategy", graph, &machine, scheme)?,
+            None,
+        ),
+    };
     check_device_memory(graph, &machine, &configs, &opts.strategy.to_string())?;
-    Ok(configs)
+    Ok((configs, report))
 }
 
 /// The checkpoint metadata key of the strategy a run trained with (strategy JSON).
@@ -1408,6 +1421,13 @@ mod tests {
             steps_lost: 4,
             devices: 2,
             strategy: "optcnn".into(),
+            costs: Some(CostReport {
+                choice: "measured".into(),
+                measuring: None,
+                workers: Vec::new(),
+                priced: Some((12, 3, 0)),
+                roofline_because: None,
+            }),
             seconds: 1.5,
             search_s: 0.25,
             restore_s: 1.0,
@@ -1419,7 +1439,7 @@ mod tests {
             "(1 of at most 3): worker w1 (127.0.0.1:7001) stopped responding",
             "re-planned optcnn on the 2 device(s) left",
             "snapshot of step 10 in 1.50 s (search 0.25 s, restoring the state 1.00 s)",
-            "(4 step(s) trained again)",
+            "(4 step(s) trained again); costs: measured",
         ] {
             assert!(line.contains(part), "{line}");
         }

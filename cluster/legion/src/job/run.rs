@@ -315,11 +315,12 @@ impl Job {
                     inference,
                     data: workers_read.as_ref(),
                 };
-                let (configs, [search_s, restore_s]) = loop {
+                let (configs, costs, [search_s, restore_s]) = loop {
                     match job.start_on(&left, state.clone()) {
                         Ok(started) => {
                             engine = started.engine;
-                            break (started.configs, [started.search_s, started.restore_s]);
+                            let times = [started.search_s, started.restore_s];
+                            break (started.configs, started.costs, times);
                         }
                         // One more worker lost while the job restarts: recovered from too.
                         Err(e) => {
@@ -353,6 +354,7 @@ impl Job {
                     steps_lost: steps_done - from_step,
                     devices,
                     strategy: opts.strategy.to_string(),
+                    costs,
                     seconds: noticed.elapsed().as_secs_f64(),
                     search_s,
                     restore_s,
@@ -600,6 +602,7 @@ impl Job {
                                 step,
                                 devices,
                                 strategy: opts.strategy.to_string(),
+                                costs: started.costs,
                                 seconds: joining.elapsed().as_secs_f64(),
                             };
                             on_event(JobEvent::Rejoined(&rejoined));
@@ -741,7 +744,7 @@ impl ClusterJob<'_> {
     fn start_on(&self, hosts: &Hosts, state: TrainingState) -> anyhow::Result<Restarted> {
         let devices = hosts.num_devices();
         let searching = Instant::now();
-        let configs =
+        let (configs, costs) =
             super::replan_cluster(self.graph, self.opts, hosts, self.state_dir, self.precision)
                 .with_context(|| format!("re-planning for {devices} device(s)"))?;
         let search_s = searching.elapsed().as_secs_f64();
@@ -767,6 +770,7 @@ impl ClusterJob<'_> {
         Ok(Restarted {
             engine,
             configs,
+            costs,
             search_s,
             restore_s: restoring.elapsed().as_secs_f64(),
         })
@@ -778,6 +782,7 @@ impl ClusterJob<'_> {
 struct Restarted {
     engine: Box<dyn Engine>,
     configs: Vec<ParallelConfig>,
+    costs: Option<crate::costs::CostReport>,
     search_s: f64,
     restore_s: f64,
 }
